@@ -1,0 +1,14 @@
+//! pdpair-api: the `PDPair` custom resource, KV geometry, and the compatibility rule table.
+//!
+//! Pure: no I/O and no async. The operator's admission webhook, its controller and the node
+//! agent's handshake all call [`check`] (or [`check_pools`]), so a pair admitted on paper is a
+//! pair the agents accept at run time.
+
+mod duration;
+pub mod rules;
+mod schema;
+mod types;
+
+pub use duration::{DURATION_PATTERN, Duration, DurationError};
+pub use rules::{Reason, Verdict, Violation, check, check_pools};
+pub use types::*;

@@ -1,0 +1,471 @@
+//! The compatibility rule table: can a prefill pool and a decode pool exchange KV?
+//!
+//! Every rule has a stable [`Reason`]; a [`Violation`] names the field it is about (a path in the
+//! PDPair, such as `spec.decode.kv.kernelBlockSize`) and a message with both values. Rules run in
+//! two stages: per-pool rules for both pools, then, only when neither pool is structurally invalid
+//! (block size, parallelism, shape), the rules between the pools. `docs/rules.md` explains each
+//! rule with the vLLM behaviour behind it.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ChecksumPolicy, KvGeometry, KvLayout, PDPairSpec, Parallelism, Role, TransferMode};
+
+/// Stable reason codes, one per rule. The names are API: they appear in admission responses,
+/// Events, conditions, metrics and the agent's handshake rejections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Reason {
+    /// replicas < 0.
+    InvalidReplicas,
+    /// blockSize or kernelBlockSize < 1, or blockSize not a multiple of kernelBlockSize.
+    InvalidBlockSize,
+    /// tensor, pipeline or data parallelism < 1.
+    InvalidParallelism,
+    /// layers, kvHeads or headDim < 1.
+    InvalidShape,
+    /// The checksum reads 8-byte pieces, and a token's K+V bytes are not a multiple of 8.
+    ChecksumUnsupported,
+    /// Pipeline parallelism the transfer mode cannot serve.
+    PipelineUnsupported,
+    /// The engines differ in something that identifies the KV (model, dtype, shape, backend...).
+    IdentityMismatch,
+    /// The larger tensor parallel size is not a multiple of the smaller.
+    TensorParallelNotDivisible,
+    /// Prefill has more tensor-parallel ranks than decode and than KV heads.
+    TensorParallelDirection,
+    /// Different KV layouts (non-MLA).
+    LayoutMismatch,
+    /// Different tensor parallel sizes without an HND layout on prefill.
+    HeterogeneousTensorParallelLayout,
+    /// Push with different kernel block sizes.
+    KernelBlockSizeMismatch,
+    /// Push with different kernel blocks per logical block.
+    KernelBlocksPerLogicalMismatch,
+    /// Pull where decode's kernel block size is not a multiple of prefill's.
+    BlockSizeNotDivisible,
+    /// Pull with different kernel block sizes and a host KV buffer.
+    HeterogeneousBlockSizeWithHostBuffer,
+    /// Pull with different kernel block sizes and prefill TP larger than decode TP.
+    HeterogeneousBlockSizeWithPrefillTpGreater,
+}
+
+impl Reason {
+    /// Every reason, in rule-table order.
+    pub const ALL: [Reason; 16] = [
+        Reason::InvalidReplicas,
+        Reason::InvalidBlockSize,
+        Reason::InvalidParallelism,
+        Reason::InvalidShape,
+        Reason::ChecksumUnsupported,
+        Reason::PipelineUnsupported,
+        Reason::IdentityMismatch,
+        Reason::TensorParallelNotDivisible,
+        Reason::TensorParallelDirection,
+        Reason::LayoutMismatch,
+        Reason::HeterogeneousTensorParallelLayout,
+        Reason::KernelBlockSizeMismatch,
+        Reason::KernelBlocksPerLogicalMismatch,
+        Reason::BlockSizeNotDivisible,
+        Reason::HeterogeneousBlockSizeWithHostBuffer,
+        Reason::HeterogeneousBlockSizeWithPrefillTpGreater,
+    ];
+
+    /// The PascalCase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::InvalidReplicas => "InvalidReplicas",
+            Reason::InvalidBlockSize => "InvalidBlockSize",
+            Reason::InvalidParallelism => "InvalidParallelism",
+            Reason::InvalidShape => "InvalidShape",
+            Reason::ChecksumUnsupported => "ChecksumUnsupported",
+            Reason::PipelineUnsupported => "PipelineUnsupported",
+            Reason::IdentityMismatch => "IdentityMismatch",
+            Reason::TensorParallelNotDivisible => "TensorParallelNotDivisible",
+            Reason::TensorParallelDirection => "TensorParallelDirection",
+            Reason::LayoutMismatch => "LayoutMismatch",
+            Reason::HeterogeneousTensorParallelLayout => "HeterogeneousTensorParallelLayout",
+            Reason::KernelBlockSizeMismatch => "KernelBlockSizeMismatch",
+            Reason::KernelBlocksPerLogicalMismatch => "KernelBlocksPerLogicalMismatch",
+            Reason::BlockSizeNotDivisible => "BlockSizeNotDivisible",
+            Reason::HeterogeneousBlockSizeWithHostBuffer => "HeterogeneousBlockSizeWithHostBuffer",
+            Reason::HeterogeneousBlockSizeWithPrefillTpGreater => "HeterogeneousBlockSizeWithPrefillTpGreater",
+        }
+    }
+
+    /// Whether this reason marks a pool as structurally invalid, which stops the pair rules.
+    pub fn is_structural(self) -> bool {
+        matches!(
+            self,
+            Reason::InvalidBlockSize | Reason::InvalidParallelism | Reason::InvalidShape
+        )
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One broken rule.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Violation {
+    /// Stable reason code.
+    pub reason: Reason,
+    /// Path of the field the rule is about, e.g. `spec.decode.kv.kernelBlockSize`.
+    pub field: String,
+    /// What is wrong, naming both values.
+    pub message: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({}): {}", self.reason, self.field, self.message)
+    }
+}
+
+/// The outcome of the rule table: allowed exactly when there are no violations.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Verdict {
+    /// Every broken rule, in rule-table order (prefill's pool rules, decode's, then the pair's).
+    pub violations: Vec<Violation>,
+}
+
+impl Verdict {
+    /// Whether the pools may exchange KV.
+    pub fn allowed(&self) -> bool {
+        self.violations.is_empty()
+    }
+
+    /// Whether any violation has this reason.
+    pub fn has(&self, reason: Reason) -> bool {
+        self.violations.iter().any(|v| v.reason == reason)
+    }
+
+    /// The distinct reasons, in order of first appearance.
+    pub fn reasons(&self) -> Vec<Reason> {
+        let mut out: Vec<Reason> = Vec::new();
+        for v in &self.violations {
+            if !out.contains(&v.reason) {
+                out.push(v.reason);
+            }
+        }
+        out
+    }
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.allowed() {
+            return f.write_str("compatible");
+        }
+        for (i, v) in self.violations.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{v}")?;
+        }
+        Ok(())
+    }
+}
+
+/// What the rules need to know about one engine: its parallelism and KV geometry.
+#[derive(Clone, Copy, Debug)]
+pub struct Pool<'a> {
+    /// Tensor, pipeline and data parallel sizes.
+    pub parallelism: &'a Parallelism,
+    /// The KV geometry.
+    pub kv: &'a KvGeometry,
+}
+
+/// Checks a whole PDPair spec: the pools' replicas, then [`check_pools`].
+pub fn check(spec: &PDPairSpec) -> Verdict {
+    let mut out = Rules::default();
+    for (role, pool) in [(Role::Prefill, &spec.prefill), (Role::Decode, &spec.decode)] {
+        if pool.replicas < 0 {
+            let msg = format!("{role} replicas is {}; it must be 0 or more", pool.replicas);
+            out.push(Reason::InvalidReplicas, role, "replicas", msg);
+        }
+    }
+    let prefill = Pool {
+        parallelism: &spec.prefill.parallelism,
+        kv: &spec.prefill.kv,
+    };
+    let decode = Pool {
+        parallelism: &spec.decode.parallelism,
+        kv: &spec.decode.kv,
+    };
+    out.pools(spec.transfer.mode, spec.transfer.checksum, prefill, decode);
+    Verdict { violations: out.0 }
+}
+
+/// Checks whether a prefill engine and a decode engine can exchange KV with this mode and
+/// checksum policy. The node agent calls this at the handshake with the peers' real geometry.
+pub fn check_pools(mode: TransferMode, checksum: ChecksumPolicy, prefill: Pool<'_>, decode: Pool<'_>) -> Verdict {
+    let mut out = Rules::default();
+    out.pools(mode, checksum, prefill, decode);
+    Verdict { violations: out.0 }
+}
+
+#[derive(Default)]
+struct Rules(Vec<Violation>);
+
+impl Rules {
+    fn push(&mut self, reason: Reason, role: Role, field: &str, message: String) {
+        self.0.push(Violation {
+            reason,
+            field: format!("spec.{role}.{field}"),
+            message,
+        });
+    }
+
+    fn pools(&mut self, mode: TransferMode, checksum: ChecksumPolicy, prefill: Pool<'_>, decode: Pool<'_>) {
+        let before = self.0.len();
+        self.pool(mode, checksum, Role::Prefill, prefill);
+        self.pool(mode, checksum, Role::Decode, decode);
+        if self.0[before..].iter().any(|v| v.reason.is_structural()) {
+            return;
+        }
+        self.identity(prefill.kv, decode.kv);
+        self.parallel(prefill, decode);
+        match mode {
+            TransferMode::Push => self.push_blocks(prefill.kv, decode.kv),
+            TransferMode::Pull => self.pull_blocks(prefill, decode),
+        }
+    }
+
+    /// Rules about one pool alone.
+    fn pool(&mut self, mode: TransferMode, checksum: ChecksumPolicy, role: Role, pool: Pool<'_>) {
+        let kv = pool.kv;
+        let at_least_one = |name: &str, value: i32| format!("{role} {name} is {value}; it must be at least 1");
+        if kv.block_size < 1 {
+            self.push(
+                Reason::InvalidBlockSize,
+                role,
+                "kv.blockSize",
+                at_least_one("kv.blockSize", kv.block_size),
+            );
+        }
+        if let Some(k) = kv.kernel_block_size.filter(|k| *k < 1) {
+            self.push(
+                Reason::InvalidBlockSize,
+                role,
+                "kv.kernelBlockSize",
+                at_least_one("kv.kernelBlockSize", k),
+            );
+        }
+        let kernel = kv.kernel_block_size();
+        if kv.block_size >= 1 && kernel >= 1 && kv.block_size % kernel != 0 {
+            let msg = format!(
+                "{role} kv.blockSize {} is not a multiple of kv.kernelBlockSize {kernel}: a logical block must hold whole kernel blocks",
+                kv.block_size
+            );
+            self.push(Reason::InvalidBlockSize, role, "kv.blockSize", msg);
+        }
+        let p = pool.parallelism;
+        for (name, value) in [("tensor", p.tensor), ("pipeline", p.pipeline), ("data", p.data)] {
+            if value < 1 {
+                let field = format!("parallelism.{name}");
+                self.push(Reason::InvalidParallelism, role, &field, at_least_one(&field, value));
+            }
+        }
+        let mut shape_ok = true;
+        for (name, value) in [
+            ("layers", kv.layers),
+            ("kvHeads", kv.kv_heads),
+            ("headDim", kv.head_dim),
+        ] {
+            if value < 1 {
+                shape_ok = false;
+                let field = format!("kv.{name}");
+                self.push(Reason::InvalidShape, role, &field, at_least_one(&field, value));
+            }
+        }
+        if shape_ok && checksum != ChecksumPolicy::Disabled {
+            let dtype = kv.resolved_cache_dtype();
+            let bytes = dtype.element_bytes().unwrap_or(1);
+            let row = 2 * i64::from(kv.head_dim) * i64::from(bytes);
+            if row % 8 != 0 {
+                let msg = format!(
+                    "checksum {checksum:?} reads 8-byte pieces, but a {role} token's K and V take 2 x headDim {} x {bytes} bytes ({}) = {row} bytes, not a multiple of 8",
+                    kv.head_dim,
+                    dtype.as_str()
+                );
+                self.push(Reason::ChecksumUnsupported, role, "kv.headDim", msg);
+            }
+        }
+        if p.pipeline > 1 {
+            match (mode, role) {
+                (TransferMode::Push, Role::Decode) => {
+                    let msg = format!(
+                        "decode parallelism.pipeline is {}, but push cannot write into a pipeline-parallel decode engine; use 1, or mode Pull",
+                        p.pipeline
+                    );
+                    self.push(Reason::PipelineUnsupported, role, "parallelism.pipeline", msg);
+                }
+                (TransferMode::Pull, _) if kv.hybrid => {
+                    let msg = format!(
+                        "{role} parallelism.pipeline is {} with kv.hybrid true, but pull cannot use the hybrid KV cache manager with pipeline parallelism",
+                        p.pipeline
+                    );
+                    self.push(Reason::PipelineUnsupported, role, "parallelism.pipeline", msg);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// One IdentityMismatch per differing identity field.
+    fn identity(&mut self, p: &KvGeometry, d: &KvGeometry) {
+        let quoted = |s: &str| format!("{s:?}");
+        let mut pairs: Vec<(&str, String, String)> = vec![
+            ("engine", quoted(&p.engine), quoted(&d.engine)),
+            ("model", quoted(&p.model), quoted(&d.model)),
+            ("dtype", p.dtype.as_str().into(), d.dtype.as_str().into()),
+            ("cacheDtype", resolved_dtype_text(p), resolved_dtype_text(d)),
+            ("layers", p.layers.to_string(), d.layers.to_string()),
+            ("kvHeads", p.kv_heads.to_string(), d.kv_heads.to_string()),
+            ("headDim", p.head_dim.to_string(), d.head_dim.to_string()),
+            (
+                "attentionBackend",
+                quoted(&p.attention_backend),
+                quoted(&d.attention_backend),
+            ),
+            ("mla", p.mla.to_string(), d.mla.to_string()),
+            ("hybrid", p.hybrid.to_string(), d.hybrid.to_string()),
+        ];
+        if let (Some(pv), Some(dv)) = (&p.engine_version, &d.engine_version) {
+            pairs.insert(1, ("engineVersion", quoted(pv), quoted(dv)));
+        }
+        // cacheDtype compares the resolved dtypes, not the text.
+        let same_cache = p.resolved_cache_dtype() == d.resolved_cache_dtype();
+        for (field, pv, dv) in pairs {
+            let differs = if field == "cacheDtype" { !same_cache } else { pv != dv };
+            if differs {
+                let msg =
+                    format!("prefill kv.{field} is {pv} but decode kv.{field} is {dv}; both engines must agree on it");
+                self.push(Reason::IdentityMismatch, Role::Decode, &format!("kv.{field}"), msg);
+            }
+        }
+    }
+
+    /// Tensor parallelism and layout rules.
+    fn parallel(&mut self, p: Pool<'_>, d: Pool<'_>) {
+        let (ptp, dtp) = (p.parallelism.tensor, d.parallelism.tensor);
+        let mla = p.kv.mla && d.kv.mla;
+        let heads = p.kv.kv_heads;
+        if ptp.max(dtp) % ptp.min(dtp) != 0 {
+            let msg = format!(
+                "prefill parallelism.tensor is {ptp} and decode parallelism.tensor is {dtp}; the larger must be a multiple of the smaller"
+            );
+            self.push(
+                Reason::TensorParallelNotDivisible,
+                Role::Decode,
+                "parallelism.tensor",
+                msg,
+            );
+        }
+        if ptp > dtp && !mla && ptp > heads {
+            let msg = format!(
+                "prefill parallelism.tensor {ptp} is larger than decode's {dtp} and than kv.kvHeads {heads}: prefill replicates KV heads, which cannot be split onto decode's ranks"
+            );
+            self.push(
+                Reason::TensorParallelDirection,
+                Role::Prefill,
+                "parallelism.tensor",
+                msg,
+            );
+        }
+        if !mla && p.kv.layout != d.kv.layout {
+            let msg = format!(
+                "prefill kv.layout is {} but decode kv.layout is {}; non-MLA KV must use one layout on both sides",
+                p.kv.layout.as_str(),
+                d.kv.layout.as_str()
+            );
+            self.push(Reason::LayoutMismatch, Role::Decode, "kv.layout", msg);
+        }
+        if ptp != dtp && !mla && ptp <= heads && p.kv.layout != KvLayout::Hnd {
+            let msg = format!(
+                "prefill parallelism.tensor {ptp} differs from decode's {dtp}, which needs the block-contiguous HND layout on prefill, but prefill kv.layout is {}",
+                p.kv.layout.as_str()
+            );
+            self.push(
+                Reason::HeterogeneousTensorParallelLayout,
+                Role::Prefill,
+                "kv.layout",
+                msg,
+            );
+        }
+    }
+
+    /// Push writes whole kernel blocks in place: no conversion, no re-pairing.
+    fn push_blocks(&mut self, p: &KvGeometry, d: &KvGeometry) {
+        let (pk, dk) = (p.kernel_block_size(), d.kernel_block_size());
+        if pk != dk {
+            let msg = format!(
+                "push needs identical kernel block sizes, but prefill's kv.kernelBlockSize is {pk} and decode's is {dk}"
+            );
+            self.push(Reason::KernelBlockSizeMismatch, Role::Decode, "kv.kernelBlockSize", msg);
+        }
+        let (pn, dn) = (p.block_size / pk, d.block_size / dk);
+        if pn != dn {
+            let msg = format!(
+                "push needs the same kernel blocks per logical block, but prefill has {pn} (blockSize {} / kernelBlockSize {pk}) and decode has {dn} (blockSize {} / kernelBlockSize {dk})",
+                p.block_size, d.block_size
+            );
+            self.push(
+                Reason::KernelBlocksPerLogicalMismatch,
+                Role::Decode,
+                "kv.blockSize",
+                msg,
+            );
+        }
+    }
+
+    /// Pull reads prefill's blocks into decode's, which must be whole multiples of them.
+    fn pull_blocks(&mut self, p: Pool<'_>, d: Pool<'_>) {
+        let (pk, dk) = (p.kv.kernel_block_size(), d.kv.kernel_block_size());
+        if dk % pk != 0 {
+            let msg = format!(
+                "pull needs decode's kernel block size to be a multiple of prefill's, but decode's kv.kernelBlockSize is {dk} and prefill's is {pk}"
+            );
+            self.push(Reason::BlockSizeNotDivisible, Role::Decode, "kv.kernelBlockSize", msg);
+        }
+        if pk == dk {
+            return;
+        }
+        if p.kv.host_buffer || d.kv.host_buffer {
+            let role = if p.kv.host_buffer { Role::Prefill } else { Role::Decode };
+            let msg = format!(
+                "kernel block sizes differ (prefill {pk}, decode {dk}), which pull cannot combine with a host KV buffer (prefill kv.hostBuffer {}, decode kv.hostBuffer {})",
+                p.kv.host_buffer, d.kv.host_buffer
+            );
+            self.push(Reason::HeterogeneousBlockSizeWithHostBuffer, role, "kv.hostBuffer", msg);
+        }
+        let (ptp, dtp) = (p.parallelism.tensor, d.parallelism.tensor);
+        if ptp > dtp && !(p.kv.mla && d.kv.mla) && ptp <= p.kv.kv_heads {
+            let msg = format!(
+                "kernel block sizes differ (prefill {pk}, decode {dk}), which pull cannot combine with head-sharded KV where prefill parallelism.tensor {ptp} is larger than decode's {dtp}"
+            );
+            self.push(
+                Reason::HeterogeneousBlockSizeWithPrefillTpGreater,
+                Role::Prefill,
+                "parallelism.tensor",
+                msg,
+            );
+        }
+    }
+}
+
+fn resolved_dtype_text(kv: &KvGeometry) -> String {
+    let resolved = kv.resolved_cache_dtype().as_str();
+    if kv.cache_dtype == crate::CacheDtype::Auto {
+        format!("{resolved} (auto)")
+    } else {
+        resolved.to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests;
