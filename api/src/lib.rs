@@ -5,10 +5,12 @@
 //! pair the agents accept at run time.
 
 mod duration;
+mod endpoint;
 pub mod rules;
 mod schema;
 mod types;
 
 pub use duration::{DURATION_PATTERN, Duration, DurationError};
+pub use endpoint::*;
 pub use rules::{Reason, Verdict, Violation, check, check_pools};
 pub use types::*;

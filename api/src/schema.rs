@@ -33,3 +33,13 @@ pub fn conditions(_: &mut SchemaGenerator) -> Schema {
         }
     })
 }
+
+/// An optional RFC 3339 timestamp.
+pub fn time(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({ "type": "string", "format": "date-time", "nullable": true })
+}
+
+/// A required RFC 3339 timestamp.
+pub fn time_required(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({ "type": "string", "format": "date-time" })
+}

@@ -374,6 +374,21 @@ pub struct PDPairStatus {
     /// Replica counts of the decode pool.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode: Option<PoolStatus>,
+    /// Totals over the pair's PDEndpoints, as their node agents report them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfer: Option<TransferStatus>,
+}
+
+/// Totals over a PDPair's engines.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TransferStatus {
+    /// PDEndpoints (registered engine instances) of the pair.
+    #[serde(default)]
+    pub endpoints: i32,
+    /// Sums of the endpoints' counters.
+    #[serde(default, flatten)]
+    pub counters: crate::TransferCounters,
 }
 
 /// Replica counts of one pool.

@@ -4,7 +4,7 @@
 //! `make crds` rewrites the files.
 
 use kube_core::CustomResourceExt;
-use pdpair_api::PDPair;
+use pdpair_api::{PDEndpoint, PDPair};
 
 /// One generated CRD: the file it is committed as, and its YAML.
 #[derive(Debug)]
@@ -17,10 +17,16 @@ pub struct CrdFile {
 
 /// Every CRD, in a stable order.
 pub fn all() -> Vec<CrdFile> {
-    vec![CrdFile {
-        file: "pdpair.dev_pdpairs.yaml",
-        yaml: to_yaml(&PDPair::crd()),
-    }]
+    vec![
+        CrdFile {
+            file: "pdpair.dev_pdpairs.yaml",
+            yaml: to_yaml(&PDPair::crd()),
+        },
+        CrdFile {
+            file: "pdpair.dev_pdendpoints.yaml",
+            yaml: to_yaml(&PDEndpoint::crd()),
+        },
+    ]
 }
 
 fn to_yaml<T: serde::Serialize>(crd: &T) -> String {

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use pdpair_operator::{crd, validate};
+use pdpair_operator::{crd, run, validate};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -18,6 +18,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the admission webhook, the controller and the admin port.
+    Run(Box<run::RunOptions>),
     /// Print the CRDs as YAML.
     Crd,
     /// Check PDPair manifests with the rule table: exit 0 when all are admitted, 1 when any is
@@ -40,6 +42,23 @@ enum Output {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
+        Command::Run(opts) => {
+            run::init_logging(opts.log_format);
+            let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("error: starting the async runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match runtime.block_on(run::run(*opts)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Crd => {
             print!("{}", crd::stream());
             ExitCode::SUCCESS

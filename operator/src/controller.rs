@@ -1,0 +1,400 @@
+//! The PDPair controller: observe -> plan -> apply -> status.
+//!
+//! Every replica runs the watches (so `/readyz` means the caches are warm); only the Lease holder
+//! reconciles. Reconcile is idempotent: server-side apply of the planned children under one field
+//! manager, the pairing Secret created once, and status written only when it changed. Events are
+//! published on condition transitions, computed against the status this replica last wrote, so a
+//! stale cache never repeats them.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::{
+    api::{
+        apps::v1::Deployment,
+        core::v1::{Pod, Secret},
+    },
+    apimachinery::pkg::apis::meta::v1::Time,
+    jiff::Timestamp,
+};
+use kube::{
+    Api, Client, Resource, ResourceExt,
+    api::{Patch, PatchParams, PostParams},
+    runtime::{
+        Controller, WatchStreamExt,
+        controller::Action,
+        reflector::{self, ObjectRef, Store},
+        watcher,
+    },
+};
+use pdpair_api::{PDEndpoint, PDPair, PDPairStatus, Role};
+use tokio::sync::watch;
+
+use crate::{
+    events::{Kind, Publisher},
+    metrics::Metrics,
+    names::{self, LABEL_NAME, LABEL_ROLE, MANAGER},
+    plan,
+    status::{self, Observed, PodCounts},
+};
+
+/// A failed reconcile step. Messages name the object and the action.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The PDPair lacks a namespace or name.
+    #[error("PDPair without namespace or name")]
+    MissingMeta,
+    /// Server-side apply of a Deployment failed.
+    #[error("applying Deployment {name}: {source}")]
+    ApplyDeployment {
+        /// Deployment name.
+        name: String,
+        /// The cause.
+        #[source]
+        source: kube::Error,
+    },
+    /// Reading or creating the pairing Secret failed.
+    #[error("ensuring Secret {name}: {source}")]
+    EnsureSecret {
+        /// Secret name.
+        name: String,
+        /// The cause.
+        #[source]
+        source: kube::Error,
+    },
+    /// The OS random source failed.
+    #[error("generating a pairing key: {0}")]
+    Random(String),
+    /// Writing status failed.
+    #[error("patching status of PDPair {name}: {source}")]
+    PatchStatus {
+        /// PDPair name.
+        name: String,
+        /// The cause.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl Error {
+    /// A bounded label for metrics and the retry decision.
+    pub fn category(&self) -> &'static str {
+        let source = match self {
+            Error::MissingMeta => return "invalid",
+            Error::Random(_) => return "internal",
+            Error::ApplyDeployment { source, .. }
+            | Error::EnsureSecret { source, .. }
+            | Error::PatchStatus { source, .. } => source,
+        };
+        match source {
+            kube::Error::Api(s) if s.code == 409 => "conflict",
+            kube::Error::Api(s) if s.code == 400 || s.code == 422 => "invalid",
+            kube::Error::Api(s) if s.code == 403 || s.code == 401 => "forbidden",
+            kube::Error::Api(s) if s.code == 404 => "not-found",
+            _ => "transient",
+        }
+    }
+}
+
+/// What reconcile needs.
+pub struct Context {
+    client: Client,
+    pods: Store<Pod>,
+    endpoints: Store<PDEndpoint>,
+    leader: watch::Receiver<bool>,
+    metrics: Arc<Metrics>,
+    events: Publisher,
+    /// Status this replica last wrote, by uid: the baseline for transitions.
+    written: Mutex<HashMap<String, PDPairStatus>>,
+    /// Consecutive failures by object, for per-object backoff.
+    failures: Mutex<HashMap<ObjectRef<PDPair>, u32>>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").finish_non_exhaustive()
+    }
+}
+
+/// Resync period for healthy objects.
+const RESYNC: Duration = Duration::from_secs(300);
+
+async fn reconcile(pair: Arc<PDPair>, ctx: Arc<Context>) -> Result<Action, Error> {
+    if !*ctx.leader.borrow() {
+        return Ok(Action::await_change());
+    }
+    let started = Instant::now();
+    let result = reconcile_leader(&pair, &ctx).await;
+    ctx.metrics.reconciled(started.elapsed().as_secs_f64());
+    match &result {
+        Ok(_) => {
+            if let Ok(mut f) = ctx.failures.lock() {
+                f.remove(&ObjectRef::from(pair.as_ref()));
+            }
+        }
+        Err(e) if e.category() == "invalid" => {
+            // Retrying cannot help: wait for the user to change the object, and tell them.
+            ctx.metrics.reconcile_error(e.category());
+            tracing::warn!(error = %e, name = %pair.name_any(), "PDPair cannot be applied; waiting for a change");
+            let note = format!("{e}");
+            ctx.events
+                .publish(&pair.object_ref(&()), Kind::Warning, "ApplyFailed", "Reconcile", &note)
+                .await;
+            return Ok(Action::await_change());
+        }
+        Err(_) => {}
+    }
+    result
+}
+
+async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error> {
+    let (Some(ns), Some(name)) = (pair.namespace(), pair.metadata.name.clone()) else {
+        return Err(Error::MissingMeta);
+    };
+    if pair.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::await_change()); // owner references let the garbage collector finish
+    }
+    let verdict = pdpair_api::check(&pair.spec);
+    if verdict.allowed() {
+        ensure_secret(pair, &ctx.client, &ns, &name).await?;
+        let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ns);
+        for role in [Role::Prefill, Role::Decode] {
+            if let Some(d) = plan::deployment(pair, role) {
+                let dname = names::deployment_name(&name, role);
+                deployments
+                    .patch(&dname, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&d))
+                    .await
+                    .map_err(|source| Error::ApplyDeployment {
+                        name: dname.clone(),
+                        source,
+                    })?;
+            }
+        }
+    }
+    // An incompatible spec (stored before the webhook was installed, or with it bypassed) gets no
+    // children: an incompatible pair must not run. Status says why.
+    let pods_of = |role: Role| -> Vec<Arc<Pod>> {
+        ctx.pods
+            .state()
+            .into_iter()
+            .filter(|p| {
+                p.namespace().as_deref() == Some(ns.as_str())
+                    && p.labels().get(LABEL_NAME) == Some(&name)
+                    && p.labels().get(LABEL_ROLE).map(String::as_str) == Some(role.as_str())
+            })
+            .collect()
+    };
+    let prefill_pods = pods_of(Role::Prefill);
+    let decode_pods = pods_of(Role::Decode);
+    let endpoints: Vec<Arc<PDEndpoint>> = ctx
+        .endpoints
+        .state()
+        .into_iter()
+        .filter(|e| e.namespace().as_deref() == pair.namespace().as_deref() && e.spec.pdpair == name)
+        .collect();
+    let mut endpoint_refs: Vec<&PDEndpoint> = endpoints.iter().map(AsRef::as_ref).collect();
+    endpoint_refs.sort_by_key(|e| e.metadata.name.clone());
+    let observed = Observed {
+        prefill: PodCounts::of(prefill_pods.iter().map(AsRef::as_ref)),
+        decode: PodCounts::of(decode_pods.iter().map(AsRef::as_ref)),
+        endpoints: endpoint_refs,
+    };
+    let uid = pair.uid().unwrap_or_default();
+    let mut baseline = pair.clone();
+    if let Some(written) = ctx.written.lock().ok().and_then(|w| w.get(&uid).cloned()) {
+        baseline.status = Some(written);
+    }
+    let (new_status, transitions) = status::compute(&baseline, &observed, &Time(Timestamp::now()));
+    if pair.status.as_ref() != Some(&new_status) {
+        let api: Api<PDPair> = Api::namespaced(ctx.client.clone(), pair.namespace().as_deref().unwrap_or_default());
+        let body = serde_json::json!({
+            "apiVersion": "pdpair.dev/v1alpha1",
+            "kind": "PDPair",
+            "status": new_status,
+        });
+        api.patch_status(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&body))
+            .await
+            .map_err(|source| Error::PatchStatus {
+                name: name.clone(),
+                source,
+            })?;
+    }
+    if let Ok(mut w) = ctx.written.lock() {
+        w.insert(uid, new_status);
+    }
+    let reference = pair.object_ref(&());
+    for t in transitions {
+        let kind = if t.warning { Kind::Warning } else { Kind::Normal };
+        let from = t.from.as_deref().unwrap_or("unset");
+        let note = format!("{} {from} -> {}: {}", t.type_, t.to_status, t.message);
+        ctx.events.publish(&reference, kind, &t.reason, &t.type_, &note).await;
+    }
+    Ok(if verdict.allowed() {
+        Action::requeue(RESYNC)
+    } else {
+        Action::await_change()
+    })
+}
+
+async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> Result<(), Error> {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    let sname = names::secret_name(name);
+    let err = |source| Error::EnsureSecret {
+        name: sname.clone(),
+        source,
+    };
+    if secrets.get_metadata_opt(&sname).await.map_err(err)?.is_some() {
+        return Ok(()); // created once; never rotated behind the engines' backs
+    }
+    let mut key = [0u8; names::PAIRING_KEY_LEN];
+    getrandom::fill(&mut key).map_err(|e| Error::Random(e.to_string()))?;
+    let Some(secret) = plan::pairing_secret(pair, &key) else {
+        return Err(Error::MissingMeta);
+    };
+    match secrets.create(&PostParams::default(), &secret).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()), // a concurrent reconcile made it
+        Err(source) => Err(Error::EnsureSecret { name: sname, source }),
+    }
+}
+
+fn error_policy(pair: Arc<PDPair>, error: &Error, ctx: Arc<Context>) -> Action {
+    ctx.metrics.reconcile_error(error.category());
+    let attempts = ctx
+        .failures
+        .lock()
+        .map(|mut f| {
+            let n = f.entry(ObjectRef::from(pair.as_ref())).or_insert(0);
+            *n = n.saturating_add(1);
+            *n
+        })
+        .unwrap_or(1);
+    let delay = Duration::from_millis(500)
+        .saturating_mul(1u32 << attempts.min(10))
+        .min(Duration::from_secs(300));
+    tracing::warn!(error = %error, category = error.category(), name = %pair.name_any(), attempts, ?delay, "reconcile failed; backing off");
+    Action::requeue(delay)
+}
+
+/// Streams `()` each time this replica becomes leader, to reconcile everything then.
+fn on_leadership(leader: watch::Receiver<bool>) -> impl Stream<Item = ()> + Send {
+    futures::stream::unfold((leader, false), |(mut rx, mut was)| async move {
+        loop {
+            let now = *rx.borrow_and_update();
+            let rising = now && !was;
+            was = now;
+            if rising {
+                return Some(((), (rx, was)));
+            }
+            rx.changed().await.ok()?;
+        }
+    })
+}
+
+/// Waits until a store has had its first list.
+///
+/// A store's readiness is a one-shot channel that remembers only the last waker: the controller
+/// waits on the PDPair store too, and whichever of us polled first is never woken. Polling again
+/// every 250 ms sidesteps that.
+async fn wait_ready<K>(store: &Store<K>)
+where
+    K: Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    loop {
+        if let Ok(result) = tokio::time::timeout(Duration::from_millis(250), store.wait_until_ready()).await {
+            if result.is_err() {
+                tracing::warn!("a watch's store was dropped before its first list");
+            }
+            return;
+        }
+    }
+}
+
+/// Everything the controller needs from `run`.
+pub struct Setup {
+    /// The API client.
+    pub client: Client,
+    /// Leadership, published by the lease task.
+    pub leader: watch::Receiver<bool>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Event publisher.
+    pub events: Publisher,
+}
+
+impl std::fmt::Debug for Setup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Setup")
+            .field("events", &self.events)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds the controller. Returns the future that runs it and a future that resolves once every
+/// watch delivered its first list.
+pub fn controller(
+    setup: Setup,
+) -> (
+    impl std::future::Future<Output = ()> + Send,
+    impl std::future::Future<Output = ()> + Send,
+) {
+    let client = setup.client.clone();
+    let pdpairs: Api<PDPair> = Api::all(client.clone());
+    let deployments: Api<Deployment> = Api::all(client.clone());
+    let (pod_reader, pod_writer) = reflector::store::<Pod>();
+    let pods = reflector::reflector(
+        pod_writer,
+        watcher(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default().labels(LABEL_NAME),
+        ),
+    )
+    .default_backoff()
+    .touched_objects();
+    let (endpoint_reader, endpoint_writer) = reflector::store::<PDEndpoint>();
+    let endpoints = reflector::reflector(
+        endpoint_writer,
+        watcher(Api::<PDEndpoint>::all(client.clone()), watcher::Config::default()),
+    )
+    .default_backoff()
+    .touched_objects();
+    let ctx = Arc::new(Context {
+        client,
+        pods: pod_reader.clone(),
+        endpoints: endpoint_reader.clone(),
+        leader: setup.leader.clone(),
+        metrics: setup.metrics,
+        events: setup.events,
+        written: Mutex::new(HashMap::new()),
+        failures: Mutex::new(HashMap::new()),
+    });
+    let controller = Controller::new(pdpairs, watcher::Config::default())
+        .owns(deployments, watcher::Config::default().labels(LABEL_NAME))
+        .watches_stream(pods, |pod: Pod| {
+            let name = pod.labels().get(LABEL_NAME)?.clone();
+            Some(ObjectRef::<PDPair>::new(&name).within(&pod.namespace()?))
+        })
+        .watches_stream(endpoints, |e: PDEndpoint| {
+            Some(ObjectRef::<PDPair>::new(&e.spec.pdpair).within(&e.namespace()?))
+        })
+        .reconcile_all_on(on_leadership(setup.leader));
+    let pdpair_reader = controller.store();
+    let synced = async move {
+        wait_ready(&pdpair_reader).await;
+        wait_ready(&pod_reader).await;
+        wait_ready(&endpoint_reader).await;
+    };
+    let run = controller
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "controller event");
+            }
+        });
+    (run, synced)
+}

@@ -1,0 +1,94 @@
+//! Prometheus metrics, built once in `run` and passed down. Labels are bounded: outcomes, rule
+//! reasons and error categories, never object names.
+
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+
+/// The operator's metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    reconciles: IntCounter,
+    reconcile_errors: IntCounterVec,
+    reconcile_duration: Histogram,
+    admissions: IntCounterVec,
+    leader: IntGauge,
+}
+
+impl Metrics {
+    /// Registers every metric under the `pdpair_operator_` prefix.
+    pub fn new() -> Metrics {
+        let registry = Registry::new_custom(Some("pdpair_operator".into()), None).expect("valid prefix");
+        let reconciles = IntCounter::new("reconciles_total", "Reconciles of PDPairs").expect("valid metric");
+        let reconcile_errors = IntCounterVec::new(
+            Opts::new("reconcile_errors_total", "Failed reconciles, by error category"),
+            &["category"],
+        )
+        .expect("valid metric");
+        let reconcile_duration = Histogram::with_opts(
+            HistogramOpts::new("reconcile_duration_seconds", "Time spent in one reconcile")
+                .buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]),
+        )
+        .expect("valid metric");
+        let admissions = IntCounterVec::new(
+            Opts::new(
+                "admission_decisions_total",
+                "Admission reviews, by outcome and first rule reason",
+            ),
+            &["outcome", "reason"],
+        )
+        .expect("valid metric");
+        let leader = IntGauge::new("leader", "1 while this replica holds the leader Lease").expect("valid metric");
+        for m in [
+            Box::new(reconciles.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(reconcile_errors.clone()),
+            Box::new(reconcile_duration.clone()),
+            Box::new(admissions.clone()),
+            Box::new(leader.clone()),
+        ] {
+            registry.register(m).expect("metrics registered once");
+        }
+        Metrics {
+            registry,
+            reconciles,
+            reconcile_errors,
+            reconcile_duration,
+            admissions,
+            leader,
+        }
+    }
+
+    /// Counts a reconcile and its duration.
+    pub fn reconciled(&self, seconds: f64) {
+        self.reconciles.inc();
+        self.reconcile_duration.observe(seconds);
+    }
+
+    /// Counts a failed reconcile.
+    pub fn reconcile_error(&self, category: &str) {
+        self.reconcile_errors.with_label_values(&[category]).inc();
+    }
+
+    /// Counts an admission decision.
+    pub fn admission(&self, outcome: &str, reason: &str) {
+        self.admissions.with_label_values(&[outcome, reason]).inc();
+    }
+
+    /// Sets the leader gauge.
+    pub fn set_leader(&self, leader: bool) {
+        self.leader.set(i64::from(leader));
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        // Encoding into a Vec cannot fail for the text format.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8_lossy(&buf).into_owned()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

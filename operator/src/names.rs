@@ -1,0 +1,87 @@
+//! Names shared by the controller, the webhook, Events and docs: labels, annotations, condition
+//! types and reasons. Condition reasons and Event reasons come from here so they never drift.
+
+/// Field manager for every server-side apply the operator makes.
+pub const MANAGER: &str = "pdpair-operator";
+/// Label carrying the PDPair name on Deployments and pods.
+pub const LABEL_NAME: &str = "pdpair.dev/name";
+/// Label carrying the role (prefill or decode) on Deployments and pods.
+pub const LABEL_ROLE: &str = "pdpair.dev/role";
+/// Pod template annotation holding a hash of the pool's geometry: a change rolls the pods.
+pub const ANNOTATION_GEOMETRY: &str = "pdpair.dev/geometry-hash";
+/// Where the node agent's socket directory is, on the node and in the engine.
+pub const AGENT_SOCKET_DIR: &str = "/var/run/pdpair";
+/// The agent's socket, as engines see it.
+pub const AGENT_SOCKET: &str = "/var/run/pdpair/agent.sock";
+/// Where the pairing secret is mounted in the engine.
+pub const PAIRING_DIR: &str = "/var/run/pdpair-pairing";
+/// The key inside the pairing Secret.
+pub const PAIRING_KEY: &str = "key";
+/// Path of the pairing key file in the engine.
+pub const PAIRING_KEY_FILE: &str = "/var/run/pdpair-pairing/key";
+/// Length of the pairing key, in bytes.
+pub const PAIRING_KEY_LEN: usize = 32;
+/// The name of the ValidatingWebhookConfiguration.
+pub const WEBHOOK_CONFIG: &str = "pdpair-validating-webhook";
+/// The webhook's name inside it.
+pub const WEBHOOK_NAME: &str = "validate.pdpairs.pdpair.dev";
+/// The webhook's path, appended to the base URL.
+pub const WEBHOOK_PATH: &str = "/validate/pdpairs";
+/// The Lease that elects the reconciling replica.
+pub const LEASE_NAME: &str = "pdpair-operator";
+
+/// Name of a pool's Deployment.
+pub fn deployment_name(pair: &str, role: pdpair_api::Role) -> String {
+    format!("{pair}-{role}")
+}
+
+/// Name of a pair's pairing Secret.
+pub fn secret_name(pair: &str) -> String {
+    format!("{pair}-pairing")
+}
+
+/// Condition types on a PDPair.
+pub mod conditions {
+    /// The declared geometry passes the rule table, and so do the engines' observed geometries.
+    pub const GEOMETRY_COMPATIBLE: &str = "GeometryCompatible";
+    /// The prefill pool has its replicas ready.
+    pub const PREFILL_READY: &str = "PrefillReady";
+    /// The decode pool has its replicas ready.
+    pub const DECODE_READY: &str = "DecodeReady";
+    /// Node agents report no rejected handshakes and no failed transfers.
+    pub const TRANSFER_READY: &str = "TransferReady";
+    /// All of the above.
+    pub const READY: &str = "Ready";
+}
+
+/// PascalCase reasons for conditions and Events (rule-table reasons come from pdpair-api).
+pub mod reasons {
+    /// The admission webhook denied a PDPair.
+    pub const REJECTED: &str = "Rejected";
+    /// Geometry passes the rule table.
+    pub const COMPATIBLE: &str = "Compatible";
+    /// An engine runs another geometry than its pool declares.
+    pub const OBSERVED_GEOMETRY_MISMATCH: &str = "ObservedGeometryMismatch";
+    /// Every desired pod is Ready.
+    pub const PODS_READY: &str = "PodsReady";
+    /// Some desired pod is not Ready.
+    pub const PODS_NOT_READY: &str = "PodsNotReady";
+    /// No engine has registered with a node agent.
+    pub const NO_ENDPOINTS: &str = "NoEndpoints";
+    /// Agents report a rejected handshake.
+    pub const HANDSHAKE_REJECTED: &str = "HandshakeRejected";
+    /// Agents report a failed transfer.
+    pub const TRANSFER_FAILED: &str = "TransferFailed";
+    /// Agents report only successes.
+    pub const HEALTHY: &str = "Healthy";
+    /// Ready: everything is.
+    pub const READY: &str = "Ready";
+    /// Ready is False because geometry is incompatible.
+    pub const GEOMETRY_INCOMPATIBLE: &str = "GeometryIncompatible";
+    /// Ready is False because the prefill pool is not ready.
+    pub const PREFILL_NOT_READY: &str = "PrefillNotReady";
+    /// Ready is False because the decode pool is not ready.
+    pub const DECODE_NOT_READY: &str = "DecodeNotReady";
+    /// Ready is False because transfers fail.
+    pub const TRANSFER_NOT_READY: &str = "TransferNotReady";
+}

@@ -1,0 +1,175 @@
+//! The plan: the children a PDPair should have, as pure functions of the PDPair.
+//!
+//! Apply sends these with server-side apply under one field manager, so applying an unchanged
+//! plan is a no-op on the API server (no new resourceVersion, no rollout).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::{
+    api::{
+        apps::v1::{Deployment, DeploymentSpec},
+        core::v1::{
+            Container, EnvVar, HostPathVolumeSource, PodTemplateSpec, Secret, SecretVolumeSource, Volume, VolumeMount,
+        },
+    },
+    apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference},
+};
+use kube::Resource;
+use pdpair_api::{PDPair, Role};
+use sha2::{Digest, Sha256};
+
+use crate::names::{self, ANNOTATION_GEOMETRY, LABEL_NAME, LABEL_ROLE};
+
+/// Labels that select a pool's pods (and mark its Deployment).
+pub fn pool_labels(pair: &str, role: Role) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (LABEL_NAME.to_owned(), pair.to_owned()),
+        (LABEL_ROLE.to_owned(), role.as_str().to_owned()),
+    ])
+}
+
+/// The owner reference that makes a child belong to (and be collected with) its PDPair.
+fn owner(pair: &PDPair) -> Option<OwnerReference> {
+    pair.controller_owner_ref(&())
+}
+
+/// A hash of what the engine must be restarted for: the pool's KV geometry and parallelism, and
+/// the pair's transfer mode and checksum policy.
+pub fn geometry_hash(pair: &PDPair, role: Role) -> String {
+    let pool = match role {
+        Role::Prefill => &pair.spec.prefill,
+        Role::Decode => &pair.spec.decode,
+    };
+    let canonical = serde_json::json!({
+        "mode": pair.spec.transfer.mode,
+        "checksum": pair.spec.transfer.checksum,
+        "parallelism": pool.parallelism,
+        "kv": pool.kv,
+    });
+    let digest = Sha256::digest(canonical.to_string().as_bytes());
+    digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// The Deployment for a pool with a template; `None` for a bring-your-own pool.
+pub fn deployment(pair: &PDPair, role: Role) -> Option<Deployment> {
+    let name = pair.metadata.name.as_deref()?;
+    let pool = match role {
+        Role::Prefill => &pair.spec.prefill,
+        Role::Decode => &pair.spec.decode,
+    };
+    let template = pool.template.as_ref()?;
+    let labels = pool_labels(name, role);
+    Some(Deployment {
+        metadata: ObjectMeta {
+            name: Some(names::deployment_name(name, role)),
+            namespace: pair.metadata.namespace.clone(),
+            labels: Some(labels.clone()),
+            owner_references: owner(pair).map(|o| vec![o]),
+            ..ObjectMeta::default()
+        },
+        spec: Some(DeploymentSpec {
+            replicas: Some(pool.replicas),
+            selector: LabelSelector {
+                match_labels: Some(labels.clone()),
+                ..LabelSelector::default()
+            },
+            template: engine_template(pair, name, role, template, labels),
+            ..DeploymentSpec::default()
+        }),
+        status: None,
+    })
+}
+
+/// The user's template with what the engine needs to reach its node agent added.
+fn engine_template(
+    pair: &PDPair,
+    name: &str,
+    role: Role,
+    template: &PodTemplateSpec,
+    labels: BTreeMap<String, String>,
+) -> PodTemplateSpec {
+    let mut template = template.clone();
+    let meta = template.metadata.get_or_insert_with(ObjectMeta::default);
+    meta.labels.get_or_insert_with(BTreeMap::new).extend(labels);
+    meta.annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(ANNOTATION_GEOMETRY.to_owned(), geometry_hash(pair, role));
+    let namespace = pair.metadata.namespace.clone().unwrap_or_default();
+    let env = [
+        ("PDPAIR_NAME", name.to_owned()),
+        ("PDPAIR_NAMESPACE", namespace),
+        ("PDPAIR_ROLE", role.as_str().to_owned()),
+        ("PDPAIR_AGENT_SOCKET", names::AGENT_SOCKET.to_owned()),
+        ("PDPAIR_PAIRING_KEY_FILE", names::PAIRING_KEY_FILE.to_owned()),
+    ];
+    let spec = template.spec.get_or_insert_with(Default::default);
+    for container in &mut spec.containers {
+        add_engine_wiring(container, &env);
+    }
+    let volumes = spec.volumes.get_or_insert_with(Vec::new);
+    volumes.retain(|v| v.name != "pdpair-agent" && v.name != "pdpair-pairing");
+    volumes.push(Volume {
+        name: "pdpair-agent".into(),
+        host_path: Some(HostPathVolumeSource {
+            path: names::AGENT_SOCKET_DIR.into(),
+            type_: Some("DirectoryOrCreate".into()),
+        }),
+        ..Volume::default()
+    });
+    volumes.push(Volume {
+        name: "pdpair-pairing".into(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(names::secret_name(name)),
+            default_mode: Some(0o400),
+            ..SecretVolumeSource::default()
+        }),
+        ..Volume::default()
+    });
+    template
+}
+
+fn add_engine_wiring(container: &mut Container, env: &[(&str, String)]) {
+    let vars = container.env.get_or_insert_with(Vec::new);
+    vars.retain(|v| !env.iter().any(|(k, _)| *k == v.name));
+    vars.extend(env.iter().map(|(k, v)| EnvVar {
+        name: (*k).into(),
+        value: Some(v.clone()),
+        value_from: None,
+    }));
+    let mounts = container.volume_mounts.get_or_insert_with(Vec::new);
+    mounts.retain(|m| m.name != "pdpair-agent" && m.name != "pdpair-pairing");
+    mounts.push(VolumeMount {
+        name: "pdpair-agent".into(),
+        mount_path: names::AGENT_SOCKET_DIR.into(),
+        ..VolumeMount::default()
+    });
+    mounts.push(VolumeMount {
+        name: "pdpair-pairing".into(),
+        mount_path: names::PAIRING_DIR.into(),
+        read_only: Some(true),
+        ..VolumeMount::default()
+    });
+}
+
+/// The pairing Secret, holding `key` (fresh random bytes, made once by the caller).
+pub fn pairing_secret(pair: &PDPair, key: &[u8]) -> Option<Secret> {
+    let name = pair.metadata.name.as_deref()?;
+    Some(Secret {
+        metadata: ObjectMeta {
+            name: Some(names::secret_name(name)),
+            namespace: pair.metadata.namespace.clone(),
+            labels: Some(BTreeMap::from([(LABEL_NAME.to_owned(), name.to_owned())])),
+            owner_references: owner(pair).map(|o| vec![o]),
+            ..ObjectMeta::default()
+        },
+        type_: Some("Opaque".into()),
+        data: Some(BTreeMap::from([(
+            names::PAIRING_KEY.to_owned(),
+            k8s_openapi::ByteString(key.to_vec()),
+        )])),
+        ..Secret::default()
+    })
+}
+
+#[cfg(test)]
+mod tests;

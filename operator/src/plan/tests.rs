@@ -1,0 +1,155 @@
+use k8s_openapi::api::core::v1::PodTemplateSpec;
+use pdpair_api::{PDPair, Role};
+
+use super::*;
+
+fn pair() -> PDPair {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/compatible-push.yaml"))
+        .expect("example exists");
+    let mut pair: PDPair = serde_yaml::from_str(&text).expect("example parses");
+    pair.metadata.uid = Some("uid-1".into());
+    pair
+}
+
+#[test]
+fn deployment_is_owned_labelled_and_wired() {
+    let pair = pair();
+    let d = deployment(&pair, Role::Decode).expect("decode has a template");
+    assert_eq!(d.metadata.name.as_deref(), Some("llama-8b-decode"));
+    assert_eq!(d.metadata.namespace.as_deref(), Some("default"));
+    let owner = &d.metadata.owner_references.as_ref().expect("owner")[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.name.as_str(), owner.uid.as_str()),
+        ("PDPair", "llama-8b", "uid-1")
+    );
+    assert_eq!(owner.controller, Some(true));
+    let spec = d.spec.expect("spec");
+    assert_eq!(spec.replicas, Some(4));
+    let labels = spec.selector.match_labels.expect("selector");
+    assert_eq!(labels.get(LABEL_NAME).map(String::as_str), Some("llama-8b"));
+    assert_eq!(labels.get(LABEL_ROLE).map(String::as_str), Some("decode"));
+    let meta = spec.template.metadata.expect("template metadata");
+    let pod_labels = meta.labels.expect("labels");
+    assert_eq!(pod_labels.get(LABEL_ROLE).map(String::as_str), Some("decode"));
+    assert_eq!(
+        pod_labels.get("app.kubernetes.io/name").map(String::as_str),
+        Some("llama-8b"),
+        "user labels kept"
+    );
+    assert_eq!(
+        meta.annotations.expect("annotations").get(ANNOTATION_GEOMETRY),
+        Some(&geometry_hash(&pair, Role::Decode))
+    );
+    let pod = spec.template.spec.expect("pod spec");
+    let c = &pod.containers[0];
+    let env: Vec<(&str, &str)> = c
+        .env
+        .as_ref()
+        .expect("env")
+        .iter()
+        .map(|e| (e.name.as_str(), e.value.as_deref().unwrap_or("")))
+        .collect();
+    for want in [
+        ("PDPAIR_NAME", "llama-8b"),
+        ("PDPAIR_NAMESPACE", "default"),
+        ("PDPAIR_ROLE", "decode"),
+        ("PDPAIR_AGENT_SOCKET", "/var/run/pdpair/agent.sock"),
+        ("PDPAIR_PAIRING_KEY_FILE", "/var/run/pdpair-pairing/key"),
+    ] {
+        assert!(env.contains(&want), "{want:?} missing from {env:?}");
+    }
+    assert!(env.contains(&("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")), "user env kept");
+    let mounts = c.volume_mounts.as_ref().expect("mounts");
+    assert!(
+        mounts
+            .iter()
+            .any(|m| m.mount_path == "/var/run/pdpair" && m.name == "pdpair-agent")
+    );
+    assert!(
+        mounts
+            .iter()
+            .any(|m| m.mount_path == "/var/run/pdpair-pairing" && m.read_only == Some(true))
+    );
+    let volumes = pod.volumes.expect("volumes");
+    let host = volumes
+        .iter()
+        .find(|v| v.name == "pdpair-agent")
+        .and_then(|v| v.host_path.as_ref())
+        .expect("hostPath");
+    assert_eq!(host.path, "/var/run/pdpair");
+    let secret = volumes
+        .iter()
+        .find(|v| v.name == "pdpair-pairing")
+        .and_then(|v| v.secret.as_ref())
+        .expect("secret");
+    assert_eq!(secret.secret_name.as_deref(), Some("llama-8b-pairing"));
+}
+
+#[test]
+fn planning_twice_is_identical_and_wiring_is_not_duplicated() {
+    let mut pair = pair();
+    let first = deployment(&pair, Role::Prefill).expect("template");
+    // Feed the planned template back in, as if the user had copied it: still one of each.
+    pair.spec.prefill.template = first.spec.as_ref().map(|s| s.template.clone());
+    let second = deployment(&pair, Role::Prefill).expect("template");
+    let c = &second
+        .spec
+        .as_ref()
+        .expect("spec")
+        .template
+        .spec
+        .as_ref()
+        .expect("pod")
+        .containers[0];
+    let names: Vec<&str> = c.env.as_ref().expect("env").iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names.iter().filter(|n| **n == "PDPAIR_ROLE").count(), 1);
+    assert_eq!(
+        c.volume_mounts
+            .as_ref()
+            .expect("mounts")
+            .iter()
+            .filter(|m| m.name == "pdpair-agent")
+            .count(),
+        1
+    );
+    assert_eq!(deployment(&pair, Role::Prefill), Some(second));
+}
+
+#[test]
+fn bring_your_own_pool_has_no_deployment() {
+    let mut pair = pair();
+    pair.spec.prefill.template = None;
+    assert!(deployment(&pair, Role::Prefill).is_none());
+    assert!(deployment(&pair, Role::Decode).is_some());
+}
+
+#[test]
+fn geometry_hash_changes_with_geometry_only() {
+    let pair = pair();
+    let base = geometry_hash(&pair, Role::Prefill);
+    let mut other = pair.clone();
+    other.spec.prefill.replicas = 7;
+    other.spec.prefill.template = Some(PodTemplateSpec::default());
+    assert_eq!(
+        geometry_hash(&other, Role::Prefill),
+        base,
+        "replicas and template do not roll"
+    );
+    other.spec.prefill.kv.block_size = 128;
+    assert_ne!(geometry_hash(&other, Role::Prefill), base);
+    let mut other = pair.clone();
+    other.spec.prefill.parallelism.tensor = 4;
+    assert_ne!(geometry_hash(&other, Role::Prefill), base);
+    let mut other = pair;
+    other.spec.transfer.mode = pdpair_api::TransferMode::Pull;
+    assert_ne!(geometry_hash(&other, Role::Prefill), base);
+}
+
+#[test]
+fn pairing_secret_is_owned_and_holds_the_key() {
+    let pair = pair();
+    let s = pairing_secret(&pair, &[7u8; 32]).expect("named pair");
+    assert_eq!(s.metadata.name.as_deref(), Some("llama-8b-pairing"));
+    assert_eq!(s.metadata.owner_references.expect("owner")[0].uid, "uid-1");
+    assert_eq!(s.data.expect("data").get("key").map(|b| b.0.len()), Some(32));
+}

@@ -1,0 +1,291 @@
+//! `pdpair-operator run`: the webhook on every replica, the controller on the Lease holder, and
+//! the admin port. This module only wires the parts together.
+
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+
+use anyhow::Context as _;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::{
+    Api, Client, Config,
+    config::{KubeConfigOptions, Kubeconfig},
+};
+use tokio::{net::TcpListener, sync::watch};
+
+use crate::{
+    admin::{self, Health},
+    controller::{self, Setup},
+    events::{Kind, Publisher},
+    install::{self, WebhookTarget},
+    lease::{self, LeaseConfig},
+    metrics::Metrics,
+    names, tls,
+    webhook::{self, Denial, DenialSink, WebhookState},
+};
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Options of `pdpair-operator run`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct RunOptions {
+    /// Kubeconfig to use (local mode); in a cluster the service account is used.
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Address the HTTPS admission webhook listens on.
+    #[arg(long, default_value = "0.0.0.0:9443", value_name = "ADDR")]
+    pub webhook_bind: SocketAddr,
+    /// Base URL at which the API server reaches the webhook, e.g. https://127.0.0.1:9443 (local
+    /// mode); the operator appends its own paths.
+    #[arg(long, value_name = "URL")]
+    pub webhook_url: Option<String>,
+    /// Address of the plain-HTTP admin port (/metrics, /livez, /readyz).
+    #[arg(long, default_value = "0.0.0.0:8080", value_name = "ADDR")]
+    pub admin_bind: SocketAddr,
+    /// Apply the CRDs and a ValidatingWebhookConfiguration pointing at --webhook-url.
+    #[arg(long, requires = "webhook_url")]
+    pub install: bool,
+    /// Serving certificate (PEM); reloaded when it changes. Without it, one is generated.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key of --tls-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// CA bundle for --install when --tls-cert is given.
+    #[arg(long, value_name = "FILE")]
+    pub webhook_ca: Option<PathBuf>,
+    /// Where generated certificates are written.
+    #[arg(long, value_name = "DIR")]
+    pub cert_dir: Option<PathBuf>,
+    /// Namespace of the leader Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    pub lease_namespace: String,
+    /// This replica's identity in the Lease and in Events.
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// How long the leader Lease lasts without renewal.
+    #[arg(long, default_value = "15s")]
+    pub lease_duration: pdpair_api::Duration,
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// Sets up tracing: `RUST_LOG` filters (default info), text or JSON lines on stderr.
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+struct EventSink(Publisher);
+
+impl DenialSink for EventSink {
+    fn denied(&self, denial: Denial) {
+        let publisher = self.0.clone();
+        tokio::spawn(async move {
+            let reference = denial.reference();
+            publisher
+                .publish(
+                    &reference,
+                    Kind::Warning,
+                    names::reasons::REJECTED,
+                    "Admit",
+                    &denial.message,
+                )
+                .await;
+        });
+    }
+}
+
+fn identity(opts: &RunOptions) -> String {
+    opts.identity.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "localhost".into());
+        format!("{}-{}", host.trim(), std::process::id())
+    })
+}
+
+async fn client(opts: &RunOptions) -> anyhow::Result<Client> {
+    let config = match &opts.kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("using kubeconfig {}", path.display()))?
+        }
+        None => Config::infer().await.context("finding cluster credentials")?,
+    };
+    Client::try_from(config).context("building the Kubernetes client")
+}
+
+/// Certificate files and the CA to install, generated when none were given.
+fn certificates(opts: &RunOptions, identity: &str) -> anyhow::Result<(PathBuf, PathBuf, Option<String>)> {
+    if let (Some(cert), Some(key)) = (&opts.tls_cert, &opts.tls_key) {
+        let ca = match &opts.webhook_ca {
+            Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?),
+            None => None,
+        };
+        return Ok((cert.clone(), key.clone(), ca));
+    }
+    let dir = opts
+        .cert_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("pdpair-operator-{identity}")));
+    let mut hosts = vec!["127.0.0.1".to_owned(), "localhost".to_owned()];
+    if let Some(host) = opts.webhook_url.as_deref().and_then(url_host) {
+        hosts.push(host);
+    }
+    hosts.sort();
+    hosts.dedup();
+    let files = tls::generate(&dir, &hosts)?;
+    tracing::info!(dir = %dir.display(), ?hosts, "generated a webhook certificate");
+    Ok((files.cert, files.key, Some(files.ca_pem)))
+}
+
+/// The host of an https URL, without brackets or port.
+fn url_host(url: &str) -> Option<String> {
+    let rest = url.strip_prefix("https://")?;
+    let authority = rest.split('/').next()?;
+    let host = if let Some(v6) = authority.strip_prefix('[') {
+        v6.split(']').next()?
+    } else {
+        authority.rsplit_once(':').map_or(authority, |(h, _)| h)
+    };
+    (!host.is_empty()).then(|| host.to_owned())
+}
+
+/// Runs until a signal (Ok) or a fatal error: a lost Lease, a server that stopped.
+pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
+    let identity = identity(&opts);
+    if let Some(url) = &opts.webhook_url
+        && url_host(url).is_none()
+    {
+        anyhow::bail!("--webhook-url {url:?} must be an https:// URL with a host");
+    }
+    let client = client(&opts).await?;
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::default());
+
+    let (cert, key, ca) = certificates(&opts, &identity)?;
+    let reloader = tls::Reloader::new(cert, key).context("loading the webhook certificate")?;
+    health.tls_loaded.store(true, std::sync::atomic::Ordering::SeqCst);
+    tokio::spawn(Arc::clone(&reloader).watch(Duration::from_secs(1)));
+
+    if opts.install {
+        let url = opts.webhook_url.clone().unwrap_or_default();
+        let ca = ca.context("--install with --tls-cert needs --webhook-ca")?;
+        install::install(&client, &WebhookTarget::Url(url), &ca).await?;
+    }
+
+    let webhook_listener = TcpListener::bind(opts.webhook_bind)
+        .await
+        .with_context(|| format!("binding the webhook to {}", opts.webhook_bind))?;
+    let admin_listener = TcpListener::bind(opts.admin_bind)
+        .await
+        .with_context(|| format!("binding the admin port to {}", opts.admin_bind))?;
+    tracing::info!(webhook = %opts.webhook_bind, admin = %opts.admin_bind, %identity, "serving");
+
+    let events = Publisher::new(client.clone(), identity.clone());
+    let sink: Arc<dyn DenialSink> = Arc::new(EventSink(events.clone()));
+    let webhook_router = webhook::router(WebhookState {
+        metrics: Arc::clone(&metrics),
+        sink,
+    });
+    let admin_router = admin::router(Arc::clone(&health), Arc::clone(&metrics));
+
+    let (leader_tx, leader_rx) = watch::channel(false);
+    let lease_api: Api<Lease> = Api::namespaced(client.clone(), &opts.lease_namespace);
+    let lease_cfg = LeaseConfig {
+        name: names::LEASE_NAME.into(),
+        identity: identity.clone(),
+        duration: opts.lease_duration.get(),
+        renew_every: (opts.lease_duration.get() / 3).max(Duration::from_millis(500)),
+    };
+    let leader_metrics = Arc::clone(&metrics);
+    let mut leader_watch = leader_rx.clone();
+    tokio::spawn(async move {
+        loop {
+            leader_metrics.set_leader(*leader_watch.borrow_and_update());
+            if leader_watch.changed().await.is_err() {
+                break;
+            }
+        }
+    });
+
+    let (controller, synced) = controller::controller(Setup {
+        client,
+        leader: leader_rx,
+        metrics,
+        events,
+    });
+    let synced_health = Arc::clone(&health);
+    tokio::spawn(async move {
+        synced.await;
+        synced_health
+            .watches_synced
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        tracing::info!("watches synced; ready");
+    });
+
+    let lease_task = lease::run(lease_api.clone(), lease_cfg.clone(), leader_tx);
+    let result = tokio::select! {
+        r = tls::serve(webhook_listener, reloader, webhook_router) => r.map_err(anyhow::Error::from).context("the webhook server stopped"),
+        r = axum::serve(admin_listener, admin_router) => r.map_err(anyhow::Error::from).context("the admin server stopped"),
+        lost = lease_task => Err(anyhow::Error::from(lost)),
+        () = controller => Err(anyhow::anyhow!("the controller stopped")),
+        () = shutdown_signal() => {
+            tracing::info!("shutting down");
+            Ok(())
+        }
+    };
+    lease::release(&lease_api, &lease_cfg).await;
+    result
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::url_host;
+
+    #[test]
+    fn url_host_handles_ip_dns_and_v6() {
+        assert_eq!(url_host("https://127.0.0.1:9443").as_deref(), Some("127.0.0.1"));
+        assert_eq!(
+            url_host("https://pdpair.example.com/base").as_deref(),
+            Some("pdpair.example.com")
+        );
+        assert_eq!(url_host("https://[::1]:9443").as_deref(), Some("::1"));
+        assert_eq!(url_host("http://127.0.0.1:9443"), None);
+        assert_eq!(url_host("https://"), None);
+    }
+}

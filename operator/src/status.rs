@@ -1,0 +1,364 @@
+//! Status computation: from the PDPair, its pods and its PDEndpoints to `status`, as a pure
+//! function. Conditions keep their lastTransitionTime while their status stays the same, so an
+//! unchanged world gives an identical status and the controller writes nothing.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::{
+    api::core::v1::Pod,
+    apimachinery::pkg::apis::meta::v1::{Condition, Time},
+};
+use pdpair_api::{
+    KvGeometry, PDEndpoint, PDPair, PDPairStatus, Parallelism, PoolStatus, Role, TransferStatus, Verdict, check_pools,
+    rules::Pool,
+};
+
+use crate::names::{conditions as ct, reasons};
+
+/// Pods of one pool as the controller counts them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodCounts {
+    /// Pods that are not terminating.
+    pub replicas: i32,
+    /// Of those, the Ready ones.
+    pub ready: i32,
+}
+
+impl PodCounts {
+    /// Counts pods, skipping terminating ones.
+    pub fn of<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> PodCounts {
+        let mut counts = PodCounts::default();
+        for pod in pods {
+            if pod.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            counts.replicas += 1;
+            let ready = pod
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            if ready {
+                counts.ready += 1;
+            }
+        }
+        counts
+    }
+}
+
+/// What the controller observed about a PDPair's world.
+#[derive(Clone, Debug, Default)]
+pub struct Observed<'a> {
+    /// Prefill pods.
+    pub prefill: PodCounts,
+    /// Decode pods.
+    pub decode: PodCounts,
+    /// The pair's PDEndpoints.
+    pub endpoints: Vec<&'a PDEndpoint>,
+}
+
+/// A condition whose status changed, for an Event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transition {
+    /// Condition type.
+    pub type_: String,
+    /// Previous status, `None` when the condition is new.
+    pub from: Option<String>,
+    /// The condition as it is now.
+    pub to_status: String,
+    /// Its reason.
+    pub reason: String,
+    /// Its message.
+    pub message: String,
+    /// Whether the new state is bad news (a Warning Event).
+    pub warning: bool,
+}
+
+struct Cond {
+    type_: &'static str,
+    status: &'static str,
+    reason: String,
+    message: String,
+}
+
+impl Cond {
+    fn new(type_: &'static str, status: &'static str, reason: &str, message: String) -> Cond {
+        Cond {
+            type_,
+            status,
+            reason: reason.to_owned(),
+            message,
+        }
+    }
+}
+
+/// The status the PDPair should have, and the transitions from `old`.
+pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairStatus, Vec<Transition>) {
+    let old = pair.status.as_ref();
+    let generation = pair.metadata.generation;
+    let geometry = geometry_condition(pair, &observed.endpoints);
+    let prefill = pool_condition(
+        ct::PREFILL_READY,
+        Role::Prefill,
+        pair.spec.prefill.replicas,
+        observed.prefill,
+    );
+    let decode = pool_condition(
+        ct::DECODE_READY,
+        Role::Decode,
+        pair.spec.decode.replicas,
+        observed.decode,
+    );
+    let transfer = transfer_condition(&observed.endpoints);
+    let ready = ready_condition(&geometry, &prefill, &decode, &transfer);
+    let mut conditions = Vec::new();
+    let mut transitions = Vec::new();
+    for c in [geometry, prefill, decode, transfer, ready] {
+        let previous = old.and_then(|s| s.conditions.iter().find(|p| p.type_ == c.type_));
+        let changed = previous.is_none_or(|p| p.status != c.status);
+        let warning = c.status == "False" && matches!(c.type_, ct::GEOMETRY_COMPATIBLE | ct::TRANSFER_READY);
+        // New conditions start quietly unless they bring bad news; changes always speak.
+        if previous.is_some_and(|p| p.status != c.status) || (previous.is_none() && warning) {
+            transitions.push(Transition {
+                type_: c.type_.to_owned(),
+                from: previous.map(|p| p.status.clone()),
+                to_status: c.status.to_owned(),
+                reason: c.reason.clone(),
+                message: c.message.clone(),
+                warning,
+            });
+        }
+        let last_transition_time = match previous {
+            Some(p) if !changed => p.last_transition_time.clone(),
+            _ => now.clone(),
+        };
+        conditions.push(Condition {
+            type_: c.type_.to_owned(),
+            status: c.status.to_owned(),
+            reason: c.reason,
+            message: c.message,
+            observed_generation: generation,
+            last_transition_time,
+        });
+    }
+    let mut totals = TransferStatus {
+        endpoints: observed.endpoints.len() as i32,
+        ..TransferStatus::default()
+    };
+    for e in &observed.endpoints {
+        if let Some(s) = &e.status {
+            totals.counters.add(&s.counters);
+        }
+    }
+    let status = PDPairStatus {
+        observed_generation: generation,
+        conditions,
+        prefill: Some(PoolStatus {
+            replicas: observed.prefill.replicas,
+            ready_replicas: observed.prefill.ready,
+        }),
+        decode: Some(PoolStatus {
+            replicas: observed.decode.replicas,
+            ready_replicas: observed.decode.ready,
+        }),
+        transfer: Some(totals),
+    };
+    (status, transitions)
+}
+
+fn verdict_condition(verdict: &Verdict, context: &str) -> Option<Cond> {
+    let first = verdict.violations.first()?;
+    Some(Cond::new(
+        ct::GEOMETRY_COMPATIBLE,
+        "False",
+        first.reason.as_str(),
+        format!("{context}{verdict}"),
+    ))
+}
+
+fn geometry_condition(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond {
+    let declared = pdpair_api::check(&pair.spec);
+    if let Some(c) = verdict_condition(&declared, "declared geometry: ") {
+        return c;
+    }
+    for e in endpoints {
+        let pool = match e.spec.role {
+            Role::Prefill => &pair.spec.prefill,
+            Role::Decode => &pair.spec.decode,
+        };
+        let diffs = differences(&pool.parallelism, &pool.kv, &e.spec.parallelism, &e.spec.kv);
+        if !diffs.is_empty() {
+            let who = e.metadata.name.as_deref().unwrap_or("?");
+            let message = format!(
+                "PDEndpoint {who} (pod {}, {}) runs another geometry than spec.{} declares: {}",
+                e.spec.pod,
+                e.spec.role,
+                e.spec.role,
+                diffs.join(", ")
+            );
+            return Cond::new(
+                ct::GEOMETRY_COMPATIBLE,
+                "False",
+                reasons::OBSERVED_GEOMETRY_MISMATCH,
+                message,
+            );
+        }
+    }
+    // Observed P x D geometries, each distinct pair once.
+    let distinct = |role: Role| -> BTreeSet<String> {
+        endpoints
+            .iter()
+            .filter(|e| e.spec.role == role)
+            .filter_map(|e| serde_json::to_string(&(&e.spec.parallelism, &e.spec.kv)).ok())
+            .collect()
+    };
+    let (ps, ds) = (distinct(Role::Prefill), distinct(Role::Decode));
+    for p in &ps {
+        for d in &ds {
+            let (Ok((pp, pk)), Ok((dp, dk))) = (
+                serde_json::from_str::<(Parallelism, KvGeometry)>(p),
+                serde_json::from_str::<(Parallelism, KvGeometry)>(d),
+            ) else {
+                continue;
+            };
+            let t = &pair.spec.transfer;
+            let verdict = check_pools(
+                t.mode,
+                t.checksum,
+                Pool {
+                    parallelism: &pp,
+                    kv: &pk,
+                },
+                Pool {
+                    parallelism: &dp,
+                    kv: &dk,
+                },
+            );
+            if let Some(c) = verdict_condition(&verdict, "observed engines: ") {
+                return c;
+            }
+        }
+    }
+    let message = if endpoints.is_empty() {
+        "declared geometry passes the rule table; no engine has reported its geometry yet".to_owned()
+    } else {
+        format!(
+            "declared geometry passes the rule table and matches all {} registered engines",
+            endpoints.len()
+        )
+    };
+    Cond::new(ct::GEOMETRY_COMPATIBLE, "True", reasons::COMPATIBLE, message)
+}
+
+/// Field-by-field differences between declared and observed geometry, as `field declared X,
+/// observed Y`.
+pub fn differences(
+    declared_par: &Parallelism,
+    declared_kv: &KvGeometry,
+    observed_par: &Parallelism,
+    observed_kv: &KvGeometry,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for (prefix, declared, observed) in [
+        (
+            "parallelism",
+            serde_json::to_value(declared_par),
+            serde_json::to_value(observed_par),
+        ),
+        (
+            "kv",
+            serde_json::to_value(declared_kv),
+            serde_json::to_value(observed_kv),
+        ),
+    ] {
+        let (Ok(serde_json::Value::Object(d)), Ok(serde_json::Value::Object(o))) = (declared, observed) else {
+            continue;
+        };
+        let keys: BTreeSet<&String> = d.keys().chain(o.keys()).collect();
+        for key in keys {
+            let (dv, ov) = (d.get(key), o.get(key));
+            if dv != ov {
+                let show = |v: Option<&serde_json::Value>| v.map_or("unset".to_owned(), ToString::to_string);
+                out.push(format!("{prefix}.{key} declared {}, observed {}", show(dv), show(ov)));
+            }
+        }
+    }
+    out
+}
+
+fn pool_condition(type_: &'static str, role: Role, desired: i32, pods: PodCounts) -> Cond {
+    let message = format!("{}/{desired} {role} pods ready ({} exist)", pods.ready, pods.replicas);
+    if pods.ready >= desired {
+        Cond::new(type_, "True", reasons::PODS_READY, message)
+    } else {
+        Cond::new(type_, "False", reasons::PODS_NOT_READY, message)
+    }
+}
+
+fn transfer_condition(endpoints: &[&PDEndpoint]) -> Cond {
+    if endpoints.is_empty() {
+        let msg = "no engine has registered with a node agent yet".to_owned();
+        return Cond::new(ct::TRANSFER_READY, "Unknown", reasons::NO_ENDPOINTS, msg);
+    }
+    let rejected: Vec<&PDEndpoint> = endpoints
+        .iter()
+        .copied()
+        .filter(|e| e.status.as_ref().is_some_and(|s| s.counters.handshakes_rejected > 0))
+        .collect();
+    if let Some(e) = rejected.first() {
+        let last = e.status.as_ref().and_then(|s| s.last_rejection.as_ref());
+        let detail = last.map_or(String::new(), |r| {
+            format!(": peer {} [{}] {}", r.peer, r.reasons.join(", "), r.message)
+        });
+        let msg = format!(
+            "{} endpoint(s) rejected handshakes; {}{detail}",
+            rejected.len(),
+            e.metadata.name.as_deref().unwrap_or("?")
+        );
+        return Cond::new(ct::TRANSFER_READY, "False", reasons::HANDSHAKE_REJECTED, msg);
+    }
+    let failed: i64 = endpoints
+        .iter()
+        .filter_map(|e| e.status.as_ref())
+        .map(|s| s.counters.transfers_failed)
+        .sum();
+    if failed > 0 {
+        return Cond::new(
+            ct::TRANSFER_READY,
+            "False",
+            reasons::TRANSFER_FAILED,
+            format!("{failed} KV transfer(s) failed"),
+        );
+    }
+    let msg = format!(
+        "{} registered engine(s) report no rejected handshake and no failed transfer",
+        endpoints.len()
+    );
+    Cond::new(ct::TRANSFER_READY, "True", reasons::HEALTHY, msg)
+}
+
+fn ready_condition(geometry: &Cond, prefill: &Cond, decode: &Cond, transfer: &Cond) -> Cond {
+    let blockers = [
+        (geometry.status != "True", reasons::GEOMETRY_INCOMPATIBLE, geometry),
+        (prefill.status != "True", reasons::PREFILL_NOT_READY, prefill),
+        (decode.status != "True", reasons::DECODE_NOT_READY, decode),
+        (transfer.status == "False", reasons::TRANSFER_NOT_READY, transfer),
+    ];
+    match blockers.iter().find(|(blocked, _, _)| *blocked) {
+        Some((_, reason, cause)) => Cond::new(
+            ct::READY,
+            "False",
+            reason,
+            format!("{}: {}", cause.type_, cause.message),
+        ),
+        None => Cond::new(
+            ct::READY,
+            "True",
+            reasons::READY,
+            "geometry compatible and both pools ready".to_owned(),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests;

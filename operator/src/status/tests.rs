@@ -1,0 +1,315 @@
+use k8s_openapi::{
+    api::core::v1::{Pod, PodCondition, PodStatus},
+    apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
+    jiff::Timestamp,
+};
+use pdpair_api::{PDEndpoint, PDEndpointSpec, PDEndpointStatus, PDPair, Rejection, Role, TransferCounters};
+
+use super::*;
+
+fn pair() -> PDPair {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/compatible-push.yaml"))
+        .expect("example exists");
+    let mut pair: PDPair = serde_yaml::from_str(&text).expect("example parses");
+    pair.metadata.generation = Some(3);
+    pair
+}
+
+fn t(secs: i64) -> Time {
+    Time(Timestamp::from_second(1_800_000_000 + secs).expect("valid time"))
+}
+
+fn endpoint(name: &str, role: Role, pair: &PDPair) -> PDEndpoint {
+    let pool = if role == Role::Prefill {
+        &pair.spec.prefill
+    } else {
+        &pair.spec.decode
+    };
+    let mut e = PDEndpoint::new(
+        name,
+        PDEndpointSpec {
+            pdpair: "llama-8b".into(),
+            role,
+            pod: format!("{name}-pod"),
+            node: "node-a".into(),
+            address: "10.0.0.1:7000".into(),
+            parallelism: pool.parallelism.clone(),
+            kv: pool.kv.clone(),
+        },
+    );
+    e.metadata.namespace = Some("default".into());
+    e
+}
+
+fn cond<'a>(s: &'a PDPairStatus, type_: &str) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    s.conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .expect("condition present")
+}
+
+fn ready(ready: i32, of: i32) -> PodCounts {
+    PodCounts { replicas: of, ready }
+}
+
+#[test]
+fn fresh_pair_starts_false_and_unknown_quietly() {
+    let pair = pair();
+    let (s, transitions) = compute(&pair, &Observed::default(), &t(0));
+    assert_eq!(s.observed_generation, Some(3));
+    assert_eq!(cond(&s, ct::GEOMETRY_COMPATIBLE).status, "True");
+    assert_eq!(cond(&s, ct::PREFILL_READY).status, "False");
+    assert_eq!(cond(&s, ct::PREFILL_READY).message, "0/2 prefill pods ready (0 exist)");
+    assert_eq!(cond(&s, ct::DECODE_READY).status, "False");
+    assert_eq!(cond(&s, ct::TRANSFER_READY).status, "Unknown");
+    assert_eq!(cond(&s, ct::READY).status, "False");
+    assert_eq!(cond(&s, ct::READY).reason, reasons::PREFILL_NOT_READY);
+    assert!(transitions.is_empty(), "{transitions:?}");
+    assert!(s.conditions.iter().all(|c| c.observed_generation == Some(3)));
+}
+
+#[test]
+fn pods_becoming_ready_flip_pool_and_ready_conditions_once() {
+    let mut pair = pair();
+    let (s0, _) = compute(&pair, &Observed::default(), &t(0));
+    pair.status = Some(s0.clone());
+    let observed = Observed {
+        prefill: ready(2, 2),
+        decode: ready(4, 4),
+        endpoints: vec![],
+    };
+    let (s1, transitions) = compute(&pair, &observed, &t(10));
+    let flipped: Vec<&str> = transitions.iter().map(|t| t.type_.as_str()).collect();
+    assert_eq!(flipped, [ct::PREFILL_READY, ct::DECODE_READY, ct::READY]);
+    assert!(
+        transitions
+            .iter()
+            .all(|t| !t.warning && t.from.as_deref() == Some("False") && t.to_status == "True")
+    );
+    assert_eq!(cond(&s1, ct::READY).status, "True");
+    assert_eq!(cond(&s1, ct::PREFILL_READY).last_transition_time, t(10));
+    // Unchanged conditions keep their time.
+    assert_eq!(cond(&s1, ct::GEOMETRY_COMPATIBLE).last_transition_time, t(0));
+    assert_eq!(
+        s1.prefill,
+        Some(pdpair_api::PoolStatus {
+            replicas: 2,
+            ready_replicas: 2
+        })
+    );
+    // Same world again: identical status, no transitions.
+    pair.status = Some(s1.clone());
+    let (s2, transitions) = compute(&pair, &observed, &t(20));
+    assert_eq!(s2, s1);
+    assert!(transitions.is_empty());
+}
+
+#[test]
+fn observed_geometry_mismatch_turns_compatible_false_with_a_warning_and_back() {
+    let mut pair = pair();
+    let (s0, _) = compute(&pair, &Observed::default(), &t(0));
+    pair.status = Some(s0);
+    let mut wrong = endpoint("d-1", Role::Decode, &pair);
+    wrong.spec.kv.kernel_block_size = Some(16);
+    let (s1, transitions) = compute(
+        &pair,
+        &Observed {
+            endpoints: vec![&wrong],
+            ..Observed::default()
+        },
+        &t(5),
+    );
+    let c = cond(&s1, ct::GEOMETRY_COMPATIBLE);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", reasons::OBSERVED_GEOMETRY_MISMATCH)
+    );
+    assert!(
+        c.message.contains("kv.kernelBlockSize declared 64, observed 16"),
+        "{}",
+        c.message
+    );
+    assert!(c.message.contains("d-1-pod"), "{}", c.message);
+    let t0 = &transitions[0];
+    assert_eq!((t0.type_.as_str(), t0.warning), (ct::GEOMETRY_COMPATIBLE, true));
+    pair.status = Some(s1);
+    let right = endpoint("d-1", Role::Decode, &pair);
+    let (s2, transitions) = compute(
+        &pair,
+        &Observed {
+            endpoints: vec![&right],
+            ..Observed::default()
+        },
+        &t(9),
+    );
+    assert_eq!(cond(&s2, ct::GEOMETRY_COMPATIBLE).status, "True");
+    assert_eq!(transitions[0].to_status, "True");
+}
+
+#[test]
+fn observed_pair_rejected_by_the_rules_names_the_rule() {
+    // Both pools declare 64; the engines run 16 and 64 but say so in a way that also differs from
+    // the declared spec; the declared mismatch is reported first. Here the pools declare nothing
+    // inconsistent with each endpoint, so only the observed pair can be wrong: make the pair
+    // declare what the engines run, then break the rules between two observed engines directly.
+    let pair = pair();
+    let p = endpoint("p-1", Role::Prefill, &pair);
+    let mut d = endpoint("d-1", Role::Decode, &pair);
+    let mut pair_for_d = pair.clone();
+    d.spec.kv.kernel_block_size = Some(16);
+    d.spec.kv.block_size = 16;
+    pair_for_d.spec.decode.kv = d.spec.kv.clone();
+    // The declared spec is now itself incompatible (push 64 vs 16): reported as declared.
+    let (s, _) = compute(
+        &pair_for_d,
+        &Observed {
+            endpoints: vec![&p, &d],
+            ..Observed::default()
+        },
+        &t(0),
+    );
+    let c = cond(&s, ct::GEOMETRY_COMPATIBLE);
+    assert_eq!(c.reason, "KernelBlockSizeMismatch");
+    assert!(c.message.starts_with("declared geometry: "), "{}", c.message);
+}
+
+#[test]
+fn agent_rejections_and_failures_turn_transfer_ready_false_and_totals_add_up() {
+    let mut pair = pair();
+    let (s0, _) = compute(&pair, &Observed::default(), &t(0));
+    pair.status = Some(s0);
+    let mut p = endpoint("p-1", Role::Prefill, &pair);
+    let mut d = endpoint("d-1", Role::Decode, &pair);
+    p.status = Some(PDEndpointStatus {
+        counters: TransferCounters {
+            handshakes_accepted: 2,
+            transfers_completed: 5,
+            bytes: 1000,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    d.status = Some(PDEndpointStatus {
+        counters: TransferCounters {
+            handshakes_accepted: 1,
+            transfers_completed: 5,
+            bytes: 1000,
+            checksums_verified: 5,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let (s1, _) = compute(
+        &pair,
+        &Observed {
+            endpoints: vec![&p, &d],
+            ..Observed::default()
+        },
+        &t(1),
+    );
+    assert_eq!(cond(&s1, ct::TRANSFER_READY).status, "True");
+    let totals = s1.transfer.clone().expect("totals");
+    assert_eq!(totals.endpoints, 2);
+    assert_eq!(totals.counters.bytes, 2000);
+    assert_eq!(totals.counters.checksums_verified, 5);
+    pair.status = Some(s1);
+    if let Some(s) = d.status.as_mut() {
+        s.counters.handshakes_rejected = 1;
+        s.last_rejection = Some(Rejection {
+            time: t(2),
+            peer: "10.0.0.9:7000".into(),
+            reasons: vec!["KernelBlockSizeMismatch".into()],
+            message: "push needs identical kernel block sizes".into(),
+        });
+    }
+    let (s2, transitions) = compute(
+        &pair,
+        &Observed {
+            endpoints: vec![&p, &d],
+            ..Observed::default()
+        },
+        &t(3),
+    );
+    let c = cond(&s2, ct::TRANSFER_READY);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", reasons::HANDSHAKE_REJECTED)
+    );
+    assert!(
+        c.message.contains("KernelBlockSizeMismatch") && c.message.contains("10.0.0.9:7000"),
+        "{}",
+        c.message
+    );
+    assert!(transitions.iter().any(|t| t.type_ == ct::TRANSFER_READY && t.warning));
+    if let Some(s) = d.status.as_mut() {
+        s.counters.handshakes_rejected = 0;
+        s.counters.transfers_failed = 2;
+    }
+    let (s3, _) = compute(
+        &pair,
+        &Observed {
+            endpoints: vec![&p, &d],
+            ..Observed::default()
+        },
+        &t(4),
+    );
+    assert_eq!(cond(&s3, ct::TRANSFER_READY).reason, reasons::TRANSFER_FAILED);
+}
+
+#[test]
+fn declared_incompatibility_blocks_ready() {
+    let mut pair = pair();
+    pair.spec.decode.kv.kernel_block_size = Some(16);
+    pair.spec.decode.kv.block_size = 16;
+    let observed = Observed {
+        prefill: ready(2, 2),
+        decode: ready(4, 4),
+        endpoints: vec![],
+    };
+    let (s, transitions) = compute(&pair, &observed, &t(0));
+    assert_eq!(cond(&s, ct::GEOMETRY_COMPATIBLE).reason, "KernelBlockSizeMismatch");
+    assert_eq!(cond(&s, ct::READY).reason, reasons::GEOMETRY_INCOMPATIBLE);
+    // A new False GeometryCompatible is news even without a previous status.
+    assert_eq!(transitions.len(), 1);
+    assert!(transitions[0].warning);
+}
+
+#[test]
+fn pod_counts_skip_terminating_and_count_ready() {
+    let pod = |ready: bool, terminating: bool| Pod {
+        metadata: ObjectMeta {
+            deletion_timestamp: terminating.then(|| t(0)),
+            ..ObjectMeta::default()
+        },
+        status: Some(PodStatus {
+            conditions: Some(vec![PodCondition {
+                type_: "Ready".into(),
+                status: if ready { "True" } else { "False" }.into(),
+                ..PodCondition::default()
+            }]),
+            ..PodStatus::default()
+        }),
+        spec: None,
+    };
+    let pods = [pod(true, false), pod(false, false), pod(true, true)];
+    assert_eq!(PodCounts::of(&pods), PodCounts { replicas: 2, ready: 1 });
+}
+
+#[test]
+fn differences_name_every_field() {
+    let pair = pair();
+    let mut kv = pair.spec.decode.kv.clone();
+    kv.model = "other".into();
+    kv.layout = pdpair_api::KvLayout::Nhd;
+    let mut par = pair.spec.decode.parallelism.clone();
+    par.tensor = 8;
+    let d = differences(&pair.spec.decode.parallelism, &pair.spec.decode.kv, &par, &kv);
+    assert_eq!(
+        d,
+        [
+            "parallelism.tensor declared 4, observed 8",
+            "kv.layout declared \"HND\", observed \"NHD\"",
+            "kv.model declared \"meta-llama/Llama-3.1-8B-Instruct\", observed \"other\"",
+        ]
+    );
+}

@@ -1,0 +1,266 @@
+//! The webhook's TLS: certificates generated for local mode, loaded from files, and reloaded
+//! when the files change, without a restart (cert-manager and the chart rotate them in place).
+
+use std::{
+    net::IpAddr,
+    path::{Path, PathBuf},
+    sync::{Arc, RwLock},
+    time::Duration,
+};
+
+use axum::Router;
+use hyper_util::{
+    rt::{TokioExecutor, TokioIo},
+    server::conn::auto,
+    service::TowerToHyperService,
+};
+use rustls::{
+    ServerConfig,
+    crypto::ring as provider,
+    server::{ClientHello, ResolvesServerCert},
+    sign::CertifiedKey,
+};
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+/// TLS errors; messages name the file.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A file could not be read or written.
+    #[error("{action} {path}: {source}")]
+    Io {
+        /// What was being done.
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The PEM did not hold a usable certificate or key.
+    #[error("{path}: {message}")]
+    Pem {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// Certificate generation failed.
+    #[error("generating the webhook certificate: {0}")]
+    Generate(#[from] rcgen::Error),
+    /// rustls refused the configuration.
+    #[error("TLS configuration: {0}")]
+    Config(#[from] rustls::Error),
+}
+
+/// Files of a generated certificate set.
+#[derive(Clone, Debug)]
+pub struct CertFiles {
+    /// The serving certificate (PEM).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// The CA that signed it (PEM), for the webhook configuration's caBundle.
+    pub ca_pem: String,
+}
+
+/// Generates a CA and a serving certificate for `hosts` (IP addresses or DNS names) into `dir`.
+pub fn generate(dir: &Path, hosts: &[String]) -> Result<CertFiles, TlsError> {
+    let io = |action, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| TlsError::Io { action, path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+    let ca_key = rcgen::KeyPair::generate()?;
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "pdpair-operator webhook CA");
+    ca_params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
+    let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key)?;
+    let key = rcgen::KeyPair::generate()?;
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "pdpair-operator webhook");
+    for host in hosts {
+        let san = match host.parse::<IpAddr>() {
+            Ok(ip) => rcgen::SanType::IpAddress(ip),
+            Err(_) => rcgen::SanType::DnsName(host.clone().try_into()?),
+        };
+        params.subject_alt_names.push(san);
+    }
+    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    let cert = params.signed_by(&key, &ca)?;
+    let files = CertFiles {
+        cert: dir.join("tls.crt"),
+        key: dir.join("tls.key"),
+        ca_pem: ca.pem(),
+    };
+    // Key first, then certificate: a reloader that sees the new certificate finds its key.
+    write_private(&files.key, &key.serialize_pem()).map_err(io("writing", &files.key))?;
+    std::fs::write(&files.cert, cert.pem()).map_err(io("writing", &files.cert))?;
+    let ca_path = dir.join("ca.crt");
+    std::fs::write(&ca_path, &files.ca_pem).map_err(io("writing", &ca_path))?;
+    Ok(files)
+}
+
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    std::fs::rename(tmp, path)
+}
+
+/// Reads a certificate chain and key into a rustls CertifiedKey.
+pub fn load(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
+    let read = |path: &Path| {
+        std::fs::read(path).map_err(|source| TlsError::Io {
+            action: "reading",
+            path: path.to_path_buf(),
+            source,
+        })
+    };
+    let cert_pem = read(cert)?;
+    let key_pem = read(key)?;
+    let chain: Vec<_> = rustls_pemfile::certs(&mut cert_pem.as_slice())
+        .collect::<Result<_, _>>()
+        .map_err(|e| TlsError::Pem {
+            path: cert.to_path_buf(),
+            message: e.to_string(),
+        })?;
+    if chain.is_empty() {
+        return Err(TlsError::Pem {
+            path: cert.to_path_buf(),
+            message: "no CERTIFICATE block".into(),
+        });
+    }
+    let private = rustls_pemfile::private_key(&mut key_pem.as_slice())
+        .map_err(|e| TlsError::Pem {
+            path: key.to_path_buf(),
+            message: e.to_string(),
+        })?
+        .ok_or_else(|| TlsError::Pem {
+            path: key.to_path_buf(),
+            message: "no PRIVATE KEY block".into(),
+        })?;
+    let signing = provider::sign::any_supported_type(&private).map_err(|e| TlsError::Pem {
+        path: key.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    Ok(CertifiedKey::new(chain, signing))
+}
+
+/// Serves the certificate currently on disk; [`Reloader::watch`] swaps it when the files change.
+#[derive(Debug)]
+pub struct Reloader {
+    cert: PathBuf,
+    key: PathBuf,
+    current: RwLock<Arc<CertifiedKey>>,
+    stamp: RwLock<Vec<u8>>,
+}
+
+impl Reloader {
+    /// Loads the files once; fails when they are not usable.
+    pub fn new(cert: PathBuf, key: PathBuf) -> Result<Arc<Reloader>, TlsError> {
+        let loaded = load(&cert, &key)?;
+        let stamp = stamp(&cert, &key);
+        Ok(Arc::new(Reloader {
+            cert,
+            key,
+            current: RwLock::new(Arc::new(loaded)),
+            stamp: RwLock::new(stamp),
+        }))
+    }
+
+    /// Reloads when the files' contents changed. A broken new pair is logged and the old one is
+    /// kept, so a half-written rotation never takes the webhook down. Returns whether it reloaded.
+    pub fn reload_if_changed(&self) -> bool {
+        let now = stamp(&self.cert, &self.key);
+        if self.stamp.read().is_ok_and(|s| *s == now) {
+            return false;
+        }
+        match load(&self.cert, &self.key) {
+            Ok(loaded) => {
+                if let (Ok(mut cur), Ok(mut st)) = (self.current.write(), self.stamp.write()) {
+                    *cur = Arc::new(loaded);
+                    *st = now;
+                }
+                tracing::info!(cert = %self.cert.display(), "reloaded the webhook certificate");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the webhook certificate changed but cannot be loaded; keeping the old one");
+                false
+            }
+        }
+    }
+
+    /// Polls the files every `every`, forever.
+    pub async fn watch(self: Arc<Self>, every: Duration) {
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            self.reload_if_changed();
+        }
+    }
+}
+
+/// The files' bytes: a rotation that keeps mtimes (some volume mounts do) is still seen.
+fn stamp(cert: &Path, key: &Path) -> Vec<u8> {
+    let mut out = std::fs::read(cert).unwrap_or_default();
+    out.extend(std::fs::read(key).unwrap_or_default());
+    out
+}
+
+impl ResolvesServerCert for Reloader {
+    fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        self.current.read().ok().map(|c| Arc::clone(&c))
+    }
+}
+
+/// Serves `router` over TLS on `listener` until the process ends.
+pub async fn serve(listener: TcpListener, resolver: Arc<Reloader>, router: Router) -> Result<(), TlsError> {
+    let mut config = ServerConfig::builder_with_provider(Arc::new(provider::default_provider()))
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_cert_resolver(resolver);
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = TlsAcceptor::from(Arc::new(config));
+    loop {
+        let (tcp, peer) = match listener.accept().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                tracing::warn!(error = %e, "webhook accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let acceptor = acceptor.clone();
+        let service = TowerToHyperService::new(router.clone());
+        tokio::spawn(async move {
+            let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => return,
+            };
+            if let Err(e) = auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(tls), service)
+                .await
+            {
+                tracing::debug!(%peer, error = %e, "webhook connection ended with an error");
+            }
+        });
+    }
+}

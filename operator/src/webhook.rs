@@ -1,0 +1,242 @@
+//! The validating admission webhook: a pure [`review`] behind a thin router.
+//!
+//! `review` never panics and never unwraps on the request path: a body that is not an
+//! AdmissionReview gets a 400, a review without a request gets a denial, an object that is not a
+//! PDPair gets a denial that names the field. A denied PDPair is returned as a [`Denial`] so the
+//! server can record a Warning Event about it (even though it was never stored).
+
+use std::sync::Arc;
+
+use axum::{Router, body::Bytes, extract::State, http::StatusCode, response::IntoResponse, routing::post};
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::core::{
+    DynamicObject,
+    admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation},
+    response::{StatusCause, StatusDetails},
+};
+use pdpair_api::{PDPair, Violation};
+use serde::Serialize;
+
+use crate::{metrics::Metrics, names};
+
+/// A PDPair the webhook denied, for the Warning Event.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Denial {
+    /// Namespace of the PDPair.
+    pub namespace: Option<String>,
+    /// Its name (or generateName).
+    pub name: String,
+    /// Its uid, when it was stored before (updates).
+    pub uid: Option<String>,
+    /// Why.
+    pub violations: Vec<Violation>,
+    /// The whole message, as the user sees it.
+    pub message: String,
+}
+
+impl Denial {
+    /// A reference to the PDPair for the Event's `regarding`.
+    pub fn reference(&self) -> ObjectReference {
+        ObjectReference {
+            api_version: Some("pdpair.dev/v1alpha1".into()),
+            kind: Some("PDPair".into()),
+            namespace: self.namespace.clone(),
+            name: Some(self.name.clone()),
+            uid: self.uid.clone(),
+            ..ObjectReference::default()
+        }
+    }
+}
+
+/// The outcome of one review, for metrics and the Event.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Outcome {
+    /// The response to send.
+    pub response: AdmissionResponse,
+    /// Set when a PDPair was denied by the rule table.
+    pub denial: Option<Denial>,
+    /// Metric label: the first rule reason, `Malformed` for an object that is not a PDPair, or
+    /// empty when allowed.
+    pub reason: &'static str,
+}
+
+fn allow(req: &AdmissionRequest<DynamicObject>) -> Outcome {
+    Outcome {
+        response: AdmissionResponse::from(req),
+        denial: None,
+        reason: "",
+    }
+}
+
+fn malformed(response: AdmissionResponse, message: String) -> Outcome {
+    let mut response = response.deny(message);
+    response.result.reason = "BadRequest".into();
+    response.result.code = 400;
+    Outcome {
+        response,
+        denial: None,
+        reason: "Malformed",
+    }
+}
+
+/// Parses an object of the review as a PDPair.
+fn as_pdpair(object: &DynamicObject) -> Result<PDPair, String> {
+    let value = serde_json::to_value(object).map_err(|e| e.to_string())?;
+    serde_path_to_error::deserialize(value).map_err(|e| format!("{}: {}", e.path(), e.inner()))
+}
+
+/// Reviews one PDPair admission request.
+pub fn review(req: &AdmissionRequest<DynamicObject>) -> Outcome {
+    if !matches!(req.operation, Operation::Create | Operation::Update) {
+        return allow(req);
+    }
+    let Some(object) = req.object.as_ref() else {
+        return malformed(
+            AdmissionResponse::from(req),
+            "the admission request carries no object".into(),
+        );
+    };
+    let pair = match as_pdpair(object) {
+        Ok(pair) => pair,
+        Err(e) => return malformed(AdmissionResponse::from(req), format!("not a valid PDPair: {e}")),
+    };
+    // An update that leaves the spec alone (labels, finalizers, owner references) is not a new
+    // geometry decision: let it through even if the stored spec predates the webhook.
+    if req.operation == Operation::Update
+        && let Some(old) = req.old_object.as_ref().and_then(|o| as_pdpair(o).ok())
+        && old.spec == pair.spec
+    {
+        return allow(req);
+    }
+    let verdict = pdpair_api::check(&pair.spec);
+    let Some(first) = verdict.violations.first() else {
+        return allow(req);
+    };
+    let reason = first.reason.as_str();
+    let name = pair
+        .metadata
+        .name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .or_else(|| pair.metadata.generate_name.clone())
+        .unwrap_or_else(|| req.name.clone());
+    let namespace = pair.metadata.namespace.clone().or_else(|| req.namespace.clone());
+    let message = denial_message(&name, &verdict.violations);
+    let mut response = AdmissionResponse::from(req).deny(&message);
+    response.result.reason = "Invalid".into();
+    response.result.code = 422;
+    response.result.details = Some(StatusDetails {
+        name: name.clone(),
+        group: "pdpair.dev".into(),
+        kind: "PDPair".into(),
+        causes: verdict
+            .violations
+            .iter()
+            .map(|v| StatusCause {
+                reason: v.reason.as_str().into(),
+                message: format!("{}: {}", v.reason, v.message),
+                field: v.field.clone(),
+            })
+            .collect(),
+        uid: String::new(),
+        retry_after_seconds: 0,
+    });
+    let uid = req.old_object.as_ref().and_then(|o| o.metadata.uid.clone());
+    Outcome {
+        response,
+        denial: Some(Denial {
+            namespace,
+            name,
+            uid,
+            violations: verdict.violations,
+            message,
+        }),
+        reason,
+    }
+}
+
+/// The message a user reads in `kubectl apply`'s error and in the Event.
+pub fn denial_message(name: &str, violations: &[Violation]) -> String {
+    let mut out = format!("PDPair {name} is incompatible ({} violation", violations.len());
+    if violations.len() != 1 {
+        out.push('s');
+    }
+    out.push_str("): ");
+    let parts: Vec<String> = violations
+        .iter()
+        .map(|v| format!("{} {}: {}", v.reason, v.field, v.message))
+        .collect();
+    out.push_str(&parts.join("; "));
+    out
+}
+
+/// What the server does with a denial besides answering: record the Event.
+pub trait DenialSink: Send + Sync + 'static {
+    /// Called once per denied, non-dry-run request.
+    fn denied(&self, denial: Denial);
+}
+
+/// State of the webhook router.
+#[derive(Clone)]
+pub struct WebhookState {
+    /// Admission metrics.
+    pub metrics: Arc<Metrics>,
+    /// Where denials go.
+    pub sink: Arc<dyn DenialSink>,
+}
+
+impl std::fmt::Debug for WebhookState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebhookState").finish_non_exhaustive()
+    }
+}
+
+/// The webhook router: `POST /validate/pdpairs`.
+pub fn router(state: WebhookState) -> Router {
+    Router::new().route(names::WEBHOOK_PATH, post(handle)).with_state(state)
+}
+
+#[derive(Serialize)]
+struct ErrorBody {
+    error: String,
+}
+
+async fn handle(State(state): State<WebhookState>, body: Bytes) -> axum::response::Response {
+    let parsed: AdmissionReview<DynamicObject> = match serde_json::from_slice(&body) {
+        Ok(review) => review,
+        Err(e) => {
+            state.metrics.admission("error", "Malformed");
+            let body = ErrorBody {
+                error: format!("not an AdmissionReview: {e}"),
+            };
+            return (StatusCode::BAD_REQUEST, axum::Json(body)).into_response();
+        }
+    };
+    let req: AdmissionRequest<DynamicObject> = match parsed.try_into() {
+        Ok(req) => req,
+        Err(_) => {
+            state.metrics.admission("error", "Malformed");
+            let response = AdmissionResponse::invalid("the AdmissionReview carries no request");
+            return axum::Json(response.into_review()).into_response();
+        }
+    };
+    let outcome = review(&req);
+    let label = if outcome.response.allowed {
+        "allowed"
+    } else if outcome.denial.is_some() {
+        "denied"
+    } else {
+        "error"
+    };
+    state.metrics.admission(label, outcome.reason);
+    if let Some(denial) = outcome.denial
+        && !req.dry_run
+    {
+        tracing::info!(namespace = ?denial.namespace, name = %denial.name, reasons = ?denial.violations.iter().map(|v| v.reason.as_str()).collect::<Vec<_>>(), "denied PDPair");
+        state.sink.denied(denial);
+    }
+    axum::Json(outcome.response.into_review()).into_response()
+}
+
+#[cfg(test)]
+mod tests;

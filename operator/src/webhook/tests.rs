@@ -1,0 +1,220 @@
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use http_body_util::BodyExt;
+use kube::core::{
+    DynamicObject,
+    admission::{AdmissionRequest, AdmissionReview},
+};
+use tower::ServiceExt;
+
+use super::*;
+
+fn manifest(file: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(format!("{}/../examples/{file}", env!("CARGO_MANIFEST_DIR"))).expect("example");
+    let yaml: serde_yaml::Value = serde_yaml::from_str(&text).expect("yaml");
+    let mut v = serde_json::to_value(yaml).expect("json");
+    v["metadata"]["namespace"] = "team-a".into();
+    v
+}
+
+fn review_json(
+    operation: &str,
+    object: Option<serde_json::Value>,
+    old: Option<serde_json::Value>,
+    dry_run: bool,
+) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "0df28fbd-5f5f-4e3a-a3fc-9f0e4dd4b5f6",
+            "kind": {"group": "pdpair.dev", "version": "v1alpha1", "kind": "PDPair"},
+            "resource": {"group": "pdpair.dev", "version": "v1alpha1", "resource": "pdpairs"},
+            "requestKind": {"group": "pdpair.dev", "version": "v1alpha1", "kind": "PDPair"},
+            "requestResource": {"group": "pdpair.dev", "version": "v1alpha1", "resource": "pdpairs"},
+            "name": object.as_ref().and_then(|o| o["metadata"]["name"].as_str()).unwrap_or(""),
+            "namespace": "team-a",
+            "operation": operation,
+            "userInfo": {"username": "alice"},
+            "object": object,
+            "oldObject": old,
+            "dryRun": dry_run,
+        }
+    })
+}
+
+fn request(v: serde_json::Value) -> AdmissionRequest<DynamicObject> {
+    let review: AdmissionReview<DynamicObject> = serde_json::from_value(v).expect("valid review");
+    review.try_into().expect("has a request")
+}
+
+#[test]
+fn compatible_pair_is_allowed() {
+    let out = review(&request(review_json(
+        "CREATE",
+        Some(manifest("vllm-push-64-64.yaml")),
+        None,
+        false,
+    )));
+    assert!(out.response.allowed);
+    assert!(out.denial.is_none());
+    assert_eq!(out.response.uid, "0df28fbd-5f5f-4e3a-a3fc-9f0e4dd4b5f6");
+}
+
+#[test]
+fn push_16_64_is_denied_with_every_violation_and_both_values() {
+    let out = review(&request(review_json(
+        "CREATE",
+        Some(manifest("vllm-push-16-64.yaml")),
+        None,
+        false,
+    )));
+    assert!(!out.response.allowed);
+    assert_eq!(out.reason, "KernelBlockSizeMismatch");
+    let msg = &out.response.result.message;
+    assert!(
+        msg.contains("KernelBlockSizeMismatch spec.decode.kv.kernelBlockSize")
+            && msg.contains("16")
+            && msg.contains("64"),
+        "{msg}"
+    );
+    let causes = &out.response.result.details.as_ref().expect("details").causes;
+    assert_eq!(causes[0].reason, "KernelBlockSizeMismatch");
+    assert_eq!(causes[0].field, "spec.decode.kv.kernelBlockSize");
+    let denial = out.denial.expect("denial for the event");
+    assert_eq!(
+        (denial.namespace.as_deref(), denial.name.as_str()),
+        (Some("team-a"), "vllm-push-16-64")
+    );
+    assert_eq!(denial.message, *msg);
+    assert_eq!(denial.reference().kind.as_deref(), Some("PDPair"));
+}
+
+#[test]
+fn update_to_incompatible_is_denied_but_spec_preserving_update_is_allowed() {
+    let good = manifest("vllm-push-64-64.yaml");
+    let mut bad = good.clone();
+    bad["spec"]["decode"]["kv"]["blockSize"] = 16.into();
+    bad["spec"]["decode"]["kv"]["kernelBlockSize"] = 16.into();
+    let out = review(&request(review_json(
+        "UPDATE",
+        Some(bad.clone()),
+        Some(good.clone()),
+        false,
+    )));
+    assert!(!out.response.allowed);
+    // Only labels changed on an object whose stored spec is already bad: not a new decision.
+    let mut relabelled = bad.clone();
+    relabelled["metadata"]["labels"] = serde_json::json!({"team": "a"});
+    let out = review(&request(review_json("UPDATE", Some(relabelled), Some(bad), false)));
+    assert!(out.response.allowed);
+}
+
+#[test]
+fn object_that_is_not_a_pdpair_is_denied_naming_the_field() {
+    let mut obj = manifest("vllm-push-64-64.yaml");
+    obj["spec"]["prefill"]["kv"]["layers"] = "many".into();
+    let out = review(&request(review_json("CREATE", Some(obj), None, false)));
+    assert!(!out.response.allowed);
+    assert_eq!(out.reason, "Malformed");
+    assert!(
+        out.response.result.message.contains("spec.prefill.kv.layers"),
+        "{}",
+        out.response.result.message
+    );
+    assert!(out.denial.is_none());
+    let out = review(&request(review_json("CREATE", None, None, false)));
+    assert!(!out.response.allowed);
+}
+
+#[test]
+fn delete_is_allowed() {
+    let out = review(&request(review_json(
+        "DELETE",
+        None,
+        Some(manifest("vllm-push-16-64.yaml")),
+        false,
+    )));
+    assert!(out.response.allowed);
+}
+
+#[derive(Default)]
+struct Recorded(Mutex<Vec<Denial>>);
+
+impl DenialSink for Arc<Recorded> {
+    fn denied(&self, denial: Denial) {
+        if let Ok(mut v) = self.0.lock() {
+            v.push(denial);
+        }
+    }
+}
+
+fn app(recorded: &Arc<Recorded>, metrics: &Arc<Metrics>) -> Router {
+    router(WebhookState {
+        metrics: Arc::clone(metrics),
+        sink: Arc::new(Arc::clone(recorded)),
+    })
+}
+
+async fn post(app: Router, body: impl Into<Body>) -> (StatusCode, serde_json::Value) {
+    let req = axum::http::Request::post(names::WEBHOOK_PATH)
+        .header("content-type", "application/json")
+        .body(body.into())
+        .expect("request");
+    let resp = app.oneshot(req).await.expect("infallible");
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+#[tokio::test]
+async fn router_answers_reviews_records_denials_and_survives_garbage() {
+    let recorded = Arc::new(Recorded::default());
+    let metrics = Arc::new(Metrics::new());
+    let bad = review_json("CREATE", Some(manifest("vllm-push-16-64.yaml")), None, false);
+    let (status, body) = post(app(&recorded, &metrics), bad.to_string()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body["kind"], "AdmissionReview");
+    assert_eq!(body["response"]["allowed"], false);
+    assert_eq!(body["response"]["uid"], "0df28fbd-5f5f-4e3a-a3fc-9f0e4dd4b5f6");
+    assert_eq!(recorded.0.lock().expect("lock").len(), 1);
+    // A dry run is answered the same but records nothing.
+    let dry = review_json("CREATE", Some(manifest("vllm-push-16-64.yaml")), None, true);
+    let (_, body) = post(app(&recorded, &metrics), dry.to_string()).await;
+    assert_eq!(body["response"]["allowed"], false);
+    assert_eq!(recorded.0.lock().expect("lock").len(), 1);
+    // Garbage: an error response, and the router keeps serving.
+    for garbage in [
+        "",
+        "{",
+        "null",
+        "[1,2]",
+        "{\"kind\":\"AdmissionReview\"}",
+        "\u{0}\u{1}binary",
+    ] {
+        let (status, body) = post(app(&recorded, &metrics), garbage.to_owned()).await;
+        assert!(
+            status == StatusCode::BAD_REQUEST || body["response"]["allowed"] == false,
+            "{garbage:?} got {status} {body}"
+        );
+    }
+    let good = review_json("CREATE", Some(manifest("vllm-push-64-64.yaml")), None, false);
+    let (_, body) = post(app(&recorded, &metrics), good.to_string()).await;
+    assert_eq!(body["response"]["allowed"], true);
+    let text = metrics.render();
+    assert!(
+        text.contains(
+            "pdpair_operator_admission_decisions_total{outcome=\"denied\",reason=\"KernelBlockSizeMismatch\"} 2"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("pdpair_operator_admission_decisions_total{outcome=\"allowed\",reason=\"\"} 1"),
+        "{text}"
+    );
+    assert!(text.contains("outcome=\"error\",reason=\"Malformed\""), "{text}");
+}
