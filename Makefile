@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: all deps build test fmt-check clippy unit demo crds fmt clean
+.PHONY: all deps build test fmt-check clippy unit e2e control-plane demo crds fmt clean
 
 all: build
 
@@ -19,10 +19,18 @@ clippy: deps
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 unit: deps
-	$(CARGO) test --workspace
+	$(CARGO) test --workspace --exclude pdpair-e2e
 
-## make test: format check, clippy with warnings denied, and every test.
-test: fmt-check clippy unit
+## make e2e: end-to-end tests against a real control plane (built once, cached outside the tree).
+e2e: deps
+	hack/e2e.sh
+
+## make control-plane: build (once) the local Kubernetes control plane.
+control-plane: deps
+	hack/control-plane.sh build
+
+## make test: format check, clippy with warnings denied, unit tests, end-to-end tests.
+test: fmt-check clippy unit e2e
 
 ## make demo: run `validate` on the examples and show the verdicts of the vLLM cases.
 demo: deps

@@ -59,3 +59,43 @@ async fn readyz(State(s): State<AdminState>) -> (StatusCode, String) {
 async fn metrics_text(State(s): State<AdminState>) -> ([(&'static str, &'static str); 1], String) {
     ([("content-type", "text/plain; version=0.0.4")], s.metrics.render())
 }
+
+#[cfg(test)]
+mod tests {
+    use axum::body::Body;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    use super::*;
+
+    async fn get(app: Router, path: &str) -> (StatusCode, String) {
+        let resp = app
+            .oneshot(axum::http::Request::get(path).body(Body::empty()).expect("request"))
+            .await
+            .expect("infallible");
+        let status = resp.status();
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn readyz_needs_tls_and_synced_watches() {
+        let health = Arc::new(Health::default());
+        let metrics = Arc::new(Metrics::new());
+        let app = || router(Arc::clone(&health), Arc::clone(&metrics));
+        assert_eq!(get(app(), "/livez").await.0, StatusCode::OK);
+        assert_eq!(get(app(), "/readyz").await.0, StatusCode::SERVICE_UNAVAILABLE);
+        health.tls_loaded.store(true, Ordering::SeqCst);
+        assert_eq!(get(app(), "/readyz").await.0, StatusCode::SERVICE_UNAVAILABLE);
+        health.watches_synced.store(true, Ordering::SeqCst);
+        assert_eq!(get(app(), "/readyz").await.0, StatusCode::OK);
+        metrics.set_leader(true);
+        metrics.reconcile_error("transient");
+        let (_, text) = get(app(), "/metrics").await;
+        assert!(text.contains("pdpair_operator_leader 1"), "{text}");
+        assert!(
+            text.contains("pdpair_operator_reconcile_errors_total{category=\"transient\"} 1"),
+            "{text}"
+        );
+    }
+}

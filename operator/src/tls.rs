@@ -264,3 +264,44 @@ pub async fn serve(listener: TcpListener, resolver: Arc<Reloader>, router: Route
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leaf_der(r: &Reloader) -> Vec<u8> {
+        r.current
+            .read()
+            .expect("lock")
+            .cert
+            .first()
+            .map(|c| c.as_ref().to_vec())
+            .expect("a certificate")
+    }
+
+    #[test]
+    fn reloads_a_rotated_certificate_and_keeps_the_old_one_on_a_broken_rotation() {
+        let dir = std::env::temp_dir().join(format!("pdpair-tls-test-{}", std::process::id()));
+        let files = generate(&dir, &["127.0.0.1".into(), "localhost".into()]).expect("generate");
+        let r = Reloader::new(files.cert.clone(), files.key.clone()).expect("load");
+        let first = leaf_der(&r);
+        assert!(!r.reload_if_changed(), "nothing changed yet");
+        // Rotate in place, as cert-manager does.
+        let rotated = generate(&dir, &["127.0.0.1".into()]).expect("regenerate");
+        assert!(r.reload_if_changed());
+        let second = leaf_der(&r);
+        assert_ne!(first, second);
+        assert_ne!(files.ca_pem, rotated.ca_pem);
+        // A broken certificate file: keep serving the last good one.
+        std::fs::write(&files.cert, "not a certificate").expect("write");
+        assert!(!r.reload_if_changed());
+        assert_eq!(leaf_der(&r), second);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn load_names_the_file_on_error() {
+        let e = load(Path::new("/nonexistent/tls.crt"), Path::new("/nonexistent/tls.key")).expect_err("missing");
+        assert!(e.to_string().contains("/nonexistent/tls.crt"), "{e}");
+    }
+}

@@ -1,0 +1,326 @@
+//! The operator against a real kube-apiserver: admission, children, status, Events, GC.
+//! One operator serves every test here; each test has its own namespace.
+
+use std::{sync::OnceLock, time::Duration};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::{
+    Api,
+    api::{ListParams, Patch, PatchParams, PostParams},
+};
+use pdpair_api::{PDEndpoint, PDEndpointSpec, PDPair, Role};
+use pdpair_e2e::*;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn operator() -> &'static Operator {
+    static OP: OnceLock<Operator> = OnceLock::new();
+    OP.get_or_init(|| Operator::start("shared"))
+}
+
+#[test]
+fn push_16_64_is_rejected_by_kubectl_apply_with_an_event_and_nothing_stored() {
+    operator();
+    let ns = namespace("reject");
+    let out = kubectl(
+        &["apply", "-f", "-"],
+        Some(&manifest("vllm-push-16-64.yaml", &ns, |_| {})),
+    );
+    assert_ne!(out.code, 0, "apply must fail: {}", out.stdout);
+    for want in ["KernelBlockSizeMismatch", "spec.decode.kv.kernelBlockSize", "16", "64"] {
+        assert!(
+            out.stderr.contains(want),
+            "kubectl's error lacks {want:?}: {}",
+            out.stderr
+        );
+    }
+    let event = eventually(WAIT, "the Rejected event", || {
+        events_about(&ns, "vllm-push-16-64")
+            .into_iter()
+            .find(|e| e["reason"] == "Rejected")
+    });
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["involvedObject"]["kind"], "PDPair");
+    let message = event["message"].as_str().unwrap_or("");
+    assert!(
+        message.contains("KernelBlockSizeMismatch") && message.contains("16") && message.contains("64"),
+        "{message}"
+    );
+    assert!(
+        get_json("pdpair", &ns, "vllm-push-16-64").is_none(),
+        "a rejected PDPair must not be stored"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compatible_pair_gets_children_and_turns_ready_when_pods_are_ready() {
+    operator();
+    let ns = namespace("ready");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+    );
+    let pair = get_json("pdpair", &ns, "llama-8b").expect("stored");
+    let uid = pair["metadata"]["uid"].as_str().expect("uid").to_owned();
+    for (role, replicas) in [("prefill", 2), ("decode", 4)] {
+        let name = format!("llama-8b-{role}");
+        let d = eventually(WAIT, &format!("Deployment {name}"), || {
+            get_json("deployment", &ns, &name)
+        });
+        let owner = &d["metadata"]["ownerReferences"][0];
+        assert_eq!(
+            (owner["kind"].as_str(), owner["uid"].as_str()),
+            (Some("PDPair"), Some(uid.as_str()))
+        );
+        assert_eq!(owner["controller"], true);
+        assert_eq!(d["metadata"]["labels"]["pdpair.dev/name"], "llama-8b");
+        assert_eq!(d["metadata"]["labels"]["pdpair.dev/role"], role);
+        assert_eq!(d["spec"]["replicas"], replicas);
+        let tmpl = &d["spec"]["template"];
+        assert_eq!(tmpl["metadata"]["labels"]["pdpair.dev/role"], role);
+        assert!(tmpl["metadata"]["annotations"]["pdpair.dev/geometry-hash"].is_string());
+        let c = &tmpl["spec"]["containers"][0];
+        let env = c["env"].as_array().expect("env");
+        let has = |k: &str, v: &str| env.iter().any(|e| e["name"] == k && e["value"] == v);
+        assert!(has("PDPAIR_NAME", "llama-8b") && has("PDPAIR_NAMESPACE", &ns) && has("PDPAIR_ROLE", role));
+        assert!(has("PDPAIR_AGENT_SOCKET", "/var/run/pdpair/agent.sock"));
+        assert!(has("PDPAIR_PAIRING_KEY_FILE", "/var/run/pdpair-pairing/key"));
+        let mounts = c["volumeMounts"].as_array().expect("mounts");
+        assert!(mounts.iter().any(|m| m["mountPath"] == "/var/run/pdpair"));
+        let volumes = tmpl["spec"]["volumes"].as_array().expect("volumes");
+        assert!(volumes.iter().any(|v| v["hostPath"]["path"] == "/var/run/pdpair"));
+        assert!(volumes.iter().any(|v| v["secret"]["secretName"] == "llama-8b-pairing"));
+    }
+    let secret = eventually(WAIT, "the pairing Secret", || {
+        get_json("secret", &ns, "llama-8b-pairing")
+    });
+    assert_eq!(secret["metadata"]["ownerReferences"][0]["uid"], uid.as_str());
+    let key = secret["data"]["key"].as_str().expect("key");
+    assert_eq!(key.len(), 44, "32 bytes in base64");
+    // Conditions start False/Unknown.
+    let pair = eventually(WAIT, "initial conditions", || {
+        let p = get_json("pdpair", &ns, "llama-8b")?;
+        condition(&p, "Ready").map(|_| p)
+    });
+    assert_eq!(
+        condition(&pair, "GeometryCompatible").map(|c| c.0).as_deref(),
+        Some("True")
+    );
+    assert_eq!(condition(&pair, "PrefillReady").map(|c| c.0).as_deref(), Some("False"));
+    assert_eq!(condition(&pair, "DecodeReady").map(|c| c.0).as_deref(), Some("False"));
+    assert_eq!(
+        condition(&pair, "TransferReady").map(|c| c.0).as_deref(),
+        Some("Unknown")
+    );
+    assert_eq!(condition(&pair, "Ready").map(|c| c.0).as_deref(), Some("False"));
+
+    // No kubelet runs here: the test marks the ReplicaSets' pods Ready, as a kubelet would.
+    let pods: Api<Pod> = Api::namespaced(client().await, &ns);
+    let listed = eventually(WAIT, "6 engine pods", || {
+        let out = kubectl_ok(
+            &["get", "pods", "-n", &ns, "-l", "pdpair.dev/name=llama-8b", "-o", "name"],
+            None,
+        );
+        let names: Vec<String> = out.lines().map(|l| l.trim_start_matches("pod/").to_owned()).collect();
+        (names.len() == 6).then_some(names)
+    });
+    let ready =
+        serde_json::json!({"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}});
+    for name in &listed {
+        pods.patch_status(name, &PatchParams::default(), &Patch::Strategic(&ready))
+            .await
+            .expect("mark pod Ready");
+    }
+    let pair = eventually(WAIT, "Ready=True", || {
+        let p = get_json("pdpair", &ns, "llama-8b")?;
+        (condition(&p, "Ready")?.0 == "True").then_some(p)
+    });
+    assert_eq!(pair["status"]["prefill"]["readyReplicas"], 2);
+    assert_eq!(pair["status"]["decode"]["readyReplicas"], 4);
+    assert_eq!(pair["status"]["observedGeneration"], pair["metadata"]["generation"]);
+    // One Event per transition.
+    std::thread::sleep(Duration::from_secs(2));
+    let events = events_about(&ns, "llama-8b");
+    for condition in ["PrefillReady", "DecodeReady", "Ready"] {
+        let n = events
+            .iter()
+            .filter(|e| {
+                e["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with(&format!("{condition} False -> True")))
+            })
+            .count();
+        assert_eq!(n, 1, "{condition}: {events:#?}");
+    }
+}
+
+#[test]
+fn update_to_incompatible_geometry_is_rejected_and_the_stored_object_is_unchanged() {
+    operator();
+    let ns = namespace("update");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("vllm-push-64-64.yaml", &ns, |_| {})),
+    );
+    let before = get_json("pdpair", &ns, "vllm-push-64-64").expect("stored");
+    let bad = manifest("vllm-push-64-64.yaml", &ns, |v| {
+        v["spec"]["decode"]["kv"]["blockSize"] = 16.into();
+        v["spec"]["decode"]["kv"]["kernelBlockSize"] = 16.into();
+    });
+    let out = kubectl(&["apply", "-f", "-"], Some(&bad));
+    assert_ne!(out.code, 0);
+    assert!(out.stderr.contains("KernelBlockSizeMismatch"), "{}", out.stderr);
+    let after = get_json("pdpair", &ns, "vllm-push-64-64").expect("still stored");
+    assert_eq!(after["spec"], before["spec"]);
+    assert_eq!(after["metadata"]["generation"], before["metadata"]["generation"]);
+}
+
+#[test]
+fn deleting_the_pair_garbage_collects_its_children() {
+    operator();
+    let ns = namespace("gc");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+    );
+    eventually(WAIT, "both Deployments", || {
+        (get_json("deployment", &ns, "llama-8b-prefill").is_some()
+            && get_json("deployment", &ns, "llama-8b-decode").is_some())
+        .then_some(())
+    });
+    eventually(WAIT, "the Secret", || get_json("secret", &ns, "llama-8b-pairing"));
+    kubectl_ok(&["delete", "pdpair", "llama-8b", "-n", &ns, "--wait=false"], None);
+    eventually(WAIT, "garbage collection", || {
+        let left = [
+            "deployment/llama-8b-prefill",
+            "deployment/llama-8b-decode",
+            "secret/llama-8b-pairing",
+        ]
+        .iter()
+        .filter(|r| {
+            let (kind, name) = r.split_once('/').unwrap_or(("", ""));
+            get_json(kind, &ns, name).is_some()
+        })
+        .count();
+        (left == 0).then_some(())
+    });
+}
+
+fn endpoint(ns: &str, name: &str, role: Role, pair: &PDPair) -> PDEndpoint {
+    let pool = if role == Role::Prefill {
+        &pair.spec.prefill
+    } else {
+        &pair.spec.decode
+    };
+    let mut e = PDEndpoint::new(
+        name,
+        PDEndpointSpec {
+            pdpair: pair.metadata.name.clone().unwrap_or_default(),
+            role,
+            pod: format!("{name}-pod"),
+            node: "node-a".into(),
+            address: "127.0.0.1:7000".into(),
+            parallelism: pool.parallelism.clone(),
+            kv: pool.kv.clone(),
+        },
+    );
+    e.metadata.namespace = Some(ns.to_owned());
+    e
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
+    operator();
+    let ns = namespace("observed");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("vllm-push-64-64.yaml", &ns, |_| {})),
+    );
+    let client = client().await;
+    let pairs: Api<PDPair> = Api::namespaced(client.clone(), &ns);
+    let pair = pairs.get("vllm-push-64-64").await.expect("stored");
+    eventually(WAIT, "GeometryCompatible=True", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (condition(&p, "GeometryCompatible")?.0 == "True").then_some(())
+    });
+    // What a node agent would publish: a decode engine really running 16-token kernel blocks.
+    let endpoints: Api<PDEndpoint> = Api::namespaced(client.clone(), &ns);
+    let mut wrong = endpoint(&ns, "decode-0", Role::Decode, &pair);
+    wrong.spec.kv.block_size = 16;
+    wrong.spec.kv.kernel_block_size = Some(16);
+    endpoints
+        .create(&PostParams::default(), &wrong)
+        .await
+        .expect("create PDEndpoint");
+    let reason = eventually(WAIT, "GeometryCompatible=False", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        let (status, reason) = condition(&p, "GeometryCompatible")?;
+        (status == "False").then_some(reason)
+    });
+    assert_eq!(reason, "ObservedGeometryMismatch");
+    let warning = eventually(WAIT, "the Warning event", || {
+        events_about(&ns, "vllm-push-64-64")
+            .into_iter()
+            .find(|e| e["type"] == "Warning" && e["reason"] == "ObservedGeometryMismatch")
+    });
+    assert!(
+        warning["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("kv.kernelBlockSize declared 64, observed 16")),
+        "{warning}"
+    );
+    // The engine is fixed.
+    let fixed = endpoint(&ns, "decode-0", Role::Decode, &pair);
+    let patch = serde_json::json!({"spec": fixed.spec});
+    endpoints
+        .patch("decode-0", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("patch PDEndpoint");
+    eventually(WAIT, "GeometryCompatible=True again", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (condition(&p, "GeometryCompatible")?.0 == "True").then_some(())
+    });
+    // And an agent's rejected handshake turns TransferReady False, with totals in status.
+    let status = serde_json::json!({"status": {
+        "handshakesRejected": 1, "transfersCompleted": 3, "bytes": 4096,
+        "lastRejection": {"time": "2026-11-30T00:00:00Z", "peer": "127.0.0.1:7001", "reasons": ["Unauthenticated"], "message": "bad proof"}
+    }});
+    endpoints
+        .patch_status("decode-0", &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("patch status");
+    let pair = eventually(WAIT, "TransferReady=False", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (condition(&p, "TransferReady")?.0 == "False").then_some(p)
+    });
+    assert_eq!(
+        condition(&pair, "TransferReady").map(|c| c.1).as_deref(),
+        Some("HandshakeRejected")
+    );
+    assert_eq!(pair["status"]["transfer"]["bytes"], 4096);
+    assert_eq!(pair["status"]["transfer"]["endpoints"], 1);
+    let list = endpoints.list(&ListParams::default()).await.expect("list");
+    assert_eq!(list.items.len(), 1);
+}
+
+#[test]
+fn malformed_reviews_get_errors_over_tls_and_the_webhook_keeps_serving() {
+    let op = operator();
+    for garbage in ["", "{", "not json at all", "{\"kind\":\"AdmissionReview\"}", "[]"] {
+        let (code, body) = post_webhook(op.webhook_port, garbage);
+        assert!(
+            code == 400 || (code == 200 && body.contains("\"allowed\":false")),
+            "{garbage:?} got {code}: {body}"
+        );
+    }
+    let ns = namespace("garbage");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("vllm-pull-16-32.yaml", &ns, |_| {})),
+    );
+    let metrics = op.metrics();
+    assert!(
+        metrics.contains("pdpair_operator_admission_decisions_total{outcome=\"error\",reason=\"Malformed\"}"),
+        "{metrics}"
+    );
+}

@@ -1,0 +1,117 @@
+//! Disruptive operator scenarios, one at a time: restarts and webhook outages. Each test starts
+//! and stops its own operators; a lock keeps them from overlapping.
+
+use std::{sync::Mutex, time::Duration};
+
+use pdpair_e2e::*;
+
+const WAIT: Duration = Duration::from_secs(60);
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn resource_versions(ns: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for (kind, name) in [
+        ("pdpair", "llama-8b"),
+        ("deployment", "llama-8b-prefill"),
+        ("deployment", "llama-8b-decode"),
+        ("secret", "llama-8b-pairing"),
+    ] {
+        let v = get_json(kind, ns, name).unwrap_or_else(|| panic!("{kind}/{name} exists"));
+        out.push((
+            format!("{kind}/{name}"),
+            v["metadata"]["resourceVersion"].as_str().unwrap_or("").to_owned(),
+        ));
+    }
+    out
+}
+
+#[test]
+fn a_restarted_operator_changes_nothing_that_is_already_right() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut first = Operator::start("restart-a");
+    let ns = namespace("restart");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+    );
+    eventually(WAIT, "children and status", || {
+        let p = get_json("pdpair", &ns, "llama-8b")?;
+        condition(&p, "Ready")?;
+        get_json("deployment", &ns, "llama-8b-decode")?;
+        get_json("secret", &ns, "llama-8b-pairing")
+    });
+    // Let the first operator settle (Deployment status updates trigger reconciles).
+    std::thread::sleep(Duration::from_secs(3));
+    let before = resource_versions(&ns);
+    let key_before = get_json("secret", &ns, "llama-8b-pairing").expect("secret")["data"]["key"].clone();
+    first.stop();
+
+    let second = Operator::start("restart-b");
+    eventually(WAIT, "the new operator to lead", || second.is_leader().then_some(()));
+    eventually(WAIT, "the new operator to reconcile", || {
+        second
+            .metrics()
+            .lines()
+            .any(|l| l.starts_with("pdpair_operator_reconciles_total ") && !l.ends_with(" 0"))
+            .then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(resource_versions(&ns), before, "a restart must not rewrite anything");
+    assert_eq!(
+        get_json("secret", &ns, "llama-8b-pairing").expect("secret")["data"]["key"],
+        key_before
+    );
+    let deployments = kubectl_ok(
+        &[
+            "get",
+            "deployments",
+            "-n",
+            &ns,
+            "-l",
+            "pdpair.dev/name=llama-8b",
+            "-o",
+            "name",
+        ],
+        None,
+    );
+    assert_eq!(deployments.lines().count(), 2, "{deployments}");
+    let secrets = kubectl_ok(
+        &[
+            "get",
+            "secrets",
+            "-n",
+            &ns,
+            "-l",
+            "pdpair.dev/name=llama-8b",
+            "-o",
+            "name",
+        ],
+        None,
+    );
+    assert_eq!(secrets.lines().count(), 1, "{secrets}");
+}
+
+#[test]
+fn with_the_webhook_down_creation_is_refused_and_works_again_when_it_is_back() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut op = Operator::start("outage-a");
+    let port = op.webhook_port;
+    let ns = namespace("outage");
+    op.stop();
+    let out = kubectl(
+        &["apply", "-f", "-"],
+        Some(&manifest("vllm-push-64-64.yaml", &ns, |_| {})),
+    );
+    assert_ne!(
+        out.code, 0,
+        "failurePolicy Fail must refuse creation while the webhook is down"
+    );
+    assert!(out.stderr.contains("validate.pdpairs.pdpair.dev"), "{}", out.stderr);
+    assert!(get_json("pdpair", &ns, "vllm-push-64-64").is_none());
+    let _back = Operator::start_on("outage-b", port);
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("vllm-push-64-64.yaml", &ns, |_| {})),
+    );
+    assert!(get_json("pdpair", &ns, "vllm-push-64-64").is_some());
+}

@@ -1,0 +1,350 @@
+//! Harness for end-to-end tests against a real control plane (etcd + kube-apiserver +
+//! kube-controller-manager + kube-scheduler from `hack/control-plane.sh`). No kubelet runs: tests
+//! that need Ready pods mark them Ready themselves, and say so.
+//!
+//! `hack/e2e.sh` starts the control plane, exports `PDPAIR_E2E_DIR`, runs each test binary, and
+//! stops every operator the harness started (their pids are in `$PDPAIR_E2E_DIR/operator-pids`).
+
+use std::{
+    io::{Read, Write},
+    net::{TcpListener, TcpStream},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+    time::{Duration, Instant},
+};
+
+use kube::{
+    Client, Config,
+    config::{KubeConfigOptions, Kubeconfig},
+};
+
+/// The control plane's directory, from `PDPAIR_E2E_DIR`.
+pub fn dir() -> PathBuf {
+    match std::env::var_os("PDPAIR_E2E_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => panic!(
+            "PDPAIR_E2E_DIR is not set: these tests need the real control plane; run them with `make e2e` (or `make test`)"
+        ),
+    }
+}
+
+/// The admin kubeconfig.
+pub fn kubeconfig() -> PathBuf {
+    dir().join("kubeconfig")
+}
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// A kube client for the control plane.
+pub async fn client() -> Client {
+    let kc = Kubeconfig::read_from(kubeconfig()).expect("read kubeconfig");
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .expect("kubeconfig config");
+    Client::try_from(config).expect("client")
+}
+
+/// The result of a command.
+#[derive(Debug)]
+pub struct Out {
+    /// Exit code.
+    pub code: i32,
+    /// Standard output.
+    pub stdout: String,
+    /// Standard error.
+    pub stderr: String,
+}
+
+/// Runs kubectl against the control plane, as a user would.
+pub fn kubectl(args: &[&str], stdin: Option<&str>) -> Out {
+    let mut child = Command::new("kubectl")
+        .args(args)
+        .env("KUBECONFIG", kubeconfig())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl runs");
+    let mut input = child.stdin.take().expect("stdin");
+    input.write_all(stdin.unwrap_or("").as_bytes()).expect("write stdin");
+    drop(input);
+    let out = child.wait_with_output().expect("kubectl finishes");
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Like [`kubectl`], but panics unless it succeeds; returns stdout.
+#[track_caller]
+pub fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
+    let out = kubectl(args, stdin);
+    assert_eq!(out.code, 0, "kubectl {args:?} failed: {}{}", out.stdout, out.stderr);
+    out.stdout
+}
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// Creates a fresh namespace for one test.
+pub fn namespace(test: &str) -> String {
+    let name = format!(
+        "e2e-{test}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    )
+    .replace('_', "-");
+    kubectl_ok(&["create", "namespace", &name], None);
+    name
+}
+
+/// An example manifest placed in `ns`, optionally edited.
+pub fn manifest(example: &str, ns: &str, edit: impl FnOnce(&mut serde_yaml::Value)) -> String {
+    let text = std::fs::read_to_string(root().join("examples").join(example)).expect("example exists");
+    let mut v: serde_yaml::Value = serde_yaml::from_str(&text).expect("example parses");
+    v["metadata"]["namespace"] = ns.into();
+    edit(&mut v);
+    serde_yaml::to_string(&v).expect("serialises")
+}
+
+/// Polls `f` every 200 ms until it returns Some, or panics after `timeout` naming `what`.
+#[track_caller]
+pub fn eventually<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The object as JSON, or None when it does not exist.
+pub fn get_json(kind: &str, ns: &str, name: &str) -> Option<serde_json::Value> {
+    let out = kubectl(&["get", kind, name, "-n", ns, "-o", "json"], None);
+    if out.code != 0 {
+        return None;
+    }
+    serde_json::from_str(&out.stdout).ok()
+}
+
+/// A condition's status on a PDPair.
+pub fn condition(pair: &serde_json::Value, type_: &str) -> Option<(String, String)> {
+    pair["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+        .map(|c| {
+            (
+                c["status"].as_str().unwrap_or("").to_owned(),
+                c["reason"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+}
+
+/// Events about an object, as `kubectl get events` shows them.
+pub fn events_about(ns: &str, name: &str) -> Vec<serde_json::Value> {
+    let selector = format!("involvedObject.name={name}");
+    let out = kubectl_ok(
+        &["get", "events", "-n", ns, "--field-selector", &selector, "-o", "json"],
+        None,
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).expect("events JSON");
+    v["items"].as_array().cloned().unwrap_or_default()
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A `pdpair-operator run` process in local mode against the control plane.
+#[derive(Debug)]
+pub struct Operator {
+    child: Option<Child>,
+    /// The webhook's port.
+    pub webhook_port: u16,
+    /// The admin port.
+    pub admin_port: u16,
+    /// Its identity.
+    pub identity: String,
+}
+
+impl Operator {
+    /// Starts an operator that installs the CRDs and the webhook configuration (pointing at
+    /// itself), and waits for `/readyz`.
+    pub fn start(identity: &str) -> Operator {
+        Operator::start_on(identity, free_port())
+    }
+
+    /// Like [`Operator::start`], on a given webhook port (to come back where a previous one was).
+    pub fn start_on(identity: &str, webhook_port: u16) -> Operator {
+        let admin_port = free_port();
+        let bin = root().join("target/debug/pdpair-operator");
+        assert!(
+            bin.exists(),
+            "{} is missing: build it first (hack/e2e.sh does)",
+            bin.display()
+        );
+        let log = std::fs::File::create(dir().join(format!("operator-{identity}.log"))).expect("log file");
+        let url = format!("https://127.0.0.1:{webhook_port}");
+        let child = Command::new(bin)
+            .args([
+                "run",
+                "--install",
+                "--lease-duration",
+                "6s",
+                "--lease-namespace",
+                "default",
+            ])
+            .arg("--kubeconfig")
+            .arg(kubeconfig())
+            .args([
+                "--webhook-bind",
+                &format!("127.0.0.1:{webhook_port}"),
+                "--webhook-url",
+                &url,
+            ])
+            .args([
+                "--admin-bind",
+                &format!("127.0.0.1:{admin_port}"),
+                "--identity",
+                identity,
+            ])
+            .arg("--cert-dir")
+            .arg(dir().join(format!("certs-{identity}")))
+            .env("RUST_LOG", "info,pdpair_operator=debug")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("operator starts");
+        let mut pids = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir().join("operator-pids"))
+            .expect("pid file");
+        writeln!(pids, "{}", child.id()).expect("record pid");
+        let mut op = Operator {
+            child: Some(child),
+            webhook_port,
+            admin_port,
+            identity: identity.to_owned(),
+        };
+        op.wait_ready(Duration::from_secs(60));
+        op
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) {
+        let start = Instant::now();
+        loop {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                panic!(
+                    "operator {} exited early with {status}; see its log in {}",
+                    self.identity,
+                    dir().display()
+                );
+            }
+            if http_get(self.admin_port, "/readyz").is_some_and(|(code, _)| code == 200) {
+                return;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "operator {} not ready after {timeout:?}",
+                self.identity
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The operator's Prometheus metrics text.
+    pub fn metrics(&self) -> String {
+        http_get(self.admin_port, "/metrics")
+            .map(|(_, body)| body)
+            .unwrap_or_default()
+    }
+
+    /// Whether it holds the leader Lease, per its metrics.
+    pub fn is_leader(&self) -> bool {
+        self.metrics().lines().any(|l| l == "pdpair_operator_leader 1")
+    }
+
+    /// Stops it with SIGTERM (it releases its Lease) and waits.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_secs(10) {
+                if let Ok(Some(_)) = child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A plain HTTP/1.0 GET on loopback: (status, body).
+pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let code = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Some((code, body))
+}
+
+/// POSTs `body` to the webhook over real TLS with curl: (HTTP status, response body).
+pub fn post_webhook(port: u16, body: &str) -> (u16, String) {
+    let url = format!("https://127.0.0.1:{port}/validate/pdpairs");
+    let out = Command::new("curl")
+        .args([
+            "-sk",
+            "-o",
+            "-",
+            "-w",
+            "\n%{http_code}",
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/json",
+        ])
+        .args(["--data-binary", "@-", &url])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            if let Some(mut i) = c.stdin.take() {
+                let _ = i.write_all(body.as_bytes());
+            }
+            c.wait_with_output()
+        })
+        .expect("curl runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_owned())
+}
