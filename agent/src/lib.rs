@@ -1,8 +1,9 @@
 //! pdpair-agent: the node agent.
 //!
-//! It will run the push handshake between a decode engine's agent and a prefill engine's agent,
-//! validate the peers' KV geometry with [`pdpair_api::check_pools`] (the same rule table as the
-//! admission webhook), and move KV blocks with RDMA WRITEs over UCX. This crate is a skeleton
-//! until the node agent issue lands; it already depends on the one rule table it must call.
+//! It runs the push handshake between a decode engine's agent and a prefill engine's agent,
+//! validates the peers' KV geometry with [`pdpair_api::check_pools`] (the same rule table as the
+//! admission webhook), and moves KV blocks with RDMA WRITEs over UCX, verified by KV checksums.
+//! Landed so far: the fast checksum and its CLI.
 
-pub use pdpair_api::{Verdict, check_pools};
+pub mod checksum;
+pub mod cli;

@@ -4,6 +4,7 @@
 //! agent's handshake all call [`check`] (or [`check_pools`]), so a pair admitted on paper is a
 //! pair the agents accept at run time.
 
+pub mod checksum;
 mod duration;
 mod endpoint;
 pub mod rules;
