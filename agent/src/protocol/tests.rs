@@ -1,0 +1,254 @@
+//! Authentication and handshake over real TCP on loopback, one thread per side.
+
+use std::{
+    net::{TcpListener, TcpStream},
+    thread,
+};
+
+use pdpair_api::{CacheDtype, KvLayout, ModelDtype};
+
+use super::*;
+
+fn kv(block: i32) -> KvGeometry {
+    KvGeometry {
+        engine: "vllm".into(),
+        engine_version: None,
+        model: "m".into(),
+        dtype: ModelDtype::Bfloat16,
+        cache_dtype: CacheDtype::Auto,
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        attention_backend: "FLASH_ATTN".into(),
+        layout: KvLayout::Hnd,
+        block_size: block,
+        kernel_block_size: None,
+        mla: false,
+        hybrid: false,
+        host_buffer: false,
+    }
+}
+
+fn info(role: Role, block: i32) -> PeerInfo {
+    PeerInfo {
+        agent: format!("{role}-agent"),
+        version: PROTOCOL_VERSION,
+        pdpair: "team-a/llama".into(),
+        role,
+        engine: format!("{role}-0"),
+        mode: TransferMode::Push,
+        checksum: ChecksumPolicy::FailClosed,
+        parallelism: Parallelism::default(),
+        kv: kv(block),
+        worker_address: vec![1, 2, 3],
+        memory: MemoryDesc {
+            base: 4096,
+            len: 1 << 20,
+            rkey: vec![9, 9],
+            ..MemoryDesc::default()
+        },
+    }
+}
+
+/// Runs P's side (auth + handshake) on a thread and D's side here.
+fn pair(
+    p_secret: &'static [u8],
+    d_secret: &'static [u8],
+    p: PeerInfo,
+    d: PeerInfo,
+) -> (Result<PeerInfo, HandshakeError>, Result<PeerInfo, HandshakeError>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        authenticate_prefill(&mut s, |pair| (pair == "team-a/llama").then(|| p_secret.to_vec()))?;
+        handshake_prefill(&mut s, &p)
+    });
+    let mut c = TcpStream::connect(addr).expect("connect");
+    let client = authenticate_decode(&mut c, "team-a/llama", d_secret).and_then(|()| handshake_decode(&mut c, &d));
+    (server.join().expect("server thread"), client)
+}
+
+#[test]
+fn same_secret_and_compatible_geometry_handshake() {
+    let (p, d) = pair(
+        b"secret-1",
+        b"secret-1",
+        info(Role::Prefill, 64),
+        info(Role::Decode, 64),
+    );
+    assert_eq!(p.expect("P accepts").engine, "decode-0");
+    let got = d.expect("D accepts");
+    assert_eq!(got.engine, "prefill-0");
+    assert_eq!(got.memory.rkey, vec![9, 9]);
+}
+
+#[test]
+fn a_foreign_secret_is_rejected_before_any_geometry_crosses() {
+    let (p, d) = pair(b"secret-1", b"another", info(Role::Prefill, 64), info(Role::Decode, 64));
+    // D detects P's proof does not match its secret and refuses first; P hears Unauthenticated.
+    assert!(matches!(d, Err(HandshakeError::Unauthenticated(_))), "{d:?}");
+    assert!(matches!(p, Err(HandshakeError::Unauthenticated(_))), "{p:?}");
+    assert_eq!(p.expect_err("rejected").reasons(), vec![UNAUTHENTICATED.to_owned()]);
+}
+
+#[test]
+fn a_stranger_that_skips_verification_still_cannot_pass() {
+    // A D that does not check P's proof and answers with a guess: P refuses it and sends nothing
+    // but the challenge and the rejection.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        authenticate_prefill(&mut s, |_| Some(b"secret-1".to_vec()))
+    });
+    let mut c = TcpStream::connect(addr).expect("connect");
+    wire::write_frame(
+        &mut c,
+        &Message::Hello {
+            version: PROTOCOL_VERSION,
+            pdpair: "team-a/llama".into(),
+            nonce: nonce().expect("nonce"),
+        },
+    )
+    .expect("hello");
+    let challenge: Message = wire::read_frame(&mut c).expect("challenge");
+    assert!(matches!(challenge, Message::Challenge { .. }));
+    wire::write_frame(&mut c, &Message::Proof { proof: vec![0; 32] }).expect("proof");
+    let answer: Message = wire::read_frame(&mut c).expect("answer");
+    assert!(
+        matches!(&answer, Message::Reject { reasons, .. } if reasons == &vec![UNAUTHENTICATED.to_owned()]),
+        "{answer:?}"
+    );
+    assert!(
+        matches!(wire::read_frame::<Message>(&mut c), Err(FrameError::Closed)),
+        "P closes after rejecting"
+    );
+    assert!(matches!(
+        server.join().expect("thread"),
+        Err(HandshakeError::Unauthenticated(_))
+    ));
+}
+
+#[test]
+fn a_replayed_proof_fails() {
+    // Record a genuine D's proof from one session, replay it in a new session: P's fresh nonce
+    // makes it worthless.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = thread::spawn(move || {
+        let mut results = Vec::new();
+        for _ in 0..2 {
+            let (mut s, _) = listener.accept().expect("accept");
+            results.push(authenticate_prefill(&mut s, |_| Some(b"secret-1".to_vec())).is_ok());
+        }
+        results
+    });
+    // Session 1: a genuine D, recording its Hello and Proof.
+    let mut c = TcpStream::connect(addr).expect("connect");
+    let d_nonce = nonce().expect("nonce");
+    wire::write_frame(
+        &mut c,
+        &Message::Hello {
+            version: PROTOCOL_VERSION,
+            pdpair: "team-a/llama".into(),
+            nonce: d_nonce.clone(),
+        },
+    )
+    .expect("hello");
+    let Message::Challenge { nonce: p_nonce, .. } = wire::read_frame(&mut c).expect("challenge") else {
+        panic!("no challenge")
+    };
+    let genuine = proof(b"secret-1", Role::Decode, "team-a/llama", &d_nonce, &p_nonce);
+    wire::write_frame(&mut c, &Message::Proof { proof: genuine.clone() }).expect("proof");
+    assert_eq!(wire::read_frame::<Message>(&mut c).expect("ok"), Message::AuthOk);
+    // Session 2: the same Hello and Proof, replayed.
+    let mut c = TcpStream::connect(addr).expect("connect");
+    wire::write_frame(
+        &mut c,
+        &Message::Hello {
+            version: PROTOCOL_VERSION,
+            pdpair: "team-a/llama".into(),
+            nonce: d_nonce,
+        },
+    )
+    .expect("hello");
+    let _: Message = wire::read_frame(&mut c).expect("challenge");
+    wire::write_frame(&mut c, &Message::Proof { proof: genuine }).expect("replay");
+    assert!(matches!(
+        wire::read_frame::<Message>(&mut c).expect("answer"),
+        Message::Reject { .. }
+    ));
+    assert_eq!(server.join().expect("thread"), vec![true, false]);
+}
+
+#[test]
+fn vllm_push_16_64_is_rejected_at_the_handshake_with_the_rule_reason() {
+    let (p, d) = pair(b"s", b"s", info(Role::Prefill, 16), info(Role::Decode, 64));
+    for side in [&p, &d] {
+        match side {
+            Err(HandshakeError::Rejected { reasons, message }) => {
+                assert_eq!(reasons, &vec!["KernelBlockSizeMismatch".to_owned()]);
+                assert!(message.contains("16") && message.contains("64"), "{message}");
+            }
+            other => panic!("expected a rejection, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn flashinfer_128_64_is_rejected_with_blocks_per_logical() {
+    let mut p = info(Role::Prefill, 128);
+    p.kv.kernel_block_size = Some(64);
+    p.kv.attention_backend = "FLASHINFER".into();
+    let mut d = info(Role::Decode, 64);
+    d.kv.attention_backend = "FLASHINFER".into();
+    let (p, _) = pair(b"s", b"s", p, d);
+    assert_eq!(
+        p.expect_err("rejected").reasons(),
+        vec!["KernelBlocksPerLogicalMismatch".to_owned()]
+    );
+}
+
+#[test]
+fn same_role_and_other_settings_are_refused() {
+    let (p, _) = pair(b"s", b"s", info(Role::Prefill, 64), info(Role::Prefill, 64));
+    assert_eq!(p.expect_err("rejected").reasons(), vec!["RoleMismatch".to_owned()]);
+    let mut d = info(Role::Decode, 64);
+    d.checksum = ChecksumPolicy::Disabled;
+    let (p, _) = pair(b"s", b"s", info(Role::Prefill, 64), d);
+    assert_eq!(
+        p.expect_err("rejected").reasons(),
+        vec!["TransferSettingsMismatch".to_owned()]
+    );
+}
+
+#[test]
+fn garbage_and_truncated_frames_are_errors_not_panics() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let inputs: Vec<Vec<u8>> = vec![
+        vec![],
+        vec![0, 0],
+        vec![0, 0, 0, 0],
+        vec![0xff; 4],
+        [&5u32.to_be_bytes()[..], b"{\"ty"].concat(),
+        [&4u32.to_be_bytes()[..], b"null"].concat(),
+        [&17u32.to_be_bytes()[..], b"{\"type\":\"Nope\"} "].concat(),
+    ];
+    let n = inputs.len();
+    let server = thread::spawn(move || {
+        (0..n)
+            .map(|_| {
+                let (mut s, _) = listener.accept().expect("accept");
+                authenticate_prefill(&mut s, |_| Some(b"s".to_vec())).is_err()
+            })
+            .collect::<Vec<bool>>()
+    });
+    for input in inputs {
+        let mut c = TcpStream::connect(addr).expect("connect");
+        std::io::Write::write_all(&mut c, &input).expect("write");
+        drop(c);
+    }
+    assert!(server.join().expect("no panic").into_iter().all(|failed| failed));
+}
