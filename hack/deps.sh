@@ -9,6 +9,9 @@ command -v pkg-config >/dev/null || need_apt+=(pkg-config)
 command -v curl >/dev/null || need_apt+=(curl)
 command -v openssl >/dev/null || need_apt+=(openssl)
 command -v python3 >/dev/null || need_apt+=(python3)
+# UCX for the agent's transfers (headers and libraries; ucx_perftest for the benchmarks).
+dpkg-query -W -f='${Status}' libucx-dev 2>/dev/null | grep -q "ok installed" || need_apt+=(libucx-dev)
+command -v ucx_perftest >/dev/null || need_apt+=(ucx-utils)
 if ((${#need_apt[@]})); then
   echo "hack/deps.sh: installing ${need_apt[*]}" >&2
   apt-get update -qq

@@ -9,4 +9,5 @@
 pub mod checksum;
 pub mod cli;
 pub mod protocol;
+pub mod ucx;
 pub mod wire;

@@ -1,0 +1,441 @@
+//! A small safe layer over UCX's UCP API (`ucx-sys`): context, worker, endpoint, registered
+//! memory, packed and unpacked remote keys. Every handle is released on drop, in dependency order
+//! (each holds an `Rc` of what it needs); errors carry UCX's own status text.
+//!
+//! Threading: workers run in `UCS_THREAD_MODE_SINGLE`, and these types are `!Send`: each agent
+//! drives its UCX objects from one thread. Over tcp and shared memory a put is not one-sided in
+//! practice: the target's worker must keep progressing while the initiator waits.
+#![allow(unsafe_code)]
+
+use std::{
+    ffi::{CStr, CString, c_void},
+    ptr,
+    rc::Rc,
+};
+
+use ucx_sys as sys;
+
+/// A UCX call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{op}: {text} (UCX status {status})")]
+pub struct UcxError {
+    /// The UCX function.
+    pub op: &'static str,
+    /// UCX's status code.
+    pub status: i8,
+    /// `ucs_status_string(status)`.
+    pub text: String,
+}
+
+fn status_text(status: sys::ucs_status_t) -> String {
+    // SAFETY: ucs_status_string returns a pointer to a static, NUL-terminated string for any code.
+    unsafe { CStr::from_ptr(sys::ucs_status_string(status)) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn check(op: &'static str, status: sys::ucs_status_t) -> Result<(), UcxError> {
+    if status == sys::ucs_status_t_UCS_OK {
+        Ok(())
+    } else {
+        Err(UcxError {
+            op,
+            status,
+            text: status_text(status),
+        })
+    }
+}
+
+/// Which transports UCX may use (`UCX_TLS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// TCP sockets.
+    Tcp,
+    /// Shared memory (posix, sysv) on one host.
+    Shm,
+}
+
+impl Transport {
+    fn tls(self) -> &'static str {
+        // `self` lets an endpoint reach its own worker; cma is refused on these hosts.
+        match self {
+            Transport::Tcp => "tcp,self",
+            Transport::Shm => "posix,sysv,self",
+        }
+    }
+}
+
+struct ContextInner(sys::ucp_context_h);
+
+impl Drop for ContextInner {
+    fn drop(&mut self) {
+        // SAFETY: the context was created by ucp_init_version and every dependent handle (which
+        // holds an Rc of this) has been dropped.
+        unsafe { sys::ucp_cleanup(self.0) }
+    }
+}
+
+/// A UCP context with RMA.
+#[derive(Clone)]
+pub struct Context(Rc<ContextInner>);
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ucx::Context")
+    }
+}
+
+impl Context {
+    /// A context limited to `transport`.
+    pub fn new(transport: Transport) -> Result<Context, UcxError> {
+        let mut config: *mut sys::ucp_config_t = ptr::null_mut();
+        // SAFETY: out-pointer to a config handle; null prefix and file mean defaults plus env.
+        check("ucp_config_read", unsafe {
+            sys::ucp_config_read(ptr::null(), ptr::null(), &mut config)
+        })?;
+        let (name, value) = (c"TLS", CString::new(transport.tls()).unwrap_or_default());
+        // SAFETY: config is valid; both strings are NUL-terminated.
+        let modified = check("ucp_config_modify(TLS)", unsafe {
+            sys::ucp_config_modify(config, name.as_ptr(), value.as_ptr())
+        });
+        if let Err(e) = modified {
+            // SAFETY: config came from ucp_config_read.
+            unsafe { sys::ucp_config_release(config) };
+            return Err(e);
+        }
+        // SAFETY: zeroed params are valid; only the fields named in field_mask are read.
+        let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = u64::from(sys::ucp_params_field_UCP_PARAM_FIELD_FEATURES);
+        params.features = u64::from(sys::ucp_feature_UCP_FEATURE_RMA);
+        let mut context: sys::ucp_context_h = ptr::null_mut();
+        // SAFETY: params and config are valid for the call; context is an out-pointer.
+        let status =
+            unsafe { sys::ucp_init_version(sys::UCP_API_MAJOR, sys::UCP_API_MINOR, &params, config, &mut context) };
+        // SAFETY: config is no longer needed after ucp_init.
+        unsafe { sys::ucp_config_release(config) };
+        check("ucp_init", status)?;
+        Ok(Context(Rc::new(ContextInner(context))))
+    }
+
+    /// Registers `len` bytes at `addr` for remote access.
+    ///
+    /// # Safety
+    /// `addr..addr+len` must stay valid (mapped, not freed) until the returned region is dropped,
+    /// and remote peers may write it at any time while it is registered.
+    pub unsafe fn map(&self, addr: *mut u8, len: usize) -> Result<MemRegion, UcxError> {
+        // SAFETY: zeroed params are valid; only masked fields are read.
+        let mut params: sys::ucp_mem_map_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = u64::from(
+            sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        );
+        params.address = addr.cast();
+        params.length = len;
+        let mut memh: sys::ucp_mem_h = ptr::null_mut();
+        // SAFETY: the caller guarantees the range; memh is an out-pointer.
+        check("ucp_mem_map", unsafe { sys::ucp_mem_map(self.0.0, &params, &mut memh) })?;
+        Ok(MemRegion {
+            context: self.clone(),
+            memh,
+            addr: addr as u64,
+            len,
+        })
+    }
+}
+
+/// Registered memory. Unregistered on drop.
+pub struct MemRegion {
+    context: Context,
+    memh: sys::ucp_mem_h,
+    addr: u64,
+    len: usize,
+}
+
+impl std::fmt::Debug for MemRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemRegion")
+            .field("addr", &self.addr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl MemRegion {
+    /// The region's address, as peers address it.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Its length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The packed remote key a peer needs to write this region.
+    pub fn packed_rkey(&self) -> Result<Vec<u8>, UcxError> {
+        let mut buf: *mut c_void = ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: context and memh are valid; buf and size are out-pointers.
+        check("ucp_rkey_pack", unsafe {
+            sys::ucp_rkey_pack(self.context.0.0, self.memh, &mut buf, &mut size)
+        })?;
+        // SAFETY: UCX returned `size` readable bytes at `buf`, released right after copying.
+        let bytes = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) }.to_vec();
+        // SAFETY: buf came from ucp_rkey_pack.
+        unsafe { sys::ucp_rkey_buffer_release(buf) };
+        Ok(bytes)
+    }
+}
+
+impl Drop for MemRegion {
+    fn drop(&mut self) {
+        // SAFETY: memh was mapped in this context, which is still alive (we hold an Rc).
+        let _ = unsafe { sys::ucp_mem_unmap(self.context.0.0, self.memh) };
+    }
+}
+
+struct WorkerInner {
+    handle: sys::ucp_worker_h,
+    _context: Context,
+}
+
+impl Drop for WorkerInner {
+    fn drop(&mut self) {
+        // SAFETY: every endpoint (which holds an Rc of this) has been closed.
+        unsafe { sys::ucp_worker_destroy(self.handle) }
+    }
+}
+
+/// A UCP worker (single-threaded).
+#[derive(Clone)]
+pub struct Worker(Rc<WorkerInner>);
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ucx::Worker")
+    }
+}
+
+impl Worker {
+    /// A worker on `context`.
+    pub fn new(context: &Context) -> Result<Worker, UcxError> {
+        // SAFETY: zeroed params are valid; only masked fields are read.
+        let mut params: sys::ucp_worker_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = u64::from(sys::ucp_worker_params_field_UCP_WORKER_PARAM_FIELD_THREAD_MODE);
+        params.thread_mode = sys::ucs_thread_mode_t_UCS_THREAD_MODE_SINGLE;
+        let mut handle: sys::ucp_worker_h = ptr::null_mut();
+        // SAFETY: context is valid; handle is an out-pointer.
+        check("ucp_worker_create", unsafe {
+            sys::ucp_worker_create(context.0.0, &params, &mut handle)
+        })?;
+        Ok(Worker(Rc::new(WorkerInner {
+            handle,
+            _context: context.clone(),
+        })))
+    }
+
+    /// The worker's address, for peers to connect to.
+    pub fn address(&self) -> Result<Vec<u8>, UcxError> {
+        let mut addr: *mut sys::ucp_address_t = ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: worker is valid; out-pointers.
+        check("ucp_worker_get_address", unsafe {
+            sys::ucp_worker_get_address(self.0.handle, &mut addr, &mut len)
+        })?;
+        // SAFETY: UCX returned `len` readable bytes; released right after copying.
+        let bytes = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), len) }.to_vec();
+        // SAFETY: addr came from ucp_worker_get_address on this worker.
+        unsafe { sys::ucp_worker_release_address(self.0.handle, addr) };
+        Ok(bytes)
+    }
+
+    /// Progresses communication once; returns whether anything happened.
+    pub fn progress(&self) -> bool {
+        // SAFETY: the worker is valid and used from one thread.
+        unsafe { sys::ucp_worker_progress(self.0.handle) != 0 }
+    }
+
+    /// Connects to a peer's worker address. Error mode NONE: UCX 1.13's PEER mode disables
+    /// shared-memory transports, so dead peers are detected on the side channel instead.
+    pub fn connect(&self, remote: &[u8]) -> Result<Endpoint, UcxError> {
+        // SAFETY: zeroed params are valid; only masked fields are read.
+        let mut params: sys::ucp_ep_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = u64::from(
+            sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+        );
+        params.address = remote.as_ptr().cast();
+        params.err_mode = sys::ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_NONE;
+        let mut ep: sys::ucp_ep_h = ptr::null_mut();
+        // SAFETY: the address bytes outlive the call (UCX copies what it needs).
+        check("ucp_ep_create", unsafe {
+            sys::ucp_ep_create(self.0.handle, &params, &mut ep)
+        })?;
+        Ok(Endpoint {
+            handle: ep,
+            closed: false,
+            worker: self.clone(),
+        })
+    }
+
+    /// Waits for a request (or an immediate status) to finish, progressing this worker and
+    /// calling `also` each round (to progress a peer in the same thread, or a side channel).
+    fn wait(&self, op: &'static str, req: sys::ucs_status_ptr_t, mut also: impl FnMut()) -> Result<(), UcxError> {
+        if req.is_null() {
+            return Ok(());
+        }
+        if sys::ucs_ptr_is_err(req) {
+            return check(op, sys::ucs_ptr_status(req));
+        }
+        loop {
+            self.progress();
+            also();
+            // SAFETY: req is a live request handle from this worker.
+            let status = unsafe { sys::ucp_request_check_status(req) };
+            if status != sys::ucs_status_t_UCS_INPROGRESS {
+                // SAFETY: the request completed; we own it.
+                unsafe { sys::ucp_request_free(req) };
+                return check(op, status);
+            }
+        }
+    }
+}
+
+/// A connection to a peer worker. Closed (flushed) on drop.
+pub struct Endpoint {
+    handle: sys::ucp_ep_h,
+    closed: bool,
+    worker: Worker,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ucx::Endpoint")
+    }
+}
+
+/// A peer's memory key, unpacked on an endpoint.
+pub struct RemoteKey {
+    handle: sys::ucp_rkey_h,
+}
+
+impl std::fmt::Debug for RemoteKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ucx::RemoteKey")
+    }
+}
+
+impl Drop for RemoteKey {
+    fn drop(&mut self) {
+        // SAFETY: rkey came from ucp_ep_rkey_unpack.
+        unsafe { sys::ucp_rkey_destroy(self.handle) }
+    }
+}
+
+impl Endpoint {
+    /// Unpacks a peer's packed remote key for this endpoint.
+    pub fn unpack_rkey(&self, packed: &[u8]) -> Result<RemoteKey, UcxError> {
+        let mut handle: sys::ucp_rkey_h = ptr::null_mut();
+        // SAFETY: packed bytes are readable for the call; handle is an out-pointer.
+        check("ucp_ep_rkey_unpack", unsafe {
+            sys::ucp_ep_rkey_unpack(self.handle, packed.as_ptr().cast(), &mut handle)
+        })?;
+        Ok(RemoteKey { handle })
+    }
+
+    /// Posts an RDMA WRITE of `local` to `remote_addr` in the peer's registered memory, and
+    /// returns a request to wait on (or `None` when UCX completed it at once).
+    ///
+    /// # Safety
+    /// `local` must stay valid until the put completes (see [`Endpoint::flush`]), and
+    /// `remote_addr..+local.len()` must lie inside the region `rkey` covers.
+    pub unsafe fn put(&self, local: &[u8], remote_addr: u64, rkey: &RemoteKey) -> Result<Option<Request>, UcxError> {
+        // SAFETY: zeroed request params with an empty attribute mask are valid.
+        let params: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        // SAFETY: the caller guarantees the buffer and range.
+        let req = unsafe {
+            sys::ucp_put_nbx(
+                self.handle,
+                local.as_ptr().cast(),
+                local.len(),
+                remote_addr,
+                rkey.handle,
+                &params,
+            )
+        };
+        if req.is_null() {
+            Ok(None)
+        } else if sys::ucs_ptr_is_err(req) {
+            check("ucp_put_nbx", sys::ucs_ptr_status(req)).map(|()| None)
+        } else {
+            Ok(Some(Request(req)))
+        }
+    }
+
+    /// Waits for a posted put.
+    pub fn wait(&self, req: Request, also: impl FnMut()) -> Result<(), UcxError> {
+        let raw = req.0;
+        std::mem::forget(req);
+        self.worker.wait("ucp_put_nbx", raw, also)
+    }
+
+    /// Completes every operation posted on this endpoint (remote completion), progressing this
+    /// worker and calling `also` each round.
+    pub fn flush(&self, also: impl FnMut()) -> Result<(), UcxError> {
+        // SAFETY: zeroed request params with an empty attribute mask are valid.
+        let params: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        // SAFETY: the endpoint is valid.
+        let req = unsafe { sys::ucp_ep_flush_nbx(self.handle, &params) };
+        self.worker.wait("ucp_ep_flush_nbx", req, also)
+    }
+
+    /// Closes the endpoint, progressing `also` meanwhile (the peer may need to progress).
+    pub fn close(mut self, also: impl FnMut()) -> Result<(), UcxError> {
+        self.closed = true;
+        self.close_inner(also)
+    }
+
+    fn close_inner(&self, also: impl FnMut()) -> Result<(), UcxError> {
+        // SAFETY: zeroed request params; flags 0 = flush before closing.
+        let params: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        // SAFETY: the endpoint is valid and closed exactly once.
+        let req = unsafe { sys::ucp_ep_close_nbx(self.handle, &params) };
+        self.worker.wait("ucp_ep_close_nbx", req, also)
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        // Force-close: a graceful close needs the peer to progress, which drop cannot arrange.
+        // SAFETY: zeroed params with the FORCE flag; the endpoint is closed exactly once.
+        let mut params: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        params.op_attr_mask = sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
+        params.flags = sys::ucp_ep_close_flags_t_UCP_EP_CLOSE_FLAG_FORCE;
+        // SAFETY: as above.
+        let req = unsafe { sys::ucp_ep_close_nbx(self.handle, &params) };
+        let _ = self.worker.wait("ucp_ep_close_nbx", req, || {});
+    }
+}
+
+/// An in-flight UCX request. Must be waited on with [`Endpoint::wait`].
+#[derive(Debug)]
+pub struct Request(sys::ucs_status_ptr_t);
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        // A request dropped unwaited is released to UCX, which completes it on its own.
+        // SAFETY: the handle is a live request we own.
+        unsafe { sys::ucp_request_free(self.0) }
+    }
+}
+
+#[cfg(test)]
+mod tests;

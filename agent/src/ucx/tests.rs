@@ -1,0 +1,58 @@
+//! Real UCX over loopback transports: two contexts (as two agents would have), a registered
+//! target buffer, a put, a flush, and the bytes checked.
+
+use super::*;
+
+fn put_roundtrip(transport: Transport, len: usize) {
+    let a = Context::new(transport).expect("context A");
+    let b = Context::new(transport).expect("context B");
+    let wa = Worker::new(&a).expect("worker A");
+    let wb = Worker::new(&b).expect("worker B");
+    let mut target = vec![0u8; len];
+    // SAFETY: `target` outlives `region` (dropped first, at the end of this function).
+    let region = unsafe { b.map(target.as_mut_ptr(), target.len()) }.expect("map target");
+    let rkey_bytes = region.packed_rkey().expect("pack rkey");
+    let ep = wa.connect(&wb.address().expect("B's address")).expect("connect A->B");
+    let rkey = ep.unpack_rkey(&rkey_bytes).expect("unpack");
+    let source: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+    // Two puts: the second half lands after the first, at an offset.
+    let half = len / 2;
+    for (range, offset) in [(0..half, 0u64), (half..len, half as u64)] {
+        // SAFETY: `source` lives until after the flush below; the range lies inside `region`.
+        if let Some(req) = unsafe { ep.put(&source[range], region.addr() + offset, &rkey) }.expect("post put") {
+            ep.wait(req, || {
+                wb.progress();
+            })
+            .expect("put completes");
+        }
+    }
+    ep.flush(|| {
+        wb.progress();
+    })
+    .expect("flush");
+    drop(rkey);
+    ep.close(|| {
+        wb.progress();
+    })
+    .expect("close");
+    drop(region);
+    assert!(target == source, "{transport:?}: the target holds what was put");
+}
+
+#[test]
+fn put_over_tcp() {
+    put_roundtrip(Transport::Tcp, 1 << 20);
+}
+
+#[test]
+fn put_over_shared_memory() {
+    put_roundtrip(Transport::Shm, 1 << 20);
+}
+
+#[test]
+fn errors_carry_ucx_status_text() {
+    let e = check("ucp_test", sys::ucs_status_t_UCS_ERR_NO_MEMORY).expect_err("an error");
+    assert_eq!(e.op, "ucp_test");
+    assert!(e.to_string().starts_with("ucp_test: Out of memory"), "{e}");
+    assert!(check("ok", sys::ucs_status_t_UCS_OK).is_ok());
+}
