@@ -6,8 +6,14 @@
 //! Landed so far: the fast checksum and its CLI, the side-channel framing, mutual
 //! authentication and the geometry-checking handshake.
 
+pub mod agent;
 pub mod checksum;
 pub mod cli;
+pub mod engine_api;
+pub mod layout;
+pub mod metrics;
 pub mod protocol;
+pub mod synthetic;
 pub mod ucx;
+pub mod ucx_thread;
 pub mod wire;

@@ -1,0 +1,1062 @@
+//! The node agent: engines register their KV pools over the engine API; decode (D) engines ask
+//! for KV from a prefill (P) engine; the agents authenticate each other, check the geometry with
+//! the rule table before registering the peer, and P WRITEs its blocks into D's memory.
+//!
+//! Threads: one per engine connection (reading its requests), one per side-channel connection
+//! (reading the peer's frames), the UCX thread, one timer per engine (deadlines and leases), and
+//! short-lived ones for connecting and transferring. No path leaves a request waiting forever:
+//! every D request has a deadline, every P hold has a lease, and a lost peer fails what waited on
+//! it at once.
+
+use std::{
+    collections::HashMap,
+    io,
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream},
+    os::unix::net::{UnixListener, UnixStream},
+    path::Path,
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use pdpair_api::{
+    ChecksumPolicy, Role,
+    checksum::{BlockSums, Outcome, compare},
+};
+
+use crate::{
+    engine_api::{AgentEvent, EngineRequest, PoolRegistration},
+    layout::PoolLayout,
+    metrics::Metrics,
+    protocol::{self, HandshakeError, MemoryDesc, Message, PeerInfo, Registration},
+    ucx::Transport,
+    ucx_thread::{PutOp, UcxHandle},
+    wire::{self, hex_bytes},
+};
+
+/// Agent settings.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// Identity in handshakes and logs.
+    pub name: String,
+    /// Host the side-channel listeners bind (loopback in tests).
+    pub listen_host: IpAddr,
+    /// UCX transports.
+    pub transport: Transport,
+    /// Fault injection: flip one byte of one block in flight per request (prefill side).
+    pub corrupt_one_byte: bool,
+    /// How long a remembered rejection short-circuits new requests to that peer.
+    pub rejection_ttl: Duration,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock means a panicking thread; the data is still consistent enough to fail
+    // requests with, so keep going rather than cascade the panic.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A running agent.
+#[derive(Clone, Debug)]
+pub struct Agent {
+    shared: Arc<Shared>,
+}
+
+/// A remembered rejection: when, the reasons, the message.
+type Remembered = (Instant, Vec<String>, String);
+
+/// A D registration waiting for P's KV: the link it came on, the registration, when.
+type Waiting = (Arc<Link>, Registration, Instant);
+
+#[derive(Debug)]
+struct Shared {
+    cfg: AgentConfig,
+    ucx: UcxHandle,
+    metrics: Arc<Metrics>,
+    /// Peer address -> (when, reasons, message): rejections are remembered, no retry storm.
+    rejections: Mutex<HashMap<String, Remembered>>,
+}
+
+impl Agent {
+    /// Starts UCX. Fails when UCX cannot start on the configured transport.
+    pub fn start(cfg: AgentConfig, metrics: Arc<Metrics>) -> Result<Agent, String> {
+        let ucx = UcxHandle::start(cfg.transport)?;
+        Ok(Agent {
+            shared: Arc::new(Shared {
+                cfg,
+                ucx,
+                metrics,
+                rejections: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// Serves the engine API on a Unix socket until the process ends.
+    pub fn serve(&self, socket: &Path) -> io::Result<()> {
+        let _ = std::fs::remove_file(socket);
+        let listener = UnixListener::bind(socket)?;
+        for stream in listener.incoming() {
+            match stream {
+                Ok(stream) => {
+                    let agent = self.clone();
+                    thread::spawn(move || agent.engine_session(stream));
+                }
+                Err(e) => tracing::warn!(error = %e, "engine API accept failed"),
+            }
+        }
+        Ok(())
+    }
+
+    /// Handles one engine connection: registration, then its requests.
+    pub fn engine_session(&self, stream: UnixStream) {
+        let mut reader = match stream.try_clone() {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "engine API: cannot clone the socket");
+                return;
+            }
+        };
+        let writer = Arc::new(Mutex::new(stream));
+        let registration = match wire::read_frame::<EngineRequest>(&mut reader) {
+            Ok(EngineRequest::RegisterPool(reg)) => *reg,
+            Ok(_) => {
+                send(
+                    &writer,
+                    &AgentEvent::RegistrationFailed {
+                        message: "the first message must be RegisterPool".into(),
+                    },
+                );
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "engine API: no registration");
+                return;
+            }
+        };
+        let engine = match Engine::register(self.shared.clone(), registration, writer.clone()) {
+            Ok(engine) => engine,
+            Err(message) => {
+                send(&writer, &AgentEvent::RegistrationFailed { message });
+                return;
+            }
+        };
+        self.shared.metrics.registrations.inc();
+        let address = engine.address.clone();
+        send(
+            &writer,
+            &AgentEvent::Registered {
+                address,
+                agent: self.shared.cfg.name.clone(),
+            },
+        );
+        engine.spawn_timer();
+        loop {
+            match wire::read_frame::<EngineRequest>(&mut reader) {
+                Ok(EngineRequest::ExpectKv {
+                    request,
+                    prefill,
+                    blocks,
+                    num_tokens,
+                    first_token,
+                }) => {
+                    engine.expect_kv(request, prefill, blocks, num_tokens, first_token);
+                }
+                Ok(EngineRequest::KvReady {
+                    request,
+                    blocks,
+                    num_tokens,
+                    first_token,
+                }) => {
+                    engine.kv_ready(request, blocks, num_tokens, first_token);
+                }
+                Ok(EngineRequest::RegisterPool(_)) => {
+                    tracing::warn!(engine = %engine.reg.engine, "engine registered twice; ignoring");
+                }
+                Err(e) => {
+                    tracing::debug!(engine = %engine.reg.engine, error = %e, "engine disconnected");
+                    break;
+                }
+            }
+        }
+        engine.shutdown();
+        self.shared.metrics.registrations.dec();
+    }
+}
+
+fn send(writer: &Mutex<UnixStream>, event: &AgentEvent) {
+    if let Err(e) = wire::write_frame(&mut *lock(writer), event) {
+        tracing::debug!(error = %e, "engine API: cannot send an event");
+    }
+}
+
+/// A D request waiting for its KV.
+#[derive(Debug)]
+struct Pending {
+    prefill: String,
+    blocks: Vec<u32>,
+    num_tokens: u64,
+    first_token: u64,
+    deadline: Instant,
+}
+
+/// A P request whose KV is ready.
+#[derive(Debug)]
+struct Ready {
+    blocks: Vec<u32>,
+    num_tokens: u64,
+    first_token: u64,
+    since: Instant,
+}
+
+/// An authenticated, handshaken side-channel connection.
+#[derive(Debug)]
+struct Link {
+    writer: Mutex<TcpStream>,
+    peer: PeerInfo,
+    /// UCX peer id (P side only: P writes into D).
+    ucx_peer: Option<u64>,
+    addr: String,
+}
+
+impl Link {
+    fn send(&self, m: &Message) -> bool {
+        wire::write_frame(&mut *lock(&self.writer), m).is_ok()
+    }
+}
+
+#[derive(Debug)]
+enum Slot {
+    Connecting(Vec<String>),
+    Connected(Arc<Link>),
+}
+
+#[derive(Debug)]
+struct Engine {
+    shared: Arc<Shared>,
+    reg: PoolRegistration,
+    key: Vec<u8>,
+    layout: PoolLayout,
+    map: memmap2::MmapRaw,
+    region: u64,
+    local: PeerInfo,
+    address: String,
+    writer: Arc<Mutex<UnixStream>>,
+    closed: AtomicBool,
+    // Decode side.
+    pending: Mutex<HashMap<String, Pending>>,
+    peers: Mutex<HashMap<String, Slot>>,
+    // Prefill side.
+    ready: Mutex<HashMap<String, Ready>>,
+    registered: Mutex<HashMap<String, Waiting>>,
+}
+
+impl Engine {
+    fn register(
+        shared: Arc<Shared>,
+        reg: PoolRegistration,
+        writer: Arc<Mutex<UnixStream>>,
+    ) -> Result<Arc<Engine>, String> {
+        let key = hex_bytes::decode(&reg.pairing_key)
+            .filter(|k| !k.is_empty())
+            .ok_or("pairing_key must be non-empty hex")?;
+        let layout = PoolLayout::new(&reg.kv, &reg.parallelism, reg.num_blocks).map_err(|e| e.to_string())?;
+        if reg.num_blocks == 0 {
+            return Err("num_blocks must be at least 1".into());
+        }
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&reg.memory_path)
+            .map_err(|e| format!("memory_path {}: {e}", reg.memory_path))?;
+        let map = memmap2::MmapRaw::map_raw(&file).map_err(|e| format!("mapping {}: {e}", reg.memory_path))?;
+        if map.len() < layout.region_len() {
+            return Err(format!(
+                "memory_path {} holds {} bytes; the geometry needs {} ({} layers x K,V x {} blocks x {} bytes)",
+                reg.memory_path,
+                map.len(),
+                layout.region_len(),
+                layout.layers,
+                layout.num_blocks,
+                layout.block_len()
+            ));
+        }
+        let (region, rkey) = shared.ucx.map(map.as_mut_ptr() as u64, layout.region_len() as u64)?;
+        let listener = match reg.role {
+            Role::Prefill => Some(
+                TcpListener::bind(SocketAddr::new(shared.cfg.listen_host, 0))
+                    .map_err(|e| format!("binding the side channel: {e}"))?,
+            ),
+            Role::Decode => None,
+        };
+        let address = listener
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let local = PeerInfo {
+            agent: shared.cfg.name.clone(),
+            version: protocol::PROTOCOL_VERSION,
+            pdpair: reg.pdpair.clone(),
+            role: reg.role,
+            engine: reg.engine.clone(),
+            mode: reg.mode,
+            checksum: reg.checksum,
+            parallelism: reg.parallelism.clone(),
+            kv: reg.kv.clone(),
+            worker_address: shared.ucx.worker_address.clone(),
+            memory: MemoryDesc {
+                base: map.as_mut_ptr() as u64,
+                len: layout.region_len() as u64,
+                rkey,
+                num_blocks: layout.num_blocks,
+                block_len: layout.block_len() as u64,
+                block_stride: layout.block_len() as u64,
+                layers: layout.layer_offsets(),
+            },
+        };
+        let engine = Arc::new(Engine {
+            shared,
+            reg,
+            key,
+            layout,
+            map,
+            region,
+            local,
+            address,
+            writer,
+            closed: AtomicBool::new(false),
+            pending: Mutex::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            ready: Mutex::new(HashMap::new()),
+            registered: Mutex::new(HashMap::new()),
+        });
+        if let Some(listener) = listener {
+            let e = engine.clone();
+            thread::spawn(move || e.accept(listener));
+        }
+        Ok(engine)
+    }
+
+    fn event(&self, event: AgentEvent) {
+        send(&self.writer, &event);
+    }
+
+    fn fail(&self, request: String, reasons: Vec<String>, message: String) {
+        for r in &reasons {
+            self.shared.metrics.request_failed(self.reg.role, r);
+        }
+        self.event(AgentEvent::RequestFailed {
+            request,
+            reasons,
+            message,
+        });
+    }
+
+    fn memory(&self) -> &[u8] {
+        #[allow(unsafe_code)]
+        // SAFETY: the mapping lives as long as `self`; readers only look at blocks whose
+        // transfers completed (D) or that the engine marked ready (P).
+        unsafe {
+            std::slice::from_raw_parts(self.map.as_ptr(), self.layout.region_len())
+        }
+    }
+
+    fn handshake_timeout(&self) -> Duration {
+        Duration::from_millis(self.reg.handshake_timeout_ms.max(1))
+    }
+
+    fn lease(&self) -> Duration {
+        Duration::from_millis(self.reg.lease_ms.max(1))
+    }
+
+    fn check_blocks(&self, blocks: &[u32]) -> Result<(), String> {
+        if blocks.is_empty() {
+            return Err("no blocks".into());
+        }
+        match blocks.iter().find(|b| **b >= self.layout.num_blocks) {
+            Some(b) => Err(format!(
+                "block {b} is outside the pool's {} blocks",
+                self.layout.num_blocks
+            )),
+            None => Ok(()),
+        }
+    }
+
+    // ---- decode side ------------------------------------------------------------------------
+
+    fn expect_kv(
+        self: &Arc<Self>,
+        request: String,
+        prefill: String,
+        blocks: Vec<u32>,
+        num_tokens: u64,
+        first_token: u64,
+    ) {
+        if self.reg.role != Role::Decode {
+            return self.fail(
+                request,
+                vec!["WrongRole".into()],
+                "ExpectKv is for decode engines".into(),
+            );
+        }
+        if let Err(e) = self.check_blocks(&blocks) {
+            return self.fail(request, vec!["InvalidRequest".into()], e);
+        }
+        if let Some((reasons, message)) = self.remembered(&prefill) {
+            return self.fail(
+                request,
+                reasons,
+                format!("remembered rejection by {prefill}: {message}"),
+            );
+        }
+        let deadline = Instant::now() + self.handshake_timeout() + self.lease();
+        lock(&self.pending).insert(
+            request.clone(),
+            Pending {
+                prefill: prefill.clone(),
+                blocks,
+                num_tokens,
+                first_token,
+                deadline,
+            },
+        );
+        let mut peers = lock(&self.peers);
+        match peers.get_mut(&prefill) {
+            Some(Slot::Connected(link)) => {
+                let link = link.clone();
+                drop(peers);
+                self.send_registration(&link, &request);
+            }
+            Some(Slot::Connecting(queue)) => queue.push(request),
+            None => {
+                peers.insert(prefill.clone(), Slot::Connecting(vec![request]));
+                drop(peers);
+                let e = self.clone();
+                thread::spawn(move || e.connect(prefill));
+            }
+        }
+    }
+
+    fn remembered(&self, peer: &str) -> Option<(Vec<String>, String)> {
+        let mut cache = lock(&self.shared.rejections);
+        match cache.get(peer) {
+            Some((at, reasons, message)) if at.elapsed() < self.shared.cfg.rejection_ttl => {
+                Some((reasons.clone(), message.clone()))
+            }
+            Some(_) => {
+                cache.remove(peer);
+                None
+            }
+            None => None,
+        }
+    }
+
+    fn send_registration(&self, link: &Link, request: &str) {
+        let reg = lock(&self.pending).get(request).map(|p| Registration {
+            request: request.to_owned(),
+            blocks: p.blocks.clone(),
+            num_tokens: p.num_tokens,
+            first_token: p.first_token,
+        });
+        if let Some(reg) = reg
+            && !link.send(&Message::Register(reg))
+            && let Some(p) = lock(&self.pending).remove(request)
+        {
+            self.fail(
+                request.to_owned(),
+                vec!["PeerLost".into()],
+                format!("cannot reach prefill {}", p.prefill),
+            );
+        }
+    }
+
+    fn connect(self: Arc<Self>, addr: String) {
+        let started = Instant::now();
+        let result = self.dial(&addr);
+        let metrics = &self.shared.metrics;
+        match result {
+            Ok(link) => {
+                metrics.handshake("accepted");
+                let link = Arc::new(link);
+                let queued = match lock(&self.peers).insert(addr.clone(), Slot::Connected(link.clone())) {
+                    Some(Slot::Connecting(q)) => q,
+                    _ => Vec::new(),
+                };
+                for request in queued {
+                    self.send_registration(&link, &request);
+                }
+                let e = self.clone();
+                thread::spawn(move || e.read_prefill(link));
+            }
+            Err(err) => {
+                let reasons = err.reasons();
+                for r in &reasons {
+                    metrics.handshake(r);
+                }
+                metrics.reject_latency(started.elapsed());
+                tracing::info!(engine = %self.reg.engine, peer = %addr, error = %err, "handshake with prefill failed");
+                if matches!(
+                    err,
+                    HandshakeError::Rejected { .. } | HandshakeError::Unauthenticated(_)
+                ) {
+                    lock(&self.shared.rejections)
+                        .insert(addr.clone(), (Instant::now(), reasons.clone(), err.to_string()));
+                }
+                let queued = match lock(&self.peers).remove(&addr) {
+                    Some(Slot::Connecting(q)) => q,
+                    _ => Vec::new(),
+                };
+                for request in queued {
+                    if lock(&self.pending).remove(&request).is_some() {
+                        self.fail(
+                            request,
+                            reasons.clone(),
+                            format!("handshake with prefill {addr} failed: {err}"),
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn dial(&self, addr: &str) -> Result<Link, HandshakeError> {
+        let sock: SocketAddr = addr
+            .parse()
+            .map_err(|_| HandshakeError::Protocol(format!("bad prefill address {addr:?}")))?;
+        let mut stream = TcpStream::connect_timeout(&sock, self.handshake_timeout()).map_err(wire::FrameError::from)?;
+        stream
+            .set_read_timeout(Some(self.handshake_timeout()))
+            .map_err(wire::FrameError::from)?;
+        stream.set_nodelay(true).map_err(wire::FrameError::from)?;
+        protocol::authenticate_decode(&mut stream, &self.reg.pdpair, &self.key)?;
+        let peer = protocol::handshake_decode(&mut stream, &self.local)?;
+        stream.set_read_timeout(None).map_err(wire::FrameError::from)?;
+        Ok(Link {
+            writer: Mutex::new(stream),
+            peer,
+            ucx_peer: None,
+            addr: addr.to_owned(),
+        })
+    }
+
+    fn read_prefill(self: Arc<Self>, link: Arc<Link>) {
+        let mut reader = match lock(&link.writer).try_clone() {
+            Ok(r) => r,
+            Err(_) => return self.lost(&link, "cannot read the side channel".into()),
+        };
+        loop {
+            match wire::read_frame::<Message>(&mut reader) {
+                Ok(Message::Complete { request, sums, bytes }) => self.complete(request, sums, bytes),
+                Ok(Message::Failed {
+                    request,
+                    reason,
+                    message,
+                }) => {
+                    if lock(&self.pending).remove(&request).is_some() {
+                        self.fail(request, vec![reason], message);
+                    }
+                }
+                Ok(Message::Ping { seq }) => {
+                    link.send(&Message::Pong { seq });
+                }
+                Ok(_) => {}
+                Err(e) => return self.lost(&link, e.to_string()),
+            }
+        }
+    }
+
+    /// The prefill peer is gone: fail at once everything that waited on it.
+    fn lost(&self, link: &Link, why: String) {
+        lock(&self.peers).remove(&link.addr);
+        let failed: Vec<String> = {
+            let mut pending = lock(&self.pending);
+            let ids: Vec<String> = pending
+                .iter()
+                .filter(|(_, p)| p.prefill == link.addr)
+                .map(|(id, _)| id.clone())
+                .collect();
+            for id in &ids {
+                pending.remove(id);
+            }
+            ids
+        };
+        if self.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        for request in failed {
+            self.fail(
+                request,
+                vec!["PeerLost".into()],
+                format!("prefill {} ({}) went away: {why}", link.addr, link.peer.agent),
+            );
+        }
+    }
+
+    fn complete(&self, request: String, sums: Option<BlockSums>, bytes: u64) {
+        let Some(p) = lock(&self.pending).remove(&request) else {
+            return;
+        };
+        self.shared.metrics.transfer_done(Role::Decode, bytes);
+        if self.reg.checksum == ChecksumPolicy::Disabled {
+            return self.event(AgentEvent::RequestDone {
+                request,
+                bytes,
+                checksum: None,
+            });
+        }
+        let block = u64::from(self.layout.block_size);
+        let ours = BlockSums {
+            block_size: self.layout.block_size,
+            first_token: p.first_token,
+            sums: p
+                .blocks
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| p.first_token + *i as u64 * block < p.num_tokens)
+                .map(|(i, b)| {
+                    self.layout
+                        .checksum(self.memory(), *b, p.first_token + i as u64 * block, p.num_tokens)
+                        .unwrap_or(0)
+                })
+                .collect(),
+        };
+        let outcome = match &sums {
+            Some(theirs) => compare(theirs, &ours).outcome(),
+            None => Outcome::Unverified,
+        };
+        self.shared.metrics.checksum(outcome);
+        let name = format!("{outcome:?}");
+        match (outcome, self.reg.checksum) {
+            (Outcome::Verified, _) | (_, ChecksumPolicy::FailOpen) => {
+                if outcome != Outcome::Verified {
+                    tracing::warn!(%request, ?outcome, "KV checksum not verified (FailOpen: accepted)");
+                }
+                self.event(AgentEvent::RequestDone {
+                    request,
+                    bytes,
+                    checksum: Some(name),
+                });
+            }
+            (Outcome::Mismatched, _) => self.fail(
+                request,
+                vec!["ChecksumMismatch".into()],
+                "received KV does not match prefill's checksums".into(),
+            ),
+            _ => self.fail(
+                request,
+                vec!["ChecksumUnverified".into()],
+                "received KV could not be verified (FailClosed)".into(),
+            ),
+        }
+    }
+
+    // ---- prefill side -----------------------------------------------------------------------
+
+    fn accept(self: Arc<Self>, listener: TcpListener) {
+        for stream in listener.incoming() {
+            if self.closed.load(Ordering::SeqCst) {
+                break;
+            }
+            let Ok(stream) = stream else { continue };
+            let e = self.clone();
+            thread::spawn(move || e.serve_decode(stream));
+        }
+    }
+
+    fn serve_decode(self: Arc<Self>, mut stream: TcpStream) {
+        let peer_addr = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let _ = stream.set_read_timeout(Some(self.handshake_timeout()));
+        let _ = stream.set_nodelay(true);
+        let key = self.key.clone();
+        let pdpair = self.reg.pdpair.clone();
+        let peer = protocol::authenticate_prefill(&mut stream, |p| (p == pdpair).then(|| key.clone()))
+            .and_then(|_| protocol::handshake_prefill(&mut stream, &self.local));
+        let peer = match peer {
+            Ok(peer) => peer,
+            Err(err) => {
+                for r in err.reasons() {
+                    self.shared.metrics.handshake(&r);
+                }
+                tracing::info!(engine = %self.reg.engine, peer = %peer_addr, error = %err, "refused a decode agent");
+                return;
+            }
+        };
+        if peer.memory.block_len != self.layout.block_len() as u64
+            || peer.memory.layers.len() != self.layout.layers as usize
+        {
+            let _ = wire::write_frame(
+                &mut stream,
+                &Message::Reject {
+                    reasons: vec!["MemoryLayoutMismatch".into()],
+                    message: "block length or layer count differs".into(),
+                },
+            );
+            return;
+        }
+        let ucx_peer = match self
+            .shared
+            .ucx
+            .connect(peer.worker_address.clone(), peer.memory.rkey.clone())
+        {
+            Ok(id) => id,
+            Err(e) => {
+                let _ = wire::write_frame(
+                    &mut stream,
+                    &Message::Reject {
+                        reasons: vec!["TransportFailed".into()],
+                        message: e,
+                    },
+                );
+                return;
+            }
+        };
+        self.shared.metrics.handshake("accepted");
+        let _ = stream.set_read_timeout(None);
+        let Ok(mut reader) = stream.try_clone() else { return };
+        let link = Arc::new(Link {
+            writer: Mutex::new(stream),
+            peer,
+            ucx_peer: Some(ucx_peer),
+            addr: peer_addr,
+        });
+        loop {
+            match wire::read_frame::<Message>(&mut reader) {
+                Ok(Message::Register(reg)) => self.registration(&link, reg),
+                Ok(Message::Ping { seq }) => {
+                    link.send(&Message::Pong { seq });
+                }
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        // D is gone: forget its registrations (the P engine's KV stays ready for a retry until
+        // its lease ends).
+        lock(&self.registered).retain(|_, (l, _, _)| !Arc::ptr_eq(l, &link));
+        self.shared.ucx.disconnect(ucx_peer);
+    }
+
+    fn registration(self: &Arc<Self>, link: &Arc<Link>, reg: Registration) {
+        if let Err(e) = self.check_remote_blocks(link, &reg.blocks) {
+            link.send(&Message::Failed {
+                request: reg.request,
+                reason: "InvalidRequest".into(),
+                message: e,
+            });
+            return;
+        }
+        match lock(&self.ready).remove(&reg.request) {
+            Some(ready) => self.spawn_transfer(link.clone(), reg, ready),
+            None => {
+                lock(&self.registered).insert(reg.request.clone(), (link.clone(), reg, Instant::now()));
+            }
+        }
+    }
+
+    fn check_remote_blocks(&self, link: &Link, blocks: &[u32]) -> Result<(), String> {
+        if blocks.is_empty() {
+            return Err("no blocks".into());
+        }
+        match blocks.iter().find(|b| **b >= link.peer.memory.num_blocks) {
+            Some(b) => Err(format!(
+                "decode block {b} is outside its {} blocks",
+                link.peer.memory.num_blocks
+            )),
+            None => Ok(()),
+        }
+    }
+
+    fn kv_ready(self: &Arc<Self>, request: String, blocks: Vec<u32>, num_tokens: u64, first_token: u64) {
+        if self.reg.role != Role::Prefill {
+            return self.fail(
+                request,
+                vec!["WrongRole".into()],
+                "KvReady is for prefill engines".into(),
+            );
+        }
+        if let Err(e) = self.check_blocks(&blocks) {
+            return self.fail(request, vec!["InvalidRequest".into()], e);
+        }
+        let ready = Ready {
+            blocks,
+            num_tokens,
+            first_token,
+            since: Instant::now(),
+        };
+        match lock(&self.registered).remove(&request) {
+            Some((link, reg, _)) => self.spawn_transfer(link, reg, ready),
+            None => {
+                lock(&self.ready).insert(request, ready);
+            }
+        }
+    }
+
+    fn spawn_transfer(self: &Arc<Self>, link: Arc<Link>, reg: Registration, ready: Ready) {
+        let e = self.clone();
+        thread::spawn(move || e.transfer(&link, reg, ready));
+    }
+
+    fn transfer(&self, link: &Link, reg: Registration, ready: Ready) {
+        let request = reg.request.clone();
+        let refuse = |reason: &str, message: String| {
+            link.send(&Message::Failed {
+                request: request.clone(),
+                reason: reason.into(),
+                message: message.clone(),
+            });
+            self.fail(request.clone(), vec![reason.into()], message);
+        };
+        if reg.num_tokens != ready.num_tokens {
+            return refuse(
+                "TokenCountMismatch",
+                format!(
+                    "decode expects {} tokens, prefill computed {}",
+                    reg.num_tokens, ready.num_tokens
+                ),
+            );
+        }
+        let pairs = match pair_blocks(self.layout.block_size, &ready, &reg) {
+            Ok(p) => p,
+            Err(message) => return refuse("TokenRangeNotCovered", message),
+        };
+        let Some(ucx_peer) = link.ucx_peer else {
+            return refuse("TransportFailed", "no UCX endpoint".into());
+        };
+        let ops = self.put_ops(&link.peer.memory, &pairs);
+        self.event(AgentEvent::TransferStarted {
+            request: request.clone(),
+        });
+        let started = Instant::now();
+        let sums = (self.reg.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
+            block_size: self.layout.block_size,
+            first_token: reg.first_token,
+            sums: pairs
+                .iter()
+                .map(|(p, _, t)| {
+                    self.layout
+                        .checksum(self.memory(), *p, *t, ready.num_tokens)
+                        .unwrap_or(0)
+                })
+                .collect(),
+        });
+        match self.shared.ucx.put(ucx_peer, ops, self.shared.cfg.corrupt_one_byte) {
+            Ok(bytes) => {
+                self.shared.metrics.transfer_latency(started.elapsed());
+                self.shared.metrics.transfer_done(Role::Prefill, bytes);
+                if link.send(&Message::Complete {
+                    request: request.clone(),
+                    sums,
+                    bytes,
+                }) {
+                    self.event(AgentEvent::RequestDone {
+                        request,
+                        bytes,
+                        checksum: None,
+                    });
+                } else {
+                    self.fail(
+                        request,
+                        vec!["PeerLost".into()],
+                        "decode went away before the completion".into(),
+                    );
+                }
+            }
+            Err(e) => refuse("WriteFailed", format!("posting the WRITEs failed: {e}")),
+        }
+    }
+
+    /// WRITEs for block pairs (P block, D block, first token), one per layer and K/V, with runs
+    /// of consecutive blocks on both sides coalesced into one put.
+    fn put_ops(&self, remote: &MemoryDesc, pairs: &[(u32, u32, u64)]) -> Vec<PutOp> {
+        let block_len = self.layout.block_len() as u64;
+        let base = self.map.as_ptr() as u64;
+        let mut runs: Vec<(u32, u32, u32)> = Vec::new(); // (p start, d start, count)
+        for (p, d, _) in pairs {
+            match runs.last_mut() {
+                Some((ps, ds, n)) if *ps + *n == *p && *ds + *n == *d => *n += 1,
+                _ => runs.push((*p, *d, 1)),
+            }
+        }
+        let mut ops = Vec::new();
+        for layer in 0..self.layout.layers {
+            let (rk, rv) = remote.layers[layer as usize];
+            for (v, remote_array) in [(false, rk), (true, rv)] {
+                for (ps, ds, n) in &runs {
+                    ops.push(PutOp {
+                        local: base + self.layout.block_offset(layer, v, *ps) as u64,
+                        len: u64::from(*n) * block_len,
+                        remote: remote.base + remote_array + u64::from(*ds) * remote.block_stride,
+                    });
+                }
+            }
+        }
+        ops
+    }
+
+    // ---- timers and shutdown ----------------------------------------------------------------
+
+    fn spawn_timer(self: &Arc<Self>) {
+        let e = Arc::downgrade(self);
+        thread::spawn(move || {
+            loop {
+                thread::sleep(Duration::from_millis(20));
+                let Some(e) = e.upgrade() else { return };
+                if e.closed.load(Ordering::SeqCst) {
+                    return;
+                }
+                e.expire();
+            }
+        });
+    }
+
+    fn expire(&self) {
+        let now = Instant::now();
+        let late: Vec<(String, Pending)> = {
+            let mut pending = lock(&self.pending);
+            let ids: Vec<String> = pending
+                .iter()
+                .filter(|(_, p)| p.deadline <= now)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| pending.remove(&id).map(|p| (id, p)))
+                .collect()
+        };
+        for (request, p) in late {
+            self.fail(
+                request,
+                vec!["DeadlineExceeded".into()],
+                format!("no KV from prefill {} before the deadline", p.prefill),
+            );
+        }
+        let lease = self.lease();
+        let expired: Vec<String> = {
+            let mut ready = lock(&self.ready);
+            let ids: Vec<String> = ready
+                .iter()
+                .filter(|(_, r)| r.since.elapsed() >= lease)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.into_iter().filter(|id| ready.remove(id).is_some()).collect()
+        };
+        for request in expired {
+            self.shared.metrics.lease_expired();
+            self.fail(
+                request,
+                vec!["LeaseExpired".into()],
+                "no decode engine registered for the request within the lease".into(),
+            );
+        }
+        let stale: Vec<(Arc<Link>, String)> = {
+            let mut registered = lock(&self.registered);
+            let ids: Vec<String> = registered
+                .iter()
+                .filter(|(_, (_, _, at))| at.elapsed() >= lease)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| registered.remove(&id).map(|(l, _, _)| (l, id)))
+                .collect()
+        };
+        for (link, request) in stale {
+            self.shared.metrics.lease_expired();
+            link.send(&Message::Failed {
+                request,
+                reason: "LeaseExpired".into(),
+                message: "the prefill engine did not finish the request within the lease".into(),
+            });
+        }
+    }
+
+    fn shutdown(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        // Wake the acceptor so it sees `closed` and drops the listener.
+        if let Ok(addr) = self.address.parse::<SocketAddr>() {
+            let _ = TcpStream::connect_timeout(&addr, Duration::from_millis(100));
+        }
+        for (_, slot) in lock(&self.peers).drain() {
+            if let Slot::Connected(link) = slot {
+                let _ = lock(&link.writer).shutdown(std::net::Shutdown::Both);
+            }
+        }
+        lock(&self.pending).clear();
+        self.shared.ucx.unmap(self.region);
+    }
+}
+
+/// Pairs D's blocks with P's by absolute token position (never by list length): D block `i`
+/// holds tokens from `reg.first_token + i*B`; the P block holding that token must start exactly
+/// there. Blocks wholly past the request's tokens are skipped. Returns (P block, D block, first
+/// token) for each block to write.
+fn pair_blocks(block_size: u32, ready: &Ready, reg: &Registration) -> Result<Vec<(u32, u32, u64)>, String> {
+    let b = u64::from(block_size);
+    let mut out = Vec::new();
+    for (i, d) in reg.blocks.iter().enumerate() {
+        let t = reg.first_token + i as u64 * b;
+        if t >= reg.num_tokens {
+            break;
+        }
+        if t < ready.first_token || !(t - ready.first_token).is_multiple_of(b) {
+            return Err(format!(
+                "decode block {i} starts at token {t}, which no prefill block starts at (prefill blocks start at {})",
+                ready.first_token
+            ));
+        }
+        let k = ((t - ready.first_token) / b) as usize;
+        let Some(p) = ready.blocks.get(k) else {
+            return Err(format!(
+                "token {t} is past prefill's {} blocks from token {}",
+                ready.blocks.len(),
+                ready.first_token
+            ));
+        };
+        out.push((*p, *d, t));
+    }
+    if out.is_empty() {
+        return Err("no decode block holds any of the request's tokens".into());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ready(first: u64, blocks: Vec<u32>) -> Ready {
+        Ready {
+            blocks,
+            num_tokens: 40,
+            first_token: first,
+            since: Instant::now(),
+        }
+    }
+
+    fn reg(first: u64, blocks: Vec<u32>) -> Registration {
+        Registration {
+            request: "r".into(),
+            blocks,
+            num_tokens: 40,
+            first_token: first,
+        }
+    }
+
+    #[test]
+    fn pairs_by_absolute_token_position_after_a_prefix_hit() {
+        // P computed all 40 tokens in blocks 10..13 (16 tokens each); D already holds the first
+        // 16 tokens (a prefix-cache hit) and asks for two blocks from token 16. Pairing by list
+        // length would send P's first two blocks: wrong. By position: P's blocks 11 and 12.
+        let pairs = pair_blocks(16, &ready(0, vec![10, 11, 12]), &reg(16, vec![5, 6])).expect("pairs");
+        assert_eq!(pairs, vec![(11, 5, 16), (12, 6, 32)]);
+    }
+
+    #[test]
+    fn refuses_misaligned_or_uncovered_ranges() {
+        assert!(pair_blocks(16, &ready(0, vec![1, 2, 3]), &reg(8, vec![5])).is_err());
+        assert!(pair_blocks(16, &ready(16, vec![1, 2]), &reg(0, vec![5])).is_err());
+        assert!(pair_blocks(16, &ready(0, vec![1]), &reg(0, vec![5, 6])).is_err());
+        // Blocks wholly past the request's tokens are skipped, not refused.
+        let pairs = pair_blocks(16, &ready(0, vec![1, 2, 3]), &reg(0, vec![7, 8, 9, 4])).expect("pairs");
+        assert_eq!(pairs.len(), 3);
+    }
+}

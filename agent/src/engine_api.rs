@@ -1,0 +1,117 @@
+//! The engine API: what an engine and its node's agent say over the agent's Unix socket
+//! (default `/var/run/pdpair/agent.sock`). Frames are the side channel's: a 4-byte big-endian
+//! length, then one JSON message. `docs/engine-api.md` is the specification.
+
+use pdpair_api::{ChecksumPolicy, KvGeometry, Parallelism, Role, TransferMode};
+use serde::{Deserialize, Serialize};
+
+/// Default socket path.
+pub const DEFAULT_SOCKET: &str = "/var/run/pdpair/agent.sock";
+
+/// Engine -> agent.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type")]
+pub enum EngineRequest {
+    /// First message on a connection: the engine's KV pool.
+    RegisterPool(Box<PoolRegistration>),
+    /// Decode: KV for this request will come from the prefill engine at `prefill`.
+    ExpectKv {
+        /// Request id, shared with the prefill engine.
+        request: String,
+        /// The prefill engine's side-channel address (from its registration).
+        prefill: String,
+        /// This engine's block ids for the request, in token order.
+        blocks: Vec<u32>,
+        /// The request's token count.
+        num_tokens: u64,
+        /// Absolute position of the first token the first block holds (after a prefix-cache hit,
+        /// D already has the earlier blocks).
+        first_token: u64,
+    },
+    /// Prefill: this request's KV is computed and may be sent.
+    KvReady {
+        /// Request id.
+        request: String,
+        /// This engine's block ids, in token order.
+        blocks: Vec<u32>,
+        /// The request's token count.
+        num_tokens: u64,
+        /// Absolute position of the first token the first block holds.
+        first_token: u64,
+    },
+}
+
+/// An engine's KV pool.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PoolRegistration {
+    /// `namespace/name` of the PDPair.
+    pub pdpair: String,
+    /// The engine's role.
+    pub role: Role,
+    /// Engine instance id (unique on the node).
+    pub engine: String,
+    /// The engine's Pod, when it runs in Kubernetes.
+    #[serde(default)]
+    pub pod: Option<String>,
+    /// Transfer mode.
+    pub mode: TransferMode,
+    /// Checksum policy.
+    pub checksum: ChecksumPolicy,
+    /// How long to wait for a peer's handshake, in milliseconds.
+    pub handshake_timeout_ms: u64,
+    /// How long prefill holds a request's blocks for decode, in milliseconds.
+    pub lease_ms: u64,
+    /// The engine's parallelism.
+    pub parallelism: Parallelism,
+    /// The engine's KV geometry.
+    pub kv: KvGeometry,
+    /// The PDPair's pairing secret (the file at `PDPAIR_PAIRING_KEY_FILE`), hex.
+    pub pairing_key: String,
+    /// The pool memory: a file both the engine and the agent can map (host memory).
+    pub memory_path: String,
+    /// Blocks per K (or V) array.
+    pub num_blocks: u32,
+}
+
+/// Agent -> engine.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type")]
+pub enum AgentEvent {
+    /// The pool is registered; peers reach this engine at `address`.
+    Registered {
+        /// Side-channel address (prefill engines listen; decode engines connect out).
+        address: String,
+        /// Agent identity.
+        agent: String,
+    },
+    /// The registration was refused; the agent closes the connection.
+    RegistrationFailed {
+        /// Why.
+        message: String,
+    },
+    /// Prefill: the request's WRITEs were posted.
+    TransferStarted {
+        /// Request id.
+        request: String,
+    },
+    /// The request's KV moved (decode: received and verified per policy; prefill: written).
+    RequestDone {
+        /// Request id.
+        request: String,
+        /// Bytes moved.
+        bytes: u64,
+        /// Checksum outcome on decode: Verified, Mismatched (FailOpen), Unverified (FailOpen),
+        /// or absent when checksums are Disabled.
+        checksum: Option<String>,
+    },
+    /// The request failed; nothing more will happen for it.
+    RequestFailed {
+        /// Request id.
+        request: String,
+        /// Stable reasons: rule-table reasons, Unauthenticated, PeerLost, DeadlineExceeded,
+        /// LeaseExpired, ChecksumMismatch, ChecksumUnverified, TokenRangeNotCovered, ...
+        reasons: Vec<String>,
+        /// Detail.
+        message: String,
+    },
+}

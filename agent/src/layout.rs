@@ -1,0 +1,181 @@
+//! Where an engine's KV blocks are in its registered pool memory.
+//!
+//! One region per engine: for each layer, a K array then a V array of `num_blocks` blocks each
+//! (vLLM's per-layer `[2, num_blocks, ...]`). A block holds `kernel_block_size` tokens of the
+//! engine's local KV heads, `HND` (head, token, dim) or `NHD` (token, head, dim).
+
+use pdpair_api::{KvGeometry, KvLayout, Parallelism, checksum::Shape};
+
+use crate::checksum::block_checksum;
+
+/// The geometry of one engine's pool, in bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolLayout {
+    /// Layers.
+    pub layers: u32,
+    /// KV heads held by this engine (its tensor-parallel shard).
+    pub local_heads: u32,
+    /// Global index of the first local head.
+    pub head_offset: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub element_bytes: u32,
+    /// Tokens per (kernel) block.
+    pub block_size: u32,
+    /// Blocks per K (or V) array.
+    pub num_blocks: u32,
+    /// HND or NHD.
+    pub layout: KvLayout,
+}
+
+/// Why a pool's geometry or memory is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct LayoutError(pub String);
+
+impl PoolLayout {
+    /// The layout of rank 0 of an engine with this geometry (tensor-parallel ranks beyond the
+    /// first register as their own engines, with their own head offset).
+    pub fn new(kv: &KvGeometry, parallelism: &Parallelism, num_blocks: u32) -> Result<PoolLayout, LayoutError> {
+        let positive = |name: &str, v: i32| {
+            u32::try_from(v)
+                .ok()
+                .filter(|v| *v > 0)
+                .ok_or_else(|| LayoutError(format!("kv.{name} is {v}; it must be at least 1")))
+        };
+        let heads = positive("kvHeads", kv.kv_heads)?;
+        let tp = u32::try_from(parallelism.tensor).ok().filter(|t| *t > 0).unwrap_or(1);
+        let local_heads = if kv.mla { heads } else { (heads / tp).max(1) };
+        let element_bytes = kv
+            .resolved_cache_dtype()
+            .element_bytes()
+            .ok_or_else(|| LayoutError("cache dtype did not resolve".into()))?;
+        Ok(PoolLayout {
+            layers: positive("layers", kv.layers)?,
+            local_heads,
+            head_offset: 0,
+            head_dim: positive("headDim", kv.head_dim)?,
+            element_bytes,
+            block_size: positive("kernelBlockSize", kv.kernel_block_size())?,
+            num_blocks,
+            layout: kv.layout,
+        })
+    }
+
+    /// Bytes of one head's one token's K (or V).
+    pub fn half_token(&self) -> usize {
+        self.head_dim as usize * self.element_bytes as usize
+    }
+
+    /// Bytes of one block of one layer's K (or V).
+    pub fn block_len(&self) -> usize {
+        self.block_size as usize * self.local_heads as usize * self.half_token()
+    }
+
+    /// Bytes of one K (or V) array.
+    fn array_len(&self) -> usize {
+        self.num_blocks as usize * self.block_len()
+    }
+
+    /// Bytes of the whole pool.
+    pub fn region_len(&self) -> usize {
+        2 * self.layers as usize * self.array_len()
+    }
+
+    /// Offsets of each layer's K array and V array.
+    pub fn layer_offsets(&self) -> Vec<(u64, u64)> {
+        (0..self.layers as usize)
+            .map(|l| {
+                (
+                    (2 * l * self.array_len()) as u64,
+                    ((2 * l + 1) * self.array_len()) as u64,
+                )
+            })
+            .collect()
+    }
+
+    /// Offset of a block of a layer's K (`v = false`) or V array.
+    pub fn block_offset(&self, layer: u32, v: bool, block: u32) -> usize {
+        (2 * layer as usize + usize::from(v)) * self.array_len() + block as usize * self.block_len()
+    }
+
+    /// Offset of a token's K (or V) for a local head inside a block.
+    pub fn token_offset(&self, head: u32, token: u32) -> usize {
+        let (h, t) = (head as usize, token as usize);
+        match self.layout {
+            KvLayout::Hnd => (h * self.block_size as usize + t) * self.half_token(),
+            KvLayout::Nhd => (t * self.local_heads as usize + h) * self.half_token(),
+        }
+    }
+
+    /// The checksum shape of this shard.
+    pub fn shape(&self) -> Shape {
+        Shape {
+            layers: self.layers,
+            heads: self.local_heads,
+            head_dim: self.head_dim,
+            element_bytes: self.element_bytes,
+        }
+    }
+
+    /// The checksum of block `block` holding tokens from `first_token`, read from `memory`.
+    pub fn checksum(&self, memory: &[u8], block: u32, first_token: u64, num_tokens: u64) -> Option<u64> {
+        if block >= self.num_blocks || memory.len() < self.region_len() {
+            return None;
+        }
+        let half = self.half_token();
+        block_checksum(
+            &self.shape(),
+            self.head_offset,
+            self.block_size,
+            first_token,
+            num_tokens,
+            |l, h, i| {
+                let k = self.block_offset(l, false, block) + self.token_offset(h, i);
+                let v = self.block_offset(l, true, block) + self.token_offset(h, i);
+                (&memory[k..k + half], &memory[v..v + half])
+            },
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pdpair_api::checksum::reference_block;
+
+    use super::*;
+
+    /// The engine layout and the canonical layout give the same checksum for the same tokens.
+    #[test]
+    fn engine_layouts_checksum_like_the_canonical_dump() {
+        for layout in [KvLayout::Hnd, KvLayout::Nhd] {
+            let pool = PoolLayout {
+                layers: 2,
+                local_heads: 3,
+                head_offset: 0,
+                head_dim: 4,
+                element_bytes: 2,
+                block_size: 4,
+                num_blocks: 3,
+                layout,
+            };
+            let memory: Vec<u8> = (0..pool.region_len()).map(|i| (i * 31 + 7) as u8).collect();
+            // Build the canonical dump of block 1 from the engine memory.
+            let half = pool.half_token();
+            let mut canonical = Vec::new();
+            for l in 0..2 {
+                for h in 0..3 {
+                    for i in 0..4 {
+                        let k = pool.block_offset(l, false, 1) + pool.token_offset(h, i);
+                        let v = pool.block_offset(l, true, 1) + pool.token_offset(h, i);
+                        canonical.extend_from_slice(&memory[k..k + half]);
+                        canonical.extend_from_slice(&memory[v..v + half]);
+                    }
+                }
+            }
+            let reference = reference_block(&pool.shape(), &canonical, 4, 8, 11).expect("valid");
+            assert_eq!(pool.checksum(&memory, 1, 8, 11), Some(reference), "{layout:?}");
+        }
+    }
+}

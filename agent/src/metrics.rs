@@ -1,0 +1,134 @@
+//! The agent's Prometheus metrics (prefix `pdpair_agent_`). Labels are bounded: outcomes, roles
+//! and stable reason codes, never request ids or addresses.
+
+use std::time::Duration;
+
+use pdpair_api::{Role, checksum::Outcome};
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+
+/// The agent's metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    handshakes: IntCounterVec,
+    transfers: IntCounterVec,
+    bytes: IntCounterVec,
+    failures: IntCounterVec,
+    checksums: IntCounterVec,
+    leases: IntCounterVec,
+    transfer_seconds: Histogram,
+    reject_seconds: Histogram,
+    /// Engines registered now.
+    pub registrations: IntGauge,
+}
+
+fn counter(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
+}
+
+fn histogram(name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
+    Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("valid metric")
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Metrics {
+        let registry = Registry::new_custom(Some("pdpair_agent".into()), None).expect("valid prefix");
+        let m = Metrics {
+            handshakes: counter(
+                "handshakes_total",
+                "Side-channel handshakes by outcome (accepted or a reason)",
+                &["outcome"],
+            ),
+            transfers: counter("transfers_total", "Completed KV transfers by role", &["role"]),
+            bytes: counter("transfer_bytes_total", "KV bytes moved by role", &["role"]),
+            failures: counter(
+                "request_failures_total",
+                "Failed requests by role and reason",
+                &["role", "reason"],
+            ),
+            checksums: counter(
+                "checksum_outcomes_total",
+                "KV checksum outcomes on decode",
+                &["outcome"],
+            ),
+            leases: counter("lease_expiries_total", "Prefill holds that expired", &[]),
+            transfer_seconds: histogram(
+                "transfer_duration_seconds",
+                "Time from posting a request's WRITEs to their flush",
+                vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0],
+            ),
+            reject_seconds: histogram(
+                "handshake_rejection_seconds",
+                "Time from dialling a prefill agent to its rejection",
+                vec![0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25],
+            ),
+            registrations: IntGauge::new("open_registrations", "Engines registered with this agent")
+                .expect("valid metric"),
+            registry,
+        };
+        for c in [
+            Box::new(m.handshakes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(m.transfers.clone()),
+            Box::new(m.bytes.clone()),
+            Box::new(m.failures.clone()),
+            Box::new(m.checksums.clone()),
+            Box::new(m.leases.clone()),
+            Box::new(m.transfer_seconds.clone()),
+            Box::new(m.reject_seconds.clone()),
+            Box::new(m.registrations.clone()),
+        ] {
+            m.registry.register(c).expect("registered once");
+        }
+        m
+    }
+
+    /// Counts a handshake outcome.
+    pub fn handshake(&self, outcome: &str) {
+        self.handshakes.with_label_values(&[outcome]).inc();
+    }
+
+    /// Counts a completed transfer.
+    pub fn transfer_done(&self, role: Role, bytes: u64) {
+        self.transfers.with_label_values(&[role.as_str()]).inc();
+        self.bytes.with_label_values(&[role.as_str()]).inc_by(bytes);
+    }
+
+    /// Counts a failed request.
+    pub fn request_failed(&self, role: Role, reason: &str) {
+        self.failures.with_label_values(&[role.as_str(), reason]).inc();
+    }
+
+    /// Counts a checksum outcome.
+    pub fn checksum(&self, outcome: Outcome) {
+        self.checksums.with_label_values(&[&format!("{outcome:?}")]).inc();
+    }
+
+    /// Counts an expired lease.
+    pub fn lease_expired(&self) {
+        self.leases.with_label_values::<&str>(&[]).inc();
+    }
+
+    /// Observes a transfer's duration.
+    pub fn transfer_latency(&self, d: Duration) {
+        self.transfer_seconds.observe(d.as_secs_f64());
+    }
+
+    /// Observes how long a rejection took.
+    pub fn reject_latency(&self, d: Duration) {
+        self.reject_seconds.observe(d.as_secs_f64());
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8_lossy(&buf).into_owned()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

@@ -1,0 +1,210 @@
+//! A synthetic engine for the loopback scenario and tests: a real client of the engine API with
+//! a real shared-memory KV pool. Prefill fills blocks with bytes that depend only on (request,
+//! layer, global head, token position, K/V, byte), so decode can check every received byte
+//! without trusting the checksums.
+
+use std::{
+    fs::File,
+    os::unix::net::UnixStream,
+    path::{Path, PathBuf},
+};
+
+use pdpair_api::{ChecksumPolicy, KvGeometry, Parallelism, Role, TransferMode};
+
+use crate::{
+    engine_api::{AgentEvent, EngineRequest, PoolRegistration},
+    layout::PoolLayout,
+    wire::{self, FrameError, hex_bytes},
+};
+
+/// What the engine needs to register.
+#[derive(Clone, Debug)]
+pub struct EngineSpec {
+    /// `namespace/name`.
+    pub pdpair: String,
+    /// Role.
+    pub role: Role,
+    /// Engine id.
+    pub engine: String,
+    /// Transfer mode.
+    pub mode: TransferMode,
+    /// Checksum policy.
+    pub checksum: ChecksumPolicy,
+    /// Handshake timeout.
+    pub handshake_timeout_ms: u64,
+    /// Lease.
+    pub lease_ms: u64,
+    /// Parallelism.
+    pub parallelism: Parallelism,
+    /// Geometry.
+    pub kv: KvGeometry,
+    /// Pairing secret.
+    pub pairing_key: Vec<u8>,
+    /// Blocks in the pool.
+    pub num_blocks: u32,
+}
+
+/// A registered synthetic engine.
+#[derive(Debug)]
+pub struct SyntheticEngine {
+    stream: UnixStream,
+    /// Its pool layout.
+    pub layout: PoolLayout,
+    map: memmap2::MmapMut,
+    path: PathBuf,
+    /// Side-channel address the agent gave it.
+    pub address: String,
+}
+
+impl SyntheticEngine {
+    /// Creates the pool file under `dir`, connects to the agent at `socket` and registers.
+    /// `Err` carries the agent's message when it refuses the registration.
+    pub fn register(socket: &Path, dir: &Path, spec: &EngineSpec) -> Result<SyntheticEngine, String> {
+        let layout = PoolLayout::new(&spec.kv, &spec.parallelism, spec.num_blocks).map_err(|e| e.to_string())?;
+        let path = dir.join(format!("{}.kv", spec.engine));
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        file.set_len(layout.region_len() as u64)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        #[allow(unsafe_code)]
+        // SAFETY: the file is ours, sized above; the agent maps it too, which is the point.
+        let map =
+            unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(|e| format!("mapping {}: {e}", path.display()))?;
+        let mut stream = UnixStream::connect(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+        let reg = PoolRegistration {
+            pdpair: spec.pdpair.clone(),
+            role: spec.role,
+            engine: spec.engine.clone(),
+            pod: None,
+            mode: spec.mode,
+            checksum: spec.checksum,
+            handshake_timeout_ms: spec.handshake_timeout_ms,
+            lease_ms: spec.lease_ms,
+            parallelism: spec.parallelism.clone(),
+            kv: spec.kv.clone(),
+            pairing_key: hex_bytes::encode(&spec.pairing_key),
+            memory_path: path.to_string_lossy().into_owned(),
+            num_blocks: spec.num_blocks,
+        };
+        wire::write_frame(&mut stream, &EngineRequest::RegisterPool(Box::new(reg))).map_err(|e| e.to_string())?;
+        match wire::read_frame::<AgentEvent>(&mut stream).map_err(|e| e.to_string())? {
+            AgentEvent::Registered { address, .. } => Ok(SyntheticEngine {
+                stream,
+                layout,
+                map,
+                path,
+                address,
+            }),
+            AgentEvent::RegistrationFailed { message } => Err(message),
+            other => Err(format!("unexpected answer to RegisterPool: {other:?}")),
+        }
+    }
+
+    /// Sends one request to the agent.
+    pub fn send(&mut self, request: &EngineRequest) -> Result<(), FrameError> {
+        wire::write_frame(&mut self.stream, request)
+    }
+
+    /// Waits for the next event.
+    pub fn next_event(&mut self) -> Result<AgentEvent, FrameError> {
+        wire::read_frame(&mut self.stream)
+    }
+
+    /// A second handle on the socket for a reader thread.
+    pub fn events(&self) -> std::io::Result<UnixStream> {
+        self.stream.try_clone()
+    }
+
+    fn token_bytes(seed: u64, layer: u32, head: u32, token: u64, v: bool, out: &mut [u8]) {
+        let mut x = seed
+            ^ (u64::from(layer) << 52)
+            ^ (u64::from(head) << 40)
+            ^ token.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            ^ u64::from(v);
+        for chunk in out.chunks_mut(8) {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            let bytes = z.to_le_bytes();
+            chunk.copy_from_slice(&bytes[..chunk.len()]);
+        }
+    }
+
+    fn for_each_token(
+        &self,
+        blocks: &[u32],
+        first_token: u64,
+        num_tokens: u64,
+        mut f: impl FnMut(usize, u32, u32, u64, bool),
+    ) {
+        let b = u64::from(self.layout.block_size);
+        for (i, block) in blocks.iter().enumerate() {
+            for j in 0..self.layout.block_size {
+                let t = first_token + i as u64 * b + u64::from(j);
+                if t >= num_tokens {
+                    return;
+                }
+                for l in 0..self.layout.layers {
+                    for h in 0..self.layout.local_heads {
+                        for v in [false, true] {
+                            let at = self.layout.block_offset(l, v, *block) + self.layout.token_offset(h, j);
+                            f(at, l, self.layout.head_offset + h, t, v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Prefill: writes the request's KV into its blocks.
+    pub fn fill(&mut self, seed: u64, blocks: &[u32], first_token: u64, num_tokens: u64) {
+        let half = self.layout.half_token();
+        let mut writes = Vec::new();
+        self.for_each_token(blocks, first_token, num_tokens, |at, l, h, t, v| {
+            writes.push((at, l, h, t, v))
+        });
+        for (at, l, h, t, v) in writes {
+            Self::token_bytes(seed, l, h, t, v, &mut self.map[at..at + half]);
+        }
+    }
+
+    /// Decode: zeroes blocks before a request, so stale bytes cannot pass verification.
+    pub fn clear(&mut self, blocks: &[u32]) {
+        let len = self.layout.block_len();
+        for block in blocks {
+            for l in 0..self.layout.layers {
+                for v in [false, true] {
+                    let at = self.layout.block_offset(l, v, *block);
+                    self.map[at..at + len].fill(0);
+                }
+            }
+        }
+    }
+
+    /// Decode: counts the received tokens whose bytes differ from what prefill computed.
+    pub fn verify(&self, seed: u64, blocks: &[u32], first_token: u64, num_tokens: u64) -> u64 {
+        let half = self.layout.half_token();
+        let mut expected = vec![0u8; half];
+        let mut bad = 0u64;
+        self.for_each_token(blocks, first_token, num_tokens, |at, l, h, t, v| {
+            Self::token_bytes(seed, l, h, t, v, &mut expected);
+            if self.map[at..at + half] != expected[..] {
+                bad += 1;
+            }
+        });
+        bad
+    }
+}
+
+impl Drop for SyntheticEngine {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}

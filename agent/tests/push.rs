@@ -1,0 +1,406 @@
+//! Two agents in one process (each with its own UCX context and worker, real Unix and TCP
+//! sockets, real UCX over tcp or shared memory) and synthetic engines: the push path end to end.
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use pdpair_agent::{
+    agent::{Agent, AgentConfig},
+    engine_api::{AgentEvent, EngineRequest},
+    metrics::Metrics,
+    synthetic::{EngineSpec, SyntheticEngine},
+    ucx::Transport,
+};
+use pdpair_api::{CacheDtype, ChecksumPolicy, KvGeometry, KvLayout, ModelDtype, Parallelism, Role, TransferMode};
+
+fn kv(block: i32, kernel: Option<i32>) -> KvGeometry {
+    KvGeometry {
+        engine: "vllm".into(),
+        engine_version: None,
+        model: "tiny".into(),
+        dtype: ModelDtype::Bfloat16,
+        cache_dtype: CacheDtype::Auto,
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 16,
+        attention_backend: "FLASH_ATTN".into(),
+        layout: KvLayout::Hnd,
+        block_size: block,
+        kernel_block_size: kernel,
+        mla: false,
+        hybrid: false,
+        host_buffer: false,
+    }
+}
+
+fn spec(role: Role, engine: &str, kv: KvGeometry, key: &[u8], checksum: ChecksumPolicy) -> EngineSpec {
+    EngineSpec {
+        pdpair: "team-a/tiny".into(),
+        role,
+        engine: engine.into(),
+        mode: TransferMode::Push,
+        checksum,
+        handshake_timeout_ms: 2000,
+        lease_ms: 3000,
+        parallelism: Parallelism::default(),
+        kv,
+        pairing_key: key.to_vec(),
+        num_blocks: 16,
+    }
+}
+
+struct World {
+    dir: PathBuf,
+}
+
+impl World {
+    fn new(name: &str) -> World {
+        let dir = std::env::temp_dir().join(format!("pdpair-push-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        World { dir }
+    }
+
+    fn agent(&self, name: &str, transport: Transport, corrupt: bool) -> PathBuf {
+        let cfg = AgentConfig {
+            name: name.into(),
+            listen_host: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            transport,
+            corrupt_one_byte: corrupt,
+            rejection_ttl: Duration::from_secs(30),
+        };
+        let agent = Agent::start(cfg, Arc::new(Metrics::new())).expect("agent starts");
+        let socket = self.dir.join(format!("{name}.sock"));
+        let s = socket.clone();
+        std::thread::spawn(move || agent.serve(&s));
+        let start = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(5), "agent socket never came up");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        socket
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// One request: its id, the content seed, where P's and D's blocks start, the token count and
+/// P's block count.
+struct Req<'a> {
+    id: &'a str,
+    seed: u64,
+    p_first: u64,
+    d_first: u64,
+    tokens: u64,
+    blocks: usize,
+}
+
+/// Runs one request P -> D; returns D's final event and the count of wrong tokens D saw.
+fn request(p: &mut SyntheticEngine, d: &mut SyntheticEngine, r: Req<'_>) -> (AgentEvent, u64) {
+    let b = u64::from(p.layout.block_size);
+    let p_blocks: Vec<u32> = (0..r.blocks as u32).map(|i| i + 3).collect();
+    let d_skip = ((r.d_first - r.p_first) / b) as usize;
+    let d_blocks: Vec<u32> = (0..(r.blocks - d_skip) as u32).map(|i| 15 - i).collect();
+    p.fill(r.seed, &p_blocks, r.p_first, r.tokens);
+    d.clear(&d_blocks);
+    p.send(&EngineRequest::KvReady {
+        request: r.id.into(),
+        blocks: p_blocks,
+        num_tokens: r.tokens,
+        first_token: r.p_first,
+    })
+    .expect("KvReady");
+    d.send(&EngineRequest::ExpectKv {
+        request: r.id.into(),
+        prefill: p.address.clone(),
+        blocks: d_blocks.clone(),
+        num_tokens: r.tokens,
+        first_token: r.d_first,
+    })
+    .expect("ExpectKv");
+    let event = d.next_event().expect("D event");
+    let bad = d.verify(r.seed, &d_blocks, r.d_first, r.tokens);
+    (event, bad)
+}
+
+fn done(event: &AgentEvent) -> bool {
+    matches!(event, AgentEvent::RequestDone { .. })
+}
+
+fn reasons(event: &AgentEvent) -> Vec<String> {
+    match event {
+        AgentEvent::RequestFailed { reasons, .. } => reasons.clone(),
+        _ => Vec::new(),
+    }
+}
+
+fn push_64_64(transport: Transport) {
+    let w = World::new(&format!("{transport:?}"));
+    let (ps, ds) = (w.agent("p", transport, false), w.agent("d", transport, false));
+    let mut p = SyntheticEngine::register(
+        &ps,
+        &w.dir,
+        &spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("P");
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    for i in 0..3u64 {
+        // 150 tokens in 3 blocks of 64 (the last partial), checked byte by byte.
+        let (event, bad) = request(
+            &mut p,
+            &mut d,
+            Req {
+                id: &format!("r{i}"),
+                seed: 100 + i,
+                p_first: 0,
+                d_first: 0,
+                tokens: 150,
+                blocks: 3,
+            },
+        );
+        assert!(done(&event), "{event:?}");
+        assert!(
+            matches!(&event, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
+            "{event:?}"
+        );
+        assert_eq!(bad, 0, "every received byte matches");
+    }
+    // A prefix-cache hit on D: it asks only from token 64; blocks pair by position.
+    let (event, bad) = request(
+        &mut p,
+        &mut d,
+        Req {
+            id: "prefix",
+            seed: 7,
+            p_first: 0,
+            d_first: 64,
+            tokens: 150,
+            blocks: 3,
+        },
+    );
+    assert!(done(&event), "{event:?}");
+    assert_eq!(bad, 0);
+}
+
+#[test]
+fn push_64_64_over_tcp_moves_every_byte_verified() {
+    push_64_64(Transport::Tcp);
+}
+
+#[test]
+fn push_64_64_over_shared_memory_moves_every_byte_verified() {
+    push_64_64(Transport::Shm);
+}
+
+#[test]
+fn push_16_64_is_rejected_at_the_handshake_and_decode_keeps_serving() {
+    let w = World::new("reject");
+    let (good_s, bad_s, ds) = (
+        w.agent("p-good", Transport::Tcp, false),
+        w.agent("p-bad", Transport::Tcp, false),
+        w.agent("d", Transport::Tcp, false),
+    );
+    let mut good = SyntheticEngine::register(
+        &good_s,
+        &w.dir,
+        &spec(Role::Prefill, "good", kv(64, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("P");
+    let mut bad = SyntheticEngine::register(
+        &bad_s,
+        &w.dir,
+        &spec(Role::Prefill, "bad", kv(16, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("P16");
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    for i in 0..3 {
+        let started = Instant::now();
+        d.send(&EngineRequest::ExpectKv {
+            request: format!("bad{i}"),
+            prefill: bad.address.clone(),
+            blocks: vec![1],
+            num_tokens: 10,
+            first_token: 0,
+        })
+        .expect("ExpectKv");
+        let event = d.next_event().expect("event");
+        let took = started.elapsed();
+        assert_eq!(reasons(&event), vec!["KernelBlockSizeMismatch".to_owned()], "{event:?}");
+        assert!(took < Duration::from_secs(1), "rejections are immediate, took {took:?}");
+        // Meanwhile the compatible prefill keeps being served by the same decode.
+        let (event, wrong) = request(
+            &mut good,
+            &mut d,
+            Req {
+                id: &format!("ok{i}"),
+                seed: i,
+                p_first: 0,
+                d_first: 0,
+                tokens: 100,
+                blocks: 2,
+            },
+        );
+        assert!(done(&event), "{event:?}");
+        assert_eq!(wrong, 0);
+    }
+    // The incompatible prefill's own engine hears nothing for requests that never reached it;
+    // its KvReady times out on its lease, and it says so.
+    bad.send(&EngineRequest::KvReady {
+        request: "orphan".into(),
+        blocks: vec![0],
+        num_tokens: 10,
+        first_token: 0,
+    })
+    .expect("KvReady");
+    let event = bad.next_event().expect("lease event");
+    assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()]);
+}
+
+#[test]
+fn a_foreign_prefill_is_unauthenticated_and_learns_nothing() {
+    let w = World::new("foreign");
+    let (fs, ds) = (
+        w.agent("p-foreign", Transport::Tcp, false),
+        w.agent("d", Transport::Tcp, false),
+    );
+    let foreign = SyntheticEngine::register(
+        &fs,
+        &w.dir,
+        &spec(
+            Role::Prefill,
+            "f",
+            kv(64, None),
+            b"stranger",
+            ChecksumPolicy::FailClosed,
+        ),
+    )
+    .expect("P");
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    d.send(&EngineRequest::ExpectKv {
+        request: "x".into(),
+        prefill: foreign.address.clone(),
+        blocks: vec![1],
+        num_tokens: 10,
+        first_token: 0,
+    })
+    .expect("send");
+    assert_eq!(
+        reasons(&d.next_event().expect("event")),
+        vec!["Unauthenticated".to_owned()]
+    );
+    // Remembered: the next request fails at once without a new connection.
+    d.send(&EngineRequest::ExpectKv {
+        request: "y".into(),
+        prefill: foreign.address.clone(),
+        blocks: vec![1],
+        num_tokens: 10,
+        first_token: 0,
+    })
+    .expect("send");
+    let event = d.next_event().expect("event");
+    assert_eq!(reasons(&event), vec!["Unauthenticated".to_owned()]);
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { message, .. } if message.contains("remembered")),
+        "{event:?}"
+    );
+}
+
+fn corrupt(policy: ChecksumPolicy) -> (AgentEvent, u64) {
+    let w = World::new(&format!("corrupt-{policy:?}"));
+    let (ps, ds) = (w.agent("p", Transport::Tcp, true), w.agent("d", Transport::Tcp, false));
+    let mut p =
+        SyntheticEngine::register(&ps, &w.dir, &spec(Role::Prefill, "p0", kv(64, None), b"k", policy)).expect("P");
+    let mut d =
+        SyntheticEngine::register(&ds, &w.dir, &spec(Role::Decode, "d0", kv(64, None), b"k", policy)).expect("D");
+    request(
+        &mut p,
+        &mut d,
+        Req {
+            id: "r",
+            seed: 5,
+            p_first: 0,
+            d_first: 0,
+            tokens: 128,
+            blocks: 2,
+        },
+    )
+}
+
+#[test]
+fn a_corrupted_byte_fails_the_request_under_fail_closed() {
+    let (event, bad) = corrupt(ChecksumPolicy::FailClosed);
+    assert_eq!(reasons(&event), vec!["ChecksumMismatch".to_owned()], "{event:?}");
+    assert!(bad > 0, "the byte check sees it too");
+}
+
+#[test]
+fn a_corrupted_byte_is_logged_and_accepted_under_fail_open() {
+    let (event, bad) = corrupt(ChecksumPolicy::FailOpen);
+    assert!(
+        matches!(&event, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Mismatched"),
+        "{event:?}"
+    );
+    assert!(bad > 0);
+}
+
+#[test]
+fn a_request_for_an_unknown_prefill_fails_within_its_deadline() {
+    let w = World::new("deadline");
+    let ds = w.agent("d", Transport::Tcp, false);
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::Disabled),
+    )
+    .expect("D");
+    // Nobody listens there: the connection is refused at once.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .to_string();
+    d.send(&EngineRequest::ExpectKv {
+        request: "z".into(),
+        prefill: dead,
+        blocks: vec![1],
+        num_tokens: 10,
+        first_token: 0,
+    })
+    .expect("send");
+    let event = d.next_event().expect("event");
+    assert_eq!(reasons(&event), vec!["HandshakeFailed".to_owned()], "{event:?}");
+    let _ = Path::new("unused");
+}
+
+#[test]
+fn registration_with_too_little_memory_is_refused_with_the_sizes() {
+    let w = World::new("register");
+    let s = w.agent("a", Transport::Tcp, false);
+    let mut bad = spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::Disabled);
+    bad.pairing_key = Vec::new();
+    let e = SyntheticEngine::register(&s, &w.dir, &bad).expect_err("refused");
+    assert!(e.contains("pairing_key"), "{e}");
+}
