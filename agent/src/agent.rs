@@ -604,6 +604,7 @@ impl Engine {
                 request,
                 bytes,
                 checksum: None,
+                transfer_us: None,
             });
         }
         let block = u64::from(self.layout.block_size);
@@ -637,6 +638,7 @@ impl Engine {
                     request,
                     bytes,
                     checksum: Some(name),
+                    transfer_us: None,
                 });
             }
             (Outcome::Mismatched, _) => self.fail(
@@ -827,7 +829,6 @@ impl Engine {
         self.event(AgentEvent::TransferStarted {
             request: request.clone(),
         });
-        let started = Instant::now();
         let sums = (self.reg.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
             block_size: self.layout.block_size,
             first_token: reg.first_token,
@@ -840,19 +841,23 @@ impl Engine {
                 })
                 .collect(),
         });
+        let started = Instant::now();
         match self.shared.ucx.put(ucx_peer, ops, self.shared.cfg.corrupt_one_byte) {
             Ok(bytes) => {
-                self.shared.metrics.transfer_latency(started.elapsed());
+                let took = started.elapsed();
+                self.shared.metrics.transfer_latency(took);
                 self.shared.metrics.transfer_done(Role::Prefill, bytes);
                 if link.send(&Message::Complete {
                     request: request.clone(),
                     sums,
                     bytes,
                 }) {
+                    let transfer_us = Some(took.as_micros() as u64);
                     self.event(AgentEvent::RequestDone {
                         request,
                         bytes,
                         checksum: None,
+                        transfer_us,
                     });
                 } else {
                     self.fail(

@@ -94,3 +94,139 @@ pub fn checksum(args: &ChecksumArgs, out: &mut dyn Write) -> Result<(), UsageErr
 fn read(path: &Path) -> Result<Vec<u8>, UsageError> {
     std::fs::read(path).map_err(|e| UsageError(format!("{}: cannot read: {e}", path.display())))
 }
+
+/// Arguments of `pdpair-agent run`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct RunArgs {
+    /// The engine API's Unix socket.
+    #[arg(long, default_value = crate::engine_api::DEFAULT_SOCKET)]
+    pub socket: std::path::PathBuf,
+    /// Identity in handshakes and logs (defaults to the node name).
+    #[arg(long, env = "NODE_NAME", default_value = "pdpair-agent")]
+    pub name: String,
+    /// Address the side-channel listeners bind (the pod or node IP in a cluster).
+    #[arg(long = "listen-host", env = "POD_IP", default_value = "127.0.0.1")]
+    pub listen_host: std::net::IpAddr,
+    /// UCX transports: tcp, or shm (shared memory, one host).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm"])]
+    pub transport: String,
+    /// Plain-HTTP address for /metrics and /healthz.
+    #[arg(long = "admin-bind")]
+    pub admin_bind: Option<std::net::SocketAddr>,
+    /// Fault injection for tests: flip one byte of one block in flight per request.
+    #[arg(long = "corrupt-one-byte", hide = true)]
+    pub corrupt_one_byte: bool,
+}
+
+/// Arguments of `pdpair-agent loopback`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct LoopbackArgs {
+    /// The PDPair manifest: transfer settings, decode pool (one D agent), prefill pool (one P agent).
+    #[arg(long)]
+    pub pair: std::path::PathBuf,
+    /// Another P agent from this manifest's prefill pool, in the same pair (repeatable).
+    #[arg(long = "also-prefill")]
+    pub also_prefill: Vec<std::path::PathBuf>,
+    /// A P agent from this manifest's prefill pool holding a different pairing secret (repeatable).
+    #[arg(long = "foreign-prefill")]
+    pub foreign_prefill: Vec<std::path::PathBuf>,
+    /// Requests, round-robin over the P agents.
+    #[arg(long, default_value_t = 10)]
+    pub requests: u32,
+    /// Prompt tokens per request.
+    #[arg(long = "prompt-tokens", default_value_t = 1024)]
+    pub prompt_tokens: u64,
+    /// UCX transports.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm"])]
+    pub transport: String,
+    /// Flip one byte of one block in flight per request.
+    #[arg(long = "corrupt-one-byte")]
+    pub corrupt_one_byte: bool,
+    /// SIGKILL the first P agent once this many of its requests started transferring.
+    #[arg(long = "kill-prefill-after")]
+    pub kill_prefill_after: Option<u32>,
+    /// Skip the decode engine's byte-by-byte check (for large benchmarks; checksums still run).
+    #[arg(long = "no-verify-bytes")]
+    pub no_verify_bytes: bool,
+    /// Output format.
+    #[arg(short = 'o', long = "output", default_value = "text", value_parser = ["text", "json"])]
+    pub output: String,
+}
+
+/// Runs the agent until it is killed.
+pub fn run(args: &RunArgs) -> Result<(), UsageError> {
+    let transport = if args.transport == "shm" {
+        crate::ucx::Transport::Shm
+    } else {
+        crate::ucx::Transport::Tcp
+    };
+    let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
+    let cfg = crate::agent::AgentConfig {
+        name: args.name.clone(),
+        listen_host: args.listen_host,
+        transport,
+        corrupt_one_byte: args.corrupt_one_byte,
+        rejection_ttl: std::time::Duration::from_secs(30),
+    };
+    let agent =
+        crate::agent::Agent::start(cfg, metrics.clone()).map_err(|e| UsageError(format!("starting UCX: {e}")))?;
+    if let Some(addr) = args.admin_bind {
+        let listener = std::net::TcpListener::bind(addr).map_err(|e| UsageError(format!("binding {addr}: {e}")))?;
+        std::thread::spawn(move || admin(listener, metrics));
+    }
+    if let Some(parent) = args.socket.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| UsageError(format!("{}: {e}", parent.display())))?;
+    }
+    tracing::info!(socket = %args.socket.display(), name = %args.name, transport = %args.transport, "serving the engine API");
+    agent
+        .serve(&args.socket)
+        .map_err(|e| UsageError(format!("{}: {e}", args.socket.display())))
+}
+
+/// A minimal HTTP/1.0 admin endpoint: /metrics and /healthz.
+fn admin(listener: std::net::TcpListener, metrics: std::sync::Arc<crate::metrics::Metrics>) {
+    use std::io::{BufRead, BufReader};
+    for stream in listener.incoming().flatten() {
+        let mut line = String::new();
+        let mut reader = BufReader::new(&stream);
+        if reader.read_line(&mut line).is_err() {
+            continue;
+        }
+        let path = line.split_whitespace().nth(1).unwrap_or("/");
+        let (status, body) = match path {
+            "/metrics" => ("200 OK", metrics.render()),
+            "/healthz" | "/livez" | "/readyz" => ("200 OK", "ok\n".to_owned()),
+            _ => ("404 Not Found", "not found\n".to_owned()),
+        };
+        let mut out = &stream;
+        let _ = write!(
+            out,
+            "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+    }
+}
+
+/// Runs `loopback`, printing the report.
+pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageError> {
+    let opts = crate::loopback::Options {
+        pair: args.pair.clone(),
+        also_prefill: args.also_prefill.clone(),
+        foreign_prefill: args.foreign_prefill.clone(),
+        requests: args.requests,
+        prompt_tokens: args.prompt_tokens,
+        transport: args.transport.clone(),
+        corrupt_one_byte: args.corrupt_one_byte,
+        kill_prefill_after: args.kill_prefill_after,
+        verify_bytes: !args.no_verify_bytes,
+        agent_bin: std::env::current_exe().map_err(|e| UsageError(format!("finding this executable: {e}")))?,
+    };
+    let report = crate::loopback::run(&opts).map_err(UsageError)?;
+    let text = if args.output == "json" {
+        serde_json::to_string(&report).map_err(|e| UsageError(e.to_string()))? + "\n"
+    } else {
+        crate::loopback::text(&report)
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| UsageError(format!("writing output: {e}")))
+}

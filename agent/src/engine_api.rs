@@ -103,6 +103,9 @@ pub enum AgentEvent {
         /// Checksum outcome on decode: Verified, Mismatched (FailOpen), Unverified (FailOpen),
         /// or absent when checksums are Disabled.
         checksum: Option<String>,
+        /// Prefill: microseconds from posting the WRITEs to their flush.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        transfer_us: Option<u64>,
     },
     /// The request failed; nothing more will happen for it.
     RequestFailed {

@@ -3,14 +3,13 @@
 //! It runs the push handshake between a decode engine's agent and a prefill engine's agent,
 //! validates the peers' KV geometry with [`pdpair_api::check_pools`] (the same rule table as the
 //! admission webhook), and moves KV blocks with RDMA WRITEs over UCX, verified by KV checksums.
-//! Landed so far: the fast checksum and its CLI, the side-channel framing, mutual
-//! authentication and the geometry-checking handshake.
 
 pub mod agent;
 pub mod checksum;
 pub mod cli;
 pub mod engine_api;
 pub mod layout;
+pub mod loopback;
 pub mod metrics;
 pub mod protocol;
 pub mod synthetic;

@@ -14,21 +14,32 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Serve the engine API and the push protocol (the DaemonSet process).
+    Run(cli::RunArgs),
+    /// Run a prefill/decode scenario on this machine with real agents, sockets and UCX.
+    Loopback(cli::LoopbackArgs),
     /// Print the KV checksum of each block of a dump in the canonical layout, one per line.
     Checksum(cli::ChecksumArgs),
 }
 
 fn main() -> ExitCode {
-    match Cli::parse().command {
-        Command::Checksum(args) => {
-            let stdout = std::io::stdout();
-            match cli::checksum(&args, &mut stdout.lock()) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::from(2)
-                }
-            }
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let stdout = std::io::stdout();
+    let result = match Cli::parse().command {
+        Command::Run(args) => cli::run(&args),
+        Command::Loopback(args) => cli::loopback(&args, &mut stdout.lock()),
+        Command::Checksum(args) => cli::checksum(&args, &mut stdout.lock()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
         }
     }
 }

@@ -1,0 +1,511 @@
+//! `pdpair-agent loopback`: a prefill/decode scenario on one machine with real agent processes,
+//! real sockets and real UCX, driven by synthetic engines. Tests, the demo and the benchmarks use
+//! it.
+
+use std::{
+    collections::BTreeMap,
+    io::IsTerminal,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc::{self, Receiver},
+    thread,
+    time::{Duration, Instant},
+};
+
+use pdpair_api::{PDPair, Reason, Role, TransferMode};
+use serde::Serialize;
+
+use crate::{
+    engine_api::{AgentEvent, EngineRequest},
+    synthetic::{EngineSpec, SyntheticEngine},
+    wire,
+};
+
+/// Options of the scenario.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The pair: transfer settings, its decode pool (one D agent) and prefill pool (one P agent).
+    pub pair: PathBuf,
+    /// More P agents, each from another manifest's prefill pool, in the same pair.
+    pub also_prefill: Vec<PathBuf>,
+    /// P agents that hold a different pairing secret.
+    pub foreign_prefill: Vec<PathBuf>,
+    /// Requests, round-robin over the P agents.
+    pub requests: u32,
+    /// Prompt tokens per request.
+    pub prompt_tokens: u64,
+    /// `tcp` or `shm`.
+    pub transport: String,
+    /// Flip one byte of one block in flight per request.
+    pub corrupt_one_byte: bool,
+    /// SIGKILL the first P agent once this many of its requests started transferring.
+    pub kill_prefill_after: Option<u32>,
+    /// Check every received byte on decode (turn off for large benchmarks).
+    pub verify_bytes: bool,
+    /// The agent binary (this executable).
+    pub agent_bin: PathBuf,
+}
+
+/// Latency percentiles in milliseconds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    /// Median.
+    pub p50: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Maximum (only for rejections).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max: Option<f64>,
+}
+
+fn percentiles(mut ms: Vec<f64>, with_max: bool) -> Percentiles {
+    if ms.is_empty() {
+        return Percentiles {
+            max: with_max.then_some(0.0),
+            ..Percentiles::default()
+        };
+    }
+    ms.sort_by(f64::total_cmp);
+    let at = |q: f64| ms[((ms.len() as f64 - 1.0) * q).round() as usize];
+    Percentiles {
+        p50: at(0.5),
+        p99: at(0.99),
+        max: with_max.then(|| ms[ms.len() - 1]),
+    }
+}
+
+/// Outcomes per P agent.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct PerPrefill {
+    /// Its manifest's name.
+    pub name: String,
+    /// Requests that succeeded.
+    pub succeeded: u32,
+    /// Requests refused at the handshake (authentication or geometry).
+    pub rejected: u32,
+    /// Other failures.
+    pub failed: u32,
+    /// Failure reasons and their counts.
+    pub reasons: BTreeMap<String, u32>,
+    /// How long rejections took, from the decode engine's request to its failure.
+    pub reject_latency_ms: Percentiles,
+    #[serde(skip)]
+    reject_ms: Vec<f64>,
+}
+
+/// Checksum outcomes on decode.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ChecksumCounts {
+    /// Verified loads.
+    pub verified: u32,
+    /// Mismatched loads (failed under FailClosed, logged under FailOpen).
+    pub mismatched: u32,
+    /// Unverified loads.
+    pub unverified: u32,
+}
+
+/// The scenario's result (`-o json`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Report {
+    /// Push or Pull.
+    pub mode: TransferMode,
+    /// tcp or shm.
+    pub transport: String,
+    /// Requests run.
+    pub requests: u32,
+    /// Succeeded.
+    pub succeeded: u32,
+    /// Refused at the handshake.
+    pub rejected: u32,
+    /// Failed otherwise.
+    pub failed: u32,
+    /// Per P agent, the --pair's first.
+    pub per_prefill: Vec<PerPrefill>,
+    /// KV bytes moved.
+    pub bytes: u64,
+    /// 10^9 bytes per second of KV moved while transfers were in flight (posting to flush).
+    pub throughput_gb_per_s: f64,
+    /// Decode-side latency of successful requests, request to completion.
+    pub latency_ms: Percentiles,
+    /// Checksum outcomes.
+    pub checksum: ChecksumCounts,
+    /// Successful requests whose bytes the decode engine found wrong (possible only without
+    /// checksums or under FailOpen).
+    pub byte_errors: u32,
+}
+
+struct Prefill {
+    name: String,
+    agent: Option<Child>,
+    engine: Option<SyntheticEngine>,
+    events: Option<Receiver<AgentEvent>>,
+    started: u32,
+}
+
+fn load(path: &Path) -> Result<PDPair, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut v: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    v.apply_merge().map_err(|e| format!("{}: {e}", path.display()))?;
+    serde_yaml::from_value(v).map_err(|e| format!("{}: not a PDPair: {e}", path.display()))
+}
+
+fn spawn_agent(opts: &Options, dir: &Path, name: &str, corrupt: bool) -> Result<(Child, PathBuf), String> {
+    let socket = dir.join(format!("{name}.sock"));
+    let mut cmd = Command::new(&opts.agent_bin);
+    cmd.args([
+        "run",
+        "--name",
+        name,
+        "--listen-host",
+        "127.0.0.1",
+        "--transport",
+        &opts.transport,
+    ])
+    .arg("--socket")
+    .arg(&socket)
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
+    if corrupt {
+        cmd.arg("--corrupt-one-byte");
+    }
+    let child = cmd
+        .spawn()
+        .map_err(|e| format!("starting {}: {e}", opts.agent_bin.display()))?;
+    let start = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        if start.elapsed() > Duration::from_secs(10) {
+            return Err(format!("agent {name} did not open {}", socket.display()));
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    Ok((child, socket))
+}
+
+fn reader(engine: &SyntheticEngine) -> Option<Receiver<AgentEvent>> {
+    let mut stream = engine.events().ok()?;
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        while let Ok(event) = wire::read_frame::<AgentEvent>(&mut stream) {
+            if tx.send(event).is_err() {
+                break;
+            }
+        }
+    });
+    Some(rx)
+}
+
+fn blocks_for(tokens: u64, block: u32) -> u32 {
+    tokens.div_ceil(u64::from(block)).max(1) as u32
+}
+
+fn is_rejection(reason: &str) -> bool {
+    reason == crate::protocol::UNAUTHENTICATED
+        || Reason::ALL.iter().any(|r| r.as_str() == reason)
+        || matches!(
+            reason,
+            "RoleMismatch" | "TransferSettingsMismatch" | "VersionMismatch" | "PairMismatch"
+        )
+}
+
+/// Runs the scenario. `progress` draws a bar on stderr when it is a terminal.
+pub fn run(opts: &Options) -> Result<Report, String> {
+    let pair = load(&opts.pair)?;
+    let transfer = &pair.spec.transfer;
+    let base = if Path::new("/dev/shm").is_dir() {
+        PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let dir = base.join(format!("pdpair-loopback-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let result = scenario(opts, &pair, transfer, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, dir: &Path) -> Result<Report, String> {
+    let mut secret = [0u8; 32];
+    getrandom::fill(&mut secret).map_err(|e| format!("random: {e}"))?;
+    let pdpair = format!(
+        "{}/{}",
+        pair.metadata.namespace.as_deref().unwrap_or("default"),
+        pair.metadata.name.as_deref().unwrap_or("pair")
+    );
+    let engine_spec =
+        |role: Role, engine: String, pool: &pdpair_api::PoolSpec, key: &[u8], num_blocks: u32| EngineSpec {
+            pdpair: pdpair.clone(),
+            role,
+            engine,
+            mode: transfer.mode,
+            checksum: transfer.checksum,
+            handshake_timeout_ms: transfer.handshake_timeout.get().as_millis() as u64,
+            lease_ms: transfer.lease_duration.get().as_millis() as u64,
+            parallelism: pool.parallelism.clone(),
+            kv: pool.kv.clone(),
+            pairing_key: key.to_vec(),
+            num_blocks,
+        };
+    let kernel = |pool: &pdpair_api::PoolSpec| u32::try_from(pool.kv.kernel_block_size()).unwrap_or(1).max(1);
+    let mut agents: Vec<Child> = Vec::new();
+    // Decode.
+    let (d_agent, d_socket) = spawn_agent(opts, dir, "decode", false)?;
+    agents.push(d_agent);
+    let d_blocks_n = blocks_for(opts.prompt_tokens, kernel(&pair.spec.decode));
+    let mut decode = SyntheticEngine::register(
+        &d_socket,
+        dir,
+        &engine_spec(Role::Decode, "decode-0".into(), &pair.spec.decode, &secret, d_blocks_n),
+    )
+    .map_err(|e| format!("the decode engine could not register: {e}"))?;
+    let d_events = reader(&decode).ok_or("cannot read the decode engine's events")?;
+    // Prefills: the pair's own, then --also-prefill, then --foreign-prefill.
+    let mut sources: Vec<(PDPair, bool)> = vec![(pair.clone(), false)];
+    for p in &opts.also_prefill {
+        sources.push((load(p)?, false));
+    }
+    for p in &opts.foreign_prefill {
+        sources.push((load(p)?, true));
+    }
+    let mut prefills = Vec::new();
+    for (i, (manifest, foreign)) in sources.iter().enumerate() {
+        let name = manifest.metadata.name.clone().unwrap_or_else(|| format!("prefill-{i}"));
+        let (child, socket) = spawn_agent(opts, dir, &format!("prefill-{i}"), opts.corrupt_one_byte)?;
+        let mut key = secret;
+        if *foreign {
+            getrandom::fill(&mut key).map_err(|e| format!("random: {e}"))?;
+        }
+        let pool = &manifest.spec.prefill;
+        let n = blocks_for(opts.prompt_tokens, kernel(pool));
+        let spec = engine_spec(Role::Prefill, format!("prefill-{i}"), pool, &key, n);
+        // An engine the agent refuses to register (an invalid pool) fails its requests.
+        let engine = SyntheticEngine::register(&socket, dir, &spec).ok();
+        let events = engine.as_ref().and_then(reader);
+        prefills.push(Prefill {
+            name,
+            agent: Some(child),
+            engine,
+            events,
+            started: 0,
+        });
+    }
+    let mut report = Report {
+        mode: transfer.mode,
+        transport: opts.transport.clone(),
+        requests: opts.requests,
+        per_prefill: prefills
+            .iter()
+            .map(|p| PerPrefill {
+                name: p.name.clone(),
+                ..PerPrefill::default()
+            })
+            .collect(),
+        ..Report::default()
+    };
+    let mut latencies = Vec::new();
+    let mut transfer_us = 0u64;
+    let bar = std::io::stderr().is_terminal() && opts.requests >= 20;
+    let n_prefills = prefills.len();
+    let deadline = transfer.handshake_timeout.get() + transfer.lease_duration.get() + Duration::from_secs(5);
+    for r in 0..opts.requests {
+        if bar {
+            eprint!(
+                "\r[{:<40}] {}/{}",
+                "#".repeat((40 * r / opts.requests) as usize),
+                r,
+                opts.requests
+            );
+        }
+        let pi = (r as usize) % prefills.len();
+        let id = format!("req-{r}");
+        let seed = 0x5eed_0000 + u64::from(r);
+        let tokens = opts.prompt_tokens;
+        let p = &mut prefills[pi];
+        let stats = &mut report.per_prefill[pi];
+        let Some(engine) = p.engine.as_mut() else {
+            stats.failed += 1;
+            *stats.reasons.entry("RegistrationFailed".into()).or_default() += 1;
+            continue;
+        };
+        let p_blocks: Vec<u32> = (0..blocks_for(tokens, engine.layout.block_size)).collect();
+        // Without byte checks (large benchmarks), fill each prefill pool once: the transfer
+        // moves the same bytes either way.
+        if opts.verify_bytes || (r as usize) < n_prefills {
+            engine.fill(seed, &p_blocks, 0, tokens);
+        }
+        let _ = engine.send(&EngineRequest::KvReady {
+            request: id.clone(),
+            blocks: p_blocks,
+            num_tokens: tokens,
+            first_token: 0,
+        });
+        let address = engine.address.clone();
+        let d_blocks: Vec<u32> = (0..d_blocks_n).collect();
+        if opts.verify_bytes {
+            decode.clear(&d_blocks);
+        }
+        let asked = Instant::now();
+        decode
+            .send(&EngineRequest::ExpectKv {
+                request: id.clone(),
+                prefill: address,
+                blocks: d_blocks.clone(),
+                num_tokens: tokens,
+                first_token: 0,
+            })
+            .map_err(|e| format!("the decode agent went away: {e}"))?;
+        // Wait for D's verdict, watching P's events (transfer starts, for --kill-prefill-after).
+        let outcome = loop {
+            if let Some(rx) = &p.events {
+                while let Ok(ev) = rx.try_recv() {
+                    match ev {
+                        AgentEvent::TransferStarted { .. } => {
+                            p.started += 1;
+                            if pi == 0
+                                && opts.kill_prefill_after == Some(p.started)
+                                && let Some(mut child) = p.agent.take()
+                            {
+                                let _ = child.kill();
+                                let _ = child.wait();
+                            }
+                        }
+                        AgentEvent::RequestDone {
+                            transfer_us: Some(us), ..
+                        } => transfer_us += us,
+                        _ => {}
+                    }
+                }
+            }
+            match d_events.recv_timeout(Duration::from_millis(2)) {
+                Ok(AgentEvent::RequestDone {
+                    request,
+                    bytes,
+                    checksum,
+                    ..
+                }) if request == id => break Ok((bytes, checksum)),
+                Ok(AgentEvent::RequestFailed {
+                    request,
+                    reasons,
+                    message,
+                }) if request == id => break Err((reasons, message)),
+                Ok(_) => {}
+                Err(mpsc::RecvTimeoutError::Timeout) if asked.elapsed() > deadline => {
+                    break Err((vec!["LoopbackTimeout".into()], "no answer from the decode agent".into()));
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Err("the decode agent went away".into()),
+            }
+        };
+        let ms = asked.elapsed().as_secs_f64() * 1e3;
+        match outcome {
+            Ok((bytes, checksum)) => {
+                stats.succeeded += 1;
+                report.succeeded += 1;
+                report.bytes += bytes;
+                latencies.push(ms);
+                match checksum.as_deref() {
+                    Some("Verified") => report.checksum.verified += 1,
+                    Some("Mismatched") => report.checksum.mismatched += 1,
+                    Some("Unverified") => report.checksum.unverified += 1,
+                    _ => {}
+                }
+                if opts.verify_bytes && decode.verify(seed, &d_blocks, 0, tokens) > 0 {
+                    report.byte_errors += 1;
+                }
+            }
+            Err((reasons, _message)) => {
+                let rejected = reasons.iter().any(|r| is_rejection(r));
+                if rejected {
+                    stats.rejected += 1;
+                    report.rejected += 1;
+                    stats.reject_ms.push(ms);
+                } else {
+                    stats.failed += 1;
+                    report.failed += 1;
+                }
+                for reason in reasons {
+                    match reason.as_str() {
+                        "ChecksumMismatch" => report.checksum.mismatched += 1,
+                        "ChecksumUnverified" => report.checksum.unverified += 1,
+                        _ => {}
+                    }
+                    *stats.reasons.entry(reason).or_default() += 1;
+                }
+            }
+        }
+    }
+    if bar {
+        eprintln!("\r[{}] {}/{}", "#".repeat(40), opts.requests, opts.requests);
+    }
+    // Let the last prefill events (their transfer times) arrive.
+    thread::sleep(Duration::from_millis(50));
+    for p in &prefills {
+        if let Some(rx) = &p.events {
+            while let Ok(ev) = rx.try_recv() {
+                if let AgentEvent::RequestDone {
+                    transfer_us: Some(us), ..
+                } = ev
+                {
+                    transfer_us += us;
+                }
+            }
+        }
+    }
+    for stats in &mut report.per_prefill {
+        stats.reject_latency_ms = percentiles(std::mem::take(&mut stats.reject_ms), true);
+    }
+    report.latency_ms = percentiles(latencies, false);
+    report.throughput_gb_per_s = if transfer_us > 0 {
+        report.bytes as f64 / (transfer_us as f64 * 1e3)
+    } else {
+        0.0
+    };
+    drop(decode);
+    for p in &mut prefills {
+        p.engine = None;
+        agents.extend(p.agent.take());
+    }
+    for mut child in agents {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    Ok(report)
+}
+
+/// Human-readable summary.
+pub fn text(report: &Report) -> String {
+    let mut out = format!(
+        "{:?} over {}: {} requests, {} succeeded, {} rejected, {} failed\n",
+        report.mode, report.transport, report.requests, report.succeeded, report.rejected, report.failed
+    );
+    for p in &report.per_prefill {
+        out.push_str(&format!(
+            "  prefill {}: {} succeeded, {} rejected, {} failed",
+            p.name, p.succeeded, p.rejected, p.failed
+        ));
+        if !p.reasons.is_empty() {
+            let reasons: Vec<String> = p.reasons.iter().map(|(r, n)| format!("{r} x{n}")).collect();
+            out.push_str(&format!(" [{}]", reasons.join(", ")));
+        }
+        if p.rejected > 0 {
+            let l = &p.reject_latency_ms;
+            out.push_str(&format!(
+                " (rejected in p50 {:.2} ms, max {:.2} ms)",
+                l.p50,
+                l.max.unwrap_or(0.0)
+            ));
+        }
+        out.push('\n');
+    }
+    out.push_str(&format!(
+        "  moved {:.1} MB at {:.2} GB/s in flight; latency p50 {:.2} ms, p99 {:.2} ms\n",
+        report.bytes as f64 / 1e6,
+        report.throughput_gb_per_s,
+        report.latency_ms.p50,
+        report.latency_ms.p99
+    ));
+    out.push_str(&format!(
+        "  checksums: {} verified, {} mismatched, {} unverified; byte errors seen by decode: {}\n",
+        report.checksum.verified, report.checksum.mismatched, report.checksum.unverified, report.byte_errors
+    ));
+    out
+}

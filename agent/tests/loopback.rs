@@ -1,0 +1,187 @@
+//! `pdpair-agent loopback`: real agent processes, real sockets, real UCX, synthetic engines.
+
+use std::{path::PathBuf, process::Command};
+
+use serde_json::Value;
+
+fn examples(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples")
+        .join(name)
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn run(args: &[&str]) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdpair-agent"))
+        .arg("loopback")
+        .args(args)
+        .args(["-o", "json"])
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "loopback failed: {stderr}");
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+/// A small pair (2 layers, 2 heads of 64, bf16) with these block sizes and transfer settings.
+fn manifest(dir: &std::path::Path, name: &str, p_block: u32, d_block: u32, checksum: &str) -> String {
+    let text = format!(
+        "apiVersion: pdpair.dev/v1alpha1\nkind: PDPair\nmetadata:\n  name: {name}\nspec:\n  transfer:\n    mode: Push\n    checksum: {checksum}\n    handshakeTimeout: 2s\n    leaseDuration: 5s\n  prefill:\n    kv: &kv\n      engine: vllm\n      model: tiny\n      dtype: bfloat16\n      layers: 2\n      kvHeads: 2\n      headDim: 64\n      attentionBackend: FLASH_ATTN\n      layout: HND\n      blockSize: {p_block}\n  decode:\n    kv:\n      <<: *kv\n      blockSize: {d_block}\n"
+    );
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(&path, text).expect("write manifest");
+    path.to_string_lossy().into_owned()
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pdpair-loopback-test-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    dir
+}
+
+fn count(v: &Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("{key} missing in {v}"))
+}
+
+#[test]
+fn vllm_cases_are_rejected_at_the_handshake_while_the_compatible_prefill_keeps_being_served() {
+    let v = run(&[
+        "--pair",
+        &examples("vllm-push-64-64.yaml"),
+        "--also-prefill",
+        &examples("vllm-push-16-64.yaml"),
+        "--also-prefill",
+        &examples("vllm-push-flashinfer-128-64.yaml"),
+        "--requests",
+        "9",
+        "--prompt-tokens",
+        "200",
+    ]);
+    assert_eq!(v["mode"], "Push");
+    assert_eq!(count(&v, "requests"), 9);
+    let per = v["per_prefill"].as_array().expect("per_prefill");
+    assert_eq!(per[0]["name"], "vllm-push-64-64");
+    assert_eq!((count(&per[0], "succeeded"), count(&per[0], "failed")), (3, 0), "{v}");
+    assert_eq!(count(&per[1], "rejected"), 3);
+    assert_eq!(per[1]["reasons"]["KernelBlockSizeMismatch"], 3);
+    assert_eq!(count(&per[2], "rejected"), 3);
+    assert_eq!(per[2]["reasons"]["KernelBlocksPerLogicalMismatch"], 3);
+    // Rejections come at once, not after the 5 s handshake timeout or a lease (no stall).
+    for p in &per[1..] {
+        assert!(p["reject_latency_ms"]["max"].as_f64().expect("max") < 5000.0, "{p}");
+    }
+    assert_eq!(count(&v, "byte_errors"), 0);
+    assert!(count(&v, "bytes") > 0);
+}
+
+#[test]
+fn a_foreign_prefill_is_rejected_as_unauthenticated_and_decode_keeps_serving() {
+    let dir = tmp("foreign");
+    let pair = manifest(&dir, "tiny", 16, 16, "FailClosed");
+    let v = run(&[
+        "--pair",
+        &pair,
+        "--foreign-prefill",
+        &pair,
+        "--requests",
+        "6",
+        "--prompt-tokens",
+        "100",
+    ]);
+    let per = v["per_prefill"].as_array().expect("per_prefill");
+    assert_eq!(count(&per[0], "succeeded"), 3);
+    assert_eq!(count(&per[1], "rejected"), 3);
+    assert_eq!(per[1]["reasons"]["Unauthenticated"], 3);
+    assert_eq!(count(&v["checksum"], "verified"), 3);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_corrupted_byte_is_caught_for_every_request_under_fail_closed_and_logged_under_fail_open() {
+    let dir = tmp("corrupt");
+    let closed = manifest(&dir, "closed", 16, 16, "FailClosed");
+    let v = run(&[
+        "--pair",
+        &closed,
+        "--corrupt-one-byte",
+        "--requests",
+        "4",
+        "--prompt-tokens",
+        "100",
+        "--transport",
+        "shm",
+    ]);
+    assert_eq!((count(&v, "succeeded"), count(&v, "failed")), (0, 4), "{v}");
+    assert_eq!(v["per_prefill"][0]["reasons"]["ChecksumMismatch"], 4);
+    assert_eq!(count(&v["checksum"], "mismatched"), 4);
+    let open = manifest(&dir, "open", 16, 16, "FailOpen");
+    let v = run(&[
+        "--pair",
+        &open,
+        "--corrupt-one-byte",
+        "--requests",
+        "4",
+        "--prompt-tokens",
+        "100",
+    ]);
+    assert_eq!(count(&v, "succeeded"), 4, "{v}");
+    assert_eq!(count(&v["checksum"], "mismatched"), 4);
+    assert_eq!(count(&v, "byte_errors"), 4, "decode's own byte check agrees");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_killed_prefill_fails_its_requests_in_time_while_decode_keeps_serving_the_other() {
+    let dir = tmp("kill");
+    let pair = manifest(&dir, "tiny", 16, 16, "FailClosed");
+    let v = run(&[
+        "--pair",
+        &pair,
+        "--also-prefill",
+        &pair,
+        "--kill-prefill-after",
+        "2",
+        "--requests",
+        "10",
+        "--prompt-tokens",
+        "100",
+    ]);
+    let per = v["per_prefill"].as_array().expect("per_prefill");
+    // The second prefill is served throughout.
+    assert_eq!((count(&per[1], "succeeded"), count(&per[1], "failed")), (5, 0), "{v}");
+    // The first serves at most its first two requests, then every later one fails with a reason.
+    assert!(count(&per[0], "succeeded") <= 2, "{v}");
+    assert!(count(&per[0], "failed") >= 3, "{v}");
+    let reasons = per[0]["reasons"].as_object().expect("reasons");
+    assert!(
+        reasons.keys().all(|r| r == "PeerLost" || r == "HandshakeFailed"),
+        "{reasons:?}"
+    );
+    assert!(!reasons.contains_key("LoopbackTimeout"), "no request waited forever");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn shared_memory_transport_moves_and_verifies() {
+    let dir = tmp("shm");
+    let pair = manifest(&dir, "tiny", 32, 32, "FailClosed");
+    let v = run(&[
+        "--pair",
+        &pair,
+        "--requests",
+        "3",
+        "--prompt-tokens",
+        "500",
+        "--transport",
+        "shm",
+    ]);
+    assert_eq!(v["transport"], "shm");
+    assert_eq!(count(&v, "succeeded"), 3);
+    assert_eq!(count(&v["checksum"], "verified"), 3);
+    assert_eq!(count(&v, "byte_errors"), 0);
+    // 500 tokens -> 16 blocks of 32 -> 512 tokens x 2 layers x 2 heads x 64 x 2 bytes x K,V.
+    assert_eq!(count(&v, "bytes"), 3 * 512 * 2 * 2 * 64 * 2 * 2);
+    let _ = std::fs::remove_dir_all(dir);
+}
