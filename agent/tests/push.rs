@@ -404,3 +404,70 @@ fn registration_with_too_little_memory_is_refused_with_the_sizes() {
     let e = SyntheticEngine::register(&s, &w.dir, &bad).expect_err("refused");
     assert!(e.contains("pairing_key"), "{e}");
 }
+
+/// Whether a read ended because the peer closed (EOF or reset), not because it timed out.
+fn closed(r: std::io::Result<usize>) -> bool {
+    match r {
+        Ok(_) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+    }
+}
+
+#[test]
+fn malformed_and_truncated_frames_close_the_connection_and_the_agent_keeps_serving() {
+    use std::io::{Read, Write};
+    let w = World::new("garbage");
+    let (ps, ds) = (w.agent("p", Transport::Tcp, false), w.agent("d", Transport::Tcp, false));
+    let mut p = SyntheticEngine::register(
+        &ps,
+        &w.dir,
+        &spec(Role::Prefill, "p0", kv(16, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("P");
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(16, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    let garbage: Vec<Vec<u8>> = vec![
+        b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+        vec![0, 0, 0, 0],
+        vec![0x7f, 0xff, 0xff, 0xff],
+        [&40u32.to_be_bytes()[..], b"{\"type\":\"Hello\""].concat(),
+        [&9u32.to_be_bytes()[..], b"not json!"].concat(),
+    ];
+    // The side channel.
+    for bytes in &garbage {
+        let mut s = std::net::TcpStream::connect(&p.address).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        s.write_all(bytes).expect("write");
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        // The agent answers with at most a Reject frame, then closes (a reset when it closed
+        // with our bytes unread).
+        assert!(closed(s.read_to_end(&mut Vec::new())));
+    }
+    // The engine API socket.
+    for bytes in &garbage {
+        let mut s = std::os::unix::net::UnixStream::connect(&ps).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        s.write_all(bytes).expect("write");
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        assert!(closed(s.read_to_end(&mut Vec::new())));
+    }
+    // Still serving.
+    let (event, bad) = request(
+        &mut p,
+        &mut d,
+        Req {
+            id: "after",
+            seed: 1,
+            p_first: 0,
+            d_first: 0,
+            tokens: 40,
+            blocks: 3,
+        },
+    );
+    assert!(done(&event), "{event:?}");
+    assert_eq!(bad, 0);
+}
