@@ -270,7 +270,11 @@ impl Engine {
             .write(true)
             .open(&reg.memory_path)
             .map_err(|e| format!("memory_path {}: {e}", reg.memory_path))?;
-        let map = memmap2::MmapRaw::map_raw(&file).map_err(|e| format!("mapping {}: {e}", reg.memory_path))?;
+        // Populate: fault the pool's pages in now, not inside the first transfer.
+        let map = memmap2::MmapOptions::new()
+            .populate()
+            .map_raw(&file)
+            .map_err(|e| format!("mapping {}: {e}", reg.memory_path))?;
         if map.len() < layout.region_len() {
             return Err(format!(
                 "memory_path {} holds {} bytes; the geometry needs {} ({} layers x K,V x {} blocks x {} bytes)",
@@ -842,7 +846,11 @@ impl Engine {
                 .collect(),
         });
         let started = Instant::now();
-        match self.shared.ucx.put(ucx_peer, ops, self.shared.cfg.corrupt_one_byte) {
+        match self
+            .shared
+            .ucx
+            .put(ucx_peer, self.region, ops, self.shared.cfg.corrupt_one_byte)
+        {
             Ok(bytes) => {
                 let took = started.elapsed();
                 self.shared.metrics.transfer_latency(took);

@@ -145,6 +145,9 @@ pub struct LoopbackArgs {
     /// SIGKILL the first P agent once this many of its requests started transferring.
     #[arg(long = "kill-prefill-after")]
     pub kill_prefill_after: Option<u32>,
+    /// Give decode scattered (reversed) block ids, so no two blocks coalesce into one WRITE.
+    #[arg(long = "scatter-blocks")]
+    pub scatter_blocks: bool,
     /// Skip the decode engine's byte-by-byte check (for large benchmarks; checksums still run).
     #[arg(long = "no-verify-bytes")]
     pub no_verify_bytes: bool,
@@ -219,6 +222,7 @@ pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageErr
         corrupt_one_byte: args.corrupt_one_byte,
         kill_prefill_after: args.kill_prefill_after,
         verify_bytes: !args.no_verify_bytes,
+        scatter_blocks: args.scatter_blocks,
         agent_bin: std::env::current_exe().map_err(|e| UsageError(format!("finding this executable: {e}")))?,
     };
     let report = crate::loopback::run(&opts).map_err(UsageError)?;
@@ -229,4 +233,62 @@ pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageErr
     };
     out.write_all(text.as_bytes())
         .map_err(|e| UsageError(format!("writing output: {e}")))
+}
+
+/// Arguments of `pdpair-agent bench-checksum`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchChecksumArgs {
+    /// MiB of KV to checksum (in the canonical layout).
+    #[arg(long, default_value_t = 512)]
+    pub mib: usize,
+    /// Repetitions; the best is reported.
+    #[arg(long, default_value_t = 5)]
+    pub repeat: u32,
+}
+
+/// Measures the checksum's speed on one core beside a plain read of the same bytes.
+pub fn bench_checksum(args: &BenchChecksumArgs, out: &mut dyn Write) -> Result<(), UsageError> {
+    // An 8B-class shape: 32 layers, 8 KV heads of 128, bf16, 16-token blocks.
+    let shape = Shape {
+        layers: 32,
+        heads: 8,
+        head_dim: 128,
+        element_bytes: 2,
+    };
+    let block_bytes = shape.canonical_block_bytes(16);
+    let blocks = (args.mib << 20).div_ceil(block_bytes).max(1);
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let data: Vec<u8> = (0..blocks * block_bytes)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    let tokens = (blocks * 16) as u64;
+    let mut best_read = f64::MAX;
+    let mut best_sum = f64::MAX;
+    for _ in 0..args.repeat.max(1) {
+        let t = std::time::Instant::now();
+        let plain = data.chunks_exact(8).fold(0u64, |a, c| {
+            a.wrapping_add(u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+        });
+        std::hint::black_box(plain);
+        best_read = best_read.min(t.elapsed().as_secs_f64());
+        let t = std::time::Instant::now();
+        let sums = crate::checksum::canonical_dump(&shape, 16, 0, tokens, &data);
+        std::hint::black_box(sums);
+        best_sum = best_sum.min(t.elapsed().as_secs_f64());
+    }
+    let gb = data.len() as f64 / 1e9;
+    writeln!(
+        out,
+        "bytes={} plain_read_gb_per_s={:.2} checksum_gb_per_s={:.2} ratio={:.2}",
+        data.len(),
+        gb / best_read,
+        gb / best_sum,
+        best_read / best_sum
+    )
+    .map_err(|e| UsageError(format!("writing output: {e}")))
 }

@@ -42,6 +42,8 @@ pub struct Options {
     pub kill_prefill_after: Option<u32>,
     /// Check every received byte on decode (turn off for large benchmarks).
     pub verify_bytes: bool,
+    /// Decode uses reversed block ids: every block is its own WRITE.
+    pub scatter_blocks: bool,
     /// The agent binary (this executable).
     pub agent_bin: PathBuf,
 }
@@ -339,7 +341,11 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
             first_token: 0,
         });
         let address = engine.address.clone();
-        let d_blocks: Vec<u32> = (0..d_blocks_n).collect();
+        let d_blocks: Vec<u32> = if opts.scatter_blocks {
+            (0..d_blocks_n).rev().collect()
+        } else {
+            (0..d_blocks_n).collect()
+        };
         if opts.verify_bytes {
             decode.clear(&d_blocks);
         }

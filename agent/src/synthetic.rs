@@ -73,8 +73,13 @@ impl SyntheticEngine {
             .map_err(|e| format!("{}: {e}", path.display()))?;
         #[allow(unsafe_code)]
         // SAFETY: the file is ours, sized above; the agent maps it too, which is the point.
-        let map =
+        let mut map =
             unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(|e| format!("mapping {}: {e}", path.display()))?;
+        // Touch every page, as an engine that allocated its KV cache at startup has: the memory
+        // exists before the agent maps it and before any transfer.
+        for page in map.chunks_mut(4096) {
+            page[0] = 0;
+        }
         let mut stream = UnixStream::connect(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
         let reg = PoolRegistration {
             pdpair: spec.pdpair.clone(),

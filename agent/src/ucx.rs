@@ -354,9 +354,21 @@ impl Endpoint {
     /// # Safety
     /// `local` must stay valid until the put completes (see [`Endpoint::flush`]), and
     /// `remote_addr..+local.len()` must lie inside the region `rkey` covers.
-    pub unsafe fn put(&self, local: &[u8], remote_addr: u64, rkey: &RemoteKey) -> Result<Option<Request>, UcxError> {
-        // SAFETY: zeroed request params with an empty attribute mask are valid.
-        let params: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+    /// `registered`, when given, is the local region holding `local`: UCX then uses that
+    /// registration instead of registering the buffer again.
+    pub unsafe fn put(
+        &self,
+        local: &[u8],
+        remote_addr: u64,
+        rkey: &RemoteKey,
+        registered: Option<&MemRegion>,
+    ) -> Result<Option<Request>, UcxError> {
+        // SAFETY: zeroed request params are valid; only the flagged attributes are read.
+        let mut params: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        if let Some(region) = registered {
+            params.op_attr_mask = sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMH;
+            params.memh = region.memh;
+        }
         // SAFETY: the caller guarantees the buffer and range.
         let req = unsafe {
             sys::ucp_put_nbx(

@@ -56,6 +56,8 @@ pub enum Command {
     Put {
         /// Peer id.
         peer: u64,
+        /// The local region the ops read from (its registration is reused).
+        region: u64,
         /// The WRITEs.
         ops: Vec<PutOp>,
         /// Flip a byte of the first op in flight.
@@ -135,9 +137,10 @@ impl UcxHandle {
     }
 
     /// See [`Command::Put`].
-    pub fn put(&self, peer: u64, ops: Vec<PutOp>, corrupt: bool) -> Result<u64, String> {
+    pub fn put(&self, peer: u64, region: u64, ops: Vec<PutOp>, corrupt: bool) -> Result<u64, String> {
         self.call(|reply| Command::Put {
             peer,
+            region,
             ops,
             corrupt,
             reply,
@@ -219,12 +222,13 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
             }
             Command::Put {
                 peer,
+                region,
                 ops,
                 corrupt,
                 reply,
             } => {
                 let result = match peers.get(&peer) {
-                    Some(p) => put_all(p, &ops, corrupt),
+                    Some(p) => put_all(p, regions.get(&region), &ops, corrupt),
                     None => Err(format!("unknown peer {peer}")),
                 };
                 let _ = reply.send(result);
@@ -245,7 +249,7 @@ fn unsafe_map(context: &Context, addr: u64, len: u64) -> Result<MemRegion, Strin
 }
 
 #[allow(unsafe_code)]
-fn put_all(peer: &Peer, ops: &[PutOp], corrupt: bool) -> Result<u64, String> {
+fn put_all(peer: &Peer, region: Option<&MemRegion>, ops: &[PutOp], corrupt: bool) -> Result<u64, String> {
     let mut scratch: Option<Vec<u8>> = None;
     let mut pending = Vec::new();
     let mut bytes = 0u64;
@@ -253,7 +257,9 @@ fn put_all(peer: &Peer, ops: &[PutOp], corrupt: bool) -> Result<u64, String> {
         // SAFETY: `local` lies in memory this agent mapped for the engine, kept mapped while the
         // engine is registered (and a registered engine's transfer holds its state alive).
         let mut data = unsafe { std::slice::from_raw_parts(op.local as *const u8, op.len as usize) };
+        let mut registered = region;
         if corrupt && i == 0 && !data.is_empty() {
+            registered = None;
             let mut copy = data.to_vec();
             let at = copy.len() / 2;
             copy[at] ^= 0x5a;
@@ -262,7 +268,7 @@ fn put_all(peer: &Peer, ops: &[PutOp], corrupt: bool) -> Result<u64, String> {
         }
         // SAFETY: `data` stays valid until the flush below returns; the remote range was derived
         // from the peer's registered region.
-        match unsafe { peer.ep.put(data, op.remote, &peer.rkey) } {
+        match unsafe { peer.ep.put(data, op.remote, &peer.rkey, registered) } {
             Ok(Some(req)) => pending.push(req),
             Ok(None) => {}
             Err(e) => return Err(e.to_string()),

@@ -185,3 +185,22 @@ fn shared_memory_transport_moves_and_verifies() {
     assert_eq!(count(&v, "bytes"), 3 * 512 * 2 * 2 * 64 * 2 * 2);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn scattered_decode_blocks_pair_by_position_one_write_per_block() {
+    let dir = tmp("scatter");
+    let pair = manifest(&dir, "tiny", 16, 16, "FailClosed");
+    let v = run(&[
+        "--pair",
+        &pair,
+        "--requests",
+        "2",
+        "--prompt-tokens",
+        "200",
+        "--scatter-blocks",
+    ]);
+    assert_eq!(count(&v, "succeeded"), 2, "{v}");
+    assert_eq!(count(&v["checksum"], "verified"), 2);
+    assert_eq!(count(&v, "byte_errors"), 0);
+    let _ = std::fs::remove_dir_all(dir);
+}

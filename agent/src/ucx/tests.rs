@@ -19,7 +19,7 @@ fn put_roundtrip(transport: Transport, len: usize) {
     let half = len / 2;
     for (range, offset) in [(0..half, 0u64), (half..len, half as u64)] {
         // SAFETY: `source` lives until after the flush below; the range lies inside `region`.
-        if let Some(req) = unsafe { ep.put(&source[range], region.addr() + offset, &rkey) }.expect("post put") {
+        if let Some(req) = unsafe { ep.put(&source[range], region.addr() + offset, &rkey, None) }.expect("post put") {
             ep.wait(req, || {
                 wb.progress();
             })

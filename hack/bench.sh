@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Benchmarks for docs/benchmarks.md: push throughput over shm and tcp beside ucx_perftest at the
+# same message sizes, handshake rejection latency, and the checksum's speed per core. Release
+# build; every number printed comes with the command that produced it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+hack/deps.sh
+cargo build --release -q -p pdpair-agent
+bin=target/release/pdpair-agent
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"; pkill -f "ucx_perftest -p" 2>/dev/null || true' EXIT
+
+# An 8B-class model (32 layers, 8 KV heads of 128, bf16), 16-token blocks: a 4096-token prompt is
+# 512 MiB of KV, 64 coalesced WRITEs of 8 MiB per request.
+big() {
+  cat > "$tmp/8b.yaml" <<Y
+apiVersion: pdpair.dev/v1alpha1
+kind: PDPair
+metadata: {name: llama-8b}
+spec:
+  transfer: {mode: Push, checksum: $1, handshakeTimeout: 5s, leaseDuration: 30s}
+  prefill:
+    kv: &kv {engine: vllm, model: meta-llama/Llama-3.1-8B-Instruct, dtype: bfloat16, layers: 32, kvHeads: 8, headDim: 128, attentionBackend: FLASH_ATTN, layout: HND, blockSize: 16}
+  decode:
+    kv: *kv
+Y
+}
+
+run() { echo "\$ $*"; "$@"; echo; }
+
+big Disabled
+for t in shm tcp; do
+  run $bin loopback --pair "$tmp/8b.yaml" --requests 6 --prompt-tokens 4096 --transport $t --no-verify-bytes -o json
+done
+big FailClosed
+run $bin loopback --pair "$tmp/8b.yaml" --requests 6 --prompt-tokens 4096 --transport shm --no-verify-bytes -o json
+# Many small blocks: scattered decode block ids, one 32 KiB WRITE per block and layer.
+big Disabled
+run $bin loopback --pair "$tmp/8b.yaml" --requests 6 --prompt-tokens 4096 --transport shm --no-verify-bytes --scatter-blocks -o json
+
+# ucx_perftest's put bandwidth at the same sizes (8 MiB and 32 KiB), same machine, same run.
+perf() {
+  local tls=$1 size=$2 iters=$3 port=$4
+  UCX_TLS=$tls ucx_perftest -p "$port" >/dev/null 2>&1 &
+  sleep 1
+  echo "\$ UCX_TLS=$tls ucx_perftest -p $port 127.0.0.1 -t ucp_put_bw -s $size -n $iters"
+  UCX_TLS=$tls ucx_perftest -p "$port" 127.0.0.1 -t ucp_put_bw -s "$size" -n "$iters" 2>&1 | grep -E 'Final|^ +[0-9]' | tail -1
+  wait || true
+  echo
+}
+perf posix,sysv,self 268435456 20 13336
+perf posix,sysv,self 8388608 300 13337
+perf tcp,self 8388608 100 13338
+perf posix,sysv,self 32768 20000 13339
+
+# Rejections: push 16/64 and FLASHINFER 128/64 beside a compatible prefill.
+run $bin loopback --pair examples/vllm-push-64-64.yaml --also-prefill examples/vllm-push-16-64.yaml \
+  --also-prefill examples/vllm-push-flashinfer-128-64.yaml --requests 300 --prompt-tokens 64 -o json
+
+# The checksum on one core beside a plain read of the same bytes.
+run $bin bench-checksum --mib 512
