@@ -35,8 +35,8 @@ finish() {
 trap finish EXIT
 
 hack/control-plane.sh start "$dir"
-cargo build -p pdpair-operator
-for t in operator operator_restart; do
+cargo build -p pdpair-operator -p pdpair-agent
+for t in operator agent operator_restart; do
   cargo test -p pdpair-e2e --test "$t"
   stop_operators
 done

@@ -27,6 +27,10 @@ use pdpair_api::{
     checksum::{BlockSums, Outcome, compare},
 };
 
+mod publish;
+
+pub use publish::Publisher;
+
 use crate::{
     engine_api::{AgentEvent, EngineRequest, PoolRegistration},
     layout::PoolLayout,
@@ -50,6 +54,8 @@ pub struct AgentConfig {
     pub corrupt_one_byte: bool,
     /// How long a remembered rejection short-circuits new requests to that peer.
     pub rejection_ttl: Duration,
+    /// Where to publish PDEndpoints (in a cluster); `None` publishes nothing.
+    pub publisher: Option<Publisher>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -143,6 +149,9 @@ impl Agent {
             }
         };
         self.shared.metrics.registrations.inc();
+        if let Some(publisher) = &self.shared.cfg.publisher {
+            publisher.add(&engine);
+        }
         let address = engine.address.clone();
         send(
             &writer,
@@ -189,6 +198,15 @@ fn send(writer: &Mutex<UnixStream>, event: &AgentEvent) {
     if let Err(e) = wire::write_frame(&mut *lock(writer), event) {
         tracing::debug!(error = %e, "engine API: cannot send an event");
     }
+}
+
+/// What one engine's agent observed, for its PDEndpoint's status.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineStats {
+    /// Handshakes, transfers, bytes, checksum outcomes.
+    pub counters: pdpair_api::TransferCounters,
+    /// The last handshake rejection: (unix seconds, peer, reasons, message).
+    pub last_rejection: Option<(i64, String, Vec<String>, String)>,
 }
 
 /// A D request waiting for its KV.
@@ -244,6 +262,7 @@ struct Engine {
     address: String,
     writer: Arc<Mutex<UnixStream>>,
     closed: AtomicBool,
+    stats: Mutex<EngineStats>,
     // Decode side.
     pending: Mutex<HashMap<String, Pending>>,
     peers: Mutex<HashMap<String, Slot>>,
@@ -294,11 +313,14 @@ impl Engine {
             ),
             Role::Decode => None,
         };
-        let address = listener
-            .as_ref()
-            .and_then(|l| l.local_addr().ok())
-            .map(|a| a.to_string())
-            .unwrap_or_default();
+        // Prefill engines are dialled at their listener; decode engines dial out, from this host.
+        let address = match &listener {
+            Some(l) => l
+                .local_addr()
+                .map(|a| a.to_string())
+                .map_err(|e| format!("side channel address: {e}"))?,
+            None => shared.cfg.listen_host.to_string(),
+        };
         let local = PeerInfo {
             agent: shared.cfg.name.clone(),
             version: protocol::PROTOCOL_VERSION,
@@ -331,6 +353,7 @@ impl Engine {
             address,
             writer,
             closed: AtomicBool::new(false),
+            stats: Mutex::new(EngineStats::default()),
             pending: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             ready: Mutex::new(HashMap::new()),
@@ -351,11 +374,34 @@ impl Engine {
         for r in &reasons {
             self.shared.metrics.request_failed(self.reg.role, r);
         }
+        if !reasons.iter().any(|r| is_handshake_rejection(r)) {
+            lock(&self.stats).counters.transfers_failed += 1;
+        }
         self.event(AgentEvent::RequestFailed {
             request,
             reasons,
             message,
         });
+    }
+
+    fn transferred(&self, bytes: u64) {
+        let counters = &mut lock(&self.stats).counters;
+        counters.transfers_completed += 1;
+        counters.bytes = counters.bytes.saturating_add(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    fn rejected(&self, peer: &str, reasons: Vec<String>, message: String) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        let mut stats = lock(&self.stats);
+        stats.counters.handshakes_rejected += 1;
+        stats.last_rejection = Some((now, peer.to_owned(), reasons, message));
+    }
+
+    /// A snapshot of what this engine's agent observed.
+    pub fn stats(&self) -> EngineStats {
+        lock(&self.stats).clone()
     }
 
     fn memory(&self) -> &[u8] {
@@ -483,6 +529,7 @@ impl Engine {
         match result {
             Ok(link) => {
                 metrics.handshake("accepted");
+                lock(&self.stats).counters.handshakes_accepted += 1;
                 let link = Arc::new(link);
                 let queued = match lock(&self.peers).insert(addr.clone(), Slot::Connected(link.clone())) {
                     Some(Slot::Connecting(q)) => q,
@@ -500,6 +547,12 @@ impl Engine {
                     metrics.handshake(r);
                 }
                 metrics.reject_latency(started.elapsed());
+                if matches!(
+                    err,
+                    HandshakeError::Rejected { .. } | HandshakeError::Unauthenticated(_)
+                ) {
+                    self.rejected(&addr, reasons.clone(), err.to_string());
+                }
                 tracing::info!(engine = %self.reg.engine, peer = %addr, error = %err, "handshake with prefill failed");
                 if matches!(
                     err,
@@ -603,6 +656,7 @@ impl Engine {
             return;
         };
         self.shared.metrics.transfer_done(Role::Decode, bytes);
+        self.transferred(bytes);
         if self.reg.checksum == ChecksumPolicy::Disabled {
             return self.event(AgentEvent::RequestDone {
                 request,
@@ -632,6 +686,14 @@ impl Engine {
             None => Outcome::Unverified,
         };
         self.shared.metrics.checksum(outcome);
+        {
+            let counters = &mut lock(&self.stats).counters;
+            match outcome {
+                Outcome::Verified => counters.checksums_verified += 1,
+                Outcome::Mismatched => counters.checksums_mismatched += 1,
+                Outcome::Unverified => counters.checksums_unverified += 1,
+            }
+        }
         let name = format!("{outcome:?}");
         match (outcome, self.reg.checksum) {
             (Outcome::Verified, _) | (_, ChecksumPolicy::FailOpen) => {
@@ -685,6 +747,12 @@ impl Engine {
                 for r in err.reasons() {
                     self.shared.metrics.handshake(&r);
                 }
+                if matches!(
+                    err,
+                    HandshakeError::Rejected { .. } | HandshakeError::Unauthenticated(_)
+                ) {
+                    self.rejected(&peer_addr, err.reasons(), err.to_string());
+                }
                 tracing::info!(engine = %self.reg.engine, peer = %peer_addr, error = %err, "refused a decode agent");
                 return;
             }
@@ -719,6 +787,7 @@ impl Engine {
             }
         };
         self.shared.metrics.handshake("accepted");
+        lock(&self.stats).counters.handshakes_accepted += 1;
         let _ = stream.set_read_timeout(None);
         let Ok(mut reader) = stream.try_clone() else { return };
         let link = Arc::new(Link {
@@ -855,6 +924,7 @@ impl Engine {
                 let took = started.elapsed();
                 self.shared.metrics.transfer_latency(took);
                 self.shared.metrics.transfer_done(Role::Prefill, bytes);
+                self.transferred(bytes);
                 if link.send(&Message::Complete {
                     request: request.clone(),
                     sums,
@@ -996,6 +1066,17 @@ impl Engine {
         lock(&self.pending).clear();
         self.shared.ucx.unmap(self.region);
     }
+}
+
+/// Whether a failure reason is a refused handshake (authentication or the rule table), as opposed
+/// to a failed transfer.
+pub fn is_handshake_rejection(reason: &str) -> bool {
+    reason == protocol::UNAUTHENTICATED
+        || pdpair_api::Reason::ALL.iter().any(|r| r.as_str() == reason)
+        || matches!(
+            reason,
+            "RoleMismatch" | "TransferSettingsMismatch" | "VersionMismatch" | "PairMismatch"
+        )
 }
 
 /// Pairs D's blocks with P's by absolute token position (never by list length): D block `i`

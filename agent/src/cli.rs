@@ -116,6 +116,41 @@ pub struct RunArgs {
     /// Fault injection for tests: flip one byte of one block in flight per request.
     #[arg(long = "corrupt-one-byte", hide = true)]
     pub corrupt_one_byte: bool,
+    /// Publish PDEndpoints with this kubeconfig (local mode). In a cluster (the service account
+    /// is mounted) they are published without it; `--no-publish` turns publishing off.
+    #[arg(long)]
+    pub kubeconfig: Option<std::path::PathBuf>,
+    /// Do not publish PDEndpoints.
+    #[arg(long = "no-publish")]
+    pub no_publish: bool,
+}
+
+fn publisher(args: &RunArgs) -> Result<Option<crate::agent::Publisher>, UsageError> {
+    if args.no_publish {
+        return Ok(None);
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| UsageError(format!("runtime: {e}")))?;
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .map_err(|e| UsageError(format!("{}: {e}", path.display())))?;
+            rt.block_on(kube::Config::from_custom_kubeconfig(
+                kc,
+                &kube::config::KubeConfigOptions::default(),
+            ))
+            .map_err(|e| UsageError(format!("{}: {e}", path.display())))?
+        }
+        None if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() => {
+            kube::Config::incluster().map_err(|e| UsageError(format!("in-cluster credentials: {e}")))?
+        }
+        None => return Ok(None),
+    };
+    crate::agent::Publisher::start(config, args.name.clone())
+        .map(Some)
+        .map_err(UsageError)
 }
 
 /// Arguments of `pdpair-agent loopback`.
@@ -170,6 +205,7 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
         transport,
         corrupt_one_byte: args.corrupt_one_byte,
         rejection_ttl: std::time::Duration::from_secs(30),
+        publisher: publisher(args)?,
     };
     let agent =
         crate::agent::Agent::start(cfg, metrics.clone()).map_err(|e| UsageError(format!("starting UCX: {e}")))?;

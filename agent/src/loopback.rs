@@ -12,7 +12,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use pdpair_api::{PDPair, Reason, Role, TransferMode};
+use pdpair_api::{PDPair, Role, TransferMode};
 use serde::Serialize;
 
 use crate::{
@@ -198,15 +198,6 @@ fn reader(engine: &SyntheticEngine) -> Option<Receiver<AgentEvent>> {
 
 fn blocks_for(tokens: u64, block: u32) -> u32 {
     tokens.div_ceil(u64::from(block)).max(1) as u32
-}
-
-fn is_rejection(reason: &str) -> bool {
-    reason == crate::protocol::UNAUTHENTICATED
-        || Reason::ALL.iter().any(|r| r.as_str() == reason)
-        || matches!(
-            reason,
-            "RoleMismatch" | "TransferSettingsMismatch" | "VersionMismatch" | "PairMismatch"
-        )
 }
 
 /// Runs the scenario. `progress` draws a bar on stderr when it is a terminal.
@@ -419,7 +410,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                 }
             }
             Err((reasons, _message)) => {
-                let rejected = reasons.iter().any(|r| is_rejection(r));
+                let rejected = reasons.iter().any(|r| crate::agent::is_handshake_rejection(r));
                 if rejected {
                     stats.rejected += 1;
                     report.rejected += 1;

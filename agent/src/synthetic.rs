@@ -60,6 +60,17 @@ impl SyntheticEngine {
     /// Creates the pool file under `dir`, connects to the agent at `socket` and registers.
     /// `Err` carries the agent's message when it refuses the registration.
     pub fn register(socket: &Path, dir: &Path, spec: &EngineSpec) -> Result<SyntheticEngine, String> {
+        Self::register_in_pod(socket, dir, spec, None)
+    }
+
+    /// Like [`SyntheticEngine::register`], naming the engine's Pod (the agent then publishes a
+    /// PDEndpoint owned by it).
+    pub fn register_in_pod(
+        socket: &Path,
+        dir: &Path,
+        spec: &EngineSpec,
+        pod: Option<String>,
+    ) -> Result<SyntheticEngine, String> {
         let layout = PoolLayout::new(&spec.kv, &spec.parallelism, spec.num_blocks).map_err(|e| e.to_string())?;
         let path = dir.join(format!("{}.kv", spec.engine));
         let file = File::options()
@@ -85,7 +96,7 @@ impl SyntheticEngine {
             pdpair: spec.pdpair.clone(),
             role: spec.role,
             engine: spec.engine.clone(),
-            pod: None,
+            pod,
             mode: spec.mode,
             checksum: spec.checksum,
             handshake_timeout_ms: spec.handshake_timeout_ms,

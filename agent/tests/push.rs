@@ -72,6 +72,7 @@ impl World {
             transport,
             corrupt_one_byte: corrupt,
             rejection_ttl: Duration::from_secs(30),
+            publisher: None,
         };
         let agent = Agent::start(cfg, Arc::new(Metrics::new())).expect("agent starts");
         let socket = self.dir.join(format!("{name}.sock"));

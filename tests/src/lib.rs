@@ -161,11 +161,17 @@ pub fn events_about(ns: &str, name: &str) -> Vec<serde_json::Value> {
     v["items"].as_array().cloned().unwrap_or_default()
 }
 
+/// A free port below the ephemeral range: a port the kernel hands out for outgoing connections
+/// (the API server makes many) could be taken between our check and the operator's bind.
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let base = 20000 + (std::process::id() % 500) * 20;
+    loop {
+        let port = (base + NEXT.fetch_add(1, Ordering::SeqCst) % 10000) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// A `pdpair-operator run` process in local mode against the control plane.

@@ -1,0 +1,207 @@
+//! Publishes one PDEndpoint per registered engine that names its Pod, owned by that Pod, and
+//! keeps its status current: at most one status write per endpoint per second, and a heartbeat
+//! every 30 s when nothing changed. The agent writes only PDEndpoints (spec and status, field
+//! manager `pdpair-agent`) and reads Pods; it never reads Secrets.
+
+use std::{
+    sync::{Arc, Weak, mpsc},
+    time::{Duration, Instant},
+};
+
+use k8s_openapi::{
+    api::core::v1::Pod,
+    apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time},
+    jiff::Timestamp,
+};
+use kube::{
+    Api, Client,
+    api::{Patch, PatchParams},
+};
+use pdpair_api::{PDEndpoint, PDEndpointSpec, PDEndpointStatus, Rejection};
+
+use super::{Engine, EngineStats};
+
+const MANAGER: &str = "pdpair-agent";
+const HEARTBEAT: Duration = Duration::from_secs(30);
+
+/// Hands engines to the publishing thread.
+#[derive(Debug, Clone)]
+pub struct Publisher {
+    tx: mpsc::Sender<Weak<Engine>>,
+}
+
+struct Entry {
+    engine: Weak<Engine>,
+    created: bool,
+    last: Option<EngineStats>,
+    at: Instant,
+}
+
+impl Publisher {
+    /// Starts the publishing thread with this client configuration; `node` is the agent's node.
+    pub fn start(config: kube::Config, node: String) -> Result<Publisher, String> {
+        let (tx, rx) = mpsc::channel::<Weak<Engine>>();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("runtime: {e}"))?;
+        let client = {
+            let _guard = runtime.enter();
+            Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))?
+        };
+        std::thread::Builder::new()
+            .name("publish".into())
+            .spawn(move || runtime.block_on(run(client, node, rx)))
+            .map_err(|e| format!("starting the publisher: {e}"))?;
+        Ok(Publisher { tx })
+    }
+
+    /// Publishes this engine from now on (until it goes away).
+    pub(super) fn add(&self, engine: &Arc<Engine>) {
+        let _ = self.tx.send(Arc::downgrade(engine));
+    }
+}
+
+async fn run(client: Client, node: String, rx: mpsc::Receiver<Weak<Engine>>) {
+    let mut entries: Vec<Entry> = Vec::new();
+    loop {
+        loop {
+            match rx.try_recv() {
+                Ok(engine) => entries.push(Entry {
+                    engine,
+                    created: false,
+                    last: None,
+                    at: Instant::now(),
+                }),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => return,
+            }
+        }
+        entries.retain(|e| {
+            e.engine
+                .upgrade()
+                .is_some_and(|e| !e.closed.load(std::sync::atomic::Ordering::SeqCst))
+        });
+        for entry in &mut entries {
+            if let Err(e) = sync(&client, &node, entry).await {
+                tracing::warn!(error = %e, "publishing a PDEndpoint failed; retrying");
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// The endpoint's name: `<pod>-<engine>`, as a DNS subdomain.
+fn endpoint_name(pod: &str, engine: &str) -> String {
+    let raw = format!("{pod}-{engine}").to_lowercase();
+    let cleaned: String = raw
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    let trimmed = cleaned.trim_matches(|c: char| !c.is_ascii_alphanumeric());
+    trimmed.chars().take(253).collect()
+}
+
+fn split_pair(pdpair: &str) -> (String, String) {
+    match pdpair.split_once('/') {
+        Some((ns, name)) => (ns.to_owned(), name.to_owned()),
+        None => ("default".to_owned(), pdpair.to_owned()),
+    }
+}
+
+async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube::Error> {
+    let Some(engine) = entry.engine.upgrade() else {
+        return Ok(());
+    };
+    let Some(pod_name) = engine.reg.pod.clone() else {
+        return Ok(());
+    };
+    let (namespace, pair) = split_pair(&engine.reg.pdpair);
+    let name = endpoint_name(&pod_name, &engine.reg.engine);
+    let api: Api<PDEndpoint> = Api::namespaced(client.clone(), &namespace);
+    if !entry.created {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+        let pod = pods.get(&pod_name).await?;
+        let owner = OwnerReference {
+            api_version: "v1".into(),
+            kind: "Pod".into(),
+            name: pod_name.clone(),
+            uid: pod.metadata.uid.clone().unwrap_or_default(),
+            ..OwnerReference::default()
+        };
+        let endpoint = PDEndpoint {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: Some(namespace.clone()),
+                labels: Some(
+                    [
+                        ("pdpair.dev/name".to_owned(), pair.clone()),
+                        ("pdpair.dev/role".to_owned(), engine.reg.role.as_str().to_owned()),
+                    ]
+                    .into(),
+                ),
+                owner_references: Some(vec![owner]),
+                ..ObjectMeta::default()
+            },
+            spec: PDEndpointSpec {
+                pdpair: pair,
+                role: engine.reg.role,
+                pod: pod_name,
+                node: node.to_owned(),
+                address: engine.address.clone(),
+                parallelism: engine.reg.parallelism.clone(),
+                kv: engine.reg.kv.clone(),
+            },
+            status: None,
+        };
+        api.patch(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&endpoint))
+            .await?;
+        entry.created = true;
+        tracing::info!(endpoint = %name, %namespace, "published a PDEndpoint");
+    }
+    let stats = engine.stats();
+    if entry.last.as_ref() == Some(&stats) && entry.at.elapsed() < HEARTBEAT {
+        return Ok(());
+    }
+    let status = PDEndpointStatus {
+        counters: stats.counters.clone(),
+        last_rejection: stats
+            .last_rejection
+            .as_ref()
+            .map(|(at, peer, reasons, message)| Rejection {
+                time: Time(Timestamp::from_second(*at).unwrap_or(Timestamp::UNIX_EPOCH)),
+                peer: peer.clone(),
+                reasons: reasons.clone(),
+                message: message.clone(),
+            }),
+        last_heartbeat: Some(Time(Timestamp::now())),
+    };
+    let body = serde_json::json!({ "apiVersion": "pdpair.dev/v1alpha1", "kind": "PDEndpoint", "status": status });
+    api.patch_status(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&body))
+        .await?;
+    entry.last = Some(stats);
+    entry.at = Instant::now();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_names_are_dns_subdomains() {
+        assert_eq!(
+            endpoint_name("llama-decode-7f9c-abcde", "decode-0"),
+            "llama-decode-7f9c-abcde-decode-0"
+        );
+        assert_eq!(endpoint_name("Pod_A", "rank:1"), "pod-a-rank-1");
+        assert_eq!(split_pair("team-a/llama"), ("team-a".to_owned(), "llama".to_owned()));
+        assert_eq!(split_pair("llama"), ("default".to_owned(), "llama".to_owned()));
+    }
+}

@@ -1,0 +1,247 @@
+//! Node agents against the real API server, beside a running operator: engines register, the
+//! agents publish PDEndpoints owned by the engines' Pods (no kubelet runs: the Pods exist in the
+//! API only, and the engines are synthetic), and what the agents observe reaches the PDPair.
+
+use std::{
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use pdpair_agent::{
+    engine_api::{AgentEvent, EngineRequest},
+    synthetic::{EngineSpec, SyntheticEngine},
+};
+use pdpair_api::{PDPair, Role};
+use pdpair_e2e::*;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+struct AgentProc(Child);
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn agent(name: &str, socket: &PathBuf) -> AgentProc {
+    let bin = root().join("target/debug/pdpair-agent");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first (hack/e2e.sh does)",
+        bin.display()
+    );
+    let log = std::fs::File::create(dir().join(format!("agent-{name}.log"))).expect("log");
+    let child = Command::new(bin)
+        .args([
+            "run",
+            "--name",
+            name,
+            "--listen-host",
+            "127.0.0.1",
+            "--transport",
+            "tcp",
+        ])
+        .arg("--socket")
+        .arg(socket)
+        .arg("--kubeconfig")
+        .arg(kubeconfig())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("agent starts");
+    eventually(WAIT, "the agent's socket", || {
+        std::os::unix::net::UnixStream::connect(socket).ok().map(|_| ())
+    });
+    AgentProc(child)
+}
+
+fn pod(ns: &str, name: &str, role: &str) {
+    let manifest = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {ns}\n  labels: {{pdpair.dev/name: vllm-push-64-64, pdpair.dev/role: {role}}}\nspec:\n  containers:\n  - name: engine\n    image: vllm/vllm-openai:v0.11.0\n"
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&manifest));
+}
+
+fn secret_key(ns: &str, pair: &str) -> Vec<u8> {
+    let s = eventually(WAIT, "the pairing Secret", || {
+        get_json("secret", ns, &format!("{pair}-pairing"))
+    });
+    let b64 = s["data"]["key"].as_str().expect("key").to_owned();
+    let out = Command::new("base64")
+        .arg("-d")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().expect("stdin").write_all(b64.as_bytes())?;
+            c.wait_with_output()
+        });
+    out.expect("base64 -d").stdout
+}
+
+#[test]
+fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
+    let _op = Operator::start("agents");
+    let ns = namespace("agents");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("vllm-push-64-64.yaml", &ns, |_| {})),
+    );
+    let text = manifest("vllm-push-64-64.yaml", &ns, |_| {});
+    let pair: PDPair = serde_yaml::from_str(&text).expect("PDPair");
+    // The engines get the pair's secret the way a pod does: from the Secret the operator made.
+    let key = secret_key(&ns, "vllm-push-64-64");
+    assert_eq!(key.len(), 32);
+    for (name, role) in [
+        ("decode-pod", "decode"),
+        ("prefill-pod", "prefill"),
+        ("prefill16-pod", "prefill"),
+    ] {
+        pod(&ns, name, role);
+    }
+    let work = dir().join(format!("agents-{ns}"));
+    std::fs::create_dir_all(&work).expect("dir");
+    let (d_sock, p_sock) = (work.join("node-d.sock"), work.join("node-p.sock"));
+    let _d_agent = agent("node-d", &d_sock);
+    let _p_agent = agent("node-p", &p_sock);
+    let spec = |role: Role, engine: &str, pod: &str, block: i32| {
+        let pool = if role == Role::Prefill {
+            &pair.spec.prefill
+        } else {
+            &pair.spec.decode
+        };
+        let mut kv = pool.kv.clone();
+        kv.block_size = block;
+        kv.kernel_block_size = Some(block);
+        (
+            EngineSpec {
+                pdpair: format!("{ns}/vllm-push-64-64"),
+                role,
+                engine: engine.into(),
+                mode: pair.spec.transfer.mode,
+                checksum: pair.spec.transfer.checksum,
+                handshake_timeout_ms: 2000,
+                lease_ms: 5000,
+                parallelism: pool.parallelism.clone(),
+                kv,
+                pairing_key: key.clone(),
+                num_blocks: 4,
+            },
+            pod.to_owned(),
+        )
+    };
+    let register = |socket: &PathBuf, (spec, pod): (EngineSpec, String)| {
+        SyntheticEngine::register_in_pod(socket, &work, &spec, Some(pod)).expect("registers")
+    };
+    let mut d = register(&d_sock, spec(Role::Decode, "d0", "decode-pod", 64));
+    let mut p = register(&p_sock, spec(Role::Prefill, "p0", "prefill-pod", 64));
+    // Both endpoints appear, owned by their Pods, and the pair counts them.
+    let endpoint = eventually(WAIT, "the decode PDEndpoint", || {
+        get_json("pdendpoint", &ns, "decode-pod-d0")
+    });
+    let owner = &endpoint["metadata"]["ownerReferences"][0];
+    assert_eq!(
+        (owner["kind"].as_str(), owner["name"].as_str()),
+        (Some("Pod"), Some("decode-pod"))
+    );
+    assert_eq!(endpoint["spec"]["node"], "node-d");
+    assert_eq!(endpoint["spec"]["role"], "decode");
+    eventually(WAIT, "the prefill PDEndpoint", || {
+        get_json("pdendpoint", &ns, "prefill-pod-p0")
+    });
+    eventually(WAIT, "2 endpoints in the pair's status", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (p["status"]["transfer"]["endpoints"] == 2 && condition(&p, "GeometryCompatible")?.0 == "True").then_some(())
+    });
+    // A transfer: counted in both endpoints' status and in the pair's totals.
+    p.fill(1, &[0, 1], 0, 100);
+    p.send(&EngineRequest::KvReady {
+        request: "r1".into(),
+        blocks: vec![0, 1],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("send");
+    d.send(&EngineRequest::ExpectKv {
+        request: "r1".into(),
+        prefill: p.address.clone(),
+        blocks: vec![2, 3],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("send");
+    let event = d.next_event().expect("event");
+    assert!(matches!(event, AgentEvent::RequestDone { .. }), "{event:?}");
+    assert_eq!(d.verify(1, &[2, 3], 0, 100), 0);
+    let pair_json = eventually(WAIT, "the transfer in the pair's totals", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (p["status"]["transfer"]["transfersCompleted"] == 2).then_some(p)
+    });
+    assert!(pair_json["status"]["transfer"]["bytes"].as_i64().is_some_and(|b| b > 0));
+    assert_eq!(
+        condition(&pair_json, "TransferReady").map(|c| c.0).as_deref(),
+        Some("True")
+    );
+    // An engine that runs 16-token blocks: its endpoint shows the mismatch in the pair's status...
+    let p16 = register(&p_sock, spec(Role::Prefill, "p16", "prefill16-pod", 16));
+    let reason = eventually(WAIT, "GeometryCompatible=False", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        let (status, reason) = condition(&p, "GeometryCompatible")?;
+        (status == "False").then_some(reason)
+    });
+    assert_eq!(reason, "ObservedGeometryMismatch");
+    // ...and decode's agent rejects it at the handshake, which the pair reports too.
+    d.send(&EngineRequest::ExpectKv {
+        request: "r2".into(),
+        prefill: p16.address.clone(),
+        blocks: vec![2],
+        num_tokens: 10,
+        first_token: 0,
+    })
+    .expect("send");
+    let event = d.next_event().expect("event");
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { reasons, .. } if reasons == &vec!["KernelBlockSizeMismatch".to_owned()]),
+        "{event:?}"
+    );
+    let endpoint = eventually(WAIT, "the rejection in decode's PDEndpoint", || {
+        let e = get_json("pdendpoint", &ns, "decode-pod-d0")?;
+        (e["status"]["handshakesRejected"] == 1).then_some(e)
+    });
+    assert_eq!(
+        endpoint["status"]["lastRejection"]["reasons"][0],
+        "KernelBlockSizeMismatch"
+    );
+    assert!(endpoint["status"]["lastHeartbeat"].is_string());
+    let pair_json = eventually(WAIT, "TransferReady=False", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (condition(&p, "TransferReady")?.0 == "False").then_some(p)
+    });
+    assert_eq!(
+        condition(&pair_json, "TransferReady").map(|c| c.1).as_deref(),
+        Some("HandshakeRejected")
+    );
+    // Deleting a Pod garbage-collects its endpoint.
+    kubectl_ok(
+        &[
+            "delete",
+            "pod",
+            "prefill16-pod",
+            "-n",
+            &ns,
+            "--wait=false",
+            "--grace-period=0",
+            "--force",
+        ],
+        None,
+    );
+    eventually(WAIT, "the endpoint of the deleted Pod to go", || {
+        get_json("pdendpoint", &ns, "prefill16-pod-p16").is_none().then_some(())
+    });
+    drop(p16);
+    let _ = std::fs::remove_dir_all(&work);
+}
