@@ -618,9 +618,34 @@ impl Engine {
                 Ok(Message::Ping { seq }) => {
                     link.send(&Message::Pong { seq });
                 }
+                Ok(Message::Reject { reasons, message }) => return self.refused(&link, reasons, message),
                 Ok(_) => {}
                 Err(e) => return self.lost(&link, e.to_string()),
             }
+        }
+    }
+
+    /// The prefill peer refused us after the handshake (it checks its memory layout against
+    /// ours): fail what waited on it with its reasons, and remember them.
+    fn refused(&self, link: &Link, reasons: Vec<String>, message: String) {
+        self.rejected(&link.addr, reasons.clone(), message.clone());
+        lock(&self.shared.rejections).insert(link.addr.clone(), (Instant::now(), reasons.clone(), message.clone()));
+        lock(&self.peers).remove(&link.addr);
+        let failed: Vec<String> = {
+            let mut pending = lock(&self.pending);
+            let ids: Vec<String> = pending
+                .iter()
+                .filter(|(_, p)| p.prefill == link.addr)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.into_iter().filter(|id| pending.remove(id).is_some()).collect()
+        };
+        for request in failed {
+            self.fail(
+                request,
+                reasons.clone(),
+                format!("prefill {} refused: {message}", link.addr),
+            );
         }
     }
 
@@ -1075,7 +1100,12 @@ pub fn is_handshake_rejection(reason: &str) -> bool {
         || pdpair_api::Reason::ALL.iter().any(|r| r.as_str() == reason)
         || matches!(
             reason,
-            "RoleMismatch" | "TransferSettingsMismatch" | "VersionMismatch" | "PairMismatch"
+            "RoleMismatch"
+                | "TransferSettingsMismatch"
+                | "VersionMismatch"
+                | "PairMismatch"
+                | "MemoryLayoutMismatch"
+                | protocol::AGENT_UNSUPPORTED
         )
 }
 

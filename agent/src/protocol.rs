@@ -28,6 +28,8 @@ pub const PROTOCOL_VERSION: u16 = 1;
 pub const NONCE_LEN: usize = 32;
 /// The reason sent when authentication fails.
 pub const UNAUTHENTICATED: &str = "Unauthenticated";
+/// The reason sent when the rule table admits a pair this agent cannot serve yet.
+pub const AGENT_UNSUPPORTED: &str = "AgentUnsupported";
 
 /// One side-channel message.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -425,12 +427,30 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)> {
         ));
     }
     let verdict = check_peer(local, peer);
-    (!verdict.allowed()).then(|| {
-        (
+    if !verdict.allowed() {
+        return Some((
             verdict.reasons().iter().map(|r| r.as_str().to_owned()).collect(),
             verdict.to_string(),
-        )
-    })
+        ));
+    }
+    // Compatible on paper, but beyond what this agent's transfer path does yet: say so at the
+    // handshake instead of failing later.
+    if local.mode == TransferMode::Pull {
+        return Some((
+            vec![AGENT_UNSUPPORTED.into()],
+            "this agent version moves KV in Push mode only".into(),
+        ));
+    }
+    if peer.parallelism.tensor != local.parallelism.tensor {
+        return Some((
+            vec![AGENT_UNSUPPORTED.into()],
+            format!(
+                "tensor parallelism {} and {} differ; this agent version writes between engines of equal tensor parallelism only",
+                local.parallelism.tensor, peer.parallelism.tensor
+            ),
+        ));
+    }
+    None
 }
 
 /// D's side of the handshake: send ours, then check P's before using any of it.

@@ -252,3 +252,14 @@ fn garbage_and_truncated_frames_are_errors_not_panics() {
     }
     assert!(server.join().expect("no panic").into_iter().all(|failed| failed));
 }
+
+#[test]
+fn pairs_the_rules_admit_but_the_agent_cannot_serve_are_refused_at_the_handshake() {
+    // Heterogeneous tensor parallelism with HND on prefill passes the rule table; this agent
+    // version does not write head subsets yet, and says so instead of failing later.
+    let mut d = info(Role::Decode, 64);
+    d.parallelism.tensor = 2;
+    let (p, dres) = pair(b"s", b"s", info(Role::Prefill, 64), d);
+    assert_eq!(p.expect_err("refused").reasons(), vec![AGENT_UNSUPPORTED.to_owned()]);
+    assert!(matches!(dres, Err(HandshakeError::Rejected { .. })), "{dres:?}");
+}
