@@ -124,6 +124,8 @@ impl Agent {
                 return;
             }
         };
+        // An engine that stops reading its events must not stall transfer threads forever.
+        let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
         let writer = Arc::new(Mutex::new(stream));
         let registration = match wire::read_frame::<EngineRequest>(&mut reader) {
             Ok(EngineRequest::RegisterPool(reg)) => *reg,
@@ -228,6 +230,13 @@ struct Ready {
     since: Instant,
 }
 
+/// Prefill-side matching of KvReady and Register, in either order.
+#[derive(Debug, Default)]
+struct Matching {
+    ready: HashMap<String, Ready>,
+    registered: HashMap<String, Waiting>,
+}
+
 /// An authenticated, handshaken side-channel connection.
 #[derive(Debug)]
 struct Link {
@@ -267,8 +276,10 @@ struct Engine {
     pending: Mutex<HashMap<String, Pending>>,
     peers: Mutex<HashMap<String, Slot>>,
     // Prefill side.
-    ready: Mutex<HashMap<String, Ready>>,
-    registered: Mutex<HashMap<String, Waiting>>,
+    /// KV ready on this P engine and D registrations waiting for it, under one lock: matching
+    /// them is check-and-insert across both maps, which must be atomic (with two locks a
+    /// KvReady and a Register arriving together could each miss the other and both wait).
+    matching: Mutex<Matching>,
 }
 
 impl Engine {
@@ -356,8 +367,7 @@ impl Engine {
             stats: Mutex::new(EngineStats::default()),
             pending: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
-            ready: Mutex::new(HashMap::new()),
-            registered: Mutex::new(HashMap::new()),
+            matching: Mutex::new(Matching::default()),
         });
         if let Some(listener) = listener {
             let e = engine.clone();
@@ -833,7 +843,9 @@ impl Engine {
         }
         // D is gone: forget its registrations (the P engine's KV stays ready for a retry until
         // its lease ends).
-        lock(&self.registered).retain(|_, (l, _, _)| !Arc::ptr_eq(l, &link));
+        lock(&self.matching)
+            .registered
+            .retain(|_, (l, _, _)| !Arc::ptr_eq(l, &link));
         self.shared.ucx.disconnect(ucx_peer);
     }
 
@@ -846,10 +858,16 @@ impl Engine {
             });
             return;
         }
-        match lock(&self.ready).remove(&reg.request) {
-            Some(ready) => self.spawn_transfer(link.clone(), reg, ready),
+        let mut matching = lock(&self.matching);
+        match matching.ready.remove(&reg.request) {
+            Some(ready) => {
+                drop(matching);
+                self.spawn_transfer(link.clone(), reg, ready);
+            }
             None => {
-                lock(&self.registered).insert(reg.request.clone(), (link.clone(), reg, Instant::now()));
+                matching
+                    .registered
+                    .insert(reg.request.clone(), (link.clone(), reg, Instant::now()));
             }
         }
     }
@@ -884,10 +902,14 @@ impl Engine {
             first_token,
             since: Instant::now(),
         };
-        match lock(&self.registered).remove(&request) {
-            Some((link, reg, _)) => self.spawn_transfer(link, reg, ready),
+        let mut matching = lock(&self.matching);
+        match matching.registered.remove(&request) {
+            Some((link, reg, _)) => {
+                drop(matching);
+                self.spawn_transfer(link, reg, ready);
+            }
             None => {
-                lock(&self.ready).insert(request, ready);
+                matching.ready.insert(request, ready);
             }
         }
     }
@@ -1040,7 +1062,7 @@ impl Engine {
         }
         let lease = self.lease();
         let expired: Vec<String> = {
-            let mut ready = lock(&self.ready);
+            let ready = &mut lock(&self.matching).ready;
             let ids: Vec<String> = ready
                 .iter()
                 .filter(|(_, r)| r.since.elapsed() >= lease)
@@ -1057,7 +1079,7 @@ impl Engine {
             );
         }
         let stale: Vec<(Arc<Link>, String)> = {
-            let mut registered = lock(&self.registered);
+            let registered = &mut lock(&self.matching).registered;
             let ids: Vec<String> = registered
                 .iter()
                 .filter(|(_, (_, _, at))| at.elapsed() >= lease)

@@ -28,7 +28,7 @@ fn run(args: &[&str]) -> Value {
 /// A small pair (2 layers, 2 heads of 64, bf16) with these block sizes and transfer settings.
 fn manifest(dir: &std::path::Path, name: &str, p_block: u32, d_block: u32, checksum: &str) -> String {
     let text = format!(
-        "apiVersion: pdpair.dev/v1alpha1\nkind: PDPair\nmetadata:\n  name: {name}\nspec:\n  transfer:\n    mode: Push\n    checksum: {checksum}\n    handshakeTimeout: 2s\n    leaseDuration: 5s\n  prefill:\n    kv: &kv\n      engine: vllm\n      model: tiny\n      dtype: bfloat16\n      layers: 2\n      kvHeads: 2\n      headDim: 64\n      attentionBackend: FLASH_ATTN\n      layout: HND\n      blockSize: {p_block}\n  decode:\n    kv:\n      <<: *kv\n      blockSize: {d_block}\n"
+        "apiVersion: pdpair.dev/v1alpha1\nkind: PDPair\nmetadata:\n  name: {name}\nspec:\n  transfer:\n    mode: Push\n    checksum: {checksum}\n    handshakeTimeout: 10s\n    leaseDuration: 20s\n  prefill:\n    kv: &kv\n      engine: vllm\n      model: tiny\n      dtype: bfloat16\n      layers: 2\n      kvHeads: 2\n      headDim: 64\n      attentionBackend: FLASH_ATTN\n      layout: HND\n      blockSize: {p_block}\n  decode:\n    kv:\n      <<: *kv\n      blockSize: {d_block}\n"
     );
     let path = dir.join(format!("{name}.yaml"));
     std::fs::write(&path, text).expect("write manifest");
@@ -114,8 +114,8 @@ fn a_corrupted_byte_is_caught_for_every_request_under_fail_closed_and_logged_und
         "shm",
     ]);
     assert_eq!((count(&v, "succeeded"), count(&v, "failed")), (0, 4), "{v}");
-    assert_eq!(v["per_prefill"][0]["reasons"]["ChecksumMismatch"], 4);
-    assert_eq!(count(&v["checksum"], "mismatched"), 4);
+    assert_eq!(v["per_prefill"][0]["reasons"]["ChecksumMismatch"], 4, "{v}");
+    assert_eq!(count(&v["checksum"], "mismatched"), 4, "{v}");
     let open = manifest(&dir, "open", 16, 16, "FailOpen");
     let v = run(&[
         "--pair",
@@ -127,8 +127,8 @@ fn a_corrupted_byte_is_caught_for_every_request_under_fail_closed_and_logged_und
         "100",
     ]);
     assert_eq!(count(&v, "succeeded"), 4, "{v}");
-    assert_eq!(count(&v["checksum"], "mismatched"), 4);
-    assert_eq!(count(&v, "byte_errors"), 4, "decode's own byte check agrees");
+    assert_eq!(count(&v["checksum"], "mismatched"), 4, "{v}");
+    assert_eq!(count(&v, "byte_errors"), 4, "decode's own byte check agrees: {v}");
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -472,3 +472,54 @@ fn malformed_and_truncated_frames_close_the_connection_and_the_agent_keeps_servi
     assert!(done(&event), "{event:?}");
     assert_eq!(bad, 0);
 }
+
+#[test]
+fn kv_ready_and_registration_arriving_together_always_match() {
+    // The prefill engine's KvReady and decode's Register reach the prefill agent on different
+    // threads at about the same time; each must find the other whichever lands first. Many
+    // back-to-back requests make the interleavings likely (a lost match would end in
+    // DeadlineExceeded).
+    let w = World::new("race");
+    let (ps, ds) = (w.agent("p", Transport::Shm, false), w.agent("d", Transport::Shm, false));
+    let mut p = SyntheticEngine::register(
+        &ps,
+        &w.dir,
+        &spec(Role::Prefill, "p0", kv(16, None), b"k", ChecksumPolicy::Disabled),
+    )
+    .expect("P");
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(16, None), b"k", ChecksumPolicy::Disabled),
+    )
+    .expect("D");
+    // Prefill's own events are read as a real engine would (unread, they would fill its socket).
+    let mut events = p.events().expect("events");
+    std::thread::spawn(move || while pdpair_agent::wire::read_frame::<AgentEvent>(&mut events).is_ok() {});
+    for i in 0..200 {
+        let id = format!("r{i}");
+        // Alternate the order the two sides speak in.
+        let ready = EngineRequest::KvReady {
+            request: id.clone(),
+            blocks: vec![0],
+            num_tokens: 16,
+            first_token: 0,
+        };
+        let expect = EngineRequest::ExpectKv {
+            request: id.clone(),
+            prefill: p.address.clone(),
+            blocks: vec![1],
+            num_tokens: 16,
+            first_token: 0,
+        };
+        if i % 2 == 0 {
+            p.send(&ready).expect("send");
+            d.send(&expect).expect("send");
+        } else {
+            d.send(&expect).expect("send");
+            p.send(&ready).expect("send");
+        }
+        let event = d.next_event().expect("event");
+        assert!(done(&event), "request {i}: {event:?}");
+    }
+}
