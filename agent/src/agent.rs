@@ -431,6 +431,22 @@ impl Engine {
         Duration::from_millis(self.reg.lease_ms.max(1))
     }
 
+    /// Whether a request from the engine fits its role and pool; fails it otherwise.
+    fn accept_request(&self, role: Role, what: &str, request: &str, blocks: &[u32]) -> bool {
+        let problem = if self.reg.role != role {
+            Some(("WrongRole", format!("{what} is for {role} engines")))
+        } else {
+            self.check_blocks(blocks).err().map(|e| ("InvalidRequest", e))
+        };
+        match problem {
+            Some((reason, message)) => {
+                self.fail(request.to_owned(), vec![reason.into()], message);
+                false
+            }
+            None => true,
+        }
+    }
+
     fn check_blocks(&self, blocks: &[u32]) -> Result<(), String> {
         if blocks.is_empty() {
             return Err("no blocks".into());
@@ -454,15 +470,8 @@ impl Engine {
         num_tokens: u64,
         first_token: u64,
     ) {
-        if self.reg.role != Role::Decode {
-            return self.fail(
-                request,
-                vec!["WrongRole".into()],
-                "ExpectKv is for decode engines".into(),
-            );
-        }
-        if let Err(e) = self.check_blocks(&blocks) {
-            return self.fail(request, vec!["InvalidRequest".into()], e);
+        if !self.accept_request(Role::Decode, "ExpectKv", &request, &blocks) {
+            return;
         }
         if let Some((reasons, message)) = self.remembered(&prefill) {
             return self.fail(
@@ -640,17 +649,7 @@ impl Engine {
     fn refused(&self, link: &Link, reasons: Vec<String>, message: String) {
         self.rejected(&link.addr, reasons.clone(), message.clone());
         lock(&self.shared.rejections).insert(link.addr.clone(), (Instant::now(), reasons.clone(), message.clone()));
-        lock(&self.peers).remove(&link.addr);
-        let failed: Vec<String> = {
-            let mut pending = lock(&self.pending);
-            let ids: Vec<String> = pending
-                .iter()
-                .filter(|(_, p)| p.prefill == link.addr)
-                .map(|(id, _)| id.clone())
-                .collect();
-            ids.into_iter().filter(|id| pending.remove(id).is_some()).collect()
-        };
-        for request in failed {
+        for request in self.forget_peer(&link.addr) {
             self.fail(
                 request,
                 reasons.clone(),
@@ -659,21 +658,21 @@ impl Engine {
         }
     }
 
+    /// Drops the connection slot of a prefill peer and takes the requests that waited on it.
+    fn forget_peer(&self, addr: &str) -> Vec<String> {
+        lock(&self.peers).remove(addr);
+        let mut pending = lock(&self.pending);
+        let ids: Vec<String> = pending
+            .iter()
+            .filter(|(_, p)| p.prefill == addr)
+            .map(|(id, _)| id.clone())
+            .collect();
+        ids.into_iter().filter(|id| pending.remove(id).is_some()).collect()
+    }
+
     /// The prefill peer is gone: fail at once everything that waited on it.
     fn lost(&self, link: &Link, why: String) {
-        lock(&self.peers).remove(&link.addr);
-        let failed: Vec<String> = {
-            let mut pending = lock(&self.pending);
-            let ids: Vec<String> = pending
-                .iter()
-                .filter(|(_, p)| p.prefill == link.addr)
-                .map(|(id, _)| id.clone())
-                .collect();
-            for id in &ids {
-                pending.remove(id);
-            }
-            ids
-        };
+        let failed = self.forget_peer(&link.addr);
         if self.closed.load(Ordering::SeqCst) {
             return;
         }
@@ -886,15 +885,8 @@ impl Engine {
     }
 
     fn kv_ready(self: &Arc<Self>, request: String, blocks: Vec<u32>, num_tokens: u64, first_token: u64) {
-        if self.reg.role != Role::Prefill {
-            return self.fail(
-                request,
-                vec!["WrongRole".into()],
-                "KvReady is for prefill engines".into(),
-            );
-        }
-        if let Err(e) = self.check_blocks(&blocks) {
-            return self.fail(request, vec!["InvalidRequest".into()], e);
+        if !self.accept_request(Role::Prefill, "KvReady", &request, &blocks) {
+            return;
         }
         let ready = Ready {
             blocks,
