@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 hack/control-plane.sh build
+HELM=$(hack/helm.sh)
+export HELM
 dir=$(mktemp -d "${TMPDIR:-/tmp}/pdpair-e2e.XXXXXX")
 export PDPAIR_E2E_DIR=$dir
 
@@ -36,7 +38,8 @@ trap finish EXIT
 
 hack/control-plane.sh start "$dir"
 cargo build -p pdpair-operator -p pdpair-agent
-for t in operator agent operator_restart; do
+cargo test -p pdpair-e2e --test chart
+for t in operator agent helm operator_restart; do
   cargo test -p pdpair-e2e --test "$t"
   stop_operators
 done

@@ -129,7 +129,12 @@ pub fn eventually<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Optio
 
 /// The object as JSON, or None when it does not exist.
 pub fn get_json(kind: &str, ns: &str, name: &str) -> Option<serde_json::Value> {
-    let out = kubectl(&["get", kind, name, "-n", ns, "-o", "json"], None);
+    // An empty namespace means a cluster-scoped object.
+    let out = if ns.is_empty() {
+        kubectl(&["get", kind, name, "-o", "json"], None)
+    } else {
+        kubectl(&["get", kind, name, "-n", ns, "-o", "json"], None)
+    };
     if out.code != 0 {
         return None;
     }
@@ -195,6 +200,21 @@ impl Operator {
 
     /// Like [`Operator::start`], on a given webhook port (to come back where a previous one was).
     pub fn start_on(identity: &str, webhook_port: u16) -> Operator {
+        Operator::start_with(identity, webhook_port, None)
+    }
+
+    /// A free port for a webhook the test configures itself (e.g. through the Helm chart).
+    pub fn free_port() -> u16 {
+        free_port()
+    }
+
+    /// Starts an operator serving the given certificate files, without `--install`: something
+    /// else (the Helm chart) installed the CRDs and the webhook configuration.
+    pub fn start_serving(identity: &str, webhook_port: u16, cert: &std::path::Path, key: &std::path::Path) -> Operator {
+        Operator::start_with(identity, webhook_port, Some((cert.to_path_buf(), key.to_path_buf())))
+    }
+
+    fn start_with(identity: &str, webhook_port: u16, tls: Option<(PathBuf, PathBuf)>) -> Operator {
         let admin_port = free_port();
         let bin = root().join("target/debug/pdpair-operator");
         assert!(
@@ -204,31 +224,28 @@ impl Operator {
         );
         let log = std::fs::File::create(dir().join(format!("operator-{identity}.log"))).expect("log file");
         let url = format!("https://127.0.0.1:{webhook_port}");
-        let child = Command::new(bin)
-            .args([
-                "run",
-                "--install",
-                "--lease-duration",
-                "6s",
-                "--lease-namespace",
-                "default",
-            ])
+        let mut cmd = Command::new(bin);
+        cmd.args(["run", "--lease-duration", "6s", "--lease-namespace", "default"])
             .arg("--kubeconfig")
             .arg(kubeconfig())
-            .args([
-                "--webhook-bind",
-                &format!("127.0.0.1:{webhook_port}"),
-                "--webhook-url",
-                &url,
-            ])
+            .args(["--webhook-bind", &format!("127.0.0.1:{webhook_port}")])
             .args([
                 "--admin-bind",
                 &format!("127.0.0.1:{admin_port}"),
                 "--identity",
                 identity,
-            ])
-            .arg("--cert-dir")
-            .arg(dir().join(format!("certs-{identity}")))
+            ]);
+        match &tls {
+            Some((cert, key)) => {
+                cmd.arg("--tls-cert").arg(cert).arg("--tls-key").arg(key);
+            }
+            None => {
+                cmd.args(["--install", "--webhook-url", &url])
+                    .arg("--cert-dir")
+                    .arg(dir().join(format!("certs-{identity}")));
+            }
+        }
+        let child = cmd
             .env("RUST_LOG", "info,pdpair_operator=debug")
             .stdout(Stdio::null())
             .stderr(log)

@@ -1,0 +1,387 @@
+//! The Helm chart, rendered with `helm template` (Helm from `hack/helm.sh`, path in `$HELM`):
+//! default and non-default values, the objects that matter, and every schema value used.
+
+use std::{collections::BTreeSet, path::PathBuf, process::Command};
+
+use serde_yaml::Value;
+
+fn helm() -> String {
+    std::env::var("HELM")
+        .unwrap_or_else(|_| panic!("HELM is not set: run these tests with `make e2e` (hack/helm.sh installs Helm)"))
+}
+
+fn chart() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/pdpair")
+}
+
+fn render(sets: &[&str]) -> Result<Vec<Value>, String> {
+    let mut cmd = Command::new(helm());
+    cmd.args(["template", "rel"])
+        .arg(chart())
+        .args(["--namespace", "pdpair-system"]);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().expect("helm runs");
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    Ok(serde_yaml::Deserializer::from_str(&text)
+        .filter_map(|d| serde::Deserialize::deserialize(d).ok())
+        .filter(|v: &Value| !v.is_null())
+        .collect())
+}
+
+fn find<'a>(objs: &'a [Value], kind: &str, name_suffix: &str) -> Option<&'a Value> {
+    objs.iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"].as_str().is_some_and(|n| n.ends_with(name_suffix)))
+}
+
+fn get<'a>(objs: &'a [Value], kind: &str, name_suffix: &str) -> &'a Value {
+    find(objs, kind, name_suffix).unwrap_or_else(|| panic!("no {kind} *{name_suffix} rendered"))
+}
+
+/// (apiGroup, resource) -> verbs of a ClusterRole.
+fn verbs(role: &Value) -> Vec<(String, String, BTreeSet<String>)> {
+    let mut out = Vec::new();
+    for rule in role["rules"].as_sequence().expect("rules") {
+        for g in rule["apiGroups"].as_sequence().expect("groups") {
+            for r in rule["resources"].as_sequence().expect("resources") {
+                let v: BTreeSet<String> = rule["verbs"]
+                    .as_sequence()
+                    .expect("verbs")
+                    .iter()
+                    .filter_map(|x| x.as_str().map(str::to_owned))
+                    .collect();
+                out.push((
+                    g.as_str().unwrap_or("").to_owned(),
+                    r.as_str().unwrap_or("").to_owned(),
+                    v,
+                ));
+            }
+        }
+    }
+    out
+}
+
+fn set(v: &[&str]) -> BTreeSet<String> {
+    v.iter().map(|s| (*s).to_owned()).collect()
+}
+
+#[test]
+fn default_values_render_a_least_privilege_hardened_install() {
+    let objs = render(&[]).expect("renders");
+    // The webhook: Fail, no side effects, PDPair CREATE/UPDATE only, namespace opt-out, our CA.
+    let hook = get(&objs, "ValidatingWebhookConfiguration", "rel-pdpair");
+    let w = &hook["webhooks"][0];
+    assert_eq!(w["failurePolicy"], "Fail");
+    assert_eq!(w["sideEffects"], "None");
+    assert_eq!(w["timeoutSeconds"], 5);
+    let rule = &w["rules"][0];
+    assert_eq!(rule["apiGroups"][0], "pdpair.dev");
+    assert_eq!(rule["resources"], serde_yaml::to_value(["pdpairs"]).expect("yaml"));
+    assert_eq!(
+        rule["operations"],
+        serde_yaml::to_value(["CREATE", "UPDATE"]).expect("yaml")
+    );
+    assert_eq!(
+        w["namespaceSelector"]["matchExpressions"][0]["key"],
+        "pdpair.dev/webhook"
+    );
+    assert_eq!(w["clientConfig"]["service"]["path"], "/validate/pdpairs");
+    let secret = get(&objs, "Secret", "webhook-tls");
+    assert_eq!(
+        w["clientConfig"]["caBundle"], secret["data"]["ca.crt"],
+        "the caBundle is the generated CA"
+    );
+    // The certificate covers the Service's names.
+    let crt = base64(secret["data"]["tls.crt"].as_str().expect("tls.crt"));
+    let text = openssl_text(&crt);
+    assert!(text.contains("DNS:rel-pdpair-webhook.pdpair-system.svc"), "{text}");
+    // The operator: two replicas, probes on the admin port, hardened.
+    let op = get(&objs, "Deployment", "operator");
+    assert_eq!(op["spec"]["replicas"], 2);
+    let c = &op["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(c["livenessProbe"]["httpGet"]["port"], "admin");
+    let sc = &c["securityContext"];
+    assert_eq!(
+        (
+            sc["runAsNonRoot"].as_bool(),
+            sc["readOnlyRootFilesystem"].as_bool(),
+            sc["allowPrivilegeEscalation"].as_bool()
+        ),
+        (Some(true), Some(true), Some(false))
+    );
+    assert!(
+        c["args"]
+            .as_sequence()
+            .expect("args")
+            .iter()
+            .any(|a| a == "--tls-cert=/etc/pdpair/tls/tls.crt")
+    );
+    assert_eq!(get(&objs, "PodDisruptionBudget", "operator")["spec"]["minAvailable"], 1);
+    // RBAC: exactly what the code calls.
+    let operator = verbs(get(&objs, "ClusterRole", "operator"));
+    let expect = [
+        ("pdpair.dev", "pdpairs", set(&["get", "list", "watch"])),
+        ("pdpair.dev", "pdpairs/status", set(&["get", "patch"])),
+        ("pdpair.dev", "pdendpoints", set(&["get", "list", "watch"])),
+        ("apps", "deployments", set(&["get", "list", "watch", "create", "patch"])),
+        ("", "pods", set(&["get", "list", "watch"])),
+        ("", "secrets", set(&["get", "create"])),
+        ("events.k8s.io", "events", set(&["create"])),
+    ];
+    assert_eq!(
+        operator,
+        expect
+            .iter()
+            .map(|(g, r, v)| ((*g).to_owned(), (*r).to_owned(), v.clone()))
+            .collect::<Vec<_>>()
+    );
+    let lease = verbs(get(&objs, "Role", "operator-lease"));
+    assert_eq!(
+        lease,
+        vec![(
+            "coordination.k8s.io".to_owned(),
+            "leases".to_owned(),
+            set(&["get", "create", "update", "patch"])
+        )]
+    );
+    let agent = verbs(get(&objs, "ClusterRole", "agent"));
+    assert!(
+        agent
+            .iter()
+            .all(|(_, r, v)| r != "secrets" && !v.contains("*") && !v.contains("delete")),
+        "{agent:?}"
+    );
+    assert!(
+        agent
+            .iter()
+            .any(|(_, r, v)| r == "pdendpoints/status" && v.contains("patch"))
+    );
+    // The agent: GPU nodes, the socket hostPath, IPC_LOCK, no host network by default.
+    let ds = get(&objs, "DaemonSet", "agent");
+    let spec = &ds["spec"]["template"]["spec"];
+    assert_eq!(spec["nodeSelector"]["nvidia.com/gpu.present"], "true");
+    assert_eq!(spec["hostNetwork"], false);
+    assert!(
+        spec["volumes"]
+            .as_sequence()
+            .expect("volumes")
+            .iter()
+            .any(|v| v["hostPath"]["path"] == "/var/run/pdpair")
+    );
+    assert_eq!(
+        spec["containers"][0]["securityContext"]["capabilities"]["add"][0],
+        "IPC_LOCK"
+    );
+    assert!(find(&objs, "ServiceMonitor", "").is_none());
+}
+
+fn base64(s: &str) -> Vec<u8> {
+    let out = Command::new("base64")
+        .arg("-d")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().expect("stdin").write_all(s.as_bytes())?;
+            c.wait_with_output()
+        });
+    out.expect("base64").stdout
+}
+
+fn openssl_text(pem: &[u8]) -> String {
+    let out = Command::new("openssl")
+        .args(["x509", "-noout", "-text"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().expect("stdin").write_all(pem)?;
+            c.wait_with_output()
+        });
+    String::from_utf8_lossy(&out.expect("openssl").stdout).into_owned()
+}
+
+#[test]
+fn non_default_values_change_what_they_should() {
+    let objs = render(&[
+        "webhook.url=https://127.0.0.1:9443",
+        "agent.enabled=false",
+        "operator.replicas=3",
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.dashboard.enabled=true",
+        "operator.podDisruptionBudget.enabled=false",
+        "webhook.failurePolicy=Ignore",
+    ])
+    .expect("renders");
+    let w = &get(&objs, "ValidatingWebhookConfiguration", "rel-pdpair")["webhooks"][0];
+    assert_eq!(w["clientConfig"]["url"], "https://127.0.0.1:9443/validate/pdpairs");
+    assert!(w["clientConfig"]["service"].is_null());
+    assert_eq!(w["failurePolicy"], "Ignore");
+    let crt = base64(
+        get(&objs, "Secret", "webhook-tls")["data"]["tls.crt"]
+            .as_str()
+            .expect("crt"),
+    );
+    assert!(
+        openssl_text(&crt).contains("IP Address:127.0.0.1"),
+        "the URL's host is in the certificate"
+    );
+    assert!(find(&objs, "DaemonSet", "agent").is_none());
+    assert!(find(&objs, "ClusterRole", "agent").is_none());
+    assert!(find(&objs, "PodDisruptionBudget", "operator").is_none());
+    assert_eq!(get(&objs, "Deployment", "operator")["spec"]["replicas"], 3);
+    assert!(find(&objs, "ServiceMonitor", "rel-pdpair").is_some());
+    let dash = get(&objs, "ConfigMap", "dashboard");
+    let json: serde_json::Value =
+        serde_json::from_str(dash["data"]["pdpair.json"].as_str().expect("json")).expect("dashboard is JSON");
+    assert!(json["panels"].as_array().is_some_and(|p| !p.is_empty()));
+    // Host networking and UCX settings reach the agent.
+    let objs = render(&[
+        "agent.hostNetwork=true",
+        "agent.ucx.tls=rc\\,sm",
+        "agent.ucx.netDevices=mlx5_0:1",
+    ])
+    .expect("renders");
+    let spec = &get(&objs, "DaemonSet", "agent")["spec"]["template"]["spec"];
+    assert_eq!(spec["hostNetwork"], true);
+    let env = spec["containers"][0]["env"].as_sequence().expect("env");
+    assert!(env.iter().any(|e| e["name"] == "UCX_TLS" && e["value"] == "rc,sm"));
+    assert!(
+        env.iter()
+            .any(|e| e["name"] == "UCX_NET_DEVICES" && e["value"] == "mlx5_0:1")
+    );
+}
+
+#[test]
+fn certificate_modes() {
+    let objs = render(&["webhook.certificates.mode=cert-manager"]).expect("renders");
+    let hook = get(&objs, "ValidatingWebhookConfiguration", "rel-pdpair");
+    assert_eq!(
+        hook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+        "pdpair-system/rel-pdpair-webhook"
+    );
+    assert_eq!(
+        get(&objs, "Certificate", "webhook")["spec"]["secretName"],
+        "rel-pdpair-webhook-tls"
+    );
+    assert!(find(&objs, "Issuer", "selfsigned").is_some());
+    assert!(
+        find(&objs, "Secret", "webhook-tls").is_none(),
+        "cert-manager writes the Secret"
+    );
+    let e = render(&["webhook.certificates.mode=secret"]).expect_err("needs a secret name");
+    assert!(
+        e.contains("is required when webhook.certificates.mode is secret"),
+        "{e}"
+    );
+    let objs = render(&[
+        "webhook.certificates.mode=secret",
+        "webhook.certificates.secretName=mine",
+        "webhook.certificates.caBundle=Q0E=",
+    ])
+    .expect("renders");
+    assert_eq!(
+        get(&objs, "ValidatingWebhookConfiguration", "rel-pdpair")["webhooks"][0]["clientConfig"]["caBundle"],
+        "Q0E="
+    );
+    let op = get(&objs, "Deployment", "operator");
+    assert_eq!(
+        op["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"],
+        "mine"
+    );
+}
+
+#[test]
+fn bad_values_fail_with_the_path_and_the_value() {
+    for (set, want) in [
+        ("operator.replicas=0", "/operator/replicas"),
+        ("webhook.certificates.mode=selfmade", "/webhook/certificates/mode"),
+        ("webhook.url=http://127.0.0.1:9443", "/webhook/url"),
+        ("agent.ucx.transport=ib", "/agent/ucx/transport"),
+        ("operator.leaseDuration=soon", "/operator/leaseDuration"),
+        ("operator.typo=1", "typo"),
+    ] {
+        let e = render(&[set]).expect_err(set);
+        assert!(e.contains(want), "{set}: {e}");
+    }
+}
+
+#[test]
+fn every_value_in_the_schema_is_used_by_a_template() {
+    let schema: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(chart().join("values.schema.json")).expect("schema"))
+            .expect("JSON");
+    let mut leaves = Vec::new();
+    fn walk(path: &str, node: &serde_json::Value, out: &mut Vec<String>) {
+        match node["properties"].as_object() {
+            Some(props) => {
+                for (k, v) in props {
+                    walk(
+                        &if path.is_empty() {
+                            k.clone()
+                        } else {
+                            format!("{path}.{k}")
+                        },
+                        v,
+                        out,
+                    );
+                }
+            }
+            None => out.push(path.to_owned()),
+        }
+    }
+    walk("", &schema, &mut leaves);
+    let mut templates = String::new();
+    for entry in std::fs::read_dir(chart().join("templates")).expect("templates") {
+        templates.push_str(&std::fs::read_to_string(entry.expect("entry").path()).expect("read"));
+    }
+    let unused: Vec<&String> = leaves
+        .iter()
+        .filter(|leaf| {
+            // A value counts as used when it, or an object holding it, is referenced.
+            let parts: Vec<&str> = leaf.split('.').collect();
+            !(1..=parts.len()).any(|n| {
+                let prefix = parts[..n].join(".");
+                templates.contains(&format!(".Values.{prefix} "))
+                    || templates.contains(&format!(".Values.{prefix}}}"))
+                    || templates.contains(&format!(".Values.{prefix} |"))
+                    || templates.contains(&format!(".Values.{prefix}\n"))
+            })
+        })
+        .collect();
+    assert!(
+        unused.is_empty(),
+        "values in the schema that no template uses: {unused:?}"
+    );
+    // And every value in values.yaml is in the schema (additionalProperties: false enforces the
+    // rest at install time).
+    assert!(leaves.len() > 30, "{leaves:?}");
+}
+
+#[test]
+fn chart_crds_are_the_generated_ones() {
+    for file in ["pdpair.dev_pdpairs.yaml", "pdpair.dev_pdendpoints.yaml"] {
+        let a = std::fs::read_to_string(chart().join("crds").join(file)).expect("chart CRD");
+        let b = std::fs::read_to_string(chart().join("../../crds").join(file)).expect("CRD");
+        assert_eq!(a, b, "{file}");
+    }
+}
+
+#[test]
+fn helm_lint_is_clean() {
+    let out = Command::new(helm())
+        .args(["lint", "--strict"])
+        .arg(chart())
+        .output()
+        .expect("helm lint");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!text.contains("[WARNING]") && !text.contains("[ERROR]"), "{text}");
+}

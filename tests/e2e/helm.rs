@@ -1,0 +1,184 @@
+//! `helm install` into the real control plane, with the operator running out of cluster behind
+//! `webhook.url` and serving the certificate the chart generated. No kubelet runs, so the chart's
+//! operator Deployment and agent DaemonSet do not start pods; the out-of-cluster operator does the
+//! work, exactly as in the demo.
+
+use std::{path::PathBuf, process::Command, time::Duration};
+
+use pdpair_e2e::*;
+
+const WAIT: Duration = Duration::from_secs(60);
+const NS: &str = "pdpair-system";
+
+fn helm(args: &[&str]) -> Out {
+    let bin = std::env::var("HELM").unwrap_or_else(|_| panic!("HELM is not set: run with `make e2e`"));
+    let out = Command::new(bin)
+        .args(args)
+        .env("KUBECONFIG", kubeconfig())
+        .output()
+        .expect("helm runs");
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+#[track_caller]
+fn helm_ok(args: &[&str]) -> String {
+    let out = helm(args);
+    assert_eq!(out.code, 0, "helm {args:?}: {}{}", out.stdout, out.stderr);
+    out.stdout
+}
+
+fn chart() -> String {
+    root().join("charts/pdpair").to_string_lossy().into_owned()
+}
+
+/// Writes the chart's serving certificate and key to files, as `NOTES.txt` tells a user to.
+fn chart_certificate(dir: &std::path::Path) -> (PathBuf, PathBuf, String) {
+    let secret = eventually(WAIT, "the chart's webhook Secret", || {
+        get_json("secret", NS, "pdpair-webhook-tls")
+    });
+    let decode = |field: &str| {
+        let b64 = secret["data"][field]
+            .as_str()
+            .unwrap_or_else(|| panic!("{field}"))
+            .to_owned();
+        let out = Command::new("base64")
+            .arg("-d")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                c.stdin.take().expect("stdin").write_all(b64.as_bytes())?;
+                c.wait_with_output()
+            });
+        out.expect("base64").stdout
+    };
+    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+    std::fs::write(&cert, decode("tls.crt")).expect("write cert");
+    std::fs::write(&key, decode("tls.key")).expect("write key");
+    (cert, key, secret["data"]["ca.crt"].as_str().unwrap_or("").to_owned())
+}
+
+#[test]
+fn helm_install_upgrade_uninstall_with_the_operator_out_of_cluster() {
+    // Webhook configurations left by earlier local-mode runs would point at stopped operators.
+    kubectl_ok(
+        &[
+            "delete",
+            "validatingwebhookconfiguration",
+            "pdpair-validating-webhook",
+            "--ignore-not-found",
+        ],
+        None,
+    );
+    let port = Operator::free_port();
+    let url = format!("https://127.0.0.1:{port}");
+    let url_set = format!("webhook.url={url}");
+    helm_ok(&[
+        "install",
+        "pdpair",
+        &chart(),
+        "--namespace",
+        NS,
+        "--create-namespace",
+        "--set",
+        &url_set,
+    ]);
+    let work = dir().join("helm");
+    std::fs::create_dir_all(&work).expect("dir");
+    let (cert, key, ca) = chart_certificate(&work);
+    let hook = get_json("validatingwebhookconfiguration", "", "pdpair").expect("the chart's webhook configuration");
+    assert_eq!(
+        hook["webhooks"][0]["clientConfig"]["url"],
+        format!("{url}/validate/pdpairs")
+    );
+    assert_eq!(hook["webhooks"][0]["clientConfig"]["caBundle"], ca.as_str());
+    let mut op = Operator::start_serving("helm", port, &cert, &key);
+
+    // Through the installed webhook configuration: the vLLM mismatch is refused, the compatible
+    // pair admitted.
+    let ns = namespace("helm");
+    let out = kubectl(
+        &["apply", "-f", "-"],
+        Some(&manifest("vllm-push-16-64.yaml", &ns, |_| {})),
+    );
+    assert_ne!(out.code, 0);
+    assert!(out.stderr.contains("KernelBlockSizeMismatch"), "{}", out.stderr);
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+    );
+    eventually(WAIT, "the pair's Deployments", || {
+        get_json("deployment", &ns, "llama-8b-decode")
+    });
+
+    // Upgrade: values change, the certificate stays (the running operator keeps serving it).
+    helm_ok(&[
+        "upgrade",
+        "pdpair",
+        &chart(),
+        "--namespace",
+        NS,
+        "--set",
+        &url_set,
+        "--set",
+        "operator.replicas=3",
+    ]);
+    let deployment = get_json("deployment", NS, "pdpair-operator").expect("operator Deployment");
+    assert_eq!(deployment["spec"]["replicas"], 3);
+    let (_, _, ca_after) = chart_certificate(&work);
+    assert_eq!(ca_after, ca, "an upgrade keeps the webhook certificate");
+    let out = kubectl(
+        &["apply", "-f", "-"],
+        Some(&manifest("vllm-push-flashinfer-128-64.yaml", &ns, |_| {})),
+    );
+    assert!(out.stderr.contains("KernelBlocksPerLogicalMismatch"), "{}", out.stderr);
+
+    // Uninstall: nothing of the release is left but the CRDs (Helm keeps crds/).
+    helm_ok(&["uninstall", "pdpair", "--namespace", NS]);
+    op.stop();
+    eventually(WAIT, "the release's objects to go", || {
+        let left = kubectl_ok(
+            &[
+                "get",
+                "deployments,daemonsets,services,secrets,serviceaccounts,roles,rolebindings,poddisruptionbudgets",
+                "-n",
+                NS,
+                "-l",
+                "app.kubernetes.io/instance=pdpair",
+                "-o",
+                "name",
+            ],
+            None,
+        );
+        let cluster = kubectl_ok(
+            &[
+                "get",
+                "clusterroles,clusterrolebindings,validatingwebhookconfigurations",
+                "-l",
+                "app.kubernetes.io/instance=pdpair",
+                "-o",
+                "name",
+            ],
+            None,
+        );
+        (left.trim().is_empty() && cluster.trim().is_empty()).then_some(())
+    });
+    assert!(get_json("validatingwebhookconfiguration", "", "pdpair").is_none());
+    assert!(
+        get_json("crd", "", "pdpairs.pdpair.dev").is_some(),
+        "CRDs stay, as Helm does"
+    );
+    assert!(get_json("crd", "", "pdendpoints.pdpair.dev").is_some());
+    // With the webhook gone, PDPairs are no longer checked: say so by showing it.
+    let after = kubectl(
+        &["apply", "--dry-run=server", "-f", "-"],
+        Some(&manifest("vllm-push-16-64.yaml", &ns, |_| {})),
+    );
+    assert_eq!(after.code, 0, "no webhook after uninstall: {}", after.stderr);
+    let _ = std::fs::remove_dir_all(&work);
+}
