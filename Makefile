@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: all deps build test fmt-check clippy unit e2e control-plane demo crds fmt clean
+.PHONY: all deps build test fmt-check clippy unit e2e control-plane demo demo-down lint-manifests bench crds fmt clean
 
 all: build
 
@@ -32,9 +32,22 @@ control-plane: deps
 ## make test: format check, clippy with warnings denied, unit tests, end-to-end tests.
 test: fmt-check clippy unit e2e
 
-## make demo: run `validate` on the examples and show the verdicts of the vLLM cases.
+## make demo: the main job: a local control plane, pdpair installed with Helm, the operator and
+## two node agents, the examples applied, a push transfer between the agents.
 demo: deps
 	hack/demo.sh
+
+## make demo-down: stop what `make demo` left running.
+demo-down:
+	hack/demo-down.sh
+
+## make lint-manifests: check the examples with the rule table, as CI pipelines would.
+lint-manifests: deps
+	hack/lint-manifests.sh
+
+## make bench: the benchmarks in docs/benchmarks.md.
+bench: deps
+	hack/bench.sh
 
 ## make crds: regenerate crds/ from the types.
 crds:

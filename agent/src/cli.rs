@@ -183,6 +183,21 @@ pub struct LoopbackArgs {
     /// Give decode scattered (reversed) block ids, so no two blocks coalesce into one WRITE.
     #[arg(long = "scatter-blocks")]
     pub scatter_blocks: bool,
+    /// Use this running decode agent (its engine API socket) instead of starting one.
+    #[arg(long = "decode-agent")]
+    pub decode_agent: Option<std::path::PathBuf>,
+    /// Use this running agent for the pair's own prefill instead of starting one.
+    #[arg(long = "prefill-agent")]
+    pub prefill_agent: Option<std::path::PathBuf>,
+    /// The pair's secret (e.g. the pairing Secret's key) instead of a generated one.
+    #[arg(long = "pairing-key-file")]
+    pub pairing_key_file: Option<std::path::PathBuf>,
+    /// The decode engine's Pod: its agent publishes a PDEndpoint owned by it.
+    #[arg(long = "decode-pod")]
+    pub decode_pod: Option<String>,
+    /// The pair's own prefill engine's Pod.
+    #[arg(long = "prefill-pod")]
+    pub prefill_pod: Option<String>,
     /// Skip the decode engine's byte-by-byte check (for large benchmarks; checksums still run).
     #[arg(long = "no-verify-bytes")]
     pub no_verify_bytes: bool,
@@ -259,6 +274,13 @@ pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageErr
         kill_prefill_after: args.kill_prefill_after,
         verify_bytes: !args.no_verify_bytes,
         scatter_blocks: args.scatter_blocks,
+        external: crate::loopback::External {
+            decode_agent: args.decode_agent.clone(),
+            prefill_agent: args.prefill_agent.clone(),
+            pairing_key_file: args.pairing_key_file.clone(),
+            decode_pod: args.decode_pod.clone(),
+            prefill_pod: args.prefill_pod.clone(),
+        },
         agent_bin: std::env::current_exe().map_err(|e| UsageError(format!("finding this executable: {e}")))?,
     };
     let report = crate::loopback::run(&opts).map_err(UsageError)?;

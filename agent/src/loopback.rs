@@ -46,6 +46,23 @@ pub struct Options {
     pub scatter_blocks: bool,
     /// The agent binary (this executable).
     pub agent_bin: PathBuf,
+    /// Agents and pods that already run (the demo); by default the scenario starts its own.
+    pub external: External,
+}
+
+/// Running agents to use instead of starting them, and the Pods the engines say they run in.
+#[derive(Clone, Debug, Default)]
+pub struct External {
+    /// The decode agent's engine API socket.
+    pub decode_agent: Option<PathBuf>,
+    /// The (first) prefill agent's engine API socket.
+    pub prefill_agent: Option<PathBuf>,
+    /// The pair's secret (the pairing Secret's `key`), instead of a generated one.
+    pub pairing_key_file: Option<PathBuf>,
+    /// The decode engine's Pod (its agent then publishes a PDEndpoint).
+    pub decode_pod: Option<String>,
+    /// The prefill engine's Pod.
+    pub prefill_pod: Option<String>,
 }
 
 /// Latency percentiles in milliseconds.
@@ -219,6 +236,10 @@ pub fn run(opts: &Options) -> Result<Report, String> {
 fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, dir: &Path) -> Result<Report, String> {
     let mut secret = [0u8; 32];
     getrandom::fill(&mut secret).map_err(|e| format!("random: {e}"))?;
+    let secret: Vec<u8> = match &opts.external.pairing_key_file {
+        Some(path) => std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?,
+        None => secret.to_vec(),
+    };
     let pdpair = format!(
         "{}/{}",
         pair.metadata.namespace.as_deref().unwrap_or("default"),
@@ -241,13 +262,20 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
     let kernel = |pool: &pdpair_api::PoolSpec| u32::try_from(pool.kv.kernel_block_size()).unwrap_or(1).max(1);
     let mut agents: Vec<Child> = Vec::new();
     // Decode.
-    let (d_agent, d_socket) = spawn_agent(opts, dir, "decode", false)?;
-    agents.push(d_agent);
+    let d_socket = match &opts.external.decode_agent {
+        Some(socket) => socket.clone(),
+        None => {
+            let (d_agent, d_socket) = spawn_agent(opts, dir, "decode", false)?;
+            agents.push(d_agent);
+            d_socket
+        }
+    };
     let d_blocks_n = blocks_for(opts.prompt_tokens, kernel(&pair.spec.decode));
-    let mut decode = SyntheticEngine::register(
+    let mut decode = SyntheticEngine::register_in_pod(
         &d_socket,
         dir,
         &engine_spec(Role::Decode, "decode-0".into(), &pair.spec.decode, &secret, d_blocks_n),
+        opts.external.decode_pod.clone(),
     )
     .map_err(|e| format!("the decode engine could not register: {e}"))?;
     let d_events = reader(&decode).ok_or("cannot read the decode engine's events")?;
@@ -262,8 +290,14 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
     let mut prefills = Vec::new();
     for (i, (manifest, foreign)) in sources.iter().enumerate() {
         let name = manifest.metadata.name.clone().unwrap_or_else(|| format!("prefill-{i}"));
-        let (child, socket) = spawn_agent(opts, dir, &format!("prefill-{i}"), opts.corrupt_one_byte)?;
-        let mut key = secret;
+        let (child, socket) = match (&opts.external.prefill_agent, i) {
+            (Some(socket), 0) => (None, socket.clone()),
+            _ => {
+                let (child, socket) = spawn_agent(opts, dir, &format!("prefill-{i}"), opts.corrupt_one_byte)?;
+                (Some(child), socket)
+            }
+        };
+        let mut key = secret.clone();
         if *foreign {
             getrandom::fill(&mut key).map_err(|e| format!("random: {e}"))?;
         }
@@ -271,11 +305,16 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         let n = blocks_for(opts.prompt_tokens, kernel(pool));
         let spec = engine_spec(Role::Prefill, format!("prefill-{i}"), pool, &key, n);
         // An engine the agent refuses to register (an invalid pool) fails its requests.
-        let engine = SyntheticEngine::register(&socket, dir, &spec).ok();
+        let pod = if i == 0 {
+            opts.external.prefill_pod.clone()
+        } else {
+            None
+        };
+        let engine = SyntheticEngine::register_in_pod(&socket, dir, &spec, pod).ok();
         let events = engine.as_ref().and_then(reader);
         prefills.push(Prefill {
             name,
-            agent: Some(child),
+            agent: child,
             engine,
             events,
             started: 0,
