@@ -14,8 +14,8 @@ bold "[1/8] Installing what the demo needs (the first run builds Kubernetes 1.20
 hack/deps.sh
 hack/control-plane.sh build
 HELM=$(hack/helm.sh)
-echo "building pdpair (cargo prints its progress)"
-cargo build -p pdpair-operator -p pdpair-agent 2>&1 | grep -E '^\s+(Compiling|Finished)' | sed 's/^ */  /' | tail -5
+echo "building pdpair (cargo shows its progress)"
+cargo build -p pdpair-operator -p pdpair-agent
 
 bold "[2/8] Starting a local control plane (etcd, kube-apiserver, controller-manager, scheduler; no kubelet)"
 hack/demo-down.sh >/dev/null 2>&1 || true
