@@ -245,6 +245,9 @@ struct Link {
     /// UCX peer id (P side only: P writes into D).
     ucx_peer: Option<u64>,
     addr: String,
+    /// P side: which of P's local heads D holds, `(first, count)` (all of them unless tensor
+    /// parallelism differs).
+    heads: (u32, u32),
 }
 
 impl Link {
@@ -291,7 +294,8 @@ impl Engine {
         let key = hex_bytes::decode(&reg.pairing_key)
             .filter(|k| !k.is_empty())
             .ok_or("pairing_key must be non-empty hex")?;
-        let layout = PoolLayout::new(&reg.kv, &reg.parallelism, reg.num_blocks).map_err(|e| e.to_string())?;
+        let layout =
+            PoolLayout::new(&reg.kv, &reg.parallelism, reg.num_blocks, reg.tensor_rank).map_err(|e| e.to_string())?;
         if reg.num_blocks == 0 {
             return Err("num_blocks must be at least 1".into());
         }
@@ -342,6 +346,7 @@ impl Engine {
             checksum: reg.checksum,
             parallelism: reg.parallelism.clone(),
             kv: reg.kv.clone(),
+            tensor_rank: reg.tensor_rank,
             worker_address: shared.ucx.worker_address.clone(),
             memory: MemoryDesc {
                 base: map.as_mut_ptr() as u64,
@@ -614,6 +619,7 @@ impl Engine {
             peer,
             ucx_peer: None,
             addr: addr.to_owned(),
+            heads: (0, self.layout.local_heads),
         })
     }
 
@@ -791,9 +797,11 @@ impl Engine {
                 return;
             }
         };
-        if peer.memory.block_len != self.layout.block_len() as u64
-            || peer.memory.layers.len() != self.layout.layers as usize
-        {
+        // Which of our heads decode holds (checked in the handshake), and so its block length.
+        let heads = protocol::decode_heads_in_prefill(&self.local, &peer).unwrap_or((0, self.layout.local_heads));
+        let expected_block_len =
+            u64::from(heads.1) * u64::from(self.layout.block_size) * self.layout.half_token() as u64;
+        if peer.memory.block_len != expected_block_len || peer.memory.layers.len() != self.layout.layers as usize {
             let _ = wire::write_frame(
                 &mut stream,
                 &Message::Reject {
@@ -826,6 +834,7 @@ impl Engine {
         let Ok(mut reader) = stream.try_clone() else { return };
         let link = Arc::new(Link {
             writer: Mutex::new(stream),
+            heads,
             peer,
             ucx_peer: Some(ucx_peer),
             addr: peer_addr,
@@ -937,7 +946,7 @@ impl Engine {
         let Some(ucx_peer) = link.ucx_peer else {
             return refuse("TransportFailed", "no UCX endpoint".into());
         };
-        let ops = self.put_ops(&link.peer.memory, &pairs);
+        let ops = self.put_ops(&link.peer.memory, &pairs, link.heads);
         self.event(AgentEvent::TransferStarted {
             request: request.clone(),
         });
@@ -948,7 +957,7 @@ impl Engine {
                 .iter()
                 .map(|(p, _, t)| {
                     self.layout
-                        .checksum(self.memory(), *p, *t, ready.num_tokens)
+                        .checksum_heads(self.memory(), *p, *t, ready.num_tokens, link.heads.0, link.heads.1)
                         .unwrap_or(0)
                 })
                 .collect(),
@@ -990,9 +999,30 @@ impl Engine {
 
     /// WRITEs for block pairs (P block, D block, first token), one per layer and K/V, with runs
     /// of consecutive blocks on both sides coalesced into one put.
-    fn put_ops(&self, remote: &MemoryDesc, pairs: &[(u32, u32, u64)]) -> Vec<PutOp> {
+    fn put_ops(&self, remote: &MemoryDesc, pairs: &[(u32, u32, u64)], heads: (u32, u32)) -> Vec<PutOp> {
         let block_len = self.layout.block_len() as u64;
         let base = self.map.as_ptr() as u64;
+        if heads.1 != self.layout.local_heads {
+            // Decode holds a contiguous range of our heads (HND: head-major inside a block): one
+            // put per block, layer and K/V, of just those heads.
+            let head_bytes = u64::from(self.layout.block_size) * self.layout.half_token() as u64;
+            let mut ops = Vec::new();
+            for layer in 0..self.layout.layers {
+                let (rk, rv) = remote.layers[layer as usize];
+                for (v, remote_array) in [(false, rk), (true, rv)] {
+                    for (p, d, _) in pairs {
+                        ops.push(PutOp {
+                            local: base
+                                + self.layout.block_offset(layer, v, *p) as u64
+                                + u64::from(heads.0) * head_bytes,
+                            len: u64::from(heads.1) * head_bytes,
+                            remote: remote.base + remote_array + u64::from(*d) * remote.block_stride,
+                        });
+                    }
+                }
+            }
+            return ops;
+        }
         let mut runs: Vec<(u32, u32, u32)> = Vec::new(); // (p start, d start, count)
         for (p, d, _) in pairs {
             match runs.last_mut() {
@@ -1119,6 +1149,7 @@ pub fn is_handshake_rejection(reason: &str) -> bool {
                 | "VersionMismatch"
                 | "PairMismatch"
                 | "MemoryLayoutMismatch"
+                | "WrongTensorRank"
                 | protocol::AGENT_UNSUPPORTED
         )
 }

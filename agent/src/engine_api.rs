@@ -71,6 +71,9 @@ pub struct PoolRegistration {
     pub memory_path: String,
     /// Blocks per K (or V) array.
     pub num_blocks: u32,
+    /// The engine's tensor-parallel rank (each rank registers as its own engine).
+    #[serde(default)]
+    pub tensor_rank: u32,
 }
 
 /// Agent -> engine.

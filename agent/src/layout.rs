@@ -35,9 +35,15 @@ pub struct PoolLayout {
 pub struct LayoutError(pub String);
 
 impl PoolLayout {
-    /// The layout of rank 0 of an engine with this geometry (tensor-parallel ranks beyond the
-    /// first register as their own engines, with their own head offset).
-    pub fn new(kv: &KvGeometry, parallelism: &Parallelism, num_blocks: u32) -> Result<PoolLayout, LayoutError> {
+    /// The layout of tensor-parallel rank `rank` of an engine with this geometry (each rank
+    /// registers as its own engine and holds a contiguous range of the KV heads; with more ranks
+    /// than heads, ranks replicate heads; MLA KV is not sharded by head).
+    pub fn new(
+        kv: &KvGeometry,
+        parallelism: &Parallelism,
+        num_blocks: u32,
+        rank: u32,
+    ) -> Result<PoolLayout, LayoutError> {
         let positive = |name: &str, v: i32| {
             u32::try_from(v)
                 .ok()
@@ -46,7 +52,18 @@ impl PoolLayout {
         };
         let heads = positive("kvHeads", kv.kv_heads)?;
         let tp = u32::try_from(parallelism.tensor).ok().filter(|t| *t > 0).unwrap_or(1);
-        let local_heads = if kv.mla { heads } else { (heads / tp).max(1) };
+        if rank >= tp {
+            return Err(LayoutError(format!(
+                "tensor_rank {rank} is outside parallelism.tensor {tp}"
+            )));
+        }
+        let (local_heads, head_offset) = if kv.mla {
+            (heads, 0)
+        } else if tp <= heads {
+            (heads / tp, rank * (heads / tp))
+        } else {
+            (1, rank * heads / tp)
+        };
         let element_bytes = kv
             .resolved_cache_dtype()
             .element_bytes()
@@ -54,7 +71,7 @@ impl PoolLayout {
         Ok(PoolLayout {
             layers: positive("layers", kv.layers)?,
             local_heads,
-            head_offset: 0,
+            head_offset,
             head_dim: positive("headDim", kv.head_dim)?,
             element_bytes,
             block_size: positive("kernelBlockSize", kv.kernel_block_size())?,
@@ -121,19 +138,37 @@ impl PoolLayout {
 
     /// The checksum of block `block` holding tokens from `first_token`, read from `memory`.
     pub fn checksum(&self, memory: &[u8], block: u32, first_token: u64, num_tokens: u64) -> Option<u64> {
-        if block >= self.num_blocks || memory.len() < self.region_len() {
+        self.checksum_heads(memory, block, first_token, num_tokens, 0, self.local_heads)
+    }
+
+    /// The checksum of `count` local heads from local head `first` of a block: what a decode
+    /// rank holding just those heads computes over the same tokens.
+    pub fn checksum_heads(
+        &self,
+        memory: &[u8],
+        block: u32,
+        first_token: u64,
+        num_tokens: u64,
+        first: u32,
+        count: u32,
+    ) -> Option<u64> {
+        if block >= self.num_blocks || memory.len() < self.region_len() || first + count > self.local_heads {
             return None;
         }
         let half = self.half_token();
+        let shape = Shape {
+            heads: count,
+            ..self.shape()
+        };
         block_checksum(
-            &self.shape(),
-            self.head_offset,
+            &shape,
+            self.head_offset + first,
             self.block_size,
             first_token,
             num_tokens,
             |l, h, i| {
-                let k = self.block_offset(l, false, block) + self.token_offset(h, i);
-                let v = self.block_offset(l, true, block) + self.token_offset(h, i);
+                let k = self.block_offset(l, false, block) + self.token_offset(first + h, i);
+                let v = self.block_offset(l, true, block) + self.token_offset(first + h, i);
                 (&memory[k..k + half], &memory[v..v + half])
             },
         )
@@ -145,6 +180,44 @@ mod tests {
     use pdpair_api::checksum::reference_block;
 
     use super::*;
+
+    #[test]
+    fn tensor_ranks_hold_contiguous_head_ranges() {
+        let mut kv = pdpair_api::KvGeometry {
+            engine: "vllm".into(),
+            engine_version: None,
+            model: "m".into(),
+            dtype: pdpair_api::ModelDtype::Bfloat16,
+            cache_dtype: pdpair_api::CacheDtype::Auto,
+            layers: 1,
+            kv_heads: 8,
+            head_dim: 4,
+            attention_backend: "FLASH_ATTN".into(),
+            layout: KvLayout::Hnd,
+            block_size: 4,
+            kernel_block_size: None,
+            mla: false,
+            hybrid: false,
+            host_buffer: false,
+        };
+        let par = |t| pdpair_api::Parallelism {
+            tensor: t,
+            pipeline: 1,
+            data: 1,
+        };
+        let at = |kv: &pdpair_api::KvGeometry, tp, rank| {
+            let l = PoolLayout::new(kv, &par(tp), 1, rank).expect("valid");
+            (l.head_offset, l.local_heads)
+        };
+        assert_eq!(at(&kv, 4, 3), (6, 2));
+        assert_eq!(at(&kv, 16, 5), (2, 1), "more ranks than heads: ranks share heads");
+        assert!(
+            PoolLayout::new(&kv, &par(4), 1, 4).is_err(),
+            "rank outside tensor parallelism"
+        );
+        kv.mla = true;
+        assert_eq!(at(&kv, 4, 3), (0, 8), "MLA is not sharded by head");
+    }
 
     /// The engine layout and the canonical layout give the same checksum for the same tokens.
     #[test]

@@ -258,6 +258,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
             kv: pool.kv.clone(),
             pairing_key: key.to_vec(),
             num_blocks,
+            tensor_rank: 0,
         };
     let kernel = |pool: &pdpair_api::PoolSpec| u32::try_from(pool.kv.kernel_block_size()).unwrap_or(1).max(1);
     let mut agents: Vec<Child> = Vec::new();

@@ -126,6 +126,9 @@ pub struct PeerInfo {
     pub parallelism: Parallelism,
     /// The engine's KV geometry.
     pub kv: KvGeometry,
+    /// The engine's tensor-parallel rank.
+    #[serde(default)]
+    pub tensor_rank: u32,
     /// The UCX worker address.
     #[serde(with = "hex_bytes")]
     pub worker_address: Vec<u8>,
@@ -441,16 +444,54 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)> {
             "this agent version moves KV in Push mode only".into(),
         ));
     }
-    if peer.parallelism.tensor != local.parallelism.tensor {
-        return Some((
+    heads_fit(local, peer)
+}
+
+/// Which of the prefill engine's local heads the decode engine holds: `(first, count)` in
+/// prefill's local head indices, when the decode rank's heads all live in this prefill rank.
+pub fn decode_heads_in_prefill(prefill: &PeerInfo, decode: &PeerInfo) -> Result<(u32, u32), (Vec<String>, String)> {
+    let layout = |p: &PeerInfo| {
+        crate::layout::PoolLayout::new(&p.kv, &p.parallelism, 1, p.tensor_rank)
+            .map_err(|e| (vec!["InvalidRequest".to_owned()], e.to_string()))
+    };
+    let (pl, dl) = (layout(prefill)?, layout(decode)?);
+    if dl.local_heads > pl.local_heads {
+        // Prefill holds fewer heads per rank than decode: a decode rank would gather from several
+        // prefill ranks, which this agent version does not do.
+        return Err((
             vec![AGENT_UNSUPPORTED.into()],
             format!(
-                "tensor parallelism {} and {} differ; this agent version writes between engines of equal tensor parallelism only",
-                local.parallelism.tensor, peer.parallelism.tensor
+                "prefill tensor parallelism {} is larger than decode's {}; this agent version writes from one prefill rank into each decode rank only",
+                prefill.parallelism.tensor, decode.parallelism.tensor
             ),
         ));
     }
-    None
+    if dl.local_heads < pl.local_heads && prefill.kv.layout != pdpair_api::KvLayout::Hnd {
+        return Err((
+            vec![AGENT_UNSUPPORTED.into()],
+            "writing a subset of heads needs the HND layout on prefill".into(),
+        ));
+    }
+    let (p0, p1) = (pl.head_offset, pl.head_offset + pl.local_heads);
+    let (d0, d1) = (dl.head_offset, dl.head_offset + dl.local_heads);
+    if d0 < p0 || d1 > p1 {
+        return Err((
+            vec!["WrongTensorRank".into()],
+            format!(
+                "decode rank {} holds KV heads {d0}..{d1}, which prefill rank {} (heads {p0}..{p1}) does not hold; connect it to the prefill rank that does",
+                decode.tensor_rank, prefill.tensor_rank
+            ),
+        ));
+    }
+    Ok((d0 - p0, dl.local_heads))
+}
+
+fn heads_fit(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)> {
+    let (p, d) = match local.role {
+        Role::Prefill => (local, peer),
+        Role::Decode => (peer, local),
+    };
+    decode_heads_in_prefill(p, d).err()
 }
 
 /// D's side of the handshake: send ours, then check P's before using any of it.

@@ -42,6 +42,8 @@ pub struct EngineSpec {
     pub pairing_key: Vec<u8>,
     /// Blocks in the pool.
     pub num_blocks: u32,
+    /// Tensor-parallel rank.
+    pub tensor_rank: u32,
 }
 
 /// A registered synthetic engine.
@@ -71,7 +73,8 @@ impl SyntheticEngine {
         spec: &EngineSpec,
         pod: Option<String>,
     ) -> Result<SyntheticEngine, String> {
-        let layout = PoolLayout::new(&spec.kv, &spec.parallelism, spec.num_blocks).map_err(|e| e.to_string())?;
+        let layout = PoolLayout::new(&spec.kv, &spec.parallelism, spec.num_blocks, spec.tensor_rank)
+            .map_err(|e| e.to_string())?;
         let path = dir.join(format!("{}.kv", spec.engine));
         let file = File::options()
             .read(true)
@@ -106,6 +109,7 @@ impl SyntheticEngine {
             pairing_key: hex_bytes::encode(&spec.pairing_key),
             memory_path: path.to_string_lossy().into_owned(),
             num_blocks: spec.num_blocks,
+            tensor_rank: spec.tensor_rank,
         };
         wire::write_frame(&mut stream, &EngineRequest::RegisterPool(Box::new(reg))).map_err(|e| e.to_string())?;
         match wire::read_frame::<AgentEvent>(&mut stream).map_err(|e| e.to_string())? {

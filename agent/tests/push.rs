@@ -50,6 +50,7 @@ fn spec(role: Role, engine: &str, kv: KvGeometry, key: &[u8], checksum: Checksum
         kv,
         pairing_key: key.to_vec(),
         num_blocks: 16,
+        tensor_rank: 0,
     }
 }
 
@@ -522,4 +523,41 @@ fn kv_ready_and_registration_arriving_together_always_match() {
         let event = d.next_event().expect("event");
         assert!(done(&event), "request {i}: {event:?}");
     }
+}
+
+#[test]
+fn a_decode_rank_gets_its_heads_from_the_prefill_rank_that_holds_them() {
+    // 8 KV heads; prefill TP 2 rank 1 holds heads 4..8; decode TP 4 rank 3 holds heads 6..8: the
+    // second half of prefill's heads, at a non-zero offset inside each prefill block.
+    let w = World::new("ranks");
+    let (ps, ds) = (w.agent("p", Transport::Shm, false), w.agent("d", Transport::Shm, false));
+    let mut geometry = kv(16, None);
+    geometry.kv_heads = 8;
+    let mut p_spec = spec(Role::Prefill, "p1", geometry.clone(), b"k", ChecksumPolicy::FailClosed);
+    p_spec.parallelism.tensor = 2;
+    p_spec.tensor_rank = 1;
+    let mut d_spec = spec(Role::Decode, "d3", geometry, b"k", ChecksumPolicy::FailClosed);
+    d_spec.parallelism.tensor = 4;
+    d_spec.tensor_rank = 3;
+    let mut p = SyntheticEngine::register(&ps, &w.dir, &p_spec).expect("P");
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &d_spec).expect("D");
+    assert_eq!((p.layout.head_offset, p.layout.local_heads), (4, 4));
+    assert_eq!((d.layout.head_offset, d.layout.local_heads), (6, 2));
+    let (event, bad) = request(
+        &mut p,
+        &mut d,
+        Req {
+            id: "r",
+            seed: 3,
+            p_first: 0,
+            d_first: 0,
+            tokens: 40,
+            blocks: 3,
+        },
+    );
+    assert!(
+        matches!(&event, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
+        "{event:?}"
+    );
+    assert_eq!(bad, 0, "decode holds exactly heads 6 and 7 of every token");
 }

@@ -130,6 +130,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
                 kv,
                 pairing_key: key.clone(),
                 num_blocks: 4,
+                tensor_rank: 0,
             },
             pod.to_owned(),
         )

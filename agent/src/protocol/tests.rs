@@ -40,6 +40,7 @@ fn info(role: Role, block: i32) -> PeerInfo {
         checksum: ChecksumPolicy::FailClosed,
         parallelism: Parallelism::default(),
         kv: kv(block),
+        tensor_rank: 0,
         worker_address: vec![1, 2, 3],
         memory: MemoryDesc {
             base: 4096,
@@ -254,12 +255,28 @@ fn garbage_and_truncated_frames_are_errors_not_panics() {
 }
 
 #[test]
-fn pairs_the_rules_admit_but_the_agent_cannot_serve_are_refused_at_the_handshake() {
-    // Heterogeneous tensor parallelism with HND on prefill passes the rule table; this agent
-    // version does not write head subsets yet, and says so instead of failing later.
-    let mut d = info(Role::Decode, 64);
-    d.parallelism.tensor = 2;
-    let (p, dres) = pair(b"s", b"s", info(Role::Prefill, 64), d);
+fn unequal_tensor_parallelism_is_served_one_prefill_rank_per_decode_rank() {
+    // 2 KV heads in `info`; use 8 so that tensor parallelism shards them.
+    let with = |role: Role, tp: i32, rank: u32| {
+        let mut i = info(role, 64);
+        i.kv.kv_heads = 8;
+        i.parallelism.tensor = tp;
+        i.tensor_rank = rank;
+        i
+    };
+    // Decode rank 1 of 4 holds heads 2..4, inside prefill rank 0 of 2 (heads 0..4): served.
+    assert_eq!(
+        decode_heads_in_prefill(&with(Role::Prefill, 2, 0), &with(Role::Decode, 4, 1)),
+        Ok((2, 2))
+    );
+    let (p, d) = pair(b"s", b"s", with(Role::Prefill, 2, 0), with(Role::Decode, 4, 1));
+    assert!(p.is_ok() && d.is_ok(), "{p:?} {d:?}");
+    // Decode rank 2 holds heads 4..6: that is prefill rank 1's, so rank 0 refuses it by name.
+    let (p, _) = pair(b"s", b"s", with(Role::Prefill, 2, 0), with(Role::Decode, 4, 2));
+    assert_eq!(p.expect_err("refused").reasons(), vec!["WrongTensorRank".to_owned()]);
+    // Prefill with more ranks than decode (a decode rank gathering from several) is not served
+    // by this agent version, and says so at the handshake.
+    let (p, d) = pair(b"s", b"s", with(Role::Prefill, 2, 0), with(Role::Decode, 1, 0));
     assert_eq!(p.expect_err("refused").reasons(), vec![AGENT_UNSUPPORTED.to_owned()]);
-    assert!(matches!(dres, Err(HandshakeError::Rejected { .. })), "{dres:?}");
+    assert!(matches!(d, Err(HandshakeError::Rejected { .. })), "{d:?}");
 }
