@@ -293,7 +293,9 @@ impl Worker {
             return check(op, sys::ucs_ptr_status(req));
         }
         loop {
-            self.progress();
+            if !self.progress() {
+                std::thread::yield_now();
+            }
             also();
             // SAFETY: req is a live request handle from this worker.
             let status = unsafe { sys::ucp_request_check_status(req) };

@@ -177,7 +177,12 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
         let cmd = if wait.is_zero() {
             match rx.try_recv() {
                 Ok(c) => c,
-                Err(mpsc::TryRecvError::Empty) => continue,
+                Err(mpsc::TryRecvError::Empty) => {
+                    // Spinning, but let a peer sharing this CPU run: with fewer cores than busy
+                    // threads, a pure spin starves the very thread we wait for.
+                    std::thread::yield_now();
+                    continue;
+                }
                 Err(mpsc::TryRecvError::Disconnected) => break,
             }
         } else {
