@@ -190,7 +190,9 @@ fn deleting_the_pair_garbage_collects_its_children() {
     });
     eventually(WAIT, "the Secret", || get_json("secret", &ns, "llama-8b-pairing"));
     kubectl_ok(&["delete", "pdpair", "llama-8b", "-n", &ns, "--wait=false"], None);
-    eventually(WAIT, "garbage collection", || {
+    // The garbage collector rediscovers resource types every 30 s, so right after the CRD is
+    // installed it may need that long to see PDPairs at all.
+    eventually(Duration::from_secs(120), "garbage collection", || {
         let left = [
             "deployment/llama-8b-prefill",
             "deployment/llama-8b-decode",
