@@ -69,18 +69,7 @@ fn secret_key(ns: &str, pair: &str) -> Vec<u8> {
     let s = eventually(WAIT, "the pairing Secret", || {
         get_json("secret", ns, &format!("{pair}-pairing"))
     });
-    let b64 = s["data"]["key"].as_str().expect("key").to_owned();
-    let out = Command::new("base64")
-        .arg("-d")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .and_then(|mut c| {
-            use std::io::Write;
-            c.stdin.take().expect("stdin").write_all(b64.as_bytes())?;
-            c.wait_with_output()
-        });
-    out.expect("base64 -d").stdout
+    base64_decode(s["data"]["key"].as_str().expect("key"))
 }
 
 #[test]

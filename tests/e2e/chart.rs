@@ -3,6 +3,7 @@
 
 use std::{collections::BTreeSet, path::PathBuf, process::Command};
 
+use pdpair_e2e::{base64_decode, pipe};
 use serde_yaml::Value;
 
 fn helm() -> String {
@@ -96,7 +97,7 @@ fn default_values_render_a_least_privilege_hardened_install() {
         "the caBundle is the generated CA"
     );
     // The certificate covers the Service's names.
-    let crt = base64(secret["data"]["tls.crt"].as_str().expect("tls.crt"));
+    let crt = base64_decode(secret["data"]["tls.crt"].as_str().expect("tls.crt"));
     let text = openssl_text(&crt);
     assert!(text.contains("DNS:rel-pdpair-webhook.pdpair-system.svc"), "{text}");
     // The operator: two replicas, probes on the admin port, hardened.
@@ -180,32 +181,8 @@ fn default_values_render_a_least_privilege_hardened_install() {
     assert!(find(&objs, "ServiceMonitor", "").is_none());
 }
 
-fn base64(s: &str) -> Vec<u8> {
-    let out = Command::new("base64")
-        .arg("-d")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut c| {
-            use std::io::Write;
-            c.stdin.take().expect("stdin").write_all(s.as_bytes())?;
-            c.wait_with_output()
-        });
-    out.expect("base64").stdout
-}
-
 fn openssl_text(pem: &[u8]) -> String {
-    let out = Command::new("openssl")
-        .args(["x509", "-noout", "-text"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut c| {
-            use std::io::Write;
-            c.stdin.take().expect("stdin").write_all(pem)?;
-            c.wait_with_output()
-        });
-    String::from_utf8_lossy(&out.expect("openssl").stdout).into_owned()
+    String::from_utf8_lossy(&pipe("openssl", &["x509", "-noout", "-text"], pem)).into_owned()
 }
 
 #[test]
@@ -224,7 +201,7 @@ fn non_default_values_change_what_they_should() {
     assert_eq!(w["clientConfig"]["url"], "https://127.0.0.1:9443/validate/pdpairs");
     assert!(w["clientConfig"]["service"].is_null());
     assert_eq!(w["failurePolicy"], "Ignore");
-    let crt = base64(
+    let crt = base64_decode(
         get(&objs, "Secret", "webhook-tls")["data"]["tls.crt"]
             .as_str()
             .expect("crt"),

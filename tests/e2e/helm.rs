@@ -40,23 +40,7 @@ fn chart_certificate(dir: &std::path::Path) -> (PathBuf, PathBuf, String) {
     let secret = eventually(WAIT, "the chart's webhook Secret", || {
         get_json("secret", NS, "pdpair-webhook-tls")
     });
-    let decode = |field: &str| {
-        let b64 = secret["data"][field]
-            .as_str()
-            .unwrap_or_else(|| panic!("{field}"))
-            .to_owned();
-        let out = Command::new("base64")
-            .arg("-d")
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .and_then(|mut c| {
-                use std::io::Write;
-                c.stdin.take().expect("stdin").write_all(b64.as_bytes())?;
-                c.wait_with_output()
-            });
-        out.expect("base64").stdout
-    };
+    let decode = |field: &str| base64_decode(secret["data"][field].as_str().unwrap_or_else(|| panic!("{field}")));
     let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
     std::fs::write(&cert, decode("tls.crt")).expect("write cert");
     std::fs::write(&key, decode("tls.key")).expect("write key");

@@ -371,3 +371,28 @@ pub fn post_webhook(port: u16, body: &str) -> (u16, String) {
     let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
     (code.trim().parse().unwrap_or(0), body.to_owned())
 }
+
+/// Runs a command with `input` on its standard input and returns its standard output.
+pub fn pipe(program: &str, args: &[&str], input: &[u8]) -> Vec<u8> {
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{program} runs: {e}"));
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(input)
+        .expect("write stdin");
+    child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("{program} finishes: {e}"))
+        .stdout
+}
+
+/// Decodes base64 (as Secrets hold data) with coreutils' `base64 -d`.
+pub fn base64_decode(text: &str) -> Vec<u8> {
+    pipe("base64", &["-d"], text.as_bytes())
+}
