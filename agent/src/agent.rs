@@ -172,7 +172,16 @@ impl Agent {
                     num_tokens,
                     first_token,
                 }) => {
-                    engine.expect_kv(request, prefill, blocks, num_tokens, first_token);
+                    engine.expect_kv(request, vec![prefill], blocks, num_tokens, first_token);
+                }
+                Ok(EngineRequest::ExpectKvFrom {
+                    request,
+                    prefills,
+                    blocks,
+                    num_tokens,
+                    first_token,
+                }) => {
+                    engine.expect_kv(request, prefills, blocks, num_tokens, first_token);
                 }
                 Ok(EngineRequest::KvReady {
                     request,
@@ -214,7 +223,11 @@ pub struct EngineStats {
 /// A D request waiting for its KV.
 #[derive(Debug)]
 struct Pending {
-    prefill: String,
+    /// The prefill engines writing into this request (several when decode gathers heads from
+    /// several prefill ranks).
+    prefills: Vec<String>,
+    /// Completions received so far, by prefill address: (checksums, bytes).
+    parts: HashMap<String, (Option<BlockSums>, u64)>,
     blocks: Vec<u32>,
     num_tokens: u64,
     first_token: u64,
@@ -245,9 +258,9 @@ struct Link {
     /// UCX peer id (P side only: P writes into D).
     ucx_peer: Option<u64>,
     addr: String,
-    /// P side: which of P's local heads D holds, `(first, count)` (all of them unless tensor
-    /// parallelism differs).
-    heads: (u32, u32),
+    /// P side: which of P's heads go where in D's blocks (all to all unless tensor parallelism
+    /// differs).
+    heads: protocol::HeadMap,
 }
 
 impl Link {
@@ -470,7 +483,7 @@ impl Engine {
     fn expect_kv(
         self: &Arc<Self>,
         request: String,
-        prefill: String,
+        mut prefills: Vec<String>,
         blocks: Vec<u32>,
         num_tokens: u64,
         first_token: u64,
@@ -478,37 +491,47 @@ impl Engine {
         if !self.accept_request(Role::Decode, "ExpectKv", &request, &blocks) {
             return;
         }
-        if let Some((reasons, message)) = self.remembered(&prefill) {
-            return self.fail(
-                request,
-                reasons,
-                format!("remembered rejection by {prefill}: {message}"),
-            );
+        prefills.sort();
+        prefills.dedup();
+        if prefills.is_empty() {
+            return self.fail(request, vec!["InvalidRequest".into()], "no prefill address".into());
+        }
+        for prefill in &prefills {
+            if let Some((reasons, message)) = self.remembered(prefill) {
+                return self.fail(
+                    request,
+                    reasons,
+                    format!("remembered rejection by {prefill}: {message}"),
+                );
+            }
         }
         let deadline = Instant::now() + self.handshake_timeout() + self.lease();
         lock(&self.pending).insert(
             request.clone(),
             Pending {
-                prefill: prefill.clone(),
+                prefills: prefills.clone(),
+                parts: HashMap::new(),
                 blocks,
                 num_tokens,
                 first_token,
                 deadline,
             },
         );
-        let mut peers = lock(&self.peers);
-        match peers.get_mut(&prefill) {
-            Some(Slot::Connected(link)) => {
-                let link = link.clone();
-                drop(peers);
-                self.send_registration(&link, &request);
-            }
-            Some(Slot::Connecting(queue)) => queue.push(request),
-            None => {
-                peers.insert(prefill.clone(), Slot::Connecting(vec![request]));
-                drop(peers);
-                let e = self.clone();
-                thread::spawn(move || e.connect(prefill));
+        for prefill in prefills {
+            let mut peers = lock(&self.peers);
+            match peers.get_mut(&prefill) {
+                Some(Slot::Connected(link)) => {
+                    let link = link.clone();
+                    drop(peers);
+                    self.send_registration(&link, &request);
+                }
+                Some(Slot::Connecting(queue)) => queue.push(request.clone()),
+                None => {
+                    peers.insert(prefill.clone(), Slot::Connecting(vec![request.clone()]));
+                    drop(peers);
+                    let e = self.clone();
+                    thread::spawn(move || e.connect(prefill));
+                }
             }
         }
     }
@@ -536,12 +559,12 @@ impl Engine {
         });
         if let Some(reg) = reg
             && !link.send(&Message::Register(reg))
-            && let Some(p) = lock(&self.pending).remove(request)
+            && lock(&self.pending).remove(request).is_some()
         {
             self.fail(
                 request.to_owned(),
                 vec!["PeerLost".into()],
-                format!("cannot reach prefill {}", p.prefill),
+                format!("cannot reach prefill {}", link.addr),
             );
         }
     }
@@ -619,7 +642,11 @@ impl Engine {
             peer,
             ucx_peer: None,
             addr: addr.to_owned(),
-            heads: (0, self.layout.local_heads),
+            heads: protocol::HeadMap {
+                p_first: 0,
+                count: self.layout.local_heads,
+                d_first: 0,
+            },
         })
     }
 
@@ -630,7 +657,7 @@ impl Engine {
         };
         loop {
             match wire::read_frame::<Message>(&mut reader) {
-                Ok(Message::Complete { request, sums, bytes }) => self.complete(request, sums, bytes),
+                Ok(Message::Complete { request, sums, bytes }) => self.complete(&link.addr, request, sums, bytes),
                 Ok(Message::Failed {
                     request,
                     reason,
@@ -670,7 +697,7 @@ impl Engine {
         let mut pending = lock(&self.pending);
         let ids: Vec<String> = pending
             .iter()
-            .filter(|(_, p)| p.prefill == addr)
+            .filter(|(_, p)| p.prefills.iter().any(|a| a == addr))
             .map(|(id, _)| id.clone())
             .collect();
         ids.into_iter().filter(|id| pending.remove(id).is_some()).collect()
@@ -691,10 +718,21 @@ impl Engine {
         }
     }
 
-    fn complete(&self, request: String, sums: Option<BlockSums>, bytes: u64) {
-        let Some(p) = lock(&self.pending).remove(&request) else {
-            return;
+    fn complete(&self, from: &str, request: String, sums: Option<BlockSums>, bytes: u64) {
+        let p = {
+            let mut pending = lock(&self.pending);
+            let Some(p) = pending.get_mut(&request) else { return };
+            p.parts.insert(from.to_owned(), (sums, bytes));
+            if p.parts.len() < p.prefills.len() {
+                return; // more prefill ranks to come
+            }
+            let Some(p) = pending.remove(&request) else { return };
+            p
         };
+        let bytes: u64 = p.parts.values().map(|(_, b)| *b).sum();
+        // Each prefill rank summed its own heads; checksums add over heads, so the parts' sums
+        // add up to decode's whole-block checksums.
+        let sums = combine(p.parts.values().map(|(s, _)| s.as_ref()));
         self.shared.metrics.transfer_done(Role::Decode, bytes);
         self.transferred(bytes);
         if self.reg.checksum == ChecksumPolicy::Disabled {
@@ -797,10 +835,16 @@ impl Engine {
                 return;
             }
         };
-        // Which of our heads decode holds (checked in the handshake), and so its block length.
-        let heads = protocol::decode_heads_in_prefill(&self.local, &peer).unwrap_or((0, self.layout.local_heads));
-        let expected_block_len =
-            u64::from(heads.1) * u64::from(self.layout.block_size) * self.layout.half_token() as u64;
+        // Which heads go where (checked in the handshake), and so decode's block length.
+        let all = protocol::HeadMap {
+            p_first: 0,
+            count: self.layout.local_heads,
+            d_first: 0,
+        };
+        let heads = protocol::head_map(&self.local, &peer).unwrap_or(all);
+        let expected_block_len = PoolLayout::new(&peer.kv, &peer.parallelism, 1, peer.tensor_rank)
+            .map(|l| l.block_len() as u64)
+            .unwrap_or(0);
         if peer.memory.block_len != expected_block_len || peer.memory.layers.len() != self.layout.layers as usize {
             let _ = wire::write_frame(
                 &mut stream,
@@ -957,7 +1001,14 @@ impl Engine {
                 .iter()
                 .map(|(p, _, t)| {
                     self.layout
-                        .checksum_heads(self.memory(), *p, *t, ready.num_tokens, link.heads.0, link.heads.1)
+                        .checksum_heads(
+                            self.memory(),
+                            *p,
+                            *t,
+                            ready.num_tokens,
+                            link.heads.p_first,
+                            link.heads.count,
+                        )
                         .unwrap_or(0)
                 })
                 .collect(),
@@ -999,12 +1050,12 @@ impl Engine {
 
     /// WRITEs for block pairs (P block, D block, first token), one per layer and K/V, with runs
     /// of consecutive blocks on both sides coalesced into one put.
-    fn put_ops(&self, remote: &MemoryDesc, pairs: &[(u32, u32, u64)], heads: (u32, u32)) -> Vec<PutOp> {
+    fn put_ops(&self, remote: &MemoryDesc, pairs: &[(u32, u32, u64)], heads: protocol::HeadMap) -> Vec<PutOp> {
         let block_len = self.layout.block_len() as u64;
         let base = self.map.as_ptr() as u64;
-        if heads.1 != self.layout.local_heads {
-            // Decode holds a contiguous range of our heads (HND: head-major inside a block): one
-            // put per block, layer and K/V, of just those heads.
+        if heads.count != self.layout.local_heads || remote.block_len != block_len {
+            // A head range of our blocks into a head range of decode's (HND: head-major inside a
+            // block, so each range is contiguous): one put per block, layer and K/V.
             let head_bytes = u64::from(self.layout.block_size) * self.layout.half_token() as u64;
             let mut ops = Vec::new();
             for layer in 0..self.layout.layers {
@@ -1014,9 +1065,12 @@ impl Engine {
                         ops.push(PutOp {
                             local: base
                                 + self.layout.block_offset(layer, v, *p) as u64
-                                + u64::from(heads.0) * head_bytes,
-                            len: u64::from(heads.1) * head_bytes,
-                            remote: remote.base + remote_array + u64::from(*d) * remote.block_stride,
+                                + u64::from(heads.p_first) * head_bytes,
+                            len: u64::from(heads.count) * head_bytes,
+                            remote: remote.base
+                                + remote_array
+                                + u64::from(*d) * remote.block_stride
+                                + u64::from(heads.d_first) * head_bytes,
                         });
                     }
                 }
@@ -1079,7 +1133,7 @@ impl Engine {
             self.fail(
                 request,
                 vec!["DeadlineExceeded".into()],
-                format!("no KV from prefill {} before the deadline", p.prefill),
+                format!("no KV from prefill {} before the deadline", p.prefills.join(", ")),
             );
         }
         let lease = self.lease();
@@ -1135,6 +1189,27 @@ impl Engine {
         lock(&self.pending).clear();
         self.shared.ucx.unmap(self.region);
     }
+}
+
+/// Adds prefill ranks' block checksums element by element; `None` when any is missing or they do
+/// not cover the same blocks.
+fn combine<'a>(parts: impl Iterator<Item = Option<&'a BlockSums>>) -> Option<BlockSums> {
+    let mut total: Option<BlockSums> = None;
+    for part in parts {
+        let part = part?;
+        match &mut total {
+            None => total = Some(part.clone()),
+            Some(t) => {
+                if (t.block_size, t.first_token, t.sums.len()) != (part.block_size, part.first_token, part.sums.len()) {
+                    return None;
+                }
+                for (a, b) in t.sums.iter_mut().zip(&part.sums) {
+                    *a = a.wrapping_add(*b);
+                }
+            }
+        }
+    }
+    total
 }
 
 /// Whether a failure reason is a refused handshake (authentication or the rule table), as opposed

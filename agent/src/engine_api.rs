@@ -28,6 +28,21 @@ pub enum EngineRequest {
         /// D already has the earlier blocks).
         first_token: u64,
     },
+    /// Decode: like `ExpectKv`, from several prefill engines at once: the tensor-parallel ranks
+    /// of a prefill pool with more ranks than decode's, each holding part of this decode rank's
+    /// KV heads. The request is done when every one of them has written its heads.
+    ExpectKvFrom {
+        /// Request id.
+        request: String,
+        /// The prefill engines' side-channel addresses.
+        prefills: Vec<String>,
+        /// This engine's block ids for the request, in token order.
+        blocks: Vec<u32>,
+        /// The request's token count.
+        num_tokens: u64,
+        /// Absolute position of the first token the first block holds.
+        first_token: u64,
+    },
     /// Prefill: this request's KV is computed and may be sent.
     KvReady {
         /// Request id.

@@ -447,43 +447,58 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)> {
     heads_fit(local, peer)
 }
 
-/// Which of the prefill engine's local heads the decode engine holds: `(first, count)` in
-/// prefill's local head indices, when the decode rank's heads all live in this prefill rank.
-pub fn decode_heads_in_prefill(prefill: &PeerInfo, decode: &PeerInfo) -> Result<(u32, u32), (Vec<String>, String)> {
+/// Which heads move between a prefill rank and a decode rank: prefill's local heads
+/// `p_first..p_first+count` go to decode's local heads `d_first..d_first+count`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadMap {
+    /// First prefill-local head.
+    pub p_first: u32,
+    /// Heads moved.
+    pub count: u32,
+    /// First decode-local head.
+    pub d_first: u32,
+}
+
+/// The heads a prefill rank writes into a decode rank. With unequal tensor parallelism one
+/// side's head range must contain the other's: a decode rank takes part of one prefill rank's
+/// heads, or gathers whole prefill ranks (one connection each).
+pub fn head_map(prefill: &PeerInfo, decode: &PeerInfo) -> Result<HeadMap, (Vec<String>, String)> {
     let layout = |p: &PeerInfo| {
         crate::layout::PoolLayout::new(&p.kv, &p.parallelism, 1, p.tensor_rank)
             .map_err(|e| (vec!["InvalidRequest".to_owned()], e.to_string()))
     };
     let (pl, dl) = (layout(prefill)?, layout(decode)?);
-    if dl.local_heads > pl.local_heads {
-        // Prefill holds fewer heads per rank than decode: a decode rank would gather from several
-        // prefill ranks, which this agent version does not do.
-        return Err((
-            vec![AGENT_UNSUPPORTED.into()],
-            format!(
-                "prefill tensor parallelism {} is larger than decode's {}; this agent version writes from one prefill rank into each decode rank only",
-                prefill.parallelism.tensor, decode.parallelism.tensor
-            ),
-        ));
-    }
-    if dl.local_heads < pl.local_heads && prefill.kv.layout != pdpair_api::KvLayout::Hnd {
-        return Err((
-            vec![AGENT_UNSUPPORTED.into()],
-            "writing a subset of heads needs the HND layout on prefill".into(),
-        ));
-    }
     let (p0, p1) = (pl.head_offset, pl.head_offset + pl.local_heads);
     let (d0, d1) = (dl.head_offset, dl.head_offset + dl.local_heads);
-    if d0 < p0 || d1 > p1 {
+    let map = if d0 >= p0 && d1 <= p1 {
+        HeadMap {
+            p_first: d0 - p0,
+            count: dl.local_heads,
+            d_first: 0,
+        }
+    } else if p0 >= d0 && p1 <= d1 {
+        HeadMap {
+            p_first: 0,
+            count: pl.local_heads,
+            d_first: p0 - d0,
+        }
+    } else {
         return Err((
             vec!["WrongTensorRank".into()],
             format!(
-                "decode rank {} holds KV heads {d0}..{d1}, which prefill rank {} (heads {p0}..{p1}) does not hold; connect it to the prefill rank that does",
+                "decode rank {} holds KV heads {d0}..{d1} and prefill rank {} holds {p0}..{p1}: neither contains the other; connect the ranks whose heads line up",
                 decode.tensor_rank, prefill.tensor_rank
             ),
         ));
+    };
+    let partial = map.count != pl.local_heads || map.count != dl.local_heads;
+    if partial && (prefill.kv.layout != pdpair_api::KvLayout::Hnd || decode.kv.layout != pdpair_api::KvLayout::Hnd) {
+        return Err((
+            vec![AGENT_UNSUPPORTED.into()],
+            "moving part of a block's heads needs the HND layout on both sides".into(),
+        ));
     }
-    Ok((d0 - p0, dl.local_heads))
+    Ok(map)
 }
 
 fn heads_fit(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)> {
@@ -491,7 +506,7 @@ fn heads_fit(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)>
         Role::Prefill => (local, peer),
         Role::Decode => (peer, local),
     };
-    decode_heads_in_prefill(p, d).err()
+    head_map(p, d).err()
 }
 
 /// D's side of the handshake: send ours, then check P's before using any of it.

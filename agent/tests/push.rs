@@ -561,3 +561,83 @@ fn a_decode_rank_gets_its_heads_from_the_prefill_rank_that_holds_them() {
     );
     assert_eq!(bad, 0, "decode holds exactly heads 6 and 7 of every token");
 }
+
+#[test]
+fn a_decode_rank_gathers_its_heads_from_every_prefill_rank() {
+    // 8 KV heads; prefill TP 2 (ranks hold heads 0..4 and 4..8, each on its own agent), decode
+    // TP 1 (all 8). Each prefill rank writes its half of every block; decode's whole-block
+    // checksums equal the sum of the ranks' partial ones.
+    let w = World::new("gather");
+    let (p0s, p1s, ds) = (
+        w.agent("p0", Transport::Shm, false),
+        w.agent("p1", Transport::Shm, false),
+        w.agent("d", Transport::Shm, false),
+    );
+    let mut geometry = kv(16, None);
+    geometry.kv_heads = 8;
+    let rank = |r: u32| {
+        let mut s = spec(
+            Role::Prefill,
+            &format!("p{r}"),
+            geometry.clone(),
+            b"k",
+            ChecksumPolicy::FailClosed,
+        );
+        s.parallelism.tensor = 2;
+        s.tensor_rank = r;
+        s
+    };
+    let mut p0 = SyntheticEngine::register(&p0s, &w.dir, &rank(0)).expect("P0");
+    let mut p1 = SyntheticEngine::register(&p1s, &w.dir, &rank(1)).expect("P1");
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", geometry, b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    for p in [&mut p0, &mut p1] {
+        p.fill(9, &[0, 1, 2], 0, 40);
+        p.send(&EngineRequest::KvReady {
+            request: "g".into(),
+            blocks: vec![0, 1, 2],
+            num_tokens: 40,
+            first_token: 0,
+        })
+        .expect("KvReady");
+    }
+    d.clear(&[5, 6, 7]);
+    d.send(&EngineRequest::ExpectKvFrom {
+        request: "g".into(),
+        prefills: vec![p0.address.clone(), p1.address.clone()],
+        blocks: vec![5, 6, 7],
+        num_tokens: 40,
+        first_token: 0,
+    })
+    .expect("ExpectKvFrom");
+    let event = d.next_event().expect("event");
+    assert!(
+        matches!(&event, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
+        "{event:?}"
+    );
+    assert_eq!(d.verify(9, &[5, 6, 7], 0, 40), 0, "all 8 heads of every token arrived");
+    // One prefill rank never finishes its part: its lease ends and it says so, so the request
+    // fails with the reason instead of hanging.
+    p0.fill(10, &[0, 1, 2], 0, 40);
+    p0.send(&EngineRequest::KvReady {
+        request: "h".into(),
+        blocks: vec![0, 1, 2],
+        num_tokens: 40,
+        first_token: 0,
+    })
+    .expect("KvReady");
+    d.send(&EngineRequest::ExpectKvFrom {
+        request: "h".into(),
+        prefills: vec![p0.address.clone(), p1.address.clone()],
+        blocks: vec![5, 6, 7],
+        num_tokens: 40,
+        first_token: 0,
+    })
+    .expect("ExpectKvFrom");
+    let event = d.next_event().expect("event");
+    assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{event:?}");
+}

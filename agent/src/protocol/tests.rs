@@ -255,7 +255,7 @@ fn garbage_and_truncated_frames_are_errors_not_panics() {
 }
 
 #[test]
-fn unequal_tensor_parallelism_is_served_one_prefill_rank_per_decode_rank() {
+fn unequal_tensor_parallelism_maps_head_ranges_between_ranks() {
     // 2 KV heads in `info`; use 8 so that tensor parallelism shards them.
     let with = |role: Role, tp: i32, rank: u32| {
         let mut i = info(role, 64);
@@ -264,19 +264,40 @@ fn unequal_tensor_parallelism_is_served_one_prefill_rank_per_decode_rank() {
         i.tensor_rank = rank;
         i
     };
-    // Decode rank 1 of 4 holds heads 2..4, inside prefill rank 0 of 2 (heads 0..4): served.
+    // Decode rank 1 of 4 holds heads 2..4, inside prefill rank 0 of 2 (heads 0..4).
+    let map = head_map(&with(Role::Prefill, 2, 0), &with(Role::Decode, 4, 1));
     assert_eq!(
-        decode_heads_in_prefill(&with(Role::Prefill, 2, 0), &with(Role::Decode, 4, 1)),
-        Ok((2, 2))
+        map,
+        Ok(HeadMap {
+            p_first: 2,
+            count: 2,
+            d_first: 0
+        })
     );
     let (p, d) = pair(b"s", b"s", with(Role::Prefill, 2, 0), with(Role::Decode, 4, 1));
     assert!(p.is_ok() && d.is_ok(), "{p:?} {d:?}");
-    // Decode rank 2 holds heads 4..6: that is prefill rank 1's, so rank 0 refuses it by name.
+    // Prefill rank 1 of 2 (heads 4..8) into decode rank 0 of 1 (all 8): the second half.
+    let map = head_map(&with(Role::Prefill, 2, 1), &with(Role::Decode, 1, 0));
+    assert_eq!(
+        map,
+        Ok(HeadMap {
+            p_first: 0,
+            count: 4,
+            d_first: 4
+        })
+    );
+    let (p, d) = pair(b"s", b"s", with(Role::Prefill, 2, 1), with(Role::Decode, 1, 0));
+    assert!(p.is_ok() && d.is_ok(), "{p:?} {d:?}");
+    // Decode rank 2 of 4 holds heads 4..6, which prefill rank 0 does not: refused by name.
     let (p, _) = pair(b"s", b"s", with(Role::Prefill, 2, 0), with(Role::Decode, 4, 2));
     assert_eq!(p.expect_err("refused").reasons(), vec!["WrongTensorRank".to_owned()]);
-    // Prefill with more ranks than decode (a decode rank gathering from several) is not served
-    // by this agent version, and says so at the handshake.
-    let (p, d) = pair(b"s", b"s", with(Role::Prefill, 2, 0), with(Role::Decode, 1, 0));
-    assert_eq!(p.expect_err("refused").reasons(), vec![AGENT_UNSUPPORTED.to_owned()]);
-    assert!(matches!(d, Err(HandshakeError::Rejected { .. })), "{d:?}");
+    // Partial blocks need HND on both sides.
+    let mut nhd = with(Role::Decode, 4, 1);
+    nhd.kv.layout = KvLayout::Nhd;
+    let mut p_nhd = with(Role::Prefill, 2, 0);
+    p_nhd.kv.layout = KvLayout::Nhd;
+    assert_eq!(
+        head_map(&p_nhd, &nhd).map_err(|e| e.0),
+        Err(vec![AGENT_UNSUPPORTED.to_owned()])
+    );
 }
