@@ -69,7 +69,11 @@ kubectl get secret vllm-push-64-64-pairing -o jsonpath='{.data.key}' | base64 -d
 run target/debug/pdpair-agent loopback --pair examples/vllm-push-64-64.yaml --requests 6 --prompt-tokens 512 \
   --transport shm --decode-agent "$DEMO/node-a.sock" --prefill-agent "$DEMO/node-b.sock" \
   --pairing-key-file "$DEMO/pairing.key" --decode-pod decode-0 --prefill-pod prefill-0
-sleep 3
+# The agents publish at most once a second and the operator folds their reports into the pair.
+for _ in $(seq 1 40); do
+  [[ $(kubectl get pdp vllm-push-64-64 -o jsonpath='{.status.transfer.checksumsVerified}') == 6 ]] && break
+  sleep 0.5
+done
 run kubectl get pdendpoints
 run kubectl get pdp vllm-push-64-64 -o jsonpath='endpoints={.status.transfer.endpoints} transfers={.status.transfer.transfersCompleted} bytes={.status.transfer.bytes} verified={.status.transfer.checksumsVerified}{"\n"}'
 
