@@ -24,7 +24,7 @@ use std::{
 
 use pdpair_api::{
     ChecksumPolicy, Role,
-    checksum::{BlockSums, Outcome, compare},
+    checksum::{BlockSums, Outcome, compare_request},
 };
 
 mod publish;
@@ -248,6 +248,8 @@ struct Ready {
 struct Matching {
     ready: HashMap<String, Ready>,
     registered: HashMap<String, Waiting>,
+    /// Pull: requests whose blocks decode is reading, since when.
+    lent: HashMap<String, Instant>,
 }
 
 /// An authenticated, handshaken side-channel connection.
@@ -637,10 +639,20 @@ impl Engine {
         protocol::authenticate_decode(&mut stream, &self.reg.pdpair, &self.key)?;
         let peer = protocol::handshake_decode(&mut stream, &self.local)?;
         stream.set_read_timeout(None).map_err(wire::FrameError::from)?;
+        // Pull: decode reads from prefill's memory through its own endpoint.
+        let ucx_peer = match self.reg.mode {
+            pdpair_api::TransferMode::Pull => Some(
+                self.shared
+                    .ucx
+                    .connect(peer.worker_address.clone(), peer.memory.rkey.clone())
+                    .map_err(HandshakeError::Protocol)?,
+            ),
+            pdpair_api::TransferMode::Push => None,
+        };
         Ok(Link {
             writer: Mutex::new(stream),
             peer,
-            ucx_peer: None,
+            ucx_peer,
             addr: addr.to_owned(),
             heads: protocol::HeadMap {
                 p_first: 0,
@@ -657,7 +669,17 @@ impl Engine {
         };
         loop {
             match wire::read_frame::<Message>(&mut reader) {
-                Ok(Message::Complete { request, sums, bytes }) => self.complete(&link.addr, request, sums, bytes),
+                Ok(Message::Complete { request, sums, bytes }) => self.complete(&link.addr, request, sums, bytes, None),
+                Ok(Message::Ready {
+                    request,
+                    blocks,
+                    first_token,
+                    num_tokens,
+                    sums,
+                }) => {
+                    let (e, link) = (self.clone(), link.clone());
+                    thread::spawn(move || e.read_kv(&link, request, blocks, first_token, num_tokens, sums));
+                }
                 Ok(Message::Failed {
                     request,
                     reason,
@@ -718,7 +740,9 @@ impl Engine {
         }
     }
 
-    fn complete(&self, from: &str, request: String, sums: Option<BlockSums>, bytes: u64) {
+    /// A prefill rank's KV is in place (pushed to us, or read by us in `transfer_us`): verify
+    /// once every rank's part is here.
+    fn complete(&self, from: &str, request: String, sums: Option<BlockSums>, bytes: u64, transfer_us: Option<u64>) {
         let p = {
             let mut pending = lock(&self.pending);
             let Some(p) = pending.get_mut(&request) else { return };
@@ -740,7 +764,7 @@ impl Engine {
                 request,
                 bytes,
                 checksum: None,
-                transfer_us: None,
+                transfer_us,
             });
         }
         let block = u64::from(self.layout.block_size);
@@ -760,7 +784,7 @@ impl Engine {
                 .collect(),
         };
         let outcome = match &sums {
-            Some(theirs) => compare(theirs, &ours).outcome(),
+            Some(theirs) => compare_request(theirs, &ours, p.num_tokens).outcome(),
             None => Outcome::Unverified,
         };
         self.shared.metrics.checksum(outcome);
@@ -782,7 +806,7 @@ impl Engine {
                     request,
                     bytes,
                     checksum: Some(name),
-                    transfer_us: None,
+                    transfer_us,
                 });
             }
             (Outcome::Mismatched, _) => self.fail(
@@ -796,6 +820,153 @@ impl Engine {
                 "received KV could not be verified (FailClosed)".into(),
             ),
         }
+    }
+
+    /// Pull: read the request's KV from prefill's blocks into ours, then verify it like a push
+    /// completion and release prefill's blocks.
+    fn read_kv(
+        &self,
+        link: &Link,
+        request: String,
+        p_blocks: Vec<u32>,
+        p_first: u64,
+        num_tokens: u64,
+        sums: Option<BlockSums>,
+    ) {
+        let Some(p) = lock(&self.pending)
+            .get(&request)
+            .map(|p| (p.blocks.clone(), p.first_token, p.num_tokens))
+        else {
+            return;
+        };
+        let (d_blocks, d_first, d_tokens) = p;
+        let started = Instant::now();
+        let outcome = if d_tokens != num_tokens {
+            Err((
+                "TokenCountMismatch",
+                format!("decode expects {d_tokens} tokens, prefill computed {num_tokens}"),
+            ))
+        } else {
+            let p_block = u32::try_from(link.peer.kv.kernel_block_size()).unwrap_or(0);
+            self.pull_ops(
+                &link.peer.memory,
+                p_block,
+                &p_blocks,
+                p_first,
+                &d_blocks,
+                d_first,
+                num_tokens,
+            )
+            .map_err(|m| ("TokenRangeNotCovered", m))
+            .and_then(|ops| match link.ucx_peer {
+                Some(peer) => self
+                    .shared
+                    .ucx
+                    .get(peer, self.region, ops)
+                    .map_err(|e| ("ReadFailed", format!("reading prefill's blocks failed: {e}"))),
+                None => Err(("TransportFailed", "no UCX endpoint to prefill".into())),
+            })
+        };
+        match outcome {
+            Ok(bytes) => {
+                let took = started.elapsed();
+                link.send(&Message::Released {
+                    request: request.clone(),
+                    bytes,
+                });
+                self.complete(&link.addr, request, sums, bytes, Some(took.as_micros() as u64));
+            }
+            Err((reason, message)) => {
+                link.send(&Message::Released {
+                    request: request.clone(),
+                    bytes: 0,
+                });
+                if lock(&self.pending).remove(&request).is_some() {
+                    self.fail(request, vec![reason.into()], message);
+                }
+            }
+        }
+    }
+
+    /// Pull READs: each of our blocks (starting at `d_first`, `B_d` tokens) gathers the prefill
+    /// blocks (`B_p` tokens, `B_d` a multiple) that start at its tokens, paired by absolute
+    /// position. NHD blocks take each prefill block whole at its token offset; HND blocks take it
+    /// head by head; adjacent reads are merged.
+    #[allow(clippy::too_many_arguments)]
+    fn pull_ops(
+        &self,
+        remote: &MemoryDesc,
+        p_block: u32,
+        p_blocks: &[u32],
+        p_first: u64,
+        d_blocks: &[u32],
+        d_first: u64,
+        num_tokens: u64,
+    ) -> Result<Vec<PutOp>, String> {
+        let (bd, bp) = (u64::from(self.layout.block_size), u64::from(p_block));
+        if bp == 0 || bd % bp != 0 {
+            return Err(format!("decode's block size {bd} is not a multiple of prefill's {bp}"));
+        }
+        let half = self.layout.half_token() as u64;
+        let heads = u64::from(self.layout.local_heads);
+        let base = self.map.as_ptr() as u64;
+        let mut ops: Vec<PutOp> = Vec::new();
+        let mut push = |op: PutOp| match ops.last_mut() {
+            Some(last) if last.local + last.len == op.local && last.remote + last.len == op.remote => {
+                last.len += op.len
+            }
+            _ => ops.push(op),
+        };
+        for (i, d) in d_blocks.iter().enumerate() {
+            let t = d_first + i as u64 * bd;
+            if t >= num_tokens {
+                break;
+            }
+            for j in 0..bd / bp {
+                let tj = t + j * bp;
+                if tj >= num_tokens {
+                    break;
+                }
+                if tj < p_first || !(tj - p_first).is_multiple_of(bp) {
+                    return Err(format!(
+                        "token {tj} does not start a prefill block (prefill blocks start at {p_first})"
+                    ));
+                }
+                let Some(pb) = p_blocks.get(((tj - p_first) / bp) as usize) else {
+                    return Err(format!("token {tj} is past prefill's {} blocks", p_blocks.len()));
+                };
+                if *pb >= remote.num_blocks {
+                    return Err(format!(
+                        "prefill block {pb} is outside its {} blocks",
+                        remote.num_blocks
+                    ));
+                }
+                for layer in 0..self.layout.layers {
+                    let (rk, rv) = remote.layers[layer as usize];
+                    for (v, array) in [(false, rk), (true, rv)] {
+                        let dst = base + self.layout.block_offset(layer, v, *d) as u64;
+                        let src = remote.base + array + u64::from(*pb) * remote.block_stride;
+                        match self.layout.layout {
+                            pdpair_api::KvLayout::Nhd => push(PutOp {
+                                local: dst + j * bp * heads * half,
+                                remote: src,
+                                len: bp * heads * half,
+                            }),
+                            pdpair_api::KvLayout::Hnd => {
+                                for h in 0..heads {
+                                    push(PutOp {
+                                        local: dst + (h * bd + j * bp) * half,
+                                        remote: src + h * bp * half,
+                                        len: bp * half,
+                                    });
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(ops)
     }
 
     // ---- prefill side -----------------------------------------------------------------------
@@ -845,7 +1016,11 @@ impl Engine {
         let expected_block_len = PoolLayout::new(&peer.kv, &peer.parallelism, 1, peer.tensor_rank)
             .map(|l| l.block_len() as u64)
             .unwrap_or(0);
-        if peer.memory.block_len != expected_block_len || peer.memory.layers.len() != self.layout.layers as usize {
+        // Push writes whole (or head-range) blocks of the same size; pull reads into larger ones.
+        let push = self.reg.mode == pdpair_api::TransferMode::Push;
+        if (push && peer.memory.block_len != expected_block_len)
+            || peer.memory.layers.len() != self.layout.layers as usize
+        {
             let _ = wire::write_frame(
                 &mut stream,
                 &Message::Reject {
@@ -855,11 +1030,16 @@ impl Engine {
             );
             return;
         }
-        let ucx_peer = match self
-            .shared
-            .ucx
-            .connect(peer.worker_address.clone(), peer.memory.rkey.clone())
-        {
+        // In pull mode decode reads from us: no endpoint of ours writes to it.
+        let connected = if push {
+            self.shared
+                .ucx
+                .connect(peer.worker_address.clone(), peer.memory.rkey.clone())
+                .map(Some)
+        } else {
+            Ok(None)
+        };
+        let ucx_peer = match connected {
             Ok(id) => id,
             Err(e) => {
                 let _ = wire::write_frame(
@@ -880,12 +1060,13 @@ impl Engine {
             writer: Mutex::new(stream),
             heads,
             peer,
-            ucx_peer: Some(ucx_peer),
+            ucx_peer,
             addr: peer_addr,
         });
         loop {
             match wire::read_frame::<Message>(&mut reader) {
                 Ok(Message::Register(reg)) => self.registration(&link, reg),
+                Ok(Message::Released { request, bytes }) => self.released(request, bytes),
                 Ok(Message::Ping { seq }) => {
                     link.send(&Message::Pong { seq });
                 }
@@ -898,7 +1079,23 @@ impl Engine {
         lock(&self.matching)
             .registered
             .retain(|_, (l, _, _)| !Arc::ptr_eq(l, &link));
-        self.shared.ucx.disconnect(ucx_peer);
+        if let Some(id) = ucx_peer {
+            self.shared.ucx.disconnect(id);
+        }
+    }
+
+    /// Pull: decode has read a request's blocks; the prefill engine may reuse them.
+    fn released(&self, request: String, bytes: u64) {
+        if lock(&self.matching).lent.remove(&request).is_some() {
+            self.shared.metrics.transfer_done(Role::Prefill, bytes);
+            self.transferred(bytes);
+            self.event(AgentEvent::RequestDone {
+                request,
+                bytes,
+                checksum: None,
+                transfer_us: None,
+            });
+        }
     }
 
     fn registration(self: &Arc<Self>, link: &Arc<Link>, reg: Registration) {
@@ -964,6 +1161,49 @@ impl Engine {
         thread::spawn(move || e.transfer(&link, reg, ready));
     }
 
+    /// Pull: tell decode where the request's KV is (with our checksums) and hold the blocks until
+    /// it has read them or the lease ends.
+    fn lend(&self, link: &Link, reg: Registration, ready: Ready) {
+        let b = u64::from(self.layout.block_size);
+        let live: Vec<(u32, u64)> = ready
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(i, block)| (*block, ready.first_token + i as u64 * b))
+            .filter(|(_, t)| *t < ready.num_tokens)
+            .collect();
+        let sums = (self.reg.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
+            block_size: self.layout.block_size,
+            first_token: ready.first_token,
+            sums: live
+                .iter()
+                .map(|(p, t)| {
+                    self.layout
+                        .checksum(self.memory(), *p, *t, ready.num_tokens)
+                        .unwrap_or(0)
+                })
+                .collect(),
+        });
+        lock(&self.matching).lent.insert(reg.request.clone(), Instant::now());
+        self.event(AgentEvent::TransferStarted {
+            request: reg.request.clone(),
+        });
+        let sent = link.send(&Message::Ready {
+            request: reg.request.clone(),
+            blocks: ready.blocks,
+            first_token: ready.first_token,
+            num_tokens: ready.num_tokens,
+            sums,
+        });
+        if !sent && lock(&self.matching).lent.remove(&reg.request).is_some() {
+            self.fail(
+                reg.request,
+                vec!["PeerLost".into()],
+                "decode went away before reading".into(),
+            );
+        }
+    }
+
     fn transfer(&self, link: &Link, reg: Registration, ready: Ready) {
         let request = reg.request.clone();
         let refuse = |reason: &str, message: String| {
@@ -982,6 +1222,9 @@ impl Engine {
                     reg.num_tokens, ready.num_tokens
                 ),
             );
+        }
+        if self.reg.mode == pdpair_api::TransferMode::Pull {
+            return self.lend(link, reg, ready);
         }
         let pairs = match pair_blocks(self.layout.block_size, &ready, &reg) {
             Ok(p) => p,
@@ -1152,6 +1395,23 @@ impl Engine {
                 request,
                 vec!["LeaseExpired".into()],
                 "no decode engine registered for the request within the lease".into(),
+            );
+        }
+        let unreturned: Vec<String> = {
+            let lent = &mut lock(&self.matching).lent;
+            let ids: Vec<String> = lent
+                .iter()
+                .filter(|(_, at)| at.elapsed() >= lease)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.into_iter().filter(|id| lent.remove(id).is_some()).collect()
+        };
+        for request in unreturned {
+            self.shared.metrics.lease_expired();
+            self.fail(
+                request,
+                vec!["LeaseExpired".into()],
+                "decode did not read the request's blocks within the lease".into(),
             );
         }
         let stale: Vec<(Arc<Link>, String)> = {

@@ -417,8 +417,12 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                     request,
                     bytes,
                     checksum,
-                    ..
-                }) if request == id => break Ok((bytes, checksum)),
+                    transfer_us: us,
+                }) if request == id => {
+                    // Decode reports its own transfer time when it read the KV (pull).
+                    transfer_us += us.unwrap_or(0);
+                    break Ok((bytes, checksum));
+                }
                 Ok(AgentEvent::RequestFailed {
                     request,
                     reasons,

@@ -24,7 +24,19 @@ enum Command {
     BenchChecksum(cli::BenchChecksumArgs),
 }
 
+/// UCX's tcp transport writes to sockets without MSG_NOSIGNAL: a peer agent that dies mid-transfer
+/// would kill this process with SIGPIPE. Ignored, the write fails with EPIPE instead, and the side
+/// channel reports the peer lost.
+#[allow(unsafe_code)]
+fn ignore_sigpipe() {
+    // SAFETY: setting a signal's disposition to SIG_IGN at startup, before any thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
+}
+
 fn main() -> ExitCode {
+    ignore_sigpipe();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()

@@ -86,6 +86,26 @@ pub enum Message {
         /// Detail.
         message: String,
     },
+    /// P -> D, pull mode: the request's KV is ready to be read from these blocks.
+    Ready {
+        /// Request id.
+        request: String,
+        /// P's block ids, in token order.
+        blocks: Vec<u32>,
+        /// Absolute position of the first token P's first block holds.
+        first_token: u64,
+        /// The request's token count.
+        num_tokens: u64,
+        /// Checksums of P's blocks, by absolute token position.
+        sums: Option<BlockSums>,
+    },
+    /// D -> P, pull mode: D has read the request's KV; P may reuse the blocks.
+    Released {
+        /// Request id.
+        request: String,
+        /// Bytes read.
+        bytes: u64,
+    },
     /// Either way: the connection is refused; then the sender closes.
     Reject {
         /// Stable reasons: `Unauthenticated`, rule-table reasons, or protocol reasons.
@@ -284,6 +304,8 @@ fn kind(m: &Message) -> &'static str {
         Message::Reject { .. } => "Reject",
         Message::Ping { .. } => "Ping",
         Message::Pong { .. } => "Pong",
+        Message::Ready { .. } => "Ready",
+        Message::Released { .. } => "Released",
     }
 }
 
@@ -439,10 +461,21 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)> {
     // Compatible on paper, but beyond what this agent's transfer path does yet: say so at the
     // handshake instead of failing later.
     if local.mode == TransferMode::Pull {
-        return Some((
-            vec![AGENT_UNSUPPORTED.into()],
-            "this agent version moves KV in Push mode only".into(),
-        ));
+        // Pull converts block sizes (decode reads several prefill blocks into one of its own),
+        // not head ranges or layouts.
+        if peer.parallelism.tensor != local.parallelism.tensor || peer.tensor_rank != local.tensor_rank {
+            return Some((
+                vec![AGENT_UNSUPPORTED.into()],
+                "pull moves KV between engines of equal tensor parallelism and rank only in this agent version".into(),
+            ));
+        }
+        if peer.kv.layout != local.kv.layout {
+            return Some((
+                vec![AGENT_UNSUPPORTED.into()],
+                "pull needs one KV layout on both sides in this agent version".into(),
+            ));
+        }
+        return None;
     }
     heads_fit(local, peer)
 }

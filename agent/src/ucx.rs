@@ -391,6 +391,38 @@ impl Endpoint {
         }
     }
 
+    /// Posts an RDMA READ of `len` bytes from the peer's `remote_addr` into `local`, and returns a
+    /// request to wait on (or `None` when UCX completed it at once). A completed get has its data
+    /// in `local`.
+    ///
+    /// # Safety
+    /// `local..local+len` must be writable and stay valid until the get completes, and the remote
+    /// range must lie inside the region `rkey` covers.
+    pub unsafe fn get(
+        &self,
+        local: *mut u8,
+        len: usize,
+        remote_addr: u64,
+        rkey: &RemoteKey,
+        registered: Option<&MemRegion>,
+    ) -> Result<Option<Request>, UcxError> {
+        // SAFETY: zeroed request params are valid; only the flagged attributes are read.
+        let mut params: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        if let Some(region) = registered {
+            params.op_attr_mask = sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMH;
+            params.memh = region.memh;
+        }
+        // SAFETY: the caller guarantees the buffer and range.
+        let req = unsafe { sys::ucp_get_nbx(self.handle, local.cast(), len, remote_addr, rkey.handle, &params) };
+        if req.is_null() {
+            Ok(None)
+        } else if sys::ucs_ptr_is_err(req) {
+            check("ucp_get_nbx", sys::ucs_ptr_status(req)).map(|()| None)
+        } else {
+            Ok(Some(Request(req)))
+        }
+    }
+
     /// Waits for a posted put.
     pub fn wait(&self, req: Request, also: impl FnMut()) -> Result<(), UcxError> {
         let raw = req.0;

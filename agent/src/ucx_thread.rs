@@ -65,6 +65,18 @@ pub enum Command {
         /// Bytes written.
         reply: Reply<u64>,
     },
+    /// Post READs from a peer (`local` is the destination, `remote` the source) and wait for
+    /// them: a completed get has its data here.
+    Get {
+        /// Peer id.
+        peer: u64,
+        /// The local region the ops write into (its registration is reused).
+        region: u64,
+        /// The READs.
+        ops: Vec<PutOp>,
+        /// Bytes read.
+        reply: Reply<u64>,
+    },
     /// Close a peer's endpoint.
     Disconnect {
         /// Peer id.
@@ -147,6 +159,16 @@ impl UcxHandle {
         })
     }
 
+    /// See [`Command::Get`].
+    pub fn get(&self, peer: u64, region: u64, ops: Vec<PutOp>) -> Result<u64, String> {
+        self.call(|reply| Command::Get {
+            peer,
+            region,
+            ops,
+            reply,
+        })
+    }
+
     /// See [`Command::Disconnect`].
     pub fn disconnect(&self, peer: u64) {
         let _ = self.tx.send(Command::Disconnect { peer });
@@ -225,6 +247,18 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                     });
                 let _ = reply.send(result);
             }
+            Command::Get {
+                peer,
+                region,
+                ops,
+                reply,
+            } => {
+                let result = match peers.get(&peer) {
+                    Some(p) => get_all(p, regions.get(&region), &ops),
+                    None => Err(format!("unknown peer {peer}")),
+                };
+                let _ = reply.send(result);
+            }
             Command::Put {
                 peer,
                 region,
@@ -285,5 +319,29 @@ fn put_all(peer: &Peer, region: Option<&MemRegion>, ops: &[PutOp], corrupt: bool
     }
     peer.ep.flush(|| {}).map_err(|e| e.to_string())?;
     drop(scratch);
+    Ok(bytes)
+}
+
+#[allow(unsafe_code)]
+fn get_all(peer: &Peer, region: Option<&MemRegion>, ops: &[PutOp]) -> Result<u64, String> {
+    let mut pending = Vec::new();
+    let mut bytes = 0u64;
+    for op in ops {
+        // SAFETY: `local` lies in memory this agent mapped for the engine and registered as
+        // `region`, kept mapped while the engine is registered; the remote range was derived from
+        // the peer's registered region.
+        match unsafe {
+            peer.ep
+                .get(op.local as *mut u8, op.len as usize, op.remote, &peer.rkey, region)
+        } {
+            Ok(Some(req)) => pending.push(req),
+            Ok(None) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        bytes += op.len;
+    }
+    for req in pending {
+        peer.ep.wait(req, || {}).map_err(|e| e.to_string())?;
+    }
     Ok(bytes)
 }

@@ -223,3 +223,52 @@ fn unequal_tensor_parallelism_moves_the_decode_ranks_heads_verified() {
     // 128 tokens x 32 layers x 2 heads x 128 x 2 bytes x K,V.
     assert_eq!(count(&v, "bytes"), 3 * 128 * 32 * 2 * 128 * 2 * 2);
 }
+
+/// A small pull pair (2 layers, 2 heads of 64, bf16, FailClosed) with these block sizes and layout.
+fn pull_manifest(dir: &std::path::Path, name: &str, p_block: u32, d_block: u32, layout: &str) -> String {
+    let text = format!(
+        "apiVersion: pdpair.dev/v1alpha1\nkind: PDPair\nmetadata:\n  name: {name}\nspec:\n  transfer:\n    mode: Pull\n    checksum: FailClosed\n    handshakeTimeout: 10s\n    leaseDuration: 20s\n  prefill:\n    kv: &kv\n      engine: vllm\n      model: tiny\n      dtype: bfloat16\n      layers: 2\n      kvHeads: 2\n      headDim: 64\n      attentionBackend: FLASH_ATTN\n      layout: {layout}\n      blockSize: {p_block}\n  decode:\n    kv:\n      <<: *kv\n      blockSize: {d_block}\n"
+    );
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(&path, text).expect("write manifest");
+    path.to_string_lossy().into_owned()
+}
+
+#[test]
+fn pull_reads_smaller_prefill_blocks_into_larger_decode_blocks_verified() {
+    let dir = tmp("pull");
+    for layout in ["HND", "NHD"] {
+        // Prefill blocks of 16, decode blocks of 32: each decode block gathers two prefill blocks;
+        // checksums compare in chunks of 32 tokens. 100 tokens: the last blocks are partial.
+        let pair = pull_manifest(&dir, &format!("pull-{layout}"), 16, 32, layout);
+        for transport in ["shm", "tcp"] {
+            let v = run(&[
+                "--pair",
+                &pair,
+                "--requests",
+                "3",
+                "--prompt-tokens",
+                "100",
+                "--transport",
+                transport,
+            ]);
+            assert_eq!(v["mode"], "Pull");
+            assert_eq!(count(&v, "succeeded"), 3, "{layout} {transport}: {v}");
+            assert_eq!(count(&v["checksum"], "verified"), 3, "{layout} {transport}: {v}");
+            assert_eq!(count(&v, "byte_errors"), 0, "{layout} {transport}: {v}");
+        }
+    }
+    // The vLLM pull case that cannot work, decode blocks smaller than prefill's, is refused at
+    // the handshake with the rule's reason.
+    let v = run(&[
+        "--pair",
+        &examples("vllm-pull-32-16.yaml"),
+        "--requests",
+        "2",
+        "--prompt-tokens",
+        "64",
+    ]);
+    assert_eq!(count(&v["per_prefill"][0], "rejected"), 2, "{v}");
+    assert_eq!(v["per_prefill"][0]["reasons"]["BlockSizeNotDivisible"], 2, "{v}");
+    let _ = std::fs::remove_dir_all(dir);
+}

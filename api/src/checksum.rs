@@ -211,5 +211,24 @@ pub fn compare(producer: &BlockSums, consumer: &BlockSums) -> Comparison {
     out
 }
 
+/// [`compare`] for one request of `num_tokens` tokens: producer blocks the producer did not send
+/// because they start at or past the last token hold no tokens, and by the definition sum to
+/// zero; they are filled in, so a consumer block covering the request's end compares whole.
+pub fn compare_request(producer: &BlockSums, consumer: &BlockSums, num_tokens: u64) -> Comparison {
+    let size = u64::from(producer.block_size);
+    let end = consumer.first_token + consumer.sums.len() as u64 * u64::from(consumer.block_size);
+    let mut padded = producer.clone();
+    if size > 0 {
+        loop {
+            let next = padded.first_token + padded.sums.len() as u64 * size;
+            if next >= end || next < num_tokens {
+                break;
+            }
+            padded.sums.push(0);
+        }
+    }
+    compare(&padded, consumer)
+}
+
 #[cfg(test)]
 mod tests;

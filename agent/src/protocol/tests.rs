@@ -301,3 +301,18 @@ fn unequal_tensor_parallelism_maps_head_ranges_between_ranks() {
         Err(vec![AGENT_UNSUPPORTED.to_owned()])
     );
 }
+
+#[test]
+fn pull_is_served_between_equal_ranks_and_refused_otherwise() {
+    let with = |role: Role, tp: i32| {
+        let mut i = info(role, if role == Role::Prefill { 16 } else { 32 });
+        i.mode = TransferMode::Pull;
+        i.kv.kv_heads = 8;
+        i.parallelism.tensor = tp;
+        i
+    };
+    let (p, d) = pair(b"s", b"s", with(Role::Prefill, 1), with(Role::Decode, 1));
+    assert!(p.is_ok() && d.is_ok(), "{p:?} {d:?}");
+    let (p, _) = pair(b"s", b"s", with(Role::Prefill, 1), with(Role::Decode, 2));
+    assert_eq!(p.expect_err("refused").reasons(), vec![AGENT_UNSUPPORTED.to_owned()]);
+}

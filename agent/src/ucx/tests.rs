@@ -56,3 +56,35 @@ fn errors_carry_ucx_status_text() {
     assert!(e.to_string().starts_with("ucp_test: Out of memory"), "{e}");
     assert!(check("ok", sys::ucs_status_t_UCS_OK).is_ok());
 }
+
+#[test]
+fn get_over_shared_memory_and_tcp() {
+    for transport in [Transport::Shm, Transport::Tcp] {
+        let a = Context::new(transport).expect("context A");
+        let b = Context::new(transport).expect("context B");
+        let wa = Worker::new(&a).expect("worker A");
+        let wb = Worker::new(&b).expect("worker B");
+        let mut source: Vec<u8> = (0..(256 << 10)).map(|i| (i * 13 + 1) as u8).collect();
+        // SAFETY: `source` outlives `region` (dropped first below).
+        let region = unsafe { b.map(source.as_mut_ptr(), source.len()) }.expect("map source");
+        let ep = wa.connect(&wb.address().expect("B's address")).expect("connect");
+        let rkey = ep.unpack_rkey(&region.packed_rkey().expect("pack")).expect("unpack");
+        let mut target = vec![0u8; source.len()];
+        // SAFETY: `target` lives until after the wait; the range lies inside `region`.
+        if let Some(req) =
+            unsafe { ep.get(target.as_mut_ptr(), target.len(), region.addr(), &rkey, None) }.expect("post get")
+        {
+            ep.wait(req, || {
+                wb.progress();
+            })
+            .expect("get completes");
+        }
+        drop(rkey);
+        ep.close(|| {
+            wb.progress();
+        })
+        .expect("close");
+        drop(region);
+        assert!(target == source, "{transport:?}: the get brought the source's bytes");
+    }
+}

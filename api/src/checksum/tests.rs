@@ -210,3 +210,22 @@ proptest! {
         prop_assert_ne!(a, b);
     }
 }
+
+#[test]
+fn blocks_past_the_last_token_count_as_zero_in_a_request_comparison() {
+    // 100 tokens: the producer sends 7 blocks of 16 (the last holds tokens 96..100); the consumer
+    // holds 4 blocks of 32, the last covering 96..128. The producer's missing block 112..128
+    // holds no tokens, so it sums to zero and the last chunk still compares whole.
+    let p = sums(&SHAPE, 5, 16, 0, 7, 100);
+    let c = sums(&SHAPE, 5, 32, 0, 4, 100);
+    assert_eq!(
+        compare(&p, &c).outcome(),
+        Outcome::Unverified,
+        "plain compare cannot know"
+    );
+    let r = compare_request(&p, &c, 100);
+    assert_eq!((r.verified, r.mismatched, r.unverified), (4, 0, 0));
+    // A real gap (a block holding tokens is missing) stays unverified.
+    let short = sums(&SHAPE, 5, 16, 0, 5, 100);
+    assert_eq!(compare_request(&short, &c, 100).outcome(), Outcome::Unverified);
+}
