@@ -174,7 +174,7 @@ pub struct LoopbackArgs {
     /// UCX transports.
     #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm"])]
     pub transport: String,
-    /// Flip one byte of one block in flight per request.
+    /// Flip one byte of one block in flight per request (push: prefill corrupts what it writes).
     #[arg(long = "corrupt-one-byte")]
     pub corrupt_one_byte: bool,
     /// SIGKILL the first P agent once this many of its requests started transferring.
