@@ -292,9 +292,16 @@ impl Worker {
         if sys::ucs_ptr_is_err(req) {
             return check(op, sys::ucs_ptr_status(req));
         }
+        let mut quiet = 0u32;
         loop {
-            if !self.progress() {
-                std::thread::yield_now();
+            // Yield only after a run of empty polls (see ucx_thread): a yield is a system call.
+            if self.progress() {
+                quiet = 0;
+            } else {
+                quiet = quiet.saturating_add(1);
+                if quiet >= crate::ucx_thread::QUIET_POLLS_BEFORE_YIELD {
+                    std::thread::yield_now();
+                }
             }
             also();
             // SAFETY: req is a live request handle from this worker.

@@ -25,6 +25,9 @@ pub struct PutOp {
 
 type Reply<T> = Sender<Result<T, String>>;
 
+/// Empty progress polls in a row before a spinning thread yields its CPU.
+pub const QUIET_POLLS_BEFORE_YIELD: u32 = 256;
+
 /// Requests to the UCX thread.
 #[derive(Debug)]
 pub enum Command {
@@ -185,11 +188,15 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
     let mut peers: HashMap<u64, Peer> = HashMap::new();
     let mut next_id = 1u64;
     let mut idle_since = Instant::now();
+    let mut quiet = 0u32;
     loop {
         // Progress hard while there is traffic; back off to short sleeps when idle so an idle
         // agent does not burn a core.
         if worker.progress() {
             idle_since = Instant::now();
+            quiet = 0;
+        } else {
+            quiet = quiet.saturating_add(1);
         }
         let wait = if idle_since.elapsed() < Duration::from_millis(5) {
             Duration::ZERO
@@ -200,9 +207,12 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
             match rx.try_recv() {
                 Ok(c) => c,
                 Err(mpsc::TryRecvError::Empty) => {
-                    // Spinning, but let a peer sharing this CPU run: with fewer cores than busy
-                    // threads, a pure spin starves the very thread we wait for.
-                    std::thread::yield_now();
+                    // Spinning: after a run of empty polls, let a thread sharing this CPU run
+                    // (with fewer cores than busy threads a pure spin starves the very thread we
+                    // wait for), but not on every poll: a yield is a system call.
+                    if quiet >= QUIET_POLLS_BEFORE_YIELD {
+                        std::thread::yield_now();
+                    }
                     continue;
                 }
                 Err(mpsc::TryRecvError::Disconnected) => break,
