@@ -372,12 +372,7 @@ impl Endpoint {
         rkey: &RemoteKey,
         registered: Option<&MemRegion>,
     ) -> Result<Option<Request>, UcxError> {
-        // SAFETY: zeroed request params are valid; only the flagged attributes are read.
-        let mut params: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
-        if let Some(region) = registered {
-            params.op_attr_mask = sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMH;
-            params.memh = region.memh;
-        }
+        let params = rma_params(registered);
         // SAFETY: the caller guarantees the buffer and range.
         let req = unsafe {
             sys::ucp_put_nbx(
@@ -389,13 +384,7 @@ impl Endpoint {
                 &params,
             )
         };
-        if req.is_null() {
-            Ok(None)
-        } else if sys::ucs_ptr_is_err(req) {
-            check("ucp_put_nbx", sys::ucs_ptr_status(req)).map(|()| None)
-        } else {
-            Ok(Some(Request(req)))
-        }
+        posted("ucp_put_nbx", req)
     }
 
     /// Posts an RDMA READ of `len` bytes from the peer's `remote_addr` into `local`, and returns a
@@ -413,28 +402,17 @@ impl Endpoint {
         rkey: &RemoteKey,
         registered: Option<&MemRegion>,
     ) -> Result<Option<Request>, UcxError> {
-        // SAFETY: zeroed request params are valid; only the flagged attributes are read.
-        let mut params: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
-        if let Some(region) = registered {
-            params.op_attr_mask = sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMH;
-            params.memh = region.memh;
-        }
+        let params = rma_params(registered);
         // SAFETY: the caller guarantees the buffer and range.
         let req = unsafe { sys::ucp_get_nbx(self.handle, local.cast(), len, remote_addr, rkey.handle, &params) };
-        if req.is_null() {
-            Ok(None)
-        } else if sys::ucs_ptr_is_err(req) {
-            check("ucp_get_nbx", sys::ucs_ptr_status(req)).map(|()| None)
-        } else {
-            Ok(Some(Request(req)))
-        }
+        posted("ucp_get_nbx", req)
     }
 
-    /// Waits for a posted put.
+    /// Waits for a posted put or get.
     pub fn wait(&self, req: Request, also: impl FnMut()) -> Result<(), UcxError> {
         let raw = req.0;
         std::mem::forget(req);
-        self.worker.wait("ucp_put_nbx", raw, also)
+        self.worker.wait("ucp_put_nbx/ucp_get_nbx", raw, also)
     }
 
     /// Completes every operation posted on this endpoint (remote completion), progressing this
@@ -475,6 +453,28 @@ impl Drop for Endpoint {
         // SAFETY: as above.
         let req = unsafe { sys::ucp_ep_close_nbx(self.handle, &params) };
         let _ = self.worker.wait("ucp_ep_close_nbx", req, || {});
+    }
+}
+
+/// Request parameters for a put or get, reusing the local buffer's registration when given.
+fn rma_params(registered: Option<&MemRegion>) -> sys::ucp_request_param_t {
+    // SAFETY: zeroed request params are valid; only the flagged attributes are read.
+    let mut params: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+    if let Some(region) = registered {
+        params.op_attr_mask = sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMH;
+        params.memh = region.memh;
+    }
+    params
+}
+
+/// What a `*_nbx` call returned: done at once (`None`), an error, or a request to wait on.
+fn posted(op: &'static str, req: sys::ucs_status_ptr_t) -> Result<Option<Request>, UcxError> {
+    if req.is_null() {
+        Ok(None)
+    } else if sys::ucs_ptr_is_err(req) {
+        check(op, sys::ucs_ptr_status(req)).map(|()| None)
+    } else {
+        Ok(Some(Request(req)))
     }
 }
 

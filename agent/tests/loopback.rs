@@ -26,13 +26,26 @@ fn run(args: &[&str]) -> Value {
 }
 
 /// A small pair (2 layers, 2 heads of 64, bf16) with these block sizes and transfer settings.
-fn manifest(dir: &std::path::Path, name: &str, p_block: u32, d_block: u32, checksum: &str) -> String {
+fn manifest_with(
+    dir: &std::path::Path,
+    name: &str,
+    mode: &str,
+    checksum: &str,
+    layout: &str,
+    p_block: u32,
+    d_block: u32,
+) -> String {
     let text = format!(
-        "apiVersion: pdpair.dev/v1alpha1\nkind: PDPair\nmetadata:\n  name: {name}\nspec:\n  transfer:\n    mode: Push\n    checksum: {checksum}\n    handshakeTimeout: 10s\n    leaseDuration: 20s\n  prefill:\n    kv: &kv\n      engine: vllm\n      model: tiny\n      dtype: bfloat16\n      layers: 2\n      kvHeads: 2\n      headDim: 64\n      attentionBackend: FLASH_ATTN\n      layout: HND\n      blockSize: {p_block}\n  decode:\n    kv:\n      <<: *kv\n      blockSize: {d_block}\n"
+        "apiVersion: pdpair.dev/v1alpha1\nkind: PDPair\nmetadata:\n  name: {name}\nspec:\n  transfer:\n    mode: {mode}\n    checksum: {checksum}\n    handshakeTimeout: 10s\n    leaseDuration: 20s\n  prefill:\n    kv: &kv\n      engine: vllm\n      model: tiny\n      dtype: bfloat16\n      layers: 2\n      kvHeads: 2\n      headDim: 64\n      attentionBackend: FLASH_ATTN\n      layout: {layout}\n      blockSize: {p_block}\n  decode:\n    kv:\n      <<: *kv\n      blockSize: {d_block}\n"
     );
     let path = dir.join(format!("{name}.yaml"));
     std::fs::write(&path, text).expect("write manifest");
     path.to_string_lossy().into_owned()
+}
+
+/// A push pair, HND.
+fn manifest(dir: &std::path::Path, name: &str, p_block: u32, d_block: u32, checksum: &str) -> String {
+    manifest_with(dir, name, "Push", checksum, "HND", p_block, d_block)
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -224,14 +237,9 @@ fn unequal_tensor_parallelism_moves_the_decode_ranks_heads_verified() {
     assert_eq!(count(&v, "bytes"), 3 * 128 * 32 * 2 * 128 * 2 * 2);
 }
 
-/// A small pull pair (2 layers, 2 heads of 64, bf16, FailClosed) with these block sizes and layout.
+/// A pull pair with FailClosed checksums.
 fn pull_manifest(dir: &std::path::Path, name: &str, p_block: u32, d_block: u32, layout: &str) -> String {
-    let text = format!(
-        "apiVersion: pdpair.dev/v1alpha1\nkind: PDPair\nmetadata:\n  name: {name}\nspec:\n  transfer:\n    mode: Pull\n    checksum: FailClosed\n    handshakeTimeout: 10s\n    leaseDuration: 20s\n  prefill:\n    kv: &kv\n      engine: vllm\n      model: tiny\n      dtype: bfloat16\n      layers: 2\n      kvHeads: 2\n      headDim: 64\n      attentionBackend: FLASH_ATTN\n      layout: {layout}\n      blockSize: {p_block}\n  decode:\n    kv:\n      <<: *kv\n      blockSize: {d_block}\n"
-    );
-    let path = dir.join(format!("{name}.yaml"));
-    std::fs::write(&path, text).expect("write manifest");
-    path.to_string_lossy().into_owned()
+    manifest_with(dir, name, "Pull", "FailClosed", layout, p_block, d_block)
 }
 
 #[test]
