@@ -35,7 +35,7 @@ nohup target/debug/pdpair-operator run --kubeconfig "$KUBECONFIG" --tls-cert "$D
 echo "operator $!" > "$DEMO/pids"
 for node in node-a node-b; do
   nohup target/debug/pdpair-agent run --name "$node" --socket "$DEMO/$node.sock" --listen-host 127.0.0.1 \
-    --transport shm --kubeconfig "$KUBECONFIG" > "$DEMO/agent-$node.log" 2>&1 &
+    --transport shm --pool-dir "$DEMO/pools" --kubeconfig "$KUBECONFIG" > "$DEMO/agent-$node.log" 2>&1 &
   echo "agent-$node $!" >> "$DEMO/pids"
 done
 for _ in $(seq 1 100); do curl -sf 127.0.0.1:18080/readyz >/dev/null && break; sleep 0.2; done

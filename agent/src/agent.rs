@@ -13,7 +13,7 @@ use std::{
     io,
     net::{IpAddr, SocketAddr, TcpListener, TcpStream},
     os::unix::net::{UnixListener, UnixStream},
-    path::Path,
+    path::{Path, PathBuf},
     sync::{
         Arc, Mutex, MutexGuard,
         atomic::{AtomicBool, Ordering},
@@ -35,6 +35,7 @@ use crate::{
     engine_api::{AgentEvent, EngineRequest, PoolRegistration},
     layout::PoolLayout,
     metrics::Metrics,
+    pool::{self, Pool},
     protocol::{self, HandshakeError, MemoryDesc, Message, PeerInfo, Registration},
     ucx::Transport,
     ucx_thread::{PutOp, UcxHandle},
@@ -56,6 +57,10 @@ pub struct AgentConfig {
     pub rejection_ttl: Duration,
     /// Where to publish PDEndpoints (in a cluster); `None` publishes nothing.
     pub publisher: Option<Publisher>,
+    /// Where pools the agent allocates for engines live (see [`crate::pool`]): a directory on a
+    /// memory file system that engines on the node see at the same path. Every agent on a host
+    /// must use the same one (UCX finds a peer's shared-memory segments through it).
+    pub pool_dir: PathBuf,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -87,8 +92,15 @@ struct Shared {
 
 impl Agent {
     /// Starts UCX. Fails when UCX cannot start on the configured transport.
-    pub fn start(cfg: AgentConfig, metrics: Arc<Metrics>) -> Result<Agent, String> {
-        let ucx = UcxHandle::start(cfg.transport)?;
+    pub fn start(mut cfg: AgentConfig, metrics: Arc<Metrics>) -> Result<Agent, String> {
+        std::fs::create_dir_all(&cfg.pool_dir)
+            .map_err(|e| format!("pool directory {}: {e}", cfg.pool_dir.display()))?;
+        // UCX names its segments from this path and /proc/self/maps shows the canonical one.
+        cfg.pool_dir = cfg
+            .pool_dir
+            .canonicalize()
+            .map_err(|e| format!("pool directory {}: {e}", cfg.pool_dir.display()))?;
+        let ucx = UcxHandle::start(cfg.transport, &cfg.pool_dir)?;
         Ok(Agent {
             shared: Arc::new(Shared {
                 cfg,
@@ -155,11 +167,14 @@ impl Agent {
             publisher.add(&engine);
         }
         let address = engine.address.clone();
+        let memory_path =
+            (engine.pool.origin != pool::Origin::EngineFile).then(|| engine.pool.path.to_string_lossy().into_owned());
         send(
             &writer,
             &AgentEvent::Registered {
                 address,
                 agent: self.shared.cfg.name.clone(),
+                memory_path,
             },
         );
         engine.spawn_timer();
@@ -283,8 +298,7 @@ struct Engine {
     reg: PoolRegistration,
     key: Vec<u8>,
     layout: PoolLayout,
-    map: memmap2::MmapRaw,
-    region: u64,
+    pool: Pool,
     local: PeerInfo,
     address: String,
     writer: Arc<Mutex<UnixStream>>,
@@ -311,31 +325,22 @@ impl Engine {
             .ok_or("pairing_key must be non-empty hex")?;
         let layout =
             PoolLayout::new(&reg.kv, &reg.parallelism, reg.num_blocks, reg.tensor_rank).map_err(|e| e.to_string())?;
+        let owner = pool::peer_owner(&lock(&writer));
         if reg.num_blocks == 0 {
             return Err("num_blocks must be at least 1".into());
         }
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&reg.memory_path)
-            .map_err(|e| format!("memory_path {}: {e}", reg.memory_path))?;
-        // Populate: fault the pool's pages in now, not inside the first transfer.
-        let map = memmap2::MmapOptions::new()
-            .populate()
-            .map_raw(&file)
-            .map_err(|e| format!("mapping {}: {e}", reg.memory_path))?;
-        if map.len() < layout.region_len() {
-            return Err(format!(
-                "memory_path {} holds {} bytes; the geometry needs {} ({} layers x K,V x {} blocks x {} bytes)",
-                reg.memory_path,
-                map.len(),
-                layout.region_len(),
-                layout.layers,
-                layout.num_blocks,
-                layout.block_len()
-            ));
-        }
-        let (region, rkey) = shared.ucx.map(map.as_mut_ptr() as u64, layout.region_len() as u64)?;
+        let need = layout.region_len();
+        let pool = match reg.memory_path.as_deref().filter(|p| !p.is_empty()) {
+            Some(path) => Pool::engine_file(&shared.ucx, path, need).map_err(|e| {
+                format!(
+                    "{e} ({} layers x K,V x {} blocks x {} bytes)",
+                    layout.layers,
+                    layout.num_blocks,
+                    layout.block_len()
+                )
+            })?,
+            None => Pool::allocate(&shared.ucx, &shared.cfg.pool_dir, need, owner)?,
+        };
         let listener = match reg.role {
             Role::Prefill => Some(
                 TcpListener::bind(SocketAddr::new(shared.cfg.listen_host, 0))
@@ -364,9 +369,9 @@ impl Engine {
             tensor_rank: reg.tensor_rank,
             worker_address: shared.ucx.worker_address.clone(),
             memory: MemoryDesc {
-                base: map.as_mut_ptr() as u64,
+                base: pool.base,
                 len: layout.region_len() as u64,
-                rkey,
+                rkey: pool.rkey.clone(),
                 num_blocks: layout.num_blocks,
                 block_len: layout.block_len() as u64,
                 block_stride: layout.block_len() as u64,
@@ -378,8 +383,7 @@ impl Engine {
             reg,
             key,
             layout,
-            map,
-            region,
+            pool,
             local,
             address,
             writer,
@@ -435,12 +439,7 @@ impl Engine {
     }
 
     fn memory(&self) -> &[u8] {
-        #[allow(unsafe_code)]
-        // SAFETY: the mapping lives as long as `self`; readers only look at blocks whose
-        // transfers completed (D) or that the engine marked ready (P).
-        unsafe {
-            std::slice::from_raw_parts(self.map.as_ptr(), self.layout.region_len())
-        }
+        self.pool.memory(self.layout.region_len())
     }
 
     fn handshake_timeout(&self) -> Duration {
@@ -644,7 +643,11 @@ impl Engine {
             pdpair_api::TransferMode::Pull => Some(
                 self.shared
                     .ucx
-                    .connect(peer.worker_address.clone(), peer.memory.rkey.clone())
+                    .connect(
+                        peer.worker_address.clone(),
+                        peer.memory.rkey.clone(),
+                        (peer.memory.base, peer.memory.len),
+                    )
                     .map_err(HandshakeError::Protocol)?,
             ),
             pdpair_api::TransferMode::Push => None,
@@ -862,7 +865,7 @@ impl Engine {
                 Some(peer) => self
                     .shared
                     .ucx
-                    .get(peer, self.region, ops)
+                    .get(peer, self.pool.region, ops)
                     .map_err(|e| ("ReadFailed", format!("reading prefill's blocks failed: {e}"))),
                 None => Err(("TransportFailed", "no UCX endpoint to prefill".into())),
             })
@@ -909,7 +912,7 @@ impl Engine {
         }
         let half = self.layout.half_token() as u64;
         let heads = u64::from(self.layout.local_heads);
-        let base = self.map.as_ptr() as u64;
+        let base = self.pool.base;
         let mut ops: Vec<PutOp> = Vec::new();
         let mut push = |op: PutOp| match ops.last_mut() {
             Some(last) if last.local + last.len == op.local && last.remote + last.len == op.remote => {
@@ -1034,7 +1037,11 @@ impl Engine {
         let connected = if push {
             self.shared
                 .ucx
-                .connect(peer.worker_address.clone(), peer.memory.rkey.clone())
+                .connect(
+                    peer.worker_address.clone(),
+                    peer.memory.rkey.clone(),
+                    (peer.memory.base, peer.memory.len),
+                )
                 .map(Some)
         } else {
             Ok(None)
@@ -1260,7 +1267,7 @@ impl Engine {
         match self
             .shared
             .ucx
-            .put(ucx_peer, self.region, ops, self.shared.cfg.corrupt_one_byte)
+            .put(ucx_peer, self.pool.region, ops, self.shared.cfg.corrupt_one_byte)
         {
             Ok(bytes) => {
                 let took = started.elapsed();
@@ -1295,7 +1302,7 @@ impl Engine {
     /// of consecutive blocks on both sides coalesced into one put.
     fn put_ops(&self, remote: &MemoryDesc, pairs: &[(u32, u32, u64)], heads: protocol::HeadMap) -> Vec<PutOp> {
         let block_len = self.layout.block_len() as u64;
-        let base = self.map.as_ptr() as u64;
+        let base = self.pool.base;
         if heads.count != self.layout.local_heads || remote.block_len != block_len {
             // A head range of our blocks into a head range of decode's (HND: head-major inside a
             // block, so each range is contiguous): one put per block, layer and K/V.
@@ -1447,7 +1454,7 @@ impl Engine {
             }
         }
         lock(&self.pending).clear();
-        self.shared.ucx.unmap(self.region);
+        self.pool.release(&self.shared.ucx);
     }
 }
 

@@ -123,6 +123,14 @@ pub struct RunArgs {
     /// Do not publish PDEndpoints.
     #[arg(long = "no-publish")]
     pub no_publish: bool,
+    /// Where pools the agent allocates for engines live: a directory on a memory file system
+    /// that the node's engines mount at the same path. Every agent on a host must use the same.
+    #[arg(long = "pool-dir", env = "PDPAIR_POOL_DIR", default_value = "/dev/shm/pdpair")]
+    pub pool_dir: std::path::PathBuf,
+    /// At start, remove pool files a previous run left in `--pool-dir` (only when this agent is
+    /// the directory's sole user, as the node's DaemonSet agent is).
+    #[arg(long = "clean-pool-dir")]
+    pub clean_pool_dir: bool,
 }
 
 fn publisher(args: &RunArgs) -> Result<Option<crate::agent::Publisher>, UsageError> {
@@ -198,6 +206,10 @@ pub struct LoopbackArgs {
     /// The pair's own prefill engine's Pod.
     #[arg(long = "prefill-pod")]
     pub prefill_pod: Option<String>,
+    /// Who allocates each engine's pool: the agent (shared memory peers on the host write with
+    /// one copy) or the engine (its own file, registered by the agent).
+    #[arg(long = "engine-memory", default_value = "agent", value_parser = ["agent", "engine"])]
+    pub engine_memory: String,
     /// Skip the decode engine's byte-by-byte check (for large benchmarks; checksums still run).
     #[arg(long = "no-verify-bytes")]
     pub no_verify_bytes: bool,
@@ -221,7 +233,14 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
         corrupt_one_byte: args.corrupt_one_byte,
         rejection_ttl: std::time::Duration::from_secs(30),
         publisher: publisher(args)?,
+        pool_dir: args.pool_dir.clone(),
     };
+    if args.clean_pool_dir {
+        let removed = crate::pool::clean_dir(&args.pool_dir);
+        if removed > 0 {
+            tracing::info!(dir = %args.pool_dir.display(), removed, "removed pool files a previous run left");
+        }
+    }
     let agent =
         crate::agent::Agent::start(cfg, metrics.clone()).map_err(|e| UsageError(format!("starting UCX: {e}")))?;
     if let Some(addr) = args.admin_bind {
@@ -274,6 +293,11 @@ pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageErr
         kill_prefill_after: args.kill_prefill_after,
         verify_bytes: !args.no_verify_bytes,
         scatter_blocks: args.scatter_blocks,
+        engine_memory: if args.engine_memory == "engine" {
+            crate::synthetic::EngineMemory::Engine
+        } else {
+            crate::synthetic::EngineMemory::Agent
+        },
         external: crate::loopback::External {
             decode_agent: args.decode_agent.clone(),
             prefill_agent: args.prefill_agent.clone(),

@@ -82,8 +82,10 @@ pub struct PoolRegistration {
     pub kv: KvGeometry,
     /// The PDPair's pairing secret (the file at `PDPAIR_PAIRING_KEY_FILE`), hex.
     pub pairing_key: String,
-    /// The pool memory: a file both the engine and the agent can map (host memory).
-    pub memory_path: String,
+    /// The pool memory: a file both the engine and the agent can map (host memory). Absent (or
+    /// empty): the agent allocates the pool and names its file in `Registered`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_path: Option<String>,
     /// Blocks per K (or V) array.
     pub num_blocks: u32,
     /// The engine's tensor-parallel rank (each rank registers as its own engine).
@@ -101,6 +103,10 @@ pub enum AgentEvent {
         address: String,
         /// Agent identity.
         agent: String,
+        /// The pool's file, when the agent allocated it (the registration had no
+        /// `memory_path`): the engine maps it, whole, shared.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        memory_path: Option<String>,
     },
     /// The registration was refused; the agent closes the connection.
     RegistrationFailed {

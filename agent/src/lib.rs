@@ -11,6 +11,7 @@ pub mod engine_api;
 pub mod layout;
 pub mod loopback;
 pub mod metrics;
+pub mod pool;
 pub mod protocol;
 pub mod synthetic;
 pub mod ucx;

@@ -17,7 +17,7 @@ use serde::Serialize;
 
 use crate::{
     engine_api::{AgentEvent, EngineRequest},
-    synthetic::{EngineSpec, SyntheticEngine},
+    synthetic::{EngineMemory, EngineSpec, SyntheticEngine},
     wire,
 };
 
@@ -44,6 +44,8 @@ pub struct Options {
     pub verify_bytes: bool,
     /// Decode uses reversed block ids: every block is its own WRITE.
     pub scatter_blocks: bool,
+    /// Who allocates the engines' pools.
+    pub engine_memory: EngineMemory,
     /// The agent binary (this executable).
     pub agent_bin: PathBuf,
     /// Agents and pods that already run (the demo); by default the scenario starts its own.
@@ -182,6 +184,9 @@ fn spawn_agent(opts: &Options, dir: &Path, name: &str, corrupt: bool) -> Result<
     ])
     .arg("--socket")
     .arg(&socket)
+    // The scenario's agents share one pool directory, as the agents of a host must.
+    .arg("--pool-dir")
+    .arg(dir.join("pools"))
     .stdout(Stdio::null())
     .stderr(Stdio::null());
     if corrupt {
@@ -259,6 +264,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
             pairing_key: key.to_vec(),
             num_blocks,
             tensor_rank: 0,
+            memory: opts.engine_memory,
         };
     let kernel = |pool: &pdpair_api::PoolSpec| u32::try_from(pool.kv.kernel_block_size()).unwrap_or(1).max(1);
     let mut agents: Vec<Child> = Vec::new();

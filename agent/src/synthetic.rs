@@ -44,6 +44,18 @@ pub struct EngineSpec {
     pub num_blocks: u32,
     /// Tensor-parallel rank.
     pub tensor_rank: u32,
+    /// Who allocates the pool.
+    pub memory: EngineMemory,
+}
+
+/// Who allocates a synthetic engine's pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EngineMemory {
+    /// The agent (no `memory_path`; the engine maps the file named in `Registered`).
+    #[default]
+    Agent,
+    /// The engine: a file it creates in its directory and names in `memory_path`.
+    Engine,
 }
 
 /// A registered synthetic engine.
@@ -53,13 +65,15 @@ pub struct SyntheticEngine {
     /// Its pool layout.
     pub layout: PoolLayout,
     map: memmap2::MmapMut,
-    path: PathBuf,
+    /// The pool file this engine made (none when the agent allocated it).
+    path: Option<PathBuf>,
     /// Side-channel address the agent gave it.
     pub address: String,
 }
 
 impl SyntheticEngine {
-    /// Creates the pool file under `dir`, connects to the agent at `socket` and registers.
+    /// Connects to the agent at `socket` and registers, with a pool the agent allocates or (see
+    /// [`EngineSpec::memory`]) a pool file it creates under `dir`.
     /// `Err` carries the agent's message when it refuses the registration.
     pub fn register(socket: &Path, dir: &Path, spec: &EngineSpec) -> Result<SyntheticEngine, String> {
         Self::register_in_pod(socket, dir, spec, None)
@@ -75,25 +89,22 @@ impl SyntheticEngine {
     ) -> Result<SyntheticEngine, String> {
         let layout = PoolLayout::new(&spec.kv, &spec.parallelism, spec.num_blocks, spec.tensor_rank)
             .map_err(|e| e.to_string())?;
-        let path = dir.join(format!("{}.kv", spec.engine));
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        file.set_len(layout.region_len() as u64)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        #[allow(unsafe_code)]
-        // SAFETY: the file is ours, sized above; the agent maps it too, which is the point.
-        let mut map =
-            unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(|e| format!("mapping {}: {e}", path.display()))?;
-        // Touch every page, as an engine that allocated its KV cache at startup has: the memory
-        // exists before the agent maps it and before any transfer.
-        for page in map.chunks_mut(4096) {
-            page[0] = 0;
-        }
+        let own = (spec.memory == EngineMemory::Engine).then(|| dir.join(format!("{}.kv", spec.engine)));
+        let own_map = match &own {
+            Some(path) => {
+                let file = File::options()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .open(path)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                file.set_len(layout.region_len() as u64)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                Some(map_and_touch(&file, path)?)
+            }
+            None => None,
+        };
         let mut stream = UnixStream::connect(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
         let reg = PoolRegistration {
             pdpair: spec.pdpair.clone(),
@@ -107,20 +118,51 @@ impl SyntheticEngine {
             parallelism: spec.parallelism.clone(),
             kv: spec.kv.clone(),
             pairing_key: hex_bytes::encode(&spec.pairing_key),
-            memory_path: path.to_string_lossy().into_owned(),
+            memory_path: own.as_ref().map(|p| p.to_string_lossy().into_owned()),
             num_blocks: spec.num_blocks,
             tensor_rank: spec.tensor_rank,
         };
         wire::write_frame(&mut stream, &EngineRequest::RegisterPool(Box::new(reg))).map_err(|e| e.to_string())?;
         match wire::read_frame::<AgentEvent>(&mut stream).map_err(|e| e.to_string())? {
-            AgentEvent::Registered { address, .. } => Ok(SyntheticEngine {
-                stream,
-                layout,
-                map,
-                path,
-                address,
-            }),
-            AgentEvent::RegistrationFailed { message } => Err(message),
+            AgentEvent::Registered {
+                address, memory_path, ..
+            } => {
+                let map = match (own_map, memory_path) {
+                    (Some(map), _) => map,
+                    (None, Some(path)) => {
+                        let path = PathBuf::from(path);
+                        let file = File::options()
+                            .read(true)
+                            .write(true)
+                            .open(&path)
+                            .map_err(|e| format!("the pool the agent allocated, {}: {e}", path.display()))?;
+                        let map = map_and_touch(&file, &path)?;
+                        if map.len() < layout.region_len() {
+                            return Err(format!(
+                                "the agent's pool {} holds {} bytes, fewer than {}",
+                                path.display(),
+                                map.len(),
+                                layout.region_len()
+                            ));
+                        }
+                        map
+                    }
+                    (None, None) => return Err("the agent allocated the pool but named no file".into()),
+                };
+                Ok(SyntheticEngine {
+                    stream,
+                    layout,
+                    map,
+                    path: own,
+                    address,
+                })
+            }
+            AgentEvent::RegistrationFailed { message } => {
+                if let Some(path) = &own {
+                    let _ = std::fs::remove_file(path);
+                }
+                Err(message)
+            }
             other => Err(format!("unexpected answer to RegisterPool: {other:?}")),
         }
     }
@@ -225,6 +267,20 @@ impl SyntheticEngine {
 
 impl Drop for SyntheticEngine {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if let Some(path) = &self.path {
+            let _ = std::fs::remove_file(path);
+        }
     }
+}
+
+/// Maps a pool file and touches every page, as an engine that allocated its KV cache at startup
+/// has: the memory exists before any transfer.
+fn map_and_touch(file: &File, path: &Path) -> Result<memmap2::MmapMut, String> {
+    #[allow(unsafe_code)]
+    // SAFETY: a pool file shared with the agent, which maps it too: that is the point.
+    let mut map = unsafe { memmap2::MmapMut::map_mut(file) }.map_err(|e| format!("mapping {}: {e}", path.display()))?;
+    for page in map.chunks_mut(4096) {
+        page[0] = 0;
+    }
+    Ok(map)
 }

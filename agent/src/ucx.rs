@@ -86,22 +86,42 @@ impl std::fmt::Debug for Context {
 }
 
 impl Context {
-    /// A context limited to `transport`.
-    pub fn new(transport: Transport) -> Result<Context, UcxError> {
+    /// A context limited to `transport`. With `pool_dir`, memory this context allocates
+    /// ([`Context::allocate`]) comes from UCX's POSIX shared-memory allocator as a named file in
+    /// that directory, which an engine on the host can map by path.
+    pub fn new(transport: Transport, pool_dir: Option<&std::path::Path>) -> Result<Context, UcxError> {
         let mut config: *mut sys::ucp_config_t = ptr::null_mut();
         // SAFETY: out-pointer to a config handle; null prefix and file mean defaults plus env.
         check("ucp_config_read", unsafe {
             sys::ucp_config_read(ptr::null(), ptr::null(), &mut config)
         })?;
-        let (name, value) = (c"TLS", CString::new(transport.tls()).unwrap_or_default());
-        // SAFETY: config is valid; both strings are NUL-terminated.
-        let modified = check("ucp_config_modify(TLS)", unsafe {
-            sys::ucp_config_modify(config, name.as_ptr(), value.as_ptr())
-        });
-        if let Err(e) = modified {
-            // SAFETY: config came from ucp_config_read.
-            unsafe { sys::ucp_config_release(config) };
-            return Err(e);
+        let mut settings = vec![("TLS", transport.tls().to_owned())];
+        if let Some(dir) = pool_dir {
+            settings.extend([
+                ("ALLOC_PRIO", "md:posix".to_owned()),
+                ("DIR", dir.to_string_lossy().into_owned()),
+                // Keep the file's name while it is allocated (not an unlinked file reached
+                // through /proc/<pid>/fd), so the engine can open it. UCX derives a segment's
+                // path from its own setting, so every context on a host needs the same dir.
+                ("USE_PROC_LINK", "n".to_owned()),
+            ]);
+        }
+        for (name, value) in settings {
+            let modified = match (CString::new(name), CString::new(value)) {
+                // SAFETY: config is valid; both strings are NUL-terminated.
+                (Ok(n), Ok(v)) => check("ucp_config_modify", unsafe {
+                    sys::ucp_config_modify(config, n.as_ptr(), v.as_ptr())
+                }),
+                _ => check("ucp_config_modify", sys::ucs_status_t_UCS_ERR_INVALID_PARAM),
+            };
+            if let Err(e) = modified {
+                // SAFETY: config came from ucp_config_read.
+                unsafe { sys::ucp_config_release(config) };
+                return Err(UcxError {
+                    text: format!("{} ({name})", e.text),
+                    ..e
+                });
+            }
         }
         // SAFETY: zeroed params are valid; only the fields named in field_mask are read.
         let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
@@ -140,6 +160,46 @@ impl Context {
             addr: addr as u64,
             len,
         })
+    }
+}
+
+impl Context {
+    /// Allocates `len` bytes through UCX (`UCP_MEM_MAP_ALLOCATE`) and registers them. Over shared
+    /// memory UCX takes them from its own shared segments, which a peer on the host maps and
+    /// writes directly (one copy), where registered user memory gets emulated puts (two copies and
+    /// the target's progress). The memory is zeroed by the kernel and freed on drop.
+    pub fn allocate(&self, len: usize) -> Result<MemRegion, UcxError> {
+        // SAFETY: zeroed params are valid; only masked fields are read.
+        let mut params: sys::ucp_mem_map_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = u64::from(
+            sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+        );
+        params.address = ptr::null_mut();
+        params.length = len;
+        params.flags = sys::UCP_MEM_MAP_ALLOCATE;
+        let mut memh: sys::ucp_mem_h = ptr::null_mut();
+        // SAFETY: UCX allocates; memh is an out-pointer.
+        check("ucp_mem_map(ALLOCATE)", unsafe {
+            sys::ucp_mem_map(self.0.0, &params, &mut memh)
+        })?;
+        // SAFETY: zeroed attrs are valid; only masked fields are written.
+        let mut attr: sys::ucp_mem_attr_t = unsafe { std::mem::zeroed() };
+        attr.field_mask = u64::from(
+            sys::ucp_mem_attr_field_UCP_MEM_ATTR_FIELD_ADDRESS | sys::ucp_mem_attr_field_UCP_MEM_ATTR_FIELD_LENGTH,
+        );
+        let mut region = MemRegion {
+            context: self.clone(),
+            memh,
+            addr: 0,
+            len: 0,
+        };
+        // SAFETY: memh is valid (owned by `region`, which unmaps it on every path).
+        check("ucp_mem_query", unsafe { sys::ucp_mem_query(memh, &mut attr) })?;
+        region.addr = attr.address as u64;
+        region.len = attr.length;
+        Ok(region)
     }
 }
 
@@ -343,6 +403,17 @@ impl Drop for RemoteKey {
     fn drop(&mut self) {
         // SAFETY: rkey came from ucp_ep_rkey_unpack.
         unsafe { sys::ucp_rkey_destroy(self.handle) }
+    }
+}
+
+impl RemoteKey {
+    /// Where the peer's `remote_addr` appears in this process, when UCX mapped the peer's memory
+    /// here (shared memory it allocated: puts are then plain copies); `None` otherwise.
+    pub fn local_ptr(&self, remote_addr: u64) -> Option<u64> {
+        let mut local: *mut c_void = ptr::null_mut();
+        // SAFETY: a live rkey; `local` is an out-pointer.
+        let status = unsafe { sys::ucp_rkey_ptr(self.handle, remote_addr, &mut local) };
+        (status == sys::ucs_status_t_UCS_OK && !local.is_null()).then_some(local as u64)
     }
 }
 

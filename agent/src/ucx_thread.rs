@@ -25,6 +25,19 @@ pub struct PutOp {
 
 type Reply<T> = Sender<Result<T, String>>;
 
+/// Memory UCX allocated and registered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Allocated {
+    /// Region id.
+    pub region: u64,
+    /// Packed rkey.
+    pub rkey: Vec<u8>,
+    /// Address (valid until the region is unmapped).
+    pub addr: u64,
+    /// Bytes (at least what was asked).
+    pub len: u64,
+}
+
 /// Empty progress polls in a row before a spinning thread yields its CPU.
 pub const QUIET_POLLS_BEFORE_YIELD: u32 = 256;
 
@@ -40,10 +53,19 @@ pub enum Command {
         /// (region id, packed rkey).
         reply: Reply<(u64, Vec<u8>)>,
     },
-    /// Unregister a region.
+    /// Allocate `len` bytes through UCX and register them (see [`crate::ucx::Context::allocate`]).
+    Allocate {
+        /// Bytes.
+        len: u64,
+        /// The region.
+        reply: Reply<Allocated>,
+    },
+    /// Unregister a region (and free it, when UCX allocated it).
     Unmap {
         /// Region id.
         region: u64,
+        /// Answered once it is gone.
+        reply: Reply<()>,
     },
     /// Connect to a peer worker and unpack its key.
     Connect {
@@ -51,6 +73,8 @@ pub enum Command {
         worker_address: Vec<u8>,
         /// The peer's packed rkey.
         rkey: Vec<u8>,
+        /// The peer's registered range (address, bytes).
+        remote: (u64, u64),
         /// Peer id.
         reply: Reply<u64>,
     },
@@ -97,13 +121,15 @@ pub struct UcxHandle {
 
 impl UcxHandle {
     /// Starts the thread. Fails when UCX cannot start on `transport`.
-    pub fn start(transport: Transport) -> Result<UcxHandle, String> {
+    /// `pool_dir` is where memory this thread allocates lives (see [`crate::pool`]).
+    pub fn start(transport: Transport, pool_dir: &std::path::Path) -> Result<UcxHandle, String> {
+        let pool_dir = pool_dir.to_path_buf();
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::channel();
         thread::Builder::new()
             .name("ucx".into())
             .spawn(move || {
-                let setup = Context::new(transport).and_then(|c| Worker::new(&c).map(|w| (c, w)));
+                let setup = Context::new(transport, Some(&pool_dir)).and_then(|c| Worker::new(&c).map(|w| (c, w)));
                 match setup {
                     Ok((context, worker)) => match worker.address() {
                         Ok(addr) => {
@@ -137,16 +163,24 @@ impl UcxHandle {
         self.call(|reply| Command::Map { addr, len, reply })
     }
 
-    /// See [`Command::Unmap`].
+    /// See [`Command::Allocate`].
+    pub fn allocate(&self, len: u64) -> Result<Allocated, String> {
+        self.call(|reply| Command::Allocate { len, reply })
+    }
+
+    /// See [`Command::Unmap`]; returns once the region is gone (memory UCX allocated is freed
+    /// and its file removed).
     pub fn unmap(&self, region: u64) {
-        let _ = self.tx.send(Command::Unmap { region });
+        let _ = self.call(|reply| Command::Unmap { region, reply });
     }
 
     /// See [`Command::Connect`].
-    pub fn connect(&self, worker_address: Vec<u8>, rkey: Vec<u8>) -> Result<u64, String> {
+    /// `remote` is the peer's registered range (address, bytes).
+    pub fn connect(&self, worker_address: Vec<u8>, rkey: Vec<u8>, remote: (u64, u64)) -> Result<u64, String> {
         self.call(|reply| Command::Connect {
             worker_address,
             rkey,
+            remote,
             reply,
         })
     }
@@ -237,12 +271,36 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                 });
                 let _ = reply.send(result);
             }
-            Command::Unmap { region } => {
+            Command::Allocate { len, reply } => {
+                let result = usize::try_from(len)
+                    .map_err(|_| format!("cannot allocate {len} bytes"))
+                    .and_then(|len| context.allocate(len).map_err(|e| e.to_string()))
+                    .and_then(|r| {
+                        let rkey = r.packed_rkey().map_err(|e| e.to_string())?;
+                        let (addr, len) = (r.addr(), r.len() as u64);
+                        // Fault the pages into this mapping now (the prefill side's WRITEs read
+                        // through it), not inside the first transfer.
+                        populate(addr, len);
+                        let region = next_id;
+                        next_id += 1;
+                        regions.insert(region, r);
+                        Ok(Allocated {
+                            region,
+                            rkey,
+                            addr,
+                            len,
+                        })
+                    });
+                let _ = reply.send(result);
+            }
+            Command::Unmap { region, reply } => {
                 regions.remove(&region);
+                let _ = reply.send(Ok(()));
             }
             Command::Connect {
                 worker_address,
                 rkey,
+                remote,
                 reply,
             } => {
                 let result = worker
@@ -250,6 +308,12 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                     .map_err(|e| e.to_string())
                     .and_then(|ep| {
                         let rkey = ep.unpack_rkey(&rkey).map_err(|e| e.to_string())?;
+                        // When UCX mapped the peer's memory here (it allocated it in shared
+                        // memory), fault that mapping in on the side rather than page by page
+                        // inside the first transfers.
+                        if let Some(local) = rkey.local_ptr(remote.0) {
+                            std::thread::spawn(move || populate(local, remote.1));
+                        }
                         let id = next_id;
                         next_id += 1;
                         peers.insert(id, Peer { ep, rkey });
@@ -263,9 +327,10 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                 ops,
                 reply,
             } => {
-                let result = match peers.get(&peer) {
-                    Some(p) => get_all(p, regions.get(&region), &ops),
-                    None => Err(format!("unknown peer {peer}")),
+                let result = match (peers.get(&peer), local_region(&regions, region, &ops)) {
+                    (Some(p), Ok(r)) => get_all(p, r, &ops),
+                    (None, _) => Err(format!("unknown peer {peer}")),
+                    (_, Err(e)) => Err(e),
                 };
                 let _ = reply.send(result);
             }
@@ -276,9 +341,10 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                 corrupt,
                 reply,
             } => {
-                let result = match peers.get(&peer) {
-                    Some(p) => put_all(p, regions.get(&region), &ops, corrupt),
-                    None => Err(format!("unknown peer {peer}")),
+                let result = match (peers.get(&peer), local_region(&regions, region, &ops)) {
+                    (Some(p), Ok(r)) => put_all(p, r, &ops, corrupt),
+                    (None, _) => Err(format!("unknown peer {peer}")),
+                    (_, Err(e)) => Err(e),
                 };
                 let _ = reply.send(result);
             }
@@ -291,6 +357,35 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
     drop(regions);
 }
 
+/// The registered region every op's local range lies in: a transfer never touches memory this
+/// agent no longer holds (an engine that closed has its region unmapped, and memory UCX
+/// allocated is freed with it).
+fn local_region<'a>(regions: &'a HashMap<u64, MemRegion>, id: u64, ops: &[PutOp]) -> Result<&'a MemRegion, String> {
+    let region = regions
+        .get(&id)
+        .ok_or_else(|| format!("region {id} is no longer registered (its engine closed)"))?;
+    let (start, end) = (region.addr(), region.addr() + region.len() as u64);
+    match ops
+        .iter()
+        .find(|op| op.local < start || op.local.checked_add(op.len).is_none_or(|e| e > end))
+    {
+        Some(op) => Err(format!(
+            "local range {:#x}+{} lies outside region {id} ({start:#x}..{end:#x})",
+            op.local, op.len
+        )),
+        None => Ok(region),
+    }
+}
+
+/// Best effort: fault `addr..addr+len` into this process's page tables for writing
+/// (`MADV_POPULATE_WRITE`, Linux 5.14); older kernels leave the faults to first use.
+#[allow(unsafe_code)]
+pub fn populate(addr: u64, len: u64) {
+    // SAFETY: madvise only changes page-table state of a range this process mapped; it reads or
+    // writes no memory the program sees, and fails harmlessly on an unmapped range.
+    let _ = unsafe { libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_POPULATE_WRITE) };
+}
+
 #[allow(unsafe_code)]
 fn unsafe_map(context: &Context, addr: u64, len: u64) -> Result<MemRegion, String> {
     // SAFETY: see Command::Map: the memory stays mapped until Unmap removes the region.
@@ -298,7 +393,7 @@ fn unsafe_map(context: &Context, addr: u64, len: u64) -> Result<MemRegion, Strin
 }
 
 #[allow(unsafe_code)]
-fn put_all(peer: &Peer, region: Option<&MemRegion>, ops: &[PutOp], corrupt: bool) -> Result<u64, String> {
+fn put_all(peer: &Peer, region: &MemRegion, ops: &[PutOp], corrupt: bool) -> Result<u64, String> {
     let mut scratch: Option<Vec<u8>> = None;
     let mut pending = Vec::new();
     let mut bytes = 0u64;
@@ -306,7 +401,7 @@ fn put_all(peer: &Peer, region: Option<&MemRegion>, ops: &[PutOp], corrupt: bool
         // SAFETY: `local` lies in memory this agent mapped for the engine, kept mapped while the
         // engine is registered (and a registered engine's transfer holds its state alive).
         let mut data = unsafe { std::slice::from_raw_parts(op.local as *const u8, op.len as usize) };
-        let mut registered = region;
+        let mut registered = Some(region);
         if corrupt && i == 0 && !data.is_empty() {
             registered = None;
             let mut copy = data.to_vec();
@@ -333,7 +428,7 @@ fn put_all(peer: &Peer, region: Option<&MemRegion>, ops: &[PutOp], corrupt: bool
 }
 
 #[allow(unsafe_code)]
-fn get_all(peer: &Peer, region: Option<&MemRegion>, ops: &[PutOp]) -> Result<u64, String> {
+fn get_all(peer: &Peer, region: &MemRegion, ops: &[PutOp]) -> Result<u64, String> {
     let mut pending = Vec::new();
     let mut bytes = 0u64;
     for op in ops {
@@ -341,8 +436,13 @@ fn get_all(peer: &Peer, region: Option<&MemRegion>, ops: &[PutOp]) -> Result<u64
         // `region`, kept mapped while the engine is registered; the remote range was derived from
         // the peer's registered region.
         match unsafe {
-            peer.ep
-                .get(op.local as *mut u8, op.len as usize, op.remote, &peer.rkey, region)
+            peer.ep.get(
+                op.local as *mut u8,
+                op.len as usize,
+                op.remote,
+                &peer.rkey,
+                Some(region),
+            )
         } {
             Ok(Some(req)) => pending.push(req),
             Ok(None) => {}
@@ -354,4 +454,105 @@ fn get_all(peer: &Peer, region: Option<&MemRegion>, ops: &[PutOp]) -> Result<u64
         peer.ep.wait(req, || {}).map_err(|e| e.to_string())?;
     }
     Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Drops the UCX threads and removes `dir` once they have freed their segments in it.
+    fn finish(handles: [UcxHandle; 2], dir: &std::path::Path) {
+        drop(handles);
+        let start = Instant::now();
+        while std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) && start.elapsed() < Duration::from_secs(2) {
+            thread::sleep(Duration::from_millis(5));
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn puts_only_read_memory_inside_a_registered_region() {
+        let dir = std::env::temp_dir().join(format!("pdpair-ucx-thread-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let (a, b) = (
+            UcxHandle::start(Transport::Shm, &dir).expect("A"),
+            UcxHandle::start(Transport::Shm, &dir).expect("B"),
+        );
+        let source: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+        let target = vec![0u8; 8192];
+        let (src_region, _) = a.map(source.as_ptr() as u64, 8192).expect("map source");
+        let (dst_region, rkey) = b.map(target.as_ptr() as u64, 8192).expect("map target");
+        let peer = a
+            .connect(b.worker_address.clone(), rkey, (target.as_ptr() as u64, 8192))
+            .expect("connect");
+        let op = |local: u64, len: u64| PutOp {
+            local,
+            len,
+            remote: target.as_ptr() as u64,
+        };
+        let base = source.as_ptr() as u64;
+        let e = a
+            .put(peer, src_region, vec![op(base + 4096, 8192)], false)
+            .expect_err("past the end");
+        assert!(e.contains("outside region"), "{e}");
+        let e = a
+            .put(peer, src_region, vec![op(base - 1, 16)], false)
+            .expect_err("before the start");
+        assert!(e.contains("outside region"), "{e}");
+        assert_eq!(a.put(peer, src_region, vec![op(base, 8192)], false), Ok(8192));
+        assert!(target == source, "the put landed");
+        a.unmap(src_region);
+        let e = a
+            .put(peer, src_region, vec![op(base, 16)], false)
+            .expect_err("unmapped");
+        assert!(e.contains("no longer registered"), "{e}");
+        a.disconnect(peer);
+        b.unmap(dst_region);
+        finish([a, b], &dir);
+    }
+
+    #[test]
+    fn allocated_memory_is_a_named_file_a_peer_writes_directly() {
+        let dir = std::env::temp_dir().join(format!("pdpair-ucx-alloc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let dir = dir.canonicalize().expect("canonical");
+        let (a, b) = (
+            UcxHandle::start(Transport::Shm, &dir).expect("A"),
+            UcxHandle::start(Transport::Shm, &dir).expect("B"),
+        );
+        let pool = b.allocate(1 << 20).expect("allocate");
+        assert!(pool.len >= 1 << 20);
+        let path = crate::pool::mapping_path(pool.addr).expect("a named file");
+        assert_eq!(path.parent(), Some(dir.as_path()), "{}", path.display());
+        // An engine's view: its own mapping of the file.
+        let file = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("open");
+        let engine = memmap2::MmapOptions::new().map_raw(&file).expect("map");
+        let source: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 253) as u8).collect();
+        let (src_region, _) = a.map(source.as_ptr() as u64, source.len() as u64).expect("map source");
+        let peer = a
+            .connect(b.worker_address.clone(), pool.rkey.clone(), (pool.addr, pool.len))
+            .expect("connect");
+        let ops = vec![PutOp {
+            local: source.as_ptr() as u64,
+            len: source.len() as u64,
+            remote: pool.addr,
+        }];
+        assert_eq!(a.put(peer, src_region, ops, false), Ok(1 << 20));
+        // SAFETY: the engine mapping holds at least 1 MiB and nothing writes it any more.
+        #[allow(unsafe_code)]
+        let seen = unsafe { std::slice::from_raw_parts(engine.as_ptr(), 1 << 20) };
+        assert!(seen == &source[..], "the engine sees what the peer wrote");
+        a.disconnect(peer);
+        b.unmap(pool.region);
+        let start = Instant::now();
+        while path.exists() {
+            assert!(start.elapsed() < Duration::from_secs(5), "freeing removes the file");
+            thread::sleep(Duration::from_millis(5));
+        }
+        finish([a, b], &dir);
+    }
 }

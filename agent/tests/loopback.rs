@@ -178,25 +178,30 @@ fn a_killed_prefill_fails_its_requests_in_time_while_decode_keeps_serving_the_ot
 
 #[test]
 fn shared_memory_transport_moves_and_verifies() {
-    let dir = tmp("shm");
-    let pair = manifest(&dir, "tiny", 32, 32, "FailClosed");
-    let v = run(&[
-        "--pair",
-        &pair,
-        "--requests",
-        "3",
-        "--prompt-tokens",
-        "500",
-        "--transport",
-        "shm",
-    ]);
-    assert_eq!(v["transport"], "shm");
-    assert_eq!(count(&v, "succeeded"), 3);
-    assert_eq!(count(&v["checksum"], "verified"), 3);
-    assert_eq!(count(&v, "byte_errors"), 0);
-    // 500 tokens -> 16 blocks of 32 -> 512 tokens x 2 layers x 2 heads x 64 x 2 bytes x K,V.
-    assert_eq!(count(&v, "bytes"), 3 * 512 * 2 * 2 * 64 * 2 * 2);
-    let _ = std::fs::remove_dir_all(dir);
+    // Pools the agents allocate (the default) and pools the engines bring.
+    for memory in ["agent", "engine"] {
+        let dir = tmp(&format!("shm-{memory}"));
+        let pair = manifest(&dir, "tiny", 32, 32, "FailClosed");
+        let v = run(&[
+            "--pair",
+            &pair,
+            "--requests",
+            "3",
+            "--prompt-tokens",
+            "500",
+            "--transport",
+            "shm",
+            "--engine-memory",
+            memory,
+        ]);
+        assert_eq!(v["transport"], "shm");
+        assert_eq!(count(&v, "succeeded"), 3, "{memory}: {v}");
+        assert_eq!(count(&v["checksum"], "verified"), 3, "{memory}");
+        assert_eq!(count(&v, "byte_errors"), 0, "{memory}");
+        // 500 tokens -> 16 blocks of 32 -> 512 tokens x 2 layers x 2 heads x 64 x 2 bytes x K,V.
+        assert_eq!(count(&v, "bytes"), 3 * 512 * 2 * 2 * 64 * 2 * 2, "{memory}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 #[test]

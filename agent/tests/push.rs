@@ -12,7 +12,7 @@ use pdpair_agent::{
     agent::{Agent, AgentConfig},
     engine_api::{AgentEvent, EngineRequest},
     metrics::Metrics,
-    synthetic::{EngineSpec, SyntheticEngine},
+    synthetic::{EngineMemory, EngineSpec, SyntheticEngine},
     ucx::Transport,
 };
 use pdpair_api::{CacheDtype, ChecksumPolicy, KvGeometry, KvLayout, ModelDtype, Parallelism, Role, TransferMode};
@@ -51,11 +51,13 @@ fn spec(role: Role, engine: &str, kv: KvGeometry, key: &[u8], checksum: Checksum
         pairing_key: key.to_vec(),
         num_blocks: 16,
         tensor_rank: 0,
+        memory: EngineMemory::Agent,
     }
 }
 
 struct World {
     dir: PathBuf,
+    metrics: std::sync::Mutex<Vec<Arc<Metrics>>>,
 }
 
 impl World {
@@ -63,7 +65,14 @@ impl World {
         let dir = std::env::temp_dir().join(format!("pdpair-push-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("dir");
-        World { dir }
+        World {
+            dir,
+            metrics: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    fn pools(&self) -> PathBuf {
+        self.dir.join("pools")
     }
 
     fn agent(&self, name: &str, transport: Transport, corrupt: bool) -> PathBuf {
@@ -74,8 +83,12 @@ impl World {
             corrupt_one_byte: corrupt,
             rejection_ttl: Duration::from_secs(30),
             publisher: None,
+            // The agents of one host share their pool directory.
+            pool_dir: self.pools(),
         };
-        let agent = Agent::start(cfg, Arc::new(Metrics::new())).expect("agent starts");
+        let metrics = Arc::new(Metrics::new());
+        self.metrics.lock().expect("metrics").push(metrics.clone());
+        let agent = Agent::start(cfg, metrics).expect("agent starts");
         let socket = self.dir.join(format!("{name}.sock"));
         let s = socket.clone();
         std::thread::spawn(move || agent.serve(&s));
@@ -90,6 +103,13 @@ impl World {
 
 impl Drop for World {
     fn drop(&mut self) {
+        // Let the agents release the engines' pools (their files live in the pool dir) before
+        // the directory goes.
+        let start = Instant::now();
+        let metrics = self.metrics.lock().map(|m| m.clone()).unwrap_or_default();
+        while metrics.iter().any(|m| m.registrations.get() > 0) && start.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -144,21 +164,14 @@ fn reasons(event: &AgentEvent) -> Vec<String> {
     }
 }
 
-fn push_64_64(transport: Transport) {
-    let w = World::new(&format!("{transport:?}"));
+fn push_64_64(transport: Transport, memory: EngineMemory) {
+    let w = World::new(&format!("{transport:?}-{memory:?}"));
     let (ps, ds) = (w.agent("p", transport, false), w.agent("d", transport, false));
-    let mut p = SyntheticEngine::register(
-        &ps,
-        &w.dir,
-        &spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
-    )
-    .expect("P");
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
+    let mut p_spec = spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed);
+    let mut d_spec = spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed);
+    (p_spec.memory, d_spec.memory) = (memory, memory);
+    let mut p = SyntheticEngine::register(&ps, &w.dir, &p_spec).expect("P");
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &d_spec).expect("D");
     for i in 0..3u64 {
         // 150 tokens in 3 blocks of 64 (the last partial), checked byte by byte.
         let (event, bad) = request(
@@ -199,12 +212,74 @@ fn push_64_64(transport: Transport) {
 
 #[test]
 fn push_64_64_over_tcp_moves_every_byte_verified() {
-    push_64_64(Transport::Tcp);
+    push_64_64(Transport::Tcp, EngineMemory::Agent);
 }
 
 #[test]
 fn push_64_64_over_shared_memory_moves_every_byte_verified() {
-    push_64_64(Transport::Shm);
+    push_64_64(Transport::Shm, EngineMemory::Agent);
+}
+
+#[test]
+fn push_64_64_into_engine_files_moves_every_byte_verified() {
+    push_64_64(Transport::Shm, EngineMemory::Engine);
+    push_64_64(Transport::Tcp, EngineMemory::Engine);
+}
+
+/// The files in the pool directory, by name.
+fn pool_files(w: &World) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(w.pools())
+        .expect("pool dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn an_agent_allocated_pool_is_a_file_in_the_pool_dir_until_its_engine_closes() {
+    use std::os::unix::fs::MetadataExt;
+    for (transport, prefix) in [(Transport::Shm, "ucx_shm_posix_"), (Transport::Tcp, "pdpair-pool-")] {
+        let w = World::new(&format!("pool-{transport:?}"));
+        let s = w.agent("a", transport, false);
+        let before = pool_files(&w);
+        let d = SyntheticEngine::register(
+            &s,
+            &w.dir,
+            &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::Disabled),
+        )
+        .expect("registered");
+        let added: Vec<String> = pool_files(&w).into_iter().filter(|n| !before.contains(n)).collect();
+        assert_eq!(added.len(), 1, "{transport:?}: one new file in the pool dir: {added:?}");
+        assert!(added[0].starts_with(prefix), "{transport:?}: {added:?}");
+        let file = w.pools().join(&added[0]);
+        let meta = std::fs::metadata(&file).expect("pool file");
+        assert!(
+            meta.len() >= d.layout.region_len() as u64,
+            "{transport:?}: sized for the pool"
+        );
+        assert_eq!(
+            meta.uid(),
+            unsafe_free_uid(),
+            "{transport:?}: owned by the engine's user"
+        );
+        drop(d);
+        let start = Instant::now();
+        while file.exists() {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "{transport:?}: the file outlived its engine"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// This process's uid (the engine's, in these tests), from /proc.
+fn unsafe_free_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").expect("/proc/self").uid()
 }
 
 #[test]

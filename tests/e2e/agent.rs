@@ -10,7 +10,7 @@ use std::{
 
 use pdpair_agent::{
     engine_api::{AgentEvent, EngineRequest},
-    synthetic::{EngineSpec, SyntheticEngine},
+    synthetic::{EngineMemory, EngineSpec, SyntheticEngine},
 };
 use pdpair_api::{PDPair, Role};
 use pdpair_e2e::*;
@@ -46,6 +46,8 @@ fn agent(name: &str, socket: &PathBuf) -> AgentProc {
         ])
         .arg("--socket")
         .arg(socket)
+        .arg("--pool-dir")
+        .arg(dir().join("pools"))
         .arg("--kubeconfig")
         .arg(kubeconfig())
         .stdout(Stdio::null())
@@ -119,6 +121,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
                 kv,
                 pairing_key: key.clone(),
                 num_blocks: 4,
+                memory: EngineMemory::Agent,
                 tensor_rank: 0,
             },
             pod.to_owned(),

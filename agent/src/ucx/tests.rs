@@ -4,8 +4,8 @@
 use super::*;
 
 fn put_roundtrip(transport: Transport, len: usize) {
-    let a = Context::new(transport).expect("context A");
-    let b = Context::new(transport).expect("context B");
+    let a = Context::new(transport, None).expect("context A");
+    let b = Context::new(transport, None).expect("context B");
     let wa = Worker::new(&a).expect("worker A");
     let wb = Worker::new(&b).expect("worker B");
     let mut target = vec![0u8; len];
@@ -60,8 +60,8 @@ fn errors_carry_ucx_status_text() {
 #[test]
 fn get_over_shared_memory_and_tcp() {
     for transport in [Transport::Shm, Transport::Tcp] {
-        let a = Context::new(transport).expect("context A");
-        let b = Context::new(transport).expect("context B");
+        let a = Context::new(transport, None).expect("context A");
+        let b = Context::new(transport, None).expect("context B");
         let wa = Worker::new(&a).expect("worker A");
         let wb = Worker::new(&b).expect("worker B");
         let mut source: Vec<u8> = (0..(256 << 10)).map(|i| (i * 13 + 1) as u8).collect();
@@ -87,4 +87,44 @@ fn get_over_shared_memory_and_tcp() {
         drop(region);
         assert!(target == source, "{transport:?}: the get brought the source's bytes");
     }
+}
+
+#[test]
+fn a_peer_maps_memory_ucx_allocated_but_not_memory_merely_registered() {
+    // What makes agent-allocated pools fast on one host: UCX maps the peer's allocated segment
+    // into this process (puts are one copy), while registered memory gets emulated puts.
+    let dir = std::env::temp_dir().join(format!("pdpair-ucx-rkey-ptr-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let a = Context::new(Transport::Shm, Some(&dir)).expect("context A");
+    let b = Context::new(Transport::Shm, Some(&dir)).expect("context B");
+    let wa = Worker::new(&a).expect("worker A");
+    let wb = Worker::new(&b).expect("worker B");
+    let ep = wa.connect(&wb.address().expect("B's address")).expect("connect");
+    let allocated = b.allocate(1 << 16).expect("allocate");
+    assert!(allocated.len() >= 1 << 16 && allocated.addr() != 0);
+    let mut heap = vec![0u8; 1 << 16];
+    // SAFETY: `heap` outlives `registered` (dropped first below).
+    let registered = unsafe { b.map(heap.as_mut_ptr(), heap.len()) }.expect("map");
+    let rkey = ep.unpack_rkey(&allocated.packed_rkey().expect("pack")).expect("unpack");
+    let local = rkey
+        .local_ptr(allocated.addr())
+        .expect("the allocated segment is mapped here");
+    assert_ne!(local, allocated.addr(), "at this process's own address for it");
+    let rkey2 = ep
+        .unpack_rkey(&registered.packed_rkey().expect("pack"))
+        .expect("unpack");
+    assert_eq!(
+        rkey2.local_ptr(registered.addr()),
+        None,
+        "registered memory is not mapped here"
+    );
+    drop((rkey, rkey2));
+    ep.close(|| {
+        wb.progress();
+    })
+    .expect("close");
+    drop((registered, allocated));
+    drop(heap);
+    drop((wa, wb, a, b));
+    let _ = std::fs::remove_dir_all(dir);
 }
