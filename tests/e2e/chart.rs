@@ -162,7 +162,7 @@ fn default_values_render_a_least_privilege_hardened_install() {
             .iter()
             .any(|(_, r, v)| r == "pdendpoints/status" && v.contains("patch"))
     );
-    // The agent: GPU nodes, the socket hostPath, IPC_LOCK, no host network by default.
+    // The agent: GPU nodes, the socket and pool hostPaths, IPC_LOCK, no host network by default.
     let ds = get(&objs, "DaemonSet", "agent");
     let spec = &ds["spec"]["template"]["spec"];
     assert_eq!(spec["nodeSelector"]["nvidia.com/gpu.present"], "true");
@@ -174,9 +174,34 @@ fn default_values_render_a_least_privilege_hardened_install() {
             .iter()
             .any(|v| v["hostPath"]["path"] == "/var/run/pdpair")
     );
+    let pools = spec["volumes"]
+        .as_sequence()
+        .expect("volumes")
+        .iter()
+        .find(|v| v["name"] == "pools")
+        .expect("a pools volume");
+    assert_eq!(pools["hostPath"]["path"], "/dev/shm/pdpair");
+    let args: Vec<&str> = spec["containers"][0]["args"]
+        .as_sequence()
+        .expect("args")
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    assert!(
+        args.contains(&"--pool-dir=/dev/shm/pdpair") && args.contains(&"--clean-pool-dir"),
+        "{args:?}"
+    );
+    assert!(
+        spec["containers"][0]["volumeMounts"]
+            .as_sequence()
+            .expect("mounts")
+            .iter()
+            .any(|m| m["name"] == "pools" && m["mountPath"] == "/dev/shm/pdpair"),
+        "engines and the agent see pool files at the same path"
+    );
     assert_eq!(
-        spec["containers"][0]["securityContext"]["capabilities"]["add"][0],
-        "IPC_LOCK"
+        spec["containers"][0]["securityContext"]["capabilities"]["add"],
+        serde_yaml::from_str::<serde_yaml::Value>("[IPC_LOCK, CHOWN]").expect("yaml")
     );
     assert!(find(&objs, "ServiceMonitor", "").is_none());
 }
