@@ -32,6 +32,8 @@ big Disabled
 for t in shm tcp; do
   run $bin loopback --pair "$tmp/8b.yaml" --requests 6 --prompt-tokens 4096 --transport $t --no-verify-bytes -o json
 done
+# The same with pools the engines allocate (registered, not allocated by UCX: emulated puts on one host).
+run $bin loopback --pair "$tmp/8b.yaml" --requests 6 --prompt-tokens 4096 --transport shm --no-verify-bytes --engine-memory engine -o json
 big FailClosed
 run $bin loopback --pair "$tmp/8b.yaml" --requests 6 --prompt-tokens 4096 --transport shm --no-verify-bytes -o json
 # Many small blocks: scattered decode block ids, one 32 KiB WRITE per block and layer.

@@ -61,7 +61,20 @@ pub struct AgentConfig {
     /// memory file system that engines on the node see at the same path. Every agent on a host
     /// must use the same one (UCX finds a peer's shared-memory segments through it).
     pub pool_dir: PathBuf,
+    /// How often a decode agent pings each prefill agent it is connected to (at most
+    /// [`MAX_HEARTBEAT`]); a prefill silent for [`HEARTBEAT_MISSES`] of these is lost.
+    pub heartbeat: Duration,
 }
+
+/// Default ping interval on decode's side-channel links.
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
+/// The longest ping interval a decode agent may use (prefill's silence limit assumes it).
+pub const MAX_HEARTBEAT: Duration = Duration::from_secs(5);
+/// Missed heartbeats after which decode drops a silent prefill.
+pub const HEARTBEAT_MISSES: u32 = 5;
+/// How long prefill waits for any frame from a decode agent (which pings at least every
+/// [`MAX_HEARTBEAT`]) before it drops the link and forgets its registrations.
+pub const PREFILL_SILENCE_LIMIT: Duration = Duration::from_secs(30);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A poisoned lock means a panicking thread; the data is still consistent enough to fail
@@ -271,6 +284,8 @@ struct Matching {
 #[derive(Debug)]
 struct Link {
     writer: Mutex<TcpStream>,
+    /// Cleared when the link's reader stops: nothing more is sent on it.
+    alive: AtomicBool,
     peer: PeerInfo,
     /// UCX peer id (P side only: P writes into D).
     ucx_peer: Option<u64>,
@@ -586,6 +601,7 @@ impl Engine {
                 for request in queued {
                     self.send_registration(&link, &request);
                 }
+                self.spawn_heartbeat(&link);
                 let e = self.clone();
                 thread::spawn(move || e.read_prefill(link));
             }
@@ -637,7 +653,13 @@ impl Engine {
         stream.set_nodelay(true).map_err(wire::FrameError::from)?;
         protocol::authenticate_decode(&mut stream, &self.reg.pdpair, &self.key)?;
         let peer = protocol::handshake_decode(&mut stream, &self.local)?;
-        stream.set_read_timeout(None).map_err(wire::FrameError::from)?;
+        // Heartbeats: we ping every `heartbeat` and prefill answers, so a read that waits
+        // HEARTBEAT_MISSES of them means prefill is stuck; a write as long means the same.
+        let silence = self.silence_limit();
+        stream.set_read_timeout(Some(silence)).map_err(wire::FrameError::from)?;
+        stream
+            .set_write_timeout(Some(silence))
+            .map_err(wire::FrameError::from)?;
         // Pull: decode reads from prefill's memory through its own endpoint.
         let ucx_peer = match self.reg.mode {
             pdpair_api::TransferMode::Pull => Some(
@@ -654,6 +676,7 @@ impl Engine {
         };
         Ok(Link {
             writer: Mutex::new(stream),
+            alive: AtomicBool::new(true),
             peer,
             ucx_peer,
             addr: addr.to_owned(),
@@ -663,6 +686,30 @@ impl Engine {
                 d_first: 0,
             },
         })
+    }
+
+    fn silence_limit(&self) -> Duration {
+        self.shared.cfg.heartbeat.min(MAX_HEARTBEAT) * HEARTBEAT_MISSES
+    }
+
+    /// Pings a prefill link every heartbeat while its reader runs.
+    fn spawn_heartbeat(self: &Arc<Self>, link: &Arc<Link>) {
+        let (engine, link) = (Arc::downgrade(self), Arc::downgrade(link));
+        let every = self.shared.cfg.heartbeat.min(MAX_HEARTBEAT);
+        thread::spawn(move || {
+            for seq in 1u64.. {
+                thread::sleep(every);
+                let (Some(engine), Some(link)) = (engine.upgrade(), link.upgrade()) else {
+                    return;
+                };
+                if engine.closed.load(Ordering::SeqCst)
+                    || !link.alive.load(Ordering::SeqCst)
+                    || !link.send(&Message::Ping { seq })
+                {
+                    return;
+                }
+            }
+        });
     }
 
     fn read_prefill(self: Arc<Self>, link: Arc<Link>) {
@@ -695,9 +742,28 @@ impl Engine {
                 Ok(Message::Ping { seq }) => {
                     link.send(&Message::Pong { seq });
                 }
-                Ok(Message::Reject { reasons, message }) => return self.refused(&link, reasons, message),
+                Ok(Message::Reject { reasons, message }) => {
+                    link.alive.store(false, Ordering::SeqCst);
+                    return self.refused(&link, reasons, message);
+                }
                 Ok(_) => {}
-                Err(e) => return self.lost(&link, e.to_string()),
+                Err(e) => {
+                    link.alive.store(false, Ordering::SeqCst);
+                    // Close it: a stuck prefill must not get our later frames.
+                    let _ = lock(&link.writer).shutdown(std::net::Shutdown::Both);
+                    let why = match &e {
+                        wire::FrameError::Io(io)
+                            if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+                        {
+                            format!(
+                                "silent for {:?} ({HEARTBEAT_MISSES} heartbeats unanswered)",
+                                self.silence_limit()
+                            )
+                        }
+                        _ => e.to_string(),
+                    };
+                    return self.lost(&link, why);
+                }
             }
         }
     }
@@ -1061,10 +1127,12 @@ impl Engine {
         };
         self.shared.metrics.handshake("accepted");
         lock(&self.stats).counters.handshakes_accepted += 1;
-        let _ = stream.set_read_timeout(None);
         let Ok(mut reader) = stream.try_clone() else { return };
+        // Decode pings at least every MAX_HEARTBEAT: a decode agent silent much longer is gone.
+        let _ = stream.set_read_timeout(Some(PREFILL_SILENCE_LIMIT));
         let link = Arc::new(Link {
             writer: Mutex::new(stream),
+            alive: AtomicBool::new(true),
             heads,
             peer,
             ucx_peer,
@@ -1078,9 +1146,13 @@ impl Engine {
                     link.send(&Message::Pong { seq });
                 }
                 Ok(_) => {}
-                Err(_) => break,
+                Err(e) => {
+                    tracing::debug!(engine = %self.reg.engine, peer = %link.addr, error = %e, "decode link ended");
+                    break;
+                }
             }
         }
+        link.alive.store(false, Ordering::SeqCst);
         // D is gone: forget its registrations (the P engine's KV stays ready for a retry until
         // its lease ends).
         lock(&self.matching)

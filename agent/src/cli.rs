@@ -127,6 +127,10 @@ pub struct RunArgs {
     /// that the node's engines mount at the same path. Every agent on a host must use the same.
     #[arg(long = "pool-dir", env = "PDPAIR_POOL_DIR", default_value = "/dev/shm/pdpair")]
     pub pool_dir: std::path::PathBuf,
+    /// Decode side: ping each connected prefill agent this often (milliseconds, 1 to 5000); a
+    /// prefill silent for 5 pings is lost and its requests fail with PeerLost.
+    #[arg(long = "heartbeat-ms", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=5000))]
+    pub heartbeat_ms: u64,
     /// At start, remove pool files a previous run left in `--pool-dir` (only when this agent is
     /// the directory's sole user, as the node's DaemonSet agent is).
     #[arg(long = "clean-pool-dir")]
@@ -234,6 +238,7 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
         rejection_ttl: std::time::Duration::from_secs(30),
         publisher: publisher(args)?,
         pool_dir: args.pool_dir.clone(),
+        heartbeat: std::time::Duration::from_millis(args.heartbeat_ms),
     };
     if args.clean_pool_dir {
         let removed = crate::pool::clean_dir(&args.pool_dir);

@@ -58,6 +58,8 @@ fn spec(role: Role, engine: &str, kv: KvGeometry, key: &[u8], checksum: Checksum
 struct World {
     dir: PathBuf,
     metrics: std::sync::Mutex<Vec<Arc<Metrics>>>,
+    /// Decode agents' ping interval.
+    heartbeat: Duration,
 }
 
 impl World {
@@ -68,6 +70,7 @@ impl World {
         World {
             dir,
             metrics: std::sync::Mutex::new(Vec::new()),
+            heartbeat: pdpair_agent::agent::DEFAULT_HEARTBEAT,
         }
     }
 
@@ -85,6 +88,7 @@ impl World {
             publisher: None,
             // The agents of one host share their pool directory.
             pool_dir: self.pools(),
+            heartbeat: self.heartbeat,
         };
         let metrics = Arc::new(Metrics::new());
         self.metrics.lock().expect("metrics").push(metrics.clone());
@@ -715,4 +719,114 @@ fn a_decode_rank_gathers_its_heads_from_every_prefill_rank() {
     .expect("ExpectKvFrom");
     let event = d.next_event().expect("event");
     assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{event:?}");
+}
+
+/// A prefill agent in its own process (so it can be stopped), sharing the World's pool dir.
+struct ProcessAgent(std::process::Child);
+
+impl ProcessAgent {
+    fn start(w: &World, name: &str) -> (ProcessAgent, PathBuf) {
+        let socket = w.dir.join(format!("{name}.sock"));
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_pdpair-agent"))
+            .args([
+                "run",
+                "--name",
+                name,
+                "--listen-host",
+                "127.0.0.1",
+                "--transport",
+                "tcp",
+                "--no-publish",
+            ])
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--pool-dir")
+            .arg(w.pools())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("agent process");
+        let start = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the agent process never opened its socket"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        (ProcessAgent(child), socket)
+    }
+
+    fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        #[allow(unsafe_code)]
+        let rc = unsafe { libc::kill(self.0.id() as i32, signal) };
+        assert_eq!(rc, 0, "kill({signal})");
+    }
+}
+
+impl Drop for ProcessAgent {
+    fn drop(&mut self) {
+        self.signal(libc::SIGCONT);
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_stuck_prefill_is_lost_after_missed_heartbeats_not_at_the_deadline() {
+    let mut w = World::new("heartbeat");
+    // The in-process decode agent pings every 200 ms: 5 unanswered pings (1 s) lose the peer,
+    // well before the request deadline (handshake 2 s + lease 3 s).
+    w.heartbeat = Duration::from_millis(200);
+    let (p_agent, ps) = ProcessAgent::start(&w, "p");
+    let ds = w.agent("d", Transport::Tcp, false);
+    let mut p = SyntheticEngine::register(
+        &ps,
+        &w.dir,
+        &spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("P");
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    let req = |id| Req {
+        id,
+        seed: 1,
+        p_first: 0,
+        d_first: 0,
+        tokens: 100,
+        blocks: 2,
+    };
+    let (event, bad) = request(&mut p, &mut d, req("before"));
+    assert!(done(&event) && bad == 0, "{event:?}");
+    // Idle for several heartbeats: a live prefill answers every ping and stays connected.
+    std::thread::sleep(Duration::from_millis(1500));
+    let (event, bad) = request(&mut p, &mut d, req("idle"));
+    assert!(done(&event) && bad == 0, "{event:?}");
+    let text = w.metrics.lock().expect("metrics")[0].render();
+    assert!(
+        text.lines()
+            .any(|l| l.ends_with("handshakes_total{outcome=\"accepted\"} 1")),
+        "one handshake: the idle link was kept, not dropped and redialled:\n{text}"
+    );
+    // Now prefill's agent stops (alive, connection open, silent).
+    p_agent.signal(libc::SIGSTOP);
+    d.send(&EngineRequest::ExpectKv {
+        request: "stuck".into(),
+        prefill: p.address.clone(),
+        blocks: vec![9, 10],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
+    let event = d.next_event().expect("event");
+    assert_eq!(reasons(&event), vec!["PeerLost".to_owned()], "{event:?}");
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { message, .. } if message.contains("heartbeats unanswered")),
+        "{event:?}"
+    );
 }
