@@ -674,17 +674,20 @@ impl Engine {
             ),
             pdpair_api::TransferMode::Push => None,
         };
+        // Which of prefill's heads are ours (pull reads just those); the handshake checked that
+        // they line up.
+        let heads = protocol::head_map(&peer, &self.local).unwrap_or(protocol::HeadMap {
+            p_first: 0,
+            count: self.layout.local_heads,
+            d_first: 0,
+        });
         Ok(Link {
             writer: Mutex::new(stream),
             alive: AtomicBool::new(true),
             peer,
             ucx_peer,
             addr: addr.to_owned(),
-            heads: protocol::HeadMap {
-                p_first: 0,
-                count: self.layout.local_heads,
-                d_first: 0,
-            },
+            heads,
         })
     }
 
@@ -919,6 +922,7 @@ impl Engine {
             let p_block = u32::try_from(link.peer.kv.kernel_block_size()).unwrap_or(0);
             self.pull_ops(
                 &link.peer.memory,
+                link.heads,
                 p_block,
                 &p_blocks,
                 p_first,
@@ -965,6 +969,7 @@ impl Engine {
     fn pull_ops(
         &self,
         remote: &MemoryDesc,
+        map: protocol::HeadMap,
         p_block: u32,
         p_blocks: &[u32],
         p_first: u64,
@@ -1022,10 +1027,13 @@ impl Engine {
                                 len: bp * heads * half,
                             }),
                             pdpair_api::KvLayout::Hnd => {
-                                for h in 0..heads {
+                                // Our heads d_first.. come from prefill's p_first.. (all of
+                                // them when tensor parallelism is equal).
+                                for h in 0..u64::from(map.count) {
+                                    let (dh, ph) = (u64::from(map.d_first) + h, u64::from(map.p_first) + h);
                                     push(PutOp {
-                                        local: dst + (h * bd + j * bp) * half,
-                                        remote: src + h * bp * half,
+                                        local: dst + (dh * bd + j * bp) * half,
+                                        remote: src + ph * bp * half,
                                         len: bp * half,
                                     });
                                 }
@@ -1254,11 +1262,20 @@ impl Engine {
         let sums = (self.reg.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
             block_size: self.layout.block_size,
             first_token: ready.first_token,
+            // Just the heads decode reads (checksums add over heads: a decode rank gathering from
+            // several prefill ranks compares their sum with its whole blocks).
             sums: live
                 .iter()
                 .map(|(p, t)| {
                     self.layout
-                        .checksum(self.memory(), *p, *t, ready.num_tokens)
+                        .checksum_heads(
+                            self.memory(),
+                            *p,
+                            *t,
+                            ready.num_tokens,
+                            link.heads.p_first,
+                            link.heads.count,
+                        )
                         .unwrap_or(0)
                 })
                 .collect(),

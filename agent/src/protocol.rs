@@ -460,22 +460,13 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)> {
     }
     // Compatible on paper, but beyond what this agent's transfer path does yet: say so at the
     // handshake instead of failing later.
-    if local.mode == TransferMode::Pull {
-        // Pull converts block sizes (decode reads several prefill blocks into one of its own),
-        // not head ranges or layouts.
-        if peer.parallelism.tensor != local.parallelism.tensor || peer.tensor_rank != local.tensor_rank {
-            return Some((
-                vec![AGENT_UNSUPPORTED.into()],
-                "pull moves KV between engines of equal tensor parallelism and rank only in this agent version".into(),
-            ));
-        }
-        if peer.kv.layout != local.kv.layout {
-            return Some((
-                vec![AGENT_UNSUPPORTED.into()],
-                "pull needs one KV layout on both sides in this agent version".into(),
-            ));
-        }
-        return None;
+    // Pull converts block sizes (decode reads several prefill blocks into one of its own) and
+    // head ranges, not layouts.
+    if local.mode == TransferMode::Pull && peer.kv.layout != local.kv.layout {
+        return Some((
+            vec![AGENT_UNSUPPORTED.into()],
+            "pull needs one KV layout on both sides in this agent version".into(),
+        ));
     }
     heads_fit(local, peer)
 }

@@ -226,20 +226,25 @@ fn scattered_decode_blocks_pair_by_position_one_write_per_block() {
 #[test]
 fn unequal_tensor_parallelism_moves_the_decode_ranks_heads_verified() {
     // The realistic example: prefill TP 2, decode TP 4 (8 KV heads, HND, FailClosed). The decode
-    // rank holds 2 of prefill rank 0's 4 heads; prefill writes just those.
-    let v = run(&[
-        "--pair",
-        &examples("compatible-push.yaml"),
-        "--requests",
-        "3",
-        "--prompt-tokens",
-        "128",
-    ]);
-    assert_eq!(count(&v, "succeeded"), 3, "{v}");
-    assert_eq!(count(&v["checksum"], "verified"), 3);
-    assert_eq!(count(&v, "byte_errors"), 0);
-    // 128 tokens x 32 layers x 2 heads x 128 x 2 bytes x K,V.
-    assert_eq!(count(&v, "bytes"), 3 * 128 * 32 * 2 * 128 * 2 * 2);
+    // rank holds 2 of prefill rank 0's 4 heads; prefill writes just those (push), or decode reads
+    // just those (the same pair in pull mode).
+    let dir = tmp("tp");
+    let pull = dir.join("compatible-pull.yaml");
+    let text = std::fs::read_to_string(examples("compatible-push.yaml")).expect("example");
+    std::fs::write(&pull, text.replace("mode: Push", "mode: Pull")).expect("write");
+    for (mode, pair) in [
+        ("Push", examples("compatible-push.yaml")),
+        ("Pull", pull.to_string_lossy().into_owned()),
+    ] {
+        let v = run(&["--pair", &pair, "--requests", "3", "--prompt-tokens", "128"]);
+        assert_eq!(v["mode"], mode);
+        assert_eq!(count(&v, "succeeded"), 3, "{mode}: {v}");
+        assert_eq!(count(&v["checksum"], "verified"), 3, "{mode}");
+        assert_eq!(count(&v, "byte_errors"), 0, "{mode}");
+        // 128 tokens x 32 layers x 2 heads x 128 x 2 bytes x K,V.
+        assert_eq!(count(&v, "bytes"), 3 * 128 * 32 * 2 * 128 * 2 * 2, "{mode}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// A pull pair with FailClosed checksums.

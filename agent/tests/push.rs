@@ -606,9 +606,15 @@ fn kv_ready_and_registration_arriving_together_always_match() {
 
 #[test]
 fn a_decode_rank_gets_its_heads_from_the_prefill_rank_that_holds_them() {
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        decode_rank_takes_part_of_a_prefill_rank(mode);
+    }
+}
+
+fn decode_rank_takes_part_of_a_prefill_rank(mode: TransferMode) {
     // 8 KV heads; prefill TP 2 rank 1 holds heads 4..8; decode TP 4 rank 3 holds heads 6..8: the
     // second half of prefill's heads, at a non-zero offset inside each prefill block.
-    let w = World::new("ranks");
+    let w = World::new(&format!("ranks-{mode:?}"));
     let (ps, ds) = (w.agent("p", Transport::Shm, false), w.agent("d", Transport::Shm, false));
     let mut geometry = kv(16, None);
     geometry.kv_heads = 8;
@@ -618,6 +624,7 @@ fn a_decode_rank_gets_its_heads_from_the_prefill_rank_that_holds_them() {
     let mut d_spec = spec(Role::Decode, "d3", geometry, b"k", ChecksumPolicy::FailClosed);
     d_spec.parallelism.tensor = 4;
     d_spec.tensor_rank = 3;
+    (p_spec.mode, d_spec.mode) = (mode, mode);
     let mut p = SyntheticEngine::register(&ps, &w.dir, &p_spec).expect("P");
     let mut d = SyntheticEngine::register(&ds, &w.dir, &d_spec).expect("D");
     assert_eq!((p.layout.head_offset, p.layout.local_heads), (4, 4));
@@ -636,17 +643,23 @@ fn a_decode_rank_gets_its_heads_from_the_prefill_rank_that_holds_them() {
     );
     assert!(
         matches!(&event, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
-        "{event:?}"
+        "{mode:?}: {event:?}"
     );
-    assert_eq!(bad, 0, "decode holds exactly heads 6 and 7 of every token");
+    assert_eq!(bad, 0, "{mode:?}: decode holds exactly heads 6 and 7 of every token");
 }
 
 #[test]
 fn a_decode_rank_gathers_its_heads_from_every_prefill_rank() {
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        decode_rank_gathers(mode);
+    }
+}
+
+fn decode_rank_gathers(mode: TransferMode) {
     // 8 KV heads; prefill TP 2 (ranks hold heads 0..4 and 4..8, each on its own agent), decode
-    // TP 1 (all 8). Each prefill rank writes its half of every block; decode's whole-block
-    // checksums equal the sum of the ranks' partial ones.
-    let w = World::new("gather");
+    // TP 1 (all 8). Each prefill rank writes (push) or decode reads (pull) its half of every
+    // block; decode's whole-block checksums equal the sum of the ranks' partial ones.
+    let w = World::new(&format!("gather-{mode:?}"));
     let (p0s, p1s, ds) = (
         w.agent("p0", Transport::Shm, false),
         w.agent("p1", Transport::Shm, false),
@@ -664,16 +677,14 @@ fn a_decode_rank_gathers_its_heads_from_every_prefill_rank() {
         );
         s.parallelism.tensor = 2;
         s.tensor_rank = r;
+        s.mode = mode;
         s
     };
     let mut p0 = SyntheticEngine::register(&p0s, &w.dir, &rank(0)).expect("P0");
     let mut p1 = SyntheticEngine::register(&p1s, &w.dir, &rank(1)).expect("P1");
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", geometry, b"k", ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
+    let mut d_spec = spec(Role::Decode, "d0", geometry, b"k", ChecksumPolicy::FailClosed);
+    d_spec.mode = mode;
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &d_spec).expect("D");
     for p in [&mut p0, &mut p1] {
         p.fill(9, &[0, 1, 2], 0, 40);
         p.send(&EngineRequest::KvReady {
@@ -696,9 +707,13 @@ fn a_decode_rank_gathers_its_heads_from_every_prefill_rank() {
     let event = d.next_event().expect("event");
     assert!(
         matches!(&event, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
-        "{event:?}"
+        "{mode:?}: {event:?}"
     );
-    assert_eq!(d.verify(9, &[5, 6, 7], 0, 40), 0, "all 8 heads of every token arrived");
+    assert_eq!(
+        d.verify(9, &[5, 6, 7], 0, 40),
+        0,
+        "{mode:?}: all 8 heads of every token arrived"
+    );
     // One prefill rank never finishes its part: its lease ends and it says so, so the request
     // fails with the reason instead of hanging.
     p0.fill(10, &[0, 1, 2], 0, 40);
@@ -718,7 +733,7 @@ fn a_decode_rank_gathers_its_heads_from_every_prefill_rank() {
     })
     .expect("ExpectKvFrom");
     let event = d.next_event().expect("event");
-    assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{event:?}");
+    assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{mode:?}: {event:?}");
 }
 
 /// A prefill agent in its own process (so it can be stopped), sharing the World's pool dir.

@@ -303,16 +303,42 @@ fn unequal_tensor_parallelism_maps_head_ranges_between_ranks() {
 }
 
 #[test]
-fn pull_is_served_between_equal_ranks_and_refused_otherwise() {
-    let with = |role: Role, tp: i32| {
+fn pull_is_served_between_lined_up_ranks_and_one_layout() {
+    let with = |role: Role, tp: i32, layout: KvLayout| {
         let mut i = info(role, if role == Role::Prefill { 16 } else { 32 });
         i.mode = TransferMode::Pull;
         i.kv.kv_heads = 8;
+        i.kv.layout = layout;
         i.parallelism.tensor = tp;
         i
     };
-    let (p, d) = pair(b"s", b"s", with(Role::Prefill, 1), with(Role::Decode, 1));
+    let hnd = KvLayout::Hnd;
+    let (p, d) = pair(b"s", b"s", with(Role::Prefill, 1, hnd), with(Role::Decode, 1, hnd));
     assert!(p.is_ok() && d.is_ok(), "{p:?} {d:?}");
-    let (p, _) = pair(b"s", b"s", with(Role::Prefill, 1), with(Role::Decode, 2));
+    // Unequal tensor parallelism: decode rank 0 of 2 reads heads 0..4 of prefill's 8.
+    let (p, d) = pair(b"s", b"s", with(Role::Prefill, 1, hnd), with(Role::Decode, 2, hnd));
+    assert!(p.is_ok() && d.is_ok(), "{p:?} {d:?}");
+    // Reading part of a block's heads needs HND (the rule table says so first).
+    let nhd = KvLayout::Nhd;
+    let (p, _) = pair(b"s", b"s", with(Role::Prefill, 1, nhd), with(Role::Decode, 2, nhd));
+    assert_eq!(
+        p.expect_err("refused").reasons(),
+        vec!["HeterogeneousTensorParallelLayout".to_owned()]
+    );
+    // Different layouts: the rule table refuses them, except with MLA, where pull between
+    // layouts is beyond this agent.
+    let (p, _) = pair(b"s", b"s", with(Role::Prefill, 1, nhd), with(Role::Decode, 1, hnd));
+    assert_eq!(p.expect_err("refused").reasons(), vec!["LayoutMismatch".to_owned()]);
+    let mla = |mut i: PeerInfo| {
+        i.kv.mla = true;
+        i.kv.kv_heads = 1;
+        i
+    };
+    let (p, _) = pair(
+        b"s",
+        b"s",
+        mla(with(Role::Prefill, 1, nhd)),
+        mla(with(Role::Decode, 1, hnd)),
+    );
     assert_eq!(p.expect_err("refused").reasons(), vec![AGENT_UNSUPPORTED.to_owned()]);
 }
