@@ -61,3 +61,7 @@ run $bin loopback --pair examples/vllm-push-64-64.yaml --also-prefill examples/v
 
 # The checksum on one core beside a plain read of the same bytes.
 run $bin bench-checksum --mib 512
+
+# Put bandwidth over shared memory into registered memory (engine files) and into memory UCX
+# allocated (agent-allocated pools), one thread, same target sizes.
+run $bin bench-put --mib 256 --rounds 5

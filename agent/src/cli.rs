@@ -322,6 +322,33 @@ pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageErr
         .map_err(|e| UsageError(format!("writing output: {e}")))
 }
 
+/// Arguments of `pdpair-agent bench-put`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchPutArgs {
+    /// MiB written per round, in 8 MiB puts.
+    #[arg(long, default_value_t = 256)]
+    pub mib: usize,
+    /// Rounds; the first and the best later one are reported.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: u32,
+}
+
+/// Measures put bandwidth over shared memory into registered and into UCX-allocated memory.
+pub fn bench_put(args: &BenchPutArgs, out: &mut dyn Write) -> Result<(), UsageError> {
+    for b in crate::bench::put_bandwidth(args.mib, args.rounds).map_err(UsageError)? {
+        writeln!(
+            out,
+            "target={} bytes={} first_gb_per_s={:.2} best_gb_per_s={:.2}",
+            b.target,
+            args.mib.max(8) << 20,
+            b.first_gb_per_s,
+            b.best_gb_per_s
+        )
+        .map_err(|e| UsageError(format!("writing output: {e}")))?;
+    }
+    Ok(())
+}
+
 /// Arguments of `pdpair-agent bench-checksum`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct BenchChecksumArgs {

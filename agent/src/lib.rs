@@ -5,6 +5,7 @@
 //! admission webhook), and moves KV blocks with RDMA WRITEs over UCX, verified by KV checksums.
 
 pub mod agent;
+pub mod bench;
 pub mod checksum;
 pub mod cli;
 pub mod engine_api;

@@ -22,6 +22,8 @@ enum Command {
     Checksum(cli::ChecksumArgs),
     /// Measure the checksum's GB/s on one core beside a plain read of the same bytes.
     BenchChecksum(cli::BenchChecksumArgs),
+    /// Measure UCX put GB/s over shared memory into registered and into UCX-allocated memory.
+    BenchPut(cli::BenchPutArgs),
 }
 
 /// UCX's tcp transport writes to sockets without MSG_NOSIGNAL: a peer agent that dies mid-transfer
@@ -49,6 +51,7 @@ fn main() -> ExitCode {
         Command::Loopback(args) => cli::loopback(&args, &mut stdout.lock()),
         Command::Checksum(args) => cli::checksum(&args, &mut stdout.lock()),
         Command::BenchChecksum(args) => cli::bench_checksum(&args, &mut stdout.lock()),
+        Command::BenchPut(args) => cli::bench_put(&args, &mut stdout.lock()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
