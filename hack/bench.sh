@@ -65,3 +65,5 @@ run $bin bench-checksum --mib 512
 # Put bandwidth over shared memory into registered memory (engine files) and into memory UCX
 # allocated (agent-allocated pools), one thread, same target sizes.
 run $bin bench-put --mib 256 --rounds 5
+# The same at the many-small-blocks size (32 KiB puts over 256 MiB of distinct memory).
+run $bin bench-put --mib 256 --put-kib 32 --rounds 5

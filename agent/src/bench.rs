@@ -18,19 +18,25 @@ pub struct PutBandwidth {
     pub best_gb_per_s: f64,
 }
 
-/// Writes `mib` MiB in 8 MiB puts, `rounds` times, into each kind of target.
-pub fn put_bandwidth(mib: usize, rounds: u32) -> Result<Vec<PutBandwidth>, String> {
+/// Writes `mib` MiB in puts of `put_kib` KiB, `rounds` times, into each kind of target.
+pub fn put_bandwidth(mib: usize, put_kib: usize, rounds: u32) -> Result<Vec<PutBandwidth>, String> {
     let dir = std::env::temp_dir().join(format!("pdpair-bench-put-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let result = ["registered", "allocated"]
         .into_iter()
-        .map(|target| one(target, &dir, mib.max(8) << 20, rounds.max(2)))
+        .map(|target| one(target, &dir, mib.max(8) << 20, put_kib.max(1) << 10, rounds.max(2)))
         .collect();
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
-fn one(target: &'static str, dir: &std::path::Path, len: usize, rounds: u32) -> Result<PutBandwidth, String> {
+fn one(
+    target: &'static str,
+    dir: &std::path::Path,
+    len: usize,
+    put: usize,
+    rounds: u32,
+) -> Result<PutBandwidth, String> {
     let e = |e: crate::ucx::UcxError| e.to_string();
     let writer = Context::new(Transport::Shm, Some(dir)).map_err(e)?;
     let owner = Context::new(Transport::Shm, Some(dir)).map_err(e)?;
@@ -46,12 +52,11 @@ fn one(target: &'static str, dir: &std::path::Path, len: usize, rounds: u32) -> 
     let ep = ww.connect(&wo.address().map_err(e)?).map_err(e)?;
     let rkey = ep.unpack_rkey(&region.packed_rkey().map_err(e)?).map_err(e)?;
     let source: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-    const PUT: usize = 8 << 20;
     let mut times = Vec::new();
     for _ in 0..rounds {
         let t = Instant::now();
-        for off in (0..len).step_by(PUT) {
-            let chunk = &source[off..(off + PUT).min(len)];
+        for off in (0..len).step_by(put) {
+            let chunk = &source[off..(off + put).min(len)];
             // SAFETY: `source` lives until after the flush; the range lies inside `region`.
             #[allow(unsafe_code)]
             let posted = unsafe { ep.put(chunk, region.addr() + off as u64, &rkey, None) }.map_err(e)?;
@@ -87,7 +92,7 @@ fn one(target: &'static str, dir: &std::path::Path, len: usize, rounds: u32) -> 
 mod tests {
     #[test]
     fn measures_both_targets() {
-        let r = super::put_bandwidth(16, 2).expect("runs");
+        let r = super::put_bandwidth(16, 4096, 2).expect("runs");
         assert_eq!(
             r.iter().map(|b| b.target).collect::<Vec<_>>(),
             ["registered", "allocated"]

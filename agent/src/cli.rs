@@ -325,9 +325,12 @@ pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageErr
 /// Arguments of `pdpair-agent bench-put`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct BenchPutArgs {
-    /// MiB written per round, in 8 MiB puts.
+    /// MiB written per round.
     #[arg(long, default_value_t = 256)]
     pub mib: usize,
+    /// KiB per put (distinct memory each: unlike ucx_perftest, small puts are not cache hits).
+    #[arg(long = "put-kib", default_value_t = 8192)]
+    pub put_kib: usize,
     /// Rounds; the first and the best later one are reported.
     #[arg(long, default_value_t = 5)]
     pub rounds: u32,
@@ -335,12 +338,13 @@ pub struct BenchPutArgs {
 
 /// Measures put bandwidth over shared memory into registered and into UCX-allocated memory.
 pub fn bench_put(args: &BenchPutArgs, out: &mut dyn Write) -> Result<(), UsageError> {
-    for b in crate::bench::put_bandwidth(args.mib, args.rounds).map_err(UsageError)? {
+    for b in crate::bench::put_bandwidth(args.mib, args.put_kib, args.rounds).map_err(UsageError)? {
         writeln!(
             out,
-            "target={} bytes={} first_gb_per_s={:.2} best_gb_per_s={:.2}",
+            "target={} bytes={} put_bytes={} first_gb_per_s={:.2} best_gb_per_s={:.2}",
             b.target,
             args.mib.max(8) << 20,
+            args.put_kib.max(1) << 10,
             b.first_gb_per_s,
             b.best_gb_per_s
         )
