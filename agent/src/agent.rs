@@ -263,7 +263,7 @@ struct Pending {
 }
 
 /// A P request whose KV is ready.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Ready {
     blocks: Vec<u32>,
     num_tokens: u64,
@@ -271,14 +271,57 @@ struct Ready {
     since: Instant,
 }
 
+/// A ready request on prefill, and the decode ranks it serves: with more decode than prefill
+/// tensor-parallel ranks several decode ranks take their heads from the same prefill rank, each
+/// registering on its own; the engine hears once, when all have been served.
+#[derive(Debug)]
+struct Serving {
+    ready: Ready,
+    /// Decode ranks that will ask ([`protocol::decode_ranks_served`], from the first
+    /// registrant's geometry).
+    expected: Option<u32>,
+    /// Consumers being served: a push running, or (pull) blocks lent and not yet released.
+    in_flight: u32,
+    /// Consumers finished, what they moved, the first failure.
+    finished: u32,
+    bytes: u64,
+    transfer_us: u64,
+    failure: Option<(Vec<String>, String)>,
+    /// `TransferStarted` went to the engine.
+    started: bool,
+    /// Pull: when blocks were last lent (the lease for `Released`).
+    lent_since: Option<Instant>,
+}
+
+impl Serving {
+    fn new(ready: Ready) -> Serving {
+        Serving {
+            ready,
+            expected: None,
+            in_flight: 0,
+            finished: 0,
+            bytes: 0,
+            transfer_us: 0,
+            failure: None,
+            started: false,
+            lent_since: None,
+        }
+    }
+}
+
 /// Prefill-side matching of KvReady and Register, in either order.
 #[derive(Debug, Default)]
 struct Matching {
-    ready: HashMap<String, Ready>,
-    registered: HashMap<String, Waiting>,
-    /// Pull: requests whose blocks decode is reading, since when.
-    lent: HashMap<String, Instant>,
+    ready: HashMap<String, Serving>,
+    /// Registrations waiting for their KvReady (several decode ranks may wait for one request).
+    registered: HashMap<String, Vec<Waiting>>,
 }
+
+/// A registration being served: its link, the registration, and the ready KV.
+type Consumer = (Arc<Link>, Registration, Ready);
+
+/// One consumer's result: bytes and microseconds in flight, or failure reasons and a message.
+type Served = Result<(u64, u64), (Vec<String>, String)>;
 
 /// An authenticated, handshaken side-channel connection.
 #[derive(Debug)]
@@ -1163,24 +1206,89 @@ impl Engine {
         link.alive.store(false, Ordering::SeqCst);
         // D is gone: forget its registrations (the P engine's KV stays ready for a retry until
         // its lease ends).
-        lock(&self.matching)
-            .registered
-            .retain(|_, (l, _, _)| !Arc::ptr_eq(l, &link));
+        lock(&self.matching).registered.retain(|_, waiting| {
+            waiting.retain(|(l, _, _)| !Arc::ptr_eq(l, &link));
+            !waiting.is_empty()
+        });
         if let Some(id) = ucx_peer {
             self.shared.ucx.disconnect(id);
         }
     }
 
-    /// Pull: decode has read a request's blocks; the prefill engine may reuse them.
+    /// Pull: a decode rank has read a request's blocks; once every decode rank has, the prefill
+    /// engine may reuse them.
     fn released(&self, request: String, bytes: u64) {
-        if lock(&self.matching).lent.remove(&request).is_some() {
+        let lent = lock(&self.matching)
+            .ready
+            .get(&request)
+            .is_some_and(|s| s.in_flight > 0);
+        if lent {
             self.shared.metrics.transfer_done(Role::Prefill, bytes);
             self.transferred(bytes);
-            self.event(AgentEvent::RequestDone {
+            self.finish(request, Ok((bytes, 0)));
+        }
+    }
+
+    /// Starts serving a ready request to one registration: counts it in flight and says how
+    /// many decode ranks to expect (the first time). `None` when the request is not ready.
+    fn begin(&self, matching: &mut Matching, link: &Arc<Link>, reg: Registration) -> Option<Consumer> {
+        let serving = matching.ready.get_mut(&reg.request)?;
+        if serving.expected.is_none() {
+            serving.expected = Some(protocol::decode_ranks_served(&self.local, &link.peer));
+        }
+        serving.in_flight += 1;
+        if self.reg.mode == pdpair_api::TransferMode::Pull {
+            serving.lent_since = Some(Instant::now());
+        }
+        Some((link.clone(), reg, serving.ready.clone()))
+    }
+
+    /// One consumer of a ready request is done; when all expected are, tell the engine once:
+    /// done (bytes and in-flight time summed) or the first failure.
+    fn finish(&self, request: String, outcome: Served) {
+        let concluded = {
+            let mut matching = lock(&self.matching);
+            let Some(serving) = matching.ready.get_mut(&request) else {
+                return;
+            };
+            serving.in_flight = serving.in_flight.saturating_sub(1);
+            serving.finished += 1;
+            match outcome {
+                Ok((bytes, us)) => {
+                    serving.bytes += bytes;
+                    serving.transfer_us += us;
+                }
+                Err(failure) => {
+                    serving.failure.get_or_insert(failure);
+                }
+            }
+            if serving.finished >= serving.expected.unwrap_or(1) {
+                matching.ready.remove(&request)
+            } else {
+                None
+            }
+        };
+        let Some(serving) = concluded else { return };
+        match serving.failure {
+            Some((reasons, message)) => self.fail(request, reasons, message),
+            None => self.event(AgentEvent::RequestDone {
                 request,
-                bytes,
+                bytes: serving.bytes,
                 checksum: None,
-                transfer_us: None,
+                transfer_us: (self.reg.mode == pdpair_api::TransferMode::Push).then_some(serving.transfer_us),
+            }),
+        }
+    }
+
+    /// `TransferStarted` to the engine, once per request.
+    fn started(&self, request: &str) {
+        let first = lock(&self.matching)
+            .ready
+            .get_mut(request)
+            .is_some_and(|s| !std::mem::replace(&mut s.started, true));
+        if first {
+            self.event(AgentEvent::TransferStarted {
+                request: request.to_owned(),
             });
         }
     }
@@ -1195,16 +1303,18 @@ impl Engine {
             return;
         }
         let mut matching = lock(&self.matching);
-        match matching.ready.remove(&reg.request) {
-            Some(ready) => {
-                drop(matching);
-                self.spawn_transfer(link.clone(), reg, ready);
+        if matching.ready.contains_key(&reg.request) {
+            let consumer = self.begin(&mut matching, link, reg);
+            drop(matching);
+            if let Some(consumer) = consumer {
+                self.spawn_transfer(consumer);
             }
-            None => {
-                matching
-                    .registered
-                    .insert(reg.request.clone(), (link.clone(), reg, Instant::now()));
-            }
+        } else {
+            matching
+                .registered
+                .entry(reg.request.clone())
+                .or_default()
+                .push((link.clone(), reg, Instant::now()));
         }
     }
 
@@ -1231,19 +1341,29 @@ impl Engine {
             first_token,
             since: Instant::now(),
         };
-        let mut matching = lock(&self.matching);
-        match matching.registered.remove(&request) {
-            Some((link, reg, _)) => {
+        let consumers: Vec<Consumer> = {
+            let mut matching = lock(&self.matching);
+            if matching.ready.contains_key(&request) {
                 drop(matching);
-                self.spawn_transfer(link, reg, ready);
+                return self.fail(
+                    request.clone(),
+                    vec!["InvalidRequest".into()],
+                    format!("request {request} is already ready (KvReady twice)"),
+                );
             }
-            None => {
-                matching.ready.insert(request, ready);
-            }
+            matching.ready.insert(request.clone(), Serving::new(ready));
+            let waiting = matching.registered.remove(&request).unwrap_or_default();
+            waiting
+                .into_iter()
+                .filter_map(|(link, reg, _)| self.begin(&mut matching, &link, reg))
+                .collect()
+        };
+        for consumer in consumers {
+            self.spawn_transfer(consumer);
         }
     }
 
-    fn spawn_transfer(self: &Arc<Self>, link: Arc<Link>, reg: Registration, ready: Ready) {
+    fn spawn_transfer(self: &Arc<Self>, (link, reg, ready): Consumer) {
         let e = self.clone();
         thread::spawn(move || e.transfer(&link, reg, ready));
     }
@@ -1280,10 +1400,7 @@ impl Engine {
                 })
                 .collect(),
         });
-        lock(&self.matching).lent.insert(reg.request.clone(), Instant::now());
-        self.event(AgentEvent::TransferStarted {
-            request: reg.request.clone(),
-        });
+        self.started(&reg.request);
         let sent = link.send(&Message::Ready {
             request: reg.request.clone(),
             blocks: ready.blocks,
@@ -1291,11 +1408,10 @@ impl Engine {
             num_tokens: ready.num_tokens,
             sums,
         });
-        if !sent && lock(&self.matching).lent.remove(&reg.request).is_some() {
-            self.fail(
+        if !sent {
+            self.finish(
                 reg.request,
-                vec!["PeerLost".into()],
-                "decode went away before reading".into(),
+                Err((vec!["PeerLost".into()], "decode went away before reading".into())),
             );
         }
     }
@@ -1308,7 +1424,7 @@ impl Engine {
                 reason: reason.into(),
                 message: message.clone(),
             });
-            self.fail(request.clone(), vec![reason.into()], message);
+            self.finish(request.clone(), Err((vec![reason.into()], message)));
         };
         if reg.num_tokens != ready.num_tokens {
             return refuse(
@@ -1330,9 +1446,7 @@ impl Engine {
             return refuse("TransportFailed", "no UCX endpoint".into());
         };
         let ops = self.put_ops(&link.peer.memory, &pairs, link.heads);
-        self.event(AgentEvent::TransferStarted {
-            request: request.clone(),
-        });
+        self.started(&request);
         let sums = (self.reg.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
             block_size: self.layout.block_size,
             first_token: reg.first_token,
@@ -1368,18 +1482,11 @@ impl Engine {
                     sums,
                     bytes,
                 }) {
-                    let transfer_us = Some(took.as_micros() as u64);
-                    self.event(AgentEvent::RequestDone {
-                        request,
-                        bytes,
-                        checksum: None,
-                        transfer_us,
-                    });
+                    self.finish(request, Ok((bytes, took.as_micros() as u64)));
                 } else {
-                    self.fail(
+                    self.finish(
                         request,
-                        vec!["PeerLost".into()],
-                        "decode went away before the completion".into(),
+                        Err((vec!["PeerLost".into()], "decode went away before the completion".into())),
                     );
                 }
             }
@@ -1476,50 +1583,52 @@ impl Engine {
             );
         }
         let lease = self.lease();
-        let expired: Vec<String> = {
+        let pull = self.reg.mode == pdpair_api::TransferMode::Pull;
+        // Ready KV nobody is reading or writing now, past its lease; and (pull) blocks lent to a
+        // decode rank that did not release them in time.
+        let expired: Vec<(String, Serving)> = {
             let ready = &mut lock(&self.matching).ready;
             let ids: Vec<String> = ready
                 .iter()
-                .filter(|(_, r)| r.since.elapsed() >= lease)
-                .map(|(id, _)| id.clone())
-                .collect();
-            ids.into_iter().filter(|id| ready.remove(id).is_some()).collect()
-        };
-        for request in expired {
-            self.shared.metrics.lease_expired();
-            self.fail(
-                request,
-                vec!["LeaseExpired".into()],
-                "no decode engine registered for the request within the lease".into(),
-            );
-        }
-        let unreturned: Vec<String> = {
-            let lent = &mut lock(&self.matching).lent;
-            let ids: Vec<String> = lent
-                .iter()
-                .filter(|(_, at)| at.elapsed() >= lease)
-                .map(|(id, _)| id.clone())
-                .collect();
-            ids.into_iter().filter(|id| lent.remove(id).is_some()).collect()
-        };
-        for request in unreturned {
-            self.shared.metrics.lease_expired();
-            self.fail(
-                request,
-                vec!["LeaseExpired".into()],
-                "decode did not read the request's blocks within the lease".into(),
-            );
-        }
-        let stale: Vec<(Arc<Link>, String)> = {
-            let registered = &mut lock(&self.matching).registered;
-            let ids: Vec<String> = registered
-                .iter()
-                .filter(|(_, (_, _, at))| at.elapsed() >= lease)
+                .filter(|(_, s)| {
+                    (s.in_flight == 0 && s.ready.since.elapsed() >= lease)
+                        || (pull && s.in_flight > 0 && s.lent_since.is_some_and(|at| at.elapsed() >= lease))
+                })
                 .map(|(id, _)| id.clone())
                 .collect();
             ids.into_iter()
-                .filter_map(|id| registered.remove(&id).map(|(l, _, _)| (l, id)))
+                .filter_map(|id| ready.remove(&id).map(|s| (id, s)))
                 .collect()
+        };
+        for (request, serving) in expired {
+            self.shared.metrics.lease_expired();
+            let message = if serving.in_flight > 0 {
+                "decode did not read the request's blocks within the lease".to_owned()
+            } else if serving.finished == 0 {
+                "no decode engine registered for the request within the lease".to_owned()
+            } else {
+                format!(
+                    "{} of {} decode ranks took the request's KV within the lease",
+                    serving.finished,
+                    serving.expected.unwrap_or(1)
+                )
+            };
+            self.fail(request, vec!["LeaseExpired".into()], message);
+        }
+        let stale: Vec<(Arc<Link>, String)> = {
+            let registered = &mut lock(&self.matching).registered;
+            let mut stale = Vec::new();
+            registered.retain(|id, waiting| {
+                waiting.retain(|(link, _, at)| {
+                    let old = at.elapsed() >= lease;
+                    if old {
+                        stale.push((link.clone(), id.clone()));
+                    }
+                    !old
+                });
+                !waiting.is_empty()
+            });
+            stale
         };
         for (link, request) in stale {
             self.shared.metrics.lease_expired();

@@ -210,6 +210,10 @@ pub struct LoopbackArgs {
     /// The pair's own prefill engine's Pod.
     #[arg(long = "prefill-pod")]
     pub prefill_pod: Option<String>,
+    /// Run every tensor-parallel rank of each pool as its own engine (a pool's ranks share its
+    /// agent, as on a node); by default only rank 0 of each.
+    #[arg(long = "all-ranks")]
+    pub all_ranks: bool,
     /// Who allocates each engine's pool: the agent (shared memory peers on the host write with
     /// one copy) or the engine (its own file, registered by the agent).
     #[arg(long = "engine-memory", default_value = "agent", value_parser = ["agent", "engine"])]
@@ -303,6 +307,7 @@ pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageErr
         } else {
             crate::synthetic::EngineMemory::Agent
         },
+        all_ranks: args.all_ranks,
         external: crate::loopback::External {
             decode_agent: args.decode_agent.clone(),
             prefill_agent: args.prefill_agent.clone(),

@@ -46,6 +46,9 @@ pub struct Options {
     pub scatter_blocks: bool,
     /// Who allocates the engines' pools.
     pub engine_memory: EngineMemory,
+    /// Run every tensor-parallel rank of each pool as its own engine (all of a pool's ranks on
+    /// its one agent, as on a node); by default only rank 0 of each.
+    pub all_ranks: bool,
     /// The agent binary (this executable).
     pub agent_bin: PathBuf,
     /// Agents and pods that already run (the demo); by default the scenario starts its own.
@@ -157,10 +160,31 @@ pub struct Report {
 
 struct Prefill {
     name: String,
+    /// Its pool (geometry and parallelism).
+    pool: pdpair_api::PoolSpec,
     agent: Option<Child>,
-    engine: Option<SyntheticEngine>,
-    events: Option<Receiver<AgentEvent>>,
+    /// Its ranks' engines (empty when one could not register).
+    ranks: Vec<SyntheticEngine>,
+    /// Their events, with the rank.
+    events: Option<Receiver<(usize, AgentEvent)>>,
     started: u32,
+}
+
+/// One channel for the events of several engines, each tagged with its index.
+fn readers(engines: &[SyntheticEngine]) -> Option<Receiver<(usize, AgentEvent)>> {
+    let (tx, rx) = mpsc::channel();
+    for (i, engine) in engines.iter().enumerate() {
+        let mut stream = engine.events().ok()?;
+        let tx = tx.clone();
+        thread::spawn(move || {
+            while let Ok(event) = wire::read_frame::<AgentEvent>(&mut stream) {
+                if tx.send((i, event)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    Some(rx)
 }
 
 fn load(path: &Path) -> Result<PDPair, String> {
@@ -205,19 +229,6 @@ fn spawn_agent(opts: &Options, dir: &Path, name: &str, corrupt: bool) -> Result<
     Ok((child, socket))
 }
 
-fn reader(engine: &SyntheticEngine) -> Option<Receiver<AgentEvent>> {
-    let mut stream = engine.events().ok()?;
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        while let Ok(event) = wire::read_frame::<AgentEvent>(&mut stream) {
-            if tx.send(event).is_err() {
-                break;
-            }
-        }
-    });
-    Some(rx)
-}
-
 fn blocks_for(tokens: u64, block: u32) -> u32 {
     tokens.div_ceil(u64::from(block)).max(1) as u32
 }
@@ -251,22 +262,34 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         pair.metadata.name.as_deref().unwrap_or("pair")
     );
     let engine_spec =
-        |role: Role, engine: String, pool: &pdpair_api::PoolSpec, key: &[u8], num_blocks: u32| EngineSpec {
-            pdpair: pdpair.clone(),
-            role,
-            engine,
-            mode: transfer.mode,
-            checksum: transfer.checksum,
-            handshake_timeout_ms: transfer.handshake_timeout.get().as_millis() as u64,
-            lease_ms: transfer.lease_duration.get().as_millis() as u64,
-            parallelism: pool.parallelism.clone(),
-            kv: pool.kv.clone(),
-            pairing_key: key.to_vec(),
-            num_blocks,
-            tensor_rank: 0,
-            memory: opts.engine_memory,
+        |role: Role, engine: String, pool: &pdpair_api::PoolSpec, key: &[u8], num_blocks: u32, tensor_rank: u32| {
+            EngineSpec {
+                pdpair: pdpair.clone(),
+                role,
+                engine,
+                mode: transfer.mode,
+                checksum: transfer.checksum,
+                handshake_timeout_ms: transfer.handshake_timeout.get().as_millis() as u64,
+                lease_ms: transfer.lease_duration.get().as_millis() as u64,
+                parallelism: pool.parallelism.clone(),
+                kv: pool.kv.clone(),
+                pairing_key: key.to_vec(),
+                num_blocks,
+                tensor_rank,
+                memory: opts.engine_memory,
+            }
         };
     let kernel = |pool: &pdpair_api::PoolSpec| u32::try_from(pool.kv.kernel_block_size()).unwrap_or(1).max(1);
+    // Rank 0 of each pool, or every rank (each its own engine) with --all-ranks; rank 0 keeps the
+    // engine's plain name.
+    let ranks = |pool: &pdpair_api::PoolSpec| {
+        if opts.all_ranks {
+            u32::try_from(pool.parallelism.tensor).unwrap_or(1).max(1)
+        } else {
+            1
+        }
+    };
+    let rank_name = |base: String, r: u32| if r == 0 { base } else { format!("{base}-r{r}") };
     let mut agents: Vec<Child> = Vec::new();
     // Decode.
     let d_socket = match &opts.external.decode_agent {
@@ -278,14 +301,23 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         }
     };
     let d_blocks_n = blocks_for(opts.prompt_tokens, kernel(&pair.spec.decode));
-    let mut decode = SyntheticEngine::register_in_pod(
-        &d_socket,
-        dir,
-        &engine_spec(Role::Decode, "decode-0".into(), &pair.spec.decode, &secret, d_blocks_n),
-        opts.external.decode_pod.clone(),
-    )
-    .map_err(|e| format!("the decode engine could not register: {e}"))?;
-    let d_events = reader(&decode).ok_or("cannot read the decode engine's events")?;
+    let mut decode = Vec::new();
+    for r in 0..ranks(&pair.spec.decode) {
+        let spec = engine_spec(
+            Role::Decode,
+            rank_name("decode-0".into(), r),
+            &pair.spec.decode,
+            &secret,
+            d_blocks_n,
+            r,
+        );
+        let pod = opts.external.decode_pod.clone().filter(|_| r == 0);
+        decode.push(
+            SyntheticEngine::register_in_pod(&d_socket, dir, &spec, pod)
+                .map_err(|e| format!("the decode engine (rank {r}) could not register: {e}"))?,
+        );
+    }
+    let d_events = readers(&decode).ok_or("cannot read the decode engines' events")?;
     // Prefills: the pair's own, then --also-prefill, then --foreign-prefill.
     let mut sources: Vec<(PDPair, bool)> = vec![(pair.clone(), false)];
     for p in &opts.also_prefill {
@@ -310,19 +342,25 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         }
         let pool = &manifest.spec.prefill;
         let n = blocks_for(opts.prompt_tokens, kernel(pool));
-        let spec = engine_spec(Role::Prefill, format!("prefill-{i}"), pool, &key, n);
         // An engine the agent refuses to register (an invalid pool) fails its requests.
-        let pod = if i == 0 {
-            opts.external.prefill_pod.clone()
-        } else {
-            None
-        };
-        let engine = SyntheticEngine::register_in_pod(&socket, dir, &spec, pod).ok();
-        let events = engine.as_ref().and_then(reader);
+        let mut engines = Vec::new();
+        for r in 0..ranks(pool) {
+            let spec = engine_spec(Role::Prefill, rank_name(format!("prefill-{i}"), r), pool, &key, n, r);
+            let pod = opts.external.prefill_pod.clone().filter(|_| i == 0 && r == 0);
+            match SyntheticEngine::register_in_pod(&socket, dir, &spec, pod) {
+                Ok(engine) => engines.push(engine),
+                Err(_) => {
+                    engines.clear();
+                    break;
+                }
+            }
+        }
+        let events = readers(&engines);
         prefills.push(Prefill {
             name,
+            pool: pool.clone(),
             agent: child,
-            engine,
+            ranks: engines,
             events,
             started: 0,
         });
@@ -360,48 +398,79 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         let tokens = opts.prompt_tokens;
         let p = &mut prefills[pi];
         let stats = &mut report.per_prefill[pi];
-        let Some(engine) = p.engine.as_mut() else {
+        if p.ranks.is_empty() {
             stats.failed += 1;
             *stats.reasons.entry("RegistrationFailed".into()).or_default() += 1;
             continue;
-        };
-        let p_blocks: Vec<u32> = (0..blocks_for(tokens, engine.layout.block_size)).collect();
-        // Without byte checks (large benchmarks), fill each prefill pool once: the transfer
-        // moves the same bytes either way.
-        if opts.verify_bytes || (r as usize) < n_prefills {
-            engine.fill(seed, &p_blocks, 0, tokens);
         }
-        let _ = engine.send(&EngineRequest::KvReady {
-            request: id.clone(),
-            blocks: p_blocks,
-            num_tokens: tokens,
-            first_token: 0,
-        });
-        let address = engine.address.clone();
+        for engine in &mut p.ranks {
+            let p_blocks: Vec<u32> = (0..blocks_for(tokens, engine.layout.block_size)).collect();
+            // Without byte checks (large benchmarks), fill each prefill pool once: the transfer
+            // moves the same bytes either way.
+            if opts.verify_bytes || (r as usize) < n_prefills {
+                engine.fill(seed, &p_blocks, 0, tokens);
+            }
+            let _ = engine.send(&EngineRequest::KvReady {
+                request: id.clone(),
+                blocks: p_blocks,
+                num_tokens: tokens,
+                first_token: 0,
+            });
+        }
         let d_blocks: Vec<u32> = if opts.scatter_blocks {
             (0..d_blocks_n).rev().collect()
         } else {
             (0..d_blocks_n).collect()
         };
-        if opts.verify_bytes {
-            decode.clear(&d_blocks);
-        }
         let asked = Instant::now();
-        decode
-            .send(&EngineRequest::ExpectKv {
-                request: id.clone(),
-                prefill: address,
-                blocks: d_blocks.clone(),
-                num_tokens: tokens,
-                first_token: 0,
-            })
-            .map_err(|e| format!("the decode agent went away: {e}"))?;
-        // Wait for D's verdict, watching P's events (transfer starts, for --kill-prefill-after).
-        let outcome = loop {
+        for (rank, engine) in decode.iter_mut().enumerate() {
+            if opts.verify_bytes {
+                engine.clear(&d_blocks);
+            }
+            // The prefill ranks holding this rank's heads (of those running).
+            let d_pool = &pair.spec.decode;
+            let mut from: Vec<String> = crate::protocol::prefill_sources(
+                &p.pool.kv,
+                &p.pool.parallelism,
+                &d_pool.kv,
+                &d_pool.parallelism,
+                rank as u32,
+            )
+            .into_iter()
+            .filter_map(|j| p.ranks.get(j as usize).map(|e| e.address.clone()))
+            .collect();
+            if from.is_empty() {
+                from.push(p.ranks[0].address.clone());
+            }
+            let request = if from.len() == 1 {
+                EngineRequest::ExpectKv {
+                    request: id.clone(),
+                    prefill: from.remove(0),
+                    blocks: d_blocks.clone(),
+                    num_tokens: tokens,
+                    first_token: 0,
+                }
+            } else {
+                EngineRequest::ExpectKvFrom {
+                    request: id.clone(),
+                    prefills: from,
+                    blocks: d_blocks.clone(),
+                    num_tokens: tokens,
+                    first_token: 0,
+                }
+            };
+            engine
+                .send(&request)
+                .map_err(|e| format!("the decode agent went away: {e}"))?;
+        }
+        // Wait for every decode rank's verdict, watching P's events (transfer starts, for
+        // --kill-prefill-after, counted on its rank 0).
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; decode.len()];
+        while outcomes.iter().any(Option::is_none) {
             if let Some(rx) = &p.events {
-                while let Ok(ev) = rx.try_recv() {
+                while let Ok((rank, ev)) = rx.try_recv() {
                     match ev {
-                        AgentEvent::TransferStarted { .. } => {
+                        AgentEvent::TransferStarted { .. } if rank == 0 => {
                             p.started += 1;
                             if pi == 0
                                 && opts.kill_prefill_after == Some(p.started)
@@ -419,31 +488,34 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                 }
             }
             match d_events.recv_timeout(Duration::from_millis(2)) {
-                Ok(AgentEvent::RequestDone {
-                    request,
-                    bytes,
-                    checksum,
-                    transfer_us: us,
-                }) if request == id => {
+                Ok((
+                    rank,
+                    AgentEvent::RequestDone {
+                        request,
+                        bytes,
+                        checksum,
+                        transfer_us: us,
+                    },
+                )) if request == id => {
                     // Decode reports its own transfer time when it read the KV (pull).
                     transfer_us += us.unwrap_or(0);
-                    break Ok((bytes, checksum));
+                    outcomes[rank] = Some(Ok((bytes, checksum)));
                 }
-                Ok(AgentEvent::RequestFailed {
-                    request,
-                    reasons,
-                    message,
-                }) if request == id => break Err((reasons, message)),
+                Ok((rank, AgentEvent::RequestFailed { request, reasons, .. })) if request == id => {
+                    outcomes[rank] = Some(Err(reasons));
+                }
                 Ok(_) => {}
                 Err(mpsc::RecvTimeoutError::Timeout) if asked.elapsed() > deadline => {
-                    break Err((vec!["LoopbackTimeout".into()], "no answer from the decode agent".into()));
+                    for o in outcomes.iter_mut().filter(|o| o.is_none()) {
+                        *o = Some(Err(vec!["LoopbackTimeout".into()]));
+                    }
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Err("the decode agent went away".into()),
             }
-        };
+        }
         let ms = asked.elapsed().as_secs_f64() * 1e3;
-        match outcome {
+        match combine(outcomes.into_iter().flatten()) {
             Ok((bytes, checksum)) => {
                 stats.succeeded += 1;
                 report.succeeded += 1;
@@ -455,11 +527,11 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                     Some("Unverified") => report.checksum.unverified += 1,
                     _ => {}
                 }
-                if opts.verify_bytes && decode.verify(seed, &d_blocks, 0, tokens) > 0 {
+                if opts.verify_bytes && decode.iter().any(|d| d.verify(seed, &d_blocks, 0, tokens) > 0) {
                     report.byte_errors += 1;
                 }
             }
-            Err((reasons, _message)) => {
+            Err(reasons) => {
                 let rejected = reasons.iter().any(|r| crate::agent::is_handshake_rejection(r));
                 if rejected {
                     stats.rejected += 1;
@@ -487,7 +559,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
     thread::sleep(Duration::from_millis(50));
     for p in &prefills {
         if let Some(rx) = &p.events {
-            while let Ok(ev) = rx.try_recv() {
+            while let Ok((_, ev)) = rx.try_recv() {
                 if let AgentEvent::RequestDone {
                     transfer_us: Some(us), ..
                 } = ev
@@ -508,7 +580,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
     };
     drop(decode);
     for p in &mut prefills {
-        p.engine = None;
+        p.ranks.clear();
         agents.extend(p.agent.take());
     }
     for mut child in agents {
@@ -516,6 +588,40 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         let _ = child.wait();
     }
     Ok(report)
+}
+
+/// A decode rank's outcome: bytes and checksum outcome, or failure reasons.
+type Outcome = Result<(u64, Option<String>), Vec<String>>;
+
+/// A request's outcome over its decode ranks: done when every rank is (bytes add; the worst
+/// checksum outcome wins), else the ranks' failure reasons, each once.
+fn combine(outcomes: impl Iterator<Item = Outcome>) -> Result<(u64, Option<String>), Vec<String>> {
+    let rank = |c: &Option<String>| match c.as_deref() {
+        Some("Mismatched") => 3,
+        Some("Unverified") => 2,
+        Some(_) => 1,
+        None => 0,
+    };
+    let mut done: (u64, Option<String>) = (0, None);
+    let mut reasons: Vec<String> = Vec::new();
+    for outcome in outcomes {
+        match outcome {
+            Ok((bytes, checksum)) => {
+                done.0 += bytes;
+                if rank(&checksum) > rank(&done.1) {
+                    done.1 = checksum;
+                }
+            }
+            Err(rs) => {
+                for r in rs {
+                    if !reasons.contains(&r) {
+                        reasons.push(r);
+                    }
+                }
+            }
+        }
+    }
+    if reasons.is_empty() { Ok(done) } else { Err(reasons) }
 }
 
 /// Human-readable summary.

@@ -525,6 +525,62 @@ pub fn head_map(prefill: &PeerInfo, decode: &PeerInfo) -> Result<HeadMap, (Vec<S
     Ok(map)
 }
 
+/// The prefill ranks a decode rank takes its KV heads from: the prefill rank that holds all of
+/// them, or, when several do (MLA, or more ranks than heads), the one at `decode_rank` modulo
+/// their count; else every prefill rank holding part of them (the decode rank gathers). Decode
+/// engines dial these (docs/engine-api.md), and a prefill agent counts by it how many decode
+/// ranks will ask for a request's KV. Empty when either geometry is invalid.
+pub fn prefill_sources(
+    prefill_kv: &KvGeometry,
+    prefill: &Parallelism,
+    decode_kv: &KvGeometry,
+    decode: &Parallelism,
+    decode_rank: u32,
+) -> Vec<u32> {
+    use crate::layout::PoolLayout;
+    let Ok(d) = PoolLayout::new(decode_kv, decode, 1, decode_rank) else {
+        return Vec::new();
+    };
+    let t_p = u32::try_from(prefill.tensor).ok().filter(|t| *t > 0).unwrap_or(1);
+    let ranks: Vec<(u32, u32, u32)> = (0..t_p)
+        .filter_map(|r| {
+            PoolLayout::new(prefill_kv, prefill, 1, r)
+                .ok()
+                .map(|p| (r, p.head_offset, p.head_offset + p.local_heads))
+        })
+        .collect();
+    let (d0, d1) = (d.head_offset, d.head_offset + d.local_heads);
+    let holders: Vec<u32> = ranks
+        .iter()
+        .filter(|(_, p0, p1)| *p0 <= d0 && d1 <= *p1)
+        .map(|(r, _, _)| *r)
+        .collect();
+    if !holders.is_empty() {
+        return vec![holders[decode_rank as usize % holders.len()]];
+    }
+    ranks
+        .iter()
+        .filter(|(_, p0, p1)| *p0 < d1 && d0 < *p1)
+        .map(|(r, _, _)| *r)
+        .collect()
+}
+
+/// How many decode ranks take KV from this prefill rank (see [`prefill_sources`]): a prefill
+/// agent serves a ready request to that many registrations before it frees the blocks.
+pub fn decode_ranks_served(prefill: &PeerInfo, decode: &PeerInfo) -> u32 {
+    let t_d = u32::try_from(decode.parallelism.tensor)
+        .ok()
+        .filter(|t| *t > 0)
+        .unwrap_or(1);
+    let n = (0..t_d)
+        .filter(|r| {
+            prefill_sources(&prefill.kv, &prefill.parallelism, &decode.kv, &decode.parallelism, *r)
+                .contains(&prefill.tensor_rank)
+        })
+        .count();
+    u32::try_from(n).unwrap_or(u32::MAX).max(1)
+}
+
 fn heads_fit(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)> {
     let (p, d) = match local.role {
         Role::Prefill => (local, peer),

@@ -290,3 +290,39 @@ fn pull_reads_smaller_prefill_blocks_into_larger_decode_blocks_verified() {
     assert_eq!(v["per_prefill"][0]["reasons"]["BlockSizeNotDivisible"], 2, "{v}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn all_ranks_of_both_pools_move_every_head_verified() {
+    // Every tensor-parallel rank as its own engine, a pool's ranks on its one agent: prefill TP 2
+    // -> decode TP 4 (two decode ranks per prefill rank) and, swapped, TP 4 -> 2 (each decode
+    // rank gathers from two prefill ranks), in push and pull.
+    let dir = tmp("all-ranks");
+    let text = std::fs::read_to_string(examples("compatible-push.yaml")).expect("example");
+    let swapped = text
+        .replace("parallelism: { tensor: 2 }", "parallelism: { tensor: X }")
+        .replace("parallelism: { tensor: 4 }", "parallelism: { tensor: 2 }")
+        .replace("parallelism: { tensor: X }", "parallelism: { tensor: 4 }");
+    for (name, manifest) in [("2-to-4", text.clone()), ("4-to-2", swapped)] {
+        for mode in ["Push", "Pull"] {
+            let path = dir.join(format!("{name}-{mode}.yaml"));
+            std::fs::write(&path, manifest.replace("mode: Push", &format!("mode: {mode}"))).expect("write");
+            let v = run(&[
+                "--pair",
+                &path.to_string_lossy(),
+                "--requests",
+                "2",
+                "--prompt-tokens",
+                "128",
+                "--transport",
+                "shm",
+                "--all-ranks",
+            ]);
+            assert_eq!(count(&v, "succeeded"), 2, "{name} {mode}: {v}");
+            assert_eq!(count(&v["checksum"], "verified"), 2, "{name} {mode}");
+            assert_eq!(count(&v, "byte_errors"), 0, "{name} {mode}");
+            // All 8 heads of every token: 128 tokens x 32 layers x 8 heads x 128 x 2 bytes x K,V.
+            assert_eq!(count(&v, "bytes"), 2 * 128 * 32 * 8 * 128 * 2 * 2, "{name} {mode}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -845,3 +845,79 @@ fn a_stuck_prefill_is_lost_after_missed_heartbeats_not_at_the_deadline() {
         "{event:?}"
     );
 }
+
+#[test]
+fn two_decode_ranks_take_their_heads_from_one_prefill_rank_and_prefill_hears_once() {
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        // 8 KV heads; prefill TP 2 rank 0 holds heads 0..4; decode TP 4 ranks 0 and 1 hold 0..2
+        // and 2..4: both take their heads from that one prefill rank, registering separately.
+        let w = World::new(&format!("two-consumers-{mode:?}"));
+        let (ps, ds) = (w.agent("p", Transport::Shm, false), w.agent("d", Transport::Shm, false));
+        let mut geometry = kv(16, None);
+        geometry.kv_heads = 8;
+        let mut p_spec = spec(Role::Prefill, "p0", geometry.clone(), b"k", ChecksumPolicy::FailClosed);
+        (p_spec.parallelism.tensor, p_spec.mode) = (2, mode);
+        let mut p = SyntheticEngine::register(&ps, &w.dir, &p_spec).expect("P");
+        let mut d: Vec<SyntheticEngine> = (0..2)
+            .map(|r| {
+                let mut s = spec(
+                    Role::Decode,
+                    &format!("d{r}"),
+                    geometry.clone(),
+                    b"k",
+                    ChecksumPolicy::FailClosed,
+                );
+                (s.parallelism.tensor, s.tensor_rank, s.mode) = (4, r, mode);
+                SyntheticEngine::register(&ds, &w.dir, &s).expect("D rank")
+            })
+            .collect();
+        p.fill(5, &[0, 1, 2], 0, 40);
+        p.send(&EngineRequest::KvReady {
+            request: "r".into(),
+            blocks: vec![0, 1, 2],
+            num_tokens: 40,
+            first_token: 0,
+        })
+        .expect("KvReady");
+        let mut bytes = 0;
+        for rank in &mut d {
+            rank.clear(&[4, 5, 6]);
+            rank.send(&EngineRequest::ExpectKv {
+                request: "r".into(),
+                prefill: p.address.clone(),
+                blocks: vec![4, 5, 6],
+                num_tokens: 40,
+                first_token: 0,
+            })
+            .expect("ExpectKv");
+        }
+        for rank in &mut d {
+            let event = rank.next_event().expect("event");
+            match &event {
+                AgentEvent::RequestDone {
+                    checksum: Some(c),
+                    bytes: b,
+                    ..
+                } if c == "Verified" => bytes += b,
+                _ => panic!("{mode:?}: {event:?}"),
+            }
+            assert_eq!(
+                rank.verify(5, &[4, 5, 6], 0, 40),
+                0,
+                "{mode:?}: each rank holds its own heads"
+            );
+        }
+        // Prefill's engine hears once, when both have been served: bytes summed.
+        let finals: Vec<AgentEvent> = std::iter::from_fn(|| p.next_event().ok())
+            .filter(|e| !matches!(e, AgentEvent::TransferStarted { .. }))
+            .take(1)
+            .collect();
+        assert!(
+            matches!(&finals[..], [AgentEvent::RequestDone { bytes: b, .. }] if *b == bytes),
+            "{mode:?}: {finals:?} (decode ranks got {bytes} bytes)"
+        );
+        // Per decode rank: whole blocks (3 x 16 token slots) x 2 heads x 2 layers x 16 x 2 bytes
+        // x K,V.
+        assert_eq!(bytes, 2 * (48 * 2 * 2 * 16 * 2 * 2), "{mode:?}");
+    }
+}

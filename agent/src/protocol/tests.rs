@@ -342,3 +342,37 @@ fn pull_is_served_between_lined_up_ranks_and_one_layout() {
     );
     assert_eq!(p.expect_err("refused").reasons(), vec![AGENT_UNSUPPORTED.to_owned()]);
 }
+
+#[test]
+fn each_decode_rank_has_its_prefill_sources_and_each_prefill_rank_counts_its_decode_ranks() {
+    let with = |role: Role, tp: i32, rank: u32, heads: i32| {
+        let mut i = info(role, 16);
+        i.kv.kv_heads = heads;
+        i.parallelism.tensor = tp;
+        i.tensor_rank = rank;
+        i
+    };
+    let sources = |p: &PeerInfo, d: &PeerInfo, r: u32| prefill_sources(&p.kv, &p.parallelism, &d.kv, &d.parallelism, r);
+    // 8 heads, prefill TP 2 -> decode TP 4: decode ranks 0, 1 from prefill 0; 2, 3 from 1.
+    let (p, d) = (with(Role::Prefill, 2, 0, 8), with(Role::Decode, 4, 0, 8));
+    let got: Vec<Vec<u32>> = (0..4).map(|r| sources(&p, &d, r)).collect();
+    assert_eq!(got, [vec![0], vec![0], vec![1], vec![1]]);
+    assert_eq!(decode_ranks_served(&p, &d), 2);
+    // Prefill TP 4 -> decode TP 2: each decode rank gathers from two prefill ranks; each prefill
+    // rank serves one decode rank.
+    let (p, d) = (with(Role::Prefill, 4, 3, 8), with(Role::Decode, 2, 0, 8));
+    assert_eq!(sources(&p, &d, 0), [0, 1]);
+    assert_eq!(sources(&p, &d, 1), [2, 3]);
+    assert_eq!(decode_ranks_served(&p, &d), 1);
+    // Equal: rank to rank.
+    let (p, d) = (with(Role::Prefill, 2, 1, 8), with(Role::Decode, 2, 0, 8));
+    assert_eq!(sources(&p, &d, 1), [1]);
+    assert_eq!(decode_ranks_served(&p, &d), 1);
+    // More prefill ranks than heads (2 heads, TP 4: ranks 0,1 share head 0, ranks 2,3 head 1),
+    // decode TP 2 (one head each): several prefill ranks hold a decode rank's head; it takes one.
+    // Decode rank r takes holder r mod 2: rank 0 -> prefill 0, rank 1 -> prefill 3.
+    let (p, d) = (with(Role::Prefill, 4, 0, 2), with(Role::Decode, 2, 0, 2));
+    assert_eq!(sources(&p, &d, 0), [0]);
+    assert_eq!(sources(&p, &d, 1), [3]);
+    assert_eq!(decode_ranks_served(&p, &d), 1);
+}
