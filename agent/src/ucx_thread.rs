@@ -75,8 +75,8 @@ pub enum Command {
         rkey: Vec<u8>,
         /// The peer's registered range (address, bytes).
         remote: (u64, u64),
-        /// Peer id.
-        reply: Reply<u64>,
+        /// Peer id, and where the peer's memory is mapped here (when it is).
+        reply: Reply<(u64, Option<u64>)>,
     },
     /// Post WRITEs to a peer, wait for them, flush; `corrupt` flips one byte of the first op's
     /// data in flight (a fault-injection flag for tests).
@@ -175,14 +175,21 @@ impl UcxHandle {
     }
 
     /// See [`Command::Connect`].
-    /// `remote` is the peer's registered range (address, bytes).
+    /// `remote` is the peer's registered range (address, bytes). When UCX mapped the peer's
+    /// memory into this process (shared memory it allocated: puts are plain copies), this faults
+    /// that mapping in, in the calling thread (the handshake's, not the UCX thread, which keeps
+    /// serving other transfers), so the first transfer does not take the page faults.
     pub fn connect(&self, worker_address: Vec<u8>, rkey: Vec<u8>, remote: (u64, u64)) -> Result<u64, String> {
-        self.call(|reply| Command::Connect {
+        let (id, local) = self.call(|reply| Command::Connect {
             worker_address,
             rkey,
             remote,
             reply,
-        })
+        })?;
+        if let Some(local) = local {
+            populate(local, remote.1);
+        }
+        Ok(id)
     }
 
     /// See [`Command::Put`].
@@ -308,16 +315,13 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                     .map_err(|e| e.to_string())
                     .and_then(|ep| {
                         let rkey = ep.unpack_rkey(&rkey).map_err(|e| e.to_string())?;
-                        // When UCX mapped the peer's memory here (it allocated it in shared
-                        // memory), fault that mapping in on the side rather than page by page
-                        // inside the first transfers.
-                        if let Some(local) = rkey.local_ptr(remote.0) {
-                            std::thread::spawn(move || populate(local, remote.1));
-                        }
+                        // Where UCX mapped the peer's memory here (it allocated it in shared
+                        // memory): the caller faults that mapping in before the first transfer.
+                        let local = rkey.local_ptr(remote.0);
                         let id = next_id;
                         next_id += 1;
                         peers.insert(id, Peer { ep, rkey });
-                        Ok(id)
+                        Ok((id, local))
                     });
                 let _ = reply.send(result);
             }
