@@ -1,0 +1,618 @@
+//! The decode side of an engine: asking prefill agents for KV (dialling, authenticating,
+//! handshaking, registering requests), heartbeats, receiving completions and verifying them
+//! against the checksums, and (pull) reading prefill's blocks.
+
+use std::{
+    net::{SocketAddr, TcpStream},
+    sync::{Arc, atomic::Ordering},
+    thread,
+    time::{Duration, Instant},
+};
+
+use pdpair_api::{
+    ChecksumPolicy,
+    checksum::{BlockSums, Outcome, compare_request},
+};
+
+use super::*;
+use crate::{
+    protocol::{self, HandshakeError, MemoryDesc, Message, Registration},
+    ucx_thread::PutOp,
+    wire,
+};
+
+impl Engine {
+    pub(super) fn expect_kv(
+        self: &Arc<Self>,
+        request: String,
+        mut prefills: Vec<String>,
+        blocks: Vec<u32>,
+        num_tokens: u64,
+        first_token: u64,
+    ) {
+        if !self.accept_request(Role::Decode, "ExpectKv", &request, &blocks) {
+            return;
+        }
+        prefills.sort();
+        prefills.dedup();
+        if prefills.is_empty() {
+            return self.fail(request, vec!["InvalidRequest".into()], "no prefill address".into());
+        }
+        for prefill in &prefills {
+            if let Some((reasons, message)) = self.remembered(prefill) {
+                return self.fail(
+                    request,
+                    reasons,
+                    format!("remembered rejection by {prefill}: {message}"),
+                );
+            }
+        }
+        let deadline = Instant::now() + self.handshake_timeout() + self.lease();
+        lock(&self.pending).insert(
+            request.clone(),
+            Pending {
+                prefills: prefills.clone(),
+                parts: HashMap::new(),
+                blocks,
+                num_tokens,
+                first_token,
+                deadline,
+            },
+        );
+        for prefill in prefills {
+            let mut peers = lock(&self.peers);
+            match peers.get_mut(&prefill) {
+                Some(Slot::Connected(link)) => {
+                    let link = link.clone();
+                    drop(peers);
+                    self.send_registration(&link, &request);
+                }
+                Some(Slot::Connecting(queue)) => queue.push(request.clone()),
+                None => {
+                    peers.insert(prefill.clone(), Slot::Connecting(vec![request.clone()]));
+                    drop(peers);
+                    let e = self.clone();
+                    thread::spawn(move || e.connect(prefill));
+                }
+            }
+        }
+    }
+
+    fn remembered(&self, peer: &str) -> Option<(Vec<String>, String)> {
+        let mut cache = lock(&self.shared.rejections);
+        match cache.get(peer) {
+            Some((at, reasons, message)) if at.elapsed() < self.shared.cfg.rejection_ttl => {
+                Some((reasons.clone(), message.clone()))
+            }
+            Some(_) => {
+                cache.remove(peer);
+                None
+            }
+            None => None,
+        }
+    }
+
+    fn send_registration(&self, link: &Link, request: &str) {
+        let reg = lock(&self.pending).get(request).map(|p| Registration {
+            request: request.to_owned(),
+            blocks: p.blocks.clone(),
+            num_tokens: p.num_tokens,
+            first_token: p.first_token,
+        });
+        if let Some(reg) = reg
+            && !link.send(&Message::Register(reg))
+            && lock(&self.pending).remove(request).is_some()
+        {
+            self.fail(
+                request.to_owned(),
+                vec!["PeerLost".into()],
+                format!("cannot reach prefill {}", link.addr),
+            );
+        }
+    }
+
+    fn connect(self: Arc<Self>, addr: String) {
+        let started = Instant::now();
+        let result = self.dial(&addr);
+        let metrics = &self.shared.metrics;
+        match result {
+            Ok(link) => {
+                metrics.handshake("accepted");
+                lock(&self.stats).counters.handshakes_accepted += 1;
+                let link = Arc::new(link);
+                let queued = match lock(&self.peers).insert(addr.clone(), Slot::Connected(link.clone())) {
+                    Some(Slot::Connecting(q)) => q,
+                    _ => Vec::new(),
+                };
+                for request in queued {
+                    self.send_registration(&link, &request);
+                }
+                self.spawn_heartbeat(&link);
+                let e = self.clone();
+                thread::spawn(move || e.read_prefill(link));
+            }
+            Err(err) => {
+                let reasons = err.reasons();
+                for r in &reasons {
+                    metrics.handshake(r);
+                }
+                metrics.reject_latency(started.elapsed());
+                if matches!(
+                    err,
+                    HandshakeError::Rejected { .. } | HandshakeError::Unauthenticated(_)
+                ) {
+                    self.rejected(&addr, reasons.clone(), err.to_string());
+                }
+                tracing::info!(engine = %self.reg.engine, peer = %addr, error = %err, "handshake with prefill failed");
+                if matches!(
+                    err,
+                    HandshakeError::Rejected { .. } | HandshakeError::Unauthenticated(_)
+                ) {
+                    lock(&self.shared.rejections)
+                        .insert(addr.clone(), (Instant::now(), reasons.clone(), err.to_string()));
+                }
+                let queued = match lock(&self.peers).remove(&addr) {
+                    Some(Slot::Connecting(q)) => q,
+                    _ => Vec::new(),
+                };
+                for request in queued {
+                    if lock(&self.pending).remove(&request).is_some() {
+                        self.fail(
+                            request,
+                            reasons.clone(),
+                            format!("handshake with prefill {addr} failed: {err}"),
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn dial(&self, addr: &str) -> Result<Link, HandshakeError> {
+        let sock: SocketAddr = addr
+            .parse()
+            .map_err(|_| HandshakeError::Protocol(format!("bad prefill address {addr:?}")))?;
+        let mut stream = TcpStream::connect_timeout(&sock, self.handshake_timeout()).map_err(wire::FrameError::from)?;
+        stream
+            .set_read_timeout(Some(self.handshake_timeout()))
+            .map_err(wire::FrameError::from)?;
+        stream.set_nodelay(true).map_err(wire::FrameError::from)?;
+        protocol::authenticate_decode(&mut stream, &self.reg.pdpair, &self.key)?;
+        let peer = protocol::handshake_decode(&mut stream, &self.local)?;
+        // Heartbeats: we ping every `heartbeat` and prefill answers, so a read that waits
+        // HEARTBEAT_MISSES of them means prefill is stuck; a write as long means the same.
+        let silence = self.silence_limit();
+        stream.set_read_timeout(Some(silence)).map_err(wire::FrameError::from)?;
+        stream
+            .set_write_timeout(Some(silence))
+            .map_err(wire::FrameError::from)?;
+        // Pull: decode reads from prefill's memory through its own endpoint.
+        let ucx_peer = match self.reg.mode {
+            pdpair_api::TransferMode::Pull => Some(
+                self.shared
+                    .ucx
+                    .connect(
+                        peer.worker_address.clone(),
+                        peer.memory.rkey.clone(),
+                        (peer.memory.base, peer.memory.len),
+                    )
+                    .map_err(HandshakeError::Protocol)?,
+            ),
+            pdpair_api::TransferMode::Push => None,
+        };
+        // Which of prefill's heads are ours (pull reads just those); the handshake checked that
+        // they line up.
+        let heads = protocol::head_map(&peer, &self.local).unwrap_or(protocol::HeadMap {
+            p_first: 0,
+            count: self.layout.local_heads,
+            d_first: 0,
+        });
+        Ok(Link {
+            writer: Mutex::new(stream),
+            alive: AtomicBool::new(true),
+            peer,
+            ucx_peer,
+            addr: addr.to_owned(),
+            heads,
+        })
+    }
+
+    fn silence_limit(&self) -> Duration {
+        self.shared.cfg.heartbeat.min(MAX_HEARTBEAT) * HEARTBEAT_MISSES
+    }
+
+    /// Pings a prefill link every heartbeat while its reader runs.
+    fn spawn_heartbeat(self: &Arc<Self>, link: &Arc<Link>) {
+        let (engine, link) = (Arc::downgrade(self), Arc::downgrade(link));
+        let every = self.shared.cfg.heartbeat.min(MAX_HEARTBEAT);
+        thread::spawn(move || {
+            for seq in 1u64.. {
+                thread::sleep(every);
+                let (Some(engine), Some(link)) = (engine.upgrade(), link.upgrade()) else {
+                    return;
+                };
+                if engine.closed.load(Ordering::SeqCst)
+                    || !link.alive.load(Ordering::SeqCst)
+                    || !link.send(&Message::Ping { seq })
+                {
+                    return;
+                }
+            }
+        });
+    }
+
+    fn read_prefill(self: Arc<Self>, link: Arc<Link>) {
+        let mut reader = match lock(&link.writer).try_clone() {
+            Ok(r) => r,
+            Err(_) => return self.lost(&link, "cannot read the side channel".into()),
+        };
+        loop {
+            match wire::read_frame::<Message>(&mut reader) {
+                Ok(Message::Complete { request, sums, bytes }) => self.complete(&link.addr, request, sums, bytes, None),
+                Ok(Message::Ready {
+                    request,
+                    blocks,
+                    first_token,
+                    num_tokens,
+                    sums,
+                }) => {
+                    let (e, link) = (self.clone(), link.clone());
+                    thread::spawn(move || e.read_kv(&link, request, blocks, first_token, num_tokens, sums));
+                }
+                Ok(Message::Failed {
+                    request,
+                    reason,
+                    message,
+                }) => {
+                    if lock(&self.pending).remove(&request).is_some() {
+                        self.fail(request, vec![reason], message);
+                    }
+                }
+                Ok(Message::Ping { seq }) => {
+                    link.send(&Message::Pong { seq });
+                }
+                Ok(Message::Reject { reasons, message }) => {
+                    link.alive.store(false, Ordering::SeqCst);
+                    return self.refused(&link, reasons, message);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    link.alive.store(false, Ordering::SeqCst);
+                    // Close it: a stuck prefill must not get our later frames.
+                    let _ = lock(&link.writer).shutdown(std::net::Shutdown::Both);
+                    let why = match &e {
+                        wire::FrameError::Io(io)
+                            if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+                        {
+                            format!(
+                                "silent for {:?} ({HEARTBEAT_MISSES} heartbeats unanswered)",
+                                self.silence_limit()
+                            )
+                        }
+                        _ => e.to_string(),
+                    };
+                    return self.lost(&link, why);
+                }
+            }
+        }
+    }
+
+    /// The prefill peer refused us after the handshake (it checks its memory layout against
+    /// ours): fail what waited on it with its reasons, and remember them.
+    fn refused(&self, link: &Link, reasons: Vec<String>, message: String) {
+        self.rejected(&link.addr, reasons.clone(), message.clone());
+        lock(&self.shared.rejections).insert(link.addr.clone(), (Instant::now(), reasons.clone(), message.clone()));
+        for request in self.forget_peer(&link.addr) {
+            self.fail(
+                request,
+                reasons.clone(),
+                format!("prefill {} refused: {message}", link.addr),
+            );
+        }
+    }
+
+    /// Drops the connection slot of a prefill peer and takes the requests that waited on it.
+    fn forget_peer(&self, addr: &str) -> Vec<String> {
+        lock(&self.peers).remove(addr);
+        let mut pending = lock(&self.pending);
+        let ids: Vec<String> = pending
+            .iter()
+            .filter(|(_, p)| p.prefills.iter().any(|a| a == addr))
+            .map(|(id, _)| id.clone())
+            .collect();
+        ids.into_iter().filter(|id| pending.remove(id).is_some()).collect()
+    }
+
+    /// The prefill peer is gone: fail at once everything that waited on it.
+    fn lost(&self, link: &Link, why: String) {
+        let failed = self.forget_peer(&link.addr);
+        if self.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        for request in failed {
+            self.fail(
+                request,
+                vec!["PeerLost".into()],
+                format!("prefill {} ({}) went away: {why}", link.addr, link.peer.agent),
+            );
+        }
+    }
+
+    /// A prefill rank's KV is in place (pushed to us, or read by us in `transfer_us`): verify
+    /// once every rank's part is here.
+    fn complete(&self, from: &str, request: String, sums: Option<BlockSums>, bytes: u64, transfer_us: Option<u64>) {
+        let p = {
+            let mut pending = lock(&self.pending);
+            let Some(p) = pending.get_mut(&request) else { return };
+            p.parts.insert(from.to_owned(), (sums, bytes));
+            if p.parts.len() < p.prefills.len() {
+                return; // more prefill ranks to come
+            }
+            let Some(p) = pending.remove(&request) else { return };
+            p
+        };
+        let bytes: u64 = p.parts.values().map(|(_, b)| *b).sum();
+        // Each prefill rank summed its own heads; checksums add over heads, so the parts' sums
+        // add up to decode's whole-block checksums.
+        let sums = combine(p.parts.values().map(|(s, _)| s.as_ref()));
+        self.shared.metrics.transfer_done(Role::Decode, bytes);
+        self.transferred(bytes);
+        if self.reg.checksum == ChecksumPolicy::Disabled {
+            return self.event(AgentEvent::RequestDone {
+                request,
+                bytes,
+                checksum: None,
+                transfer_us,
+            });
+        }
+        let block = u64::from(self.layout.block_size);
+        let ours = BlockSums {
+            block_size: self.layout.block_size,
+            first_token: p.first_token,
+            sums: p
+                .blocks
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| p.first_token + *i as u64 * block < p.num_tokens)
+                .map(|(i, b)| {
+                    self.layout
+                        .checksum(self.memory(), *b, p.first_token + i as u64 * block, p.num_tokens)
+                        .unwrap_or(0)
+                })
+                .collect(),
+        };
+        let outcome = match &sums {
+            Some(theirs) => compare_request(theirs, &ours, p.num_tokens).outcome(),
+            None => Outcome::Unverified,
+        };
+        self.shared.metrics.checksum(outcome);
+        {
+            let counters = &mut lock(&self.stats).counters;
+            match outcome {
+                Outcome::Verified => counters.checksums_verified += 1,
+                Outcome::Mismatched => counters.checksums_mismatched += 1,
+                Outcome::Unverified => counters.checksums_unverified += 1,
+            }
+        }
+        let name = format!("{outcome:?}");
+        match (outcome, self.reg.checksum) {
+            (Outcome::Verified, _) | (_, ChecksumPolicy::FailOpen) => {
+                if outcome != Outcome::Verified {
+                    tracing::warn!(%request, ?outcome, "KV checksum not verified (FailOpen: accepted)");
+                }
+                self.event(AgentEvent::RequestDone {
+                    request,
+                    bytes,
+                    checksum: Some(name),
+                    transfer_us,
+                });
+            }
+            (Outcome::Mismatched, _) => self.fail(
+                request,
+                vec!["ChecksumMismatch".into()],
+                "received KV does not match prefill's checksums".into(),
+            ),
+            _ => self.fail(
+                request,
+                vec!["ChecksumUnverified".into()],
+                "received KV could not be verified (FailClosed)".into(),
+            ),
+        }
+    }
+
+    /// Pull: read the request's KV from prefill's blocks into ours, then verify it like a push
+    /// completion and release prefill's blocks.
+    fn read_kv(
+        &self,
+        link: &Link,
+        request: String,
+        p_blocks: Vec<u32>,
+        p_first: u64,
+        num_tokens: u64,
+        sums: Option<BlockSums>,
+    ) {
+        let Some(p) = lock(&self.pending)
+            .get(&request)
+            .map(|p| (p.blocks.clone(), p.first_token, p.num_tokens))
+        else {
+            return;
+        };
+        let (d_blocks, d_first, d_tokens) = p;
+        let started = Instant::now();
+        let outcome = if d_tokens != num_tokens {
+            Err((
+                "TokenCountMismatch",
+                format!("decode expects {d_tokens} tokens, prefill computed {num_tokens}"),
+            ))
+        } else {
+            let p_block = u32::try_from(link.peer.kv.kernel_block_size()).unwrap_or(0);
+            self.pull_ops(
+                &link.peer.memory,
+                link.heads,
+                p_block,
+                &p_blocks,
+                p_first,
+                &d_blocks,
+                d_first,
+                num_tokens,
+            )
+            .map_err(|m| ("TokenRangeNotCovered", m))
+            .and_then(|ops| match link.ucx_peer {
+                Some(peer) => self
+                    .shared
+                    .ucx
+                    .get(peer, self.pool.region, ops)
+                    .map_err(|e| ("ReadFailed", format!("reading prefill's blocks failed: {e}"))),
+                None => Err(("TransportFailed", "no UCX endpoint to prefill".into())),
+            })
+        };
+        match outcome {
+            Ok(bytes) => {
+                let took = started.elapsed();
+                link.send(&Message::Released {
+                    request: request.clone(),
+                    bytes,
+                });
+                self.complete(&link.addr, request, sums, bytes, Some(took.as_micros() as u64));
+            }
+            Err((reason, message)) => {
+                link.send(&Message::Released {
+                    request: request.clone(),
+                    bytes: 0,
+                });
+                if lock(&self.pending).remove(&request).is_some() {
+                    self.fail(request, vec![reason.into()], message);
+                }
+            }
+        }
+    }
+
+    /// Pull READs: each of our blocks (starting at `d_first`, `B_d` tokens) gathers the prefill
+    /// blocks (`B_p` tokens, `B_d` a multiple) that start at its tokens, paired by absolute
+    /// position. NHD blocks take each prefill block whole at its token offset; HND blocks take it
+    /// head by head; adjacent reads are merged.
+    #[allow(clippy::too_many_arguments)]
+    fn pull_ops(
+        &self,
+        remote: &MemoryDesc,
+        map: protocol::HeadMap,
+        p_block: u32,
+        p_blocks: &[u32],
+        p_first: u64,
+        d_blocks: &[u32],
+        d_first: u64,
+        num_tokens: u64,
+    ) -> Result<Vec<PutOp>, String> {
+        let (bd, bp) = (u64::from(self.layout.block_size), u64::from(p_block));
+        if bp == 0 || bd % bp != 0 {
+            return Err(format!("decode's block size {bd} is not a multiple of prefill's {bp}"));
+        }
+        let half = self.layout.half_token() as u64;
+        let heads = u64::from(self.layout.local_heads);
+        let base = self.pool.base;
+        let mut ops: Vec<PutOp> = Vec::new();
+        let mut push = |op: PutOp| match ops.last_mut() {
+            Some(last) if last.local + last.len == op.local && last.remote + last.len == op.remote => {
+                last.len += op.len
+            }
+            _ => ops.push(op),
+        };
+        for (i, d) in d_blocks.iter().enumerate() {
+            let t = d_first + i as u64 * bd;
+            if t >= num_tokens {
+                break;
+            }
+            for j in 0..bd / bp {
+                let tj = t + j * bp;
+                if tj >= num_tokens {
+                    break;
+                }
+                if tj < p_first || !(tj - p_first).is_multiple_of(bp) {
+                    return Err(format!(
+                        "token {tj} does not start a prefill block (prefill blocks start at {p_first})"
+                    ));
+                }
+                let Some(pb) = p_blocks.get(((tj - p_first) / bp) as usize) else {
+                    return Err(format!("token {tj} is past prefill's {} blocks", p_blocks.len()));
+                };
+                if *pb >= remote.num_blocks {
+                    return Err(format!(
+                        "prefill block {pb} is outside its {} blocks",
+                        remote.num_blocks
+                    ));
+                }
+                for layer in 0..self.layout.layers {
+                    let (rk, rv) = remote.layers[layer as usize];
+                    for (v, array) in [(false, rk), (true, rv)] {
+                        let dst = base + self.layout.block_offset(layer, v, *d) as u64;
+                        let src = remote.base + array + u64::from(*pb) * remote.block_stride;
+                        match self.layout.layout {
+                            pdpair_api::KvLayout::Nhd => push(PutOp {
+                                local: dst + j * bp * heads * half,
+                                remote: src,
+                                len: bp * heads * half,
+                            }),
+                            pdpair_api::KvLayout::Hnd => {
+                                // Our heads d_first.. come from prefill's p_first.. (all of
+                                // them when tensor parallelism is equal).
+                                for h in 0..u64::from(map.count) {
+                                    let (dh, ph) = (u64::from(map.d_first) + h, u64::from(map.p_first) + h);
+                                    push(PutOp {
+                                        local: dst + (dh * bd + j * bp) * half,
+                                        remote: src + ph * bp * half,
+                                        len: bp * half,
+                                    });
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(ops)
+    }
+
+    /// Fails requests past their deadline.
+    pub(super) fn expire_pending(&self) {
+        let now = Instant::now();
+        let late: Vec<(String, Pending)> = {
+            let mut pending = lock(&self.pending);
+            let ids: Vec<String> = pending
+                .iter()
+                .filter(|(_, p)| p.deadline <= now)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| pending.remove(&id).map(|p| (id, p)))
+                .collect()
+        };
+        for (request, p) in late {
+            self.fail(
+                request,
+                vec!["DeadlineExceeded".into()],
+                format!("no KV from prefill {} before the deadline", p.prefills.join(", ")),
+            );
+        }
+    }
+}
+
+/// Adds prefill ranks' block checksums element by element; `None` when any is missing or they do
+/// not cover the same blocks.
+fn combine<'a>(parts: impl Iterator<Item = Option<&'a BlockSums>>) -> Option<BlockSums> {
+    let mut total: Option<BlockSums> = None;
+    for part in parts {
+        let part = part?;
+        match &mut total {
+            None => total = Some(part.clone()),
+            Some(t) => {
+                if (t.block_size, t.first_token, t.sums.len()) != (part.block_size, part.first_token, part.sums.len()) {
+                    return None;
+                }
+                for (a, b) in t.sums.iter_mut().zip(&part.sums) {
+                    *a = a.wrapping_add(*b);
+                }
+            }
+        }
+    }
+    total
+}

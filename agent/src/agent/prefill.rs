@@ -1,0 +1,677 @@
+//! The prefill side of an engine: accepting decode agents (authenticating, handshaking),
+//! matching their registrations with the engine's ready KV in either order, serving every decode
+//! rank that takes heads from a ready request, and pushing (WRITEs) or lending (pull) its blocks.
+
+use std::{
+    collections::HashMap,
+    net::{TcpListener, TcpStream},
+    sync::{Arc, atomic::Ordering},
+    thread,
+    time::Instant,
+};
+
+use pdpair_api::{ChecksumPolicy, Role, checksum::BlockSums};
+
+use super::*;
+use crate::{
+    protocol::{self, Message, Registration},
+    ucx_thread::PutOp,
+    wire,
+};
+
+/// A P request whose KV is ready.
+#[derive(Clone, Debug)]
+pub(super) struct Ready {
+    blocks: Vec<u32>,
+    num_tokens: u64,
+    first_token: u64,
+    since: Instant,
+}
+
+/// A ready request on prefill, and the decode ranks it serves: with more decode than prefill
+/// tensor-parallel ranks several decode ranks take their heads from the same prefill rank, each
+/// registering on its own; the engine hears once, when all have been served.
+#[derive(Debug)]
+pub(super) struct Serving {
+    ready: Ready,
+    /// Decode ranks that will ask ([`protocol::decode_ranks_served`], from the first
+    /// registrant's geometry).
+    expected: Option<u32>,
+    /// Consumers being served: a push running, or (pull) blocks lent and not yet released.
+    in_flight: u32,
+    /// Consumers finished, what they moved, the first failure.
+    finished: u32,
+    bytes: u64,
+    transfer_us: u64,
+    failure: Option<(Vec<String>, String)>,
+    /// `TransferStarted` went to the engine.
+    started: bool,
+    /// Pull: when blocks were last lent (the lease for `Released`).
+    lent_since: Option<Instant>,
+}
+
+impl Serving {
+    fn new(ready: Ready) -> Serving {
+        Serving {
+            ready,
+            expected: None,
+            in_flight: 0,
+            finished: 0,
+            bytes: 0,
+            transfer_us: 0,
+            failure: None,
+            started: false,
+            lent_since: None,
+        }
+    }
+}
+
+/// Prefill-side matching of KvReady and Register, in either order.
+#[derive(Debug, Default)]
+pub(super) struct Matching {
+    ready: HashMap<String, Serving>,
+    /// Registrations waiting for their KvReady (several decode ranks may wait for one request).
+    registered: HashMap<String, Vec<Waiting>>,
+}
+
+/// A D registration waiting for P's KV: the link it came on, the registration, when.
+type Waiting = (Arc<Link>, Registration, Instant);
+
+/// A registration being served: its link, the registration, and the ready KV.
+pub(super) type Consumer = (Arc<Link>, Registration, Ready);
+
+/// One consumer's result: bytes and microseconds in flight, or failure reasons and a message.
+pub(super) type Served = Result<(u64, u64), (Vec<String>, String)>;
+
+impl Engine {
+    pub(super) fn accept(self: Arc<Self>, listener: TcpListener) {
+        for stream in listener.incoming() {
+            if self.closed.load(Ordering::SeqCst) {
+                break;
+            }
+            let Ok(stream) = stream else { continue };
+            let e = self.clone();
+            thread::spawn(move || e.serve_decode(stream));
+        }
+    }
+
+    fn serve_decode(self: Arc<Self>, mut stream: TcpStream) {
+        let peer_addr = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let _ = stream.set_read_timeout(Some(self.handshake_timeout()));
+        let _ = stream.set_nodelay(true);
+        let key = self.key.clone();
+        let pdpair = self.reg.pdpair.clone();
+        let peer = protocol::authenticate_prefill(&mut stream, |p| (p == pdpair).then(|| key.clone()))
+            .and_then(|_| protocol::handshake_prefill(&mut stream, &self.local));
+        let peer = match peer {
+            Ok(peer) => peer,
+            Err(err) => {
+                for r in err.reasons() {
+                    self.shared.metrics.handshake(&r);
+                }
+                if matches!(
+                    err,
+                    HandshakeError::Rejected { .. } | HandshakeError::Unauthenticated(_)
+                ) {
+                    self.rejected(&peer_addr, err.reasons(), err.to_string());
+                }
+                tracing::info!(engine = %self.reg.engine, peer = %peer_addr, error = %err, "refused a decode agent");
+                return;
+            }
+        };
+        // Which heads go where (checked in the handshake), and so decode's block length.
+        let all = protocol::HeadMap {
+            p_first: 0,
+            count: self.layout.local_heads,
+            d_first: 0,
+        };
+        let heads = protocol::head_map(&self.local, &peer).unwrap_or(all);
+        let expected_block_len = PoolLayout::new(&peer.kv, &peer.parallelism, 1, peer.tensor_rank)
+            .map(|l| l.block_len() as u64)
+            .unwrap_or(0);
+        // Push writes whole (or head-range) blocks of the same size; pull reads into larger ones.
+        let push = self.reg.mode == pdpair_api::TransferMode::Push;
+        if (push && peer.memory.block_len != expected_block_len)
+            || peer.memory.layers.len() != self.layout.layers as usize
+        {
+            let _ = wire::write_frame(
+                &mut stream,
+                &Message::Reject {
+                    reasons: vec!["MemoryLayoutMismatch".into()],
+                    message: "block length or layer count differs".into(),
+                },
+            );
+            return;
+        }
+        // In pull mode decode reads from us: no endpoint of ours writes to it.
+        let connected = if push {
+            self.shared
+                .ucx
+                .connect(
+                    peer.worker_address.clone(),
+                    peer.memory.rkey.clone(),
+                    (peer.memory.base, peer.memory.len),
+                )
+                .map(Some)
+        } else {
+            Ok(None)
+        };
+        let ucx_peer = match connected {
+            Ok(id) => id,
+            Err(e) => {
+                let _ = wire::write_frame(
+                    &mut stream,
+                    &Message::Reject {
+                        reasons: vec!["TransportFailed".into()],
+                        message: e,
+                    },
+                );
+                return;
+            }
+        };
+        self.shared.metrics.handshake("accepted");
+        lock(&self.stats).counters.handshakes_accepted += 1;
+        let Ok(mut reader) = stream.try_clone() else { return };
+        // Decode pings at least every MAX_HEARTBEAT: a decode agent silent much longer is gone.
+        let _ = stream.set_read_timeout(Some(PREFILL_SILENCE_LIMIT));
+        let link = Arc::new(Link {
+            writer: Mutex::new(stream),
+            alive: AtomicBool::new(true),
+            heads,
+            peer,
+            ucx_peer,
+            addr: peer_addr,
+        });
+        loop {
+            match wire::read_frame::<Message>(&mut reader) {
+                Ok(Message::Register(reg)) => self.registration(&link, reg),
+                Ok(Message::Released { request, bytes }) => self.released(request, bytes),
+                Ok(Message::Ping { seq }) => {
+                    link.send(&Message::Pong { seq });
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(engine = %self.reg.engine, peer = %link.addr, error = %e, "decode link ended");
+                    break;
+                }
+            }
+        }
+        link.alive.store(false, Ordering::SeqCst);
+        // D is gone: forget its registrations (the P engine's KV stays ready for a retry until
+        // its lease ends).
+        lock(&self.matching).registered.retain(|_, waiting| {
+            waiting.retain(|(l, _, _)| !Arc::ptr_eq(l, &link));
+            !waiting.is_empty()
+        });
+        if let Some(id) = ucx_peer {
+            self.shared.ucx.disconnect(id);
+        }
+    }
+
+    /// Pull: a decode rank has read a request's blocks; once every decode rank has, the prefill
+    /// engine may reuse them.
+    fn released(&self, request: String, bytes: u64) {
+        let lent = lock(&self.matching)
+            .ready
+            .get(&request)
+            .is_some_and(|s| s.in_flight > 0);
+        if lent {
+            self.shared.metrics.transfer_done(Role::Prefill, bytes);
+            self.transferred(bytes);
+            self.finish(request, Ok((bytes, 0)));
+        }
+    }
+
+    /// Starts serving a ready request to one registration: counts it in flight and says how
+    /// many decode ranks to expect (the first time). `None` when the request is not ready.
+    fn begin(&self, matching: &mut Matching, link: &Arc<Link>, reg: Registration) -> Option<Consumer> {
+        let serving = matching.ready.get_mut(&reg.request)?;
+        if serving.expected.is_none() {
+            serving.expected = Some(protocol::decode_ranks_served(&self.local, &link.peer));
+        }
+        serving.in_flight += 1;
+        if self.reg.mode == pdpair_api::TransferMode::Pull {
+            serving.lent_since = Some(Instant::now());
+        }
+        Some((link.clone(), reg, serving.ready.clone()))
+    }
+
+    /// One consumer of a ready request is done; when all expected are, tell the engine once:
+    /// done (bytes and in-flight time summed) or the first failure.
+    fn finish(&self, request: String, outcome: Served) {
+        let concluded = {
+            let mut matching = lock(&self.matching);
+            let Some(serving) = matching.ready.get_mut(&request) else {
+                return;
+            };
+            serving.in_flight = serving.in_flight.saturating_sub(1);
+            serving.finished += 1;
+            match outcome {
+                Ok((bytes, us)) => {
+                    serving.bytes += bytes;
+                    serving.transfer_us += us;
+                }
+                Err(failure) => {
+                    serving.failure.get_or_insert(failure);
+                }
+            }
+            if serving.finished >= serving.expected.unwrap_or(1) {
+                matching.ready.remove(&request)
+            } else {
+                None
+            }
+        };
+        let Some(serving) = concluded else { return };
+        match serving.failure {
+            Some((reasons, message)) => self.fail(request, reasons, message),
+            None => self.event(AgentEvent::RequestDone {
+                request,
+                bytes: serving.bytes,
+                checksum: None,
+                transfer_us: (self.reg.mode == pdpair_api::TransferMode::Push).then_some(serving.transfer_us),
+            }),
+        }
+    }
+
+    /// `TransferStarted` to the engine, once per request.
+    fn started(&self, request: &str) {
+        let first = lock(&self.matching)
+            .ready
+            .get_mut(request)
+            .is_some_and(|s| !std::mem::replace(&mut s.started, true));
+        if first {
+            self.event(AgentEvent::TransferStarted {
+                request: request.to_owned(),
+            });
+        }
+    }
+
+    fn registration(self: &Arc<Self>, link: &Arc<Link>, reg: Registration) {
+        if let Err(e) = self.check_remote_blocks(link, &reg.blocks) {
+            link.send(&Message::Failed {
+                request: reg.request,
+                reason: "InvalidRequest".into(),
+                message: e,
+            });
+            return;
+        }
+        let mut matching = lock(&self.matching);
+        if matching.ready.contains_key(&reg.request) {
+            let consumer = self.begin(&mut matching, link, reg);
+            drop(matching);
+            if let Some(consumer) = consumer {
+                self.spawn_transfer(consumer);
+            }
+        } else {
+            matching
+                .registered
+                .entry(reg.request.clone())
+                .or_default()
+                .push((link.clone(), reg, Instant::now()));
+        }
+    }
+
+    fn check_remote_blocks(&self, link: &Link, blocks: &[u32]) -> Result<(), String> {
+        if blocks.is_empty() {
+            return Err("no blocks".into());
+        }
+        match blocks.iter().find(|b| **b >= link.peer.memory.num_blocks) {
+            Some(b) => Err(format!(
+                "decode block {b} is outside its {} blocks",
+                link.peer.memory.num_blocks
+            )),
+            None => Ok(()),
+        }
+    }
+
+    pub(super) fn kv_ready(self: &Arc<Self>, request: String, blocks: Vec<u32>, num_tokens: u64, first_token: u64) {
+        if !self.accept_request(Role::Prefill, "KvReady", &request, &blocks) {
+            return;
+        }
+        let ready = Ready {
+            blocks,
+            num_tokens,
+            first_token,
+            since: Instant::now(),
+        };
+        let consumers: Vec<Consumer> = {
+            let mut matching = lock(&self.matching);
+            if matching.ready.contains_key(&request) {
+                drop(matching);
+                return self.fail(
+                    request.clone(),
+                    vec!["InvalidRequest".into()],
+                    format!("request {request} is already ready (KvReady twice)"),
+                );
+            }
+            matching.ready.insert(request.clone(), Serving::new(ready));
+            let waiting = matching.registered.remove(&request).unwrap_or_default();
+            waiting
+                .into_iter()
+                .filter_map(|(link, reg, _)| self.begin(&mut matching, &link, reg))
+                .collect()
+        };
+        for consumer in consumers {
+            self.spawn_transfer(consumer);
+        }
+    }
+
+    fn spawn_transfer(self: &Arc<Self>, (link, reg, ready): Consumer) {
+        let e = self.clone();
+        thread::spawn(move || e.transfer(&link, reg, ready));
+    }
+
+    /// Pull: tell decode where the request's KV is (with our checksums) and hold the blocks until
+    /// it has read them or the lease ends.
+    fn lend(&self, link: &Link, reg: Registration, ready: Ready) {
+        let b = u64::from(self.layout.block_size);
+        let live: Vec<(u32, u64)> = ready
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(i, block)| (*block, ready.first_token + i as u64 * b))
+            .filter(|(_, t)| *t < ready.num_tokens)
+            .collect();
+        let sums = (self.reg.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
+            block_size: self.layout.block_size,
+            first_token: ready.first_token,
+            // Just the heads decode reads (checksums add over heads: a decode rank gathering from
+            // several prefill ranks compares their sum with its whole blocks).
+            sums: live
+                .iter()
+                .map(|(p, t)| {
+                    self.layout
+                        .checksum_heads(
+                            self.memory(),
+                            *p,
+                            *t,
+                            ready.num_tokens,
+                            link.heads.p_first,
+                            link.heads.count,
+                        )
+                        .unwrap_or(0)
+                })
+                .collect(),
+        });
+        self.started(&reg.request);
+        let sent = link.send(&Message::Ready {
+            request: reg.request.clone(),
+            blocks: ready.blocks,
+            first_token: ready.first_token,
+            num_tokens: ready.num_tokens,
+            sums,
+        });
+        if !sent {
+            self.finish(
+                reg.request,
+                Err((vec!["PeerLost".into()], "decode went away before reading".into())),
+            );
+        }
+    }
+
+    fn transfer(&self, link: &Link, reg: Registration, ready: Ready) {
+        let request = reg.request.clone();
+        let refuse = |reason: &str, message: String| {
+            link.send(&Message::Failed {
+                request: request.clone(),
+                reason: reason.into(),
+                message: message.clone(),
+            });
+            self.finish(request.clone(), Err((vec![reason.into()], message)));
+        };
+        if reg.num_tokens != ready.num_tokens {
+            return refuse(
+                "TokenCountMismatch",
+                format!(
+                    "decode expects {} tokens, prefill computed {}",
+                    reg.num_tokens, ready.num_tokens
+                ),
+            );
+        }
+        if self.reg.mode == pdpair_api::TransferMode::Pull {
+            return self.lend(link, reg, ready);
+        }
+        let pairs = match pair_blocks(self.layout.block_size, &ready, &reg) {
+            Ok(p) => p,
+            Err(message) => return refuse("TokenRangeNotCovered", message),
+        };
+        let Some(ucx_peer) = link.ucx_peer else {
+            return refuse("TransportFailed", "no UCX endpoint".into());
+        };
+        let ops = self.put_ops(&link.peer.memory, &pairs, link.heads);
+        self.started(&request);
+        let sums = (self.reg.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
+            block_size: self.layout.block_size,
+            first_token: reg.first_token,
+            sums: pairs
+                .iter()
+                .map(|(p, _, t)| {
+                    self.layout
+                        .checksum_heads(
+                            self.memory(),
+                            *p,
+                            *t,
+                            ready.num_tokens,
+                            link.heads.p_first,
+                            link.heads.count,
+                        )
+                        .unwrap_or(0)
+                })
+                .collect(),
+        });
+        let started = Instant::now();
+        match self
+            .shared
+            .ucx
+            .put(ucx_peer, self.pool.region, ops, self.shared.cfg.corrupt_one_byte)
+        {
+            Ok(bytes) => {
+                let took = started.elapsed();
+                self.shared.metrics.transfer_latency(took);
+                self.shared.metrics.transfer_done(Role::Prefill, bytes);
+                self.transferred(bytes);
+                if link.send(&Message::Complete {
+                    request: request.clone(),
+                    sums,
+                    bytes,
+                }) {
+                    self.finish(request, Ok((bytes, took.as_micros() as u64)));
+                } else {
+                    self.finish(
+                        request,
+                        Err((vec!["PeerLost".into()], "decode went away before the completion".into())),
+                    );
+                }
+            }
+            Err(e) => refuse("WriteFailed", format!("posting the WRITEs failed: {e}")),
+        }
+    }
+
+    /// WRITEs for block pairs (P block, D block, first token), one per layer and K/V, with runs
+    /// of consecutive blocks on both sides coalesced into one put.
+    fn put_ops(&self, remote: &MemoryDesc, pairs: &[(u32, u32, u64)], heads: protocol::HeadMap) -> Vec<PutOp> {
+        let block_len = self.layout.block_len() as u64;
+        let base = self.pool.base;
+        if heads.count != self.layout.local_heads || remote.block_len != block_len {
+            // A head range of our blocks into a head range of decode's (HND: head-major inside a
+            // block, so each range is contiguous): one put per block, layer and K/V.
+            let head_bytes = u64::from(self.layout.block_size) * self.layout.half_token() as u64;
+            let mut ops = Vec::new();
+            for layer in 0..self.layout.layers {
+                let (rk, rv) = remote.layers[layer as usize];
+                for (v, remote_array) in [(false, rk), (true, rv)] {
+                    for (p, d, _) in pairs {
+                        ops.push(PutOp {
+                            local: base
+                                + self.layout.block_offset(layer, v, *p) as u64
+                                + u64::from(heads.p_first) * head_bytes,
+                            len: u64::from(heads.count) * head_bytes,
+                            remote: remote.base
+                                + remote_array
+                                + u64::from(*d) * remote.block_stride
+                                + u64::from(heads.d_first) * head_bytes,
+                        });
+                    }
+                }
+            }
+            return ops;
+        }
+        let mut runs: Vec<(u32, u32, u32)> = Vec::new(); // (p start, d start, count)
+        for (p, d, _) in pairs {
+            match runs.last_mut() {
+                Some((ps, ds, n)) if *ps + *n == *p && *ds + *n == *d => *n += 1,
+                _ => runs.push((*p, *d, 1)),
+            }
+        }
+        let mut ops = Vec::new();
+        for layer in 0..self.layout.layers {
+            let (rk, rv) = remote.layers[layer as usize];
+            for (v, remote_array) in [(false, rk), (true, rv)] {
+                for (ps, ds, n) in &runs {
+                    ops.push(PutOp {
+                        local: base + self.layout.block_offset(layer, v, *ps) as u64,
+                        len: u64::from(*n) * block_len,
+                        remote: remote.base + remote_array + u64::from(*ds) * remote.block_stride,
+                    });
+                }
+            }
+        }
+        ops
+    }
+
+    /// Frees ready KV past its lease and fails registrations that waited past it.
+    pub(super) fn expire_ready(&self) {
+        let lease = self.lease();
+        let pull = self.reg.mode == pdpair_api::TransferMode::Pull;
+        // Ready KV nobody is reading or writing now, past its lease; and (pull) blocks lent to a
+        // decode rank that did not release them in time.
+        let expired: Vec<(String, Serving)> = {
+            let ready = &mut lock(&self.matching).ready;
+            let ids: Vec<String> = ready
+                .iter()
+                .filter(|(_, s)| {
+                    (s.in_flight == 0 && s.ready.since.elapsed() >= lease)
+                        || (pull && s.in_flight > 0 && s.lent_since.is_some_and(|at| at.elapsed() >= lease))
+                })
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| ready.remove(&id).map(|s| (id, s)))
+                .collect()
+        };
+        for (request, serving) in expired {
+            self.shared.metrics.lease_expired();
+            let message = if serving.in_flight > 0 {
+                "decode did not read the request's blocks within the lease".to_owned()
+            } else if serving.finished == 0 {
+                "no decode engine registered for the request within the lease".to_owned()
+            } else {
+                format!(
+                    "{} of {} decode ranks took the request's KV within the lease",
+                    serving.finished,
+                    serving.expected.unwrap_or(1)
+                )
+            };
+            self.fail(request, vec!["LeaseExpired".into()], message);
+        }
+        let stale: Vec<(Arc<Link>, String)> = {
+            let registered = &mut lock(&self.matching).registered;
+            let mut stale = Vec::new();
+            registered.retain(|id, waiting| {
+                waiting.retain(|(link, _, at)| {
+                    let old = at.elapsed() >= lease;
+                    if old {
+                        stale.push((link.clone(), id.clone()));
+                    }
+                    !old
+                });
+                !waiting.is_empty()
+            });
+            stale
+        };
+        for (link, request) in stale {
+            self.shared.metrics.lease_expired();
+            link.send(&Message::Failed {
+                request,
+                reason: "LeaseExpired".into(),
+                message: "the prefill engine did not finish the request within the lease".into(),
+            });
+        }
+    }
+}
+
+/// Pairs D's blocks with P's by absolute token position (never by list length): D block `i`
+/// holds tokens from `reg.first_token + i*B`; the P block holding that token must start exactly
+/// there. Blocks wholly past the request's tokens are skipped. Returns (P block, D block, first
+/// token) for each block to write.
+fn pair_blocks(block_size: u32, ready: &Ready, reg: &Registration) -> Result<Vec<(u32, u32, u64)>, String> {
+    let b = u64::from(block_size);
+    let mut out = Vec::new();
+    for (i, d) in reg.blocks.iter().enumerate() {
+        let t = reg.first_token + i as u64 * b;
+        if t >= reg.num_tokens {
+            break;
+        }
+        if t < ready.first_token || !(t - ready.first_token).is_multiple_of(b) {
+            return Err(format!(
+                "decode block {i} starts at token {t}, which no prefill block starts at (prefill blocks start at {})",
+                ready.first_token
+            ));
+        }
+        let k = ((t - ready.first_token) / b) as usize;
+        let Some(p) = ready.blocks.get(k) else {
+            return Err(format!(
+                "token {t} is past prefill's {} blocks from token {}",
+                ready.blocks.len(),
+                ready.first_token
+            ));
+        };
+        out.push((*p, *d, t));
+    }
+    if out.is_empty() {
+        return Err("no decode block holds any of the request's tokens".into());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ready(first: u64, blocks: Vec<u32>) -> Ready {
+        Ready {
+            blocks,
+            num_tokens: 40,
+            first_token: first,
+            since: Instant::now(),
+        }
+    }
+
+    fn reg(first: u64, blocks: Vec<u32>) -> Registration {
+        Registration {
+            request: "r".into(),
+            blocks,
+            num_tokens: 40,
+            first_token: first,
+        }
+    }
+
+    #[test]
+    fn pairs_by_absolute_token_position_after_a_prefix_hit() {
+        // P computed all 40 tokens in blocks 10..13 (16 tokens each); D already holds the first
+        // 16 tokens (a prefix-cache hit) and asks for two blocks from token 16. Pairing by list
+        // length would send P's first two blocks: wrong. By position: P's blocks 11 and 12.
+        let pairs = pair_blocks(16, &ready(0, vec![10, 11, 12]), &reg(16, vec![5, 6])).expect("pairs");
+        assert_eq!(pairs, vec![(11, 5, 16), (12, 6, 32)]);
+    }
+
+    #[test]
+    fn refuses_misaligned_or_uncovered_ranges() {
+        assert!(pair_blocks(16, &ready(0, vec![1, 2, 3]), &reg(8, vec![5])).is_err());
+        assert!(pair_blocks(16, &ready(16, vec![1, 2]), &reg(0, vec![5])).is_err());
+        assert!(pair_blocks(16, &ready(0, vec![1]), &reg(0, vec![5, 6])).is_err());
+        // Blocks wholly past the request's tokens are skipped, not refused.
+        let pairs = pair_blocks(16, &ready(0, vec![1, 2, 3]), &reg(0, vec![7, 8, 9, 4])).expect("pairs");
+        assert_eq!(pairs.len(), 3);
+    }
+}
