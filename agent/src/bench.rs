@@ -12,6 +12,10 @@ use crate::ucx::{Context, MemRegion, Transport, Worker};
 pub struct PutBandwidth {
     /// `registered` or `allocated`.
     pub target: &'static str,
+    /// Bytes written per round.
+    pub bytes: usize,
+    /// Bytes per put.
+    pub put_bytes: usize,
     /// The first round (pays the target's page faults), GB/s.
     pub first_gb_per_s: f64,
     /// The best later round, GB/s.
@@ -83,6 +87,8 @@ fn one(
     let gb = len as f64 / 1e9;
     Ok(PutBandwidth {
         target,
+        bytes: len,
+        put_bytes: put,
         first_gb_per_s: gb / times[0],
         best_gb_per_s: gb / times[1..].iter().copied().fold(f64::MAX, f64::min),
     })

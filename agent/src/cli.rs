@@ -347,11 +347,7 @@ pub fn bench_put(args: &BenchPutArgs, out: &mut dyn Write) -> Result<(), UsageEr
         writeln!(
             out,
             "target={} bytes={} put_bytes={} first_gb_per_s={:.2} best_gb_per_s={:.2}",
-            b.target,
-            args.mib.max(8) << 20,
-            args.put_kib.max(1) << 10,
-            b.first_gb_per_s,
-            b.best_gb_per_s
+            b.target, b.bytes, b.put_bytes, b.first_gb_per_s, b.best_gb_per_s
         )
         .map_err(|e| UsageError(format!("writing output: {e}")))?;
     }

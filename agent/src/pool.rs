@@ -42,8 +42,6 @@ pub struct Pool {
     /// The registered address: peers address the pool from it, and local ops must lie in
     /// `base..base+len` (for UCX-allocated pools this is UCX's mapping, not `map`).
     pub base: u64,
-    /// Registered bytes.
-    pub len: u64,
     /// UCX region id.
     pub region: u64,
     /// Packed remote key.
@@ -62,23 +60,27 @@ impl Pool {
             .write(true)
             .open(path)
             .map_err(|e| format!("memory_path {path}: {e}"))?;
-        let map = map_populated(&file, path)?;
-        if map.len() < need {
+        let held = file.metadata().map_err(|e| format!("memory_path {path}: {e}"))?.len();
+        if held < need as u64 {
             return Err(format!(
-                "memory_path {path} holds {} bytes; the geometry needs {need}",
-                map.len()
+                "memory_path {path} holds {held} bytes; the geometry needs {need}"
             ));
         }
+        Pool::register_file(ucx, &file, PathBuf::from(path), need, Origin::EngineFile)
+    }
+
+    /// Maps `file` (at least `need` bytes) populated and registers its first `need` bytes.
+    fn register_file(ucx: &UcxHandle, file: &File, path: PathBuf, need: usize, origin: Origin) -> Result<Pool, String> {
+        let map = map_populated(file, &path.to_string_lossy())?;
         let base = map.as_mut_ptr() as u64;
         let (region, rkey) = ucx.map(base, need as u64)?;
         Ok(Pool {
             map,
             base,
-            len: need as u64,
             region,
             rkey,
-            path: PathBuf::from(path),
-            origin: Origin::EngineFile,
+            path,
+            origin,
         })
     }
 
@@ -97,7 +99,6 @@ impl Pool {
                     .map(|map| Pool {
                         map,
                         base: a.addr,
-                        len: a.len,
                         region: a.region,
                         rkey: a.rkey,
                         path,
@@ -134,30 +135,12 @@ impl Pool {
             .create_new(true)
             .open(&path)
             .map_err(|e| format!("pool directory: {}: {e}", path.display()))?;
-        let made = file
-            .set_len(need as u64)
+        file.set_len(need as u64)
             .map_err(|e| format!("{}: {e}", path.display()))
-            .and_then(|()| map_populated(&file, &path.to_string_lossy()))
-            .and_then(|map| {
-                let base = map.as_mut_ptr() as u64;
-                let (region, rkey) = ucx.map(base, need as u64)?;
-                Ok((map, base, region, rkey))
-            });
-        match made {
-            Ok((map, base, region, rkey)) => Ok(Pool {
-                map,
-                base,
-                len: need as u64,
-                region,
-                rkey,
-                path,
-                origin: Origin::AgentFile,
-            }),
-            Err(e) => {
+            .and_then(|()| Pool::register_file(ucx, &file, path.clone(), need, Origin::AgentFile))
+            .inspect_err(|_| {
                 let _ = std::fs::remove_file(&path);
-                Err(e)
-            }
-        }
+            })
     }
 
     /// The pool's bytes, through the agent's own mapping.

@@ -73,8 +73,8 @@ pub enum Command {
         worker_address: Vec<u8>,
         /// The peer's packed rkey.
         rkey: Vec<u8>,
-        /// The peer's registered range (address, bytes).
-        remote: (u64, u64),
+        /// The peer's registered address.
+        remote_base: u64,
         /// Peer id, and where the peer's memory is mapped here (when it is).
         reply: Reply<(u64, Option<u64>)>,
     },
@@ -183,7 +183,7 @@ impl UcxHandle {
         let (id, local) = self.call(|reply| Command::Connect {
             worker_address,
             rkey,
-            remote,
+            remote_base: remote.0,
             reply,
         })?;
         if let Some(local) = local {
@@ -307,7 +307,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
             Command::Connect {
                 worker_address,
                 rkey,
-                remote,
+                remote_base,
                 reply,
             } => {
                 let result = worker
@@ -317,7 +317,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                         let rkey = ep.unpack_rkey(&rkey).map_err(|e| e.to_string())?;
                         // Where UCX mapped the peer's memory here (it allocated it in shared
                         // memory): the caller faults that mapping in before the first transfer.
-                        let local = rkey.local_ptr(remote.0);
+                        let local = rkey.local_ptr(remote_base);
                         let id = next_id;
                         next_id += 1;
                         peers.insert(id, Peer { ep, rkey });

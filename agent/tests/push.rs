@@ -484,6 +484,41 @@ fn registration_with_too_little_memory_is_refused_with_the_sizes() {
     bad.pairing_key = Vec::new();
     let e = SyntheticEngine::register(&s, &w.dir, &bad).expect_err("refused");
     assert!(e.contains("pairing_key"), "{e}");
+    // An engine file smaller than the layout: refused, naming the file and both sizes.
+    let good = spec(Role::Decode, "d1", kv(64, None), b"k", ChecksumPolicy::Disabled);
+    let small = w.dir.join("small.kv");
+    std::fs::write(&small, vec![0u8; 4096]).expect("small file");
+    let mut stream = std::os::unix::net::UnixStream::connect(&s).expect("connect");
+    let reg = pdpair_agent::engine_api::PoolRegistration {
+        pdpair: good.pdpair.clone(),
+        role: good.role,
+        engine: good.engine.clone(),
+        pod: None,
+        mode: good.mode,
+        checksum: good.checksum,
+        handshake_timeout_ms: good.handshake_timeout_ms,
+        lease_ms: good.lease_ms,
+        parallelism: good.parallelism.clone(),
+        kv: good.kv.clone(),
+        pairing_key: "6b".into(),
+        memory_path: Some(small.to_string_lossy().into_owned()),
+        num_blocks: good.num_blocks,
+        tensor_rank: 0,
+    };
+    pdpair_agent::wire::write_frame(&mut stream, &EngineRequest::RegisterPool(Box::new(reg))).expect("send");
+    match pdpair_agent::wire::read_frame::<AgentEvent>(&mut stream).expect("answer") {
+        AgentEvent::RegistrationFailed { message } => {
+            // 2 layers x K,V x 16 blocks x (64 tokens x 2 heads x 16 x 2 bytes).
+            let need = 2 * 2 * 16 * 64 * 2 * 16 * 2;
+            assert!(
+                message.contains("small.kv")
+                    && message.contains("holds 4096 bytes")
+                    && message.contains(&format!("needs {need}")),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 /// Whether a read ended because the peer closed (EOF or reset), not because it timed out.

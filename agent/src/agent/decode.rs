@@ -575,17 +575,7 @@ impl Engine {
     /// Fails requests past their deadline.
     pub(super) fn expire_pending(&self) {
         let now = Instant::now();
-        let late: Vec<(String, Pending)> = {
-            let mut pending = lock(&self.pending);
-            let ids: Vec<String> = pending
-                .iter()
-                .filter(|(_, p)| p.deadline <= now)
-                .map(|(id, _)| id.clone())
-                .collect();
-            ids.into_iter()
-                .filter_map(|id| pending.remove(&id).map(|p| (id, p)))
-                .collect()
-        };
+        let late: Vec<(String, Pending)> = { lock(&self.pending).extract_if(|_, p| p.deadline <= now).collect() };
         for (request, p) in late {
             self.fail(
                 request,

@@ -372,27 +372,7 @@ impl Engine {
             .map(|(i, block)| (*block, ready.first_token + i as u64 * b))
             .filter(|(_, t)| *t < ready.num_tokens)
             .collect();
-        let sums = (self.reg.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
-            block_size: self.layout.block_size,
-            first_token: ready.first_token,
-            // Just the heads decode reads (checksums add over heads: a decode rank gathering from
-            // several prefill ranks compares their sum with its whole blocks).
-            sums: live
-                .iter()
-                .map(|(p, t)| {
-                    self.layout
-                        .checksum_heads(
-                            self.memory(),
-                            *p,
-                            *t,
-                            ready.num_tokens,
-                            link.heads.p_first,
-                            link.heads.count,
-                        )
-                        .unwrap_or(0)
-                })
-                .collect(),
-        });
+        let sums = self.head_sums(link, ready.first_token, ready.num_tokens, live.iter().copied());
         self.started(&reg.request);
         let sent = link.send(&Message::Ready {
             request: reg.request.clone(),
@@ -407,6 +387,29 @@ impl Engine {
                 Err((vec!["PeerLost".into()], "decode went away before reading".into())),
             );
         }
+    }
+
+    /// The checksums (unless Disabled) of our blocks `(block, first token)`, over just the heads
+    /// `link`'s decode rank takes: checksums add over heads, so a decode rank gathering from
+    /// several prefill ranks compares their sum with its whole blocks.
+    fn head_sums(
+        &self,
+        link: &Link,
+        first_token: u64,
+        num_tokens: u64,
+        blocks: impl Iterator<Item = (u32, u64)>,
+    ) -> Option<BlockSums> {
+        (self.reg.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
+            block_size: self.layout.block_size,
+            first_token,
+            sums: blocks
+                .map(|(p, t)| {
+                    self.layout
+                        .checksum_heads(self.memory(), p, t, num_tokens, link.heads.p_first, link.heads.count)
+                        .unwrap_or(0)
+                })
+                .collect(),
+        })
     }
 
     fn transfer(&self, link: &Link, reg: Registration, ready: Ready) {
@@ -440,25 +443,12 @@ impl Engine {
         };
         let ops = self.put_ops(&link.peer.memory, &pairs, link.heads);
         self.started(&request);
-        let sums = (self.reg.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
-            block_size: self.layout.block_size,
-            first_token: reg.first_token,
-            sums: pairs
-                .iter()
-                .map(|(p, _, t)| {
-                    self.layout
-                        .checksum_heads(
-                            self.memory(),
-                            *p,
-                            *t,
-                            ready.num_tokens,
-                            link.heads.p_first,
-                            link.heads.count,
-                        )
-                        .unwrap_or(0)
-                })
-                .collect(),
-        });
+        let sums = self.head_sums(
+            link,
+            reg.first_token,
+            ready.num_tokens,
+            pairs.iter().map(|(p, _, t)| (*p, *t)),
+        );
         let started = Instant::now();
         match self
             .shared
@@ -546,17 +536,12 @@ impl Engine {
         // Ready KV nobody is reading or writing now, past its lease; and (pull) blocks lent to a
         // decode rank that did not release them in time.
         let expired: Vec<(String, Serving)> = {
-            let ready = &mut lock(&self.matching).ready;
-            let ids: Vec<String> = ready
-                .iter()
-                .filter(|(_, s)| {
+            lock(&self.matching)
+                .ready
+                .extract_if(|_, s| {
                     (s.in_flight == 0 && s.ready.since.elapsed() >= lease)
                         || (pull && s.in_flight > 0 && s.lent_since.is_some_and(|at| at.elapsed() >= lease))
                 })
-                .map(|(id, _)| id.clone())
-                .collect();
-            ids.into_iter()
-                .filter_map(|id| ready.remove(&id).map(|s| (id, s)))
                 .collect()
         };
         for (request, serving) in expired {
