@@ -58,6 +58,13 @@ fn count(v: &Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("{key} missing in {v}"))
 }
 
+/// Every one of `n` requests succeeded, its checksums verified and every byte right.
+fn assert_all_verified(v: &Value, n: u64, what: &str) {
+    assert_eq!(count(v, "succeeded"), n, "{what}: {v}");
+    assert_eq!(count(&v["checksum"], "verified"), n, "{what}: {v}");
+    assert_eq!(count(v, "byte_errors"), 0, "{what}: {v}");
+}
+
 #[test]
 fn vllm_cases_are_rejected_at_the_handshake_while_the_compatible_prefill_keeps_being_served() {
     let v = run(&[
@@ -195,9 +202,7 @@ fn shared_memory_transport_moves_and_verifies() {
             memory,
         ]);
         assert_eq!(v["transport"], "shm");
-        assert_eq!(count(&v, "succeeded"), 3, "{memory}: {v}");
-        assert_eq!(count(&v["checksum"], "verified"), 3, "{memory}");
-        assert_eq!(count(&v, "byte_errors"), 0, "{memory}");
+        assert_all_verified(&v, 3, memory);
         // 500 tokens -> 16 blocks of 32 -> 512 tokens x 2 layers x 2 heads x 64 x 2 bytes x K,V.
         assert_eq!(count(&v, "bytes"), 3 * 512 * 2 * 2 * 64 * 2 * 2, "{memory}");
         let _ = std::fs::remove_dir_all(dir);
@@ -217,9 +222,7 @@ fn scattered_decode_blocks_pair_by_position_one_write_per_block() {
         "200",
         "--scatter-blocks",
     ]);
-    assert_eq!(count(&v, "succeeded"), 2, "{v}");
-    assert_eq!(count(&v["checksum"], "verified"), 2);
-    assert_eq!(count(&v, "byte_errors"), 0);
+    assert_all_verified(&v, 2, "scattered");
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -238,9 +241,7 @@ fn unequal_tensor_parallelism_moves_the_decode_ranks_heads_verified() {
     ] {
         let v = run(&["--pair", &pair, "--requests", "3", "--prompt-tokens", "128"]);
         assert_eq!(v["mode"], mode);
-        assert_eq!(count(&v, "succeeded"), 3, "{mode}: {v}");
-        assert_eq!(count(&v["checksum"], "verified"), 3, "{mode}");
-        assert_eq!(count(&v, "byte_errors"), 0, "{mode}");
+        assert_all_verified(&v, 3, mode);
         // 128 tokens x 32 layers x 2 heads x 128 x 2 bytes x K,V.
         assert_eq!(count(&v, "bytes"), 3 * 128 * 32 * 2 * 128 * 2 * 2, "{mode}");
     }
@@ -271,9 +272,7 @@ fn pull_reads_smaller_prefill_blocks_into_larger_decode_blocks_verified() {
                 transport,
             ]);
             assert_eq!(v["mode"], "Pull");
-            assert_eq!(count(&v, "succeeded"), 3, "{layout} {transport}: {v}");
-            assert_eq!(count(&v["checksum"], "verified"), 3, "{layout} {transport}: {v}");
-            assert_eq!(count(&v, "byte_errors"), 0, "{layout} {transport}: {v}");
+            assert_all_verified(&v, 3, &format!("{layout} {transport}"));
         }
     }
     // The vLLM pull case that cannot work, decode blocks smaller than prefill's, is refused at
@@ -317,9 +316,7 @@ fn all_ranks_of_both_pools_move_every_head_verified() {
                 "shm",
                 "--all-ranks",
             ]);
-            assert_eq!(count(&v, "succeeded"), 2, "{name} {mode}: {v}");
-            assert_eq!(count(&v["checksum"], "verified"), 2, "{name} {mode}");
-            assert_eq!(count(&v, "byte_errors"), 0, "{name} {mode}");
+            assert_all_verified(&v, 2, &format!("{name} {mode}"));
             // All 8 heads of every token: 128 tokens x 32 layers x 8 heads x 128 x 2 bytes x K,V.
             assert_eq!(count(&v, "bytes"), 2 * 128 * 32 * 8 * 128 * 2 * 2, "{name} {mode}");
         }
