@@ -40,10 +40,11 @@ use crate::{
     layout::PoolLayout,
     metrics::Metrics,
     pool::{self, Pool},
-    protocol::{self, HandshakeError, MemoryDesc, Message, PeerInfo},
+    protocol::{self, HandshakeError, MemoryDesc, Message, PeerInfo, Reason},
+    reason,
     ucx::Transport,
     ucx_thread::UcxHandle,
-    wire::{self, hex_bytes},
+    wire::{self, Sealer, hex_bytes},
 };
 
 /// Agent settings.
@@ -93,15 +94,57 @@ pub struct Agent {
 }
 
 /// A remembered rejection: when, the reasons, the message.
-type Remembered = (Instant, Vec<String>, String);
+type Remembered = (Instant, Vec<Reason>, String);
+
+/// Connections accepted on a side-channel listener that have not authenticated yet, at most
+/// this many per agent...
+pub const MAX_UNAUTHENTICATED: usize = 64;
+/// ...and this many from one source address. More are closed at once, before reading a byte.
+pub const MAX_UNAUTHENTICATED_PER_SOURCE: usize = 8;
 
 #[derive(Debug)]
 struct Shared {
     cfg: AgentConfig,
     ucx: UcxHandle,
     metrics: Arc<Metrics>,
-    /// Peer address -> (when, reasons, message): rejections are remembered, no retry storm.
-    rejections: Mutex<HashMap<String, Remembered>>,
+    /// Unauthenticated side-channel connections by source address (the pre-auth budget).
+    unauthenticated: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// One unauthenticated connection counted against the pre-auth budget until dropped.
+#[derive(Debug)]
+struct PreAuth {
+    shared: Arc<Shared>,
+    source: IpAddr,
+}
+
+impl PreAuth {
+    /// A slot for a connection from `source`, or `None` when the budget is spent.
+    fn take(shared: &Arc<Shared>, source: IpAddr) -> Option<PreAuth> {
+        let mut counts = lock(&shared.unauthenticated);
+        let total: usize = counts.values().sum();
+        let here = counts.get(&source).copied().unwrap_or(0);
+        if total >= MAX_UNAUTHENTICATED || here >= MAX_UNAUTHENTICATED_PER_SOURCE {
+            return None;
+        }
+        *counts.entry(source).or_default() += 1;
+        Some(PreAuth {
+            shared: shared.clone(),
+            source,
+        })
+    }
+}
+
+impl Drop for PreAuth {
+    fn drop(&mut self) {
+        let mut counts = lock(&self.shared.unauthenticated);
+        if let Some(n) = counts.get_mut(&self.source) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                counts.remove(&self.source);
+            }
+        }
+    }
 }
 
 impl Agent {
@@ -120,7 +163,7 @@ impl Agent {
                 cfg,
                 ucx,
                 metrics,
-                rejections: Mutex::new(HashMap::new()),
+                unauthenticated: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -246,7 +289,7 @@ pub struct EngineStats {
     /// Handshakes, transfers, bytes, checksum outcomes.
     pub counters: pdpair_api::TransferCounters,
     /// The last handshake rejection: (unix seconds, peer, reasons, message).
-    pub last_rejection: Option<(i64, String, Vec<String>, String)>,
+    pub last_rejection: Option<(i64, String, Vec<Reason>, String)>,
 }
 
 /// A D request waiting for its KV.
@@ -257,6 +300,8 @@ struct Pending {
     prefills: Vec<String>,
     /// Completions received so far, by prefill address: (checksums, bytes).
     parts: HashMap<String, (Option<BlockSums>, u64)>,
+    /// Pull: the prefill addresses whose `Ready` is being read (a second one is refused).
+    reading: Vec<String>,
     blocks: Vec<u32>,
     num_tokens: u64,
     first_token: u64,
@@ -266,7 +311,10 @@ struct Pending {
 /// An authenticated, handshaken side-channel connection.
 #[derive(Debug)]
 struct Link {
-    writer: Mutex<TcpStream>,
+    /// The stream and the session's sealer: every frame we send is sealed.
+    writer: Mutex<(TcpStream, Sealer)>,
+    /// This link's id (unique in the process): requests are owned by the link they came on.
+    id: u64,
     /// Cleared when the link's reader stops: nothing more is sent on it.
     alive: AtomicBool,
     peer: PeerInfo,
@@ -280,8 +328,19 @@ struct Link {
 
 impl Link {
     fn send(&self, m: &Message) -> bool {
-        wire::write_frame(&mut *lock(&self.writer), m).is_ok()
+        let mut w = lock(&self.writer);
+        let (stream, sealer) = &mut *w;
+        wire::write_sealed(stream, sealer, m).is_ok()
     }
+
+    fn close(&self) {
+        let _ = lock(&self.writer).0.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+fn next_link_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 #[derive(Debug)]
@@ -305,6 +364,10 @@ struct Engine {
     // Decode side.
     pending: Mutex<HashMap<String, Pending>>,
     peers: Mutex<HashMap<String, Slot>>,
+    /// Prefill address -> (when, reasons, message): this engine's remembered rejections (no
+    /// retry storm; another engine on the agent has its own, so one engine's bad key or
+    /// misrouted rank never blocks another).
+    rejections: Mutex<HashMap<String, Remembered>>,
     // Prefill side.
     /// KV ready on this P engine and D registrations waiting for it, under one lock: matching
     /// them is check-and-insert across both maps, which must be atomic (with two locks a
@@ -327,7 +390,12 @@ impl Engine {
         if reg.num_blocks == 0 {
             return Err("num_blocks must be at least 1".into());
         }
-        let need = layout.region_len();
+        let need = layout.region_len_checked().ok_or_else(|| {
+            format!(
+                "num_blocks {} with this geometry ({} layers x K,V x {} heads x {} tokens x {} x {} bytes) overflows the address space",
+                reg.num_blocks, layout.layers, layout.local_heads, layout.block_size, layout.head_dim, layout.element_bytes
+            )
+        })?;
         let pool = match reg.memory_path.as_deref().filter(|p| !p.is_empty()) {
             Some(path) => Pool::engine_file(&shared.ucx, path, need).map_err(|e| {
                 format!(
@@ -389,6 +457,7 @@ impl Engine {
             stats: Mutex::new(EngineStats::default()),
             pending: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
+            rejections: Mutex::new(HashMap::new()),
             matching: Mutex::new(Matching::default()),
         });
         if let Some(listener) = listener {
@@ -402,16 +471,16 @@ impl Engine {
         send(&self.writer, &event);
     }
 
-    fn fail(&self, request: String, reasons: Vec<String>, message: String) {
+    fn fail(&self, request: String, reasons: Vec<Reason>, message: String) {
         for r in &reasons {
-            self.shared.metrics.request_failed(self.reg.role, r);
+            self.shared.metrics.request_failed(self.reg.role, *r);
         }
-        if !reasons.iter().any(|r| is_handshake_rejection(r)) {
+        if !reasons.iter().any(|r| r.is_handshake_rejection()) {
             lock(&self.stats).counters.transfers_failed += 1;
         }
         self.event(AgentEvent::RequestFailed {
             request,
-            reasons,
+            reasons: reason::names(&reasons),
             message,
         });
     }
@@ -422,7 +491,7 @@ impl Engine {
         counters.bytes = counters.bytes.saturating_add(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
-    fn rejected(&self, peer: &str, reasons: Vec<String>, message: String) {
+    fn rejected(&self, peer: &str, reasons: Vec<Reason>, message: String) {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs() as i64);
@@ -451,13 +520,13 @@ impl Engine {
     /// Whether a request from the engine fits its role and pool; fails it otherwise.
     fn accept_request(&self, role: Role, what: &str, request: &str, blocks: &[u32]) -> bool {
         let problem = if self.reg.role != role {
-            Some(("WrongRole", format!("{what} is for {role} engines")))
+            Some((Reason::WrongRole, format!("{what} is for {role} engines")))
         } else {
-            self.check_blocks(blocks).err().map(|e| ("InvalidRequest", e))
+            self.check_blocks(blocks).err().map(|e| (Reason::InvalidRequest, e))
         };
         match problem {
             Some((reason, message)) => {
-                self.fail(request.to_owned(), vec![reason.into()], message);
+                self.fail(request.to_owned(), vec![reason], message);
                 false
             }
             None => true,
@@ -507,7 +576,7 @@ impl Engine {
         }
         for (_, slot) in lock(&self.peers).drain() {
             if let Slot::Connected(link) = slot {
-                let _ = lock(&link.writer).shutdown(std::net::Shutdown::Both);
+                link.close();
             }
         }
         lock(&self.pending).clear();
@@ -515,19 +584,8 @@ impl Engine {
     }
 }
 
-/// Whether a failure reason is a refused handshake (authentication or the rule table), as opposed
-/// to a failed transfer.
+/// Whether a failure reason (by name) is a refused handshake (authentication or the rule
+/// table), as opposed to a failed transfer.
 pub fn is_handshake_rejection(reason: &str) -> bool {
-    reason == protocol::UNAUTHENTICATED
-        || pdpair_api::Reason::ALL.iter().any(|r| r.as_str() == reason)
-        || matches!(
-            reason,
-            "RoleMismatch"
-                | "TransferSettingsMismatch"
-                | "VersionMismatch"
-                | "PairMismatch"
-                | "MemoryLayoutMismatch"
-                | "WrongTensorRank"
-                | protocol::AGENT_UNSUPPORTED
-        )
+    Reason::parse(reason).is_handshake_rejection()
 }

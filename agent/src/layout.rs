@@ -90,12 +90,31 @@ impl PoolLayout {
         self.block_size as usize * self.local_heads as usize * self.half_token()
     }
 
+    /// [`PoolLayout::block_len`], or `None` when it overflows 64 bits.
+    pub fn block_len_checked(&self) -> Option<u64> {
+        u64::from(self.block_size)
+            .checked_mul(u64::from(self.local_heads))?
+            .checked_mul(u64::from(self.head_dim))?
+            .checked_mul(u64::from(self.element_bytes))
+    }
+
+    /// [`PoolLayout::region_len`], or `None` when it overflows (or does not fit this machine's
+    /// address space): such a geometry is refused at registration, before anything is sliced.
+    pub fn region_len_checked(&self) -> Option<usize> {
+        let len = self
+            .block_len_checked()?
+            .checked_mul(u64::from(self.num_blocks))?
+            .checked_mul(2)?
+            .checked_mul(u64::from(self.layers))?;
+        usize::try_from(len).ok().filter(|l| *l <= isize::MAX as usize)
+    }
+
     /// Bytes of one K (or V) array.
     fn array_len(&self) -> usize {
         self.num_blocks as usize * self.block_len()
     }
 
-    /// Bytes of the whole pool.
+    /// Bytes of the whole pool (callers check [`PoolLayout::region_len_checked`] first).
     pub fn region_len(&self) -> usize {
         2 * self.layers as usize * self.array_len()
     }

@@ -14,6 +14,7 @@ pub mod loopback;
 pub mod metrics;
 pub mod pool;
 pub mod protocol;
+pub mod reason;
 pub mod synthetic;
 pub mod ucx;
 pub mod ucx_thread;

@@ -4,6 +4,8 @@
 use std::time::Duration;
 
 use pdpair_api::{Role, checksum::Outcome};
+
+use crate::reason::Reason;
 use prometheus::{Encoder, Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
 
 /// The agent's metrics.
@@ -16,6 +18,7 @@ pub struct Metrics {
     failures: IntCounterVec,
     checksums: IntCounterVec,
     leases: IntCounterVec,
+    foreign: IntCounterVec,
     transfer_seconds: Histogram,
     reject_seconds: Histogram,
     /// Engines registered now.
@@ -53,6 +56,11 @@ impl Metrics {
                 &["outcome"],
             ),
             leases: counter("lease_expiries_total", "Prefill holds that expired", &[]),
+            foreign: counter(
+                "foreign_answers_total",
+                "Answers (Complete, Ready, Failed, Released) ignored because the link does not own the request",
+                &[],
+            ),
             transfer_seconds: histogram(
                 "transfer_duration_seconds",
                 "Time from posting a request's WRITEs to their flush",
@@ -74,6 +82,7 @@ impl Metrics {
             Box::new(m.failures.clone()),
             Box::new(m.checksums.clone()),
             Box::new(m.leases.clone()),
+            Box::new(m.foreign.clone()),
             Box::new(m.transfer_seconds.clone()),
             Box::new(m.reject_seconds.clone()),
             Box::new(m.registrations.clone()),
@@ -83,9 +92,19 @@ impl Metrics {
         m
     }
 
-    /// Counts a handshake outcome.
-    pub fn handshake(&self, outcome: &str) {
-        self.handshakes.with_label_values(&[outcome]).inc();
+    /// Counts an accepted handshake (`outcome="accepted"`).
+    pub fn handshake_accepted(&self) {
+        self.handshakes.with_label_values(&["accepted"]).inc();
+    }
+
+    /// Counts a refused or failed handshake under its reason (a closed set).
+    pub fn handshake_refused(&self, reason: Reason) {
+        self.handshakes.with_label_values(&[reason.as_str()]).inc();
+    }
+
+    /// Counts an answer ignored because its link does not own the request.
+    pub fn foreign_answer(&self) {
+        self.foreign.with_label_values::<&str>(&[]).inc();
     }
 
     /// Counts a completed transfer.
@@ -95,8 +114,8 @@ impl Metrics {
     }
 
     /// Counts a failed request.
-    pub fn request_failed(&self, role: Role, reason: &str) {
-        self.failures.with_label_values(&[role.as_str(), reason]).inc();
+    pub fn request_failed(&self, role: Role, reason: Reason) {
+        self.failures.with_label_values(&[role.as_str(), reason.as_str()]).inc();
     }
 
     /// Counts a checksum outcome.

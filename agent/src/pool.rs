@@ -188,6 +188,32 @@ pub fn mapping_path(addr: u64) -> Option<PathBuf> {
     })
 }
 
+/// Whether `addr..addr+len` is mapped in this process without a hole, from `/proc/self/maps`.
+pub fn mapped(addr: u64, len: u64) -> bool {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    let Some(end) = addr.checked_add(len) else { return false };
+    let mut at = addr;
+    // Lines are sorted by address: walk the runs that cover `at` until `end`.
+    for line in maps.lines() {
+        let Some((range, _)) = line.split_once(' ') else {
+            continue;
+        };
+        let Some((s, e)) = range.split_once('-') else { continue };
+        let (Ok(s), Ok(e)) = (u64::from_str_radix(s, 16), u64::from_str_radix(e, 16)) else {
+            continue;
+        };
+        if s <= at && at < e {
+            at = e;
+            if at >= end {
+                return true;
+            }
+        }
+    }
+    false
+}
+
 /// The uid and gid of the process at the other end of a Unix socket (`SO_PEERCRED`).
 #[allow(unsafe_code)]
 pub fn peer_owner(stream: &UnixStream) -> Option<(u32, u32)> {

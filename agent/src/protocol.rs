@@ -1,15 +1,23 @@
-//! The push protocol's side channel: messages, mutual authentication and the handshake.
-//! `docs/protocol.md` is the specification; this module is its implementation.
+//! The push protocol's side channel: messages, mutual authentication, sessions and the
+//! handshake. `docs/protocol.md` is the specification; this module is its implementation.
 //!
 //! Order on every connection, initiated by the decode (D) agent towards the prefill (P) agent:
 //! 1. authentication: `Hello` (D: version, PDPair, nonce) -> `Challenge` (P: nonce, proof) ->
 //!    `Proof` (D) -> `AuthOk` (P). Proofs are HMAC-SHA256 over both fresh nonces with the pair's
 //!    secret and a role label, so the secret never crosses the wire, a replayed answer fails, and a
 //!    proof cannot be reflected. Either side that fails the other sends `Reject{Unauthenticated}`
-//!    and closes **before** any geometry, address or memory key is sent;
-//! 2. handshake: `Handshake` (D) -> `Handshake` (P). Each side checks the pair with the rule table
-//!    (`pdpair_api::check_pools`) before using anything in the peer's message; a failure is a
-//!    `Reject` naming the rule reasons, then close.
+//!    and closes **before** any geometry, address or memory key is sent. These frames are at most
+//!    [`wire::MAX_PREAUTH_FRAME`] bytes, and nothing the unauthenticated side says (its reasons
+//!    are parsed into the closed [`Reason`] set; its text is dropped) reaches a metric, a status or
+//!    an engine;
+//! 2. session: both sides derive one key per direction with HKDF-SHA256 from the secret, both
+//!    nonces, the PDPair and the direction ([`Session`]); every later frame is sealed
+//!    ([`wire::write_sealed`]), so a relay that forwarded the proofs cannot change, drop, replay
+//!    or inject a frame;
+//! 3. handshake: `Handshake` (D) -> `Handshake` (P), sealed. Each side checks the pair with the
+//!    rule table (`pdpair_api::check_pools`) and the peer's memory description against its own
+//!    geometry before using anything in the peer's message; a failure is a `Reject` naming the
+//!    reasons, then close.
 
 use std::io::{Read, Write};
 
@@ -20,16 +28,18 @@ use pdpair_api::{
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-use crate::wire::{self, FrameError, hex_bytes};
+pub use crate::reason::Reason;
+use crate::{
+    reason,
+    wire::{self, FrameError, Opener, Sealer, hex_bytes},
+};
 
-/// The protocol version this agent speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// The protocol version this agent speaks (2: sealed frames after authentication).
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Bytes of a nonce.
 pub const NONCE_LEN: usize = 32;
-/// The reason sent when authentication fails.
-pub const UNAUTHENTICATED: &str = "Unauthenticated";
-/// The reason sent when the rule table admits a pair this agent cannot serve yet.
-pub const AGENT_UNSUPPORTED: &str = "AgentUnsupported";
+/// The most bytes of a UCX worker address or packed remote key accepted from a peer.
+pub const MAX_UCX_BLOB: usize = 8 << 10;
 
 /// One side-channel message.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -82,7 +92,7 @@ pub enum Message {
         /// Request id.
         request: String,
         /// Stable reason.
-        reason: String,
+        reason: Reason,
         /// Detail.
         message: String,
     },
@@ -108,8 +118,8 @@ pub enum Message {
     },
     /// Either way: the connection is refused; then the sender closes.
     Reject {
-        /// Stable reasons: `Unauthenticated`, rule-table reasons, or protocol reasons.
-        reasons: Vec<String>,
+        /// Stable reasons.
+        reasons: Vec<Reason>,
         /// Detail.
         message: String,
     },
@@ -176,6 +186,112 @@ pub struct MemoryDesc {
     pub layers: Vec<(u64, u64)>,
 }
 
+impl MemoryDesc {
+    /// Checks a peer's description against the geometry it claims (`kv`, `parallelism`, its
+    /// rank): the block length and layer count it implies, every block of every array inside
+    /// `base..base+len` (checked arithmetic), and a key UCX can parse. Nothing in a peer's
+    /// description is used before this passes.
+    pub fn check(&self, kv: &KvGeometry, parallelism: &Parallelism, rank: u32) -> Result<(), String> {
+        let layout = crate::layout::PoolLayout::new(kv, parallelism, self.num_blocks, rank).map_err(|e| e.0)?;
+        if self.num_blocks == 0 {
+            return Err("memory.num_blocks is 0".into());
+        }
+        let block_len = layout
+            .block_len_checked()
+            .ok_or("the geometry's block length overflows")?;
+        if self.block_len != block_len {
+            return Err(format!(
+                "memory.block_len is {}; the geometry's block is {block_len} bytes",
+                self.block_len
+            ));
+        }
+        if self.block_stride < self.block_len {
+            return Err(format!(
+                "memory.block_stride {} is less than memory.block_len {}",
+                self.block_stride, self.block_len
+            ));
+        }
+        if self.layers.len() != layout.layers as usize {
+            return Err(format!(
+                "memory.layers has {} entries; the geometry has {} layers",
+                self.layers.len(),
+                layout.layers
+            ));
+        }
+        if self.base.checked_add(self.len).is_none() {
+            return Err(format!(
+                "memory.base {:#x} + memory.len {} overflows",
+                self.base, self.len
+            ));
+        }
+        // The end of an array's last block, from the array's offset.
+        let array_end = u64::from(self.num_blocks - 1)
+            .checked_mul(self.block_stride)
+            .and_then(|o| o.checked_add(self.block_len))
+            .ok_or("memory.num_blocks x memory.block_stride overflows")?;
+        for (i, (k, v)) in self.layers.iter().enumerate() {
+            for (what, offset) in [("K", k), ("V", v)] {
+                if offset.checked_add(array_end).is_none_or(|end| end > self.len) {
+                    return Err(format!(
+                        "memory.layers[{i}] {what} array at offset {offset} ends past memory.len {}",
+                        self.len
+                    ));
+                }
+            }
+        }
+        check_rkey(&self.rkey)
+    }
+
+    /// Whether `addr..addr+len` lies inside the region (checked arithmetic).
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.base && addr.checked_add(len).is_some_and(|end| end <= self.base + self.len)
+    }
+}
+
+/// Checks a packed UCX remote key's structure before UCX parses it: UCX 1.13 packs a 64-bit map
+/// of memory domains, a memory-type byte, then per domain in the map a length byte and that many
+/// bytes. The key must hold exactly that (an empty or truncated key would make UCX read past it).
+pub fn check_rkey(rkey: &[u8]) -> Result<(), String> {
+    if rkey.len() < 9 || rkey.len() > MAX_UCX_BLOB {
+        return Err(format!(
+            "memory.rkey is {} bytes; a UCX key is 9..={MAX_UCX_BLOB}",
+            rkey.len()
+        ));
+    }
+    let mut map = [0u8; 8];
+    map.copy_from_slice(&rkey[..8]);
+    let domains = u64::from_le_bytes(map).count_ones();
+    if domains == 0 {
+        return Err("memory.rkey names no memory domain".into());
+    }
+    let mut at = 9usize;
+    for _ in 0..domains {
+        let Some(n) = rkey.get(at) else {
+            return Err(format!("memory.rkey ends after {} of its {domains} domains", at));
+        };
+        at += 1 + usize::from(*n);
+    }
+    if at != rkey.len() {
+        return Err(format!(
+            "memory.rkey is {} bytes; its {domains} domains take {at}",
+            rkey.len()
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a peer's UCX worker address before UCX parses it: present and bounded. (UCX's address
+/// format is internal; UCX itself checks the rest, within the bytes given.)
+pub fn check_worker_address(address: &[u8]) -> Result<(), String> {
+    if address.len() < 8 || address.len() > MAX_UCX_BLOB {
+        return Err(format!(
+            "worker_address is {} bytes; a UCX worker address is 8..={MAX_UCX_BLOB}",
+            address.len()
+        ));
+    }
+    Ok(())
+}
+
 /// D's registration of one request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Registration {
@@ -198,11 +314,11 @@ pub enum HandshakeError {
     /// Authentication failed (either side).
     #[error("Unauthenticated: {0}")]
     Unauthenticated(String),
-    /// The peer or we rejected the pair; reasons are stable codes.
-    #[error("rejected [{}]: {message}", reasons.join(", "))]
+    /// The peer or we rejected the pair.
+    #[error("rejected [{}]: {message}", reason::names(reasons).join(", "))]
     Rejected {
         /// Stable reasons.
-        reasons: Vec<String>,
+        reasons: Vec<Reason>,
         /// Detail.
         message: String,
     },
@@ -213,13 +329,66 @@ pub enum HandshakeError {
 
 impl HandshakeError {
     /// The stable reasons for a request that waited on this connection.
-    pub fn reasons(&self) -> Vec<String> {
+    pub fn reasons(&self) -> Vec<Reason> {
         match self {
-            HandshakeError::Unauthenticated(_) => vec![UNAUTHENTICATED.into()],
+            HandshakeError::Unauthenticated(_) => vec![Reason::Unauthenticated],
             HandshakeError::Rejected { reasons, .. } => reasons.clone(),
-            HandshakeError::Frame(_) => vec!["HandshakeFailed".into()],
-            HandshakeError::Protocol(_) => vec!["ProtocolError".into()],
+            HandshakeError::Frame(FrameError::BadTag(_)) => vec![Reason::ProtocolError],
+            HandshakeError::Frame(_) => vec![Reason::HandshakeFailed],
+            HandshakeError::Protocol(_) => vec![Reason::ProtocolError],
         }
+    }
+}
+
+/// An authenticated session: the sealing key of our direction and the opening key of the
+/// peer's, each HKDF-SHA256(salt = D nonce | P nonce, secret, "pdpair/2 session" | PDPair |
+/// direction).
+#[derive(Debug)]
+pub struct Session {
+    /// Seals what we send.
+    pub sealer: Sealer,
+    /// Opens what the peer sends.
+    pub opener: Opener,
+}
+
+fn session_key(secret: &[u8], pdpair: &str, d_nonce: &[u8], p_nonce: &[u8], direction: &str) -> [u8; 32] {
+    let salt = [d_nonce, p_nonce].concat();
+    let hk = hkdf::Hkdf::<Sha256>::new(Some(&salt), secret);
+    let mut info = Vec::new();
+    for part in [b"pdpair/2 session".as_slice(), pdpair.as_bytes(), direction.as_bytes()] {
+        info.extend_from_slice(&(part.len() as u64).to_be_bytes());
+        info.extend_from_slice(part);
+    }
+    let mut key = [0u8; 32];
+    // 32 bytes is far below HKDF-SHA256's 8160-byte limit: expand cannot fail.
+    hk.expand(&info, &mut key)
+        .unwrap_or_else(|_| unreachable!("32 bytes is a valid HKDF-SHA256 output length"));
+    key
+}
+
+impl Session {
+    /// The session of `role`'s side.
+    pub fn derive(role: Role, secret: &[u8], pdpair: &str, d_nonce: &[u8], p_nonce: &[u8]) -> Session {
+        let d_to_p = session_key(secret, pdpair, d_nonce, p_nonce, "decode->prefill");
+        let p_to_d = session_key(secret, pdpair, d_nonce, p_nonce, "prefill->decode");
+        let (send, recv) = match role {
+            Role::Decode => (d_to_p, p_to_d),
+            Role::Prefill => (p_to_d, d_to_p),
+        };
+        Session {
+            sealer: Sealer::new(send),
+            opener: Opener::new(recv),
+        }
+    }
+
+    /// Sends one sealed message.
+    pub fn send(&mut self, w: &mut impl Write, m: &Message) -> Result<(), FrameError> {
+        wire::write_sealed(w, &mut self.sealer, m)
+    }
+
+    /// Reads one sealed message.
+    pub fn recv(&mut self, r: &mut impl Read) -> Result<Message, FrameError> {
+        wire::read_sealed(r, &mut self.opener, wire::MAX_FRAME)
     }
 }
 
@@ -263,7 +432,8 @@ pub fn nonce() -> Result<Vec<u8>, HandshakeError> {
     Ok(n)
 }
 
-fn reject(stream: &mut (impl Read + Write), reasons: Vec<String>, message: String) -> HandshakeError {
+/// Before authentication: a plain `Reject`, then the error.
+fn reject_plain(stream: &mut (impl Read + Write), reasons: Vec<Reason>, message: String) -> HandshakeError {
     let _ = wire::write_frame(
         stream,
         &Message::Reject {
@@ -271,27 +441,58 @@ fn reject(stream: &mut (impl Read + Write), reasons: Vec<String>, message: Strin
             message: message.clone(),
         },
     );
-    if reasons.iter().any(|r| r == UNAUTHENTICATED) {
+    rejected(reasons, message)
+}
+
+/// After authentication: a sealed `Reject`, then the error.
+fn reject_sealed(
+    stream: &mut (impl Read + Write),
+    session: &mut Session,
+    reasons: Vec<Reason>,
+    message: String,
+) -> HandshakeError {
+    let _ = session.send(
+        stream,
+        &Message::Reject {
+            reasons: reasons.clone(),
+            message: message.clone(),
+        },
+    );
+    rejected(reasons, message)
+}
+
+fn rejected(reasons: Vec<Reason>, message: String) -> HandshakeError {
+    if reasons.contains(&Reason::Unauthenticated) {
         HandshakeError::Unauthenticated(message)
     } else {
         HandshakeError::Rejected { reasons, message }
     }
 }
 
-fn unexpected(what: &str, got: &Message) -> HandshakeError {
+/// An unexpected frame before authentication: a peer's `Reject` keeps only its reasons, parsed
+/// into the closed set (its text is the unauthenticated peer's choice, so it is dropped).
+fn unexpected_preauth(what: &str, got: &Message) -> HandshakeError {
     match got {
-        Message::Reject { reasons, message } if reasons.iter().any(|r| r == UNAUTHENTICATED) => {
-            HandshakeError::Unauthenticated(message.clone())
-        }
-        Message::Reject { reasons, message } => HandshakeError::Rejected {
-            reasons: reasons.clone(),
-            message: message.clone(),
-        },
+        Message::Reject { reasons, .. } => rejected(
+            reason::from_peer(reasons.iter().copied()),
+            format!("the peer refused before authentication (while we waited for {what})"),
+        ),
         other => HandshakeError::Protocol(format!("expected {what}, got {}", kind(other))),
     }
 }
 
-fn kind(m: &Message) -> &'static str {
+/// An unexpected frame from an authenticated peer: its `Reject` text is kept, escaped and cut.
+fn unexpected(what: &str, got: &Message) -> HandshakeError {
+    match got {
+        Message::Reject { reasons, message } => {
+            rejected(reason::from_peer(reasons.iter().copied()), reason::peer_text(message))
+        }
+        other => HandshakeError::Protocol(format!("expected {what}, got {}", kind(other))),
+    }
+}
+
+/// The message's type name (for logs: never the peer's text).
+pub fn kind(m: &Message) -> &'static str {
     match m {
         Message::Hello { .. } => "Hello",
         Message::Challenge { .. } => "Challenge",
@@ -309,12 +510,16 @@ fn kind(m: &Message) -> &'static str {
     }
 }
 
-/// D's side of authentication.
+fn read_preauth(stream: &mut impl Read) -> Result<Message, FrameError> {
+    wire::read_frame_max(stream, wire::MAX_PREAUTH_FRAME)
+}
+
+/// D's side of authentication; returns the session.
 pub fn authenticate_decode(
     stream: &mut (impl Read + Write),
     pdpair: &str,
     secret: &[u8],
-) -> Result<(), HandshakeError> {
+) -> Result<Session, HandshakeError> {
     let d_nonce = nonce()?;
     wire::write_frame(
         stream,
@@ -324,24 +529,24 @@ pub fn authenticate_decode(
             nonce: d_nonce.clone(),
         },
     )?;
-    let (p_nonce, p_proof) = match wire::read_frame(stream)? {
+    let (p_nonce, p_proof) = match read_preauth(stream)? {
         Message::Challenge { version, nonce, proof } if version == PROTOCOL_VERSION => (nonce, proof),
         Message::Challenge { version, .. } => {
-            return Err(reject(
+            return Err(reject_plain(
                 stream,
-                vec!["VersionMismatch".into()],
+                vec![Reason::VersionMismatch],
                 format!("peer speaks version {version}, we speak {PROTOCOL_VERSION}"),
             ));
         }
-        other => return Err(unexpected("Challenge", &other)),
+        other => return Err(unexpected_preauth("Challenge", &other)),
     };
     if p_nonce.len() != NONCE_LEN
         || p_nonce == d_nonce
         || !verify(secret, Role::Prefill, pdpair, &d_nonce, &p_nonce, &p_proof)
     {
-        return Err(reject(
+        return Err(reject_plain(
             stream,
-            vec![UNAUTHENTICATED.into()],
+            vec![Reason::Unauthenticated],
             "the prefill agent's proof does not match this PDPair's secret".into(),
         ));
     }
@@ -351,34 +556,35 @@ pub fn authenticate_decode(
             proof: proof(secret, Role::Decode, pdpair, &d_nonce, &p_nonce),
         },
     )?;
-    match wire::read_frame(stream)? {
-        Message::AuthOk => Ok(()),
-        other => Err(unexpected("AuthOk", &other)),
+    match read_preauth(stream)? {
+        Message::AuthOk => Ok(Session::derive(Role::Decode, secret, pdpair, &d_nonce, &p_nonce)),
+        other => Err(unexpected_preauth("AuthOk", &other)),
     }
 }
 
 /// P's side of authentication; `secret_for` maps a PDPair (`namespace/name`) to its secret.
-/// Returns the PDPair.
+/// Returns the PDPair and the session.
 pub fn authenticate_prefill(
     stream: &mut (impl Read + Write),
     secret_for: impl Fn(&str) -> Option<Vec<u8>>,
-) -> Result<String, HandshakeError> {
-    let (pdpair, d_nonce) = match wire::read_frame(stream)? {
+) -> Result<(String, Session), HandshakeError> {
+    let (pdpair, d_nonce) = match read_preauth(stream)? {
         Message::Hello { version, pdpair, nonce } if version == PROTOCOL_VERSION => (pdpair, nonce),
         Message::Hello { version, .. } => {
-            return Err(reject(
+            return Err(reject_plain(
                 stream,
-                vec!["VersionMismatch".into()],
+                vec![Reason::VersionMismatch],
                 format!("peer speaks version {version}, we speak {PROTOCOL_VERSION}"),
             ));
         }
-        other => return Err(unexpected("Hello", &other)),
+        other => return Err(unexpected_preauth("Hello", &other)),
     };
     let Some(secret) = secret_for(&pdpair).filter(|_| d_nonce.len() == NONCE_LEN) else {
-        return Err(reject(
+        // The PDPair name is the unauthenticated peer's text: not echoed into our error.
+        return Err(reject_plain(
             stream,
-            vec![UNAUTHENTICATED.into()],
-            format!("no engine of PDPair {pdpair} is registered here"),
+            vec![Reason::Unauthenticated],
+            "the decode agent named a PDPair no engine here serves".into(),
         ));
     };
     let p_nonce = nonce()?;
@@ -391,17 +597,18 @@ pub fn authenticate_prefill(
             proof: p_proof,
         },
     )?;
-    match wire::read_frame(stream)? {
+    match read_preauth(stream)? {
         Message::Proof { proof } if verify(&secret, Role::Decode, &pdpair, &d_nonce, &p_nonce, &proof) => {
             wire::write_frame(stream, &Message::AuthOk)?;
-            Ok(pdpair)
+            let session = Session::derive(Role::Prefill, &secret, &pdpair, &d_nonce, &p_nonce);
+            Ok((pdpair, session))
         }
-        Message::Proof { .. } => Err(reject(
+        Message::Proof { .. } => Err(reject_plain(
             stream,
-            vec![UNAUTHENTICATED.into()],
+            vec![Reason::Unauthenticated],
             "the decode agent's proof does not match this PDPair's secret".into(),
         )),
-        other => Err(unexpected("Proof", &other)),
+        other => Err(unexpected_preauth("Proof", &other)),
     }
 }
 
@@ -426,25 +633,29 @@ pub fn check_peer(local: &PeerInfo, peer: &PeerInfo) -> Verdict {
     )
 }
 
-fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)> {
+fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<Reason>, String)> {
     if peer.version != PROTOCOL_VERSION {
         return Some((
-            vec!["VersionMismatch".into()],
+            vec![Reason::VersionMismatch],
             format!("peer speaks version {}, we speak {PROTOCOL_VERSION}", peer.version),
         ));
     }
     if peer.pdpair != local.pdpair {
         return Some((
-            vec!["PairMismatch".into()],
-            format!("peer serves PDPair {}, we serve {}", peer.pdpair, local.pdpair),
+            vec![Reason::PairMismatch],
+            format!(
+                "peer serves PDPair {}, we serve {}",
+                reason::peer_text(&peer.pdpair),
+                local.pdpair
+            ),
         ));
     }
     if peer.role == local.role {
-        return Some((vec!["RoleMismatch".into()], format!("both engines are {}", local.role)));
+        return Some((vec![Reason::RoleMismatch], format!("both engines are {}", local.role)));
     }
     if (peer.mode, peer.checksum) != (local.mode, local.checksum) {
         return Some((
-            vec!["TransferSettingsMismatch".into()],
+            vec![Reason::TransferSettingsMismatch],
             format!(
                 "peer runs {:?}/{:?}, we run {:?}/{:?}",
                 peer.mode, peer.checksum, local.mode, local.checksum
@@ -454,7 +665,7 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)> {
     let verdict = check_peer(local, peer);
     if !verdict.allowed() {
         return Some((
-            verdict.reasons().iter().map(|r| r.as_str().to_owned()).collect(),
+            verdict.reasons().iter().map(|r| Reason::Rule(*r)).collect(),
             verdict.to_string(),
         ));
     }
@@ -462,9 +673,14 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)> {
     // handshake instead of failing later.
     // Pull converts block sizes (decode reads several prefill blocks into one of its own) and
     // head ranges, not layouts.
+    if let Err(e) = check_worker_address(&peer.worker_address)
+        .and_then(|()| peer.memory.check(&peer.kv, &peer.parallelism, peer.tensor_rank))
+    {
+        return Some((vec![Reason::MemoryLayoutMismatch], format!("the peer's memory: {e}")));
+    }
     if local.mode == TransferMode::Pull && peer.kv.layout != local.kv.layout {
         return Some((
-            vec![AGENT_UNSUPPORTED.into()],
+            vec![Reason::AgentUnsupported],
             "pull needs one KV layout on both sides in this agent version".into(),
         ));
     }
@@ -486,10 +702,10 @@ pub struct HeadMap {
 /// The heads a prefill rank writes into a decode rank. With unequal tensor parallelism one
 /// side's head range must contain the other's: a decode rank takes part of one prefill rank's
 /// heads, or gathers whole prefill ranks (one connection each).
-pub fn head_map(prefill: &PeerInfo, decode: &PeerInfo) -> Result<HeadMap, (Vec<String>, String)> {
+pub fn head_map(prefill: &PeerInfo, decode: &PeerInfo) -> Result<HeadMap, (Vec<Reason>, String)> {
     let layout = |p: &PeerInfo| {
         crate::layout::PoolLayout::new(&p.kv, &p.parallelism, 1, p.tensor_rank)
-            .map_err(|e| (vec!["InvalidRequest".to_owned()], e.to_string()))
+            .map_err(|e| (vec![Reason::InvalidRequest], e.to_string()))
     };
     let (pl, dl) = (layout(prefill)?, layout(decode)?);
     let (p0, p1) = (pl.head_offset, pl.head_offset + pl.local_heads);
@@ -508,7 +724,7 @@ pub fn head_map(prefill: &PeerInfo, decode: &PeerInfo) -> Result<HeadMap, (Vec<S
         }
     } else {
         return Err((
-            vec!["WrongTensorRank".into()],
+            vec![Reason::WrongTensorRank],
             format!(
                 "decode rank {} holds KV heads {d0}..{d1} and prefill rank {} holds {p0}..{p1}: neither contains the other; connect the ranks whose heads line up",
                 decode.tensor_rank, prefill.tensor_rank
@@ -518,7 +734,7 @@ pub fn head_map(prefill: &PeerInfo, decode: &PeerInfo) -> Result<HeadMap, (Vec<S
     let partial = map.count != pl.local_heads || map.count != dl.local_heads;
     if partial && (prefill.kv.layout != pdpair_api::KvLayout::Hnd || decode.kv.layout != pdpair_api::KvLayout::Hnd) {
         return Err((
-            vec![AGENT_UNSUPPORTED.into()],
+            vec![Reason::AgentUnsupported],
             "moving part of a block's heads needs the HND layout on both sides".into(),
         ));
     }
@@ -581,7 +797,7 @@ pub fn decode_ranks_served(prefill: &PeerInfo, decode: &PeerInfo) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX).max(1)
 }
 
-fn heads_fit(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)> {
+fn heads_fit(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<Reason>, String)> {
     let (p, d) = match local.role {
         Role::Prefill => (local, peer),
         Role::Decode => (peer, local),
@@ -589,29 +805,37 @@ fn heads_fit(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<String>, String)>
     head_map(p, d).err()
 }
 
-/// D's side of the handshake: send ours, then check P's before using any of it.
-pub fn handshake_decode(stream: &mut (impl Read + Write), local: &PeerInfo) -> Result<PeerInfo, HandshakeError> {
-    wire::write_frame(stream, &Message::Handshake(Box::new(local.clone())))?;
-    let peer = match wire::read_frame(stream)? {
+/// D's side of the handshake (sealed): send ours, then check P's before using any of it.
+pub fn handshake_decode(
+    stream: &mut (impl Read + Write),
+    session: &mut Session,
+    local: &PeerInfo,
+) -> Result<PeerInfo, HandshakeError> {
+    session.send(stream, &Message::Handshake(Box::new(local.clone())))?;
+    let peer = match session.recv(stream)? {
         Message::Handshake(peer) => *peer,
         other => return Err(unexpected("Handshake", &other)),
     };
     if let Some((reasons, message)) = refuse(local, &peer) {
-        return Err(reject(stream, reasons, message));
+        return Err(reject_sealed(stream, session, reasons, message));
     }
     Ok(peer)
 }
 
-/// P's side of the handshake: check D's before answering with ours.
-pub fn handshake_prefill(stream: &mut (impl Read + Write), local: &PeerInfo) -> Result<PeerInfo, HandshakeError> {
-    let peer = match wire::read_frame(stream)? {
+/// P's side of the handshake (sealed): check D's before answering with ours.
+pub fn handshake_prefill(
+    stream: &mut (impl Read + Write),
+    session: &mut Session,
+    local: &PeerInfo,
+) -> Result<PeerInfo, HandshakeError> {
+    let peer = match session.recv(stream)? {
         Message::Handshake(peer) => *peer,
         other => return Err(unexpected("Handshake", &other)),
     };
     if let Some((reasons, message)) = refuse(local, &peer) {
-        return Err(reject(stream, reasons, message));
+        return Err(reject_sealed(stream, session, reasons, message));
     }
-    wire::write_frame(stream, &Message::Handshake(Box::new(local.clone())))?;
+    session.send(stream, &Message::Handshake(Box::new(local.clone())))?;
     Ok(peer)
 }
 

@@ -73,8 +73,8 @@ pub enum Command {
         worker_address: Vec<u8>,
         /// The peer's packed rkey.
         rkey: Vec<u8>,
-        /// The peer's registered address.
-        remote_base: u64,
+        /// The peer's registered range (address, bytes): every op's remote side must lie in it.
+        remote: (u64, u64),
         /// Peer id, and where the peer's memory is mapped here (when it is).
         reply: Reply<(u64, Option<u64>)>,
     },
@@ -179,11 +179,22 @@ impl UcxHandle {
     /// memory into this process (shared memory it allocated: puts are plain copies), this faults
     /// that mapping in, in the calling thread (the handshake's, not the UCX thread, which keeps
     /// serving other transfers), so the first transfer does not take the page faults.
+    ///
+    /// The key and address are a peer's bytes: they are length- and structure-checked here,
+    /// before UCX parses them, and the range must not wrap.
     pub fn connect(&self, worker_address: Vec<u8>, rkey: Vec<u8>, remote: (u64, u64)) -> Result<u64, String> {
+        crate::protocol::check_worker_address(&worker_address)?;
+        crate::protocol::check_rkey(&rkey)?;
+        if remote.0.checked_add(remote.1).is_none() || remote.1 == 0 {
+            return Err(format!(
+                "the peer's region {:#x}+{} is empty or wraps",
+                remote.0, remote.1
+            ));
+        }
         let (id, local) = self.call(|reply| Command::Connect {
             worker_address,
             rkey,
-            remote_base: remote.0,
+            remote,
             reply,
         })?;
         if let Some(local) = local {
@@ -222,6 +233,8 @@ impl UcxHandle {
 struct Peer {
     ep: Endpoint,
     rkey: RemoteKey,
+    /// The peer's region (address, bytes) from its authenticated handshake.
+    remote: (u64, u64),
 }
 
 fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
@@ -307,7 +320,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
             Command::Connect {
                 worker_address,
                 rkey,
-                remote_base,
+                remote,
                 reply,
             } => {
                 let result = worker
@@ -317,10 +330,17 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                         let rkey = ep.unpack_rkey(&rkey).map_err(|e| e.to_string())?;
                         // Where UCX mapped the peer's memory here (it allocated it in shared
                         // memory): the caller faults that mapping in before the first transfer.
-                        let local = rkey.local_ptr(remote_base);
+                        let local = rkey.local_ptr(remote.0);
+                        if let Some(at) = local {
+                            // Over shared memory a put is a memcpy into this mapping: the whole
+                            // region the peer described must be that mapping, or a peer that
+                            // claims more than its segment holds would make us copy into our own
+                            // memory past it.
+                            mapped_whole(&rkey, remote, at)?;
+                        }
                         let id = next_id;
                         next_id += 1;
-                        peers.insert(id, Peer { ep, rkey });
+                        peers.insert(id, Peer { ep, rkey, remote });
                         Ok((id, local))
                     });
                 let _ = reply.send(result);
@@ -332,7 +352,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                 reply,
             } => {
                 let result = match (peers.get(&peer), local_region(&regions, region, &ops)) {
-                    (Some(p), Ok(r)) => get_all(p, r, &ops),
+                    (Some(p), Ok(r)) => remote_range(p, &ops).and_then(|()| get_all(p, r, &ops)),
                     (None, _) => Err(format!("unknown peer {peer}")),
                     (_, Err(e)) => Err(e),
                 };
@@ -346,7 +366,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                 reply,
             } => {
                 let result = match (peers.get(&peer), local_region(&regions, region, &ops)) {
-                    (Some(p), Ok(r)) => put_all(p, r, &ops, corrupt),
+                    (Some(p), Ok(r)) => remote_range(p, &ops).and_then(|()| put_all(p, r, &ops, corrupt)),
                     (None, _) => Err(format!("unknown peer {peer}")),
                     (_, Err(e)) => Err(e),
                 };
@@ -379,6 +399,41 @@ fn local_region<'a>(regions: &'a HashMap<u64, MemRegion>, id: u64, ops: &[PutOp]
         )),
         None => Ok(region),
     }
+}
+
+/// Every op's remote range lies in the peer's region from its handshake: a peer's descriptor
+/// can never steer a put or get outside what it registered (checked arithmetic).
+fn remote_range(peer: &Peer, ops: &[PutOp]) -> Result<(), String> {
+    let (start, len) = peer.remote;
+    let end = start.saturating_add(len);
+    match ops
+        .iter()
+        .find(|op| op.remote < start || op.remote.checked_add(op.len).is_none_or(|e| e > end))
+    {
+        Some(op) => Err(format!(
+            "remote range {:#x}+{} lies outside the peer's region ({start:#x}..{end:#x})",
+            op.remote, op.len
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The peer's whole region `remote` appears here as one contiguous run of mappings starting at
+/// `at` (UCX maps the peer's segment; a region larger than the segment would run past it).
+fn mapped_whole(rkey: &RemoteKey, remote: (u64, u64), at: u64) -> Result<(), String> {
+    let (base, len) = remote;
+    let last = base + len - 1;
+    if rkey.local_ptr(last) != Some(at + len - 1) {
+        return Err(format!(
+            "the peer's key does not map its whole region {base:#x}+{len} contiguously"
+        ));
+    }
+    if !crate::pool::mapped(at, len) {
+        return Err(format!(
+            "the peer's key maps fewer than the {len} bytes of the region it described"
+        ));
+    }
+    Ok(())
 }
 
 /// Best effort: fault `addr..addr+len` into this process's page tables for writing

@@ -4,13 +4,31 @@
 //! JSON holding one [`crate::protocol::Message`]. A zero or oversized length, a truncated frame,
 //! or JSON that is not a message is a protocol error: the reader returns it and the caller closes
 //! the connection. Nothing on this path panics.
+//!
+//! Before a peer has authenticated, frames are at most [`MAX_PREAUTH_FRAME`] bytes and the whole
+//! exchange runs under one [`Deadline`]. After authentication every frame is *sealed*: the body
+//! is followed by a 32-byte HMAC-SHA256 tag over the frame's sequence number and body, with a key
+//! per direction derived from the authentication (see `protocol::Session`), so a frame that was
+//! changed, dropped, replayed, reordered or reflected is refused.
 
-use std::io::{self, Read, Write};
+use std::{
+    io::{self, Read, Write},
+    net::TcpStream,
+    time::{Duration, Instant},
+};
 
+use hmac::{Hmac, Mac};
 use serde::{Serialize, de::DeserializeOwned};
+use sha2::Sha256;
 
-/// The largest frame accepted (completion frames carry one checksum per block).
+/// The largest frame accepted from an authenticated peer (completion frames carry one checksum
+/// per block).
 pub const MAX_FRAME: usize = 16 << 20;
+/// The largest frame accepted before the peer has authenticated: the authentication messages
+/// are a few hundred bytes.
+pub const MAX_PREAUTH_FRAME: usize = 4 << 10;
+/// Bytes of a sealed frame's tag.
+pub const TAG_LEN: usize = 32;
 
 /// Why a frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -27,6 +45,16 @@ pub enum FrameError {
     /// The body is not a valid message.
     #[error("malformed frame: {0}")]
     Malformed(String),
+    /// A sealed frame's tag does not match: changed, replayed, reordered or forged.
+    #[error("frame {0} failed authentication")]
+    BadTag(u64),
+}
+
+impl FrameError {
+    /// Whether the error is a read or write that ran out of time.
+    pub fn timed_out(&self) -> bool {
+        matches!(self, FrameError::Io(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut))
+    }
 }
 
 /// Writes one frame.
@@ -44,8 +72,19 @@ pub fn write_frame<T: Serialize>(w: &mut impl Write, message: &T) -> Result<(), 
     Ok(())
 }
 
-/// Reads one frame.
+/// Reads one frame of at most [`MAX_FRAME`] bytes.
 pub fn read_frame<T: DeserializeOwned>(r: &mut impl Read) -> Result<T, FrameError> {
+    read_frame_max(r, MAX_FRAME)
+}
+
+/// Reads one frame of at most `max` bytes (the length is checked before anything is
+/// allocated).
+pub fn read_frame_max<T: DeserializeOwned>(r: &mut impl Read, max: usize) -> Result<T, FrameError> {
+    let body = read_body(r, max)?;
+    serde_json::from_slice(&body).map_err(|e| FrameError::Malformed(e.to_string()))
+}
+
+fn read_body(r: &mut impl Read, max: usize) -> Result<Vec<u8>, FrameError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Ok(()) => {}
@@ -53,12 +92,139 @@ pub fn read_frame<T: DeserializeOwned>(r: &mut impl Read) -> Result<T, FrameErro
         Err(e) => return Err(e.into()),
     }
     let n = u32::from_be_bytes(len) as usize;
-    if n == 0 || n > MAX_FRAME {
+    if n == 0 || n > max.min(MAX_FRAME) {
         return Err(FrameError::BadLength(n));
     }
     let mut body = vec![0u8; n];
     r.read_exact(&mut body)?;
-    serde_json::from_slice(&body).map_err(|e| FrameError::Malformed(e.to_string()))
+    Ok(body)
+}
+
+type HmacSha256 = Hmac<Sha256>;
+
+fn tag(key: &[u8; 32], seq: u64, body: &[u8]) -> HmacSha256 {
+    // HMAC takes keys of any length; new_from_slice cannot fail for HMAC.
+    let mut m = HmacSha256::new_from_slice(key).unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
+    m.update(&seq.to_be_bytes());
+    m.update(body);
+    m
+}
+
+/// The sending half of a session: seals frames with one direction's key and a counter.
+#[derive(Clone)]
+pub struct Sealer {
+    key: [u8; 32],
+    seq: u64,
+}
+
+/// The receiving half of a session: opens the peer's sealed frames in order.
+#[derive(Clone)]
+pub struct Opener {
+    key: [u8; 32],
+    seq: u64,
+}
+
+impl std::fmt::Debug for Sealer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Sealer(seq {})", self.seq)
+    }
+}
+
+impl std::fmt::Debug for Opener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Opener(seq {})", self.seq)
+    }
+}
+
+impl Sealer {
+    /// A sealer starting at sequence number 0.
+    pub fn new(key: [u8; 32]) -> Sealer {
+        Sealer { key, seq: 0 }
+    }
+}
+
+impl Opener {
+    /// An opener expecting sequence number 0 first.
+    pub fn new(key: [u8; 32]) -> Opener {
+        Opener { key, seq: 0 }
+    }
+}
+
+/// Writes one sealed frame: length, body, then the tag over (sequence number, body).
+pub fn write_sealed<T: Serialize>(w: &mut impl Write, sealer: &mut Sealer, message: &T) -> Result<(), FrameError> {
+    let mut body = serde_json::to_vec(message).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    if body.is_empty() || body.len() + TAG_LEN > MAX_FRAME {
+        return Err(FrameError::BadLength(body.len()));
+    }
+    let t = tag(&sealer.key, sealer.seq, &body).finalize().into_bytes();
+    sealer.seq += 1;
+    let len = u32::try_from(body.len() + TAG_LEN).map_err(|_| FrameError::BadLength(body.len()))?;
+    let mut buf = Vec::with_capacity(4 + body.len() + TAG_LEN);
+    buf.extend_from_slice(&len.to_be_bytes());
+    buf.append(&mut body);
+    buf.extend_from_slice(&t);
+    w.write_all(&buf)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// Reads one sealed frame of at most `max` bytes; the tag is checked (in constant time) before
+/// the body is parsed.
+pub fn read_sealed<T: DeserializeOwned>(r: &mut impl Read, opener: &mut Opener, max: usize) -> Result<T, FrameError> {
+    let frame = read_body(r, max)?;
+    if frame.len() <= TAG_LEN {
+        return Err(FrameError::BadLength(frame.len()));
+    }
+    let (body, t) = frame.split_at(frame.len() - TAG_LEN);
+    tag(&opener.key, opener.seq, body)
+        .verify_slice(t)
+        .map_err(|_| FrameError::BadTag(opener.seq))?;
+    opener.seq += 1;
+    serde_json::from_slice(body).map_err(|e| FrameError::Malformed(e.to_string()))
+}
+
+/// A TCP stream under one deadline for a whole exchange: every read and write gets only the
+/// time left, so a peer that trickles one byte per timeout still runs out of time.
+#[derive(Debug)]
+pub struct Deadline<'a> {
+    stream: &'a TcpStream,
+    until: Instant,
+}
+
+impl<'a> Deadline<'a> {
+    /// `stream` until `within` from now.
+    pub fn new(stream: &'a TcpStream, within: Duration) -> Deadline<'a> {
+        Deadline {
+            stream,
+            until: Instant::now() + within,
+        }
+    }
+
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left < Duration::from_millis(1) {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "handshake deadline passed"));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        (&mut &*self.stream).read(buf)
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        (&mut &*self.stream).write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        (&mut &*self.stream).flush()
+    }
 }
 
 /// Bytes as lower-case hex in JSON (worker addresses, packed keys, nonces, proofs).
@@ -149,5 +315,76 @@ mod tests {
         ));
         assert_eq!(hex_bytes::decode("0g"), None);
         assert_eq!(hex_bytes::decode("abc"), None);
+        // A frame over the pre-authentication limit is refused from its length alone.
+        let mut big = Vec::new();
+        write_frame(&mut big, &M { a: 1, b: vec![7; 4096] }).expect("write");
+        assert!(matches!(
+            read_frame_max::<M>(&mut big.as_slice(), MAX_PREAUTH_FRAME),
+            Err(FrameError::BadLength(n)) if n > MAX_PREAUTH_FRAME
+        ));
+        assert!(read_frame::<M>(&mut big.as_slice()).is_ok());
+    }
+
+    fn sealed(messages: &[M]) -> Vec<u8> {
+        let mut sealer = Sealer::new([7; 32]);
+        let mut buf = Vec::new();
+        for m in messages {
+            write_sealed(&mut buf, &mut sealer, m).expect("seal");
+        }
+        buf
+    }
+
+    #[test]
+    fn sealed_frames_open_in_order_and_any_change_is_refused() {
+        let (one, two) = (M { a: 1, b: vec![1] }, M { a: 2, b: vec![2] });
+        let buf = sealed(&[one, two]);
+        let mut opener = Opener::new([7; 32]);
+        let mut r = buf.as_slice();
+        assert_eq!(read_sealed::<M>(&mut r, &mut opener, MAX_FRAME).expect("1").a, 1);
+        assert_eq!(read_sealed::<M>(&mut r, &mut opener, MAX_FRAME).expect("2").a, 2);
+        // Every single-byte change in the body or tag is caught.
+        let one_frame = sealed(&[M { a: 1, b: vec![1] }]);
+        for i in 4..one_frame.len() {
+            let mut bad = one_frame.clone();
+            bad[i] ^= 0x01;
+            let got = read_sealed::<M>(&mut bad.as_slice(), &mut Opener::new([7; 32]), MAX_FRAME);
+            assert!(matches!(got, Err(FrameError::BadTag(0))), "byte {i}: {got:?}");
+        }
+        // Another key, a replay of frame 0 as frame 1, and a reordering are refused.
+        assert!(read_sealed::<M>(&mut one_frame.as_slice(), &mut Opener::new([8; 32]), MAX_FRAME).is_err());
+        let mut opener = Opener::new([7; 32]);
+        let replay = [one_frame.clone(), one_frame.clone()].concat();
+        let mut r = replay.as_slice();
+        assert!(read_sealed::<M>(&mut r, &mut opener, MAX_FRAME).is_ok());
+        assert!(matches!(
+            read_sealed::<M>(&mut r, &mut opener, MAX_FRAME),
+            Err(FrameError::BadTag(1))
+        ));
+        let frame_two = &buf[one_frame.len()..];
+        assert!(read_sealed::<M>(&mut &frame_two[..], &mut Opener::new([7; 32]), MAX_FRAME).is_err());
+    }
+
+    #[test]
+    fn a_deadline_bounds_a_whole_exchange_not_each_read() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        // A peer that sends one byte every 50 ms: each read succeeds in time, the exchange not.
+        let slow = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(addr).expect("connect");
+            let trickle = [&100u32.to_be_bytes()[..], &[b' '; 36]].concat();
+            for byte in trickle {
+                if s.write_all(&[byte]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let (conn, _) = listener.accept().expect("accept");
+        let started = Instant::now();
+        let got = read_frame::<M>(&mut Deadline::new(&conn, Duration::from_millis(300)));
+        assert!(got.as_ref().is_err_and(FrameError::timed_out), "{got:?}");
+        assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+        drop(conn);
+        let _ = slow.join();
     }
 }

@@ -16,9 +16,9 @@ use pdpair_api::{
 
 use super::*;
 use crate::{
-    protocol::{self, HandshakeError, MemoryDesc, Message, Registration},
+    protocol::{self, HandshakeError, MemoryDesc, Message, Reason, Registration, Session},
     ucx_thread::PutOp,
-    wire,
+    wire::{self, Opener},
 };
 
 impl Engine {
@@ -36,7 +36,16 @@ impl Engine {
         prefills.sort();
         prefills.dedup();
         if prefills.is_empty() {
-            return self.fail(request, vec!["InvalidRequest".into()], "no prefill address".into());
+            return self.fail(request, vec![Reason::InvalidRequest], "no prefill address".into());
+        }
+        if lock(&self.pending).contains_key(&request) {
+            // The first ExpectKv keeps its promise (exactly one answer for it); this one is
+            // refused on its own.
+            return self.fail(
+                request.clone(),
+                vec![Reason::InvalidRequest],
+                format!("request {request} is already expected (ExpectKv twice); the first stands"),
+            );
         }
         for prefill in &prefills {
             if let Some((reasons, message)) = self.remembered(prefill) {
@@ -53,6 +62,7 @@ impl Engine {
             Pending {
                 prefills: prefills.clone(),
                 parts: HashMap::new(),
+                reading: Vec::new(),
                 blocks,
                 num_tokens,
                 first_token,
@@ -78,8 +88,8 @@ impl Engine {
         }
     }
 
-    fn remembered(&self, peer: &str) -> Option<(Vec<String>, String)> {
-        let mut cache = lock(&self.shared.rejections);
+    fn remembered(&self, peer: &str) -> Option<(Vec<Reason>, String)> {
+        let mut cache = lock(&self.rejections);
         match cache.get(peer) {
             Some((at, reasons, message)) if at.elapsed() < self.shared.cfg.rejection_ttl => {
                 Some((reasons.clone(), message.clone()))
@@ -105,7 +115,7 @@ impl Engine {
         {
             self.fail(
                 request.to_owned(),
-                vec!["PeerLost".into()],
+                vec![Reason::PeerLost],
                 format!("cannot reach prefill {}", link.addr),
             );
         }
@@ -116,8 +126,8 @@ impl Engine {
         let result = self.dial(&addr);
         let metrics = &self.shared.metrics;
         match result {
-            Ok(link) => {
-                metrics.handshake("accepted");
+            Ok((link, opener)) => {
+                metrics.handshake_accepted();
                 lock(&self.stats).counters.handshakes_accepted += 1;
                 let link = Arc::new(link);
                 let queued = match lock(&self.peers).insert(addr.clone(), Slot::Connected(link.clone())) {
@@ -129,12 +139,12 @@ impl Engine {
                 }
                 self.spawn_heartbeat(&link);
                 let e = self.clone();
-                thread::spawn(move || e.read_prefill(link));
+                thread::spawn(move || e.read_prefill(link, opener));
             }
             Err(err) => {
                 let reasons = err.reasons();
                 for r in &reasons {
-                    metrics.handshake(r);
+                    metrics.handshake_refused(*r);
                 }
                 metrics.reject_latency(started.elapsed());
                 if matches!(
@@ -148,8 +158,7 @@ impl Engine {
                     err,
                     HandshakeError::Rejected { .. } | HandshakeError::Unauthenticated(_)
                 ) {
-                    lock(&self.shared.rejections)
-                        .insert(addr.clone(), (Instant::now(), reasons.clone(), err.to_string()));
+                    lock(&self.rejections).insert(addr.clone(), (Instant::now(), reasons.clone(), err.to_string()));
                 }
                 let queued = match lock(&self.peers).remove(&addr) {
                     Some(Slot::Connecting(q)) => q,
@@ -168,17 +177,19 @@ impl Engine {
         }
     }
 
-    fn dial(&self, addr: &str) -> Result<Link, HandshakeError> {
+    fn dial(&self, addr: &str) -> Result<(Link, Opener), HandshakeError> {
         let sock: SocketAddr = addr
             .parse()
             .map_err(|_| HandshakeError::Protocol(format!("bad prefill address {addr:?}")))?;
-        let mut stream = TcpStream::connect_timeout(&sock, self.handshake_timeout()).map_err(wire::FrameError::from)?;
-        stream
-            .set_read_timeout(Some(self.handshake_timeout()))
-            .map_err(wire::FrameError::from)?;
+        let stream = TcpStream::connect_timeout(&sock, self.handshake_timeout()).map_err(wire::FrameError::from)?;
         stream.set_nodelay(true).map_err(wire::FrameError::from)?;
-        protocol::authenticate_decode(&mut stream, &self.reg.pdpair, &self.key)?;
-        let peer = protocol::handshake_decode(&mut stream, &self.local)?;
+        // One deadline for authentication and handshake together, however the peer paces them.
+        let (peer, session) = {
+            let mut timed = wire::Deadline::new(&stream, self.handshake_timeout());
+            let mut session: Session = protocol::authenticate_decode(&mut timed, &self.reg.pdpair, &self.key)?;
+            let peer = protocol::handshake_decode(&mut timed, &mut session, &self.local)?;
+            (peer, session)
+        };
         // Heartbeats: we ping every `heartbeat` and prefill answers, so a read that waits
         // HEARTBEAT_MISSES of them means prefill is stuck; a write as long means the same.
         let silence = self.silence_limit();
@@ -196,7 +207,10 @@ impl Engine {
                         peer.memory.rkey.clone(),
                         (peer.memory.base, peer.memory.len),
                     )
-                    .map_err(HandshakeError::Protocol)?,
+                    .map_err(|e| HandshakeError::Rejected {
+                        reasons: vec![Reason::TransportFailed],
+                        message: e,
+                    })?,
             ),
             pdpair_api::TransferMode::Push => None,
         };
@@ -207,14 +221,19 @@ impl Engine {
             count: self.layout.local_heads,
             d_first: 0,
         });
-        Ok(Link {
-            writer: Mutex::new(stream),
-            alive: AtomicBool::new(true),
-            peer,
-            ucx_peer,
-            addr: addr.to_owned(),
-            heads,
-        })
+        let Session { sealer, opener } = session;
+        Ok((
+            Link {
+                writer: Mutex::new((stream, sealer)),
+                id: next_link_id(),
+                alive: AtomicBool::new(true),
+                peer,
+                ucx_peer,
+                addr: addr.to_owned(),
+                heads,
+            },
+            opener,
+        ))
     }
 
     fn silence_limit(&self) -> Duration {
@@ -241,21 +260,44 @@ impl Engine {
         });
     }
 
-    fn read_prefill(self: Arc<Self>, link: Arc<Link>) {
-        let mut reader = match lock(&link.writer).try_clone() {
+    /// Whether `request` waits on this prefill link (it is one of the request's prefills): a
+    /// link may only answer for requests it was asked about. `reading` also claims the pull
+    /// read, once per link.
+    fn owned_by(&self, link: &Link, request: &str, reading: bool) -> bool {
+        let mut pending = lock(&self.pending);
+        let Some(p) = pending.get_mut(request) else {
+            return false;
+        };
+        if !p.prefills.contains(&link.addr) || p.parts.contains_key(&link.addr) {
+            return false;
+        }
+        if reading {
+            if p.reading.contains(&link.addr) {
+                return false;
+            }
+            p.reading.push(link.addr.clone());
+        }
+        true
+    }
+
+    fn read_prefill(self: Arc<Self>, link: Arc<Link>, mut opener: Opener) {
+        let mut reader = match lock(&link.writer).0.try_clone() {
             Ok(r) => r,
             Err(_) => return self.lost(&link, "cannot read the side channel".into()),
         };
         loop {
-            match wire::read_frame::<Message>(&mut reader) {
-                Ok(Message::Complete { request, sums, bytes }) => self.complete(&link.addr, request, sums, bytes, None),
+            let frame = wire::read_sealed::<Message>(&mut reader, &mut opener, wire::MAX_FRAME);
+            match frame {
+                Ok(Message::Complete { request, sums, bytes }) if self.owned_by(&link, &request, false) => {
+                    self.complete(&link.addr, request, sums, bytes, None)
+                }
                 Ok(Message::Ready {
                     request,
                     blocks,
                     first_token,
                     num_tokens,
                     sums,
-                }) => {
+                }) if self.owned_by(&link, &request, true) => {
                     let (e, link) = (self.clone(), link.clone());
                     thread::spawn(move || e.read_kv(&link, request, blocks, first_token, num_tokens, sums));
                 }
@@ -263,33 +305,41 @@ impl Engine {
                     request,
                     reason,
                     message,
-                }) => {
+                }) if self.owned_by(&link, &request, false) => {
                     if lock(&self.pending).remove(&request).is_some() {
-                        self.fail(request, vec![reason], message);
+                        self.fail(request, vec![reason], crate::reason::peer_text(&message));
                     }
+                }
+                Ok(m @ (Message::Complete { .. } | Message::Ready { .. } | Message::Failed { .. })) => {
+                    // A request this link was not asked about (another prefill's, or one it
+                    // already answered): ignored, so no link decides another's request.
+                    self.shared.metrics.foreign_answer();
+                    tracing::warn!(engine = %self.reg.engine, peer = %link.addr, message = protocol::kind(&m), "ignored an answer for a request this prefill does not own");
                 }
                 Ok(Message::Ping { seq }) => {
                     link.send(&Message::Pong { seq });
                 }
                 Ok(Message::Reject { reasons, message }) => {
                     link.alive.store(false, Ordering::SeqCst);
-                    return self.refused(&link, reasons, message);
+                    link.close();
+                    return self.refused(
+                        &link,
+                        crate::reason::from_peer(reasons),
+                        crate::reason::peer_text(&message),
+                    );
                 }
                 Ok(_) => {}
                 Err(e) => {
                     link.alive.store(false, Ordering::SeqCst);
                     // Close it: a stuck prefill must not get our later frames.
-                    let _ = lock(&link.writer).shutdown(std::net::Shutdown::Both);
-                    let why = match &e {
-                        wire::FrameError::Io(io)
-                            if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
-                        {
-                            format!(
-                                "silent for {:?} ({HEARTBEAT_MISSES} heartbeats unanswered)",
-                                self.silence_limit()
-                            )
-                        }
-                        _ => e.to_string(),
+                    link.close();
+                    let why = if e.timed_out() {
+                        format!(
+                            "silent for {:?} ({HEARTBEAT_MISSES} heartbeats unanswered)",
+                            self.silence_limit()
+                        )
+                    } else {
+                        e.to_string()
                     };
                     return self.lost(&link, why);
                 }
@@ -299,9 +349,9 @@ impl Engine {
 
     /// The prefill peer refused us after the handshake (it checks its memory layout against
     /// ours): fail what waited on it with its reasons, and remember them.
-    fn refused(&self, link: &Link, reasons: Vec<String>, message: String) {
+    fn refused(&self, link: &Link, reasons: Vec<Reason>, message: String) {
         self.rejected(&link.addr, reasons.clone(), message.clone());
-        lock(&self.shared.rejections).insert(link.addr.clone(), (Instant::now(), reasons.clone(), message.clone()));
+        lock(&self.rejections).insert(link.addr.clone(), (Instant::now(), reasons.clone(), message.clone()));
         for request in self.forget_peer(&link.addr) {
             self.fail(
                 request,
@@ -332,8 +382,12 @@ impl Engine {
         for request in failed {
             self.fail(
                 request,
-                vec!["PeerLost".into()],
-                format!("prefill {} ({}) went away: {why}", link.addr, link.peer.agent),
+                vec![Reason::PeerLost],
+                format!(
+                    "prefill {} ({}) went away: {why}",
+                    link.addr,
+                    crate::reason::peer_text(&link.peer.agent)
+                ),
             );
         }
     }
@@ -409,12 +463,12 @@ impl Engine {
             }
             (Outcome::Mismatched, _) => self.fail(
                 request,
-                vec!["ChecksumMismatch".into()],
+                vec![Reason::ChecksumMismatch],
                 "received KV does not match prefill's checksums".into(),
             ),
             _ => self.fail(
                 request,
-                vec!["ChecksumUnverified".into()],
+                vec![Reason::ChecksumUnverified],
                 "received KV could not be verified (FailClosed)".into(),
             ),
         }
@@ -441,7 +495,7 @@ impl Engine {
         let started = Instant::now();
         let outcome = if d_tokens != num_tokens {
             Err((
-                "TokenCountMismatch",
+                Reason::TokenCountMismatch,
                 format!("decode expects {d_tokens} tokens, prefill computed {num_tokens}"),
             ))
         } else {
@@ -456,14 +510,14 @@ impl Engine {
                 d_first,
                 num_tokens,
             )
-            .map_err(|m| ("TokenRangeNotCovered", m))
+            .map_err(|m| (Reason::TokenRangeNotCovered, m))
             .and_then(|ops| match link.ucx_peer {
                 Some(peer) => self
                     .shared
                     .ucx
                     .get(peer, self.pool.region, ops)
-                    .map_err(|e| ("ReadFailed", format!("reading prefill's blocks failed: {e}"))),
-                None => Err(("TransportFailed", "no UCX endpoint to prefill".into())),
+                    .map_err(|e| (Reason::ReadFailed, format!("reading prefill's blocks failed: {e}"))),
+                None => Err((Reason::TransportFailed, "no UCX endpoint to prefill".into())),
             })
         };
         match outcome {
@@ -481,7 +535,7 @@ impl Engine {
                     bytes: 0,
                 });
                 if lock(&self.pending).remove(&request).is_some() {
-                    self.fail(request, vec![reason.into()], message);
+                    self.fail(request, vec![reason], message);
                 }
             }
         }
@@ -579,7 +633,7 @@ impl Engine {
         for (request, p) in late {
             self.fail(
                 request,
-                vec!["DeadlineExceeded".into()],
+                vec![Reason::DeadlineExceeded],
                 format!("no KV from prefill {} before the deadline", p.prefills.join(", ")),
             );
         }

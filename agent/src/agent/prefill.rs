@@ -14,7 +14,7 @@ use pdpair_api::{ChecksumPolicy, Role, checksum::BlockSums};
 
 use super::*;
 use crate::{
-    protocol::{self, Message, Registration},
+    protocol::{self, Message, Reason, Registration, Session},
     ucx_thread::PutOp,
     wire,
 };
@@ -43,11 +43,13 @@ pub(super) struct Serving {
     finished: u32,
     bytes: u64,
     transfer_us: u64,
-    failure: Option<(Vec<String>, String)>,
+    failure: Option<(Vec<Reason>, String)>,
     /// `TransferStarted` went to the engine.
     started: bool,
     /// Pull: when blocks were last lent (the lease for `Released`).
     lent_since: Option<Instant>,
+    /// Links being served: only these may answer `Released` (once each).
+    links: Vec<u64>,
 }
 
 impl Serving {
@@ -62,6 +64,7 @@ impl Serving {
             failure: None,
             started: false,
             lent_since: None,
+            links: Vec::new(),
         }
     }
 }
@@ -81,7 +84,7 @@ type Waiting = (Arc<Link>, Registration, Instant);
 pub(super) type Consumer = (Arc<Link>, Registration, Ready);
 
 /// One consumer's result: bytes and microseconds in flight, or failure reasons and a message.
-pub(super) type Served = Result<(u64, u64), (Vec<String>, String)>;
+pub(super) type Served = Result<(u64, u64), (Vec<Reason>, String)>;
 
 impl Engine {
     pub(super) fn accept(self: Arc<Self>, listener: TcpListener) {
@@ -90,24 +93,40 @@ impl Engine {
                 break;
             }
             let Ok(stream) = stream else { continue };
+            let Ok(source) = stream.peer_addr().map(|a| a.ip()) else {
+                continue;
+            };
+            // The pre-auth budget: a connection over it is closed before a byte is read or a
+            // thread started, so a flood costs a bounded number of threads and buffers.
+            let Some(slot) = PreAuth::take(&self.shared, source) else {
+                self.shared.metrics.handshake_refused(Reason::Busy);
+                drop(stream);
+                continue;
+            };
             let e = self.clone();
-            thread::spawn(move || e.serve_decode(stream));
+            thread::spawn(move || e.serve_decode(stream, slot));
         }
     }
 
-    fn serve_decode(self: Arc<Self>, mut stream: TcpStream) {
+    fn serve_decode(self: Arc<Self>, stream: TcpStream, slot: PreAuth) {
         let peer_addr = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-        let _ = stream.set_read_timeout(Some(self.handshake_timeout()));
         let _ = stream.set_nodelay(true);
         let key = self.key.clone();
         let pdpair = self.reg.pdpair.clone();
-        let peer = protocol::authenticate_prefill(&mut stream, |p| (p == pdpair).then(|| key.clone()))
-            .and_then(|_| protocol::handshake_prefill(&mut stream, &self.local));
-        let peer = match peer {
-            Ok(peer) => peer,
+        // One deadline for authentication and handshake together: a peer that trickles bytes
+        // runs out of time however it paces them.
+        let mut timed = wire::Deadline::new(&stream, self.handshake_timeout());
+        let shaken = protocol::authenticate_prefill(&mut timed, |p| (p == pdpair).then(|| key.clone())).and_then(
+            |(_, mut session)| {
+                drop(slot); // authenticated: no longer counted against the pre-auth budget
+                protocol::handshake_prefill(&mut timed, &mut session, &self.local).map(|peer| (peer, session))
+            },
+        );
+        let (peer, mut session) = match shaken {
+            Ok(done) => done,
             Err(err) => {
                 for r in err.reasons() {
-                    self.shared.metrics.handshake(&r);
+                    self.shared.metrics.handshake_refused(r);
                 }
                 if matches!(
                     err,
@@ -131,13 +150,14 @@ impl Engine {
             .unwrap_or(0);
         // Push writes whole (or head-range) blocks of the same size; pull reads into larger ones.
         let push = self.reg.mode == pdpair_api::TransferMode::Push;
+        let mut stream = stream;
         if (push && peer.memory.block_len != expected_block_len)
             || peer.memory.layers.len() != self.layout.layers as usize
         {
-            let _ = wire::write_frame(
+            let _ = session.send(
                 &mut stream,
                 &Message::Reject {
-                    reasons: vec!["MemoryLayoutMismatch".into()],
+                    reasons: vec![Reason::MemoryLayoutMismatch],
                     message: "block length or layer count differs".into(),
                 },
             );
@@ -159,23 +179,27 @@ impl Engine {
         let ucx_peer = match connected {
             Ok(id) => id,
             Err(e) => {
-                let _ = wire::write_frame(
+                tracing::info!(engine = %self.reg.engine, peer = %peer_addr, error = %e, "cannot connect to a decode agent's memory");
+                let _ = session.send(
                     &mut stream,
                     &Message::Reject {
-                        reasons: vec!["TransportFailed".into()],
+                        reasons: vec![Reason::TransportFailed],
                         message: e,
                     },
                 );
                 return;
             }
         };
-        self.shared.metrics.handshake("accepted");
+        self.shared.metrics.handshake_accepted();
         lock(&self.stats).counters.handshakes_accepted += 1;
         let Ok(mut reader) = stream.try_clone() else { return };
         // Decode pings at least every MAX_HEARTBEAT: a decode agent silent much longer is gone.
         let _ = stream.set_read_timeout(Some(PREFILL_SILENCE_LIMIT));
+        let _ = stream.set_write_timeout(Some(PREFILL_SILENCE_LIMIT));
+        let Session { sealer, mut opener } = session;
         let link = Arc::new(Link {
-            writer: Mutex::new(stream),
+            writer: Mutex::new((stream, sealer)),
+            id: next_link_id(),
             alive: AtomicBool::new(true),
             heads,
             peer,
@@ -183,9 +207,9 @@ impl Engine {
             addr: peer_addr,
         });
         loop {
-            match wire::read_frame::<Message>(&mut reader) {
+            match wire::read_sealed::<Message>(&mut reader, &mut opener, wire::MAX_FRAME) {
                 Ok(Message::Register(reg)) => self.registration(&link, reg),
-                Ok(Message::Released { request, bytes }) => self.released(request, bytes),
+                Ok(Message::Released { request, bytes }) => self.released(&link, request, bytes),
                 Ok(Message::Ping { seq }) => {
                     link.send(&Message::Pong { seq });
                 }
@@ -210,11 +234,22 @@ impl Engine {
 
     /// Pull: a decode rank has read a request's blocks; once every decode rank has, the prefill
     /// engine may reuse them.
-    fn released(&self, request: String, bytes: u64) {
-        let lent = lock(&self.matching)
-            .ready
-            .get(&request)
-            .is_some_and(|s| s.in_flight > 0);
+    fn released(&self, link: &Link, request: String, bytes: u64) {
+        // Only a link the blocks were lent to releases them, once: another decode agent of the
+        // pair cannot end a request it was not served.
+        let lent = lock(&self.matching).ready.get_mut(&request).is_some_and(|s| {
+            match s.links.iter().position(|id| *id == link.id) {
+                Some(i) if s.in_flight > 0 => {
+                    s.links.swap_remove(i);
+                    true
+                }
+                _ => false,
+            }
+        });
+        if !lent {
+            self.shared.metrics.foreign_answer();
+            tracing::warn!(engine = %self.reg.engine, peer = %link.addr, "ignored a Released for a request not lent on this link");
+        }
         if lent {
             self.shared.metrics.transfer_done(Role::Prefill, bytes);
             self.transferred(bytes);
@@ -230,6 +265,7 @@ impl Engine {
             serving.expected = Some(protocol::decode_ranks_served(&self.local, &link.peer));
         }
         serving.in_flight += 1;
+        serving.links.push(link.id);
         if self.reg.mode == pdpair_api::TransferMode::Pull {
             serving.lent_since = Some(Instant::now());
         }
@@ -290,12 +326,30 @@ impl Engine {
         if let Err(e) = self.check_remote_blocks(link, &reg.blocks) {
             link.send(&Message::Failed {
                 request: reg.request,
-                reason: "InvalidRequest".into(),
+                reason: Reason::InvalidRequest,
                 message: e,
             });
             return;
         }
         let mut matching = lock(&self.matching);
+        let twice = matching
+            .ready
+            .get(&reg.request)
+            .is_some_and(|s| s.links.contains(&link.id))
+            || matching
+                .registered
+                .get(&reg.request)
+                .is_some_and(|w| w.iter().any(|(l, _, _)| l.id == link.id));
+        if twice {
+            // The first registration keeps its promise; this one is refused on its own.
+            drop(matching);
+            link.send(&Message::Failed {
+                request: reg.request.clone(),
+                reason: Reason::InvalidRequest,
+                message: format!("request {} is already registered on this link", reg.request),
+            });
+            return;
+        }
         if matching.ready.contains_key(&reg.request) {
             let consumer = self.begin(&mut matching, link, reg);
             drop(matching);
@@ -340,8 +394,8 @@ impl Engine {
                 drop(matching);
                 return self.fail(
                     request.clone(),
-                    vec!["InvalidRequest".into()],
-                    format!("request {request} is already ready (KvReady twice)"),
+                    vec![Reason::InvalidRequest],
+                    format!("request {request} is already ready (KvReady twice); the first stands"),
                 );
             }
             matching.ready.insert(request.clone(), Serving::new(ready));
@@ -384,7 +438,7 @@ impl Engine {
         if !sent {
             self.finish(
                 reg.request,
-                Err((vec!["PeerLost".into()], "decode went away before reading".into())),
+                Err((vec![Reason::PeerLost], "decode went away before reading".into())),
             );
         }
     }
@@ -414,17 +468,17 @@ impl Engine {
 
     fn transfer(&self, link: &Link, reg: Registration, ready: Ready) {
         let request = reg.request.clone();
-        let refuse = |reason: &str, message: String| {
+        let refuse = |reason: Reason, message: String| {
             link.send(&Message::Failed {
                 request: request.clone(),
-                reason: reason.into(),
+                reason,
                 message: message.clone(),
             });
-            self.finish(request.clone(), Err((vec![reason.into()], message)));
+            self.finish(request.clone(), Err((vec![reason], message)));
         };
         if reg.num_tokens != ready.num_tokens {
             return refuse(
-                "TokenCountMismatch",
+                Reason::TokenCountMismatch,
                 format!(
                     "decode expects {} tokens, prefill computed {}",
                     reg.num_tokens, ready.num_tokens
@@ -436,10 +490,10 @@ impl Engine {
         }
         let pairs = match pair_blocks(self.layout.block_size, &ready, &reg) {
             Ok(p) => p,
-            Err(message) => return refuse("TokenRangeNotCovered", message),
+            Err(message) => return refuse(Reason::TokenRangeNotCovered, message),
         };
         let Some(ucx_peer) = link.ucx_peer else {
-            return refuse("TransportFailed", "no UCX endpoint".into());
+            return refuse(Reason::TransportFailed, "no UCX endpoint".into());
         };
         let ops = self.put_ops(&link.peer.memory, &pairs, link.heads);
         self.started(&request);
@@ -469,11 +523,11 @@ impl Engine {
                 } else {
                     self.finish(
                         request,
-                        Err((vec!["PeerLost".into()], "decode went away before the completion".into())),
+                        Err((vec![Reason::PeerLost], "decode went away before the completion".into())),
                     );
                 }
             }
-            Err(e) => refuse("WriteFailed", format!("posting the WRITEs failed: {e}")),
+            Err(e) => refuse(Reason::WriteFailed, format!("posting the WRITEs failed: {e}")),
         }
     }
 
@@ -557,7 +611,7 @@ impl Engine {
                     serving.expected.unwrap_or(1)
                 )
             };
-            self.fail(request, vec!["LeaseExpired".into()], message);
+            self.fail(request, vec![Reason::LeaseExpired], message);
         }
         let stale: Vec<(Arc<Link>, String)> = {
             let registered = &mut lock(&self.matching).registered;
@@ -578,7 +632,7 @@ impl Engine {
             self.shared.metrics.lease_expired();
             link.send(&Message::Failed {
                 request,
-                reason: "LeaseExpired".into(),
+                reason: Reason::LeaseExpired,
                 message: "the prefill engine did not finish the request within the lease".into(),
             });
         }

@@ -177,7 +177,7 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
             .map(|(at, peer, reasons, message)| Rejection {
                 time: Time(Timestamp::from_second(*at).unwrap_or(Timestamp::UNIX_EPOCH)),
                 peer: peer.clone(),
-                reasons: reasons.clone(),
+                reasons: crate::reason::names(reasons),
                 message: message.clone(),
             }),
         last_heartbeat: Some(Time(Timestamp::now())),

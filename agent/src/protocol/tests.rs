@@ -41,18 +41,46 @@ fn info(role: Role, block: i32) -> PeerInfo {
         parallelism: Parallelism::default(),
         kv: kv(block),
         tensor_rank: 0,
-        worker_address: vec![1, 2, 3],
-        memory: MemoryDesc {
-            base: 4096,
-            len: 1 << 20,
-            rkey: vec![9, 9],
-            ..MemoryDesc::default()
-        },
+        worker_address: vec![1; 16],
+        memory: MemoryDesc::default(),
     }
 }
 
-/// Runs P's side (auth + handshake) on a thread and D's side here.
+/// A packed key with UCX's structure: one domain, a memory-type byte, 4 key bytes.
+fn rkey() -> Vec<u8> {
+    let mut k = 1u64.to_le_bytes().to_vec();
+    k.extend_from_slice(&[0, 4, 9, 9, 9, 9]);
+    k
+}
+
+/// The memory description a peer's current geometry implies (16 blocks at 0x10000).
+fn described(p: &PeerInfo) -> MemoryDesc {
+    let l = crate::layout::PoolLayout::new(&p.kv, &p.parallelism, 16, p.tensor_rank).expect("layout");
+    MemoryDesc {
+        base: 0x10000,
+        len: l.region_len() as u64,
+        rkey: rkey(),
+        num_blocks: 16,
+        block_len: l.block_len() as u64,
+        block_stride: l.block_len() as u64,
+        layers: l.layer_offsets(),
+    }
+}
+
+/// Runs both sides with each peer's memory as its geometry implies.
 fn pair(
+    p_secret: &'static [u8],
+    d_secret: &'static [u8],
+    mut p: PeerInfo,
+    mut d: PeerInfo,
+) -> (Result<PeerInfo, HandshakeError>, Result<PeerInfo, HandshakeError>) {
+    p.memory = described(&p);
+    d.memory = described(&d);
+    pair_as_is(p_secret, d_secret, p, d)
+}
+
+/// Runs P's side (auth + handshake) on a thread and D's side here.
+fn pair_as_is(
     p_secret: &'static [u8],
     d_secret: &'static [u8],
     p: PeerInfo,
@@ -62,11 +90,13 @@ fn pair(
     let addr = listener.local_addr().expect("addr");
     let server = thread::spawn(move || {
         let (mut s, _) = listener.accept().expect("accept");
-        authenticate_prefill(&mut s, |pair| (pair == "team-a/llama").then(|| p_secret.to_vec()))?;
-        handshake_prefill(&mut s, &p)
+        let (_, mut session) =
+            authenticate_prefill(&mut s, |pair| (pair == "team-a/llama").then(|| p_secret.to_vec()))?;
+        handshake_prefill(&mut s, &mut session, &p)
     });
     let mut c = TcpStream::connect(addr).expect("connect");
-    let client = authenticate_decode(&mut c, "team-a/llama", d_secret).and_then(|()| handshake_decode(&mut c, &d));
+    let client = authenticate_decode(&mut c, "team-a/llama", d_secret)
+        .and_then(|mut session| handshake_decode(&mut c, &mut session, &d));
     (server.join().expect("server thread"), client)
 }
 
@@ -81,7 +111,7 @@ fn same_secret_and_compatible_geometry_handshake() {
     assert_eq!(p.expect("P accepts").engine, "decode-0");
     let got = d.expect("D accepts");
     assert_eq!(got.engine, "prefill-0");
-    assert_eq!(got.memory.rkey, vec![9, 9]);
+    assert_eq!(got.memory.rkey, rkey());
 }
 
 #[test]
@@ -90,7 +120,7 @@ fn a_foreign_secret_is_rejected_before_any_geometry_crosses() {
     // D detects P's proof does not match its secret and refuses first; P hears Unauthenticated.
     assert!(matches!(d, Err(HandshakeError::Unauthenticated(_))), "{d:?}");
     assert!(matches!(p, Err(HandshakeError::Unauthenticated(_))), "{p:?}");
-    assert_eq!(p.expect_err("rejected").reasons(), vec![UNAUTHENTICATED.to_owned()]);
+    assert_eq!(p.expect_err("rejected").reasons(), vec![Reason::Unauthenticated]);
 }
 
 #[test]
@@ -118,7 +148,7 @@ fn a_stranger_that_skips_verification_still_cannot_pass() {
     wire::write_frame(&mut c, &Message::Proof { proof: vec![0; 32] }).expect("proof");
     let answer: Message = wire::read_frame(&mut c).expect("answer");
     assert!(
-        matches!(&answer, Message::Reject { reasons, .. } if reasons == &vec![UNAUTHENTICATED.to_owned()]),
+        matches!(&answer, Message::Reject { reasons, .. } if reasons == &vec![Reason::Unauthenticated]),
         "{answer:?}"
     );
     assert!(
@@ -298,7 +328,7 @@ fn unequal_tensor_parallelism_maps_head_ranges_between_ranks() {
     p_nhd.kv.layout = KvLayout::Nhd;
     assert_eq!(
         head_map(&p_nhd, &nhd).map_err(|e| e.0),
-        Err(vec![AGENT_UNSUPPORTED.to_owned()])
+        Err(vec![Reason::AgentUnsupported])
     );
 }
 
@@ -340,7 +370,7 @@ fn pull_is_served_between_lined_up_ranks_and_one_layout() {
         mla(with(Role::Prefill, 1, nhd)),
         mla(with(Role::Decode, 1, hnd)),
     );
-    assert_eq!(p.expect_err("refused").reasons(), vec![AGENT_UNSUPPORTED.to_owned()]);
+    assert_eq!(p.expect_err("refused").reasons(), vec![Reason::AgentUnsupported]);
 }
 
 #[test]
