@@ -188,27 +188,44 @@ pub fn mapping_path(addr: u64) -> Option<PathBuf> {
     })
 }
 
-/// Whether `addr..addr+len` is mapped in this process without a hole, from `/proc/self/maps`.
+/// Whether `addr..addr+len` is one mapping of one file (or System V segment) in this process,
+/// from `/proc/self/maps`: contiguous runs of the same device and inode at consecutive file
+/// offsets. Anonymous memory, holes, and a neighbouring mapping of something else do not count.
 pub fn mapped(addr: u64, len: u64) -> bool {
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
         return false;
     };
     let Some(end) = addr.checked_add(len) else { return false };
-    let mut at = addr;
-    // Lines are sorted by address: walk the runs that cover `at` until `end`.
+    // (next address, device, inode, file offset at that address) of the run so far.
+    let mut run: Option<(u64, String, u64, u64)> = None;
     for line in maps.lines() {
-        let Some((range, _)) = line.split_once(' ') else {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(_perms), Some(offset), Some(dev), Some(inode)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
             continue;
         };
         let Some((s, e)) = range.split_once('-') else { continue };
-        let (Ok(s), Ok(e)) = (u64::from_str_radix(s, 16), u64::from_str_radix(e, 16)) else {
+        let (Ok(s), Ok(e), Ok(offset), Ok(inode)) = (
+            u64::from_str_radix(s, 16),
+            u64::from_str_radix(e, 16),
+            u64::from_str_radix(offset, 16),
+            inode.parse::<u64>(),
+        ) else {
             continue;
         };
-        if s <= at && at < e {
-            at = e;
-            if at >= end {
-                return true;
+        run = match run {
+            None if s <= addr && addr < e && inode != 0 => Some((e, dev.to_owned(), inode, offset + (e - s))),
+            Some((next, d, i, o)) if s == next && d == dev && i == inode && o == offset => {
+                Some((e, d, i, offset + (e - s)))
             }
+            Some(_) => return false,
+            None => None,
+        };
+        if let Some((next, ..)) = &run
+            && *next >= end
+        {
+            return true;
         }
     }
     false

@@ -571,6 +571,63 @@ mod tests {
     }
 
     #[test]
+    fn puts_and_gets_only_touch_the_peers_region_and_a_key_must_map_all_of_it() {
+        let dir = std::env::temp_dir().join(format!("pdpair-ucx-remote-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let dir = dir.canonicalize().expect("canonical");
+        let (a, b) = (
+            UcxHandle::start(Transport::Shm, &dir).expect("A"),
+            UcxHandle::start(Transport::Shm, &dir).expect("B"),
+        );
+        // B's pool is UCX shared memory: A's puts are memcpys into A's mapping of it.
+        let pool = b.allocate(1 << 16).expect("allocate");
+        let source = vec![5u8; 1 << 16];
+        let (src, _) = a.map(source.as_ptr() as u64, source.len() as u64).expect("map");
+        // A peer that claims a region larger than its segment: the copy would run past A's
+        // mapping of it, into A's own memory.
+        let e = a
+            .connect(
+                b.worker_address.clone(),
+                pool.rkey.clone(),
+                (pool.addr, pool.len + (64 << 20)),
+            )
+            .expect_err("a region larger than the key maps");
+        assert!(e.contains("map"), "{e}");
+        let peer = a
+            .connect(b.worker_address.clone(), pool.rkey.clone(), (pool.addr, 1 << 12))
+            .expect("connect to the first 4 KiB");
+        let op = |remote: u64, len: u64| PutOp {
+            local: source.as_ptr() as u64,
+            len,
+            remote,
+        };
+        for bad in [
+            op(pool.addr + 4096, 1),
+            op(pool.addr - 1, 2),
+            op(pool.addr, 4097),
+            op(u64::MAX - 2, 8),
+        ] {
+            let e = a.put(peer, src, vec![bad], false).expect_err("outside");
+            assert!(e.contains("outside the peer's region"), "{e}");
+            let e = a.get(peer, src, vec![bad]).expect_err("outside");
+            assert!(e.contains("outside the peer's region"), "{e}");
+        }
+        assert_eq!(a.put(peer, src, vec![op(pool.addr, 4096)], false), Ok(4096));
+        // Keys and addresses are checked before UCX sees them.
+        for (address, rkey) in [
+            (Vec::new(), pool.rkey.clone()),
+            (b.worker_address.clone(), Vec::new()),
+            (b.worker_address.clone(), pool.rkey[..pool.rkey.len() - 1].to_vec()),
+        ] {
+            assert!(a.connect(address, rkey, (pool.addr, 4096)).is_err());
+        }
+        a.disconnect(peer);
+        a.unmap(src);
+        b.unmap(pool.region);
+        finish([a, b], &dir);
+    }
+
+    #[test]
     fn allocated_memory_is_a_named_file_a_peer_writes_directly() {
         let dir = std::env::temp_dir().join(format!("pdpair-ucx-alloc-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");

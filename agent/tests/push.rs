@@ -2,171 +2,20 @@
 //! sockets, real UCX over tcp or shared memory) and synthetic engines: the push path end to end.
 
 use std::{
-    net::{IpAddr, Ipv4Addr},
-    path::{Path, PathBuf},
-    sync::Arc,
+    path::Path,
     time::{Duration, Instant},
 };
 
 use pdpair_agent::{
-    agent::{Agent, AgentConfig},
     engine_api::{AgentEvent, EngineRequest},
-    metrics::Metrics,
-    synthetic::{EngineMemory, EngineSpec, SyntheticEngine},
+    synthetic::{EngineMemory, SyntheticEngine},
     ucx::Transport,
 };
-use pdpair_api::{CacheDtype, ChecksumPolicy, KvGeometry, KvLayout, ModelDtype, Parallelism, Role, TransferMode};
+use pdpair_api::{ChecksumPolicy, Role, TransferMode};
 
-fn kv(block: i32, kernel: Option<i32>) -> KvGeometry {
-    KvGeometry {
-        engine: "vllm".into(),
-        engine_version: None,
-        model: "tiny".into(),
-        dtype: ModelDtype::Bfloat16,
-        cache_dtype: CacheDtype::Auto,
-        layers: 2,
-        kv_heads: 2,
-        head_dim: 16,
-        attention_backend: "FLASH_ATTN".into(),
-        layout: KvLayout::Hnd,
-        block_size: block,
-        kernel_block_size: kernel,
-        mla: false,
-        hybrid: false,
-        host_buffer: false,
-    }
-}
+mod common;
 
-fn spec(role: Role, engine: &str, kv: KvGeometry, key: &[u8], checksum: ChecksumPolicy) -> EngineSpec {
-    EngineSpec {
-        pdpair: "team-a/tiny".into(),
-        role,
-        engine: engine.into(),
-        mode: TransferMode::Push,
-        checksum,
-        handshake_timeout_ms: 2000,
-        lease_ms: 3000,
-        parallelism: Parallelism::default(),
-        kv,
-        pairing_key: key.to_vec(),
-        num_blocks: 16,
-        tensor_rank: 0,
-        memory: EngineMemory::Agent,
-    }
-}
-
-struct World {
-    dir: PathBuf,
-    metrics: std::sync::Mutex<Vec<Arc<Metrics>>>,
-    /// Decode agents' ping interval.
-    heartbeat: Duration,
-}
-
-impl World {
-    fn new(name: &str) -> World {
-        let dir = std::env::temp_dir().join(format!("pdpair-push-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("dir");
-        World {
-            dir,
-            metrics: std::sync::Mutex::new(Vec::new()),
-            heartbeat: pdpair_agent::agent::DEFAULT_HEARTBEAT,
-        }
-    }
-
-    fn pools(&self) -> PathBuf {
-        self.dir.join("pools")
-    }
-
-    fn agent(&self, name: &str, transport: Transport, corrupt: bool) -> PathBuf {
-        let cfg = AgentConfig {
-            name: name.into(),
-            listen_host: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            transport,
-            corrupt_one_byte: corrupt,
-            rejection_ttl: Duration::from_secs(30),
-            publisher: None,
-            // The agents of one host share their pool directory.
-            pool_dir: self.pools(),
-            heartbeat: self.heartbeat,
-        };
-        let metrics = Arc::new(Metrics::new());
-        self.metrics.lock().expect("metrics").push(metrics.clone());
-        let agent = Agent::start(cfg, metrics).expect("agent starts");
-        let socket = self.dir.join(format!("{name}.sock"));
-        let s = socket.clone();
-        std::thread::spawn(move || agent.serve(&s));
-        let start = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(5), "agent socket never came up");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        socket
-    }
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        // Let the agents release the engines' pools (their files live in the pool dir) before
-        // the directory goes.
-        let start = Instant::now();
-        let metrics = self.metrics.lock().map(|m| m.clone()).unwrap_or_default();
-        while metrics.iter().any(|m| m.registrations.get() > 0) && start.elapsed() < Duration::from_secs(2) {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// One request: its id, the content seed, where P's and D's blocks start, the token count and
-/// P's block count.
-struct Req<'a> {
-    id: &'a str,
-    seed: u64,
-    p_first: u64,
-    d_first: u64,
-    tokens: u64,
-    blocks: usize,
-}
-
-/// Runs one request P -> D; returns D's final event and the count of wrong tokens D saw.
-fn request(p: &mut SyntheticEngine, d: &mut SyntheticEngine, r: Req<'_>) -> (AgentEvent, u64) {
-    let b = u64::from(p.layout.block_size);
-    let p_blocks: Vec<u32> = (0..r.blocks as u32).map(|i| i + 3).collect();
-    let d_skip = ((r.d_first - r.p_first) / b) as usize;
-    let d_blocks: Vec<u32> = (0..(r.blocks - d_skip) as u32).map(|i| 15 - i).collect();
-    p.fill(r.seed, &p_blocks, r.p_first, r.tokens);
-    d.clear(&d_blocks);
-    p.send(&EngineRequest::KvReady {
-        request: r.id.into(),
-        blocks: p_blocks,
-        num_tokens: r.tokens,
-        first_token: r.p_first,
-    })
-    .expect("KvReady");
-    d.send(&EngineRequest::ExpectKv {
-        request: r.id.into(),
-        prefill: p.address.clone(),
-        blocks: d_blocks.clone(),
-        num_tokens: r.tokens,
-        first_token: r.d_first,
-    })
-    .expect("ExpectKv");
-    let event = d.next_event().expect("D event");
-    let bad = d.verify(r.seed, &d_blocks, r.d_first, r.tokens);
-    (event, bad)
-}
-
-fn done(event: &AgentEvent) -> bool {
-    matches!(event, AgentEvent::RequestDone { .. })
-}
-
-fn reasons(event: &AgentEvent) -> Vec<String> {
-    match event {
-        AgentEvent::RequestFailed { reasons, .. } => reasons.clone(),
-        _ => Vec::new(),
-    }
-}
+use common::{ProcessAgent, Req, World, done, kv, reasons, request, spec};
 
 fn push_64_64(transport: Transport, memory: EngineMemory) {
     let w = World::new(&format!("{transport:?}-{memory:?}"));
@@ -769,58 +618,6 @@ fn decode_rank_gathers(mode: TransferMode) {
     .expect("ExpectKvFrom");
     let event = d.next_event().expect("event");
     assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{mode:?}: {event:?}");
-}
-
-/// A prefill agent in its own process (so it can be stopped), sharing the World's pool dir.
-struct ProcessAgent(std::process::Child);
-
-impl ProcessAgent {
-    fn start(w: &World, name: &str) -> (ProcessAgent, PathBuf) {
-        let socket = w.dir.join(format!("{name}.sock"));
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_pdpair-agent"))
-            .args([
-                "run",
-                "--name",
-                name,
-                "--listen-host",
-                "127.0.0.1",
-                "--transport",
-                "tcp",
-                "--no-publish",
-            ])
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--pool-dir")
-            .arg(w.pools())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("agent process");
-        let start = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "the agent process never opened its socket"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        (ProcessAgent(child), socket)
-    }
-
-    fn signal(&self, signal: i32) {
-        // SAFETY: kill(2) on our own child's pid.
-        #[allow(unsafe_code)]
-        let rc = unsafe { libc::kill(self.0.id() as i32, signal) };
-        assert_eq!(rc, 0, "kill({signal})");
-    }
-}
-
-impl Drop for ProcessAgent {
-    fn drop(&mut self) {
-        self.signal(libc::SIGCONT);
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[test]

@@ -1,0 +1,593 @@
+//! The agent under attack: hostile peers and neighbours, each test built to fail when the
+//! protection it covers is removed. Real agents, real sockets, real UCX; the attackers are small
+//! hand-written peers that speak (or break) the protocol with the library's own functions.
+
+mod common;
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    time::{Duration, Instant},
+};
+
+use common::{ProcessAgent, Req, World, done, kv, reasons, request, spec};
+use pdpair_agent::{
+    engine_api::{AgentEvent, EngineRequest},
+    layout::PoolLayout,
+    protocol::{self, HandshakeError, MemoryDesc, Message, PeerInfo, Reason, Registration},
+    synthetic::SyntheticEngine,
+    ucx::Transport,
+    wire,
+};
+use pdpair_api::{ChecksumPolicy, Parallelism, Role, TransferMode};
+
+const PAIR: &str = "team-a/tiny";
+const KEY: &[u8] = b"k";
+
+/// A packed key with UCX's structure (one domain, a memory-type byte, 4 key bytes).
+fn structured_rkey() -> Vec<u8> {
+    let mut k = 1u64.to_le_bytes().to_vec();
+    k.extend_from_slice(&[0, 4, 1, 2, 3, 4]);
+    k
+}
+
+/// What an insider of the pair (it holds the pairing key) says about itself: the test
+/// geometry, a memory description that fits it, and bytes for UCX that are never used unless
+/// the agent under attack goes too far.
+fn insider(role: Role) -> PeerInfo {
+    let kv = kv(64, None);
+    let parallelism = Parallelism::default();
+    let l = PoolLayout::new(&kv, &parallelism, 16, 0).expect("layout");
+    PeerInfo {
+        agent: "mallory".into(),
+        version: protocol::PROTOCOL_VERSION,
+        pdpair: PAIR.into(),
+        role,
+        engine: "m0".into(),
+        mode: TransferMode::Push,
+        checksum: ChecksumPolicy::FailClosed,
+        parallelism,
+        kv,
+        tensor_rank: 0,
+        worker_address: vec![7; 64],
+        memory: MemoryDesc {
+            base: 0x7000_0000,
+            len: l.region_len() as u64,
+            rkey: structured_rkey(),
+            num_blocks: 16,
+            block_len: l.block_len() as u64,
+            block_stride: l.block_len() as u64,
+            layers: l.layer_offsets(),
+        },
+    }
+}
+
+fn addr(engine: &SyntheticEngine) -> SocketAddr {
+    engine.address.parse().expect("a prefill address")
+}
+
+/// A prefill agent and engine with one request's KV ready (`r`, 100 tokens in blocks 3 and 4).
+fn prefill(w: &World) -> SyntheticEngine {
+    let ps = w.agent("p", Transport::Shm, false);
+    let mut p = SyntheticEngine::register(
+        &ps,
+        &w.dir,
+        &spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("P");
+    p.fill(1, &[3, 4], 0, 100);
+    p
+}
+
+/// A real decode request against `p` succeeds, every byte verified: the agent under attack
+/// still serves.
+fn still_serves(w: &World, p: &mut SyntheticEngine, name: &str) {
+    let ds = w.agent(name, Transport::Shm, false);
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    let (event, bad) = request(
+        p,
+        &mut d,
+        Req {
+            id: &format!("after-{name}"),
+            seed: 9,
+            p_first: 0,
+            d_first: 0,
+            tokens: 100,
+            blocks: 2,
+        },
+    );
+    assert!(done(&event) && bad == 0, "{event:?}, {bad} bad tokens");
+}
+
+#[test]
+fn memory_descriptors_out_of_range_or_malformed_are_refused_and_prefill_keeps_serving() {
+    let w = World::new("attack-desc");
+    let mut p = prefill(&w);
+    let good = insider(Role::Decode);
+    let region = good.memory.len;
+    let mut cases: Vec<(&str, PeerInfo)> = Vec::new();
+    let mut bad = |name, f: &dyn Fn(&mut PeerInfo)| {
+        let mut info = good.clone();
+        f(&mut info);
+        cases.push((name, info));
+    };
+    bad("a layer past the region", &|i| i.memory.layers[1].1 = region);
+    bad("a region that wraps", &|i| i.memory.base = u64::MAX - 16);
+    bad("a stride that runs past", &|i| i.memory.block_stride *= 4);
+    bad("a block length the geometry does not have", &|i| {
+        i.memory.block_len *= 2
+    });
+    bad("a missing layer", &|i| {
+        i.memory.layers.pop();
+    });
+    bad("no blocks", &|i| i.memory.num_blocks = 0);
+    bad("an empty key", &|i| i.memory.rkey.clear());
+    bad("a truncated key", &|i| i.memory.rkey.truncate(10));
+    bad("a key with trailing bytes", &|i| i.memory.rkey.push(0));
+    bad("an empty worker address", &|i| i.worker_address.clear());
+    bad("a huge worker address", &|i| i.worker_address = vec![1; 64 << 10]);
+    for (name, info) in &cases {
+        let mut s = TcpStream::connect(addr(&p)).expect("connect");
+        let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+        match protocol::handshake_decode(&mut s, &mut session, info) {
+            Err(HandshakeError::Rejected { reasons, message }) => {
+                assert_eq!(reasons, vec![Reason::MemoryLayoutMismatch], "{name}: {message}");
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+    // Nothing of that crashed or wedged the prefill agent.
+    still_serves(&w, &mut p, "d");
+}
+
+#[test]
+fn oversized_and_trickled_preauth_frames_are_cut_off() {
+    let w = World::new("attack-preauth");
+    let p = prefill(&w);
+    // A 5 KiB frame before authentication: refused from its length, at once (without the
+    // pre-auth limit the agent would wait for the body until the handshake deadline).
+    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let started = Instant::now();
+    s.write_all(&(5u32 << 10).to_be_bytes()).expect("length");
+    let mut buf = [0u8; 64];
+    let n = s.read(&mut buf).unwrap_or(0);
+    assert_eq!(n, 0, "the agent closes without answering");
+    assert!(
+        started.elapsed() < Duration::from_millis(1000),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // One byte every 100 ms: each read arrives in time, the handshake (2 s) does not.
+    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    let started = Instant::now();
+    let hello = serde_json::to_vec(&Message::Hello {
+        version: protocol::PROTOCOL_VERSION,
+        pdpair: PAIR.into(),
+        nonce: vec![0; 32],
+    })
+    .expect("json");
+    let mut frame = (hello.len() as u32).to_be_bytes().to_vec();
+    frame.extend_from_slice(&hello);
+    let mut cut = None;
+    for byte in frame.iter().cycle().take(100) {
+        if s.write_all(&[*byte]).is_err() {
+            cut = Some(started.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let cut = cut.expect("the agent cut the trickling peer off");
+    assert!(cut < Duration::from_millis(4000), "cut after {cut:?}");
+}
+
+/// A TCP connection from `source` (another loopback address) to `to`.
+#[allow(unsafe_code)]
+fn connect_from(source: [u8; 4], to: SocketAddr) -> std::io::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let SocketAddr::V4(to) = to else {
+        return Err(std::io::Error::other("IPv4 only"));
+    };
+    let sockaddr = |ip: [u8; 4], port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(ip),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: a fresh socket; bind and connect read `len` bytes of valid sockaddr_in values; the
+    // fd is owned by the TcpStream from then on (or closed on error).
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let stream = TcpStream::from_raw_fd(fd);
+        let local = sockaddr(source, 0);
+        if libc::bind(fd, (&raw const local).cast(), len) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let remote = sockaddr(to.ip().octets(), to.port());
+        if libc::connect(fd, (&raw const remote).cast(), len) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(stream)
+    }
+}
+
+fn vm_hwm_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM")
+}
+
+#[test]
+fn a_flood_of_unauthenticated_connections_is_capped_and_a_real_decode_gets_through() {
+    let w = World::new("attack-flood");
+    // The prefill agent in its own process, so its memory can be measured.
+    let (agent, ps) = ProcessAgent::start(&w, "p");
+    let mut p = SyntheticEngine::register(
+        &ps,
+        &w.dir,
+        &spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("P");
+    p.fill(1, &[3, 4], 0, 100);
+    let before = vm_hwm_kib(agent.0.id());
+    // 400 idle connections from 127.0.0.2, each with the first 4 bytes of a 4 KiB frame: they
+    // would hold a thread and a buffer each until the handshake deadline.
+    let mut flood = Vec::new();
+    for _ in 0..400 {
+        if let Ok(mut s) = connect_from([127, 0, 0, 2], addr(&p)) {
+            let _ = s.write_all(&(4000u32).to_be_bytes());
+            flood.push(s);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // Those over the per-source budget were closed at once.
+    let open = flood
+        .iter()
+        .filter(|s| {
+            let _ = s.set_read_timeout(Some(Duration::from_millis(20)));
+            let mut b = [0u8; 1];
+            matches!((&mut &**s).read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        })
+        .count();
+    assert!(
+        open <= pdpair_agent::agent::MAX_UNAUTHENTICATED_PER_SOURCE,
+        "{open} unauthenticated connections from one source are held"
+    );
+    // A decode agent from another source is served while the flood holds its slots.
+    let ds = w.agent("d", Transport::Tcp, false);
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    let (event, bad) = request(
+        &mut p,
+        &mut d,
+        Req {
+            id: "during-flood",
+            seed: 4,
+            p_first: 0,
+            d_first: 0,
+            tokens: 100,
+            blocks: 2,
+        },
+    );
+    assert!(done(&event) && bad == 0, "{event:?}");
+    let after = vm_hwm_kib(agent.0.id());
+    println!(
+        "prefill agent peak RSS: {before} KiB before the flood of 400 connections, {after} KiB after, {open} held"
+    );
+}
+
+/// An insider prefill peer: accepts one decode agent, authenticates, handshakes, then runs
+/// `script` with the stream, the session and the first registration.
+fn evil_prefill(
+    script: impl FnOnce(&mut TcpStream, &mut protocol::Session, Registration) + Send + 'static,
+) -> (String, std::thread::JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("addr").to_string();
+    let handle = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let (_, mut session) = protocol::authenticate_prefill(&mut s, |_| Some(KEY.to_vec())).expect("auth");
+        protocol::handshake_prefill(&mut s, &mut session, &insider(Role::Prefill)).expect("handshake");
+        let Ok(Message::Register(reg)) = session.recv(&mut s) else {
+            panic!("expected a registration");
+        };
+        script(&mut s, &mut session, reg);
+        // Keep the link up while the test looks at what the decode agent did.
+        std::thread::sleep(Duration::from_millis(1500));
+    });
+    (address, handle)
+}
+
+#[test]
+fn completions_for_requests_a_link_does_not_own_are_ignored() {
+    let w = World::new("attack-owner");
+    let ps = w.agent("p", Transport::Shm, false);
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut p = SyntheticEngine::register(
+        &ps,
+        &w.dir,
+        &spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("P");
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    // Decode waits for "victim" from the real prefill (not ready yet)...
+    d.send(&EngineRequest::ExpectKv {
+        request: "victim".into(),
+        prefill: p.address.clone(),
+        blocks: vec![8, 9],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
+    // ...and for "bait" from an insider that answers for "victim" instead.
+    let (evil, handle) = evil_prefill(|s, session, _| {
+        for m in [
+            Message::Complete {
+                request: "victim".into(),
+                sums: None,
+                bytes: 1,
+            },
+            Message::Failed {
+                request: "victim".into(),
+                reason: Reason::LeaseExpired,
+                message: "forged".into(),
+            },
+        ] {
+            session.send(s, &m).expect("send");
+        }
+    });
+    d.send(&EngineRequest::ExpectKv {
+        request: "bait".into(),
+        prefill: evil,
+        blocks: vec![1],
+        num_tokens: 10,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
+    std::thread::sleep(Duration::from_millis(500));
+    // Now the real prefill's KV is ready: the victim request completes, verified.
+    p.fill(2, &[3, 4], 0, 100);
+    p.send(&EngineRequest::KvReady {
+        request: "victim".into(),
+        blocks: vec![3, 4],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("KvReady");
+    let first = loop {
+        match d.next_event().expect("event") {
+            AgentEvent::RequestDone { request, .. } | AgentEvent::RequestFailed { request, .. }
+                if request == "bait" => {}
+            other => break other,
+        }
+    };
+    assert!(
+        matches!(&first, AgentEvent::RequestDone { request, checksum: Some(c), .. } if request == "victim" && c == "Verified"),
+        "{first:?}"
+    );
+    assert_eq!(d.verify(2, &[8, 9], 0, 100), 0, "every byte is the real prefill's");
+    let _ = handle.join();
+}
+
+#[test]
+fn one_engines_bad_key_does_not_block_another_engine_on_the_same_agent() {
+    let w = World::new("attack-reject-memory");
+    let mut p = prefill(&w);
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut wrong = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(
+            Role::Decode,
+            "d-wrong",
+            kv(64, None),
+            b"not-the-key",
+            ChecksumPolicy::FailClosed,
+        ),
+    )
+    .expect("D with a wrong key");
+    let mut right = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d-right", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    wrong
+        .send(&EngineRequest::ExpectKv {
+            request: "w".into(),
+            prefill: p.address.clone(),
+            blocks: vec![1, 2],
+            num_tokens: 100,
+            first_token: 0,
+        })
+        .expect("ExpectKv");
+    let event = wrong.next_event().expect("event");
+    assert_eq!(reasons(&event), vec!["Unauthenticated".to_owned()], "{event:?}");
+    // The same prefill, right after, from the same agent: the other engine's rejection is not
+    // this engine's.
+    let (event, bad) = request(
+        &mut p,
+        &mut right,
+        Req {
+            id: "r",
+            seed: 3,
+            p_first: 0,
+            d_first: 0,
+            tokens: 100,
+            blocks: 2,
+        },
+    );
+    assert!(done(&event) && bad == 0, "{event:?}");
+}
+
+#[test]
+fn a_duplicate_expect_kv_is_refused_and_the_first_keeps_its_promise() {
+    let w = World::new("attack-dup");
+    let mut p = prefill(&w);
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    let expect = |blocks: Vec<u32>| EngineRequest::ExpectKv {
+        request: "r".into(),
+        prefill: p.address.clone(),
+        blocks,
+        num_tokens: 100,
+        first_token: 0,
+    };
+    d.send(&expect(vec![5, 6])).expect("ExpectKv");
+    d.send(&expect(vec![10, 11])).expect("ExpectKv again");
+    let event = d.next_event().expect("event");
+    assert_eq!(reasons(&event), vec!["InvalidRequest".to_owned()], "{event:?}");
+    p.fill(5, &[3, 4], 0, 100);
+    p.send(&EngineRequest::KvReady {
+        request: "r".into(),
+        blocks: vec![3, 4],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("KvReady");
+    let event = d.next_event().expect("event");
+    assert!(done(&event), "{event:?}");
+    assert_eq!(
+        d.verify(5, &[5, 6], 0, 100),
+        0,
+        "the first registration's blocks got the KV"
+    );
+}
+
+/// A relay between a decode agent and a prefill agent that forwards every frame, except that
+/// it rewrites the memory base in the decode side's handshake (a digit, so the JSON stays
+/// valid): the authentication passes through untouched.
+fn rewriting_relay(to: SocketAddr) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("addr").to_string();
+    std::thread::spawn(move || {
+        let Ok((mut down, _)) = listener.accept() else { return };
+        let Ok(mut up) = TcpStream::connect(to) else { return };
+        let (mut down_r, mut up_w) = (down.try_clone().expect("clone"), up.try_clone().expect("clone"));
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut up, &mut down);
+        });
+        // Decode -> prefill, frame by frame.
+        loop {
+            let mut len = [0u8; 4];
+            if down_r.read_exact(&mut len).is_err() {
+                return;
+            }
+            let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+            if down_r.read_exact(&mut body).is_err() {
+                return;
+            }
+            if let Some(at) = find(&body, b"\"base\":") {
+                let digit = &mut body[at + 7];
+                *digit = if *digit == b'9' { b'1' } else { *digit + 1 };
+            }
+            if up_w.write_all(&len).and_then(|()| up_w.write_all(&body)).is_err() {
+                return;
+            }
+        }
+    });
+    address
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+#[test]
+fn a_relay_that_rewrites_the_handshake_after_auth_ok_is_refused() {
+    let w = World::new("attack-relay");
+    let p = prefill(&w);
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    let relay = rewriting_relay(addr(&p));
+    d.send(&EngineRequest::ExpectKv {
+        request: "r".into(),
+        prefill: relay,
+        blocks: vec![5, 6],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
+    let event = d.next_event().expect("event");
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { .. }),
+        "the rewritten handshake must not pair: {event:?}"
+    );
+    let text = w.metrics.lock().expect("metrics")[0].render();
+    assert!(
+        text.contains("pdpair_agent_handshakes_total{outcome=\"ProtocolError\"} 1"),
+        "the prefill agent saw the forgery: {text}"
+    );
+}
+
+#[test]
+fn a_preauth_reject_with_many_reasons_and_hostile_text_reaches_no_label_or_status() {
+    let w = World::new("attack-labels");
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    // A stranger at the prefill address answers Hello with a Reject of 200 made-up reasons.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("addr").to_string();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let _: Message = wire::read_frame(&mut s).expect("hello");
+        // Raw JSON: the stranger names whatever strings it likes.
+        let reasons: Vec<String> = (0..200).map(|i| format!("Evil{i}")).collect();
+        let reject = serde_json::json!({"type": "Reject", "reasons": reasons, "message": "\u{1b}[2J evil text"});
+        let _ = wire::write_frame(&mut s, &reject);
+    });
+    d.send(&EngineRequest::ExpectKv {
+        request: "r".into(),
+        prefill: address,
+        blocks: vec![1],
+        num_tokens: 10,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
+    let event = d.next_event().expect("event");
+    assert_eq!(reasons(&event), vec!["Unknown".to_owned()], "{event:?}");
+    let AgentEvent::RequestFailed { message, .. } = &event else {
+        unreachable!()
+    };
+    assert!(!message.contains("evil"), "{message}");
+    let text = w.metrics.lock().expect("metrics")[0].render();
+    assert!(!text.contains("Evil"), "{text}");
+}
