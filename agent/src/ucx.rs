@@ -479,6 +479,16 @@ impl Endpoint {
         posted("ucp_get_nbx", req)
     }
 
+    /// Posts a flush of every operation posted on this endpoint (remote completion), without
+    /// waiting: `None` when it completed at once.
+    pub fn flush_nb(&self) -> Result<Option<Request>, UcxError> {
+        // SAFETY: zeroed request params with an empty attribute mask are valid.
+        let params: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        // SAFETY: the endpoint is valid.
+        let req = unsafe { sys::ucp_ep_flush_nbx(self.handle, &params) };
+        posted("ucp_ep_flush_nbx", req)
+    }
+
     /// Waits for a posted put or get.
     pub fn wait(&self, req: Request, also: impl FnMut()) -> Result<(), UcxError> {
         let raw = req.0;
@@ -552,6 +562,16 @@ fn posted(op: &'static str, req: sys::ucs_status_ptr_t) -> Result<Option<Request
 /// An in-flight UCX request. Must be waited on with [`Endpoint::wait`].
 #[derive(Debug)]
 pub struct Request(sys::ucs_status_ptr_t);
+
+impl Request {
+    /// Whether the request finished: `None` while in progress, else its outcome (the request
+    /// is freed when dropped).
+    pub fn poll(&self) -> Option<Result<(), UcxError>> {
+        // SAFETY: a live request handle we own.
+        let status = unsafe { sys::ucp_request_check_status(self.0) };
+        (status != sys::ucs_status_t_UCS_INPROGRESS).then(|| check("ucp request", status))
+    }
+}
 
 impl Drop for Request {
     fn drop(&mut self) {

@@ -591,3 +591,80 @@ fn a_preauth_reject_with_many_reasons_and_hostile_text_reaches_no_label_or_statu
     let text = w.metrics.lock().expect("metrics")[0].render();
     assert!(!text.contains("Evil"), "{text}");
 }
+
+#[test]
+fn a_stuck_decode_agent_does_not_stall_another_pairs_transfers_and_times_out() {
+    let w = World::new("attack-stuck");
+    // Big blocks, so a push to a stopped peer outgrows the socket buffers and stays in flight:
+    // 2 MiB per block over all layers.
+    let mut geometry = kv(64, None);
+    (geometry.layers, geometry.kv_heads, geometry.head_dim) = (8, 8, 128);
+    let big = |role, name: &str| {
+        let mut s = spec(role, name, geometry.clone(), KEY, ChecksumPolicy::FailClosed);
+        s.num_blocks = 40;
+        s
+    };
+    let ps = w.agent("p", Transport::Tcp, false);
+    let (stuck_agent, d1s) = ProcessAgent::start(&w, "d1");
+    let d2s = w.agent("d2", Transport::Tcp, false);
+    let mut p = SyntheticEngine::register(&ps, &w.dir, &big(Role::Prefill, "p0")).expect("P");
+    let mut d1 = SyntheticEngine::register(&d1s, &w.dir, &big(Role::Decode, "d1")).expect("D1");
+    let mut d2 = SyntheticEngine::register(&d2s, &w.dir, &big(Role::Decode, "d2")).expect("D2");
+    for e in [&d2, &p] {
+        e.events()
+            .expect("events")
+            .set_read_timeout(Some(Duration::from_secs(15)))
+            .expect("timeout");
+    }
+    let small = |id| Req {
+        id,
+        seed: 7,
+        p_first: 0,
+        d_first: 0,
+        tokens: 128,
+        blocks: 2,
+    };
+    let (event, bad) = request(&mut p, &mut d1, small("warm"));
+    assert!(done(&event) && bad == 0, "{event:?}");
+    // D1 registers a 64 MiB request, then its agent stops (SIGSTOP) before prefill's WRITEs.
+    let stuck_blocks: Vec<u32> = (0..32).collect();
+    d1.send(&EngineRequest::ExpectKv {
+        request: "stuck".into(),
+        prefill: p.address.clone(),
+        blocks: stuck_blocks.clone(),
+        num_tokens: 32 * 64,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
+    std::thread::sleep(Duration::from_millis(300));
+    stuck_agent.signal(libc::SIGSTOP);
+    p.fill(8, &stuck_blocks, 0, 32 * 64);
+    p.send(&EngineRequest::KvReady {
+        request: "stuck".into(),
+        blocks: stuck_blocks,
+        num_tokens: 32 * 64,
+        first_token: 0,
+    })
+    .expect("KvReady");
+    std::thread::sleep(Duration::from_millis(300));
+    // Another pair's request on the same prefill agent is served while that one is stuck.
+    let started = Instant::now();
+    let (event, bad) = request(&mut p, &mut d2, small("healthy"));
+    let healthy = started.elapsed();
+    assert!(done(&event) && bad == 0, "{event:?}");
+    // The stuck transfer fails with TransferTimeout by prefill's lease (3 s), not never; and
+    // prefill's engine heard the healthy request done before that (a UCX thread blocked on the
+    // stuck peer would have served it only after the timeout).
+    let mut healthy_first = false;
+    let failed = loop {
+        match p.next_event().expect("prefill event") {
+            AgentEvent::RequestFailed { request, reasons, .. } if request == "stuck" => break reasons,
+            AgentEvent::RequestDone { request, .. } if request == "stuck" => panic!("the stopped peer got its KV?"),
+            AgentEvent::RequestDone { request, .. } if request == "healthy" => healthy_first = true,
+            _ => {}
+        }
+    };
+    assert_eq!(failed, vec!["TransferTimeout".to_owned()]);
+    assert!(healthy_first, "the healthy request was held behind the stuck one");
+    println!("healthy pair's request while another peer was stuck: {healthy:?}");
+}

@@ -17,7 +17,7 @@ use pdpair_api::{
 use super::*;
 use crate::{
     protocol::{self, HandshakeError, MemoryDesc, Message, Reason, Registration, Session},
-    ucx_thread::PutOp,
+    ucx_thread::{OpError, PutOp},
     wire::{self, Opener},
 };
 
@@ -487,11 +487,11 @@ impl Engine {
     ) {
         let Some(p) = lock(&self.pending)
             .get(&request)
-            .map(|p| (p.blocks.clone(), p.first_token, p.num_tokens))
+            .map(|p| (p.blocks.clone(), p.first_token, p.num_tokens, p.deadline))
         else {
             return;
         };
-        let (d_blocks, d_first, d_tokens) = p;
+        let (d_blocks, d_first, d_tokens, deadline) = p;
         let started = Instant::now();
         let outcome = if d_tokens != num_tokens {
             Err((
@@ -515,8 +515,20 @@ impl Engine {
                 Some(peer) => self
                     .shared
                     .ucx
-                    .get(peer, self.pool.region, ops)
-                    .map_err(|e| (Reason::ReadFailed, format!("reading prefill's blocks failed: {e}"))),
+                    .get(
+                        peer,
+                        self.pool.region,
+                        ops,
+                        deadline.saturating_duration_since(Instant::now()),
+                    )
+                    .map_err(|e| match e {
+                        // The READs were cancelled and the endpoint closed: drop the link too.
+                        OpError::Timeout(_) => {
+                            link.close();
+                            (Reason::TransferTimeout, format!("reading prefill's blocks: {e}"))
+                        }
+                        OpError::Failed(_) => (Reason::ReadFailed, format!("reading prefill's blocks failed: {e}")),
+                    }),
                 None => Err((Reason::TransportFailed, "no UCX endpoint to prefill".into())),
             })
         };

@@ -15,7 +15,7 @@ use pdpair_api::{ChecksumPolicy, Role, checksum::BlockSums};
 use super::*;
 use crate::{
     protocol::{self, Message, Reason, Registration, Session},
-    ucx_thread::PutOp,
+    ucx_thread::{OpError, PutOp},
     wire,
 };
 
@@ -504,11 +504,13 @@ impl Engine {
             pairs.iter().map(|(p, _, t)| (*p, *t)),
         );
         let started = Instant::now();
-        match self
-            .shared
-            .ucx
-            .put(ucx_peer, self.pool.region, ops, self.shared.cfg.corrupt_one_byte)
-        {
+        match self.shared.ucx.put(
+            ucx_peer,
+            self.pool.region,
+            ops,
+            self.shared.cfg.corrupt_one_byte,
+            self.lease(),
+        ) {
             Ok(bytes) => {
                 let took = started.elapsed();
                 self.shared.metrics.transfer_latency(took);
@@ -527,7 +529,13 @@ impl Engine {
                     );
                 }
             }
-            Err(e) => refuse(Reason::WriteFailed, format!("posting the WRITEs failed: {e}")),
+            Err(e @ OpError::Timeout(_)) => {
+                // The WRITEs were cancelled and the endpoint closed; the link goes too (decode
+                // sees it lost and reconnects for later requests).
+                refuse(Reason::TransferTimeout, format!("writing decode's blocks: {e}"));
+                link.close();
+            }
+            Err(e) => refuse(Reason::WriteFailed, format!("the WRITEs failed: {e}")),
         }
     }
 
