@@ -109,6 +109,8 @@ struct Shared {
     metrics: Arc<Metrics>,
     /// Unauthenticated side-channel connections by source address (the pre-auth budget).
     unauthenticated: Mutex<HashMap<IpAddr, usize>>,
+    /// The engine API socket is bound.
+    listening: AtomicBool,
 }
 
 /// One unauthenticated connection counted against the pre-auth budget until dropped.
@@ -164,14 +166,47 @@ impl Agent {
                 ucx,
                 metrics,
                 unauthenticated: Mutex::new(HashMap::new()),
+                listening: AtomicBool::new(false),
             }),
         })
     }
 
     /// Serves the engine API on a Unix socket until the process ends.
     pub fn serve(&self, socket: &Path) -> io::Result<()> {
+        let listener = self.bind(socket)?;
+        self.serve_on(listener)
+    }
+
+    /// Binds the engine API socket, mode 0660 (the agent's user and group: engines reach it
+    /// through the group or by running as that user), replacing a stale one.
+    pub fn bind(&self, socket: &Path) -> io::Result<UnixListener> {
+        use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::remove_file(socket);
         let listener = UnixListener::bind(socket)?;
+        std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o660))?;
+        self.shared.listening.store(true, Ordering::SeqCst);
+        Ok(listener)
+    }
+
+    /// Whether the agent is ready: the engine API is listening, the UCX thread answers, and
+    /// (when it publishes) the API server answered lately. `Err` says what is not.
+    pub fn ready(&self) -> Result<(), String> {
+        if !self.shared.listening.load(Ordering::SeqCst) {
+            return Err("the engine API socket is not bound yet".into());
+        }
+        if !self.shared.ucx.alive(Duration::from_secs(1)) {
+            return Err("the UCX thread does not answer".into());
+        }
+        if let Some(p) = &self.shared.cfg.publisher
+            && !p.api_reachable()
+        {
+            return Err("the API server has not answered in the last 30 s".into());
+        }
+        Ok(())
+    }
+
+    /// Serves the engine API on a bound socket until the process ends.
+    pub fn serve_on(&self, listener: UnixListener) -> io::Result<()> {
         for stream in listener.incoming() {
             match stream {
                 Ok(stream) => {

@@ -254,39 +254,19 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
         crate::agent::Agent::start(cfg, metrics.clone()).map_err(|e| UsageError(format!("starting UCX: {e}")))?;
     if let Some(addr) = args.admin_bind {
         let listener = std::net::TcpListener::bind(addr).map_err(|e| UsageError(format!("binding {addr}: {e}")))?;
-        std::thread::spawn(move || admin(listener, metrics));
+        let a = agent.clone();
+        std::thread::spawn(move || crate::admin::serve(listener, metrics, a));
     }
     if let Some(parent) = args.socket.parent() {
         std::fs::create_dir_all(parent).map_err(|e| UsageError(format!("{}: {e}", parent.display())))?;
     }
+    let listener = agent
+        .bind(&args.socket)
+        .map_err(|e| UsageError(format!("{}: {e}", args.socket.display())))?;
     tracing::info!(socket = %args.socket.display(), name = %args.name, transport = %args.transport, "serving the engine API");
     agent
-        .serve(&args.socket)
+        .serve_on(listener)
         .map_err(|e| UsageError(format!("{}: {e}", args.socket.display())))
-}
-
-/// A minimal HTTP/1.0 admin endpoint: /metrics and /healthz.
-fn admin(listener: std::net::TcpListener, metrics: std::sync::Arc<crate::metrics::Metrics>) {
-    use std::io::{BufRead, BufReader};
-    for stream in listener.incoming().flatten() {
-        let mut line = String::new();
-        let mut reader = BufReader::new(&stream);
-        if reader.read_line(&mut line).is_err() {
-            continue;
-        }
-        let path = line.split_whitespace().nth(1).unwrap_or("/");
-        let (status, body) = match path {
-            "/metrics" => ("200 OK", metrics.render()),
-            "/healthz" | "/livez" | "/readyz" => ("200 OK", "ok\n".to_owned()),
-            _ => ("404 Not Found", "not found\n".to_owned()),
-        };
-        let mut out = &stream;
-        let _ = write!(
-            out,
-            "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        );
-    }
 }
 
 /// Runs `loopback`, printing the report.

@@ -4,6 +4,7 @@
 //! validates the peers' KV geometry with [`pdpair_api::check_pools`] (the same rule table as the
 //! admission webhook), and moves KV blocks with RDMA WRITEs over UCX, verified by KV checksums.
 
+pub mod admin;
 pub mod agent;
 pub mod bench;
 pub mod checksum;

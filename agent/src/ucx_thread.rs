@@ -126,6 +126,11 @@ pub enum Command {
         /// Peer id.
         peer: u64,
     },
+    /// Answered at once by a live, progressing thread (for readiness).
+    Ping {
+        /// Answered with ().
+        reply: Reply<()>,
+    },
 }
 
 /// A handle to the UCX thread.
@@ -260,6 +265,12 @@ impl UcxHandle {
             deadline,
             reply,
         })
+    }
+
+    /// Whether the thread answers within `within` (it is alive and progressing).
+    pub fn alive(&self, within: Duration) -> bool {
+        let (reply, rx) = mpsc::channel();
+        self.tx.send(Command::Ping { reply }).is_ok() && matches!(rx.recv_timeout(within), Ok(Ok(())))
     }
 
     /// See [`Command::Disconnect`].
@@ -550,6 +561,9 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                         let _ = reply.send(Err(OpError::Failed(e)));
                     }
                 }
+            }
+            Command::Ping { reply } => {
+                let _ = reply.send(Ok(()));
             }
             Command::Disconnect { peer } => {
                 let why = OpError::Failed(format!("peer {peer} was disconnected"));

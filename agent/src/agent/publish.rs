@@ -28,6 +28,21 @@ const HEARTBEAT: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone)]
 pub struct Publisher {
     tx: mpsc::Sender<Weak<Engine>>,
+    /// Unix seconds of the last call the API server answered (0: none yet).
+    api_ok: Arc<std::sync::atomic::AtomicI64>,
+}
+
+/// How often the publisher checks the API server answers, and how stale that may be for
+/// `/readyz`.
+const API_PROBE: Duration = Duration::from_secs(5);
+const API_STALE_SECS: i64 = 30;
+/// The longest one API call may take.
+const API_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
 }
 
 struct Entry {
@@ -49,11 +64,19 @@ impl Publisher {
             let _guard = runtime.enter();
             Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))?
         };
+        let api_ok = Arc::new(std::sync::atomic::AtomicI64::new(0));
+        let ok = api_ok.clone();
         std::thread::Builder::new()
             .name("publish".into())
-            .spawn(move || runtime.block_on(run(client, node, rx)))
+            .spawn(move || runtime.block_on(run(client, node, rx, ok)))
             .map_err(|e| format!("starting the publisher: {e}"))?;
-        Ok(Publisher { tx })
+        Ok(Publisher { tx, api_ok })
+    }
+
+    /// Whether the API server answered within the last 30 s (for `/readyz`).
+    pub fn api_reachable(&self) -> bool {
+        let at = self.api_ok.load(std::sync::atomic::Ordering::Relaxed);
+        at > 0 && unix_now() - at <= API_STALE_SECS
     }
 
     /// Publishes this engine from now on (until it goes away).
@@ -62,9 +85,23 @@ impl Publisher {
     }
 }
 
-async fn run(client: Client, node: String, rx: mpsc::Receiver<Weak<Engine>>) {
+async fn run(
+    client: Client,
+    node: String,
+    rx: mpsc::Receiver<Weak<Engine>>,
+    api_ok: Arc<std::sync::atomic::AtomicI64>,
+) {
     let mut entries: Vec<Entry> = Vec::new();
+    let mut probed: Option<Instant> = None;
     loop {
+        if probed.is_none_or(|at| at.elapsed() >= API_PROBE) {
+            probed = Some(Instant::now());
+            match tokio::time::timeout(API_TIMEOUT, client.apiserver_version()).await {
+                Ok(Ok(_)) => api_ok.store(unix_now(), std::sync::atomic::Ordering::Relaxed),
+                Ok(Err(e)) => tracing::warn!(error = %e, "the API server did not answer"),
+                Err(_) => tracing::warn!("the API server did not answer within {API_TIMEOUT:?}"),
+            }
+        }
         loop {
             match rx.try_recv() {
                 Ok(engine) => entries.push(Entry {
@@ -83,8 +120,10 @@ async fn run(client: Client, node: String, rx: mpsc::Receiver<Weak<Engine>>) {
                 .is_some_and(|e| !e.closed.load(std::sync::atomic::Ordering::SeqCst))
         });
         for entry in &mut entries {
-            if let Err(e) = sync(&client, &node, entry).await {
-                tracing::warn!(error = %e, "publishing a PDEndpoint failed; retrying");
+            match tokio::time::timeout(API_TIMEOUT, sync(&client, &node, entry)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "publishing a PDEndpoint failed; retrying"),
+                Err(_) => tracing::warn!("publishing a PDEndpoint took over {API_TIMEOUT:?}; retrying"),
             }
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
