@@ -431,6 +431,20 @@ impl Engine {
                 reg.num_blocks, layout.layers, layout.local_heads, layout.block_size, layout.head_dim, layout.element_bytes
             )
         })?;
+        if reg.memory_path.as_deref().is_none_or(str::is_empty) {
+            // The agent allocates (and faults in) the whole pool: never more than its file
+            // system holds, or one registration could exhaust the node's memory.
+            let free = pool::available(&shared.cfg.pool_dir).unwrap_or(0);
+            if need as u64 > free {
+                return Err(format!(
+                    "the pool needs {need} bytes ({} layers x K,V x {} blocks x {} bytes); the pool directory {} has {free} free",
+                    layout.layers,
+                    layout.num_blocks,
+                    layout.block_len(),
+                    shared.cfg.pool_dir.display()
+                ));
+            }
+        }
         let pool = match reg.memory_path.as_deref().filter(|p| !p.is_empty()) {
             Some(path) => Pool::engine_file(&shared.ucx, path, need).map_err(|e| {
                 format!(

@@ -231,6 +231,18 @@ pub fn mapped(addr: u64, len: u64) -> bool {
     false
 }
 
+/// Bytes free for an unprivileged writer on the file system holding `dir` (`statvfs`).
+#[allow(unsafe_code)]
+pub fn available(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: zeroed statvfs is valid; statvfs writes into it and reads the C string.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), &mut st) };
+    (rc == 0).then(|| (st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
 /// The uid and gid of the process at the other end of a Unix socket (`SO_PEERCRED`).
 #[allow(unsafe_code)]
 pub fn peer_owner(stream: &UnixStream) -> Option<(u32, u32)> {

@@ -1,0 +1,213 @@
+//! Property fuzzing of what the agent reads from others: the frame decoder (plain and sealed),
+//! the authentication and handshake state machine fed by an arbitrary peer, and the engine API
+//! decoder and registration path of a live agent fed arbitrary registrations. Each property
+//! holds for every generated input: no panic, no hang, and nothing accepted that should not be.
+//! `PROPTEST_CASES` scales the runs (docs/security.md records a longer one).
+
+mod common;
+
+use std::{
+    io::{self, Read, Write},
+    os::unix::net::UnixStream,
+};
+
+use common::{World, kv};
+use pdpair_agent::{
+    engine_api::{AgentEvent, EngineRequest, PoolRegistration},
+    protocol::{self, Message},
+    ucx::Transport,
+    wire::{self, Opener, Sealer},
+};
+use pdpair_api::{ChecksumPolicy, KvLayout, Parallelism, Role, TransferMode};
+use proptest::prelude::*;
+
+/// A peer that has said everything it will say: reads come from `input`, writes are kept.
+struct Scripted {
+    input: io::Cursor<Vec<u8>>,
+    output: Vec<u8>,
+}
+
+impl Read for Scripted {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.input.read(buf)
+    }
+}
+
+impl Write for Scripted {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.output.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn frames(messages: &[Message]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for m in messages {
+        wire::write_frame(&mut out, m).expect("frame");
+    }
+    out
+}
+
+fn bytes() -> impl Strategy<Value = Vec<u8>> {
+    prop::collection::vec(any::<u8>(), 0..64)
+}
+
+fn message() -> impl Strategy<Value = Message> {
+    prop_oneof![
+        (any::<u16>(), ".{0,40}", bytes()).prop_map(|(version, pdpair, nonce)| Message::Hello {
+            version,
+            pdpair,
+            nonce
+        }),
+        (any::<u16>(), bytes(), bytes()).prop_map(|(version, nonce, proof)| Message::Challenge {
+            version,
+            nonce,
+            proof
+        }),
+        bytes().prop_map(|proof| Message::Proof { proof }),
+        Just(Message::AuthOk),
+        (".{0,20}", ".{0,80}").prop_map(|(r, message)| Message::Reject {
+            reasons: vec![protocol::Reason::parse(&r)],
+            message
+        }),
+        any::<u64>().prop_map(|seq| Message::Ping { seq }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Any bytes: the decoders return a message or an error, never panic, and never allocate
+    /// past the limit they were given.
+    #[test]
+    fn the_frame_decoders_take_any_bytes(input in prop::collection::vec(any::<u8>(), 0..512), key in any::<[u8; 32]>()) {
+        let _ = wire::read_frame::<Message>(&mut input.as_slice());
+        let _ = wire::read_frame::<EngineRequest>(&mut input.as_slice());
+        let _ = wire::read_frame_max::<Message>(&mut input.as_slice(), wire::MAX_PREAUTH_FRAME);
+        let _ = wire::read_sealed::<Message>(&mut input.as_slice(), &mut Opener::new(key), wire::MAX_FRAME);
+    }
+
+    /// A frame sealed with one key opens with it, in order, and with no other key.
+    #[test]
+    fn sealed_frames_open_only_with_their_key(m in message(), key in any::<[u8; 32]>(), other in any::<[u8; 32]>()) {
+        let mut buf = Vec::new();
+        wire::write_sealed(&mut buf, &mut Sealer::new(key), &m).expect("seal");
+        prop_assert_eq!(wire::read_sealed::<Message>(&mut buf.as_slice(), &mut Opener::new(key), wire::MAX_FRAME).ok(), Some(m));
+        if other != key {
+            prop_assert!(wire::read_sealed::<Message>(&mut buf.as_slice(), &mut Opener::new(other), wire::MAX_FRAME).is_err());
+        }
+    }
+
+    /// Whatever a peer without the secret says, in whatever order, prefill's authentication
+    /// never succeeds, never panics, and ends when the peer's bytes end.
+    #[test]
+    fn prefill_never_authenticates_a_peer_without_the_secret(script in prop::collection::vec(message(), 0..6)) {
+        let mut peer = Scripted { input: io::Cursor::new(frames(&script)), output: Vec::new() };
+        let got = protocol::authenticate_prefill(&mut peer, |_| Some(b"the-secret".to_vec()));
+        prop_assert!(got.is_err(), "{:?}", script);
+    }
+
+    /// The same for decode facing an arbitrary prefill.
+    #[test]
+    fn decode_never_authenticates_a_peer_without_the_secret(script in prop::collection::vec(message(), 0..6)) {
+        let mut peer = Scripted { input: io::Cursor::new(frames(&script)), output: Vec::new() };
+        let got = protocol::authenticate_decode(&mut peer, "team-a/tiny", b"the-secret");
+        prop_assert!(got.is_err(), "{:?}", script);
+    }
+}
+
+fn registration() -> impl Strategy<Value = PoolRegistration> {
+    (
+        (
+            any::<bool>(),
+            0..4u8,
+            prop_oneof![4 => 1..3i32, 1 => -2..1i32],
+            prop_oneof![4 => 1..5i32, 1 => -2..1i32],
+        ),
+        (
+            prop_oneof![1 => Just(-1), 8 => 1..16i32, 1 => Just(i32::MAX)],
+            prop_oneof![1 => Just(0), 8 => 1..64i32, 1 => Just(i32::MAX)],
+        ),
+        (
+            prop_oneof![1 => Just(0), 8 => 1..128i32, 1 => Just(i32::MAX)],
+            prop_oneof![1 => Just(0u32), 8 => 1..64u32, 1 => Just(u32::MAX)],
+        ),
+        (
+            prop_oneof![3 => Just(0u32), 1 => 0..3u32],
+            any::<bool>(),
+            prop_oneof![4 => "([0-9a-f]{2}){1,8}", 1 => ".{0,12}"],
+        ),
+    )
+        .prop_map(
+            |((decode, layout, tensor, layers), (heads, block), (head_dim, blocks), (rank, mla, key))| {
+                let mut geometry = kv(64, None);
+                geometry.layers = layers;
+                geometry.kv_heads = heads;
+                geometry.head_dim = head_dim;
+                geometry.block_size = block;
+                geometry.mla = mla;
+                geometry.layout = if layout % 2 == 0 { KvLayout::Hnd } else { KvLayout::Nhd };
+                PoolRegistration {
+                    pdpair: "team-a/tiny".into(),
+                    role: if decode { Role::Decode } else { Role::Prefill },
+                    engine: "fuzz".into(),
+                    pod: None,
+                    mode: TransferMode::Push,
+                    checksum: ChecksumPolicy::FailClosed,
+                    handshake_timeout_ms: 100,
+                    lease_ms: 100,
+                    parallelism: Parallelism {
+                        tensor,
+                        ..Parallelism::default()
+                    },
+                    kv: geometry,
+                    pairing_key: key,
+                    memory_path: None,
+                    num_blocks: blocks,
+                    tensor_rank: rank,
+                }
+            },
+        )
+}
+
+/// Arbitrary registrations against a live agent: each is answered (`Registered` or
+/// `RegistrationFailed`, never a dropped connection or a crash), and the agent keeps answering.
+#[test]
+fn a_live_agent_answers_every_registration_and_keeps_serving() {
+    let w = World::new("fuzz-register");
+    let socket = w.agent("a", Transport::Tcp, false);
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(64);
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(cases));
+    let registered = std::sync::atomic::AtomicU32::new(0);
+    runner
+        .run(&registration(), |reg| {
+            let mut s = UnixStream::connect(&socket).expect("connect");
+            s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+                .expect("timeout");
+            wire::write_frame(&mut s, &EngineRequest::RegisterPool(Box::new(reg.clone()))).expect("send");
+            let answer = wire::read_frame::<AgentEvent>(&mut s);
+            prop_assert!(
+                matches!(
+                    answer,
+                    Ok(AgentEvent::Registered { .. } | AgentEvent::RegistrationFailed { .. })
+                ),
+                "{reg:?} -> {answer:?}"
+            );
+            if matches!(answer, Ok(AgentEvent::Registered { .. })) {
+                registered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            Ok(())
+        })
+        .expect("every registration answered");
+    println!(
+        "{cases} registrations: {} registered, the rest refused",
+        registered.into_inner()
+    );
+}
