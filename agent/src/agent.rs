@@ -231,8 +231,8 @@ impl Agent {
         // An engine that stops reading its events must not stall transfer threads forever.
         let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
         let writer = Arc::new(Mutex::new(stream));
-        let registration = match wire::read_frame::<EngineRequest>(&mut reader) {
-            Ok(EngineRequest::RegisterPool(reg)) => *reg,
+        let (registration, fd) = match wire::read_frame_fd::<EngineRequest>(&reader, wire::MAX_FRAME) {
+            Ok((EngineRequest::RegisterPool(reg), fd)) => (*reg, fd),
             Ok(_) => {
                 send(
                     &writer,
@@ -247,7 +247,7 @@ impl Agent {
                 return;
             }
         };
-        let engine = match Engine::register(self.shared.clone(), registration, writer.clone()) {
+        let engine = match Engine::register(self.shared.clone(), registration, fd, writer.clone()) {
             Ok(engine) => engine,
             Err(message) => {
                 send(&writer, &AgentEvent::RegistrationFailed { message });
@@ -258,17 +258,19 @@ impl Agent {
         if let Some(publisher) = &self.shared.cfg.publisher {
             publisher.add(&engine);
         }
-        let address = engine.address.clone();
-        let memory_path =
-            (engine.pool.origin != pool::Origin::EngineFile).then(|| engine.pool.path.to_string_lossy().into_owned());
-        send(
-            &writer,
-            &AgentEvent::Registered {
-                address,
-                agent: self.shared.cfg.name.clone(),
-                memory_path,
-            },
-        );
+        let registered = AgentEvent::Registered {
+            address: engine.address.clone(),
+            agent: self.shared.cfg.name.clone(),
+            memory_len: engine.layout.region_len() as u64,
+        };
+        // The engine maps what the agent allocated through this descriptor (never a path).
+        let sent = match engine.pool.origin {
+            pool::Origin::EngineMemfd => wire::write_frame(&mut *lock(&writer), &registered),
+            _ => wire::write_frame_fd(&lock(&writer), &registered, engine.pool.fd()),
+        };
+        if let Err(e) = sent {
+            tracing::debug!(error = %e, "engine API: cannot send Registered");
+        }
         engine.spawn_timer();
         loop {
             match wire::read_frame::<EngineRequest>(&mut reader) {
@@ -414,14 +416,26 @@ impl Engine {
     fn register(
         shared: Arc<Shared>,
         reg: PoolRegistration,
+        fd: Option<std::os::fd::OwnedFd>,
         writer: Arc<Mutex<UnixStream>>,
     ) -> Result<Arc<Engine>, String> {
+        if let Some(path) = &reg.memory_path {
+            return Err(format!(
+                "memory_path {:?} is not accepted: pass the pool as a sealed memfd (memory_fd: true, SCM_RIGHTS), or let the agent allocate it",
+                crate::reason::peer_text(path)
+            ));
+        }
+        let fd = match (reg.memory_fd, fd) {
+            (true, Some(fd)) => Some(fd),
+            (true, None) => return Err("memory_fd is true but the RegisterPool frame carried no descriptor".into()),
+            // A descriptor the registration does not announce is closed, unused.
+            (false, _) => None,
+        };
         let key = hex_bytes::decode(&reg.pairing_key)
             .filter(|k| !k.is_empty())
             .ok_or("pairing_key must be non-empty hex")?;
         let layout =
             PoolLayout::new(&reg.kv, &reg.parallelism, reg.num_blocks, reg.tensor_rank).map_err(|e| e.to_string())?;
-        let owner = pool::peer_owner(&lock(&writer));
         if reg.num_blocks == 0 {
             return Err("num_blocks must be at least 1".into());
         }
@@ -431,7 +445,7 @@ impl Engine {
                 reg.num_blocks, layout.layers, layout.local_heads, layout.block_size, layout.head_dim, layout.element_bytes
             )
         })?;
-        if reg.memory_path.as_deref().is_none_or(str::is_empty) {
+        if fd.is_none() {
             // The agent allocates (and faults in) the whole pool: never more than its file
             // system holds, or one registration could exhaust the node's memory.
             let free = pool::available(&shared.cfg.pool_dir).unwrap_or(0);
@@ -445,8 +459,8 @@ impl Engine {
                 ));
             }
         }
-        let pool = match reg.memory_path.as_deref().filter(|p| !p.is_empty()) {
-            Some(path) => Pool::engine_file(&shared.ucx, path, need).map_err(|e| {
+        let pool = match fd {
+            Some(fd) => Pool::engine_memfd(&shared.ucx, fd, need).map_err(|e| {
                 format!(
                     "{e} ({} layers x K,V x {} blocks x {} bytes)",
                     layout.layers,
@@ -454,7 +468,7 @@ impl Engine {
                     layout.block_len()
                 )
             })?,
-            None => Pool::allocate(&shared.ucx, &shared.cfg.pool_dir, need, owner)?,
+            None => Pool::allocate(&shared.ucx, &shared.cfg.pool_dir, need)?,
         };
         let listener = match reg.role {
             Role::Prefill => Some(

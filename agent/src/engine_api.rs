@@ -82,8 +82,13 @@ pub struct PoolRegistration {
     pub kv: KvGeometry,
     /// The PDPair's pairing secret (the file at `PDPAIR_PAIRING_KEY_FILE`), hex.
     pub pairing_key: String,
-    /// The pool memory: a file both the engine and the agent can map (host memory). Absent (or
-    /// empty): the agent allocates the pool and names its file in `Registered`.
+    /// The engine brings its own pool: the `RegisterPool` frame carries a memfd (`SCM_RIGHTS`)
+    /// sealed against shrinking (`F_SEAL_SHRINK`) and holding the whole pool. False: the agent
+    /// allocates the pool and passes its descriptor with `Registered`.
+    #[serde(default)]
+    pub memory_fd: bool,
+    /// No longer accepted (a path is opened by the agent, as root, wherever it points): a
+    /// registration that names one is refused. Pass a sealed memfd with `memory_fd` instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_path: Option<String>,
     /// Blocks per K (or V) array.
@@ -103,10 +108,9 @@ pub enum AgentEvent {
         address: String,
         /// Agent identity.
         agent: String,
-        /// The pool's file, when the agent allocated it (the registration had no
-        /// `memory_path`): the engine maps it, whole, shared.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        memory_path: Option<String>,
+        /// Bytes of the pool. When the agent allocated it (`memory_fd` was false), this frame
+        /// carries its descriptor (`SCM_RIGHTS`): the engine maps it, whole, shared.
+        memory_len: u64,
     },
     /// The registration was refused; the agent closes the connection.
     RegistrationFailed {

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod checksum;
 pub mod cli;
 pub mod engine_api;
+pub mod guard;
 pub mod layout;
 pub mod loopback;
 pub mod metrics;

@@ -1,41 +1,45 @@
-//! An engine's KV pool memory as the agent holds it: a file the engine made (`memory_path`), or
-//! memory the agent allocates on the engine's behalf and hands back as a file to map.
+//! An engine's KV pool memory as the agent holds it: memory the agent allocates on the engine's
+//! behalf, or a sealed memfd the engine made. Either way the engine gets (or gave) a file
+//! descriptor over the engine socket (`SCM_RIGHTS`), never a path.
 //!
 //! Who allocates matters on one host. UCX writes into memory its POSIX shared-memory allocator
 //! made by mapping the segment and copying once; into memory merely registered (an engine's
-//! file) it emulates a put over shared memory with two copies and needs the target's worker to
+//! memfd) it emulates a put over shared memory with two copies and needs the target's worker to
 //! progress (docs/benchmarks.md measured about 2x). So agent-allocated pools come from UCX, as
-//! named files in the pool directory, which engines on the node also see. Where UCX cannot
-//! allocate such a file (transports without shared memory, such as tcp alone), the agent makes a
-//! plain file there instead.
+//! named files in the pool directory (where peer agents on the host find them); UCX cannot seal
+//! those, so every mapping of one is guarded against truncation ([`crate::guard`]). Where UCX
+//! cannot allocate such a file (transports without shared memory, such as tcp alone), the agent
+//! makes a memfd sealed against shrinking and growing instead.
 
 use std::{
     fs::File,
-    os::unix::{fs::MetadataExt, net::UnixStream},
+    os::{
+        fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd},
+        unix::net::UnixStream,
+    },
     path::{Path, PathBuf},
-    sync::atomic::{AtomicU64, Ordering},
 };
 
-use crate::ucx_thread::UcxHandle;
+use crate::{guard::Guard, ucx_thread::UcxHandle};
 
 /// Prefix of the files UCX's POSIX allocator makes (its shared-memory segments and pools).
 pub const UCX_SEGMENT_PREFIX: &str = "ucx_shm_posix_";
-/// Prefix of the plain pool files the agent makes when UCX cannot allocate.
+/// Prefix of the plain pool files earlier agent versions made when UCX could not allocate.
 pub const AGENT_POOL_PREFIX: &str = "pdpair-pool-";
 
 /// How the pool's memory came to be.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Origin {
-    /// The engine's file (`memory_path`).
-    EngineFile,
+    /// The engine's sealed memfd.
+    EngineMemfd,
     /// Allocated by UCX for the engine: peers on the host write it with one copy.
     Ucx,
-    /// A plain file the agent made for the engine.
-    AgentFile,
+    /// A sealed memfd the agent made for the engine.
+    AgentMemfd,
 }
 
 /// A pool: the agent's own mapping (for reading, and keeping the pages alive while the agent
-/// holds the engine) and its UCX registration.
+/// holds the engine), its UCX registration, and the descriptor the engine maps.
 #[derive(Debug)]
 pub struct Pool {
     map: memmap2::MmapRaw,
@@ -46,32 +50,47 @@ pub struct Pool {
     pub region: u64,
     /// Packed remote key.
     pub rkey: Vec<u8>,
-    /// The file the engine maps.
-    pub path: PathBuf,
+    /// The pool's file (a UCX segment's path; memfds have none).
+    pub path: Option<PathBuf>,
+    /// The descriptor handed to the engine.
+    fd: OwnedFd,
     /// Where it came from.
     pub origin: Origin,
+    /// Truncation guards over the agent's mappings of an unsealable file.
+    _guards: Vec<Guard>,
 }
 
+/// Seals a pool memfd carries, or must carry when an engine made it.
+pub const REQUIRED_SEALS: libc::c_int = libc::F_SEAL_SHRINK;
+
 impl Pool {
-    /// Maps and registers the engine's file, which must hold at least `need` bytes.
-    pub fn engine_file(ucx: &UcxHandle, path: &str, need: usize) -> Result<Pool, String> {
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| format!("memory_path {path}: {e}"))?;
-        let held = file.metadata().map_err(|e| format!("memory_path {path}: {e}"))?.len();
-        if held < need as u64 {
+    /// Maps and registers the engine's memfd, which must be a regular memory file sealed
+    /// against shrinking (`F_SEAL_SHRINK`) and hold at least `need` bytes.
+    pub fn engine_memfd(ucx: &UcxHandle, fd: OwnedFd, need: usize) -> Result<Pool, String> {
+        let seals = seals(fd.as_fd());
+        if seals & REQUIRED_SEALS != REQUIRED_SEALS {
             return Err(format!(
-                "memory_path {path} holds {held} bytes; the geometry needs {need}"
+                "the pool descriptor is not sealed against shrinking (F_SEAL_SHRINK; its seals are {seals:#x}): pass a memfd made with MFD_ALLOW_SEALING and sealed"
             ));
         }
-        Pool::register_file(ucx, &file, PathBuf::from(path), need, Origin::EngineFile)
+        let file = File::from(fd);
+        let meta = file.metadata().map_err(|e| format!("the pool descriptor: {e}"))?;
+        if !meta.is_file() {
+            return Err("the pool descriptor is not a regular memory file".into());
+        }
+        if meta.len() < need as u64 {
+            return Err(format!(
+                "the pool descriptor holds {} bytes; the geometry needs {need}",
+                meta.len()
+            ));
+        }
+        Pool::register_memfd(ucx, file, need, Origin::EngineMemfd)
     }
 
-    /// Maps `file` (at least `need` bytes) populated and registers its first `need` bytes.
-    fn register_file(ucx: &UcxHandle, file: &File, path: PathBuf, need: usize, origin: Origin) -> Result<Pool, String> {
-        let map = map_populated(file, &path.to_string_lossy())?;
+    /// Maps a sealed memfd (at least `need` bytes) populated and registers its first `need`
+    /// bytes.
+    fn register_memfd(ucx: &UcxHandle, file: File, need: usize, origin: Origin) -> Result<Pool, String> {
+        let map = map_populated(&file, "the pool memfd")?;
         let base = map.as_mut_ptr() as u64;
         let (region, rkey) = ucx.map(base, need as u64)?;
         Ok(Pool {
@@ -79,68 +98,55 @@ impl Pool {
             base,
             region,
             rkey,
-            path,
+            path: None,
+            fd: OwnedFd::from(file),
             origin,
+            _guards: Vec::new(),
         })
     }
 
-    /// Allocates `need` bytes for an engine in `dir`: through UCX when it makes a named file
-    /// there, else as a plain file. `owner` (the engine's uid and gid) gets the file when the
-    /// agent runs as another user (UCX makes it mode 0600).
-    pub fn allocate(ucx: &UcxHandle, dir: &Path, need: usize, owner: Option<(u32, u32)>) -> Result<Pool, String> {
+    /// Allocates `need` bytes for an engine: through UCX when it makes a named file in `dir`,
+    /// else as a sealed memfd.
+    pub fn allocate(ucx: &UcxHandle, dir: &Path, need: usize) -> Result<Pool, String> {
         let pool = match ucx.allocate(need as u64) {
             Ok(a) => match mapping_path(a.addr).filter(|p| p.parent() == Some(dir)) {
-                Some(path) => File::options()
-                    .read(true)
-                    .write(true)
-                    .open(&path)
-                    .map_err(|e| format!("{}: {e}", path.display()))
-                    .and_then(|f| map_populated(&f, &path.to_string_lossy()))
-                    .map(|map| Pool {
-                        map,
-                        base: a.addr,
-                        region: a.region,
-                        rkey: a.rkey,
-                        path,
-                        origin: Origin::Ucx,
+                Some(path) => open_no_follow(&path)
+                    .and_then(|f| {
+                        // Guard UCX's mapping and ours before anything reads either.
+                        let guards = vec![crate::guard::guard(a.addr, a.len)];
+                        map_populated(&f, &path.to_string_lossy()).map(|map| (f, map, guards))
+                    })
+                    .map(|(f, map, mut guards)| {
+                        guards.push(crate::guard::guard(map.as_ptr() as u64, map.len() as u64));
+                        Pool {
+                            map,
+                            base: a.addr,
+                            region: a.region,
+                            rkey: a.rkey,
+                            path: Some(path),
+                            fd: OwnedFd::from(f),
+                            origin: Origin::Ucx,
+                            _guards: guards,
+                        }
                     }),
                 None => Err(format!("UCX allocated memory that is not a file in {}", dir.display())),
             }
             .inspect_err(|_| ucx.unmap(a.region)),
             Err(e) => Err(e),
         };
-        let pool = match pool {
-            Ok(pool) => pool,
+        match pool {
+            Ok(pool) => Ok(pool),
             Err(why) => {
-                tracing::debug!(reason = %why, "pool memory: a plain file instead of UCX's allocator");
-                Pool::agent_file(ucx, dir, need)?
+                tracing::debug!(reason = %why, "pool memory: a sealed memfd instead of UCX's allocator");
+                let file = sealed_memfd(need)?;
+                Pool::register_memfd(ucx, file, need, Origin::AgentMemfd)
             }
-        };
-        if let Some((uid, gid)) = owner {
-            chown_if_needed(&pool.path, uid, gid);
         }
-        Ok(pool)
     }
 
-    fn agent_file(ucx: &UcxHandle, dir: &Path, need: usize) -> Result<Pool, String> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let path = dir.join(format!(
-            "{AGENT_POOL_PREFIX}{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(|e| format!("pool directory: {}: {e}", path.display()))?;
-        file.set_len(need as u64)
-            .map_err(|e| format!("{}: {e}", path.display()))
-            .and_then(|()| Pool::register_file(ucx, &file, path.clone(), need, Origin::AgentFile))
-            .inspect_err(|_| {
-                let _ = std::fs::remove_file(&path);
-            })
+    /// The descriptor the engine maps (whole, shared).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
     }
 
     /// The pool's bytes, through the agent's own mapping.
@@ -148,20 +154,65 @@ impl Pool {
         #[allow(unsafe_code)]
         // SAFETY: the mapping lives as long as `self` and holds at least `len` bytes (checked or
         // sized at creation); readers only look at blocks whose transfers completed (decode) or
-        // that the engine marked ready (prefill).
+        // that the engine marked ready (prefill). A truncated UCX segment cannot fault here:
+        // its mappings are guarded (zero pages replace what went).
         unsafe {
             std::slice::from_raw_parts(self.map.as_ptr(), len.min(self.map.len()))
         }
     }
 
-    /// Unregisters the pool; memory the agent allocated loses its file (the engine's and the
-    /// agent's mappings stay valid until unmapped). Local ops on the region fail from now on.
+    /// Unregisters the pool; memory the agent allocated through UCX loses its file (the
+    /// engine's and the agent's mappings stay valid until unmapped). Local ops on the region
+    /// fail from now on.
     pub fn release(&self, ucx: &UcxHandle) {
         ucx.unmap(self.region);
-        if self.origin == Origin::AgentFile {
-            let _ = std::fs::remove_file(&self.path);
-        }
     }
+}
+
+/// The seals on a descriptor (`F_GET_SEALS`; 0 when it has none or cannot have any).
+#[allow(unsafe_code)]
+pub fn seals(fd: BorrowedFd<'_>) -> libc::c_int {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fcntl on a valid descriptor.
+    let s = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    s.max(0)
+}
+
+/// A memfd of `len` bytes, sealed against shrinking, growing and further sealing.
+#[allow(unsafe_code)]
+pub fn sealed_memfd(len: usize) -> Result<File, String> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a static C string; memfd_create returns a new descriptor or -1.
+    let fd = unsafe { libc::memfd_create(c"pdpair-pool".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: a fresh descriptor we own.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len as u64)
+        .map_err(|e| format!("sizing the pool memfd: {e}"))?;
+    // SAFETY: fcntl on a valid memfd.
+    let rc = unsafe {
+        libc::fcntl(
+            file.as_raw_fd(),
+            libc::F_ADD_SEALS,
+            libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+        )
+    };
+    if rc != 0 {
+        return Err(format!("sealing the pool memfd: {}", std::io::Error::last_os_error()));
+    }
+    Ok(file)
+}
+
+fn open_no_follow(path: &Path) -> Result<File, String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    File::options()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| format!("{}: {e}", path.display()))
 }
 
 fn map_populated(file: &File, what: &str) -> Result<memmap2::MmapRaw, String> {
@@ -261,15 +312,6 @@ pub fn peer_owner(stream: &UnixStream) -> Option<(u32, u32)> {
         )
     };
     (rc == 0).then_some((cred.uid, cred.gid))
-}
-
-fn chown_if_needed(path: &Path, uid: u32, gid: u32) {
-    let Ok(meta) = std::fs::metadata(path) else { return };
-    if (meta.uid() != uid || meta.gid() != gid)
-        && let Err(e) = std::os::unix::fs::chown(path, Some(uid), Some(gid))
-    {
-        tracing::warn!(path = %path.display(), uid, gid, error = %e, "cannot give the pool file to the engine's user");
-    }
 }
 
 /// Removes pool files a previous run of the agent left in `dir` (a crashed agent cannot free

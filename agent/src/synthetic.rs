@@ -5,8 +5,8 @@
 
 use std::{
     fs::File,
-    os::unix::net::UnixStream,
-    path::{Path, PathBuf},
+    os::{fd::AsFd, unix::net::UnixStream},
+    path::Path,
 };
 
 use pdpair_api::{ChecksumPolicy, KvGeometry, Parallelism, Role, TransferMode};
@@ -51,10 +51,11 @@ pub struct EngineSpec {
 /// Who allocates a synthetic engine's pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum EngineMemory {
-    /// The agent (no `memory_path`; the engine maps the file named in `Registered`).
+    /// The agent (`memory_fd: false`; the engine maps the descriptor that comes with
+    /// `Registered`).
     #[default]
     Agent,
-    /// The engine: a file it creates in its directory and names in `memory_path`.
+    /// The engine: a memfd it creates, seals against shrinking, and sends with `RegisterPool`.
     Engine,
 }
 
@@ -65,48 +66,77 @@ pub struct SyntheticEngine {
     /// Its pool layout.
     pub layout: PoolLayout,
     map: memmap2::MmapMut,
-    /// The pool file this engine made (none when the agent allocated it).
-    path: Option<PathBuf>,
+    /// The pool's descriptor (the engine's memfd, or the one the agent passed).
+    pool: File,
     /// Side-channel address the agent gave it.
     pub address: String,
 }
 
 impl SyntheticEngine {
     /// Connects to the agent at `socket` and registers, with a pool the agent allocates or (see
-    /// [`EngineSpec::memory`]) a pool file it creates under `dir`.
-    /// `Err` carries the agent's message when it refuses the registration.
-    pub fn register(socket: &Path, dir: &Path, spec: &EngineSpec) -> Result<SyntheticEngine, String> {
-        Self::register_in_pod(socket, dir, spec, None)
+    /// [`EngineSpec::memory`]) a sealed memfd it creates. `_dir` is unused (pools are
+    /// descriptors, not files in a directory). `Err` carries the agent's message when it
+    /// refuses the registration.
+    pub fn register(socket: &Path, _dir: &Path, spec: &EngineSpec) -> Result<SyntheticEngine, String> {
+        Self::register_in_pod(socket, _dir, spec, None)
     }
 
     /// Like [`SyntheticEngine::register`], naming the engine's Pod (the agent then publishes a
     /// PDEndpoint owned by it).
     pub fn register_in_pod(
         socket: &Path,
-        dir: &Path,
+        _dir: &Path,
         spec: &EngineSpec,
         pod: Option<String>,
     ) -> Result<SyntheticEngine, String> {
         let layout = PoolLayout::new(&spec.kv, &spec.parallelism, spec.num_blocks, spec.tensor_rank)
             .map_err(|e| e.to_string())?;
-        let own = (spec.memory == EngineMemory::Engine).then(|| dir.join(format!("{}.kv", spec.engine)));
-        let own_map = match &own {
-            Some(path) => {
-                let file = File::options()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .open(path)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
-                file.set_len(layout.region_len() as u64)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
-                Some(map_and_touch(&file, path)?)
-            }
-            None => None,
+        let own = match spec.memory {
+            EngineMemory::Engine => Some(crate::pool::sealed_memfd(layout.region_len())?),
+            EngineMemory::Agent => None,
         };
-        let mut stream = UnixStream::connect(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
-        let reg = PoolRegistration {
+        let stream = UnixStream::connect(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+        let reg = Self::registration(spec, pod, own.is_some());
+        let request = EngineRequest::RegisterPool(Box::new(reg));
+        match &own {
+            Some(file) => wire::write_frame_fd(&stream, &request, file.as_fd()),
+            None => wire::write_frame(&mut &stream, &request),
+        }
+        .map_err(|e| e.to_string())?;
+        let (answer, fd) = wire::read_frame_fd::<AgentEvent>(&stream, wire::MAX_FRAME).map_err(|e| e.to_string())?;
+        match answer {
+            AgentEvent::Registered {
+                address, memory_len, ..
+            } => {
+                let pool = match (own, fd) {
+                    (Some(file), _) => file,
+                    (None, Some(fd)) => File::from(fd),
+                    (None, None) => return Err("the agent allocated the pool but passed no descriptor".into()),
+                };
+                let map = map_and_touch(&pool)?;
+                if map.len() < layout.region_len() || memory_len < layout.region_len() as u64 {
+                    return Err(format!(
+                        "the agent's pool holds {} bytes (says {memory_len}), fewer than {}",
+                        map.len(),
+                        layout.region_len()
+                    ));
+                }
+                Ok(SyntheticEngine {
+                    stream,
+                    layout,
+                    map,
+                    pool,
+                    address,
+                })
+            }
+            AgentEvent::RegistrationFailed { message } => Err(message),
+            other => Err(format!("unexpected answer to RegisterPool: {other:?}")),
+        }
+    }
+
+    /// The registration an engine with `spec` sends.
+    pub fn registration(spec: &EngineSpec, pod: Option<String>, memory_fd: bool) -> PoolRegistration {
+        PoolRegistration {
             pdpair: spec.pdpair.clone(),
             role: spec.role,
             engine: spec.engine.clone(),
@@ -118,53 +148,16 @@ impl SyntheticEngine {
             parallelism: spec.parallelism.clone(),
             kv: spec.kv.clone(),
             pairing_key: hex_bytes::encode(&spec.pairing_key),
-            memory_path: own.as_ref().map(|p| p.to_string_lossy().into_owned()),
+            memory_fd,
+            memory_path: None,
             num_blocks: spec.num_blocks,
             tensor_rank: spec.tensor_rank,
-        };
-        wire::write_frame(&mut stream, &EngineRequest::RegisterPool(Box::new(reg))).map_err(|e| e.to_string())?;
-        match wire::read_frame::<AgentEvent>(&mut stream).map_err(|e| e.to_string())? {
-            AgentEvent::Registered {
-                address, memory_path, ..
-            } => {
-                let map = match (own_map, memory_path) {
-                    (Some(map), _) => map,
-                    (None, Some(path)) => {
-                        let path = PathBuf::from(path);
-                        let file = File::options()
-                            .read(true)
-                            .write(true)
-                            .open(&path)
-                            .map_err(|e| format!("the pool the agent allocated, {}: {e}", path.display()))?;
-                        let map = map_and_touch(&file, &path)?;
-                        if map.len() < layout.region_len() {
-                            return Err(format!(
-                                "the agent's pool {} holds {} bytes, fewer than {}",
-                                path.display(),
-                                map.len(),
-                                layout.region_len()
-                            ));
-                        }
-                        map
-                    }
-                    (None, None) => return Err("the agent allocated the pool but named no file".into()),
-                };
-                Ok(SyntheticEngine {
-                    stream,
-                    layout,
-                    map,
-                    path: own,
-                    address,
-                })
-            }
-            AgentEvent::RegistrationFailed { message } => {
-                if let Some(path) = &own {
-                    let _ = std::fs::remove_file(path);
-                }
-                Err(message)
-            }
-            other => Err(format!("unexpected answer to RegisterPool: {other:?}")),
         }
+    }
+
+    /// The pool's descriptor (what a hostile engine would truncate).
+    pub fn pool_file(&self) -> &File {
+        &self.pool
     }
 
     /// Sends one request to the agent.
@@ -265,20 +258,12 @@ impl SyntheticEngine {
     }
 }
 
-impl Drop for SyntheticEngine {
-    fn drop(&mut self) {
-        if let Some(path) = &self.path {
-            let _ = std::fs::remove_file(path);
-        }
-    }
-}
-
 /// Maps a pool file and touches every page, as an engine that allocated its KV cache at startup
 /// has: the memory exists before any transfer.
-fn map_and_touch(file: &File, path: &Path) -> Result<memmap2::MmapMut, String> {
+fn map_and_touch(file: &File) -> Result<memmap2::MmapMut, String> {
     #[allow(unsafe_code)]
     // SAFETY: a pool file shared with the agent, which maps it too: that is the point.
-    let mut map = unsafe { memmap2::MmapMut::map_mut(file) }.map_err(|e| format!("mapping {}: {e}", path.display()))?;
+    let mut map = unsafe { memmap2::MmapMut::map_mut(file) }.map_err(|e| format!("mapping the pool: {e}"))?;
     for page in map.chunks_mut(4096) {
         page[0] = 0;
     }

@@ -284,6 +284,9 @@ struct Peer {
     rkey: RemoteKey,
     /// The peer's region (address, bytes) from its authenticated handshake.
     remote: (u64, u64),
+    /// Over shared memory: the guard over our mapping of the peer's segment (its engine may
+    /// truncate it; see [`crate::guard`]).
+    _guard: Option<crate::guard::Guard>,
 }
 
 /// A put or get posted and not yet complete. Its requests (and, for a put, the flush after
@@ -491,16 +494,26 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                         // Where UCX mapped the peer's memory here (it allocated it in shared
                         // memory): the caller faults that mapping in before the first transfer.
                         let local = rkey.local_ptr(remote.0);
+                        let mut guard = None;
                         if let Some(at) = local {
                             // Over shared memory a put is a memcpy into this mapping: the whole
                             // region the peer described must be that mapping, or a peer that
                             // claims more than its segment holds would make us copy into our own
                             // memory past it.
                             mapped_whole(&rkey, remote, at)?;
+                            guard = Some(crate::guard::guard(at, remote.1));
                         }
                         let id = next_id;
                         next_id += 1;
-                        peers.insert(id, Peer { ep, rkey, remote });
+                        peers.insert(
+                            id,
+                            Peer {
+                                ep,
+                                rkey,
+                                remote,
+                                _guard: guard,
+                            },
+                        );
                         Ok((id, local))
                     });
                 let _ = reply.send(result);

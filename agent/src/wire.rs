@@ -227,6 +227,116 @@ impl Write for Deadline<'_> {
     }
 }
 
+/// Writes one frame on a Unix socket, with `fd` attached (`SCM_RIGHTS`) to its first byte.
+#[allow(unsafe_code)]
+pub fn write_frame_fd<T: Serialize>(
+    stream: &std::os::unix::net::UnixStream,
+    message: &T,
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> Result<(), FrameError> {
+    use std::os::fd::AsRawFd;
+    let mut buf = Vec::new();
+    write_frame(&mut buf, message)?;
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: zeroed msghdr is valid; every pointer set below outlives the sendmsg call, and
+    // the control buffer is CMSG_SPACE bytes for one int, as the CMSG macros require.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &raw mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: as above: the first header fits in the control buffer.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), fd.as_raw_fd());
+    }
+    // SAFETY: a valid socket and message.
+    let sent = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if sent < 0 {
+        return Err(io::Error::last_os_error().into());
+    }
+    let sent = sent as usize;
+    if sent < buf.len() {
+        // The descriptor went with the first bytes; the rest is plain data.
+        (&mut &*stream).write_all(&buf[sent..])?;
+    }
+    Ok(())
+}
+
+/// Reads one frame of at most `max` bytes from a Unix socket, with the file descriptor that came
+/// with its first bytes, if any. Extra descriptors are closed; a truncated control message is an
+/// error (descriptors would be lost).
+#[allow(unsafe_code)]
+pub fn read_frame_fd<T: DeserializeOwned>(
+    stream: &std::os::unix::net::UnixStream,
+    max: usize,
+) -> Result<(T, Option<std::os::fd::OwnedFd>), FrameError> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let mut len = [0u8; 4];
+    let mut iov = libc::iovec {
+        iov_base: len.as_mut_ptr().cast(),
+        iov_len: len.len(),
+    };
+    // Room for a few descriptors: a sender that attaches more loses them (closed), not us.
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<libc::c_int>()) as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: zeroed msghdr is valid; the pointers outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &raw mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: a valid socket and message; MSG_CMSG_CLOEXEC marks received descriptors.
+    let got = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if got < 0 {
+        return Err(io::Error::last_os_error().into());
+    }
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    // SAFETY: the kernel filled `msg_controllen` bytes of well-formed control messages; each
+    // SCM_RIGHTS payload is an array of ints, each a descriptor now owned by this process.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg);
+                let bytes = (*cmsg).cmsg_len as usize - (data as usize - cmsg as usize);
+                for i in 0..bytes / std::mem::size_of::<libc::c_int>() {
+                    let fd = std::ptr::read_unaligned(data.cast::<libc::c_int>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(FrameError::Malformed("too many file descriptors attached".into()));
+    }
+    let got = got as usize;
+    if got == 0 {
+        return Err(FrameError::Closed);
+    }
+    (&mut &*stream).read_exact(&mut len[got..])?;
+    let n = u32::from_be_bytes(len) as usize;
+    if n == 0 || n > max.min(MAX_FRAME) {
+        return Err(FrameError::BadLength(n));
+    }
+    let mut body = vec![0u8; n];
+    (&mut &*stream).read_exact(&mut body)?;
+    let message = serde_json::from_slice(&body).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    // The first descriptor is the one; any others are closed here.
+    Ok((message, fds.into_iter().next()))
+}
+
 /// Bytes as lower-case hex in JSON (worker addresses, packed keys, nonces, proofs).
 pub mod hex_bytes {
     use serde::{Deserialize, Deserializer, Serializer};

@@ -668,3 +668,41 @@ fn a_stuck_decode_agent_does_not_stall_another_pairs_transfers_and_times_out() {
     assert!(healthy_first, "the healthy request was held behind the stuck one");
     println!("healthy pair's request while another peer was stuck: {healthy:?}");
 }
+
+#[test]
+fn an_engine_that_truncates_its_shared_memory_pool_kills_no_agent() {
+    // Over shared memory the pool is UCX's segment, which cannot be sealed: the decode engine
+    // truncates it to nothing. Both agents touch it (prefill copies into its mapping of the
+    // segment, decode checksums its own): without the guard each would die of SIGBUS.
+    let w = World::new("attack-truncate");
+    let mut p = prefill(&w);
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    let faults = pdpair_agent::guard::faults();
+    d.pool_file().set_len(0).expect("an engine can truncate a UCX segment");
+    d.send(&EngineRequest::ExpectKv {
+        request: "r".into(),
+        prefill: p.address.clone(),
+        blocks: vec![5, 6],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
+    p.send(&EngineRequest::KvReady {
+        request: "r".into(),
+        blocks: vec![3, 4],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("KvReady");
+    let event = d.next_event().expect("event");
+    assert_eq!(reasons(&event), vec!["ChecksumMismatch".to_owned()], "{event:?}");
+    assert!(pdpair_agent::guard::faults() > faults, "the guard absorbed the faults");
+    // Both agents still serve a well-behaved engine.
+    still_serves(&w, &mut p, "d2");
+}

@@ -166,6 +166,7 @@ fn registration() -> impl Strategy<Value = PoolRegistration> {
                     },
                     kv: geometry,
                     pairing_key: key,
+                    memory_fd: false,
                     memory_path: None,
                     num_blocks: blocks,
                     tensor_rank: rank,

@@ -91,48 +91,44 @@ fn pool_files(w: &World) -> Vec<String> {
 }
 
 #[test]
-fn an_agent_allocated_pool_is_a_file_in_the_pool_dir_until_its_engine_closes() {
-    use std::os::unix::fs::MetadataExt;
-    for (transport, prefix) in [(Transport::Shm, "ucx_shm_posix_"), (Transport::Tcp, "pdpair-pool-")] {
-        let w = World::new(&format!("pool-{transport:?}"));
-        let s = w.agent("a", transport, false);
-        let before = pool_files(&w);
-        let d = SyntheticEngine::register(
-            &s,
-            &w.dir,
-            &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::Disabled),
-        )
-        .expect("registered");
-        let added: Vec<String> = pool_files(&w).into_iter().filter(|n| !before.contains(n)).collect();
-        assert_eq!(added.len(), 1, "{transport:?}: one new file in the pool dir: {added:?}");
-        assert!(added[0].starts_with(prefix), "{transport:?}: {added:?}");
-        let file = w.pools().join(&added[0]);
-        let meta = std::fs::metadata(&file).expect("pool file");
-        assert!(
-            meta.len() >= d.layout.region_len() as u64,
-            "{transport:?}: sized for the pool"
-        );
-        assert_eq!(
-            meta.uid(),
-            unsafe_free_uid(),
-            "{transport:?}: owned by the engine's user"
-        );
-        drop(d);
-        let start = Instant::now();
-        while file.exists() {
-            assert!(
-                start.elapsed() < Duration::from_secs(5),
-                "{transport:?}: the file outlived its engine"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+fn an_agent_allocated_pool_is_a_private_file_in_the_pool_dir_until_its_engine_closes() {
+    use std::os::unix::fs::PermissionsExt;
+    // Shared memory: UCX's segment, a file in the pool dir (peer agents on the host find it
+    // there), readable by the agent's user alone; the engine maps the descriptor it was passed.
+    let w = World::new("pool-shm");
+    let s = w.agent("a", Transport::Shm, false);
+    let before = pool_files(&w);
+    let d = SyntheticEngine::register(
+        &s,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::Disabled),
+    )
+    .expect("registered");
+    let added: Vec<String> = pool_files(&w).into_iter().filter(|n| !before.contains(n)).collect();
+    assert_eq!(added.len(), 1, "one new file in the pool dir: {added:?}");
+    assert!(added[0].starts_with("ucx_shm_posix_"), "{added:?}");
+    let file = w.pools().join(&added[0]);
+    let meta = std::fs::metadata(&file).expect("pool file");
+    assert!(meta.len() >= d.layout.region_len() as u64, "sized for the pool");
+    assert_eq!(meta.permissions().mode() & 0o077, 0, "no access for group or others");
+    drop(d);
+    let start = Instant::now();
+    while file.exists() {
+        assert!(start.elapsed() < Duration::from_secs(5), "the file outlived its engine");
+        std::thread::sleep(Duration::from_millis(10));
     }
-}
-
-/// This process's uid (the engine's, in these tests), from /proc.
-fn unsafe_free_uid() -> u32 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self").expect("/proc/self").uid()
+    // tcp alone: a sealed memfd, no file anywhere.
+    let w = World::new("pool-tcp");
+    let s = w.agent("a", Transport::Tcp, false);
+    let before = pool_files(&w);
+    let d = SyntheticEngine::register(
+        &s,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::Disabled),
+    )
+    .expect("registered");
+    assert_eq!(pool_files(&w), before, "no pool file");
+    assert!(d.pool_file().metadata().expect("fd").len() >= d.layout.region_len() as u64);
 }
 
 #[test]
@@ -333,41 +329,101 @@ fn registration_with_too_little_memory_is_refused_with_the_sizes() {
     bad.pairing_key = Vec::new();
     let e = SyntheticEngine::register(&s, &w.dir, &bad).expect_err("refused");
     assert!(e.contains("pairing_key"), "{e}");
-    // An engine file smaller than the layout: refused, naming the file and both sizes.
+    // An engine memfd smaller than the layout: refused, naming both sizes.
     let good = spec(Role::Decode, "d1", kv(64, None), b"k", ChecksumPolicy::Disabled);
-    let small = w.dir.join("small.kv");
-    std::fs::write(&small, vec![0u8; 4096]).expect("small file");
-    let mut stream = std::os::unix::net::UnixStream::connect(&s).expect("connect");
-    let reg = pdpair_agent::engine_api::PoolRegistration {
-        pdpair: good.pdpair.clone(),
-        role: good.role,
-        engine: good.engine.clone(),
-        pod: None,
-        mode: good.mode,
-        checksum: good.checksum,
-        handshake_timeout_ms: good.handshake_timeout_ms,
-        lease_ms: good.lease_ms,
-        parallelism: good.parallelism.clone(),
-        kv: good.kv.clone(),
-        pairing_key: "6b".into(),
-        memory_path: Some(small.to_string_lossy().into_owned()),
-        num_blocks: good.num_blocks,
-        tensor_rank: 0,
-    };
-    pdpair_agent::wire::write_frame(&mut stream, &EngineRequest::RegisterPool(Box::new(reg))).expect("send");
-    match pdpair_agent::wire::read_frame::<AgentEvent>(&mut stream).expect("answer") {
-        AgentEvent::RegistrationFailed { message } => {
-            // 2 layers x K,V x 16 blocks x (64 tokens x 2 heads x 16 x 2 bytes).
-            let need = 2 * 2 * 16 * 64 * 2 * 16 * 2;
-            assert!(
-                message.contains("small.kv")
-                    && message.contains("holds 4096 bytes")
-                    && message.contains(&format!("needs {need}")),
-                "{message}"
-            );
-        }
+    let message = register_raw(
+        &s,
+        &good,
+        Some(pdpair_agent::pool::sealed_memfd(4096).expect("memfd")),
+        None,
+    );
+    // 2 layers x K,V x 16 blocks x (64 tokens x 2 heads x 16 x 2 bytes).
+    let need = 2 * 2 * 16 * 64 * 2 * 16 * 2;
+    assert!(
+        message.contains("holds 4096 bytes") && message.contains(&format!("needs {need}")),
+        "{message}"
+    );
+}
+
+/// Sends a registration with `fd` (announced as `memory_fd`) or `path`; returns the refusal.
+fn register_raw(
+    socket: &Path,
+    spec: &pdpair_agent::synthetic::EngineSpec,
+    fd: Option<std::fs::File>,
+    path: Option<&Path>,
+) -> String {
+    use std::os::fd::AsFd;
+    let stream = std::os::unix::net::UnixStream::connect(socket).expect("connect");
+    let mut reg = SyntheticEngine::registration(spec, None, fd.is_some());
+    reg.memory_path = path.map(|p| p.to_string_lossy().into_owned());
+    let request = EngineRequest::RegisterPool(Box::new(reg));
+    match &fd {
+        Some(f) => pdpair_agent::wire::write_frame_fd(&stream, &request, f.as_fd()),
+        None => pdpair_agent::wire::write_frame(&mut &stream, &request),
+    }
+    .expect("send");
+    match pdpair_agent::wire::read_frame::<AgentEvent>(&mut &stream).expect("answer") {
+        AgentEvent::RegistrationFailed { message } => message,
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn an_engine_pool_is_taken_only_as_a_sealed_memfd_never_a_path() {
+    let w = World::new("register-fd");
+    let s = w.agent("a", Transport::Tcp, false);
+    let good = spec(Role::Decode, "d1", kv(64, None), b"k", ChecksumPolicy::Disabled);
+    let need = 2 * 2 * 16 * 64 * 2 * 16 * 2;
+    // A path (the agent would open it as root, wherever it points): refused, naming the field.
+    let file = w.dir.join("pool.kv");
+    std::fs::write(&file, vec![0u8; need]).expect("file");
+    let message = register_raw(&s, &good, None, Some(&file));
+    assert!(
+        message.contains("memory_path") && message.contains("memfd"),
+        "{message}"
+    );
+    // A plain file's descriptor, and a memfd without the shrink seal: refused (the engine
+    // could truncate it under the agent).
+    let plain = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .expect("open");
+    let message = register_raw(&s, &good, Some(plain), None);
+    assert!(message.contains("F_SEAL_SHRINK"), "{message}");
+    #[allow(unsafe_code)]
+    // SAFETY: memfd_create with a static name; the descriptor is owned by the File.
+    let unsealed = unsafe {
+        use std::os::fd::FromRawFd;
+        std::fs::File::from_raw_fd(libc::memfd_create(c"x".as_ptr(), libc::MFD_ALLOW_SEALING))
+    };
+    unsealed.set_len(need as u64).expect("size");
+    let message = register_raw(&s, &good, Some(unsealed), None);
+    assert!(message.contains("F_SEAL_SHRINK"), "{message}");
+    // memory_fd announced without a descriptor.
+    let stream = std::os::unix::net::UnixStream::connect(&s).expect("connect");
+    let reg = SyntheticEngine::registration(&good, None, true);
+    pdpair_agent::wire::write_frame(&mut &stream, &EngineRequest::RegisterPool(Box::new(reg))).expect("send");
+    let answer = pdpair_agent::wire::read_frame::<AgentEvent>(&mut &stream).expect("answer");
+    assert!(
+        matches!(&answer, AgentEvent::RegistrationFailed { message } if message.contains("no descriptor")),
+        "{answer:?}"
+    );
+}
+
+#[test]
+fn a_pool_the_agent_allocates_cannot_be_shrunk_by_its_engine_over_tcp() {
+    // Without shared memory the agent makes a memfd sealed against shrinking and growing.
+    let w = World::new("sealed");
+    let s = w.agent("a", Transport::Tcp, false);
+    let e = SyntheticEngine::register(
+        &s,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::Disabled),
+    )
+    .expect("registered");
+    let truncated = e.pool_file().set_len(0);
+    assert!(truncated.is_err(), "the engine shrank its pool");
 }
 
 /// Whether a read ended because the peer closed (EOF or reset), not because it timed out.
