@@ -29,13 +29,16 @@ kubectl -n pdpair-system get secret pdpair-webhook-tls -o jsonpath='{.data.tls\.
 kubectl -n pdpair-system get secret pdpair-webhook-tls -o jsonpath='{.data.tls\.key}' | base64 -d > "$DEMO/tls.key"
 
 bold "[4/8] Running the operator with the chart's certificate, and two node agents"
+# The demo's engines are local processes, not in Pods: the agents run with --no-attest (and say
+# so in their logs); in a cluster each engine is bound to the Pod it names.
 nohup target/debug/pdpair-operator run --kubeconfig "$KUBECONFIG" --tls-cert "$DEMO/tls.crt" --tls-key "$DEMO/tls.key" \
   --webhook-bind "127.0.0.1:$PORT" --admin-bind 127.0.0.1:18080 --lease-namespace pdpair-system --identity demo \
   > "$DEMO/operator.log" 2>&1 &
 echo "operator $!" > "$DEMO/pids"
 for node in node-a node-b; do
   nohup target/debug/pdpair-agent run --name "$node" --socket "$DEMO/$node.sock" --listen-host 127.0.0.1 \
-    --transport shm --pool-dir "$DEMO/pools" --kubeconfig "$KUBECONFIG" > "$DEMO/agent-$node.log" 2>&1 &
+    --transport shm --pool-dir "$DEMO/pools" --kubeconfig "$KUBECONFIG" \
+    --no-attest > "$DEMO/agent-$node.log" 2>&1 &
   echo "agent-$node $!" >> "$DEMO/pids"
 done
 for _ in $(seq 1 100); do curl -sf 127.0.0.1:18080/readyz >/dev/null && break; sleep 0.2; done

@@ -39,7 +39,7 @@ trap finish EXIT
 hack/control-plane.sh start "$dir"
 cargo build -p pdpair-operator -p pdpair-agent
 cargo test -p pdpair-e2e --test chart
-for t in operator agent helm operator_restart; do
+for t in operator agent attest helm operator_restart; do
   cargo test -p pdpair-e2e --test "$t"
   stop_operators
 done

@@ -108,6 +108,7 @@ mod tests {
             publisher: None,
             pool_dir: dir.join("pools"),
             heartbeat: Duration::from_secs(1),
+            attestor: None,
         };
         let metrics = Arc::new(Metrics::new());
         let agent = Agent::start(cfg, metrics.clone()).expect("agent");

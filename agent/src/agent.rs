@@ -69,6 +69,9 @@ pub struct AgentConfig {
     /// How often a decode agent pings each prefill agent it is connected to (at most
     /// [`MAX_HEARTBEAT`]); a prefill silent for [`HEARTBEAT_MISSES`] of these is lost.
     pub heartbeat: Duration,
+    /// Binds each engine to its Pod ([`crate::attest`]); `None` (outside a cluster) accepts any
+    /// engine that can open the socket, and the agent says so at start.
+    pub attestor: Option<Arc<crate::attest::Attestor>>,
 }
 
 /// Default ping interval on decode's side-channel links.
@@ -160,6 +163,11 @@ impl Agent {
             .canonicalize()
             .map_err(|e| format!("pool directory {}: {e}", cfg.pool_dir.display()))?;
         let ucx = UcxHandle::start(cfg.transport, &cfg.pool_dir)?;
+        if cfg.attestor.is_none() {
+            tracing::warn!(
+                "engine attestation is off: any process that can open the engine socket may register for any PDPair, role and pod"
+            );
+        }
         Ok(Agent {
             shared: Arc::new(Shared {
                 cfg,
@@ -438,6 +446,14 @@ impl Engine {
             PoolLayout::new(&reg.kv, &reg.parallelism, reg.num_blocks, reg.tensor_rank).map_err(|e| e.to_string())?;
         if reg.num_blocks == 0 {
             return Err("num_blocks must be at least 1".into());
+        }
+        if let Some(attestor) = &shared.cfg.attestor {
+            // Who is connected, as the kernel recorded it at connect (not what the engine says).
+            let pid = pool::peer_pid(&lock(&writer)).ok_or("cannot read the engine's process id (SO_PEERCRED)")?;
+            let pod = attestor
+                .check(&reg, pid)
+                .map_err(|e| format!("engine attestation refused the registration: {e}"))?;
+            tracing::info!(engine = %reg.engine, pod_uid = %pod.uid, container = ?pod.container, "engine attested");
         }
         let need = layout.region_len_checked().ok_or_else(|| {
             format!(

@@ -123,6 +123,12 @@ pub struct RunArgs {
     /// Do not publish PDEndpoints.
     #[arg(long = "no-publish")]
     pub no_publish: bool,
+    /// Do not bind engines to their Pods (for engines that are not in Pods: local runs and
+    /// tests). With the API server reachable (a kubeconfig, or in a cluster) the agent otherwise
+    /// accepts a registration only from a process in the Pod it names, labelled for its PDPair
+    /// and role; without it attestation is off either way. Logged at start.
+    #[arg(long = "no-attest")]
+    pub no_attest: bool,
     /// Where pools the agent allocates for engines live: a directory on a memory file system
     /// that the node's engines mount at the same path. Every agent on a host must use the same.
     #[arg(long = "pool-dir", env = "PDPAIR_POOL_DIR", default_value = "/dev/shm/pdpair")]
@@ -137,10 +143,9 @@ pub struct RunArgs {
     pub clean_pool_dir: bool,
 }
 
-fn publisher(args: &RunArgs) -> Result<Option<crate::agent::Publisher>, UsageError> {
-    if args.no_publish {
-        return Ok(None);
-    }
+/// The API server configuration: a kubeconfig, or in-cluster credentials; `None` outside a
+/// cluster.
+fn kube_config(args: &RunArgs) -> Result<Option<kube::Config>, UsageError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -160,9 +165,7 @@ fn publisher(args: &RunArgs) -> Result<Option<crate::agent::Publisher>, UsageErr
         }
         None => return Ok(None),
     };
-    crate::agent::Publisher::start(config, args.name.clone())
-        .map(Some)
-        .map_err(UsageError)
+    Ok(Some(config))
 }
 
 /// Arguments of `pdpair-agent loopback`.
@@ -234,13 +237,23 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
         crate::ucx::Transport::Tcp
     };
     let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
+    let kube = kube_config(args)?;
     let cfg = crate::agent::AgentConfig {
         name: args.name.clone(),
         listen_host: args.listen_host,
         transport,
         corrupt_one_byte: args.corrupt_one_byte,
         rejection_ttl: std::time::Duration::from_secs(30),
-        publisher: publisher(args)?,
+        publisher: match kube.clone().filter(|_| !args.no_publish) {
+            Some(config) => Some(crate::agent::Publisher::start(config, args.name.clone()).map_err(UsageError)?),
+            None => None,
+        },
+        attestor: match kube.filter(|_| !args.no_attest) {
+            Some(config) => Some(std::sync::Arc::new(
+                crate::attest::Attestor::new(config, args.name.clone()).map_err(UsageError)?,
+            )),
+            None => None,
+        },
         pool_dir: args.pool_dir.clone(),
         heartbeat: std::time::Duration::from_millis(args.heartbeat_ms),
     };

@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod agent;
+pub mod attest;
 pub mod bench;
 pub mod checksum;
 pub mod cli;

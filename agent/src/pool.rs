@@ -294,9 +294,18 @@ pub fn available(dir: &Path) -> Option<u64> {
     (rc == 0).then(|| (st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
 }
 
+/// The process id at the other end of a Unix socket, as the kernel recorded it at connect
+/// (`SO_PEERCRED`).
+pub fn peer_pid(stream: &UnixStream) -> Option<i32> {
+    peer_cred(stream).map(|c| c.pid)
+}
+
 /// The uid and gid of the process at the other end of a Unix socket (`SO_PEERCRED`).
-#[allow(unsafe_code)]
 pub fn peer_owner(stream: &UnixStream) -> Option<(u32, u32)> {
+    peer_cred(stream).map(|c| (c.uid, c.gid))
+}
+#[allow(unsafe_code)]
+fn peer_cred(stream: &UnixStream) -> Option<libc::ucred> {
     use std::os::fd::AsRawFd;
     // SAFETY: zeroed ucred is valid; getsockopt writes at most `len` bytes into it.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
@@ -311,7 +320,7 @@ pub fn peer_owner(stream: &UnixStream) -> Option<(u32, u32)> {
             &mut len,
         )
     };
-    (rc == 0).then_some((cred.uid, cred.gid))
+    (rc == 0).then_some(cred)
 }
 
 /// Removes pool files a previous run of the agent left in `dir` (a crashed agent cannot free

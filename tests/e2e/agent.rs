@@ -50,6 +50,9 @@ fn agent(name: &str, socket: &PathBuf) -> AgentProc {
         .arg(dir().join("pools"))
         .arg("--kubeconfig")
         .arg(kubeconfig())
+        // The engines here are threads of this test, not processes in Pods (no kubelet runs):
+        // tests/e2e/attest.rs covers attestation.
+        .arg("--no-attest")
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()

@@ -90,6 +90,7 @@ impl World {
             // The agents of one host share their pool directory.
             pool_dir: self.pools(),
             heartbeat: self.heartbeat,
+            attestor: None,
         };
         let metrics = Arc::new(Metrics::new());
         self.metrics.lock().expect("metrics").push(metrics.clone());

@@ -1,0 +1,254 @@
+//! Engines bound to their Pods: who is on the other end of an engine connection.
+//!
+//! An engine's registration names its PDPair, role and Pod; none of that is taken on trust. The
+//! agent reads the connecting process's id from the socket (`SO_PEERCRED`, taken by the kernel
+//! at connect), finds the Pod UID and container in that process's cgroup path as the kubelet lays
+//! it out (`/kubepods/<qos>/pod<uid>/<container>` with the cgroupfs driver,
+//! `kubepods-<qos>-pod<uid>.slice/cri-containerd-<container>.scope` with systemd), as node
+//! agents such as SPIRE's Kubernetes workload attestor do, then reads the Pod the registration
+//! names from the API server: the registration is accepted only when that Pod has this UID, runs
+//! on this agent's node, and carries the labels of the PDPair and role it registers for. The
+//! agent still needs no access to Secrets: a wrong key only fails that engine's own handshakes.
+//!
+//! Outside a cluster (loopback, tests) there is no Pod to check: attestation is off, and the
+//! agent says so in its log at start.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::{Api, Client};
+
+use crate::engine_api::PoolRegistration;
+
+/// The Pod (and container) a process runs in, from its cgroup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodIdentity {
+    /// The Pod's UID.
+    pub uid: String,
+    /// The container id, when the path names one.
+    pub container: Option<String>,
+}
+
+/// The Pod UID and container in a `/proc/<pid>/cgroup` text, from the first line whose path has a
+/// kubelet Pod segment. `None` for a process outside any Pod.
+pub fn parse_cgroup(text: &str) -> Option<PodIdentity> {
+    text.lines().find_map(|line| {
+        // hierarchy-id:controllers:path (cgroup v2: "0::path").
+        let path = line.splitn(3, ':').nth(2)?;
+        let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+        if !segments.first().is_some_and(|s| s.starts_with("kubepods")) {
+            return None;
+        }
+        segments.iter().enumerate().find_map(|(i, segment)| {
+            let uid = pod_uid(segment)?;
+            let container = segments.get(i + 1).map(|c| container_id(c));
+            Some(PodIdentity { uid, container })
+        })
+    })
+}
+
+/// `pod<uid>` (cgroupfs) or `kubepods[-<qos>]-pod<uid_with_underscores>.slice` (systemd).
+fn pod_uid(segment: &str) -> Option<String> {
+    let raw = match segment.strip_suffix(".slice") {
+        Some(slice) => slice.rsplit_once("-pod")?.1.replace('_', "-"),
+        None => segment.strip_prefix("pod")?.to_owned(),
+    };
+    let uid_like = raw.len() == 36
+        && raw.chars().enumerate().all(|(i, c)| {
+            if [8, 13, 18, 23].contains(&i) {
+                c == '-'
+            } else {
+                c.is_ascii_hexdigit()
+            }
+        });
+    uid_like.then_some(raw)
+}
+
+/// `<id>`, or the id inside `cri-containerd-<id>.scope` / `docker-<id>.scope`.
+fn container_id(segment: &str) -> String {
+    let s = segment.strip_suffix(".scope").unwrap_or(segment);
+    s.rsplit_once('-').map_or(s, |(_, id)| id).to_owned()
+}
+
+/// The Pod identity of process `pid` (read now; the caller took the pid from the socket).
+pub fn pod_of_pid(pid: i32) -> Result<PodIdentity, String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .map_err(|e| format!("cannot read the engine process's cgroup (pid {pid}): {e}"))?;
+    parse_cgroup(&text).ok_or_else(|| format!("the engine process (pid {pid}) is not in a Pod's cgroup"))
+}
+
+/// Checks engine registrations against the Pods they run in.
+pub struct Attestor {
+    runtime: tokio::runtime::Runtime,
+    client: Client,
+    node: String,
+}
+
+impl std::fmt::Debug for Attestor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Attestor(node {})", self.node)
+    }
+}
+
+/// The longest a Pod lookup may take.
+const LOOKUP: Duration = Duration::from_secs(5);
+
+impl Attestor {
+    /// An attestor reading Pods with this client configuration, for the agent on `node`.
+    pub fn new(config: kube::Config, node: String) -> Result<Attestor, String> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("attest")
+            .enable_all()
+            .build()
+            .map_err(|e| format!("runtime: {e}"))?;
+        let client = {
+            let _guard = runtime.enter();
+            Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))?
+        };
+        Ok(Attestor { runtime, client, node })
+    }
+
+    /// Accepts `reg` from the process `pid` only when its Pod is the one the registration names,
+    /// on this node, labelled for the registration's PDPair and role. `Err` names what differs.
+    pub fn check(&self, reg: &PoolRegistration, pid: i32) -> Result<PodIdentity, String> {
+        let identity = pod_of_pid(pid)?;
+        let Some(name) = reg.pod.as_deref().filter(|p| !p.is_empty()) else {
+            return Err("engine attestation is on: the registration must name its Pod (pod)".into());
+        };
+        let (namespace, pair) = match reg.pdpair.split_once('/') {
+            Some((ns, pair)) => (ns, pair),
+            None => ("default", reg.pdpair.as_str()),
+        };
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let found = self
+            .runtime
+            .block_on(async { tokio::time::timeout(LOOKUP, pods.get_opt(name)).await })
+            .map_err(|_| format!("looking up Pod {namespace}/{name} took over {LOOKUP:?}"))?
+            .map_err(|e| format!("looking up Pod {namespace}/{name}: {e}"))?;
+        let Some(pod) = found else {
+            return Err(format!(
+                "Pod {namespace}/{name} (the registration's pod) does not exist"
+            ));
+        };
+        check_pod(&pod, &identity, reg.role, pair, &self.node).map(|()| identity)
+    }
+}
+
+/// The checks on the Pod found, pure (for tests).
+pub fn check_pod(
+    pod: &Pod,
+    identity: &PodIdentity,
+    role: pdpair_api::Role,
+    pair: &str,
+    node: &str,
+) -> Result<(), String> {
+    let name = pod.metadata.name.as_deref().unwrap_or_default();
+    let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+    if uid != identity.uid {
+        return Err(format!(
+            "the engine process runs in Pod UID {}, not in Pod {name} (UID {uid})",
+            identity.uid
+        ));
+    }
+    let on = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .unwrap_or_default();
+    if on != node {
+        return Err(format!(
+            "Pod {name} is on node {on:?}, not on this agent's node {node:?}"
+        ));
+    }
+    let label = |key: &str| {
+        pod.metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(key))
+            .map(String::as_str)
+            .unwrap_or_default()
+    };
+    if label("pdpair.dev/name") != pair {
+        return Err(format!(
+            "Pod {name} is labelled pdpair.dev/name={:?}; it cannot register for PDPair {pair}",
+            label("pdpair.dev/name")
+        ));
+    }
+    if label("pdpair.dev/role") != role.as_str() {
+        return Err(format!(
+            "Pod {name} is labelled pdpair.dev/role={:?}; it cannot register as {role}",
+            label("pdpair.dev/role")
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const UID: &str = "8dbc8b9e-6c2c-4d5a-9d4e-5f7a1b2c3d4e";
+
+    #[test]
+    fn kubelet_cgroup_layouts_give_the_pod_and_container() {
+        let cgroupfs = format!(
+            "12:pids:/kubepods/besteffort/pod{UID}/0123abcd\n11:memory:/kubepods/besteffort/pod{UID}/0123abcd\n"
+        );
+        assert_eq!(
+            parse_cgroup(&cgroupfs),
+            Some(PodIdentity {
+                uid: UID.into(),
+                container: Some("0123abcd".into())
+            })
+        );
+        let guaranteed = format!("3:cpu,cpuacct:/kubepods/pod{UID}/ffee\n");
+        assert_eq!(parse_cgroup(&guaranteed).map(|p| p.uid), Some(UID.into()));
+        let systemd = format!(
+            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-77aa.scope\n",
+            UID.replace('-', "_")
+        );
+        assert_eq!(
+            parse_cgroup(&systemd),
+            Some(PodIdentity {
+                uid: UID.into(),
+                container: Some("77aa".into())
+            })
+        );
+    }
+
+    #[test]
+    fn processes_outside_pods_and_lookalike_paths_have_no_pod() {
+        assert_eq!(parse_cgroup("0::/user.slice/user-0.slice/session-1.scope\n"), None);
+        assert_eq!(parse_cgroup("12:pids:/\n"), None);
+        // A pod segment outside the kubelet's hierarchy, and a malformed UID.
+        assert_eq!(parse_cgroup(&format!("12:pids:/mine/pod{UID}/x\n")), None);
+        assert_eq!(parse_cgroup("12:pids:/kubepods/besteffort/podnot-a-uid/x\n"), None);
+    }
+
+    fn pod(uid: &str, node: &str, pair: &str, role: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "uid": uid, "labels": {"pdpair.dev/name": pair, "pdpair.dev/role": role}},
+            "spec": {"nodeName": node, "containers": []}
+        }))
+        .expect("pod")
+    }
+
+    #[test]
+    fn a_registration_is_bound_to_the_pods_uid_node_pair_and_role() {
+        let me = PodIdentity {
+            uid: UID.into(),
+            container: None,
+        };
+        let decode = pdpair_api::Role::Decode;
+        assert_eq!(check_pod(&pod(UID, "n", "x", "decode"), &me, decode, "x", "n"), Ok(()));
+        let e = check_pod(&pod("other", "n", "x", "decode"), &me, decode, "x", "n").expect_err("uid");
+        assert!(e.contains("UID"), "{e}");
+        let e = check_pod(&pod(UID, "m", "x", "decode"), &me, decode, "x", "n").expect_err("node");
+        assert!(e.contains("node"), "{e}");
+        let e = check_pod(&pod(UID, "n", "y", "decode"), &me, decode, "x", "n").expect_err("pair");
+        assert!(e.contains("pdpair.dev/name"), "{e}");
+        let e = check_pod(&pod(UID, "n", "x", "decode"), &me, pdpair_api::Role::Prefill, "x", "n").expect_err("role");
+        assert!(e.contains("pdpair.dev/role") && e.contains("prefill"), "{e}");
+    }
+}

@@ -1,0 +1,214 @@
+//! Engines bound to their Pods, against the real API server: the agent runs with attestation on
+//! (a kubeconfig, no `--no-attest`), the test creates Pods on the API server (bound to the
+//! agent's node by `nodeName`; no kubelet runs them), and real engine processes connect from a
+//! cgroup laid out as the kubelet lays one out for such a Pod (`/kubepods/besteffort/pod<uid>/
+//! <container>` in the pids hierarchy, cgroup v1, as with the kubelet's cgroupfs driver). The
+//! engine processes are small Python programs: the agent reads their pid from the socket and their
+//! Pod from their cgroup, never from what they say.
+
+use std::{
+    io::Write,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use pdpair_agent::{
+    engine_api::EngineRequest,
+    synthetic::{EngineMemory, EngineSpec, SyntheticEngine},
+};
+use pdpair_api::{PDPair, Role};
+use pdpair_e2e::*;
+
+const WAIT: Duration = Duration::from_secs(60);
+const NODE: &str = "node-attest";
+const CGROUPS: &str = "/sys/fs/cgroup/pids";
+
+struct AgentProc(Child);
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn agent(socket: &Path) -> AgentProc {
+    let log = std::fs::File::create(dir().join("agent-attest.log")).expect("log");
+    let child = Command::new(root().join("target/debug/pdpair-agent"))
+        .args([
+            "run",
+            "--name",
+            NODE,
+            "--listen-host",
+            "127.0.0.1",
+            "--transport",
+            "tcp",
+            "--no-publish",
+        ])
+        .arg("--socket")
+        .arg(socket)
+        .arg("--pool-dir")
+        .arg(dir().join("pools-attest"))
+        .arg("--kubeconfig")
+        .arg(kubeconfig())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("agent starts");
+    eventually(WAIT, "the agent's socket", || {
+        std::os::unix::net::UnixStream::connect(socket).ok().map(|_| ())
+    });
+    AgentProc(child)
+}
+
+/// A Pod on the agent's node, labelled for `pair` and `role`; returns its UID.
+fn pod(ns: &str, name: &str, pair: &str, role: &str) -> String {
+    let manifest = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {ns}\n  labels: {{pdpair.dev/name: {pair}, pdpair.dev/role: {role}}}\nspec:\n  nodeName: {NODE}\n  containers:\n  - name: engine\n    image: vllm/vllm-openai:v0.11.0\n"
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&manifest));
+    let pod = eventually(WAIT, "the Pod", || get_json("pod", ns, name));
+    pod["metadata"]["uid"].as_str().expect("uid").to_owned()
+}
+
+/// The cgroup directory the kubelet would make for a container of Pod `uid`, made here; removed
+/// (leaf first, only what this made) on drop.
+struct PodCgroup {
+    made: Vec<PathBuf>,
+    leaf: PathBuf,
+}
+
+impl PodCgroup {
+    fn new(uid: &str, container: &str) -> PodCgroup {
+        let leaf = Path::new(CGROUPS)
+            .join("kubepods/besteffort")
+            .join(format!("pod{uid}"))
+            .join(container);
+        let mut made = Vec::new();
+        let mut at = PathBuf::from(CGROUPS);
+        for part in leaf.strip_prefix(CGROUPS).expect("under the hierarchy").components() {
+            at.push(part);
+            if !at.exists() {
+                std::fs::create_dir(&at).unwrap_or_else(|e| panic!("{}: {e}", at.display()));
+                made.push(at.clone());
+            }
+        }
+        PodCgroup { made, leaf }
+    }
+}
+
+impl Drop for PodCgroup {
+    fn drop(&mut self) {
+        for d in self.made.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+/// An engine process: joins `cgroup` (when given) by writing its own pid to `cgroup.procs`,
+/// connects to the agent, sends `request` as one frame and prints the answer's JSON.
+fn engine(cgroup: Option<&Path>, socket: &Path, request: &EngineRequest) -> serde_json::Value {
+    const SCRIPT: &str = r#"
+import json, os, socket, struct, sys
+if sys.argv[1] != "-":
+    with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[2])
+body = sys.stdin.buffer.read()
+s.sendall(struct.pack(">I", len(body)) + body)
+n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
+print(s.recv(n, socket.MSG_WAITALL).decode())
+"#;
+    let mut child = Command::new("python3")
+        .arg("-c")
+        .arg(SCRIPT)
+        .arg(cgroup.map_or("-".into(), |c| c.display().to_string()))
+        .arg(socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let body = serde_json::to_vec(request).expect("json");
+    child.stdin.take().expect("stdin").write_all(&body).expect("send");
+    let out = child.wait_with_output().expect("engine runs");
+    assert!(out.status.success(), "the engine process failed: {out:?}");
+    serde_json::from_slice(&out.stdout).expect("the agent's answer")
+}
+
+#[test]
+fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
+    let ns = namespace("attest");
+    let text = manifest("vllm-push-64-64.yaml", &ns, |_| {});
+    let pair: PDPair = serde_yaml::from_str(&text).expect("PDPair");
+    let decode_uid = pod(&ns, "decode-pod", "vllm-push-64-64", "decode");
+    let other_uid = pod(&ns, "other-pair-pod", "another-pair", "decode");
+    let work = dir().join("attest");
+    std::fs::create_dir_all(&work).expect("dir");
+    let socket = work.join("agent.sock");
+    let _agent = agent(&socket);
+    let spec = |role: Role| EngineSpec {
+        pdpair: format!("{ns}/vllm-push-64-64"),
+        role,
+        engine: "e0".into(),
+        mode: pair.spec.transfer.mode,
+        checksum: pair.spec.transfer.checksum,
+        handshake_timeout_ms: 2000,
+        lease_ms: 5000,
+        parallelism: pair.spec.decode.parallelism.clone(),
+        kv: pair.spec.decode.kv.clone(),
+        pairing_key: vec![7; 32],
+        num_blocks: 4,
+        memory: EngineMemory::Agent,
+        tensor_rank: 0,
+    };
+    let register = |role: Role, pod: &str| {
+        EngineRequest::RegisterPool(Box::new(SyntheticEngine::registration(
+            &spec(role),
+            Some(pod.into()),
+            false,
+        )))
+    };
+    let decode_cg = PodCgroup::new(&decode_uid, "c0ffee01");
+    let other_cg = PodCgroup::new(&other_uid, "c0ffee02");
+    // The decode Pod's process, registering as that Pod's decode engine: accepted.
+    let answer = engine(Some(&decode_cg.leaf), &socket, &register(Role::Decode, "decode-pod"));
+    assert_eq!(answer["type"], "Registered", "{answer}");
+    let refused = |answer: serde_json::Value, needle: &str| {
+        assert_eq!(answer["type"], "RegistrationFailed", "{answer}");
+        let message = answer["message"].as_str().unwrap_or_default().to_owned();
+        assert!(message.contains(needle), "{message}");
+    };
+    // The same process registering as the pair's prefill: its Pod says decode.
+    refused(
+        engine(Some(&decode_cg.leaf), &socket, &register(Role::Prefill, "decode-pod")),
+        "pdpair.dev/role",
+    );
+    // Another pair's Pod claiming to be this pair's decode Pod.
+    refused(
+        engine(Some(&other_cg.leaf), &socket, &register(Role::Decode, "decode-pod")),
+        "UID",
+    );
+    // Another pair's Pod naming itself: its labels name another PDPair.
+    refused(
+        engine(Some(&other_cg.leaf), &socket, &register(Role::Decode, "other-pair-pod")),
+        "pdpair.dev/name",
+    );
+    // A process in no Pod at all.
+    refused(
+        engine(None, &socket, &register(Role::Decode, "decode-pod")),
+        "not in a Pod's cgroup",
+    );
+    // A registration that names no Pod.
+    let mut anonymous = SyntheticEngine::registration(&spec(Role::Decode), None, false);
+    anonymous.pod = None;
+    refused(
+        engine(
+            Some(&decode_cg.leaf),
+            &socket,
+            &EngineRequest::RegisterPool(Box::new(anonymous)),
+        ),
+        "must name its Pod",
+    );
+}
