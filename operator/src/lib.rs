@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod names;
 pub mod plan;
 pub mod run;
+pub mod server;
 pub mod status;
 pub mod tls;
 pub mod validate;

@@ -12,6 +12,7 @@ pub struct Metrics {
     reconcile_duration: Histogram,
     admissions: IntCounterVec,
     leader: IntGauge,
+    events_dropped: IntCounter,
 }
 
 impl Metrics {
@@ -38,12 +39,18 @@ impl Metrics {
         )
         .expect("valid metric");
         let leader = IntGauge::new("leader", "1 while this replica holds the leader Lease").expect("valid metric");
+        let events_dropped = IntCounter::new(
+            "admission_events_dropped_total",
+            "Rejected Events not recorded because denials came faster than the Event budget",
+        )
+        .expect("valid metric");
         for m in [
             Box::new(reconciles.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(reconcile_errors.clone()),
             Box::new(reconcile_duration.clone()),
             Box::new(admissions.clone()),
             Box::new(leader.clone()),
+            Box::new(events_dropped.clone()),
         ] {
             registry.register(m).expect("metrics registered once");
         }
@@ -54,7 +61,13 @@ impl Metrics {
             reconcile_duration,
             admissions,
             leader,
+            events_dropped,
         }
+    }
+
+    /// Counts a denial whose Event was not recorded (over the budget).
+    pub fn event_dropped(&self) {
+        self.events_dropped.inc();
     }
 
     /// Counts a reconcile and its duration.

@@ -138,9 +138,12 @@ fn add_engine_wiring(container: &mut Container, env: &[(&str, String)]) {
     }));
     let mounts = container.volume_mounts.get_or_insert_with(Vec::new);
     mounts.retain(|m| m.name != "pdpair-agent" && m.name != "pdpair-pairing");
+    // Read-only: an engine connects to the agent's socket (connect works on a read-only mount)
+    // but cannot replace it or put anything beside it.
     mounts.push(VolumeMount {
         name: "pdpair-agent".into(),
         mount_path: names::AGENT_SOCKET_DIR.into(),
+        read_only: Some(true),
         ..VolumeMount::default()
     });
     mounts.push(VolumeMount {

@@ -89,11 +89,25 @@ pub fn init_logging(format: LogFormat) {
     };
 }
 
-struct EventSink(Publisher);
+struct EventSink {
+    publisher: Publisher,
+    budget: std::sync::Mutex<webhook::EventBudget>,
+    metrics: Arc<Metrics>,
+}
 
 impl DenialSink for EventSink {
     fn denied(&self, denial: Denial) {
-        let publisher = self.0.clone();
+        let allowed = self
+            .budget
+            .lock()
+            .map(|mut b| b.take(std::time::Instant::now()))
+            .unwrap_or(false);
+        if !allowed {
+            self.metrics.event_dropped();
+            tracing::debug!("a denial's Event was not recorded: over the Event budget");
+            return;
+        }
+        let publisher = self.publisher.clone();
         tokio::spawn(async move {
             let reference = denial.reference();
             publisher
@@ -197,7 +211,11 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     tracing::info!(webhook = %opts.webhook_bind, admin = %opts.admin_bind, %identity, "serving");
 
     let events = Publisher::new(client.clone(), identity.clone());
-    let sink: Arc<dyn DenialSink> = Arc::new(EventSink(events.clone()));
+    let sink: Arc<dyn DenialSink> = Arc::new(EventSink {
+        publisher: events.clone(),
+        budget: std::sync::Mutex::new(webhook::EventBudget::new(std::time::Instant::now())),
+        metrics: Arc::clone(&metrics),
+    });
     let webhook_router = webhook::router(WebhookState {
         metrics: Arc::clone(&metrics),
         sink,
@@ -241,7 +259,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let lease_task = lease::run(lease_api.clone(), lease_cfg.clone(), leader_tx);
     let result = tokio::select! {
         r = tls::serve(webhook_listener, reloader, webhook_router) => r.map_err(anyhow::Error::from).context("the webhook server stopped"),
-        r = axum::serve(admin_listener, admin_router) => r.map_err(anyhow::Error::from).context("the admin server stopped"),
+        r = crate::server::serve_plain(admin_listener, admin_router) => r.map_err(anyhow::Error::from).context("the admin server stopped"),
         lost = lease_task => Err(anyhow::Error::from(lost)),
         () = controller => Err(anyhow::anyhow!("the controller stopped")),
         () = shutdown_signal() => {

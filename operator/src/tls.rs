@@ -9,11 +9,6 @@ use std::{
 };
 
 use axum::Router;
-use hyper_util::{
-    rt::{TokioExecutor, TokioIo},
-    server::conn::auto,
-    service::TowerToHyperService,
-};
 use rustls::{
     ServerConfig,
     crypto::ring as provider,
@@ -235,6 +230,7 @@ pub async fn serve(listener: TcpListener, resolver: Arc<Reloader>, router: Route
         .with_cert_resolver(resolver);
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let acceptor = TlsAcceptor::from(Arc::new(config));
+    let limits = crate::server::Limits::default();
     loop {
         let (tcp, peer) = match listener.accept().await {
             Ok(conn) => conn,
@@ -244,8 +240,13 @@ pub async fn serve(listener: TcpListener, resolver: Arc<Reloader>, router: Route
                 continue;
             }
         };
+        // The connection budget is taken before the TLS handshake: a flood of handshakes holds
+        // at most MAX_CONNECTIONS slots, each for at most 10 s.
+        let Some(permit) = limits.admit() else {
+            continue; // full: dropped, closed
+        };
         let acceptor = acceptor.clone();
-        let service = TowerToHyperService::new(router.clone());
+        let router = router.clone();
         tokio::spawn(async move {
             let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
                 Ok(Ok(tls)) => tls,
@@ -255,12 +256,7 @@ pub async fn serve(listener: TcpListener, resolver: Arc<Reloader>, router: Route
                 }
                 Err(_) => return,
             };
-            if let Err(e) = auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(tls), service)
-                .await
-            {
-                tracing::debug!(%peer, error = %e, "webhook connection ended with an error");
-            }
+            crate::server::serve_connection(tls, router, permit).await;
         });
     }
 }

@@ -170,6 +170,43 @@ pub fn denial_message(name: &str, violations: &[Violation]) -> String {
     out
 }
 
+/// How many `Rejected` Events the webhook records: a token bucket of [`EventBudget::BURST`]
+/// Events refilled at [`EventBudget::PER_SECOND`]. A client that sends denied reviews in a loop
+/// gets every answer, but cannot flood the API server with Events.
+#[derive(Debug)]
+pub struct EventBudget {
+    tokens: f64,
+    at: std::time::Instant,
+}
+
+impl EventBudget {
+    /// Events recorded at once after a quiet spell.
+    pub const BURST: f64 = 20.0;
+    /// Events per second in a sustained stream of denials.
+    pub const PER_SECOND: f64 = 5.0;
+
+    /// A full budget.
+    pub fn new(now: std::time::Instant) -> EventBudget {
+        EventBudget {
+            tokens: Self::BURST,
+            at: now,
+        }
+    }
+
+    /// Whether one more Event may be recorded at `now` (and spends it).
+    pub fn take(&mut self, now: std::time::Instant) -> bool {
+        let refill = now.saturating_duration_since(self.at).as_secs_f64() * Self::PER_SECOND;
+        self.tokens = (self.tokens + refill).min(Self::BURST);
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// What the server does with a denial besides answering: record the Event.
 pub trait DenialSink: Send + Sync + 'static {
     /// Called once per denied, non-dry-run request.

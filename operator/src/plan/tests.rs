@@ -63,7 +63,7 @@ fn deployment_is_owned_labelled_and_wired() {
     assert!(
         mounts
             .iter()
-            .any(|m| m.mount_path == "/var/run/pdpair" && m.name == "pdpair-agent")
+            .any(|m| m.mount_path == "/var/run/pdpair" && m.name == "pdpair-agent" && m.read_only == Some(true))
     );
     assert!(
         mounts

@@ -218,3 +218,27 @@ async fn router_answers_reviews_records_denials_and_survives_garbage() {
     );
     assert!(text.contains("outcome=\"error\",reason=\"Malformed\""), "{text}");
 }
+
+#[test]
+fn the_event_budget_bounds_events_per_second_whatever_the_denial_rate() {
+    use std::time::{Duration, Instant};
+    let start = Instant::now();
+    let mut budget = EventBudget::new(start);
+    // 10 000 denials in the same instant: the burst, then nothing.
+    let at_once = (0..10_000).filter(|_| budget.take(start)).count();
+    assert_eq!(at_once, EventBudget::BURST as usize);
+    // A steady flood for 10 s (1000 denials a second): the refill rate, not the flood's.
+    let mut recorded = 0;
+    for ms in 1..=10_000u64 {
+        if budget.take(start + Duration::from_millis(ms)) {
+            recorded += 1;
+        }
+    }
+    assert_eq!(recorded, (10.0 * EventBudget::PER_SECOND) as usize);
+    // After a quiet spell the burst is back, no more.
+    let later = start + Duration::from_secs(3600);
+    assert_eq!(
+        (0..1000).filter(|_| budget.take(later)).count(),
+        EventBudget::BURST as usize
+    );
+}
