@@ -706,3 +706,70 @@ fn an_engine_that_truncates_its_shared_memory_pool_kills_no_agent() {
     // Both agents still serve a well-behaved engine.
     still_serves(&w, &mut p, "d2");
 }
+
+#[test]
+fn a_released_from_a_link_the_blocks_were_not_lent_to_is_ignored() {
+    // Pull: prefill lends a request's blocks to the decode link that registered it; only that
+    // link's Released frees them. Another link of the pair (an insider) says Released first.
+    let w = World::new("attack-released");
+    let ps = w.agent("p", Transport::Shm, false);
+    let mut pull = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    pull.mode = TransferMode::Pull;
+    let mut p = SyntheticEngine::register(&ps, &w.dir, &pull).expect("P");
+    p.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("timeout");
+    p.fill(1, &[3, 4], 0, 100);
+    p.send(&EngineRequest::KvReady {
+        request: "r".into(),
+        blocks: vec![3, 4],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("KvReady");
+    let mut me = insider(Role::Decode);
+    me.mode = TransferMode::Pull;
+    let link = |info: &PeerInfo| {
+        let mut s = TcpStream::connect(addr(&p)).expect("connect");
+        let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("auth");
+        protocol::handshake_decode(&mut s, &mut session, info).expect("handshake");
+        (s, session)
+    };
+    // The borrower registers and is lent the blocks...
+    let (mut borrower, mut borrowed) = link(&me);
+    borrowed
+        .send(
+            &mut borrower,
+            &Message::Register(Registration {
+                request: "r".into(),
+                blocks: vec![1, 2],
+                num_tokens: 100,
+                first_token: 0,
+            }),
+        )
+        .expect("register");
+    let ready = borrowed.recv(&mut borrower).expect("Ready");
+    assert!(matches!(ready, Message::Ready { .. }), "{ready:?}");
+    // ...and another link releases them.
+    let (mut other, mut session) = link(&me);
+    session
+        .send(
+            &mut other,
+            &Message::Released {
+                request: "r".into(),
+                bytes: 999,
+            },
+        )
+        .expect("Released");
+    // The blocks stay lent to the borrower until the lease (3 s) ends: the engine hears
+    // LeaseExpired, not a transfer of 999 bytes.
+    let event = loop {
+        match p.next_event().expect("event") {
+            AgentEvent::TransferStarted { .. } => {}
+            other => break other,
+        }
+    };
+    assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{event:?}");
+    drop((borrower, other));
+}
