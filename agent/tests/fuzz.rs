@@ -212,3 +212,83 @@ fn a_live_agent_answers_every_registration_and_keeps_serving() {
         registered.into_inner()
     );
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// A peer's memory description: checking it never panics, and one that passes keeps every
+    /// block of every K and V array inside the region it describes.
+    #[test]
+    fn a_memory_description_that_passes_keeps_every_block_inside_its_region(
+        base in prop_oneof![3 => 0..(1u64 << 40), 1 => any::<u64>(), 1 => Just(u64::MAX - 4096)],
+        len in prop_oneof![any::<u64>(), 0..(1u64 << 22)],
+        num_blocks in prop_oneof![0..32u32, Just(u32::MAX)],
+        stride_extra in prop_oneof![3 => Just(0u64), 1 => 0..4096u64, 1 => Just(u64::MAX / 2)],
+        offsets in prop_oneof![
+            3 => prop::collection::vec((0..(1u64 << 20), 0..(1u64 << 20)), 2..=2),
+            1 => prop::collection::vec((any::<u64>(), any::<u64>()), 0..4),
+        ],
+        rkey in prop_oneof![
+            Just([1u64.to_le_bytes().as_slice(), &[0, 4, 1, 2, 3, 4]].concat()),
+            prop::collection::vec(any::<u8>(), 0..24),
+        ],
+    ) {
+        let geometry = kv(64, None);
+        let block_len = pdpair_agent::layout::PoolLayout::new(&geometry, &Parallelism::default(), 1, 0)
+            .expect("layout")
+            .block_len() as u64;
+        let desc = protocol::MemoryDesc {
+            base,
+            len,
+            rkey,
+            num_blocks,
+            block_len,
+            block_stride: block_len.saturating_add(stride_extra),
+            layers: offsets,
+        };
+        if desc.check(&geometry, &Parallelism::default(), 0).is_ok() {
+            let end = |o: u64| {
+                u64::from(desc.num_blocks - 1)
+                    .checked_mul(desc.block_stride)
+                    .and_then(|x| x.checked_add(desc.block_len))
+                    .and_then(|x| x.checked_add(o))
+            };
+            for (k, v) in &desc.layers {
+                prop_assert!(end(*k).is_some_and(|e| e <= desc.len));
+                prop_assert!(end(*v).is_some_and(|e| e <= desc.len));
+            }
+            prop_assert!(desc.base.checked_add(desc.len).is_some());
+        }
+    }
+}
+
+#[test]
+fn the_memory_description_property_sees_descriptions_that_pass() {
+    // Runs the property's generator through the check alone, many times: some must pass.
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(512));
+    let geometry = kv(64, None);
+    let block_len = pdpair_agent::layout::PoolLayout::new(&geometry, &Parallelism::default(), 1, 0)
+        .expect("layout")
+        .block_len() as u64;
+    let passed = std::sync::atomic::AtomicU32::new(0);
+    runner
+        .run(&(1u32..32, 0..(1u64 << 16)), |(blocks, extra)| {
+            let stride = block_len + extra;
+            let array = u64::from(blocks) * stride;
+            let desc = protocol::MemoryDesc {
+                base: 4096,
+                len: 2 * 2 * array,
+                rkey: [1u64.to_le_bytes().as_slice(), &[0, 4, 1, 2, 3, 4]].concat(),
+                num_blocks: blocks,
+                block_len,
+                block_stride: stride,
+                layers: vec![(0, array), (2 * array, 3 * array)],
+            };
+            if desc.check(&geometry, &Parallelism::default(), 0).is_ok() {
+                passed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            Ok(())
+        })
+        .expect("runs");
+    assert_eq!(passed.into_inner(), 512, "well-formed descriptions pass");
+}
