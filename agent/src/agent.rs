@@ -36,7 +36,7 @@ use prefill::Matching;
 pub use publish::Publisher;
 
 use crate::{
-    engine_api::{AgentEvent, EngineRequest, PoolRegistration},
+    engine_api::{AgentEvent, EngineRequest, PoolRegistration, Settings},
     layout::PoolLayout,
     metrics::Metrics,
     pool::{self, Pool},
@@ -398,6 +398,8 @@ enum Slot {
 struct Engine {
     shared: Arc<Shared>,
     reg: PoolRegistration,
+    /// Transfer settings: the registration's, checked against (or filled from) the PDPair.
+    settings: Settings,
     key: Vec<u8>,
     layout: PoolLayout,
     pool: Pool,
@@ -455,6 +457,13 @@ impl Engine {
                 .map_err(|e| format!("engine attestation refused the registration: {e}"))?;
             tracing::info!(engine = %reg.engine, pod_uid = %pod.uid, container = ?pod.container, "engine attested");
         }
+        // What the engine cannot know comes from the PDPair; what it says must agree with it.
+        let pair = match &shared.cfg.attestor {
+            Some(attestor) => Some(attestor.pdpair(&reg.pdpair)?),
+            None => None,
+        };
+        let settings =
+            crate::engine_api::resolve(&reg, pair.as_ref().map(|p| (reg.pdpair.as_str(), &p.spec.transfer)))?;
         let need = layout.region_len_checked().ok_or_else(|| {
             format!(
                 "num_blocks {} with this geometry ({} layers x K,V x {} heads x {} tokens x {} x {} bytes) overflows the address space",
@@ -507,8 +516,8 @@ impl Engine {
             pdpair: reg.pdpair.clone(),
             role: reg.role,
             engine: reg.engine.clone(),
-            mode: reg.mode,
-            checksum: reg.checksum,
+            mode: settings.mode,
+            checksum: settings.checksum,
             parallelism: reg.parallelism.clone(),
             kv: reg.kv.clone(),
             tensor_rank: reg.tensor_rank,
@@ -526,6 +535,7 @@ impl Engine {
         let engine = Arc::new(Engine {
             shared,
             reg,
+            settings,
             key,
             layout,
             pool,
@@ -589,11 +599,11 @@ impl Engine {
     }
 
     fn handshake_timeout(&self) -> Duration {
-        Duration::from_millis(self.reg.handshake_timeout_ms.max(1))
+        Duration::from_millis(self.settings.handshake_timeout_ms.max(1))
     }
 
     fn lease(&self) -> Duration {
-        Duration::from_millis(self.reg.lease_ms.max(1))
+        Duration::from_millis(self.settings.lease_ms.max(1))
     }
 
     /// Whether a request from the engine fits its role and pool; fails it otherwise.

@@ -135,6 +135,19 @@ impl Attestor {
     }
 }
 
+impl Attestor {
+    /// The PDPair `namespace/name` (its spec's transfer settings fill and check an engine's).
+    pub fn pdpair(&self, pdpair: &str) -> Result<pdpair_api::PDPair, String> {
+        let (namespace, name) = pdpair.split_once('/').unwrap_or(("default", pdpair));
+        let pairs: Api<pdpair_api::PDPair> = Api::namespaced(self.client.clone(), namespace);
+        self.runtime
+            .block_on(async { tokio::time::timeout(LOOKUP, pairs.get_opt(name)).await })
+            .map_err(|_| format!("looking up PDPair {namespace}/{name} took over {LOOKUP:?}"))?
+            .map_err(|e| format!("looking up PDPair {namespace}/{name}: {e}"))?
+            .ok_or_else(|| format!("PDPair {namespace}/{name} (the registration's pdpair) does not exist"))
+    }
+}
+
 /// The checks on the Pod found, pure (for tests).
 pub fn check_pod(
     pod: &Pod,

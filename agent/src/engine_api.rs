@@ -7,6 +7,8 @@ use serde::{Deserialize, Serialize};
 
 /// Default socket path.
 pub const DEFAULT_SOCKET: &str = "/var/run/pdpair/agent.sock";
+/// The engine API version this agent speaks; `RegisterPool.api_version` must be it.
+pub const API_VERSION: u16 = 2;
 
 /// Engine -> agent.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -59,6 +61,9 @@ pub enum EngineRequest {
 /// An engine's KV pool.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PoolRegistration {
+    /// The engine API version the engine speaks ([`API_VERSION`]); another (or none) is refused.
+    #[serde(default)]
+    pub api_version: u16,
     /// `namespace/name` of the PDPair.
     pub pdpair: String,
     /// The engine's role.
@@ -68,14 +73,20 @@ pub struct PoolRegistration {
     /// The engine's Pod, when it runs in Kubernetes.
     #[serde(default)]
     pub pod: Option<String>,
-    /// Transfer mode.
-    pub mode: TransferMode,
-    /// Checksum policy.
-    pub checksum: ChecksumPolicy,
-    /// How long to wait for a peer's handshake, in milliseconds.
-    pub handshake_timeout_ms: u64,
-    /// How long prefill holds a request's blocks for decode, in milliseconds.
-    pub lease_ms: u64,
+    /// Transfer mode. Absent: the PDPair's (when the agent can read it); present: must match it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<TransferMode>,
+    /// Checksum policy (absent: the PDPair's; present: must match it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<ChecksumPolicy>,
+    /// How long to wait for a peer's handshake, in milliseconds (absent: the PDPair's
+    /// `handshakeTimeout`; present: must match it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handshake_timeout_ms: Option<u64>,
+    /// How long prefill holds a request's blocks for decode, in milliseconds (absent: the
+    /// PDPair's `leaseDuration`; present: must match it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ms: Option<u64>,
     /// The engine's parallelism.
     pub parallelism: Parallelism,
     /// The engine's KV geometry.
@@ -145,4 +156,147 @@ pub enum AgentEvent {
         /// Detail.
         message: String,
     },
+}
+
+/// An engine's transfer settings, resolved: from the registration, checked against (or filled
+/// from) the PDPair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// Transfer mode.
+    pub mode: TransferMode,
+    /// Checksum policy.
+    pub checksum: ChecksumPolicy,
+    /// Milliseconds to wait for a peer's handshake.
+    pub handshake_timeout_ms: u64,
+    /// Milliseconds prefill holds a request's blocks.
+    pub lease_ms: u64,
+}
+
+/// Resolves a registration's transfer settings. With the PDPair's `transfer` (`pair`, named for
+/// messages), each absent field takes the PDPair's value and a present one must equal it; without
+/// it (the agent cannot read the API) every field is required. `Err` names the field and values.
+pub fn resolve(reg: &PoolRegistration, pair: Option<(&str, &pdpair_api::TransferSpec)>) -> Result<Settings, String> {
+    if reg.api_version != API_VERSION {
+        return Err(format!(
+            "api_version {} is not spoken here: this agent speaks engine API version {API_VERSION}{}",
+            reg.api_version,
+            if reg.api_version == 0 {
+                " (the registration names none)"
+            } else {
+                ""
+            }
+        ));
+    }
+    fn pick<T: PartialEq + std::fmt::Debug + Copy>(
+        field: &str,
+        given: Option<T>,
+        pair: Option<(&str, T)>,
+    ) -> Result<T, String> {
+        match (given, pair) {
+            (Some(v), Some((name, p))) if v != p => Err(format!(
+                "{field}: the registration says {v:?}, PDPair {name} says {p:?}"
+            )),
+            (Some(v), _) => Ok(v),
+            (None, Some((_, p))) => Ok(p),
+            (None, None) => Err(format!(
+                "{field} is required: the agent cannot read the PDPair to fill it in"
+            )),
+        }
+    }
+    let ms = |d: &pdpair_api::Duration| u64::try_from(d.get().as_millis()).unwrap_or(u64::MAX);
+    let settings = Settings {
+        mode: pick("mode", reg.mode, pair.map(|(n, t)| (n, t.mode)))?,
+        checksum: pick("checksum", reg.checksum, pair.map(|(n, t)| (n, t.checksum)))?,
+        handshake_timeout_ms: pick(
+            "handshake_timeout_ms",
+            reg.handshake_timeout_ms,
+            pair.map(|(n, t)| (n, ms(&t.handshake_timeout))),
+        )?,
+        lease_ms: pick("lease_ms", reg.lease_ms, pair.map(|(n, t)| (n, ms(&t.lease_duration))))?,
+    };
+    for (field, v) in [
+        ("handshake_timeout_ms", settings.handshake_timeout_ms),
+        ("lease_ms", settings.lease_ms),
+    ] {
+        if v == 0 || v > 3_600_000 {
+            return Err(format!("{field} is {v}; it must be 1..=3600000"));
+        }
+    }
+    Ok(settings)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reg() -> PoolRegistration {
+        serde_json::from_value(serde_json::json!({
+            "api_version": API_VERSION,
+            "pdpair": "team-a/x", "role": "decode", "engine": "e",
+            "parallelism": {}, "kv": {"engine": "vllm", "model": "m", "dtype": "bfloat16", "layers": 2,
+                "kvHeads": 2, "headDim": 16, "attentionBackend": "FLASH_ATTN", "layout": "HND", "blockSize": 16},
+            "pairing_key": "6b", "num_blocks": 4
+        }))
+        .expect("registration")
+    }
+
+    fn transfer() -> pdpair_api::TransferSpec {
+        serde_json::from_value(serde_json::json!({"mode": "Push", "checksum": "FailClosed", "handshakeTimeout": "5s", "leaseDuration": "30s"}))
+            .expect("transfer")
+    }
+
+    #[test]
+    fn the_pdpair_fills_what_the_engine_leaves_out_and_a_disagreement_names_the_field() {
+        let t = transfer();
+        let filled = resolve(&reg(), Some(("team-a/x", &t))).expect("filled");
+        assert_eq!(
+            filled,
+            Settings {
+                mode: TransferMode::Push,
+                checksum: ChecksumPolicy::FailClosed,
+                handshake_timeout_ms: 5000,
+                lease_ms: 30_000
+            }
+        );
+        let mut r = reg();
+        r.mode = Some(TransferMode::Pull);
+        let e = resolve(&r, Some(("team-a/x", &t))).expect_err("disagrees");
+        assert!(
+            e.starts_with("mode:") && e.contains("Pull") && e.contains("Push") && e.contains("team-a/x"),
+            "{e}"
+        );
+        let mut r = reg();
+        r.lease_ms = Some(1000);
+        let e = resolve(&r, Some(("team-a/x", &t))).expect_err("disagrees");
+        assert!(e.starts_with("lease_ms:") && e.contains("30000"), "{e}");
+        // Agreeing values are fine.
+        let mut r = reg();
+        r.checksum = Some(ChecksumPolicy::FailClosed);
+        assert!(resolve(&r, Some(("team-a/x", &t))).is_ok());
+    }
+
+    #[test]
+    fn without_the_pdpair_every_setting_is_required_and_versions_must_match() {
+        let e = resolve(&reg(), None).expect_err("required");
+        assert!(e.contains("mode is required"), "{e}");
+        let mut r = reg();
+        (r.mode, r.checksum, r.handshake_timeout_ms, r.lease_ms) = (
+            Some(TransferMode::Pull),
+            Some(ChecksumPolicy::Disabled),
+            Some(100),
+            Some(0),
+        );
+        let e = resolve(&r, None).expect_err("zero lease");
+        assert!(e.contains("lease_ms is 0"), "{e}");
+        r.lease_ms = Some(200);
+        assert_eq!(resolve(&r, None).expect("given").lease_ms, 200);
+        r.api_version = 1;
+        let e = resolve(&r, None).expect_err("old version");
+        assert!(
+            e.contains("api_version 1") && e.contains(&API_VERSION.to_string()),
+            "{e}"
+        );
+        r.api_version = 0;
+        assert!(resolve(&r, None).expect_err("none").contains("names none"));
+    }
 }

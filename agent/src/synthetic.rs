@@ -137,14 +137,15 @@ impl SyntheticEngine {
     /// The registration an engine with `spec` sends.
     pub fn registration(spec: &EngineSpec, pod: Option<String>, memory_fd: bool) -> PoolRegistration {
         PoolRegistration {
+            api_version: crate::engine_api::API_VERSION,
             pdpair: spec.pdpair.clone(),
             role: spec.role,
             engine: spec.engine.clone(),
             pod,
-            mode: spec.mode,
-            checksum: spec.checksum,
-            handshake_timeout_ms: spec.handshake_timeout_ms,
-            lease_ms: spec.lease_ms,
+            mode: Some(spec.mode),
+            checksum: Some(spec.checksum),
+            handshake_timeout_ms: Some(spec.handshake_timeout_ms),
+            lease_ms: Some(spec.lease_ms),
             parallelism: spec.parallelism.clone(),
             kv: spec.kv.clone(),
             pairing_key: hex_bytes::encode(&spec.pairing_key),

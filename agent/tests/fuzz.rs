@@ -152,14 +152,15 @@ fn registration() -> impl Strategy<Value = PoolRegistration> {
                 geometry.mla = mla;
                 geometry.layout = if layout % 2 == 0 { KvLayout::Hnd } else { KvLayout::Nhd };
                 PoolRegistration {
+                    api_version: pdpair_agent::engine_api::API_VERSION,
                     pdpair: "team-a/tiny".into(),
                     role: if decode { Role::Decode } else { Role::Prefill },
                     engine: "fuzz".into(),
                     pod: None,
-                    mode: TransferMode::Push,
-                    checksum: ChecksumPolicy::FailClosed,
-                    handshake_timeout_ms: 100,
-                    lease_ms: 100,
+                    mode: Some(TransferMode::Push),
+                    checksum: Some(ChecksumPolicy::FailClosed),
+                    handshake_timeout_ms: Some(100),
+                    lease_ms: Some(100),
                     parallelism: Parallelism {
                         tensor,
                         ..Parallelism::default()

@@ -9,7 +9,8 @@ use k8s_openapi::{
     api::{
         apps::v1::{Deployment, DeploymentSpec},
         core::v1::{
-            Container, EnvVar, HostPathVolumeSource, PodTemplateSpec, Secret, SecretVolumeSource, Volume, VolumeMount,
+            Container, EnvVar, EnvVarSource, HostPathVolumeSource, ObjectFieldSelector, PodTemplateSpec, Secret,
+            SecretVolumeSource, Volume, VolumeMount,
         },
     },
     apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference},
@@ -105,6 +106,20 @@ fn engine_template(
     let spec = template.spec.get_or_insert_with(Default::default);
     for container in &mut spec.containers {
         add_engine_wiring(container, &env);
+        // The Pod's own name, for the engine's registration (the agent attests it).
+        let vars = container.env.get_or_insert_with(Vec::new);
+        vars.retain(|v| v.name != "PDPAIR_POD_NAME");
+        vars.push(EnvVar {
+            name: "PDPAIR_POD_NAME".into(),
+            value: None,
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: "metadata.name".into(),
+                    api_version: None,
+                }),
+                ..EnvVarSource::default()
+            }),
+        });
     }
     let volumes = spec.volumes.get_or_insert_with(Vec::new);
     volumes.retain(|v| v.name != "pdpair-agent" && v.name != "pdpair-pairing");

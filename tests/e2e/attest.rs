@@ -4,7 +4,8 @@
 //! cgroup laid out as the kubelet lays one out for such a Pod (`/kubepods/besteffort/pod<uid>/
 //! <container>` in the pids hierarchy, cgroup v1, as with the kubelet's cgroupfs driver). The
 //! engine processes are small Python programs: the agent reads their pid from the socket and their
-//! Pod from their cgroup, never from what they say.
+//! Pod from their cgroup, never from what they say; it reads their transfer settings from the
+//! PDPair.
 
 use std::{
     io::Write,
@@ -139,8 +140,11 @@ print(s.recv(n, socket.MSG_WAITALL).decode())
 
 #[test]
 fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
+    let _op = Operator::start("attest");
     let ns = namespace("attest");
     let text = manifest("vllm-push-64-64.yaml", &ns, |_| {});
+    // The PDPair exists: the agent fills (and checks) an engine's transfer settings from it.
+    kubectl_ok(&["apply", "-f", "-"], Some(&text));
     let pair: PDPair = serde_yaml::from_str(&text).expect("PDPair");
     let decode_uid = pod(&ns, "decode-pod", "vllm-push-64-64", "decode");
     let other_uid = pod(&ns, "other-pair-pod", "another-pair", "decode");
@@ -154,8 +158,9 @@ fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
         engine: "e0".into(),
         mode: pair.spec.transfer.mode,
         checksum: pair.spec.transfer.checksum,
-        handshake_timeout_ms: 2000,
-        lease_ms: 5000,
+        // The PDPair's, as an engine that read its environment would send them.
+        handshake_timeout_ms: pair.spec.transfer.handshake_timeout.get().as_millis() as u64,
+        lease_ms: pair.spec.transfer.lease_duration.get().as_millis() as u64,
         parallelism: pair.spec.decode.parallelism.clone(),
         kv: pair.spec.decode.kv.clone(),
         pairing_key: vec![7; 32],
@@ -170,16 +175,40 @@ fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
             false,
         )))
     };
+    // What the engine cannot know (mode, checksum, timeouts) left out: the PDPair's.
+    let bare = |role: Role, pod: &str| {
+        let mut reg = SyntheticEngine::registration(&spec(role), Some(pod.into()), false);
+        (reg.mode, reg.checksum, reg.handshake_timeout_ms, reg.lease_ms) = (None, None, None, None);
+        reg
+    };
     let decode_cg = PodCgroup::new(&decode_uid, "c0ffee01");
     let other_cg = PodCgroup::new(&other_uid, "c0ffee02");
-    // The decode Pod's process, registering as that Pod's decode engine: accepted.
+    // The decode Pod's process, registering as that Pod's decode engine: accepted, with its
+    // settings given or left to the PDPair.
     let answer = engine(Some(&decode_cg.leaf), &socket, &register(Role::Decode, "decode-pod"));
+    assert_eq!(answer["type"], "Registered", "{answer}");
+    let answer = engine(
+        Some(&decode_cg.leaf),
+        &socket,
+        &EngineRequest::RegisterPool(Box::new(bare(Role::Decode, "decode-pod"))),
+    );
     assert_eq!(answer["type"], "Registered", "{answer}");
     let refused = |answer: serde_json::Value, needle: &str| {
         assert_eq!(answer["type"], "RegistrationFailed", "{answer}");
         let message = answer["message"].as_str().unwrap_or_default().to_owned();
         assert!(message.contains(needle), "{message}");
     };
+    // Settings that disagree with the PDPair: refused, naming the field.
+    let mut pull = bare(Role::Decode, "decode-pod");
+    pull.mode = Some(pdpair_api::TransferMode::Pull);
+    refused(
+        engine(
+            Some(&decode_cg.leaf),
+            &socket,
+            &EngineRequest::RegisterPool(Box::new(pull)),
+        ),
+        "mode: the registration says Pull",
+    );
     // The same process registering as the pair's prefill: its Pod says decode.
     refused(
         engine(Some(&decode_cg.leaf), &socket, &register(Role::Prefill, "decode-pod")),

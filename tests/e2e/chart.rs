@@ -162,6 +162,15 @@ fn default_values_render_a_least_privilege_hardened_install() {
             .iter()
             .any(|(_, r, v)| r == "pdendpoints/status" && v.contains("patch"))
     );
+    // Attestation reads the engine's Pod and PDPair by name, nothing more.
+    assert!(
+        agent.iter().any(|(_, r, v)| r == "pdpairs" && *v == set(&["get"])),
+        "{agent:?}"
+    );
+    assert!(
+        agent.iter().any(|(_, r, v)| r == "pods" && *v == set(&["get"])),
+        "{agent:?}"
+    );
     // The agent: GPU nodes, the socket and pool hostPaths, IPC_LOCK, no host network by default.
     let ds = get(&objs, "DaemonSet", "agent");
     let spec = &ds["spec"]["template"]["spec"];

@@ -198,7 +198,7 @@ impl Engine {
             .set_write_timeout(Some(silence))
             .map_err(wire::FrameError::from)?;
         // Pull: decode reads from prefill's memory through its own endpoint.
-        let ucx_peer = match self.reg.mode {
+        let ucx_peer = match self.settings.mode {
             pdpair_api::TransferMode::Pull => Some(
                 self.shared
                     .ucx
@@ -411,7 +411,7 @@ impl Engine {
         let sums = combine(p.parts.values().map(|(s, _)| s.as_ref()));
         self.shared.metrics.transfer_done(Role::Decode, bytes);
         self.transferred(bytes);
-        if self.reg.checksum == ChecksumPolicy::Disabled {
+        if self.settings.checksum == ChecksumPolicy::Disabled {
             return self.event(AgentEvent::RequestDone {
                 request,
                 bytes,
@@ -449,7 +449,7 @@ impl Engine {
             }
         }
         let name = format!("{outcome:?}");
-        match (outcome, self.reg.checksum) {
+        match (outcome, self.settings.checksum) {
             (Outcome::Verified, _) | (_, ChecksumPolicy::FailOpen) => {
                 if outcome != Outcome::Verified {
                     tracing::warn!(%request, ?outcome, "KV checksum not verified (FailOpen: accepted)");

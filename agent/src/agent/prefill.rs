@@ -149,7 +149,7 @@ impl Engine {
             .map(|l| l.block_len() as u64)
             .unwrap_or(0);
         // Push writes whole (or head-range) blocks of the same size; pull reads into larger ones.
-        let push = self.reg.mode == pdpair_api::TransferMode::Push;
+        let push = self.settings.mode == pdpair_api::TransferMode::Push;
         let mut stream = stream;
         if (push && peer.memory.block_len != expected_block_len)
             || peer.memory.layers.len() != self.layout.layers as usize
@@ -266,7 +266,7 @@ impl Engine {
         }
         serving.in_flight += 1;
         serving.links.push(link.id);
-        if self.reg.mode == pdpair_api::TransferMode::Pull {
+        if self.settings.mode == pdpair_api::TransferMode::Pull {
             serving.lent_since = Some(Instant::now());
         }
         Some((link.clone(), reg, serving.ready.clone()))
@@ -304,7 +304,7 @@ impl Engine {
                 request,
                 bytes: serving.bytes,
                 checksum: None,
-                transfer_us: (self.reg.mode == pdpair_api::TransferMode::Push).then_some(serving.transfer_us),
+                transfer_us: (self.settings.mode == pdpair_api::TransferMode::Push).then_some(serving.transfer_us),
             }),
         }
     }
@@ -453,7 +453,7 @@ impl Engine {
         num_tokens: u64,
         blocks: impl Iterator<Item = (u32, u64)>,
     ) -> Option<BlockSums> {
-        (self.reg.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
+        (self.settings.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
             block_size: self.layout.block_size,
             first_token,
             sums: blocks
@@ -485,7 +485,7 @@ impl Engine {
                 ),
             );
         }
-        if self.reg.mode == pdpair_api::TransferMode::Pull {
+        if self.settings.mode == pdpair_api::TransferMode::Pull {
             return self.lend(link, reg, ready);
         }
         let pairs = match pair_blocks(self.layout.block_size, &ready, &reg) {
@@ -594,7 +594,7 @@ impl Engine {
     /// Frees ready KV past its lease and fails registrations that waited past it.
     pub(super) fn expire_ready(&self) {
         let lease = self.lease();
-        let pull = self.reg.mode == pdpair_api::TransferMode::Pull;
+        let pull = self.settings.mode == pdpair_api::TransferMode::Pull;
         // Ready KV nobody is reading or writing now, past its lease; and (pull) blocks lent to a
         // decode rank that did not release them in time.
         let expired: Vec<(String, Serving)> = {

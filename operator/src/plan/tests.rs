@@ -59,6 +59,18 @@ fn deployment_is_owned_labelled_and_wired() {
         assert!(env.contains(&want), "{want:?} missing from {env:?}");
     }
     assert!(env.contains(&("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")), "user env kept");
+    let pod_name = c
+        .env
+        .as_ref()
+        .and_then(|e| e.iter().find(|v| v.name == "PDPAIR_POD_NAME"))
+        .and_then(|v| v.value_from.as_ref())
+        .and_then(|f| f.field_ref.as_ref())
+        .map(|f| f.field_path.as_str());
+    assert_eq!(
+        pod_name,
+        Some("metadata.name"),
+        "the Pod's name through the downward API"
+    );
     let mounts = c.volume_mounts.as_ref().expect("mounts");
     assert!(
         mounts
