@@ -308,6 +308,7 @@ impl Agent {
                 }) => {
                     engine.kv_ready(request, blocks, num_tokens, first_token);
                 }
+                Ok(EngineRequest::Release { request, prefill }) => engine.release(request, prefill),
                 Ok(EngineRequest::RegisterPool(_)) => {
                     tracing::warn!(engine = %engine.reg.engine, "engine registered twice; ignoring");
                 }
@@ -351,6 +352,8 @@ struct Pending {
     num_tokens: u64,
     first_token: u64,
     deadline: Instant,
+    /// A `Release` (decode needs nothing), answered by `ReleaseDone`, not a registration.
+    release: bool,
 }
 
 /// An authenticated, handshaken side-channel connection.
@@ -620,6 +623,19 @@ impl Engine {
             }
             None => true,
         }
+    }
+
+    /// Whether a request without blocks fits the engine's role; fails it otherwise.
+    fn settings_role_is(&self, role: Role, what: &str, request: &str) -> bool {
+        if self.reg.role == role {
+            return true;
+        }
+        self.fail(
+            request.to_owned(),
+            vec![Reason::WrongRole],
+            format!("{what} is for {role} engines"),
+        );
+        false
     }
 
     fn check_blocks(&self, blocks: &[u32]) -> Result<(), String> {

@@ -45,6 +45,16 @@ pub enum EngineRequest {
         /// Absolute position of the first token the first block holds.
         first_token: u64,
     },
+    /// Decode: this engine needs nothing of `request` from the prefill engine at `prefill`
+    /// (a full local prefix hit, or an abort before it asked): prefill frees the request's
+    /// blocks at once; neither side counts a failure. Answered by `Released` (or, when prefill
+    /// cannot be reached, `RequestFailed`).
+    Release {
+        /// Request id, shared with the prefill engine.
+        request: String,
+        /// The prefill engine's side-channel address.
+        prefill: String,
+    },
     /// Prefill: this request's KV is computed and may be sent.
     KvReady {
         /// Request id.
@@ -145,6 +155,12 @@ pub enum AgentEvent {
         /// Prefill: microseconds from posting the WRITEs to their flush.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         transfer_us: Option<u64>,
+    },
+    /// The request was released: decode needed nothing (decode: prefill confirmed it;
+    /// prefill: its blocks are free). Not a failure.
+    Released {
+        /// Request id.
+        request: String,
     },
     /// The request failed; nothing more will happen for it.
     RequestFailed {

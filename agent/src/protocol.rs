@@ -116,6 +116,16 @@ pub enum Message {
         /// Bytes read.
         bytes: u64,
     },
+    /// D -> P: decode needs nothing of this request (answered by `ReleaseDone`).
+    Release {
+        /// Request id.
+        request: String,
+    },
+    /// P -> D: the released request's blocks are free (or will be at once when its KV is ready).
+    ReleaseDone {
+        /// Request id.
+        request: String,
+    },
     /// Either way: the connection is refused; then the sender closes.
     Reject {
         /// Stable reasons.
@@ -507,6 +517,8 @@ pub fn kind(m: &Message) -> &'static str {
         Message::Pong { .. } => "Pong",
         Message::Ready { .. } => "Ready",
         Message::Released { .. } => "Released",
+        Message::Release { .. } => "Release",
+        Message::ReleaseDone { .. } => "ReleaseDone",
     }
 }
 

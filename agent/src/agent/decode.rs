@@ -22,10 +22,19 @@ use crate::{
 };
 
 impl Engine {
+    /// Decode needs nothing of `request` from `prefill` (a full local prefix hit, or an abort
+    /// before it asked): prefill frees the request's blocks at once, and neither side counts a
+    /// failure. The engine hears `Released` once prefill confirmed it.
+    pub(super) fn release(self: &Arc<Self>, request: String, prefill: String) {
+        if self.settings_role_is(Role::Decode, "Release", &request) {
+            self.ask(request, vec![prefill], Vec::new(), 0, 0, true);
+        }
+    }
+
     pub(super) fn expect_kv(
         self: &Arc<Self>,
         request: String,
-        mut prefills: Vec<String>,
+        prefills: Vec<String>,
         blocks: Vec<u32>,
         num_tokens: u64,
         first_token: u64,
@@ -33,6 +42,20 @@ impl Engine {
         if !self.accept_request(Role::Decode, "ExpectKv", &request, &blocks) {
             return;
         }
+        self.ask(request, prefills, blocks, num_tokens, first_token, false);
+    }
+
+    /// Registers `request` with its prefill engines (or, `release`, tells them decode needs
+    /// nothing), connecting to them first when needed.
+    fn ask(
+        self: &Arc<Self>,
+        request: String,
+        mut prefills: Vec<String>,
+        blocks: Vec<u32>,
+        num_tokens: u64,
+        first_token: u64,
+        release: bool,
+    ) {
         prefills.sort();
         prefills.dedup();
         if prefills.is_empty() {
@@ -44,7 +67,7 @@ impl Engine {
             return self.fail(
                 request.clone(),
                 vec![Reason::InvalidRequest],
-                format!("request {request} is already expected (ExpectKv twice); the first stands"),
+                format!("request {request} is already expected (ExpectKv or Release twice); the first stands"),
             );
         }
         for prefill in &prefills {
@@ -67,6 +90,7 @@ impl Engine {
                 num_tokens,
                 first_token,
                 deadline,
+                release,
             },
         );
         for prefill in prefills {
@@ -103,14 +127,22 @@ impl Engine {
     }
 
     fn send_registration(&self, link: &Link, request: &str) {
-        let reg = lock(&self.pending).get(request).map(|p| Registration {
-            request: request.to_owned(),
-            blocks: p.blocks.clone(),
-            num_tokens: p.num_tokens,
-            first_token: p.first_token,
+        let message = lock(&self.pending).get(request).map(|p| {
+            if p.release {
+                Message::Release {
+                    request: request.to_owned(),
+                }
+            } else {
+                Message::Register(Registration {
+                    request: request.to_owned(),
+                    blocks: p.blocks.clone(),
+                    num_tokens: p.num_tokens,
+                    first_token: p.first_token,
+                })
+            }
         });
-        if let Some(reg) = reg
-            && !link.send(&Message::Register(reg))
+        if let Some(message) = message
+            && !link.send(&message)
             && lock(&self.pending).remove(request).is_some()
         {
             self.fail(
@@ -310,7 +342,17 @@ impl Engine {
                         self.fail(request, vec![reason], crate::reason::peer_text(&message));
                     }
                 }
-                Ok(m @ (Message::Complete { .. } | Message::Ready { .. } | Message::Failed { .. })) => {
+                Ok(Message::ReleaseDone { request }) if self.owned_by(&link, &request, false) => {
+                    if lock(&self.pending).remove(&request).is_some() {
+                        self.event(AgentEvent::Released { request });
+                    }
+                }
+                Ok(
+                    m @ (Message::Complete { .. }
+                    | Message::Ready { .. }
+                    | Message::Failed { .. }
+                    | Message::ReleaseDone { .. }),
+                ) => {
                     // A request this link was not asked about (another prefill's, or one it
                     // already answered): ignored, so no link decides another's request.
                     self.shared.metrics.foreign_answer();

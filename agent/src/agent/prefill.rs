@@ -50,6 +50,8 @@ pub(super) struct Serving {
     lent_since: Option<Instant>,
     /// Links being served: only these may answer `Released` (once each).
     links: Vec<u64>,
+    /// Decode ranks that released the request (needed nothing), counted in `finished`.
+    released: u32,
 }
 
 impl Serving {
@@ -65,6 +67,7 @@ impl Serving {
             started: false,
             lent_since: None,
             links: Vec::new(),
+            released: 0,
         }
     }
 }
@@ -75,6 +78,10 @@ pub(super) struct Matching {
     ready: HashMap<String, Serving>,
     /// Registrations waiting for their KvReady (several decode ranks may wait for one request).
     registered: HashMap<String, Vec<Waiting>>,
+    /// Releases that came before the KvReady: (decode ranks released, ranks expected, when).
+    released_early: HashMap<String, (u32, u32, Instant)>,
+    /// Requests released lately (kept for a lease): a later registration is refused at once.
+    gone: HashMap<String, Instant>,
 }
 
 /// A D registration waiting for P's KV: the link it came on, the registration, when.
@@ -210,6 +217,7 @@ impl Engine {
             match wire::read_sealed::<Message>(&mut reader, &mut opener, wire::MAX_FRAME) {
                 Ok(Message::Register(reg)) => self.registration(&link, reg),
                 Ok(Message::Released { request, bytes }) => self.released(&link, request, bytes),
+                Ok(Message::Release { request }) => self.decode_released(&link, request),
                 Ok(Message::Ping { seq }) => {
                     link.send(&Message::Pong { seq });
                 }
@@ -297,7 +305,55 @@ impl Engine {
                 None
             }
         };
-        let Some(serving) = concluded else { return };
+        if let Some(serving) = concluded {
+            self.conclude(request, serving);
+        }
+    }
+
+    /// A decode rank needs nothing of `request`: it counts as served, with nothing moved; when
+    /// every expected rank is done the engine hears `Released` (all released) or `RequestDone`.
+    /// Before the KvReady, the release is kept and applied when it comes.
+    fn decode_released(&self, link: &Link, request: String) {
+        let expected = protocol::decode_ranks_served(&self.local, &link.peer);
+        let concluded = {
+            let mut matching = lock(&self.matching);
+            let gone = matching.gone.contains_key(&request);
+            match matching.ready.get_mut(&request) {
+                Some(serving) => {
+                    let expected = *serving.expected.get_or_insert(expected);
+                    serving.finished += 1;
+                    serving.released += 1;
+                    if serving.finished >= expected {
+                        matching.ready.remove(&request)
+                    } else {
+                        None
+                    }
+                }
+                None if gone => None,
+                None => {
+                    let early = matching
+                        .released_early
+                        .entry(request.clone())
+                        .or_insert((0, expected, Instant::now()));
+                    early.0 += 1;
+                    None
+                }
+            }
+        };
+        link.send(&Message::ReleaseDone {
+            request: request.clone(),
+        });
+        if let Some(serving) = concluded {
+            self.conclude(request, serving);
+        }
+    }
+
+    /// Tells the engine how a request every expected decode rank is done with ended.
+    fn conclude(&self, request: String, serving: Serving) {
+        if serving.failure.is_none() && serving.released == serving.finished {
+            lock(&self.matching).gone.insert(request.clone(), Instant::now());
+            return self.event(AgentEvent::Released { request });
+        }
         match serving.failure {
             Some((reasons, message)) => self.fail(request, reasons, message),
             None => self.event(AgentEvent::RequestDone {
@@ -332,6 +388,15 @@ impl Engine {
             return;
         }
         let mut matching = lock(&self.matching);
+        if matching.gone.contains_key(&reg.request) {
+            drop(matching);
+            link.send(&Message::Failed {
+                request: reg.request.clone(),
+                reason: Reason::InvalidRequest,
+                message: format!("request {} was released: prefill's blocks are free", reg.request),
+            });
+            return;
+        }
         let twice = matching
             .ready
             .get(&reg.request)
@@ -398,7 +463,17 @@ impl Engine {
                     format!("request {request} is already ready (KvReady twice); the first stands"),
                 );
             }
-            matching.ready.insert(request.clone(), Serving::new(ready));
+            let mut serving = Serving::new(ready);
+            if let Some((count, expected, _)) = matching.released_early.remove(&request) {
+                serving.expected = Some(expected);
+                (serving.finished, serving.released) = (count, count);
+            }
+            if serving.expected.is_some_and(|e| serving.finished >= e) {
+                // Every decode rank released it before it was ready: free at once.
+                drop(matching);
+                return self.conclude(request, serving);
+            }
+            matching.ready.insert(request.clone(), serving);
             let waiting = matching.registered.remove(&request).unwrap_or_default();
             waiting
                 .into_iter()
@@ -620,6 +695,11 @@ impl Engine {
                 )
             };
             self.fail(request, vec![Reason::LeaseExpired], message);
+        }
+        {
+            let mut matching = lock(&self.matching);
+            matching.gone.retain(|_, at| at.elapsed() < lease);
+            matching.released_early.retain(|_, (_, _, at)| at.elapsed() < lease);
         }
         let stale: Vec<(Arc<Link>, String)> = {
             let registered = &mut lock(&self.matching).registered;

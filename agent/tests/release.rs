@@ -1,0 +1,110 @@
+//! `Release`: decode needs nothing of a request (a full local prefix hit, or an abort before it
+//! asked). Prefill frees the blocks at once, both engines hear `Released`, and no failure is
+//! counted anywhere; a registration after the release is refused at once.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{World, kv, reasons, spec};
+use pdpair_agent::{
+    engine_api::{AgentEvent, EngineRequest},
+    synthetic::SyntheticEngine,
+    ucx::Transport,
+};
+use pdpair_api::{ChecksumPolicy, Role};
+
+fn pair(w: &World) -> (SyntheticEngine, SyntheticEngine) {
+    let ps = w.agent("p", Transport::Shm, false);
+    let ds = w.agent("d", Transport::Shm, false);
+    let p = SyntheticEngine::register(
+        &ps,
+        &w.dir,
+        &spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("P");
+    let d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    for e in [&p, &d] {
+        e.events()
+            .expect("events")
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+    }
+    (p, d)
+}
+
+fn kv_ready(p: &mut SyntheticEngine, request: &str) {
+    p.send(&EngineRequest::KvReady {
+        request: request.into(),
+        blocks: vec![3, 4],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("KvReady");
+}
+
+fn release(d: &mut SyntheticEngine, p: &SyntheticEngine, request: &str) {
+    d.send(&EngineRequest::Release {
+        request: request.into(),
+        prefill: p.address.clone(),
+    })
+    .expect("Release");
+}
+
+fn released(event: &AgentEvent, id: &str) -> bool {
+    matches!(event, AgentEvent::Released { request } if request == id)
+}
+
+#[test]
+fn a_release_frees_prefills_blocks_at_once_and_counts_no_failure() {
+    let w = World::new("release");
+    let (mut p, mut d) = pair(&w);
+    // After the KvReady: both hear Released, long before the 3 s lease.
+    kv_ready(&mut p, "r");
+    let started = Instant::now();
+    release(&mut d, &p, "r");
+    let event = d.next_event().expect("D");
+    assert!(released(&event, "r"), "{event:?}");
+    let event = p.next_event().expect("P");
+    assert!(released(&event, "r"), "{event:?}");
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    // Before the KvReady: prefill answers its engine's KvReady with Released at once.
+    release(&mut d, &p, "early");
+    let event = d.next_event().expect("D");
+    assert!(released(&event, "early"), "{event:?}");
+    kv_ready(&mut p, "early");
+    let event = p.next_event().expect("P");
+    assert!(released(&event, "early"), "{event:?}");
+    // No failure counted on either agent.
+    for m in w.metrics.lock().expect("metrics").iter() {
+        let text = m.render();
+        assert!(!text.contains("request_failures_total{"), "{text}");
+    }
+    // A registration after the release is refused at once, not after another lease.
+    let started = Instant::now();
+    d.send(&EngineRequest::ExpectKv {
+        request: "r".into(),
+        prefill: p.address.clone(),
+        blocks: vec![5, 6],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
+    let event = d.next_event().expect("D");
+    assert_eq!(reasons(&event), vec!["InvalidRequest".to_owned()], "{event:?}");
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+}
+
+#[test]
+fn release_is_for_decode_engines() {
+    let w = World::new("release-role");
+    let (mut p, d) = pair(&w);
+    release(&mut p, &d, "x");
+    let event = p.next_event().expect("P");
+    assert_eq!(reasons(&event), vec!["WrongRole".to_owned()], "{event:?}");
+}
