@@ -309,6 +309,7 @@ impl Agent {
                     engine.kv_ready(request, blocks, num_tokens, first_token);
                 }
                 Ok(EngineRequest::Release { request, prefill }) => engine.release(request, prefill),
+                Ok(EngineRequest::Renew { request, prefill }) => engine.renew(request, prefill),
                 Ok(EngineRequest::RegisterPool(_)) => {
                     tracing::warn!(engine = %engine.reg.engine, "engine registered twice; ignoring");
                 }

@@ -55,6 +55,16 @@ pub enum EngineRequest {
         /// The prefill engine's side-channel address.
         prefill: String,
     },
+    /// Decode: this engine queues `request` (it has no blocks for it yet): the prefill engine
+    /// at `prefill` holds the request's blocks one more lease from now (at most
+    /// `MAX_HOLD_LEASES` leases after its KvReady). Best effort and unanswered: renew more often
+    /// than the lease.
+    Renew {
+        /// Request id, shared with the prefill engine.
+        request: String,
+        /// The prefill engine's side-channel address.
+        prefill: String,
+    },
     /// Prefill: this request's KV is computed and may be sent.
     KvReady {
         /// Request id.

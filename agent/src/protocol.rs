@@ -121,6 +121,11 @@ pub enum Message {
         /// Request id.
         request: String,
     },
+    /// D -> P: hold this ready request's blocks one more lease (decode's engine queues it).
+    Renew {
+        /// Request id.
+        request: String,
+    },
     /// P -> D: the released request's blocks are free (or will be at once when its KV is ready).
     ReleaseDone {
         /// Request id.
@@ -519,6 +524,7 @@ pub fn kind(m: &Message) -> &'static str {
         Message::Released { .. } => "Released",
         Message::Release { .. } => "Release",
         Message::ReleaseDone { .. } => "ReleaseDone",
+        Message::Renew { .. } => "Renew",
     }
 }
 

@@ -108,3 +108,92 @@ fn release_is_for_decode_engines() {
     let event = p.next_event().expect("P");
     assert_eq!(reasons(&event), vec!["WrongRole".to_owned()], "{event:?}");
 }
+
+#[test]
+fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
+    let w = World::new("renew");
+    let ps = w.agent("p", Transport::Shm, false);
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut short = spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed);
+    short.lease_ms = 500;
+    let mut p = SyntheticEngine::register(&ps, &w.dir, &short).expect("P");
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    p.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("timeout");
+    let prefill = p.address.clone();
+    let renew = |d: &mut SyntheticEngine, id: &str| {
+        d.send(&EngineRequest::Renew {
+            request: id.into(),
+            prefill: prefill.clone(),
+        })
+        .expect("Renew")
+    };
+    p.fill(6, &[3, 4], 0, 100);
+    kv_ready(&mut p, "queued");
+    p.send(&EngineRequest::KvReady {
+        request: "pinned".into(),
+        blocks: vec![7, 8],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("KvReady");
+    // Decode's engine queues "queued" for 2 s (four leases), renewing every 200 ms.
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(2) {
+        renew(&mut d, "queued");
+        renew(&mut d, "pinned");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    d.send(&EngineRequest::ExpectKv {
+        request: "queued".into(),
+        prefill: p.address.clone(),
+        blocks: vec![9, 10],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
+    let event = d.next_event().expect("D");
+    assert!(common::done(&event), "held past its lease by renewals: {event:?}");
+    assert_eq!(d.verify(6, &[9, 10], 0, 100), 0);
+    // "pinned" is renewed on and on: it is freed at MAX_HOLD_LEASES leases (5 s) all the same.
+    let event = loop {
+        renew(&mut d, "pinned");
+        std::thread::sleep(Duration::from_millis(200));
+        if started.elapsed() > Duration::from_secs(8) {
+            panic!("a renewed request was held past MAX_HOLD_LEASES leases");
+        }
+        if let Some(e) = next_failure(&mut p) {
+            break e;
+        }
+    };
+    assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{event:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(4900),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// The prefill engine's next RequestFailed, if one is waiting (RequestDone and others skipped).
+fn next_failure(p: &mut SyntheticEngine) -> Option<AgentEvent> {
+    let events = p.events().expect("events");
+    events
+        .set_read_timeout(Some(Duration::from_millis(10)))
+        .expect("timeout");
+    let got = loop {
+        match p.next_event() {
+            Ok(e @ AgentEvent::RequestFailed { .. }) => break Some(e),
+            Ok(_) => continue,
+            Err(_) => break None,
+        }
+    };
+    events.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+    got
+}

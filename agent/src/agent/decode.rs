@@ -31,6 +31,32 @@ impl Engine {
         }
     }
 
+    /// Decode's engine queues `request` (no blocks for it yet): ask `prefill` to hold its blocks
+    /// one more lease. Best effort, no answer: sent when the link is up (it is dialled when not,
+    /// for the next renewal), so an engine renews more often than the lease.
+    pub(super) fn renew(self: &Arc<Self>, request: String, prefill: String) {
+        if !self.settings_role_is(Role::Decode, "Renew", &request) {
+            return;
+        }
+        let mut peers = lock(&self.peers);
+        match peers.get(&prefill) {
+            Some(Slot::Connected(link)) => {
+                let link = link.clone();
+                drop(peers);
+                link.send(&Message::Renew { request });
+            }
+            Some(Slot::Connecting(_)) => {}
+            None => {
+                if self.remembered(&prefill).is_none() {
+                    peers.insert(prefill.clone(), Slot::Connecting(Vec::new()));
+                    drop(peers);
+                    let e = self.clone();
+                    thread::spawn(move || e.connect(prefill));
+                }
+            }
+        }
+    }
+
     pub(super) fn expect_kv(
         self: &Arc<Self>,
         request: String,

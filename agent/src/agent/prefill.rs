@@ -19,6 +19,9 @@ use crate::{
     wire,
 };
 
+/// How many leases after its KvReady a ready request may be held by renewals in all.
+pub const MAX_HOLD_LEASES: u32 = 10;
+
 /// A P request whose KV is ready.
 #[derive(Clone, Debug)]
 pub(super) struct Ready {
@@ -52,6 +55,8 @@ pub(super) struct Serving {
     links: Vec<u64>,
     /// Decode ranks that released the request (needed nothing), counted in `finished`.
     released: u32,
+    /// When a decode agent last renewed the hold (decode's engine queues the request).
+    renewed: Option<Instant>,
 }
 
 impl Serving {
@@ -68,6 +73,7 @@ impl Serving {
             lent_since: None,
             links: Vec::new(),
             released: 0,
+            renewed: None,
         }
     }
 }
@@ -218,6 +224,7 @@ impl Engine {
                 Ok(Message::Register(reg)) => self.registration(&link, reg),
                 Ok(Message::Released { request, bytes }) => self.released(&link, request, bytes),
                 Ok(Message::Release { request }) => self.decode_released(&link, request),
+                Ok(Message::Renew { request }) => self.renewed(&request),
                 Ok(Message::Ping { seq }) => {
                     link.send(&Message::Pong { seq });
                 }
@@ -345,6 +352,19 @@ impl Engine {
         });
         if let Some(serving) = concluded {
             self.conclude(request, serving);
+        }
+    }
+
+    /// A decode agent renews its hold on a ready request (its engine queues it): the lease starts
+    /// again, up to [`MAX_HOLD_LEASES`] leases after the KvReady in all, so no peer can pin a
+    /// pool's blocks forever.
+    fn renewed(&self, request: &str) {
+        let lease = self.lease();
+        if let Some(s) = lock(&self.matching).ready.get_mut(request)
+            && s.in_flight == 0
+            && s.ready.since.elapsed() < lease * MAX_HOLD_LEASES
+        {
+            s.renewed = Some(Instant::now());
         }
     }
 
@@ -676,7 +696,7 @@ impl Engine {
             lock(&self.matching)
                 .ready
                 .extract_if(|_, s| {
-                    (s.in_flight == 0 && s.ready.since.elapsed() >= lease)
+                    (s.in_flight == 0 && s.renewed.unwrap_or(s.ready.since).elapsed() >= lease)
                         || (pull && s.in_flight > 0 && s.lent_since.is_some_and(|at| at.elapsed() >= lease))
                 })
                 .collect()
