@@ -308,6 +308,13 @@ impl Agent {
                 }) => {
                     engine.kv_ready(request, blocks, num_tokens, first_token);
                 }
+                Ok(EngineRequest::ExpectKvFromPool {
+                    request,
+                    prefill_ranks,
+                    blocks,
+                    num_tokens,
+                    first_token,
+                }) => engine.expect_kv_from_pool(request, prefill_ranks, blocks, num_tokens, first_token),
                 Ok(EngineRequest::Release { request, prefill }) => engine.release(request, prefill),
                 Ok(EngineRequest::Renew { request, prefill }) => engine.renew(request, prefill),
                 Ok(EngineRequest::RegisterPool(_)) => {

@@ -65,6 +65,21 @@ pub enum EngineRequest {
         /// The prefill engine's side-channel address.
         prefill: String,
     },
+    /// Decode: like `ExpectKv`, naming every tensor-parallel rank of the prefill pool: the agent
+    /// learns each one's rank in its handshake and asks those that hold this decode rank's KV
+    /// heads (`protocol::prefill_sources`), so engines need not know the rule.
+    ExpectKvFromPool {
+        /// Request id, shared with the prefill engines.
+        request: String,
+        /// The side-channel addresses of the prefill pool's ranks (any order).
+        prefill_ranks: Vec<String>,
+        /// This engine's block ids for the request, in token order.
+        blocks: Vec<u32>,
+        /// The request's token count.
+        num_tokens: u64,
+        /// Absolute position of the first token the first block holds.
+        first_token: u64,
+    },
     /// Prefill: this request's KV is computed and may be sent.
     KvReady {
         /// Request id.

@@ -809,3 +809,58 @@ fn two_decode_ranks_take_their_heads_from_one_prefill_rank_and_prefill_hears_onc
         assert_eq!(bytes, 2 * (48 * 2 * 2 * 16 * 2 * 2), "{mode:?}");
     }
 }
+
+#[test]
+fn given_every_prefill_rank_the_agent_asks_the_ones_holding_its_heads() {
+    // 8 KV heads, prefill TP 2 (ranks on one agent). Decode TP 4 rank 3 (heads 6..8) names both
+    // prefill ranks and is served by rank 1 alone; decode TP 1 names both and gathers from both.
+    let w = World::new("pool-ranks");
+    let (ps, ds) = (w.agent("p", Transport::Shm, false), w.agent("d", Transport::Shm, false));
+    let mut geometry = kv(16, None);
+    geometry.kv_heads = 8;
+    let rank = |role, name: &str, tp, r| {
+        let mut s = spec(role, name, geometry.clone(), b"k", ChecksumPolicy::FailClosed);
+        s.parallelism.tensor = tp;
+        s.tensor_rank = r;
+        s
+    };
+    let mut p0 = SyntheticEngine::register(&ps, &w.dir, &rank(Role::Prefill, "p0", 2, 0)).expect("P0");
+    let mut p1 = SyntheticEngine::register(&ps, &w.dir, &rank(Role::Prefill, "p1", 2, 1)).expect("P1");
+    let mut d3 = SyntheticEngine::register(&ds, &w.dir, &rank(Role::Decode, "d3", 4, 3)).expect("D3");
+    let mut whole = SyntheticEngine::register(&ds, &w.dir, &rank(Role::Decode, "d", 1, 0)).expect("D");
+    let ready = |p: &mut SyntheticEngine, id: &str| {
+        p.fill(11, &[1, 2, 3], 0, 40);
+        p.send(&EngineRequest::KvReady {
+            request: id.into(),
+            blocks: vec![1, 2, 3],
+            num_tokens: 40,
+            first_token: 0,
+        })
+        .expect("KvReady");
+    };
+    let ask = |d: &mut SyntheticEngine, id: &str, ranks: Vec<String>| {
+        d.clear(&[4, 5, 6]);
+        d.send(&EngineRequest::ExpectKvFromPool {
+            request: id.into(),
+            prefill_ranks: ranks,
+            blocks: vec![4, 5, 6],
+            num_tokens: 40,
+            first_token: 0,
+        })
+        .expect("ExpectKvFromPool");
+        let event = d.next_event().expect("event");
+        (event, d.verify(11, &[4, 5, 6], 0, 40))
+    };
+    ready(&mut p1, "one");
+    let (event, bad) = ask(&mut d3, "one", vec![p0.address.clone(), p1.address.clone()]);
+    assert!(done(&event) && bad == 0, "{event:?}, {bad} bad");
+    // (Prefill rank 1 serves decode ranks 2 and 3; only rank 3 runs here, so its engine hears
+    // LeaseExpired later: that is the multi-rank rule, not this test's concern.)
+    ready(&mut p0, "both");
+    ready(&mut p1, "both");
+    let (event, bad) = ask(&mut whole, "both", vec![p1.address.clone(), p0.address.clone()]);
+    assert!(done(&event) && bad == 0, "{event:?}, {bad} bad");
+    // A pool list missing the rank that holds the heads is refused naming it.
+    let (event, _) = ask(&mut d3, "missing", vec![p0.address.clone()]);
+    assert_eq!(reasons(&event), vec!["InvalidRequest".to_owned()], "{event:?}");
+}

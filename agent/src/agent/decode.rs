@@ -138,6 +138,115 @@ impl Engine {
         }
     }
 
+    /// `ExpectKvFromPool`: links to every prefill rank named (in a thread of its own), then
+    /// asks the ranks that hold this decode rank's heads.
+    pub(super) fn expect_kv_from_pool(
+        self: &Arc<Self>,
+        request: String,
+        prefill_ranks: Vec<String>,
+        blocks: Vec<u32>,
+        num_tokens: u64,
+        first_token: u64,
+    ) {
+        if !self.accept_request(Role::Decode, "ExpectKvFromPool", &request, &blocks) {
+            return;
+        }
+        if prefill_ranks.is_empty() || prefill_ranks.len() > 1024 {
+            return self.fail(
+                request,
+                vec![Reason::InvalidRequest],
+                format!(
+                    "prefill_ranks names {} addresses; 1..=1024 are accepted",
+                    prefill_ranks.len()
+                ),
+            );
+        }
+        let e = self.clone();
+        thread::spawn(move || match e.pick_sources(&prefill_ranks) {
+            Ok(sources) => e.expect_kv(request, sources, blocks, num_tokens, first_token),
+            Err((reasons, message)) => e.fail(request, reasons, message),
+        });
+    }
+
+    /// The addresses, among `ranks`, of the prefill ranks this decode rank takes its heads from.
+    fn pick_sources(self: &Arc<Self>, ranks: &[String]) -> Result<Vec<String>, (Vec<Reason>, String)> {
+        // A rank whose heads do not line up with ours refuses the handshake (WrongTensorRank):
+        // it is not a source, skip it; any other failure fails the request.
+        let mut links = Vec::new();
+        for addr in ranks {
+            match self.linked(addr) {
+                Ok(link) => links.push(link),
+                Err((reasons, _)) if reasons == [Reason::WrongTensorRank] => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let Some(first) = links.first().map(|l| &l.peer) else {
+            return Err((
+                vec![Reason::InvalidRequest],
+                "no rank among prefill_ranks holds this decode rank's heads".into(),
+            ));
+        };
+        let wanted = protocol::prefill_sources(
+            &first.kv,
+            &first.parallelism,
+            &self.local.kv,
+            &self.local.parallelism,
+            self.local.tensor_rank,
+        );
+        wanted
+            .iter()
+            .map(|rank| {
+                links
+                    .iter()
+                    .find(|l| l.peer.tensor_rank == *rank)
+                    .map(|l| l.addr.clone())
+                    .ok_or_else(|| {
+                        (
+                            vec![Reason::InvalidRequest],
+                            format!(
+                                "prefill rank {rank} holds this decode rank's heads but is not among prefill_ranks"
+                            ),
+                        )
+                    })
+            })
+            .collect()
+    }
+
+    /// The link to `addr`, dialling it (in this thread) when there is none; waits for a dial
+    /// another request started, up to the handshake timeout.
+    fn linked(self: &Arc<Self>, addr: &str) -> Result<Arc<Link>, (Vec<Reason>, String)> {
+        let until = Instant::now() + self.handshake_timeout();
+        loop {
+            if let Some((reasons, message)) = self.remembered(addr) {
+                return Err((reasons, format!("remembered rejection by {addr}: {message}")));
+            }
+            let mut peers = lock(&self.peers);
+            match peers.get(addr) {
+                Some(Slot::Connected(link)) => return Ok(link.clone()),
+                Some(Slot::Connecting(_)) => {}
+                None => {
+                    peers.insert(addr.to_owned(), Slot::Connecting(Vec::new()));
+                    drop(peers);
+                    self.clone().connect(addr.to_owned());
+                    if !matches!(lock(&self.peers).get(addr), Some(Slot::Connected(_))) {
+                        return Err(self
+                            .remembered(addr)
+                            .unwrap_or((vec![Reason::HandshakeFailed], format!("cannot reach prefill {addr}"))));
+                    }
+                    continue;
+                }
+            }
+            drop(peers);
+            if Instant::now() >= until {
+                return Err((
+                    vec![Reason::HandshakeFailed],
+                    format!("no link to prefill {addr} in time"),
+                ));
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     fn remembered(&self, peer: &str) -> Option<(Vec<Reason>, String)> {
         let mut cache = lock(&self.rejections);
         match cache.get(peer) {
