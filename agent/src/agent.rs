@@ -533,15 +533,7 @@ impl Engine {
             kv: reg.kv.clone(),
             tensor_rank: reg.tensor_rank,
             worker_address: shared.ucx.worker_address.clone(),
-            memory: MemoryDesc {
-                base: pool.base,
-                len: layout.region_len() as u64,
-                rkey: pool.rkey.clone(),
-                num_blocks: layout.num_blocks,
-                block_len: layout.block_len() as u64,
-                block_stride: layout.block_len() as u64,
-                layers: layout.layer_offsets(),
-            },
+            memory: MemoryDesc::of(&layout, pool.base, pool.rkey.clone()),
         };
         let engine = Arc::new(Engine {
             shared,

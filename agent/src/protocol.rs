@@ -202,6 +202,20 @@ pub struct MemoryDesc {
 }
 
 impl MemoryDesc {
+    /// The description of a pool laid out as `layout` (blocks back to back), registered at
+    /// `base` with `rkey`.
+    pub fn of(layout: &crate::layout::PoolLayout, base: u64, rkey: Vec<u8>) -> MemoryDesc {
+        MemoryDesc {
+            base,
+            len: layout.region_len() as u64,
+            rkey,
+            num_blocks: layout.num_blocks,
+            block_len: layout.block_len() as u64,
+            block_stride: layout.block_len() as u64,
+            layers: layout.layer_offsets(),
+        }
+    }
+
     /// Checks a peer's description against the geometry it claims (`kv`, `parallelism`, its
     /// rank): the block length and layer count it implies, every block of every array inside
     /// `base..base+len` (checked arithmetic), and a key UCX can parse. Nothing in a peer's

@@ -241,17 +241,10 @@ pub fn write_frame_fd<T: Serialize>(
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: zeroed msghdr is valid; every pointer set below outlives the sendmsg call, and
-    // the control buffer is CMSG_SPACE bytes for one int, as the CMSG macros require.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &raw mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: as above: the first header fits in the control buffer.
+    let mut control = vec![0u8; control_space(1)];
+    let msg = msghdr(&mut iov, &mut control);
+    // SAFETY: the control buffer is CMSG_SPACE bytes for one int, as the CMSG macros require, so
+    // the first header fits in it.
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
@@ -272,6 +265,25 @@ pub fn write_frame_fd<T: Serialize>(
     Ok(())
 }
 
+/// Bytes of a control buffer with room for `fds` descriptors.
+#[allow(unsafe_code)]
+fn control_space(fds: usize) -> usize {
+    // SAFETY: CMSG_SPACE only computes a size.
+    unsafe { libc::CMSG_SPACE((fds * std::mem::size_of::<libc::c_int>()) as u32) as usize }
+}
+
+/// A message header over one buffer and a control buffer; both must outlive its use.
+#[allow(unsafe_code)]
+fn msghdr(iov: &mut libc::iovec, control: &mut [u8]) -> libc::msghdr {
+    // SAFETY: a zeroed msghdr is valid; only the fields set here are read.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = control.len() as _;
+    msg
+}
+
 /// Reads one frame of at most `max` bytes from a Unix socket, with the file descriptor that came
 /// with its first bytes, if any. Extra descriptors are closed; a truncated control message is an
 /// error (descriptors would be lost).
@@ -287,15 +299,8 @@ pub fn read_frame_fd<T: DeserializeOwned>(
         iov_len: len.len(),
     };
     // Room for a few descriptors: a sender that attaches more loses them (closed), not us.
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<libc::c_int>()) as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: zeroed msghdr is valid; the pointers outlive the call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &raw mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
+    let mut control = vec![0u8; control_space(4)];
+    let mut msg = msghdr(&mut iov, &mut control);
     // SAFETY: a valid socket and message; MSG_CMSG_CLOEXEC marks received descriptors.
     let got = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
     if got < 0 {
@@ -321,18 +326,9 @@ pub fn read_frame_fd<T: DeserializeOwned>(
     if msg.msg_flags & libc::MSG_CTRUNC != 0 {
         return Err(FrameError::Malformed("too many file descriptors attached".into()));
     }
-    let got = got as usize;
-    if got == 0 {
-        return Err(FrameError::Closed);
-    }
-    (&mut &*stream).read_exact(&mut len[got..])?;
-    let n = u32::from_be_bytes(len) as usize;
-    if n == 0 || n > max.min(MAX_FRAME) {
-        return Err(FrameError::BadLength(n));
-    }
-    let mut body = vec![0u8; n];
-    (&mut &*stream).read_exact(&mut body)?;
-    let message = serde_json::from_slice(&body).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    // The rest of the frame is plain data: what recvmsg read, then the stream.
+    let mut rest = len[..got as usize].chain(stream);
+    let message = read_frame_max(&mut rest, max)?;
     // The first descriptor is the one; any others are closed here.
     Ok((message, fds.into_iter().next()))
 }

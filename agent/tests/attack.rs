@@ -50,15 +50,7 @@ fn insider(role: Role) -> PeerInfo {
         kv,
         tensor_rank: 0,
         worker_address: vec![7; 64],
-        memory: MemoryDesc {
-            base: 0x7000_0000,
-            len: l.region_len() as u64,
-            rkey: structured_rkey(),
-            num_blocks: 16,
-            block_len: l.block_len() as u64,
-            block_stride: l.block_len() as u64,
-            layers: l.layer_offsets(),
-        },
+        memory: MemoryDesc::of(&l, 0x7000_0000, structured_rkey()),
     }
 }
 

@@ -56,15 +56,7 @@ fn rkey() -> Vec<u8> {
 /// The memory description a peer's current geometry implies (16 blocks at 0x10000).
 fn described(p: &PeerInfo) -> MemoryDesc {
     let l = crate::layout::PoolLayout::new(&p.kv, &p.parallelism, 16, p.tensor_rank).expect("layout");
-    MemoryDesc {
-        base: 0x10000,
-        len: l.region_len() as u64,
-        rkey: rkey(),
-        num_blocks: 16,
-        block_len: l.block_len() as u64,
-        block_stride: l.block_len() as u64,
-        layers: l.layer_offsets(),
-    }
+    MemoryDesc::of(&l, 0x10000, rkey())
 }
 
 /// Runs both sides with each peer's memory as its geometry implies.
