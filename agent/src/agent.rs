@@ -611,22 +611,20 @@ impl Engine {
 
     /// Whether a request from the engine fits its role and pool; fails it otherwise.
     fn accept_request(&self, role: Role, what: &str, request: &str, blocks: &[u32]) -> bool {
-        let problem = if self.reg.role != role {
-            Some((Reason::WrongRole, format!("{what} is for {role} engines")))
-        } else {
-            self.check_blocks(blocks).err().map(|e| (Reason::InvalidRequest, e))
-        };
-        match problem {
-            Some((reason, message)) => {
-                self.fail(request.to_owned(), vec![reason], message);
+        if !self.role_is(role, what, request) {
+            return false;
+        }
+        match self.check_blocks(blocks) {
+            Ok(()) => true,
+            Err(message) => {
+                self.fail(request.to_owned(), vec![Reason::InvalidRequest], message);
                 false
             }
-            None => true,
         }
     }
 
-    /// Whether a request without blocks fits the engine's role; fails it otherwise.
-    fn settings_role_is(&self, role: Role, what: &str, request: &str) -> bool {
+    /// Whether a request fits the engine's role; fails it (`WrongRole`) otherwise.
+    fn role_is(&self, role: Role, what: &str, request: &str) -> bool {
         if self.reg.role == role {
             return true;
         }

@@ -96,16 +96,13 @@ const LOOKUP: Duration = Duration::from_secs(5);
 impl Attestor {
     /// An attestor reading Pods with this client configuration, for the agent on `node`.
     pub fn new(config: kube::Config, node: String) -> Result<Attestor, String> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("attest")
-            .enable_all()
-            .build()
-            .map_err(|e| format!("runtime: {e}"))?;
-        let client = {
-            let _guard = runtime.enter();
-            Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))?
-        };
+        // Engine sessions call in from their own threads at once: a multi-thread runtime.
+        let (runtime, client) = crate::api_client::on(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name("attest"),
+            config,
+        )?;
         Ok(Attestor { runtime, client, node })
     }
 

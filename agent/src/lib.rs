@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod agent;
+pub mod api_client;
 pub mod attest;
 pub mod bench;
 pub mod checksum;

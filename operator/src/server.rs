@@ -42,6 +42,27 @@ impl Limits {
     pub fn admit(&self) -> Option<OwnedSemaphorePermit> {
         Arc::clone(&self.0).try_acquire_owned().ok()
     }
+
+    /// The next connection `listener` accepts within the budget, with its slot: a connection
+    /// past the budget is closed at once, a failed accept logged (as `what`'s) and retried.
+    pub async fn accept(
+        &self,
+        listener: &TcpListener,
+        what: &str,
+    ) -> (tokio::net::TcpStream, std::net::SocketAddr, OwnedSemaphorePermit) {
+        loop {
+            match listener.accept().await {
+                Ok((tcp, peer)) => match self.admit() {
+                    Some(permit) => return (tcp, peer, permit),
+                    None => drop(tcp), // full: closed
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, "{what} accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
 }
 
 /// `router` with every request (body included) bounded by [`REQUEST_TIMEOUT`]: past it the
@@ -78,17 +99,7 @@ where
 pub async fn serve_plain(listener: TcpListener, router: Router) -> std::io::Result<()> {
     let limits = Limits::default();
     loop {
-        let (tcp, _) = match listener.accept().await {
-            Ok(conn) => conn,
-            Err(e) => {
-                tracing::warn!(error = %e, "admin accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let Some(permit) = limits.admit() else {
-            continue; // full: dropped, closed
-        };
+        let (tcp, _, permit) = limits.accept(&listener, "admin").await;
         tokio::spawn(serve_connection(tcp, router.clone(), permit));
     }
 }

@@ -232,19 +232,9 @@ pub async fn serve(listener: TcpListener, resolver: Arc<Reloader>, router: Route
     let acceptor = TlsAcceptor::from(Arc::new(config));
     let limits = crate::server::Limits::default();
     loop {
-        let (tcp, peer) = match listener.accept().await {
-            Ok(conn) => conn,
-            Err(e) => {
-                tracing::warn!(error = %e, "webhook accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
         // The connection budget is taken before the TLS handshake: a flood of handshakes holds
         // at most MAX_CONNECTIONS slots, each for at most 10 s.
-        let Some(permit) = limits.admit() else {
-            continue; // full: dropped, closed
-        };
+        let (tcp, peer, permit) = limits.accept(&listener, "webhook").await;
         let acceptor = acceptor.clone();
         let router = router.clone();
         tokio::spawn(async move {

@@ -26,7 +26,7 @@ impl Engine {
     /// before it asked): prefill frees the request's blocks at once, and neither side counts a
     /// failure. The engine hears `Released` once prefill confirmed it.
     pub(super) fn release(self: &Arc<Self>, request: String, prefill: String) {
-        if self.settings_role_is(Role::Decode, "Release", &request) {
+        if self.role_is(Role::Decode, "Release", &request) {
             self.ask(request, vec![prefill], Vec::new(), 0, 0, true);
         }
     }
@@ -35,7 +35,7 @@ impl Engine {
     /// one more lease. Best effort, no answer: sent when the link is up (it is dialled when not,
     /// for the next renewal), so an engine renews more often than the lease.
     pub(super) fn renew(self: &Arc<Self>, request: String, prefill: String) {
-        if !self.settings_role_is(Role::Decode, "Renew", &request) {
+        if !self.role_is(Role::Decode, "Renew", &request) {
             return;
         }
         let mut peers = lock(&self.peers);

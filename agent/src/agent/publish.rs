@@ -56,14 +56,7 @@ impl Publisher {
     /// Starts the publishing thread with this client configuration; `node` is the agent's node.
     pub fn start(config: kube::Config, node: String) -> Result<Publisher, String> {
         let (tx, rx) = mpsc::channel::<Weak<Engine>>();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| format!("runtime: {e}"))?;
-        let client = {
-            let _guard = runtime.enter();
-            Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))?
-        };
+        let (runtime, client) = crate::api_client::on(&mut tokio::runtime::Builder::new_current_thread(), config)?;
         let api_ok = Arc::new(std::sync::atomic::AtomicI64::new(0));
         let ok = api_ok.clone();
         std::thread::Builder::new()
