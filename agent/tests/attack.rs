@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{ProcessAgent, Req, World, done, kv, reasons, request, spec};
+use common::{ProcessAgent, Req, World, done, expect_kv, kv, kv_ready, reasons, request, spec};
 use pdpair_agent::{
     engine_api::{AgentEvent, EngineRequest},
     layout::PoolLayout,
@@ -61,12 +61,7 @@ fn addr(engine: &SyntheticEngine) -> SocketAddr {
 /// A prefill agent and engine with one request's KV ready (`r`, 100 tokens in blocks 3 and 4).
 fn prefill(w: &World) -> SyntheticEngine {
     let ps = w.agent("p", Transport::Shm, false);
-    let mut p = SyntheticEngine::register(
-        &ps,
-        &w.dir,
-        &spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("P");
+    let mut p = w.engine(&ps, Role::Prefill, "p0", KEY);
     p.fill(1, &[3, 4], 0, 100);
     p
 }
@@ -75,24 +70,8 @@ fn prefill(w: &World) -> SyntheticEngine {
 /// still serves.
 fn still_serves(w: &World, p: &mut SyntheticEngine, name: &str) {
     let ds = w.agent(name, Transport::Shm, false);
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
-    let (event, bad) = request(
-        p,
-        &mut d,
-        Req {
-            id: &format!("after-{name}"),
-            seed: 9,
-            p_first: 0,
-            d_first: 0,
-            tokens: 100,
-            blocks: 2,
-        },
-    );
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    let (event, bad) = request(p, &mut d, Req::from_start(&format!("after-{name}"), 9, 100, 2));
     assert!(done(&event) && bad == 0, "{event:?}, {bad} bad tokens");
 }
 
@@ -229,12 +208,7 @@ fn a_flood_of_unauthenticated_connections_is_capped_and_a_real_decode_gets_throu
     let w = World::new("attack-flood");
     // The prefill agent in its own process, so its memory can be measured.
     let (agent, ps) = ProcessAgent::start(&w, "p");
-    let mut p = SyntheticEngine::register(
-        &ps,
-        &w.dir,
-        &spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("P");
+    let mut p = w.engine(&ps, Role::Prefill, "p0", KEY);
     p.fill(1, &[3, 4], 0, 100);
     let before = vm_hwm_kib(agent.0.id());
     // 400 idle connections from 127.0.0.2, each with the first 4 bytes of a 4 KiB frame: they
@@ -262,24 +236,8 @@ fn a_flood_of_unauthenticated_connections_is_capped_and_a_real_decode_gets_throu
     );
     // A decode agent from another source is served while the flood holds its slots.
     let ds = w.agent("d", Transport::Tcp, false);
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
-    let (event, bad) = request(
-        &mut p,
-        &mut d,
-        Req {
-            id: "during-flood",
-            seed: 4,
-            p_first: 0,
-            d_first: 0,
-            tokens: 100,
-            blocks: 2,
-        },
-    );
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    let (event, bad) = request(&mut p, &mut d, Req::from_start("during-flood", 4, 100, 2));
     assert!(done(&event) && bad == 0, "{event:?}");
     let after = vm_hwm_kib(agent.0.id());
     println!(
@@ -313,27 +271,10 @@ fn completions_for_requests_a_link_does_not_own_are_ignored() {
     let w = World::new("attack-owner");
     let ps = w.agent("p", Transport::Shm, false);
     let ds = w.agent("d", Transport::Shm, false);
-    let mut p = SyntheticEngine::register(
-        &ps,
-        &w.dir,
-        &spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("P");
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
+    let mut p = w.engine(&ps, Role::Prefill, "p0", KEY);
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
     // Decode waits for "victim" from the real prefill (not ready yet)...
-    d.send(&EngineRequest::ExpectKv {
-        request: "victim".into(),
-        prefill: p.address.clone(),
-        blocks: vec![8, 9],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("ExpectKv");
+    expect_kv(&mut d, "victim", p.address.clone(), &[8, 9], 100);
     // ...and for "bait" from an insider that answers for "victim" instead.
     let (evil, handle) = evil_prefill(|s, session, _| {
         for m in [
@@ -351,24 +292,11 @@ fn completions_for_requests_a_link_does_not_own_are_ignored() {
             session.send(s, &m).expect("send");
         }
     });
-    d.send(&EngineRequest::ExpectKv {
-        request: "bait".into(),
-        prefill: evil,
-        blocks: vec![1],
-        num_tokens: 10,
-        first_token: 0,
-    })
-    .expect("ExpectKv");
+    expect_kv(&mut d, "bait", evil, &[1], 10);
     std::thread::sleep(Duration::from_millis(500));
     // Now the real prefill's KV is ready: the victim request completes, verified.
     p.fill(2, &[3, 4], 0, 100);
-    p.send(&EngineRequest::KvReady {
-        request: "victim".into(),
-        blocks: vec![3, 4],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("KvReady");
+    kv_ready(&mut p, "victim", &[3, 4], 100);
     let first = loop {
         match d.next_event().expect("event") {
             AgentEvent::RequestDone { request, .. } | AgentEvent::RequestFailed { request, .. }
@@ -389,24 +317,8 @@ fn one_engines_bad_key_does_not_block_another_engine_on_the_same_agent() {
     let w = World::new("attack-reject-memory");
     let mut p = prefill(&w);
     let ds = w.agent("d", Transport::Shm, false);
-    let mut wrong = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(
-            Role::Decode,
-            "d-wrong",
-            kv(64, None),
-            b"not-the-key",
-            ChecksumPolicy::FailClosed,
-        ),
-    )
-    .expect("D with a wrong key");
-    let mut right = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d-right", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
+    let mut wrong = w.engine(&ds, Role::Decode, "d-wrong", b"not-the-key");
+    let mut right = w.engine(&ds, Role::Decode, "d-right", KEY);
     wrong
         .send(&EngineRequest::ExpectKv {
             request: "w".into(),
@@ -420,18 +332,7 @@ fn one_engines_bad_key_does_not_block_another_engine_on_the_same_agent() {
     assert_eq!(reasons(&event), vec!["Unauthenticated".to_owned()], "{event:?}");
     // The same prefill, right after, from the same agent: the other engine's rejection is not
     // this engine's.
-    let (event, bad) = request(
-        &mut p,
-        &mut right,
-        Req {
-            id: "r",
-            seed: 3,
-            p_first: 0,
-            d_first: 0,
-            tokens: 100,
-            blocks: 2,
-        },
-    );
+    let (event, bad) = request(&mut p, &mut right, Req::from_start("r", 3, 100, 2));
     assert!(done(&event) && bad == 0, "{event:?}");
 }
 
@@ -440,12 +341,7 @@ fn a_duplicate_expect_kv_is_refused_and_the_first_keeps_its_promise() {
     let w = World::new("attack-dup");
     let mut p = prefill(&w);
     let ds = w.agent("d", Transport::Shm, false);
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
     let expect = |blocks: Vec<u32>| EngineRequest::ExpectKv {
         request: "r".into(),
         prefill: p.address.clone(),
@@ -458,13 +354,7 @@ fn a_duplicate_expect_kv_is_refused_and_the_first_keeps_its_promise() {
     let event = d.next_event().expect("event");
     assert_eq!(reasons(&event), vec!["InvalidRequest".to_owned()], "{event:?}");
     p.fill(5, &[3, 4], 0, 100);
-    p.send(&EngineRequest::KvReady {
-        request: "r".into(),
-        blocks: vec![3, 4],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("KvReady");
+    kv_ready(&mut p, "r", &[3, 4], 100);
     let event = d.next_event().expect("event");
     assert!(done(&event), "{event:?}");
     assert_eq!(
@@ -518,21 +408,9 @@ fn a_relay_that_rewrites_the_handshake_after_auth_ok_is_refused() {
     let w = World::new("attack-relay");
     let p = prefill(&w);
     let ds = w.agent("d", Transport::Shm, false);
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
     let relay = rewriting_relay(addr(&p));
-    d.send(&EngineRequest::ExpectKv {
-        request: "r".into(),
-        prefill: relay,
-        blocks: vec![5, 6],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("ExpectKv");
+    expect_kv(&mut d, "r", relay, &[5, 6], 100);
     let event = d.next_event().expect("event");
     assert!(
         matches!(&event, AgentEvent::RequestFailed { .. }),
@@ -549,12 +427,7 @@ fn a_relay_that_rewrites_the_handshake_after_auth_ok_is_refused() {
 fn a_preauth_reject_with_many_reasons_and_hostile_text_reaches_no_label_or_status() {
     let w = World::new("attack-labels");
     let ds = w.agent("d", Transport::Shm, false);
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
     // A stranger at the prefill address answers Hello with a Reject of 200 made-up reasons.
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = listener.local_addr().expect("addr").to_string();
@@ -566,14 +439,7 @@ fn a_preauth_reject_with_many_reasons_and_hostile_text_reaches_no_label_or_statu
         let reject = serde_json::json!({"type": "Reject", "reasons": reasons, "message": "\u{1b}[2J evil text"});
         let _ = wire::write_frame(&mut s, &reject);
     });
-    d.send(&EngineRequest::ExpectKv {
-        request: "r".into(),
-        prefill: address,
-        blocks: vec![1],
-        num_tokens: 10,
-        first_token: 0,
-    })
-    .expect("ExpectKv");
+    expect_kv(&mut d, "r", address, &[1], 10);
     let event = d.next_event().expect("event");
     assert_eq!(reasons(&event), vec!["Unknown".to_owned()], "{event:?}");
     let AgentEvent::RequestFailed { message, .. } = &event else {
@@ -608,36 +474,16 @@ fn a_stuck_decode_agent_does_not_stall_another_pairs_transfers_and_times_out() {
             .set_read_timeout(Some(Duration::from_secs(15)))
             .expect("timeout");
     }
-    let small = |id| Req {
-        id,
-        seed: 7,
-        p_first: 0,
-        d_first: 0,
-        tokens: 128,
-        blocks: 2,
-    };
+    let small = |id| Req::from_start(id, 7, 128, 2);
     let (event, bad) = request(&mut p, &mut d1, small("warm"));
     assert!(done(&event) && bad == 0, "{event:?}");
     // D1 registers a 64 MiB request, then its agent stops (SIGSTOP) before prefill's WRITEs.
     let stuck_blocks: Vec<u32> = (0..32).collect();
-    d1.send(&EngineRequest::ExpectKv {
-        request: "stuck".into(),
-        prefill: p.address.clone(),
-        blocks: stuck_blocks.clone(),
-        num_tokens: 32 * 64,
-        first_token: 0,
-    })
-    .expect("ExpectKv");
+    expect_kv(&mut d1, "stuck", p.address.clone(), &stuck_blocks, 32 * 64);
     std::thread::sleep(Duration::from_millis(300));
     stuck_agent.signal(libc::SIGSTOP);
     p.fill(8, &stuck_blocks, 0, 32 * 64);
-    p.send(&EngineRequest::KvReady {
-        request: "stuck".into(),
-        blocks: stuck_blocks,
-        num_tokens: 32 * 64,
-        first_token: 0,
-    })
-    .expect("KvReady");
+    kv_ready(&mut p, "stuck", &stuck_blocks, 32 * 64);
     std::thread::sleep(Duration::from_millis(300));
     // Another pair's request on the same prefill agent is served while that one is stuck.
     let started = Instant::now();
@@ -669,29 +515,11 @@ fn an_engine_that_truncates_its_shared_memory_pool_kills_no_agent() {
     let w = World::new("attack-truncate");
     let mut p = prefill(&w);
     let ds = w.agent("d", Transport::Shm, false);
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
     let faults = pdpair_agent::guard::faults();
     d.pool_file().set_len(0).expect("an engine can truncate a UCX segment");
-    d.send(&EngineRequest::ExpectKv {
-        request: "r".into(),
-        prefill: p.address.clone(),
-        blocks: vec![5, 6],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("ExpectKv");
-    p.send(&EngineRequest::KvReady {
-        request: "r".into(),
-        blocks: vec![3, 4],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("KvReady");
+    expect_kv(&mut d, "r", p.address.clone(), &[5, 6], 100);
+    kv_ready(&mut p, "r", &[3, 4], 100);
     let event = d.next_event().expect("event");
     assert_eq!(reasons(&event), vec!["ChecksumMismatch".to_owned()], "{event:?}");
     assert!(pdpair_agent::guard::faults() > faults, "the guard absorbed the faults");
@@ -713,13 +541,7 @@ fn a_released_from_a_link_the_blocks_were_not_lent_to_is_ignored() {
         .set_read_timeout(Some(Duration::from_secs(15)))
         .expect("timeout");
     p.fill(1, &[3, 4], 0, 100);
-    p.send(&EngineRequest::KvReady {
-        request: "r".into(),
-        blocks: vec![3, 4],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("KvReady");
+    kv_ready(&mut p, "r", &[3, 4], 100);
     let mut me = insider(Role::Decode);
     me.mode = TransferMode::Pull;
     let link = |info: &PeerInfo| {

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{World, kv, reasons, spec};
+use common::{World, expect_kv, kv, kv_ready, reasons, spec};
 use pdpair_agent::{
     engine_api::{AgentEvent, EngineRequest},
     synthetic::SyntheticEngine,
@@ -17,18 +17,8 @@ use pdpair_api::{ChecksumPolicy, Role};
 fn pair(w: &World) -> (SyntheticEngine, SyntheticEngine) {
     let ps = w.agent("p", Transport::Shm, false);
     let ds = w.agent("d", Transport::Shm, false);
-    let p = SyntheticEngine::register(
-        &ps,
-        &w.dir,
-        &spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
-    )
-    .expect("P");
-    let d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
+    let p = w.engine(&ps, Role::Prefill, "p0", b"k");
+    let d = w.engine(&ds, Role::Decode, "d0", b"k");
     for e in [&p, &d] {
         e.events()
             .expect("events")
@@ -36,16 +26,6 @@ fn pair(w: &World) -> (SyntheticEngine, SyntheticEngine) {
             .expect("timeout");
     }
     (p, d)
-}
-
-fn kv_ready(p: &mut SyntheticEngine, request: &str) {
-    p.send(&EngineRequest::KvReady {
-        request: request.into(),
-        blocks: vec![3, 4],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("KvReady");
 }
 
 fn release(d: &mut SyntheticEngine, p: &SyntheticEngine, request: &str) {
@@ -65,7 +45,7 @@ fn a_release_frees_prefills_blocks_at_once_and_counts_no_failure() {
     let w = World::new("release");
     let (mut p, mut d) = pair(&w);
     // After the KvReady: both hear Released, long before the 3 s lease.
-    kv_ready(&mut p, "r");
+    kv_ready(&mut p, "r", &[3, 4], 100);
     let started = Instant::now();
     release(&mut d, &p, "r");
     let event = d.next_event().expect("D");
@@ -77,7 +57,7 @@ fn a_release_frees_prefills_blocks_at_once_and_counts_no_failure() {
     release(&mut d, &p, "early");
     let event = d.next_event().expect("D");
     assert!(released(&event, "early"), "{event:?}");
-    kv_ready(&mut p, "early");
+    kv_ready(&mut p, "early", &[3, 4], 100);
     let event = p.next_event().expect("P");
     assert!(released(&event, "early"), "{event:?}");
     // No failure counted on either agent.
@@ -87,14 +67,7 @@ fn a_release_frees_prefills_blocks_at_once_and_counts_no_failure() {
     }
     // A registration after the release is refused at once, not after another lease.
     let started = Instant::now();
-    d.send(&EngineRequest::ExpectKv {
-        request: "r".into(),
-        prefill: p.address.clone(),
-        blocks: vec![5, 6],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("ExpectKv");
+    expect_kv(&mut d, "r", p.address.clone(), &[5, 6], 100);
     let event = d.next_event().expect("D");
     assert_eq!(reasons(&event), vec!["InvalidRequest".to_owned()], "{event:?}");
     assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
@@ -117,12 +90,7 @@ fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
     let mut short = spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed);
     short.lease_ms = 500;
     let mut p = SyntheticEngine::register(&ps, &w.dir, &short).expect("P");
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
+    let mut d = w.engine(&ds, Role::Decode, "d0", b"k");
     p.events()
         .expect("events")
         .set_read_timeout(Some(Duration::from_secs(15)))
@@ -136,14 +104,8 @@ fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
         .expect("Renew")
     };
     p.fill(6, &[3, 4], 0, 100);
-    kv_ready(&mut p, "queued");
-    p.send(&EngineRequest::KvReady {
-        request: "pinned".into(),
-        blocks: vec![7, 8],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("KvReady");
+    kv_ready(&mut p, "queued", &[3, 4], 100);
+    kv_ready(&mut p, "pinned", &[7, 8], 100);
     // Decode's engine queues "queued" for 2 s (four leases), renewing every 200 ms.
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(2) {
@@ -151,14 +113,7 @@ fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
         renew(&mut d, "pinned");
         std::thread::sleep(Duration::from_millis(200));
     }
-    d.send(&EngineRequest::ExpectKv {
-        request: "queued".into(),
-        prefill: p.address.clone(),
-        blocks: vec![9, 10],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("ExpectKv");
+    expect_kv(&mut d, "queued", p.address.clone(), &[9, 10], 100);
     let event = d.next_event().expect("D");
     assert!(common::done(&event), "held past its lease by renewals: {event:?}");
     assert_eq!(d.verify(6, &[9, 10], 0, 100), 0);

@@ -75,6 +75,17 @@ impl World {
         }
     }
 
+    /// An engine on the agent at `socket`: the test geometry (`kv(64, None)`), FailClosed, its
+    /// pool allocated by the agent.
+    pub fn engine(&self, socket: &std::path::Path, role: Role, name: &str, key: &[u8]) -> SyntheticEngine {
+        SyntheticEngine::register(
+            socket,
+            &self.dir,
+            &spec(role, name, kv(64, None), key, ChecksumPolicy::FailClosed),
+        )
+        .unwrap_or_else(|e| panic!("engine {name} registers: {e}"))
+    }
+
     pub fn pools(&self) -> PathBuf {
         self.dir.join("pools")
     }
@@ -129,6 +140,20 @@ pub struct Req<'a> {
     pub d_first: u64,
     pub tokens: u64,
     pub blocks: usize,
+}
+
+impl<'a> Req<'a> {
+    /// A request whose blocks start at token 0 on both sides.
+    pub fn from_start(id: &'a str, seed: u64, tokens: u64, blocks: usize) -> Req<'a> {
+        Req {
+            id,
+            seed,
+            p_first: 0,
+            d_first: 0,
+            tokens,
+            blocks,
+        }
+    }
 }
 
 /// Runs one request P -> D; returns D's final event and the count of wrong tokens D saw.
@@ -220,4 +245,27 @@ impl Drop for ProcessAgent {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// Prefill: the request's KV is ready in `blocks` (from token 0).
+pub fn kv_ready(p: &mut SyntheticEngine, request: &str, blocks: &[u32], num_tokens: u64) {
+    p.send(&EngineRequest::KvReady {
+        request: request.into(),
+        blocks: blocks.to_vec(),
+        num_tokens,
+        first_token: 0,
+    })
+    .expect("KvReady");
+}
+
+/// Decode: the request's KV comes from `prefill` into `blocks` (from token 0).
+pub fn expect_kv(d: &mut SyntheticEngine, request: &str, prefill: String, blocks: &[u32], num_tokens: u64) {
+    d.send(&EngineRequest::ExpectKv {
+        request: request.into(),
+        prefill,
+        blocks: blocks.to_vec(),
+        num_tokens,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
 }
