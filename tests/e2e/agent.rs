@@ -2,11 +2,7 @@
 //! agents publish PDEndpoints owned by the engines' Pods (no kubelet runs: the Pods exist in the
 //! API only, and the engines are synthetic), and what the agents observe reaches the PDPair.
 
-use std::{
-    path::PathBuf,
-    process::{Child, Command, Stdio},
-    time::Duration,
-};
+use std::{path::PathBuf, time::Duration};
 
 use pdpair_agent::{
     engine_api::{AgentEvent, EngineRequest},
@@ -16,59 +12,6 @@ use pdpair_api::{PDPair, Role};
 use pdpair_e2e::*;
 
 const WAIT: Duration = Duration::from_secs(60);
-
-struct AgentProc(Child);
-
-impl Drop for AgentProc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn agent(name: &str, socket: &PathBuf) -> AgentProc {
-    let bin = root().join("target/debug/pdpair-agent");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it first (hack/e2e.sh does)",
-        bin.display()
-    );
-    let log = std::fs::File::create(dir().join(format!("agent-{name}.log"))).expect("log");
-    let child = Command::new(bin)
-        .args([
-            "run",
-            "--name",
-            name,
-            "--listen-host",
-            "127.0.0.1",
-            "--transport",
-            "tcp",
-        ])
-        .arg("--socket")
-        .arg(socket)
-        .arg("--pool-dir")
-        .arg(dir().join("pools"))
-        .arg("--kubeconfig")
-        .arg(kubeconfig())
-        // The engines here are threads of this test, not processes in Pods (no kubelet runs):
-        // tests/e2e/attest.rs covers attestation.
-        .arg("--no-attest")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("agent starts");
-    eventually(WAIT, "the agent's socket", || {
-        std::os::unix::net::UnixStream::connect(socket).ok().map(|_| ())
-    });
-    AgentProc(child)
-}
-
-fn pod(ns: &str, name: &str, role: &str) {
-    let manifest = format!(
-        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {ns}\n  labels: {{pdpair.dev/name: vllm-push-64-64, pdpair.dev/role: {role}}}\nspec:\n  containers:\n  - name: engine\n    image: vllm/vllm-openai:v0.11.0\n"
-    );
-    kubectl_ok(&["apply", "-f", "-"], Some(&manifest));
-}
 
 fn secret_key(ns: &str, pair: &str) -> Vec<u8> {
     let s = eventually(WAIT, "the pairing Secret", || {
@@ -95,13 +38,15 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         ("prefill-pod", "prefill"),
         ("prefill16-pod", "prefill"),
     ] {
-        pod(&ns, name, role);
+        engine_pod(&ns, name, "vllm-push-64-64", role, None);
     }
     let work = dir().join(format!("agents-{ns}"));
     std::fs::create_dir_all(&work).expect("dir");
     let (d_sock, p_sock) = (work.join("node-d.sock"), work.join("node-p.sock"));
-    let _d_agent = agent("node-d", &d_sock);
-    let _p_agent = agent("node-p", &p_sock);
+    // The engines here are threads of this test, not processes in Pods (no kubelet runs):
+    // tests/e2e/attest.rs covers attestation.
+    let _d_agent = AgentProcess::start("node-d", &d_sock, &["--no-attest"]);
+    let _p_agent = AgentProcess::start("node-p", &p_sock, &["--no-attest"]);
     let spec = |role: Role, engine: &str, pod: &str, block: i32| {
         let pool = if role == Role::Prefill {
             &pair.spec.prefill

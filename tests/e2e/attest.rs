@@ -10,8 +10,7 @@
 use std::{
     io::Write,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    time::Duration,
+    process::{Command, Stdio},
 };
 
 use pdpair_agent::{
@@ -21,57 +20,8 @@ use pdpair_agent::{
 use pdpair_api::{PDPair, Role};
 use pdpair_e2e::*;
 
-const WAIT: Duration = Duration::from_secs(60);
 const NODE: &str = "node-attest";
 const CGROUPS: &str = "/sys/fs/cgroup/pids";
-
-struct AgentProc(Child);
-
-impl Drop for AgentProc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn agent(socket: &Path) -> AgentProc {
-    let log = std::fs::File::create(dir().join("agent-attest.log")).expect("log");
-    let child = Command::new(root().join("target/debug/pdpair-agent"))
-        .args([
-            "run",
-            "--name",
-            NODE,
-            "--listen-host",
-            "127.0.0.1",
-            "--transport",
-            "tcp",
-            "--no-publish",
-        ])
-        .arg("--socket")
-        .arg(socket)
-        .arg("--pool-dir")
-        .arg(dir().join("pools-attest"))
-        .arg("--kubeconfig")
-        .arg(kubeconfig())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("agent starts");
-    eventually(WAIT, "the agent's socket", || {
-        std::os::unix::net::UnixStream::connect(socket).ok().map(|_| ())
-    });
-    AgentProc(child)
-}
-
-/// A Pod on the agent's node, labelled for `pair` and `role`; returns its UID.
-fn pod(ns: &str, name: &str, pair: &str, role: &str) -> String {
-    let manifest = format!(
-        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {ns}\n  labels: {{pdpair.dev/name: {pair}, pdpair.dev/role: {role}}}\nspec:\n  nodeName: {NODE}\n  containers:\n  - name: engine\n    image: vllm/vllm-openai:v0.11.0\n"
-    );
-    kubectl_ok(&["apply", "-f", "-"], Some(&manifest));
-    let pod = eventually(WAIT, "the Pod", || get_json("pod", ns, name));
-    pod["metadata"]["uid"].as_str().expect("uid").to_owned()
-}
 
 /// The cgroup directory the kubelet would make for a container of Pod `uid`, made here; removed
 /// (leaf first, only what this made) on drop.
@@ -146,12 +96,13 @@ fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
     // The PDPair exists: the agent fills (and checks) an engine's transfer settings from it.
     kubectl_ok(&["apply", "-f", "-"], Some(&text));
     let pair: PDPair = serde_yaml::from_str(&text).expect("PDPair");
-    let decode_uid = pod(&ns, "decode-pod", "vllm-push-64-64", "decode");
-    let other_uid = pod(&ns, "other-pair-pod", "another-pair", "decode");
+    let decode_uid = engine_pod(&ns, "decode-pod", "vllm-push-64-64", "decode", Some(NODE));
+    let other_uid = engine_pod(&ns, "other-pair-pod", "another-pair", "decode", Some(NODE));
     let work = dir().join("attest");
     std::fs::create_dir_all(&work).expect("dir");
     let socket = work.join("agent.sock");
-    let _agent = agent(&socket);
+    // Attestation on (no --no-attest); no PDEndpoints are needed here.
+    let _agent = AgentProcess::start(NODE, &socket, &["--no-publish"]);
     let spec = |role: Role| EngineSpec {
         pdpair: format!("{ns}/vllm-push-64-64"),
         role,

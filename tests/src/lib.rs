@@ -396,3 +396,67 @@ pub fn pipe(program: &str, args: &[&str], input: &[u8]) -> Vec<u8> {
 pub fn base64_decode(text: &str) -> Vec<u8> {
     pipe("base64", &["-d"], text.as_bytes())
 }
+
+/// A `pdpair-agent run` process against the control plane (tcp, on loopback), killed on drop.
+#[derive(Debug)]
+pub struct AgentProcess(std::process::Child);
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl AgentProcess {
+    /// Starts the agent named `name` (its node) serving `socket`, with the harness's shared pool
+    /// directory and `extra` flags, and waits for its socket. Logs go to
+    /// `agent-<name>.log` there.
+    pub fn start(name: &str, socket: &std::path::Path, extra: &[&str]) -> AgentProcess {
+        let bin = root().join("target/debug/pdpair-agent");
+        assert!(
+            bin.exists(),
+            "{} is missing: build it first (hack/e2e.sh does)",
+            bin.display()
+        );
+        let log = std::fs::File::create(dir().join(format!("agent-{name}.log"))).expect("log");
+        let child = std::process::Command::new(bin)
+            .args([
+                "run",
+                "--name",
+                name,
+                "--listen-host",
+                "127.0.0.1",
+                "--transport",
+                "tcp",
+            ])
+            .args(extra)
+            .arg("--socket")
+            .arg(socket)
+            .arg("--pool-dir")
+            // The agents of one host share their pool directory.
+            .arg(dir().join("pools"))
+            .arg("--kubeconfig")
+            .arg(kubeconfig())
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("agent starts");
+        eventually(Duration::from_secs(60), "the agent's socket", || {
+            std::os::unix::net::UnixStream::connect(socket).ok().map(|_| ())
+        });
+        AgentProcess(child)
+    }
+}
+
+/// An engine Pod in `ns` labelled for PDPair `pair` and `role` (on `node` when given: bound
+/// without a scheduler; no kubelet runs it); returns its UID.
+pub fn engine_pod(ns: &str, name: &str, pair: &str, role: &str, node: Option<&str>) -> String {
+    let node = node.map(|n| format!("  nodeName: {n}\n")).unwrap_or_default();
+    let manifest = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {ns}\n  labels: {{pdpair.dev/name: {pair}, pdpair.dev/role: {role}}}\nspec:\n{node}  containers:\n  - name: engine\n    image: vllm/vllm-openai:v0.11.0\n"
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&manifest));
+    let pod = eventually(Duration::from_secs(60), "the Pod", || get_json("pod", ns, name));
+    pod["metadata"]["uid"].as_str().expect("uid").to_owned()
+}
