@@ -194,9 +194,11 @@ fn load(path: &Path) -> Result<PDPair, String> {
     serde_yaml::from_value(v).map_err(|e| format!("{}: not a PDPair: {e}", path.display()))
 }
 
-fn spawn_agent(opts: &Options, dir: &Path, name: &str, corrupt: bool) -> Result<(Child, PathBuf), String> {
-    let socket = dir.join(format!("{name}.sock"));
-    let mut cmd = Command::new(&opts.agent_bin);
+/// `bin run` for an agent named `name` on loopback with `transport`, serving `socket`, its pools
+/// in `pool_dir` (the agents of a host share one), output discarded: the command the loopback
+/// scenario and the test harnesses start agents with (they add their own flags).
+pub fn run_command(bin: &Path, name: &str, transport: &str, socket: &Path, pool_dir: &Path) -> Command {
+    let mut cmd = Command::new(bin);
     cmd.args([
         "run",
         "--name",
@@ -204,15 +206,20 @@ fn spawn_agent(opts: &Options, dir: &Path, name: &str, corrupt: bool) -> Result<
         "--listen-host",
         "127.0.0.1",
         "--transport",
-        &opts.transport,
+        transport,
     ])
     .arg("--socket")
-    .arg(&socket)
-    // The scenario's agents share one pool directory, as the agents of a host must.
+    .arg(socket)
     .arg("--pool-dir")
-    .arg(dir.join("pools"))
+    .arg(pool_dir)
     .stdout(Stdio::null())
     .stderr(Stdio::null());
+    cmd
+}
+
+fn spawn_agent(opts: &Options, dir: &Path, name: &str, corrupt: bool) -> Result<(Child, PathBuf), String> {
+    let socket = dir.join(format!("{name}.sock"));
+    let mut cmd = run_command(&opts.agent_bin, name, &opts.transport, &socket, &dir.join("pools"));
     if corrupt {
         cmd.arg("--corrupt-one-byte");
     }

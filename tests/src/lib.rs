@@ -420,25 +420,11 @@ impl AgentProcess {
             bin.display()
         );
         let log = std::fs::File::create(dir().join(format!("agent-{name}.log"))).expect("log");
-        let child = std::process::Command::new(bin)
-            .args([
-                "run",
-                "--name",
-                name,
-                "--listen-host",
-                "127.0.0.1",
-                "--transport",
-                "tcp",
-            ])
+        // The agents of one host share their pool directory.
+        let child = pdpair_agent::loopback::run_command(&bin, name, "tcp", socket, &dir().join("pools"))
             .args(extra)
-            .arg("--socket")
-            .arg(socket)
-            .arg("--pool-dir")
-            // The agents of one host share their pool directory.
-            .arg(dir().join("pools"))
             .arg("--kubeconfig")
             .arg(kubeconfig())
-            .stdout(std::process::Stdio::null())
             .stderr(log)
             .spawn()
             .expect("agent starts");

@@ -399,24 +399,17 @@ impl Engine {
     }
 
     fn registration(self: &Arc<Self>, link: &Arc<Link>, reg: Registration) {
-        if let Err(e) = self.check_remote_blocks(link, &reg.blocks) {
-            link.send(&Message::Failed {
-                request: reg.request,
-                reason: Reason::InvalidRequest,
-                message: e,
-            });
-            return;
-        }
-        let mut matching = lock(&self.matching);
-        if matching.gone.contains_key(&reg.request) {
-            drop(matching);
+        let refuse = |message: String| {
             link.send(&Message::Failed {
                 request: reg.request.clone(),
                 reason: Reason::InvalidRequest,
-                message: format!("request {} was released: prefill's blocks are free", reg.request),
+                message,
             });
-            return;
+        };
+        if let Err(e) = self.check_remote_blocks(link, &reg.blocks) {
+            return refuse(e);
         }
+        let mut matching = lock(&self.matching);
         let twice = matching
             .ready
             .get(&reg.request)
@@ -425,15 +418,20 @@ impl Engine {
                 .registered
                 .get(&reg.request)
                 .is_some_and(|w| w.iter().any(|(l, _, _)| l.id == link.id));
-        if twice {
+        let refusal = if matching.gone.contains_key(&reg.request) {
+            Some(format!(
+                "request {} was released: prefill's blocks are free",
+                reg.request
+            ))
+        } else if twice {
             // The first registration keeps its promise; this one is refused on its own.
+            Some(format!("request {} is already registered on this link", reg.request))
+        } else {
+            None
+        };
+        if let Some(message) = refusal {
             drop(matching);
-            link.send(&Message::Failed {
-                request: reg.request.clone(),
-                reason: Reason::InvalidRequest,
-                message: format!("request {} is already registered on this link", reg.request),
-            });
-            return;
+            return refuse(message);
         }
         if matching.ready.contains_key(&reg.request) {
             let consumer = self.begin(&mut matching, link, reg);

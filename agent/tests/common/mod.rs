@@ -201,23 +201,9 @@ pub struct ProcessAgent(pub std::process::Child);
 impl ProcessAgent {
     pub fn start(w: &World, name: &str) -> (ProcessAgent, PathBuf) {
         let socket = w.dir.join(format!("{name}.sock"));
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_pdpair-agent"))
-            .args([
-                "run",
-                "--name",
-                name,
-                "--listen-host",
-                "127.0.0.1",
-                "--transport",
-                "tcp",
-                "--no-publish",
-            ])
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--pool-dir")
-            .arg(w.pools())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+        let bin = std::path::Path::new(env!("CARGO_BIN_EXE_pdpair-agent"));
+        let child = pdpair_agent::loopback::run_command(bin, name, "tcp", &socket, &w.pools())
+            .arg("--no-publish")
             .spawn()
             .expect("agent process");
         let start = Instant::now();
