@@ -404,3 +404,138 @@ pub fn bench_checksum(args: &BenchChecksumArgs, out: &mut dyn Write) -> Result<(
     )
     .map_err(|e| UsageError(format!("writing output: {e}")))
 }
+
+/// Arguments of `pdpair-agent synthetic-engine`: one request of the synthetic engine as its own
+/// process, so engines written elsewhere (the Python connector's client) are checked against this
+/// one byte for byte on the same inputs.
+#[derive(Clone, Debug, clap::Args)]
+pub struct SyntheticEngineArgs {
+    /// The agent's engine API socket.
+    #[arg(long)]
+    pub socket: std::path::PathBuf,
+    /// The PDPair manifest (transfer settings and the pool of `--role`).
+    #[arg(long)]
+    pub pair: std::path::PathBuf,
+    /// prefill or decode.
+    #[arg(long, value_parser = ["prefill", "decode"])]
+    pub role: String,
+    /// Engine id.
+    #[arg(long)]
+    pub engine: String,
+    /// The pair's secret.
+    #[arg(long = "pairing-key-file")]
+    pub pairing_key_file: std::path::PathBuf,
+    /// Tensor-parallel rank.
+    #[arg(long = "tensor-rank", default_value_t = 0)]
+    pub tensor_rank: u32,
+    /// Blocks in the pool.
+    #[arg(long = "num-blocks")]
+    pub num_blocks: u32,
+    /// Request id.
+    #[arg(long)]
+    pub request: String,
+    /// The request's block ids, comma-separated, in token order.
+    #[arg(long, value_delimiter = ',')]
+    pub blocks: Vec<u32>,
+    /// The request's token count.
+    #[arg(long = "num-tokens")]
+    pub num_tokens: u64,
+    /// Absolute position of the first block's first token.
+    #[arg(long = "first-token", default_value_t = 0)]
+    pub first_token: u64,
+    /// Seed of the synthetic pattern.
+    #[arg(long)]
+    pub seed: u64,
+    /// Decode: the prefill ranks' addresses (repeatable: several make an `ExpectKvFromPool`).
+    #[arg(long)]
+    pub prefill: Vec<String>,
+}
+
+/// Runs `synthetic-engine`: prints `{"address": ...}` once registered, then (prefill) fills and
+/// sends `KvReady`, or (decode) clears and sends `ExpectKv`, and prints the request's final event
+/// with, on decode, `bad_tokens` (received tokens whose bytes differ from the pattern).
+pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Result<(), UsageError> {
+    use crate::{
+        engine_api::{AgentEvent, EngineRequest},
+        synthetic::{EngineMemory, EngineSpec, SyntheticEngine},
+    };
+    let pair = crate::loopback::load(&args.pair).map_err(UsageError)?;
+    let role = if args.role == "prefill" {
+        pdpair_api::Role::Prefill
+    } else {
+        pdpair_api::Role::Decode
+    };
+    let pool = if args.role == "prefill" {
+        &pair.spec.prefill
+    } else {
+        &pair.spec.decode
+    };
+    let t = &pair.spec.transfer;
+    let spec = EngineSpec {
+        pdpair: format!(
+            "{}/{}",
+            pair.metadata.namespace.as_deref().unwrap_or("default"),
+            pair.metadata.name.as_deref().unwrap_or("pair")
+        ),
+        role,
+        engine: args.engine.clone(),
+        mode: t.mode,
+        checksum: t.checksum,
+        handshake_timeout_ms: t.handshake_timeout.get().as_millis() as u64,
+        lease_ms: t.lease_duration.get().as_millis() as u64,
+        parallelism: pool.parallelism.clone(),
+        kv: pool.kv.clone(),
+        pairing_key: read(&args.pairing_key_file)?,
+        num_blocks: args.num_blocks,
+        tensor_rank: args.tensor_rank,
+        memory: EngineMemory::Agent,
+    };
+    let mut engine = SyntheticEngine::register(&args.socket, Path::new("."), &spec).map_err(UsageError)?;
+    let say = |out: &mut dyn Write, v: serde_json::Value| {
+        writeln!(out, "{v}")
+            .and_then(|()| out.flush())
+            .map_err(|e| UsageError(format!("writing output: {e}")))
+    };
+    say(out, serde_json::json!({ "address": engine.address }))?;
+    let (request, blocks) = (args.request.clone(), args.blocks.clone());
+    let (num_tokens, first_token) = (args.num_tokens, args.first_token);
+    let message = if role == pdpair_api::Role::Prefill {
+        engine.fill(args.seed, &blocks, first_token, num_tokens);
+        EngineRequest::KvReady {
+            request,
+            blocks,
+            num_tokens,
+            first_token,
+        }
+    } else {
+        engine.clear(&blocks);
+        match args.prefill.as_slice() {
+            [one] => EngineRequest::ExpectKv {
+                request,
+                prefill: one.clone(),
+                blocks,
+                num_tokens,
+                first_token,
+            },
+            many => EngineRequest::ExpectKvFromPool {
+                request,
+                prefill_ranks: many.to_vec(),
+                blocks,
+                num_tokens,
+                first_token,
+            },
+        }
+    };
+    engine.send(&message).map_err(|e| UsageError(e.to_string()))?;
+    loop {
+        let event = engine.next_event().map_err(|e| UsageError(e.to_string()))?;
+        if matches!(event, AgentEvent::TransferStarted { .. }) {
+            continue;
+        }
+        let mut v = serde_json::to_value(&event).map_err(|e| UsageError(e.to_string()))?;
+        if role == pdpair_api::Role::Decode {
+            v["bad_tokens"] = engine.verify(args.seed, &args.blocks, first_token, num_tokens).into();
+        }
+        return say(out, v);
+    }
+}

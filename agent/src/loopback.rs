@@ -187,7 +187,8 @@ fn readers(engines: &[SyntheticEngine]) -> Option<Receiver<(usize, AgentEvent)>>
     Some(rx)
 }
 
-fn load(path: &Path) -> Result<PDPair, String> {
+/// A PDPair manifest from a file (YAML, merge keys applied).
+pub fn load(path: &Path) -> Result<PDPair, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut v: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     v.apply_merge().map_err(|e| format!("{}: {e}", path.display()))?;

@@ -24,6 +24,9 @@ enum Command {
     BenchChecksum(cli::BenchChecksumArgs),
     /// Measure UCX put GB/s over shared memory into registered and into UCX-allocated memory.
     BenchPut(cli::BenchPutArgs),
+    /// One request of the synthetic engine (for checking other engines' clients against it).
+    #[command(hide = true)]
+    SyntheticEngine(cli::SyntheticEngineArgs),
 }
 
 /// UCX's tcp transport writes to sockets without MSG_NOSIGNAL: a peer agent that dies mid-transfer
@@ -52,6 +55,7 @@ fn main() -> ExitCode {
         Command::Checksum(args) => cli::checksum(&args, &mut stdout.lock()),
         Command::BenchChecksum(args) => cli::bench_checksum(&args, &mut stdout.lock()),
         Command::BenchPut(args) => cli::bench_put(&args, &mut stdout.lock()),
+        Command::SyntheticEngine(args) => cli::synthetic_engine(&args, &mut stdout.lock()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

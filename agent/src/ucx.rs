@@ -85,11 +85,27 @@ impl std::fmt::Debug for Context {
     }
 }
 
+/// The longest pool directory UCX 1.13 can use: its shared-memory transport packs the directory
+/// into the worker address behind a 6-bit length (with 9 more bytes), and a longer one aborts the
+/// process in `ucp_worker_get_address` (measured: 54 bytes work, 55 abort).
+pub const MAX_POOL_DIR: usize = 54;
+
 impl Context {
     /// A context limited to `transport`. With `pool_dir`, memory this context allocates
     /// ([`Context::allocate`]) comes from UCX's POSIX shared-memory allocator as a named file in
     /// that directory, which an engine on the host can map by path.
     pub fn new(transport: Transport, pool_dir: Option<&std::path::Path>) -> Result<Context, UcxError> {
+        if let Some(dir) = pool_dir.filter(|d| matches!(transport, Transport::Shm) && d.as_os_str().len() > MAX_POOL_DIR) {
+            return Err(UcxError {
+                op: "ucp_config_modify",
+                status: sys::ucs_status_t_UCS_ERR_INVALID_PARAM as i8,
+                text: format!(
+                    "the pool directory {} is {} bytes long; UCX's shared-memory transport takes at most {MAX_POOL_DIR}",
+                    dir.display(),
+                    dir.as_os_str().len()
+                ),
+            });
+        }
         let mut config: *mut sys::ucp_config_t = ptr::null_mut();
         // SAFETY: out-pointer to a config handle; null prefix and file mean defaults plus env.
         check("ucp_config_read", unsafe {

@@ -128,3 +128,24 @@ fn a_peer_maps_memory_ucx_allocated_but_not_memory_merely_registered() {
     drop((wa, wb, a, b));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_pool_dir_too_long_for_shared_memory_is_refused_naming_it_instead_of_aborting() {
+    let long = std::env::temp_dir().join("p".repeat(MAX_POOL_DIR));
+    std::fs::create_dir_all(&long).expect("dir");
+    // Without the check UCX aborts the whole process when the worker packs its address.
+    let err = Context::new(Transport::Shm, Some(&long))
+        .and_then(|c| Worker::new(&c).map(|_| ()))
+        .expect_err("refused");
+    assert!(err.text.contains(&long.display().to_string()), "{}", err.text);
+    // Short enough, it works; tcp does not pack the directory at all.
+    let ok = std::env::temp_dir().join("pdpair-ucx-dir-ok");
+    std::fs::create_dir_all(&ok).expect("dir");
+    Context::new(Transport::Shm, Some(&ok))
+        .and_then(|c| Worker::new(&c).map(|_| ()))
+        .expect("a short dir works");
+    Context::new(Transport::Tcp, Some(&long))
+        .and_then(|c| Worker::new(&c).map(|_| ()))
+        .expect("tcp ignores the dir");
+    let _ = std::fs::remove_dir(&long);
+}

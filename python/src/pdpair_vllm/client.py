@@ -1,0 +1,280 @@
+"""The engine-API client (docs/engine-api.md): registers one engine's pool with its node's agent,
+maps the pool the agent hands back, sends requests, and reads the agent's events on a reader
+thread so the engine never blocks on them (the agent drops an event it cannot write in 10 s).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional
+
+from . import wire
+from .layout import PoolLayout
+
+#: The engine API version this client speaks (the agent's ``engine_api::API_VERSION``).
+API_VERSION = 2
+#: The agent's default socket (``PDPAIR_AGENT_SOCKET`` in pods the operator runs).
+DEFAULT_SOCKET = "/var/run/pdpair/agent.sock"
+#: Events after which the agent does nothing more for a request.
+FINAL = ("RequestDone", "RequestFailed", "Released", "Cancelled")
+
+
+class AgentError(Exception):
+    """The agent refused the registration, or the connection failed."""
+
+
+@dataclass
+class Event:
+    """One agent event about a request."""
+
+    type: str
+    request: str
+    raw: dict = field(repr=False)
+
+    @property
+    def final(self) -> bool:
+        return self.type in FINAL
+
+    @property
+    def reasons(self) -> List[str]:
+        reasons = self.raw.get("reasons")
+        return [r for r in reasons if isinstance(r, str)] if isinstance(reasons, list) else []
+
+    @property
+    def message(self) -> str:
+        m = self.raw.get("message")
+        return m if isinstance(m, str) else ""
+
+
+def registration(
+    *,
+    pdpair: str,
+    role: str,
+    engine: str,
+    kv: dict,
+    num_blocks: int,
+    pairing_key: bytes,
+    tensor: int = 1,
+    tensor_rank: int = 0,
+    pod: Optional[str] = None,
+    mode: Optional[str] = None,
+    checksum: Optional[str] = None,
+    handshake_timeout_ms: Optional[int] = None,
+    lease_ms: Optional[int] = None,
+    memory_fd: bool = False,
+) -> dict:
+    """A ``RegisterPool`` message. Settings left ``None`` are filled by the agent from the
+    PDPair (in a cluster); outside one the agent requires them."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role is {role!r}, not prefill or decode")
+    message = {
+        "type": "RegisterPool",
+        "api_version": API_VERSION,
+        "pdpair": pdpair,
+        "role": role,
+        "engine": engine,
+        "parallelism": {"tensor": tensor, "pipeline": 1, "data": 1},
+        "kv": kv,
+        "pairing_key": pairing_key.hex(),
+        "memory_fd": memory_fd,
+        "num_blocks": num_blocks,
+        "tensor_rank": tensor_rank,
+    }
+    optional = {
+        "pod": pod,
+        "mode": mode,
+        "checksum": checksum,
+        "handshake_timeout_ms": handshake_timeout_ms,
+        "lease_ms": lease_ms,
+    }
+    message.update({k: v for k, v in optional.items() if v is not None})
+    return message
+
+
+def pairing_key_from_env(env=os.environ) -> bytes:
+    """The pair's secret from the file at ``PDPAIR_PAIRING_KEY_FILE`` (the operator mounts it)."""
+    path = env.get("PDPAIR_PAIRING_KEY_FILE")
+    if not path:
+        raise AgentError("PDPAIR_PAIRING_KEY_FILE is not set: the engine does not run under pdpair")
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class AgentClient:
+    """One registered engine (one tensor-parallel rank)."""
+
+    def __init__(self, sock: socket.socket, reg: dict, layout: PoolLayout, address: str, pool: mmap.mmap):
+        self._sock = sock
+        self.registration = reg
+        self.layout = layout
+        #: The side-channel address decode engines name as this prefill engine's (empty on decode).
+        self.address = address
+        #: The pool, mapped shared: this engine's KV staging memory.
+        self.pool = pool
+        self._lock = threading.Condition()
+        self._events: Dict[str, Deque[Event]] = {}
+        self._finished: Deque[Event] = deque()
+        self._closed: Optional[str] = None
+        self._send_lock = threading.Lock()
+        self.on_event: Optional[Callable[[Event], None]] = None
+        self._reader = threading.Thread(target=self._read, name="pdpair-agent-events", daemon=True)
+        self._reader.start()
+
+    @staticmethod
+    def register(socket_path: str, reg: dict, timeout: float = 30.0) -> "AgentClient":
+        """Connects to the agent and registers ``reg`` (a :func:`registration`); the agent
+        allocates the pool and passes its descriptor, which is mapped whole."""
+        layout = PoolLayout.new(
+            reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"], reg.get("tensor_rank", 0)
+        )
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(socket_path)
+            wire.send(sock, reg)
+            answer, fd = wire.recv_with_fd(sock)
+        except (OSError, wire.FrameError) as e:
+            sock.close()
+            raise AgentError(f"registering with the agent at {socket_path}: {e}") from None
+        if answer["type"] == "RegistrationFailed":
+            sock.close()
+            if fd is not None:
+                os.close(fd)
+            raise AgentError(str(answer.get("message")))
+        if answer["type"] != "Registered" or fd is None:
+            sock.close()
+            if fd is not None:
+                os.close(fd)
+            raise AgentError(f"unexpected answer to RegisterPool: {answer['type']} (descriptor: {fd is not None})")
+        try:
+            size = os.fstat(fd).st_size
+            length = answer.get("memory_len")
+            if not isinstance(length, int) or length < layout.region_len or size < layout.region_len:
+                raise AgentError(
+                    f"the agent's pool holds {size} bytes (says {length!r}), fewer than the {layout.region_len} "
+                    "this geometry needs"
+                )
+            pool = mmap.mmap(fd, layout.region_len, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        sock.settimeout(None)
+        return AgentClient(sock, reg, layout, str(answer.get("address", "")), pool)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def send(self, message: dict) -> None:
+        with self._send_lock:
+            try:
+                wire.send(self._sock, message)
+            except OSError as e:
+                raise AgentError(f"sending {message.get('type')}: {e}") from None
+
+    def kv_ready(self, request: str, blocks: List[int], num_tokens: int, first_token: int = 0) -> None:
+        """Prefill: the request's KV is in ``blocks`` of the pool."""
+        self.send(
+            {"type": "KvReady", "request": request, "blocks": blocks, "num_tokens": num_tokens, "first_token": first_token}
+        )
+
+    def expect_kv(self, request: str, prefill_ranks: List[str], blocks: List[int], num_tokens: int, first_token: int = 0) -> None:
+        """Decode: KV for ``request`` comes from the prefill pool whose ranks' addresses are
+        ``prefill_ranks`` (the agent picks which ranks hold this rank's heads)."""
+        if len(prefill_ranks) == 1:
+            message = {"type": "ExpectKv", "prefill": prefill_ranks[0]}
+        else:
+            message = {"type": "ExpectKvFromPool", "prefill_ranks": list(prefill_ranks)}
+        message.update({"request": request, "blocks": blocks, "num_tokens": num_tokens, "first_token": first_token})
+        self.send(message)
+
+    def release(self, request: str, prefill: str) -> None:
+        """Decode: nothing of ``request`` is needed from the prefill at ``prefill``."""
+        self.send({"type": "Release", "request": request, "prefill": prefill})
+
+    def renew(self, request: str, prefill: str) -> None:
+        """Decode: ``request`` is queued here; the prefill keeps its blocks one more lease."""
+        self.send({"type": "Renew", "request": request, "prefill": prefill})
+
+    def cancel(self, request: str) -> None:
+        """Either side: give up ``request``; answered by exactly one final event, after which
+        nothing writes into its blocks."""
+        self.send({"type": "Cancel", "request": request})
+
+    # --- events ---------------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        reason = "the agent closed the connection"
+        try:
+            while True:
+                raw = wire.recv(self._sock)
+                request = raw.get("request")
+                if not isinstance(request, str):
+                    continue
+                event = Event(raw["type"], request, raw)
+                with self._lock:
+                    self._events.setdefault(request, deque()).append(event)
+                    if event.final:
+                        self._finished.append(event)
+                    self._lock.notify_all()
+                hook = self.on_event
+                if hook is not None:
+                    hook(event)
+        except (OSError, wire.FrameError) as e:
+            reason = str(e)
+        with self._lock:
+            self._closed = reason
+            self._lock.notify_all()
+
+    @property
+    def closed(self) -> Optional[str]:
+        """Why the agent connection ended, or ``None`` while it is up."""
+        return self._closed
+
+    def wait(self, request: str, timeout: float = 30.0) -> Event:
+        """The next final event about ``request`` (earlier non-final ones are skipped)."""
+        with self._lock:
+            ok = self._lock.wait_for(lambda: self._has_final(request) or self._closed is not None, timeout)
+            if self._has_final(request):
+                queue = self._events[request]
+                while True:
+                    event = queue.popleft()
+                    if event.final:
+                        self._finished_remove(event)
+                        return event
+            if not ok:
+                raise TimeoutError(f"no answer about request {request!r} within {timeout} s")
+            raise AgentError(f"agent connection lost: {self._closed}")
+
+    def _has_final(self, request: str) -> bool:
+        return any(e.final for e in self._events.get(request, ()))
+
+    def _finished_remove(self, event: Event) -> None:
+        try:
+            self._finished.remove(event)
+        except ValueError:
+            pass
+
+    def events(self, request: str) -> List[Event]:
+        """Every event about ``request`` received and not yet taken."""
+        with self._lock:
+            return list(self._events.get(request, ()))
+
+    def take_finished(self) -> List[Event]:
+        """Final events not yet taken, in arrival order (each request's queue is cleared)."""
+        with self._lock:
+            out = list(self._finished)
+            self._finished.clear()
+            for event in out:
+                self._events.pop(event.request, None)
+            return out
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._reader.join(timeout=5)

@@ -1,0 +1,201 @@
+"""The package's engine-API client, layout and pattern against real agents: transfers between
+Python engines, and between a Python engine and the agent's own Rust synthetic engine both ways
+(so the Python layout and framing are checked against the agent's on the same inputs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdpair_vllm import synthetic
+from pdpair_vllm.client import AgentClient, AgentError, registration
+from pdpair_vllm.layout import LayoutError, PoolLayout
+
+from conftest import kv, rust_engine, rust_result
+
+SETTINGS = {"handshake_timeout_ms": 5000, "lease_ms": 30000}
+
+
+def py_engine(world, agent, role, geometry, *, mode="Push", checksum="FailClosed", tp=1, rank=0,
+              num_blocks=16, lease_ms=30000, engine=None, key=None) -> AgentClient:
+    reg = registration(
+        pdpair="default/pair", role=role, engine=engine or f"py-{role}-{rank}", kv=geometry,
+        num_blocks=num_blocks, pairing_key=key or world.key, tensor=tp, tensor_rank=rank, mode=mode,
+        checksum=checksum, handshake_timeout_ms=5000, lease_ms=lease_ms,
+    )
+    return AgentClient.register(agent.socket, reg)
+
+
+@pytest.mark.parametrize("mode", ["Push", "Pull"])
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_python_prefill_to_rust_decode_and_back_byte_exact(world, mode, transport):
+    g = kv(block=16)
+    manifest = world.manifest(mode, "FailClosed", g, g)
+    pa, da = world.agent("p", transport), world.agent("d", transport)
+    # Python prefill -> Rust decode (the agent's engine checks every byte with its own layout).
+    p = py_engine(world, pa, "prefill", g, mode=mode)
+    synthetic.fill(p.pool, p.layout, 11, [3, 1, 4], 0, 40)
+    p.kv_ready("r1", [3, 1, 4], 40)
+    d, _ = rust_engine(world, da, manifest, "decode", request="r1", blocks=[5, 9, 2], num_tokens=40, seed=11,
+                       prefill=[p.address])
+    got = rust_result(d)
+    assert got["type"] == "RequestDone" and got["checksum"] == "Verified", got
+    assert got["bad_tokens"] == 0
+    assert p.wait("r1").type == "RequestDone"
+    # Rust prefill -> Python decode (Python checks every byte with its layout and pattern).
+    rp, addr = rust_engine(world, pa, manifest, "prefill", request="r2", blocks=[0, 2, 7], num_tokens=37, seed=12)
+    dd = py_engine(world, da, "decode", g, mode=mode)
+    synthetic.clear(dd.pool, dd.layout, [6, 4, 1])
+    dd.expect_kv("r2", [addr], [6, 4, 1], 37)
+    event = dd.wait("r2")
+    assert event.type == "RequestDone" and event.raw["checksum"] == "Verified", event.raw
+    assert synthetic.verify(dd.pool, dd.layout, 12, [6, 4, 1], 0, 37) == 0
+    assert rust_result(rp)["type"] == "RequestDone"
+    # The pattern check itself sees a wrong byte.
+    dd.pool[dd.layout.block_offset(1, True, 4) + 3] ^= 0xFF
+    assert synthetic.verify(dd.pool, dd.layout, 12, [6, 4, 1], 0, 37) == 1
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2)])
+def test_tensor_parallel_ranks_gather_their_heads(world, p_tp, d_tp):
+    g = kv(block=16, heads=4)
+    pa, da = world.agent("p", "shm"), world.agent("d", "shm")
+    prefills = [py_engine(world, pa, "prefill", g, tp=p_tp, rank=r) for r in range(p_tp)]
+    decodes = [py_engine(world, da, "decode", g, tp=d_tp, rank=r) for r in range(d_tp)]
+    for p in prefills:
+        synthetic.fill(p.pool, p.layout, 21, [0, 1], 0, 20)
+        p.kv_ready("tp", [0, 1], 20)
+    addresses = [p.address for p in reversed(prefills)]  # any order
+    for d in decodes:
+        d.expect_kv("tp", addresses, [2, 3], 20)
+    for d in decodes:
+        event = d.wait("tp")
+        assert event.type == "RequestDone", event.raw
+        assert synthetic.verify(d.pool, d.layout, 21, [2, 3], 0, 20) == 0
+    for p in prefills:
+        assert p.wait("tp").type == "RequestDone"
+
+
+@pytest.mark.parametrize(
+    "mode,p_kv,d_kv,hit",
+    [
+        # Pull, P blocks of 16 under D's 32: D holds its first 32 tokens (two P blocks).
+        ("Pull", kv(block=16), kv(block=32), 32),
+        # Push, kernel blocks of 16 in logical blocks of 64: D holds 16 tokens, mid P logical block.
+        ("Push", kv(block=64, kernel=16), kv(block=64, kernel=16), 16),
+    ],
+)
+def test_prefix_hit_on_decode_moves_only_the_tail(world, mode, p_kv, d_kv, hit):
+    pa, da = world.agent("p"), world.agent("d")
+    p = py_engine(world, pa, "prefill", p_kv, mode=mode)
+    d = py_engine(world, da, "decode", d_kv, mode=mode)
+    tokens = 70
+    p_blocks = list(range(p.layout.blocks_for(tokens)))
+    synthetic.fill(p.pool, p.layout, 31, p_blocks, 0, tokens)
+    p.kv_ready("hit", p_blocks, tokens)
+    # D's cached prefix: blocks it already holds, with bytes that must not be touched.
+    d_blocks = [d.layout.num_blocks - 1 - i for i in range(d.layout.blocks_for(tokens, hit))]
+    held = 0
+    synthetic.fill(d.pool, d.layout, 99, [held], 0, hit)
+    before = bytes(d.pool[: d.layout.block_len])
+    d.expect_kv("hit", [p.address], d_blocks, tokens, first_token=hit)
+    event = d.wait("hit")
+    assert event.type == "RequestDone", event.raw
+    # Only P's blocks from the hit on move (whole blocks, the last one partly live).
+    assert event.raw["bytes"] == p.layout.blocks_for(tokens, hit) * 2 * p.layout.layers * p.layout.block_len
+    assert synthetic.verify(d.pool, d.layout, 31, d_blocks, hit, tokens) == 0
+    assert bytes(d.pool[: d.layout.block_len]) == before, "the held prefix block was not written"
+
+
+def test_release_frees_prefill_without_a_failure(world):
+    g = kv()
+    pa, da = world.agent("p"), world.agent("d")
+    p, d = py_engine(world, pa, "prefill", g), py_engine(world, da, "decode", g)
+    p.kv_ready("full-hit", [0], 10)
+    d.release("full-hit", p.address)
+    assert d.wait("full-hit").type == "Released"
+    assert p.wait("full-hit").type == "Released"
+    # Asking for it after the release is refused at once, not after a lease.
+    d.expect_kv("full-hit", [p.address], [1], 10)
+    late = d.wait("full-hit", timeout=5)
+    assert late.type == "RequestFailed" and "InvalidRequest" in late.reasons, late.raw
+
+
+def test_fail_closed_reports_a_corrupted_byte_as_a_failed_request(world):
+    g = kv()
+    pa, da = world.agent("p", "tcp", "--corrupt-one-byte"), world.agent("d")
+    p, d = py_engine(world, pa, "prefill", g), py_engine(world, da, "decode", g)
+    synthetic.fill(p.pool, p.layout, 41, [0, 1], 0, 30)
+    p.kv_ready("bad", [0, 1], 30)
+    d.expect_kv("bad", [p.address], [0, 1], 30)
+    event = d.wait("bad")
+    assert event.type == "RequestFailed" and "ChecksumMismatch" in event.reasons, event.raw
+
+
+def test_mismatched_prefill_is_refused_at_the_handshake_and_decode_keeps_serving(world):
+    good, other = kv(layout="HND"), kv(layout="NHD")
+    pa, pb, da = world.agent("p"), world.agent("q"), world.agent("d")
+    bad = py_engine(world, pa, "prefill", other, engine="wrong")
+    p = py_engine(world, pb, "prefill", good)
+    d = py_engine(world, da, "decode", good)
+    bad.kv_ready("x", [0], 10)
+    d.expect_kv("x", [bad.address], [0], 10)
+    refused = d.wait("x", timeout=10)
+    assert refused.type == "RequestFailed" and "LayoutMismatch" in refused.reasons, refused.raw
+    synthetic.fill(p.pool, p.layout, 51, [0], 0, 10)
+    p.kv_ready("y", [0], 10)
+    d.expect_kv("y", [p.address], [1], 10)
+    assert d.wait("y").type == "RequestDone"
+    assert synthetic.verify(d.pool, d.layout, 51, [1], 0, 10) == 0
+
+
+def test_lease_expiry_fails_the_request_on_prefill(world):
+    g = kv()
+    pa = world.agent("p")
+    p = py_engine(world, pa, "prefill", g, lease_ms=300)
+    p.kv_ready("late", [0], 10)
+    event = p.wait("late", timeout=10)
+    assert event.type == "RequestFailed" and "LeaseExpired" in event.reasons, event.raw
+
+
+def test_a_killed_prefill_agent_fails_decodes_request_with_peer_lost(world):
+    g = kv()
+    pa, da = world.agent("p"), world.agent("d")
+    p, d = py_engine(world, pa, "prefill", g), py_engine(world, da, "decode", g)
+    d.expect_kv("warm", [p.address], [0], 10)
+    p.kv_ready("warm", [0], 10)
+    assert d.wait("warm").type == "RequestDone"
+    d.expect_kv("lost", [p.address], [1], 10)  # prefill never says it is ready
+    pa.kill()
+    event = d.wait("lost", timeout=20)
+    assert event.type == "RequestFailed" and "PeerLost" in event.reasons, event.raw
+
+
+def test_registration_refusals_name_the_field(world):
+    a = world.agent("p")
+    with pytest.raises(AgentError, match="api_version"):
+        reg = registration(pdpair="default/pair", role="decode", engine="e", kv=kv(), num_blocks=4,
+                           pairing_key=world.key, mode="Push", checksum="Disabled", **SETTINGS)
+        reg["api_version"] = 1
+        AgentClient.register(a.socket, reg)
+    with pytest.raises(AgentError, match="pairing"):
+        AgentClient.register(a.socket, registration(pdpair="default/pair", role="decode", engine="e", kv=kv(),
+                                                    num_blocks=4, pairing_key=b"", mode="Push",
+                                                    checksum="Disabled", **SETTINGS))
+    # What the client can check itself it refuses before sending, naming the field.
+    with pytest.raises(LayoutError, match="num_blocks is 0"):
+        AgentClient.register(a.socket, registration(pdpair="default/pair", role="decode", engine="e", kv=kv(),
+                                                    num_blocks=0, pairing_key=world.key, mode="Push",
+                                                    checksum="Disabled", **SETTINGS))
+
+
+def test_layout_matches_the_documented_formula():
+    # docs/engine-api.md: block_len = kernelBlockSize * local_heads * headDim * element bytes.
+    lay = PoolLayout.new(kv(block=16, heads=8, head_dim=128, layers=32, dtype="bfloat16"), 4, 100, 3)
+    assert (lay.local_heads, lay.head_offset, lay.block_len) == (2, 6, 16 * 2 * 128 * 2)
+    assert lay.region_len == 2 * 32 * 100 * lay.block_len
+    assert lay.block_offset(1, True, 5) == 3 * 100 * lay.block_len + 5 * lay.block_len
+    assert lay.token_offset(1, 3) == (16 + 3) * 256
+    nhd = PoolLayout.new(kv(layout="NHD", heads=8, head_dim=128, dtype="bfloat16"), 4, 100, 3)
+    assert nhd.token_offset(1, 3) == (3 * 2 + 1) * 256
+    more_ranks = PoolLayout.new(kv(heads=2), 4, 10, 3)
+    assert (more_ranks.local_heads, more_ranks.head_offset) == (1, 1)
