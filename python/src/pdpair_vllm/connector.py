@@ -1,0 +1,339 @@
+"""``PdpairConnector``: vLLM's V1 KV connector interface over pdpair's node agent.
+
+A thin adapter: the decisions are in :mod:`pdpair_vllm.transfer` (engine-agnostic), the agent
+protocol in :mod:`pdpair_vllm.client`. Load it with ``--kv-transfer-config
+'{"kv_connector":"PdpairConnector","kv_connector_module_path":"pdpair_vllm","kv_role":"kv_both"}'``
+(the operator renders this, docs/vllm.md). The KV moves through the agent's host pool: P's worker
+copies its blocks into the pool after the prefill, D's worker copies them from its pool into the KV
+cache when the agent reports them received and verified.
+
+``kv_connector_extra_config`` (all optional; in a pod the operator's ``PDPAIR_*`` env is used):
+``role`` (prefill|decode; else ``PDPAIR_ROLE``, or from ``kv_role`` producer/consumer), ``socket``
+(``PDPAIR_AGENT_SOCKET``), ``pdpair`` (``PDPAIR_NAMESPACE``/``PDPAIR_NAME``), ``pairing_key_file``
+(``PDPAIR_PAIRING_KEY_FILE``), ``kv`` (identity fields vLLM cannot tell: ``model`` as the PDPair
+spells it, ``attentionBackend``; else ``PDPAIR_KV``, JSON), ``settings`` (mode, checksum,
+handshake_timeout_ms, lease_ms: outside a cluster, where the agent cannot read the PDPair),
+``tensor_rank`` (when vLLM's distributed state is not initialised), ``renew_interval_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+try:  # vLLM >= 0.12
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM reports through get_finished only
+    KVConnectorTransferResults = None
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+except ImportError:  # pragma: no cover
+    KVConnectorHandshakeMetadata = object
+
+from . import client as agent_client
+from .client import AgentClient
+from .layout import ELEMENT_BYTES
+from .transfer import Plan, Results, SchedulerState, Stager, WorkerState
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+class PdpairMetadata(KVConnectorMetadata):
+    """The scheduler's plan for one step (sent to every worker)."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+
+
+class PdpairHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once after the KV caches are registered (vLLM's engine core collects
+    it from every worker): this rank's agent address (empty on decode)."""
+
+    def __init__(self, address: str):
+        self.address = address
+
+
+def _extra(vllm_config) -> dict:
+    cfg = vllm_config.kv_transfer_config
+    extra = getattr(cfg, "kv_connector_extra_config", None) or {}
+    return dict(extra)
+
+
+def _role(vllm_config, extra: dict) -> str:
+    role = extra.get("role") or os.environ.get("PDPAIR_ROLE")
+    if not role:
+        kv_role = vllm_config.kv_transfer_config.kv_role
+        role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(kv_role)
+    if role not in ("prefill", "decode"):
+        raise ValueError(
+            f"pdpair: the engine's role is {role!r}; set kv_connector_extra_config.role or PDPAIR_ROLE "
+            "to prefill or decode (kv_role kv_producer/kv_consumer also say it)"
+        )
+    return role
+
+
+def _layer_index(name: str) -> Tuple[int, str]:
+    m = re.search(r"(\d+)", name)
+    return (int(m.group(1)) if m else -1, name)
+
+
+def _dtype_name(dtype) -> str:
+    name = str(dtype).replace("torch.", "")
+    return {"half": "float16", "float": "float32"}.get(name, name)
+
+
+class TorchStager(Stager):
+    """Host staging between vLLM's per-layer KV tensors and the agent's pool. Each layer's tensor
+    is ``[2, num_blocks, ...]`` (K and V first) or ``[num_blocks, 2, ...]`` (blocks first, as
+    FlashInfer has it); inside a block, any dense order (NHD or HND) is copied byte for byte."""
+
+    def __init__(self, tensors: List[torch.Tensor], pool, layout):
+        self.layout = layout
+        self._pool_buf = pool
+        flat = torch.frombuffer(pool, dtype=torch.uint8, count=layout.region_len)
+        self.pool = flat.view(layout.layers, 2, layout.num_blocks, layout.block_len)
+        self.rows = [block_rows(t, layout.num_blocks, layout.block_len) for t in tensors]
+
+    def save(self, blocks: List[int]) -> None:
+        idx = torch.tensor(blocks, dtype=torch.long)
+        for layer, rows in enumerate(self.rows):
+            self.pool[layer][:, idx] = rows[:, idx.to(rows.device)].cpu()
+
+    def load(self, blocks: List[int]) -> None:
+        idx = torch.tensor(blocks, dtype=torch.long)
+        for layer, rows in enumerate(self.rows):
+            rows[:, idx.to(rows.device)] = self.pool[layer][:, idx].to(rows.device)
+
+
+def block_rows(t: torch.Tensor, num_blocks: int, block_len: int) -> torch.Tensor:
+    """A ``[2, num_blocks, block_len]`` byte view of one layer's KV tensor (no copy)."""
+    if t.dim() < 3:
+        raise ValueError(f"pdpair: a KV tensor of shape {tuple(t.shape)} has no (K/V, block) dimensions")
+    if t.shape[0] == 2 and t.shape[1] == num_blocks:
+        kv_dim, block_dim = 0, 1
+    elif t.shape[0] == num_blocks and t.shape[1] == 2:
+        kv_dim, block_dim = 1, 0
+    else:
+        raise ValueError(f"pdpair: KV tensor shape {tuple(t.shape)} is neither [2, {num_blocks}, ...] nor [{num_blocks}, 2, ...]")
+    inner = sorted(zip(t.stride()[2:], t.shape[2:]))
+    expected = 1
+    for stride, size in inner:
+        if stride != expected:
+            raise ValueError(f"pdpair: a KV block of tensor {tuple(t.shape)} / strides {t.stride()} is not dense")
+        expected *= size
+    elems = expected
+    if elems * t.element_size() != block_len:
+        raise ValueError(
+            f"pdpair: a KV block holds {elems * t.element_size()} bytes, the agent's layout {block_len}"
+        )
+    view = torch.as_strided(t, (2, num_blocks, elems), (t.stride(kv_dim), t.stride(block_dim), 1), t.storage_offset())
+    return view.view(torch.uint8)
+
+
+class PdpairConnector(KVConnectorBase_V1):
+    """pdpair's KV connector (docs/vllm.md)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._extra = _extra(vllm_config)
+        self._engine_id = str(vllm_config.kv_transfer_config.engine_id or "vllm")
+        cache = vllm_config.cache_config
+        self._block_size = int(cache.block_size)
+        self._sched: Optional[SchedulerState] = None
+        self._worker: Optional[WorkerState] = None
+        self._client: Optional[AgentClient] = None
+        self._results = Results()
+        self._errors: set = set()
+        if role == KVConnectorRole.SCHEDULER:
+            kernel = int(self._extra.get("kernel_block_size") or self._block_size)
+            self._sched = SchedulerState(self._block_size, kernel, float(self._extra.get("renew_interval_s", 1.0)))
+
+    # ==== scheduler side =========================================================================
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        assert self._sched is not None
+        return self._sched.matched_tokens(request.request_id, request.kv_transfer_params,
+                                          request.num_prompt_tokens, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        ids = blocks.get_block_ids()[0] if blocks is not None else []
+        self._sched.after_alloc(request.request_id, request.kv_transfer_params, list(ids),
+                                request.num_computed_tokens, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return PdpairMetadata(self._sched.plan())
+
+    def update_connector_output(self, connector_output) -> None:
+        assert self._sched is not None
+        self._sched.received(connector_output.finished_recving or ())
+        self._sched.freed(connector_output.finished_sending or ())
+
+    def set_xfer_handshake_metadata(self, metadata) -> None:
+        assert self._sched is not None
+        self._sched.learn_ranks({int(rank): m.address for rank, m in metadata.items()
+                                 if isinstance(m, PdpairHandshakeMetadata) and m.address})
+
+    def request_finished(self, request: "Request", block_ids) -> Tuple[bool, Optional[dict]]:
+        assert self._sched is not None
+        ids = block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids
+        completed = getattr(request.status, "name", str(request.status)) in COMPLETED
+        return self._sched.finished(request.request_id, request.kv_transfer_params, completed, list(ids or []),
+                                    request.num_computed_tokens, self._engine_id)
+
+    # ==== worker side ============================================================================
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=_layer_index)
+        tensors = [kv_caches[n] for n in names]
+        first = tensors[0]
+        num_blocks = first.shape[1] if first.shape[0] == 2 else first.shape[0]
+        role = _role(self._vllm_config, self._extra)
+        rank, tp = self._rank()
+        kv = self._geometry(first, len(tensors), num_blocks)
+        reg = agent_client.registration(
+            pdpair=self._pdpair(), role=role, engine=f"{self._host()}-{self._engine_id}-r{rank}", kv=kv,
+            num_blocks=num_blocks, pairing_key=self._pairing_key(), tensor=tp, tensor_rank=rank,
+            pod=os.environ.get("PDPAIR_POD_NAME"), **dict(self._extra.get("settings") or {}),
+        )
+        sock = self._extra.get("socket") or os.environ.get("PDPAIR_AGENT_SOCKET") or agent_client.DEFAULT_SOCKET
+        self._client = AgentClient.register(sock, reg)
+        stager = TorchStager(tensors, self._client.pool, self._client.layout)
+        self._worker = WorkerState(self._client, stager, rank)
+
+    def _rank(self) -> Tuple[int, int]:
+        tp = int(self._vllm_config.parallel_config.tensor_parallel_size)
+        if "tensor_rank" in self._extra:
+            return int(self._extra["tensor_rank"]), tp
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            return int(get_tensor_model_parallel_rank()), tp
+        except Exception:  # distributed state not initialised: a single rank
+            return 0, tp
+
+    def _host(self) -> str:
+        return os.environ.get("PDPAIR_POD_NAME") or socket.gethostname()
+
+    def _pdpair(self) -> str:
+        if self._extra.get("pdpair"):
+            return str(self._extra["pdpair"])
+        name = os.environ.get("PDPAIR_NAME")
+        if not name:
+            raise ValueError("pdpair: the PDPair is unknown; set kv_connector_extra_config.pdpair or PDPAIR_NAME")
+        return f"{os.environ.get('PDPAIR_NAMESPACE', 'default')}/{name}"
+
+    def _pairing_key(self) -> bytes:
+        path = self._extra.get("pairing_key_file")
+        if path:
+            with open(path, "rb") as f:
+                return f.read()
+        return agent_client.pairing_key_from_env()
+
+    def _geometry(self, t: torch.Tensor, layers: int, num_blocks: int) -> dict:
+        """The geometry this engine really has (read from vLLM's config and the KV tensors), with
+        the identity fields vLLM cannot tell from the PDPair's declaration."""
+        mc = self._vllm_config.model_config
+        declared = dict(json.loads(os.environ.get("PDPAIR_KV", "{}")) if os.environ.get("PDPAIR_KV") else {})
+        declared.update(self._extra.get("kv") or {})
+        mla = t.dim() == 3 or bool(getattr(mc, "use_mla", False))
+        inner = list(zip(t.shape[2:], t.stride()[2:]))  # block, heads, dim (logical order)
+        if len(inner) == 3:
+            (b, sb), (_, sh), _ = inner
+            layout = "HND" if sh > sb else "NHD"
+            kernel = int(b)
+        else:
+            layout, kernel = "NHD", int(inner[0][0])
+        cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+        if cache_dtype not in ELEMENT_BYTES and cache_dtype != "auto":
+            raise ValueError(f"pdpair: cache_dtype {cache_dtype!r} is not one pdpair moves")
+        import vllm
+
+        kv = {
+            "engine": "vllm",
+            "engineVersion": vllm.__version__,
+            "model": declared.get("model", mc.model),
+            "dtype": _dtype_name(mc.dtype),
+            "cacheDtype": cache_dtype,
+            "layers": layers,
+            "kvHeads": int(mc.get_total_num_kv_heads()),
+            "headDim": int(mc.get_head_size()),
+            "attentionBackend": declared.get("attentionBackend", os.environ.get("VLLM_ATTENTION_BACKEND", "auto")),
+            "layout": layout,
+            "blockSize": self._block_size,
+            "kernelBlockSize": kernel,
+            "mla": mla,
+        }
+        return kv
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if self._worker is None:
+            return
+        meta = self._connector_metadata
+        if isinstance(meta, PdpairMetadata):
+            self._worker.start(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete before the request is reported received
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # blocks are staged once the request finished (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        if self._worker is None:
+            return
+        meta = self._connector_metadata
+        if isinstance(meta, PdpairMetadata):
+            self._worker.save(meta.plan)
+
+    def _poll(self) -> Results:
+        if self._worker is None:
+            return Results()
+        results = self._worker.poll()
+        self._errors |= results.error_blocks
+        return results
+
+    def get_transfer_results(self, finished_req_ids):
+        r = self._poll()
+        if KVConnectorTransferResults is None:  # pragma: no cover
+            return r
+        return KVConnectorTransferResults(
+            finished_sending=set(r.finished_sending),
+            finished_recving=set(r.finished_recving),
+            failed_recving=set(r.failed_recving),
+        )
+
+    def get_finished(self, finished_req_ids) -> Tuple[Optional[set], Optional[set]]:
+        # Older vLLM asks this instead of get_transfer_results.
+        r = self._poll()
+        return (r.finished_sending or None), (r.finished_recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def get_handshake_metadata(self):
+        if self._client is None:
+            return None
+        return PdpairHandshakeMetadata(self._client.address)
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

@@ -1,0 +1,311 @@
+"""The connector's state machines, engine-agnostic (no vLLM, no torch): the scheduler side decides
+what moves and when a request's blocks may be freed; the worker side (one per tensor-parallel rank)
+talks to its node's agent through :class:`~pdpair_vllm.client.AgentClient` and stages blocks
+between the engine's KV cache and the agent's pool through a :class:`Stager`.
+
+The flow (docs/vllm.md):
+
+- P gets a request with ``kv_transfer_params: {"do_remote_decode": true}``; when it finishes,
+  :meth:`SchedulerState.finished` holds its blocks (``delay_free``) and returns the params the proxy
+  hands to D: P's request id, its ranks' agent addresses, its token count. On the next step every
+  P worker copies the blocks into its pool and sends ``KvReady``; the agent's final event frees them.
+- D gets those params: :meth:`SchedulerState.matched_tokens` claims every prompt token it does not
+  hold (asynchronously); after allocation :meth:`SchedulerState.after_alloc` plans the receive of
+  the missing tail only (pairing is by absolute token position), or a ``Release`` when D holds the
+  whole prompt. Every D worker asks its agent (``ExpectKv``/``ExpectKvFromPool``); on
+  ``RequestDone`` it copies the blocks from its pool into the KV cache and reports the request
+  received; on ``RequestFailed`` (FailClosed checksum, lease, peer lost, refused handshake) it
+  reports the request's blocks as load errors, so the engine recomputes them or fails the request.
+- An abort on D while the KV is on its way keeps the request's blocks (``delay_free``) until the
+  agent answers ``Cancel``: after that answer nothing writes into the pool blocks that vLLM reuses.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from .client import AgentClient, Event
+
+#: Keys of the ``kv_transfer_params`` P returns and D reads (besides vLLM's own two flags).
+PARAM_REQUEST = "pdpair_request"
+PARAM_RANKS = "pdpair_prefill_ranks"
+PARAM_TOKENS = "pdpair_num_tokens"
+
+
+def kernel_ids(logical: Iterable[int], per_logical: int) -> List[int]:
+    """vLLM's (logical) block ids as the kernel blocks the pool and the KV tensors hold."""
+    return [b * per_logical + j for b in logical for j in range(per_logical)]
+
+
+@dataclass
+class Send:
+    """P: stage ``blocks`` (kernel ids) of ``request`` and tell the agent they are ready."""
+
+    request: str
+    blocks: List[int]
+    num_tokens: int
+
+
+@dataclass
+class Recv:
+    """D: receive the tail of ``agent_request`` (P's id) into ``blocks`` (kernel ids)."""
+
+    request: str
+    agent_request: str
+    prefill_ranks: List[str]
+    logical_blocks: List[int]
+    blocks: List[int]
+    first_token: int
+    num_tokens: int
+
+
+@dataclass
+class Release:
+    """D: nothing of ``agent_request`` is needed; P frees its blocks."""
+
+    agent_request: str
+    prefill_ranks: List[str]
+
+
+@dataclass
+class Plan:
+    """One step's work for the workers (vLLM's connector metadata)."""
+
+    sends: List[Send] = field(default_factory=list)
+    recvs: List[Recv] = field(default_factory=list)
+    releases: List[Release] = field(default_factory=list)
+    renews: List[Release] = field(default_factory=list)
+    #: D requests aborted while their KV was on its way: cancel, free after the answer.
+    cancels: List[str] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.sends or self.recvs or self.releases or self.renews or self.cancels)
+
+
+def _remote(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]:
+    """P's request id, ranks and token count from D's params, checked (they come through the
+    proxy from a client: untrusted)."""
+    if not params or not params.get("do_remote_prefill"):
+        return None
+    request, ranks, tokens = params.get(PARAM_REQUEST), params.get(PARAM_RANKS), params.get(PARAM_TOKENS)
+    if not isinstance(request, str) or not request:
+        raise ValueError(f"kv_transfer_params.{PARAM_REQUEST} is {request!r}, not a request id")
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, str) and r for r in ranks):
+        raise ValueError(f"kv_transfer_params.{PARAM_RANKS} is {ranks!r}, not a list of addresses")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise ValueError(f"kv_transfer_params.{PARAM_TOKENS} is {tokens!r}, not a token count")
+    return request, ranks, tokens
+
+
+class SchedulerState:
+    """The scheduler side, one per engine."""
+
+    def __init__(self, block_size: int, kernel_block_size: int, renew_interval_s: float = 1.0):
+        if block_size < 1 or kernel_block_size < 1 or block_size % kernel_block_size:
+            raise ValueError(
+                f"block_size {block_size} is not a multiple of kernel_block_size {kernel_block_size}"
+            )
+        self.block_size = block_size
+        self.per_logical = block_size // kernel_block_size
+        self.renew_interval_s = renew_interval_s
+        #: P: each worker rank's agent address, learned from the workers.
+        self.prefill_ranks: Dict[int, str] = {}
+        self._plan = Plan()
+        #: D: requests whose KV is on its way (vLLM id -> agent request id).
+        self.receiving: Dict[str, str] = {}
+        #: D: requests waiting for blocks (vLLM id -> (agent request, ranks, last renew)).
+        self.queued: Dict[str, Tuple[str, List[str], float]] = {}
+        #: Requests whose blocks are held until the workers report them (P sending, D cancelling).
+        self.holding: Set[str] = set()
+
+    def learn_ranks(self, ranks: Dict[int, str]) -> None:
+        self.prefill_ranks.update(ranks)
+
+    # --- D --------------------------------------------------------------------------------------
+
+    def matched_tokens(self, request: str, params: Optional[dict], num_prompt_tokens: int,
+                       num_computed_tokens: int) -> Tuple[int, bool]:
+        """Tokens D will receive beyond what it holds, and whether asynchronously."""
+        remote = _remote(params)
+        if remote is None:
+            return 0, False
+        agent_request, ranks, tokens = remote
+        count = min(tokens, num_prompt_tokens) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self.queued.setdefault(request, (agent_request, ranks, time.monotonic()))
+        return count, True
+
+    def after_alloc(self, request: str, params: Optional[dict], block_ids: Sequence[int],
+                    num_computed_tokens: int, num_external_tokens: int) -> None:
+        """D allocated ``block_ids`` (all of the request's, logical) and holds
+        ``num_computed_tokens`` locally: receive the tail, or release a full hit."""
+        remote = _remote(params)
+        self.queued.pop(request, None)
+        if remote is None:
+            return
+        agent_request, ranks, tokens = remote
+        params["do_remote_prefill"] = False  # one transfer per request
+        if num_external_tokens <= 0:
+            self._plan.releases.append(Release(agent_request, ranks))
+            return
+        held = num_computed_tokens // self.block_size
+        logical = list(block_ids[held:])
+        self._plan.recvs.append(
+            Recv(request, agent_request, ranks, logical, kernel_ids(logical, self.per_logical),
+                 held * self.block_size, min(tokens, num_computed_tokens + num_external_tokens))
+        )
+        self.receiving[request] = agent_request
+
+    def received(self, requests: Iterable[str]) -> None:
+        """The workers reported these requests received (or failed)."""
+        for r in requests:
+            self.receiving.pop(r, None)
+
+    # --- both -----------------------------------------------------------------------------------
+
+    def finished(self, request: str, params: Optional[dict], completed: bool, block_ids: Sequence[int],
+                 num_computed_tokens: int, engine: str) -> Tuple[bool, Optional[dict]]:
+        """vLLM's ``request_finished``: whether to hold the blocks, and the params for D."""
+        self.queued.pop(request, None)
+        if params and params.get("do_remote_prefill"):
+            # D: finished before allocation (an abort): P frees its blocks.
+            remote = _remote(params)
+            params["do_remote_prefill"] = False
+            if remote is not None:
+                self._plan.releases.append(Release(remote[0], remote[1]))
+            return False, None
+        if request in self.receiving:
+            # D: aborted while its KV is on its way: hold the blocks until the agent confirms.
+            self.receiving.pop(request)
+            self._plan.cancels.append(request)
+            self.holding.add(request)
+            return True, None
+        if not params or not params.get("do_remote_decode") or not completed or not block_ids:
+            return False, None
+        if not self.prefill_ranks:
+            raise RuntimeError("no worker has registered with the pdpair agent yet")
+        tokens = num_computed_tokens
+        logical = list(block_ids[: -(-tokens // self.block_size)])
+        self._plan.sends.append(Send(request, kernel_ids(logical, self.per_logical), tokens))
+        self.holding.add(request)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            PARAM_REQUEST: request,
+            PARAM_RANKS: [self.prefill_ranks[r] for r in sorted(self.prefill_ranks)],
+            PARAM_TOKENS: tokens,
+            "pdpair_engine": engine,
+        }
+
+    def freed(self, requests: Iterable[str]) -> None:
+        """The workers reported these requests' held blocks done with."""
+        for r in requests:
+            self.holding.discard(r)
+
+    def plan(self) -> Plan:
+        """This step's work (and the renewals due), handed to the workers once."""
+        now = time.monotonic()
+        for request, (agent_request, ranks, last) in list(self.queued.items()):
+            if now - last >= self.renew_interval_s:
+                self._plan.renews.append(Release(agent_request, ranks))
+                self.queued[request] = (agent_request, ranks, now)
+        plan, self._plan = self._plan, Plan()
+        return plan
+
+    def pending(self) -> bool:
+        return not self._plan.empty() or bool(self.holding or self.receiving)
+
+
+class Stager:
+    """Copies blocks between an engine's KV cache and the agent's pool (host staging)."""
+
+    def save(self, blocks: List[int]) -> None:  # KV cache -> pool
+        raise NotImplementedError
+
+    def load(self, blocks: List[int]) -> None:  # pool -> KV cache
+        raise NotImplementedError
+
+
+@dataclass
+class Results:
+    """What one worker reports to the scheduler after a step."""
+
+    finished_sending: Set[str] = field(default_factory=set)
+    finished_recving: Set[str] = field(default_factory=set)
+    failed_recving: Set[str] = field(default_factory=set)
+    error_blocks: Set[int] = field(default_factory=set)
+    #: Agent reasons of failed requests (vLLM id -> reasons), for logs and tests.
+    failures: Dict[str, List[str]] = field(default_factory=dict)
+
+
+class WorkerState:
+    """One worker rank's side: its agent connection and its staging."""
+
+    def __init__(self, client: AgentClient, stager: Stager, rank: int = 0):
+        self.client = client
+        self.stager = stager
+        self.rank = rank
+        # agent request id -> ("send" | "recv" | "cancel", vLLM id, Recv or None)
+        self._open: Dict[str, Tuple[str, str, Optional[Recv]]] = {}
+        self._by_request: Dict[str, str] = {}
+        self._results = Results()
+
+    def start(self, plan: Plan) -> None:
+        """Before the forward pass: ask for the KV of new receives, release, renew, cancel."""
+        for recv in plan.recvs:
+            self._open[recv.agent_request] = ("recv", recv.request, recv)
+            self._by_request[recv.request] = recv.agent_request
+            self.client.expect_kv(recv.agent_request, recv.prefill_ranks, recv.blocks, recv.num_tokens,
+                                  recv.first_token)
+        if self.rank == 0:
+            # One rank speaks for the engine to every prefill rank.
+            for rel in plan.releases:
+                for prefill in rel.prefill_ranks:
+                    self.client.release(rel.agent_request, prefill)
+            for ren in plan.renews:
+                for prefill in ren.prefill_ranks:
+                    self.client.renew(ren.agent_request, prefill)
+        for request in plan.cancels:
+            agent_request = self._by_request.get(request)
+            if agent_request is None or agent_request not in self._open:
+                self._results.finished_sending.add(request)  # nothing in flight here
+                continue
+            self._open[agent_request] = ("cancel", request, None)
+            self.client.cancel(agent_request)
+
+    def save(self, plan: Plan) -> None:
+        """After the forward pass: stage finished prefills into the pool and announce them."""
+        for send in plan.sends:
+            self.stager.save(send.blocks)
+            self._open[send.request] = ("send", send.request, None)
+            self.client.kv_ready(send.request, send.blocks, send.num_tokens)
+
+    def poll(self) -> Results:
+        """Applies the agent's final events since the last call and returns what to report."""
+        for event in self.client.take_finished():
+            self._apply(event)
+        results, self._results = self._results, Results()
+        return results
+
+    def _apply(self, event: Event) -> None:
+        entry = self._open.pop(event.request, None)
+        if entry is None:
+            return
+        kind, request, recv = entry
+        self._by_request.pop(request, None)
+        r = self._results
+        if kind == "send" or kind == "cancel":
+            # P: done, failed or released: the blocks are free. D: the cancel was answered.
+            r.finished_sending.add(request)
+            return
+        assert recv is not None
+        if event.type == "RequestDone":
+            self.stager.load(recv.blocks)
+        else:
+            r.failed_recving.add(request)
+            r.error_blocks.update(recv.logical_blocks)
+            r.failures[request] = event.reasons or [event.type]
+        r.finished_recving.add(request)

@@ -1,0 +1,212 @@
+"""vLLM 0.33's own v1 ``Scheduler`` with ``PdpairConnector`` loaded by module path, and the worker
+half built by ``KVConnectorFactory``, on CPU tensors. The harness plays the model runner exactly as
+vLLM's ``KVConnectorModelRunnerMixin`` drives a connector (bind metadata, ``start_load_kv``,
+``wait_for_save``, ``get_transfer_results``, ``get_block_ids_with_load_errors``,
+``build_connector_worker_meta``, clear) and stands in for the forward pass only: it writes the KV
+a model would compute (the synthetic pattern, seeded per engine) into the tokens it schedules, and
+samples token 7. It copies no KV between engines: the connector and the agents do.
+
+What does not run here: a model's forward pass (no GPU). Everything the connector touches is
+vLLM's: its config objects, scheduler, KV cache manager, request states and factory."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from pdpair_vllm import synthetic
+from pdpair_vllm.connector import block_rows
+
+LAYERS, HEADS, HEAD_DIM = 2, 2, 16
+SAMPLED = 7
+_MODEL_DIR = None
+
+
+def model_dir() -> str:
+    """A directory holding only a small Llama ``config.json`` (no weights: nothing runs)."""
+    global _MODEL_DIR
+    if _MODEL_DIR is None:
+        _MODEL_DIR = tempfile.mkdtemp(prefix="pdpair-tiny-llama-")
+        with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
+            json.dump({
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * 2 * HEAD_DIM,
+                "intermediate_size": 128, "num_attention_heads": HEADS * 2, "num_key_value_heads": HEADS,
+                "num_hidden_layers": LAYERS, "vocab_size": 1000, "max_position_embeddings": 4096,
+                "torch_dtype": "float16", "rms_norm_eps": 1e-5,
+            }, f)
+    return _MODEL_DIR
+
+
+class Engine:
+    """One vLLM engine (scheduler + one worker rank) with the pdpair connector."""
+
+    def __init__(self, world, agent, role: str, *, seed: int, block_size: int = 16, num_blocks: int = 64,
+                 layout: str = "NHD", mode: str = "Push", checksum: str = "FailClosed", lease_ms: int = 30000,
+                 policy: str = "fail"):
+        self.role, self.seed = role, seed
+        extra = {
+            "role": role, "socket": agent.socket, "pdpair": "default/pair", "pairing_key_file": str(world.key_file),
+            "kv": {"model": "tiny-llama", "attentionBackend": "FLASH_ATTN"},
+            "settings": {"mode": mode, "checksum": checksum, "handshake_timeout_ms": 5000, "lease_ms": lease_ms},
+            "renew_interval_s": 0.2,
+        }
+        mc = ModelConfig(model=model_dir(), tokenizer=model_dir(), skip_tokenizer_init=True, dtype="float16",
+                         max_model_len=2048)
+        kvt = KVTransferConfig(kv_connector="PdpairConnector", kv_connector_module_path="pdpair_vllm",
+                               kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy=policy)
+        self.config = VllmConfig(
+            model_config=mc,
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=2048,
+                                             is_encoder_decoder=False),
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=kvt,
+        )
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(layers, FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
+                                                                         head_size=HEAD_DIM, dtype=torch.float16))],
+        )
+        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(self.config),
+                                   block_size=block_size)
+        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+        # vLLM's FLASH_ATTN cache: [2, num_blocks, block_size, heads, dim]; HND keeps that shape with
+        # heads outside tokens in memory (the backend's stride order).
+        if layout == "NHD":
+            self.kv = {n: torch.zeros(2, num_blocks, block_size, HEADS, HEAD_DIM, dtype=torch.float16) for n in layers}
+        else:
+            self.kv = {n: torch.zeros(2, num_blocks, HEADS, block_size, HEAD_DIM, dtype=torch.float16).transpose(2, 3)
+                       for n in layers}
+        self.worker.register_kv_caches(self.kv)
+        # What vLLM's engine core does after the workers registered their KV caches.
+        self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): self.worker.get_handshake_metadata()})
+        self.layout = self.worker._client.layout
+        self.rows = [block_rows(self.kv[n], num_blocks, self.layout.block_len) for n in layers]
+        self.block_size = block_size
+        self.hasher = get_request_block_hasher(block_size, _hash)
+        self.outputs: Dict[str, object] = {}
+        self.transfer_events: List[KVConnectorOutput] = []
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt: List[int], params: Optional[dict] = None, max_tokens: int = 1) -> Request:
+        extra = {"kv_transfer_params": params} if params is not None else None
+        sp = SamplingParams(max_tokens=max_tokens, extra_args=extra, ignore_eos=True)
+        req = Request(request_id, prompt, sp, None, block_hasher=self.hasher)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+
+    def status(self, request_id: str) -> Optional[str]:
+        req = self.scheduler.requests.get(request_id)
+        return req.status.name if req is not None else None
+
+    def blocks(self, request_id: str) -> List[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+
+    # --- one engine step ---------------------------------------------------------------------------
+
+    def step(self) -> KVConnectorOutput:
+        so = self.scheduler.schedule()
+        w = self.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        w.start_load_kv(None)
+        sampled = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            end = req.num_computed_tokens  # schedule() advanced it
+            start = end - n
+            self._compute(rid, start, min(end, req.num_prompt_tokens))
+            if end >= req.num_prompt_tokens:
+                sampled[rid] = [SAMPLED]
+        w.wait_for_save()
+        results = w.get_transfer_results(so.finished_req_ids)
+        out = KVConnectorOutput(
+            finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving, invalid_block_ids=w.get_block_ids_with_load_errors(),
+        )
+        w.clear_connector_metadata()
+        ids = list(so.num_scheduled_tokens)
+        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=[sampled.get(r, []) for r in ids], kv_connector_output=out)
+        for outs in self.scheduler.update_from_output(so, mro).values():
+            for o in outs.outputs:
+                if o.finish_reason is not None:
+                    self.outputs[o.request_id] = o
+        if not out.is_empty():
+            self.transfer_events.append(out)
+        return out
+
+    def run_until(self, done, timeout: float = 30.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.role}: {what} not reached in {timeout} s")
+            self.step()
+            time.sleep(0.005)
+
+    # --- the stand-in model -------------------------------------------------------------------------
+
+    def _compute(self, request_id: str, start: int, end: int) -> None:
+        """Writes the KV a model would compute for positions start..end of the request."""
+        blocks = self.blocks(request_id)
+        half = self.layout.half_token
+        for t in range(start, end):
+            b, j = blocks[t // self.block_size], t % self.block_size
+            for layer in range(LAYERS):
+                for h in range(HEADS):
+                    for v in (0, 1):
+                        at = self.layout.token_offset(h, j)
+                        data = synthetic.token_bytes(self.seed, layer, h, t, bool(v), half)
+                        self.rows[layer][v, b, at:at + half] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def kv_seeds(self, request_id: str, start: int, end: int, seeds: List[int]) -> List[Optional[int]]:
+        """For each position start..end, which of ``seeds`` wrote the KV the cache holds there (None:
+        none of them: zeros or corrupt)."""
+        blocks = self.blocks(request_id)
+        half = self.layout.half_token
+        out = []
+        for t in range(start, end):
+            b, j = blocks[t // self.block_size], t % self.block_size
+            found = None
+            for seed in seeds:
+                if all(bytes(self.rows[layer][v, b, self.layout.token_offset(h, j):][:half].tolist())
+                       == synthetic.token_bytes(seed, layer, h, t, bool(v), half)
+                       for layer in range(LAYERS) for h in range(HEADS) for v in (0, 1)):
+                    found = seed
+                    break
+            out.append(found)
+        return out
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+def _hash(obj) -> bytes:
+    import hashlib
+    import pickle
+
+    return hashlib.sha256(pickle.dumps(obj)).digest()
+
+
+init_none_hash(_hash)
