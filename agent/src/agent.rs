@@ -317,6 +317,10 @@ impl Agent {
                 }) => engine.expect_kv_from_pool(request, prefill_ranks, blocks, num_tokens, first_token),
                 Ok(EngineRequest::Release { request, prefill }) => engine.release(request, prefill),
                 Ok(EngineRequest::Renew { request, prefill }) => engine.renew(request, prefill),
+                Ok(EngineRequest::Cancel { request }) => match engine.reg.role {
+                    Role::Decode => engine.cancel_decode(request),
+                    Role::Prefill => engine.cancel_prefill(request),
+                },
                 Ok(EngineRequest::RegisterPool(_)) => {
                     tracing::warn!(engine = %engine.reg.engine, "engine registered twice; ignoring");
                 }
@@ -421,6 +425,9 @@ struct Engine {
     stats: Mutex<EngineStats>,
     // Decode side.
     pending: Mutex<HashMap<String, Pending>>,
+    /// Cancelled decode requests -> the prefill addresses that may still be writing into their
+    /// blocks; `Cancelled` goes to the engine when none is left.
+    cancelled: Mutex<HashMap<String, Vec<String>>>,
     peers: Mutex<HashMap<String, Slot>>,
     /// Prefill address -> (when, reasons, message): this engine's remembered rejections (no
     /// retry storm; another engine on the agent has its own, so one engine's bad key or
@@ -548,6 +555,7 @@ impl Engine {
             closed: AtomicBool::new(false),
             stats: Mutex::new(EngineStats::default()),
             pending: Mutex::new(HashMap::new()),
+            cancelled: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             rejections: Mutex::new(HashMap::new()),
             matching: Mutex::new(Matching::default()),

@@ -80,6 +80,15 @@ pub enum EngineRequest {
         /// Absolute position of the first token the first block holds.
         first_token: u64,
     },
+    /// Either role: the engine gives up `request` (decode aborted it, or prefill gave up).
+    /// Answered by exactly one `Cancelled`, once nothing writes into the request's blocks any
+    /// more (decode: every prefill that may be writing has stopped; prefill: its transfers
+    /// ended): the engine may reuse the blocks at once. A request with no open promise is
+    /// answered at once; a second `Cancel` of the same request gets no second answer.
+    Cancel {
+        /// Request id.
+        request: String,
+    },
     /// Prefill: this request's KV is computed and may be sent.
     KvReady {
         /// Request id.
@@ -184,6 +193,13 @@ pub enum AgentEvent {
     /// The request was released: decode needed nothing (decode: prefill confirmed it;
     /// prefill: its blocks are free). Not a failure.
     Released {
+        /// Request id.
+        request: String,
+    },
+    /// The answer to `Cancel`: nothing writes into the request's blocks any more (and, on
+    /// prefill, nothing reads them). It replaces the request's `RequestDone`/`RequestFailed`
+    /// when it was still open.
+    Cancelled {
         /// Request id.
         request: String,
     },

@@ -156,6 +156,16 @@ impl SyntheticEngine {
         }
     }
 
+    /// The engine's mapping of its pool.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    /// The engine's mapping of its pool, to write (what its KV cache is).
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map
+    }
+
     /// The pool's descriptor (what a hostile engine would truncate).
     pub fn pool_file(&self) -> &File {
         &self.pool

@@ -93,3 +93,117 @@ def test_a_request_moves_prefill_to_decode_through_vllm_byte_exact(pair, mode, l
     assert d.outputs["req"].new_token_ids[-1] == SAMPLED
     both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
     assert "req" not in p.scheduler.requests
+
+
+@pytest.mark.parametrize("mode,p_block,d_block", [("Push", 16, 16), ("Pull", 16, 32)])
+def test_a_prefix_hit_on_decode_receives_only_the_missing_tail(world, mode, p_block, d_block):
+    pa, da = world.agent("p"), world.agent("d")
+    p = Engine(world, pa, "prefill", seed=P_SEED, mode=mode, block_size=p_block)
+    d = Engine(world, da, "decode", seed=D_SEED, mode=mode, block_size=d_block)
+    try:
+        shared = list(range(500, 532))  # 32 tokens D computed itself for an earlier request
+        d.add("local", shared + [1, 2, 3], max_tokens=1)
+        d.run_until(lambda: "local" in d.outputs, what="the local request")
+        prompt = shared + list(range(600, 618))  # 50 tokens
+        params = prefill(p, "req", prompt)
+        seeds = decode_receives(p, d, "req", prompt, params)
+        # vLLM's own prefix cache gave D the first 32; only 32.. came from P.
+        assert seeds == [D_SEED] * 32 + [P_SEED] * 18, seeds
+        d.run_until(lambda: "req" in d.outputs, what="decode finished")
+        both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
+        assert p.outcome("req") == "RequestDone"
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_full_hit_on_decode_releases_prefill_without_a_failure(pair):
+    p, d = pair(min_transfer_tokens=16)
+    prompt = list(range(700, 749))  # 49 tokens: D will hold 48 of them
+    d.add("local", prompt, max_tokens=1)
+    d.run_until(lambda: "local" in d.outputs, what="the local request")
+    params = prefill(p, "req", prompt)
+    d.add("req", prompt, params, max_tokens=2)
+    both(p, d, lambda: "req" in d.outputs and p.status("req") is None, what="D done, P freed")
+    assert p.outcome("req") == "Released", p.outcome("req")
+    assert not any(o.finished_recving for o in d.transfer_events), "nothing was received"
+
+
+def test_an_abort_before_decode_allocated_releases_prefill(pair):
+    p, d = pair()
+    prompt = list(range(800, 840))
+    params = prefill(p, "req", prompt)
+    d.add("req", prompt, params)
+    d.abort("req")  # before any step: vLLM never allocated it
+    both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
+    assert p.outcome("req") == "Released"
+
+
+def test_an_abort_while_kv_is_on_its_way_holds_decodes_blocks_until_cancelled(pair):
+    p, d = pair()
+    prompt = list(range(900, 1000))
+    params = prefill(p, "req", prompt)
+    d.add("req", prompt, params)
+    d.step()
+    assert d.status("req") == "WAITING_FOR_REMOTE_KVS"
+    blocks = d.blocks("req")
+    d.abort("req")
+    # vLLM keeps the request (and its blocks) until the connector says the cancel is answered.
+    assert d.status("req") == "FINISHED_ABORTED", d.status("req")
+    both(p, d, lambda: d.status("req") is None, what="D freed the blocks after Cancelled")
+    assert d.outcome("req") == "Cancelled"
+    assert blocks, "the request had blocks"
+    both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
+
+
+def test_a_mismatched_prefill_is_refused_and_decode_recomputes_then_serves_a_good_one(world):
+    pa, qa, da = world.agent("p"), world.agent("q"), world.agent("d")
+    wrong = Engine(world, pa, "prefill", seed=P_SEED, layout="HND")
+    good = Engine(world, qa, "prefill", seed=P_SEED)
+    d = Engine(world, da, "decode", seed=D_SEED, policy="recompute")
+    try:
+        prompt = list(range(40))
+        params = prefill(wrong, "bad", prompt)
+        d.add("bad", prompt, params)
+        both(wrong, d, lambda: "bad" in d.outputs, what="D finished the refused request")
+        assert any("bad" in o.failed_recving for o in d.transfer_events)
+        failures = d.worker._worker.outcomes
+        assert failures["bad"] == "RequestFailed"
+        # vLLM recomputed every token itself.
+        assert d.outputs["bad"].new_token_ids[-1] == SAMPLED
+        other = list(range(2000, 2040))  # not in D's prefix cache
+        params = prefill(good, "ok", other)
+        seeds = decode_receives(good, d, "ok", other, params)
+        assert seeds == [P_SEED] * 40
+    finally:
+        for e in (wrong, good, d):
+            e.close()
+
+
+def test_fail_closed_reports_a_corrupted_byte_as_load_errors_and_vllm_fails_the_request(pair):
+    p, d = pair(p_extra=("--corrupt-one-byte",))
+    prompt = list(range(1000, 1040))
+    params = prefill(p, "req", prompt)
+    d.add("req", prompt, params)
+    both(p, d, lambda: "req" in d.outputs, what="D gave up the request")
+    errors = set().union(*(o.invalid_block_ids for o in d.transfer_events))
+    assert errors and errors <= set(d.blocks("req") or errors), errors
+    assert d.outputs["req"].finish_reason is not None
+    assert str(d.outputs["req"].finish_reason).lower().endswith("error"), d.outputs["req"].finish_reason
+
+
+def test_an_expired_lease_frees_prefill_and_decode_recomputes(world):
+    pa, da = world.agent("p"), world.agent("d")
+    p = Engine(world, pa, "prefill", seed=P_SEED, lease_ms=300, handshake_ms=1000)
+    d = Engine(world, da, "decode", seed=D_SEED, lease_ms=300, handshake_ms=1000, policy="recompute")
+    try:
+        prompt = list(range(1100, 1140))
+        params = prefill(p, "req", prompt)
+        p.run_until(lambda: p.status("req") is None, what="P's lease ended")
+        assert p.outcome("req") == "RequestFailed"
+        d.add("req", prompt, params)
+        both(p, d, lambda: "req" in d.outputs, what="D recomputed")
+        assert any("req" in o.failed_recving for o in d.transfer_events)
+    finally:
+        p.close()
+        d.close()

@@ -57,13 +57,13 @@ class Engine:
 
     def __init__(self, world, agent, role: str, *, seed: int, block_size: int = 16, num_blocks: int = 64,
                  layout: str = "NHD", mode: str = "Push", checksum: str = "FailClosed", lease_ms: int = 30000,
-                 policy: str = "fail"):
+                 handshake_ms: int = 5000, policy: str = "fail", min_transfer_tokens: int = 1):
         self.role, self.seed = role, seed
         extra = {
             "role": role, "socket": agent.socket, "pdpair": "default/pair", "pairing_key_file": str(world.key_file),
             "kv": {"model": "tiny-llama", "attentionBackend": "FLASH_ATTN"},
-            "settings": {"mode": mode, "checksum": checksum, "handshake_timeout_ms": 5000, "lease_ms": lease_ms},
-            "renew_interval_s": 0.2,
+            "settings": {"mode": mode, "checksum": checksum, "handshake_timeout_ms": handshake_ms, "lease_ms": lease_ms},
+            "renew_interval_s": 0.2, "min_transfer_tokens": min_transfer_tokens,
         }
         mc = ModelConfig(model=model_dir(), tokenizer=model_dir(), skip_tokenizer_init=True, dtype="float16",
                          max_model_len=2048)
@@ -197,6 +197,10 @@ class Engine:
                     break
             out.append(found)
         return out
+
+    def outcome(self, request_id: str) -> Optional[str]:
+        """How the request ended with the agent (its final event's type), as the worker saw it."""
+        return self.worker._worker.outcomes.get(request_id)
 
     def close(self) -> None:
         self.worker.shutdown()

@@ -57,6 +57,79 @@ impl Engine {
         }
     }
 
+    /// Decode's engine gives up `request` (an abort): stop expecting it, tell every prefill that
+    /// may still write into its blocks (a `Release`, which also frees prefill's blocks), and
+    /// answer `Cancelled` once each of them has ended: a completion, a failure, a
+    /// `ReleaseDone`, its link lost, or (pull) our own read of it done. Until then the engine
+    /// must not reuse the blocks; after it nothing writes them.
+    pub(super) fn cancel_decode(self: &Arc<Self>, request: String) {
+        let Some(p) = lock(&self.pending).remove(&request) else {
+            if lock(&self.cancelled).contains_key(&request) {
+                return; // cancelled already: the first Cancel's answer is coming
+            }
+            return self.event(AgentEvent::Cancelled { request });
+        };
+        let pull = self.settings.mode == pdpair_api::TransferMode::Pull;
+        let writers: Vec<String> = p
+            .prefills
+            .iter()
+            .filter(|a| !p.parts.contains_key(*a))
+            .cloned()
+            .collect();
+        let mut notify = Vec::new();
+        let mut waiting = Vec::new();
+        {
+            let mut peers = lock(&self.peers);
+            for addr in writers {
+                match peers.get_mut(&addr) {
+                    // Pull, our read of it running: its end answers.
+                    Some(Slot::Connected(_)) if pull && p.reading.contains(&addr) => waiting.push(addr),
+                    Some(Slot::Connected(link)) => {
+                        notify.push(link.clone());
+                        waiting.push(addr);
+                    }
+                    // Still dialling: the registration was not sent. The queued request goes
+                    // out as a `Release` instead (prefill frees its blocks), and its
+                    // `ReleaseDone` (or the dial failing) answers.
+                    Some(Slot::Connecting(queue)) if queue.contains(&request) => waiting.push(addr),
+                    _ => {}
+                }
+            }
+        }
+        if waiting.is_empty() {
+            return self.event(AgentEvent::Cancelled { request });
+        }
+        lock(&self.cancelled).insert(request.clone(), waiting);
+        for link in notify {
+            if !link.send(&Message::Release {
+                request: request.clone(),
+            }) {
+                self.cancel_answered(&link.addr, &request);
+            }
+        }
+    }
+
+    /// `from` will not write into cancelled `request` any more; the engine hears `Cancelled`
+    /// when no prefill is left. False when `request` is not a cancelled one waiting on `from`.
+    fn cancel_answered(&self, from: &str, request: &str) -> bool {
+        let mut cancelled = lock(&self.cancelled);
+        let Some(waiting) = cancelled.get_mut(request) else {
+            return false;
+        };
+        let Some(i) = waiting.iter().position(|a| a == from) else {
+            return false;
+        };
+        waiting.swap_remove(i);
+        if waiting.is_empty() {
+            cancelled.remove(request);
+            drop(cancelled);
+            self.event(AgentEvent::Cancelled {
+                request: request.to_owned(),
+            });
+        }
+        true
+    }
+
     pub(super) fn expect_kv(
         self: &Arc<Self>,
         request: String,
@@ -262,6 +335,17 @@ impl Engine {
     }
 
     fn send_registration(&self, link: &Link, request: &str) {
+        let cancelled = lock(&self.cancelled)
+            .get(request)
+            .is_some_and(|w| w.contains(&link.addr));
+        if cancelled {
+            if !link.send(&Message::Release {
+                request: request.to_owned(),
+            }) {
+                self.cancel_answered(&link.addr, request);
+            }
+            return;
+        }
         let message = lock(&self.pending).get(request).map(|p| {
             if p.release {
                 Message::Release {
@@ -332,6 +416,9 @@ impl Engine {
                     _ => Vec::new(),
                 };
                 for request in queued {
+                    if self.cancel_answered(&addr, &request) {
+                        continue;
+                    }
                     if lock(&self.pending).remove(&request).is_some() {
                         self.fail(
                             request,
@@ -455,6 +542,14 @@ impl Engine {
         loop {
             let frame = wire::read_sealed::<Message>(&mut reader, &mut opener, wire::MAX_FRAME);
             match frame {
+                // The end of a cancelled request's writes from this prefill (its Ready, in pull,
+                // is answered by the Release the cancel sent).
+                Ok(
+                    Message::Complete { ref request, .. }
+                    | Message::Failed { ref request, .. }
+                    | Message::ReleaseDone { ref request },
+                ) if self.cancel_answered(&link.addr, request) => {}
+                Ok(Message::Ready { ref request, .. }) if lock(&self.cancelled).contains_key(request) => {}
                 Ok(Message::Complete { request, sums, bytes }) if self.owned_by(&link, &request, false) => {
                     self.complete(&link.addr, request, sums, bytes, None)
                 }
@@ -541,6 +636,15 @@ impl Engine {
     /// Drops the connection slot of a prefill peer and takes the requests that waited on it.
     fn forget_peer(&self, addr: &str) -> Vec<String> {
         lock(&self.peers).remove(addr);
+        // A prefill that is gone writes nothing more into cancelled requests.
+        let cancelled: Vec<String> = lock(&self.cancelled)
+            .iter()
+            .filter(|(_, w)| w.iter().any(|a| a == addr))
+            .map(|(r, _)| r.clone())
+            .collect();
+        for request in cancelled {
+            self.cancel_answered(addr, &request);
+        }
         let mut pending = lock(&self.pending);
         let ids: Vec<String> = pending
             .iter()
@@ -716,13 +820,18 @@ impl Engine {
                     request: request.clone(),
                     bytes,
                 });
-                self.complete(&link.addr, request, sums, bytes, Some(took.as_micros() as u64));
+                if !self.cancel_answered(&link.addr, &request) {
+                    self.complete(&link.addr, request, sums, bytes, Some(took.as_micros() as u64));
+                }
             }
             Err((reason, message)) => {
                 link.send(&Message::Released {
                     request: request.clone(),
                     bytes: 0,
                 });
+                if self.cancel_answered(&link.addr, &request) {
+                    return;
+                }
                 if lock(&self.pending).remove(&request).is_some() {
                     self.fail(request, vec![reason], message);
                 }

@@ -57,6 +57,8 @@ pub(super) struct Serving {
     released: u32,
     /// When a decode agent last renewed the hold (decode's engine queues the request).
     renewed: Option<Instant>,
+    /// The engine cancelled the request: it hears `Cancelled` once no transfer of it runs.
+    cancelled: bool,
 }
 
 impl Serving {
@@ -74,6 +76,7 @@ impl Serving {
             links: Vec::new(),
             released: 0,
             renewed: None,
+            cancelled: false,
         }
     }
 }
@@ -306,7 +309,7 @@ impl Engine {
                     serving.failure.get_or_insert(failure);
                 }
             }
-            if serving.finished >= serving.expected.unwrap_or(1) {
+            if serving.finished >= serving.expected.unwrap_or(1) || (serving.cancelled && serving.in_flight == 0) {
                 matching.ready.remove(&request)
             } else {
                 None
@@ -317,16 +320,74 @@ impl Engine {
         }
     }
 
+    /// Prefill's engine gives up `request`: its blocks are free once no transfer reads them (at
+    /// once when none runs), and the engine hears `Cancelled` then; later registrations of it
+    /// are refused at once.
+    pub(super) fn cancel_prefill(&self, request: String) {
+        let concluded = {
+            let mut matching = lock(&self.matching);
+            match matching.ready.get_mut(&request) {
+                Some(serving) if serving.cancelled => return,
+                Some(serving) if serving.in_flight > 0 => {
+                    serving.cancelled = true;
+                    None
+                }
+                Some(_) => matching.ready.remove(&request).map(|mut s| {
+                    s.cancelled = true;
+                    s
+                }),
+                None => {
+                    matching.gone.insert(request.clone(), Instant::now());
+                    drop(matching);
+                    return self.event(AgentEvent::Cancelled { request });
+                }
+            }
+        };
+        if let Some(serving) = concluded {
+            self.conclude(request, serving);
+        }
+    }
+
     /// A decode rank needs nothing of `request`: it counts as served, with nothing moved; when
     /// every expected rank is done the engine hears `Released` (all released) or `RequestDone`.
     /// Before the KvReady, the release is kept and applied when it comes.
+    ///
+    /// A decode agent also sends it to cancel (its engine aborted the request): a registration
+    /// of this link still waiting for the KvReady is dropped, so nothing will be written; a
+    /// push to this link that is running is left to end, and its `Complete` or `Failed` is the
+    /// answer; blocks lent to this link (pull) count as released.
     fn decode_released(&self, link: &Link, request: String) {
         let expected = protocol::decode_ranks_served(&self.local, &link.peer);
         let concluded = {
             let mut matching = lock(&self.matching);
             let gone = matching.gone.contains_key(&request);
-            match matching.ready.get_mut(&request) {
-                Some(serving) => {
+            if let Some(waiting) = matching.registered.get_mut(&request) {
+                waiting.retain(|(l, _, _)| l.id != link.id);
+                if waiting.is_empty() {
+                    matching.registered.remove(&request);
+                }
+            }
+            let pull = self.settings.mode == pdpair_api::TransferMode::Pull;
+            let served_here = matching
+                .ready
+                .get(&request)
+                .and_then(|s| s.links.iter().position(|id| *id == link.id));
+            match (matching.ready.get_mut(&request), served_here) {
+                // Pushing to this link right now: the transfer's end answers.
+                (Some(_), Some(_)) if !pull => return,
+                (Some(serving), Some(i)) => {
+                    serving.links.swap_remove(i);
+                    serving.in_flight = serving.in_flight.saturating_sub(1);
+                    let expected = *serving.expected.get_or_insert(expected);
+                    serving.finished += 1;
+                    serving.released += 1;
+                    if serving.finished >= expected || (serving.cancelled && serving.in_flight == 0) {
+                        matching.ready.remove(&request)
+                    } else {
+                        None
+                    }
+                }
+                (Some(serving), None) => {
                     let expected = *serving.expected.get_or_insert(expected);
                     serving.finished += 1;
                     serving.released += 1;
@@ -336,8 +397,8 @@ impl Engine {
                         None
                     }
                 }
-                None if gone => None,
-                None => {
+                (None, _) if gone => None,
+                (None, _) => {
                     let early = matching
                         .released_early
                         .entry(request.clone())
@@ -370,6 +431,10 @@ impl Engine {
 
     /// Tells the engine how a request every expected decode rank is done with ended.
     fn conclude(&self, request: String, serving: Serving) {
+        if serving.cancelled {
+            lock(&self.matching).gone.insert(request.clone(), Instant::now());
+            return self.event(AgentEvent::Cancelled { request });
+        }
         if serving.failure.is_none() && serving.released == serving.finished {
             lock(&self.matching).gone.insert(request.clone(), Instant::now());
             return self.event(AgentEvent::Released { request });

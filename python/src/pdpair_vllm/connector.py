@@ -161,7 +161,8 @@ class PdpairConnector(KVConnectorBase_V1):
         self._errors: set = set()
         if role == KVConnectorRole.SCHEDULER:
             kernel = int(self._extra.get("kernel_block_size") or self._block_size)
-            self._sched = SchedulerState(self._block_size, kernel, float(self._extra.get("renew_interval_s", 1.0)))
+            self._sched = SchedulerState(self._block_size, kernel, float(self._extra.get("renew_interval_s", 1.0)),
+                                         int(self._extra.get("min_transfer_tokens", 1)))
 
     # ==== scheduler side =========================================================================
 
@@ -174,7 +175,7 @@ class PdpairConnector(KVConnectorBase_V1):
         assert self._sched is not None
         ids = blocks.get_block_ids()[0] if blocks is not None else []
         self._sched.after_alloc(request.request_id, request.kv_transfer_params, list(ids),
-                                request.num_computed_tokens, num_external_tokens)
+                                request.num_prompt_tokens, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         assert self._sched is not None

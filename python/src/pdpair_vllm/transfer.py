@@ -22,11 +22,14 @@ The flow (docs/vllm.md):
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .client import AgentClient, Event
+
+log = logging.getLogger("pdpair_vllm")
 
 #: Keys of the ``kv_transfer_params`` P returns and D reads (besides vLLM's own two flags).
 PARAM_REQUEST = "pdpair_request"
@@ -102,7 +105,8 @@ def _remote(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]:
 class SchedulerState:
     """The scheduler side, one per engine."""
 
-    def __init__(self, block_size: int, kernel_block_size: int, renew_interval_s: float = 1.0):
+    def __init__(self, block_size: int, kernel_block_size: int, renew_interval_s: float = 1.0,
+                 min_transfer_tokens: int = 1):
         if block_size < 1 or kernel_block_size < 1 or block_size % kernel_block_size:
             raise ValueError(
                 f"block_size {block_size} is not a multiple of kernel_block_size {kernel_block_size}"
@@ -110,6 +114,9 @@ class SchedulerState:
         self.block_size = block_size
         self.per_logical = block_size // kernel_block_size
         self.renew_interval_s = renew_interval_s
+        #: D: a missing tail shorter than this is recomputed locally and P released (vLLM never
+        #: lets a prefix hit cover the whole prompt, so a full hit is "all but a few tokens").
+        self.min_transfer_tokens = max(1, min_transfer_tokens)
         #: P: each worker rank's agent address, learned from the workers.
         self.prefill_ranks: Dict[int, str] = {}
         self._plan = Plan()
@@ -133,15 +140,16 @@ class SchedulerState:
             return 0, False
         agent_request, ranks, tokens = remote
         count = min(tokens, num_prompt_tokens) - num_computed_tokens
-        if count <= 0:
+        if count < self.min_transfer_tokens:
             return 0, False
         self.queued.setdefault(request, (agent_request, ranks, time.monotonic()))
         return count, True
 
     def after_alloc(self, request: str, params: Optional[dict], block_ids: Sequence[int],
-                    num_computed_tokens: int, num_external_tokens: int) -> None:
-        """D allocated ``block_ids`` (all of the request's, logical) and holds
-        ``num_computed_tokens`` locally: receive the tail, or release a full hit."""
+                    num_prompt_tokens: int, num_external_tokens: int) -> None:
+        """D allocated ``block_ids`` (all of the request's, logical) for the
+        ``num_external_tokens`` it claimed: it holds the tokens before them (its own prefix hit),
+        so it receives the tail, or releases P when it claimed none."""
         remote = _remote(params)
         self.queued.pop(request, None)
         if remote is None:
@@ -151,11 +159,14 @@ class SchedulerState:
         if num_external_tokens <= 0:
             self._plan.releases.append(Release(agent_request, ranks))
             return
-        held = num_computed_tokens // self.block_size
+        total = min(tokens, num_prompt_tokens)
+        local = total - num_external_tokens
+        if local < 0 or local % self.block_size:
+            raise ValueError(f"request {request}: a local prefix of {local} tokens is not whole blocks of {self.block_size}")
+        held = local // self.block_size
         logical = list(block_ids[held:])
         self._plan.recvs.append(
-            Recv(request, agent_request, ranks, logical, kernel_ids(logical, self.per_logical),
-                 held * self.block_size, min(tokens, num_computed_tokens + num_external_tokens))
+            Recv(request, agent_request, ranks, logical, kernel_ids(logical, self.per_logical), local, total)
         )
         self.receiving[request] = agent_request
 
@@ -252,6 +263,8 @@ class WorkerState:
         self._open: Dict[str, Tuple[str, str, Optional[Recv]]] = {}
         self._by_request: Dict[str, str] = {}
         self._results = Results()
+        #: How each request ended with the agent (vLLM id -> final event type), for logs and tests.
+        self.outcomes: Dict[str, str] = {}
 
     def start(self, plan: Plan) -> None:
         """Before the forward pass: ask for the KV of new receives, release, renew, cancel."""
@@ -295,7 +308,12 @@ class WorkerState:
         if entry is None:
             return
         kind, request, recv = entry
+        if kind == "cancel" and event.type != "Cancelled":
+            # The request's own end crossed the Cancel: its answer is still to come.
+            self._open[event.request] = entry
+            return
         self._by_request.pop(request, None)
+        self.outcomes[request] = event.type
         r = self._results
         if kind == "send" or kind == "cancel":
             # P: done, failed or released: the blocks are free. D: the cancel was answered.
@@ -305,6 +323,8 @@ class WorkerState:
         if event.type == "RequestDone":
             self.stager.load(recv.blocks)
         else:
+            log.warning("pdpair: receiving request %s (%s) failed: %s: %s", request, event.request,
+                        ",".join(event.reasons) or event.type, event.message)
             r.failed_recving.add(request)
             r.error_blocks.update(recv.logical_blocks)
             r.failures[request] = event.reasons or [event.type]
