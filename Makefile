@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: all deps build test fmt-check clippy unit e2e control-plane demo demo-down lint-manifests bench crds fmt clean
+.PHONY: all deps build test fmt-check clippy unit python-test e2e control-plane demo demo-down lint-manifests bench crds fmt clean
 
 all: build
 
@@ -21,6 +21,11 @@ clippy: deps
 unit: deps
 	$(CARGO) test --workspace --exclude pdpair-e2e
 
+## make python-test: the vLLM connector (python/): its wheel built and installed into a cached
+## vLLM venv, tested against real agents and inside vLLM's own scheduler.
+python-test: deps
+	hack/python-test.sh
+
 ## make e2e: end-to-end tests against a real control plane (built once, cached outside the tree).
 e2e: deps
 	hack/e2e.sh
@@ -29,8 +34,8 @@ e2e: deps
 control-plane: deps
 	hack/control-plane.sh build
 
-## make test: format check, clippy with warnings denied, unit tests, end-to-end tests.
-test: fmt-check clippy unit e2e
+## make test: format check, clippy with warnings denied, unit tests, the connector's tests, end-to-end tests.
+test: fmt-check clippy unit python-test e2e
 
 ## make demo: the main job: a local control plane, pdpair installed with Helm, the operator and
 ## two node agents, the examples applied, a push transfer between the agents.

@@ -95,10 +95,12 @@ impl Context {
     /// ([`Context::allocate`]) comes from UCX's POSIX shared-memory allocator as a named file in
     /// that directory, which an engine on the host can map by path.
     pub fn new(transport: Transport, pool_dir: Option<&std::path::Path>) -> Result<Context, UcxError> {
-        if let Some(dir) = pool_dir.filter(|d| matches!(transport, Transport::Shm) && d.as_os_str().len() > MAX_POOL_DIR) {
+        if let Some(dir) =
+            pool_dir.filter(|d| matches!(transport, Transport::Shm) && d.as_os_str().len() > MAX_POOL_DIR)
+        {
             return Err(UcxError {
                 op: "ucp_config_modify",
-                status: sys::ucs_status_t_UCS_ERR_INVALID_PARAM as i8,
+                status: sys::ucs_status_t_UCS_ERR_INVALID_PARAM,
                 text: format!(
                     "the pool directory {} is {} bytes long; UCX's shared-memory transport takes at most {MAX_POOL_DIR}",
                     dir.display(),

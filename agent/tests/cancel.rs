@@ -157,7 +157,10 @@ fn prefill_gives_up_a_ready_request_and_decode_asking_later_is_refused_at_once()
     expect_kv(&mut d, "r", p.address.clone(), &[0, 1], 100);
     let event = d.next_event().expect("D");
     assert!(reasons(&event).contains(&"InvalidRequest".to_string()), "{event:?}");
-    assert!(started.elapsed() < Duration::from_secs(2), "refused at once, not after a lease");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "refused at once, not after a lease"
+    );
 }
 
 #[test]

@@ -48,11 +48,13 @@ pub enum Reason {
     HeterogeneousBlockSizeWithHostBuffer,
     /// Pull with different kernel block sizes and prefill TP larger than decode TP.
     HeterogeneousBlockSizeWithPrefillTpGreater,
+    /// `transfer.connector` names a connector the pool's engine cannot load.
+    ConnectorUnsupported,
 }
 
 impl Reason {
     /// Every reason, in rule-table order.
-    pub const ALL: [Reason; 16] = [
+    pub const ALL: [Reason; 17] = [
         Reason::InvalidReplicas,
         Reason::InvalidBlockSize,
         Reason::InvalidParallelism,
@@ -69,6 +71,7 @@ impl Reason {
         Reason::BlockSizeNotDivisible,
         Reason::HeterogeneousBlockSizeWithHostBuffer,
         Reason::HeterogeneousBlockSizeWithPrefillTpGreater,
+        Reason::ConnectorUnsupported,
     ];
 
     /// The PascalCase name.
@@ -90,6 +93,7 @@ impl Reason {
             Reason::BlockSizeNotDivisible => "BlockSizeNotDivisible",
             Reason::HeterogeneousBlockSizeWithHostBuffer => "HeterogeneousBlockSizeWithHostBuffer",
             Reason::HeterogeneousBlockSizeWithPrefillTpGreater => "HeterogeneousBlockSizeWithPrefillTpGreater",
+            Reason::ConnectorUnsupported => "ConnectorUnsupported",
         }
     }
 
@@ -186,6 +190,13 @@ pub fn check(spec: &PDPairSpec) -> Verdict {
         if pool.replicas < 0 {
             let msg = format!("{role} replicas is {}; it must be 0 or more", pool.replicas);
             out.push(Reason::InvalidReplicas, role, "replicas", msg);
+        }
+        if spec.transfer.connector == crate::Connector::Pdpair && pool.kv.engine != "vllm" {
+            let msg = format!(
+                "transfer.connector Pdpair is vLLM's connector; {role} kv.engine is {:?}, not \"vllm\"",
+                pool.kv.engine
+            );
+            out.push(Reason::ConnectorUnsupported, role, "kv.engine", msg);
         }
     }
     let prefill = Pool {

@@ -86,6 +86,29 @@ pub struct TransferSpec {
     /// How long prefill holds a request's KV blocks for decode without a heartbeat.
     #[serde(default = "default_lease_duration")]
     pub lease_duration: Duration,
+    /// The engines' KV connector. `Pdpair`: both pools run vLLM with pdpair's connector (the
+    /// `pdpair-vllm` package in the engine image); the operator renders vLLM's
+    /// `--kv-transfer-config` for each pool's first container, replacing one the template has.
+    /// `None` (the default): the templates configure their engines themselves.
+    #[serde(default, skip_serializing_if = "Connector::is_none")]
+    pub connector: Connector,
+}
+
+/// Which KV connector the engines load.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum Connector {
+    /// The templates configure their engines themselves.
+    #[default]
+    None,
+    /// vLLM with pdpair's connector (`pdpair_vllm.PdpairConnector`).
+    Pdpair,
+}
+
+impl Connector {
+    /// Whether this is [`Connector::None`].
+    pub fn is_none(&self) -> bool {
+        *self == Connector::None
+    }
 }
 
 fn default_handshake_timeout() -> Duration {
@@ -103,6 +126,7 @@ impl Default for TransferSpec {
             checksum: ChecksumPolicy::default(),
             handshake_timeout: default_handshake_timeout(),
             lease_duration: default_lease_duration(),
+            connector: Connector::None,
         }
     }
 }

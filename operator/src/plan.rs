@@ -96,14 +96,26 @@ fn engine_template(
         .get_or_insert_with(BTreeMap::new)
         .insert(ANNOTATION_GEOMETRY.to_owned(), geometry_hash(pair, role));
     let namespace = pair.metadata.namespace.clone().unwrap_or_default();
+    let pool = match role {
+        Role::Prefill => &pair.spec.prefill,
+        Role::Decode => &pair.spec.decode,
+    };
     let env = [
         ("PDPAIR_NAME", name.to_owned()),
         ("PDPAIR_NAMESPACE", namespace),
         ("PDPAIR_ROLE", role.as_str().to_owned()),
         ("PDPAIR_AGENT_SOCKET", names::AGENT_SOCKET.to_owned()),
         ("PDPAIR_PAIRING_KEY_FILE", names::PAIRING_KEY_FILE.to_owned()),
+        // The declared geometry: a connector reports what it observes and takes from this only
+        // what the engine cannot tell (the model's name as the PDPair spells it, the backend).
+        ("PDPAIR_KV", serde_json::to_string(&pool.kv).unwrap_or_default()),
     ];
     let spec = template.spec.get_or_insert_with(Default::default);
+    if pair.spec.transfer.connector == pdpair_api::Connector::Pdpair
+        && let Some(engine) = spec.containers.first_mut()
+    {
+        set_kv_transfer_config(engine, role);
+    }
     for container in &mut spec.containers {
         add_engine_wiring(container, &env);
         // The Pod's own name, for the engine's registration (the agent attests it).
@@ -141,6 +153,41 @@ fn engine_template(
         ..Volume::default()
     });
     template
+}
+
+/// vLLM's flag that loads pdpair's connector, for a pool of `role`.
+pub fn kv_transfer_config(role: Role) -> String {
+    let kv_role = match role {
+        Role::Prefill => "kv_producer",
+        Role::Decode => "kv_consumer",
+    };
+    let config = serde_json::json!({
+        "kv_connector": "PdpairConnector",
+        "kv_connector_module_path": "pdpair_vllm",
+        "kv_role": kv_role,
+    });
+    format!("--kv-transfer-config={config}")
+}
+
+/// Puts [`kv_transfer_config`] in the engine container's args, in place of any
+/// `--kv-transfer-config` the template has (`--flag=value` or `--flag value`).
+fn set_kv_transfer_config(container: &mut Container, role: Role) {
+    const FLAG: &str = "--kv-transfer-config";
+    let args = container.args.get_or_insert_with(Vec::new);
+    let mut kept = Vec::with_capacity(args.len() + 1);
+    let mut skip_value = false;
+    for arg in args.drain(..) {
+        if std::mem::take(&mut skip_value) {
+            continue;
+        }
+        if arg == FLAG {
+            skip_value = true;
+        } else if !arg.starts_with(&format!("{FLAG}=")) {
+            kept.push(arg);
+        }
+    }
+    kept.push(kv_transfer_config(role));
+    *args = kept;
 }
 
 fn add_engine_wiring(container: &mut Container, env: &[(&str, String)]) {

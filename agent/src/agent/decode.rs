@@ -770,6 +770,15 @@ impl Engine {
             .get(&request)
             .map(|p| (p.blocks.clone(), p.first_token, p.num_tokens, p.deadline))
         else {
+            // Cancelled between the Ready and this read: nothing was read, prefill's blocks are
+            // free, and this prefill has ended.
+            if lock(&self.cancelled).contains_key(&request) {
+                link.send(&Message::Released {
+                    request: request.clone(),
+                    bytes: 0,
+                });
+                self.cancel_answered(&link.addr, &request);
+            }
             return;
         };
         let (d_blocks, d_first, d_tokens, deadline) = p;

@@ -517,6 +517,29 @@ fn heterogeneous_block_size_with_prefill_tp_greater() {
 }
 
 #[test]
+fn connector_unsupported() {
+    let mut spec = push();
+    spec.transfer.connector = crate::Connector::Pdpair;
+    admits(&spec);
+    spec.decode.kv.engine = "sglang".into();
+    rejects(
+        &spec,
+        Reason::ConnectorUnsupported,
+        "spec.decode.kv.engine",
+        &["sglang", "vllm"],
+    );
+    spec.transfer.connector = crate::Connector::None;
+    let verdict = check(&spec);
+    assert!(
+        !verdict
+            .violations
+            .iter()
+            .any(|v| v.reason == Reason::ConnectorUnsupported),
+        "without the connector any engine is fine: {verdict:?}"
+    );
+}
+
+#[test]
 fn check_pools_is_the_same_table() {
     let spec = pair(TransferMode::Push, pool(kv(16, None)), pool(kv(64, None)));
     let p = Pool {

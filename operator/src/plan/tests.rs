@@ -165,3 +165,81 @@ fn pairing_secret_is_owned_and_holds_the_key() {
     assert_eq!(s.metadata.owner_references.expect("owner")[0].uid, "uid-1");
     assert_eq!(s.data.expect("data").get("key").map(|b| b.0.len()), Some(32));
 }
+
+fn connector_pair() -> PDPair {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/vllm-pdpair-connector.yaml"
+    ))
+    .expect("example exists");
+    let mut v: serde_yaml::Value = serde_yaml::from_str(&text).expect("yaml");
+    v.apply_merge().expect("merge keys");
+    serde_yaml::from_value(v).expect("example parses")
+}
+
+fn engine_container(d: &Deployment) -> &k8s_openapi::api::core::v1::Container {
+    &d.spec
+        .as_ref()
+        .expect("spec")
+        .template
+        .spec
+        .as_ref()
+        .expect("pod")
+        .containers[0]
+}
+
+#[test]
+fn the_pdpair_connector_is_rendered_into_each_pools_vllm_args_replacing_the_templates() {
+    let mut pair = connector_pair();
+    // A template that still names another connector, both spellings: replaced, not doubled.
+    let prefill = pair.spec.prefill.template.as_mut().expect("template");
+    let args = prefill.spec.as_mut().expect("pod").containers[0]
+        .args
+        .as_mut()
+        .expect("args");
+    args.push(r#"--kv-transfer-config={"kv_connector":"NixlConnector","kv_role":"kv_both"}"#.into());
+    args.push("--kv-transfer-config".into());
+    args.push(r#"{"kv_connector":"NixlConnector"}"#.into());
+    for (role, kv_role) in [(Role::Prefill, "kv_producer"), (Role::Decode, "kv_consumer")] {
+        let d = deployment(&pair, role).expect("template");
+        let c = engine_container(&d);
+        let args = c.args.as_ref().expect("args");
+        let flags: Vec<&String> = args
+            .iter()
+            .filter(|a| a.contains("kv-transfer-config") || a.contains("Nixl"))
+            .collect();
+        assert_eq!(flags.len(), 1, "exactly one connector flag: {args:?}");
+        let config: serde_json::Value =
+            serde_json::from_str(flags[0].strip_prefix("--kv-transfer-config=").expect("flag=value")).expect("JSON");
+        assert_eq!(
+            config,
+            serde_json::json!({"kv_connector": "PdpairConnector", "kv_connector_module_path": "pdpair_vllm", "kv_role": kv_role})
+        );
+        assert!(
+            args.contains(&"--block-size=16".to_string()),
+            "the template's own args stay: {args:?}"
+        );
+        let env = c.env.as_ref().expect("env");
+        let kv = env
+            .iter()
+            .find(|e| e.name == "PDPAIR_KV")
+            .and_then(|e| e.value.as_deref())
+            .expect("PDPAIR_KV");
+        let kv: pdpair_api::KvGeometry = serde_json::from_str(kv).expect("the declared geometry");
+        assert_eq!(kv, pair.spec.prefill.kv);
+        // Planning what was planned changes nothing.
+        let mut again = pair.clone();
+        let pool = match role {
+            Role::Prefill => &mut again.spec.prefill,
+            Role::Decode => &mut again.spec.decode,
+        };
+        pool.template = d.spec.as_ref().map(|s| s.template.clone());
+        assert_eq!(deployment(&again, role).as_ref().map(engine_container), Some(c));
+    }
+    // Without the connector the template's args are left alone.
+    pair.spec.transfer.connector = pdpair_api::Connector::None;
+    let d = deployment(&pair, Role::Prefill).expect("template");
+    let args = engine_container(&d).args.as_ref().expect("args");
+    assert!(args.iter().any(|a| a.contains("NixlConnector")), "{args:?}");
+    assert!(!args.iter().any(|a| a.contains("PdpairConnector")), "{args:?}");
+}

@@ -87,9 +87,10 @@ class Plan:
         return not (self.sends or self.recvs or self.releases or self.renews or self.cancels)
 
 
-def _remote(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]:
-    """P's request id, ranks and token count from D's params, checked (they come through the
-    proxy from a client: untrusted)."""
+def check_params(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]:
+    """P's request id, ranks and token count from D's ``kv_transfer_params``, or ``None`` when
+    they ask for no remote prefill. They come from a client through the proxy: untrusted, so a
+    malformed field raises ``ValueError`` naming it and its value."""
     if not params or not params.get("do_remote_prefill"):
         return None
     request, ranks, tokens = params.get(PARAM_REQUEST), params.get(PARAM_RANKS), params.get(PARAM_TOKENS)
@@ -100,6 +101,18 @@ def _remote(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]:
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         raise ValueError(f"kv_transfer_params.{PARAM_TOKENS} is {tokens!r}, not a token count")
     return request, ranks, tokens
+
+
+def _remote(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]:
+    """:func:`check_params`, where a malformed request must not take the engine down: it is
+    logged and served without remote KV (D computes the prompt itself)."""
+    try:
+        return check_params(params)
+    except ValueError as e:
+        log.warning("pdpair: ignoring kv_transfer_params (the request is computed locally): %s", e)
+        if isinstance(params, dict):
+            params["do_remote_prefill"] = False
+        return None
 
 
 class SchedulerState:
@@ -162,7 +175,10 @@ class SchedulerState:
         total = min(tokens, num_prompt_tokens)
         local = total - num_external_tokens
         if local < 0 or local % self.block_size:
-            raise ValueError(f"request {request}: a local prefix of {local} tokens is not whole blocks of {self.block_size}")
+            log.warning("pdpair: request %s: a local prefix of %d tokens is not whole blocks of %d; P released",
+                        request, local, self.block_size)
+            self._plan.releases.append(Release(agent_request, ranks))
+            return
         held = local // self.block_size
         logical = list(block_ids[held:])
         self._plan.recvs.append(

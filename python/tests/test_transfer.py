@@ -1,0 +1,82 @@
+"""The engine-agnostic state machines without vLLM: what the scheduler side plans from
+``kv_transfer_params`` (untrusted: they come from a client through the proxy)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdpair_vllm.transfer import PARAM_RANKS, PARAM_REQUEST, PARAM_TOKENS, SchedulerState, check_params, kernel_ids
+
+
+def params(**over):
+    p = {"do_remote_prefill": True, PARAM_REQUEST: "p-1", PARAM_RANKS: ["10.0.0.1:7000"], PARAM_TOKENS: 50}
+    p.update(over)
+    return p
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [(PARAM_REQUEST, ""), (PARAM_REQUEST, 7), (PARAM_RANKS, []), (PARAM_RANKS, "10.0.0.1:7000"),
+     (PARAM_RANKS, [None]), (PARAM_TOKENS, -1), (PARAM_TOKENS, True), (PARAM_TOKENS, "50")],
+)
+def test_malformed_params_are_named_and_the_request_is_computed_locally(field, value, caplog):
+    with pytest.raises(ValueError, match=field):
+        check_params(params(**{field: value}))
+    s = SchedulerState(16, 16)
+    bad = params(**{field: value})
+    assert s.matched_tokens("r", bad, 50, 0) == (0, False)
+    assert field in caplog.text
+    s.after_alloc("r", bad, [1, 2, 3, 4], 50, 0)
+    assert s.plan().empty(), "nothing is asked of any agent"
+
+
+def test_decode_asks_for_the_tail_after_its_prefix_hit_in_kernel_blocks():
+    s = SchedulerState(block_size=32, kernel_block_size=16)
+    p = params()
+    assert s.matched_tokens("r", p, 50, 32) == (18, True)
+    s.after_alloc("r", p, [7, 3], 50, 18)
+    (recv,) = s.plan().recvs
+    assert (recv.agent_request, recv.first_token, recv.num_tokens) == ("p-1", 32, 50)
+    assert recv.logical_blocks == [3] and recv.blocks == [6, 7]
+    assert p["do_remote_prefill"] is False, "one transfer per request"
+    assert s.plan().empty(), "handed to the workers once"
+
+
+def test_a_short_tail_is_recomputed_and_prefill_released():
+    s = SchedulerState(16, 16, min_transfer_tokens=16)
+    p = params(**{PARAM_TOKENS: 49})
+    assert s.matched_tokens("r", p, 49, 48) == (0, False)
+    s.after_alloc("r", p, [1, 2, 3, 4], 49, 0)
+    plan = s.plan()
+    assert not plan.recvs and [r.agent_request for r in plan.releases] == ["p-1"]
+
+
+def test_a_queued_request_is_renewed_until_it_is_allocated():
+    s = SchedulerState(16, 16, renew_interval_s=0.05)
+    p = params()
+    assert s.matched_tokens("r", p, 50, 0) == (50, True)
+    assert not s.plan().renews, "not due yet"
+    time.sleep(0.06)
+    assert [r.agent_request for r in s.plan().renews] == ["p-1"]
+    s.after_alloc("r", p, [1, 2, 3, 4], 50, 50)
+    time.sleep(0.06)
+    plan = s.plan()
+    assert not plan.renews and len(plan.recvs) == 1
+
+
+def test_prefill_holds_its_blocks_and_names_every_rank_in_order():
+    s = SchedulerState(16, 16)
+    s.learn_ranks({1: "b:2", 0: "a:1"})
+    hold, out = s.finished("r", {"do_remote_decode": True}, True, [4, 5, 6, 9], 50, "eng")
+    assert hold is True
+    assert out[PARAM_RANKS] == ["a:1", "b:2"] and out[PARAM_TOKENS] == 50 and out[PARAM_REQUEST] == "r"
+    (send,) = s.plan().sends
+    assert send.blocks == [4, 5, 6, 9]
+    # An aborted prefill sends nothing and frees at once.
+    assert s.finished("x", {"do_remote_decode": True}, False, [1], 10, "eng") == (False, None)
+
+
+def test_kernel_ids():
+    assert kernel_ids([0, 3], 2) == [0, 1, 6, 7]
