@@ -221,6 +221,10 @@ pub struct LoopbackArgs {
     /// one copy) or the engine (its own file, registered by the agent).
     #[arg(long = "engine-memory", default_value = "agent", value_parser = ["agent", "engine"])]
     pub engine_memory: String,
+    /// Decode already holds this many tokens of each prompt (a prefix-cache hit; whole decode
+    /// kernel blocks): only the tail moves, paired by absolute token position, every byte checked.
+    #[arg(long = "decode-prefix-hit", default_value_t = 0)]
+    pub decode_prefix_hit: u64,
     /// Skip the decode engine's byte-by-byte check (for large benchmarks; checksums still run).
     #[arg(long = "no-verify-bytes")]
     pub no_verify_bytes: bool,
@@ -301,6 +305,7 @@ pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageErr
             crate::synthetic::EngineMemory::Agent
         },
         all_ranks: args.all_ranks,
+        decode_prefix_hit: args.decode_prefix_hit,
         external: crate::loopback::External {
             decode_agent: args.decode_agent.clone(),
             prefill_agent: args.prefill_agent.clone(),

@@ -49,6 +49,9 @@ pub struct Options {
     /// Run every tensor-parallel rank of each pool as its own engine (all of a pool's ranks on
     /// its one agent, as on a node); by default only rank 0 of each.
     pub all_ranks: bool,
+    /// Decode already holds this many tokens of each prompt (a prefix-cache hit, whole decode
+    /// kernel blocks): it asks only for the tail, paired by absolute position.
+    pub decode_prefix_hit: u64,
     /// The agent binary (this executable).
     pub agent_bin: PathBuf,
     /// Agents and pods that already run (the demo); by default the scenario starts its own.
@@ -156,6 +159,8 @@ pub struct Report {
     /// Successful requests whose bytes the decode engine found wrong (possible only without
     /// checksums or under FailOpen).
     pub byte_errors: u32,
+    /// Tokens of each prompt decode already held (only the rest moved).
+    pub decode_prefix_hit: u64,
 }
 
 struct Prefill {
@@ -308,7 +313,15 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
             d_socket
         }
     };
-    let d_blocks_n = blocks_for(opts.prompt_tokens, kernel(&pair.spec.decode));
+    let hit = opts.decode_prefix_hit;
+    let d_kernel = kernel(&pair.spec.decode);
+    if hit >= opts.prompt_tokens || !hit.is_multiple_of(u64::from(d_kernel)) {
+        return Err(format!(
+            "--decode-prefix-hit {hit} must be below --prompt-tokens {} and a multiple of decode's kernel block size {d_kernel}",
+            opts.prompt_tokens
+        ));
+    }
+    let d_blocks_n = blocks_for(opts.prompt_tokens - hit, d_kernel);
     let mut decode = Vec::new();
     for r in 0..ranks(&pair.spec.decode) {
         let spec = engine_spec(
@@ -377,6 +390,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         mode: transfer.mode,
         transport: opts.transport.clone(),
         requests: opts.requests,
+        decode_prefix_hit: hit,
         per_prefill: prefills
             .iter()
             .map(|p| PerPrefill {
@@ -456,7 +470,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                     prefill: from.remove(0),
                     blocks: d_blocks.clone(),
                     num_tokens: tokens,
-                    first_token: 0,
+                    first_token: hit,
                 }
             } else {
                 EngineRequest::ExpectKvFrom {
@@ -464,7 +478,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                     prefills: from,
                     blocks: d_blocks.clone(),
                     num_tokens: tokens,
-                    first_token: 0,
+                    first_token: hit,
                 }
             };
             engine
@@ -535,7 +549,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                     Some("Unverified") => report.checksum.unverified += 1,
                     _ => {}
                 }
-                if opts.verify_bytes && decode.iter().any(|d| d.verify(seed, &d_blocks, 0, tokens) > 0) {
+                if opts.verify_bytes && decode.iter().any(|d| d.verify(seed, &d_blocks, hit, tokens) > 0) {
                     report.byte_errors += 1;
                 }
             }
@@ -638,6 +652,12 @@ pub fn text(report: &Report) -> String {
         "{:?} over {}: {} requests, {} succeeded, {} rejected, {} failed\n",
         report.mode, report.transport, report.requests, report.succeeded, report.rejected, report.failed
     );
+    if report.decode_prefix_hit > 0 {
+        out.push_str(&format!(
+            "  decode held the first {} tokens of each prompt: only the tail moved\n",
+            report.decode_prefix_hit
+        ));
+    }
     for p in &report.per_prefill {
         out.push_str(&format!(
             "  prefill {}: {} succeeded, {} rejected, {} failed",

@@ -323,3 +323,48 @@ fn all_ranks_of_both_pools_move_every_head_verified() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_prefix_hit_on_decode_moves_only_the_tail_every_byte_checked() {
+    let dir = tmp("prefix-hit");
+    // Push with equal blocks, and pull with decode blocks of 32 over prefill's 16: decode holds
+    // the first 64 tokens of 200 and asks only from token 64.
+    for (name, pair) in [
+        ("push", manifest(&dir, "hit-push", 32, 32, "FailClosed")),
+        ("pull", pull_manifest(&dir, "hit-pull", 16, 32, "HND")),
+    ] {
+        let args = |hit: &str| {
+            run(&[
+                "--pair",
+                &pair,
+                "--requests",
+                "2",
+                "--prompt-tokens",
+                "200",
+                "--decode-prefix-hit",
+                hit,
+            ])
+        };
+        let (whole, tail) = (args("0"), args("64"));
+        assert_all_verified(&tail, 2, name);
+        assert_eq!(tail["byte_errors"], 0, "{tail}");
+        assert_eq!(tail["decode_prefix_hit"], 64, "{tail}");
+        // 2 layers x K/V x 2 heads x 64 dim x 2 bytes = 1 KiB per token of whole blocks.
+        let (w, t) = (count(&whole, "bytes"), count(&tail, "bytes"));
+        assert_eq!(
+            w - t,
+            2 * 64 * 1024,
+            "{name}: the held 64 tokens did not move ({w} vs {t})"
+        );
+    }
+    // Not whole decode blocks: refused, naming both.
+    let out = Command::new(env!("CARGO_BIN_EXE_pdpair-agent"))
+        .args(["loopback", "--pair", &examples("vllm-push-64-64.yaml")])
+        .args(["--prompt-tokens", "200", "--decode-prefix-hit", "100"])
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--decode-prefix-hit 100") && err.contains("64"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
