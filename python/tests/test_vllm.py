@@ -207,3 +207,22 @@ def test_an_expired_lease_frees_prefill_and_decode_recomputes(world):
     finally:
         p.close()
         d.close()
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2)])
+def test_tensor_parallel_ranks_each_gather_their_heads_and_vllm_aggregates_them(world, p_tp, d_tp):
+    # HND on prefill (the rule table's requirement for unequal TP); 4 KV heads.
+    pa, da = world.agent("p", "shm"), world.agent("d", "shm")
+    p = Engine(world, pa, "prefill", seed=P_SEED, tp=p_tp, layout="HND")
+    d = Engine(world, da, "decode", seed=D_SEED, tp=d_tp, layout="HND")
+    try:
+        prompt = list(range(3000, 3050))
+        params = prefill(p, "req", prompt)
+        assert len(params["pdpair_prefill_ranks"]) == p_tp, params
+        seeds = decode_receives(p, d, "req", prompt, params)
+        assert seeds == [P_SEED] * 50, seeds
+        d.run_until(lambda: "req" in d.outputs, what="decode finished")
+        both(p, d, lambda: p.status("req") is None, what="every P rank freed its blocks")
+    finally:
+        p.close()
+        d.close()

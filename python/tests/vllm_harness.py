@@ -19,7 +19,9 @@ from typing import Dict, List, Optional
 
 import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                         VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -32,7 +34,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from pdpair_vllm import synthetic
 from pdpair_vllm.connector import block_rows
 
-LAYERS, HEADS, HEAD_DIM = 2, 2, 16
+LAYERS, HEADS, HEAD_DIM = 2, 4, 16
 SAMPLED = 7
 _MODEL_DIR = None
 
@@ -53,54 +55,76 @@ def model_dir() -> str:
 
 
 class Engine:
-    """One vLLM engine (scheduler + one worker rank) with the pdpair connector."""
+    """One vLLM engine: its scheduler, and one worker connector per tensor-parallel rank (each
+    with its own KV tensors holding that rank's heads), whose outputs vLLM's own
+    ``KVOutputAggregator`` folds into the one the scheduler sees, as vLLM's executor does."""
 
     def __init__(self, world, agent, role: str, *, seed: int, block_size: int = 16, num_blocks: int = 64,
                  layout: str = "NHD", mode: str = "Push", checksum: str = "FailClosed", lease_ms: int = 30000,
-                 handshake_ms: int = 5000, policy: str = "fail", min_transfer_tokens: int = 1):
-        self.role, self.seed = role, seed
-        extra = {
-            "role": role, "socket": agent.socket, "pdpair": "default/pair", "pairing_key_file": str(world.key_file),
-            "kv": {"model": "tiny-llama", "attentionBackend": "FLASH_ATTN"},
-            "settings": {"mode": mode, "checksum": checksum, "handshake_timeout_ms": handshake_ms, "lease_ms": lease_ms},
-            "renew_interval_s": 0.2, "min_transfer_tokens": min_transfer_tokens,
-        }
-        mc = ModelConfig(model=model_dir(), tokenizer=model_dir(), skip_tokenizer_init=True, dtype="float16",
-                         max_model_len=2048)
-        kvt = KVTransferConfig(kv_connector="PdpairConnector", kv_connector_module_path="pdpair_vllm",
-                               kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy=policy)
-        self.config = VllmConfig(
-            model_config=mc,
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=2048,
-                                             is_encoder_decoder=False),
-            device_config=DeviceConfig("cpu"),
-            kv_transfer_config=kvt,
-        )
-        self.config.cache_config.num_gpu_blocks = num_blocks
+                 handshake_ms: int = 5000, policy: str = "fail", min_transfer_tokens: int = 1, tp: int = 1):
+        self.role, self.seed, self.tp = role, seed, tp
+        self.block_size = block_size
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        local_heads = max(1, HEADS // tp)
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(layers, FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
+            kv_cache_groups=[KVCacheGroupSpec(layers, FullAttentionSpec(block_size=block_size, num_kv_heads=local_heads,
                                                                          head_size=HEAD_DIM, dtype=torch.float16))],
         )
+
+        def config(rank: int) -> VllmConfig:
+            extra = {
+                "role": role, "socket": agent.socket, "pdpair": "default/pair",
+                "pairing_key_file": str(world.key_file),
+                "kv": {"model": "tiny-llama", "attentionBackend": "FLASH_ATTN"},
+                "settings": {"mode": mode, "checksum": checksum, "handshake_timeout_ms": handshake_ms,
+                             "lease_ms": lease_ms},
+                "renew_interval_s": 0.2, "min_transfer_tokens": min_transfer_tokens, "tensor_rank": rank,
+            }
+            mc = ModelConfig(model=model_dir(), tokenizer=model_dir(), skip_tokenizer_init=True, dtype="float16",
+                             max_model_len=2048)
+            kvt = KVTransferConfig(kv_connector="PdpairConnector", kv_connector_module_path="pdpair_vllm",
+                                   kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy=policy,
+                                   engine_id=f"{role}-{seed}")
+            cfg = VllmConfig(
+                model_config=mc,
+                cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+                parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=2048,
+                                                 is_encoder_decoder=False),
+                device_config=DeviceConfig("cpu"),
+                kv_transfer_config=kvt,
+            )
+            cfg.cache_config.num_gpu_blocks = num_blocks
+            return cfg
+
+        self.config = config(0)
         self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.config),
                                    block_size=block_size)
-        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
-        # vLLM's FLASH_ATTN cache: [2, num_blocks, block_size, heads, dim]; HND keeps that shape with
-        # heads outside tokens in memory (the backend's stride order).
-        if layout == "NHD":
-            self.kv = {n: torch.zeros(2, num_blocks, block_size, HEADS, HEAD_DIM, dtype=torch.float16) for n in layers}
-        else:
-            self.kv = {n: torch.zeros(2, num_blocks, HEADS, block_size, HEAD_DIM, dtype=torch.float16).transpose(2, 3)
-                       for n in layers}
-        self.worker.register_kv_caches(self.kv)
-        # What vLLM's engine core does after the workers registered their KV caches.
-        self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): self.worker.get_handshake_metadata()})
-        self.layout = self.worker._client.layout
-        self.rows = [block_rows(self.kv[n], num_blocks, self.layout.block_len) for n in layers]
-        self.block_size = block_size
+        self.workers, self.rows, self.layouts = [], [], []
+        handshake = {}
+        for rank in range(tp):
+            w = KVConnectorFactory.create_connector(config(rank), KVConnectorRole.WORKER, self.kv_cache_config)
+            # vLLM's FLASH_ATTN cache: [2, num_blocks, block_size, heads, dim]; HND keeps that shape
+            # with heads outside tokens in memory (the backend's stride order).
+            if layout == "NHD":
+                kv = {n: torch.zeros(2, num_blocks, block_size, local_heads, HEAD_DIM, dtype=torch.float16)
+                      for n in layers}
+            else:
+                kv = {n: torch.zeros(2, num_blocks, local_heads, block_size, HEAD_DIM, dtype=torch.float16)
+                      .transpose(2, 3) for n in layers}
+            w.register_kv_caches(kv)
+            handshake[(0, rank)] = w.get_handshake_metadata()
+            lay = w._client.layout
+            self.workers.append(w)
+            self.layouts.append(lay)
+            self.rows.append([block_rows(kv[n], num_blocks, lay.block_len) for n in layers])
+        # What vLLM's engine core does once the workers registered their KV caches.
+        self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(handshake)
+        self.aggregator = KVOutputAggregator(tp)
+        self.worker = self.workers[0]
+        self.layout = self.layouts[0]
         self.hasher = get_request_block_hasher(block_size, _hash)
         self.outputs: Dict[str, object] = {}
         self.transfer_events: List[KVConnectorOutput] = []
@@ -128,32 +152,38 @@ class Engine:
 
     def step(self) -> KVConnectorOutput:
         so = self.scheduler.schedule()
-        w = self.worker
-        w.bind_connector_metadata(so.kv_connector_metadata)
-        w.start_load_kv(None)
+        for w in self.workers:
+            w.bind_connector_metadata(so.kv_connector_metadata)
+            w.start_load_kv(None)
         sampled = {}
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             end = req.num_computed_tokens  # schedule() advanced it
             start = end - n
-            self._compute(rid, start, min(end, req.num_prompt_tokens))
+            for rank in range(self.tp):
+                self._compute(rank, rid, start, min(end, req.num_prompt_tokens))
             if end >= req.num_prompt_tokens:
                 sampled[rid] = [SAMPLED]
-        w.wait_for_save()
-        results = w.get_transfer_results(so.finished_req_ids)
-        out = KVConnectorOutput(
-            finished_sending=results.finished_sending, finished_recving=results.finished_recving,
-            failed_recving=results.failed_recving, invalid_block_ids=w.get_block_ids_with_load_errors(),
-        )
-        w.clear_connector_metadata()
         ids = list(so.num_scheduled_tokens)
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=[sampled.get(r, []) for r in ids], kv_connector_output=out)
+        outputs = []
+        for w in self.workers:
+            w.wait_for_save()
+            results = w.get_transfer_results(so.finished_req_ids)
+            out = KVConnectorOutput(
+                finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+                failed_recving=results.failed_recving, invalid_block_ids=w.get_block_ids_with_load_errors(),
+            )
+            w.clear_connector_metadata()
+            outputs.append(ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                             sampled_token_ids=[sampled.get(r, []) for r in ids],
+                                             kv_connector_output=out))
+        mro = self.aggregator.aggregate(outputs)
+        out = mro.kv_connector_output
         for outs in self.scheduler.update_from_output(so, mro).values():
             for o in outs.outputs:
                 if o.finish_reason is not None:
                     self.outputs[o.request_id] = o
-        if not out.is_empty():
+        if out is not None and not out.is_empty():
             self.transfer_events.append(out)
         return out
 
@@ -167,43 +197,45 @@ class Engine:
 
     # --- the stand-in model -------------------------------------------------------------------------
 
-    def _compute(self, request_id: str, start: int, end: int) -> None:
-        """Writes the KV a model would compute for positions start..end of the request."""
+    def _compute(self, rank: int, request_id: str, start: int, end: int) -> None:
+        """Writes the KV a model would compute for positions start..end into rank ``rank``'s heads."""
         blocks = self.blocks(request_id)
-        half = self.layout.half_token
+        lay = self.layouts[rank]
+        half = lay.half_token
         for t in range(start, end):
             b, j = blocks[t // self.block_size], t % self.block_size
             for layer in range(LAYERS):
-                for h in range(HEADS):
+                for h in range(lay.local_heads):
                     for v in (0, 1):
-                        at = self.layout.token_offset(h, j)
-                        data = synthetic.token_bytes(self.seed, layer, h, t, bool(v), half)
-                        self.rows[layer][v, b, at:at + half] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                        at = lay.token_offset(h, j)
+                        data = synthetic.token_bytes(self.seed, layer, lay.head_offset + h, t, bool(v), half)
+                        self.rows[rank][layer][v, b, at:at + half] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     def kv_seeds(self, request_id: str, start: int, end: int, seeds: List[int]) -> List[Optional[int]]:
-        """For each position start..end, which of ``seeds`` wrote the KV the cache holds there (None:
-        none of them: zeros or corrupt)."""
+        """For each position start..end, which of ``seeds`` wrote the KV every rank holds there (None:
+        none of them: zeros, corrupt, or ranks that disagree)."""
         blocks = self.blocks(request_id)
-        half = self.layout.half_token
         out = []
         for t in range(start, end):
             b, j = blocks[t // self.block_size], t % self.block_size
             found = None
             for seed in seeds:
-                if all(bytes(self.rows[layer][v, b, self.layout.token_offset(h, j):][:half].tolist())
-                       == synthetic.token_bytes(seed, layer, h, t, bool(v), half)
-                       for layer in range(LAYERS) for h in range(HEADS) for v in (0, 1)):
+                if all(bytes(self.rows[rank][layer][v, b, lay.token_offset(h, j):][:lay.half_token].tolist())
+                       == synthetic.token_bytes(seed, layer, lay.head_offset + h, t, bool(v), lay.half_token)
+                       for rank, lay in enumerate(self.layouts) for layer in range(LAYERS)
+                       for h in range(lay.local_heads) for v in (0, 1)):
                     found = seed
                     break
             out.append(found)
         return out
 
     def outcome(self, request_id: str) -> Optional[str]:
-        """How the request ended with the agent (its final event's type), as the worker saw it."""
+        """How the request ended with the agent (its final event's type), as rank 0 saw it."""
         return self.worker._worker.outcomes.get(request_id)
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()
 
 
 def _hash(obj) -> bytes:

@@ -19,6 +19,7 @@ handshake_timeout_ms, lease_ms: outside a cluster, where the agent cannot read t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+log = logging.getLogger("pdpair_vllm")
 
 
 class PdpairMetadata(KVConnectorMetadata):
@@ -108,6 +110,9 @@ class TorchStager(Stager):
         flat = torch.frombuffer(pool, dtype=torch.uint8, count=layout.region_len)
         self.pool = flat.view(layout.layers, 2, layout.num_blocks, layout.block_len)
         self.rows = [block_rows(t, layout.num_blocks, layout.block_len) for t in tensors]
+        self.pinned = False
+        if any(t.is_cuda for t in tensors):
+            self.pinned = _pin(flat.data_ptr(), layout.region_len)
 
     def save(self, blocks: List[int]) -> None:
         idx = torch.tensor(blocks, dtype=torch.long)
@@ -118,6 +123,21 @@ class TorchStager(Stager):
         idx = torch.tensor(blocks, dtype=torch.long)
         for layer, rows in enumerate(self.rows):
             rows[:, idx.to(rows.device)] = self.pool[layer][:, idx].to(rows.device)
+
+
+def _pin(ptr: int, size: int) -> bool:
+    """Page-locks the agent's pool for the GPU (``cudaHostRegister``), so the staging copies are
+    DMA transfers; without it they still work, through a bounce buffer. Not run on a GPU yet."""
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+    except Exception as e:  # no CUDA runtime
+        log.warning("pdpair: cannot page-lock the KV pool (%s); staging copies are unpinned", e)
+        return False
+    code = getattr(err, "value", err)
+    if code != 0:
+        log.warning("pdpair: cudaHostRegister of the KV pool failed (%s); staging copies are unpinned", err)
+        return False
+    return True
 
 
 def block_rows(t: torch.Tensor, num_blocks: int, block_len: int) -> torch.Tensor:
