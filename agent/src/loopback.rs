@@ -163,11 +163,22 @@ pub struct Report {
     pub decode_prefix_hit: u64,
 }
 
+/// An agent process this scenario started: killed when dropped, on every path out (an early
+/// error included), so none outlives the scenario.
+struct Spawned(Child);
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 struct Prefill {
     name: String,
     /// Its pool (geometry and parallelism).
     pool: pdpair_api::PoolSpec,
-    agent: Option<Child>,
+    agent: Option<Spawned>,
     /// Its ranks' engines (empty when one could not register).
     ranks: Vec<SyntheticEngine>,
     /// Their events, with the rank.
@@ -223,15 +234,16 @@ pub fn run_command(bin: &Path, name: &str, transport: &str, socket: &Path, pool_
     cmd
 }
 
-fn spawn_agent(opts: &Options, dir: &Path, name: &str, corrupt: bool) -> Result<(Child, PathBuf), String> {
+fn spawn_agent(opts: &Options, dir: &Path, name: &str, corrupt: bool) -> Result<(Spawned, PathBuf), String> {
     let socket = dir.join(format!("{name}.sock"));
     let mut cmd = run_command(&opts.agent_bin, name, &opts.transport, &socket, &dir.join("pools"));
     if corrupt {
         cmd.arg("--corrupt-one-byte");
     }
-    let child = cmd
-        .spawn()
-        .map_err(|e| format!("starting {}: {e}", opts.agent_bin.display()))?;
+    let child = Spawned(
+        cmd.spawn()
+            .map_err(|e| format!("starting {}: {e}", opts.agent_bin.display()))?,
+    );
     let start = Instant::now();
     while std::os::unix::net::UnixStream::connect(&socket).is_err() {
         if start.elapsed() > Duration::from_secs(10) {
@@ -303,7 +315,16 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         }
     };
     let rank_name = |base: String, r: u32| if r == 0 { base } else { format!("{base}-r{r}") };
-    let mut agents: Vec<Child> = Vec::new();
+    let mut agents: Vec<Spawned> = Vec::new();
+    // Bad input is refused before anything starts.
+    let hit = opts.decode_prefix_hit;
+    let d_kernel = kernel(&pair.spec.decode);
+    if hit >= opts.prompt_tokens || !hit.is_multiple_of(u64::from(d_kernel)) {
+        return Err(format!(
+            "--decode-prefix-hit {hit} must be below --prompt-tokens {} and a multiple of decode's kernel block size {d_kernel}",
+            opts.prompt_tokens
+        ));
+    }
     // Decode.
     let d_socket = match &opts.external.decode_agent {
         Some(socket) => socket.clone(),
@@ -313,14 +334,6 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
             d_socket
         }
     };
-    let hit = opts.decode_prefix_hit;
-    let d_kernel = kernel(&pair.spec.decode);
-    if hit >= opts.prompt_tokens || !hit.is_multiple_of(u64::from(d_kernel)) {
-        return Err(format!(
-            "--decode-prefix-hit {hit} must be below --prompt-tokens {} and a multiple of decode's kernel block size {d_kernel}",
-            opts.prompt_tokens
-        ));
-    }
     let d_blocks_n = blocks_for(opts.prompt_tokens - hit, d_kernel);
     let mut decode = Vec::new();
     for r in 0..ranks(&pair.spec.decode) {
@@ -494,12 +507,8 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                     match ev {
                         AgentEvent::TransferStarted { .. } if rank == 0 => {
                             p.started += 1;
-                            if pi == 0
-                                && opts.kill_prefill_after == Some(p.started)
-                                && let Some(mut child) = p.agent.take()
-                            {
-                                let _ = child.kill();
-                                let _ = child.wait();
+                            if pi == 0 && opts.kill_prefill_after == Some(p.started) {
+                                drop(p.agent.take()); // SIGKILL, reaped
                             }
                         }
                         AgentEvent::RequestDone {
@@ -605,10 +614,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         p.ranks.clear();
         agents.extend(p.agent.take());
     }
-    for mut child in agents {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
+    drop(agents);
     Ok(report)
 }
 

@@ -358,13 +358,26 @@ fn a_prefix_hit_on_decode_moves_only_the_tail_every_byte_checked() {
         );
     }
     // Not whole decode blocks: refused, naming both.
-    let out = Command::new(env!("CARGO_BIN_EXE_pdpair-agent"))
+    let child = Command::new(env!("CARGO_BIN_EXE_pdpair-agent"))
         .args(["loopback", "--pair", &examples("vllm-push-64-64.yaml")])
         .args(["--prompt-tokens", "200", "--decode-prefix-hit", "100"])
-        .output()
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .expect("runs");
+    let pid = child.id();
+    let out = child.wait_with_output().expect("ends");
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--decode-prefix-hit 100") && err.contains("64"), "{err}");
+    // ... and leaves no agent process behind (its agents work in pdpair-loopback-<pid>).
+    let mark = format!("pdpair-loopback-{pid}/");
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(&mark))
+        .collect();
+    assert!(left.is_empty(), "agents outlived the refused scenario: {left:?}");
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -36,22 +36,23 @@ from pdpair_vllm.connector import block_rows
 
 LAYERS, HEADS, HEAD_DIM = 2, 4, 16
 SAMPLED = 7
-_MODEL_DIR = None
+_MODEL_DIRS: Dict[tuple, str] = {}
 
 
-def model_dir() -> str:
-    """A directory holding only a small Llama ``config.json`` (no weights: nothing runs)."""
-    global _MODEL_DIR
-    if _MODEL_DIR is None:
-        _MODEL_DIR = tempfile.mkdtemp(prefix="pdpair-tiny-llama-")
-        with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
+def model_dir(layers: int = LAYERS, heads: int = HEADS, head_dim: int = HEAD_DIM) -> str:
+    """A directory holding only a Llama ``config.json`` of this shape (no weights: nothing runs)."""
+    key = (layers, heads, head_dim)
+    if key not in _MODEL_DIRS:
+        d = tempfile.mkdtemp(prefix="pdpair-llama-config-")
+        with open(os.path.join(d, "config.json"), "w") as f:
             json.dump({
-                "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * 2 * HEAD_DIM,
-                "intermediate_size": 128, "num_attention_heads": HEADS * 2, "num_key_value_heads": HEADS,
-                "num_hidden_layers": LAYERS, "vocab_size": 1000, "max_position_embeddings": 4096,
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": heads * 2 * head_dim,
+                "intermediate_size": 128, "num_attention_heads": heads * 2, "num_key_value_heads": heads,
+                "num_hidden_layers": layers, "vocab_size": 1000, "max_position_embeddings": 8192,
                 "torch_dtype": "float16", "rms_norm_eps": 1e-5,
             }, f)
-    return _MODEL_DIR
+        _MODEL_DIRS[key] = d
+    return _MODEL_DIRS[key]
 
 
 class Engine:
@@ -61,15 +62,20 @@ class Engine:
 
     def __init__(self, world, agent, role: str, *, seed: int, block_size: int = 16, num_blocks: int = 64,
                  layout: str = "NHD", mode: str = "Push", checksum: str = "FailClosed", lease_ms: int = 30000,
-                 handshake_ms: int = 5000, policy: str = "fail", min_transfer_tokens: int = 1, tp: int = 1):
-        self.role, self.seed, self.tp = role, seed, tp
+                 handshake_ms: int = 5000, policy: str = "fail", min_transfer_tokens: int = 1, tp: int = 1,
+                 shape=(LAYERS, HEADS, HEAD_DIM), compute: bool = True):
+        """``shape`` is (layers, KV heads, head dim); ``compute`` false skips writing KV for the
+        scheduled tokens (benchmarks: the transfer moves the same bytes either way)."""
+        self.role, self.seed, self.tp, self.compute = role, seed, tp, compute
+        n_layers, n_heads, head_dim = shape
+        self.shape = shape
         self.block_size = block_size
-        layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        local_heads = max(1, HEADS // tp)
+        layers = [f"model.layers.{i}.self_attn.attn" for i in range(n_layers)]
+        local_heads = max(1, n_heads // tp)
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(layers, FullAttentionSpec(block_size=block_size, num_kv_heads=local_heads,
-                                                                         head_size=HEAD_DIM, dtype=torch.float16))],
+                                                                         head_size=head_dim, dtype=torch.float16))],
         )
 
         def config(rank: int) -> VllmConfig:
@@ -81,8 +87,8 @@ class Engine:
                              "lease_ms": lease_ms},
                 "renew_interval_s": 0.2, "min_transfer_tokens": min_transfer_tokens, "tensor_rank": rank,
             }
-            mc = ModelConfig(model=model_dir(), tokenizer=model_dir(), skip_tokenizer_init=True, dtype="float16",
-                             max_model_len=2048)
+            mc = ModelConfig(model=model_dir(*shape), tokenizer=model_dir(*shape), skip_tokenizer_init=True,
+                             dtype="float16", max_model_len=8192)
             kvt = KVTransferConfig(kv_connector="PdpairConnector", kv_connector_module_path="pdpair_vllm",
                                    kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy=policy,
                                    engine_id=f"{role}-{seed}")
@@ -90,7 +96,7 @@ class Engine:
                 model_config=mc,
                 cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
                 parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=2048,
+                scheduler_config=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=16, max_model_len=8192,
                                                  is_encoder_decoder=False),
                 device_config=DeviceConfig("cpu"),
                 kv_transfer_config=kvt,
@@ -109,11 +115,13 @@ class Engine:
             # vLLM's FLASH_ATTN cache: [2, num_blocks, block_size, heads, dim]; HND keeps that shape
             # with heads outside tokens in memory (the backend's stride order).
             if layout == "NHD":
-                kv = {n: torch.zeros(2, num_blocks, block_size, local_heads, HEAD_DIM, dtype=torch.float16)
+                kv = {n: torch.zeros(2, num_blocks, block_size, local_heads, head_dim, dtype=torch.float16)
                       for n in layers}
             else:
-                kv = {n: torch.zeros(2, num_blocks, local_heads, block_size, HEAD_DIM, dtype=torch.float16)
+                kv = {n: torch.zeros(2, num_blocks, local_heads, block_size, head_dim, dtype=torch.float16)
                       .transpose(2, 3) for n in layers}
+            for t in kv.values():
+                t.zero_()  # touched, as vLLM's KV cache is at startup (torch.zeros maps it lazily)
             w.register_kv_caches(kv)
             handshake[(0, rank)] = w.get_handshake_metadata()
             lay = w._client.layout
@@ -160,7 +168,7 @@ class Engine:
             req = self.scheduler.requests[rid]
             end = req.num_computed_tokens  # schedule() advanced it
             start = end - n
-            for rank in range(self.tp):
+            for rank in range(self.tp if self.compute else 0):
                 self._compute(rank, rid, start, min(end, req.num_prompt_tokens))
             if end >= req.num_prompt_tokens:
                 sampled[rid] = [SAMPLED]
@@ -204,7 +212,7 @@ class Engine:
         half = lay.half_token
         for t in range(start, end):
             b, j = blocks[t // self.block_size], t % self.block_size
-            for layer in range(LAYERS):
+            for layer in range(self.shape[0]):
                 for h in range(lay.local_heads):
                     for v in (0, 1):
                         at = lay.token_offset(h, j)
@@ -222,7 +230,7 @@ class Engine:
             for seed in seeds:
                 if all(bytes(self.rows[rank][layer][v, b, lay.token_offset(h, j):][:lay.half_token].tolist())
                        == synthetic.token_bytes(seed, layer, lay.head_offset + h, t, bool(v), lay.half_token)
-                       for rank, lay in enumerate(self.layouts) for layer in range(LAYERS)
+                       for rank, lay in enumerate(self.layouts) for layer in range(self.shape[0])
                        for h in range(lay.local_heads) for v in (0, 1)):
                     found = seed
                     break

@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover
 
 from . import client as agent_client
 from .client import AgentClient
-from .layout import ELEMENT_BYTES
+from .layout import ELEMENT_BYTES, runs
 from .transfer import Plan, Results, SchedulerState, Stager, WorkerState
 
 if TYPE_CHECKING:
@@ -108,21 +108,30 @@ class TorchStager(Stager):
         self.layout = layout
         self._pool_buf = pool
         flat = torch.frombuffer(pool, dtype=torch.uint8, count=layout.region_len)
+        # Touch every page now, as the engine's own KV cache was at startup: otherwise the first
+        # staging copies and the peers' first writes into a block pay its page faults.
+        flat.zero_()
         self.pool = flat.view(layout.layers, 2, layout.num_blocks, layout.block_len)
         self.rows = [block_rows(t, layout.num_blocks, layout.block_len) for t in tensors]
         self.pinned = False
         if any(t.is_cuda for t in tensors):
             self.pinned = _pin(flat.data_ptr(), layout.region_len)
 
+    # The pool mirrors the KV cache block for block (the same ids), so runs of consecutive blocks
+    # are one slice copy per layer (K and V together): a gather by index tensors ran 18x slower
+    # on CPU (113 vs 6.2 ms for 64 MiB, measured 12-01).
+
     def save(self, blocks: List[int]) -> None:
-        idx = torch.tensor(blocks, dtype=torch.long)
-        for layer, rows in enumerate(self.rows):
-            self.pool[layer][:, idx] = rows[:, idx.to(rows.device)].cpu()
+        for first, count in runs(blocks):
+            end = first + count
+            for layer, rows in enumerate(self.rows):
+                self.pool[layer, :, first:end].copy_(rows[:, first:end])
 
     def load(self, blocks: List[int]) -> None:
-        idx = torch.tensor(blocks, dtype=torch.long)
-        for layer, rows in enumerate(self.rows):
-            rows[:, idx.to(rows.device)] = self.pool[layer][:, idx].to(rows.device)
+        for first, count in runs(blocks):
+            end = first + count
+            for layer, rows in enumerate(self.rows):
+                rows[:, first:end].copy_(self.pool[layer, :, first:end])
 
 
 def _pin(ptr: int, size: int) -> bool:

@@ -281,6 +281,8 @@ class WorkerState:
         self._results = Results()
         #: How each request ended with the agent (vLLM id -> final event type), for logs and tests.
         self.outcomes: Dict[str, str] = {}
+        #: Milliseconds of staging copies per request (vLLM id -> "save"/"load" -> ms).
+        self.staging_ms: Dict[str, Dict[str, float]] = {}
 
     def start(self, plan: Plan) -> None:
         """Before the forward pass: ask for the KV of new receives, release, renew, cancel."""
@@ -308,7 +310,9 @@ class WorkerState:
     def save(self, plan: Plan) -> None:
         """After the forward pass: stage finished prefills into the pool and announce them."""
         for send in plan.sends:
+            t = time.perf_counter()
             self.stager.save(send.blocks)
+            self.staging_ms.setdefault(send.request, {})["save"] = (time.perf_counter() - t) * 1e3
             self._open[send.request] = ("send", send.request, None)
             self.client.kv_ready(send.request, send.blocks, send.num_tokens)
 
@@ -337,7 +341,9 @@ class WorkerState:
             return
         assert recv is not None
         if event.type == "RequestDone":
+            t = time.perf_counter()
             self.stager.load(recv.blocks)
+            self.staging_ms.setdefault(request, {})["load"] = (time.perf_counter() - t) * 1e3
         else:
             log.warning("pdpair: receiving request %s (%s) failed: %s: %s", request, event.request,
                         ",".join(event.reasons) or event.type, event.message)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Per-request cost through the vLLM connector (python/tests/bench_connector.py: two vLLM
+# schedulers with PdpairConnector, host staging both sides) beside the same requests between the
+# agent's own synthetic engines (`pdpair-agent loopback`), in the same run: 8B-class geometry,
+# 16-token blocks, shm, 512 and 4096 tokens, checksums Disabled and FailClosed. docs/benchmarks.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="$(hack/python-wheel.sh)"
+cargo build -q --release -p pdpair-agent
+bin="$PWD/target/release/pdpair-agent"
+requests="${1:-12}"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+for checksum in Disabled FailClosed; do
+  cat > "$tmp/8b-$checksum.yaml" <<Y
+apiVersion: pdpair.dev/v1alpha1
+kind: PDPair
+metadata: {name: llama-8b}
+spec:
+  transfer: {mode: Push, checksum: $checksum, handshakeTimeout: 5s, leaseDuration: 30s}
+  prefill:
+    kv: &kv {engine: vllm, model: meta-llama/Llama-3.1-8B-Instruct, dtype: float16, layers: 32, kvHeads: 8, headDim: 128, attentionBackend: FLASH_ATTN, layout: NHD, blockSize: 16}
+  decode:
+    kv: *kv
+Y
+  for tokens in 512 4096; do
+    echo "synthetic engines, $tokens tokens, $checksum:"
+    "$bin" loopback --pair "$tmp/8b-$checksum.yaml" --requests "$requests" --prompt-tokens "$tokens" \
+      --transport shm --no-verify-bytes -o json |
+      "$venv/bin/python" -c 'import json,sys; r=json.load(sys.stdin); print(" ", {k: r["latency_ms"][k] for k in ("p50","p99")}, "succeeded", r["succeeded"])'
+  done
+done
+echo "through the connector (vLLM schedulers, staging copies):"
+cd python/tests
+PDPAIR_AGENT_BIN="$bin" "$venv/bin/python" bench_connector.py "$requests" 2> >(grep -v -e "^W1201" -e WARNING -e Warning -e "^Turning" -e "^Initializing" -e "^FlashInfer" -e "^Failed to import" >&2)
