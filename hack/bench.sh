@@ -67,3 +67,6 @@ run $bin bench-checksum --mib 512
 run $bin bench-put --mib 256 --rounds 5
 # The same at the many-small-blocks size (32 KiB puts over 256 MiB of distinct memory).
 run $bin bench-put --mib 256 --put-kib 32 --rounds 5
+
+# Per-request cost through the vLLM connector beside the synthetic engines (the vLLM venv, once).
+run hack/bench-connector.sh 12
