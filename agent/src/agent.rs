@@ -464,6 +464,7 @@ impl Engine {
             .ok_or("pairing_key must be non-empty hex")?;
         let layout =
             PoolLayout::new(&reg.kv, &reg.parallelism, reg.num_blocks, reg.tensor_rank).map_err(|e| e.to_string())?;
+        let layout = layout.arranged(reg.kv_arrangement);
         if reg.num_blocks == 0 {
             return Err("num_blocks must be at least 1".into());
         }

@@ -454,6 +454,9 @@ pub struct SyntheticEngineArgs {
     /// Decode: the prefill ranks' addresses (repeatable: several make an `ExpectKvFromPool`).
     #[arg(long)]
     pub prefill: Vec<String>,
+    /// Where each layer's K and V blocks are: KvFirst or BlocksFirst.
+    #[arg(long = "kv-arrangement", default_value = "KvFirst", value_parser = ["KvFirst", "BlocksFirst"])]
+    pub kv_arrangement: String,
 }
 
 /// Runs `synthetic-engine`: prints `{"address": ...}` once registered, then (prefill) fills and
@@ -494,6 +497,11 @@ pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Resu
         num_blocks: args.num_blocks,
         tensor_rank: args.tensor_rank,
         memory: EngineMemory::Agent,
+        arrangement: if args.kv_arrangement == "BlocksFirst" {
+            crate::layout::KvArrangement::BlocksFirst
+        } else {
+            crate::layout::KvArrangement::KvFirst
+        },
     };
     let mut engine = SyntheticEngine::register(&args.socket, Path::new("."), &spec).map_err(UsageError)?;
     let say = |out: &mut dyn Write, v: serde_json::Value| {

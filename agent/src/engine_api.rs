@@ -151,6 +151,10 @@ pub struct PoolRegistration {
     /// The engine's tensor-parallel rank (each rank registers as its own engine).
     #[serde(default)]
     pub tensor_rank: u32,
+    /// Where each layer's K and V blocks are in the pool (default `KvFirst`: a K array then a V
+    /// array; `BlocksFirst`: each block's K then its V, as FlashInfer lays out its cache).
+    #[serde(default)]
+    pub kv_arrangement: crate::layout::KvArrangement,
 }
 
 /// Agent -> engine.

@@ -1,10 +1,24 @@
 //! Where an engine's KV blocks are in its registered pool memory.
 //!
-//! One region per engine: for each layer, a K array then a V array of `num_blocks` blocks each
-//! (vLLM's per-layer `[2, num_blocks, ...]`). A block holds `kernel_block_size` tokens of the
-//! engine's local KV heads, `HND` (head, token, dim) or `NHD` (token, head, dim).
+//! One region per engine, layer after layer. Inside a layer, [`KvArrangement::KvFirst`]: a K array
+//! then a V array of `num_blocks` blocks each (vLLM's FlashAttention `[2, num_blocks, ...]`), or
+//! [`KvArrangement::BlocksFirst`]: block after block, each its K then its V (FlashInfer's
+//! `[num_blocks, 2, ...]`). A block holds `kernel_block_size` tokens of the engine's local KV heads,
+//! `HND` (head, token, dim) or `NHD` (token, head, dim).
 
 use pdpair_api::{KvGeometry, KvLayout, Parallelism, checksum::Shape};
+use serde::{Deserialize, Serialize};
+
+/// Where a layer's K and V blocks are relative to each other (the engine API's
+/// `kv_arrangement`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KvArrangement {
+    /// A K array of all blocks, then a V array (FlashAttention's `[2, num_blocks, ...]`).
+    #[default]
+    KvFirst,
+    /// Block after block, each its K then its V (FlashInfer's `[num_blocks, 2, ...]`).
+    BlocksFirst,
+}
 
 use crate::checksum::block_checksum;
 
@@ -27,6 +41,8 @@ pub struct PoolLayout {
     pub num_blocks: u32,
     /// HND or NHD.
     pub layout: KvLayout,
+    /// K and V arrays, or K and V per block.
+    pub arrangement: KvArrangement,
 }
 
 /// Why a pool's geometry or memory is unusable.
@@ -77,7 +93,21 @@ impl PoolLayout {
             block_size: positive("kernelBlockSize", kv.kernel_block_size())?,
             num_blocks,
             layout: kv.layout,
+            arrangement: KvArrangement::KvFirst,
         })
+    }
+
+    /// The same layout with K and V arranged as `arrangement`.
+    pub fn arranged(self, arrangement: KvArrangement) -> PoolLayout {
+        PoolLayout { arrangement, ..self }
+    }
+
+    /// Bytes from one block of a layer's K (or V) to the next.
+    pub fn block_stride(&self) -> usize {
+        match self.arrangement {
+            KvArrangement::KvFirst => self.block_len(),
+            KvArrangement::BlocksFirst => 2 * self.block_len(),
+        }
     }
 
     /// Bytes of one head's one token's K (or V).
@@ -119,13 +149,13 @@ impl PoolLayout {
         2 * self.layers as usize * self.array_len()
     }
 
-    /// Offsets of each layer's K array and V array.
+    /// Offsets of each layer's block 0 of K and of V (blocks follow at [`PoolLayout::block_stride`]).
     pub fn layer_offsets(&self) -> Vec<(u64, u64)> {
-        (0..self.layers as usize)
+        (0..self.layers)
             .map(|l| {
                 (
-                    (2 * l * self.array_len()) as u64,
-                    ((2 * l + 1) * self.array_len()) as u64,
+                    self.block_offset(l, false, 0) as u64,
+                    self.block_offset(l, true, 0) as u64,
                 )
             })
             .collect()
@@ -133,7 +163,15 @@ impl PoolLayout {
 
     /// Offset of a block of a layer's K (`v = false`) or V array.
     pub fn block_offset(&self, layer: u32, v: bool, block: u32) -> usize {
-        (2 * layer as usize + usize::from(v)) * self.array_len() + block as usize * self.block_len()
+        let layer_start = 2 * layer as usize * self.array_len();
+        match self.arrangement {
+            KvArrangement::KvFirst => {
+                layer_start + usize::from(v) * self.array_len() + block as usize * self.block_len()
+            }
+            KvArrangement::BlocksFirst => {
+                layer_start + block as usize * 2 * self.block_len() + usize::from(v) * self.block_len()
+            }
+        }
     }
 
     /// Offset of a token's K (or V) for a local head inside a block.
@@ -240,8 +278,60 @@ mod tests {
 
     /// The engine layout and the canonical layout give the same checksum for the same tokens.
     #[test]
+    fn both_arrangements_partition_the_region_into_every_layers_k_and_v_blocks() {
+        let base = PoolLayout {
+            layers: 3,
+            local_heads: 2,
+            head_offset: 0,
+            head_dim: 4,
+            element_bytes: 2,
+            block_size: 4,
+            num_blocks: 5,
+            layout: KvLayout::Hnd,
+            arrangement: KvArrangement::KvFirst,
+        };
+        for arrangement in [KvArrangement::KvFirst, KvArrangement::BlocksFirst] {
+            let pool = base.clone().arranged(arrangement);
+            let mut seen = vec![false; pool.region_len()];
+            for l in 0..3 {
+                for v in [false, true] {
+                    for b in 0..5 {
+                        let at = pool.block_offset(l, v, b);
+                        assert_eq!(
+                            at,
+                            pool.layer_offsets()[l as usize].0 as usize
+                                + usize::from(v)
+                                    * (pool.layer_offsets()[l as usize].1 - pool.layer_offsets()[l as usize].0)
+                                        as usize
+                                + b as usize * pool.block_stride()
+                        );
+                        for byte in &mut seen[at..at + pool.block_len()] {
+                            assert!(!*byte, "{arrangement:?}: blocks overlap");
+                            *byte = true;
+                        }
+                    }
+                }
+            }
+            assert!(
+                seen.iter().all(|b| *b),
+                "{arrangement:?}: every byte belongs to a block"
+            );
+        }
+        let fi = base.arranged(KvArrangement::BlocksFirst);
+        assert_eq!(
+            fi.block_offset(1, true, 2),
+            2 * 5 * 64 + 2 * 2 * 64 + 64,
+            "FlashInfer's [N, 2, ...]"
+        );
+    }
+
+    #[test]
     fn engine_layouts_checksum_like_the_canonical_dump() {
-        for layout in [KvLayout::Hnd, KvLayout::Nhd] {
+        for (layout, arrangement) in [
+            (KvLayout::Hnd, KvArrangement::KvFirst),
+            (KvLayout::Nhd, KvArrangement::KvFirst),
+            (KvLayout::Hnd, KvArrangement::BlocksFirst),
+        ] {
             let pool = PoolLayout {
                 layers: 2,
                 local_heads: 3,
@@ -251,6 +341,7 @@ mod tests {
                 block_size: 4,
                 num_blocks: 3,
                 layout,
+                arrangement,
             };
             let memory: Vec<u8> = (0..pool.region_len()).map(|i| (i * 31 + 7) as u8).collect();
             // Build the canonical dump of block 1 from the engine memory.

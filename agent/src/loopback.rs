@@ -302,6 +302,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                 num_blocks,
                 tensor_rank,
                 memory: opts.engine_memory,
+                arrangement: Default::default(),
             }
         };
     let kernel = |pool: &pdpair_api::PoolSpec| u32::try_from(pool.kv.kernel_block_size()).unwrap_or(1).max(1);

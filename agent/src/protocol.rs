@@ -211,7 +211,7 @@ impl MemoryDesc {
             rkey,
             num_blocks: layout.num_blocks,
             block_len: layout.block_len() as u64,
-            block_stride: layout.block_len() as u64,
+            block_stride: layout.block_stride() as u64,
             layers: layout.layer_offsets(),
         }
     }

@@ -46,6 +46,8 @@ pub struct EngineSpec {
     pub tensor_rank: u32,
     /// Who allocates the pool.
     pub memory: EngineMemory,
+    /// K and V arrays, or K and V per block.
+    pub arrangement: crate::layout::KvArrangement,
 }
 
 /// Who allocates a synthetic engine's pool.
@@ -90,7 +92,8 @@ impl SyntheticEngine {
         pod: Option<String>,
     ) -> Result<SyntheticEngine, String> {
         let layout = PoolLayout::new(&spec.kv, &spec.parallelism, spec.num_blocks, spec.tensor_rank)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| e.to_string())?
+            .arranged(spec.arrangement);
         let own = match spec.memory {
             EngineMemory::Engine => Some(crate::pool::sealed_memfd(layout.region_len())?),
             EngineMemory::Agent => None,
@@ -153,6 +156,7 @@ impl SyntheticEngine {
             memory_path: None,
             num_blocks: spec.num_blocks,
             tensor_rank: spec.tensor_rank,
+            kv_arrangement: spec.arrangement,
         }
     }
 

@@ -171,6 +171,11 @@ fn registration() -> impl Strategy<Value = PoolRegistration> {
                     memory_path: None,
                     num_blocks: blocks,
                     tensor_rank: rank,
+                    kv_arrangement: if layout / 2 % 2 == 0 {
+                        pdpair_agent::layout::KvArrangement::KvFirst
+                    } else {
+                        pdpair_agent::layout::KvArrangement::BlocksFirst
+                    },
                 }
             },
         )

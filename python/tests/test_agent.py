@@ -16,11 +16,11 @@ SETTINGS = {"handshake_timeout_ms": 5000, "lease_ms": 30000}
 
 
 def py_engine(world, agent, role, geometry, *, mode="Push", checksum="FailClosed", tp=1, rank=0,
-              num_blocks=16, lease_ms=30000, engine=None, key=None) -> AgentClient:
+              num_blocks=16, lease_ms=30000, engine=None, key=None, arrangement="KvFirst") -> AgentClient:
     reg = registration(
         pdpair="default/pair", role=role, engine=engine or f"py-{role}-{rank}", kv=geometry,
         num_blocks=num_blocks, pairing_key=key or world.key, tensor=tp, tensor_rank=rank, mode=mode,
-        checksum=checksum, handshake_timeout_ms=5000, lease_ms=lease_ms,
+        checksum=checksum, handshake_timeout_ms=5000, lease_ms=lease_ms, kv_arrangement=arrangement,
     )
     return AgentClient.register(agent.socket, reg)
 
@@ -53,6 +53,32 @@ def test_python_prefill_to_rust_decode_and_back_byte_exact(world, mode, transpor
     # The pattern check itself sees a wrong byte.
     dd.pool[dd.layout.block_offset(1, True, 4) + 3] ^= 0xFF
     assert synthetic.verify(dd.pool, dd.layout, 12, [6, 4, 1], 0, 37) == 1
+
+
+@pytest.mark.parametrize("mode", ["Push", "Pull"])
+def test_k_and_v_interleaved_per_block_flashinfer_style_moves_byte_exact_both_ways(world, mode):
+    # FlashInfer keeps each block's K then V ([num_blocks, 2, ...]); the agent reads and writes
+    # such a pool through the same description, against a K-then-V pool on the other side.
+    g = kv(block=16)
+    manifest = world.manifest(mode, "FailClosed", g, g)
+    pa, da = world.agent("p"), world.agent("d")
+    p = py_engine(world, pa, "prefill", g, mode=mode, arrangement="BlocksFirst")
+    assert p.layout.block_offset(0, True, 3) == p.layout.block_offset(0, False, 3) + p.layout.block_len
+    synthetic.fill(p.pool, p.layout, 61, [2, 3, 4, 9], 0, 60)
+    p.kv_ready("fi", [2, 3, 4, 9], 60)
+    d, _ = rust_engine(world, da, manifest, "decode", request="fi", blocks=[0, 1, 2, 3], num_tokens=60, seed=61,
+                       prefill=[p.address])
+    got = rust_result(d)
+    assert got["type"] == "RequestDone" and got["bad_tokens"] == 0, got
+    # The Rust engine interleaved, a Python K-then-V decode.
+    rp, addr = rust_engine(world, pa, manifest, "prefill", request="fi2", blocks=[5, 6], num_tokens=30, seed=62,
+                           arrangement="BlocksFirst")
+    dd = py_engine(world, da, "decode", g, mode=mode)
+    dd.expect_kv("fi2", [addr], [7, 8], 30)
+    event = dd.wait("fi2")
+    assert event.type == "RequestDone" and event.raw["checksum"] == "Verified", event.raw
+    assert synthetic.verify(dd.pool, dd.layout, 62, [7, 8], 0, 30) == 0
+    assert rust_result(rp)["type"] == "RequestDone"
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2)])

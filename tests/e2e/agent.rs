@@ -70,6 +70,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
                 pairing_key: key.clone(),
                 num_blocks: 4,
                 memory: EngineMemory::Agent,
+                arrangement: Default::default(),
                 tensor_rank: 0,
             },
             pod.to_owned(),

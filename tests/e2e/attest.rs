@@ -117,6 +117,7 @@ fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
         pairing_key: vec![7; 32],
         num_blocks: 4,
         memory: EngineMemory::Agent,
+        arrangement: Default::default(),
         tensor_rank: 0,
     };
     let register = |role: Role, pod: &str| {

@@ -726,10 +726,13 @@ impl Engine {
             }
             return ops;
         }
+        // Consecutive blocks on both sides are one put where both sides keep a layer's K (or V)
+        // blocks back to back; K and V interleaved per block (FlashInfer) are a put per block.
+        let contiguous = self.layout.block_stride() as u64 == block_len && remote.block_stride == block_len;
         let mut runs: Vec<(u32, u32, u32)> = Vec::new(); // (p start, d start, count)
         for (p, d, _) in pairs {
             match runs.last_mut() {
-                Some((ps, ds, n)) if *ps + *n == *p && *ds + *n == *d => *n += 1,
+                Some((ps, ds, n)) if contiguous && *ps + *n == *p && *ds + *n == *d => *n += 1,
                 _ => runs.push((*p, *d, 1)),
             }
         }

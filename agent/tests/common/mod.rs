@@ -53,6 +53,7 @@ pub fn spec(role: Role, engine: &str, kv: KvGeometry, key: &[u8], checksum: Chec
         num_blocks: 16,
         tensor_rank: 0,
         memory: EngineMemory::Agent,
+        arrangement: Default::default(),
     }
 }
 

@@ -67,6 +67,7 @@ def registration(
     handshake_timeout_ms: Optional[int] = None,
     lease_ms: Optional[int] = None,
     memory_fd: bool = False,
+    kv_arrangement: str = "KvFirst",
 ) -> dict:
     """A ``RegisterPool`` message. Settings left ``None`` are filled by the agent from the
     PDPair (in a cluster); outside one the agent requires them."""
@@ -84,6 +85,7 @@ def registration(
         "memory_fd": memory_fd,
         "num_blocks": num_blocks,
         "tensor_rank": tensor_rank,
+        "kv_arrangement": kv_arrangement,
     }
     optional = {
         "pod": pod,
@@ -130,7 +132,8 @@ class AgentClient:
         """Connects to the agent and registers ``reg`` (a :func:`registration`); the agent
         allocates the pool and passes its descriptor, which is mapped whole."""
         layout = PoolLayout.new(
-            reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"], reg.get("tensor_rank", 0)
+            reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"], reg.get("tensor_rank", 0),
+            reg.get("kv_arrangement", "KvFirst"),
         )
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)

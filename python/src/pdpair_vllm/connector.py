@@ -107,6 +107,8 @@ class TorchStager(Stager):
     def __init__(self, tensors: List[torch.Tensor], pool, layout):
         self.layout = layout
         self._pool_buf = pool
+        if layout.arrangement != "KvFirst":
+            raise ValueError(f"pdpair: host staging registers KvFirst pools, not {layout.arrangement}")
         flat = torch.frombuffer(pool, dtype=torch.uint8, count=layout.region_len)
         # Touch every page now, as the engine's own KV cache was at startup: otherwise the first
         # staging copies and the peers' first writes into a block pay its page faults.

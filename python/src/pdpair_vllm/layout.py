@@ -2,8 +2,10 @@
 ``agent/src/layout.rs`` (docs/engine-api.md, "Pool memory layout"), which a test checks on the same
 inputs through real transfers with the agent's own synthetic engine.
 
-One region: for each layer a K array then a V array of ``num_blocks`` blocks; a block holds
-``kernelBlockSize`` tokens of this rank's KV heads, HND (head, token, dim) or NHD (token, head, dim).
+One region, layer after layer; inside a layer either a K array then a V array of ``num_blocks``
+blocks (``KvFirst``, FlashAttention's ``[2, num_blocks, ...]``) or each block's K then its V
+(``BlocksFirst``, FlashInfer's ``[num_blocks, 2, ...]``); a block holds ``kernelBlockSize`` tokens of
+this rank's KV heads, HND (head, token, dim) or NHD (token, head, dim).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ ELEMENT_BYTES = {
     "float16": 2,
     "float32": 4,
 }
+
+
+ARRANGEMENTS = ("KvFirst", "BlocksFirst")
 
 
 class LayoutError(ValueError):
@@ -54,9 +59,10 @@ class PoolLayout:
     block_size: int
     num_blocks: int
     layout: str  # "HND" or "NHD"
+    arrangement: str = "KvFirst"  # or "BlocksFirst"
 
     @staticmethod
-    def new(kv: Mapping, tensor: int, num_blocks: int, rank: int) -> "PoolLayout":
+    def new(kv: Mapping, tensor: int, num_blocks: int, rank: int, arrangement: str = "KvFirst") -> "PoolLayout":
         """The layout of tensor-parallel rank ``rank`` of an engine with geometry ``kv`` (the
         PDPair's camelCase ``kv`` object) and ``tensor`` ranks."""
         heads = _positive(kv, "kvHeads")
@@ -73,6 +79,8 @@ class PoolLayout:
         layout = kv.get("layout")
         if layout not in ("HND", "NHD"):
             raise LayoutError(f"kv.layout is {layout!r}, not HND or NHD")
+        if arrangement not in ARRANGEMENTS:
+            raise LayoutError(f"kv_arrangement is {arrangement!r}, not one of {', '.join(ARRANGEMENTS)}")
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise LayoutError(f"num_blocks is {num_blocks!r}; it must be at least 1")
         return PoolLayout(
@@ -84,6 +92,7 @@ class PoolLayout:
             block_size=_positive({"kernelBlockSize": block}, "kernelBlockSize"),
             num_blocks=num_blocks,
             layout=layout,
+            arrangement=arrangement,
         )
 
     @property
@@ -105,9 +114,17 @@ class PoolLayout:
         """Bytes of the whole pool."""
         return 2 * self.layers * self.array_len
 
+    @property
+    def block_stride(self) -> int:
+        """Bytes from one block of a layer's K (or V) to the next."""
+        return self.block_len if self.arrangement == "KvFirst" else 2 * self.block_len
+
     def block_offset(self, layer: int, v: bool, block: int) -> int:
         """Offset of a block of a layer's K (``v`` false) or V array."""
-        return (2 * layer + int(v)) * self.array_len + block * self.block_len
+        start = 2 * layer * self.array_len
+        if self.arrangement == "KvFirst":
+            return start + int(v) * self.array_len + block * self.block_len
+        return start + block * 2 * self.block_len + int(v) * self.block_len
 
     def token_offset(self, head: int, token: int) -> int:
         """Offset of a local head's token inside a block."""
