@@ -80,3 +80,17 @@ def test_prefill_holds_its_blocks_and_names_every_rank_in_order():
 
 def test_kernel_ids():
     assert kernel_ids([0, 3], 2) == [0, 1, 6, 7]
+
+
+def test_a_failed_load_vllm_ends_is_not_cancelled_but_an_abort_in_flight_is():
+    # vLLM ends a request whose load failed (policy fail) before it hands the connector the
+    # worker's report, and frees its blocks whatever the connector says: no Cancel, no hold.
+    s = SchedulerState(16, 16)
+    for rid in ("failed", "aborted"):
+        p = params(**{PARAM_REQUEST: rid})
+        s.matched_tokens(rid, p, 50, 0)
+        s.after_alloc(rid, p, [1, 2, 3, 4], 50, 50)
+    s.plan()
+    assert s.finished("failed", {}, False, [1, 2, 3, 4], 0, "e", load_failed=True) == (False, None)
+    assert s.finished("aborted", {}, False, [1, 2, 3, 4], 0, "e") == (True, None)
+    assert s.plan().cancels == ["aborted"]

@@ -226,3 +226,46 @@ def test_tensor_parallel_ranks_each_gather_their_heads_and_vllm_aggregates_them(
     finally:
         p.close()
         d.close()
+
+
+def test_a_request_decode_queues_for_blocks_is_renewed_and_still_arrives(world):
+    # D has 5 blocks; "hog" holds 4 of them waiting for KV that never comes, so "req" (3 blocks)
+    # waits in vLLM's queue for longer than P's 0.5 s lease: D renews it, P keeps its blocks.
+    pa, qa, da = world.agent("p"), world.agent("q"), world.agent("d")
+    p = Engine(world, pa, "prefill", seed=P_SEED, lease_ms=500)
+    q = Engine(world, qa, "prefill", seed=P_SEED)  # holds hog's registration for its 30 s lease
+    d = Engine(world, da, "decode", seed=D_SEED, lease_ms=500, num_blocks=5)
+    try:
+        prompt = list(range(4000, 4040))
+        params = prefill(p, "req", prompt)
+        ghost = {"do_remote_prefill": True, "pdpair_request": "never-ready",
+                 "pdpair_prefill_ranks": [q.worker._client.address], "pdpair_num_tokens": 64}
+        d.add("hog", list(range(5000, 5064)), ghost)
+        d.add("req", prompt, params)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            p.step()
+            d.step()
+            time.sleep(0.01)
+        assert d.status("hog") == "WAITING_FOR_REMOTE_KVS"
+        assert d.status("req") == "WAITING", "no blocks for it yet"
+        assert p.status("req") is not None and p.outcome("req") is None, "P still holds it after 4 leases"
+        d.abort("hog")  # Cancel: its blocks come back once the agent answers
+        seeds = decode_receives_queued(p, d, "req", len(prompt))
+        assert seeds == [P_SEED] * 40, seeds
+        assert d.outcome("hog") == "Cancelled"
+    finally:
+        for e in (p, q, d):
+            e.close()
+
+
+def decode_receives_queued(p: Engine, d: Engine, request: str, tokens: int):
+    seen = {}
+
+    def arrived():
+        if received(d, request) and "seeds" not in seen:
+            seen["seeds"] = d.kv_seeds(request, 0, tokens, [P_SEED, D_SEED])
+        return "seeds" in seen
+
+    both(p, d, arrived, what="the queued request's KV received")
+    return seen["seeds"]

@@ -225,9 +225,10 @@ class PdpairConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids) -> Tuple[bool, Optional[dict]]:
         assert self._sched is not None
         ids = block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids
-        completed = getattr(request.status, "name", str(request.status)) in COMPLETED
-        return self._sched.finished(request.request_id, request.kv_transfer_params, completed, list(ids or []),
-                                    request.num_computed_tokens, self._engine_id)
+        status = getattr(request.status, "name", str(request.status))
+        return self._sched.finished(request.request_id, request.kv_transfer_params, status in COMPLETED,
+                                    list(ids or []), request.num_computed_tokens, self._engine_id,
+                                    load_failed=status == "FINISHED_ERROR")
 
     # ==== worker side ============================================================================
 

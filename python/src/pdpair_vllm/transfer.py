@@ -194,8 +194,10 @@ class SchedulerState:
     # --- both -----------------------------------------------------------------------------------
 
     def finished(self, request: str, params: Optional[dict], completed: bool, block_ids: Sequence[int],
-                 num_computed_tokens: int, engine: str) -> Tuple[bool, Optional[dict]]:
-        """vLLM's ``request_finished``: whether to hold the blocks, and the params for D."""
+                 num_computed_tokens: int, engine: str, load_failed: bool = False) -> Tuple[bool, Optional[dict]]:
+        """vLLM's ``request_finished``: whether to hold the blocks, and the params for D.
+        ``load_failed``: vLLM ended the request because its KV failed to load (the worker reported
+        the transfer over; vLLM frees the blocks whatever this returns)."""
         self.queued.pop(request, None)
         if params and params.get("do_remote_prefill"):
             # D: finished before allocation (an abort): P frees its blocks.
@@ -203,6 +205,9 @@ class SchedulerState:
             params["do_remote_prefill"] = False
             if remote is not None:
                 self._plan.releases.append(Release(remote[0], remote[1]))
+            return False, None
+        if request in self.receiving and load_failed:
+            self.receiving.pop(request)
             return False, None
         if request in self.receiving:
             # D: aborted while its KV is on its way: hold the blocks until the agent confirms.
