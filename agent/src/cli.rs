@@ -465,7 +465,7 @@ pub struct SyntheticEngineArgs {
 pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Result<(), UsageError> {
     use crate::{
         engine_api::{AgentEvent, EngineRequest},
-        synthetic::{EngineMemory, EngineSpec, SyntheticEngine},
+        synthetic::{EngineSpec, SyntheticEngine},
     };
     let pair = crate::loopback::load(&args.pair).map_err(UsageError)?;
     let role = if args.role == "prefill" {
@@ -478,30 +478,21 @@ pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Resu
     } else {
         &pair.spec.decode
     };
-    let t = &pair.spec.transfer;
     let spec = EngineSpec {
-        pdpair: format!(
-            "{}/{}",
-            pair.metadata.namespace.as_deref().unwrap_or("default"),
-            pair.metadata.name.as_deref().unwrap_or("pair")
-        ),
-        role,
-        engine: args.engine.clone(),
-        mode: t.mode,
-        checksum: t.checksum,
-        handshake_timeout_ms: t.handshake_timeout.get().as_millis() as u64,
-        lease_ms: t.lease_duration.get().as_millis() as u64,
-        parallelism: pool.parallelism.clone(),
-        kv: pool.kv.clone(),
-        pairing_key: read(&args.pairing_key_file)?,
-        num_blocks: args.num_blocks,
-        tensor_rank: args.tensor_rank,
-        memory: EngineMemory::Agent,
         arrangement: if args.kv_arrangement == "BlocksFirst" {
             crate::layout::KvArrangement::BlocksFirst
         } else {
             crate::layout::KvArrangement::KvFirst
         },
+        ..EngineSpec::of_pair(
+            &pair,
+            pool,
+            role,
+            args.engine.clone(),
+            &read(&args.pairing_key_file)?,
+            args.num_blocks,
+            args.tensor_rank,
+        )
     };
     let mut engine = SyntheticEngine::register(&args.socket, Path::new("."), &spec).map_err(UsageError)?;
     let say = |out: &mut dyn Write, v: serde_json::Value| {

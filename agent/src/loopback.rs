@@ -281,28 +281,11 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         Some(path) => std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?,
         None => secret.to_vec(),
     };
-    let pdpair = format!(
-        "{}/{}",
-        pair.metadata.namespace.as_deref().unwrap_or("default"),
-        pair.metadata.name.as_deref().unwrap_or("pair")
-    );
     let engine_spec =
         |role: Role, engine: String, pool: &pdpair_api::PoolSpec, key: &[u8], num_blocks: u32, tensor_rank: u32| {
             EngineSpec {
-                pdpair: pdpair.clone(),
-                role,
-                engine,
-                mode: transfer.mode,
-                checksum: transfer.checksum,
-                handshake_timeout_ms: transfer.handshake_timeout.get().as_millis() as u64,
-                lease_ms: transfer.lease_duration.get().as_millis() as u64,
-                parallelism: pool.parallelism.clone(),
-                kv: pool.kv.clone(),
-                pairing_key: key.to_vec(),
-                num_blocks,
-                tensor_rank,
                 memory: opts.engine_memory,
-                arrangement: Default::default(),
+                ..EngineSpec::of_pair(pair, pool, role, engine, key, num_blocks, tensor_rank)
             }
         };
     let kernel = |pool: &pdpair_api::PoolSpec| u32::try_from(pool.kv.kernel_block_size()).unwrap_or(1).max(1);

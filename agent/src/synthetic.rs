@@ -50,6 +50,42 @@ pub struct EngineSpec {
     pub arrangement: crate::layout::KvArrangement,
 }
 
+impl EngineSpec {
+    /// An engine of PDPair `pair` (its `namespace/name` and transfer settings) running `pool`'s
+    /// geometry and parallelism: its pool allocated by the agent, K and V arrays first.
+    pub fn of_pair(
+        pair: &pdpair_api::PDPair,
+        pool: &pdpair_api::PoolSpec,
+        role: Role,
+        engine: String,
+        pairing_key: &[u8],
+        num_blocks: u32,
+        tensor_rank: u32,
+    ) -> EngineSpec {
+        let t = &pair.spec.transfer;
+        EngineSpec {
+            pdpair: format!(
+                "{}/{}",
+                pair.metadata.namespace.as_deref().unwrap_or("default"),
+                pair.metadata.name.as_deref().unwrap_or("pair")
+            ),
+            role,
+            engine,
+            mode: t.mode,
+            checksum: t.checksum,
+            handshake_timeout_ms: t.handshake_timeout.get().as_millis() as u64,
+            lease_ms: t.lease_duration.get().as_millis() as u64,
+            parallelism: pool.parallelism.clone(),
+            kv: pool.kv.clone(),
+            pairing_key: pairing_key.to_vec(),
+            num_blocks,
+            tensor_rank,
+            memory: EngineMemory::Agent,
+            arrangement: crate::layout::KvArrangement::KvFirst,
+        }
+    }
+}
+
 /// Who allocates a synthetic engine's pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum EngineMemory {

@@ -104,15 +104,7 @@ fn planning_twice_is_identical_and_wiring_is_not_duplicated() {
     // Feed the planned template back in, as if the user had copied it: still one of each.
     pair.spec.prefill.template = first.spec.as_ref().map(|s| s.template.clone());
     let second = deployment(&pair, Role::Prefill).expect("template");
-    let c = &second
-        .spec
-        .as_ref()
-        .expect("spec")
-        .template
-        .spec
-        .as_ref()
-        .expect("pod")
-        .containers[0];
+    let c = engine_container(&second);
     let names: Vec<&str> = c.env.as_ref().expect("env").iter().map(|e| e.name.as_str()).collect();
     assert_eq!(names.iter().filter(|n| **n == "PDPAIR_ROLE").count(), 1);
     assert_eq!(
