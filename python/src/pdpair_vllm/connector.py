@@ -236,6 +236,12 @@ class PdpairConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=_layer_index)
         tensors = [kv_caches[n] for n in names]
         first = tensors[0]
+        if first.dim() < 5:
+            raise ValueError(
+                f"pdpair: KV tensors of shape {tuple(first.shape)} (MLA's single latent array, or another "
+                "backend's) are not supported by this version: it moves K and V blocks of [2, blocks, ...] "
+                "or [blocks, 2, ...] caches"
+            )
         num_blocks = first.shape[1] if first.shape[0] == 2 else first.shape[0]
         role = _role(self._vllm_config, self._extra)
         rank, tp = self._rank()
