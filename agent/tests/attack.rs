@@ -22,6 +22,18 @@ use pdpair_agent::{
 use pdpair_api::{ChecksumPolicy, Parallelism, Role, TransferMode};
 
 const PAIR: &str = "team-a/tiny";
+
+/// These tests run one at a time. Run concurrently in one process (several in-process agents,
+/// each with its own UCX context, beside the stopped peer of the stuck-decode test), UCX's tcp
+/// transport crashed the test process about once in four runs with SIGSEGV in
+/// `uct_tcp_ep_pending_queue_dispatch` reading unmapped memory, at the session's start commit as
+/// well; one test at a time it did not in 10 runs, nor the stuck-decode test alone in 13. Under
+/// investigation (issue notes); production runs one agent per process.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
 const KEY: &[u8] = b"k";
 
 /// A packed key with UCX's structure (one domain, a memory-type byte, 4 key bytes).
@@ -77,6 +89,7 @@ fn still_serves(w: &World, p: &mut SyntheticEngine, name: &str) {
 
 #[test]
 fn memory_descriptors_out_of_range_or_malformed_are_refused_and_prefill_keeps_serving() {
+    let _serial = serial();
     let w = World::new("attack-desc");
     let mut p = prefill(&w);
     let good = insider(Role::Decode);
@@ -118,6 +131,7 @@ fn memory_descriptors_out_of_range_or_malformed_are_refused_and_prefill_keeps_se
 
 #[test]
 fn oversized_and_trickled_preauth_frames_are_cut_off() {
+    let _serial = serial();
     let w = World::new("attack-preauth");
     let p = prefill(&w);
     // A 5 KiB frame before authentication: refused from its length, at once (without the
@@ -205,6 +219,7 @@ fn vm_hwm_kib(pid: u32) -> u64 {
 
 #[test]
 fn a_flood_of_unauthenticated_connections_is_capped_and_a_real_decode_gets_through() {
+    let _serial = serial();
     let w = World::new("attack-flood");
     // The prefill agent in its own process, so its memory can be measured.
     let (agent, ps) = ProcessAgent::start(&w, "p");
@@ -268,6 +283,7 @@ fn evil_prefill(
 
 #[test]
 fn completions_for_requests_a_link_does_not_own_are_ignored() {
+    let _serial = serial();
     let w = World::new("attack-owner");
     let ps = w.agent("p", Transport::Shm, false);
     let ds = w.agent("d", Transport::Shm, false);
@@ -314,6 +330,7 @@ fn completions_for_requests_a_link_does_not_own_are_ignored() {
 
 #[test]
 fn one_engines_bad_key_does_not_block_another_engine_on_the_same_agent() {
+    let _serial = serial();
     let w = World::new("attack-reject-memory");
     let mut p = prefill(&w);
     let ds = w.agent("d", Transport::Shm, false);
@@ -338,6 +355,7 @@ fn one_engines_bad_key_does_not_block_another_engine_on_the_same_agent() {
 
 #[test]
 fn a_duplicate_expect_kv_is_refused_and_the_first_keeps_its_promise() {
+    let _serial = serial();
     let w = World::new("attack-dup");
     let mut p = prefill(&w);
     let ds = w.agent("d", Transport::Shm, false);
@@ -405,6 +423,7 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 
 #[test]
 fn a_relay_that_rewrites_the_handshake_after_auth_ok_is_refused() {
+    let _serial = serial();
     let w = World::new("attack-relay");
     let p = prefill(&w);
     let ds = w.agent("d", Transport::Shm, false);
@@ -425,6 +444,7 @@ fn a_relay_that_rewrites_the_handshake_after_auth_ok_is_refused() {
 
 #[test]
 fn a_preauth_reject_with_many_reasons_and_hostile_text_reaches_no_label_or_status() {
+    let _serial = serial();
     let w = World::new("attack-labels");
     let ds = w.agent("d", Transport::Shm, false);
     let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
@@ -452,6 +472,7 @@ fn a_preauth_reject_with_many_reasons_and_hostile_text_reaches_no_label_or_statu
 
 #[test]
 fn a_stuck_decode_agent_does_not_stall_another_pairs_transfers_and_times_out() {
+    let _serial = serial();
     let w = World::new("attack-stuck");
     // Big blocks, so a push to a stopped peer outgrows the socket buffers and stays in flight:
     // 2 MiB per block over all layers.
@@ -509,6 +530,7 @@ fn a_stuck_decode_agent_does_not_stall_another_pairs_transfers_and_times_out() {
 
 #[test]
 fn an_engine_that_truncates_its_shared_memory_pool_kills_no_agent() {
+    let _serial = serial();
     // Over shared memory the pool is UCX's segment, which cannot be sealed: the decode engine
     // truncates it to nothing. Both agents touch it (prefill copies into its mapping of the
     // segment, decode checksums its own): without the guard each would die of SIGBUS.
@@ -529,6 +551,7 @@ fn an_engine_that_truncates_its_shared_memory_pool_kills_no_agent() {
 
 #[test]
 fn a_released_from_a_link_the_blocks_were_not_lent_to_is_ignored() {
+    let _serial = serial();
     // Pull: prefill lends a request's blocks to the decode link that registered it; only that
     // link's Released frees them. Another link of the pair (an insider) says Released first.
     let w = World::new("attack-released");
