@@ -190,4 +190,9 @@ fn a_cancel_while_decode_still_dials_prefill_releases_prefill_once_the_link_is_u
         "{event:?}"
     );
     assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    // The pair works on (and UCX's wireup between the two agents completes before the prefill
+    // agent's process is killed at the end: UCX 1.13 aborts a process whose tcp endpoint fails
+    // with a wireup reply still queued, docs/security.md).
+    let (event, bad) = common::request(&mut p, &mut d, common::Req::from_start("after", 5, 100, 2));
+    assert!(common::done(&event) && bad == 0, "{event:?}");
 }
