@@ -101,11 +101,17 @@ impl Engine {
         }
         lock(&self.cancelled).insert(request.clone(), waiting);
         for link in notify {
-            if !link.send(&Message::Release {
-                request: request.clone(),
-            }) {
-                self.cancel_answered(&link.addr, &request);
-            }
+            self.release_cancelled(&link, &request);
+        }
+    }
+
+    /// Tells `link`'s prefill that cancelled `request` is not wanted (its `ReleaseDone`, or the
+    /// end of a push running, answers); a link that is gone writes nothing more.
+    fn release_cancelled(&self, link: &Link, request: &str) {
+        if !link.send(&Message::Release {
+            request: request.to_owned(),
+        }) {
+            self.cancel_answered(&link.addr, request);
         }
     }
 
@@ -339,12 +345,7 @@ impl Engine {
             .get(request)
             .is_some_and(|w| w.contains(&link.addr));
         if cancelled {
-            if !link.send(&Message::Release {
-                request: request.to_owned(),
-            }) {
-                self.cancel_answered(&link.addr, request);
-            }
-            return;
+            return self.release_cancelled(link, request);
         }
         let message = lock(&self.pending).get(request).map(|p| {
             if p.release {

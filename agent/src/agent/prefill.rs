@@ -62,6 +62,12 @@ pub(super) struct Serving {
 }
 
 impl Serving {
+    /// Whether the engine can hear how the request ended: every one of `expected` decode ranks
+    /// is done, or the engine cancelled it and no transfer of it runs.
+    fn concluded(&self, expected: u32) -> bool {
+        self.finished >= expected || (self.cancelled && self.in_flight == 0)
+    }
+
     fn new(ready: Ready) -> Serving {
         Serving {
             ready,
@@ -309,7 +315,7 @@ impl Engine {
                     serving.failure.get_or_insert(failure);
                 }
             }
-            if serving.finished >= serving.expected.unwrap_or(1) || (serving.cancelled && serving.in_flight == 0) {
+            if serving.concluded(serving.expected.unwrap_or(1)) {
                 matching.ready.remove(&request)
             } else {
                 None
@@ -375,23 +381,16 @@ impl Engine {
             match (matching.ready.get_mut(&request), served_here) {
                 // Pushing to this link right now: the transfer's end answers.
                 (Some(_), Some(_)) if !pull => return,
-                (Some(serving), Some(i)) => {
-                    serving.links.swap_remove(i);
-                    serving.in_flight = serving.in_flight.saturating_sub(1);
-                    let expected = *serving.expected.get_or_insert(expected);
-                    serving.finished += 1;
-                    serving.released += 1;
-                    if serving.finished >= expected || (serving.cancelled && serving.in_flight == 0) {
-                        matching.ready.remove(&request)
-                    } else {
-                        None
+                (Some(serving), lent) => {
+                    // Pull, lent to this link: decode will not read them.
+                    if let Some(i) = lent {
+                        serving.links.swap_remove(i);
+                        serving.in_flight = serving.in_flight.saturating_sub(1);
                     }
-                }
-                (Some(serving), None) => {
                     let expected = *serving.expected.get_or_insert(expected);
                     serving.finished += 1;
                     serving.released += 1;
-                    if serving.finished >= expected {
+                    if serving.concluded(expected) {
                         matching.ready.remove(&request)
                     } else {
                         None

@@ -11,7 +11,7 @@ import socket
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Deque, Dict, List, Optional
 
 from . import wire
 from .layout import PoolLayout
@@ -123,7 +123,6 @@ class AgentClient:
         self._finished: Deque[Event] = deque()
         self._closed: Optional[str] = None
         self._send_lock = threading.Lock()
-        self.on_event: Optional[Callable[[Event], None]] = None
         self._reader = threading.Thread(target=self._read, name="pdpair-agent-events", daemon=True)
         self._reader.start()
 
@@ -222,9 +221,6 @@ class AgentClient:
                     if event.final:
                         self._finished.append(event)
                     self._lock.notify_all()
-                hook = self.on_event
-                if hook is not None:
-                    hook(event)
         except (OSError, wire.FrameError) as e:
             reason = str(e)
         with self._lock:
@@ -259,11 +255,6 @@ class AgentClient:
             self._finished.remove(event)
         except ValueError:
             pass
-
-    def events(self, request: str) -> List[Event]:
-        """Every event about ``request`` received and not yet taken."""
-        with self._lock:
-            return list(self._events.get(request, ()))
 
     def take_finished(self) -> List[Event]:
         """Final events not yet taken, in arrival order (each request's queue is cleared)."""

@@ -215,7 +215,6 @@ class PdpairConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         assert self._sched is not None
         self._sched.received(connector_output.finished_recving or ())
-        self._sched.freed(connector_output.finished_sending or ())
 
     def set_xfer_handshake_metadata(self, metadata) -> None:
         assert self._sched is not None
@@ -245,7 +244,7 @@ class PdpairConnector(KVConnectorBase_V1):
         num_blocks = first.shape[1] if first.shape[0] == 2 else first.shape[0]
         role = _role(self._vllm_config, self._extra)
         rank, tp = self._rank()
-        kv = self._geometry(first, len(tensors), num_blocks)
+        kv = self._geometry(first, len(tensors))
         reg = agent_client.registration(
             pdpair=self._pdpair(), role=role, engine=f"{self._host()}-{self._engine_id}-r{rank}", kv=kv,
             num_blocks=num_blocks, pairing_key=self._pairing_key(), tensor=tp, tensor_rank=rank,
@@ -285,20 +284,15 @@ class PdpairConnector(KVConnectorBase_V1):
                 return f.read()
         return agent_client.pairing_key_from_env()
 
-    def _geometry(self, t: torch.Tensor, layers: int, num_blocks: int) -> dict:
-        """The geometry this engine really has (read from vLLM's config and the KV tensors), with
-        the identity fields vLLM cannot tell from the PDPair's declaration."""
+    def _geometry(self, t: torch.Tensor, layers: int) -> dict:
+        """The geometry this engine really has (read from vLLM's config and the KV tensors, five
+        dimensions: K/V and blocks, then block, heads, dim in logical order), with the identity
+        fields vLLM cannot tell from the PDPair's declaration."""
         mc = self._vllm_config.model_config
-        declared = dict(json.loads(os.environ.get("PDPAIR_KV", "{}")) if os.environ.get("PDPAIR_KV") else {})
+        declared = json.loads(os.environ.get("PDPAIR_KV") or "{}")
         declared.update(self._extra.get("kv") or {})
-        mla = t.dim() == 3 or bool(getattr(mc, "use_mla", False))
-        inner = list(zip(t.shape[2:], t.stride()[2:]))  # block, heads, dim (logical order)
-        if len(inner) == 3:
-            (b, sb), (_, sh), _ = inner
-            layout = "HND" if sh > sb else "NHD"
-            kernel = int(b)
-        else:
-            layout, kernel = "NHD", int(inner[0][0])
+        (kernel, block_stride), (_, head_stride) = zip(t.shape[2:4], t.stride()[2:4])
+        layout = "HND" if head_stride > block_stride else "NHD"
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
         if cache_dtype not in ELEMENT_BYTES and cache_dtype != "auto":
             raise ValueError(f"pdpair: cache_dtype {cache_dtype!r} is not one pdpair moves")
@@ -316,8 +310,8 @@ class PdpairConnector(KVConnectorBase_V1):
             "attentionBackend": declared.get("attentionBackend", os.environ.get("VLLM_ATTENTION_BACKEND", "auto")),
             "layout": layout,
             "blockSize": self._block_size,
-            "kernelBlockSize": kernel,
-            "mla": mla,
+            "kernelBlockSize": int(kernel),
+            "mla": bool(getattr(mc, "use_mla", False)),
         }
         return kv
 

@@ -137,8 +137,6 @@ class SchedulerState:
         self.receiving: Dict[str, str] = {}
         #: D: requests waiting for blocks (vLLM id -> (agent request, ranks, last renew)).
         self.queued: Dict[str, Tuple[str, List[str], float]] = {}
-        #: Requests whose blocks are held until the workers report them (P sending, D cancelling).
-        self.holding: Set[str] = set()
 
     def learn_ranks(self, ranks: Dict[int, str]) -> None:
         self.prefill_ranks.update(ranks)
@@ -213,7 +211,6 @@ class SchedulerState:
             # D: aborted while its KV is on its way: hold the blocks until the agent confirms.
             self.receiving.pop(request)
             self._plan.cancels.append(request)
-            self.holding.add(request)
             return True, None
         if not params or not params.get("do_remote_decode") or not completed or not block_ids:
             return False, None
@@ -222,7 +219,6 @@ class SchedulerState:
         tokens = num_computed_tokens
         logical = list(block_ids[: -(-tokens // self.block_size)])
         self._plan.sends.append(Send(request, kernel_ids(logical, self.per_logical), tokens))
-        self.holding.add(request)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -231,11 +227,6 @@ class SchedulerState:
             PARAM_TOKENS: tokens,
             "pdpair_engine": engine,
         }
-
-    def freed(self, requests: Iterable[str]) -> None:
-        """The workers reported these requests' held blocks done with."""
-        for r in requests:
-            self.holding.discard(r)
 
     def plan(self) -> Plan:
         """This step's work (and the renewals due), handed to the workers once."""
@@ -246,9 +237,6 @@ class SchedulerState:
                 self.queued[request] = (agent_request, ranks, now)
         plan, self._plan = self._plan, Plan()
         return plan
-
-    def pending(self) -> bool:
-        return not self._plan.empty() or bool(self.holding or self.receiving)
 
 
 class Stager:
@@ -269,8 +257,6 @@ class Results:
     finished_recving: Set[str] = field(default_factory=set)
     failed_recving: Set[str] = field(default_factory=set)
     error_blocks: Set[int] = field(default_factory=set)
-    #: Agent reasons of failed requests (vLLM id -> reasons), for logs and tests.
-    failures: Dict[str, List[str]] = field(default_factory=dict)
 
 
 class WorkerState:
@@ -354,5 +340,4 @@ class WorkerState:
                         ",".join(event.reasons) or event.type, event.message)
             r.failed_recving.add(request)
             r.error_blocks.update(recv.logical_blocks)
-            r.failures[request] = event.reasons or [event.type]
         r.finished_recving.add(request)

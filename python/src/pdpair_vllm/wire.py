@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 #: The largest frame either side accepts (the agent's ``wire::MAX_FRAME``).
 MAX_FRAME = 16 << 20
@@ -97,11 +97,3 @@ def _close(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
-
-
-def expect_str(message: dict, field: str) -> str:
-    """A string field of an agent event (the event names the field when it is missing)."""
-    value: Any = message.get(field)
-    if not isinstance(value, str):
-        raise FrameError(f"{message.get('type')}.{field} is {value!r}, not a string")
-    return value
