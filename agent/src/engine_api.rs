@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 /// Default socket path.
 pub const DEFAULT_SOCKET: &str = "/var/run/pdpair/agent.sock";
 /// The engine API version this agent speaks; `RegisterPool.api_version` must be it.
-pub const API_VERSION: u16 = 2;
+pub const API_VERSION: u16 = 3;
 
 /// Engine -> agent.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -34,8 +34,9 @@ use crate::{
     wire::{self, FrameError, Opener, Sealer, hex_bytes},
 };
 
-/// The protocol version this agent speaks (2: sealed frames after authentication).
-pub const PROTOCOL_VERSION: u16 = 2;
+/// The protocol version this agent speaks (2: sealed frames after authentication; 3: `Release`
+/// also cancels, see `docs/protocol.md`).
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Bytes of a nonce.
 pub const NONCE_LEN: usize = 32;
 /// The most bytes of a UCX worker address or packed remote key accepted from a peer.

@@ -198,11 +198,13 @@ def test_a_killed_prefill_agent_fails_decodes_request_with_peer_lost(world):
 
 def test_registration_refusals_name_the_field(world):
     a = world.agent("p")
-    with pytest.raises(AgentError, match="api_version"):
-        reg = registration(pdpair="default/pair", role="decode", engine="e", kv=kv(), num_blocks=4,
-                           pairing_key=world.key, mode="Push", checksum="Disabled", **SETTINGS)
-        reg["api_version"] = 1
-        AgentClient.register(a.socket, reg)
+    # Version 2 lacked Cancel and kv_arrangement: a client of it is refused, naming both versions.
+    for old in (1, 2):
+        with pytest.raises(AgentError, match=f"api_version {old} .*version 3"):
+            reg = registration(pdpair="default/pair", role="decode", engine="e", kv=kv(), num_blocks=4,
+                               pairing_key=world.key, mode="Push", checksum="Disabled", **SETTINGS)
+            reg["api_version"] = old
+            AgentClient.register(a.socket, reg)
     with pytest.raises(AgentError, match="pairing"):
         AgentClient.register(a.socket, registration(pdpair="default/pair", role="decode", engine="e", kv=kv(),
                                                     num_blocks=4, pairing_key=b"", mode="Push",

@@ -398,3 +398,32 @@ fn each_decode_rank_has_its_prefill_sources_and_each_prefill_rank_counts_its_dec
     assert_eq!(sources(&p, &d, 1), [3]);
     assert_eq!(decode_ranks_served(&p, &d), 1);
 }
+
+#[test]
+fn a_decode_speaking_version_2_is_refused_before_anything_else() {
+    // Version 3 changed what `Release` means (it also cancels); a version 2 prefill would count
+    // a cancelling decode as served while still pushing to it, so the versions must not meet.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        authenticate_prefill(&mut s, |_| Some(b"secret-1".to_vec()))
+    });
+    let mut c = TcpStream::connect(addr).expect("connect");
+    wire::write_frame(
+        &mut c,
+        &Message::Hello {
+            version: 2,
+            pdpair: "team-a/llama".into(),
+            nonce: nonce().expect("nonce"),
+        },
+    )
+    .expect("hello");
+    let answer: Message = wire::read_frame(&mut c).expect("answer");
+    assert!(
+        matches!(&answer, Message::Reject { reasons, .. } if reasons == &vec![Reason::VersionMismatch]),
+        "{answer:?}"
+    );
+    assert_eq!(PROTOCOL_VERSION, 3);
+    assert!(server.join().expect("thread").is_err());
+}

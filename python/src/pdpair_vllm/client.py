@@ -17,7 +17,7 @@ from . import wire
 from .layout import PoolLayout
 
 #: The engine API version this client speaks (the agent's ``engine_api::API_VERSION``).
-API_VERSION = 2
+API_VERSION = 3
 #: The agent's default socket (``PDPAIR_AGENT_SOCKET`` in pods the operator runs).
 DEFAULT_SOCKET = "/var/run/pdpair/agent.sock"
 #: Events after which the agent does nothing more for a request.
