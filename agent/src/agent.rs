@@ -239,8 +239,8 @@ impl Agent {
         // An engine that stops reading its events must not stall transfer threads forever.
         let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
         let writer = Arc::new(Mutex::new(stream));
-        let (registration, fd) = match wire::read_frame_fd::<EngineRequest>(&reader, wire::MAX_FRAME) {
-            Ok((EngineRequest::RegisterPool(reg), fd)) => (*reg, fd),
+        let (registration, fds) = match wire::read_frame_fds::<EngineRequest>(&reader, wire::MAX_FRAME) {
+            Ok((EngineRequest::RegisterPool(reg), fds)) => (*reg, fds),
             Ok(_) => {
                 send(
                     &writer,
@@ -255,7 +255,7 @@ impl Agent {
                 return;
             }
         };
-        let engine = match Engine::register(self.shared.clone(), registration, fd, writer.clone()) {
+        let engine = match Engine::register(self.shared.clone(), registration, fds, writer.clone()) {
             Ok(engine) => engine,
             Err(message) => {
                 send(&writer, &AgentEvent::RegistrationFailed { message });
@@ -269,13 +269,17 @@ impl Agent {
         let registered = AgentEvent::Registered {
             address: engine.address.clone(),
             agent: self.shared.cfg.name.clone(),
-            memory_len: engine.layout.region_len() as u64,
+            memory_len: engine.layout.pool_len() as u64,
+            region_lens: engine.layout.region_lens().into_iter().map(|l| l as u64).collect(),
         };
-        // The engine maps what the agent allocated through this descriptor (never a path).
-        let sent = match engine.pool.origin {
-            pool::Origin::EngineMemfd => wire::write_frame(&mut *lock(&writer), &registered),
-            _ => wire::write_frame_fd(&lock(&writer), &registered, engine.pool.fd()),
-        };
+        // The engine maps what the agent allocated through these descriptors (never a path).
+        let fds: Vec<_> = engine
+            .pools
+            .iter()
+            .filter(|p| p.origin != pool::Origin::EngineMemfd)
+            .map(Pool::fd)
+            .collect();
+        let sent = wire::write_frame_fds(&lock(&writer), &registered, &fds);
         if let Err(e) = sent {
             tracing::debug!(error = %e, "engine API: cannot send Registered");
         }
@@ -417,7 +421,8 @@ struct Engine {
     settings: Settings,
     key: Vec<u8>,
     layout: PoolLayout,
-    pool: Pool,
+    /// One pool per region of `layout`, in order.
+    pools: Vec<Pool>,
     local: PeerInfo,
     address: String,
     writer: Arc<Mutex<UnixStream>>,
@@ -444,7 +449,7 @@ impl Engine {
     fn register(
         shared: Arc<Shared>,
         reg: PoolRegistration,
-        fd: Option<std::os::fd::OwnedFd>,
+        fds: Vec<std::os::fd::OwnedFd>,
         writer: Arc<Mutex<UnixStream>>,
     ) -> Result<Arc<Engine>, String> {
         if let Some(path) = &reg.memory_path {
@@ -453,20 +458,21 @@ impl Engine {
                 crate::reason::peer_text(path)
             ));
         }
-        let fd = match (reg.memory_fd, fd) {
-            (true, Some(fd)) => Some(fd),
-            (true, None) => return Err("memory_fd is true but the RegisterPool frame carried no descriptor".into()),
-            // A descriptor the registration does not announce is closed, unused.
-            (false, _) => None,
-        };
+        // Descriptors the registration does not announce are closed, unused.
+        let fds = if reg.memory_fd { fds } else { Vec::new() };
         let key = hex_bytes::decode(&reg.pairing_key)
             .filter(|k| !k.is_empty())
             .ok_or("pairing_key must be non-empty hex")?;
-        let layout =
-            PoolLayout::new(&reg.kv, &reg.parallelism, reg.num_blocks, reg.tensor_rank).map_err(|e| e.to_string())?;
-        let layout = layout.arranged(reg.kv_arrangement);
+        let layout = reg.layout().map_err(|e| e.to_string())?;
         if reg.num_blocks == 0 {
             return Err("num_blocks must be at least 1".into());
+        }
+        if reg.memory_fd && fds.len() != layout.regions.len() {
+            return Err(format!(
+                "memory_fd is true but the RegisterPool frame carried {} descriptors; the pool has {} regions (one memfd per region, in order)",
+                fds.len(),
+                layout.regions.len()
+            ));
         }
         if let Some(attestor) = &shared.cfg.attestor {
             // Who is connected, as the kernel recorded it at connect (not what the engine says).
@@ -483,37 +489,27 @@ impl Engine {
         };
         let settings =
             crate::engine_api::resolve(&reg, pair.as_ref().map(|p| (reg.pdpair.as_str(), &p.spec.transfer)))?;
-        let need = layout.region_len_checked().ok_or_else(|| {
+        let need = layout.pool_len_checked().ok_or_else(|| {
             format!(
-                "num_blocks {} with this geometry ({} layers x K,V x {} heads x {} tokens x {} x {} bytes) overflows the address space",
-                reg.num_blocks, layout.layers, layout.local_heads, layout.block_size, layout.head_dim, layout.element_bytes
+                "num_blocks {} with this geometry ({} layers x {} arrays x {} heads x {} tokens x {} x {} bytes) overflows the address space",
+                reg.num_blocks, layout.layers, layout.halves(), layout.local_heads, layout.block_size, layout.head_dim, layout.element_bytes
             )
         })?;
-        if fd.is_none() {
+        if fds.is_empty() {
             // The agent allocates (and faults in) the whole pool: never more than its file
             // system holds, or one registration could exhaust the node's memory.
             let free = pool::available(&shared.cfg.pool_dir).unwrap_or(0);
             if need as u64 > free {
                 return Err(format!(
-                    "the pool needs {need} bytes ({} layers x K,V x {} blocks x {} bytes); the pool directory {} has {free} free",
+                    "the pool needs {need} bytes ({} layers x {} arrays x {} blocks x {} bytes); the pool directory {} has {free} free",
                     layout.layers,
+                    layout.halves(),
                     layout.num_blocks,
                     layout.block_len(),
                     shared.cfg.pool_dir.display()
                 ));
             }
         }
-        let pool = match fd {
-            Some(fd) => Pool::engine_memfd(&shared.ucx, fd, need).map_err(|e| {
-                format!(
-                    "{e} ({} layers x K,V x {} blocks x {} bytes)",
-                    layout.layers,
-                    layout.num_blocks,
-                    layout.block_len()
-                )
-            })?,
-            None => Pool::allocate(&shared.ucx, &shared.cfg.pool_dir, need)?,
-        };
         let listener = match reg.role {
             Role::Prefill => Some(
                 TcpListener::bind(SocketAddr::new(shared.cfg.listen_host, 0))
@@ -529,6 +525,8 @@ impl Engine {
                 .map_err(|e| format!("side channel address: {e}"))?,
             None => shared.cfg.listen_host.to_string(),
         };
+        // Last: nothing after this fails, so no registered region is left behind.
+        let pools = Engine::pools(&shared, &layout, fds)?;
         let local = PeerInfo {
             agent: shared.cfg.name.clone(),
             version: protocol::PROTOCOL_VERSION,
@@ -541,7 +539,7 @@ impl Engine {
             kv: reg.kv.clone(),
             tensor_rank: reg.tensor_rank,
             worker_address: shared.ucx.worker_address.clone(),
-            memory: MemoryDesc::of(&layout, pool.base, pool.rkey.clone()),
+            memory: MemoryDesc::of(&layout, pools.iter().map(|p| (p.base, p.rkey.clone())).collect()),
         };
         let engine = Arc::new(Engine {
             shared,
@@ -549,7 +547,7 @@ impl Engine {
             settings,
             key,
             layout,
-            pool,
+            pools,
             local,
             address,
             writer,
@@ -606,8 +604,57 @@ impl Engine {
         lock(&self.stats).clone()
     }
 
-    fn memory(&self) -> &[u8] {
-        self.pool.memory(self.layout.region_len())
+    /// Each region's bytes, in order.
+    fn memory(&self) -> Vec<&[u8]> {
+        self.pools
+            .iter()
+            .zip(self.layout.region_lens())
+            .map(|(p, len)| p.memory(len))
+            .collect()
+    }
+
+    /// The UCX ids of the pool's regions.
+    fn regions(&self) -> Vec<u64> {
+        self.pools.iter().map(|p| p.region).collect()
+    }
+
+    /// The registered address of a block of a layer's K (`v = false`, or the latent) or V array.
+    fn block_addr(&self, layer: u32, v: bool, block: u32) -> u64 {
+        let (r, at) = self.layout.block_offset(layer, v, block);
+        self.pools[r].base + at as u64
+    }
+
+    /// Maps and registers the engine's memfds (one per region), or allocates the regions: all
+    /// of them or none (what was registered before a failure is released).
+    fn pools(shared: &Shared, layout: &PoolLayout, fds: Vec<std::os::fd::OwnedFd>) -> Result<Vec<Pool>, String> {
+        let lens = layout.region_lens();
+        let mut pools: Vec<Pool> = Vec::with_capacity(lens.len());
+        let mut fds = fds.into_iter();
+        for (i, len) in lens.iter().enumerate() {
+            let region = &layout.regions[i];
+            let pool = match fds.next() {
+                Some(fd) => Pool::engine_memfd(&shared.ucx, fd, *len).map_err(|e| {
+                    format!(
+                        "region {i}: {e} ({} layers x {} arrays x {} blocks x {} bytes)",
+                        region.layers,
+                        layout.halves(),
+                        layout.num_blocks,
+                        layout.block_len()
+                    )
+                }),
+                None => Pool::allocate(&shared.ucx, &shared.cfg.pool_dir, *len).map_err(|e| format!("region {i}: {e}")),
+            };
+            match pool {
+                Ok(pool) => pools.push(pool),
+                Err(e) => {
+                    for p in &pools {
+                        p.release(&shared.ucx);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(pools)
     }
 
     fn handshake_timeout(&self) -> Duration {
@@ -692,7 +739,9 @@ impl Engine {
             }
         }
         lock(&self.pending).clear();
-        self.pool.release(&self.shared.ucx);
+        for pool in &self.pools {
+            pool.release(&self.shared.ucx);
+        }
     }
 }
 

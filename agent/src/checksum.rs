@@ -1,7 +1,7 @@
 //! The fast CPU KV checksum, computed straight from an engine's physical block layout.
 //!
 //! Same definition as `pdpair_api::checksum` (the reference it is tested against): for each layer
-//! and (global) KV head, every token's K then V bytes as little-endian u64 pieces, piece `j` of
+//! and (global) KV head, every token's K then V bytes (an MLA cache's latent vector alone) as little-endian u64 pieces, piece `j` of
 //! the request weighted `m * (2j + 1)`. The inner loop keeps one wrapping accumulator per
 //! (layer, head) and multiplies by `m` once, so it costs one multiply and two adds per 8 bytes.
 
@@ -20,7 +20,7 @@ pub enum BlockLayout {
 }
 
 /// The checksum of one block given a function that returns, for (layer, local head, token in
-/// block), that token's K bytes and V bytes.
+/// block), that token's K bytes and V bytes (for an MLA shape, the latent and an empty slice).
 ///
 /// `head_offset` is the global index of local head 0 (a tensor-parallel rank's first head), so
 /// sharded engines sum to the logical, unsharded checksum.
@@ -41,7 +41,7 @@ where
     let whole_halves = half.is_multiple_of(8);
     let live = num_tokens.saturating_sub(first_token).min(u64::from(block_size)) as u32;
     let mut sum = 0u64;
-    let mut scratch = vec![0u8; 2 * half];
+    let mut scratch = vec![0u8; shape.token_bytes()];
     for l in 0..shape.layers {
         for h in 0..shape.heads {
             let mut acc = 0u64;
@@ -57,8 +57,9 @@ where
                     }
                 } else {
                     // A piece straddles K and V: join them first (rare shapes only).
-                    scratch[..half].copy_from_slice(k);
-                    scratch[half..].copy_from_slice(v);
+                    // (k and v are exactly `half` bytes each; an MLA shape's v is empty.)
+                    scratch[..k.len()].copy_from_slice(k);
+                    scratch[k.len()..k.len() + v.len()].copy_from_slice(v);
                     for piece in scratch.chunks_exact(8) {
                         let x = u64::from_le_bytes(piece.try_into().unwrap_or([0; 8]));
                         acc = acc.wrapping_add(x.wrapping_mul(w));
@@ -85,7 +86,7 @@ pub fn canonical_dump(
         return None;
     }
     let tb = shape.token_bytes();
-    let half = tb / 2;
+    let half = shape.head_dim as usize * shape.element_bytes as usize;
     dump.chunks_exact(block_bytes)
         .enumerate()
         .map(|(b, block)| {
@@ -129,11 +130,14 @@ mod tests {
             heads in 1u32..4,
             (head_dim, element_bytes) in prop::sample::select(vec![(4u32, 2u32), (8, 1), (2, 2), (64, 2), (4, 4), (16, 1)]),
             block_size in 1u32..9,
+            latent in any::<bool>(),
             blocks in 1usize..4,
             first_token in 0u64..100,
             extra in 0u64..40,
         ) {
-            let shape = Shape { layers, heads, head_dim, element_bytes };
+            let shape = Shape { layers, heads, head_dim, element_bytes, latent };
+            // A latent token is one half: whole pieces only when the half is.
+            prop_assume!(shape.pieces_per_token().is_some());
             let num_tokens = first_token + extra;
             let dump = bytes(shape.canonical_block_bytes(block_size) * blocks, seed);
             let fast = canonical_dump(&shape, block_size, first_token, num_tokens, &dump).expect("whole blocks");
@@ -152,6 +156,7 @@ mod tests {
             heads: 1,
             head_dim: 4,
             element_bytes: 2,
+            latent: false,
         };
         assert!(canonical_dump(&shape, 2, 0, 2, &[0u8; 31]).is_none());
         let odd = Shape {

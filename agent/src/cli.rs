@@ -57,6 +57,7 @@ pub fn checksum(args: &ChecksumArgs, out: &mut dyn Write) -> Result<(), UsageErr
         heads: args.kv_heads,
         head_dim: args.head_dim,
         element_bytes: element_bytes(&args.cache_dtype)?,
+        latent: false,
     };
     for (flag, value) in [
         ("--layers", args.layers),
@@ -371,6 +372,7 @@ pub fn bench_checksum(args: &BenchChecksumArgs, out: &mut dyn Write) -> Result<(
         heads: 8,
         head_dim: 128,
         element_bytes: 2,
+        latent: false,
     };
     let block_bytes = shape.canonical_block_bytes(16);
     let blocks = (args.mib << 20).div_ceil(block_bytes).max(1);
@@ -454,9 +456,37 @@ pub struct SyntheticEngineArgs {
     /// Decode: the prefill ranks' addresses (repeatable: several make an `ExpectKvFromPool`).
     #[arg(long)]
     pub prefill: Vec<String>,
-    /// Where each layer's K and V blocks are: KvFirst or BlocksFirst.
-    #[arg(long = "kv-arrangement", default_value = "KvFirst", value_parser = ["KvFirst", "BlocksFirst"])]
-    pub kv_arrangement: String,
+    /// Where each layer's K and V blocks are in a one-region pool: KvFirst, BlocksFirst or
+    /// (MLA) Latent; absent: the geometry's default.
+    #[arg(long = "kv-arrangement", value_parser = parse_arrangement)]
+    pub kv_arrangement: Option<crate::layout::KvArrangement>,
+    /// The pool's regions, in layer order: comma-separated `LAYERS[:ARRANGEMENT]` (absent: one
+    /// region).
+    #[arg(long, value_delimiter = ',', value_parser = parse_region)]
+    pub regions: Vec<crate::engine_api::RegionRequest>,
+}
+
+fn parse_arrangement(s: &str) -> Result<crate::layout::KvArrangement, String> {
+    use crate::layout::KvArrangement::*;
+    match s {
+        "KvFirst" => Ok(KvFirst),
+        "BlocksFirst" => Ok(BlocksFirst),
+        "Latent" => Ok(Latent),
+        other => Err(format!("{other:?} is not KvFirst, BlocksFirst or Latent")),
+    }
+}
+
+fn parse_region(s: &str) -> Result<crate::engine_api::RegionRequest, String> {
+    let (layers, arrangement) = match s.split_once(':') {
+        Some((l, a)) => (l, Some(parse_arrangement(a)?)),
+        None => (s, None),
+    };
+    Ok(crate::engine_api::RegionRequest {
+        layers: layers
+            .parse()
+            .map_err(|e| format!("region {s:?}: layers {layers:?}: {e}"))?,
+        kv_arrangement: arrangement,
+    })
 }
 
 /// Runs `synthetic-engine`: prints `{"address": ...}` once registered, then (prefill) fills and
@@ -479,11 +509,8 @@ pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Resu
         &pair.spec.decode
     };
     let spec = EngineSpec {
-        arrangement: if args.kv_arrangement == "BlocksFirst" {
-            crate::layout::KvArrangement::BlocksFirst
-        } else {
-            crate::layout::KvArrangement::KvFirst
-        },
+        arrangement: args.kv_arrangement,
+        regions: args.regions.clone(),
         ..EngineSpec::of_pair(
             &pair,
             pool,

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 /// Default socket path.
 pub const DEFAULT_SOCKET: &str = "/var/run/pdpair/agent.sock";
 /// The engine API version this agent speaks; `RegisterPool.api_version` must be it.
-pub const API_VERSION: u16 = 3;
+pub const API_VERSION: u16 = 4;
 
 /// Engine -> agent.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -137,9 +137,10 @@ pub struct PoolRegistration {
     pub kv: KvGeometry,
     /// The PDPair's pairing secret (the file at `PDPAIR_PAIRING_KEY_FILE`), hex.
     pub pairing_key: String,
-    /// The engine brings its own pool: the `RegisterPool` frame carries a memfd (`SCM_RIGHTS`)
-    /// sealed against shrinking (`F_SEAL_SHRINK`) and holding the whole pool. False: the agent
-    /// allocates the pool and passes its descriptor with `Registered`.
+    /// The engine brings its own pool: the `RegisterPool` frame carries one memfd per region
+    /// (`SCM_RIGHTS`, in region order), each sealed against shrinking (`F_SEAL_SHRINK`) and
+    /// holding its whole region. False: the agent allocates the regions and passes their
+    /// descriptors with `Registered`.
     #[serde(default)]
     pub memory_fd: bool,
     /// No longer accepted (a path is opened by the agent, as root, wherever it points): a
@@ -151,10 +152,46 @@ pub struct PoolRegistration {
     /// The engine's tensor-parallel rank (each rank registers as its own engine).
     #[serde(default)]
     pub tensor_rank: u32,
-    /// Where each layer's K and V blocks are in the pool (default `KvFirst`: a K array then a V
-    /// array; `BlocksFirst`: each block's K then its V, as FlashInfer lays out its cache).
-    #[serde(default)]
-    pub kv_arrangement: crate::layout::KvArrangement,
+    /// Where each layer's K and V blocks are in a one-region pool (absent: `KvFirst`, a K array
+    /// then a V array, or `Latent` for an MLA cache; `BlocksFirst`: each block's K then its V, as
+    /// FlashInfer lays out its cache). With `regions`, each region says its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_arrangement: Option<crate::layout::KvArrangement>,
+    /// The pool's memory regions, in layer order (absent or empty: one region of every layer):
+    /// vLLM's per-layer KV tensors are one region each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub regions: Vec<RegionRequest>,
+}
+
+/// One memory region of a pool: the next `layers` layers, arranged as `kv_arrangement`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionRequest {
+    /// Layers the region holds (the layers after the previous region's).
+    pub layers: u32,
+    /// How they are arranged (absent: `KvFirst`, or `Latent` for an MLA cache).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_arrangement: Option<crate::layout::KvArrangement>,
+}
+
+impl PoolRegistration {
+    /// The pool's layout: its geometry, split into the regions it names.
+    pub fn layout(&self) -> Result<crate::layout::PoolLayout, crate::layout::LayoutError> {
+        let layout = crate::layout::PoolLayout::new(&self.kv, &self.parallelism, self.num_blocks, self.tensor_rank)?;
+        if self.regions.is_empty() {
+            let arrangement = self
+                .kv_arrangement
+                .unwrap_or(crate::layout::default_arrangement(layout.latent));
+            crate::layout::check_arrangement(layout.latent, arrangement, "kv_arrangement")?;
+            return Ok(layout.arranged(arrangement));
+        }
+        if self.kv_arrangement.is_some() {
+            return Err(crate::layout::LayoutError(
+                "kv_arrangement and regions are both set: with regions, each region names its kv_arrangement".into(),
+            ));
+        }
+        let spec: Vec<_> = self.regions.iter().map(|r| (r.layers, r.kv_arrangement)).collect();
+        layout.with_regions(&spec)
+    }
 }
 
 /// Agent -> engine.
@@ -167,9 +204,13 @@ pub enum AgentEvent {
         address: String,
         /// Agent identity.
         agent: String,
-        /// Bytes of the pool. When the agent allocated it (`memory_fd` was false), this frame
-        /// carries its descriptor (`SCM_RIGHTS`): the engine maps it, whole, shared.
+        /// Bytes of the pool, all regions. When the agent allocated it (`memory_fd` was false),
+        /// this frame carries one descriptor per region (`SCM_RIGHTS`, in order): the engine maps
+        /// each, whole, shared.
         memory_len: u64,
+        /// Bytes of each region, in order.
+        #[serde(default)]
+        region_lens: Vec<u64>,
     },
     /// The registration was refused; the agent closes the connection.
     RegistrationFailed {

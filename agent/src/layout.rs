@@ -1,10 +1,13 @@
 //! Where an engine's KV blocks are in its registered pool memory.
 //!
-//! One region per engine, layer after layer. Inside a layer, [`KvArrangement::KvFirst`]: a K array
-//! then a V array of `num_blocks` blocks each (vLLM's FlashAttention `[2, num_blocks, ...]`), or
+//! A pool is one or more memory regions, each holding a run of consecutive layers (one region
+//! for all layers, one per layer as vLLM allocates its per-layer KV tensors, or anything between),
+//! layer after layer. Inside a layer, [`KvArrangement::KvFirst`]: a K array then a V array of
+//! `num_blocks` blocks each (vLLM's FlashAttention `[2, num_blocks, ...]`),
 //! [`KvArrangement::BlocksFirst`]: block after block, each its K then its V (FlashInfer's
-//! `[num_blocks, 2, ...]`). A block holds `kernel_block_size` tokens of the engine's local KV heads,
-//! `HND` (head, token, dim) or `NHD` (token, head, dim).
+//! `[num_blocks, 2, ...]`), or [`KvArrangement::Latent`]: an MLA cache's one array of latent
+//! vectors (`[num_blocks, block_size, head_dim]`, no V). A block holds `kernel_block_size` tokens
+//! of the engine's local KV heads, `HND` (head, token, dim) or `NHD` (token, head, dim).
 
 use pdpair_api::{KvGeometry, KvLayout, Parallelism, checksum::Shape};
 use serde::{Deserialize, Serialize};
@@ -18,9 +21,41 @@ pub enum KvArrangement {
     KvFirst,
     /// Block after block, each its K then its V (FlashInfer's `[num_blocks, 2, ...]`).
     BlocksFirst,
+    /// MLA: one array of blocks of latent vectors, no V (`[num_blocks, block_size, head_dim]`).
+    Latent,
 }
 
 use crate::checksum::block_checksum;
+
+/// The most memory regions one pool may have (descriptors in one `RegisterPool` frame, keys in
+/// one handshake).
+pub const MAX_REGIONS: usize = 128;
+
+/// A run of consecutive layers in one memory region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    /// The first layer the region holds.
+    pub first_layer: u32,
+    /// Layers it holds.
+    pub layers: u32,
+    /// How each of its layers is arranged.
+    pub arrangement: KvArrangement,
+}
+
+/// Where one layer's blocks are: its region, the offsets of its K (or latent) array's and its V
+/// array's block 0 in that region, and the distance from one block to the next.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerAt {
+    /// Index of the region in the pool's region list.
+    pub region: u32,
+    /// Offset of block 0 of the K (or MLA latent) array.
+    pub k: u64,
+    /// Offset of block 0 of the V array (absent for an MLA cache).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub v: Option<u64>,
+    /// Bytes from one block to the next.
+    pub block_stride: u64,
+}
 
 /// The geometry of one engine's pool, in bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,18 +66,20 @@ pub struct PoolLayout {
     pub local_heads: u32,
     /// Global index of the first local head.
     pub head_offset: u32,
-    /// Elements per head.
+    /// Elements per head (MLA: per latent vector).
     pub head_dim: u32,
     /// Bytes per element.
     pub element_bytes: u32,
     /// Tokens per (kernel) block.
     pub block_size: u32,
-    /// Blocks per K (or V) array.
+    /// Blocks per K (or V, or latent) array.
     pub num_blocks: u32,
     /// HND or NHD.
     pub layout: KvLayout,
-    /// K and V arrays, or K and V per block.
-    pub arrangement: KvArrangement,
+    /// An MLA cache: one latent array per layer, no V.
+    pub latent: bool,
+    /// The memory regions, in layer order, covering every layer once.
+    pub regions: Vec<Region>,
 }
 
 /// Why a pool's geometry or memory is unusable.
@@ -53,7 +90,8 @@ pub struct LayoutError(pub String);
 impl PoolLayout {
     /// The layout of tensor-parallel rank `rank` of an engine with this geometry (each rank
     /// registers as its own engine and holds a contiguous range of the KV heads; with more ranks
-    /// than heads, ranks replicate heads; MLA KV is not sharded by head).
+    /// than heads, ranks replicate heads; MLA KV is not sharded by head), in one region
+    /// arranged `KvFirst` (MLA: `Latent`).
     pub fn new(
         kv: &KvGeometry,
         parallelism: &Parallelism,
@@ -84,8 +122,9 @@ impl PoolLayout {
             .resolved_cache_dtype()
             .element_bytes()
             .ok_or_else(|| LayoutError("cache dtype did not resolve".into()))?;
+        let layers = positive("layers", kv.layers)?;
         Ok(PoolLayout {
-            layers: positive("layers", kv.layers)?,
+            layers,
             local_heads,
             head_offset,
             head_dim: positive("headDim", kv.head_dim)?,
@@ -93,24 +132,97 @@ impl PoolLayout {
             block_size: positive("kernelBlockSize", kv.kernel_block_size())?,
             num_blocks,
             layout: kv.layout,
-            arrangement: KvArrangement::KvFirst,
+            latent: kv.mla,
+            regions: vec![Region {
+                first_layer: 0,
+                layers,
+                arrangement: default_arrangement(kv.mla),
+            }],
         })
     }
 
-    /// The same layout with K and V arranged as `arrangement`.
+    /// The same layout in one region with K and V arranged as `arrangement`.
     pub fn arranged(self, arrangement: KvArrangement) -> PoolLayout {
-        PoolLayout { arrangement, ..self }
+        let layers = self.layers;
+        PoolLayout {
+            regions: vec![Region {
+                first_layer: 0,
+                layers,
+                arrangement,
+            }],
+            ..self
+        }
+    }
+
+    /// The same layout split into regions of `(layers, arrangement)` in layer order (the
+    /// engine API's `regions`; an absent arrangement is `KvFirst`, or `Latent` for MLA). The
+    /// counts must add up to the layers; MLA caches are `Latent`, others not.
+    pub fn with_regions(self, spec: &[(u32, Option<KvArrangement>)]) -> Result<PoolLayout, LayoutError> {
+        if spec.is_empty() || spec.len() > MAX_REGIONS {
+            return Err(LayoutError(format!(
+                "regions has {} entries; a pool has 1..={MAX_REGIONS}",
+                spec.len()
+            )));
+        }
+        let mut regions = Vec::with_capacity(spec.len());
+        let mut next = 0u32;
+        for (i, (layers, arrangement)) in spec.iter().enumerate() {
+            if *layers == 0 {
+                return Err(LayoutError(format!(
+                    "regions[{i}].layers is 0; a region holds at least 1"
+                )));
+            }
+            let arrangement = arrangement.unwrap_or(default_arrangement(self.latent));
+            check_arrangement(self.latent, arrangement, &format!("regions[{i}].kv_arrangement"))?;
+            regions.push(Region {
+                first_layer: next,
+                layers: *layers,
+                arrangement,
+            });
+            next = next.saturating_add(*layers);
+        }
+        if next != self.layers {
+            return Err(LayoutError(format!(
+                "regions hold {next} layers in all; the geometry has kv.layers {}",
+                self.layers
+            )));
+        }
+        Ok(PoolLayout { regions, ..self })
+    }
+
+    /// K and V (2), or MLA's latent (1): the arrays per layer.
+    pub fn halves(&self) -> u32 {
+        if self.latent { 1 } else { 2 }
+    }
+
+    /// The arrays of a layer: `false` is K (or the latent), `true` is V (absent for MLA).
+    pub fn arrays(&self) -> &'static [bool] {
+        if self.latent { &[false] } else { &[false, true] }
+    }
+
+    /// The region holding `layer`, and the layer's index inside it.
+    pub fn region_of(&self, layer: u32) -> (usize, u32) {
+        let r = self
+            .regions
+            .partition_point(|r| r.first_layer + r.layers <= layer)
+            .min(self.regions.len().saturating_sub(1));
+        (r, layer.saturating_sub(self.regions[r].first_layer))
     }
 
     /// Bytes from one block of a layer's K (or V) to the next.
-    pub fn block_stride(&self) -> usize {
-        match self.arrangement {
-            KvArrangement::KvFirst => self.block_len(),
+    pub fn block_stride(&self, layer: u32) -> usize {
+        match self.regions[self.region_of(layer).0].arrangement {
+            KvArrangement::KvFirst | KvArrangement::Latent => self.block_len(),
             KvArrangement::BlocksFirst => 2 * self.block_len(),
         }
     }
 
-    /// Bytes of one head's one token's K (or V).
+    /// Whether every layer keeps its blocks back to back (runs of blocks are one copy).
+    pub fn contiguous(&self) -> bool {
+        self.regions.iter().all(|r| r.arrangement != KvArrangement::BlocksFirst)
+    }
+
+    /// Bytes of one head's one token's K (or V, or latent).
     pub fn half_token(&self) -> usize {
         self.head_dim as usize * self.element_bytes as usize
     }
@@ -128,13 +240,14 @@ impl PoolLayout {
             .checked_mul(u64::from(self.element_bytes))
     }
 
-    /// [`PoolLayout::region_len`], or `None` when it overflows (or does not fit this machine's
-    /// address space): such a geometry is refused at registration, before anything is sliced.
-    pub fn region_len_checked(&self) -> Option<usize> {
+    /// [`PoolLayout::pool_len`], or `None` when it overflows (or does not fit this machine's address
+    /// space): such a geometry is refused at registration, before anything is sliced. Every
+    /// region is smaller than the whole.
+    pub fn pool_len_checked(&self) -> Option<usize> {
         let len = self
             .block_len_checked()?
             .checked_mul(u64::from(self.num_blocks))?
-            .checked_mul(2)?
+            .checked_mul(u64::from(self.halves()))?
             .checked_mul(u64::from(self.layers))?;
         usize::try_from(len).ok().filter(|l| *l <= isize::MAX as usize)
     }
@@ -144,34 +257,54 @@ impl PoolLayout {
         self.num_blocks as usize * self.block_len()
     }
 
-    /// Bytes of the whole pool (callers check [`PoolLayout::region_len_checked`] first).
-    pub fn region_len(&self) -> usize {
-        2 * self.layers as usize * self.array_len()
+    /// Bytes of one layer's arrays.
+    fn layer_len(&self) -> usize {
+        self.halves() as usize * self.array_len()
     }
 
-    /// Offsets of each layer's block 0 of K and of V (blocks follow at [`PoolLayout::block_stride`]).
-    pub fn layer_offsets(&self) -> Vec<(u64, u64)> {
+    /// Bytes of the whole pool, all regions (callers check [`PoolLayout::pool_len_checked`] first).
+    pub fn pool_len(&self) -> usize {
+        self.layers as usize * self.layer_len()
+    }
+
+    /// Bytes of each region, in order.
+    pub fn region_lens(&self) -> Vec<usize> {
+        self.regions
+            .iter()
+            .map(|r| r.layers as usize * self.layer_len())
+            .collect()
+    }
+
+    /// Where each layer's blocks are.
+    pub fn layer_offsets(&self) -> Vec<LayerAt> {
         (0..self.layers)
             .map(|l| {
-                (
-                    self.block_offset(l, false, 0) as u64,
-                    self.block_offset(l, true, 0) as u64,
-                )
+                let (region, k) = self.block_offset(l, false, 0);
+                LayerAt {
+                    region: region as u32,
+                    k: k as u64,
+                    v: (!self.latent).then(|| self.block_offset(l, true, 0).1 as u64),
+                    block_stride: self.block_stride(l) as u64,
+                }
             })
             .collect()
     }
 
-    /// Offset of a block of a layer's K (`v = false`) or V array.
-    pub fn block_offset(&self, layer: u32, v: bool, block: u32) -> usize {
-        let layer_start = 2 * layer as usize * self.array_len();
-        match self.arrangement {
+    /// The region and the offset in it of a block of a layer's K (`v = false`, or the latent)
+    /// or V array.
+    pub fn block_offset(&self, layer: u32, v: bool, block: u32) -> (usize, usize) {
+        let (r, local) = self.region_of(layer);
+        let layer_start = local as usize * self.layer_len();
+        let at = match self.regions[r].arrangement {
             KvArrangement::KvFirst => {
                 layer_start + usize::from(v) * self.array_len() + block as usize * self.block_len()
             }
             KvArrangement::BlocksFirst => {
                 layer_start + block as usize * 2 * self.block_len() + usize::from(v) * self.block_len()
             }
-        }
+            KvArrangement::Latent => layer_start + block as usize * self.block_len(),
+        };
+        (r, at)
     }
 
     /// Offset of a token's K (or V) for a local head inside a block.
@@ -190,11 +323,13 @@ impl PoolLayout {
             heads: self.local_heads,
             head_dim: self.head_dim,
             element_bytes: self.element_bytes,
+            latent: self.latent,
         }
     }
 
-    /// The checksum of block `block` holding tokens from `first_token`, read from `memory`.
-    pub fn checksum(&self, memory: &[u8], block: u32, first_token: u64, num_tokens: u64) -> Option<u64> {
+    /// The checksum of block `block` holding tokens from `first_token`, read from `memory` (one
+    /// slice per region).
+    pub fn checksum(&self, memory: &[&[u8]], block: u32, first_token: u64, num_tokens: u64) -> Option<u64> {
         self.checksum_heads(memory, block, first_token, num_tokens, 0, self.local_heads)
     }
 
@@ -202,14 +337,19 @@ impl PoolLayout {
     /// rank holding just those heads computes over the same tokens.
     pub fn checksum_heads(
         &self,
-        memory: &[u8],
+        memory: &[&[u8]],
         block: u32,
         first_token: u64,
         num_tokens: u64,
         first: u32,
         count: u32,
     ) -> Option<u64> {
-        if block >= self.num_blocks || memory.len() < self.region_len() || first + count > self.local_heads {
+        let lens = self.region_lens();
+        if block >= self.num_blocks
+            || memory.len() != lens.len()
+            || memory.iter().zip(&lens).any(|(m, l)| m.len() < *l)
+            || first.checked_add(count)? > self.local_heads
+        {
             return None;
         }
         let half = self.half_token();
@@ -224,11 +364,38 @@ impl PoolLayout {
             first_token,
             num_tokens,
             |l, h, i| {
-                let k = self.block_offset(l, false, block) + self.token_offset(first + h, i);
-                let v = self.block_offset(l, true, block) + self.token_offset(first + h, i);
-                (&memory[k..k + half], &memory[v..v + half])
+                let token = self.token_offset(first + h, i);
+                let (r, k) = self.block_offset(l, false, block);
+                let k = &memory[r][k + token..k + token + half];
+                if self.latent {
+                    return (k, &[][..]);
+                }
+                let (r, v) = self.block_offset(l, true, block);
+                (k, &memory[r][v + token..v + token + half])
             },
         )
+    }
+}
+
+/// `KvFirst`, or `Latent` for an MLA cache.
+pub fn default_arrangement(latent: bool) -> KvArrangement {
+    if latent {
+        KvArrangement::Latent
+    } else {
+        KvArrangement::KvFirst
+    }
+}
+
+/// An MLA cache is `Latent`; any other is not.
+pub fn check_arrangement(latent: bool, arrangement: KvArrangement, field: &str) -> Result<(), LayoutError> {
+    match (latent, arrangement) {
+        (true, KvArrangement::Latent) | (false, KvArrangement::KvFirst | KvArrangement::BlocksFirst) => Ok(()),
+        (true, other) => Err(LayoutError(format!(
+            "{field} is {other:?}; kv.mla is true, so the cache is one latent array per layer: Latent"
+        ))),
+        (false, KvArrangement::Latent) => Err(LayoutError(format!(
+            "{field} is Latent, but kv.mla is false: K and V are KvFirst or BlocksFirst"
+        ))),
     }
 }
 
@@ -276,10 +443,8 @@ mod tests {
         assert_eq!(at(&kv, 4, 3), (0, 8), "MLA is not sharded by head");
     }
 
-    /// The engine layout and the canonical layout give the same checksum for the same tokens.
-    #[test]
-    fn both_arrangements_partition_the_region_into_every_layers_k_and_v_blocks() {
-        let base = PoolLayout {
+    fn small(latent: bool) -> PoolLayout {
+        PoolLayout {
             layers: 3,
             local_heads: 2,
             head_offset: 0,
@@ -288,77 +453,146 @@ mod tests {
             block_size: 4,
             num_blocks: 5,
             layout: KvLayout::Hnd,
-            arrangement: KvArrangement::KvFirst,
-        };
-        for arrangement in [KvArrangement::KvFirst, KvArrangement::BlocksFirst] {
-            let pool = base.clone().arranged(arrangement);
-            let mut seen = vec![false; pool.region_len()];
+            latent,
+            regions: vec![Region {
+                first_layer: 0,
+                layers: 3,
+                arrangement: default_arrangement(latent),
+            }],
+        }
+    }
+
+    /// Every region split and arrangement partitions each region into every layer's arrays'
+    /// blocks, and `layer_offsets` (what the handshake tells peers) finds each block.
+    #[test]
+    fn regions_partition_into_every_layers_blocks() {
+        use KvArrangement::*;
+        type Spec = Vec<(u32, Option<KvArrangement>)>;
+        let cases: Vec<(bool, Spec)> = vec![
+            (false, vec![(3, Some(KvFirst))]),
+            (false, vec![(3, Some(BlocksFirst))]),
+            (false, vec![(1, None), (1, None), (1, None)]),
+            (false, vec![(2, Some(BlocksFirst)), (1, Some(KvFirst))]),
+            (true, vec![(3, None)]),
+            (true, vec![(1, Some(Latent)), (2, None)]),
+        ];
+        for (latent, spec) in cases {
+            let pool = small(latent).with_regions(&spec).expect("valid regions");
+            let lens = pool.region_lens();
+            assert_eq!(lens.iter().sum::<usize>(), pool.pool_len(), "{spec:?}");
+            let mut seen: Vec<Vec<bool>> = lens.iter().map(|l| vec![false; *l]).collect();
+            let at = pool.layer_offsets();
             for l in 0..3 {
-                for v in [false, true] {
+                for v in pool.arrays() {
                     for b in 0..5 {
-                        let at = pool.block_offset(l, v, b);
+                        let (r, off) = pool.block_offset(l, *v, b);
+                        let layer = at[l as usize];
+                        let array = if *v { layer.v.expect("a V array") } else { layer.k };
                         assert_eq!(
-                            at,
-                            pool.layer_offsets()[l as usize].0 as usize
-                                + usize::from(v)
-                                    * (pool.layer_offsets()[l as usize].1 - pool.layer_offsets()[l as usize].0)
-                                        as usize
-                                + b as usize * pool.block_stride()
+                            (r, off),
+                            (
+                                layer.region as usize,
+                                (array + u64::from(b) * layer.block_stride) as usize
+                            ),
+                            "{spec:?}"
                         );
-                        for byte in &mut seen[at..at + pool.block_len()] {
-                            assert!(!*byte, "{arrangement:?}: blocks overlap");
+                        for byte in &mut seen[r][off..off + pool.block_len()] {
+                            assert!(!*byte, "{spec:?}: blocks overlap");
                             *byte = true;
                         }
                     }
                 }
             }
             assert!(
-                seen.iter().all(|b| *b),
-                "{arrangement:?}: every byte belongs to a block"
+                seen.iter().flatten().all(|b| *b),
+                "{spec:?}: every byte belongs to a block"
             );
+            assert_eq!(at.iter().all(|l| l.v.is_none()), latent, "MLA has no V array");
         }
-        let fi = base.arranged(KvArrangement::BlocksFirst);
+        let fi = small(false).arranged(BlocksFirst);
         assert_eq!(
             fi.block_offset(1, true, 2),
-            2 * 5 * 64 + 2 * 2 * 64 + 64,
+            (0, 2 * 5 * 64 + 2 * 2 * 64 + 64),
             "FlashInfer's [N, 2, ...]"
+        );
+        let per_layer = small(false).with_regions(&[(1, None); 3]).expect("valid");
+        assert_eq!(
+            per_layer.block_offset(2, true, 1),
+            (2, 5 * 64 + 64),
+            "layer 2 is region 2's only layer"
+        );
+        let mla = small(true);
+        assert_eq!(mla.pool_len(), 3 * 5 * 64, "MLA: one array per layer");
+        assert_eq!(mla.block_offset(1, false, 2), (0, 5 * 64 + 2 * 64));
+    }
+
+    #[test]
+    fn bad_regions_are_refused_naming_the_field() {
+        use KvArrangement::*;
+        let refused =
+            |latent, spec: &[(u32, Option<KvArrangement>)]| small(latent).with_regions(spec).expect_err("refused").0;
+        assert!(refused(false, &[]).contains("regions has 0 entries"));
+        assert!(refused(false, &[(2, None)]).contains("regions hold 2 layers in all; the geometry has kv.layers 3"));
+        assert!(refused(false, &[(3, None), (1, None)]).contains("regions hold 4 layers"));
+        assert!(refused(false, &[(3, None), (0, None)]).contains("regions[1].layers is 0"));
+        assert!(refused(false, &[(1, None), (2, Some(Latent))]).contains("regions[1].kv_arrangement is Latent"));
+        assert!(refused(true, &[(3, Some(KvFirst))]).contains("regions[0].kv_arrangement is KvFirst; kv.mla is true"));
+        assert!(refused(false, &vec![(1, None); MAX_REGIONS + 1]).contains("a pool has 1..=128"));
+        assert!(
+            refused(false, &[(u32::MAX, None), (4, None)]).contains("layers in all"),
+            "a wrapping sum is refused"
         );
     }
 
     #[test]
     fn engine_layouts_checksum_like_the_canonical_dump() {
-        for (layout, arrangement) in [
-            (KvLayout::Hnd, KvArrangement::KvFirst),
-            (KvLayout::Nhd, KvArrangement::KvFirst),
-            (KvLayout::Hnd, KvArrangement::BlocksFirst),
+        use KvArrangement::*;
+        for (latent, layout, spec) in [
+            (false, KvLayout::Hnd, vec![(2, Some(KvFirst))]),
+            (false, KvLayout::Nhd, vec![(2, Some(KvFirst))]),
+            (false, KvLayout::Hnd, vec![(2, Some(BlocksFirst))]),
+            (false, KvLayout::Nhd, vec![(1, Some(BlocksFirst)), (1, Some(KvFirst))]),
+            (true, KvLayout::Nhd, vec![(2, None)]),
+            (true, KvLayout::Hnd, vec![(1, None), (1, None)]),
         ] {
             let pool = PoolLayout {
                 layers: 2,
                 local_heads: 3,
-                head_offset: 0,
                 head_dim: 4,
-                element_bytes: 2,
-                block_size: 4,
                 num_blocks: 3,
                 layout,
-                arrangement,
-            };
-            let memory: Vec<u8> = (0..pool.region_len()).map(|i| (i * 31 + 7) as u8).collect();
+                ..small(latent)
+            }
+            .with_regions(&spec)
+            .expect("valid");
+            let regions: Vec<Vec<u8>> = pool
+                .region_lens()
+                .iter()
+                .enumerate()
+                .map(|(r, len)| (0..*len).map(|i| (i * 31 + 7 + r * 101) as u8).collect())
+                .collect();
+            let memory: Vec<&[u8]> = regions.iter().map(Vec::as_slice).collect();
             // Build the canonical dump of block 1 from the engine memory.
             let half = pool.half_token();
             let mut canonical = Vec::new();
             for l in 0..2 {
                 for h in 0..3 {
                     for i in 0..4 {
-                        let k = pool.block_offset(l, false, 1) + pool.token_offset(h, i);
-                        let v = pool.block_offset(l, true, 1) + pool.token_offset(h, i);
-                        canonical.extend_from_slice(&memory[k..k + half]);
-                        canonical.extend_from_slice(&memory[v..v + half]);
+                        for v in pool.arrays() {
+                            let (r, at) = pool.block_offset(l, *v, 1);
+                            let at = at + pool.token_offset(h, i);
+                            canonical.extend_from_slice(&memory[r][at..at + half]);
+                        }
                     }
                 }
             }
             let reference = reference_block(&pool.shape(), &canonical, 4, 8, 11).expect("valid");
-            assert_eq!(pool.checksum(&memory, 1, 8, 11), Some(reference), "{layout:?}");
+            assert_eq!(pool.checksum(&memory, 1, 8, 11), Some(reference), "{layout:?} {spec:?}");
+            assert_eq!(
+                pool.checksum(&memory[..memory.len() - 1], 1, 8, 11),
+                None,
+                "a region missing"
+            );
         }
     }
 }

@@ -30,13 +30,14 @@ use sha2::Sha256;
 
 pub use crate::reason::Reason;
 use crate::{
+    layout::{LayerAt, MAX_REGIONS, PoolLayout},
     reason,
     wire::{self, FrameError, Opener, Sealer, hex_bytes},
 };
 
 /// The protocol version this agent speaks (2: sealed frames after authentication; 3: `Release`
-/// also cancels, see `docs/protocol.md`).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// also cancels; 4: memory in several regions, MLA's latent arrays; see `docs/protocol.md`).
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Bytes of a nonce.
 pub const NONCE_LEN: usize = 32;
 /// The most bytes of a UCX worker address or packed remote key accepted from a peer.
@@ -182,9 +183,9 @@ pub struct PeerInfo {
     pub memory: MemoryDesc,
 }
 
-/// Registered KV memory: per layer a K block array and a V block array inside one region.
+/// One registered memory region of a peer's pool.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MemoryDesc {
+pub struct RegionDesc {
     /// Remote address of the region's first byte.
     pub base: u64,
     /// Region length in bytes.
@@ -192,37 +193,49 @@ pub struct MemoryDesc {
     /// UCX packed remote key of the region.
     #[serde(with = "hex_bytes")]
     pub rkey: Vec<u8>,
+}
+
+/// Registered KV memory: one or more regions, and per layer where in them its K block array and
+/// V block array (or MLA's one latent array) are.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryDesc {
+    /// The pool's regions.
+    pub regions: Vec<RegionDesc>,
     /// Blocks per K (or V) array.
     pub num_blocks: u32,
     /// Bytes of one block of one layer's K (or V).
     pub block_len: u64,
-    /// Distance between consecutive blocks.
-    pub block_stride: u64,
-    /// Offsets of each layer's K array and V array from `base`.
-    pub layers: Vec<(u64, u64)>,
+    /// Per layer: its region, its arrays' offsets in it, its block stride.
+    pub layers: Vec<LayerAt>,
 }
 
 impl MemoryDesc {
-    /// The description of a pool laid out as `layout` (blocks back to back), registered at
-    /// `base` with `rkey`.
-    pub fn of(layout: &crate::layout::PoolLayout, base: u64, rkey: Vec<u8>) -> MemoryDesc {
+    /// The description of a pool laid out as `layout`, its regions registered at `regions`
+    /// (address, packed key), in the layout's region order.
+    pub fn of(layout: &PoolLayout, regions: Vec<(u64, Vec<u8>)>) -> MemoryDesc {
         MemoryDesc {
-            base,
-            len: layout.region_len() as u64,
-            rkey,
+            regions: regions
+                .into_iter()
+                .zip(layout.region_lens())
+                .map(|((base, rkey), len)| RegionDesc {
+                    base,
+                    len: len as u64,
+                    rkey,
+                })
+                .collect(),
             num_blocks: layout.num_blocks,
             block_len: layout.block_len() as u64,
-            block_stride: layout.block_stride() as u64,
             layers: layout.layer_offsets(),
         }
     }
 
     /// Checks a peer's description against the geometry it claims (`kv`, `parallelism`, its
-    /// rank): the block length and layer count it implies, every block of every array inside
-    /// `base..base+len` (checked arithmetic), and a key UCX can parse. Nothing in a peer's
-    /// description is used before this passes.
+    /// rank): the block length and layer count it implies, a V array exactly when the cache is
+    /// not MLA, every block of every array inside its region (checked arithmetic), at most
+    /// [`MAX_REGIONS`] regions, and keys UCX can parse. Nothing in a peer's description is used
+    /// before this passes.
     pub fn check(&self, kv: &KvGeometry, parallelism: &Parallelism, rank: u32) -> Result<(), String> {
-        let layout = crate::layout::PoolLayout::new(kv, parallelism, self.num_blocks, rank).map_err(|e| e.0)?;
+        let layout = PoolLayout::new(kv, parallelism, self.num_blocks, rank).map_err(|e| e.0)?;
         if self.num_blocks == 0 {
             return Err("memory.num_blocks is 0".into());
         }
@@ -235,11 +248,20 @@ impl MemoryDesc {
                 self.block_len
             ));
         }
-        if self.block_stride < self.block_len {
+        if self.regions.is_empty() || self.regions.len() > MAX_REGIONS {
             return Err(format!(
-                "memory.block_stride {} is less than memory.block_len {}",
-                self.block_stride, self.block_len
+                "memory.regions has {} entries; a pool has 1..={MAX_REGIONS}",
+                self.regions.len()
             ));
+        }
+        for (i, r) in self.regions.iter().enumerate() {
+            if r.len == 0 || r.base.checked_add(r.len).is_none() {
+                return Err(format!(
+                    "memory.regions[{i}] at {:#x} of {} bytes is empty or overflows",
+                    r.base, r.len
+                ));
+            }
+            check_rkey(&r.rkey).map_err(|e| format!("memory.regions[{i}]: {e}"))?;
         }
         if self.layers.len() != layout.layers as usize {
             return Err(format!(
@@ -248,33 +270,60 @@ impl MemoryDesc {
                 layout.layers
             ));
         }
-        if self.base.checked_add(self.len).is_none() {
-            return Err(format!(
-                "memory.base {:#x} + memory.len {} overflows",
-                self.base, self.len
-            ));
-        }
-        // The end of an array's last block, from the array's offset.
-        let array_end = u64::from(self.num_blocks - 1)
-            .checked_mul(self.block_stride)
-            .and_then(|o| o.checked_add(self.block_len))
-            .ok_or("memory.num_blocks x memory.block_stride overflows")?;
-        for (i, (k, v)) in self.layers.iter().enumerate() {
-            for (what, offset) in [("K", k), ("V", v)] {
-                if offset.checked_add(array_end).is_none_or(|end| end > self.len) {
+        for (i, l) in self.layers.iter().enumerate() {
+            let Some(region) = self.regions.get(l.region as usize) else {
+                return Err(format!(
+                    "memory.layers[{i}].region is {}; there are {} regions",
+                    l.region,
+                    self.regions.len()
+                ));
+            };
+            if l.block_stride < self.block_len {
+                return Err(format!(
+                    "memory.layers[{i}].block_stride {} is less than memory.block_len {}",
+                    l.block_stride, self.block_len
+                ));
+            }
+            // The end of an array's last block, from the array's offset.
+            let array_end = u64::from(self.num_blocks - 1)
+                .checked_mul(l.block_stride)
+                .and_then(|o| o.checked_add(self.block_len))
+                .ok_or_else(|| format!("memory.num_blocks x memory.layers[{i}].block_stride overflows"))?;
+            let v = match (l.v, layout.latent) {
+                (Some(v), false) => Some(v),
+                (None, true) => None,
+                (Some(_), true) => return Err(format!("memory.layers[{i}] has a V array; kv.mla is true")),
+                (None, false) => return Err(format!("memory.layers[{i}] has no V array; kv.mla is false")),
+            };
+            for (what, offset) in [("K", Some(l.k)), ("V", v)] {
+                let Some(offset) = offset else { continue };
+                if offset.checked_add(array_end).is_none_or(|end| end > region.len) {
                     return Err(format!(
-                        "memory.layers[{i}] {what} array at offset {offset} ends past memory.len {}",
-                        self.len
+                        "memory.layers[{i}] {what} array at offset {offset} ends past memory.regions[{}].len {}",
+                        l.region, region.len
                     ));
                 }
             }
         }
-        check_rkey(&self.rkey)
+        Ok(())
     }
 
-    /// Whether `addr..addr+len` lies inside the region (checked arithmetic).
-    pub fn contains(&self, addr: u64, len: u64) -> bool {
-        addr >= self.base && addr.checked_add(len).is_some_and(|end| end <= self.base + self.len)
+    /// The remote address of a block of a layer's K (`v = false`) or V array (a description
+    /// that passed [`MemoryDesc::check`]; `None` for a layer or array it lacks).
+    pub fn block(&self, layer: u32, v: bool, block: u32) -> Option<u64> {
+        let l = self.layers.get(layer as usize)?;
+        let array = if v { l.v? } else { l.k };
+        Some(self.regions.get(l.region as usize)?.base + array + u64::from(block) * l.block_stride)
+    }
+
+    /// Whether every layer keeps its blocks back to back.
+    pub fn contiguous(&self) -> bool {
+        self.layers.iter().all(|l| l.block_stride == self.block_len)
+    }
+
+    /// The regions as the UCX thread connects to them: (packed key, (address, bytes)).
+    pub fn keys(&self) -> Vec<(Vec<u8>, (u64, u64))> {
+        self.regions.iter().map(|r| (r.rkey.clone(), (r.base, r.len))).collect()
     }
 }
 

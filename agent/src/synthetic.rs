@@ -46,8 +46,11 @@ pub struct EngineSpec {
     pub tensor_rank: u32,
     /// Who allocates the pool.
     pub memory: EngineMemory,
-    /// K and V arrays, or K and V per block.
-    pub arrangement: crate::layout::KvArrangement,
+    /// K and V arrays, or K and V per block, in a one-region pool (absent: the default for the
+    /// geometry).
+    pub arrangement: Option<crate::layout::KvArrangement>,
+    /// The pool's regions (empty: one for every layer).
+    pub regions: Vec<crate::engine_api::RegionRequest>,
 }
 
 impl EngineSpec {
@@ -81,7 +84,8 @@ impl EngineSpec {
             num_blocks,
             tensor_rank,
             memory: EngineMemory::Agent,
-            arrangement: crate::layout::KvArrangement::KvFirst,
+            arrangement: None,
+            regions: Vec::new(),
         }
     }
 }
@@ -103,9 +107,10 @@ pub struct SyntheticEngine {
     stream: UnixStream,
     /// Its pool layout.
     pub layout: PoolLayout,
-    map: memmap2::MmapMut,
-    /// The pool's descriptor (the engine's memfd, or the one the agent passed).
-    pool: File,
+    /// One mapping per region.
+    maps: Vec<memmap2::MmapMut>,
+    /// The regions' descriptors (the engine's memfds, or the ones the agent passed).
+    pools: Vec<File>,
     /// Side-channel address the agent gave it.
     pub address: String,
 }
@@ -127,44 +132,56 @@ impl SyntheticEngine {
         spec: &EngineSpec,
         pod: Option<String>,
     ) -> Result<SyntheticEngine, String> {
-        let layout = PoolLayout::new(&spec.kv, &spec.parallelism, spec.num_blocks, spec.tensor_rank)
-            .map_err(|e| e.to_string())?
-            .arranged(spec.arrangement);
+        let reg = Self::registration(spec, pod, spec.memory == EngineMemory::Engine);
+        let layout = reg.layout().map_err(|e| e.to_string())?;
+        let lens = layout.region_lens();
         let own = match spec.memory {
-            EngineMemory::Engine => Some(crate::pool::sealed_memfd(layout.region_len())?),
-            EngineMemory::Agent => None,
+            EngineMemory::Engine => lens
+                .iter()
+                .map(|len| crate::pool::sealed_memfd(*len))
+                .collect::<Result<Vec<_>, _>>()?,
+            EngineMemory::Agent => Vec::new(),
         };
         let stream = UnixStream::connect(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
-        let reg = Self::registration(spec, pod, own.is_some());
         let request = EngineRequest::RegisterPool(Box::new(reg));
-        match &own {
-            Some(file) => wire::write_frame_fd(&stream, &request, file.as_fd()),
-            None => wire::write_frame(&mut &stream, &request),
-        }
-        .map_err(|e| e.to_string())?;
-        let (answer, fd) = wire::read_frame_fd::<AgentEvent>(&stream, wire::MAX_FRAME).map_err(|e| e.to_string())?;
+        let fds: Vec<_> = own.iter().map(AsFd::as_fd).collect();
+        wire::write_frame_fds(&stream, &request, &fds).map_err(|e| e.to_string())?;
+        let (answer, fds) = wire::read_frame_fds::<AgentEvent>(&stream, wire::MAX_FRAME).map_err(|e| e.to_string())?;
         match answer {
             AgentEvent::Registered {
-                address, memory_len, ..
+                address,
+                memory_len,
+                region_lens,
+                ..
             } => {
-                let pool = match (own, fd) {
-                    (Some(file), _) => file,
-                    (None, Some(fd)) => File::from(fd),
-                    (None, None) => return Err("the agent allocated the pool but passed no descriptor".into()),
+                let pools = if own.is_empty() {
+                    fds.into_iter().map(File::from).collect()
+                } else {
+                    own
                 };
-                let map = map_and_touch(&pool)?;
-                if map.len() < layout.region_len() || memory_len < layout.region_len() as u64 {
+                if pools.len() != lens.len() {
                     return Err(format!(
-                        "the agent's pool holds {} bytes (says {memory_len}), fewer than {}",
-                        map.len(),
-                        layout.region_len()
+                        "the pool has {} regions; the agent passed {} descriptors",
+                        lens.len(),
+                        pools.len()
+                    ));
+                }
+                let maps = pools.iter().map(map_and_touch).collect::<Result<Vec<_>, _>>()?;
+                let says: Vec<usize> = region_lens.iter().map(|l| *l as usize).collect();
+                if maps.iter().zip(&lens).any(|(m, l)| m.len() < *l)
+                    || says != lens
+                    || memory_len != layout.pool_len() as u64
+                {
+                    return Err(format!(
+                        "the agent's regions hold {:?} bytes (says {says:?}, {memory_len} in all); the layout needs {lens:?}",
+                        maps.iter().map(|m| m.len()).collect::<Vec<_>>(),
                     ));
                 }
                 Ok(SyntheticEngine {
                     stream,
                     layout,
-                    map,
-                    pool,
+                    maps,
+                    pools,
                     address,
                 })
             }
@@ -193,22 +210,23 @@ impl SyntheticEngine {
             num_blocks: spec.num_blocks,
             tensor_rank: spec.tensor_rank,
             kv_arrangement: spec.arrangement,
+            regions: spec.regions.clone(),
         }
     }
 
-    /// The engine's mapping of its pool.
-    pub fn bytes(&self) -> &[u8] {
-        &self.map
+    /// The engine's mapping of its pool's region `r`.
+    pub fn region(&self, r: usize) -> &[u8] {
+        &self.maps[r]
     }
 
-    /// The engine's mapping of its pool, to write (what its KV cache is).
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.map
+    /// The engine's mapping of region `r`, to write (what its KV cache is).
+    pub fn region_mut(&mut self, r: usize) -> &mut [u8] {
+        &mut self.maps[r]
     }
 
-    /// The pool's descriptor (what a hostile engine would truncate).
-    pub fn pool_file(&self) -> &File {
-        &self.pool
+    /// Region `r`'s descriptor (what a hostile engine would truncate).
+    pub fn pool_file(&self, r: usize) -> &File {
+        &self.pools[r]
     }
 
     /// Sends one request to the agent.
@@ -248,7 +266,7 @@ impl SyntheticEngine {
         blocks: &[u32],
         first_token: u64,
         num_tokens: u64,
-        mut f: impl FnMut(usize, u32, u32, u64, bool),
+        mut f: impl FnMut((usize, usize), u32, u32, u64, bool),
     ) {
         let b = u64::from(self.layout.block_size);
         for (i, block) in blocks.iter().enumerate() {
@@ -259,9 +277,15 @@ impl SyntheticEngine {
                 }
                 for l in 0..self.layout.layers {
                     for h in 0..self.layout.local_heads {
-                        for v in [false, true] {
-                            let at = self.layout.block_offset(l, v, *block) + self.layout.token_offset(h, j);
-                            f(at, l, self.layout.head_offset + h, t, v);
+                        for v in self.layout.arrays() {
+                            let (r, at) = self.layout.block_offset(l, *v, *block);
+                            f(
+                                (r, at + self.layout.token_offset(h, j)),
+                                l,
+                                self.layout.head_offset + h,
+                                t,
+                                *v,
+                            );
                         }
                     }
                 }
@@ -276,8 +300,8 @@ impl SyntheticEngine {
         self.for_each_token(blocks, first_token, num_tokens, |at, l, h, t, v| {
             writes.push((at, l, h, t, v))
         });
-        for (at, l, h, t, v) in writes {
-            Self::token_bytes(seed, l, h, t, v, &mut self.map[at..at + half]);
+        for ((r, at), l, h, t, v) in writes {
+            Self::token_bytes(seed, l, h, t, v, &mut self.maps[r][at..at + half]);
         }
     }
 
@@ -286,9 +310,9 @@ impl SyntheticEngine {
         let len = self.layout.block_len();
         for block in blocks {
             for l in 0..self.layout.layers {
-                for v in [false, true] {
-                    let at = self.layout.block_offset(l, v, *block);
-                    self.map[at..at + len].fill(0);
+                for v in self.layout.arrays() {
+                    let (r, at) = self.layout.block_offset(l, *v, *block);
+                    self.maps[r][at..at + len].fill(0);
                 }
             }
         }
@@ -299,9 +323,9 @@ impl SyntheticEngine {
         let half = self.layout.half_token();
         let mut expected = vec![0u8; half];
         let mut bad = 0u64;
-        self.for_each_token(blocks, first_token, num_tokens, |at, l, h, t, v| {
+        self.for_each_token(blocks, first_token, num_tokens, |(r, at), l, h, t, v| {
             Self::token_bytes(seed, l, h, t, v, &mut expected);
-            if self.map[at..at + half] != expected[..] {
+            if self.maps[r][at..at + half] != expected[..] {
                 bad += 1;
             }
         });

@@ -80,24 +80,23 @@ pub enum Command {
         /// Answered once it is gone.
         reply: Reply<()>,
     },
-    /// Connect to a peer worker and unpack its key.
+    /// Connect to a peer worker and unpack its keys.
     Connect {
         /// The peer's worker address.
         worker_address: Vec<u8>,
-        /// The peer's packed rkey.
-        rkey: Vec<u8>,
-        /// The peer's registered range (address, bytes): every op's remote side must lie in it.
-        remote: (u64, u64),
-        /// Peer id, and where the peer's memory is mapped here (when it is).
-        reply: Reply<(u64, Option<u64>)>,
+        /// The peer's regions: packed rkey and registered range (address, bytes). Every op's
+        /// remote side must lie in one of them.
+        remotes: Vec<(Vec<u8>, (u64, u64))>,
+        /// Peer id, and per region where the peer's memory is mapped here (when it is).
+        reply: Reply<(u64, Vec<Option<u64>>)>,
     },
     /// Post WRITEs to a peer, wait for them, flush; `corrupt` flips one byte of the first op's
     /// data in flight (a fault-injection flag for tests).
     Put {
         /// Peer id.
         peer: u64,
-        /// The local region the ops read from (its registration is reused).
-        region: u64,
+        /// The local regions the ops read from (their registrations are reused).
+        regions: Vec<u64>,
         /// The WRITEs.
         ops: Vec<PutOp>,
         /// Flip a byte of the first op in flight.
@@ -112,8 +111,8 @@ pub enum Command {
     Get {
         /// Peer id.
         peer: u64,
-        /// The local region the ops write into (its registration is reused).
-        region: u64,
+        /// The local regions the ops write into (their registrations are reused).
+        regions: Vec<u64>,
         /// The READs.
         ops: Vec<PutOp>,
         /// When it must be complete; past it the READs are cancelled and the peer dropped.
@@ -197,30 +196,42 @@ impl UcxHandle {
     }
 
     /// See [`Command::Connect`].
-    /// `remote` is the peer's registered range (address, bytes). When UCX mapped the peer's
-    /// memory into this process (shared memory it allocated: puts are plain copies), this faults
-    /// that mapping in, in the calling thread (the handshake's, not the UCX thread, which keeps
-    /// serving other transfers), so the first transfer does not take the page faults.
+    /// `remotes` are the peer's regions: (packed key, registered range (address, bytes)). When
+    /// UCX mapped the peer's memory into this process (shared memory it allocated: puts are
+    /// plain copies), this faults those mappings in, in the calling thread (the handshake's, not
+    /// the UCX thread, which keeps serving other transfers), so the first transfer does not take
+    /// the page faults.
     ///
-    /// The key and address are a peer's bytes: they are length- and structure-checked here,
-    /// before UCX parses them, and the range must not wrap.
-    pub fn connect(&self, worker_address: Vec<u8>, rkey: Vec<u8>, remote: (u64, u64)) -> Result<u64, String> {
+    /// The keys and address are a peer's bytes: they are length- and structure-checked here,
+    /// before UCX parses them, and no range may be empty or wrap.
+    pub fn connect(&self, worker_address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>) -> Result<u64, String> {
         crate::protocol::check_worker_address(&worker_address)?;
-        crate::protocol::check_rkey(&rkey)?;
-        if remote.0.checked_add(remote.1).is_none() || remote.1 == 0 {
+        if remotes.is_empty() || remotes.len() > crate::layout::MAX_REGIONS {
             return Err(format!(
-                "the peer's region {:#x}+{} is empty or wraps",
-                remote.0, remote.1
+                "the peer has {} regions; a pool has 1..={}",
+                remotes.len(),
+                crate::layout::MAX_REGIONS
             ));
         }
-        let (id, local) = self.call(|reply| Command::Connect {
+        for (rkey, remote) in &remotes {
+            crate::protocol::check_rkey(rkey)?;
+            if remote.0.checked_add(remote.1).is_none() || remote.1 == 0 {
+                return Err(format!(
+                    "the peer's region {:#x}+{} is empty or wraps",
+                    remote.0, remote.1
+                ));
+            }
+        }
+        let lens: Vec<u64> = remotes.iter().map(|(_, r)| r.1).collect();
+        let (id, locals) = self.call(|reply| Command::Connect {
             worker_address,
-            rkey,
-            remote,
+            remotes,
             reply,
         })?;
-        if let Some(local) = local {
-            populate(local, remote.1);
+        for (local, len) in locals.into_iter().zip(lens) {
+            if let Some(local) = local {
+                populate(local, len);
+            }
         }
         Ok(id)
     }
@@ -239,7 +250,7 @@ impl UcxHandle {
     pub fn put(
         &self,
         peer: u64,
-        region: u64,
+        regions: Vec<u64>,
         ops: Vec<PutOp>,
         corrupt: bool,
         within: Duration,
@@ -247,7 +258,7 @@ impl UcxHandle {
         let deadline = Instant::now() + within;
         self.op(|reply| Command::Put {
             peer,
-            region,
+            regions,
             ops,
             corrupt,
             deadline,
@@ -256,11 +267,11 @@ impl UcxHandle {
     }
 
     /// See [`Command::Get`]; `within` bounds it.
-    pub fn get(&self, peer: u64, region: u64, ops: Vec<PutOp>, within: Duration) -> Result<u64, OpError> {
+    pub fn get(&self, peer: u64, regions: Vec<u64>, ops: Vec<PutOp>, within: Duration) -> Result<u64, OpError> {
         let deadline = Instant::now() + within;
         self.op(|reply| Command::Get {
             peer,
-            region,
+            regions,
             ops,
             deadline,
             reply,
@@ -281,9 +292,15 @@ impl UcxHandle {
 
 struct Peer {
     ep: Endpoint,
+    /// The peer's regions, by address.
+    remotes: Vec<Remote>,
+}
+
+/// One region of a peer's pool.
+struct Remote {
     rkey: RemoteKey,
-    /// The peer's region (address, bytes) from its authenticated handshake.
-    remote: (u64, u64),
+    /// The region (address, bytes) from the peer's authenticated handshake.
+    range: (u64, u64),
     /// Over shared memory: the guard over our mapping of the peer's segment (its engine may
     /// truncate it; see [`crate::guard`]).
     _guard: Option<crate::guard::Guard>,
@@ -293,7 +310,7 @@ struct Peer {
 /// them) are polled by the loop; the thread never blocks on one peer.
 struct InFlight {
     peer: u64,
-    region: u64,
+    regions: Vec<u64>,
     requests: Vec<crate::ucx::Request>,
     /// A put flushes once its requests completed (remote completion).
     flush: Flush,
@@ -367,7 +384,7 @@ fn drop_peer(peers: &mut HashMap<u64, Peer>, inflight: &mut Vec<InFlight>, peer:
 }
 
 fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
-    let mut regions: HashMap<u64, MemRegion> = HashMap::new();
+    let mut registered: HashMap<u64, MemRegion> = HashMap::new();
     let mut peers: HashMap<u64, Peer> = HashMap::new();
     let mut inflight: Vec<InFlight> = Vec::new();
     let mut next_id = 1u64;
@@ -438,7 +455,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                     let key = r.packed_rkey().map_err(|e| e.to_string())?;
                     let id = next_id;
                     next_id += 1;
-                    regions.insert(id, r);
+                    registered.insert(id, r);
                     Ok((id, key))
                 });
                 let _ = reply.send(result);
@@ -455,7 +472,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                         populate(addr, len);
                         let region = next_id;
                         next_id += 1;
-                        regions.insert(region, r);
+                        registered.insert(region, r);
                         Ok(Allocated {
                             region,
                             rkey,
@@ -470,70 +487,73 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                 // peers' endpoints closed), so UCX never touches memory after it is unmapped.
                 let users: Vec<u64> = inflight
                     .iter()
-                    .filter(|op| op.region == region)
+                    .filter(|op| op.regions.contains(&region))
                     .map(|op| op.peer)
                     .collect();
                 for peer in users {
                     let why = OpError::Failed(format!("region {region} was unregistered (its engine closed)"));
                     drop_peer(&mut peers, &mut inflight, peer, &why);
                 }
-                regions.remove(&region);
+                registered.remove(&region);
                 let _ = reply.send(Ok(()));
             }
             Command::Connect {
                 worker_address,
-                rkey,
-                remote,
+                remotes,
                 reply,
             } => {
                 let result = worker
                     .connect(&worker_address)
                     .map_err(|e| e.to_string())
                     .and_then(|ep| {
-                        let rkey = ep.unpack_rkey(&rkey).map_err(|e| e.to_string())?;
-                        // Where UCX mapped the peer's memory here (it allocated it in shared
-                        // memory): the caller faults that mapping in before the first transfer.
-                        let local = rkey.local_ptr(remote.0);
-                        let mut guard = None;
-                        if let Some(at) = local {
-                            // Over shared memory a put is a memcpy into this mapping: the whole
-                            // region the peer described must be that mapping, or a peer that
-                            // claims more than its segment holds would make us copy into our own
-                            // memory past it.
-                            mapped_whole(&rkey, remote, at)?;
-                            guard = Some(crate::guard::guard(at, remote.1));
+                        let mut unpacked = Vec::with_capacity(remotes.len());
+                        let mut locals = Vec::with_capacity(remotes.len());
+                        for (rkey, range) in remotes {
+                            let rkey = ep.unpack_rkey(&rkey).map_err(|e| e.to_string())?;
+                            // Where UCX mapped the peer's memory here (it allocated it in shared
+                            // memory): the caller faults that mapping in before the first
+                            // transfer.
+                            let local = rkey.local_ptr(range.0);
+                            let mut guard = None;
+                            if let Some(at) = local {
+                                // Over shared memory a put is a memcpy into this mapping: the
+                                // whole region the peer described must be that mapping, or a
+                                // peer that claims more than its segment holds would make us copy
+                                // into our own memory past it.
+                                mapped_whole(&rkey, range, at)?;
+                                guard = Some(crate::guard::guard(at, range.1));
+                            }
+                            locals.push(local);
+                            unpacked.push(Remote {
+                                rkey,
+                                range,
+                                _guard: guard,
+                            });
                         }
+                        unpacked.sort_by_key(|r| r.range.0);
                         let id = next_id;
                         next_id += 1;
-                        peers.insert(
-                            id,
-                            Peer {
-                                ep,
-                                rkey,
-                                remote,
-                                _guard: guard,
-                            },
-                        );
-                        Ok((id, local))
+                        peers.insert(id, Peer { ep, remotes: unpacked });
+                        Ok((id, locals))
                     });
                 let _ = reply.send(result);
             }
             Command::Get {
                 peer,
-                region,
+                regions,
                 ops,
                 deadline,
                 reply,
             } => {
-                let posted = match (peers.get(&peer), local_region(&regions, region, &ops)) {
-                    (Some(p), Ok(r)) => remote_range(p, &ops).and_then(|()| post_gets(p, r, &ops)),
+                let posted = match (peers.get(&peer), local_regions(&registered, &regions, &ops)) {
+                    (Some(p), Ok(r)) => remote_keys(p, &ops).and_then(|keys| post_gets(p, &r, &keys, &ops)),
                     (None, _) => Err(format!("unknown peer {peer}")),
                     (_, Err(e)) => Err(e),
                 };
                 match posted {
                     Ok((requests, bytes)) => inflight.push(InFlight {
                         peer,
-                        region,
+                        regions,
                         requests,
                         flush: Flush::None,
                         bytes,
@@ -548,21 +568,21 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
             }
             Command::Put {
                 peer,
-                region,
+                regions,
                 ops,
                 corrupt,
                 deadline,
                 reply,
             } => {
-                let posted = match (peers.get(&peer), local_region(&regions, region, &ops)) {
-                    (Some(p), Ok(r)) => remote_range(p, &ops).and_then(|()| post_puts(p, r, &ops, corrupt)),
+                let posted = match (peers.get(&peer), local_regions(&registered, &regions, &ops)) {
+                    (Some(p), Ok(r)) => remote_keys(p, &ops).and_then(|keys| post_puts(p, &r, &keys, &ops, corrupt)),
                     (None, _) => Err(format!("unknown peer {peer}")),
                     (_, Err(e)) => Err(e),
                 };
                 match posted {
                     Ok((requests, bytes, scratch)) => inflight.push(InFlight {
                         peer,
-                        region,
+                        regions,
                         requests,
                         flush: Flush::Pending,
                         bytes,
@@ -588,44 +608,68 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
         let _ = op.reply.send(Err(OpError::Failed("the UCX thread stopped".into())));
     }
     drop(peers);
-    drop(regions);
+    drop(registered);
 }
 
-/// The registered region every op's local range lies in: a transfer never touches memory this
-/// agent no longer holds (an engine that closed has its region unmapped, and memory UCX
-/// allocated is freed with it).
-fn local_region<'a>(regions: &'a HashMap<u64, MemRegion>, id: u64, ops: &[PutOp]) -> Result<&'a MemRegion, String> {
-    let region = regions
-        .get(&id)
-        .ok_or_else(|| format!("region {id} is no longer registered (its engine closed)"))?;
-    let (start, end) = (region.addr(), region.addr() + region.len() as u64);
-    match ops
-        .iter()
-        .find(|op| op.local < start || op.local.checked_add(op.len).is_none_or(|e| e > end))
-    {
-        Some(op) => Err(format!(
-            "local range {:#x}+{} lies outside region {id} ({start:#x}..{end:#x})",
-            op.local, op.len
-        )),
-        None => Ok(region),
+/// Per op, the registered region (of `ids`) its local range lies in: a transfer never touches
+/// memory this agent no longer holds (an engine that closed has its regions unmapped, and memory
+/// UCX allocated is freed with them).
+fn local_regions<'a>(
+    registered: &'a HashMap<u64, MemRegion>,
+    ids: &[u64],
+    ops: &[PutOp],
+) -> Result<Vec<&'a MemRegion>, String> {
+    let mut held = Vec::with_capacity(ids.len());
+    for id in ids {
+        let region = registered
+            .get(id)
+            .ok_or_else(|| format!("region {id} is no longer registered (its engine closed)"))?;
+        held.push(region);
     }
+    held.sort_by_key(|r| r.addr());
+    ops.iter()
+        .map(|op| {
+            let i = held.partition_point(|r| r.addr() <= op.local);
+            i.checked_sub(1)
+                .map(|i| held[i])
+                .filter(|r| {
+                    op.local
+                        .checked_add(op.len)
+                        .is_some_and(|e| e <= r.addr() + r.len() as u64)
+                })
+                .ok_or_else(|| {
+                    format!(
+                        "local range {:#x}+{} lies outside the registered regions {ids:?}",
+                        op.local, op.len
+                    )
+                })
+        })
+        .collect()
 }
 
-/// Every op's remote range lies in the peer's region from its handshake: a peer's descriptor
-/// can never steer a put or get outside what it registered (checked arithmetic).
-fn remote_range(peer: &Peer, ops: &[PutOp]) -> Result<(), String> {
-    let (start, len) = peer.remote;
-    let end = start.saturating_add(len);
-    match ops
-        .iter()
-        .find(|op| op.remote < start || op.remote.checked_add(op.len).is_none_or(|e| e > end))
-    {
-        Some(op) => Err(format!(
-            "remote range {:#x}+{} lies outside the peer's region ({start:#x}..{end:#x})",
-            op.remote, op.len
-        )),
-        None => Ok(()),
-    }
+/// Per op, the peer's region from its handshake that its remote range lies in (and that
+/// region's key): a peer's descriptor can never steer a put or get outside what it registered
+/// (checked arithmetic).
+fn remote_keys<'a>(peer: &'a Peer, ops: &[PutOp]) -> Result<Vec<&'a RemoteKey>, String> {
+    ops.iter()
+        .map(|op| {
+            let i = peer.remotes.partition_point(|r| r.range.0 <= op.remote);
+            i.checked_sub(1)
+                .map(|i| &peer.remotes[i])
+                .filter(|r| {
+                    op.remote
+                        .checked_add(op.len)
+                        .is_some_and(|e| e <= r.range.0.saturating_add(r.range.1))
+                })
+                .map(|r| &r.rkey)
+                .ok_or_else(|| {
+                    format!(
+                        "remote range {:#x}+{} lies outside the peer's regions",
+                        op.remote, op.len
+                    )
+                })
+        })
+        .collect()
 }
 
 /// The peer's whole region `remote` appears here as one contiguous run of mappings starting at
@@ -666,7 +710,8 @@ fn unsafe_map(context: &Context, addr: u64, len: u64) -> Result<MemRegion, Strin
 #[allow(unsafe_code, clippy::type_complexity)]
 fn post_puts(
     peer: &Peer,
-    region: &MemRegion,
+    regions: &[&MemRegion],
+    keys: &[&RemoteKey],
     ops: &[PutOp],
     corrupt: bool,
 ) -> Result<(Vec<crate::ucx::Request>, u64, Option<Vec<u8>>), String> {
@@ -678,7 +723,7 @@ fn post_puts(
         // registered region), kept mapped until its Unmap, which cancels in-flight operations
         // on it first.
         let mut data = unsafe { std::slice::from_raw_parts(op.local as *const u8, op.len as usize) };
-        let mut registered = Some(region);
+        let mut registered = Some(regions[i]);
         if corrupt && i == 0 && !data.is_empty() {
             registered = None;
             let mut copy = data.to_vec();
@@ -689,7 +734,7 @@ fn post_puts(
         }
         // SAFETY: `data` stays valid until the put completes (the scratch copy travels with the
         // in-flight operation); the remote range lies in the peer's region (checked).
-        match unsafe { peer.ep.put(data, op.remote, &peer.rkey, registered) } {
+        match unsafe { peer.ep.put(data, op.remote, keys[i], registered) } {
             Ok(Some(req)) => pending.push(req),
             Ok(None) => {}
             Err(e) => return Err(e.to_string()),
@@ -701,10 +746,15 @@ fn post_puts(
 
 /// Posts the READs; returns their requests and the bytes.
 #[allow(unsafe_code)]
-fn post_gets(peer: &Peer, region: &MemRegion, ops: &[PutOp]) -> Result<(Vec<crate::ucx::Request>, u64), String> {
+fn post_gets(
+    peer: &Peer,
+    regions: &[&MemRegion],
+    keys: &[&RemoteKey],
+    ops: &[PutOp],
+) -> Result<(Vec<crate::ucx::Request>, u64), String> {
     let mut pending = Vec::new();
     let mut bytes = 0u64;
-    for op in ops {
+    for (i, op) in ops.iter().enumerate() {
         // SAFETY: `local` lies in memory this agent mapped for the engine and registered as
         // `region` (checked), kept mapped until its Unmap, which cancels in-flight operations
         // first; the remote range lies in the peer's region (checked).
@@ -713,8 +763,8 @@ fn post_gets(peer: &Peer, region: &MemRegion, ops: &[PutOp]) -> Result<(Vec<crat
                 op.local as *mut u8,
                 op.len as usize,
                 op.remote,
-                &peer.rkey,
-                Some(region),
+                keys[i],
+                Some(regions[i]),
             )
         } {
             Ok(Some(req)) => pending.push(req),
@@ -742,6 +792,70 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
+    /// A pool of several regions on both sides: one put reads from each local region and writes
+    /// into each of the peer's with that region's key; a range that starts in one region and
+    /// runs past it (into the gap before the next) is refused, on both sides.
+    #[test]
+    fn a_put_spans_several_regions_each_op_inside_one() {
+        let dir = std::env::temp_dir().join(format!("pdpair-ucx-regions-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let (a, b) = (
+            UcxHandle::start(Transport::Tcp, &dir).expect("A"),
+            UcxHandle::start(Transport::Tcp, &dir).expect("B"),
+        );
+        // Two sources and two targets, each its own allocation and registration.
+        let sources: Vec<Vec<u8>> = (0..2u8).map(|r| vec![r + 1; 4096]).collect();
+        let targets: Vec<Vec<u8>> = (0..2).map(|_| vec![0u8; 4096]).collect();
+        let src: Vec<u64> = sources
+            .iter()
+            .map(|m| a.map(m.as_ptr() as u64, 4096).expect("map").0)
+            .collect();
+        let dst: Vec<(u64, Vec<u8>)> = targets
+            .iter()
+            .map(|m| b.map(m.as_ptr() as u64, 4096).expect("map"))
+            .collect();
+        let remotes = dst
+            .iter()
+            .zip(&targets)
+            .map(|((_, rkey), m)| (rkey.clone(), (m.as_ptr() as u64, 4096)))
+            .collect();
+        let peer = a.connect(b.worker_address.clone(), remotes).expect("connect");
+        let op = |s: usize, d: usize, at: u64, len: u64| PutOp {
+            local: sources[s].as_ptr() as u64 + at,
+            len,
+            remote: targets[d].as_ptr() as u64 + at,
+        };
+        // Source 0 into target 1 and source 1 into target 0, in one put.
+        let ops = vec![op(0, 1, 0, 4096), op(1, 0, 0, 4096)];
+        assert_eq!(a.put(peer, src.clone(), ops, false, T), Ok(8192));
+        assert!(
+            targets[1] == sources[0] && targets[0] == sources[1],
+            "each op landed in its region"
+        );
+        let e = a
+            .put(peer, src.clone(), vec![op(0, 1, 2048, 4096)], false, T)
+            .expect_err("runs past both regions");
+        assert!(e.to_string().contains("outside the registered regions"), "{e}");
+        let past_remote = PutOp {
+            remote: targets[0].as_ptr() as u64 + 2048,
+            ..op(0, 0, 0, 4096)
+        };
+        let e = a.put(peer, src.clone(), vec![past_remote], false, T).expect_err("past");
+        assert!(e.to_string().contains("outside the peer's regions"), "{e}");
+        let e = a
+            .put(peer, vec![src[1]], vec![op(0, 0, 0, 16)], false, T)
+            .expect_err("a region the put does not name");
+        assert!(e.to_string().contains("outside the registered regions"), "{e}");
+        a.disconnect(peer);
+        for r in src {
+            a.unmap(r);
+        }
+        for (r, _) in dst {
+            b.unmap(r);
+        }
+        finish([a, b], &dir);
+    }
+
     #[test]
     fn puts_only_read_memory_inside_a_registered_region() {
         let dir = std::env::temp_dir().join(format!("pdpair-ucx-thread-{}", std::process::id()));
@@ -755,7 +869,7 @@ mod tests {
         let (src_region, _) = a.map(source.as_ptr() as u64, 8192).expect("map source");
         let (dst_region, rkey) = b.map(target.as_ptr() as u64, 8192).expect("map target");
         let peer = a
-            .connect(b.worker_address.clone(), rkey, (target.as_ptr() as u64, 8192))
+            .connect(b.worker_address.clone(), vec![(rkey, (target.as_ptr() as u64, 8192))])
             .expect("connect");
         let op = |local: u64, len: u64| PutOp {
             local,
@@ -764,18 +878,18 @@ mod tests {
         };
         let base = source.as_ptr() as u64;
         let e = a
-            .put(peer, src_region, vec![op(base + 4096, 8192)], false, T)
+            .put(peer, vec![src_region], vec![op(base + 4096, 8192)], false, T)
             .expect_err("past the end");
-        assert!(e.to_string().contains("outside region"), "{e}");
+        assert!(e.to_string().contains("outside the registered regions"), "{e}");
         let e = a
-            .put(peer, src_region, vec![op(base - 1, 16)], false, T)
+            .put(peer, vec![src_region], vec![op(base - 1, 16)], false, T)
             .expect_err("before the start");
-        assert!(e.to_string().contains("outside region"), "{e}");
-        assert_eq!(a.put(peer, src_region, vec![op(base, 8192)], false, T), Ok(8192));
+        assert!(e.to_string().contains("outside the registered regions"), "{e}");
+        assert_eq!(a.put(peer, vec![src_region], vec![op(base, 8192)], false, T), Ok(8192));
         assert!(target == source, "the put landed");
         a.unmap(src_region);
         let e = a
-            .put(peer, src_region, vec![op(base, 16)], false, T)
+            .put(peer, vec![src_region], vec![op(base, 16)], false, T)
             .expect_err("unmapped");
         assert!(e.to_string().contains("no longer registered"), "{e}");
         a.disconnect(peer);
@@ -801,13 +915,15 @@ mod tests {
         let e = a
             .connect(
                 b.worker_address.clone(),
-                pool.rkey.clone(),
-                (pool.addr, pool.len + (64 << 20)),
+                vec![(pool.rkey.clone(), (pool.addr, pool.len + (64 << 20)))],
             )
             .expect_err("a region larger than the key maps");
         assert!(e.to_string().contains("map"), "{e}");
         let peer = a
-            .connect(b.worker_address.clone(), pool.rkey.clone(), (pool.addr, 1 << 12))
+            .connect(
+                b.worker_address.clone(),
+                vec![(pool.rkey.clone(), (pool.addr, 1 << 12))],
+            )
             .expect("connect to the first 4 KiB");
         let op = |remote: u64, len: u64| PutOp {
             local: source.as_ptr() as u64,
@@ -820,19 +936,19 @@ mod tests {
             op(pool.addr, 4097),
             op(u64::MAX - 2, 8),
         ] {
-            let e = a.put(peer, src, vec![bad], false, T).expect_err("outside");
+            let e = a.put(peer, vec![src], vec![bad], false, T).expect_err("outside");
             assert!(e.to_string().contains("outside the peer's region"), "{e}");
-            let e = a.get(peer, src, vec![bad], T).expect_err("outside");
+            let e = a.get(peer, vec![src], vec![bad], T).expect_err("outside");
             assert!(e.to_string().contains("outside the peer's region"), "{e}");
         }
-        assert_eq!(a.put(peer, src, vec![op(pool.addr, 4096)], false, T), Ok(4096));
+        assert_eq!(a.put(peer, vec![src], vec![op(pool.addr, 4096)], false, T), Ok(4096));
         // Keys and addresses are checked before UCX sees them.
         for (address, rkey) in [
             (Vec::new(), pool.rkey.clone()),
             (b.worker_address.clone(), Vec::new()),
             (b.worker_address.clone(), pool.rkey[..pool.rkey.len() - 1].to_vec()),
         ] {
-            assert!(a.connect(address, rkey, (pool.addr, 4096)).is_err());
+            assert!(a.connect(address, vec![(rkey, (pool.addr, 4096))]).is_err());
         }
         a.disconnect(peer);
         a.unmap(src);
@@ -863,14 +979,17 @@ mod tests {
         let source: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 253) as u8).collect();
         let (src_region, _) = a.map(source.as_ptr() as u64, source.len() as u64).expect("map source");
         let peer = a
-            .connect(b.worker_address.clone(), pool.rkey.clone(), (pool.addr, pool.len))
+            .connect(
+                b.worker_address.clone(),
+                vec![(pool.rkey.clone(), (pool.addr, pool.len))],
+            )
             .expect("connect");
         let ops = vec![PutOp {
             local: source.as_ptr() as u64,
             len: source.len() as u64,
             remote: pool.addr,
         }];
-        assert_eq!(a.put(peer, src_region, ops, false, T), Ok(1 << 20));
+        assert_eq!(a.put(peer, vec![src_region], ops, false, T), Ok(1 << 20));
         // SAFETY: the engine mapping holds at least 1 MiB and nothing writes it any more.
         #[allow(unsafe_code)]
         let seen = unsafe { std::slice::from_raw_parts(engine.as_ptr(), 1 << 20) };

@@ -227,30 +227,46 @@ impl Write for Deadline<'_> {
     }
 }
 
-/// Writes one frame on a Unix socket, with `fd` attached (`SCM_RIGHTS`) to its first byte.
+/// The most file descriptors one frame carries (a pool's regions).
+pub const MAX_FDS: usize = crate::layout::MAX_REGIONS;
+
+/// Writes one frame on a Unix socket, with `fds` attached (`SCM_RIGHTS`, in order, at most
+/// [`MAX_FDS`]) to its first byte; with none, a plain frame.
 #[allow(unsafe_code)]
-pub fn write_frame_fd<T: Serialize>(
+pub fn write_frame_fds<T: Serialize>(
     stream: &std::os::unix::net::UnixStream,
     message: &T,
-    fd: std::os::fd::BorrowedFd<'_>,
+    fds: &[std::os::fd::BorrowedFd<'_>],
 ) -> Result<(), FrameError> {
     use std::os::fd::AsRawFd;
+    if fds.len() > MAX_FDS {
+        return Err(FrameError::Malformed(format!(
+            "{} file descriptors; a frame carries at most {MAX_FDS}",
+            fds.len()
+        )));
+    }
+    if fds.is_empty() {
+        return write_frame(&mut &*stream, message);
+    }
     let mut buf = Vec::new();
     write_frame(&mut buf, message)?;
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    let mut control = vec![0u8; control_space(1)];
+    let mut control = vec![0u8; control_space(fds.len())];
     let msg = msghdr(&mut iov, &mut control);
-    // SAFETY: the control buffer is CMSG_SPACE bytes for one int, as the CMSG macros require, so
-    // the first header fits in it.
+    // SAFETY: the control buffer is CMSG_SPACE bytes for `fds.len()` ints, as the CMSG macros
+    // require, so the first header and its payload fit in it.
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), fd.as_raw_fd());
+        (*cmsg).cmsg_len = libc::CMSG_LEN((fds.len() * std::mem::size_of::<libc::c_int>()) as u32) as _;
+        let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
+        for (i, fd) in fds.iter().enumerate() {
+            std::ptr::write_unaligned(data.add(i), fd.as_raw_fd());
+        }
     }
     // SAFETY: a valid socket and message.
     let sent = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
@@ -284,22 +300,22 @@ fn msghdr(iov: &mut libc::iovec, control: &mut [u8]) -> libc::msghdr {
     msg
 }
 
-/// Reads one frame of at most `max` bytes from a Unix socket, with the file descriptor that came
-/// with its first bytes, if any. Extra descriptors are closed; a truncated control message is an
-/// error (descriptors would be lost).
+/// Reads one frame of at most `max` bytes from a Unix socket, with the file descriptors that came
+/// with its first bytes (in order). More than [`MAX_FDS`] is an error (the kernel truncates the
+/// control message; what arrived is closed).
 #[allow(unsafe_code)]
-pub fn read_frame_fd<T: DeserializeOwned>(
+pub fn read_frame_fds<T: DeserializeOwned>(
     stream: &std::os::unix::net::UnixStream,
     max: usize,
-) -> Result<(T, Option<std::os::fd::OwnedFd>), FrameError> {
+) -> Result<(T, Vec<std::os::fd::OwnedFd>), FrameError> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let mut len = [0u8; 4];
     let mut iov = libc::iovec {
         iov_base: len.as_mut_ptr().cast(),
         iov_len: len.len(),
     };
-    // Room for a few descriptors: a sender that attaches more loses them (closed), not us.
-    let mut control = vec![0u8; control_space(4)];
+    // Room for MAX_FDS descriptors: a sender that attaches more loses them (closed), not us.
+    let mut control = vec![0u8; control_space(MAX_FDS)];
     let mut msg = msghdr(&mut iov, &mut control);
     // SAFETY: a valid socket and message; MSG_CMSG_CLOEXEC marks received descriptors.
     let got = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
@@ -329,8 +345,7 @@ pub fn read_frame_fd<T: DeserializeOwned>(
     // The rest of the frame is plain data: what recvmsg read, then the stream.
     let mut rest = len[..got as usize].chain(stream);
     let message = read_frame_max(&mut rest, max)?;
-    // The first descriptor is the one; any others are closed here.
-    Ok((message, fds.into_iter().next()))
+    Ok((message, fds))
 }
 
 /// Bytes as lower-case hex in JSON (worker addresses, packed keys, nonces, proofs).

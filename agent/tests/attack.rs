@@ -62,7 +62,7 @@ fn insider(role: Role) -> PeerInfo {
         kv,
         tensor_rank: 0,
         worker_address: vec![7; 64],
-        memory: MemoryDesc::of(&l, 0x7000_0000, structured_rkey()),
+        memory: MemoryDesc::of(&l, vec![(0x7000_0000, structured_rkey())]),
     }
 }
 
@@ -93,16 +93,31 @@ fn memory_descriptors_out_of_range_or_malformed_are_refused_and_prefill_keeps_se
     let w = World::new("attack-desc");
     let mut p = prefill(&w);
     let good = insider(Role::Decode);
-    let region = good.memory.len;
+    let region = good.memory.regions[0].len;
     let mut cases: Vec<(&str, PeerInfo)> = Vec::new();
     let mut bad = |name, f: &dyn Fn(&mut PeerInfo)| {
         let mut info = good.clone();
         f(&mut info);
         cases.push((name, info));
     };
-    bad("a layer past the region", &|i| i.memory.layers[1].1 = region);
-    bad("a region that wraps", &|i| i.memory.base = u64::MAX - 16);
-    bad("a stride that runs past", &|i| i.memory.block_stride *= 4);
+    bad("a layer past the region", &|i| i.memory.layers[1].v = Some(region));
+    bad("a region that wraps", &|i| i.memory.regions[0].base = u64::MAX - 16);
+    bad("a stride that runs past", &|i| i.memory.layers[0].block_stride *= 4);
+    bad("a layer in a region that does not exist", &|i| {
+        i.memory.layers[1].region = 1
+    });
+    bad("a layer without its V array", &|i| i.memory.layers[0].v = None);
+    bad("no regions", &|i| i.memory.regions.clear());
+    bad("more regions than a pool has", &|i| {
+        i.memory.regions = vec![i.memory.regions[0].clone(); pdpair_agent::layout::MAX_REGIONS + 1]
+    });
+    bad("a second region past which a layer runs", &|i| {
+        let mut second = i.memory.regions[0].clone();
+        second.base += 1 << 30;
+        second.len = 4096;
+        i.memory.regions.push(second);
+        i.memory.layers[1].region = 1;
+    });
     bad("a block length the geometry does not have", &|i| {
         i.memory.block_len *= 2
     });
@@ -110,9 +125,9 @@ fn memory_descriptors_out_of_range_or_malformed_are_refused_and_prefill_keeps_se
         i.memory.layers.pop();
     });
     bad("no blocks", &|i| i.memory.num_blocks = 0);
-    bad("an empty key", &|i| i.memory.rkey.clear());
-    bad("a truncated key", &|i| i.memory.rkey.truncate(10));
-    bad("a key with trailing bytes", &|i| i.memory.rkey.push(0));
+    bad("an empty key", &|i| i.memory.regions[0].rkey.clear());
+    bad("a truncated key", &|i| i.memory.regions[0].rkey.truncate(10));
+    bad("a key with trailing bytes", &|i| i.memory.regions[0].rkey.push(0));
     bad("an empty worker address", &|i| i.worker_address.clear());
     bad("a huge worker address", &|i| i.worker_address = vec![1; 64 << 10]);
     for (name, info) in &cases {
@@ -539,7 +554,7 @@ fn an_engine_that_truncates_its_shared_memory_pool_kills_no_agent() {
     let ds = w.agent("d", Transport::Shm, false);
     let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
     let faults = pdpair_agent::guard::faults();
-    d.pool_file().set_len(0).expect("an engine can truncate a UCX segment");
+    d.pool_file(0).set_len(0).expect("an engine can truncate a UCX segment");
     expect_kv(&mut d, "r", p.address.clone(), &[5, 6], 100);
     kv_ready(&mut p, "r", &[3, 4], 100);
     let event = d.next_event().expect("event");

@@ -62,7 +62,7 @@ fn big_pair(w: &World, mode: TransferMode) -> (SyntheticEngine, SyntheticEngine)
 fn no_write_after_the_answer(mode: TransferMode) {
     let w = World::new(&format!("cancel-mid-{mode:?}"));
     let (mut p, mut d) = big_pair(&w, mode);
-    p.bytes_mut().fill(0xAB);
+    p.region_mut(0).fill(0xAB);
     let blocks: Vec<u32> = (0..BLOCKS).collect();
     let tokens = u64::from(BLOCKS) * 16;
     expect_kv(&mut d, "r", p.address.clone(), &blocks, tokens);
@@ -76,7 +76,7 @@ fn no_write_after_the_answer(mode: TransferMode) {
     let event = d.next_event().expect("D answers the cancel");
     assert!(cancelled(&event, "r"), "{event:?}");
     let answered = asked.elapsed();
-    let at_answer = d.bytes().to_vec();
+    let at_answer = d.region(0).to_vec();
     // Prefill's transfer ends (it hears how); wait a little more for any straggler.
     let event = p.next_event().expect("P's end");
     assert!(
@@ -85,7 +85,7 @@ fn no_write_after_the_answer(mode: TransferMode) {
     );
     std::thread::sleep(Duration::from_millis(300));
     assert!(
-        d.bytes() == &at_answer[..],
+        d.region(0) == &at_answer[..],
         "bytes landed in decode's blocks after Cancelled (answered after {answered:?})"
     );
     // Exactly one answer: nothing more about the request reaches decode's engine.

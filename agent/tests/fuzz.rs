@@ -13,7 +13,8 @@ use std::{
 
 use common::{World, kv};
 use pdpair_agent::{
-    engine_api::{AgentEvent, EngineRequest, PoolRegistration},
+    engine_api::{AgentEvent, EngineRequest, PoolRegistration, RegionRequest},
+    layout::LayerAt,
     protocol::{self, Message},
     ucx::Transport,
     wire::{self, Opener, Sealer},
@@ -171,14 +172,31 @@ fn registration() -> impl Strategy<Value = PoolRegistration> {
                     memory_path: None,
                     num_blocks: blocks,
                     tensor_rank: rank,
-                    kv_arrangement: if layout / 2 % 2 == 0 {
-                        pdpair_agent::layout::KvArrangement::KvFirst
-                    } else {
-                        pdpair_agent::layout::KvArrangement::BlocksFirst
+                    kv_arrangement: arrangement(u32::from(layout / 2)),
+                    // Every few registrations name regions: splits of the layers (or not), with
+                    // arrangements right or wrong for the geometry.
+                    regions: match layout / 8 % 3 {
+                        0 => Vec::new(),
+                        1 => (0..layers.max(0) as u32)
+                            .map(|l| RegionRequest {
+                                layers: 1,
+                                kv_arrangement: arrangement(l),
+                            })
+                            .collect(),
+                        _ => vec![RegionRequest {
+                            layers: (layers.max(0) as u32).saturating_sub(u32::from(layout / 24 % 2)),
+                            kv_arrangement: None,
+                        }],
                     },
                 }
             },
         )
+}
+
+/// Absent, or one of the arrangements, by `n`.
+fn arrangement(n: u32) -> Option<pdpair_agent::layout::KvArrangement> {
+    use pdpair_agent::layout::KvArrangement::*;
+    [None, Some(KvFirst), Some(BlocksFirst), Some(Latent)][n as usize % 4]
 }
 
 /// Arbitrary registrations against a live agent: each is answered (`Registered` or
@@ -219,51 +237,74 @@ fn a_live_agent_answers_every_registration_and_keeps_serving() {
     );
 }
 
+/// A packed key with UCX's structure.
+fn rkey() -> Vec<u8> {
+    [1u64.to_le_bytes().as_slice(), &[0, 4, 1, 2, 3, 4]].concat()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     /// A peer's memory description: checking it never panics, and one that passes keeps every
-    /// block of every K and V array inside the region it describes.
+    /// block of every layer's arrays inside the region the layer names.
     #[test]
     fn a_memory_description_that_passes_keeps_every_block_inside_its_region(
-        base in prop_oneof![3 => 0..(1u64 << 40), 1 => any::<u64>(), 1 => Just(u64::MAX - 4096)],
-        len in prop_oneof![any::<u64>(), 0..(1u64 << 22)],
+        regions in prop::collection::vec(
+            (
+                prop_oneof![3 => 0..(1u64 << 40), 1 => any::<u64>(), 1 => Just(u64::MAX - 4096)],
+                prop_oneof![any::<u64>(), 0..(1u64 << 22)],
+                prop_oneof![4 => Just(rkey()), 1 => prop::collection::vec(any::<u8>(), 0..24)],
+            ),
+            0..4,
+        ),
         num_blocks in prop_oneof![0..32u32, Just(u32::MAX)],
-        stride_extra in prop_oneof![3 => Just(0u64), 1 => 0..4096u64, 1 => Just(u64::MAX / 2)],
-        offsets in prop_oneof![
-            3 => prop::collection::vec((0..(1u64 << 20), 0..(1u64 << 20)), 2..=2),
-            1 => prop::collection::vec((any::<u64>(), any::<u64>()), 0..4),
+        layers in prop_oneof![
+            3 => prop::collection::vec(
+                (0..3u32, 0..(1u64 << 20), prop::option::weighted(0.9, 0..(1u64 << 20)), 0..4096u64),
+                2..=2,
+            ),
+            1 => prop::collection::vec(
+                (any::<u32>(), any::<u64>(), prop::option::of(any::<u64>()), prop_oneof![Just(0u64), Just(u64::MAX / 2)]),
+                0..4,
+            ),
         ],
-        rkey in prop_oneof![
-            Just([1u64.to_le_bytes().as_slice(), &[0, 4, 1, 2, 3, 4]].concat()),
-            prop::collection::vec(any::<u8>(), 0..24),
-        ],
+        mla in any::<bool>(),
     ) {
-        let geometry = kv(64, None);
+        let mut geometry = kv(64, None);
+        geometry.mla = mla;
         let block_len = pdpair_agent::layout::PoolLayout::new(&geometry, &Parallelism::default(), 1, 0)
             .expect("layout")
             .block_len() as u64;
         let desc = protocol::MemoryDesc {
-            base,
-            len,
-            rkey,
+            regions: regions
+                .into_iter()
+                .map(|(base, len, rkey)| protocol::RegionDesc { base, len, rkey })
+                .collect(),
             num_blocks,
             block_len,
-            block_stride: block_len.saturating_add(stride_extra),
-            layers: offsets,
+            layers: layers
+                .into_iter()
+                .map(|(region, k, v, extra)| LayerAt {
+                    region,
+                    k,
+                    v,
+                    block_stride: block_len.saturating_add(extra),
+                })
+                .collect(),
         };
         if desc.check(&geometry, &Parallelism::default(), 0).is_ok() {
-            let end = |o: u64| {
-                u64::from(desc.num_blocks - 1)
-                    .checked_mul(desc.block_stride)
-                    .and_then(|x| x.checked_add(desc.block_len))
-                    .and_then(|x| x.checked_add(o))
-            };
-            for (k, v) in &desc.layers {
-                prop_assert!(end(*k).is_some_and(|e| e <= desc.len));
-                prop_assert!(end(*v).is_some_and(|e| e <= desc.len));
+            for (l, layer) in desc.layers.iter().enumerate() {
+                let region = &desc.regions[layer.region as usize];
+                prop_assert!(region.base.checked_add(region.len).is_some());
+                prop_assert_eq!(layer.v.is_none(), mla, "a V array exactly when not MLA");
+                for v in [false, true] {
+                    for b in [0, desc.num_blocks - 1] {
+                        let Some(at) = desc.block(l as u32, v, b) else { continue };
+                        prop_assert!(at >= region.base);
+                        prop_assert!(at.checked_add(desc.block_len).is_some_and(|e| e <= region.base + region.len));
+                    }
+                }
             }
-            prop_assert!(desc.base.checked_add(desc.len).is_some());
         }
     }
 }
@@ -278,17 +319,33 @@ fn the_memory_description_property_sees_descriptions_that_pass() {
         .block_len() as u64;
     let passed = std::sync::atomic::AtomicU32::new(0);
     runner
-        .run(&(1u32..32, 0..(1u64 << 16)), |(blocks, extra)| {
+        .run(&(1u32..32, 0..(1u64 << 16), any::<bool>()), |(blocks, extra, split)| {
             let stride = block_len + extra;
             let array = u64::from(blocks) * stride;
-            let desc = protocol::MemoryDesc {
-                base: 4096,
+            let region = |base| protocol::RegionDesc {
+                base,
                 len: 2 * 2 * array,
-                rkey: [1u64.to_le_bytes().as_slice(), &[0, 4, 1, 2, 3, 4]].concat(),
+                rkey: rkey(),
+            };
+            let at = |region, k, v| LayerAt {
+                region,
+                k,
+                v: Some(v),
+                block_stride: stride,
+            };
+            let desc = protocol::MemoryDesc {
+                regions: if split {
+                    vec![region(4096), region(1 << 40)]
+                } else {
+                    vec![region(4096)]
+                },
                 num_blocks: blocks,
                 block_len,
-                block_stride: stride,
-                layers: vec![(0, array), (2 * array, 3 * array)],
+                layers: if split {
+                    vec![at(0, 0, array), at(1, 2 * array, 3 * array)]
+                } else {
+                    vec![at(0, 0, array), at(0, 2 * array, 3 * array)]
+                },
             };
             if desc.check(&geometry, &Parallelism::default(), 0).is_ok() {
                 passed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

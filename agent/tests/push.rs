@@ -109,7 +109,7 @@ fn an_agent_allocated_pool_is_a_private_file_in_the_pool_dir_until_its_engine_cl
     assert!(added[0].starts_with("ucx_shm_posix_"), "{added:?}");
     let file = w.pools().join(&added[0]);
     let meta = std::fs::metadata(&file).expect("pool file");
-    assert!(meta.len() >= d.layout.region_len() as u64, "sized for the pool");
+    assert!(meta.len() >= d.layout.pool_len() as u64, "sized for the pool");
     assert_eq!(meta.permissions().mode() & 0o077, 0, "no access for group or others");
     drop(d);
     let start = Instant::now();
@@ -128,7 +128,7 @@ fn an_agent_allocated_pool_is_a_private_file_in_the_pool_dir_until_its_engine_cl
     )
     .expect("registered");
     assert_eq!(pool_files(&w), before, "no pool file");
-    assert!(d.pool_file().metadata().expect("fd").len() >= d.layout.region_len() as u64);
+    assert!(d.pool_file(0).metadata().expect("fd").len() >= d.layout.pool_len() as u64);
 }
 
 #[test]
@@ -358,7 +358,7 @@ fn register_raw(
     reg.memory_path = path.map(|p| p.to_string_lossy().into_owned());
     let request = EngineRequest::RegisterPool(Box::new(reg));
     match &fd {
-        Some(f) => pdpair_agent::wire::write_frame_fd(&stream, &request, f.as_fd()),
+        Some(f) => pdpair_agent::wire::write_frame_fds(&stream, &request, &[f.as_fd()]),
         None => pdpair_agent::wire::write_frame(&mut &stream, &request),
     }
     .expect("send");
@@ -406,7 +406,7 @@ fn an_engine_pool_is_taken_only_as_a_sealed_memfd_never_a_path() {
     pdpair_agent::wire::write_frame(&mut &stream, &EngineRequest::RegisterPool(Box::new(reg))).expect("send");
     let answer = pdpair_agent::wire::read_frame::<AgentEvent>(&mut &stream).expect("answer");
     assert!(
-        matches!(&answer, AgentEvent::RegistrationFailed { message } if message.contains("no descriptor")),
+        matches!(&answer, AgentEvent::RegistrationFailed { message } if message.contains("carried 0 descriptors; the pool has 1 regions")),
         "{answer:?}"
     );
 }
@@ -422,7 +422,7 @@ fn a_pool_the_agent_allocates_cannot_be_shrunk_by_its_engine_over_tcp() {
         &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::Disabled),
     )
     .expect("registered");
-    let truncated = e.pool_file().set_len(0);
+    let truncated = e.pool_file(0).set_len(0);
     assert!(truncated.is_err(), "the engine shrank its pool");
 }
 

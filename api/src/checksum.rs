@@ -2,7 +2,8 @@
 //!
 //! A block's checksum is computed over the logical, unsharded view of the block: for each layer
 //! `l` and KV head `h`, the K and V bytes of each token `t` (K then V, `2 * head_dim * element
-//! bytes` in all), read as little-endian u64 pieces, `P` pieces per token. Piece `p` of the token
+//! bytes` in all; an MLA cache's one latent vector, `head_dim * element bytes`, in their place),
+//! read as little-endian u64 pieces, `P` pieces per token. Piece `p` of the token
 //! at absolute position `t` in the request has index `j = t*P + p` and weight `m * (2j + 1)`, with
 //! `m = 2*(l*65536 + h) + 1`. Sums wrap modulo 2^64. Tokens at or past the request's token count
 //! count as zero.
@@ -25,12 +26,20 @@ pub struct Shape {
     pub head_dim: u32,
     /// Bytes per element.
     pub element_bytes: u32,
+    /// An MLA cache: a token holds one latent vector of `head_dim` elements, no separate V.
+    #[serde(default)]
+    pub latent: bool,
 }
 
 impl Shape {
-    /// Bytes of one token of one head in one layer: its K then its V.
+    /// K and V (2), or MLA's one latent vector (1), per token of a head.
+    pub fn halves(&self) -> usize {
+        if self.latent { 1 } else { 2 }
+    }
+
+    /// Bytes of one token of one head in one layer: its K then its V (MLA: its latent).
     pub fn token_bytes(&self) -> usize {
-        2 * self.head_dim as usize * self.element_bytes as usize
+        self.halves() * self.head_dim as usize * self.element_bytes as usize
     }
 
     /// u64 pieces per token (`P`), or `None` when a token is not a whole number of pieces.
@@ -39,7 +48,7 @@ impl Shape {
         (bytes > 0 && bytes.is_multiple_of(8)).then_some((bytes / 8) as u64)
     }
 
-    /// Bytes of one block in the canonical layout (per layer, per head, per token: K then V).
+    /// Bytes of one block in the canonical layout (per layer, per head, per token: K then V, or the latent).
     pub fn canonical_block_bytes(&self, block_size: u32) -> usize {
         self.layers as usize * self.heads as usize * block_size as usize * self.token_bytes()
     }

@@ -128,14 +128,18 @@ def world():
 
 
 def rust_engine(world: World, agent: Agent, manifest, role, *, request, blocks, num_tokens, seed,
-                first_token=0, prefill=(), engine=None, num_blocks=None, rank=0, arrangement="KvFirst"):
+                first_token=0, prefill=(), engine=None, num_blocks=None, rank=0, arrangement=None, regions=None):
     """The agent's own synthetic engine (``pdpair-agent synthetic-engine``) as a process: returns
-    it and its address (the first line it prints)."""
+    it and its address (the first line it prints). ``regions``: ``[(layers, arrangement or None)]``."""
     args = [str(AGENT_BIN), "synthetic-engine", "--socket", agent.socket, "--pair", str(manifest), "--role", role,
             "--engine", engine or f"rust-{role}-{rank}", "--pairing-key-file", str(world.key_file),
             "--tensor-rank", str(rank), "--num-blocks", str(num_blocks or max(blocks) + 1), "--request", request,
             "--blocks", ",".join(map(str, blocks)), "--num-tokens", str(num_tokens), "--first-token",
-            str(first_token), "--seed", str(seed), "--kv-arrangement", arrangement]
+            str(first_token), "--seed", str(seed)]
+    if arrangement:
+        args += ["--kv-arrangement", arrangement]
+    if regions:
+        args += ["--regions", ",".join(f"{n}:{a}" if a else str(n) for n, a in regions)]
     for p in prefill:
         args += ["--prefill", p]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -16,11 +16,12 @@ SETTINGS = {"handshake_timeout_ms": 5000, "lease_ms": 30000}
 
 
 def py_engine(world, agent, role, geometry, *, mode="Push", checksum="FailClosed", tp=1, rank=0,
-              num_blocks=16, lease_ms=30000, engine=None, key=None, arrangement="KvFirst") -> AgentClient:
+              num_blocks=16, lease_ms=30000, engine=None, key=None, arrangement=None, regions=None) -> AgentClient:
     reg = registration(
         pdpair="default/pair", role=role, engine=engine or f"py-{role}-{rank}", kv=geometry,
         num_blocks=num_blocks, pairing_key=key or world.key, tensor=tp, tensor_rank=rank, mode=mode,
         checksum=checksum, handshake_timeout_ms=5000, lease_ms=lease_ms, kv_arrangement=arrangement,
+        regions=[{"layers": n, "kv_arrangement": a} if a else {"layers": n} for n, a in regions] if regions else None,
     )
     return AgentClient.register(agent.socket, reg)
 
@@ -51,7 +52,7 @@ def test_python_prefill_to_rust_decode_and_back_byte_exact(world, mode, transpor
     assert synthetic.verify(dd.pool, dd.layout, 12, [6, 4, 1], 0, 37) == 0
     assert rust_result(rp)["type"] == "RequestDone"
     # The pattern check itself sees a wrong byte.
-    dd.pool[dd.layout.block_offset(1, True, 4) + 3] ^= 0xFF
+    dd.pool[dd.layout.block_offset(1, True, 4)[1] + 3] ^= 0xFF
     assert synthetic.verify(dd.pool, dd.layout, 12, [6, 4, 1], 0, 37) == 1
 
 
@@ -63,7 +64,7 @@ def test_k_and_v_interleaved_per_block_flashinfer_style_moves_byte_exact_both_wa
     manifest = world.manifest(mode, "FailClosed", g, g)
     pa, da = world.agent("p"), world.agent("d")
     p = py_engine(world, pa, "prefill", g, mode=mode, arrangement="BlocksFirst")
-    assert p.layout.block_offset(0, True, 3) == p.layout.block_offset(0, False, 3) + p.layout.block_len
+    assert p.layout.block_offset(0, True, 3)[1] == p.layout.block_offset(0, False, 3)[1] + p.layout.block_len
     synthetic.fill(p.pool, p.layout, 61, [2, 3, 4, 9], 0, 60)
     p.kv_ready("fi", [2, 3, 4, 9], 60)
     d, _ = rust_engine(world, da, manifest, "decode", request="fi", blocks=[0, 1, 2, 3], num_tokens=60, seed=61,
@@ -196,11 +197,66 @@ def test_a_killed_prefill_agent_fails_decodes_request_with_peer_lost(world):
     assert event.type == "RequestFailed" and "PeerLost" in event.reasons, event.raw
 
 
+@pytest.mark.parametrize("mode", ["Push", "Pull"])
+def test_pools_in_several_regions_move_byte_exact_between_python_and_rust(world, mode):
+    # vLLM's KV tensors are one per layer: each side describes its pool as it has it, and the two
+    # sides' splits (and arrangements) differ; the agent plans every copy from the descriptions.
+    g = kv(block=16, layers=4)
+    manifest = world.manifest(mode, "FailClosed", g, g)
+    pa, da = world.agent("p"), world.agent("d")
+    per_layer = [(1, None), (1, "BlocksFirst"), (1, None), (1, "KvFirst")]
+    p = py_engine(world, pa, "prefill", g, mode=mode, regions=per_layer)
+    assert len(p.pools) == 4 and [len(m) for m in p.pools] == p.layout.region_lens
+    synthetic.fill(p.pools, p.layout, 71, [2, 3, 5], 0, 45)
+    p.kv_ready("rg", [2, 3, 5], 45)
+    d, _ = rust_engine(world, da, manifest, "decode", request="rg", blocks=[1, 0, 4], num_tokens=45, seed=71,
+                       prefill=[p.address], regions=[(3, "BlocksFirst"), (1, None)])
+    got = rust_result(d)
+    assert got["type"] == "RequestDone" and got["checksum"] == "Verified" and got["bad_tokens"] == 0, got
+    rp, addr = rust_engine(world, pa, manifest, "prefill", request="rg2", blocks=[6, 7], num_tokens=30, seed=72,
+                           regions=[(2, None), (2, "BlocksFirst")])
+    dd = py_engine(world, da, "decode", g, mode=mode, regions=[(1, None)] * 4)
+    synthetic.clear(dd.pools, dd.layout, [8, 9])
+    dd.expect_kv("rg2", [addr], [8, 9], 30)
+    event = dd.wait("rg2")
+    assert event.type == "RequestDone" and event.raw["checksum"] == "Verified", event.raw
+    assert synthetic.verify(dd.pools, dd.layout, 72, [8, 9], 0, 30) == 0
+    assert rust_result(rp)["type"] == "RequestDone"
+    # The last region's bytes are checked too: a wrong byte there is seen.
+    r, at = dd.layout.block_offset(3, True, 9)
+    dd.pools[r][at] ^= 0xFF
+    assert r == 3 and synthetic.verify(dd.pools, dd.layout, 72, [8, 9], 0, 30) == 1
+
+
+@pytest.mark.parametrize("mode", ["Push", "Pull"])
+def test_mla_latent_arrays_move_byte_exact_between_python_and_rust(world, mode):
+    # MLA keeps one latent vector per token (no V), not sharded by head.
+    g = kv(block=16, heads=1, head_dim=64, layers=3, mla=True)
+    manifest = world.manifest(mode, "FailClosed", g, g)
+    pa, da = world.agent("p"), world.agent("d")
+    p = py_engine(world, pa, "prefill", g, mode=mode)
+    assert p.layout.arrangement == "Latent" and p.layout.pool_len == 3 * 16 * 16 * 64 * 2
+    synthetic.fill(p.pools, p.layout, 81, [1, 2], 0, 20)
+    p.kv_ready("mla", [1, 2], 20)
+    d, _ = rust_engine(world, da, manifest, "decode", request="mla", blocks=[3, 4], num_tokens=20, seed=81,
+                       prefill=[p.address], regions=[(1, None), (2, "Latent")])
+    got = rust_result(d)
+    assert got["type"] == "RequestDone" and got["checksum"] == "Verified" and got["bad_tokens"] == 0, got
+    rp, addr = rust_engine(world, pa, manifest, "prefill", request="mla2", blocks=[0], num_tokens=9, seed=82)
+    dd = py_engine(world, da, "decode", g, mode=mode, regions=[(1, None)] * 3)
+    dd.expect_kv("mla2", [addr], [5], 9)
+    event = dd.wait("mla2")
+    assert event.type == "RequestDone" and event.raw["checksum"] == "Verified", event.raw
+    assert synthetic.verify(dd.pools, dd.layout, 82, [5], 0, 9) == 0
+    assert rust_result(rp)["type"] == "RequestDone"
+
+
 def test_registration_refusals_name_the_field(world):
     a = world.agent("p")
-    # Version 2 lacked Cancel and kv_arrangement: a client of it is refused, naming both versions.
-    for old in (1, 2):
-        with pytest.raises(AgentError, match=f"api_version {old} .*version 3"):
+    # Version 2 lacked Cancel and kv_arrangement, version 3 regions and MLA's latent arrays: a
+    # client of either is refused, naming both versions.
+    for old in (1, 2, 3):
+        with pytest.raises(AgentError, match=f"api_version {old} .*version 4"):
             reg = registration(pdpair="default/pair", role="decode", engine="e", kv=kv(), num_blocks=4,
                                pairing_key=world.key, mode="Push", checksum="Disabled", **SETTINGS)
             reg["api_version"] = old
@@ -220,8 +276,26 @@ def test_layout_matches_the_documented_formula():
     # docs/engine-api.md: block_len = kernelBlockSize * local_heads * headDim * element bytes.
     lay = PoolLayout.new(kv(block=16, heads=8, head_dim=128, layers=32, dtype="bfloat16"), 4, 100, 3)
     assert (lay.local_heads, lay.head_offset, lay.block_len) == (2, 6, 16 * 2 * 128 * 2)
-    assert lay.region_len == 2 * 32 * 100 * lay.block_len
-    assert lay.block_offset(1, True, 5) == 3 * 100 * lay.block_len + 5 * lay.block_len
+    assert lay.pool_len == lay.region_lens[0] == 2 * 32 * 100 * lay.block_len
+    assert lay.block_offset(1, True, 5) == (0, 3 * 100 * lay.block_len + 5 * lay.block_len)
+    # One region per layer (vLLM's per-layer tensors): layer 1 is region 1's only layer.
+    per_layer = PoolLayout.new(kv(block=16, heads=8, head_dim=128, layers=32, dtype="bfloat16"), 4, 100, 3,
+                               regions=[{"layers": 1}] * 32)
+    assert per_layer.region_lens == [2 * 100 * lay.block_len] * 32
+    assert per_layer.block_offset(1, True, 5) == (1, 100 * lay.block_len + 5 * lay.block_len)
+    # MLA: one latent array per layer, no V; not sharded by head.
+    mla = PoolLayout.new(kv(block=16, heads=1, head_dim=576, layers=4, dtype="bfloat16", mla=True), 4, 10, 3)
+    assert (mla.arrangement, mla.arrays, mla.local_heads) == ("Latent", (False,), 1)
+    assert mla.pool_len == 4 * 10 * 16 * 576 * 2
+    assert mla.block_offset(2, False, 3) == (0, 2 * 10 * mla.block_len + 3 * mla.block_len)
+    for bad, message in [
+        (dict(regions=[{"layers": 1}]), "regions hold 1 layers in all; the geometry has kv.layers 32"),
+        (dict(regions=[{"layers": 32, "kv_arrangement": "Latent"}]), r"regions\[0\].kv_arrangement is Latent"),
+        (dict(arrangement="BlocksFirst", regions=[{"layers": 32}]), "both set"),
+        (dict(regions=[{"layers": 0}, {"layers": 32}]), r"regions\[0\].layers is 0"),
+    ]:
+        with pytest.raises(LayoutError, match=message):
+            PoolLayout.new(kv(layers=32), 1, 10, 0, **bad)
     assert lay.token_offset(1, 3) == (16 + 3) * 256
     nhd = PoolLayout.new(kv(layout="NHD", heads=8, head_dim=128, dtype="bfloat16"), 4, 100, 3)
     assert nhd.token_offset(1, 3) == (3 * 2 + 1) * 256

@@ -81,9 +81,11 @@ def test_the_connector_is_the_installed_wheel_not_the_source_tree():
 
 
 @pytest.mark.parametrize("mode", ["Push", "Pull"])
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("layout", ["NHD", "HND", "MLA"])
 def test_a_request_moves_prefill_to_decode_through_vllm_byte_exact(pair, mode, layout):
     p, d = pair(mode=mode, layout=layout)
+    if layout == "MLA":
+        assert (p.layout.arrangement, p.layout.arrays) == ("Latent", (False,)), "registered as MLA latents"
     prompt = list(range(100, 150))  # 50 tokens: 3 full blocks of 16 and a partial one
     params = prefill(p, "req", prompt)
     assert p.status("req") == "FINISHED_LENGTH_CAPPED", "P holds the blocks until the agent is done"

@@ -113,8 +113,12 @@ class Engine:
         for rank in range(tp):
             w = KVConnectorFactory.create_connector(config(rank), KVConnectorRole.WORKER, self.kv_cache_config)
             # vLLM's FLASH_ATTN cache: [2, num_blocks, block_size, heads, dim]; HND keeps that shape
-            # with heads outside tokens in memory (the backend's stride order).
-            if layout == "NHD":
+            # with heads outside tokens in memory (the backend's stride order). "MLA": an MLA
+            # backend's cache, [num_blocks, block_size, latent dim] (the scheduler's model config
+            # stays Llama's: nothing here runs attention; the connector reads the tensors' shape).
+            if layout == "MLA":
+                kv = {n: torch.zeros(num_blocks, block_size, head_dim, dtype=torch.float16) for n in layers}
+            elif layout == "NHD":
                 kv = {n: torch.zeros(2, num_blocks, block_size, local_heads, head_dim, dtype=torch.float16)
                       for n in layers}
             else:
@@ -214,7 +218,7 @@ class Engine:
             b, j = blocks[t // self.block_size], t % self.block_size
             for layer in range(self.shape[0]):
                 for h in range(lay.local_heads):
-                    for v in (0, 1):
+                    for v in range(len(lay.arrays)):
                         at = lay.token_offset(h, j)
                         data = synthetic.token_bytes(self.seed, layer, lay.head_offset + h, t, bool(v), half)
                         self.rows[rank][layer][v, b, at:at + half] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -231,7 +235,7 @@ class Engine:
                 if all(bytes(self.rows[rank][layer][v, b, lay.token_offset(h, j):][:lay.half_token].tolist())
                        == synthetic.token_bytes(seed, layer, lay.head_offset + h, t, bool(v), lay.half_token)
                        for rank, lay in enumerate(self.layouts) for layer in range(self.shape[0])
-                       for h in range(lay.local_heads) for v in (0, 1)):
+                       for h in range(lay.local_heads) for v in range(len(lay.arrays))):
                     found = seed
                     break
             out.append(found)

@@ -71,6 +71,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
                 num_blocks: 4,
                 memory: EngineMemory::Agent,
                 arrangement: Default::default(),
+                regions: Vec::new(),
                 tensor_rank: 0,
             },
             pod.to_owned(),

@@ -118,6 +118,7 @@ fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
         num_blocks: 4,
         memory: EngineMemory::Agent,
         arrangement: Default::default(),
+        regions: Vec::new(),
         tensor_rank: 0,
     };
     let register = |role: Role, pod: &str| {

@@ -457,11 +457,7 @@ impl Engine {
             pdpair_api::TransferMode::Pull => Some(
                 self.shared
                     .ucx
-                    .connect(
-                        peer.worker_address.clone(),
-                        peer.memory.rkey.clone(),
-                        (peer.memory.base, peer.memory.len),
-                    )
+                    .connect(peer.worker_address.clone(), peer.memory.keys())
                     .map_err(|e| HandshakeError::Rejected {
                         reasons: vec![Reason::TransportFailed],
                         message: e,
@@ -702,6 +698,7 @@ impl Engine {
             });
         }
         let block = u64::from(self.layout.block_size);
+        let memory = self.memory();
         let ours = BlockSums {
             block_size: self.layout.block_size,
             first_token: p.first_token,
@@ -712,7 +709,7 @@ impl Engine {
                 .filter(|(i, _)| p.first_token + *i as u64 * block < p.num_tokens)
                 .map(|(i, b)| {
                     self.layout
-                        .checksum(self.memory(), *b, p.first_token + i as u64 * block, p.num_tokens)
+                        .checksum(&memory, *b, p.first_token + i as u64 * block, p.num_tokens)
                         .unwrap_or(0)
                 })
                 .collect(),
@@ -808,7 +805,7 @@ impl Engine {
                     .ucx
                     .get(
                         peer,
-                        self.pool.region,
+                        self.regions(),
                         ops,
                         deadline.saturating_duration_since(Instant::now()),
                     )
@@ -871,7 +868,6 @@ impl Engine {
         }
         let half = self.layout.half_token() as u64;
         let heads = u64::from(self.layout.local_heads);
-        let base = self.pool.base;
         let mut ops: Vec<PutOp> = Vec::new();
         let mut push = |op: PutOp| match ops.last_mut() {
             Some(last) if last.local + last.len == op.local && last.remote + last.len == op.remote => {
@@ -904,10 +900,14 @@ impl Engine {
                     ));
                 }
                 for layer in 0..self.layout.layers {
-                    let (rk, rv) = remote.layers[layer as usize];
-                    for (v, array) in [(false, rk), (true, rv)] {
-                        let dst = base + self.layout.block_offset(layer, v, *d) as u64;
-                        let src = remote.base + array + u64::from(*pb) * remote.block_stride;
+                    for v in self.layout.arrays() {
+                        let dst = self.block_addr(layer, *v, *d);
+                        let src = remote.block(layer, *v, *pb).ok_or_else(|| {
+                            format!(
+                                "prefill's memory has no {} array for layer {layer}",
+                                if *v { "V" } else { "K" }
+                            )
+                        })?;
                         match self.layout.layout {
                             pdpair_api::KvLayout::Nhd => push(PutOp {
                                 local: dst + j * bp * heads * half,

@@ -189,11 +189,7 @@ impl Engine {
         let connected = if push {
             self.shared
                 .ucx
-                .connect(
-                    peer.worker_address.clone(),
-                    peer.memory.rkey.clone(),
-                    (peer.memory.base, peer.memory.len),
-                )
+                .connect(peer.worker_address.clone(), peer.memory.keys())
                 .map(Some)
         } else {
             Ok(None)
@@ -610,16 +606,19 @@ impl Engine {
         num_tokens: u64,
         blocks: impl Iterator<Item = (u32, u64)>,
     ) -> Option<BlockSums> {
-        (self.settings.checksum != ChecksumPolicy::Disabled).then(|| BlockSums {
-            block_size: self.layout.block_size,
-            first_token,
-            sums: blocks
-                .map(|(p, t)| {
-                    self.layout
-                        .checksum_heads(self.memory(), p, t, num_tokens, link.heads.p_first, link.heads.count)
-                        .unwrap_or(0)
-                })
-                .collect(),
+        (self.settings.checksum != ChecksumPolicy::Disabled).then(|| {
+            let memory = self.memory();
+            BlockSums {
+                block_size: self.layout.block_size,
+                first_token,
+                sums: blocks
+                    .map(|(p, t)| {
+                        self.layout
+                            .checksum_heads(&memory, p, t, num_tokens, link.heads.p_first, link.heads.count)
+                            .unwrap_or(0)
+                    })
+                    .collect(),
+            }
         })
     }
 
@@ -652,7 +651,10 @@ impl Engine {
         let Some(ucx_peer) = link.ucx_peer else {
             return refuse(Reason::TransportFailed, "no UCX endpoint".into());
         };
-        let ops = self.put_ops(&link.peer.memory, &pairs, link.heads);
+        let ops = match self.put_ops(&link.peer.memory, &pairs, link.heads) {
+            Ok(ops) => ops,
+            Err(message) => return refuse(Reason::MemoryLayoutMismatch, message),
+        };
         self.started(&request);
         let sums = self.head_sums(
             link,
@@ -663,7 +665,7 @@ impl Engine {
         let started = Instant::now();
         match self.shared.ucx.put(
             ucx_peer,
-            self.pool.region,
+            self.regions(),
             ops,
             self.shared.cfg.corrupt_one_byte,
             self.lease(),
@@ -696,38 +698,46 @@ impl Engine {
         }
     }
 
-    /// WRITEs for block pairs (P block, D block, first token), one per layer and K/V, with runs
-    /// of consecutive blocks on both sides coalesced into one put.
-    fn put_ops(&self, remote: &MemoryDesc, pairs: &[(u32, u32, u64)], heads: protocol::HeadMap) -> Vec<PutOp> {
+    /// WRITEs for block pairs (P block, D block, first token), one per layer and array, with
+    /// runs of consecutive blocks on both sides coalesced into one put. `Err` when decode's
+    /// description lacks an array of ours (it passed its own check, so this is a geometry the
+    /// rule table let through, such as MLA beside non-MLA).
+    fn put_ops(
+        &self,
+        remote: &MemoryDesc,
+        pairs: &[(u32, u32, u64)],
+        heads: protocol::HeadMap,
+    ) -> Result<Vec<PutOp>, String> {
         let block_len = self.layout.block_len() as u64;
-        let base = self.pool.base;
+        let remote_block = |layer: u32, v: bool, d: u32| {
+            remote.block(layer, v, d).ok_or_else(|| {
+                format!(
+                    "decode's memory has no {} array for layer {layer}",
+                    if v { "V" } else { "K" }
+                )
+            })
+        };
+        let mut ops = Vec::new();
         if heads.count != self.layout.local_heads || remote.block_len != block_len {
             // A head range of our blocks into a head range of decode's (HND: head-major inside a
-            // block, so each range is contiguous): one put per block, layer and K/V.
+            // block, so each range is contiguous): one put per block, layer and array.
             let head_bytes = u64::from(self.layout.block_size) * self.layout.half_token() as u64;
-            let mut ops = Vec::new();
             for layer in 0..self.layout.layers {
-                let (rk, rv) = remote.layers[layer as usize];
-                for (v, remote_array) in [(false, rk), (true, rv)] {
+                for v in self.layout.arrays() {
                     for (p, d, _) in pairs {
                         ops.push(PutOp {
-                            local: base
-                                + self.layout.block_offset(layer, v, *p) as u64
-                                + u64::from(heads.p_first) * head_bytes,
+                            local: self.block_addr(layer, *v, *p) + u64::from(heads.p_first) * head_bytes,
                             len: u64::from(heads.count) * head_bytes,
-                            remote: remote.base
-                                + remote_array
-                                + u64::from(*d) * remote.block_stride
-                                + u64::from(heads.d_first) * head_bytes,
+                            remote: remote_block(layer, *v, *d)? + u64::from(heads.d_first) * head_bytes,
                         });
                     }
                 }
             }
-            return ops;
+            return Ok(ops);
         }
         // Consecutive blocks on both sides are one put where both sides keep a layer's K (or V)
         // blocks back to back; K and V interleaved per block (FlashInfer) are a put per block.
-        let contiguous = self.layout.block_stride() as u64 == block_len && remote.block_stride == block_len;
+        let contiguous = self.layout.contiguous() && remote.contiguous();
         let mut runs: Vec<(u32, u32, u32)> = Vec::new(); // (p start, d start, count)
         for (p, d, _) in pairs {
             match runs.last_mut() {
@@ -735,20 +745,18 @@ impl Engine {
                 _ => runs.push((*p, *d, 1)),
             }
         }
-        let mut ops = Vec::new();
         for layer in 0..self.layout.layers {
-            let (rk, rv) = remote.layers[layer as usize];
-            for (v, remote_array) in [(false, rk), (true, rv)] {
+            for v in self.layout.arrays() {
                 for (ps, ds, n) in &runs {
                     ops.push(PutOp {
-                        local: base + self.layout.block_offset(layer, v, *ps) as u64,
+                        local: self.block_addr(layer, *v, *ps),
                         len: u64::from(*n) * block_len,
-                        remote: remote.base + remote_array + u64::from(*ds) * remote.block_stride,
+                        remote: remote_block(layer, *v, *ds)?,
                     });
                 }
             }
         }
-        ops
+        Ok(ops)
     }
 
     /// Frees ready KV past its lease and fails registrations that waited past it.

@@ -56,7 +56,7 @@ fn rkey() -> Vec<u8> {
 /// The memory description a peer's current geometry implies (16 blocks at 0x10000).
 fn described(p: &PeerInfo) -> MemoryDesc {
     let l = crate::layout::PoolLayout::new(&p.kv, &p.parallelism, 16, p.tensor_rank).expect("layout");
-    MemoryDesc::of(&l, 0x10000, rkey())
+    MemoryDesc::of(&l, vec![(0x10000, rkey())])
 }
 
 /// Runs both sides with each peer's memory as its geometry implies.
@@ -103,7 +103,7 @@ fn same_secret_and_compatible_geometry_handshake() {
     assert_eq!(p.expect("P accepts").engine, "decode-0");
     let got = d.expect("D accepts");
     assert_eq!(got.engine, "prefill-0");
-    assert_eq!(got.memory.rkey, rkey());
+    assert_eq!(got.memory.regions[0].rkey, rkey());
 }
 
 #[test]
@@ -400,9 +400,11 @@ fn each_decode_rank_has_its_prefill_sources_and_each_prefill_rank_counts_its_dec
 }
 
 #[test]
-fn a_decode_speaking_version_2_is_refused_before_anything_else() {
-    // Version 3 changed what `Release` means (it also cancels); a version 2 prefill would count
-    // a cancelling decode as served while still pushing to it, so the versions must not meet.
+fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
+    // Version 3 changed what `Release` means (it also cancels): a version 2 prefill would count
+    // a cancelling decode as served while still pushing to it. Version 4 describes memory as
+    // regions: a version 3 peer would read a description without its one base and key. So the
+    // versions must not meet.
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
     let server = thread::spawn(move || {
@@ -413,7 +415,7 @@ fn a_decode_speaking_version_2_is_refused_before_anything_else() {
     wire::write_frame(
         &mut c,
         &Message::Hello {
-            version: 2,
+            version: PROTOCOL_VERSION - 1,
             pdpair: "team-a/llama".into(),
             nonce: nonce().expect("nonce"),
         },
@@ -424,6 +426,6 @@ fn a_decode_speaking_version_2_is_refused_before_anything_else() {
         matches!(&answer, Message::Reject { reasons, .. } if reasons == &vec![Reason::VersionMismatch]),
         "{answer:?}"
     );
-    assert_eq!(PROTOCOL_VERSION, 3);
+    assert_eq!(PROTOCOL_VERSION, 4);
     assert!(server.join().expect("thread").is_err());
 }

@@ -54,6 +54,7 @@ pub fn spec(role: Role, engine: &str, kv: KvGeometry, key: &[u8], checksum: Chec
         tensor_rank: 0,
         memory: EngineMemory::Agent,
         arrangement: Default::default(),
+        regions: Vec::new(),
     }
 }
 

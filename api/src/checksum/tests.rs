@@ -48,6 +48,7 @@ const SHAPE: Shape = Shape {
     heads: 3,
     head_dim: 8,
     element_bytes: 2,
+    latent: false,
 };
 
 #[test]
@@ -83,6 +84,7 @@ fn one_piece_by_hand() {
         heads: 1,
         head_dim: 2,
         element_bytes: 2,
+        latent: false,
     };
     let block = 5u64.to_le_bytes();
     assert_eq!(reference_block(&shape, &block, 1, 0, 10), Some(5));
@@ -115,6 +117,7 @@ fn offset_formula_from_the_design() {
         heads: 2,
         head_dim: 4,
         element_bytes: 2,
+        latent: false,
     };
     let block = canonical(&shape, 9, 4, 0);
     let at0 = reference_block(&shape, &block, 4, 0, u64::MAX).expect("ok");

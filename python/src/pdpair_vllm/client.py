@@ -17,7 +17,7 @@ from . import wire
 from .layout import PoolLayout
 
 #: The engine API version this client speaks (the agent's ``engine_api::API_VERSION``).
-API_VERSION = 3
+API_VERSION = 4
 #: The agent's default socket (``PDPAIR_AGENT_SOCKET`` in pods the operator runs).
 DEFAULT_SOCKET = "/var/run/pdpair/agent.sock"
 #: Events after which the agent does nothing more for a request.
@@ -67,10 +67,13 @@ def registration(
     handshake_timeout_ms: Optional[int] = None,
     lease_ms: Optional[int] = None,
     memory_fd: bool = False,
-    kv_arrangement: str = "KvFirst",
+    kv_arrangement: Optional[str] = None,
+    regions: Optional[List[dict]] = None,
 ) -> dict:
     """A ``RegisterPool`` message. Settings left ``None`` are filled by the agent from the
-    PDPair (in a cluster); outside one the agent requires them."""
+    PDPair (in a cluster); outside one the agent requires them. ``regions`` splits the pool
+    (``[{"layers": n, "kv_arrangement": ...}, ...]``, in layer order); without it the pool is one
+    region arranged ``kv_arrangement`` (``None``: ``KvFirst``, or ``Latent`` for MLA)."""
     if role not in ("prefill", "decode"):
         raise ValueError(f"role is {role!r}, not prefill or decode")
     message = {
@@ -85,9 +88,10 @@ def registration(
         "memory_fd": memory_fd,
         "num_blocks": num_blocks,
         "tensor_rank": tensor_rank,
-        "kv_arrangement": kv_arrangement,
     }
     optional = {
+        "kv_arrangement": kv_arrangement,
+        "regions": list(regions) if regions else None,
         "pod": pod,
         "mode": mode,
         "checksum": checksum,
@@ -110,14 +114,16 @@ def pairing_key_from_env(env=os.environ) -> bytes:
 class AgentClient:
     """One registered engine (one tensor-parallel rank)."""
 
-    def __init__(self, sock: socket.socket, reg: dict, layout: PoolLayout, address: str, pool: mmap.mmap):
+    def __init__(self, sock: socket.socket, reg: dict, layout: PoolLayout, address: str, pools: List[mmap.mmap]):
         self._sock = sock
         self.registration = reg
         self.layout = layout
         #: The side-channel address decode engines name as this prefill engine's (empty on decode).
         self.address = address
-        #: The pool, mapped shared: this engine's KV staging memory.
-        self.pool = pool
+        #: The pool's regions, each mapped shared: this engine's KV staging memory.
+        self.pools = pools
+        #: The first region (a one-region pool's whole memory).
+        self.pool = pools[0]
         self._lock = threading.Condition()
         self._events: Dict[str, Deque[Event]] = {}
         self._finished: Deque[Event] = deque()
@@ -129,43 +135,45 @@ class AgentClient:
     @staticmethod
     def register(socket_path: str, reg: dict, timeout: float = 30.0) -> "AgentClient":
         """Connects to the agent and registers ``reg`` (a :func:`registration`); the agent
-        allocates the pool and passes its descriptor, which is mapped whole."""
+        allocates the pool's regions and passes their descriptors, each mapped whole."""
         layout = PoolLayout.new(
             reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"], reg.get("tensor_rank", 0),
-            reg.get("kv_arrangement", "KvFirst"),
+            reg.get("kv_arrangement"), reg.get("regions"),
         )
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
             sock.connect(socket_path)
             wire.send(sock, reg)
-            answer, fd = wire.recv_with_fd(sock)
+            answer, fds = wire.recv_with_fds(sock)
         except (OSError, wire.FrameError) as e:
             sock.close()
             raise AgentError(f"registering with the agent at {socket_path}: {e}") from None
-        if answer["type"] == "RegistrationFailed":
-            sock.close()
-            if fd is not None:
-                os.close(fd)
-            raise AgentError(str(answer.get("message")))
-        if answer["type"] != "Registered" or fd is None:
-            sock.close()
-            if fd is not None:
-                os.close(fd)
-            raise AgentError(f"unexpected answer to RegisterPool: {answer['type']} (descriptor: {fd is not None})")
         try:
-            size = os.fstat(fd).st_size
-            length = answer.get("memory_len")
-            if not isinstance(length, int) or length < layout.region_len or size < layout.region_len:
+            if answer["type"] == "RegistrationFailed":
+                raise AgentError(str(answer.get("message")))
+            lens = layout.region_lens
+            if answer["type"] != "Registered" or len(fds) != len(lens):
                 raise AgentError(
-                    f"the agent's pool holds {size} bytes (says {length!r}), fewer than the {layout.region_len} "
-                    "this geometry needs"
+                    f"unexpected answer to RegisterPool: {answer['type']} with {len(fds)} descriptors "
+                    f"for {len(lens)} regions"
                 )
-            pool = mmap.mmap(fd, layout.region_len, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            sizes = [os.fstat(fd).st_size for fd in fds]
+            said = answer.get("region_lens")
+            if said != lens or answer.get("memory_len") != layout.pool_len or any(s < n for s, n in zip(sizes, lens)):
+                raise AgentError(
+                    f"the agent's regions hold {sizes} bytes (says {said!r}, {answer.get('memory_len')!r} in all); "
+                    f"this geometry needs {lens}"
+                )
+            pools = [mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) for fd, n in zip(fds, lens)]
+        except AgentError:
+            sock.close()
+            raise
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
         sock.settimeout(None)
-        return AgentClient(sock, reg, layout, str(answer.get("address", "")), pool)
+        return AgentClient(sock, reg, layout, str(answer.get("address", "")), pools)
 
     # --- requests -------------------------------------------------------------------------------
 

@@ -101,23 +101,27 @@ def _dtype_name(dtype) -> str:
 
 class TorchStager(Stager):
     """Host staging between vLLM's per-layer KV tensors and the agent's pool. Each layer's tensor
-    is ``[2, num_blocks, ...]`` (K and V first) or ``[num_blocks, 2, ...]`` (blocks first, as
-    FlashInfer has it); inside a block, any dense order (NHD or HND) is copied byte for byte."""
+    is ``[2, num_blocks, ...]`` (K and V first), ``[num_blocks, 2, ...]`` (blocks first, as
+    FlashInfer has it) or MLA's ``[num_blocks, block, dim]``; inside a block, any dense order (NHD
+    or HND) is copied byte for byte. The pool is one region, K and V arrays first (``KvFirst``),
+    or latent arrays (``Latent``)."""
 
     def __init__(self, tensors: List[torch.Tensor], pool, layout):
         self.layout = layout
         self._pool_buf = pool
-        if layout.arrangement != "KvFirst":
-            raise ValueError(f"pdpair: host staging registers KvFirst pools, not {layout.arrangement}")
-        flat = torch.frombuffer(pool, dtype=torch.uint8, count=layout.region_len)
+        if len(layout.region_lens) != 1 or layout.arrangement not in ("KvFirst", "Latent"):
+            raise ValueError(
+                f"pdpair: host staging registers one KvFirst or Latent region, not {layout.regions}"
+            )
+        flat = torch.frombuffer(pool, dtype=torch.uint8, count=layout.pool_len)
         # Touch every page now, as the engine's own KV cache was at startup: otherwise the first
         # staging copies and the peers' first writes into a block pay its page faults.
         flat.zero_()
-        self.pool = flat.view(layout.layers, 2, layout.num_blocks, layout.block_len)
+        self.pool = flat.view(layout.layers, len(layout.arrays), layout.num_blocks, layout.block_len)
         self.rows = [block_rows(t, layout.num_blocks, layout.block_len) for t in tensors]
         self.pinned = False
         if any(t.is_cuda for t in tensors):
-            self.pinned = _pin(flat.data_ptr(), layout.region_len)
+            self.pinned = _pin(flat.data_ptr(), layout.pool_len)
 
     # The pool mirrors the KV cache block for block (the same ids), so runs of consecutive blocks
     # are one slice copy per layer (K and V together): a gather by index tensors ran 18x slower
@@ -152,16 +156,21 @@ def _pin(ptr: int, size: int) -> bool:
 
 
 def block_rows(t: torch.Tensor, num_blocks: int, block_len: int) -> torch.Tensor:
-    """A ``[2, num_blocks, block_len]`` byte view of one layer's KV tensor (no copy)."""
-    if t.dim() < 3:
+    """A ``[2, num_blocks, block_len]`` byte view of one layer's KV tensor (no copy); of an MLA
+    cache (``[num_blocks, block, dim]``), ``[1, num_blocks, block_len]``."""
+    if t.dim() == 3:
+        if t.shape[0] != num_blocks:
+            raise ValueError(f"pdpair: MLA KV tensor shape {tuple(t.shape)} is not [{num_blocks}, block, dim]")
+        arrays, kv_dim, block_dim, first_inner = 1, None, 0, 1
+    elif t.dim() < 3:
         raise ValueError(f"pdpair: a KV tensor of shape {tuple(t.shape)} has no (K/V, block) dimensions")
-    if t.shape[0] == 2 and t.shape[1] == num_blocks:
-        kv_dim, block_dim = 0, 1
+    elif t.shape[0] == 2 and t.shape[1] == num_blocks:
+        arrays, kv_dim, block_dim, first_inner = 2, 0, 1, 2
     elif t.shape[0] == num_blocks and t.shape[1] == 2:
-        kv_dim, block_dim = 1, 0
+        arrays, kv_dim, block_dim, first_inner = 2, 1, 0, 2
     else:
         raise ValueError(f"pdpair: KV tensor shape {tuple(t.shape)} is neither [2, {num_blocks}, ...] nor [{num_blocks}, 2, ...]")
-    inner = sorted(zip(t.stride()[2:], t.shape[2:]))
+    inner = sorted(zip(t.stride()[first_inner:], t.shape[first_inner:]))
     expected = 1
     for stride, size in inner:
         if stride != expected:
@@ -172,7 +181,8 @@ def block_rows(t: torch.Tensor, num_blocks: int, block_len: int) -> torch.Tensor
         raise ValueError(
             f"pdpair: a KV block holds {elems * t.element_size()} bytes, the agent's layout {block_len}"
         )
-    view = torch.as_strided(t, (2, num_blocks, elems), (t.stride(kv_dim), t.stride(block_dim), 1), t.storage_offset())
+    kv_stride = t.stride(kv_dim) if kv_dim is not None else 0
+    view = torch.as_strided(t, (arrays, num_blocks, elems), (kv_stride, t.stride(block_dim), 1), t.storage_offset())
     return view.view(torch.uint8)
 
 
@@ -235,13 +245,12 @@ class PdpairConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=_layer_index)
         tensors = [kv_caches[n] for n in names]
         first = tensors[0]
-        if first.dim() < 5:
+        if first.dim() not in (3, 5):
             raise ValueError(
-                f"pdpair: KV tensors of shape {tuple(first.shape)} (MLA's single latent array, or another "
-                "backend's) are not supported by this version: it moves K and V blocks of [2, blocks, ...] "
-                "or [blocks, 2, ...] caches"
+                f"pdpair: KV tensors of shape {tuple(first.shape)} are not supported: this version moves K and V "
+                "blocks of [2, blocks, ...] or [blocks, 2, ...] caches and MLA's [blocks, block, dim] latent arrays"
             )
-        num_blocks = first.shape[1] if first.shape[0] == 2 else first.shape[0]
+        num_blocks = first.shape[1] if first.dim() == 5 and first.shape[0] == 2 else first.shape[0]
         role = _role(self._vllm_config, self._extra)
         rank, tp = self._rank()
         kv = self._geometry(first, len(tensors))
@@ -285,14 +294,21 @@ class PdpairConnector(KVConnectorBase_V1):
         return agent_client.pairing_key_from_env()
 
     def _geometry(self, t: torch.Tensor, layers: int) -> dict:
-        """The geometry this engine really has (read from vLLM's config and the KV tensors, five
-        dimensions: K/V and blocks, then block, heads, dim in logical order), with the identity
-        fields vLLM cannot tell from the PDPair's declaration."""
+        """The geometry this engine really has (read from vLLM's config and the KV tensors: five
+        dimensions, K/V and blocks then block, heads, dim in logical order; or MLA's three, blocks,
+        block, latent dim), with the identity fields vLLM cannot tell from the PDPair's
+        declaration."""
         mc = self._vllm_config.model_config
         declared = json.loads(os.environ.get("PDPAIR_KV") or "{}")
         declared.update(self._extra.get("kv") or {})
-        (kernel, block_stride), (_, head_stride) = zip(t.shape[2:4], t.stride()[2:4])
-        layout = "HND" if head_stride > block_stride else "NHD"
+        mla = t.dim() == 3
+        if mla:
+            # One latent vector per token: one "head" of the latent's width.
+            kernel, heads, head_dim, layout = int(t.shape[1]), 1, int(t.shape[2]), "NHD"
+        else:
+            (kernel, block_stride), (_, head_stride) = zip(t.shape[2:4], t.stride()[2:4])
+            layout = "HND" if head_stride > block_stride else "NHD"
+            heads, head_dim = int(mc.get_total_num_kv_heads()), int(mc.get_head_size())
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
         if cache_dtype not in ELEMENT_BYTES and cache_dtype != "auto":
             raise ValueError(f"pdpair: cache_dtype {cache_dtype!r} is not one pdpair moves")
@@ -305,13 +321,13 @@ class PdpairConnector(KVConnectorBase_V1):
             "dtype": _dtype_name(mc.dtype),
             "cacheDtype": cache_dtype,
             "layers": layers,
-            "kvHeads": int(mc.get_total_num_kv_heads()),
-            "headDim": int(mc.get_head_size()),
+            "kvHeads": heads,
+            "headDim": head_dim,
             "attentionBackend": declared.get("attentionBackend", os.environ.get("VLLM_ATTENTION_BACKEND", "auto")),
             "layout": layout,
             "blockSize": self._block_size,
             "kernelBlockSize": int(kernel),
-            "mla": bool(getattr(mc, "use_mla", False)),
+            "mla": mla,
         }
         return kv
 

@@ -2,16 +2,18 @@
 ``agent/src/layout.rs`` (docs/engine-api.md, "Pool memory layout"), which a test checks on the same
 inputs through real transfers with the agent's own synthetic engine.
 
-One region, layer after layer; inside a layer either a K array then a V array of ``num_blocks``
-blocks (``KvFirst``, FlashAttention's ``[2, num_blocks, ...]``) or each block's K then its V
-(``BlocksFirst``, FlashInfer's ``[num_blocks, 2, ...]``); a block holds ``kernelBlockSize`` tokens of
-this rank's KV heads, HND (head, token, dim) or NHD (token, head, dim).
+A pool is one or more regions (one memory each), each holding a run of consecutive layers, layer
+after layer; inside a layer either a K array then a V array of ``num_blocks`` blocks (``KvFirst``,
+FlashAttention's ``[2, num_blocks, ...]``), each block's K then its V (``BlocksFirst``, FlashInfer's
+``[num_blocks, 2, ...]``), or an MLA cache's one latent array (``Latent``, ``[num_blocks, block,
+dim]``); a block holds ``kernelBlockSize`` tokens of this rank's KV heads, HND (head, token, dim) or
+NHD (token, head, dim).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Mapping, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 ELEMENT_BYTES = {
     "fp8": 1,
@@ -23,7 +25,9 @@ ELEMENT_BYTES = {
 }
 
 
-ARRANGEMENTS = ("KvFirst", "BlocksFirst")
+ARRANGEMENTS = ("KvFirst", "BlocksFirst", "Latent")
+#: The most regions one pool may have (the agent's ``layout::MAX_REGIONS``).
+MAX_REGIONS = 128
 
 
 class LayoutError(ValueError):
@@ -49,6 +53,18 @@ def element_bytes(kv: Mapping) -> int:
     return ELEMENT_BYTES[dtype]
 
 
+def _arrangement(latent: bool, arrangement: Optional[str], field: str) -> str:
+    if arrangement is None:
+        return "Latent" if latent else "KvFirst"
+    if arrangement not in ARRANGEMENTS:
+        raise LayoutError(f"{field} is {arrangement!r}, not one of {', '.join(ARRANGEMENTS)}")
+    if latent and arrangement != "Latent":
+        raise LayoutError(f"{field} is {arrangement}; kv.mla is true, so the cache is one latent array per layer: Latent")
+    if not latent and arrangement == "Latent":
+        raise LayoutError(f"{field} is Latent, but kv.mla is false: K and V are KvFirst or BlocksFirst")
+    return arrangement
+
+
 @dataclass(frozen=True)
 class PoolLayout:
     layers: int
@@ -59,17 +75,23 @@ class PoolLayout:
     block_size: int
     num_blocks: int
     layout: str  # "HND" or "NHD"
-    arrangement: str = "KvFirst"  # or "BlocksFirst"
+    latent: bool = False
+    #: (first layer, layers, arrangement) per region, in layer order; empty: one KvFirst region.
+    regions: Tuple[Tuple[int, int, str], ...] = ()
 
     @staticmethod
-    def new(kv: Mapping, tensor: int, num_blocks: int, rank: int, arrangement: str = "KvFirst") -> "PoolLayout":
+    def new(kv: Mapping, tensor: int, num_blocks: int, rank: int, arrangement: Optional[str] = None,
+            regions: Optional[Sequence[Mapping]] = None) -> "PoolLayout":
         """The layout of tensor-parallel rank ``rank`` of an engine with geometry ``kv`` (the
-        PDPair's camelCase ``kv`` object) and ``tensor`` ranks."""
+        PDPair's camelCase ``kv`` object) and ``tensor`` ranks, in one region arranged
+        ``arrangement`` or split into ``regions`` (the registration's ``[{"layers": n,
+        "kv_arrangement": ...}]``)."""
         heads = _positive(kv, "kvHeads")
         tp = tensor if isinstance(tensor, int) and tensor > 0 else 1
         if not 0 <= rank < tp:
             raise LayoutError(f"tensor_rank {rank} is outside parallelism.tensor {tp}")
-        if kv.get("mla", False):
+        latent = bool(kv.get("mla", False))
+        if latent:
             local, offset = heads, 0
         elif tp <= heads:
             local, offset = heads // tp, rank * (heads // tp)
@@ -79,12 +101,28 @@ class PoolLayout:
         layout = kv.get("layout")
         if layout not in ("HND", "NHD"):
             raise LayoutError(f"kv.layout is {layout!r}, not HND or NHD")
-        if arrangement not in ARRANGEMENTS:
-            raise LayoutError(f"kv_arrangement is {arrangement!r}, not one of {', '.join(ARRANGEMENTS)}")
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise LayoutError(f"num_blocks is {num_blocks!r}; it must be at least 1")
+        layers = _positive(kv, "layers")
+        if regions:
+            if arrangement is not None:
+                raise LayoutError("kv_arrangement and regions are both set: with regions, each region names its "
+                                  "kv_arrangement")
+            if len(regions) > MAX_REGIONS:
+                raise LayoutError(f"regions has {len(regions)} entries; a pool has 1..={MAX_REGIONS}")
+            spans, first = [], 0
+            for i, r in enumerate(regions):
+                n = r.get("layers")
+                if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                    raise LayoutError(f"regions[{i}].layers is {n!r}; a region holds at least 1")
+                spans.append((first, n, _arrangement(latent, r.get("kv_arrangement"), f"regions[{i}].kv_arrangement")))
+                first += n
+            if first != layers:
+                raise LayoutError(f"regions hold {first} layers in all; the geometry has kv.layers {layers}")
+        else:
+            spans = [(0, layers, _arrangement(latent, arrangement, "kv_arrangement"))]
         return PoolLayout(
-            layers=_positive(kv, "layers"),
+            layers=layers,
             local_heads=local,
             head_offset=offset,
             head_dim=_positive(kv, "headDim"),
@@ -92,12 +130,27 @@ class PoolLayout:
             block_size=_positive({"kernelBlockSize": block}, "kernelBlockSize"),
             num_blocks=num_blocks,
             layout=layout,
-            arrangement=arrangement,
+            latent=latent,
+            regions=tuple(spans),
         )
 
     @property
+    def _regions(self) -> Tuple[Tuple[int, int, str], ...]:
+        return self.regions or ((0, self.layers, "Latent" if self.latent else "KvFirst"),)
+
+    @property
+    def arrangement(self) -> str:
+        """The arrangement of a one-region pool (of the first region otherwise)."""
+        return self._regions[0][2]
+
+    @property
+    def arrays(self) -> Tuple[bool, ...]:
+        """A layer's arrays: K (``False``) and V (``True``), or MLA's latent alone."""
+        return (False,) if self.latent else (False, True)
+
+    @property
     def half_token(self) -> int:
-        """Bytes of one head's one token's K (or V)."""
+        """Bytes of one head's one token's K (or V, or latent)."""
         return self.head_dim * self.element_bytes
 
     @property
@@ -110,21 +163,42 @@ class PoolLayout:
         return self.num_blocks * self.block_len
 
     @property
-    def region_len(self) -> int:
-        """Bytes of the whole pool."""
-        return 2 * self.layers * self.array_len
+    def layer_len(self) -> int:
+        return len(self.arrays) * self.array_len
 
     @property
-    def block_stride(self) -> int:
-        """Bytes from one block of a layer's K (or V) to the next."""
-        return self.block_len if self.arrangement == "KvFirst" else 2 * self.block_len
+    def region_lens(self) -> List[int]:
+        """Bytes of each region, in order."""
+        return [n * self.layer_len for _, n, _ in self._regions]
 
-    def block_offset(self, layer: int, v: bool, block: int) -> int:
-        """Offset of a block of a layer's K (``v`` false) or V array."""
-        start = 2 * layer * self.array_len
-        if self.arrangement == "KvFirst":
-            return start + int(v) * self.array_len + block * self.block_len
-        return start + block * 2 * self.block_len + int(v) * self.block_len
+    @property
+    def pool_len(self) -> int:
+        """Bytes of the whole pool, all regions."""
+        return self.layers * self.layer_len
+
+    def region_of(self, layer: int) -> Tuple[int, int]:
+        """The region holding ``layer``, and the layer's index inside it."""
+        for r, (first, n, _) in enumerate(self._regions):
+            if first <= layer < first + n:
+                return r, layer - first
+        raise LayoutError(f"layer {layer} is outside the pool's {self.layers} layers")
+
+    def block_stride(self, layer: int) -> int:
+        """Bytes from one block of a layer's K (or V) to the next."""
+        arrangement = self._regions[self.region_of(layer)[0]][2]
+        return 2 * self.block_len if arrangement == "BlocksFirst" else self.block_len
+
+    def block_offset(self, layer: int, v: bool, block: int) -> Tuple[int, int]:
+        """The region, and the offset in it, of a block of a layer's K (``v`` false, or the
+        latent) or V array."""
+        r, local = self.region_of(layer)
+        start = local * self.layer_len
+        arrangement = self._regions[r][2]
+        if arrangement == "KvFirst":
+            return r, start + int(v) * self.array_len + block * self.block_len
+        if arrangement == "BlocksFirst":
+            return r, start + block * 2 * self.block_len + int(v) * self.block_len
+        return r, start + block * self.block_len
 
     def token_offset(self, head: int, token: int) -> int:
         """Offset of a local head's token inside a block."""
@@ -138,8 +212,8 @@ class PoolLayout:
         return -(-live // self.block_size)
 
     def tokens(self, blocks: List[int], first_token: int, num_tokens: int):
-        """(byte offset, layer, global head, absolute token, v) of every live token's K and V in
-        ``blocks`` (in token order, the first holding ``first_token``)."""
+        """((region, byte offset), layer, global head, absolute token, v) of every live token's K
+        and V (or latent) in ``blocks`` (in token order, the first holding ``first_token``)."""
         for i, block in enumerate(blocks):
             for j in range(self.block_size):
                 t = first_token + i * self.block_size + j
@@ -147,9 +221,9 @@ class PoolLayout:
                     return
                 for layer in range(self.layers):
                     for h in range(self.local_heads):
-                        for v in (False, True):
-                            at = self.block_offset(layer, v, block) + self.token_offset(h, j)
-                            yield at, layer, self.head_offset + h, t, v
+                        for v in self.arrays:
+                            r, at = self.block_offset(layer, v, block)
+                            yield (r, at + self.token_offset(h, j)), layer, self.head_offset + h, t, v
 
 
 def runs(blocks: List[int]) -> List[Tuple[int, int]]:

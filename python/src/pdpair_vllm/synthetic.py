@@ -28,28 +28,34 @@ def token_bytes(seed: int, layer: int, head: int, token: int, v: bool, n: int) -
     return bytes(out[:n])
 
 
+def _regions(mem) -> list:
+    """One buffer per region: a list of them, or one buffer for a one-region pool."""
+    return list(mem) if isinstance(mem, (list, tuple)) else [mem]
+
+
 def fill(mem, layout: PoolLayout, seed: int, blocks: List[int], first_token: int, num_tokens: int) -> None:
-    """Prefill: writes the pattern of tokens ``first_token..num_tokens`` into ``blocks``."""
-    half = layout.half_token
-    for at, layer, head, t, v in layout.tokens(blocks, first_token, num_tokens):
-        mem[at : at + half] = token_bytes(seed, layer, head, t, v, half)
+    """Prefill: writes the pattern of tokens ``first_token..num_tokens`` into ``blocks`` (``mem``:
+    the pool's region buffers, or its one buffer)."""
+    mems, half = _regions(mem), layout.half_token
+    for (r, at), layer, head, t, v in layout.tokens(blocks, first_token, num_tokens):
+        mems[r][at : at + half] = token_bytes(seed, layer, head, t, v, half)
 
 
 def clear(mem, layout: PoolLayout, blocks: List[int]) -> None:
     """Decode: zeroes blocks, so stale bytes cannot pass verification."""
-    zero = bytes(layout.block_len)
+    mems, zero = _regions(mem), bytes(layout.block_len)
     for block in blocks:
         for layer in range(layout.layers):
-            for v in (False, True):
-                at = layout.block_offset(layer, v, block)
-                mem[at : at + layout.block_len] = zero
+            for v in layout.arrays:
+                r, at = layout.block_offset(layer, v, block)
+                mems[r][at : at + layout.block_len] = zero
 
 
 def verify(mem, layout: PoolLayout, seed: int, blocks: List[int], first_token: int, num_tokens: int) -> int:
-    """Decode: how many received tokens' K or V differ from the pattern."""
-    half = layout.half_token
+    """Decode: how many received tokens' K or V (or latents) differ from the pattern."""
+    mems, half = _regions(mem), layout.half_token
     bad = 0
-    for at, layer, head, t, v in layout.tokens(blocks, first_token, num_tokens):
-        if bytes(mem[at : at + half]) != token_bytes(seed, layer, head, t, v, half):
+    for (r, at), layer, head, t, v in layout.tokens(blocks, first_token, num_tokens):
+        if bytes(mems[r][at : at + half]) != token_bytes(seed, layer, head, t, v, half):
             bad += 1
     return bad

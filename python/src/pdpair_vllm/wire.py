@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 #: The largest frame either side accepts (the agent's ``wire::MAX_FRAME``).
 MAX_FRAME = 16 << 20
@@ -38,13 +38,13 @@ def decode_body(body: bytes) -> dict:
     return message
 
 
-def send(sock: socket.socket, message: dict, fd: Optional[int] = None) -> None:
-    """Writes one frame, with ``fd`` attached to its first bytes when given."""
+def send(sock: socket.socket, message: dict, fds: Sequence[int] = ()) -> None:
+    """Writes one frame, with ``fds`` attached to its first bytes (in order) when given."""
     data = encode(message)
-    if fd is None:
+    if not fds:
         sock.sendall(data)
         return
-    sent = socket.send_fds(sock, [data], [fd])
+    sent = socket.send_fds(sock, [data], list(fds))
     if sent < len(data):
         sock.sendall(data[sent:])
 
@@ -68,26 +68,31 @@ def recv(sock: socket.socket) -> dict:
     return decode_body(_read_exact(sock, length))
 
 
-def recv_with_fd(sock: socket.socket) -> Tuple[dict, Optional[int]]:
-    """Reads one frame and the descriptor that came with its first bytes (extra ones are
-    closed)."""
-    data, fds, flags, _ = socket.recv_fds(sock, 4, 4)
+#: The most descriptors one frame carries (the agent's ``wire::MAX_FDS``: a pool's regions).
+MAX_FDS = 128
+
+
+def recv_with_fds(sock: socket.socket) -> Tuple[dict, List[int]]:
+    """Reads one frame and the descriptors that came with its first bytes, in order (more than
+    ``MAX_FDS`` is an error; what arrived is closed)."""
+    data, fds, flags, _ = socket.recv_fds(sock, 4, MAX_FDS)
     if flags & socket.MSG_CTRUNC:
         for fd in fds:
             _close(fd)
         raise FrameError("too many file descriptors attached")
-    if not data:
-        raise FrameError("the agent closed the connection")
-    for extra in fds[1:]:
-        _close(extra)
-    head = _read_exact(sock, 4, data)
-    (length,) = struct.unpack(">I", head)
-    if length > MAX_FRAME:
-        for fd in fds[:1]:
+    try:
+        if not data:
+            raise FrameError("the agent closed the connection")
+        head = _read_exact(sock, 4, data)
+        (length,) = struct.unpack(">I", head)
+        if length > MAX_FRAME:
+            raise FrameError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+        message = decode_body(_read_exact(sock, length))
+    except BaseException:
+        for fd in fds:
             _close(fd)
-        raise FrameError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-    message = decode_body(_read_exact(sock, length))
-    return message, (fds[0] if fds else None)
+        raise
+    return message, list(fds)
 
 
 def _close(fd: int) -> None:
