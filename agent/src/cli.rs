@@ -226,6 +226,10 @@ pub struct LoopbackArgs {
     /// kernel blocks): only the tail moves, paired by absolute token position, every byte checked.
     #[arg(long = "decode-prefix-hit", default_value_t = 0)]
     pub decode_prefix_hit: u64,
+    /// Each engine registers its pool as one memory region per layer (as vLLM allocates its
+    /// per-layer KV tensors) instead of one region.
+    #[arg(long = "region-per-layer")]
+    pub region_per_layer: bool,
     /// Skip the decode engine's byte-by-byte check (for large benchmarks; checksums still run).
     #[arg(long = "no-verify-bytes")]
     pub no_verify_bytes: bool,
@@ -307,6 +311,7 @@ pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageErr
         },
         all_ranks: args.all_ranks,
         decode_prefix_hit: args.decode_prefix_hit,
+        region_per_layer: args.region_per_layer,
         external: crate::loopback::External {
             decode_agent: args.decode_agent.clone(),
             prefill_agent: args.prefill_agent.clone(),

@@ -52,6 +52,8 @@ pub struct Options {
     /// Decode already holds this many tokens of each prompt (a prefix-cache hit, whole decode
     /// kernel blocks): it asks only for the tail, paired by absolute position.
     pub decode_prefix_hit: u64,
+    /// Every engine's pool is one region per layer.
+    pub region_per_layer: bool,
     /// The agent binary (this executable).
     pub agent_bin: PathBuf,
     /// Agents and pods that already run (the demo); by default the scenario starts its own.
@@ -161,6 +163,8 @@ pub struct Report {
     pub byte_errors: u32,
     /// Tokens of each prompt decode already held (only the rest moved).
     pub decode_prefix_hit: u64,
+    /// Memory regions of the decode engine's pool (rank 0), as the agent registered them.
+    pub decode_regions: usize,
 }
 
 /// An agent process this scenario started: killed when dropped, on every path out (an early
@@ -283,8 +287,17 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
     };
     let engine_spec =
         |role: Role, engine: String, pool: &pdpair_api::PoolSpec, key: &[u8], num_blocks: u32, tensor_rank: u32| {
+            let layer = crate::engine_api::RegionRequest {
+                layers: 1,
+                kv_arrangement: None,
+            };
             EngineSpec {
                 memory: opts.engine_memory,
+                regions: if opts.region_per_layer {
+                    vec![layer; usize::try_from(pool.kv.layers).unwrap_or(0)]
+                } else {
+                    Vec::new()
+                },
                 ..EngineSpec::of_pair(pair, pool, role, engine, key, num_blocks, tensor_rank)
             }
         };
@@ -388,6 +401,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         transport: opts.transport.clone(),
         requests: opts.requests,
         decode_prefix_hit: hit,
+        decode_regions: decode.first().map_or(0, |d| d.layout.regions.len()),
         per_prefill: prefills
             .iter()
             .map(|p| PerPrefill {

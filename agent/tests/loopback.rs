@@ -325,6 +325,33 @@ fn all_ranks_of_both_pools_move_every_head_verified() {
 }
 
 #[test]
+fn pools_of_one_region_per_layer_move_the_same_bytes_verified() {
+    // vLLM's per-layer KV tensors as the engines' pools: every layer its own region on both
+    // sides, push and pull; the bytes moved and verified equal the one-region run's.
+    let dir = tmp("region-per-layer");
+    for (name, pair) in [
+        ("push", manifest(&dir, "layers-push", 32, 32, "FailClosed")),
+        ("pull", pull_manifest(&dir, "layers-pull", 16, 32, "HND")),
+    ] {
+        let args = |extra: &[&str]| {
+            let mut a = vec!["--pair", &pair, "--requests", "2", "--prompt-tokens", "100"];
+            a.extend_from_slice(extra);
+            run(&a)
+        };
+        let (one, per_layer) = (args(&[]), args(&["--region-per-layer"]));
+        assert_all_verified(&per_layer, 2, name);
+        assert_eq!(per_layer["byte_errors"], 0, "{per_layer}");
+        assert_eq!(count(&one, "bytes"), count(&per_layer, "bytes"), "{name}");
+        assert_eq!(
+            (one["decode_regions"].as_u64(), per_layer["decode_regions"].as_u64()),
+            (Some(1), Some(2)),
+            "{name}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn a_prefix_hit_on_decode_moves_only_the_tail_every_byte_checked() {
     let dir = tmp("prefix-hit");
     // Push with equal blocks, and pull with decode blocks of 32 over prefill's 16: decode holds
