@@ -213,7 +213,7 @@ fn bad_region_registrations_are_refused_naming_the_field_and_the_agent_keeps_ser
     assert!(m.starts_with("region 2:") && m.contains("holds 4096 bytes"), "{m}");
     let mut both = per_layer.clone();
     both.arrangement = Some(BlocksFirst);
-    let m = refusal(register_with(&s, &both, &[memfd(region); 0]));
+    let m = refusal(register_with(&s, &both, &[]));
     assert!(m.contains("kv_arrangement and regions are both set"), "{m}");
     let short = engine(
         Role::Decode,
