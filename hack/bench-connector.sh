@@ -30,6 +30,12 @@ Y
       "$venv/bin/python" -c 'import json,sys; r=json.load(sys.stdin); print(" ", {k: r["latency_ms"][k] for k in ("p50","p99")}, "succeeded", r["succeeded"])'
   done
 done
+for tokens in 512 4096; do
+  echo "synthetic engines, one region per layer, $tokens tokens, Disabled:"
+  "$bin" loopback --pair "$tmp/8b-Disabled.yaml" --requests "$requests" --prompt-tokens "$tokens" \
+    --transport shm --no-verify-bytes --region-per-layer -o json |
+    "$venv/bin/python" -c 'import json,sys; r=json.load(sys.stdin); print(" ", {k: r["latency_ms"][k] for k in ("p50","p99")}, "succeeded", r["succeeded"], "regions", r["decode_regions"])'
+done
 echo "through the connector (vLLM schedulers, staging copies):"
 cd python/tests
 PDPAIR_AGENT_BIN="$bin" "$venv/bin/python" bench_connector.py "$requests" 2> >(grep -v -e "^W1201" -e WARNING -e Warning -e "^Turning" -e "^Initializing" -e "^FlashInfer" -e "^Failed to import" >&2)

@@ -28,8 +28,11 @@ pub struct ChecksumArgs {
     /// Absolute position of the dump's first token.
     #[arg(long = "first-token", default_value_t = 0)]
     pub first_token: u64,
+    /// An MLA cache: each token is one latent vector of head-dim elements (no V).
+    #[arg(long)]
+    pub mla: bool,
     /// The dump: blocks in order; inside a block, for each layer, for each head, for each token,
-    /// the K bytes of that head then its V bytes (little-endian elements).
+    /// the K bytes of that head then its V bytes (with --mla, its latent; little-endian elements).
     pub file: std::path::PathBuf,
 }
 
@@ -57,7 +60,7 @@ pub fn checksum(args: &ChecksumArgs, out: &mut dyn Write) -> Result<(), UsageErr
         heads: args.kv_heads,
         head_dim: args.head_dim,
         element_bytes: element_bytes(&args.cache_dtype)?,
-        latent: false,
+        latent: args.mla,
     };
     for (flag, value) in [
         ("--layers", args.layers),
@@ -71,7 +74,9 @@ pub fn checksum(args: &ChecksumArgs, out: &mut dyn Write) -> Result<(), UsageErr
     }
     if shape.pieces_per_token().is_none() {
         return Err(UsageError(format!(
-            "a token's K and V take 2 x head-dim {} x {} bytes = {} bytes, not a multiple of 8: the checksum reads 8-byte pieces",
+            "a token's {} {} x head-dim {} x {} bytes = {} bytes, not a multiple of 8: the checksum reads 8-byte pieces",
+            if args.mla { "latent takes" } else { "K and V take" },
+            shape.halves(),
             args.head_dim,
             shape.element_bytes,
             shape.token_bytes()
@@ -81,7 +86,7 @@ pub fn checksum(args: &ChecksumArgs, out: &mut dyn Write) -> Result<(), UsageErr
     let block_bytes = shape.canonical_block_bytes(args.block_size);
     let sums = crate::checksum::canonical_dump(&shape, args.block_size, args.first_token, args.num_tokens, &dump).ok_or_else(|| {
         UsageError(format!(
-            "{}: {} bytes is not a whole number of {block_bytes}-byte blocks (layers x kv-heads x block-size x 2 x head-dim x element bytes)",
+            "{}: {} bytes is not a whole number of {block_bytes}-byte blocks (layers x kv-heads x block-size x 2 (1 with --mla) x head-dim x element bytes)",
             args.file.display(),
             dump.len()
         ))

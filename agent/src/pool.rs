@@ -87,10 +87,11 @@ impl Pool {
         Pool::register_memfd(ucx, file, need, Origin::EngineMemfd)
     }
 
-    /// Maps a sealed memfd (at least `need` bytes) populated and registers its first `need`
-    /// bytes.
+    /// Maps the first `need` bytes of a sealed memfd (at least that long) populated, and
+    /// registers them. Only `need`: a larger file (an engine's sparse memfd of any size) is not
+    /// faulted in by the agent.
     fn register_memfd(ucx: &UcxHandle, file: File, need: usize, origin: Origin) -> Result<Pool, String> {
-        let map = map_populated(&file, "the pool memfd")?;
+        let map = map_populated(&file, Some(need), "the pool memfd")?;
         let base = map.as_mut_ptr() as u64;
         let (region, rkey) = ucx.map(base, need as u64)?;
         Ok(Pool {
@@ -114,7 +115,7 @@ impl Pool {
                     .and_then(|f| {
                         // Guard UCX's mapping and ours before anything reads either.
                         let guards = vec![crate::guard::guard(a.addr, a.len)];
-                        map_populated(&f, &path.to_string_lossy()).map(|map| (f, map, guards))
+                        map_populated(&f, None, &path.to_string_lossy()).map(|map| (f, map, guards))
                     })
                     .map(|(f, map, mut guards)| {
                         guards.push(crate::guard::guard(map.as_ptr() as u64, map.len() as u64));
@@ -215,9 +216,14 @@ fn open_no_follow(path: &Path) -> Result<File, String> {
         .map_err(|e| format!("{}: {e}", path.display()))
 }
 
-fn map_populated(file: &File, what: &str) -> Result<memmap2::MmapRaw, String> {
-    // Populate: fault the pool's pages in now, not inside the first transfer.
-    memmap2::MmapOptions::new()
+/// Maps `len` bytes of `file` (all of it when `None`), faulting the pages in now, not inside the
+/// first transfer.
+fn map_populated(file: &File, len: Option<usize>, what: &str) -> Result<memmap2::MmapRaw, String> {
+    let mut options = memmap2::MmapOptions::new();
+    if let Some(len) = len {
+        options.len(len);
+    }
+    options
         .populate()
         .map_raw(file)
         .map_err(|e| format!("mapping {what}: {e}"))

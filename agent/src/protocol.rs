@@ -261,7 +261,20 @@ impl MemoryDesc {
                     r.base, r.len
                 ));
             }
-            check_rkey(&r.rkey).map_err(|e| format!("memory.regions[{i}]: {e}"))?;
+            check_rkey(&r.rkey).map_err(|e| format!("memory.regions[{i}].rkey {e}"))?;
+        }
+        // Regions are separate memory: overlapping ones describe nothing real (and would make an
+        // op's region ambiguous).
+        let mut by_base: Vec<(usize, &RegionDesc)> = self.regions.iter().enumerate().collect();
+        by_base.sort_by_key(|(_, r)| r.base);
+        for pair in by_base.windows(2) {
+            let ((i, a), (j, b)) = (pair[0], pair[1]);
+            if a.base + a.len > b.base {
+                return Err(format!(
+                    "memory.regions[{i}] ({:#x}+{}) overlaps memory.regions[{j}] ({:#x})",
+                    a.base, a.len, b.base
+                ));
+            }
         }
         if self.layers.len() != layout.layers as usize {
             return Err(format!(
@@ -332,29 +345,23 @@ impl MemoryDesc {
 /// bytes. The key must hold exactly that (an empty or truncated key would make UCX read past it).
 pub fn check_rkey(rkey: &[u8]) -> Result<(), String> {
     if rkey.len() < 9 || rkey.len() > MAX_UCX_BLOB {
-        return Err(format!(
-            "memory.rkey is {} bytes; a UCX key is 9..={MAX_UCX_BLOB}",
-            rkey.len()
-        ));
+        return Err(format!("is {} bytes; a UCX key is 9..={MAX_UCX_BLOB}", rkey.len()));
     }
     let mut map = [0u8; 8];
     map.copy_from_slice(&rkey[..8]);
     let domains = u64::from_le_bytes(map).count_ones();
     if domains == 0 {
-        return Err("memory.rkey names no memory domain".into());
+        return Err("names no memory domain".into());
     }
     let mut at = 9usize;
     for _ in 0..domains {
         let Some(n) = rkey.get(at) else {
-            return Err(format!("memory.rkey ends after {} of its {domains} domains", at));
+            return Err(format!("ends after {} of its {domains} domains", at));
         };
         at += 1 + usize::from(*n);
     }
     if at != rkey.len() {
-        return Err(format!(
-            "memory.rkey is {} bytes; its {domains} domains take {at}",
-            rkey.len()
-        ));
+        return Err(format!("is {} bytes; its {domains} domains take {at}", rkey.len()));
     }
     Ok(())
 }

@@ -213,11 +213,11 @@ impl UcxHandle {
                 crate::layout::MAX_REGIONS
             ));
         }
-        for (rkey, remote) in &remotes {
-            crate::protocol::check_rkey(rkey)?;
+        for (i, (rkey, remote)) in remotes.iter().enumerate() {
+            crate::protocol::check_rkey(rkey).map_err(|e| format!("the peer's region {i}: its key {e}"))?;
             if remote.0.checked_add(remote.1).is_none() || remote.1 == 0 {
                 return Err(format!(
-                    "the peer's region {:#x}+{} is empty or wraps",
+                    "the peer's region {i} ({:#x}+{}) is empty or wraps",
                     remote.0, remote.1
                 ));
             }
@@ -756,8 +756,8 @@ fn post_gets(
     let mut bytes = 0u64;
     for (i, op) in ops.iter().enumerate() {
         // SAFETY: `local` lies in memory this agent mapped for the engine and registered as
-        // `region` (checked), kept mapped until its Unmap, which cancels in-flight operations
-        // first; the remote range lies in the peer's region (checked).
+        // `regions[i]` (checked), kept mapped until its Unmap, which cancels in-flight operations
+        // first; the remote range lies in the peer's region whose key is `keys[i]` (checked).
         match unsafe {
             peer.ep.get(
                 op.local as *mut u8,

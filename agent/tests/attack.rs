@@ -111,6 +111,11 @@ fn memory_descriptors_out_of_range_or_malformed_are_refused_and_prefill_keeps_se
     bad("more regions than a pool has", &|i| {
         i.memory.regions = vec![i.memory.regions[0].clone(); pdpair_agent::layout::MAX_REGIONS + 1]
     });
+    bad("two regions that overlap", &|i| {
+        let mut second = i.memory.regions[0].clone();
+        second.base += 4096;
+        i.memory.regions.push(second);
+    });
     bad("a second region past which a layer runs", &|i| {
         let mut second = i.memory.regions[0].clone();
         second.base += 1 << 30;

@@ -99,6 +99,28 @@ fn prints_one_checksum_per_block_matching_the_definition() {
     assert_eq!(got.len(), 3);
     // Past num_tokens: the third block holds tokens 132..148, of which 132..140 count.
     assert_ne!(got[2], 0);
+    // MLA: a token's one latent vector of 16 elements reads as the definition's K then V of 8
+    // each would (the same bytes in the same order), and its sum is theirs.
+    let (code, mla, stderr) = run(&[
+        "--mla",
+        "--layers",
+        "2",
+        "--kv-heads",
+        "4",
+        "--head-dim",
+        "16",
+        "--cache-dtype",
+        "bfloat16",
+        "--block-size",
+        "16",
+        "--num-tokens",
+        "140",
+        "--first-token",
+        "100",
+        &path,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(mla, stdout, "a latent of 16 sums as K and V of 8");
     // fp8 with the default first token.
     let (code, stdout, _) = run(&[
         "--layers",

@@ -296,10 +296,16 @@ impl Rules {
         if shape_ok && checksum != ChecksumPolicy::Disabled {
             let dtype = kv.resolved_cache_dtype();
             let bytes = dtype.element_bytes().unwrap_or(1);
-            let row = 2 * i64::from(kv.head_dim) * i64::from(bytes);
+            // K and V per token, or an MLA cache's one latent vector.
+            let (arrays, what, take) = if kv.mla {
+                (1, "latent", "takes")
+            } else {
+                (2, "K and V", "take")
+            };
+            let row = arrays * i64::from(kv.head_dim) * i64::from(bytes);
             if row % 8 != 0 {
                 let msg = format!(
-                    "checksum {checksum:?} reads 8-byte pieces, but a {role} token's K and V take 2 x headDim {} x {bytes} bytes ({}) = {row} bytes, not a multiple of 8",
+                    "checksum {checksum:?} reads 8-byte pieces, but a {role} token's {what} {take} {arrays} x headDim {} x {bytes} bytes ({}) = {row} bytes, not a multiple of 8",
                     kv.head_dim,
                     dtype.as_str()
                 );
@@ -388,9 +394,10 @@ impl Rules {
                 msg,
             );
         }
-        if !mla && p.kv.layout != d.kv.layout {
+        // One latent vector per token (MLA with one KV head) is laid out the same either way.
+        if !(mla && heads == 1) && p.kv.layout != d.kv.layout {
             let msg = format!(
-                "prefill kv.layout is {} but decode kv.layout is {}; non-MLA KV must use one layout on both sides",
+                "prefill kv.layout is {} but decode kv.layout is {}; KV of several heads must use one layout on both sides",
                 p.kv.layout.as_str(),
                 d.kv.layout.as_str()
             );

@@ -699,24 +699,25 @@ impl Engine {
         }
         let block = u64::from(self.layout.block_size);
         let memory = self.memory();
-        let ours = BlockSums {
-            block_size: self.layout.block_size,
-            first_token: p.first_token,
-            sums: p
-                .blocks
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| p.first_token + *i as u64 * block < p.num_tokens)
-                .map(|(i, b)| {
-                    self.layout
-                        .checksum(&memory, *b, p.first_token + i as u64 * block, p.num_tokens)
-                        .unwrap_or(0)
-                })
-                .collect(),
-        };
-        let outcome = match &sums {
-            Some(theirs) => compare_request(theirs, &ours, p.num_tokens).outcome(),
-            None => Outcome::Unverified,
+        // A block whose checksum cannot be computed leaves the request Unverified.
+        let ours = p
+            .blocks
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| p.first_token + *i as u64 * block < p.num_tokens)
+            .map(|(i, b)| {
+                self.layout
+                    .checksum(&memory, *b, p.first_token + i as u64 * block, p.num_tokens)
+            })
+            .collect::<Option<Vec<u64>>>()
+            .map(|sums| BlockSums {
+                block_size: self.layout.block_size,
+                first_token: p.first_token,
+                sums,
+            });
+        let outcome = match (&sums, &ours) {
+            (Some(theirs), Some(ours)) => compare_request(theirs, ours, p.num_tokens).outcome(),
+            _ => Outcome::Unverified,
         };
         self.shared.metrics.checksum(outcome);
         {
@@ -868,12 +869,19 @@ impl Engine {
         }
         let half = self.layout.half_token() as u64;
         let heads = u64::from(self.layout.local_heads);
-        let mut ops: Vec<PutOp> = Vec::new();
-        let mut push = |op: PutOp| match ops.last_mut() {
-            Some(last) if last.local + last.len == op.local && last.remote + last.len == op.remote => {
+        // Adjacent reads are merged within one layer's array only: two layers' arrays in
+        // separate regions may happen to sit back to back on both sides.
+        let mut ops: Vec<(u32, bool, PutOp)> = Vec::new();
+        let mut push = |layer: u32, v: bool, op: PutOp| match ops.last_mut() {
+            Some((l, w, last))
+                if *l == layer
+                    && *w == v
+                    && last.local + last.len == op.local
+                    && last.remote + last.len == op.remote =>
+            {
                 last.len += op.len
             }
-            _ => ops.push(op),
+            _ => ops.push((layer, v, op)),
         };
         for (i, d) in d_blocks.iter().enumerate() {
             let t = d_first + i as u64 * bd;
@@ -909,21 +917,29 @@ impl Engine {
                             )
                         })?;
                         match self.layout.layout {
-                            pdpair_api::KvLayout::Nhd => push(PutOp {
-                                local: dst + j * bp * heads * half,
-                                remote: src,
-                                len: bp * heads * half,
-                            }),
+                            pdpair_api::KvLayout::Nhd => push(
+                                layer,
+                                *v,
+                                PutOp {
+                                    local: dst + j * bp * heads * half,
+                                    remote: src,
+                                    len: bp * heads * half,
+                                },
+                            ),
                             pdpair_api::KvLayout::Hnd => {
                                 // Our heads d_first.. come from prefill's p_first.. (all of
                                 // them when tensor parallelism is equal).
                                 for h in 0..u64::from(map.count) {
                                     let (dh, ph) = (u64::from(map.d_first) + h, u64::from(map.p_first) + h);
-                                    push(PutOp {
-                                        local: dst + (dh * bd + j * bp) * half,
-                                        remote: src + ph * bp * half,
-                                        len: bp * half,
-                                    });
+                                    push(
+                                        layer,
+                                        *v,
+                                        PutOp {
+                                            local: dst + (dh * bd + j * bp) * half,
+                                            remote: src + ph * bp * half,
+                                            len: bp * half,
+                                        },
+                                    );
                                 }
                             }
                         }
@@ -931,7 +947,7 @@ impl Engine {
                 }
             }
         }
-        Ok(ops)
+        Ok(ops.into_iter().map(|(_, _, op)| op).collect())
     }
 
     /// Fails requests past their deadline.

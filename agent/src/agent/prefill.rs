@@ -606,19 +606,22 @@ impl Engine {
         num_tokens: u64,
         blocks: impl Iterator<Item = (u32, u64)>,
     ) -> Option<BlockSums> {
-        (self.settings.checksum != ChecksumPolicy::Disabled).then(|| {
-            let memory = self.memory();
-            BlockSums {
-                block_size: self.layout.block_size,
-                first_token,
-                sums: blocks
-                    .map(|(p, t)| {
-                        self.layout
-                            .checksum_heads(&memory, p, t, num_tokens, link.heads.p_first, link.heads.count)
-                            .unwrap_or(0)
-                    })
-                    .collect(),
-            }
+        if self.settings.checksum == ChecksumPolicy::Disabled {
+            return None;
+        }
+        let memory = self.memory();
+        // A block whose checksum cannot be computed sends none at all: decode counts the
+        // request Unverified (never a sum of 0 that would match decode's 0).
+        let sums = blocks
+            .map(|(p, t)| {
+                self.layout
+                    .checksum_heads(&memory, p, t, num_tokens, link.heads.p_first, link.heads.count)
+            })
+            .collect::<Option<Vec<u64>>>()?;
+        Some(BlockSums {
+            block_size: self.layout.block_size,
+            first_token,
+            sums,
         })
     }
 
@@ -700,8 +703,8 @@ impl Engine {
 
     /// WRITEs for block pairs (P block, D block, first token), one per layer and array, with
     /// runs of consecutive blocks on both sides coalesced into one put. `Err` when decode's
-    /// description lacks an array of ours (it passed its own check, so this is a geometry the
-    /// rule table let through, such as MLA beside non-MLA).
+    /// description lacks an array of ours (defence only: the rule table refuses MLA beside
+    /// non-MLA, and each side's description has a V array exactly when it is not MLA).
     fn put_ops(
         &self,
         remote: &MemoryDesc,
@@ -737,17 +740,23 @@ impl Engine {
         }
         // Consecutive blocks on both sides are one put where both sides keep a layer's K (or V)
         // blocks back to back; K and V interleaved per block (FlashInfer) are a put per block.
-        let contiguous = self.layout.contiguous() && remote.contiguous();
         let mut runs: Vec<(u32, u32, u32)> = Vec::new(); // (p start, d start, count)
         for (p, d, _) in pairs {
             match runs.last_mut() {
-                Some((ps, ds, n)) if contiguous && *ps + *n == *p && *ds + *n == *d => *n += 1,
+                Some((ps, ds, n)) if *ps + *n == *p && *ds + *n == *d => *n += 1,
                 _ => runs.push((*p, *d, 1)),
             }
         }
+        let singles: Vec<(u32, u32, u32)> = pairs.iter().map(|(p, d, _)| (*p, *d, 1)).collect();
         for layer in 0..self.layout.layers {
+            let contiguous = self.layout.block_stride(layer) as u64 == block_len
+                && remote
+                    .layers
+                    .get(layer as usize)
+                    .is_some_and(|l| l.block_stride == block_len);
+            let runs = if contiguous { &runs } else { &singles };
             for v in self.layout.arrays() {
-                for (ps, ds, n) in &runs {
+                for (ps, ds, n) in runs {
                     ops.push(PutOp {
                         local: self.block_addr(layer, *v, *ps),
                         len: u64::from(*n) * block_len,

@@ -234,6 +234,27 @@ fn checksum_unsupported() {
     assert_eq!(verdict.reasons(), vec![Reason::ChecksumUnsupported]);
     assert_eq!(verdict.violations.len(), 2, "{verdict}");
     assert!(verdict.violations[0].message.contains("headDim 2") && verdict.violations[0].message.contains("= 4 bytes"));
+    // MLA's one latent vector per token: headDim 4 of fp16 is 8 bytes, fine; headDim 6 is 12
+    // (as K and V it would have been 24, and passed).
+    let mut mla = spec.clone();
+    for k in [&mut mla.prefill.kv, &mut mla.decode.kv] {
+        (k.mla, k.kv_heads, k.cache_dtype) = (true, 1, CacheDtype::Auto);
+        k.dtype = ModelDtype::Float16;
+        k.head_dim = 4;
+    }
+    admits(&mla);
+    for k in [&mut mla.prefill.kv, &mut mla.decode.kv] {
+        k.head_dim = 6;
+    }
+    let verdict = check(&mla);
+    assert_eq!(verdict.reasons(), vec![Reason::ChecksumUnsupported], "{verdict}");
+    assert!(
+        verdict.violations[0]
+            .message
+            .contains("latent takes 1 x headDim 6 x 2 bytes")
+            && verdict.violations[0].message.contains("= 12 bytes"),
+        "{verdict}"
+    );
     // Disabled: not evaluated.
     spec.transfer.checksum = ChecksumPolicy::Disabled;
     admits(&spec);
@@ -408,6 +429,11 @@ fn layout_mismatch() {
     spec.prefill.kv.layout = KvLayout::Hnd;
     spec.prefill.kv.mla = true;
     spec.decode.kv.mla = true;
+    // MLA with several heads per token: the layouts still place them differently.
+    rejects(&spec, Reason::LayoutMismatch, "spec.decode.kv.layout", &["HND", "NHD"]);
+    // One latent vector per token (vLLM's MLA caches): HND and NHD are the same bytes.
+    spec.prefill.kv.kv_heads = 1;
+    spec.decode.kv.kv_heads = 1;
     admits(&spec);
 }
 

@@ -140,6 +140,9 @@ class AgentClient:
             reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"], reg.get("tensor_rank", 0),
             reg.get("kv_arrangement"), reg.get("regions"),
         )
+        if reg.get("memory_fd"):
+            raise AgentError("memory_fd is true, but this client lets the agent allocate the pool: register with "
+                             "memory_fd false")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
@@ -149,6 +152,7 @@ class AgentClient:
         except (OSError, wire.FrameError) as e:
             sock.close()
             raise AgentError(f"registering with the agent at {socket_path}: {e}") from None
+        pools: List[mmap.mmap] = []
         try:
             if answer["type"] == "RegistrationFailed":
                 raise AgentError(str(answer.get("message")))
@@ -165,10 +169,15 @@ class AgentClient:
                     f"the agent's regions hold {sizes} bytes (says {said!r}, {answer.get('memory_len')!r} in all); "
                     f"this geometry needs {lens}"
                 )
-            pools = [mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) for fd, n in zip(fds, lens)]
-        except AgentError:
+            for fd, n in zip(fds, lens):
+                pools.append(mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
+        except (AgentError, OSError) as e:
+            for m in pools:
+                m.close()
             sock.close()
-            raise
+            if isinstance(e, AgentError):
+                raise
+            raise AgentError(f"mapping the agent's pool: {e}") from None
         finally:
             for fd in fds:
                 os.close(fd)
