@@ -352,6 +352,18 @@ pub struct EngineStats {
     pub counters: pdpair_api::TransferCounters,
     /// The last handshake rejection: (unix seconds, peer, reasons, message).
     pub last_rejection: Option<(i64, String, Vec<Reason>, String)>,
+    /// When a transfer last completed (unix seconds).
+    pub last_success: Option<i64>,
+    /// The last failure that was not routine ([`Reason::is_routine`]): (unix seconds, reasons,
+    /// message).
+    pub last_failure: Option<(i64, Vec<Reason>, String)>,
+}
+
+/// Now, in unix seconds.
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
 }
 
 /// A D request waiting for its KV.
@@ -575,7 +587,11 @@ impl Engine {
             self.shared.metrics.request_failed(self.reg.role, *r);
         }
         if !reasons.iter().any(|r| r.is_handshake_rejection()) {
-            lock(&self.stats).counters.transfers_failed += 1;
+            let mut stats = lock(&self.stats);
+            stats.counters.transfers_failed += 1;
+            if !reasons.iter().all(|r| r.is_routine()) {
+                stats.last_failure = Some((unix_now(), reasons.clone(), message.clone()));
+            }
         }
         self.event(AgentEvent::RequestFailed {
             request,
@@ -585,15 +601,15 @@ impl Engine {
     }
 
     fn transferred(&self, bytes: u64) {
-        let counters = &mut lock(&self.stats).counters;
+        let mut stats = lock(&self.stats);
+        stats.last_success = Some(unix_now());
+        let counters = &mut stats.counters;
         counters.transfers_completed += 1;
         counters.bytes = counters.bytes.saturating_add(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     fn rejected(&self, peer: &str, reasons: Vec<Reason>, message: String) {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() as i64);
+        let now = unix_now();
         let mut stats = lock(&self.stats);
         stats.counters.handshakes_rejected += 1;
         stats.last_rejection = Some((now, peer.to_owned(), reasons, message));

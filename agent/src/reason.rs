@@ -159,6 +159,25 @@ impl Reason {
     }
 }
 
+impl Reason {
+    /// Whether a failed request for this reason is routine engine-side business (an expired
+    /// lease, a deadline the engine let pass, a request the agent refused as malformed or
+    /// misrouted), not news about the transfer path: counted, but not held against the pair's
+    /// transfer health. Handshake rejections are neither (see [`Reason::is_handshake_rejection`]).
+    pub fn is_routine(self) -> bool {
+        matches!(
+            self,
+            Reason::InvalidRequest
+                | Reason::WrongRole
+                | Reason::Busy
+                | Reason::DeadlineExceeded
+                | Reason::LeaseExpired
+                | Reason::TokenCountMismatch
+                | Reason::TokenRangeNotCovered
+        )
+    }
+}
+
 impl std::fmt::Display for Reason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())

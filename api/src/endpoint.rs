@@ -70,6 +70,15 @@ pub struct PDEndpointStatus {
     /// The most recent handshake rejection.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_rejection: Option<Rejection>,
+    /// When a transfer last completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "schema::time")]
+    pub last_success: Option<Time>,
+    /// The most recent failed transfer that says something about the transfer path (a
+    /// transport, peer or checksum failure); routine engine-side outcomes (an expired lease, a
+    /// deadline the engine let pass, a malformed request) are counted but not kept here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<Failure>,
     /// When the agent last refreshed this status.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "schema::time")]
@@ -135,6 +144,19 @@ pub struct Rejection {
     /// The peer (its agent address or pod).
     pub peer: String,
     /// The rule-table reasons, or Unauthenticated.
+    pub reasons: Vec<String>,
+    /// The message.
+    pub message: String,
+}
+
+/// A failed transfer as the agent saw it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Failure {
+    /// When it happened.
+    #[schemars(schema_with = "schema::time_required")]
+    pub time: Time,
+    /// Its reasons (TransportFailed, WriteFailed, PeerLost, ChecksumMismatch, ...).
     pub reasons: Vec<String>,
     /// The message.
     pub message: String,

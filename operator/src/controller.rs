@@ -57,6 +57,15 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    /// Deleting a Deployment the PDPair no longer plans failed.
+    #[error("pruning Deployment {name}: {source}")]
+    PruneDeployment {
+        /// Deployment name.
+        name: String,
+        /// The cause.
+        #[source]
+        source: kube::Error,
+    },
     /// Reading or creating the pairing Secret failed.
     #[error("ensuring Secret {name}: {source}")]
     EnsureSecret {
@@ -87,6 +96,7 @@ impl Error {
             Error::MissingMeta => return "invalid",
             Error::Random(_) => return "internal",
             Error::ApplyDeployment { source, .. }
+            | Error::PruneDeployment { source, .. }
             | Error::EnsureSecret { source, .. }
             | Error::PatchStatus { source, .. } => source,
         };
@@ -161,10 +171,15 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     let verdict = pdpair_api::check(&pair.spec);
     if verdict.allowed() {
         ensure_secret(pair, &ctx.client, &ns, &name).await?;
-        let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ns);
-        for role in [Role::Prefill, Role::Decode] {
-            if let Some(d) = plan::deployment(pair, role) {
-                let dname = names::deployment_name(&name, role);
+    }
+    // An incompatible spec (stored before the webhook was installed, or with it bypassed) gets no
+    // children: an incompatible pair must not run, so what it had goes. Status says why. A pool
+    // whose template was removed (now brought by the user) loses its Deployment the same way.
+    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ns);
+    for role in [Role::Prefill, Role::Decode] {
+        let dname = names::deployment_name(&name, role);
+        match plan::planned_deployment(pair, role) {
+            Some(d) => {
                 deployments
                     .patch(&dname, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&d))
                     .await
@@ -173,10 +188,21 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
                         source,
                     })?;
             }
+            None => {
+                let why = if verdict.allowed() {
+                    format!("spec.{role}.template was removed")
+                } else {
+                    "the pair is incompatible".to_owned()
+                };
+                if prune(&deployments, &dname, pair.uid().as_deref().unwrap_or_default()).await? {
+                    let note = format!("deleted Deployment {dname}: {why}");
+                    ctx.events
+                        .publish(&pair.object_ref(&()), Kind::Normal, "Pruned", "Reconcile", &note)
+                        .await;
+                }
+            }
         }
     }
-    // An incompatible spec (stored before the webhook was installed, or with it bypassed) gets no
-    // children: an incompatible pair must not run. Status says why.
     let pods_of = |role: Role| -> Vec<Arc<Pod>> {
         ctx.pods
             .state()
@@ -238,6 +264,40 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     } else {
         Action::await_change()
     })
+}
+
+/// Deletes the Deployment `name` when this PDPair (`owner_uid`) controls it; a Deployment of that
+/// name that someone else owns is left alone. `Ok(true)` when one was deleted.
+async fn prune(deployments: &Api<Deployment>, name: &str, owner_uid: &str) -> Result<bool, Error> {
+    let err = |source| Error::PruneDeployment {
+        name: name.to_owned(),
+        source,
+    };
+    let Some(existing) = deployments.get_metadata_opt(name).await.map_err(err)? else {
+        return Ok(false);
+    };
+    let ours = existing
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.controller == Some(true) && o.kind == "PDPair" && o.uid == owner_uid);
+    if !ours || existing.metadata.deletion_timestamp.is_some() {
+        return Ok(false);
+    }
+    // Only the object we looked at (its uid), its ReplicaSets and pods after it.
+    let params = kube::api::DeleteParams {
+        preconditions: existing.metadata.uid.clone().map(|uid| kube::api::Preconditions {
+            uid: Some(uid),
+            resource_version: None,
+        }),
+        ..kube::api::DeleteParams::background()
+    };
+    match deployments.delete(name, &params).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(false), // gone, or replaced
+        Err(source) => Err(err(source)),
+    }
 }
 
 async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> Result<(), Error> {

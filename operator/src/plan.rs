@@ -51,6 +51,16 @@ pub fn geometry_hash(pair: &PDPair, role: Role) -> String {
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
+/// The Deployment the pool should have now: its template's, while the pair passes the rule
+/// table; `None` for a bring-your-own pool and for every pool of an incompatible pair (an
+/// incompatible pair must not run: the controller deletes what it had).
+pub fn planned_deployment(pair: &PDPair, role: Role) -> Option<Deployment> {
+    pdpair_api::check(&pair.spec)
+        .allowed()
+        .then(|| deployment(pair, role))
+        .flatten()
+}
+
 /// The Deployment for a pool with a template; `None` for a bring-your-own pool.
 pub fn deployment(pair: &PDPair, role: Role) -> Option<Deployment> {
     let name = pair.metadata.name.as_deref()?;

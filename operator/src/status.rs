@@ -9,8 +9,7 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
 };
 use pdpair_api::{
-    KvGeometry, PDEndpoint, PDPair, PDPairStatus, Parallelism, PoolStatus, Role, TransferStatus, Verdict, check_pools,
-    rules::Pool,
+    KvGeometry, PDEndpoint, PDPair, PDPairStatus, Parallelism, PoolStatus, Role, TransferStatus, Verdict,
 };
 
 use crate::names::{conditions as ct, reasons};
@@ -109,7 +108,7 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
         pair.spec.decode.replicas,
         observed.decode,
     );
-    let transfer = transfer_condition(&observed.endpoints);
+    let transfer = transfer_condition(&observed.endpoints, now);
     let ready = ready_condition(&geometry, &prefill, &decode, &transfer);
     let mut conditions = Vec::new();
     let mut transitions = Vec::new();
@@ -204,41 +203,8 @@ fn geometry_condition(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond {
             );
         }
     }
-    // Observed P x D geometries, each distinct pair once.
-    let distinct = |role: Role| -> BTreeSet<String> {
-        endpoints
-            .iter()
-            .filter(|e| e.spec.role == role)
-            .filter_map(|e| serde_json::to_string(&(&e.spec.parallelism, &e.spec.kv)).ok())
-            .collect()
-    };
-    let (ps, ds) = (distinct(Role::Prefill), distinct(Role::Decode));
-    for p in &ps {
-        for d in &ds {
-            let (Ok((pp, pk)), Ok((dp, dk))) = (
-                serde_json::from_str::<(Parallelism, KvGeometry)>(p),
-                serde_json::from_str::<(Parallelism, KvGeometry)>(d),
-            ) else {
-                continue;
-            };
-            let t = &pair.spec.transfer;
-            let verdict = check_pools(
-                t.mode,
-                t.checksum,
-                Pool {
-                    parallelism: &pp,
-                    kv: &pk,
-                },
-                Pool {
-                    parallelism: &dp,
-                    kv: &dk,
-                },
-            );
-            if let Some(c) = verdict_condition(&verdict, "observed engines: ") {
-                return c;
-            }
-        }
-    }
+    // Every engine runs what its pool declares (up to spelling), so the observed pairs pass the
+    // rule table exactly when the declared pair does: checked above.
     let message = if endpoints.is_empty() {
         "declared geometry passes the rule table; no engine has reported its geometry yet".to_owned()
     } else {
@@ -250,8 +216,19 @@ fn geometry_condition(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond {
     Cond::new(ct::GEOMETRY_COMPATIBLE, "True", reasons::COMPATIBLE, message)
 }
 
+/// A geometry with its defaults spelled out: the kernel block size (absent means the block
+/// size) and the cache dtype (`auto` means the model dtype), so two spellings of one geometry
+/// compare equal.
+pub fn canonical(kv: &KvGeometry) -> KvGeometry {
+    KvGeometry {
+        kernel_block_size: Some(kv.kernel_block_size()),
+        cache_dtype: kv.resolved_cache_dtype(),
+        ..kv.clone()
+    }
+}
+
 /// Field-by-field differences between declared and observed geometry, as `field declared X,
-/// observed Y`.
+/// observed Y`; only differences in meaning (see [`canonical`]).
 pub fn differences(
     declared_par: &Parallelism,
     declared_kv: &KvGeometry,
@@ -267,8 +244,8 @@ pub fn differences(
         ),
         (
             "kv",
-            serde_json::to_value(declared_kv),
-            serde_json::to_value(observed_kv),
+            serde_json::to_value(canonical(declared_kv)),
+            serde_json::to_value(canonical(observed_kv)),
         ),
     ] {
         let (Ok(serde_json::Value::Object(d)), Ok(serde_json::Value::Object(o))) = (declared, observed) else {
@@ -295,44 +272,68 @@ fn pool_condition(type_: &'static str, role: Role, desired: i32, pods: PodCounts
     }
 }
 
-fn transfer_condition(endpoints: &[&PDEndpoint]) -> Cond {
+/// How long a rejected handshake or a failed transfer counts against `TransferReady` when no
+/// transfer of that engine completed after it.
+pub const RECENT_SECONDS: i64 = 15 * 60;
+
+/// Whether an outcome at `at` still counts: within [`RECENT_SECONDS`] of `now`, and no later
+/// success on that engine (a success in the same second does not clear it: the agent reports
+/// seconds).
+fn current(at: &Time, last_success: Option<&Time>, now: &Time) -> bool {
+    let at = at.0.as_second();
+    now.0.as_second().saturating_sub(at) < RECENT_SECONDS && last_success.is_none_or(|s| s.0.as_second() <= at)
+}
+
+/// `TransferReady` from each engine's recent outcomes (not its lifetime counters): False while an
+/// engine's latest news is a rejected handshake (a peer it cannot pair with) or a failed transfer
+/// on the path (transport, peer, checksum), True once a transfer completed after it or it is older
+/// than [`RECENT_SECONDS`]. Routine engine-side failures (an expired lease, a missed deadline)
+/// never count: the agent does not report them as failures of the path.
+fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
     if endpoints.is_empty() {
         let msg = "no engine has registered with a node agent yet".to_owned();
         return Cond::new(ct::TRANSFER_READY, "Unknown", reasons::NO_ENDPOINTS, msg);
     }
-    let rejected: Vec<&PDEndpoint> = endpoints
+    let name = |e: &PDEndpoint| e.metadata.name.clone().unwrap_or_else(|| "?".into());
+    let rejected: Vec<(String, &pdpair_api::Rejection)> = endpoints
         .iter()
-        .copied()
-        .filter(|e| e.status.as_ref().is_some_and(|s| s.counters.handshakes_rejected > 0))
+        .filter_map(|e| {
+            let s = e.status.as_ref()?;
+            let r = s.last_rejection.as_ref()?;
+            current(&r.time, s.last_success.as_ref(), now).then(|| (name(e), r))
+        })
         .collect();
-    if let Some(e) = rejected.first() {
-        let last = e.status.as_ref().and_then(|s| s.last_rejection.as_ref());
-        let detail = last.map_or(String::new(), |r| {
-            format!(": peer {} [{}] {}", r.peer, r.reasons.join(", "), r.message)
-        });
+    if let Some((who, r)) = rejected.first() {
         let msg = format!(
-            "{} endpoint(s) rejected handshakes; {}{detail}",
+            "{} endpoint(s) rejected a handshake since their last transfer; {who}: peer {} [{}] {}",
             rejected.len(),
-            e.metadata.name.as_deref().unwrap_or("?")
+            r.peer,
+            r.reasons.join(", "),
+            r.message
         );
         return Cond::new(ct::TRANSFER_READY, "False", reasons::HANDSHAKE_REJECTED, msg);
     }
-    let failed: i64 = endpoints
+    let failed: Vec<(String, &pdpair_api::Failure)> = endpoints
         .iter()
-        .filter_map(|e| e.status.as_ref())
-        .map(|s| s.counters.transfers_failed)
-        .sum();
-    if failed > 0 {
-        return Cond::new(
-            ct::TRANSFER_READY,
-            "False",
-            reasons::TRANSFER_FAILED,
-            format!("{failed} KV transfer(s) failed"),
+        .filter_map(|e| {
+            let s = e.status.as_ref()?;
+            let f = s.last_failure.as_ref()?;
+            current(&f.time, s.last_success.as_ref(), now).then(|| (name(e), f))
+        })
+        .collect();
+    if let Some((who, f)) = failed.first() {
+        let msg = format!(
+            "{} endpoint(s) failed a KV transfer since their last one that completed; {who}: [{}] {}",
+            failed.len(),
+            f.reasons.join(", "),
+            f.message
         );
+        return Cond::new(ct::TRANSFER_READY, "False", reasons::TRANSFER_FAILED, msg);
     }
     let msg = format!(
-        "{} registered engine(s) report no rejected handshake and no failed transfer",
-        endpoints.len()
+        "{} registered engine(s): no rejected handshake or failed transfer since their last completed transfer (or in the last {} min)",
+        endpoints.len(),
+        RECENT_SECONDS / 60
     );
     Cond::new(ct::TRANSFER_READY, "True", reasons::HEALTHY, msg)
 }

@@ -186,5 +186,64 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         get_json("pdendpoint", &ns, "prefill16-pod-p16").is_none().then_some(())
     });
     drop(p16);
+    // Routine engine-side outcomes are counted but are no news about the path: KV that no
+    // decode asked for expires on prefill (a failure in its counters, no lastFailure)...
+    p.fill(3, &[0], 0, 10);
+    p.send(&EngineRequest::KvReady {
+        request: "nobody-asks".into(),
+        blocks: vec![0],
+        num_tokens: 10,
+        first_token: 0,
+    })
+    .expect("send");
+    // (Prefill's earlier events, r1's, are still queued: skip to this request's last.)
+    let event = loop {
+        let event = p.next_event().expect("event");
+        let v = serde_json::to_value(&event).expect("json");
+        if v["request"] == "nobody-asks" && v["type"] != "TransferStarted" {
+            break event;
+        }
+    };
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { reasons, .. } if reasons == &vec!["LeaseExpired".to_owned()]),
+        "{event:?}"
+    );
+    let endpoint = eventually(WAIT, "the expiry in prefill's PDEndpoint", || {
+        let e = get_json("pdendpoint", &ns, "prefill-pod-p0")?;
+        (e["status"]["transfersFailed"] == 1).then_some(e)
+    });
+    assert!(endpoint["status"]["lastFailure"].is_null(), "{endpoint}");
+    // ...and a transfer that completes after decode's rejection turns the pair's TransferReady
+    // True again (the rejected engine is gone), though the lifetime counters still hold the
+    // rejection and the expiry.
+    p.fill(4, &[0, 1], 0, 100);
+    p.send(&EngineRequest::KvReady {
+        request: "r3".into(),
+        blocks: vec![0, 1],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("send");
+    d.send(&EngineRequest::ExpectKv {
+        request: "r3".into(),
+        prefill: p.address.clone(),
+        blocks: vec![2, 3],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("send");
+    let event = d.next_event().expect("event");
+    assert!(matches!(event, AgentEvent::RequestDone { .. }), "{event:?}");
+    let pair_json = eventually(WAIT, "TransferReady=True after a later transfer", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (condition(&p, "TransferReady")?.0 == "True").then_some(p)
+    });
+    assert_eq!(pair_json["status"]["transfer"]["handshakesRejected"], 1);
+    assert_eq!(pair_json["status"]["transfer"]["transfersFailed"], 1);
+    let endpoint = get_json("pdendpoint", &ns, "decode-pod-d0").expect("decode's endpoint");
+    assert!(
+        endpoint["status"]["lastSuccess"].as_str() >= endpoint["status"]["lastRejection"]["time"].as_str(),
+        "{endpoint}"
+    );
     let _ = std::fs::remove_dir_all(&work);
 }

@@ -129,7 +129,11 @@ fn default_values_render_a_least_privilege_hardened_install() {
         ("pdpair.dev", "pdpairs", set(&["get", "list", "watch"])),
         ("pdpair.dev", "pdpairs/status", set(&["get", "patch"])),
         ("pdpair.dev", "pdendpoints", set(&["get", "list", "watch"])),
-        ("apps", "deployments", set(&["get", "list", "watch", "create", "patch"])),
+        (
+            "apps",
+            "deployments",
+            set(&["get", "list", "watch", "create", "patch", "delete"]),
+        ),
         ("", "pods", set(&["get", "list", "watch"])),
         ("", "secrets", set(&["get", "create"])),
         ("events.k8s.io", "events", set(&["create"])),

@@ -47,6 +47,75 @@ fn chart_certificate(dir: &std::path::Path) -> (PathBuf, PathBuf, String) {
     (cert, key, secret["data"]["ca.crt"].as_str().unwrap_or("").to_owned())
 }
 
+/// What `user` may do in namespace `ns`, as the API server's authorizer says
+/// (`kubectl auth can-i --list`): one `resource [verbs]` line per rule, minus what every
+/// service account may do (the namespace's `default` account's list).
+fn may(user: &str, ns: &str) -> std::collections::BTreeSet<String> {
+    let list = |as_user: &str| -> std::collections::BTreeSet<String> {
+        let out = kubectl_ok(&["auth", "can-i", "--list", "--as", as_user, "-n", ns], None);
+        out.lines()
+            .skip(1)
+            .filter_map(|line| {
+                // `Resources  Non-Resource URLs  Resource Names  Verbs`: the resource column is
+                // blank for non-resource URLs; the other three are [bracketed] lists.
+                let resource = if line.starts_with(' ') || line.starts_with('[') {
+                    ""
+                } else {
+                    line.split_whitespace().next()?
+                };
+                let groups: Vec<&str> = line.split('[').skip(1).filter_map(|g| g.split(']').next()).collect();
+                let [urls, names, verbs] = groups[..] else { return None };
+                let mut verbs: Vec<&str> = verbs.split_whitespace().collect();
+                verbs.sort_unstable();
+                Some(format!("{resource}{urls} names[{names}] [{}]", verbs.join(" ")))
+            })
+            .collect()
+    };
+    let baseline = list(&format!("system:serviceaccount:{ns}:default"));
+    list(user).difference(&baseline).cloned().collect()
+}
+
+/// The chart's service accounts may do exactly what the operator's and the agent's code call, in
+/// a workload namespace and in the release's; RBAC that grows or breaks fails here.
+fn least_privilege() {
+    let ns = namespace("rbac");
+    let set = |lines: &[&str]| {
+        lines
+            .iter()
+            .map(|l| (*l).to_owned())
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    let operator = set(&[
+        "pdpairs.pdpair.dev names[] [get list watch]",
+        "pdpairs.pdpair.dev/status names[] [get patch]",
+        "pdendpoints.pdpair.dev names[] [get list watch]",
+        "deployments.apps names[] [create delete get list patch watch]",
+        "pods names[] [get list watch]",
+        "secrets names[] [create get]",
+        "events.events.k8s.io names[] [create]",
+    ]);
+    let agent = set(&[
+        "pdendpoints.pdpair.dev names[] [create get patch]",
+        "pdendpoints.pdpair.dev/status names[] [get patch]",
+        "pods names[] [get]",
+        "pdpairs.pdpair.dev names[] [get]",
+    ]);
+    let sa = |name: &str| format!("system:serviceaccount:{NS}:pdpair-{name}");
+    assert_eq!(
+        may(&sa("operator"), &ns),
+        operator,
+        "the operator in a workload namespace"
+    );
+    assert_eq!(may(&sa("agent"), &ns), agent, "the agent in a workload namespace");
+    let mut in_release = operator.clone();
+    in_release.insert("leases.coordination.k8s.io names[] [create get patch update]".to_owned());
+    assert_eq!(
+        may(&sa("operator"), NS),
+        in_release,
+        "the operator in its own namespace: its Lease too"
+    );
+}
+
 #[test]
 fn helm_install_upgrade_uninstall_with_the_operator_out_of_cluster() {
     // Webhook configurations left by earlier local-mode runs would point at stopped operators.
@@ -82,6 +151,7 @@ fn helm_install_upgrade_uninstall_with_the_operator_out_of_cluster() {
     );
     assert_eq!(hook["webhooks"][0]["clientConfig"]["caBundle"], ca.as_str());
     let mut op = Operator::start_serving("helm", port, &cert, &key);
+    least_privilege();
 
     // Through the installed webhook configuration: the vLLM mismatch is refused, the compatible
     // pair admitted.

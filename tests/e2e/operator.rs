@@ -208,6 +208,70 @@ fn deleting_the_pair_garbage_collects_its_children() {
     });
 }
 
+#[test]
+fn a_removed_template_prunes_its_deployment_and_only_ours() {
+    operator();
+    let ns = namespace("prune");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+    );
+    eventually(WAIT, "both Deployments", || {
+        (get_json("deployment", &ns, "llama-8b-prefill").is_some()
+            && get_json("deployment", &ns, "llama-8b-decode").is_some())
+        .then_some(())
+    });
+    // Decode becomes a bring-your-own pool: its Deployment goes (with an Event), prefill's stays.
+    kubectl_ok(
+        &[
+            "patch",
+            "pdpair",
+            "llama-8b",
+            "-n",
+            &ns,
+            "--type=json",
+            "-p",
+            r#"[{"op": "remove", "path": "/spec/decode/template"}]"#,
+        ],
+        None,
+    );
+    eventually(WAIT, "the decode Deployment pruned", || {
+        get_json("deployment", &ns, "llama-8b-decode").is_none().then_some(())
+    });
+    let event = eventually(WAIT, "the Pruned event", || {
+        events_about(&ns, "llama-8b")
+            .into_iter()
+            .find(|e| e["reason"] == "Pruned")
+    });
+    assert!(
+        event["note"]
+            .as_str()
+            .or(event["message"].as_str())
+            .is_some_and(|m| m.contains("spec.decode.template was removed")),
+        "{event}"
+    );
+    assert!(
+        get_json("deployment", &ns, "llama-8b-prefill").is_some(),
+        "prefill keeps its Deployment"
+    );
+    // A Deployment of that name the user made (not owned by the pair) is never touched.
+    kubectl_ok(
+        &["create", "deployment", "llama-8b-decode", "--image=byo:1", "-n", &ns],
+        None,
+    );
+    kubectl_ok(
+        &["annotate", "pdpair", "llama-8b", "-n", &ns, "touch=1", "--overwrite"],
+        None,
+    );
+    eventually(WAIT, "a reconcile after the annotation", || {
+        let p = get_json("pdpair", &ns, "llama-8b")?;
+        (p["status"]["observedGeneration"].is_number()).then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let byo = get_json("deployment", &ns, "llama-8b-decode").expect("the user's Deployment stays");
+    assert!(byo["metadata"]["ownerReferences"].is_null(), "{byo}");
+}
+
 fn endpoint(ns: &str, name: &str, role: Role, pair: &PDPair) -> PDEndpoint {
     let pool = if role == Role::Prefill {
         &pair.spec.prefill
@@ -283,9 +347,12 @@ async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
         (condition(&p, "GeometryCompatible")?.0 == "True").then_some(())
     });
     // And an agent's rejected handshake turns TransferReady False, with totals in status.
+    // (A recent one, after the endpoint's last completed transfer: older news does not count.)
+    let now = k8s_openapi::jiff::Timestamp::now();
     let status = serde_json::json!({"status": {
         "handshakesRejected": 1, "transfersCompleted": 3, "bytes": 4096,
-        "lastRejection": {"time": "2026-11-30T00:00:00Z", "peer": "127.0.0.1:7001", "reasons": ["Unauthenticated"], "message": "bad proof"}
+        "lastSuccess": (now - k8s_openapi::jiff::SignedDuration::from_secs(60)).to_string(),
+        "lastRejection": {"time": now.to_string(), "peer": "127.0.0.1:7001", "reasons": ["Unauthenticated"], "message": "bad proof"}
     }});
     endpoints
         .patch_status("decode-0", &PatchParams::default(), &Patch::Merge(&status))

@@ -17,7 +17,7 @@ use kube::{
     Api, Client,
     api::{Patch, PatchParams},
 };
-use pdpair_api::{PDEndpoint, PDEndpointSpec, PDEndpointStatus, Rejection};
+use pdpair_api::{Failure, PDEndpoint, PDEndpointSpec, PDEndpointStatus, Rejection};
 
 use super::{Engine, EngineStats};
 
@@ -207,11 +207,17 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
             .last_rejection
             .as_ref()
             .map(|(at, peer, reasons, message)| Rejection {
-                time: Time(Timestamp::from_second(*at).unwrap_or(Timestamp::UNIX_EPOCH)),
+                time: unix_time(*at),
                 peer: peer.clone(),
                 reasons: crate::reason::names(reasons),
                 message: message.clone(),
             }),
+        last_success: stats.last_success.map(unix_time),
+        last_failure: stats.last_failure.as_ref().map(|(at, reasons, message)| Failure {
+            time: unix_time(*at),
+            reasons: crate::reason::names(reasons),
+            message: message.clone(),
+        }),
         last_heartbeat: Some(Time(Timestamp::now())),
     };
     let body = serde_json::json!({ "apiVersion": "pdpair.dev/v1alpha1", "kind": "PDEndpoint", "status": status });
@@ -220,6 +226,11 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
     entry.last = Some(stats);
     entry.at = Instant::now();
     Ok(())
+}
+
+/// A Kubernetes time from unix seconds.
+fn unix_time(at: i64) -> Time {
+    Time(Timestamp::from_second(at).unwrap_or(Timestamp::UNIX_EPOCH))
 }
 
 #[cfg(test)]

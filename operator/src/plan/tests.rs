@@ -235,3 +235,21 @@ fn the_pdpair_connector_is_rendered_into_each_pools_vllm_args_replacing_the_temp
     assert!(args.iter().any(|a| a.contains("NixlConnector")), "{args:?}");
     assert!(!args.iter().any(|a| a.contains("PdpairConnector")), "{args:?}");
 }
+
+#[test]
+fn an_incompatible_pair_or_a_removed_template_plans_no_deployment() {
+    let mut pair = pair();
+    assert!(planned_deployment(&pair, Role::Prefill).is_some());
+    assert!(planned_deployment(&pair, Role::Decode).is_some());
+    // The decode template removed (a bring-your-own pool now): only prefill is planned.
+    let mut byo = pair.clone();
+    byo.spec.decode.template = None;
+    assert!(planned_deployment(&byo, Role::Prefill).is_some());
+    assert!(planned_deployment(&byo, Role::Decode).is_none());
+    // Stored incompatible (the webhook bypassed): nothing runs, on either side.
+    pair.spec.decode.kv.kernel_block_size = Some(16);
+    pair.spec.decode.kv.block_size = 16;
+    assert!(!pdpair_api::check(&pair.spec).allowed(), "incompatible");
+    assert!(planned_deployment(&pair, Role::Prefill).is_none());
+    assert!(planned_deployment(&pair, Role::Decode).is_none());
+}

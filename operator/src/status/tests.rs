@@ -3,7 +3,7 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
     jiff::Timestamp,
 };
-use pdpair_api::{PDEndpoint, PDEndpointSpec, PDEndpointStatus, PDPair, Rejection, Role, TransferCounters};
+use pdpair_api::{Failure, PDEndpoint, PDEndpointSpec, PDEndpointStatus, PDPair, Rejection, Role, TransferCounters};
 
 use super::*;
 
@@ -241,9 +241,45 @@ fn agent_rejections_and_failures_turn_transfer_ready_false_and_totals_add_up() {
         c.message
     );
     assert!(transitions.iter().any(|t| t.type_ == ct::TRANSFER_READY && t.warning));
+    let at = |now: i64, d: &PDEndpoint| {
+        let (s, _) = compute(
+            &pair,
+            &Observed {
+                endpoints: vec![&p, d],
+                ..Observed::default()
+            },
+            &t(now),
+        );
+        let c = cond(&s, ct::TRANSFER_READY).clone();
+        (c.status, c.reason)
+    };
+    let healthy = ("True".to_owned(), reasons::HEALTHY.to_owned());
+    // The lifetime counter stays 1, but a transfer that completed after the rejection clears it.
     if let Some(s) = d.status.as_mut() {
-        s.counters.handshakes_rejected = 0;
+        s.last_success = Some(t(5));
+    }
+    assert_eq!(at(6, &d), healthy, "a success after the rejection");
+    // A success in the same second as the rejection does not clear it (seconds resolution).
+    if let Some(s) = d.status.as_mut() {
+        s.last_success = Some(t(2));
+    }
+    assert_eq!(at(6, &d).1, reasons::HANDSHAKE_REJECTED);
+    // Nor does anything clear it but time: past RECENT_SECONDS with no success it is old news.
+    if let Some(s) = d.status.as_mut() {
+        s.last_success = None;
+    }
+    assert_eq!(at(2 + RECENT_SECONDS - 1, &d).1, reasons::HANDSHAKE_REJECTED);
+    assert_eq!(at(2 + RECENT_SECONDS, &d), healthy, "an old rejection");
+    // A failed transfer on the path, after the last success: False, naming its reasons.
+    if let Some(s) = d.status.as_mut() {
+        s.last_rejection = None;
         s.counters.transfers_failed = 2;
+        s.last_success = Some(t(5));
+        s.last_failure = Some(Failure {
+            time: t(7),
+            reasons: vec!["PeerLost".into()],
+            message: "the prefill agent went away".into(),
+        });
     }
     let (s3, _) = compute(
         &pair,
@@ -251,9 +287,78 @@ fn agent_rejections_and_failures_turn_transfer_ready_false_and_totals_add_up() {
             endpoints: vec![&p, &d],
             ..Observed::default()
         },
-        &t(4),
+        &t(8),
     );
-    assert_eq!(cond(&s3, ct::TRANSFER_READY).reason, reasons::TRANSFER_FAILED);
+    let c = cond(&s3, ct::TRANSFER_READY);
+    assert_eq!(c.reason, reasons::TRANSFER_FAILED);
+    assert!(
+        c.message.contains("PeerLost") && c.message.contains("d-1"),
+        "{}",
+        c.message
+    );
+    // Failed transfers counted but none kept as news (routine ones, such as an expired lease):
+    // lifetime counters alone never hold the pair un-Ready.
+    if let Some(s) = d.status.as_mut() {
+        s.last_failure = None;
+    }
+    assert_eq!(at(8, &d), healthy, "counters alone");
+    if let Some(s) = d.status.as_mut() {
+        s.last_failure = Some(Failure {
+            time: t(7),
+            reasons: vec!["PeerLost".into()],
+            message: String::new(),
+        });
+        s.last_success = Some(t(9));
+    }
+    assert_eq!(at(10, &d), healthy, "a success after the failure");
+}
+
+#[test]
+fn a_geometry_spelled_differently_is_not_a_mismatch() {
+    // The connector registers kernelBlockSize explicitly, and vLLM resolves cacheDtype auto to the
+    // model dtype: the same geometry as a spec that leaves both to their defaults.
+    let mut pair = pair();
+    for kv in [&mut pair.spec.prefill.kv, &mut pair.spec.decode.kv] {
+        kv.kernel_block_size = None;
+        kv.cache_dtype = pdpair_api::CacheDtype::Auto;
+    }
+    let p = endpoint("p-1", Role::Prefill, &pair);
+    let mut d = endpoint("d-1", Role::Decode, &pair);
+    d.spec.kv.kernel_block_size = Some(d.spec.kv.block_size);
+    d.spec.kv.cache_dtype = d.spec.kv.resolved_cache_dtype();
+    assert_ne!(d.spec.kv, pair.spec.decode.kv, "spelled differently");
+    let observed = Observed {
+        endpoints: vec![&p, &d],
+        ..Observed::default()
+    };
+    let (s, _) = compute(&pair, &observed, &t(0));
+    assert_eq!(
+        cond(&s, ct::GEOMETRY_COMPATIBLE).status,
+        "True",
+        "{:?}",
+        cond(&s, ct::GEOMETRY_COMPATIBLE)
+    );
+    // A real difference still is one, named with the values as they mean.
+    d.spec.kv.kernel_block_size = Some(d.spec.kv.block_size / 2);
+    let (s, _) = compute(&pair, &observed_with(&p, &d), &t(0));
+    let c = cond(&s, ct::GEOMETRY_COMPATIBLE);
+    assert_eq!(c.reason, reasons::OBSERVED_GEOMETRY_MISMATCH);
+    assert!(
+        c.message.contains(&format!(
+            "kv.kernelBlockSize declared {}, observed {}",
+            pair.spec.decode.kv.block_size,
+            pair.spec.decode.kv.block_size / 2
+        )),
+        "{}",
+        c.message
+    );
+}
+
+fn observed_with<'a>(p: &'a PDEndpoint, d: &'a PDEndpoint) -> Observed<'a> {
+    Observed {
+        endpoints: vec![p, d],
+        ..Observed::default()
+    }
 }
 
 #[test]
