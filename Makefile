@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: all deps build test fmt-check clippy unit python-test e2e control-plane demo demo-down lint-manifests bench crds fmt clean
+.PHONY: all deps build test fmt-check clippy unit python-test e2e control-plane images node demo demo-down lint-manifests bench crds fmt clean
 
 all: build
 
@@ -39,6 +39,14 @@ test: fmt-check clippy unit python-test e2e
 
 ## make demo: the main job: a local control plane, pdpair installed with Helm, the operator and
 ## two node agents, the examples applied, a push transfer between the agents.
+## make images: pdpair's image as an OCI archive, built here without Docker (hack/images.sh).
+images: deps
+	hack/images.sh
+
+## make node: build what a real node needs (containerd, runc, CNI, kubelet, kube-proxy, pause).
+node: deps
+	hack/node.sh build
+
 demo: deps
 	hack/demo.sh
 

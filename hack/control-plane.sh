@@ -4,16 +4,20 @@
 # from Debian's `kubernetes` source package (1.20) with Debian's Go.
 #
 #   hack/control-plane.sh build       build the binaries once, cached outside the work tree
+#   hack/control-plane.sh build-node  build the node's kubelet and kube-proxy the same way
 #   hack/control-plane.sh start DIR   start everything with data under DIR; writes DIR/kubeconfig
 #   hack/control-plane.sh stop DIR    stop exactly the processes `start DIR` started
 #
 # Ports are chosen free at start time and recorded in DIR/env, so runs never collide with
-# leftovers. No kubelet runs: pods stay Pending unless a test marks them.
+# leftovers. No kubelet runs: pods stay Pending unless a test marks them, or hack/node.sh starts
+# a node. PDPAIR_APISERVER_IP (default 127.0.0.1) is where the apiserver listens and what it
+# advertises: hack/node.sh sets a local address that pods can route to.
 set -euo pipefail
 
 CACHE=${PDPAIR_CACHE:-/var/cache/pdpair}
 K8S_BIN=$CACHE/kubernetes-1.20/bin
 COMPONENTS=(kube-apiserver kube-controller-manager kube-scheduler)
+NODE_COMPONENTS=(kubelet kube-proxy)
 
 log() { echo "control-plane: $*" >&2; }
 
@@ -28,15 +32,30 @@ apt_install() {
 }
 
 built() {
-  for c in "${COMPONENTS[@]}"; do [[ -x $K8S_BIN/$c ]] || return 1; done
+  local c
+  for c in "$@"; do [[ -x $K8S_BIN/$c ]] || return 1; done
 }
 
 cmd_build() {
   apt_install etcd-server openssl curl
-  if built; then
+  if built "${COMPONENTS[@]}"; then
     log "kubernetes binaries cached in $K8S_BIN"
     return
   fi
+  build_from_source "${COMPONENTS[@]}"
+}
+
+cmd_build_node() {
+  if built "${NODE_COMPONENTS[@]}"; then
+    log "kubelet and kube-proxy cached in $K8S_BIN"
+    return
+  fi
+  build_from_source "${NODE_COMPONENTS[@]}"
+}
+
+# Builds the named components from Debian's kubernetes source package into $K8S_BIN.
+build_from_source() {
+  local want=("$@")
   apt_install golang-go golang-github-modern-go-reflect2-dev rsync jq dpkg-dev make
   # deb-src for the same suites as the binary sources.
   local src_list=/etc/apt/sources.list.d/pdpair-deb-src.sources
@@ -58,13 +77,14 @@ cmd_build() {
   cp -r /usr/share/gocode/src/github.com/modern-go/reflect2 "$tree/vendor/github.com/modern-go/reflect2"
   mkdir -p "$work/gopath/src/k8s.io"
   ln -sfn "$tree" "$work/gopath/src/k8s.io/kubernetes"
-  for c in "${COMPONENTS[@]}"; do
+  local c
+  for c in "${want[@]}"; do
     log "building $c (several minutes on 2 cores)"
     (cd "$work/gopath/src/k8s.io/kubernetes" && GOPATH=$work/gopath GOFLAGS=-mod=vendor GO111MODULE=on \
       make WHAT=cmd/$c >"$work/build-$c.log" 2>&1) || { tail -30 "$work/build-$c.log" >&2; exit 1; }
   done
   mkdir -p "$K8S_BIN"
-  for c in "${COMPONENTS[@]}"; do
+  for c in "${want[@]}"; do
     cp "$(find "$tree/_output" -type f -name "$c" -perm -u+x | head -1)" "$K8S_BIN/$c"
   done
   rm -rf "$work"
@@ -77,7 +97,7 @@ free_port() {
 
 cmd_start() {
   local dir=${1:?usage: control-plane.sh start DIR}
-  built || cmd_build
+  built "${COMPONENTS[@]}" || cmd_build
   command -v etcd >/dev/null || apt_install etcd-server
   mkdir -p "$dir"
   dir=$(cd "$dir" && pwd)
@@ -89,6 +109,7 @@ cmd_start() {
   local etcd_port etcd_peer api_port cm_port sched_port token
   etcd_port=$(free_port); etcd_peer=$(free_port); api_port=$(free_port); cm_port=$(free_port); sched_port=$(free_port)
   token=$(openssl rand -hex 16)
+  local ip=${PDPAIR_APISERVER_IP:-127.0.0.1}
   openssl genrsa -out "$dir/pki/sa.key" 2048 2>/dev/null
   openssl rsa -in "$dir/pki/sa.key" -pubout -out "$dir/pki/sa.pub" 2>/dev/null
   echo "$token,admin,admin,system:masters" > "$dir/pki/tokens.csv"
@@ -101,7 +122,8 @@ cmd_start() {
   echo "etcd $!" >> "$dir/pids"
 
   "$K8S_BIN/kube-apiserver" --etcd-servers "http://127.0.0.1:$etcd_port" \
-    --secure-port "$api_port" --bind-address 127.0.0.1 --advertise-address 127.0.0.1 \
+    --secure-port "$api_port" --bind-address "$ip" --advertise-address "$ip" \
+    --enable-aggregator-routing=true --kubelet-preferred-address-types InternalIP \
     --cert-dir "$dir/pki/apiserver" --token-auth-file "$dir/pki/tokens.csv" --authorization-mode RBAC \
     --service-account-key-file "$dir/pki/sa.pub" --service-account-signing-key-file "$dir/pki/sa.key" \
     --service-account-issuer https://kubernetes.default.svc --service-cluster-ip-range 10.0.0.0/24 \
@@ -110,13 +132,13 @@ cmd_start() {
 
   {
     echo "KUBECONFIG=$dir/kubeconfig"
-    echo "APISERVER=https://127.0.0.1:$api_port"
+    echo "APISERVER=https://$ip:$api_port"
     echo "ETCD=http://127.0.0.1:$etcd_port"
   } > "$dir/env"
 
   local i
   for i in $(seq 1 120); do
-    if curl -sfk -H "Authorization: Bearer $token" "https://127.0.0.1:$api_port/readyz" >/dev/null 2>&1; then break; fi
+    if curl -sfk -H "Authorization: Bearer $token" "https://$ip:$api_port/readyz" >/dev/null 2>&1; then break; fi
     if ! kill -0 "$(awk '$1=="kube-apiserver"{print $2}' "$dir/pids")" 2>/dev/null; then
       tail -20 "$dir/logs/kube-apiserver.log" >&2; cmd_stop "$dir"; log "kube-apiserver exited"; exit 1
     fi
@@ -132,7 +154,7 @@ kind: Config
 clusters:
 - name: local
   cluster:
-    server: https://127.0.0.1:$api_port
+    server: https://$ip:$api_port
     certificate-authority: $dir/pki/ca.crt
 users:
 - name: admin
@@ -147,6 +169,7 @@ KC
   "$K8S_BIN/kube-controller-manager" --kubeconfig "$dir/kubeconfig" --leader-elect=false \
     --port 0 --secure-port "$cm_port" --bind-address 127.0.0.1 \
     --service-account-private-key-file "$dir/pki/sa.key" --use-service-account-credentials=false \
+    --root-ca-file "$dir/pki/ca.crt" \
     --controllers='*,-nodeipam,-nodelifecycle,-service,-route,-cloud-node-lifecycle,-attachdetach,-persistentvolume-binder' \
     >"$dir/logs/kube-controller-manager.log" 2>&1 &
   echo "kube-controller-manager $!" >> "$dir/pids"
@@ -154,7 +177,7 @@ KC
     --port 0 --secure-port "$sched_port" --bind-address 127.0.0.1 \
     >"$dir/logs/kube-scheduler.log" 2>&1 &
   echo "kube-scheduler $!" >> "$dir/pids"
-  log "ready: KUBECONFIG=$dir/kubeconfig (apiserver https://127.0.0.1:$api_port)"
+  log "ready: KUBECONFIG=$dir/kubeconfig (apiserver https://$ip:$api_port)"
 }
 
 cmd_stop() {
@@ -181,7 +204,8 @@ cmd_stop() {
 
 case "${1:-}" in
   build) cmd_build ;;
+  build-node) cmd_build_node ;;
   start) shift; cmd_start "$@" ;;
   stop) shift; cmd_stop "$@" ;;
-  *) echo "usage: $0 build | start DIR | stop DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 build | build-node | start DIR | stop DIR" >&2; exit 2 ;;
 esac

@@ -147,6 +147,10 @@ pub struct RunArgs {
     /// the directory's sole user, as the node's DaemonSet agent is).
     #[arg(long = "clean-pool-dir")]
     pub clean_pool_dir: bool,
+    /// The group that owns the engine API socket (mode 0660): engines that are not the agent's
+    /// user connect through it (in a cluster: engine Pods with this supplemental group).
+    #[arg(long = "socket-group")]
+    pub socket_group: Option<u32>,
 }
 
 /// The API server configuration: a kubeconfig, or in-cluster credentials; `None` outside a
@@ -290,6 +294,20 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
     let listener = agent
         .bind(&args.socket)
         .map_err(|e| UsageError(format!("{}: {e}", args.socket.display())))?;
+    if let Some(gid) = args.socket_group {
+        // Run the agent with that group (as the chart does) and the socket already has it; else
+        // change it (which needs CAP_CHOWN).
+        use std::os::unix::fs::MetadataExt;
+        let has = std::fs::metadata(&args.socket).map(|m| m.gid()).ok();
+        if has != Some(gid) {
+            std::os::unix::fs::chown(&args.socket, None, Some(gid)).map_err(|e| {
+                UsageError(format!(
+                    "--socket-group {gid}: {}: {e} (run the agent with that group, or with CAP_CHOWN)",
+                    args.socket.display()
+                ))
+            })?;
+        }
+    }
     tracing::info!(socket = %args.socket.display(), name = %args.name, transport = %args.transport, "serving the engine API");
     agent
         .serve_on(listener)

@@ -20,6 +20,7 @@ pub mod pool;
 pub mod protocol;
 pub mod reason;
 pub mod synthetic;
+pub mod test_engine;
 pub mod ucx;
 pub mod ucx_thread;
 pub mod wire;

@@ -27,6 +27,10 @@ enum Command {
     /// One request of the synthetic engine (for checking other engines' clients against it).
     #[command(hide = true)]
     SyntheticEngine(cli::SyntheticEngineArgs),
+    /// The synthetic engine as a Pod's engine (clusters without a GPU; configured by the
+    /// operator's environment).
+    #[command(hide = true)]
+    TestEngine(pdpair_agent::test_engine::TestEngineArgs),
 }
 
 /// UCX's tcp transport writes to sockets without MSG_NOSIGNAL: a peer agent that dies mid-transfer
@@ -56,6 +60,7 @@ fn main() -> ExitCode {
         Command::BenchChecksum(args) => cli::bench_checksum(&args, &mut stdout.lock()),
         Command::BenchPut(args) => cli::bench_put(&args, &mut stdout.lock()),
         Command::SyntheticEngine(args) => cli::synthetic_engine(&args, &mut stdout.lock()),
+        Command::TestEngine(args) => pdpair_agent::test_engine::run(&args, &mut stdout.lock()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -133,14 +133,20 @@ impl SyntheticEngine {
         pod: Option<String>,
     ) -> Result<SyntheticEngine, String> {
         let reg = Self::registration(spec, pod, spec.memory == EngineMemory::Engine);
+        Self::register_as(socket, reg)
+    }
+
+    /// Registers `reg` as it is (an engine in a cluster leaves out what the agent fills from the
+    /// PDPair); `reg.memory_fd` says who allocates the pool.
+    pub fn register_as(socket: &Path, reg: PoolRegistration) -> Result<SyntheticEngine, String> {
         let layout = reg.layout().map_err(|e| e.to_string())?;
         let lens = layout.region_lens();
-        let own = match spec.memory {
-            EngineMemory::Engine => lens
-                .iter()
+        let own = if reg.memory_fd {
+            lens.iter()
                 .map(|len| crate::pool::sealed_memfd(*len))
-                .collect::<Result<Vec<_>, _>>()?,
-            EngineMemory::Agent => Vec::new(),
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            Vec::new()
         };
         let stream = UnixStream::connect(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
         let request = EngineRequest::RegisterPool(Box::new(reg));

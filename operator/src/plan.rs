@@ -119,6 +119,10 @@ fn engine_template(
         // The declared geometry: a connector reports what it observes and takes from this only
         // what the engine cannot tell (the model's name as the PDPair spells it, the backend).
         ("PDPAIR_KV", serde_json::to_string(&pool.kv).unwrap_or_default()),
+        (
+            "PDPAIR_PARALLELISM",
+            serde_json::to_string(&pool.parallelism).unwrap_or_default(),
+        ),
     ];
     let spec = template.spec.get_or_insert_with(Default::default);
     if pair.spec.transfer.connector == pdpair_api::Connector::Pdpair

@@ -1,0 +1,172 @@
+//! `pdpair-agent test-engine`: the synthetic engine as a Pod's engine, for clusters without a GPU.
+//! It takes everything from the environment the operator gives engine containers
+//! (`PDPAIR_NAME`, `PDPAIR_NAMESPACE`, `PDPAIR_ROLE`, `PDPAIR_AGENT_SOCKET`,
+//! `PDPAIR_PAIRING_KEY_FILE`, `PDPAIR_KV`, `PDPAIR_PARALLELISM`, `PDPAIR_POD_NAME`) and leaves the
+//! transfer settings to the agent, which reads them from the PDPair.
+//!
+//! - prefill: registers and offers request `--request` (the synthetic pattern of `--tokens`
+//!   tokens) again and again: each time it is read (or its lease expires, which is routine) it is
+//!   offered anew;
+//! - decode, without `--prefill`: registers and stays (its PDEndpoint shows the engine);
+//! - decode with `--prefill ADDR`: one request from that prefill engine, every received byte
+//!   checked; prints the final event as JSON with `bad_tokens` and exits 0 only when it was
+//!   `RequestDone` with no wrong byte (run it with `kubectl exec` in a decode Pod).
+
+use std::{io::Write, path::PathBuf};
+
+use pdpair_api::{KvGeometry, Parallelism, Role};
+
+use crate::{
+    cli::UsageError,
+    engine_api::{AgentEvent, EngineRequest, PoolRegistration},
+    synthetic::SyntheticEngine,
+    wire::hex_bytes,
+};
+
+/// Arguments of `pdpair-agent test-engine`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct TestEngineArgs {
+    /// Blocks in the pool.
+    #[arg(long = "num-blocks", default_value_t = 16)]
+    pub num_blocks: u32,
+    /// The request prefill offers and decode asks for.
+    #[arg(long, default_value = "probe")]
+    pub request: String,
+    /// Tokens of the request.
+    #[arg(long, default_value_t = 100)]
+    pub tokens: u64,
+    /// Decode: the prefill engine's side-channel address (its PDEndpoint's spec.address): run
+    /// one request and exit.
+    #[arg(long)]
+    pub prefill: Option<String>,
+}
+
+/// The synthetic pattern's seed for a request: both sides derive it from the id alone.
+fn seed(request: &str) -> u64 {
+    request.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+fn env(name: &str) -> Result<String, UsageError> {
+    std::env::var(name).map_err(|_| {
+        UsageError(format!(
+            "{name} is not set: this engine runs in a Pod the pdpair operator made"
+        ))
+    })
+}
+
+/// Runs the test engine.
+pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError> {
+    let role = match env("PDPAIR_ROLE")?.as_str() {
+        "prefill" => Role::Prefill,
+        "decode" => Role::Decode,
+        other => return Err(UsageError(format!("PDPAIR_ROLE is {other:?}, not prefill or decode"))),
+    };
+    let kv: KvGeometry = serde_json::from_str(&env("PDPAIR_KV")?)
+        .map_err(|e| UsageError(format!("PDPAIR_KV is not a kv geometry: {e}")))?;
+    let parallelism: Parallelism = match std::env::var("PDPAIR_PARALLELISM") {
+        Ok(p) => serde_json::from_str(&p).map_err(|e| UsageError(format!("PDPAIR_PARALLELISM: {e}")))?,
+        Err(_) => Parallelism::default(),
+    };
+    let key_file = PathBuf::from(env("PDPAIR_PAIRING_KEY_FILE")?);
+    let key = std::fs::read(&key_file).map_err(|e| UsageError(format!("{}: {e}", key_file.display())))?;
+    let pod = env("PDPAIR_POD_NAME")?;
+    let socket = PathBuf::from(env("PDPAIR_AGENT_SOCKET")?);
+    let one_shot = args.prefill.is_some();
+    let reg = PoolRegistration {
+        api_version: crate::engine_api::API_VERSION,
+        pdpair: format!("{}/{}", env("PDPAIR_NAMESPACE")?, env("PDPAIR_NAME")?),
+        role,
+        // Unique on the node: the Pod's name (and a second engine of a one-shot request).
+        engine: if one_shot {
+            format!("{pod}-{}", std::process::id())
+        } else {
+            pod.clone()
+        },
+        pod: Some(pod),
+        mode: None,
+        checksum: None,
+        handshake_timeout_ms: None,
+        lease_ms: None,
+        parallelism,
+        kv,
+        pairing_key: hex_bytes::encode(&key),
+        memory_fd: false,
+        memory_path: None,
+        num_blocks: args.num_blocks,
+        tensor_rank: 0,
+        kv_arrangement: None,
+        regions: Vec::new(),
+    };
+    let mut engine = SyntheticEngine::register_as(&socket, reg).map_err(UsageError)?;
+    let say = |out: &mut dyn Write, v: serde_json::Value| {
+        writeln!(out, "{v}")
+            .and_then(|()| out.flush())
+            .map_err(|e| UsageError(format!("writing output: {e}")))
+    };
+    say(
+        out,
+        serde_json::json!({"registered": engine.address, "role": role.as_str()}),
+    )?;
+    let block = u64::from(engine.layout.block_size.max(1));
+    let n = u32::try_from(args.tokens.div_ceil(block)).unwrap_or(u32::MAX);
+    if n == 0 || n > args.num_blocks {
+        return Err(UsageError(format!(
+            "--tokens {} needs {n} blocks of {block}; the pool has --num-blocks {}",
+            args.tokens, args.num_blocks
+        )));
+    }
+    let blocks: Vec<u32> = (0..n).collect();
+    let request = args.request.clone();
+    match (role, &args.prefill) {
+        (Role::Prefill, _) => loop {
+            engine.fill(seed(&request), &blocks, 0, args.tokens);
+            engine
+                .send(&EngineRequest::KvReady {
+                    request: request.clone(),
+                    blocks: blocks.clone(),
+                    num_tokens: args.tokens,
+                    first_token: 0,
+                })
+                .map_err(|e| UsageError(e.to_string()))?;
+            loop {
+                let event = engine.next_event().map_err(|e| UsageError(e.to_string()))?;
+                let final_ = !matches!(event, AgentEvent::TransferStarted { .. });
+                say(out, serde_json::to_value(&event).unwrap_or_default())?;
+                if final_ {
+                    break;
+                }
+            }
+        },
+        (Role::Decode, None) => loop {
+            // Registered; nothing to ask for. Events (none expected) are logged.
+            let event = engine.next_event().map_err(|e| UsageError(e.to_string()))?;
+            say(out, serde_json::to_value(&event).unwrap_or_default())?;
+        },
+        (Role::Decode, Some(prefill)) => {
+            engine.clear(&blocks);
+            engine
+                .send(&EngineRequest::ExpectKv {
+                    request: request.clone(),
+                    prefill: prefill.clone(),
+                    blocks: blocks.clone(),
+                    num_tokens: args.tokens,
+                    first_token: 0,
+                })
+                .map_err(|e| UsageError(e.to_string()))?;
+            let event = engine.next_event().map_err(|e| UsageError(e.to_string()))?;
+            let bad = engine.verify(seed(&request), &blocks, 0, args.tokens);
+            let mut v = serde_json::to_value(&event).unwrap_or_default();
+            v["bad_tokens"] = bad.into();
+            say(out, v)?;
+            if matches!(event, AgentEvent::RequestDone { .. }) && bad == 0 {
+                Ok(())
+            } else {
+                Err(UsageError(format!(
+                    "the request did not arrive intact ({bad} wrong tokens)"
+                )))
+            }
+        }
+    }
+}
