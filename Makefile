@@ -26,9 +26,11 @@ unit: deps
 python-test: deps
 	hack/python-test.sh
 
-## make e2e: end-to-end tests against a real control plane (built once, cached outside the tree).
+## make e2e: end-to-end tests against a real control plane, then pdpair installed by Helm on a real
+## node (kubelet, containerd) with its own image (all built once, cached outside the tree).
 e2e: deps
 	hack/e2e.sh
+	hack/e2e-node.sh
 
 ## make control-plane: build (once) the local Kubernetes control plane.
 control-plane: deps

@@ -153,8 +153,13 @@ cmd_stop() {
       fi
     done < <(tac "$n/pids")
     sleep 1
-    # containerd's shims and the pods' processes outlive it: end them.
-    pkill -9 -f "containerd-shim-runc-v2 -namespace k8s.io -address $n/containerd.sock" 2>/dev/null || true
+    # The pods' processes and containerd's shims outlive it: end them (every process in the
+    # kubelet's cgroups, then the shims of this containerd).
+    local procs
+    for procs in $(find /sys/fs/cgroup/*/kubepods -name cgroup.procs 2>/dev/null); do
+      xargs -r kill -9 < "$procs" 2>/dev/null || true
+    done
+    pkill -9 -f -- "containerd-shim-runc-v2 .*-address $n/containerd.sock" 2>/dev/null || true
     rm -f "$n/pids"
     log "stopped"
   fi
