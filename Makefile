@@ -39,8 +39,6 @@ control-plane: deps
 ## make test: format check, clippy with warnings denied, unit tests, the connector's tests, end-to-end tests.
 test: fmt-check clippy unit python-test e2e
 
-## make demo: the main job: a local control plane, pdpair installed with Helm, the operator and
-## two node agents, the examples applied, a push transfer between the agents.
 ## make images: pdpair's image as an OCI archive, built here without Docker (hack/images.sh).
 images: deps
 	hack/images.sh
@@ -49,6 +47,9 @@ images: deps
 node: deps
 	hack/node.sh build
 
+## make demo: the main job: a local control plane and a real node, pdpair's image built and
+## loaded, pdpair installed with Helm, the vLLM mismatches refused, a pair of test-engine pods
+## admitted and Ready, a transfer between them through the agent pod.
 demo: deps
 	hack/demo.sh
 

@@ -3,11 +3,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEMO=${PDPAIR_DEMO_DIR:-/tmp/pdpair-demo}
-if [[ -f $DEMO/pids ]]; then
-  while read -r name pid; do
-    if kill "$pid" 2>/dev/null; then echo "stopped $name (pid $pid)"; fi
-  done < "$DEMO/pids"
-fi
-[[ -d $DEMO/cp ]] && hack/control-plane.sh stop "$DEMO/cp"
+[[ -d $DEMO/cluster ]] && hack/node.sh stop "$DEMO/cluster"
 rm -rf "$DEMO"
 echo "demo stopped"

@@ -1,86 +1,67 @@
 #!/usr/bin/env bash
 # make demo: the main job on a fresh machine. Installs what it needs, starts a local Kubernetes
-# control plane, installs pdpair with Helm, runs the operator (out of cluster, behind the chart's
-# webhook.url) and two node agents on loopback, applies the examples, and shows what happens.
-# Everything it starts is listed at the end; `make demo-down` stops it.
+# control plane and a real node (kubelet, containerd), builds pdpair's image and loads it, installs
+# pdpair with Helm as a user would (default values: the operator and the agent run in pods),
+# applies the examples, and runs a transfer between two engine pods through the agent pod.
+# `make demo-down` stops it all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEMO=${PDPAIR_DEMO_DIR:-/tmp/pdpair-demo}
-PORT=${PDPAIR_DEMO_PORT:-19443}
 bold() { printf '\n\033[1m%s\033[0m\n' "$*"; }
 run() { printf '\033[2m$ %s\033[0m\n' "$*"; "$@"; }
 
-bold "[1/8] Installing what the demo needs (the first run builds Kubernetes 1.20 from Debian's source: several minutes; later runs reuse the cache)"
+bold "[1/8] Installing what the demo needs (the first run builds Kubernetes 1.20 from Debian's source, a node and pdpair's image: 20-30 minutes on 2 cores; later runs reuse the cache)"
 hack/deps.sh
-hack/control-plane.sh build
+hack/node.sh build
 HELM=$(hack/helm.sh)
-echo "building pdpair (cargo shows its progress)"
-cargo build -p pdpair-operator -p pdpair-agent
+echo "building pdpair's image (release binaries; cargo shows its progress on the first build)"
+hack/images.sh
 
-bold "[2/8] Starting a local control plane (etcd, kube-apiserver, controller-manager, scheduler; no kubelet)"
+bold "[2/8] Starting a control plane and a node (etcd, apiserver, controller-manager, scheduler; kubelet, containerd, kube-proxy)"
 hack/demo-down.sh >/dev/null 2>&1 || true
 mkdir -p "$DEMO"
-hack/control-plane.sh start "$DEMO/cp"
-export KUBECONFIG=$DEMO/cp/kubeconfig
+hack/node.sh up "$DEMO/cluster"
+export KUBECONFIG=$DEMO/cluster/kubeconfig
+run kubectl get nodes -o wide
 
-bold "[3/8] helm install pdpair (webhook.url points the API server at the operator on this machine)"
-run "$HELM" install pdpair charts/pdpair --namespace pdpair-system --create-namespace --set "webhook.url=https://127.0.0.1:$PORT" | sed -n '1,6p'
-kubectl -n pdpair-system get secret pdpair-webhook-tls -o jsonpath='{.data.tls\.crt}' | base64 -d > "$DEMO/tls.crt"
-kubectl -n pdpair-system get secret pdpair-webhook-tls -o jsonpath='{.data.tls\.key}' | base64 -d > "$DEMO/tls.key"
+bold "[3/8] helm install pdpair (default values: the operator's two replicas and the agent DaemonSet run in pods)"
+run "$HELM" install pdpair charts/pdpair --namespace pdpair-system --create-namespace | sed -n '1,6p'
+run kubectl -n pdpair-system rollout status deployment/pdpair-operator --timeout=180s
+run kubectl -n pdpair-system rollout status daemonset/pdpair-agent --timeout=180s
+run kubectl -n pdpair-system get pods -o wide
 
-bold "[4/8] Running the operator with the chart's certificate, and two node agents"
-# The demo's engines are local processes, not in Pods: the agents run with --no-attest (and say
-# so in their logs); in a cluster each engine is bound to the Pod it names.
-nohup target/debug/pdpair-operator run --kubeconfig "$KUBECONFIG" --tls-cert "$DEMO/tls.crt" --tls-key "$DEMO/tls.key" \
-  --webhook-bind "127.0.0.1:$PORT" --admin-bind 127.0.0.1:18080 --lease-namespace pdpair-system --identity demo \
-  > "$DEMO/operator.log" 2>&1 &
-echo "operator $!" > "$DEMO/pids"
-for node in node-a node-b; do
-  nohup target/debug/pdpair-agent run --name "$node" --socket "$DEMO/$node.sock" --listen-host 127.0.0.1 \
-    --transport shm --pool-dir "$DEMO/pools" --kubeconfig "$KUBECONFIG" \
-    --no-attest > "$DEMO/agent-$node.log" 2>&1 &
-  echo "agent-$node $!" >> "$DEMO/pids"
-done
-for _ in $(seq 1 100); do curl -sf 127.0.0.1:18080/readyz >/dev/null && break; sleep 0.2; done
-echo "operator ready: $(curl -s 127.0.0.1:18080/readyz)"
-
-bold "[5/8] The vLLM mismatches are refused by kubectl apply"
+bold "[4/8] The vLLM mismatches are refused by kubectl apply (the webhook answers through its Service)"
 echo "# push, prefill kernel block 16 / decode 64: vLLM stalls (requests pending after 150 s)"
 run kubectl apply -f examples/vllm-push-16-64.yaml || true
 echo "# FLASHINFER, prefill logical 128 / decode 64: vLLM's decode EngineCore crashes"
 run kubectl apply -f examples/vllm-push-flashinfer-128-64.yaml || true
-sleep 1
+sleep 2
 run kubectl get events --field-selector reason=Rejected -o custom-columns=TYPE:.type,REASON:.reason,OBJECT:.involvedObject.name,MESSAGE:.message
 
-bold "[6/8] A compatible pair is admitted"
-run kubectl apply -f examples/vllm-push-64-64.yaml
-sleep 2
-run kubectl get pdp
-run kubectl get pdp vllm-push-64-64 -o jsonpath='{range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{"\n"}{end}'
+bold "[5/8] A compatible pair is admitted; the operator runs its engine pods (pdpair's test engine: no GPU here)"
+run kubectl apply -f examples/test-engine-pair.yaml
+run kubectl rollout status deployment/test-pair-prefill --timeout=180s
+run kubectl rollout status deployment/test-pair-decode --timeout=180s
+for _ in $(seq 1 120); do
+  [[ $(kubectl get pdendpoints -o name | wc -l) -ge 2 ]] && break
+  sleep 1
+done
+run kubectl get pods,pdendpoints -o wide
 
-bold "[7/8] A push transfer between the two agents (synthetic engines, FailClosed checksums, shared memory)"
-for pod in decode-0:decode prefill-0:prefill; do
-  name=${pod%%:*}; role=${pod##*:}
-  kubectl apply -f - >/dev/null <<POD
-apiVersion: v1
-kind: Pod
-metadata: {name: $name, labels: {pdpair.dev/name: vllm-push-64-64, pdpair.dev/role: $role}}
-spec: {containers: [{name: engine, image: vllm/vllm-openai:v0.11.0}]}
-POD
+bold "[6/8] A transfer between the engine pods through the agent pod (push, FailClosed checksums, every byte checked)"
+address=$(kubectl get pdendpoints -o jsonpath='{.items[?(@.spec.role=="prefill")].spec.address}')
+run kubectl exec deploy/test-pair-decode -- pdpair-agent test-engine --prefill "$address"
+
+bold "[7/8] The pair's status: Ready, with the transfer in its totals"
+for _ in $(seq 1 60); do
+  [[ $(kubectl get pdp test-pair -o jsonpath='{.status.transfer.transfersCompleted}') -ge 1 &&
+     $(kubectl get pdp test-pair -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}') == True ]] && break
+  sleep 1
 done
-kubectl get secret vllm-push-64-64-pairing -o jsonpath='{.data.key}' | base64 -d > "$DEMO/pairing.key"
-run target/debug/pdpair-agent loopback --pair examples/vllm-push-64-64.yaml --requests 6 --prompt-tokens 512 \
-  --transport shm --decode-agent "$DEMO/node-a.sock" --prefill-agent "$DEMO/node-b.sock" \
-  --pairing-key-file "$DEMO/pairing.key" --decode-pod decode-0 --prefill-pod prefill-0
-# The agents publish at most once a second and the operator folds their reports into the pair.
-for _ in $(seq 1 40); do
-  [[ $(kubectl get pdp vllm-push-64-64 -o jsonpath='{.status.transfer.checksumsVerified}') == 6 ]] && break
-  sleep 0.5
-done
-run kubectl get pdendpoints
-run kubectl get pdp vllm-push-64-64 -o jsonpath='endpoints={.status.transfer.endpoints} transfers={.status.transfer.transfersCompleted} bytes={.status.transfer.bytes} verified={.status.transfer.checksumsVerified}{"\n"}'
+run kubectl get pdp
+run kubectl get pdp test-pair -o jsonpath='{range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{"\n"}{end}'
+run kubectl get pdp test-pair -o jsonpath='endpoints={.status.transfer.endpoints} transfers={.status.transfer.transfersCompleted} bytes={.status.transfer.bytes}{"\n"}'
 
 bold "[8/8] Left running (stop everything with: make demo-down)"
-echo "  control plane: $DEMO/cp (KUBECONFIG=$KUBECONFIG)"
-while read -r name pid; do echo "  $name: pid $pid, log $DEMO/$name.log"; done < "$DEMO/pids"
-echo "  Try: KUBECONFIG=$KUBECONFIG kubectl describe pdp vllm-push-64-64"
+echo "  cluster: $DEMO/cluster (KUBECONFIG=$KUBECONFIG), node logs in $DEMO/cluster/node/logs"
+echo "  Try: KUBECONFIG=$KUBECONFIG kubectl describe pdp test-pair"
