@@ -125,6 +125,9 @@ fn helm_install_runs_pdpair_in_pods_and_a_pair_turns_ready_with_a_transfer() {
         ready_pods(&ns, "pdpair.dev/name=test-pair", 2)
     });
     let address = eventually(WAIT, "the prefill PDEndpoint", || prefill_address(&ns));
+    // kubectl logs reaches the kubelet: the prefill engine said where the agent put it.
+    let logs = kubectl_ok(&["logs", "-n", &ns, "deploy/test-pair-prefill"], None);
+    assert!(logs.contains("\"registered\""), "{logs}");
     let out = transfer(&ns, &address);
     assert_eq!(out.code, 0, "{}{}", out.stdout, out.stderr);
     assert!(
