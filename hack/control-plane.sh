@@ -21,15 +21,8 @@ NODE_COMPONENTS=(kubelet kube-proxy)
 
 log() { echo "control-plane: $*" >&2; }
 
-apt_install() {
-  local missing=()
-  for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
-  if ((${#missing[@]})); then
-    log "installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  fi
-}
+# shellcheck source=hack/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 built() {
   local c
@@ -91,9 +84,6 @@ build_from_source() {
   log "built into $K8S_BIN"
 }
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
-}
 
 cmd_start() {
   local dir=${1:?usage: control-plane.sh start DIR}

@@ -15,15 +15,8 @@ IMAGE=${IMAGE:-ghcr.io/pdpair/pdpair:$(awk '/^appVersion:/{gsub(/"/,"",$2); prin
 STORE=(--storage-driver vfs --root "$IMAGES/storage" --runroot "$IMAGES/run")
 log() { echo "images: $*" >&2; }
 
-apt_install() {
-  local missing=() p
-  for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
-  if ((${#missing[@]})); then
-    log "installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  fi
-}
+# shellcheck source=hack/lib.sh
+source hack/lib.sh
 
 apt_install buildah debootstrap
 mkdir -p "$IMAGES"

@@ -26,15 +26,8 @@ NODE=pdpair-node
 PAUSE=localhost/pdpair-pause:1
 log() { echo "node: $*" >&2; }
 
-apt_install() {
-  local missing=() p
-  for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
-  if ((${#missing[@]})); then
-    log "installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  fi
-}
+# shellcheck source=hack/lib.sh
+source hack/lib.sh
 
 cmd_build() {
   apt_install containerd runc containernetworking-plugins iptables conntrack buildah libc6-dev gcc
@@ -58,9 +51,6 @@ cmd_build() {
   fi
 }
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
-}
 
 cmd_start() {
   local dir=${1:?usage: node.sh start DIR}

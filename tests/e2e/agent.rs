@@ -20,6 +20,27 @@ fn secret_key(ns: &str, pair: &str) -> Vec<u8> {
     base64_decode(s["data"]["key"].as_str().expect("key"))
 }
 
+/// One request of 100 tokens from `p`'s blocks 0-1 into `d`'s 2-3; decode's final event.
+fn push_one(p: &mut SyntheticEngine, d: &mut SyntheticEngine, request: &str, seed: u64) -> AgentEvent {
+    p.fill(seed, &[0, 1], 0, 100);
+    p.send(&EngineRequest::KvReady {
+        request: request.into(),
+        blocks: vec![0, 1],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("send");
+    d.send(&EngineRequest::ExpectKv {
+        request: request.into(),
+        prefill: p.address.clone(),
+        blocks: vec![2, 3],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("send");
+    d.next_event().expect("event")
+}
+
 #[test]
 fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     let _op = Operator::start("agents");
@@ -101,23 +122,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         (p["status"]["transfer"]["endpoints"] == 2 && condition(&p, "GeometryCompatible")?.0 == "True").then_some(())
     });
     // A transfer: counted in both endpoints' status and in the pair's totals.
-    p.fill(1, &[0, 1], 0, 100);
-    p.send(&EngineRequest::KvReady {
-        request: "r1".into(),
-        blocks: vec![0, 1],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("send");
-    d.send(&EngineRequest::ExpectKv {
-        request: "r1".into(),
-        prefill: p.address.clone(),
-        blocks: vec![2, 3],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("send");
-    let event = d.next_event().expect("event");
+    let event = push_one(&mut p, &mut d, "r1", 1);
     assert!(matches!(event, AgentEvent::RequestDone { .. }), "{event:?}");
     assert_eq!(d.verify(1, &[2, 3], 0, 100), 0);
     let pair_json = eventually(WAIT, "the transfer in the pair's totals", || {
@@ -216,23 +221,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     // ...and a transfer that completes after decode's rejection turns the pair's TransferReady
     // True again (the rejected engine is gone), though the lifetime counters still hold the
     // rejection and the expiry.
-    p.fill(4, &[0, 1], 0, 100);
-    p.send(&EngineRequest::KvReady {
-        request: "r3".into(),
-        blocks: vec![0, 1],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("send");
-    d.send(&EngineRequest::ExpectKv {
-        request: "r3".into(),
-        prefill: p.address.clone(),
-        blocks: vec![2, 3],
-        num_tokens: 100,
-        first_token: 0,
-    })
-    .expect("send");
-    let event = d.next_event().expect("event");
+    let event = push_one(&mut p, &mut d, "r3", 4);
     assert!(matches!(event, AgentEvent::RequestDone { .. }), "{event:?}");
     let pair_json = eventually(WAIT, "TransferReady=True after a later transfer", || {
         let p = get_json("pdpair", &ns, "vllm-push-64-64")?;

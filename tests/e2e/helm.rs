@@ -3,26 +3,12 @@
 //! operator Deployment and agent DaemonSet do not start pods; the out-of-cluster operator does the
 //! work, exactly as in the demo.
 
-use std::{path::PathBuf, process::Command, time::Duration};
+use std::{path::PathBuf, time::Duration};
 
 use pdpair_e2e::*;
 
 const WAIT: Duration = Duration::from_secs(60);
 const NS: &str = "pdpair-system";
-
-fn helm(args: &[&str]) -> Out {
-    let bin = std::env::var("HELM").unwrap_or_else(|_| panic!("HELM is not set: run with `make e2e`"));
-    let out = Command::new(bin)
-        .args(args)
-        .env("KUBECONFIG", kubeconfig())
-        .output()
-        .expect("helm runs");
-    Out {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
 
 #[track_caller]
 fn helm_ok(args: &[&str]) -> String {
@@ -195,33 +181,7 @@ fn helm_install_upgrade_uninstall_with_the_operator_out_of_cluster() {
     // Uninstall: nothing of the release is left but the CRDs (Helm keeps crds/).
     helm_ok(&["uninstall", "pdpair", "--namespace", NS]);
     op.stop();
-    eventually(WAIT, "the release's objects to go", || {
-        let left = kubectl_ok(
-            &[
-                "get",
-                "deployments,daemonsets,services,secrets,serviceaccounts,roles,rolebindings,poddisruptionbudgets",
-                "-n",
-                NS,
-                "-l",
-                "app.kubernetes.io/instance=pdpair",
-                "-o",
-                "name",
-            ],
-            None,
-        );
-        let cluster = kubectl_ok(
-            &[
-                "get",
-                "clusterroles,clusterrolebindings,validatingwebhookconfigurations",
-                "-l",
-                "app.kubernetes.io/instance=pdpair",
-                "-o",
-                "name",
-            ],
-            None,
-        );
-        (left.trim().is_empty() && cluster.trim().is_empty()).then_some(())
-    });
+    eventually(WAIT, "the release's objects to go", || release_gone(NS).then_some(()));
     assert!(get_json("validatingwebhookconfiguration", "", "pdpair").is_none());
     assert!(
         get_json("crd", "", "pdpairs.pdpair.dev").is_some(),

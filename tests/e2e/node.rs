@@ -6,26 +6,12 @@
 //! by the agent pod. No GPU and no model here: the engines move a synthetic pattern, every byte
 //! of which decode checks.
 
-use std::{process::Command, time::Duration};
+use std::time::Duration;
 
 use pdpair_e2e::*;
 
 const WAIT: Duration = Duration::from_secs(120);
 const NS: &str = "pdpair-system";
-
-fn helm(args: &[&str]) -> Out {
-    let bin = std::env::var("HELM").unwrap_or_else(|_| panic!("HELM is not set: run with hack/e2e-node.sh"));
-    let out = Command::new(bin)
-        .args(args)
-        .env("KUBECONFIG", kubeconfig())
-        .output()
-        .expect("helm runs");
-    Out {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
 
 /// The pods matching `selector` in `ns`, when there are `n` and all are Ready.
 fn ready_pods(ns: &str, selector: &str, n: usize) -> Option<Vec<String>> {
@@ -186,33 +172,7 @@ fn helm_install_runs_pdpair_in_pods_and_a_pair_turns_ready_with_a_transfer() {
     kubectl_ok(&["delete", "pdpair", "test-pair", "-n", &ns, "--wait=false"], None);
     let out = helm(&["uninstall", "pdpair", "--namespace", NS]);
     assert_eq!(out.code, 0, "{}{}", out.stdout, out.stderr);
-    eventually(WAIT, "the release's objects to go", || {
-        let left = kubectl_ok(
-            &[
-                "get",
-                "deployments,daemonsets,services,secrets,serviceaccounts,roles,rolebindings,poddisruptionbudgets,pods",
-                "-n",
-                NS,
-                "-l",
-                "app.kubernetes.io/instance=pdpair",
-                "-o",
-                "name",
-            ],
-            None,
-        );
-        let cluster = kubectl_ok(
-            &[
-                "get",
-                "clusterroles,clusterrolebindings,validatingwebhookconfigurations",
-                "-l",
-                "app.kubernetes.io/instance=pdpair",
-                "-o",
-                "name",
-            ],
-            None,
-        );
-        (left.trim().is_empty() && cluster.trim().is_empty()).then_some(())
-    });
+    eventually(WAIT, "the release's objects to go", || release_gone(NS).then_some(()));
     assert!(
         get_json("crd", "", "pdpairs.pdpair.dev").is_some(),
         "CRDs stay, as Helm does"

@@ -183,11 +183,7 @@ fn deleting_the_pair_garbage_collects_its_children() {
         &["apply", "-f", "-"],
         Some(&manifest("compatible-push.yaml", &ns, |_| {})),
     );
-    eventually(WAIT, "both Deployments", || {
-        (get_json("deployment", &ns, "llama-8b-prefill").is_some()
-            && get_json("deployment", &ns, "llama-8b-decode").is_some())
-        .then_some(())
-    });
+    both_deployments(&ns);
     eventually(WAIT, "the Secret", || get_json("secret", &ns, "llama-8b-pairing"));
     kubectl_ok(&["delete", "pdpair", "llama-8b", "-n", &ns, "--wait=false"], None);
     // The garbage collector rediscovers resource types every 30 s, so right after the CRD is
@@ -216,11 +212,7 @@ fn a_removed_template_prunes_its_deployment_and_only_ours() {
         &["apply", "-f", "-"],
         Some(&manifest("compatible-push.yaml", &ns, |_| {})),
     );
-    eventually(WAIT, "both Deployments", || {
-        (get_json("deployment", &ns, "llama-8b-prefill").is_some()
-            && get_json("deployment", &ns, "llama-8b-decode").is_some())
-        .then_some(())
-    });
+    both_deployments(&ns);
     // Decode becomes a bring-your-own pool: its Deployment goes (with an Event), prefill's stays.
     kubectl_ok(
         &[
@@ -270,6 +262,15 @@ fn a_removed_template_prunes_its_deployment_and_only_ours() {
     std::thread::sleep(Duration::from_secs(2));
     let byo = get_json("deployment", &ns, "llama-8b-decode").expect("the user's Deployment stays");
     assert!(byo["metadata"]["ownerReferences"].is_null(), "{byo}");
+}
+
+/// Waits for the compatible pair's two Deployments.
+fn both_deployments(ns: &str) {
+    eventually(WAIT, "both Deployments", || {
+        (get_json("deployment", ns, "llama-8b-prefill").is_some()
+            && get_json("deployment", ns, "llama-8b-decode").is_some())
+        .then_some(())
+    });
 }
 
 fn endpoint(ns: &str, name: &str, role: Role, pair: &PDPair) -> PDEndpoint {

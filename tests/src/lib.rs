@@ -446,3 +446,38 @@ pub fn engine_pod(ns: &str, name: &str, pair: &str, role: &str, node: Option<&st
     let pod = eventually(Duration::from_secs(60), "the Pod", || get_json("pod", ns, name));
     pod["metadata"]["uid"].as_str().expect("uid").to_owned()
 }
+
+/// Runs Helm (`$HELM`, from `hack/helm.sh`) against the control plane.
+pub fn helm(args: &[&str]) -> Out {
+    let bin = std::env::var("HELM").unwrap_or_else(|_| panic!("HELM is not set: run with `make e2e`"));
+    let out = Command::new(bin)
+        .args(args)
+        .env("KUBECONFIG", kubeconfig())
+        .output()
+        .expect("helm runs");
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Whether nothing of the Helm release `pdpair` is left (in `ns` and cluster-wide).
+pub fn release_gone(ns: &str) -> bool {
+    let get = |kinds: &str, ns: Option<&str>| {
+        let mut args = vec!["get", kinds, "-l", "app.kubernetes.io/instance=pdpair", "-o", "name"];
+        if let Some(ns) = ns {
+            args.extend(["-n", ns]);
+        }
+        kubectl_ok(&args, None)
+    };
+    get(
+        "deployments,daemonsets,services,secrets,serviceaccounts,roles,rolebindings,poddisruptionbudgets,pods",
+        Some(ns),
+    )
+    .trim()
+    .is_empty()
+        && get("clusterroles,clusterrolebindings,validatingwebhookconfigurations", None)
+            .trim()
+            .is_empty()
+}
