@@ -659,20 +659,30 @@ impl Engine {
             Err(message) => return refuse(Reason::MemoryLayoutMismatch, message),
         };
         self.started(&request);
-        let sums = self.head_sums(
-            link,
-            reg.first_token,
-            ready.num_tokens,
-            pairs.iter().map(|(p, _, t)| (*p, *t)),
-        );
+        // The checksums read the same (ready, unchanging) blocks the WRITEs read: compute them
+        // while the WRITEs are in flight; they go in `Complete`, after the flush.
         let started = Instant::now();
-        match self.shared.ucx.put(
-            ucx_peer,
-            self.regions(),
-            ops,
-            self.shared.cfg.corrupt_one_byte,
-            self.lease(),
-        ) {
+        let (sums, put) = thread::scope(|scope| {
+            let sums = scope.spawn(|| {
+                self.head_sums(
+                    link,
+                    reg.first_token,
+                    ready.num_tokens,
+                    pairs.iter().map(|(p, _, t)| (*p, *t)),
+                )
+            });
+            let put = self.shared.ucx.put(
+                ucx_peer,
+                self.regions(),
+                ops,
+                self.shared.cfg.corrupt_one_byte,
+                self.lease(),
+            );
+            // A checksum thread that panicked sends no sums: decode counts the request
+            // Unverified (FailClosed fails it).
+            (sums.join().ok().flatten(), put)
+        });
+        match put {
             Ok(bytes) => {
                 let took = started.elapsed();
                 self.shared.metrics.transfer_latency(took);
