@@ -217,11 +217,6 @@ impl PoolLayout {
         }
     }
 
-    /// Whether every layer keeps its blocks back to back (runs of blocks are one copy).
-    pub fn contiguous(&self) -> bool {
-        self.regions.iter().all(|r| r.arrangement != KvArrangement::BlocksFirst)
-    }
-
     /// Bytes of one head's one token's K (or V, or latent).
     pub fn half_token(&self) -> usize {
         self.head_dim as usize * self.element_bytes as usize

@@ -329,11 +329,6 @@ impl MemoryDesc {
         Some(self.regions.get(l.region as usize)?.base + array + u64::from(block) * l.block_stride)
     }
 
-    /// Whether every layer keeps its blocks back to back.
-    pub fn contiguous(&self) -> bool {
-        self.layers.iter().all(|l| l.block_stride == self.block_len)
-    }
-
     /// The regions as the UCX thread connects to them: (packed key, (address, bytes)).
     pub fn keys(&self) -> Vec<(Vec<u8>, (u64, u64))> {
         self.regions.iter().map(|r| (r.rkey.clone(), (r.base, r.len))).collect()

@@ -284,6 +284,25 @@ fn current(at: &Time, last_success: Option<&Time>, now: &Time) -> bool {
     now.0.as_second().saturating_sub(at) < RECENT_SECONDS && last_success.is_none_or(|s| s.0.as_second() <= at)
 }
 
+/// The endpoints (by name) whose `news` (a rejection, a failure) at `time` still counts
+/// ([`current`]), with that news.
+fn current_news<'a, T>(
+    endpoints: &[&'a PDEndpoint],
+    now: &Time,
+    news: impl Fn(&'a pdpair_api::PDEndpointStatus) -> Option<&'a T>,
+    time: impl Fn(&T) -> &Time,
+) -> Vec<(String, &'a T)> {
+    endpoints
+        .iter()
+        .filter_map(|e| {
+            let s = e.status.as_ref()?;
+            let n = news(s)?;
+            current(time(n), s.last_success.as_ref(), now)
+                .then(|| (e.metadata.name.clone().unwrap_or_else(|| "?".into()), n))
+        })
+        .collect()
+}
+
 /// `TransferReady` from each engine's recent outcomes (not its lifetime counters): False while an
 /// engine's latest news is a rejected handshake (a peer it cannot pair with) or a failed transfer
 /// on the path (transport, peer, checksum), True once a transfer completed after it or it is older
@@ -294,15 +313,7 @@ fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
         let msg = "no engine has registered with a node agent yet".to_owned();
         return Cond::new(ct::TRANSFER_READY, "Unknown", reasons::NO_ENDPOINTS, msg);
     }
-    let name = |e: &PDEndpoint| e.metadata.name.clone().unwrap_or_else(|| "?".into());
-    let rejected: Vec<(String, &pdpair_api::Rejection)> = endpoints
-        .iter()
-        .filter_map(|e| {
-            let s = e.status.as_ref()?;
-            let r = s.last_rejection.as_ref()?;
-            current(&r.time, s.last_success.as_ref(), now).then(|| (name(e), r))
-        })
-        .collect();
+    let rejected = current_news(endpoints, now, |s| s.last_rejection.as_ref(), |r| &r.time);
     if let Some((who, r)) = rejected.first() {
         let msg = format!(
             "{} endpoint(s) rejected a handshake since their last transfer; {who}: peer {} [{}] {}",
@@ -313,14 +324,7 @@ fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
         );
         return Cond::new(ct::TRANSFER_READY, "False", reasons::HANDSHAKE_REJECTED, msg);
     }
-    let failed: Vec<(String, &pdpair_api::Failure)> = endpoints
-        .iter()
-        .filter_map(|e| {
-            let s = e.status.as_ref()?;
-            let f = s.last_failure.as_ref()?;
-            current(&f.time, s.last_success.as_ref(), now).then(|| (name(e), f))
-        })
-        .collect();
+    let failed = current_news(endpoints, now, |s| s.last_failure.as_ref(), |f| &f.time);
     if let Some((who, f)) = failed.first() {
         let msg = format!(
             "{} endpoint(s) failed a KV transfer since their last one that completed; {who}: [{}] {}",

@@ -115,17 +115,26 @@ fn a_foreign_secret_is_rejected_before_any_geometry_crosses() {
     assert_eq!(p.expect_err("rejected").reasons(), vec![Reason::Unauthenticated]);
 }
 
-#[test]
-fn a_stranger_that_skips_verification_still_cannot_pass() {
-    // A D that does not check P's proof and answers with a guess: P refuses it and sends nothing
-    // but the challenge and the rejection.
+/// What `authenticate_prefill` returns.
+type Authenticated = Result<(String, Session), HandshakeError>;
+
+/// A prefill side on loopback that authenticates one connection with the secret `secret-1`;
+/// the connection to it, and its outcome.
+fn prefill_with_secret_1() -> (TcpStream, thread::JoinHandle<Authenticated>) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
     let server = thread::spawn(move || {
         let (mut s, _) = listener.accept().expect("accept");
         authenticate_prefill(&mut s, |_| Some(b"secret-1".to_vec()))
     });
-    let mut c = TcpStream::connect(addr).expect("connect");
+    (TcpStream::connect(addr).expect("connect"), server)
+}
+
+#[test]
+fn a_stranger_that_skips_verification_still_cannot_pass() {
+    // A D that does not check P's proof and answers with a guess: P refuses it and sends nothing
+    // but the challenge and the rejection.
+    let (mut c, server) = prefill_with_secret_1();
     wire::write_frame(
         &mut c,
         &Message::Hello {
@@ -405,13 +414,7 @@ fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
     // a cancelling decode as served while still pushing to it. Version 4 describes memory as
     // regions: a version 3 peer would read a description without its one base and key. So the
     // versions must not meet.
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let server = thread::spawn(move || {
-        let (mut s, _) = listener.accept().expect("accept");
-        authenticate_prefill(&mut s, |_| Some(b"secret-1".to_vec()))
-    });
-    let mut c = TcpStream::connect(addr).expect("connect");
+    let (mut c, server) = prefill_with_secret_1();
     wire::write_frame(
         &mut c,
         &Message::Hello {
