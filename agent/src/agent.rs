@@ -357,6 +357,24 @@ pub struct EngineStats {
     /// The last failure that was not routine ([`Reason::is_routine`]): (unix seconds, reasons,
     /// message).
     pub last_failure: Option<(i64, Vec<Reason>, String)>,
+    /// The path to each peer this engine's agent moved bytes with (the most recent
+    /// [`pdpair_api::MAX_PATHS`] peers).
+    pub paths: Vec<pdpair_api::TransferPath>,
+}
+
+/// Adds or refreshes a peer's path: a peer keeps its place (and its `since`) while its path stays
+/// the same; a new peer goes last, and the oldest goes once there are [`pdpair_api::MAX_PATHS`].
+fn record_path(paths: &mut Vec<pdpair_api::TransferPath>, path: pdpair_api::TransferPath) {
+    match paths.iter_mut().find(|p| p.peer == path.peer) {
+        Some(known) if known.kind == path.kind && known.lanes == path.lanes => {}
+        Some(known) => *known = path,
+        None => {
+            if paths.len() >= pdpair_api::MAX_PATHS {
+                paths.remove(0);
+            }
+            paths.push(path);
+        }
+    }
 }
 
 /// Now, in unix seconds.
@@ -394,8 +412,11 @@ struct Link {
     /// Cleared when the link's reader stops: nothing more is sent on it.
     alive: AtomicBool,
     peer: PeerInfo,
-    /// UCX peer id (P side only: P writes into D).
+    /// UCX peer id, on the side that moves the bytes (push: prefill; pull: decode).
     ucx_peer: Option<u64>,
+    /// The path UCX chose for `ucx_peer`, read after the first transfer completed (UCX may
+    /// reconfigure an endpoint's lanes while it wires up).
+    path: std::sync::OnceLock<pdpair_api::TransferPath>,
     addr: String,
     /// P side: which of P's heads go where in D's blocks (all to all unless tensor parallelism
     /// differs).
@@ -600,12 +621,49 @@ impl Engine {
         });
     }
 
+    /// Records the path of a transfer this agent moved over `link` (it holds the UCX endpoint).
+    fn moved(&self, link: &Link) {
+        if let Some(path) = self.path_of(link) {
+            self.shared.metrics.transfer_path(&path);
+            record_path(&mut lock(&self.stats).paths, path);
+        }
+    }
+
     fn transferred(&self, bytes: u64) {
         let mut stats = lock(&self.stats);
         stats.last_success = Some(unix_now());
         let counters = &mut stats.counters;
         counters.transfers_completed += 1;
         counters.bytes = counters.bytes.saturating_add(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    /// The path `link`'s transfers take (from UCX's lanes for its endpoint), once known.
+    fn path_of(&self, link: &Link) -> Option<pdpair_api::TransferPath> {
+        if let Some(p) = link.path.get() {
+            return Some(p.clone());
+        }
+        let lanes = match self.shared.ucx.lanes(link.ucx_peer?) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::debug!(peer = %link.addr, error = %e, "cannot read UCX's lanes");
+                return None;
+            }
+        };
+        let (_, emulated) = lanes.carrying();
+        let path = pdpair_api::TransferPath {
+            peer: link.addr.clone(),
+            kind: lanes.kind(),
+            backend: pdpair_api::Backend::UcxHost,
+            lanes: lanes.names(),
+            emulated,
+            ucx_version: crate::ucx::version(),
+            since: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::from_second(unix_now())
+                    .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
+            ),
+        };
+        tracing::info!(engine = %self.reg.engine, path = %path.describe(), "transfer path");
+        Some(link.path.get_or_init(|| path).clone())
     }
 
     fn rejected(&self, peer: &str, reasons: Vec<Reason>, message: String) {
@@ -765,4 +823,44 @@ impl Engine {
 /// table), as opposed to a failed transfer.
 pub fn is_handshake_rejection(reason: &str) -> bool {
     Reason::parse(reason).is_handshake_rejection()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdpair_api::{Backend, PathKind, TransferPath};
+
+    fn path(peer: &str, kind: PathKind, since: i64) -> TransferPath {
+        TransferPath {
+            peer: peer.into(),
+            kind,
+            backend: Backend::UcxHost,
+            lanes: vec![format!("{kind}/dev")],
+            emulated: false,
+            ucx_version: String::new(),
+            since: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::from_second(since).expect("time"),
+            ),
+        }
+    }
+
+    #[test]
+    fn a_peer_keeps_its_path_until_it_changes_and_the_oldest_peers_go_first() {
+        let mut paths = Vec::new();
+        record_path(&mut paths, path("a", PathKind::Rdma, 1));
+        record_path(&mut paths, path("a", PathKind::Rdma, 2));
+        assert_eq!(
+            paths,
+            [path("a", PathKind::Rdma, 1)],
+            "the same path keeps its first time"
+        );
+        record_path(&mut paths, path("a", PathKind::Tcp, 3));
+        assert_eq!(paths, [path("a", PathKind::Tcp, 3)], "a changed path replaces it");
+        for i in 0..pdpair_api::MAX_PATHS {
+            record_path(&mut paths, path(&format!("p{i}"), PathKind::SharedMemory, 4));
+        }
+        assert_eq!(paths.len(), pdpair_api::MAX_PATHS);
+        assert_eq!(paths[0].peer, "p0", "the oldest peer (a) went");
+        assert_eq!(paths.last().map(|p| p.peer.as_str()), Some("p15"));
+    }
 }

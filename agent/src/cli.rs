@@ -113,8 +113,9 @@ pub struct RunArgs {
     /// Address the side-channel listeners bind (the pod or node IP in a cluster).
     #[arg(long = "listen-host", env = "POD_IP", default_value = "127.0.0.1")]
     pub listen_host: std::net::IpAddr,
-    /// UCX transports: tcp, or shm (shared memory, one host).
-    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm"])]
+    /// UCX transports: auto (UCX's choice, which `UCX_TLS` in the environment may narrow; the
+    /// path it took is reported per peer), or only tcp, or only shm (shared memory, one host).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "shm"])]
     pub transport: String,
     /// Plain-HTTP address for /metrics and /healthz.
     #[arg(long = "admin-bind")]
@@ -196,8 +197,8 @@ pub struct LoopbackArgs {
     /// Prompt tokens per request.
     #[arg(long = "prompt-tokens", default_value_t = 1024)]
     pub prompt_tokens: u64,
-    /// UCX transports.
-    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm"])]
+    /// UCX transports of both agents: auto (UCX's choice), tcp or shm.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "shm"])]
     pub transport: String,
     /// Flip one byte of one block in flight per request (push: prefill corrupts what it writes).
     #[arg(long = "corrupt-one-byte")]
@@ -249,11 +250,7 @@ pub struct LoopbackArgs {
 
 /// Runs the agent until it is killed.
 pub fn run(args: &RunArgs) -> Result<(), UsageError> {
-    let transport = if args.transport == "shm" {
-        crate::ucx::Transport::Shm
-    } else {
-        crate::ucx::Transport::Tcp
-    };
+    let transport: crate::ucx::Transport = args.transport.parse().map_err(UsageError)?;
     let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
     let kube = kube_config(args)?;
     let cfg = crate::agent::AgentConfig {
@@ -308,7 +305,7 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
             })?;
         }
     }
-    tracing::info!(socket = %args.socket.display(), name = %args.name, transport = %args.transport, "serving the engine API");
+    tracing::info!(socket = %args.socket.display(), name = %args.name, transport = %args.transport, ucx = %crate::ucx::version(), "serving the engine API");
     agent
         .serve_on(listener)
         .map_err(|e| UsageError(format!("{}: {e}", args.socket.display())))

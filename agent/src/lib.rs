@@ -21,6 +21,7 @@ pub mod protocol;
 pub mod reason;
 pub mod synthetic;
 pub mod test_engine;
+pub mod transport;
 pub mod ucx;
 pub mod ucx_thread;
 pub mod wire;

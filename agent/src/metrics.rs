@@ -14,6 +14,7 @@ pub struct Metrics {
     registry: Registry,
     handshakes: IntCounterVec,
     transfers: IntCounterVec,
+    paths: IntCounterVec,
     bytes: IntCounterVec,
     failures: IntCounterVec,
     checksums: IntCounterVec,
@@ -44,6 +45,11 @@ impl Metrics {
                 &["outcome"],
             ),
             transfers: counter("transfers_total", "Completed KV transfers by role", &["role"]),
+            paths: counter(
+                "transfer_paths_total",
+                "Completed KV transfers by the path they took (counted by the side that moved the bytes)",
+                &["kind", "backend"],
+            ),
             bytes: counter("transfer_bytes_total", "KV bytes moved by role", &["role"]),
             failures: counter(
                 "request_failures_total",
@@ -78,6 +84,7 @@ impl Metrics {
         for c in [
             Box::new(m.handshakes.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(m.transfers.clone()),
+            Box::new(m.paths.clone()),
             Box::new(m.bytes.clone()),
             Box::new(m.failures.clone()),
             Box::new(m.checksums.clone()),
@@ -111,6 +118,13 @@ impl Metrics {
     pub fn transfer_done(&self, role: Role, bytes: u64) {
         self.transfers.with_label_values(&[role.as_str()]).inc();
         self.bytes.with_label_values(&[role.as_str()]).inc_by(bytes);
+    }
+
+    /// Counts a transfer this agent moved over `path`.
+    pub fn transfer_path(&self, path: &pdpair_api::TransferPath) {
+        self.paths
+            .with_label_values(&[path.kind.as_str(), path.backend.as_str()])
+            .inc();
     }
 
     /// Counts a failed request.

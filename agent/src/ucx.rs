@@ -46,23 +46,64 @@ fn check(op: &'static str, status: sys::ucs_status_t) -> Result<(), UcxError> {
     }
 }
 
-/// Which transports UCX may use (`UCX_TLS`).
+/// Which transports UCX may use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
-    /// TCP sockets.
+    /// UCX's own choice among what it loaded (`UCX_TLS` from the environment, else all): the
+    /// default, so a node with RDMA NICs uses them. What it chose is reported per peer
+    /// ([`Endpoint::lanes`]).
+    Auto,
+    /// TCP sockets only.
     Tcp,
-    /// Shared memory (posix, sysv) on one host.
+    /// Shared memory (posix, sysv) on one host only.
     Shm,
 }
 
 impl Transport {
-    fn tls(self) -> &'static str {
-        // `self` lets an endpoint reach its own worker; cma is refused on these hosts.
+    /// The `UCX_TLS` this restriction sets (`None`: left to UCX and the environment).
+    fn tls(self) -> Option<&'static str> {
+        // `self` lets an endpoint reach its own worker.
         match self {
-            Transport::Tcp => "tcp,self",
-            Transport::Shm => "posix,sysv,self",
+            Transport::Auto => None,
+            Transport::Tcp => Some("tcp,self"),
+            Transport::Shm => Some("posix,sysv,self"),
         }
     }
+
+    /// Whether UCX's shared-memory transports may load (they limit the pool directory's length).
+    fn may_use_shm(self) -> bool {
+        !matches!(self, Transport::Tcp)
+    }
+
+    /// Its name on the command line and in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
+        }
+    }
+}
+
+impl std::str::FromStr for Transport {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Transport, String> {
+        match s {
+            "auto" => Ok(Transport::Auto),
+            "tcp" => Ok(Transport::Tcp),
+            "shm" => Ok(Transport::Shm),
+            _ => Err(format!("transport {s:?}: expected auto, tcp or shm")),
+        }
+    }
+}
+
+/// The version of the UCX library loaded (not the one built against).
+pub fn version() -> String {
+    // SAFETY: returns a pointer to a static NUL-terminated string.
+    unsafe { CStr::from_ptr(sys::ucp_get_version_string()) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 struct ContextInner(sys::ucp_context_h);
@@ -95,9 +136,7 @@ impl Context {
     /// ([`Context::allocate`]) comes from UCX's POSIX shared-memory allocator as a named file in
     /// that directory, which an engine on the host can map by path.
     pub fn new(transport: Transport, pool_dir: Option<&std::path::Path>) -> Result<Context, UcxError> {
-        if let Some(dir) =
-            pool_dir.filter(|d| matches!(transport, Transport::Shm) && d.as_os_str().len() > MAX_POOL_DIR)
-        {
+        if let Some(dir) = pool_dir.filter(|d| transport.may_use_shm() && d.as_os_str().len() > MAX_POOL_DIR) {
             return Err(UcxError {
                 op: "ucp_config_modify",
                 status: sys::ucs_status_t_UCS_ERR_INVALID_PARAM,
@@ -113,7 +152,7 @@ impl Context {
         check("ucp_config_read", unsafe {
             sys::ucp_config_read(ptr::null(), ptr::null(), &mut config)
         })?;
-        let mut settings = vec![("TLS", transport.tls().to_owned())];
+        let mut settings: Vec<(&str, String)> = transport.tls().map(|t| ("TLS", t.to_owned())).into_iter().collect();
         if let Some(dir) = pool_dir {
             settings.extend([
                 ("ALLOC_PRIO", "md:posix".to_owned()),
@@ -436,6 +475,31 @@ impl RemoteKey {
 }
 
 impl Endpoint {
+    /// UCX's description of this endpoint (`ucp_ep_print_info`): its lanes, the transport and
+    /// device of each, and what each carries. Empty when it cannot be captured.
+    pub fn print_info(&self) -> String {
+        let mut buf: *mut std::ffi::c_char = ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: out-pointers; the stream is closed below, after which buf holds size bytes.
+        let stream = unsafe { libc::open_memstream(&mut buf, &mut size) };
+        if stream.is_null() {
+            return String::new();
+        }
+        // SAFETY: a live endpoint and an open stream (libc's FILE is the one UCX writes to).
+        unsafe { sys::ucp_ep_print_info(self.handle, stream.cast()) };
+        // SAFETY: the stream came from open_memstream and is closed once.
+        unsafe { libc::fclose(stream) };
+        if buf.is_null() {
+            return String::new();
+        }
+        // SAFETY: after fclose, buf holds size bytes and a NUL; it was malloc'd by libc.
+        let text = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) };
+        let text = String::from_utf8_lossy(text).into_owned();
+        // SAFETY: as above; freed once.
+        unsafe { libc::free(buf.cast()) };
+        text
+    }
+
     /// Unpacks a peer's packed remote key for this endpoint.
     pub fn unpack_rkey(&self, packed: &[u8]) -> Result<RemoteKey, UcxError> {
         let mut handle: sys::ucp_rkey_h = ptr::null_mut();

@@ -125,6 +125,13 @@ pub enum Command {
         /// Peer id.
         peer: u64,
     },
+    /// UCX's description of a peer's endpoint (`ucp_ep_print_info`: its lanes).
+    Describe {
+        /// Peer id.
+        peer: u64,
+        /// The text.
+        reply: Reply<String>,
+    },
     /// Answered at once by a live, progressing thread (for readiness).
     Ping {
         /// Answered with ().
@@ -276,6 +283,12 @@ impl UcxHandle {
             deadline,
             reply,
         })
+    }
+
+    /// The lanes UCX chose for a peer (see [`crate::transport::lanes`]).
+    pub fn lanes(&self, peer: u64) -> Result<crate::transport::lanes::Lanes, String> {
+        let text = self.call(|reply| Command::Describe { peer, reply })?;
+        Ok(crate::transport::lanes::Lanes::parse(&text))
     }
 
     /// Whether the thread answers within `within` (it is alive and progressing).
@@ -597,6 +610,13 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
             }
             Command::Ping { reply } => {
                 let _ = reply.send(Ok(()));
+            }
+            Command::Describe { peer, reply } => {
+                let text = peers
+                    .get(&peer)
+                    .map(|p| p.ep.print_info())
+                    .ok_or_else(|| format!("unknown peer {peer}"));
+                let _ = reply.send(text);
             }
             Command::Disconnect { peer } => {
                 let why = OpError::Failed(format!("peer {peer} was disconnected"));

@@ -17,7 +17,28 @@ mod common;
 
 use common::{ProcessAgent, Req, World, done, kv, reasons, request, spec};
 
+/// Completed transfers the `agent`th agent of `w` counted on a path of `kind` (UCX host backend).
+fn transfers_over(w: &World, agent: usize, kind: &str) -> u64 {
+    let text = w.metrics.lock().expect("metrics")[agent].render();
+    let series = format!("pdpair_agent_transfer_paths_total{{backend=\"UcxHost\",kind=\"{kind}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .map_or(0, |n| n.trim().parse().expect("a count"))
+}
+
 fn push_64_64(transport: Transport, memory: EngineMemory) {
+    push_64_64_over(
+        transport,
+        memory,
+        match transport {
+            Transport::Tcp => "Tcp",
+            // One host: UCX 1.13 chooses sysv and posix shared memory here (cma is refused).
+            Transport::Shm | Transport::Auto => "SharedMemory",
+        },
+    );
+}
+
+fn push_64_64_over(transport: Transport, memory: EngineMemory, kind: &str) {
     let w = World::new(&format!("{transport:?}-{memory:?}"));
     let (ps, ds) = (w.agent("p", transport, false), w.agent("d", transport, false));
     let mut p_spec = spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed);
@@ -61,6 +82,10 @@ fn push_64_64(transport: Transport, memory: EngineMemory) {
     );
     assert!(done(&event), "{event:?}");
     assert_eq!(bad, 0);
+    // Prefill's agent moved the bytes and says over what; decode's (no endpoint) counts none.
+    assert_eq!(transfers_over(&w, 0, kind), 4, "{transport:?}: 4 transfers over {kind}");
+    let d_text = w.metrics.lock().expect("metrics")[1].render();
+    assert!(!d_text.contains("pdpair_agent_transfer_paths_total{"), "{d_text}");
 }
 
 #[test]
@@ -71,6 +96,11 @@ fn push_64_64_over_tcp_moves_every_byte_verified() {
 #[test]
 fn push_64_64_over_shared_memory_moves_every_byte_verified() {
     push_64_64(Transport::Shm, EngineMemory::Agent);
+}
+
+#[test]
+fn push_64_64_on_the_transports_ucx_chooses_moves_every_byte_verified() {
+    push_64_64(Transport::Auto, EngineMemory::Agent);
 }
 
 #[test]
@@ -586,6 +616,10 @@ fn decode_rank_takes_part_of_a_prefill_rank(mode: TransferMode) {
         "{mode:?}: {event:?}"
     );
     assert_eq!(bad, 0, "{mode:?}: decode holds exactly heads 6 and 7 of every token");
+    // The side that moved the bytes (push: prefill's agent, pull: decode's) counts the path.
+    let (mover, idle) = if mode == TransferMode::Push { (0, 1) } else { (1, 0) };
+    assert_eq!(transfers_over(&w, mover, "SharedMemory"), 1, "{mode:?}");
+    assert_eq!(transfers_over(&w, idle, "SharedMemory"), 0, "{mode:?}");
 }
 
 #[test]

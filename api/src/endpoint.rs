@@ -40,6 +40,12 @@ use crate::{KvGeometry, Parallelism, Role, schema};
         description = "prefill or decode"
     ),
     printcolumn(name = "Node", type_ = "string", json_path = ".spec.node", description = "The node"),
+    printcolumn(
+        name = "Path",
+        type_ = "string",
+        json_path = ".status.paths[0].kind",
+        description = "The path transfers with the first peer took"
+    ),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
@@ -79,11 +85,18 @@ pub struct PDEndpointStatus {
     /// deadline the engine let pass, a malformed request) are counted but not kept here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<Failure>,
+    /// The path transfers with each peer took (the most recent peers, at most
+    /// [`MAX_PATHS`]), in the order they were first used.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<crate::TransferPath>,
     /// When the agent last refreshed this status.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "schema::time")]
     pub last_heartbeat: Option<Time>,
 }
+
+/// The most peers whose paths an endpoint's status lists.
+pub const MAX_PATHS: usize = 16;
 
 /// Counters an agent reports per endpoint, and the operator sums per PDPair.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

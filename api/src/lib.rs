@@ -7,11 +7,13 @@
 pub mod checksum;
 mod duration;
 mod endpoint;
+mod path;
 pub mod rules;
 mod schema;
 mod types;
 
 pub use duration::{DURATION_PATTERN, Duration, DurationError};
 pub use endpoint::*;
+pub use path::{Backend, PathKind, TransferPath};
 pub use rules::{Reason, Verdict, Violation, check, check_pools};
 pub use types::*;

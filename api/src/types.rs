@@ -56,6 +56,12 @@ use crate::{Duration, schema};
         json_path = ".status.conditions[?(@.type==\"Ready\")].status",
         description = "Whether both pools are ready and KV transfers work"
     ),
+    printcolumn(
+        name = "Path",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"TransferPath\")].reason",
+        description = "The worst path KV took (Rdma, SharedMemory, Local, Tcp), or PathNotAllowed"
+    ),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
@@ -92,6 +98,13 @@ pub struct TransferSpec {
     /// `None` (the default): the templates configure their engines themselves.
     #[serde(default, skip_serializing_if = "Connector::is_none")]
     pub connector: Connector,
+    /// The paths KV may take (Rdma, SharedMemory, Local, Tcp, Other). Empty (the default):
+    /// any. When set, a transfer that ran over another path (RDMA silently falling back to
+    /// TCP, say) turns the `TransferPath` condition False with a Warning Event; transfers are
+    /// not stopped.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    pub require_path: Vec<crate::PathKind>,
 }
 
 /// Which KV connector the engines load.
@@ -127,6 +140,7 @@ impl Default for TransferSpec {
             handshake_timeout: default_handshake_timeout(),
             lease_duration: default_lease_duration(),
             connector: Connector::None,
+            require_path: Vec::new(),
         }
     }
 }

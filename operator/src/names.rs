@@ -50,6 +50,9 @@ pub mod conditions {
     pub const DECODE_READY: &str = "DecodeReady";
     /// Node agents report no rejected handshakes and no failed transfers.
     pub const TRANSFER_READY: &str = "TransferReady";
+    /// The path the agents that moved KV report (RDMA, shared memory, TCP...), and whether
+    /// `spec.transfer.requirePath` allows it.
+    pub const TRANSFER_PATH: &str = "TransferPath";
     /// All of the above.
     pub const READY: &str = "Ready";
 }
@@ -84,4 +87,10 @@ pub mod reasons {
     pub const DECODE_NOT_READY: &str = "DecodeNotReady";
     /// Ready is False because transfers fail.
     pub const TRANSFER_NOT_READY: &str = "TransferNotReady";
+    /// No agent has reported the path of a completed transfer.
+    pub const NO_TRANSFERS: &str = "NoTransfers";
+    /// A transfer took a path `spec.transfer.requirePath` does not allow (also Ready's reason).
+    pub const PATH_NOT_ALLOWED: &str = "PathNotAllowed";
+    // TransferPath True carries the worst path class seen as its reason (Rdma, SharedMemory,
+    // Local, Tcp, Other: `pdpair_api::PathKind::as_str`).
 }

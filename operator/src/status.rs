@@ -109,13 +109,18 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
         observed.decode,
     );
     let transfer = transfer_condition(&observed.endpoints, now);
-    let ready = ready_condition(&geometry, &prefill, &decode, &transfer);
+    let path = path_condition(pair, &observed.endpoints);
+    let ready = ready_condition(&geometry, &prefill, &decode, &transfer, &path);
     let mut conditions = Vec::new();
     let mut transitions = Vec::new();
-    for c in [geometry, prefill, decode, transfer, ready] {
+    for c in [geometry, prefill, decode, transfer, path, ready] {
         let previous = old.and_then(|s| s.conditions.iter().find(|p| p.type_ == c.type_));
         let changed = previous.is_none_or(|p| p.status != c.status);
-        let warning = c.status == "False" && matches!(c.type_, ct::GEOMETRY_COMPATIBLE | ct::TRANSFER_READY);
+        let warning = c.status == "False"
+            && matches!(
+                c.type_,
+                ct::GEOMETRY_COMPATIBLE | ct::TRANSFER_READY | ct::TRANSFER_PATH
+            );
         // New conditions start quietly unless they bring bad news; changes always speak.
         if previous.is_some_and(|p| p.status != c.status) || (previous.is_none() && warning) {
             transitions.push(Transition {
@@ -342,12 +347,62 @@ fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
     Cond::new(ct::TRANSFER_READY, "True", reasons::HEALTHY, msg)
 }
 
-fn ready_condition(geometry: &Cond, prefill: &Cond, decode: &Cond, transfer: &Cond) -> Cond {
+/// How many paths a `TransferPath` message names before it says how many more there are.
+const PATHS_NAMED: usize = 3;
+
+/// `TransferPath` from the paths the agents that moved KV report (push: prefill's; pull:
+/// decode's): Unknown until one has; False when `spec.transfer.requirePath` is set and some
+/// endpoint's path to a peer is not in it (RDMA that fell back to TCP, say); else True, its
+/// reason the worst class seen.
+fn path_condition(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond {
+    let paths: Vec<(&str, &pdpair_api::TransferPath)> = endpoints
+        .iter()
+        .filter_map(|e| Some((e.metadata.name.as_deref().unwrap_or("?"), e.status.as_ref()?)))
+        .flat_map(|(who, s)| s.paths.iter().map(move |p| (who, p)))
+        .collect();
+    let Some(worst) = paths.iter().map(|(_, p)| p.kind).max_by_key(|k| k.rank()) else {
+        let msg = "no node agent has reported the path of a completed transfer yet".to_owned();
+        return Cond::new(ct::TRANSFER_PATH, "Unknown", reasons::NO_TRANSFERS, msg);
+    };
+    let allowed = &pair.spec.transfer.require_path;
+    let name = |list: &[&(&str, &pdpair_api::TransferPath)]| {
+        let mut named: Vec<String> = list
+            .iter()
+            .take(PATHS_NAMED)
+            .map(|(who, p)| format!("{who}: {}", p.describe()))
+            .collect();
+        if list.len() > PATHS_NAMED {
+            named.push(format!("and {} more", list.len() - PATHS_NAMED));
+        }
+        named.join("; ")
+    };
+    let unmet: Vec<_> = paths
+        .iter()
+        .filter(|(_, p)| !allowed.is_empty() && !allowed.contains(&p.kind))
+        .collect();
+    if !unmet.is_empty() {
+        let allowed: Vec<&str> = allowed.iter().map(|k| k.as_str()).collect();
+        let msg = format!(
+            "{} of {} transfer path(s) are not in spec.transfer.requirePath [{}]: {}",
+            unmet.len(),
+            paths.len(),
+            allowed.join(", "),
+            name(&unmet)
+        );
+        return Cond::new(ct::TRANSFER_PATH, "False", reasons::PATH_NOT_ALLOWED, msg);
+    }
+    let all: Vec<_> = paths.iter().collect();
+    let msg = format!("{} transfer path(s): {}", paths.len(), name(&all));
+    Cond::new(ct::TRANSFER_PATH, "True", worst.as_str(), msg)
+}
+
+fn ready_condition(geometry: &Cond, prefill: &Cond, decode: &Cond, transfer: &Cond, path: &Cond) -> Cond {
     let blockers = [
         (geometry.status != "True", reasons::GEOMETRY_INCOMPATIBLE, geometry),
         (prefill.status != "True", reasons::PREFILL_NOT_READY, prefill),
         (decode.status != "True", reasons::DECODE_NOT_READY, decode),
         (transfer.status == "False", reasons::TRANSFER_NOT_READY, transfer),
+        (path.status == "False", reasons::PATH_NOT_ALLOWED, path),
     ];
     match blockers.iter().find(|(blocked, _, _)| *blocked) {
         Some((_, reason, cause)) => Cond::new(

@@ -49,7 +49,10 @@ fn crd_has_the_declared_names_columns_and_status() {
         .iter()
         .filter_map(|c| c["name"].as_str())
         .collect();
-    assert_eq!(columns, ["Mode", "Prefill", "Decode", "Compatible", "Ready", "Age"]);
+    assert_eq!(
+        columns,
+        ["Mode", "Prefill", "Decode", "Compatible", "Ready", "Path", "Age"]
+    );
     let schema = &version["schema"]["openAPIV3Schema"]["properties"];
     let conditions = &schema["status"]["properties"]["conditions"];
     assert_eq!(conditions["x-kubernetes-list-type"].as_str(), Some("map"));
@@ -58,6 +61,15 @@ fn crd_has_the_declared_names_columns_and_status() {
     assert_eq!(transfer["checksum"]["enum"].as_sequence().map(Vec::len), Some(3));
     assert_eq!(transfer["checksum"]["default"].as_str(), Some("Disabled"));
     assert_eq!(transfer["mode"]["default"].as_str(), Some("Push"));
+    let require = &transfer["requirePath"];
+    assert_eq!(require["maxItems"].as_u64(), Some(8));
+    let kinds: Vec<&str> = require["items"]["enum"]
+        .as_sequence()
+        .expect("requirePath's kinds")
+        .iter()
+        .filter_map(|k| k.as_str())
+        .collect();
+    assert_eq!(kinds, ["Rdma", "SharedMemory", "Local", "Tcp", "Other"]);
 }
 
 #[test]

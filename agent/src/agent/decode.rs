@@ -480,6 +480,7 @@ impl Engine {
                 alive: AtomicBool::new(true),
                 peer,
                 ucx_peer,
+                path: std::sync::OnceLock::new(),
                 addr: addr.to_owned(),
                 heads,
             },
@@ -824,6 +825,7 @@ impl Engine {
         match outcome {
             Ok(bytes) => {
                 let took = started.elapsed();
+                self.moved(link);
                 link.send(&Message::Released {
                     request: request.clone(),
                     bytes,

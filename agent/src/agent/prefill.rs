@@ -222,6 +222,7 @@ impl Engine {
             heads,
             peer,
             ucx_peer,
+            path: std::sync::OnceLock::new(),
             addr: peer_addr,
         });
         loop {
@@ -687,6 +688,7 @@ impl Engine {
                 let took = started.elapsed();
                 self.shared.metrics.transfer_latency(took);
                 self.shared.metrics.transfer_done(Role::Prefill, bytes);
+                self.moved(link);
                 self.transferred(bytes);
                 if link.send(&Message::Complete {
                     request: request.clone(),

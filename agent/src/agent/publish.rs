@@ -218,6 +218,7 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
             reasons: crate::reason::names(reasons),
             message: message.clone(),
         }),
+        paths: stats.paths.clone(),
         last_heartbeat: Some(Time(Timestamp::now())),
     };
     let body = serde_json::json!({ "apiVersion": "pdpair.dev/v1alpha1", "kind": "PDEndpoint", "status": status });

@@ -149,3 +149,50 @@ fn a_pool_dir_too_long_for_shared_memory_is_refused_naming_it_instead_of_abortin
         .expect("tcp ignores the dir");
     let _ = std::fs::remove_dir(&long);
 }
+
+#[test]
+fn an_endpoint_reports_the_lanes_ucx_chose_for_it() {
+    use crate::transport::lanes::Lanes;
+    use pdpair_api::PathKind;
+    let dir = std::env::temp_dir().join(format!("pdpair-lanes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    // Auto: UCX picks among what it loaded; on one host here that is shared memory.
+    for (transport, kind, emulated) in [
+        (Transport::Tcp, PathKind::Tcp, true),
+        (Transport::Shm, PathKind::SharedMemory, false),
+        (Transport::Auto, PathKind::SharedMemory, false),
+    ] {
+        let a = Context::new(transport, Some(&dir)).expect("context A");
+        let b = Context::new(transport, Some(&dir)).expect("context B");
+        let wa = Worker::new(&a).expect("worker A");
+        let wb = Worker::new(&b).expect("worker B");
+        let ep = wa.connect(&wb.address().expect("B's address")).expect("connect A->B");
+        let text = ep.print_info();
+        let lanes = Lanes::parse(&text);
+        assert_eq!(lanes.kind(), kind, "{transport:?}:\n{text}");
+        assert_eq!(lanes.carrying().1, emulated, "{transport:?}:\n{text}");
+        if transport == Transport::Tcp {
+            assert_eq!(lanes.names(), ["tcp/lo"], "{text}");
+        }
+        ep.close(|| {
+            wb.progress();
+        })
+        .expect("close");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(version().starts_with("1."), "{}", version());
+}
+
+#[test]
+fn transports_parse_from_their_names_and_refuse_others_naming_them() {
+    for t in [Transport::Auto, Transport::Tcp, Transport::Shm] {
+        assert_eq!(t.as_str().parse::<Transport>(), Ok(t));
+    }
+    assert_eq!(
+        Transport::Auto.tls(),
+        None,
+        "auto leaves UCX_TLS to UCX and the environment"
+    );
+    let e = "ib".parse::<Transport>().expect_err("refused");
+    assert!(e.contains("\"ib\""), "{e}");
+}

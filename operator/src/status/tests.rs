@@ -418,3 +418,127 @@ fn differences_name_every_field() {
         ]
     );
 }
+
+fn all_ready(endpoints: Vec<&PDEndpoint>) -> Observed<'_> {
+    Observed {
+        prefill: ready(2, 2),
+        decode: ready(4, 4),
+        endpoints,
+    }
+}
+
+fn path(peer: &str, kind: pdpair_api::PathKind, lanes: &[&str]) -> pdpair_api::TransferPath {
+    pdpair_api::TransferPath {
+        peer: peer.into(),
+        kind,
+        backend: pdpair_api::Backend::UcxHost,
+        lanes: lanes.iter().map(|l| (*l).to_owned()).collect(),
+        emulated: kind == pdpair_api::PathKind::Tcp,
+        ucx_version: "1.13.1".into(),
+        since: t(1),
+    }
+}
+
+#[test]
+fn transfer_path_is_unknown_until_an_agent_reports_one_then_names_the_worst() {
+    use pdpair_api::PathKind;
+    let pair = pair();
+    let mut p = endpoint("p0", Role::Prefill, &pair);
+    let d = endpoint("d0", Role::Decode, &pair);
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(2));
+    assert_eq!(cond(&s, ct::TRANSFER_PATH).status, "Unknown");
+    assert_eq!(cond(&s, ct::TRANSFER_PATH).reason, reasons::NO_TRANSFERS);
+    assert_eq!(
+        cond(&s, ct::READY).status,
+        "True",
+        "an unknown path does not block Ready"
+    );
+    p.status = Some(PDEndpointStatus {
+        paths: vec![
+            path("10.0.0.2:7000", PathKind::Rdma, &["rc_mlx5/mlx5_0:1"]),
+            path("10.0.0.3:7000", PathKind::Tcp, &["tcp/eth0"]),
+        ],
+        ..PDEndpointStatus::default()
+    });
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(2));
+    let c = cond(&s, ct::TRANSFER_PATH);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("True", "Tcp"),
+        "the worst path names it"
+    );
+    assert!(
+        c.message.contains("p0: Rdma (rc_mlx5/mlx5_0:1) with 10.0.0.2:7000"),
+        "{}",
+        c.message
+    );
+    assert!(
+        c.message
+            .contains("p0: Tcp (tcp/eth0, emulated RMA) with 10.0.0.3:7000"),
+        "{}",
+        c.message
+    );
+}
+
+#[test]
+fn a_path_outside_require_path_turns_transfer_path_and_ready_false_with_a_warning() {
+    use pdpair_api::PathKind;
+    let mut pair = pair();
+    pair.spec.transfer.require_path = vec![PathKind::Rdma, PathKind::SharedMemory];
+    let mut p = endpoint("p0", Role::Prefill, &pair);
+    let d = endpoint("d0", Role::Decode, &pair);
+    p.status = Some(PDEndpointStatus {
+        paths: vec![path("10.0.0.2:7000", PathKind::Rdma, &["rc_mlx5/mlx5_0:1"])],
+        ..PDEndpointStatus::default()
+    });
+    let (s0, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(2));
+    assert_eq!(cond(&s0, ct::TRANSFER_PATH).status, "True", "Rdma is allowed");
+    assert_eq!(cond(&s0, ct::READY).status, "True");
+    pair.status = Some(s0);
+    // RDMA fell back to TCP for one peer.
+    p.status
+        .as_mut()
+        .expect("status")
+        .paths
+        .push(path("10.0.0.3:7000", PathKind::Tcp, &["tcp/eth0"]));
+    let (s1, transitions) = compute(&pair, &all_ready(vec![&p, &d]), &t(3));
+    let c = cond(&s1, ct::TRANSFER_PATH);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", reasons::PATH_NOT_ALLOWED)
+    );
+    assert_eq!(
+        c.message,
+        "1 of 2 transfer path(s) are not in spec.transfer.requirePath [Rdma, SharedMemory]: p0: Tcp (tcp/eth0, emulated RMA) with 10.0.0.3:7000"
+    );
+    assert_eq!(cond(&s1, ct::READY).reason, reasons::PATH_NOT_ALLOWED);
+    let warned: Vec<_> = transitions
+        .iter()
+        .filter(|t| t.warning)
+        .map(|t| t.type_.as_str())
+        .collect();
+    assert_eq!(warned, [ct::TRANSFER_PATH], "{transitions:?}");
+    // Allowing Tcp clears it.
+    pair.status = Some(s1);
+    pair.spec.transfer.require_path.push(PathKind::Tcp);
+    let (s2, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(4));
+    assert_eq!(cond(&s2, ct::TRANSFER_PATH).status, "True");
+    assert_eq!(cond(&s2, ct::READY).status, "True");
+}
+
+#[test]
+fn many_paths_are_counted_not_all_named() {
+    use pdpair_api::PathKind;
+    let pair = pair();
+    let mut p = endpoint("p0", Role::Prefill, &pair);
+    p.status = Some(PDEndpointStatus {
+        paths: (0..5)
+            .map(|i| path(&format!("10.0.0.{i}:7000"), PathKind::SharedMemory, &["posix/memory"]))
+            .collect(),
+        ..PDEndpointStatus::default()
+    });
+    let (s, _) = compute(&pair, &observed_with(&p, &p), &t(2));
+    let c = cond(&s, ct::TRANSFER_PATH);
+    assert!(c.message.starts_with("10 transfer path(s): "), "{}", c.message);
+    assert!(c.message.ends_with("; and 7 more"), "{}", c.message);
+}

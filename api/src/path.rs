@@ -1,0 +1,111 @@
+//! The path KV took between two engines, as the node agent that moved it observed it: which
+//! backend moved the bytes and, for UCX, the transports and devices UCX chose. The agent reports
+//! it per peer in the PDEndpoint's status; the operator folds it into the PDPair's
+//! `TransferPath` condition and compares it with `spec.transfer.requirePath`.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::schema;
+
+/// A class of transfer path: what `spec.transfer.requirePath` names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+pub enum PathKind {
+    /// RDMA NICs (InfiniBand or RoCE: UCX's rc, dc or ud transports).
+    Rdma,
+    /// Shared memory between processes on one node (UCX's posix, sysv, cma, xpmem or knem).
+    SharedMemory,
+    /// Both engines behind one agent: UCX's `self` transport, a copy inside the agent process.
+    Local,
+    /// TCP sockets.
+    Tcp,
+    /// A transport pdpair does not classify (its lanes say which).
+    Other,
+}
+
+impl PathKind {
+    /// Its name in status, conditions and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PathKind::Rdma => "Rdma",
+            PathKind::SharedMemory => "SharedMemory",
+            PathKind::Local => "Local",
+            PathKind::Tcp => "Tcp",
+            PathKind::Other => "Other",
+        }
+    }
+
+    /// How good a path of this class is, for picking the worst of several: RDMA and shared
+    /// memory first, TCP and unknown last.
+    pub fn rank(self) -> u8 {
+        match self {
+            PathKind::Rdma | PathKind::SharedMemory | PathKind::Local => 0,
+            PathKind::Tcp => 1,
+            PathKind::Other => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for PathKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What moved the bytes inside the agent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum Backend {
+    /// UCX puts and gets between host memory pools.
+    #[default]
+    UcxHost,
+}
+
+impl Backend {
+    /// Its name in status and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::UcxHost => "UcxHost",
+        }
+    }
+}
+
+/// The path this engine's transfers to or from one peer took.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TransferPath {
+    /// The peer engine (its side-channel address).
+    pub peer: String,
+    /// The class of path (the worst of its lanes).
+    pub kind: PathKind,
+    /// What moved the bytes.
+    pub backend: Backend,
+    /// The transports and devices that carried the WRITEs or READs, as UCX chose them
+    /// (`transport/device`, for example `rc_mlx5/mlx5_0:1`, `posix/memory`, `tcp/eth0`).
+    pub lanes: Vec<String>,
+    /// Whether UCX had no transport with native remote memory access for this peer and emulated
+    /// the WRITEs or READs with messages (as over TCP).
+    #[serde(default)]
+    pub emulated: bool,
+    /// The UCX library version the agent loaded.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub ucx_version: String,
+    /// When the first transfer over this path completed.
+    #[schemars(schema_with = "schema::time_required")]
+    pub since: Time,
+}
+
+impl TransferPath {
+    /// One line for messages: `Tcp (tcp/lo, emulated RMA) to 10.0.0.7:41000`.
+    pub fn describe(&self) -> String {
+        let mut lanes = self.lanes.join(", ");
+        if self.emulated {
+            lanes.push_str(if lanes.is_empty() {
+                "emulated RMA"
+            } else {
+                ", emulated RMA"
+            });
+        }
+        format!("{} ({lanes}) with {}", self.kind, self.peer)
+    }
+}
