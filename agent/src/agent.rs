@@ -650,8 +650,11 @@ impl Engine {
             }
         };
         let (_, emulated) = lanes.carrying();
+        // The peer's names come from its authenticated handshake, but are still its text: bounded
+        // and escaped.
+        let short = |s: &str| crate::reason::peer_text(&s.chars().take(64).collect::<String>());
         let path = pdpair_api::TransferPath {
-            peer: link.addr.clone(),
+            peer: format!("{}@{}", short(&link.peer.engine), short(&link.peer.agent)),
             kind: lanes.kind(),
             backend: pdpair_api::Backend::UcxHost,
             lanes: lanes.names(),

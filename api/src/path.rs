@@ -74,7 +74,7 @@ impl Backend {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TransferPath {
-    /// The peer engine (its side-channel address).
+    /// The peer engine, as `engine@agent` (the names from its authenticated handshake).
     pub peer: String,
     /// The class of path (the worst of its lanes).
     pub kind: PathKind,
@@ -96,7 +96,7 @@ pub struct TransferPath {
 }
 
 impl TransferPath {
-    /// One line for messages: `Tcp (tcp/lo, emulated RMA) to 10.0.0.7:41000`.
+    /// One line for messages: `Tcp (tcp/lo, emulated RMA) with d0@node-b`.
     pub fn describe(&self) -> String {
         let mut lanes = self.lanes.join(", ");
         if self.emulated {

@@ -45,11 +45,12 @@ fn push_one(p: &mut SyntheticEngine, d: &mut SyntheticEngine, request: &str, see
 fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     let _op = Operator::start("agents");
     let ns = namespace("agents");
-    kubectl_ok(
-        &["apply", "-f", "-"],
-        Some(&manifest("vllm-push-64-64.yaml", &ns, |_| {})),
-    );
-    let text = manifest("vllm-push-64-64.yaml", &ns, |_| {});
+    // The pair expects RDMA or shared memory; its agents are restricted to tcp (`AgentProcess`
+    // runs `--transport tcp`).
+    let text = manifest("vllm-push-64-64.yaml", &ns, |v| {
+        v["spec"]["transfer"]["requirePath"] = serde_yaml::from_str("[Rdma, SharedMemory]").expect("yaml");
+    });
+    kubectl_ok(&["apply", "-f", "-"], Some(&text));
     let pair: PDPair = serde_yaml::from_str(&text).expect("PDPair");
     // The engines get the pair's secret the way a pod does: from the Secret the operator made.
     let key = secret_key(&ns, "vllm-push-64-64");
@@ -134,6 +135,59 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         condition(&pair_json, "TransferReady").map(|c| c.0).as_deref(),
         Some("True")
     );
+    // The path: prefill's agent moved the bytes, over tcp alone, and says so; decode's holds no
+    // endpoint and reports none.
+    let endpoint = eventually(WAIT, "the path in prefill's PDEndpoint", || {
+        let e = get_json("pdendpoint", &ns, "prefill-pod-p0")?;
+        e["status"]["paths"].get(0).is_some().then_some(e)
+    });
+    let path = &endpoint["status"]["paths"][0];
+    assert_eq!(path["kind"], "Tcp", "{endpoint}");
+    assert_eq!(path["lanes"], serde_json::json!(["tcp/lo"]), "{endpoint}");
+    assert_eq!(path["backend"], "UcxHost");
+    assert_eq!(path["emulated"], true, "UCX 1.13 has no RMA over tcp");
+    assert_eq!(path["peer"], "d0@node-d", "{endpoint}");
+    let decode = get_json("pdendpoint", &ns, "decode-pod-d0").expect("decode's endpoint");
+    assert!(decode["status"]["paths"].is_null(), "{decode}");
+    // Tcp is not what the pair requires: TransferPath False with a Warning Event (no kubelet
+    // runs the pods here, so Ready is False for that already).
+    let pair_json = eventually(WAIT, "TransferPath=False", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (condition(&p, "TransferPath")?.0 == "False").then_some(p)
+    });
+    assert_eq!(
+        condition(&pair_json, "TransferPath").map(|c| c.1).as_deref(),
+        Some("PathNotAllowed")
+    );
+    let warning = eventually(WAIT, "the PathNotAllowed Warning Event", || {
+        events_about(&ns, "vllm-push-64-64")
+            .into_iter()
+            .find(|e| e["type"] == "Warning" && e["reason"] == "PathNotAllowed")
+    });
+    let message = warning["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("requirePath [Rdma, SharedMemory]")
+            && message.contains("prefill-pod-p0: Tcp (tcp/lo, emulated RMA)"),
+        "{message}"
+    );
+    // Allowing Tcp turns it True, its reason the path.
+    kubectl_ok(
+        &[
+            "patch",
+            "pdpair",
+            "vllm-push-64-64",
+            "-n",
+            &ns,
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"transfer":{"requirePath":["Rdma","Tcp"]}}}"#,
+        ],
+        None,
+    );
+    eventually(WAIT, "TransferPath=True Tcp", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (condition(&p, "TransferPath")? == ("True".to_owned(), "Tcp".to_owned())).then_some(())
+    });
     // An engine that runs 16-token blocks: its endpoint shows the mismatch in the pair's status...
     let p16 = register(&p_sock, spec(Role::Prefill, "p16", "prefill16-pod", 16));
     let reason = eventually(WAIT, "GeometryCompatible=False", || {

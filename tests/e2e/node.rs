@@ -133,6 +133,29 @@ fn helm_install_runs_pdpair_in_pods_and_a_pair_turns_ready_with_a_transfer() {
     assert_eq!(pair["status"]["transfer"]["endpoints"], 2, "{}", pair["status"]);
     let printed = kubectl_ok(&["get", "pdp", "test-pair", "-n", &ns], None);
     assert!(printed.lines().nth(1).is_some_and(|l| l.contains("True")), "{printed}");
+    // The path, as the chart's default (`transport: auto`) let UCX choose it: both engines are
+    // behind the node's one agent, which reaches its own worker through UCX's `self`.
+    let path = eventually(WAIT, "the pair's TransferPath", || {
+        let p = get_json("pdpair", &ns, "test-pair")?;
+        condition(&p, "TransferPath").filter(|c| c.0 == "True")
+    });
+    assert_eq!(path.1, "Local", "{}", pair["status"]);
+    let printed = kubectl_ok(&["get", "pdp", "test-pair", "-n", &ns], None);
+    assert!(printed.lines().nth(1).is_some_and(|l| l.contains("Local")), "{printed}");
+    let endpoints = kubectl_ok(&["get", "pde", "-n", &ns, "-o", "json"], None);
+    let endpoints: serde_json::Value = serde_json::from_str(&endpoints).expect("json");
+    let lanes: Vec<&serde_json::Value> = endpoints["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .filter_map(|e| e["status"]["paths"].get(0))
+        .map(|p| &p["lanes"][0])
+        .collect();
+    assert_eq!(
+        lanes,
+        [&serde_json::json!("self/memory0")],
+        "prefill's endpoint alone: {endpoints}"
+    );
 
     // The leader's pod goes: the other takes the Lease, and the webhook keeps answering.
     kubectl_ok(&["delete", "pod", "-n", NS, &leader, "--wait=false"], None);

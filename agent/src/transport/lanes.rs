@@ -79,15 +79,23 @@ impl Lanes {
         (if am.is_empty() { self.all.iter().collect() } else { am }, true)
     }
 
-    /// The class of path: the worst of the carrying lanes (TCP beside RDMA is TCP), `Other`
-    /// when there are none.
+    /// The class of path: `Local` when UCX reaches the peer through `self` (only an endpoint to
+    /// this very worker has that lane: both engines are behind this agent), else the worst of
+    /// the carrying lanes (TCP beside RDMA is TCP; the first such lane names it), `Other` when
+    /// there are none.
     pub fn kind(&self) -> PathKind {
         let (lanes, _) = self.carrying();
-        lanes
-            .iter()
-            .map(|l| classify(&l.transport))
-            .max_by_key(|k| k.rank())
-            .unwrap_or(PathKind::Other)
+        let kinds: Vec<PathKind> = lanes.iter().map(|l| classify(&l.transport)).collect();
+        if kinds.contains(&PathKind::Local) {
+            return PathKind::Local;
+        }
+        let mut worst: Option<PathKind> = None;
+        for k in kinds {
+            if worst.is_none_or(|w| k.rank() > w.rank()) {
+                worst = Some(k);
+            }
+        }
+        worst.unwrap_or(PathKind::Other)
     }
 
     /// The carrying lanes' names, deduplicated, in lane order.

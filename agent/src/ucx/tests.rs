@@ -178,6 +178,11 @@ fn an_endpoint_reports_the_lanes_ucx_chose_for_it() {
             wb.progress();
         })
         .expect("close");
+        // An endpoint to its own worker (both engines behind one agent) goes through `self`.
+        let own = wa.connect(&wa.address().expect("A's address")).expect("connect A->A");
+        let text = own.print_info();
+        assert_eq!(Lanes::parse(&text).kind(), PathKind::Local, "{transport:?}:\n{text}");
+        own.close(|| {}).expect("close");
     }
     let _ = std::fs::remove_dir_all(&dir);
     assert!(version().starts_with("1."), "{}", version());

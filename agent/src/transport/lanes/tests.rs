@@ -73,6 +73,24 @@ fn tcp_beside_rdma_makes_the_path_tcp() {
     assert_eq!(lanes.kind(), PathKind::Tcp, "the worst carrying lane decides");
 }
 
+// An endpoint to the agent's own worker (both engines behind one agent), captured here.
+const SELF: &str = "#
+#                 lane[0]:  0:self/memory0.0 md[0]          -> md[0]/self/sysdev[255] am am_bw#0
+#                 lane[1]:  3:sysv/memory.0 md[2]           -> md[2]/sysv/sysdev[255]
+#                 lane[2]:  4:posix/memory.0 md[3]          -> md[3]/posix/sysdev[255]
+#
+#                  put[0]: 0..<short>..4294967296..<bcopy>..(inf)
+#                  put[1]: 0..<short>..4294967296..<bcopy>..(inf)
+#                  put[2]: 0..<short>..4294967296..<bcopy>..(inf)
+";
+
+#[test]
+fn an_endpoint_to_the_agents_own_worker_is_local() {
+    let lanes = Lanes::parse(SELF);
+    assert_eq!(lanes.kind(), PathKind::Local);
+    assert_eq!(lanes.names(), ["self/memory0", "sysv/memory", "posix/memory"]);
+}
+
 #[test]
 fn transports_are_classified() {
     for (tl, kind) in [
