@@ -81,7 +81,7 @@ mod tests {
     use std::{net::Ipv4Addr, time::Instant};
 
     use super::*;
-    use crate::{agent::AgentConfig, ucx::Transport};
+    use crate::{agent::AgentConfig, transport::ucx::Transport};
 
     fn get(addr: std::net::SocketAddr, path: &str) -> String {
         let mut s = TcpStream::connect(addr).expect("connect");

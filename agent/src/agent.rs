@@ -38,12 +38,12 @@ pub use publish::Publisher;
 use crate::{
     engine_api::{AgentEvent, EngineRequest, PoolRegistration, Settings},
     layout::PoolLayout,
+    memory::pool::{self, Pool},
     metrics::Metrics,
-    pool::{self, Pool},
     protocol::{self, HandshakeError, MemoryDesc, Message, PeerInfo, Reason},
     reason,
-    ucx::Transport,
-    ucx_thread::UcxHandle,
+    transport::ucx::Transport,
+    transport::ucx_thread::UcxHandle,
     wire::{self, Sealer, hex_bytes},
 };
 
@@ -659,7 +659,7 @@ impl Engine {
             backend: pdpair_api::Backend::UcxHost,
             lanes: lanes.names(),
             emulated,
-            ucx_version: crate::ucx::version(),
+            ucx_version: crate::transport::ucx::version(),
             since: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                 k8s_openapi::jiff::Timestamp::from_second(unix_now())
                     .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use crate::ucx::{Context, MemRegion, Transport, Worker};
+use crate::transport::ucx::{Context, MemRegion, Transport, Worker};
 
 /// Bandwidth into one kind of target.
 #[derive(Clone, Debug, PartialEq)]
@@ -41,7 +41,7 @@ fn one(
     put: usize,
     rounds: u32,
 ) -> Result<PutBandwidth, String> {
-    let e = |e: crate::ucx::UcxError| e.to_string();
+    let e = |e: crate::transport::ucx::UcxError| e.to_string();
     let writer = Context::new(Transport::Shm, Some(dir)).map_err(e)?;
     let owner = Context::new(Transport::Shm, Some(dir)).map_err(e)?;
     let (ww, wo) = (Worker::new(&writer).map_err(e)?, Worker::new(&owner).map_err(e)?);

@@ -250,7 +250,7 @@ pub struct LoopbackArgs {
 
 /// Runs the agent until it is killed.
 pub fn run(args: &RunArgs) -> Result<(), UsageError> {
-    let transport: crate::ucx::Transport = args.transport.parse().map_err(UsageError)?;
+    let transport: crate::transport::ucx::Transport = args.transport.parse().map_err(UsageError)?;
     let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
     let kube = kube_config(args)?;
     let cfg = crate::agent::AgentConfig {
@@ -273,7 +273,7 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
         heartbeat: std::time::Duration::from_millis(args.heartbeat_ms),
     };
     if args.clean_pool_dir {
-        let removed = crate::pool::clean_dir(&args.pool_dir);
+        let removed = crate::memory::pool::clean_dir(&args.pool_dir);
         if removed > 0 {
             tracing::info!(dir = %args.pool_dir.display(), removed, "removed pool files a previous run left");
         }
@@ -305,7 +305,7 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
             })?;
         }
     }
-    tracing::info!(socket = %args.socket.display(), name = %args.name, transport = %args.transport, ucx = %crate::ucx::version(), "serving the engine API");
+    tracing::info!(socket = %args.socket.display(), name = %args.name, transport = %args.transport, ucx = %crate::transport::ucx::version(), "serving the engine API");
     agent
         .serve_on(listener)
         .map_err(|e| UsageError(format!("{}: {e}", args.socket.display())))

@@ -143,7 +143,7 @@ impl SyntheticEngine {
         let lens = layout.region_lens();
         let own = if reg.memory_fd {
             lens.iter()
-                .map(|len| crate::pool::sealed_memfd(*len))
+                .map(|len| crate::memory::pool::sealed_memfd(*len))
                 .collect::<Result<Vec<_>, _>>()?
         } else {
             Vec::new()

@@ -16,7 +16,7 @@ use pdpair_agent::{
     layout::PoolLayout,
     protocol::{self, HandshakeError, MemoryDesc, Message, PeerInfo, Reason, Registration},
     synthetic::SyntheticEngine,
-    ucx::Transport,
+    transport::ucx::Transport,
     wire,
 };
 use pdpair_api::{ChecksumPolicy, Parallelism, Role, TransferMode};
@@ -558,13 +558,16 @@ fn an_engine_that_truncates_its_shared_memory_pool_kills_no_agent() {
     let mut p = prefill(&w);
     let ds = w.agent("d", Transport::Shm, false);
     let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
-    let faults = pdpair_agent::guard::faults();
+    let faults = pdpair_agent::memory::guard::faults();
     d.pool_file(0).set_len(0).expect("an engine can truncate a UCX segment");
     expect_kv(&mut d, "r", p.address.clone(), &[5, 6], 100);
     kv_ready(&mut p, "r", &[3, 4], 100);
     let event = d.next_event().expect("event");
     assert_eq!(reasons(&event), vec!["ChecksumMismatch".to_owned()], "{event:?}");
-    assert!(pdpair_agent::guard::faults() > faults, "the guard absorbed the faults");
+    assert!(
+        pdpair_agent::memory::guard::faults() > faults,
+        "the guard absorbed the faults"
+    );
     // Both agents still serve a well-behaved engine.
     still_serves(&w, &mut p, "d2");
 }

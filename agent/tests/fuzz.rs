@@ -16,7 +16,7 @@ use pdpair_agent::{
     engine_api::{AgentEvent, EngineRequest, PoolRegistration, RegionRequest},
     layout::LayerAt,
     protocol::{self, Message},
-    ucx::Transport,
+    transport::ucx::Transport,
     wire::{self, Opener, Sealer},
 };
 use pdpair_api::{ChecksumPolicy, KvLayout, Parallelism, Role, TransferMode};

@@ -9,7 +9,7 @@ use std::{
 use pdpair_agent::{
     engine_api::{AgentEvent, EngineRequest},
     synthetic::{EngineMemory, SyntheticEngine},
-    ucx::Transport,
+    transport::ucx::Transport,
 };
 use pdpair_api::{ChecksumPolicy, Role, TransferMode};
 
@@ -364,7 +364,7 @@ fn registration_with_too_little_memory_is_refused_with_the_sizes() {
     let message = register_raw(
         &s,
         &good,
-        Some(pdpair_agent::pool::sealed_memfd(4096).expect("memfd")),
+        Some(pdpair_agent::memory::pool::sealed_memfd(4096).expect("memfd")),
         None,
     );
     // 2 layers x K,V x 16 blocks x (64 tokens x 2 heads x 16 x 2 bytes).

@@ -10,7 +10,7 @@ use common::{World, expect_kv, kv, kv_ready, reasons, spec};
 use pdpair_agent::{
     engine_api::{AgentEvent, EngineRequest},
     synthetic::SyntheticEngine,
-    ucx::Transport,
+    transport::ucx::Transport,
 };
 use pdpair_api::{ChecksumPolicy, Role};
 

@@ -17,7 +17,7 @@ use pdpair_api::{
 use super::*;
 use crate::{
     protocol::{self, HandshakeError, MemoryDesc, Message, Reason, Registration, Session},
-    ucx_thread::{OpError, PutOp},
+    transport::ucx_thread::{OpError, PutOp},
     wire::{self, Opener},
 };
 

@@ -15,7 +15,7 @@ use pdpair_api::{ChecksumPolicy, Role, checksum::BlockSums};
 use super::*;
 use crate::{
     protocol::{self, Message, Reason, Registration, Session},
-    ucx_thread::{OpError, PutOp},
+    transport::ucx_thread::{OpError, PutOp},
     wire,
 };
 

@@ -14,7 +14,7 @@ use pdpair_agent::{
     engine_api::{AgentEvent, EngineRequest},
     metrics::Metrics,
     synthetic::{EngineMemory, EngineSpec, SyntheticEngine},
-    ucx::Transport,
+    transport::ucx::Transport,
 };
 use pdpair_api::{CacheDtype, ChecksumPolicy, KvGeometry, KvLayout, ModelDtype, Parallelism, Role, TransferMode};
 

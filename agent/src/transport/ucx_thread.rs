@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::ucx::{Context, Endpoint, MemRegion, RemoteKey, Transport, Worker};
+use crate::transport::ucx::{Context, Endpoint, MemRegion, RemoteKey, Transport, Worker};
 
 /// One WRITE: `len` bytes from our address `local` to the peer's address `remote`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,7 +66,7 @@ pub enum Command {
         /// (region id, packed rkey).
         reply: Reply<(u64, Vec<u8>)>,
     },
-    /// Allocate `len` bytes through UCX and register them (see [`crate::ucx::Context::allocate`]).
+    /// Allocate `len` bytes through UCX and register them (see [`crate::transport::ucx::Context::allocate`]).
     Allocate {
         /// Bytes.
         len: u64,
@@ -316,7 +316,7 @@ struct Remote {
     range: (u64, u64),
     /// Over shared memory: the guard over our mapping of the peer's segment (its engine may
     /// truncate it; see [`crate::guard`]).
-    _guard: Option<crate::guard::Guard>,
+    _guard: Option<crate::memory::guard::Guard>,
 }
 
 /// A put or get posted and not yet complete. Its requests (and, for a put, the flush after
@@ -324,7 +324,7 @@ struct Remote {
 struct InFlight {
     peer: u64,
     regions: Vec<u64>,
-    requests: Vec<crate::ucx::Request>,
+    requests: Vec<crate::transport::ucx::Request>,
     /// A put flushes once its requests completed (remote completion).
     flush: Flush,
     bytes: u64,
@@ -340,7 +340,7 @@ enum Flush {
     /// A put whose flush is not posted yet.
     Pending,
     /// A put's flush in progress.
-    Posted(crate::ucx::Request),
+    Posted(crate::transport::ucx::Request),
 }
 
 /// What became of an in-flight operation this round.
@@ -534,7 +534,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                                 // peer that claims more than its segment holds would make us copy
                                 // into our own memory past it.
                                 mapped_whole(&rkey, range, at)?;
-                                guard = Some(crate::guard::guard(at, range.1));
+                                guard = Some(crate::memory::guard::guard(at, range.1));
                             }
                             locals.push(local);
                             unpacked.push(Remote {
@@ -702,7 +702,7 @@ fn mapped_whole(rkey: &RemoteKey, remote: (u64, u64), at: u64) -> Result<(), Str
             "the peer's key does not map its whole region {base:#x}+{len} contiguously"
         ));
     }
-    if !crate::pool::mapped(at, len) {
+    if !crate::memory::pool::mapped(at, len) {
         return Err(format!(
             "the peer's key maps fewer than the {len} bytes of the region it described"
         ));
@@ -734,7 +734,7 @@ fn post_puts(
     keys: &[&RemoteKey],
     ops: &[PutOp],
     corrupt: bool,
-) -> Result<(Vec<crate::ucx::Request>, u64, Option<Vec<u8>>), String> {
+) -> Result<(Vec<crate::transport::ucx::Request>, u64, Option<Vec<u8>>), String> {
     let mut scratch: Option<Vec<u8>> = None;
     let mut pending = Vec::new();
     let mut bytes = 0u64;
@@ -771,7 +771,7 @@ fn post_gets(
     regions: &[&MemRegion],
     keys: &[&RemoteKey],
     ops: &[PutOp],
-) -> Result<(Vec<crate::ucx::Request>, u64), String> {
+) -> Result<(Vec<crate::transport::ucx::Request>, u64), String> {
     let mut pending = Vec::new();
     let mut bytes = 0u64;
     for (i, op) in ops.iter().enumerate() {
@@ -987,7 +987,7 @@ mod tests {
         );
         let pool = b.allocate(1 << 20).expect("allocate");
         assert!(pool.len >= 1 << 20);
-        let path = crate::pool::mapping_path(pool.addr).expect("a named file");
+        let path = crate::memory::pool::mapping_path(pool.addr).expect("a named file");
         assert_eq!(path.parent(), Some(dir.as_path()), "{}", path.display());
         // An engine's view: its own mapping of the file.
         let file = std::fs::File::options()

@@ -20,7 +20,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::{guard::Guard, ucx_thread::UcxHandle};
+use crate::{memory::guard::Guard, transport::ucx_thread::UcxHandle};
 
 /// Prefix of the files UCX's POSIX allocator makes (its shared-memory segments and pools).
 pub const UCX_SEGMENT_PREFIX: &str = "ucx_shm_posix_";
@@ -114,11 +114,11 @@ impl Pool {
                 Some(path) => open_no_follow(&path)
                     .and_then(|f| {
                         // Guard UCX's mapping and ours before anything reads either.
-                        let guards = vec![crate::guard::guard(a.addr, a.len)];
+                        let guards = vec![crate::memory::guard::guard(a.addr, a.len)];
                         map_populated(&f, None, &path.to_string_lossy()).map(|map| (f, map, guards))
                     })
                     .map(|(f, map, mut guards)| {
-                        guards.push(crate::guard::guard(map.as_ptr() as u64, map.len() as u64));
+                        guards.push(crate::memory::guard::guard(map.as_ptr() as u64, map.len() as u64));
                         Pool {
                             map,
                             base: a.addr,

@@ -416,7 +416,7 @@ impl Worker {
                 quiet = 0;
             } else {
                 quiet = quiet.saturating_add(1);
-                if quiet >= crate::ucx_thread::QUIET_POLLS_BEFORE_YIELD {
+                if quiet >= crate::transport::ucx_thread::QUIET_POLLS_BEFORE_YIELD {
                     std::thread::yield_now();
                 }
             }
