@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: all deps build test fmt-check clippy unit python-test e2e control-plane images node demo demo-down lint-manifests bench crds fmt clean
+.PHONY: all deps build test fmt-check clippy unit python-test e2e control-plane images node demo demo-down lint-manifests bench crds fmt clean gpu-bundle gpu-check
 
 all: build
 
@@ -64,6 +64,15 @@ lint-manifests: deps
 ## make bench: the benchmarks in docs/benchmarks.md.
 bench: deps
 	hack/bench.sh
+
+## make gpu-bundle: build (here, no CUDA needed) what gpu-check runs, into .gpu/.
+gpu-bundle: deps
+	hack/gpu-bundle.sh
+
+## make gpu-check: on a machine with an NVIDIA GPU, run the GPU tests and the gpu-check table
+## from .gpu/ (built by gpu-bundle; nothing is built there).
+gpu-check:
+	hack/gpu-check.sh
 
 ## make crds: regenerate crds/ from the types.
 crds:

@@ -2,5 +2,6 @@
 //! them over host memory (a GPU kernel will sit beside it, bit-identical).
 
 pub mod cpu;
+pub mod gpu;
 
 pub use cpu::*;

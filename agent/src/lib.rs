@@ -12,6 +12,7 @@ pub mod bench;
 pub mod checksum;
 pub mod cli;
 pub mod engine_api;
+pub mod gpu_check;
 pub mod layout;
 pub mod loopback;
 pub mod memory;

@@ -24,6 +24,9 @@ enum Command {
     BenchChecksum(cli::BenchChecksumArgs),
     /// Measure UCX put GB/s over shared memory into registered and into UCX-allocated memory.
     BenchPut(cli::BenchPutArgs),
+    /// On a machine with an NVIDIA GPU: measure copies, the checksum kernel and CUDA IPC pushes,
+    /// checking each (`make gpu-check`). Exits 1 when a check fails, 2 without a GPU.
+    GpuCheck(pdpair_agent::gpu_check::GpuCheckArgs),
     /// One request of the synthetic engine (for checking other engines' clients against it).
     #[command(hide = true)]
     SyntheticEngine(cli::SyntheticEngineArgs),
@@ -61,6 +64,16 @@ fn main() -> ExitCode {
         Command::BenchPut(args) => cli::bench_put(&args, &mut stdout.lock()),
         Command::SyntheticEngine(args) => cli::synthetic_engine(&args, &mut stdout.lock()),
         Command::TestEngine(args) => pdpair_agent::test_engine::run(&args, &mut stdout.lock()),
+        Command::GpuCheck(args) => {
+            return match pdpair_agent::gpu_check::run(&args, &mut stdout.lock()) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::from(1),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            };
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

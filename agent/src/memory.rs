@@ -2,5 +2,6 @@
 //! UCX-allocated shared memory), and the guard that keeps a peer's shared segment from faulting
 //! the agent when its engine truncates it.
 
+pub mod cuda;
 pub mod guard;
 pub mod pool;

@@ -1,0 +1,440 @@
+//! `pdpair-agent gpu-check`: what `make gpu-check` measures on a machine with an NVIDIA GPU, and
+//! checks while it measures. Built on a machine without CUDA (cudarc loads libcuda and libnvrtc
+//! at run time) and carried there: nothing is built on the GPU machine.
+//!
+//! Rows: the device-to-device copy ceiling; the checksum kernel beside a plain read of the same
+//! bytes, its sums compared with the CPU checksum of every block; a push through a CUDA IPC
+//! handle from a second process (the prefill side) into this one's pool, coalesced and block by
+//! block for a 4096-token prompt of 16-token blocks, verified by checksum on the receiving GPU.
+//! The agent's sessions do not move GPU pools yet: the IPC rows measure the copies an agent will
+//! issue, not a request through the agent.
+#![allow(unsafe_code)] // one `prepare` of a launch over memory the check holds
+
+use std::{
+    io::{BufRead, Write},
+    process::{Command, Stdio},
+};
+
+use pdpair_api::{CacheDtype, KvGeometry, KvLayout, ModelDtype, Parallelism};
+use serde::Serialize;
+
+use crate::{
+    checksum::gpu::{Blocks, GpuChecksum},
+    layout::PoolLayout,
+    memory::cuda::{CudaError, DeviceMemory, Gpu, IpcHandle},
+};
+
+/// Arguments of `pdpair-agent gpu-check`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct GpuCheckArgs {
+    /// MiB for the copy and checksum rows.
+    #[arg(long, default_value_t = 1024)]
+    pub mib: usize,
+    /// Repetitions of each timed step (the best is reported).
+    #[arg(long, default_value_t = 5)]
+    pub repeat: u32,
+    /// GPU ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+    /// Output format.
+    #[arg(short = 'o', long = "output", default_value = "text", value_parser = ["text", "json"])]
+    pub output: String,
+    /// The prefill side of the IPC row (reads `<handle hex> <bytes>` on stdin).
+    #[arg(long = "ipc-child", hide = true)]
+    pub ipc_child: bool,
+}
+
+/// One measured row.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// What was measured.
+    pub what: String,
+    /// GB/s (10^9 bytes per second), where it is a rate.
+    pub gbps: Option<f64>,
+    /// Milliseconds, best of the repetitions.
+    pub ms: Option<f64>,
+    /// What was checked, and the outcome.
+    pub check: String,
+    /// The path the bytes took.
+    pub path: String,
+}
+
+/// The whole report.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// The GPU's name.
+    pub gpu: String,
+    /// Its UUID.
+    pub uuid: String,
+    /// The rows.
+    pub rows: Vec<Row>,
+    /// Whether every check passed.
+    pub ok: bool,
+}
+
+/// The 8B-class geometry the rows use: 32 layers, 8 KV heads of 128, bf16, 16-token blocks, HND.
+pub fn geometry() -> KvGeometry {
+    KvGeometry {
+        engine: "vllm".into(),
+        engine_version: None,
+        model: "8b-class".into(),
+        dtype: ModelDtype::Bfloat16,
+        cache_dtype: CacheDtype::Auto,
+        layers: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        attention_backend: "FLASH_ATTN".into(),
+        layout: KvLayout::Hnd,
+        block_size: 16,
+        kernel_block_size: None,
+        mla: false,
+        hybrid: false,
+        host_buffer: false,
+    }
+}
+
+fn layout_for(bytes: usize) -> Result<PoolLayout, CudaError> {
+    let one = PoolLayout::new(&geometry(), &Parallelism::default(), 1, 0).map_err(|e| CudaError::Invalid(e.0))?;
+    let per_block = one.pool_len();
+    let blocks = u32::try_from((bytes / per_block).max(1)).unwrap_or(u32::MAX);
+    PoolLayout::new(&geometry(), &Parallelism::default(), blocks, 0).map_err(|e| CudaError::Invalid(e.0))
+}
+
+/// Deterministic bytes (xorshift over u64 words).
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn gbps(bytes: usize, ms: f64) -> f64 {
+    bytes as f64 / (ms / 1e3) / 1e9
+}
+
+fn best(repeat: u32, mut step: impl FnMut() -> Result<f32, CudaError>) -> Result<f64, CudaError> {
+    let mut best = f64::MAX;
+    for _ in 0..repeat.max(1) {
+        best = best.min(f64::from(step()?));
+    }
+    Ok(best)
+}
+
+/// Runs the check (or, with `--ipc-child`, the prefill side of the IPC row).
+pub fn run(args: &GpuCheckArgs, out: &mut dyn Write) -> Result<bool, CudaError> {
+    let gpu = Gpu::open(args.gpu)?;
+    if args.ipc_child {
+        ipc_child(&gpu, args.repeat)?;
+        return Ok(true);
+    }
+    let bytes = args.mib << 20;
+    let mut rows = Vec::new();
+    let mut ok = true;
+    let mut push = |r: Result<Row, CudaError>, what: &str| match r {
+        Ok(row) => {
+            ok &= !row.check.starts_with("FAILED");
+            rows.push(row);
+        }
+        Err(e) => {
+            ok = false;
+            rows.push(Row {
+                what: what.into(),
+                gbps: None,
+                ms: None,
+                check: format!("FAILED: {e}"),
+                path: String::new(),
+            });
+        }
+    };
+    push(copy_ceiling(&gpu, bytes, args.repeat), "device-to-device copy");
+    let sums = GpuChecksum::new(&gpu);
+    match &sums {
+        Ok(k) => {
+            for row in checksum_rows(&gpu, k, bytes, args.repeat) {
+                push(row, "checksum kernel");
+            }
+        }
+        Err(e) => push(Err(CudaError::Invalid(e.to_string())), "checksum kernel"),
+    }
+    if let Ok(k) = &sums {
+        for row in ipc_rows(&gpu, k, args.repeat) {
+            push(row, "CUDA IPC push");
+        }
+    }
+    let report = Report {
+        gpu: gpu.name(),
+        uuid: gpu.uuid(),
+        rows,
+        ok,
+    };
+    let written = if args.output == "json" {
+        serde_json::to_writer_pretty(&mut *out, &report).map_err(std::io::Error::other)
+    } else {
+        write_table(&report, out)
+    };
+    written.map_err(|e| CudaError::Invalid(format!("writing the report: {e}")))?;
+    Ok(report.ok)
+}
+
+fn write_table(report: &Report, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(out, "GPU: {} ({})", report.gpu, report.uuid)?;
+    writeln!(out, "| what | GB/s | ms | check | path |")?;
+    writeln!(out, "| --- | --- | --- | --- | --- |")?;
+    for r in &report.rows {
+        let g = r.gbps.map_or("-".into(), |g| format!("{g:.0}"));
+        let ms = r.ms.map_or("-".into(), |m| format!("{m:.3}"));
+        writeln!(out, "| {} | {g} | {ms} | {} | {} |", r.what, r.check, r.path)?;
+    }
+    writeln!(out, "all checks passed: {}", report.ok)
+}
+
+fn copy_ceiling(gpu: &Gpu, bytes: usize, repeat: u32) -> Result<Row, CudaError> {
+    let src = DeviceMemory::alloc(gpu, bytes)?;
+    let dst = DeviceMemory::alloc(gpu, bytes)?;
+    let probe = pattern(1 << 20, 7);
+    src.write(bytes - probe.len(), &probe)?;
+    let ms = best(repeat, || gpu.time_ms(|| gpu.copy(&dst, 0, &src, 0, bytes)))?;
+    let mut back = vec![0u8; probe.len()];
+    dst.read(bytes - probe.len(), &mut back)?;
+    Ok(Row {
+        what: format!("device-to-device copy, {} MiB", bytes >> 20),
+        gbps: Some(gbps(bytes, ms)),
+        ms: Some(ms),
+        check: if back == probe {
+            "the last MiB arrived".into()
+        } else {
+            "FAILED: the last MiB differs".into()
+        },
+        path: "one GPU".into(),
+    })
+}
+
+fn checksum_rows(gpu: &Gpu, k: &GpuChecksum, bytes: usize, repeat: u32) -> Vec<Result<Row, CudaError>> {
+    let run = || -> Result<Vec<Row>, CudaError> {
+        let layout = layout_for(bytes)?;
+        let len = layout.pool_len();
+        let host = pattern(len, 11);
+        let pool = DeviceMemory::alloc(gpu, len)?;
+        pool.write(0, &host)?;
+        let blocks: Vec<u32> = (0..layout.num_blocks).collect();
+        let tokens = u64::from(layout.num_blocks) * u64::from(layout.block_size);
+        let which = Blocks {
+            blocks: &blocks,
+            first_token: 0,
+            num_tokens: tokens,
+            first: 0,
+            count: layout.local_heads,
+        };
+        let gpu_sums = k.sums(&layout, &[&pool], &which)?;
+        let memory = [host.as_slice()];
+        let cpu: Vec<Option<u64>> = blocks
+            .iter()
+            .map(|b| layout.checksum(&memory, *b, u64::from(*b) * u64::from(layout.block_size), tokens))
+            .collect();
+        let equal = gpu_sums.iter().zip(&cpu).filter(|(g, c)| Some(**g) == **c).count();
+        // The kernel alone (its tables uploaded once, as for one request), beside the read.
+        // SAFETY: the pool outlives the launch (collected below).
+        let mut launch = unsafe { k.prepare(&layout, &[pool.ptr()], &which) }?;
+        let sum_ms = best(repeat, || gpu.time_ms(|| k.launch(&mut launch)))?;
+        let again = k.collect(&launch)?;
+        let read_ms = best(repeat, || gpu.time_ms(|| k.read(&pool, 4096).map(|_| ())))?;
+        let check = if equal == blocks.len() && again == gpu_sums {
+            format!("{equal}/{} blocks bit-identical to the CPU checksum", blocks.len())
+        } else {
+            format!("FAILED: {equal}/{} blocks equal the CPU checksum", blocks.len())
+        };
+        Ok(vec![
+            Row {
+                what: format!("checksum kernel, {} MiB in 16-token blocks", len >> 20),
+                gbps: Some(gbps(len, sum_ms)),
+                ms: Some(sum_ms),
+                check,
+                path: "in place, sums to host".into(),
+            },
+            Row {
+                what: format!("plain read of the same {} MiB", len >> 20),
+                gbps: Some(gbps(len, read_ms)),
+                ms: Some(read_ms),
+                check: format!("checksum/read = {:.2}", read_ms / sum_ms),
+                path: "in place".into(),
+            },
+        ])
+    };
+    match run() {
+        Ok(rows) => rows.into_iter().map(Ok).collect(),
+        Err(e) => vec![Err(e)],
+    }
+}
+
+/// What the prefill-side child reports.
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
+struct ChildReport {
+    coalesced_ms: f64,
+    per_block_ms: f64,
+    copies: usize,
+    bytes: usize,
+    sums: Vec<u64>,
+    refused_overclaim: String,
+}
+
+/// This process owns decode's pool (exported through IPC); a child process (prefill) opens it,
+/// writes its own pool's blocks into it, and reports its checksums; they are checked here, on
+/// the receiving GPU, without copying KV to the host.
+fn ipc_rows(gpu: &Gpu, k: &GpuChecksum, repeat: u32) -> Vec<Result<Row, CudaError>> {
+    let run = || -> Result<Vec<Row>, CudaError> {
+        let layout = prompt_layout()?;
+        let len = layout.pool_len();
+        let pool = DeviceMemory::alloc(gpu, len)?;
+        let handle = pool.ipc_handle()?;
+        let exe = std::env::current_exe().map_err(|e| CudaError::Invalid(format!("own executable: {e}")))?;
+        let mut child = Command::new(exe)
+            .args(["gpu-check", "--ipc-child", "--repeat", &repeat.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| CudaError::Invalid(format!("starting the prefill process: {e}")))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            writeln!(stdin, "{} {len}", handle.to_hex()).map_err(|e| CudaError::Invalid(e.to_string()))?;
+        }
+        let mut line = String::new();
+        if let Some(stdout) = child.stdout.take() {
+            std::io::BufReader::new(stdout)
+                .read_line(&mut line)
+                .map_err(|e| CudaError::Invalid(e.to_string()))?;
+        }
+        let status = child.wait().map_err(|e| CudaError::Invalid(e.to_string()))?;
+        let report: ChildReport = serde_json::from_str(line.trim())
+            .map_err(|e| CudaError::Invalid(format!("the prefill process ({status}) said {line:?}: {e}")))?;
+        let blocks: Vec<u32> = (0..layout.num_blocks).collect();
+        let which = Blocks {
+            blocks: &blocks,
+            first_token: 0,
+            num_tokens: u64::from(layout.num_blocks) * u64::from(layout.block_size),
+            first: 0,
+            count: layout.local_heads,
+        };
+        let received = k.sums(&layout, &[&pool], &which)?;
+        let verified = received == report.sums;
+        let check = if verified {
+            format!("{} blocks verified on the receiving GPU", received.len())
+        } else {
+            "FAILED: decode's checksums differ from prefill's".into()
+        };
+        let overhead = report.per_block_ms / report.coalesced_ms - 1.0;
+        Ok(vec![
+            Row {
+                what: format!("IPC push, 4096-token prompt ({} MiB), coalesced", report.bytes >> 20),
+                gbps: Some(gbps(report.bytes, report.coalesced_ms)),
+                ms: Some(report.coalesced_ms),
+                check: check.clone(),
+                path: "CudaIpc (two processes, one GPU)".into(),
+            },
+            Row {
+                what: format!("IPC push, same prompt, {} copies of one block", report.copies),
+                gbps: Some(gbps(report.bytes, report.per_block_ms)),
+                ms: Some(report.per_block_ms),
+                check: format!("per-block overhead {:.1}% of the coalesced copy", overhead * 100.0),
+                path: "CudaIpc (two processes, one GPU)".into(),
+            },
+            Row {
+                what: "IPC handle claiming more than its allocation".into(),
+                gbps: None,
+                ms: None,
+                check: if report.refused_overclaim.starts_with("refused") {
+                    report.refused_overclaim
+                } else {
+                    format!("FAILED: {}", report.refused_overclaim)
+                },
+                path: String::new(),
+            },
+        ])
+    };
+    match run() {
+        Ok(rows) => rows.into_iter().map(Ok).collect(),
+        Err(e) => vec![Err(e)],
+    }
+}
+
+/// A pool holding one 4096-token prompt of 16-token blocks (256 blocks, 512 MiB).
+fn prompt_layout() -> Result<PoolLayout, CudaError> {
+    PoolLayout::new(&geometry(), &Parallelism::default(), 4096 / 16, 0).map_err(|e| CudaError::Invalid(e.0))
+}
+
+/// The prefill side: opens decode's pool from the handle on stdin, writes its own blocks into
+/// it (one copy, then one copy per layer, K/V and block), reports the times and its checksums
+/// on stdout as one JSON line.
+fn ipc_child(gpu: &Gpu, repeat: u32) -> Result<(), CudaError> {
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .map_err(|e| CudaError::Invalid(e.to_string()))?;
+    let mut words = line.split_whitespace();
+    let handle = IpcHandle::from_hex(words.next().unwrap_or(""))?;
+    let len: usize = words
+        .next()
+        .and_then(|w| w.parse().ok())
+        .ok_or_else(|| CudaError::Invalid(format!("expected '<handle> <bytes>', got {line:?}")))?;
+    // A peer that claims more than it allocated is refused.
+    let refused_overclaim = match DeviceMemory::open_ipc(gpu, &handle, len + (2 << 20)) {
+        Err(e) => format!("refused: {e}"),
+        Ok(_) => "accepted a claim 2 MiB past the allocation".into(),
+    };
+    let layout = prompt_layout()?;
+    if len != layout.pool_len() {
+        return Err(CudaError::Invalid(format!(
+            "decode's pool is {len} bytes, the prompt's layout {}",
+            layout.pool_len()
+        )));
+    }
+    let remote = DeviceMemory::open_ipc(gpu, &handle, len)?;
+    let source = DeviceMemory::alloc(gpu, len)?;
+    source.write(0, &pattern(len, 23))?;
+    let coalesced_ms = best(repeat, || gpu.time_ms(|| gpu.copy(&remote, 0, &source, 0, len)))?;
+    let block_len = layout.block_len();
+    let mut copies = 0usize;
+    let per_block_ms = best(repeat, || {
+        copies = 0;
+        gpu.time_ms(|| {
+            for l in 0..layout.layers {
+                for v in [false, true] {
+                    for b in 0..layout.num_blocks {
+                        let (_, at) = layout.block_offset(l, v, b);
+                        gpu.copy(&remote, at, &source, at, block_len)?;
+                        copies += 1;
+                    }
+                }
+            }
+            Ok(())
+        })
+    })?;
+    let k = GpuChecksum::new(gpu)?;
+    let blocks: Vec<u32> = (0..layout.num_blocks).collect();
+    let which = Blocks {
+        blocks: &blocks,
+        first_token: 0,
+        num_tokens: u64::from(layout.num_blocks) * u64::from(layout.block_size),
+        first: 0,
+        count: layout.local_heads,
+    };
+    let sums = k.sums(&layout, &[&source], &which)?;
+    gpu.synchronize()?;
+    let report = ChildReport {
+        coalesced_ms,
+        per_block_ms,
+        copies,
+        bytes: len,
+        sums,
+        refused_overclaim,
+    };
+    println!(
+        "{}",
+        serde_json::to_string(&report).map_err(|e| CudaError::Invalid(e.to_string()))?
+    );
+    Ok(())
+}

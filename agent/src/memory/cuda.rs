@@ -1,0 +1,382 @@
+//! GPU memory through the CUDA driver API (cudarc, loaded at run time). The agent builds and runs
+//! without CUDA: [`Gpu::open`] answers [`CudaError::NoDriver`] where libcuda is not on the loader
+//! path, and nothing here is called before it succeeded (cudarc panics on a missing library).
+//!
+//! Pools that cross processes are allocated with `cuMemAlloc`: memory from the stream-ordered
+//! allocator cannot be exported with `cuIpcGetMemHandle` (measured on an H200: INVALID_VALUE).
+//! A handle from a peer is untrusted: the range it claims is checked against the allocation the
+//! driver mapped ([`DeviceMemory::open_ipc`]).
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream, DriverError, result, sys};
+
+/// A CUDA call failed, or CUDA is not there.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// libcuda is not on the loader path.
+    #[error("no CUDA driver on this machine (libcuda was not found on the loader path)")]
+    NoDriver,
+    /// libnvrtc is not on the loader path.
+    #[error("no NVRTC on this machine (libnvrtc was not found on the loader path)")]
+    NoNvrtc,
+    /// A driver call failed.
+    #[error("{op}: {source}")]
+    Driver {
+        /// The driver function.
+        op: &'static str,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// NVRTC refused the kernel source.
+    #[error("compiling the {kernel} kernel: {log}")]
+    Compile {
+        /// Which kernel.
+        kernel: &'static str,
+        /// NVRTC's log.
+        log: String,
+    },
+    /// An argument does not fit (a range, a layout).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Maps a driver error to [`CudaError::Driver`] naming `op`.
+pub(crate) fn driver(op: &'static str) -> impl FnOnce(DriverError) -> CudaError {
+    move |source| CudaError::Driver { op, source }
+}
+
+fn check(op: &'static str, r: sys::CUresult) -> Result<(), CudaError> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(CudaError::Driver {
+            op,
+            source: DriverError(r),
+        })
+    }
+}
+
+/// Whether libcuda can be loaded.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library (cached in a OnceLock inside cudarc).
+    unsafe { sys::is_culib_present() }
+}
+
+/// One GPU: its primary context and a stream of the agent's own for copies and kernels.
+#[derive(Debug, Clone)]
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal` (of those this process sees) and binds its context to this thread.
+    pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::NoDriver);
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver("cuDevicePrimaryCtxRetain"))?;
+        let stream = ctx.new_stream().map_err(driver("cuStreamCreate"))?;
+        Ok(Gpu { ctx, stream })
+    }
+
+    /// How many GPUs this process sees (0 without a driver).
+    pub fn count() -> usize {
+        if !driver_present() {
+            return 0;
+        }
+        CudaContext::device_count().map_or(0, |n| usize::try_from(n).unwrap_or(0))
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|e| format!("(unnamed: {e})"))
+    }
+
+    /// The device's UUID as hex (the same GPU whatever its number in a container).
+    pub fn uuid(&self) -> String {
+        match self.ctx.uuid() {
+            Ok(u) => u.bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect(),
+            Err(e) => format!("(no uuid: {e})"),
+        }
+    }
+
+    /// Binds the context to the calling thread (the raw driver calls below need it current).
+    pub fn bind(&self) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))
+    }
+
+    /// The agent's stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Queues a device-to-device copy of `len` bytes on the agent's stream.
+    ///
+    /// # Safety
+    /// Both ranges must lie in live device memory of this context (or mapped into it through IPC)
+    /// until the stream has passed the copy.
+    pub unsafe fn copy_async(&self, dst: u64, src: u64, len: usize) -> Result<(), CudaError> {
+        // SAFETY: the caller guarantees the ranges; the stream is ours.
+        check("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.stream.cu_stream())
+        })
+    }
+
+    /// Queues a copy of `len` bytes from `src` at `src_at` into `dst` at `dst_at`, both ranges
+    /// checked against their memory. Memory waits for its queued copies before it is freed.
+    pub fn copy(
+        &self,
+        dst: &DeviceMemory,
+        dst_at: usize,
+        src: &DeviceMemory,
+        src_at: usize,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        dst.range(dst_at, len)?;
+        src.range(src_at, len)?;
+        // SAFETY: both ranges lie in live device memory, which synchronizes before it is freed.
+        unsafe { self.copy_async(dst.ptr + dst_at as u64, src.ptr + src_at as u64, len) }
+    }
+
+    /// Waits until everything queued on the agent's stream is done.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().map_err(driver("cuStreamSynchronize"))
+    }
+
+    /// Milliseconds the work queued by `work` takes on the agent's stream, between two events.
+    pub fn time_ms(&self, work: impl FnOnce() -> Result<(), CudaError>) -> Result<f32, CudaError> {
+        let start = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver("cuEventCreate"))?;
+        let end = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver("cuEventCreate"))?;
+        start.record(&self.stream).map_err(driver("cuEventRecord"))?;
+        work()?;
+        end.record(&self.stream).map_err(driver("cuEventRecord"))?;
+        end.synchronize().map_err(driver("cuEventSynchronize"))?;
+        start.elapsed_ms(&end).map_err(driver("cuEventElapsedTime"))
+    }
+}
+
+/// An IPC handle for device memory (`cuIpcGetMemHandle`): 64 opaque bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct IpcHandle(pub [u8; 64]);
+
+impl std::fmt::Debug for IpcHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IpcHandle(..)")
+    }
+}
+
+impl IpcHandle {
+    /// As hex, for a command line or a text channel.
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// From 128 hex digits.
+    pub fn from_hex(s: &str) -> Result<IpcHandle, CudaError> {
+        let s = s.trim();
+        if s.len() != 128 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(CudaError::Invalid(format!(
+                "an IPC handle is 128 hex digits; got {} characters",
+                s.len()
+            )));
+        }
+        let mut out = [0u8; 64];
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16)
+                .map_err(|e| CudaError::Invalid(format!("IPC handle: {e}")))?;
+        }
+        Ok(IpcHandle(out))
+    }
+}
+
+/// Device memory: allocated here (`cuMemAlloc`, exportable), or a peer's opened from its IPC
+/// handle. Freed or closed on drop.
+#[derive(Debug)]
+pub struct DeviceMemory {
+    gpu: Gpu,
+    ptr: u64,
+    len: usize,
+    opened: bool,
+}
+
+impl DeviceMemory {
+    /// `len` bytes on `gpu`, zeroed.
+    pub fn alloc(gpu: &Gpu, len: usize) -> Result<DeviceMemory, CudaError> {
+        if len == 0 {
+            return Err(CudaError::Invalid("cannot allocate 0 bytes of device memory".into()));
+        }
+        gpu.bind()?;
+        // SAFETY: a plain allocation in the bound context.
+        let ptr = unsafe { result::malloc_sync(len) }.map_err(driver("cuMemAlloc"))?;
+        let memory = DeviceMemory {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+            opened: false,
+        };
+        // SAFETY: the range is the allocation just made.
+        unsafe { result::memset_d8_sync(ptr, 0, len) }.map_err(driver("cuMemsetD8"))?;
+        Ok(memory)
+    }
+
+    /// A peer's memory from its IPC handle, of which the peer claims `len` bytes. The claim is
+    /// checked: the handle must open an allocation that starts where it maps and holds at least
+    /// `len` bytes, or the handle is closed again and refused.
+    pub fn open_ipc(gpu: &Gpu, handle: &IpcHandle, len: usize) -> Result<DeviceMemory, CudaError> {
+        gpu.bind()?;
+        let raw = sys::CUipcMemHandle {
+            reserved: handle.0.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer; the driver validates the handle's bytes.
+        check("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                raw,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+            )
+        })?;
+        let memory = DeviceMemory {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+            opened: true,
+        };
+        memory.check_claim()?;
+        Ok(memory)
+    }
+
+    /// The allocation behind `ptr` starts at it and holds `len` bytes.
+    fn check_claim(&self) -> Result<(), CudaError> {
+        let (base, size) = address_range(self.ptr)?;
+        if base != self.ptr || size < self.len {
+            return Err(CudaError::Invalid(format!(
+                "the handle maps {size} bytes at {base:#x}, not the {} bytes at {:#x} it was given for",
+                self.len, self.ptr
+            )));
+        }
+        Ok(())
+    }
+
+    /// Its device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Its length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty (never: allocations are not).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// An IPC handle a process on this node can open.
+    pub fn ipc_handle(&self) -> Result<IpcHandle, CudaError> {
+        self.gpu.bind()?;
+        // SAFETY: zeroed handle bytes are a valid out-value.
+        let mut raw: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: ptr is a live cuMemAlloc allocation of this context.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(&mut raw, self.ptr)
+        })?;
+        Ok(IpcHandle(raw.reserved.map(|b| b as u8)))
+    }
+
+    /// Copies `data` to `offset` (synchronously).
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), CudaError> {
+        self.range(offset, data.len())?;
+        self.gpu.bind()?;
+        // SAFETY: the range was checked against this allocation.
+        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, data) }.map_err(driver("cuMemcpyHtoD"))
+    }
+
+    /// Copies `out.len()` bytes from `offset` (synchronously).
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), CudaError> {
+        self.range(offset, out.len())?;
+        self.gpu.bind()?;
+        // SAFETY: the range was checked against this allocation.
+        unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }.map_err(driver("cuMemcpyDtoH"))
+    }
+
+    /// Whether `len` bytes at `offset` lie inside (an error naming them when not).
+    pub fn range(&self, offset: usize, len: usize) -> Result<(), CudaError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(CudaError::Invalid(format!(
+                "{len} bytes at offset {offset} lie outside the {} bytes of device memory",
+                self.len
+            ))),
+        }
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_err() {
+            return;
+        }
+        // Copies and kernels queued on the agent's stream may still use this memory.
+        let _ = self.gpu.synchronize();
+        // SAFETY: ptr was allocated or opened here, exactly once, and is released once.
+        unsafe {
+            if self.opened {
+                let _ = sys::cuIpcCloseMemHandle(self.ptr);
+            } else {
+                let _ = result::free_sync(self.ptr);
+            }
+        }
+    }
+}
+
+/// The allocation holding device address `ptr`: (base, bytes).
+pub fn address_range(ptr: u64) -> Result<(u64, usize), CudaError> {
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: out-pointers; the driver looks the address up.
+    check("cuMemGetAddressRange", unsafe {
+        sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+    })?;
+    Ok((base, size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipc_handles_round_trip_through_hex_and_bad_hex_is_refused_naming_its_length() {
+        let h = IpcHandle(std::array::from_fn(|i| i as u8 * 3));
+        assert_eq!(IpcHandle::from_hex(&h.to_hex()).expect("parses"), h);
+        let e = IpcHandle::from_hex("abc").expect_err("too short");
+        assert!(e.to_string().contains("got 3 characters"), "{e}");
+        assert!(IpcHandle::from_hex(&"zz".repeat(64)).is_err());
+    }
+
+    #[test]
+    fn without_a_driver_opening_a_gpu_says_so_instead_of_panicking() {
+        // On machines without libcuda (CI here) this is the path; with one, a GPU opens or the
+        // driver's error is named.
+        match Gpu::open(0) {
+            Err(CudaError::NoDriver) => assert!(!driver_present()),
+            Err(e) => assert!(driver_present(), "{e}"),
+            Ok(g) => assert!(!g.name().is_empty()),
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! On an NVIDIA GPU (`make gpu-check` runs these with `--ignored`; they are ignored elsewhere,
+//! where no GPU exists): the checksum kernel against the CPU checksum on the same blocks in
+//! device memory, copies and their range checks, and the CUDA IPC push between two processes.
+
+use pdpair_agent::{
+    checksum::gpu::{Blocks, GpuChecksum},
+    layout::{KvArrangement, PoolLayout},
+    memory::cuda::{DeviceMemory, Gpu},
+};
+use pdpair_api::{CacheDtype, KvGeometry, KvLayout, ModelDtype, Parallelism};
+
+fn gpu() -> Gpu {
+    Gpu::open(0).unwrap_or_else(|e| panic!("this test needs a GPU: {e}"))
+}
+
+fn kv(heads: i32, head_dim: i32, nhd: bool, mla: bool, dtype: CacheDtype) -> KvGeometry {
+    KvGeometry {
+        engine: "vllm".into(),
+        engine_version: None,
+        model: "m".into(),
+        dtype: ModelDtype::Bfloat16,
+        cache_dtype: dtype,
+        layers: 4,
+        kv_heads: heads,
+        head_dim,
+        attention_backend: "FLASH_ATTN".into(),
+        layout: if nhd { KvLayout::Nhd } else { KvLayout::Hnd },
+        block_size: 16,
+        kernel_block_size: None,
+        mla,
+        hybrid: false,
+        host_buffer: false,
+    }
+}
+
+fn fill(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: make gpu-check"]
+fn the_checksum_kernel_equals_the_cpu_checksum_on_the_same_blocks() {
+    let g = gpu();
+    let k = GpuChecksum::new(&g).expect("the kernel compiles and loads");
+    // (kv heads, head dim, NHD, MLA, dtype, tensor (rank), blocks-first, a region per layer,
+    // misaligned by 8 bytes: the 8-byte path)
+    let cases = [
+        (8, 128, false, false, CacheDtype::Auto, (1, 0), false, false, false),
+        (8, 128, true, false, CacheDtype::Auto, (2, 1), true, false, false),
+        (8, 64, false, false, CacheDtype::Fp8, (4, 3), false, true, false),
+        (1, 576, false, true, CacheDtype::Auto, (1, 0), false, true, false),
+        (4, 4, false, false, CacheDtype::Auto, (1, 0), false, false, true),
+        (4, 128, true, false, CacheDtype::Auto, (1, 0), false, false, true),
+    ];
+    for (n, (heads, dim, nhd, mla, dtype, (tp, rank), blocks_first, per_layer, misaligned)) in
+        cases.into_iter().enumerate()
+    {
+        let parallelism = Parallelism {
+            tensor: tp,
+            ..Parallelism::default()
+        };
+        let mut layout = PoolLayout::new(&kv(heads, dim, nhd, mla, dtype), &parallelism, 8, rank).expect("layout");
+        if blocks_first {
+            layout = layout.arranged(KvArrangement::BlocksFirst);
+        }
+        if per_layer {
+            layout = layout
+                .with_regions(&[(1, None), (1, None), (1, None), (1, None)])
+                .expect("regions");
+        }
+        let host: Vec<Vec<u8>> = layout
+            .region_lens()
+            .iter()
+            .enumerate()
+            .map(|(r, len)| fill(*len, 17 * n as u64 + r as u64))
+            .collect();
+        let shift = if misaligned { 8 } else { 0 };
+        let device: Vec<DeviceMemory> = host
+            .iter()
+            .map(|h| {
+                let d = DeviceMemory::alloc(&g, h.len() + shift).expect("alloc");
+                d.write(shift, h).expect("upload");
+                d
+            })
+            .collect();
+        let bases: Vec<u64> = device.iter().map(|d| d.ptr() + shift as u64).collect();
+        let blocks = [7u32, 0, 3, 5];
+        let (first_token, num_tokens) = (32, 32 + 16 * 3 + 5); // the last block partly filled
+        let (first, count) = if layout.local_heads > 1 {
+            (1, layout.local_heads - 1)
+        } else {
+            (0, 1)
+        };
+        let which = Blocks {
+            blocks: &blocks,
+            first_token,
+            num_tokens,
+            first,
+            count,
+        };
+        // SAFETY: the device memory lives until the end of this iteration.
+        #[allow(unsafe_code)]
+        let gpu_sums = unsafe { k.block_sums(&layout, &bases, &which) }.expect("sums");
+        let memory: Vec<&[u8]> = host.iter().map(Vec::as_slice).collect();
+        let cpu: Vec<u64> = blocks
+            .iter()
+            .enumerate()
+            .map(|(j, b)| {
+                let t = first_token + j as u64 * u64::from(layout.block_size);
+                layout
+                    .checksum_heads(&memory, *b, t, num_tokens, first, count)
+                    .expect("cpu")
+            })
+            .collect();
+        assert_eq!(gpu_sums, cpu, "case {n}");
+        assert!(cpu.iter().any(|s| *s != 0), "case {n}: nonzero sums");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: make gpu-check"]
+fn copies_move_the_bytes_and_ranges_outside_memory_are_refused() {
+    let g = gpu();
+    let a = DeviceMemory::alloc(&g, 1 << 20).expect("alloc");
+    let b = DeviceMemory::alloc(&g, 1 << 20).expect("alloc");
+    let data = fill(4096, 3);
+    a.write(4096, &data).expect("upload");
+    g.copy(&b, 8192, &a, 4096, 4096).expect("copy");
+    g.synchronize().expect("sync");
+    let mut back = vec![0u8; 4096];
+    b.read(8192, &mut back).expect("download");
+    assert_eq!(back, data);
+    let e = g.copy(&b, (1 << 20) - 10, &a, 0, 4096).expect_err("past the end");
+    assert!(e.to_string().contains("lie outside"), "{e}");
+    let e = a.write(usize::MAX, &data).expect_err("wraps");
+    assert!(e.to_string().contains("lie outside"), "{e}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: make gpu-check"]
+fn gpu_check_pushes_through_an_ipc_handle_from_another_process_verified() {
+    let bin = std::env::var_os("PDPAIR_AGENT_BIN")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_pdpair-agent").into());
+    let out = std::process::Command::new(bin)
+        .args(["gpu-check", "--mib", "64", "--repeat", "1", "-o", "json"])
+        .output()
+        .expect("gpu-check runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("json");
+    assert_eq!(report["ok"], true, "{report}");
+    let rows = report["rows"].as_array().expect("rows");
+    assert!(
+        rows.iter().any(|r| r["check"]
+            .as_str()
+            .is_some_and(|c| c.contains("verified on the receiving GPU"))),
+        "{report}"
+    );
+    assert!(
+        rows.iter()
+            .any(|r| r["check"].as_str().is_some_and(|c| c.starts_with("refused"))),
+        "an overclaiming handle is refused: {report}"
+    );
+}

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Builds what `make gpu-check` runs on a GPU machine, here, without CUDA (cudarc loads libcuda and
+# libnvrtc at run time): the release agent and the GPU test binary, into .gpu/ (ignored by git),
+# with the script that runs them. Carry .gpu/ to the GPU machine; nothing is built there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=.gpu
+rm -rf "$out"
+mkdir -p "$out"
+cargo build --release -p pdpair-agent
+cp target/release/pdpair-agent "$out/pdpair-agent"
+exe=$(cargo test --release -p pdpair-agent --test gpu --no-run --message-format=json 2>/dev/null |
+  python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
+        print(m["executable"])')
+cp "$exe" "$out/gpu-tests"
+cp hack/gpu-check.sh "$out/gpu-check.sh"
+echo "gpu-bundle: $(du -sh "$out" | cut -f1) in $out: run $out/gpu-check.sh on the GPU machine"

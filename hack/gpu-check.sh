@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU (libcuda and libnvrtc on the loader path, UCX's libucp.so.0):
+# the GPU tests (ignored everywhere else), then `pdpair-agent gpu-check`'s table. Builds nothing:
+# the binaries come from hack/gpu-bundle.sh (`make gpu-bundle`) on the build machine. Writes the
+# report to $OUT when set. Exits non-zero when a test or a check fails.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+bundle=$here
+[[ -x $bundle/gpu-tests ]] || bundle=$here/../.gpu
+if [[ ! -x $bundle/gpu-tests || ! -x $bundle/pdpair-agent ]]; then
+  echo "gpu-check: no bundle: run 'make gpu-bundle' on the build machine and carry .gpu/ here" >&2
+  exit 2
+fi
+out=${OUT:-$(mktemp -d)}
+nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$out/nvidia-smi.txt"
+rc=0
+echo "== GPU tests"
+PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 300 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |
+  tee "$out/gpu-tests.txt" || rc=1
+echo "== gpu-check"
+timeout 300 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 2>&1 | tee "$out/gpu-check.txt" || rc=1
+timeout 300 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 -o json >"$out/gpu-check.json" 2>&1 || rc=1
+echo "gpu-check: exit $rc; reports in $out"
+exit $rc
