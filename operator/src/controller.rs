@@ -122,6 +122,8 @@ pub struct Context {
     written: Mutex<HashMap<String, PDPairStatus>>,
     /// Consecutive failures by object, for per-object backoff.
     failures: Mutex<HashMap<ObjectRef<PDPair>, u32>>,
+    /// What engine pods need to reach their node agent.
+    wiring: plan::Wiring,
 }
 
 impl std::fmt::Debug for Context {
@@ -178,7 +180,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ns);
     for role in [Role::Prefill, Role::Decode] {
         let dname = names::deployment_name(&name, role);
-        match plan::planned_deployment(pair, role) {
+        match plan::planned_deployment(pair, role, &ctx.wiring) {
             Some(d) => {
                 deployments
                     .patch(&dname, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&d))
@@ -385,6 +387,8 @@ pub struct Setup {
     pub metrics: Arc<Metrics>,
     /// Event publisher.
     pub events: Publisher,
+    /// What engine pods need to reach their node agent.
+    pub wiring: plan::Wiring,
 }
 
 impl std::fmt::Debug for Setup {
@@ -432,6 +436,7 @@ pub fn controller(
         events: setup.events,
         written: Mutex::new(HashMap::new()),
         failures: Mutex::new(HashMap::new()),
+        wiring: setup.wiring,
     });
     let controller = Controller::new(pdpairs, watcher::Config::default())
         .owns(deployments, watcher::Config::default().labels(LABEL_NAME))

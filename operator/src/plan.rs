@@ -54,15 +54,24 @@ pub fn geometry_hash(pair: &PDPair, role: Role) -> String {
 /// The Deployment the pool should have now: its template's, while the pair passes the rule
 /// table; `None` for a bring-your-own pool and for every pool of an incompatible pair (an
 /// incompatible pair must not run: the controller deletes what it had).
-pub fn planned_deployment(pair: &PDPair, role: Role) -> Option<Deployment> {
+pub fn planned_deployment(pair: &PDPair, role: Role, wiring: &Wiring) -> Option<Deployment> {
     pdpair_api::check(&pair.spec)
         .allowed()
-        .then(|| deployment(pair, role))
+        .then(|| deployment(pair, role, wiring))
         .flatten()
 }
 
+/// How this installation's node agents are reached, for the engine pods the operator renders.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Wiring {
+    /// The group that owns the agents' engine socket (mode 0660; the chart's
+    /// `agent.socketGroup`): engine pods get it as their `fsGroup` when they set none (which also
+    /// makes the pairing key readable to them), or as a supplemental group when they set another.
+    pub socket_group: Option<i64>,
+}
+
 /// The Deployment for a pool with a template; `None` for a bring-your-own pool.
-pub fn deployment(pair: &PDPair, role: Role) -> Option<Deployment> {
+pub fn deployment(pair: &PDPair, role: Role, wiring: &Wiring) -> Option<Deployment> {
     let name = pair.metadata.name.as_deref()?;
     let pool = match role {
         Role::Prefill => &pair.spec.prefill,
@@ -84,7 +93,7 @@ pub fn deployment(pair: &PDPair, role: Role) -> Option<Deployment> {
                 match_labels: Some(labels.clone()),
                 ..LabelSelector::default()
             },
-            template: engine_template(pair, name, role, template, labels),
+            template: engine_template(pair, name, role, template, labels, wiring),
             ..DeploymentSpec::default()
         }),
         status: None,
@@ -98,6 +107,7 @@ fn engine_template(
     role: Role,
     template: &PodTemplateSpec,
     labels: BTreeMap<String, String>,
+    wiring: &Wiring,
 ) -> PodTemplateSpec {
     let mut template = template.clone();
     let meta = template.metadata.get_or_insert_with(ObjectMeta::default);
@@ -125,6 +135,19 @@ fn engine_template(
         ),
     ];
     let spec = template.spec.get_or_insert_with(Default::default);
+    if let Some(gid) = wiring.socket_group {
+        let security = spec.security_context.get_or_insert_with(Default::default);
+        match security.fs_group {
+            None => security.fs_group = Some(gid),
+            Some(own) if own != gid => {
+                let groups = security.supplemental_groups.get_or_insert_with(Vec::new);
+                if !groups.contains(&gid) {
+                    groups.push(gid);
+                }
+            }
+            Some(_) => {}
+        }
+    }
     if pair.spec.transfer.connector == pdpair_api::Connector::Pdpair
         && let Some(engine) = spec.containers.first_mut()
     {

@@ -74,6 +74,16 @@ pub struct RunOptions {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// The group owning the node agents' engine socket (the chart's `agent.socketGroup`): engine
+    /// pods the operator renders join it (`fsGroup`, or a supplemental group when the template
+    /// sets another fsGroup). 0: none is added.
+    #[arg(
+        long = "agent-socket-group",
+        env = "PDPAIR_AGENT_SOCKET_GROUP",
+        default_value_t = 0,
+        value_name = "GID"
+    )]
+    pub agent_socket_group: u32,
 }
 
 /// Sets up tracing: `RUST_LOG` filters (default info), text or JSON lines on stderr.
@@ -246,6 +256,9 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         leader: leader_rx,
         metrics,
         events,
+        wiring: crate::plan::Wiring {
+            socket_group: (opts.agent_socket_group != 0).then_some(i64::from(opts.agent_socket_group)),
+        },
     });
     let synced_health = Arc::clone(&health);
     tokio::spawn(async move {

@@ -272,6 +272,25 @@ fn non_default_values_change_what_they_should() {
         env.iter()
             .any(|e| e["name"] == "UCX_NET_DEVICES" && e["value"] == "mlx5_0:1")
     );
+    // By default UCX chooses; the operator hands the agents' socket group to engine pods.
+    let args = |objs: &[serde_yaml::Value], kind: &str, name: &str| -> Vec<String> {
+        get(objs, kind, name)["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_sequence()
+            .expect("args")
+            .iter()
+            .filter_map(|a| a.as_str().map(str::to_owned))
+            .collect()
+    };
+    assert!(args(&objs, "DaemonSet", "agent").contains(&"--transport=auto".to_owned()));
+    assert!(args(&objs, "Deployment", "operator").contains(&"--agent-socket-group=2000".to_owned()));
+    let objs = render(&["agent.socketGroup=0", "agent.ucx.transport=tcp"]).expect("renders");
+    assert!(args(&objs, "DaemonSet", "agent").contains(&"--transport=tcp".to_owned()));
+    assert!(
+        !args(&objs, "Deployment", "operator")
+            .iter()
+            .any(|a| a.starts_with("--agent-socket-group")),
+        "no socket group, nothing for the operator to add"
+    );
 }
 
 #[test]

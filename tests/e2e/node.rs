@@ -110,6 +110,9 @@ fn helm_install_runs_pdpair_in_pods_and_a_pair_turns_ready_with_a_transfer() {
     eventually(WAIT, "both engine pods Ready", || {
         ready_pods(&ns, "pdpair.dev/name=test-pair", 2)
     });
+    // The example sets no fsGroup: the operator gave its non-root engines the agent's socket group.
+    let d = get_json("deployment", &ns, "test-pair-prefill").expect("the prefill Deployment");
+    assert_eq!(d["spec"]["template"]["spec"]["securityContext"]["fsGroup"], 2000, "{d}");
     let address = eventually(WAIT, "the prefill PDEndpoint", || prefill_address(&ns));
     // kubectl logs reaches the kubelet: the prefill engine said where the agent put it.
     let logs = kubectl_ok(&["logs", "-n", &ns, "deploy/test-pair-prefill"], None);

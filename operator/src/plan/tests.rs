@@ -14,7 +14,7 @@ fn pair() -> PDPair {
 #[test]
 fn deployment_is_owned_labelled_and_wired() {
     let pair = pair();
-    let d = deployment(&pair, Role::Decode).expect("decode has a template");
+    let d = deployment(&pair, Role::Decode, &Wiring::default()).expect("decode has a template");
     assert_eq!(d.metadata.name.as_deref(), Some("llama-8b-decode"));
     assert_eq!(d.metadata.namespace.as_deref(), Some("default"));
     let owner = &d.metadata.owner_references.as_ref().expect("owner")[0];
@@ -100,10 +100,10 @@ fn deployment_is_owned_labelled_and_wired() {
 #[test]
 fn planning_twice_is_identical_and_wiring_is_not_duplicated() {
     let mut pair = pair();
-    let first = deployment(&pair, Role::Prefill).expect("template");
+    let first = deployment(&pair, Role::Prefill, &Wiring::default()).expect("template");
     // Feed the planned template back in, as if the user had copied it: still one of each.
     pair.spec.prefill.template = first.spec.as_ref().map(|s| s.template.clone());
-    let second = deployment(&pair, Role::Prefill).expect("template");
+    let second = deployment(&pair, Role::Prefill, &Wiring::default()).expect("template");
     let c = engine_container(&second);
     let names: Vec<&str> = c.env.as_ref().expect("env").iter().map(|e| e.name.as_str()).collect();
     assert_eq!(names.iter().filter(|n| **n == "PDPAIR_ROLE").count(), 1);
@@ -116,15 +116,15 @@ fn planning_twice_is_identical_and_wiring_is_not_duplicated() {
             .count(),
         1
     );
-    assert_eq!(deployment(&pair, Role::Prefill), Some(second));
+    assert_eq!(deployment(&pair, Role::Prefill, &Wiring::default()), Some(second));
 }
 
 #[test]
 fn bring_your_own_pool_has_no_deployment() {
     let mut pair = pair();
     pair.spec.prefill.template = None;
-    assert!(deployment(&pair, Role::Prefill).is_none());
-    assert!(deployment(&pair, Role::Decode).is_some());
+    assert!(deployment(&pair, Role::Prefill, &Wiring::default()).is_none());
+    assert!(deployment(&pair, Role::Decode, &Wiring::default()).is_some());
 }
 
 #[test]
@@ -193,7 +193,7 @@ fn the_pdpair_connector_is_rendered_into_each_pools_vllm_args_replacing_the_temp
     args.push("--kv-transfer-config".into());
     args.push(r#"{"kv_connector":"NixlConnector"}"#.into());
     for (role, kv_role) in [(Role::Prefill, "kv_producer"), (Role::Decode, "kv_consumer")] {
-        let d = deployment(&pair, role).expect("template");
+        let d = deployment(&pair, role, &Wiring::default()).expect("template");
         let c = engine_container(&d);
         let args = c.args.as_ref().expect("args");
         let flags: Vec<&String> = args
@@ -226,11 +226,16 @@ fn the_pdpair_connector_is_rendered_into_each_pools_vllm_args_replacing_the_temp
             Role::Decode => &mut again.spec.decode,
         };
         pool.template = d.spec.as_ref().map(|s| s.template.clone());
-        assert_eq!(deployment(&again, role).as_ref().map(engine_container), Some(c));
+        assert_eq!(
+            deployment(&again, role, &Wiring::default())
+                .as_ref()
+                .map(engine_container),
+            Some(c)
+        );
     }
     // Without the connector the template's args are left alone.
     pair.spec.transfer.connector = pdpair_api::Connector::None;
-    let d = deployment(&pair, Role::Prefill).expect("template");
+    let d = deployment(&pair, Role::Prefill, &Wiring::default()).expect("template");
     let args = engine_container(&d).args.as_ref().expect("args");
     assert!(args.iter().any(|a| a.contains("NixlConnector")), "{args:?}");
     assert!(!args.iter().any(|a| a.contains("PdpairConnector")), "{args:?}");
@@ -239,17 +244,57 @@ fn the_pdpair_connector_is_rendered_into_each_pools_vllm_args_replacing_the_temp
 #[test]
 fn an_incompatible_pair_or_a_removed_template_plans_no_deployment() {
     let mut pair = pair();
-    assert!(planned_deployment(&pair, Role::Prefill).is_some());
-    assert!(planned_deployment(&pair, Role::Decode).is_some());
+    assert!(planned_deployment(&pair, Role::Prefill, &Wiring::default()).is_some());
+    assert!(planned_deployment(&pair, Role::Decode, &Wiring::default()).is_some());
     // The decode template removed (a bring-your-own pool now): only prefill is planned.
     let mut byo = pair.clone();
     byo.spec.decode.template = None;
-    assert!(planned_deployment(&byo, Role::Prefill).is_some());
-    assert!(planned_deployment(&byo, Role::Decode).is_none());
+    assert!(planned_deployment(&byo, Role::Prefill, &Wiring::default()).is_some());
+    assert!(planned_deployment(&byo, Role::Decode, &Wiring::default()).is_none());
     // Stored incompatible (the webhook bypassed): nothing runs, on either side.
     pair.spec.decode.kv.kernel_block_size = Some(16);
     pair.spec.decode.kv.block_size = 16;
     assert!(!pdpair_api::check(&pair.spec).allowed(), "incompatible");
-    assert!(planned_deployment(&pair, Role::Prefill).is_none());
-    assert!(planned_deployment(&pair, Role::Decode).is_none());
+    assert!(planned_deployment(&pair, Role::Prefill, &Wiring::default()).is_none());
+    assert!(planned_deployment(&pair, Role::Decode, &Wiring::default()).is_none());
+}
+
+#[test]
+fn engine_pods_join_the_agents_socket_group() {
+    let wiring = Wiring {
+        socket_group: Some(2000),
+    };
+    let security = |pair: &PDPair| {
+        let d = deployment(pair, Role::Decode, &wiring).expect("template");
+        d.spec
+            .and_then(|s| s.template.spec)
+            .and_then(|s| s.security_context)
+            .unwrap_or_default()
+    };
+    // No fsGroup of its own: the socket group becomes it (the pairing key is then readable too).
+    let mut pair = pair();
+    let sc = security(&pair);
+    assert_eq!(sc.fs_group, Some(2000));
+    assert_eq!(sc.supplemental_groups, None);
+    // Another fsGroup is kept; the socket group is added beside it, once.
+    let spec = pair
+        .spec
+        .decode
+        .template
+        .as_mut()
+        .and_then(|t| t.spec.as_mut())
+        .expect("pod spec");
+    spec.security_context.get_or_insert_with(Default::default).fs_group = Some(3000);
+    let sc = security(&pair);
+    assert_eq!(
+        (sc.fs_group, sc.supplemental_groups.clone()),
+        (Some(3000), Some(vec![2000]))
+    );
+    let planned = deployment(&pair, Role::Decode, &wiring).expect("template");
+    pair.spec.decode.template = planned.spec.map(|s| s.template);
+    assert_eq!(security(&pair).supplemental_groups, Some(vec![2000]), "not twice");
+    // Without a socket group configured, nothing is added.
+    let d = deployment(&self::pair(), Role::Decode, &Wiring::default()).expect("template");
+    let sc = d.spec.and_then(|s| s.template.spec).and_then(|s| s.security_context);
+    assert!(sc.as_ref().is_none_or(|sc| sc.fs_group.is_none()), "{sc:?}");
 }
