@@ -18,7 +18,7 @@ echo "== GPU tests"
 PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 300 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |
   tee "$out/gpu-tests.txt" || rc=1
 echo "== gpu-check"
-timeout 300 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 2>&1 | tee "$out/gpu-check.txt" || rc=1
-timeout 300 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 -o json >"$out/gpu-check.json" 2>&1 || rc=1
+timeout 300 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 --json-file "$out/gpu-check.json" 2>&1 |
+  tee "$out/gpu-check.txt" || rc=1
 echo "gpu-check: exit $rc; reports in $out"
 exit $rc

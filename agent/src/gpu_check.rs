@@ -39,6 +39,9 @@ pub struct GpuCheckArgs {
     /// Output format.
     #[arg(short = 'o', long = "output", default_value = "text", value_parser = ["text", "json"])]
     pub output: String,
+    /// Also write the report as JSON to this file.
+    #[arg(long = "json-file", value_name = "FILE")]
+    pub json_file: Option<std::path::PathBuf>,
     /// The prefill side of the IPC row (reads `<handle hex> <bytes>` on stdin).
     #[arg(long = "ipc-child", hide = true)]
     pub ipc_child: bool,
@@ -163,7 +166,7 @@ pub fn run(args: &GpuCheckArgs, out: &mut dyn Write) -> Result<bool, CudaError> 
         Err(e) => push(Err(CudaError::Invalid(e.to_string())), "checksum kernel"),
     }
     if let Ok(k) = &sums {
-        for row in ipc_rows(&gpu, k, args.repeat) {
+        for row in ipc_rows(&gpu, args.gpu, k, args.repeat) {
             push(row, "CUDA IPC push");
         }
     }
@@ -179,6 +182,10 @@ pub fn run(args: &GpuCheckArgs, out: &mut dyn Write) -> Result<bool, CudaError> 
         write_table(&report, out)
     };
     written.map_err(|e| CudaError::Invalid(format!("writing the report: {e}")))?;
+    if let Some(path) = &args.json_file {
+        let json = serde_json::to_vec_pretty(&report).map_err(|e| CudaError::Invalid(e.to_string()))?;
+        std::fs::write(path, json).map_err(|e| CudaError::Invalid(format!("{}: {e}", path.display())))?;
+    }
     Ok(report.ok)
 }
 
@@ -203,7 +210,10 @@ fn copy_ceiling(gpu: &Gpu, bytes: usize, repeat: u32) -> Result<Row, CudaError> 
     let mut back = vec![0u8; probe.len()];
     dst.read(bytes - probe.len(), &mut back)?;
     Ok(Row {
-        what: format!("device-to-device copy, {} MiB", bytes >> 20),
+        what: format!(
+            "device-to-device copy, {} MiB (bytes copied, read+write is twice)",
+            bytes >> 20
+        ),
         gbps: Some(gbps(bytes, ms)),
         ms: Some(ms),
         check: if back == probe {
@@ -243,7 +253,9 @@ fn checksum_rows(gpu: &Gpu, k: &GpuChecksum, bytes: usize, repeat: u32) -> Vec<R
         let mut launch = unsafe { k.prepare(&layout, &[pool.ptr()], &which) }?;
         let sum_ms = best(repeat, || gpu.time_ms(|| k.launch(&mut launch)))?;
         let again = k.collect(&launch)?;
-        let read_ms = best(repeat, || gpu.time_ms(|| k.read(&pool, 4096).map(|_| ())))?;
+        let mut read = k.prepare_read(&pool, 4096)?;
+        let read_ms = best(repeat, || gpu.time_ms(|| k.launch_read(&mut read)))?;
+        k.collect_read(&read)?;
         let check = if equal == blocks.len() && again == gpu_sums {
             format!("{equal}/{} blocks bit-identical to the CPU checksum", blocks.len())
         } else {
@@ -286,7 +298,7 @@ struct ChildReport {
 /// This process owns decode's pool (exported through IPC); a child process (prefill) opens it,
 /// writes its own pool's blocks into it, and reports its checksums; they are checked here, on
 /// the receiving GPU, without copying KV to the host.
-fn ipc_rows(gpu: &Gpu, k: &GpuChecksum, repeat: u32) -> Vec<Result<Row, CudaError>> {
+fn ipc_rows(gpu: &Gpu, gpu_ordinal: usize, k: &GpuChecksum, repeat: u32) -> Vec<Result<Row, CudaError>> {
     let run = || -> Result<Vec<Row>, CudaError> {
         let layout = prompt_layout()?;
         let len = layout.pool_len();
@@ -294,7 +306,14 @@ fn ipc_rows(gpu: &Gpu, k: &GpuChecksum, repeat: u32) -> Vec<Result<Row, CudaErro
         let handle = pool.ipc_handle()?;
         let exe = std::env::current_exe().map_err(|e| CudaError::Invalid(format!("own executable: {e}")))?;
         let mut child = Command::new(exe)
-            .args(["gpu-check", "--ipc-child", "--repeat", &repeat.to_string()])
+            .args([
+                "gpu-check",
+                "--ipc-child",
+                "--repeat",
+                &repeat.to_string(),
+                "--gpu",
+                &gpu_ordinal.to_string(),
+            ])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -381,8 +400,10 @@ fn ipc_child(gpu: &Gpu, repeat: u32) -> Result<(), CudaError> {
         .and_then(|w| w.parse().ok())
         .ok_or_else(|| CudaError::Invalid(format!("expected '<handle> <bytes>', got {line:?}")))?;
     // A peer that claims more than it allocated is refused.
+    // (Only the range check's refusal counts: a handle that did not open at all proves nothing.)
     let refused_overclaim = match DeviceMemory::open_ipc(gpu, &handle, len + (2 << 20)) {
-        Err(e) => format!("refused: {e}"),
+        Err(e @ CudaError::Invalid(_)) => format!("refused: {e}"),
+        Err(e) => format!("the handle did not open: {e}"),
         Ok(_) => "accepted a claim 2 MiB past the allocation".into(),
     };
     let layout = prompt_layout()?;

@@ -54,9 +54,10 @@ extern "C" __global__ void kv_checksum(
     const char* k = (const char*)ptrs[((u64)job * layers + l) * 2];
     const char* v = (const char*)ptrs[((u64)job * layers + l) * 2 + 1];
     u64 acc = 0;
-    const u64 per = vec16 ? ph / 2 : ph;
-    const u64 n = live * per;
-    for (u64 idx = threadIdx.x; idx < n; idx += blockDim.x) {
+    // 32-bit index math (the host checks block_size * pieces fits): 64-bit division is slow.
+    const unsigned per = vec16 ? (unsigned)(ph / 2) : (unsigned)ph;
+    const unsigned n = (unsigned)live * per;
+    for (unsigned idx = threadIdx.x; idx < n; idx += blockDim.x) {
         const u64 i = idx / per, q = idx % per;
         const u64 token = nhd ? (i * local_heads + h) : (h * block_size + i);
         const u64 t = t0 + i;
@@ -122,6 +123,15 @@ pub struct Launch {
     /// NHD, latent, 16-byte steps: kv_checksum's unsigned parameters, in order.
     params: [u32; 9],
     num_tokens: u64,
+}
+
+/// A plain read prepared on the device ([`GpuChecksum::prepare_read`]).
+#[derive(Debug)]
+pub struct ReadLaunch {
+    ptr: u64,
+    n16: u64,
+    grid: u32,
+    out: CudaSlice<u64>,
 }
 
 /// Which blocks to sum: the `j`th of `blocks` holds tokens from `first_token + j * block_size`,
@@ -284,38 +294,41 @@ impl GpuChecksum {
         unsafe { self.block_sums(layout, &bases, which) }
     }
 
-    /// A plain read of all of `memory` (its length rounded down to 16 bytes): the ceiling the
-    /// checksum is compared with.
-    pub fn read(&self, memory: &DeviceMemory, grid: u32) -> Result<u64, CudaError> {
-        // SAFETY: live device memory, aligned by the allocator (256 bytes).
-        unsafe { self.read_words(memory.ptr(), memory.len() / 16 * 16, grid) }
+    /// A plain read of all of `memory` (its length rounded down to 16 bytes) with 16-byte loads,
+    /// in `grid` blocks: the ceiling the checksum is compared with. Its sum is allocated here;
+    /// [`GpuChecksum::launch_read`] queues the read alone.
+    pub fn prepare_read(&self, memory: &DeviceMemory, grid: u32) -> Result<ReadLaunch, CudaError> {
+        self.gpu.bind()?;
+        Ok(ReadLaunch {
+            ptr: memory.ptr(),
+            n16: (memory.len() / 16) as u64,
+            grid: grid.max(1),
+            out: self.gpu.stream().alloc_zeros::<u64>(1).map_err(driver("cuMemAlloc"))?,
+        })
     }
 
-    /// Reads `len` bytes (a multiple of 16) at `ptr` with 16-byte loads and returns their
-    /// xor-sum: the plain read the checksum kernel is measured beside.
-    ///
-    /// # Safety
-    /// `ptr..ptr+len` must be live device memory of this GPU's context, 16-byte aligned.
-    pub unsafe fn read_words(&self, ptr: u64, len: usize, grid: u32) -> Result<u64, CudaError> {
-        if !len.is_multiple_of(16) || !ptr.is_multiple_of(16) {
-            return Err(CudaError::Invalid(format!(
-                "a read of {len} bytes at {ptr:#x}: both must be multiples of 16"
-            )));
-        }
+    /// Queues the read.
+    pub fn launch_read(&self, r: &mut ReadLaunch) -> Result<(), CudaError> {
         self.gpu.bind()?;
         let stream = self.gpu.stream();
-        let mut out = stream.alloc_zeros::<u64>(1).map_err(driver("cuMemAlloc"))?;
-        let n16 = (len / 16) as u64;
+        stream.memset_zeros(&mut r.out).map_err(driver("cuMemsetD8Async"))?;
         let cfg = LaunchConfig {
-            grid_dim: (grid.max(1), 1, 1),
+            grid_dim: (r.grid, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut launch = stream.launch_builder(&self.read);
-        launch.arg(&ptr).arg(&n16).arg(&mut out);
-        // SAFETY: matches read_words' signature; the caller guarantees the range.
+        launch.arg(&r.ptr).arg(&r.n16).arg(&mut r.out);
+        // SAFETY: matches read_words' signature; the memory was live at prepare_read and the
+        // caller holds it (a DeviceMemory waits for queued work before it is freed).
         unsafe { launch.launch(cfg) }.map_err(driver("cuLaunchKernel"))?;
-        Ok(stream.clone_dtoh(&out).map_err(driver("cuMemcpyDtoH"))?[0])
+        Ok(())
+    }
+
+    /// Waits for the read and returns its sum.
+    pub fn collect_read(&self, r: &ReadLaunch) -> Result<u64, CudaError> {
+        self.gpu.bind()?;
+        Ok(self.gpu.stream().clone_dtoh(&r.out).map_err(driver("cuMemcpyDtoH"))?[0])
     }
 
     /// The GPU.
@@ -352,6 +365,20 @@ pub fn plan(layout: &PoolLayout, bases: &[u64], which: &Blocks<'_>) -> Result<(V
             which.first, which.count, layout.local_heads
         )));
     }
+    // The kernel's grid: y is the layers, z the heads (at most 65535 each); its index math is
+    // 32-bit over a block's tokens times pieces.
+    if layout.layers > 65535 || which.count > 65535 {
+        return Err(CudaError::Invalid(format!(
+            "{} layers and {} heads: a launch takes at most 65535 of each",
+            layout.layers, which.count
+        )));
+    }
+    if u64::from(layout.block_size) * (half as u64 / 8) > u64::from(u32::MAX) {
+        return Err(CudaError::Invalid(format!(
+            "blocks of {} tokens of {half}-byte halves are too large for one CUDA block's index",
+            layout.block_size
+        )));
+    }
     let block_len = layout.block_len() as u64;
     let mut ptrs = Vec::with_capacity(which.blocks.len() * layout.layers as usize * 2);
     let mut first_tokens = Vec::with_capacity(which.blocks.len());
@@ -379,6 +406,12 @@ pub fn plan(layout: &PoolLayout, bases: &[u64], which: &Blocks<'_>) -> Result<(V
                 let ptr = bases[r]
                     .checked_add(at as u64)
                     .ok_or_else(|| CudaError::Invalid(format!("region {r}'s address wraps")))?;
+                // 8-byte loads need 8-byte alignment (a misaligned load poisons the context).
+                if !ptr.is_multiple_of(8) {
+                    return Err(CudaError::Invalid(format!(
+                        "layer {l} block {block} is at {ptr:#x}, not 8-byte aligned"
+                    )));
+                }
                 aligned &= ptr.is_multiple_of(16);
                 ptrs.push(ptr);
             }

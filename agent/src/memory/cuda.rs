@@ -61,7 +61,7 @@ fn check(op: &'static str, r: sys::CUresult) -> Result<(), CudaError> {
 
 /// Whether libcuda can be loaded.
 pub fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen the library (cached in a OnceLock inside cudarc).
+    // SAFETY: only tries to dlopen the library (each call tries again; nothing is kept).
     unsafe { sys::is_culib_present() }
 }
 
@@ -125,6 +125,7 @@ impl Gpu {
     /// Both ranges must lie in live device memory of this context (or mapped into it through IPC)
     /// until the stream has passed the copy.
     pub unsafe fn copy_async(&self, dst: u64, src: u64, len: usize) -> Result<(), CudaError> {
+        self.bind()?;
         // SAFETY: the caller guarantees the ranges; the stream is ours.
         check("cuMemcpyDtoDAsync", unsafe {
             sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.stream.cu_stream())
@@ -231,6 +232,9 @@ impl DeviceMemory {
         };
         // SAFETY: the range is the allocation just made.
         unsafe { result::memset_d8_sync(ptr, 0, len) }.map_err(driver("cuMemsetD8"))?;
+        // The memset runs on the legacy stream, which the agent's (non-blocking) stream does not
+        // wait for: finish it before anything is queued there.
+        gpu.ctx.synchronize().map_err(driver("cuCtxSynchronize"))?;
         Ok(memory)
     }
 
@@ -304,14 +308,21 @@ impl DeviceMemory {
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), CudaError> {
         self.range(offset, data.len())?;
         self.gpu.bind()?;
+        // Work queued on the agent's stream may still read or write here.
+        self.gpu.synchronize()?;
         // SAFETY: the range was checked against this allocation.
-        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, data) }.map_err(driver("cuMemcpyHtoD"))
+        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, data) }.map_err(driver("cuMemcpyHtoD"))?;
+        // A pageable copy may return before its last transfer lands, on a stream the agent's
+        // does not wait for.
+        self.gpu.ctx.synchronize().map_err(driver("cuCtxSynchronize"))
     }
 
     /// Copies `out.len()` bytes from `offset` (synchronously).
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), CudaError> {
         self.range(offset, out.len())?;
         self.gpu.bind()?;
+        // Copies and kernels queued on the agent's stream come first.
+        self.gpu.synchronize()?;
         // SAFETY: the range was checked against this allocation.
         unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }.map_err(driver("cuMemcpyDtoH"))
     }

@@ -210,7 +210,11 @@ fn bad_arguments_are_refused_naming_them() {
     );
     assert!(err(&Blocks { first: 1, ..ok.clone() }, &bases(1)).contains("heads 1..+2 of a pool with 2 local heads"));
     assert!(err(&ok, &bases(2)).contains("2 region addresses for a pool of 1 regions"));
-    assert!(err(&ok, &[u64::MAX - 4]).contains("wraps"));
+    assert!(err(&ok, &[u64::MAX - 7]).contains("wraps"));
+    assert!(
+        err(&ok, &[(1 << 40) + 4]).contains("not 8-byte aligned"),
+        "a misaligned load would poison the context"
+    );
     let odd =
         PoolLayout::new(&kv(2, 2, CacheDtype::Auto, false, false), &Parallelism::default(), 6, 0).expect("layout");
     let e = plan(&odd, &bases(1), &ok).expect_err("refused").to_string();
