@@ -22,4 +22,5 @@ pub mod reason;
 pub mod synthetic;
 pub mod test_engine;
 pub mod transport;
+pub mod tuning;
 pub mod wire;

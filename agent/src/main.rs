@@ -48,6 +48,10 @@ fn ignore_sigpipe() {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if matches!(cli.command, Command::Run(_)) {
+        pdpair_agent::tuning::reexec_tuned();
+    }
     ignore_sigpipe();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -56,7 +60,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .try_init();
     let stdout = std::io::stdout();
-    let result = match Cli::parse().command {
+    let result = match cli.command {
         Command::Run(args) => cli::run(&args),
         Command::Loopback(args) => cli::loopback(&args, &mut stdout.lock()),
         Command::Checksum(args) => cli::checksum(&args, &mut stdout.lock()),
