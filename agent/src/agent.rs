@@ -362,6 +362,13 @@ pub struct EngineStats {
     pub paths: Vec<pdpair_api::TransferPath>,
 }
 
+/// A peer as `engine@agent` for status. The names come from its authenticated handshake but are
+/// still its text: each is cut to 64 characters and escaped.
+fn peer_name(engine: &str, agent: &str) -> String {
+    let short = |s: &str| crate::reason::peer_text(&s.chars().take(64).collect::<String>());
+    format!("{}@{}", short(engine), short(agent))
+}
+
 /// Adds or refreshes a peer's path: a peer keeps its place (and its `since`) while its path stays
 /// the same; a new peer goes last, and the oldest goes once there are [`pdpair_api::MAX_PATHS`].
 fn record_path(paths: &mut Vec<pdpair_api::TransferPath>, path: pdpair_api::TransferPath) {
@@ -650,11 +657,8 @@ impl Engine {
             }
         };
         let (_, emulated) = lanes.carrying();
-        // The peer's names come from its authenticated handshake, but are still its text: bounded
-        // and escaped.
-        let short = |s: &str| crate::reason::peer_text(&s.chars().take(64).collect::<String>());
         let path = pdpair_api::TransferPath {
-            peer: format!("{}@{}", short(&link.peer.engine), short(&link.peer.agent)),
+            peer: peer_name(&link.peer.engine, &link.peer.agent),
             kind: lanes.kind(),
             backend: pdpair_api::Backend::UcxHost,
             lanes: lanes.names(),
@@ -845,6 +849,16 @@ mod tests {
                 k8s_openapi::jiff::Timestamp::from_second(since).expect("time"),
             ),
         }
+    }
+
+    #[test]
+    fn a_peers_names_in_status_are_cut_and_escaped() {
+        assert_eq!(peer_name("d0", "node-b"), "d0@node-b");
+        let long = "x".repeat(500);
+        assert_eq!(
+            peer_name(&long, "a\n\u{1b}[31m"),
+            format!("{}@a\\n\\u{{1b}}[31m", "x".repeat(64))
+        );
     }
 
     #[test]
