@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Benchmarks for docs/benchmarks.md: push throughput over shm and tcp beside ucx_perftest at the
-# same message sizes, handshake rejection latency, and the checksum's speed per core. Release
-# build; every number printed comes with the command that produced it.
+# same message sizes and NIXL's UCX backend, handshake rejection latency, and the checksum's
+# speed per core. Release build; every number printed comes with the command that produced it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 hack/deps.sh
@@ -51,6 +51,10 @@ perf() {
   echo
 }
 perf posix,sysv,self 268435456 20 13336
+# NIXL's UCX backend moving the same bytes (512 MiB in 8 MiB descriptors, 16 times) between two
+# processes, beside the shm push and ucx_perftest above.
+nixl=$(hack/nixl-venv.sh)
+run env UCX_MODULES=^ib "$nixl/bin/python" hack/nixl-bench.py 512 8 16
 perf posix,sysv,self 8388608 300 13337
 perf tcp,self 8388608 100 13338
 perf posix,sysv,self 32768 20000 13339
