@@ -108,7 +108,10 @@ pub const MAX_UNAUTHENTICATED_PER_SOURCE: usize = 8;
 #[derive(Debug)]
 struct Shared {
     cfg: AgentConfig,
+    /// UCX, for registering the engines' pools (host memory).
     ucx: UcxHandle,
+    /// What moves the sessions' bytes (today the same UCX thread).
+    transport: Arc<dyn crate::transport::Backend>,
     metrics: Arc<Metrics>,
     /// Unauthenticated side-channel connections by source address (the pre-auth budget).
     unauthenticated: Mutex<HashMap<IpAddr, usize>>,
@@ -171,6 +174,7 @@ impl Agent {
         Ok(Agent {
             shared: Arc::new(Shared {
                 cfg,
+                transport: Arc::new(ucx.clone()),
                 ucx,
                 metrics,
                 unauthenticated: Mutex::new(HashMap::new()),
@@ -202,7 +206,7 @@ impl Agent {
         if !self.shared.listening.load(Ordering::SeqCst) {
             return Err("the engine API socket is not bound yet".into());
         }
-        if !self.shared.ucx.alive(Duration::from_secs(1)) {
+        if !self.shared.transport.alive(Duration::from_secs(1)) {
             return Err("the UCX thread does not answer".into());
         }
         if let Some(p) = &self.shared.cfg.publisher
@@ -578,7 +582,7 @@ impl Engine {
             parallelism: reg.parallelism.clone(),
             kv: reg.kv.clone(),
             tensor_rank: reg.tensor_rank,
-            worker_address: shared.ucx.worker_address.clone(),
+            worker_address: shared.transport.address(),
             memory: MemoryDesc::of(&layout, pools.iter().map(|p| (p.base, p.rkey.clone())).collect()),
         };
         let engine = Arc::new(Engine {
@@ -649,21 +653,20 @@ impl Engine {
         if let Some(p) = link.path.get() {
             return Some(p.clone());
         }
-        let lanes = match self.shared.ucx.lanes(link.ucx_peer?) {
-            Ok(l) => l,
+        let seen = match self.shared.transport.observe(link.ucx_peer?) {
+            Ok(s) => s,
             Err(e) => {
-                tracing::debug!(peer = %link.addr, error = %e, "cannot read UCX's lanes");
+                tracing::debug!(peer = %link.addr, error = %e, "cannot read the transport's path");
                 return None;
             }
         };
-        let (_, emulated) = lanes.carrying();
         let path = pdpair_api::TransferPath {
             peer: peer_name(&link.peer.engine, &link.peer.agent),
-            kind: lanes.kind(),
-            backend: pdpair_api::Backend::UcxHost,
-            lanes: lanes.names(),
-            emulated,
-            ucx_version: crate::transport::ucx::version(),
+            kind: seen.kind,
+            backend: self.shared.transport.kind(),
+            lanes: seen.lanes,
+            emulated: seen.emulated,
+            ucx_version: seen.version,
             since: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                 k8s_openapi::jiff::Timestamp::from_second(unix_now())
                     .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),

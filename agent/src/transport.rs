@@ -1,9 +1,115 @@
-//! How bytes move between agents, and what is reported about it. Today one backend moves KV:
-//! UCX puts and gets over host memory ([`crate::transport::ucx`], driven by [`crate::transport::ucx_thread`]), on the
-//! transports UCX chooses (`--transport auto`, the default) or the ones `--transport` restricts
-//! it to. [`lanes`] reads back which transports and devices UCX chose for each peer, so the path
-//! is reported, not assumed.
+//! How bytes move between agents, and what is reported about it.
+//!
+//! The session state machines (`agent/decode.rs`, `agent/prefill.rs`) plan every transfer as
+//! [`PutOp`]s between registered regions and hand them to a [`Backend`], which moves the bytes
+//! and says which path they took; the sessions never call UCX (or, later, CUDA) themselves. Today
+//! one backend moves KV: UCX puts and gets over host memory ([`ucx`], driven by [`ucx_thread`]),
+//! on the transports UCX chooses (`--transport auto`, the default) or the ones `--transport`
+//! restricts it to. [`lanes`] reads back which transports and devices UCX chose for each peer,
+//! so the path is reported, not assumed. A new backend (CUDA IPC between engines behind one
+//! agent, staged copies through pinned host memory) is a new module implementing [`Backend`].
+
+use std::time::Duration;
 
 pub mod lanes;
 pub mod ucx;
 pub mod ucx_thread;
+
+pub use ucx_thread::{OpError, PutOp};
+
+/// The path a backend's transfers with one peer take, as the backend observed it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Observed {
+    /// The class of path.
+    pub kind: pdpair_api::PathKind,
+    /// The lanes that carried the bytes (`transport/device`).
+    pub lanes: Vec<String>,
+    /// Whether remote memory access was emulated with messages.
+    pub emulated: bool,
+    /// The library version behind the backend (UCX's).
+    pub version: String,
+}
+
+/// What moves a session's bytes. Peers are ids the backend hands out at [`Backend::connect`];
+/// regions are ids of memory registered with it (see `crate::memory::pool`). Every op is checked
+/// by the backend against those regions and the peer's, whatever the session planned.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// Which backend this is, for status and metrics.
+    fn kind(&self) -> pdpair_api::Backend;
+
+    /// What a peer needs to reach this backend (UCX: the worker address).
+    fn address(&self) -> Vec<u8>;
+
+    /// Connects to a peer at `address` whose regions are `remotes` (key, (address, bytes)).
+    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>) -> Result<u64, String>;
+
+    /// Drops a peer (what is in flight to it fails).
+    fn disconnect(&self, peer: u64);
+
+    /// Writes `ops` from the local `regions` into the peer's, within `within`; bytes written.
+    /// `corrupt` flips a byte in flight (fault injection for tests).
+    fn put(
+        &self,
+        peer: u64,
+        regions: Vec<u64>,
+        ops: Vec<PutOp>,
+        corrupt: bool,
+        within: Duration,
+    ) -> Result<u64, OpError>;
+
+    /// Reads `ops` from the peer's regions into the local `regions`, within `within`; bytes read.
+    fn get(&self, peer: u64, regions: Vec<u64>, ops: Vec<PutOp>, within: Duration) -> Result<u64, OpError>;
+
+    /// The path transfers with `peer` take.
+    fn observe(&self, peer: u64) -> Result<Observed, String>;
+
+    /// Whether the backend answers within `within` (for readiness).
+    fn alive(&self, within: Duration) -> bool;
+}
+
+impl Backend for ucx_thread::UcxHandle {
+    fn kind(&self) -> pdpair_api::Backend {
+        pdpair_api::Backend::UcxHost
+    }
+
+    fn address(&self) -> Vec<u8> {
+        self.worker_address.clone()
+    }
+
+    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>) -> Result<u64, String> {
+        ucx_thread::UcxHandle::connect(self, address, remotes)
+    }
+
+    fn disconnect(&self, peer: u64) {
+        ucx_thread::UcxHandle::disconnect(self, peer);
+    }
+
+    fn put(
+        &self,
+        peer: u64,
+        regions: Vec<u64>,
+        ops: Vec<PutOp>,
+        corrupt: bool,
+        within: Duration,
+    ) -> Result<u64, OpError> {
+        ucx_thread::UcxHandle::put(self, peer, regions, ops, corrupt, within)
+    }
+
+    fn get(&self, peer: u64, regions: Vec<u64>, ops: Vec<PutOp>, within: Duration) -> Result<u64, OpError> {
+        ucx_thread::UcxHandle::get(self, peer, regions, ops, within)
+    }
+
+    fn observe(&self, peer: u64) -> Result<Observed, String> {
+        let lanes = self.lanes(peer)?;
+        Ok(Observed {
+            kind: lanes.kind(),
+            emulated: lanes.carrying().1,
+            lanes: lanes.names(),
+            version: ucx::version(),
+        })
+    }
+
+    fn alive(&self, within: Duration) -> bool {
+        ucx_thread::UcxHandle::alive(self, within)
+    }
+}

@@ -17,7 +17,7 @@ use pdpair_api::{
 use super::*;
 use crate::{
     protocol::{self, HandshakeError, MemoryDesc, Message, Reason, Registration, Session},
-    transport::ucx_thread::{OpError, PutOp},
+    transport::{OpError, PutOp},
     wire::{self, Opener},
 };
 
@@ -456,7 +456,7 @@ impl Engine {
         let ucx_peer = match self.settings.mode {
             pdpair_api::TransferMode::Pull => Some(
                 self.shared
-                    .ucx
+                    .transport
                     .connect(peer.worker_address.clone(), peer.memory.keys())
                     .map_err(|e| HandshakeError::Rejected {
                         reasons: vec![Reason::TransportFailed],
@@ -804,7 +804,7 @@ impl Engine {
             .and_then(|ops| match link.ucx_peer {
                 Some(peer) => self
                     .shared
-                    .ucx
+                    .transport
                     .get(
                         peer,
                         self.regions(),

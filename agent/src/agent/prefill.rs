@@ -15,7 +15,7 @@ use pdpair_api::{ChecksumPolicy, Role, checksum::BlockSums};
 use super::*;
 use crate::{
     protocol::{self, Message, Reason, Registration, Session},
-    transport::ucx_thread::{OpError, PutOp},
+    transport::{OpError, PutOp},
     wire,
 };
 
@@ -188,7 +188,7 @@ impl Engine {
         // In pull mode decode reads from us: no endpoint of ours writes to it.
         let connected = if push {
             self.shared
-                .ucx
+                .transport
                 .connect(peer.worker_address.clone(), peer.memory.keys())
                 .map(Some)
         } else {
@@ -249,7 +249,7 @@ impl Engine {
             !waiting.is_empty()
         });
         if let Some(id) = ucx_peer {
-            self.shared.ucx.disconnect(id);
+            self.shared.transport.disconnect(id);
         }
     }
 
@@ -672,7 +672,7 @@ impl Engine {
                     pairs.iter().map(|(p, _, t)| (*p, *t)),
                 )
             });
-            let put = self.shared.ucx.put(
+            let put = self.shared.transport.put(
                 ucx_peer,
                 self.regions(),
                 ops,
