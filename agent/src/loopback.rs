@@ -165,17 +165,65 @@ pub struct Report {
     pub decode_prefix_hit: u64,
     /// Memory regions of the decode engine's pool (rank 0), as the agent registered them.
     pub decode_regions: usize,
+    /// Completed transfers by the path the agents that moved them report (`Kind/Backend`, from
+    /// their `pdpair_agent_transfer_paths_total`), over the agents this scenario started.
+    pub paths: std::collections::BTreeMap<String, u64>,
 }
 
 /// An agent process this scenario started: killed when dropped, on every path out (an early
 /// error included), so none outlives the scenario.
-struct Spawned(Child);
+struct Spawned(Child, std::net::SocketAddr);
 
 impl Drop for Spawned {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+impl Spawned {
+    /// This agent's completed transfers by path, from its admin port's `/metrics`.
+    fn paths(&self) -> Vec<(String, u64)> {
+        metrics(self.1).map_or_else(Vec::new, |text| transfer_paths(&text))
+    }
+}
+
+/// `GET /metrics` from an agent's admin port (1 s deadlines).
+fn metrics(addr: std::net::SocketAddr) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+/// `pdpair_agent_transfer_paths_total{backend="B",kind="K"} N` lines as (`K/B`, N).
+pub fn transfer_paths(metrics: &str) -> Vec<(String, u64)> {
+    metrics
+        .lines()
+        .filter_map(|l| {
+            let labels = l.strip_prefix("pdpair_agent_transfer_paths_total{")?;
+            let (labels, n) = labels.split_once("} ")?;
+            let value = |key: &str| {
+                labels
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix(key)?.strip_prefix("=\"")?.strip_suffix('"'))
+            };
+            Some((
+                format!("{}/{}", value("kind")?, value("backend")?),
+                n.trim().parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+/// A free port on loopback for an agent's admin server.
+fn free_admin_addr() -> Result<std::net::SocketAddr, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("no free port for an agent's admin server: {e}"))
 }
 
 struct Prefill {
@@ -244,9 +292,12 @@ fn spawn_agent(opts: &Options, dir: &Path, name: &str, corrupt: bool) -> Result<
     if corrupt {
         cmd.arg("--corrupt-one-byte");
     }
+    let admin = free_admin_addr()?;
+    cmd.arg("--admin-bind").arg(admin.to_string());
     let child = Spawned(
         cmd.spawn()
             .map_err(|e| format!("starting {}: {e}", opts.agent_bin.display()))?,
+        admin,
     );
     let start = Instant::now();
     while std::os::unix::net::UnixStream::connect(&socket).is_err() {
@@ -612,6 +663,9 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         p.ranks.clear();
         agents.extend(p.agent.take());
     }
+    for (path, n) in agents.iter().flat_map(Spawned::paths) {
+        *report.paths.entry(path).or_default() += n;
+    }
     drop(agents);
     Ok(report)
 }
@@ -656,6 +710,13 @@ pub fn text(report: &Report) -> String {
         "{:?} over {}: {} requests, {} succeeded, {} rejected, {} failed\n",
         report.mode, report.transport, report.requests, report.succeeded, report.rejected, report.failed
     );
+    if !report.paths.is_empty() {
+        let paths: Vec<String> = report.paths.iter().map(|(p, n)| format!("{p} {n}")).collect();
+        out.push_str(&format!(
+            "  transfers by path (as the agents that moved them report): {}\n",
+            paths.join(", ")
+        ));
+    }
     if report.decode_prefix_hit > 0 {
         out.push_str(&format!(
             "  decode held the first {} tokens of each prompt: only the tail moved\n",
@@ -693,4 +754,19 @@ pub fn text(report: &Report) -> String {
         report.checksum.verified, report.checksum.mismatched, report.checksum.unverified, report.byte_errors
     ));
     out
+}
+
+#[cfg(test)]
+mod path_tests {
+    #[test]
+    fn transfer_paths_are_read_from_the_metrics_text() {
+        let text = "# HELP x\npdpair_agent_transfer_paths_total{backend=\"UcxHost\",kind=\"Tcp\"} 3\n\
+                    pdpair_agent_transfers_total{role=\"prefill\"} 3\n\
+                    pdpair_agent_transfer_paths_total{backend=\"UcxHost\",kind=\"SharedMemory\"} 12\n\
+                    pdpair_agent_transfer_paths_total{kind=\"Tcp\"} x\n";
+        assert_eq!(
+            super::transfer_paths(text),
+            [("Tcp/UcxHost".to_owned(), 3), ("SharedMemory/UcxHost".to_owned(), 12)]
+        );
+    }
 }

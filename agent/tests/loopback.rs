@@ -203,6 +203,11 @@ fn shared_memory_transport_moves_and_verifies() {
         ]);
         assert_eq!(v["transport"], "shm");
         assert_all_verified(&v, 3, memory);
+        assert_eq!(
+            v["paths"],
+            serde_json::json!({"SharedMemory/UcxHost": 3}),
+            "{memory}: the path reported"
+        );
         // 500 tokens -> 16 blocks of 32 -> 512 tokens x 2 layers x 2 heads x 64 x 2 bytes x K,V.
         assert_eq!(count(&v, "bytes"), 3 * 512 * 2 * 2 * 64 * 2 * 2, "{memory}");
         let _ = std::fs::remove_dir_all(dir);
@@ -273,6 +278,13 @@ fn pull_reads_smaller_prefill_blocks_into_larger_decode_blocks_verified() {
             ]);
             assert_eq!(v["mode"], "Pull");
             assert_all_verified(&v, 3, &format!("{layout} {transport}"));
+            // Pull: decode's agent moved the bytes and reports the path.
+            let kind = if transport == "tcp" { "Tcp" } else { "SharedMemory" };
+            assert_eq!(
+                v["paths"],
+                serde_json::json!({ format!("{kind}/UcxHost"): 3 }),
+                "{layout} {transport}"
+            );
         }
     }
     // The vLLM pull case that cannot work, decode blocks smaller than prefill's, is refused at
