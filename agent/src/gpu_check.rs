@@ -103,8 +103,8 @@ fn layout_for(bytes: usize) -> Result<PoolLayout, CudaError> {
     PoolLayout::new(&geometry(), &Parallelism::default(), blocks, 0).map_err(|e| CudaError::Invalid(e.0))
 }
 
-/// Deterministic bytes (xorshift over u64 words).
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
+/// Deterministic bytes (xorshift over u64 words), for checks and tests.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed | 1;
     let mut out = Vec::with_capacity(len + 8);
     while out.len() < len {
@@ -234,13 +234,7 @@ fn checksum_rows(gpu: &Gpu, k: &GpuChecksum, bytes: usize, repeat: u32) -> Vec<R
         pool.write(0, &host)?;
         let blocks: Vec<u32> = (0..layout.num_blocks).collect();
         let tokens = u64::from(layout.num_blocks) * u64::from(layout.block_size);
-        let which = Blocks {
-            blocks: &blocks,
-            first_token: 0,
-            num_tokens: tokens,
-            first: 0,
-            count: layout.local_heads,
-        };
+        let which = Blocks::whole(&layout, &blocks);
         let gpu_sums = k.sums(&layout, &[&pool], &which)?;
         let memory = [host.as_slice()];
         let cpu: Vec<Option<u64>> = blocks
@@ -331,13 +325,7 @@ fn ipc_rows(gpu: &Gpu, gpu_ordinal: usize, k: &GpuChecksum, repeat: u32) -> Vec<
         let report: ChildReport = serde_json::from_str(line.trim())
             .map_err(|e| CudaError::Invalid(format!("the prefill process ({status}) said {line:?}: {e}")))?;
         let blocks: Vec<u32> = (0..layout.num_blocks).collect();
-        let which = Blocks {
-            blocks: &blocks,
-            first_token: 0,
-            num_tokens: u64::from(layout.num_blocks) * u64::from(layout.block_size),
-            first: 0,
-            count: layout.local_heads,
-        };
+        let which = Blocks::whole(&layout, &blocks);
         let received = k.sums(&layout, &[&pool], &which)?;
         let verified = received == report.sums;
         let check = if verified {
@@ -436,13 +424,7 @@ fn ipc_child(gpu: &Gpu, repeat: u32) -> Result<(), CudaError> {
     })?;
     let k = GpuChecksum::new(gpu)?;
     let blocks: Vec<u32> = (0..layout.num_blocks).collect();
-    let which = Blocks {
-        blocks: &blocks,
-        first_token: 0,
-        num_tokens: u64::from(layout.num_blocks) * u64::from(layout.block_size),
-        first: 0,
-        count: layout.local_heads,
-    };
+    let which = Blocks::whole(&layout, &blocks);
     let sums = k.sums(&layout, &[&source], &which)?;
     gpu.synchronize()?;
     let report = ChildReport {

@@ -2,6 +2,7 @@
 //! where no GPU exists): the checksum kernel against the CPU checksum on the same blocks in
 //! device memory, copies and their range checks, and the CUDA IPC push between two processes.
 
+use pdpair_agent::gpu_check::pattern;
 use pdpair_agent::{
     checksum::gpu::{Blocks, GpuChecksum},
     layout::{KvArrangement, PoolLayout},
@@ -31,19 +32,6 @@ fn kv(heads: i32, head_dim: i32, nhd: bool, mla: bool, dtype: CacheDtype) -> KvG
         hybrid: false,
         host_buffer: false,
     }
-}
-
-fn fill(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
 }
 
 #[test]
@@ -81,7 +69,7 @@ fn the_checksum_kernel_equals_the_cpu_checksum_on_the_same_blocks() {
             .region_lens()
             .iter()
             .enumerate()
-            .map(|(r, len)| fill(*len, 17 * n as u64 + r as u64))
+            .map(|(r, len)| pattern(*len, 17 * n as u64 + r as u64))
             .collect();
         let shift = if misaligned { 8 } else { 0 };
         let device: Vec<DeviceMemory> = host
@@ -132,7 +120,7 @@ fn copies_move_the_bytes_and_ranges_outside_memory_are_refused() {
     let g = gpu();
     let a = DeviceMemory::alloc(&g, 1 << 20).expect("alloc");
     let b = DeviceMemory::alloc(&g, 1 << 20).expect("alloc");
-    let data = fill(4096, 3);
+    let data = pattern(4096, 3);
     a.write(4096, &data).expect("upload");
     g.copy(&b, 8192, &a, 4096, 4096).expect("copy");
     g.synchronize().expect("sync");

@@ -150,6 +150,20 @@ pub struct Blocks<'a> {
     pub count: u32,
 }
 
+impl<'a> Blocks<'a> {
+    /// Every head of `blocks` of a pool, the `j`th holding tokens from `j * block_size`, all
+    /// of them filled.
+    pub fn whole(layout: &PoolLayout, blocks: &'a [u32]) -> Blocks<'a> {
+        Blocks {
+            blocks,
+            first_token: 0,
+            num_tokens: blocks.len() as u64 * u64::from(layout.block_size),
+            first: 0,
+            count: layout.local_heads,
+        }
+    }
+}
+
 impl GpuChecksum {
     /// Compiles and loads the kernels on `gpu`.
     pub fn new(gpu: &Gpu) -> Result<GpuChecksum, CudaError> {

@@ -7,6 +7,7 @@ use pdpair_api::{CacheDtype, KvGeometry, KvLayout, ModelDtype, Parallelism};
 use proptest::prelude::*;
 
 use super::*;
+use crate::gpu_check::pattern;
 use crate::layout::KvArrangement;
 
 /// Fake device addresses: region r lives at (r + 1) << 40.
@@ -97,18 +98,6 @@ fn kv(heads: i32, head_dim: i32, dtype: CacheDtype, nhd: bool, mla: bool) -> KvG
     }
 }
 
-fn fill(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
@@ -144,7 +133,7 @@ proptest! {
             .region_lens()
             .iter()
             .enumerate()
-            .map(|(r, len)| fill(*len, seed ^ r as u64))
+            .map(|(r, len)| pattern(*len, seed ^ r as u64))
             .collect();
         let (first, count) = if subset && layout.local_heads > 1 { (1, layout.local_heads - 1) } else { (0, layout.local_heads) };
         let blocks = [4u32, 1, 5];
