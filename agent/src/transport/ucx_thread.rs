@@ -348,6 +348,10 @@ enum Step {
     Waiting,
     Done(Result<u64, OpError>),
     TimedOut,
+    /// A request failed while others of the op are still posted: UCX would go on reading or
+    /// writing their buffers after we answered (and after the engine unmapped them), so the
+    /// peer's endpoint is closed first.
+    Broken(String),
 }
 
 fn step(op: &mut InFlight, peers: &HashMap<u64, Peer>) -> Step {
@@ -361,7 +365,10 @@ fn step(op: &mut InFlight, peers: &HashMap<u64, Peer>) -> Step {
         }
     });
     if let Some(e) = failed {
-        return Step::Done(Err(OpError::Failed(e)));
+        if op.requests.is_empty() {
+            return Step::Done(Err(OpError::Failed(e)));
+        }
+        return Step::Broken(e);
     }
     if op.requests.is_empty() {
         match &op.flush {
@@ -414,7 +421,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
         }
         if !inflight.is_empty() {
             idle_since = Instant::now();
-            let mut timed_out = Vec::new();
+            let mut dropped = Vec::new();
             let mut i = 0;
             while i < inflight.len() {
                 match step(&mut inflight[i], &peers) {
@@ -424,13 +431,17 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                         let _ = op.reply.send(result);
                     }
                     Step::TimedOut => {
-                        timed_out.push(inflight[i].peer);
+                        let peer = inflight[i].peer;
+                        dropped.push((peer, OpError::Timeout(format!("peer {peer}"))));
+                        i += 1;
+                    }
+                    Step::Broken(e) => {
+                        dropped.push((inflight[i].peer, OpError::Failed(e)));
                         i += 1;
                     }
                 }
             }
-            for peer in timed_out {
-                let why = OpError::Timeout(format!("peer {peer}"));
+            for (peer, why) in dropped {
                 drop_peer(&mut peers, &mut inflight, peer, &why);
             }
         }
