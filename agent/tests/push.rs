@@ -20,10 +20,11 @@ use common::{ProcessAgent, Req, World, done, kv, reasons, request, spec};
 /// Completed transfers the `agent`th agent of `w` counted on a path of `kind` (UCX host backend).
 fn transfers_over(w: &World, agent: usize, kind: &str) -> u64 {
     let text = w.metrics.lock().expect("metrics")[agent].render();
-    let series = format!("pdpair_agent_transfer_paths_total{{backend=\"UcxHost\",kind=\"{kind}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&series))
-        .map_or(0, |n| n.trim().parse().expect("a count"))
+    let path = format!("{kind}/UcxHost");
+    pdpair_agent::loopback::transfer_paths(&text)
+        .into_iter()
+        .find_map(|(p, n)| (p == path).then_some(n))
+        .unwrap_or(0)
 }
 
 fn push_64_64(transport: Transport, memory: EngineMemory) {

@@ -51,7 +51,7 @@ fn check(op: &'static str, status: sys::ucs_status_t) -> Result<(), UcxError> {
 pub enum Transport {
     /// UCX's own choice among what it loaded (`UCX_TLS` from the environment, else all): the
     /// default, so a node with RDMA NICs uses them. What it chose is reported per peer
-    /// ([`Endpoint::lanes`]).
+    /// ([`Endpoint::print_info`], read by `crate::transport::lanes`).
     Auto,
     /// TCP sockets only.
     Tcp,
@@ -73,15 +73,6 @@ impl Transport {
     /// Whether UCX's shared-memory transports may load (they limit the pool directory's length).
     fn may_use_shm(self) -> bool {
         !matches!(self, Transport::Tcp)
-    }
-
-    /// Its name on the command line and in logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Transport::Auto => "auto",
-            Transport::Tcp => "tcp",
-            Transport::Shm => "shm",
-        }
     }
 }
 

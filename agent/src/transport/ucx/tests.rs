@@ -190,8 +190,12 @@ fn an_endpoint_reports_the_lanes_ucx_chose_for_it() {
 
 #[test]
 fn transports_parse_from_their_names_and_refuse_others_naming_them() {
-    for t in [Transport::Auto, Transport::Tcp, Transport::Shm] {
-        assert_eq!(t.as_str().parse::<Transport>(), Ok(t));
+    for (name, t) in [
+        ("auto", Transport::Auto),
+        ("tcp", Transport::Tcp),
+        ("shm", Transport::Shm),
+    ] {
+        assert_eq!(name.parse::<Transport>(), Ok(t));
     }
     assert_eq!(
         Transport::Auto.tls(),
