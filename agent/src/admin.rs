@@ -60,7 +60,10 @@ fn answer(stream: &TcpStream, metrics: &Metrics, agent: &Agent) {
     }
     let path = line.split_whitespace().nth(1).unwrap_or("/");
     let (status, body) = match path {
-        "/metrics" => ("200 OK", metrics.render()),
+        "/metrics" => {
+            agent.refresh_gauges();
+            ("200 OK", metrics.render())
+        }
         "/healthz" | "/livez" => ("200 OK", "ok\n".to_owned()),
         "/readyz" => match agent.ready() {
             Ok(()) => ("200 OK", "ok\n".to_owned()),

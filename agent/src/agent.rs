@@ -217,6 +217,15 @@ impl Agent {
         Ok(())
     }
 
+    /// Sets the gauges read from the UCX thread (orphaned requests and the memory they hold).
+    pub fn refresh_gauges(&self) {
+        if let Ok(o) = self.shared.ucx.orphans() {
+            let m = &self.shared.metrics;
+            m.orphaned_requests.set(i64::try_from(o.requests).unwrap_or(i64::MAX));
+            m.orphaned_bytes.set(i64::try_from(o.retired_bytes).unwrap_or(i64::MAX));
+        }
+    }
+
     /// Serves the engine API on a bound socket until the process ends.
     pub fn serve_on(&self, listener: UnixListener) -> io::Result<()> {
         for stream in listener.incoming() {
@@ -487,6 +496,9 @@ struct Engine {
     /// them is check-and-insert across both maps, which must be atomic (with two locks a
     /// KvReady and a Register arriving together could each miss the other and both wait).
     matching: Mutex<Matching>,
+    /// The decode agents' links this P engine accepted: closed when the engine goes, so their
+    /// threads end and the engine's pools are freed then, not when a silent peer times out.
+    accepted: Mutex<Vec<std::sync::Weak<Link>>>,
 }
 
 impl Engine {
@@ -602,6 +614,7 @@ impl Engine {
             peers: Mutex::new(HashMap::new()),
             rejections: Mutex::new(HashMap::new()),
             matching: Mutex::new(Matching::default()),
+            accepted: Mutex::new(Vec::new()),
         });
         if let Some(listener) = listener {
             let e = engine.clone();
@@ -819,6 +832,11 @@ impl Engine {
         }
         for (_, slot) in lock(&self.peers).drain() {
             if let Slot::Connected(link) = slot {
+                link.close();
+            }
+        }
+        for link in lock(&self.accepted).drain(..) {
+            if let Some(link) = link.upgrade() {
                 link.close();
             }
         }

@@ -24,6 +24,10 @@ pub struct Metrics {
     reject_seconds: Histogram,
     /// Engines registered now.
     pub registrations: IntGauge,
+    /// Requests of force-closed endpoints UCX still holds (see `transport::ucx_thread::Orphan`).
+    pub orphaned_requests: IntGauge,
+    /// Bytes of released pools kept mapped for those requests.
+    pub orphaned_bytes: IntGauge,
 }
 
 fn counter(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -79,6 +83,16 @@ impl Metrics {
             ),
             registrations: IntGauge::new("open_registrations", "Engines registered with this agent")
                 .expect("valid metric"),
+            orphaned_requests: IntGauge::new(
+                "orphaned_requests",
+                "Requests of force-closed UCX endpoints (a deadline, a failure) that UCX has not completed yet",
+            )
+            .expect("valid metric"),
+            orphaned_bytes: IntGauge::new(
+                "orphaned_bytes",
+                "Bytes of released engine pools kept mapped until UCX completes the orphaned requests that name them",
+            )
+            .expect("valid metric"),
             registry,
         };
         for c in [
@@ -93,6 +107,8 @@ impl Metrics {
             Box::new(m.transfer_seconds.clone()),
             Box::new(m.reject_seconds.clone()),
             Box::new(m.registrations.clone()),
+            Box::new(m.orphaned_requests.clone()),
+            Box::new(m.orphaned_bytes.clone()),
         ] {
             m.registry.register(c).expect("registered once");
         }

@@ -23,12 +23,12 @@ use pdpair_api::{ChecksumPolicy, Parallelism, Role, TransferMode};
 
 const PAIR: &str = "team-a/tiny";
 
-/// These tests run one at a time. Run concurrently in one process (several in-process agents,
-/// each with its own UCX context, beside the stopped peer of the stuck-decode test), UCX's tcp
-/// transport crashed the test process about once in four runs with SIGSEGV in
-/// `uct_tcp_ep_pending_queue_dispatch` reading unmapped memory, at the session's start commit as
-/// well; one test at a time it did not in 10 runs, nor the stuck-decode test alone in 13. Under
-/// investigation (issue notes); production runs one agent per process.
+/// These tests run one at a time, as production runs one agent per process. Run concurrently
+/// (several in-process agents beside the stopped peer of the stuck-decode test), UCX's tcp
+/// transport crashed the test process with SIGSEGV in `uct_tcp_ep_pending_queue_dispatch`: the
+/// queued WRITEs of an endpoint closed at their deadline, sent once the stopped peer resumed,
+/// from a pool since unmapped. The agent now keeps such memory mapped until UCX is done with it
+/// (`transport::ucx_thread::Orphan`, attacked by the stuck-decode test below).
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -546,6 +546,18 @@ fn a_stuck_decode_agent_does_not_stall_another_pairs_transfers_and_times_out() {
     assert_eq!(failed, vec!["TransferTimeout".to_owned()]);
     assert!(healthy_first, "the healthy request was held behind the stuck one");
     println!("healthy pair's request while another peer was stuck: {healthy:?}");
+    // The prefill engine goes away (its agent releases and unmaps its pool), and only then does
+    // the stuck decode agent resume: its socket drains, and UCX 1.13 sends the WRITEs it still
+    // held for the endpoint closed at the deadline, reading them from that pool. The prefill
+    // agent keeps the pool mapped until UCX completes them (`transport::ucx_thread::Orphan`);
+    // without that it dies of SIGSEGV here, and this test process with it.
+    drop(p);
+    std::thread::sleep(Duration::from_millis(500));
+    stuck_agent.signal(libc::SIGCONT);
+    std::thread::sleep(Duration::from_secs(1));
+    let mut p = SyntheticEngine::register(&ps, &w.dir, &big(Role::Prefill, "p1")).expect("P again");
+    let (event, bad) = request(&mut p, &mut d2, small("after-resume"));
+    assert!(done(&event) && bad == 0, "the prefill agent still serves: {event:?}");
 }
 
 #[test]

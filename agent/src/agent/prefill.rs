@@ -225,6 +225,15 @@ impl Engine {
             path: std::sync::OnceLock::new(),
             addr: peer_addr,
         });
+        {
+            let mut accepted = lock(&self.accepted);
+            accepted.retain(|l| l.strong_count() > 0);
+            accepted.push(Arc::downgrade(&link));
+        }
+        // Checked after the push: a shutdown that ran before it did not see this link.
+        if self.closed.load(Ordering::SeqCst) {
+            link.close();
+        }
         loop {
             match wire::read_sealed::<Message>(&mut reader, &mut opener, wire::MAX_FRAME) {
                 Ok(Message::Register(reg)) => self.registration(&link, reg),

@@ -42,7 +42,9 @@ pub enum Origin {
 /// holds the engine), its UCX registration, and the descriptor the engine maps.
 #[derive(Debug)]
 pub struct Pool {
-    map: memmap2::MmapRaw,
+    /// Shared with the UCX thread, which keeps it mapped while UCX may still read or write the
+    /// region (after a force-closed endpoint; see `transport::ucx_thread::Orphan`).
+    map: std::sync::Arc<memmap2::MmapRaw>,
     /// The registered address: peers address the pool from it, and local ops must lie in
     /// `base..base+len` (for UCX-allocated pools this is UCX's mapping, not `map`).
     pub base: u64,
@@ -91,9 +93,9 @@ impl Pool {
     /// registers them. Only `need`: a larger file (an engine's sparse memfd of any size) is not
     /// faulted in by the agent.
     fn register_memfd(ucx: &UcxHandle, file: File, need: usize, origin: Origin) -> Result<Pool, String> {
-        let map = map_populated(&file, Some(need), "the pool memfd")?;
+        let map = std::sync::Arc::new(map_populated(&file, Some(need), "the pool memfd")?);
         let base = map.as_mut_ptr() as u64;
-        let (region, rkey) = ucx.map(base, need as u64)?;
+        let (region, rkey) = ucx.map(base, need as u64, Box::new(map.clone()))?;
         Ok(Pool {
             map,
             base,
@@ -111,16 +113,13 @@ impl Pool {
     pub fn allocate(ucx: &UcxHandle, dir: &Path, need: usize) -> Result<Pool, String> {
         let pool = match ucx.allocate(need as u64) {
             Ok(a) => match mapping_path(a.addr).filter(|p| p.parent() == Some(dir)) {
+                // UCX's mapping is guarded by the UCX thread, which holds it; ours here.
                 Some(path) => open_no_follow(&path)
-                    .and_then(|f| {
-                        // Guard UCX's mapping and ours before anything reads either.
-                        let guards = vec![crate::memory::guard::guard(a.addr, a.len)];
-                        map_populated(&f, None, &path.to_string_lossy()).map(|map| (f, map, guards))
-                    })
-                    .map(|(f, map, mut guards)| {
-                        guards.push(crate::memory::guard::guard(map.as_ptr() as u64, map.len() as u64));
+                    .and_then(|f| map_populated(&f, None, &path.to_string_lossy()).map(|map| (f, map)))
+                    .map(|(f, map)| {
+                        let guards = vec![crate::memory::guard::guard(map.as_ptr() as u64, map.len() as u64)];
                         Pool {
-                            map,
+                            map: std::sync::Arc::new(map),
                             base: a.addr,
                             region: a.region,
                             rkey: a.rkey,

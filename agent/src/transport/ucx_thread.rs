@@ -54,15 +54,22 @@ pub struct Allocated {
 /// Empty progress polls in a row before a spinning thread yields its CPU.
 pub const QUIET_POLLS_BEFORE_YIELD: u32 = 256;
 
+/// What keeps a registered region's memory mapped (a pool's mapping of its memfd). The UCX
+/// thread holds it from `Map` until UCX is done with the region, which can be after `Unmap`
+/// (see [`Command::Unmap`]).
+pub type Keep = Box<dyn Send>;
+
 /// Requests to the UCX thread.
-#[derive(Debug)]
-pub enum Command {
-    /// Register `len` bytes at `addr` (memory the caller keeps mapped until `Unmap`).
+enum Command {
+    /// Register `len` bytes at `addr`, which stay mapped while `keep` lives.
     Map {
         /// Address.
         addr: u64,
         /// Length.
         len: u64,
+        /// Keeps `addr..addr+len` mapped; dropped once the region is unregistered and no request
+        /// UCX still holds reads or writes it.
+        keep: Keep,
         /// (region id, packed rkey).
         reply: Reply<(u64, Vec<u8>)>,
     },
@@ -73,7 +80,10 @@ pub enum Command {
         /// The region.
         reply: Reply<Allocated>,
     },
-    /// Unregister a region (and free it, when UCX allocated it).
+    /// Unregister a region (and free it, when UCX allocated it). New operations on it fail at
+    /// once; operations in flight on it are cancelled (their peers dropped). Where UCX still
+    /// holds requests of a force-closed endpoint that read or write it (see [`Orphan`]), the
+    /// registration and the memory (`keep`) live on until UCX completes them.
     Unmap {
         /// Region id.
         region: u64,
@@ -132,6 +142,11 @@ pub enum Command {
         /// The text.
         reply: Reply<String>,
     },
+    /// See [`UcxHandle::orphans`].
+    Orphans {
+        /// The counts.
+        reply: Reply<Orphans>,
+    },
     /// Answered at once by a live, progressing thread (for readiness).
     Ping {
         /// Answered with ().
@@ -187,8 +202,14 @@ impl UcxHandle {
     }
 
     /// See [`Command::Map`].
-    pub fn map(&self, addr: u64, len: u64) -> Result<(u64, Vec<u8>), String> {
-        self.call(|reply| Command::Map { addr, len, reply })
+    pub fn map(&self, addr: u64, len: u64, keep: Keep) -> Result<(u64, Vec<u8>), String> {
+        self.call(|reply| Command::Map { addr, len, keep, reply })
+    }
+
+    /// How many requests of force-closed endpoints UCX still holds, and the bytes of the regions
+    /// kept mapped for them after their engines closed (see [`Orphan`]).
+    pub fn orphans(&self) -> Result<Orphans, String> {
+        self.call(|reply| Command::Orphans { reply })
     }
 
     /// See [`Command::Allocate`].
@@ -309,6 +330,35 @@ struct Peer {
     remotes: Vec<Remote>,
 }
 
+/// A registered region, and what keeps its memory mapped.
+struct Held {
+    region: MemRegion,
+    _keep: Option<Keep>,
+}
+
+/// Requests UCX still holds after their endpoint was force-closed (a deadline, a failed request,
+/// a disconnect, an engine that closed). UCX 1.13's tcp transport does not cancel a put queued
+/// behind a full socket: the closed endpoint's queue is sent, reading the put's buffer, once a
+/// stalled peer drains its socket, and its requests complete only then (measured in
+/// `tests::a_stalled_peer_that_resumes_after_its_deadline_reads_nothing_unmapped`). So they are
+/// polled until UCX completes them, and until then the regions they read or write stay
+/// registered and mapped, and the peer's keys stay unpacked, even after `Unmap`.
+struct Orphan {
+    requests: Vec<crate::transport::ucx::Request>,
+    regions: Vec<u64>,
+    _remotes: Vec<Remote>,
+    _scratch: Option<Vec<u8>>,
+}
+
+/// See [`UcxHandle::orphans`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Orphans {
+    /// Requests of force-closed endpoints UCX has not completed.
+    pub requests: u64,
+    /// Bytes of unregistered regions kept mapped for them.
+    pub retired_bytes: u64,
+}
+
 /// One region of a peer's pool.
 struct Remote {
     rkey: RemoteKey,
@@ -392,21 +442,61 @@ fn step(op: &mut InFlight, peers: &HashMap<u64, Peer>) -> Step {
     Step::Waiting
 }
 
-/// Force-closes a peer's endpoint (cancelling what is posted on it) and fails every operation
-/// in flight on it with `why`. UCX is done with their buffers once this returns.
-fn drop_peer(peers: &mut HashMap<u64, Peer>, inflight: &mut Vec<InFlight>, peer: u64, why: &OpError) {
-    drop(peers.remove(&peer)); // Endpoint's drop force-closes and waits for the close
+/// Force-closes a peer's endpoint and fails every operation in flight on it with `why`. Their
+/// requests UCX has not completed become [`Orphan`]s, which hold the peer's keys and name the
+/// regions that must stay mapped.
+fn drop_peer(
+    peers: &mut HashMap<u64, Peer>,
+    inflight: &mut Vec<InFlight>,
+    orphans: &mut Vec<Orphan>,
+    peer: u64,
+    why: &OpError,
+) {
+    let remotes = peers.remove(&peer).map(|Peer { ep, remotes }| {
+        drop(ep); // Endpoint's drop force-closes and waits for the close
+        remotes
+    });
+    let mut remotes = remotes.unwrap_or_default();
     for op in inflight.extract_if(.., |op| op.peer == peer) {
-        let InFlight { requests, reply, .. } = op;
-        drop(requests);
+        let InFlight {
+            mut requests,
+            flush,
+            regions,
+            reply,
+            _scratch,
+            ..
+        } = op;
+        if let Flush::Posted(r) = flush {
+            requests.push(r);
+        }
+        requests.retain(|r| r.poll().is_none());
+        if !requests.is_empty() {
+            orphans.push(Orphan {
+                requests,
+                regions,
+                _remotes: std::mem::take(&mut remotes),
+                _scratch,
+            });
+        }
         let _ = reply.send(Err(why.clone()));
     }
 }
 
+/// Drops the orphans UCX completed, then the unregistered regions no orphan names any more.
+fn reap(orphans: &mut Vec<Orphan>, retired: &mut HashMap<u64, Held>) {
+    orphans.retain_mut(|o| {
+        o.requests.retain(|r| r.poll().is_none());
+        !o.requests.is_empty()
+    });
+    retired.retain(|id, _| orphans.iter().any(|o| o.regions.contains(id)));
+}
+
 fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
-    let mut registered: HashMap<u64, MemRegion> = HashMap::new();
+    let mut registered: HashMap<u64, Held> = HashMap::new();
     let mut peers: HashMap<u64, Peer> = HashMap::new();
     let mut inflight: Vec<InFlight> = Vec::new();
+    let mut orphans: Vec<Orphan> = Vec::new();
+    let mut retired: HashMap<u64, Held> = HashMap::new();
     let mut next_id = 1u64;
     let mut idle_since = Instant::now();
     let mut quiet = 0u32;
@@ -442,8 +532,11 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                 }
             }
             for (peer, why) in dropped {
-                drop_peer(&mut peers, &mut inflight, peer, &why);
+                drop_peer(&mut peers, &mut inflight, &mut orphans, peer, &why);
             }
+        }
+        if !orphans.is_empty() {
+            reap(&mut orphans, &mut retired);
         }
         let wait = if idle_since.elapsed() < Duration::from_millis(5) {
             Duration::ZERO
@@ -473,13 +566,19 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
         };
         idle_since = Instant::now();
         match cmd {
-            Command::Map { addr, len, reply } => {
-                // SAFETY: the caller keeps addr..addr+len mapped until it sends Unmap.
+            Command::Map { addr, len, keep, reply } => {
+                // SAFETY: `keep` keeps addr..addr+len mapped, and lives as long as the region.
                 let result = unsafe_map(&context, addr, len).and_then(|r| {
                     let key = r.packed_rkey().map_err(|e| e.to_string())?;
                     let id = next_id;
                     next_id += 1;
-                    registered.insert(id, r);
+                    registered.insert(
+                        id,
+                        Held {
+                            region: r,
+                            _keep: Some(keep),
+                        },
+                    );
                     Ok((id, key))
                 });
                 let _ = reply.send(result);
@@ -496,7 +595,17 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                         populate(addr, len);
                         let region = next_id;
                         next_id += 1;
-                        registered.insert(region, r);
+                        // UCX's mapping of its file is guarded for as long as it lives here (an
+                        // engine may truncate the file; an orphaned put may read it after the
+                        // pool was released).
+                        let guard: Keep = Box::new(crate::memory::guard::guard(addr, len));
+                        registered.insert(
+                            region,
+                            Held {
+                                region: r,
+                                _keep: Some(guard),
+                            },
+                        );
                         Ok(Allocated {
                             region,
                             rkey,
@@ -516,9 +625,13 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                     .collect();
                 for peer in users {
                     let why = OpError::Failed(format!("region {region} was unregistered (its engine closed)"));
-                    drop_peer(&mut peers, &mut inflight, peer, &why);
+                    drop_peer(&mut peers, &mut inflight, &mut orphans, peer, &why);
                 }
-                registered.remove(&region);
+                if let Some(held) = registered.remove(&region)
+                    && orphans.iter().any(|o| o.regions.contains(&region))
+                {
+                    retired.insert(region, held);
+                }
                 let _ = reply.send(Ok(()));
             }
             Command::Connect {
@@ -622,6 +735,13 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
             Command::Ping { reply } => {
                 let _ = reply.send(Ok(()));
             }
+            Command::Orphans { reply } => {
+                reap(&mut orphans, &mut retired);
+                let _ = reply.send(Ok(Orphans {
+                    requests: orphans.iter().map(|o| o.requests.len() as u64).sum(),
+                    retired_bytes: retired.values().map(|h| h.region.len() as u64).sum(),
+                }));
+            }
             Command::Describe { peer, reply } => {
                 let text = peers
                     .get(&peer)
@@ -631,22 +751,32 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
             }
             Command::Disconnect { peer } => {
                 let why = OpError::Failed(format!("peer {peer} was disconnected"));
-                drop_peer(&mut peers, &mut inflight, peer, &why);
+                drop_peer(&mut peers, &mut inflight, &mut orphans, peer, &why);
             }
         }
     }
     for op in inflight.drain(..) {
         let _ = op.reply.send(Err(OpError::Failed("the UCX thread stopped".into())));
     }
+    // Endpoints first, then the requests UCX still holds, then the worker (which destroys what
+    // is left of the closed endpoints), and only then the memory those requests named.
     drop(peers);
+    drop(inflight);
+    for o in &mut orphans {
+        o.requests.clear();
+    }
+    drop(worker);
+    drop(orphans);
+    drop(retired);
     drop(registered);
+    drop(context);
 }
 
 /// Per op, the registered region (of `ids`) its local range lies in: a transfer never touches
 /// memory this agent no longer holds (an engine that closed has its regions unmapped, and memory
 /// UCX allocated is freed with them).
 fn local_regions<'a>(
-    registered: &'a HashMap<u64, MemRegion>,
+    registered: &'a HashMap<u64, Held>,
     ids: &[u64],
     ops: &[PutOp],
 ) -> Result<Vec<&'a MemRegion>, String> {
@@ -655,7 +785,7 @@ fn local_regions<'a>(
         let region = registered
             .get(id)
             .ok_or_else(|| format!("region {id} is no longer registered (its engine closed)"))?;
-        held.push(region);
+        held.push(&region.region);
     }
     held.sort_by_key(|r| r.addr());
     ops.iter()
@@ -750,9 +880,8 @@ fn post_puts(
     let mut pending = Vec::new();
     let mut bytes = 0u64;
     for (i, op) in ops.iter().enumerate() {
-        // SAFETY: `local` lies in memory this agent mapped for the engine (checked against the
-        // registered region), kept mapped until its Unmap, which cancels in-flight operations
-        // on it first.
+        // SAFETY: `local` lies in a registered region (checked), whose memory stays mapped until
+        // UCX completed every request on it (see Orphan).
         let mut data = unsafe { std::slice::from_raw_parts(op.local as *const u8, op.len as usize) };
         let mut registered = Some(regions[i]);
         if corrupt && i == 0 && !data.is_empty() {
@@ -786,9 +915,8 @@ fn post_gets(
     let mut pending = Vec::new();
     let mut bytes = 0u64;
     for (i, op) in ops.iter().enumerate() {
-        // SAFETY: `local` lies in memory this agent mapped for the engine and registered as
-        // `regions[i]` (checked), kept mapped until its Unmap, which cancels in-flight operations
-        // first; the remote range lies in the peer's region whose key is `keys[i]` (checked).
+        // SAFETY: `local` lies in the registered region `regions[i]` (checked), whose memory
+        // stays mapped until UCX completed every request on it (see Orphan); the remote range lies in the peer's region whose key is `keys[i]` (checked).
         match unsafe {
             peer.ep.get(
                 op.local as *mut u8,
@@ -812,6 +940,11 @@ mod tests {
     use super::*;
 
     const T: Duration = Duration::from_secs(10);
+
+    /// For memory a test holds itself until both UCX threads are gone (no request outlives them).
+    fn unkept() -> Keep {
+        Box::new(())
+    }
 
     /// Drops the UCX threads and removes `dir` once they have freed their segments in it.
     fn finish(handles: [UcxHandle; 2], dir: &std::path::Path) {
@@ -839,11 +972,11 @@ mod tests {
         let targets: Vec<Vec<u8>> = (0..2).map(|_| vec![0u8; 4096]).collect();
         let src: Vec<u64> = sources
             .iter()
-            .map(|m| a.map(m.as_ptr() as u64, 4096).expect("map").0)
+            .map(|m| a.map(m.as_ptr() as u64, 4096, unkept()).expect("map").0)
             .collect();
         let dst: Vec<(u64, Vec<u8>)> = targets
             .iter()
-            .map(|m| b.map(m.as_ptr() as u64, 4096).expect("map"))
+            .map(|m| b.map(m.as_ptr() as u64, 4096, unkept()).expect("map"))
             .collect();
         let remotes = dst
             .iter()
@@ -897,8 +1030,8 @@ mod tests {
         );
         let source: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
         let target = vec![0u8; 8192];
-        let (src_region, _) = a.map(source.as_ptr() as u64, 8192).expect("map source");
-        let (dst_region, rkey) = b.map(target.as_ptr() as u64, 8192).expect("map target");
+        let (src_region, _) = a.map(source.as_ptr() as u64, 8192, unkept()).expect("map source");
+        let (dst_region, rkey) = b.map(target.as_ptr() as u64, 8192, unkept()).expect("map target");
         let peer = a
             .connect(b.worker_address.clone(), vec![(rkey, (target.as_ptr() as u64, 8192))])
             .expect("connect");
@@ -940,7 +1073,9 @@ mod tests {
         // B's pool is UCX shared memory: A's puts are memcpys into A's mapping of it.
         let pool = b.allocate(1 << 16).expect("allocate");
         let source = vec![5u8; 1 << 16];
-        let (src, _) = a.map(source.as_ptr() as u64, source.len() as u64).expect("map");
+        let (src, _) = a
+            .map(source.as_ptr() as u64, source.len() as u64, unkept())
+            .expect("map");
         // A peer that claims a region larger than its segment: the copy would run past A's
         // mapping of it, into A's own memory.
         let e = a
@@ -1008,7 +1143,9 @@ mod tests {
             .expect("open");
         let engine = memmap2::MmapOptions::new().map_raw(&file).expect("map");
         let source: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 253) as u8).collect();
-        let (src_region, _) = a.map(source.as_ptr() as u64, source.len() as u64).expect("map source");
+        let (src_region, _) = a
+            .map(source.as_ptr() as u64, source.len() as u64, unkept())
+            .expect("map source");
         let peer = a
             .connect(
                 b.worker_address.clone(),
@@ -1033,5 +1170,161 @@ mod tests {
             thread::sleep(Duration::from_millis(5));
         }
         finish([a, b], &dir);
+    }
+
+    /// A UCX worker on its own thread that a test can stop (it stops progressing, like a peer
+    /// agent under SIGSTOP: its socket fills and our WRITEs queue), resume, or kill (its worker
+    /// destroyed, its sockets closed). It exposes one registered target region.
+    struct StallablePeer {
+        state: std::sync::Arc<std::sync::atomic::AtomicU8>,
+        thread: Option<thread::JoinHandle<()>>,
+        address: Vec<u8>,
+        rkey: Vec<u8>,
+        target: u64,
+    }
+
+    const RUN: u8 = 0;
+    const STOP: u8 = 1;
+    const KILL: u8 = 2;
+
+    impl StallablePeer {
+        #[allow(unsafe_code)]
+        fn start(len: usize) -> StallablePeer {
+            use std::sync::atomic::Ordering;
+            let state = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(RUN));
+            let st = state.clone();
+            let (tx, rx) = mpsc::channel();
+            let thread = thread::spawn(move || {
+                let context = Context::new(Transport::Tcp, None).expect("peer context");
+                let worker = Worker::new(&context).expect("peer worker");
+                let target = vec![0u8; len];
+                // SAFETY: `target` outlives the region (dropped below, after it).
+                let region = unsafe { context.map(target.as_ptr().cast_mut(), len) }.expect("peer map");
+                let hello = (
+                    worker.address().expect("address"),
+                    region.packed_rkey().expect("rkey"),
+                    target.as_ptr() as u64,
+                );
+                tx.send(hello).expect("hello");
+                loop {
+                    match st.load(Ordering::SeqCst) {
+                        RUN => {
+                            worker.progress();
+                        }
+                        STOP => thread::sleep(Duration::from_millis(1)),
+                        _ => break,
+                    }
+                }
+                drop(worker);
+                drop(region);
+                drop(target);
+            });
+            let (address, rkey, target) = rx.recv().expect("the peer started");
+            StallablePeer {
+                state,
+                thread: Some(thread),
+                address,
+                rkey,
+                target,
+            }
+        }
+
+        fn set(&mut self, to: u8) {
+            self.state.store(to, std::sync::atomic::Ordering::SeqCst);
+            if to == KILL
+                && let Some(t) = self.thread.take()
+            {
+                t.join().expect("the peer thread");
+            }
+        }
+    }
+
+    impl Drop for StallablePeer {
+        fn drop(&mut self) {
+            self.set(KILL);
+        }
+    }
+
+    /// Polls `a`'s orphans until `done` holds (or `within` passes); returns the last answer.
+    fn orphans_until(a: &UcxHandle, within: Duration, done: impl Fn(&Orphans) -> bool) -> Orphans {
+        let start = Instant::now();
+        loop {
+            let o = a.orphans().expect("orphans");
+            if done(&o) || start.elapsed() > within {
+                return o;
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// 64 MiB of WRITEs to a stalled peer over tcp, a 300 ms deadline, then the engine's pool
+    /// released and its mapping dropped: UCX still holds the WRITEs queued behind the full
+    /// socket, so the region and its memory must outlive the release. `then` resumes or kills
+    /// the peer; either way UCX completes the requests and the memory goes.
+    fn stalled_peer_then(then: u8) {
+        let dir = std::env::temp_dir().join(format!("pdpair-ucx-stalled-{then}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let len: usize = 64 << 20;
+        let mut peer = StallablePeer::start(len);
+        let a = UcxHandle::start(Transport::Tcp, &dir).expect("A");
+        let mut source = memmap2::MmapMut::map_anon(len).expect("anonymous memory");
+        source.fill(7);
+        let base = source.as_ptr() as u64;
+        let (region, _) = a.map(base, len as u64, Box::new(source)).expect("map");
+        let id = a
+            .connect(
+                peer.address.clone(),
+                vec![(peer.rkey.clone(), (peer.target, len as u64))],
+            )
+            .expect("connect");
+        let (chunk, target) = (8u64 << 20, peer.target);
+        let op = |i: u64| PutOp {
+            local: base + i * chunk,
+            len: chunk,
+            remote: target + i * chunk,
+        };
+        assert_eq!(
+            a.put(id, vec![region], vec![op(0)], false, T),
+            Ok(chunk),
+            "the peer is up"
+        );
+        peer.set(STOP);
+        let stalled = a.put(
+            id,
+            vec![region],
+            (0..8).map(op).collect(),
+            false,
+            Duration::from_millis(300),
+        );
+        assert!(matches!(stalled, Err(OpError::Timeout(_))), "{stalled:?}");
+        a.unmap(region); // the pool's release; its mapping (`source`) is the UCX thread's now
+        let held = a.orphans().expect("orphans");
+        assert!(
+            held.requests > 0 && held.retired_bytes == len as u64,
+            "UCX still holds the queued WRITEs and their region stays mapped: {held:?}"
+        );
+        peer.set(then);
+        // Resumed, the peer drains the socket and UCX sends the closed endpoint's queue from
+        // the region; killed, the socket errors and UCX fails the queue. Either way it ends.
+        let after = orphans_until(&a, Duration::from_secs(20), |o| *o == Orphans::default());
+        assert_eq!(
+            after,
+            Orphans::default(),
+            "UCX completed the orphans and the memory went"
+        );
+        assert!(a.alive(Duration::from_secs(2)), "the UCX thread survived");
+        drop(peer);
+        drop(a);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_stalled_peer_that_resumes_after_its_deadline_reads_nothing_unmapped() {
+        stalled_peer_then(RUN);
+    }
+
+    #[test]
+    fn a_stalled_peer_that_dies_releases_what_its_writes_held() {
+        stalled_peer_then(KILL);
     }
 }

@@ -229,10 +229,7 @@ impl ProcessAgent {
 
 impl Drop for ProcessAgent {
     fn drop(&mut self) {
-        // SIGKILL reaches a stopped process too. Not SIGCONT first: a stopped peer that resumes
-        // lets UCX 1.13's tcp dispatch WRITEs it still queued for an endpoint the agent had
-        // force-closed at their deadline, from memory since unmapped (docs/security.md, "UCX
-        // 1.13's tcp transport under failing peers").
+        // SIGKILL reaches a stopped process too.
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
