@@ -119,6 +119,29 @@ struct Shared {
     listening: AtomicBool,
 }
 
+impl Shared {
+    /// Why this agent refuses GPU pools (this version serves host pools only).
+    fn gpu_pools_refused(&self) -> String {
+        let ucx = format!(
+            "its UCX {} moves {} memory",
+            crate::transport::ucx::version(),
+            self.ucx
+                .memory_types
+                .iter()
+                .map(|t| t.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        if crate::memory::cuda::driver_present() {
+            format!("this agent version moves host pools only ({ucx}); register a host pool and stage KV through it")
+        } else {
+            format!(
+                "this agent has no CUDA driver (libcuda.so.1 is not on its loader path) and {ucx}; register a host pool and stage KV through it"
+            )
+        }
+    }
+}
+
 /// One unauthenticated connection counted against the pre-auth budget until dropped.
 #[derive(Debug)]
 struct PreAuth {
@@ -217,6 +240,32 @@ impl Agent {
         Ok(())
     }
 
+    /// What this agent can do (the answer to `Capabilities`).
+    pub fn capabilities(&self) -> AgentEvent {
+        let gpus = crate::memory::cuda::devices().unwrap_or_default();
+        AgentEvent::Capabilities {
+            api_version: crate::engine_api::API_VERSION,
+            agent: self.shared.cfg.name.clone(),
+            ucx_version: crate::transport::ucx::version(),
+            ucx_memory_types: self
+                .shared
+                .ucx
+                .memory_types
+                .iter()
+                .map(|t| t.as_str().to_owned())
+                .collect(),
+            gpus: gpus
+                .into_iter()
+                .map(|d| crate::engine_api::GpuInfo {
+                    uuid: d.uuid,
+                    name: d.name,
+                })
+                .collect(),
+            pool_memory: vec!["host".into()],
+            gpu_pools_refused: Some(self.shared.gpu_pools_refused()),
+        }
+    }
+
     /// Sets the gauges read from the UCX thread (orphaned requests and the memory they hold).
     pub fn refresh_gauges(&self) {
         if let Ok(o) = self.shared.ucx.orphans() {
@@ -252,13 +301,18 @@ impl Agent {
         // An engine that stops reading its events must not stall transfer threads forever.
         let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
         let writer = Arc::new(Mutex::new(stream));
-        let (registration, fds) = match wire::read_frame_fds::<EngineRequest>(&reader, wire::MAX_FRAME) {
+        let mut first = wire::read_frame_fds::<EngineRequest>(&reader, wire::MAX_FRAME);
+        if let Ok((EngineRequest::Capabilities, _)) = &first {
+            send(&writer, &self.capabilities());
+            first = wire::read_frame_fds::<EngineRequest>(&reader, wire::MAX_FRAME);
+        }
+        let (registration, fds) = match first {
             Ok((EngineRequest::RegisterPool(reg), fds)) => (*reg, fds),
             Ok(_) => {
                 send(
                     &writer,
                     &AgentEvent::RegistrationFailed {
-                        message: "the first message must be RegisterPool".into(),
+                        message: "the first message must be RegisterPool (after at most one Capabilities)".into(),
                     },
                 );
                 return;
@@ -341,6 +395,7 @@ impl Agent {
                 Ok(EngineRequest::RegisterPool(_)) => {
                     tracing::warn!(engine = %engine.reg.engine, "engine registered twice; ignoring");
                 }
+                Ok(EngineRequest::Capabilities) => send(&writer, &self.capabilities()),
                 Err(e) => {
                     tracing::debug!(engine = %engine.reg.engine, error = %e, "engine disconnected");
                     break;
@@ -522,6 +577,13 @@ impl Engine {
         let layout = reg.layout().map_err(|e| e.to_string())?;
         if reg.num_blocks == 0 {
             return Err("num_blocks must be at least 1".into());
+        }
+        if let Some(gpu) = &reg.gpu {
+            gpu.check(layout.regions.len(), reg.memory_fd)?;
+            return Err(format!(
+                "gpu: GPU pools are not accepted: {}",
+                shared.gpu_pools_refused()
+            ));
         }
         if reg.memory_fd && fds.len() != layout.regions.len() {
             return Err(format!(

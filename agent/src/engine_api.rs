@@ -14,7 +14,12 @@ pub const API_VERSION: u16 = 4;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type")]
 pub enum EngineRequest {
-    /// First message on a connection: the engine's KV pool.
+    /// What this agent can do: answered by [`AgentEvent::Capabilities`]. May come before
+    /// `RegisterPool` (at most once; the next message must then be `RegisterPool`) or at any
+    /// time after it, so an engine learns whether its GPU pool would be accepted before it
+    /// registers one.
+    Capabilities,
+    /// First message on a connection (after an optional `Capabilities`): the engine's KV pool.
     RegisterPool(Box<PoolRegistration>),
     /// Decode: KV for this request will come from the prefill engine at `prefill`.
     ExpectKv {
@@ -161,6 +166,78 @@ pub struct PoolRegistration {
     /// vLLM's per-layer KV tensors are one region each.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub regions: Vec<RegionRequest>,
+    /// The pool is GPU memory the engine shares (absent: host memory, `memory_fd` or the
+    /// agent's). Only where `Capabilities` lists `cuda` in `pool_memory`; otherwise refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<GpuPool>,
+}
+
+/// A pool in GPU memory: each region lies in a CUDA allocation the engine shares by IPC handle.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuPool {
+    /// The GPU's UUID (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` as `nvidia-smi -L` prints it,
+    /// or torch's spelling without `GPU-`): device numbers differ between the engine's container
+    /// and the agent's.
+    pub device_uuid: String,
+    /// One per region of the pool, in order.
+    pub regions: Vec<GpuRegion>,
+    /// An interprocess CUDA event (`cuIpcGetEventHandle` of an event made with
+    /// `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`, hex of its 64 bytes) the engine
+    /// records on the stream that wrote the KV before each `KvReady` (prefill) and that the
+    /// agent records after a request's KV landed (decode, before `RequestDone`): copies start
+    /// only after the engine's writes, and the engine's reads wait for the agent's copies.
+    /// Absent: the engine synchronizes its stream before each `KvReady`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event: Option<String>,
+}
+
+/// Where one region of a GPU pool is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuRegion {
+    /// `cuIpcGetMemHandle` of the allocation that holds the region (`cudaMalloc` memory, as
+    /// torch's caching allocator makes; not the stream-ordered allocator's), hex of its 64 bytes.
+    pub ipc_handle: String,
+    /// Bytes from the start of that allocation to the region (torch's storage offset).
+    #[serde(default)]
+    pub offset: u64,
+}
+
+impl GpuPool {
+    /// Checks the fields against a pool of `regions` regions, naming the field and value that is
+    /// wrong: a UUID, one well-formed 64-byte handle per region, offsets that do not wrap, a
+    /// well-formed event handle, and no `memory_fd` beside it.
+    pub fn check(&self, regions: usize, memory_fd: bool) -> Result<(), String> {
+        if memory_fd {
+            return Err("gpu and memory_fd are both set: a GPU pool's regions are CUDA IPC handles, not memfds".into());
+        }
+        crate::memory::cuda::normalize_uuid(&self.device_uuid).map_err(|e| format!("gpu.device_uuid: {e}"))?;
+        if self.regions.len() != regions {
+            return Err(format!(
+                "gpu.regions has {} entries; the pool has {regions} regions (one per region, in order)",
+                self.regions.len()
+            ));
+        }
+        for (i, r) in self.regions.iter().enumerate() {
+            crate::memory::cuda::IpcHandle::from_hex(&r.ipc_handle)
+                .map_err(|e| format!("gpu.regions[{i}].ipc_handle: {e}"))?;
+            if r.offset > i64::MAX as u64 {
+                return Err(format!("gpu.regions[{i}].offset {} is out of range", r.offset));
+            }
+        }
+        if let Some(event) = &self.event {
+            crate::memory::cuda::IpcHandle::from_hex(event).map_err(|e| format!("gpu.event: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+/// A GPU the agent sees.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuInfo {
+    /// Canonical UUID (`GPU-...`).
+    pub uuid: String,
+    /// Name.
+    pub name: String,
 }
 
 /// One memory region of a pool: the next `layers` layers, arranged as `kv_arrangement`.
@@ -198,6 +275,26 @@ impl PoolRegistration {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type")]
 pub enum AgentEvent {
+    /// The answer to `Capabilities`.
+    Capabilities {
+        /// The engine API version this agent speaks.
+        api_version: u16,
+        /// Agent identity.
+        agent: String,
+        /// The UCX the agent loaded.
+        ucx_version: String,
+        /// The memory types that UCX registers and moves (`host`, `cuda`, ...): `cuda` only
+        /// where it has its CUDA module.
+        ucx_memory_types: Vec<String>,
+        /// The GPUs the agent's CUDA driver shows it (empty without one).
+        gpus: Vec<GpuInfo>,
+        /// The pool memory `RegisterPool` accepts: `host` (a memfd or the agent's memory), and
+        /// `cuda` where GPU pools are served.
+        pool_memory: Vec<String>,
+        /// Why GPU pools are not accepted, when they are not.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gpu_pools_refused: Option<String>,
+    },
     /// The pool is registered; peers reach this engine at `address`.
     Registered {
         /// Side-channel address (prefill engines listen; decode engines connect out).

@@ -217,6 +217,7 @@ impl SyntheticEngine {
             tensor_rank: spec.tensor_rank,
             kv_arrangement: spec.arrangement,
             regions: spec.regions.clone(),
+            gpu: None,
         }
     }
 

@@ -98,6 +98,7 @@ pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError>
         tensor_rank: 0,
         kv_arrangement: None,
         regions: Vec::new(),
+        gpu: None,
     };
     let mut engine = SyntheticEngine::register_as(&socket, reg).map_err(UsageError)?;
     let say = |out: &mut dyn Write, v: serde_json::Value| {

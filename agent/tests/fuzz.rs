@@ -13,7 +13,7 @@ use std::{
 
 use common::{World, kv};
 use pdpair_agent::{
-    engine_api::{AgentEvent, EngineRequest, PoolRegistration, RegionRequest},
+    engine_api::{AgentEvent, EngineRequest, GpuPool, GpuRegion, PoolRegistration, RegionRequest},
     layout::LayerAt,
     protocol::{self, Message},
     transport::ucx::Transport,
@@ -125,7 +125,8 @@ fn registration() -> impl Strategy<Value = PoolRegistration> {
     (
         (
             any::<bool>(),
-            0..4u8,
+            // The layout (bit 0), the arrangement (bits 1-2), and the regions (by /8 and /24).
+            0..48u8,
             prop_oneof![4 => 1..3i32, 1 => -2..1i32],
             prop_oneof![4 => 1..5i32, 1 => -2..1i32],
         ),
@@ -142,9 +143,10 @@ fn registration() -> impl Strategy<Value = PoolRegistration> {
             any::<bool>(),
             prop_oneof![4 => "([0-9a-f]{2}){1,8}", 1 => ".{0,12}"],
         ),
+        prop::option::weighted(0.15, gpu_pool()),
     )
         .prop_map(
-            |((decode, layout, tensor, layers), (heads, block), (head_dim, blocks), (rank, mla, key))| {
+            |((decode, layout, tensor, layers), (heads, block), (head_dim, blocks), (rank, mla, key), gpu)| {
                 let mut geometry = kv(64, None);
                 geometry.layers = layers;
                 geometry.kv_heads = heads;
@@ -188,9 +190,34 @@ fn registration() -> impl Strategy<Value = PoolRegistration> {
                             kv_arrangement: None,
                         }],
                     },
+                    gpu,
                 }
             },
         )
+}
+
+/// GPU pools, well-formed or not: UUIDs, handles and events of any shape.
+fn gpu_pool() -> impl Strategy<Value = GpuPool> {
+    let handle = prop_oneof![3 => "[0-9a-f]{128}", 1 => "[0-9a-fA-Fz]{0,140}"];
+    (
+        prop_oneof![
+            2 => "GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+            1 => ".{0,40}"
+        ],
+        prop::collection::vec(
+            (handle.clone(), prop_oneof![3 => 0..(1u64 << 30), 1 => any::<u64>()]),
+            0..5,
+        ),
+        prop::option::of(handle),
+    )
+        .prop_map(|(device_uuid, regions, event)| GpuPool {
+            device_uuid,
+            regions: regions
+                .into_iter()
+                .map(|(ipc_handle, offset)| GpuRegion { ipc_handle, offset })
+                .collect(),
+            event,
+        })
 }
 
 /// Absent, or one of the arrangements, by `n`.
@@ -226,6 +253,8 @@ fn a_live_agent_answers_every_registration_and_keeps_serving() {
                 "{reg:?} -> {answer:?}"
             );
             if matches!(answer, Ok(AgentEvent::Registered { .. })) {
+                // This agent serves host pools only: a GPU pool is always refused.
+                prop_assert!(reg.gpu.is_none(), "a GPU pool was registered: {reg:?}");
                 registered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             Ok(())

@@ -251,6 +251,18 @@ def test_mla_latent_arrays_move_byte_exact_between_python_and_rust(world, mode):
     assert rust_result(rp)["type"] == "RequestDone"
 
 
+def test_the_client_asks_capabilities_before_registering(world):
+    a = world.agent("p")
+    c = py_engine(world, a, "prefill", kv())
+    caps = c.capabilities
+    assert caps["type"] == "Capabilities" and caps["agent"] == "p"
+    assert "host" in caps["ucx_memory_types"] and caps["ucx_version"]
+    assert caps["pool_memory"] == ["host"]
+    # This agent version refuses GPU pools and says why.
+    assert caps["gpu_pools_refused"]
+    c.close()
+
+
 def test_registration_refusals_name_the_field(world):
     a = world.agent("p")
     # Version 2 lacked Cancel and kv_arrangement, version 3 regions and MLA's latent arrays: a

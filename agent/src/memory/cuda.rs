@@ -65,6 +65,68 @@ pub fn driver_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
+/// A GPU the driver shows this process, without opening a context on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Its number in this process (differs between containers).
+    pub ordinal: usize,
+    /// Its UUID, canonical (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as `nvidia-smi -L` prints it).
+    pub uuid: String,
+    /// Its name.
+    pub name: String,
+}
+
+/// The GPUs this process sees (`cuDeviceGet`, `cuDeviceGetUuid`: no context is created, so no
+/// GPU memory is taken). [`CudaError::NoDriver`] without libcuda.
+pub fn devices() -> Result<Vec<DeviceInfo>, CudaError> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    result::init().map_err(driver("cuInit"))?;
+    let n = result::device::get_count().map_err(driver("cuDeviceGetCount"))?;
+    (0..n.max(0))
+        .map(|i| {
+            let dev = result::device::get(i).map_err(driver("cuDeviceGet"))?;
+            let uuid = result::device::get_uuid(dev).map_err(driver("cuDeviceGetUuid"))?;
+            let bytes: Vec<u8> = uuid.bytes.iter().map(|b| *b as u8).collect();
+            Ok(DeviceInfo {
+                ordinal: i as usize,
+                uuid: canonical_uuid(&bytes),
+                name: result::device::get_name(dev).unwrap_or_default(),
+            })
+        })
+        .collect()
+}
+
+fn canonical_uuid(bytes: &[u8]) -> String {
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// A GPU UUID as an engine may write it (`GPU-` and dashes optional, any case: nvidia-smi and
+/// torch print it differently), canonical; `Err` says what is wrong with it.
+pub fn normalize_uuid(text: &str) -> Result<String, String> {
+    let body = text.strip_prefix("GPU-").unwrap_or(text);
+    let hex: String = body.chars().filter(|c| *c != '-').collect();
+    if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!(
+            "{:?} is not a GPU UUID (32 hex digits, as `nvidia-smi -L` prints it: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)",
+            crate::reason::peer_text(text)
+        ));
+    }
+    let bytes: Vec<u8> = (0..16)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect();
+    Ok(canonical_uuid(&bytes))
+}
+
 /// One GPU: its primary context and a stream of the agent's own for copies and kernels.
 #[derive(Debug, Clone)]
 pub struct Gpu {
@@ -378,6 +440,40 @@ mod tests {
         let e = IpcHandle::from_hex("abc").expect_err("too short");
         assert!(e.to_string().contains("got 3 characters"), "{e}");
         assert!(IpcHandle::from_hex(&"zz".repeat(64)).is_err());
+    }
+
+    #[test]
+    fn gpu_uuids_are_taken_in_either_spelling_and_anything_else_is_refused_naming_it() {
+        let canonical = "GPU-5f1c2a3b-0d4e-4f60-8a9b-0c1d2e3f4a5b";
+        for spelling in [
+            canonical,
+            "5f1c2a3b-0d4e-4f60-8a9b-0c1d2e3f4a5b",
+            "5F1C2A3B0D4E4F608A9B0C1D2E3F4A5B",
+        ] {
+            assert_eq!(normalize_uuid(spelling).as_deref(), Ok(canonical), "{spelling}");
+        }
+        for bad in [
+            "",
+            "GPU-",
+            "GPU-5f1c2a3b",
+            "GPU-5f1c2a3b-0d4e-4f60-8a9b-0c1d2e3f4a5z",
+            &"a".repeat(40),
+        ] {
+            let e = normalize_uuid(bad).expect_err(bad);
+            assert!(e.contains("is not a GPU UUID"), "{e}");
+        }
+    }
+
+    #[test]
+    fn without_a_driver_listing_gpus_says_so() {
+        match devices() {
+            Err(CudaError::NoDriver) => assert!(!driver_present()),
+            Err(e) => assert!(driver_present(), "{e}"),
+            Ok(list) => assert!(
+                list.iter()
+                    .all(|d| normalize_uuid(&d.uuid).as_deref() == Ok(d.uuid.as_str()))
+            ),
+        }
     }
 
     #[test]

@@ -97,6 +97,54 @@ pub fn version() -> String {
         .into_owned()
 }
 
+/// A kind of memory UCX may register (`ucs_memory_type_t`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MemoryType {
+    /// Host memory.
+    Host,
+    /// CUDA device memory.
+    Cuda,
+    /// CUDA managed memory.
+    CudaManaged,
+    /// ROCm device memory.
+    Rocm,
+    /// ROCm managed memory.
+    RocmManaged,
+}
+
+impl MemoryType {
+    /// Every type, in UCX's order.
+    pub const ALL: [MemoryType; 5] = [
+        MemoryType::Host,
+        MemoryType::Cuda,
+        MemoryType::CudaManaged,
+        MemoryType::Rocm,
+        MemoryType::RocmManaged,
+    ];
+
+    fn ucs(self) -> sys::ucs_memory_type_t {
+        match self {
+            MemoryType::Host => sys::ucs_memory_type_UCS_MEMORY_TYPE_HOST,
+            MemoryType::Cuda => sys::ucs_memory_type_UCS_MEMORY_TYPE_CUDA,
+            MemoryType::CudaManaged => sys::ucs_memory_type_UCS_MEMORY_TYPE_CUDA_MANAGED,
+            MemoryType::Rocm => sys::ucs_memory_type_UCS_MEMORY_TYPE_ROCM,
+            MemoryType::RocmManaged => sys::ucs_memory_type_UCS_MEMORY_TYPE_ROCM_MANAGED,
+        }
+    }
+
+    /// The name in the engine API and in messages.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryType::Host => "host",
+            MemoryType::Cuda => "cuda",
+            MemoryType::CudaManaged => "cuda-managed",
+            MemoryType::Rocm => "rocm",
+            MemoryType::RocmManaged => "rocm-managed",
+        }
+    }
+}
+
 struct ContextInner(sys::ucp_context_h);
 
 impl Drop for ContextInner {
@@ -185,20 +233,70 @@ impl Context {
         Ok(Context(Rc::new(ContextInner(context))))
     }
 
+    /// The memory types this context can register and move (`ucp_context_query`): host memory
+    /// always; GPU memory only where the loaded UCX has that GPU's module (Debian's 1.13 has
+    /// none). Unknown bits are left out.
+    pub fn memory_types(&self) -> Vec<MemoryType> {
+        // SAFETY: zeroed attrs are valid; only masked fields are written.
+        let mut attr: sys::ucp_context_attr_t = unsafe { std::mem::zeroed() };
+        attr.field_mask = u64::from(sys::ucp_context_attr_field_UCP_ATTR_FIELD_MEMORY_TYPES);
+        // SAFETY: a live context; attr is an out-pointer.
+        if check("ucp_context_query", unsafe {
+            sys::ucp_context_query(self.0.0, &mut attr)
+        })
+        .is_err()
+        {
+            return vec![MemoryType::Host];
+        }
+        MemoryType::ALL
+            .into_iter()
+            .filter(|t| attr.memory_types & (1u64 << t.ucs()) != 0)
+            .collect()
+    }
+
     /// Registers `len` bytes at `addr` for remote access.
     ///
     /// # Safety
     /// `addr..addr+len` must stay valid (mapped, not freed) until the returned region is dropped,
     /// and remote peers may write it at any time while it is registered.
     pub unsafe fn map(&self, addr: *mut u8, len: usize) -> Result<MemRegion, UcxError> {
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.map_typed(addr, len, MemoryType::Host) }
+    }
+
+    /// Registers `len` bytes of `memory` at `addr`. GPU memory is refused, naming the type and
+    /// the UCX, when this context cannot move it: UCX without the GPU's module would register
+    /// device addresses as host memory, and a put would then read them with the CPU.
+    ///
+    /// # Safety
+    /// As [`Context::map`]; `memory` must be what `addr` is.
+    pub unsafe fn map_typed(&self, addr: *mut u8, len: usize, memory: MemoryType) -> Result<MemRegion, UcxError> {
+        if memory != MemoryType::Host && !self.memory_types().contains(&memory) {
+            return Err(UcxError {
+                op: "ucp_mem_map",
+                status: sys::ucs_status_t_UCS_ERR_UNSUPPORTED,
+                text: format!(
+                    "UCX {} cannot move {} memory (its memory types: {}); register a host pool, or run a UCX built with that GPU's module",
+                    version(),
+                    memory.as_str(),
+                    self.memory_types()
+                        .iter()
+                        .map(|t| t.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            });
+        }
         // SAFETY: zeroed params are valid; only masked fields are read.
         let mut params: sys::ucp_mem_map_params_t = unsafe { std::mem::zeroed() };
         params.field_mask = u64::from(
             sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_ADDRESS
-                | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
         );
         params.address = addr.cast();
         params.length = len;
+        params.memory_type = memory.ucs();
         let mut memh: sys::ucp_mem_h = ptr::null_mut();
         // SAFETY: the caller guarantees the range; memh is an out-pointer.
         check("ucp_mem_map", unsafe { sys::ucp_mem_map(self.0.0, &params, &mut memh) })?;

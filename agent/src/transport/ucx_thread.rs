@@ -160,6 +160,8 @@ pub struct UcxHandle {
     tx: Sender<Command>,
     /// This worker's address.
     pub worker_address: Vec<u8>,
+    /// The memory types the context moves (see [`Context::memory_types`]).
+    pub memory_types: Vec<crate::transport::ucx::MemoryType>,
 }
 
 impl UcxHandle {
@@ -176,7 +178,7 @@ impl UcxHandle {
                 match setup {
                     Ok((context, worker)) => match worker.address() {
                         Ok(addr) => {
-                            let _ = ready_tx.send(Ok(addr));
+                            let _ = ready_tx.send(Ok((addr, context.memory_types())));
                             run(context, worker, rx);
                         }
                         Err(e) => {
@@ -189,8 +191,12 @@ impl UcxHandle {
                 }
             })
             .map_err(|e| format!("starting the UCX thread: {e}"))?;
-        let worker_address = ready_rx.recv().map_err(|_| "the UCX thread died".to_owned())??;
-        Ok(UcxHandle { tx, worker_address })
+        let (worker_address, memory_types) = ready_rx.recv().map_err(|_| "the UCX thread died".to_owned())??;
+        Ok(UcxHandle {
+            tx,
+            worker_address,
+            memory_types,
+        })
     }
 
     fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, String> {

@@ -114,9 +114,13 @@ def pairing_key_from_env(env=os.environ) -> bytes:
 class AgentClient:
     """One registered engine (one tensor-parallel rank)."""
 
-    def __init__(self, sock: socket.socket, reg: dict, layout: PoolLayout, address: str, pools: List[mmap.mmap]):
+    def __init__(self, sock: socket.socket, reg: dict, layout: PoolLayout, address: str, pools: List[mmap.mmap],
+                 capabilities: Optional[dict] = None):
         self._sock = sock
         self.registration = reg
+        #: The agent's ``Capabilities`` answer (its UCX, the memory types it moves, its GPUs, the
+        #: pool memory it accepts and why not GPU pools), asked before registering.
+        self.capabilities = capabilities or {}
         self.layout = layout
         #: The side-channel address decode engines name as this prefill engine's (empty on decode).
         self.address = address
@@ -147,6 +151,15 @@ class AgentClient:
         sock.settimeout(timeout)
         try:
             sock.connect(socket_path)
+            # What the agent can do, before registering: which pool memory it accepts.
+            wire.send(sock, {"type": "Capabilities"})
+            capabilities, stray = wire.recv_with_fds(sock)
+            for fd in stray:
+                os.close(fd)
+            if capabilities.get("type") != "Capabilities":
+                sock.close()
+                raise AgentError(f"the agent answered Capabilities with {capabilities.get('type')}: "
+                                 f"{capabilities.get('message', '')}")
             wire.send(sock, reg)
             answer, fds = wire.recv_with_fds(sock)
         except (OSError, wire.FrameError) as e:
@@ -182,7 +195,7 @@ class AgentClient:
             for fd in fds:
                 os.close(fd)
         sock.settimeout(None)
-        return AgentClient(sock, reg, layout, str(answer.get("address", "")), pools)
+        return AgentClient(sock, reg, layout, str(answer.get("address", "")), pools, capabilities)
 
     # --- requests -------------------------------------------------------------------------------
 

@@ -261,6 +261,15 @@ class PdpairConnector(KVConnectorBase_V1):
         )
         sock = self._extra.get("socket") or os.environ.get("PDPAIR_AGENT_SOCKET") or agent_client.DEFAULT_SOCKET
         self._client = AgentClient.register(sock, reg)
+        caps = self._client.capabilities
+        # This connector stages KV through the agent's host pool; say which path that is and why
+        # not a direct GPU one (the agent's own words).
+        log.info(
+            "pdpair: rank %d stages KV through host memory (agent %s, UCX %s moves %s; pool memory it accepts: %s; "
+            "GPU pools: %s)",
+            rank, caps.get("agent"), caps.get("ucx_version"), caps.get("ucx_memory_types"),
+            caps.get("pool_memory"), caps.get("gpu_pools_refused") or "accepted, not used by this connector version",
+        )
         stager = TorchStager(tensors, self._client.pool, self._client.layout)
         self._worker = WorkerState(self._client, stager, rank)
 

@@ -205,3 +205,27 @@ fn transports_parse_from_their_names_and_refuse_others_naming_them() {
     let e = "ib".parse::<Transport>().expect_err("refused");
     assert!(e.contains("\"ib\""), "{e}");
 }
+
+#[test]
+fn gpu_memory_is_refused_where_this_ucx_cannot_move_it() {
+    // Debian's UCX 1.13 (what CI and the image load) has no GPU modules: it reports host memory
+    // only, and would register a device address as host memory if asked.
+    let c = Context::new(Transport::Auto, None).expect("context");
+    let types = c.memory_types();
+    println!("UCX {} memory types: {types:?}", version());
+    assert!(types.contains(&MemoryType::Host), "{types:?}");
+    let absent: Vec<MemoryType> = MemoryType::ALL.into_iter().filter(|t| !types.contains(t)).collect();
+    assert!(!absent.is_empty(), "this UCX claims every memory type: {types:?}");
+    let mut memory = vec![0u8; 4096];
+    for t in absent {
+        // SAFETY: `memory` outlives any region (none is made: each call is refused).
+        let e = unsafe { c.map_typed(memory.as_mut_ptr(), memory.len(), t) }.expect_err("refused");
+        assert!(
+            e.to_string().contains(&format!("cannot move {} memory", t.as_str())) && e.to_string().contains(&version()),
+            "{e}"
+        );
+    }
+    // SAFETY: as above; this one is registered and dropped before `memory`.
+    let host = unsafe { c.map_typed(memory.as_mut_ptr(), memory.len(), MemoryType::Host) }.expect("host memory maps");
+    drop(host);
+}

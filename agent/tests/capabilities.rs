@@ -1,0 +1,155 @@
+//! What an agent says it can do (`Capabilities`), and GPU pools: this agent moves host pools
+//! only, so every GPU registration is refused, malformed ones naming the field, and the agent
+//! keeps serving. A real agent in this process, real UCX (Debian's 1.13: host memory only); the
+//! GPU list is the machine's real CUDA driver's (none on CI).
+
+use std::os::unix::net::UnixStream;
+
+use pdpair_agent::{
+    engine_api::{AgentEvent, EngineRequest, GpuPool, GpuRegion, PoolRegistration},
+    memory::cuda,
+    synthetic::SyntheticEngine,
+    transport::ucx::{self, Transport},
+    wire,
+};
+use pdpair_api::{ChecksumPolicy, Role};
+
+mod common;
+
+use common::{World, kv, spec};
+
+fn connect(socket: &std::path::Path) -> UnixStream {
+    let s = UnixStream::connect(socket).expect("connect");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("timeout");
+    s
+}
+
+fn ask(s: &mut UnixStream, what: &EngineRequest) -> AgentEvent {
+    wire::write_frame(s, what).expect("send");
+    wire::read_frame::<AgentEvent>(s).expect("an answer")
+}
+
+fn host_registration() -> PoolRegistration {
+    SyntheticEngine::registration(
+        &spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
+        None,
+        false,
+    )
+}
+
+/// A well-formed GPU pool for the one-region registration above.
+fn gpu_pool() -> GpuPool {
+    GpuPool {
+        device_uuid: "GPU-5f1c2a3b-0d4e-4f60-8a9b-0c1d2e3f4a5b".into(),
+        regions: vec![GpuRegion {
+            ipc_handle: "ab".repeat(64),
+            offset: 4096,
+        }],
+        event: Some("cd".repeat(64)),
+    }
+}
+
+#[test]
+fn capabilities_say_what_ucx_and_the_driver_allow_and_registration_follows_on_the_same_connection() {
+    let w = World::new("caps");
+    let socket = w.agent("a", Transport::Auto, false);
+    let mut s = connect(&socket);
+    let AgentEvent::Capabilities {
+        api_version,
+        agent,
+        ucx_version,
+        ucx_memory_types,
+        gpus,
+        pool_memory,
+        gpu_pools_refused,
+    } = ask(&mut s, &EngineRequest::Capabilities)
+    else {
+        panic!("not Capabilities");
+    };
+    println!("UCX {ucx_version}: {ucx_memory_types:?}; GPUs {gpus:?}; refused: {gpu_pools_refused:?}");
+    assert_eq!(api_version, pdpair_agent::engine_api::API_VERSION);
+    assert_eq!(agent, "a");
+    assert_eq!(ucx_version, ucx::version());
+    // What this UCX reports, from its own context.
+    let types = ucx::Context::new(Transport::Auto, None)
+        .expect("context")
+        .memory_types();
+    assert_eq!(
+        ucx_memory_types,
+        types.iter().map(|t| t.as_str().to_owned()).collect::<Vec<_>>()
+    );
+    assert!(ucx_memory_types.contains(&"host".to_owned()));
+    assert_eq!(gpus.len(), cuda::devices().map(|d| d.len()).unwrap_or(0));
+    assert_eq!(pool_memory, vec!["host".to_owned()]);
+    let why = gpu_pools_refused.expect("GPU pools are refused, saying why");
+    assert!(why.contains(&ucx_version), "{why}");
+    if !cuda::driver_present() {
+        assert!(why.contains("no CUDA driver"), "{why}");
+    }
+    // The same connection then registers.
+    let answer = ask(&mut s, &EngineRequest::RegisterPool(Box::new(host_registration())));
+    assert!(matches!(answer, AgentEvent::Registered { .. }), "{answer:?}");
+    // And may ask again.
+    let again = ask(&mut s, &EngineRequest::Capabilities);
+    assert!(matches!(again, AgentEvent::Capabilities { .. }), "{again:?}");
+    // Twice before registering is refused.
+    let mut t = connect(&socket);
+    assert!(matches!(
+        ask(&mut t, &EngineRequest::Capabilities),
+        AgentEvent::Capabilities { .. }
+    ));
+    let second = ask(&mut t, &EngineRequest::Capabilities);
+    assert!(
+        matches!(&second, AgentEvent::RegistrationFailed { message } if message.contains("must be RegisterPool")),
+        "{second:?}"
+    );
+}
+
+#[test]
+fn gpu_pools_are_refused_naming_the_field_or_the_reason_and_the_agent_keeps_serving() {
+    let w = World::new("caps-gpu");
+    let socket = w.agent("a", Transport::Tcp, false);
+    let with = |f: &dyn Fn(&mut PoolRegistration, &mut GpuPool)| {
+        let mut reg = host_registration();
+        let mut gpu = gpu_pool();
+        f(&mut reg, &mut gpu);
+        reg.gpu = Some(gpu);
+        reg
+    };
+    let cases: Vec<(&str, PoolRegistration)> = vec![
+        ("GPU pools are not accepted", with(&|_, _| {})),
+        ("gpu.device_uuid", with(&|_, g| g.device_uuid = "GPU-0".into())),
+        (
+            "gpu.regions has 2 entries; the pool has 1",
+            with(&|_, g| g.regions.push(g.regions[0].clone())),
+        ),
+        ("gpu.regions has 0 entries", with(&|_, g| g.regions.clear())),
+        (
+            "gpu.regions[0].ipc_handle",
+            with(&|_, g| g.regions[0].ipc_handle = "ab".repeat(63)),
+        ),
+        (
+            "gpu.regions[0].ipc_handle",
+            with(&|_, g| g.regions[0].ipc_handle = "zz".repeat(64)),
+        ),
+        ("gpu.regions[0].offset", with(&|_, g| g.regions[0].offset = u64::MAX)),
+        ("gpu.event", with(&|_, g| g.event = Some("00".into()))),
+        ("gpu and memory_fd are both set", with(&|r, _| r.memory_fd = true)),
+    ];
+    for (expected, reg) in cases {
+        let mut s = connect(&socket);
+        let answer = ask(&mut s, &EngineRequest::RegisterPool(Box::new(reg)));
+        assert!(
+            matches!(&answer, AgentEvent::RegistrationFailed { message } if message.contains(expected)),
+            "{expected}: {answer:?}"
+        );
+        if expected == "GPU pools are not accepted" && !cuda::driver_present() {
+            assert!(format!("{answer:?}").contains("no CUDA driver"), "{answer:?}");
+        }
+    }
+    // Nothing half-registered: a host pool still registers.
+    let mut s = connect(&socket);
+    let answer = ask(&mut s, &EngineRequest::RegisterPool(Box::new(host_registration())));
+    assert!(matches!(answer, AgentEvent::Registered { .. }), "{answer:?}");
+}
