@@ -110,8 +110,10 @@ struct Shared {
     cfg: AgentConfig,
     /// UCX, for registering the engines' pools (host memory).
     ucx: UcxHandle,
-    /// What moves the sessions' bytes (today the same UCX thread).
+    /// What moves host pools' bytes (the same UCX thread).
     transport: Arc<dyn crate::transport::Backend>,
+    /// What moves GPU pools' bytes between engines behind this agent.
+    cuda: Arc<crate::transport::cuda_ipc::CudaIpc>,
     metrics: Arc<Metrics>,
     /// Unauthenticated side-channel connections by source address (the pre-auth budget).
     unauthenticated: Mutex<HashMap<IpAddr, usize>>,
@@ -120,24 +122,22 @@ struct Shared {
 }
 
 impl Shared {
-    /// Why this agent refuses GPU pools (this version serves host pools only).
-    fn gpu_pools_refused(&self) -> String {
-        let ucx = format!(
-            "its UCX {} moves {} memory",
-            crate::transport::ucx::version(),
-            self.ucx
-                .memory_types
-                .iter()
-                .map(|t| t.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        if crate::memory::cuda::driver_present() {
-            format!("this agent version moves host pools only ({ucx}); register a host pool and stage KV through it")
-        } else {
-            format!(
-                "this agent has no CUDA driver (libcuda.so.1 is not on its loader path) and {ucx}; register a host pool and stage KV through it"
-            )
+    /// Why this agent refuses GPU pools, when it does: it has no CUDA driver, or sees no GPU.
+    fn gpu_pools_refused(&self) -> Option<String> {
+        if !crate::memory::cuda::driver_present() {
+            return Some(
+                "this agent has no CUDA driver (libcuda.so.1 is not on its loader path); register a host pool and stage KV through it"
+                    .into(),
+            );
+        }
+        match crate::memory::cuda::devices() {
+            Ok(list) if !list.is_empty() => None,
+            Ok(_) => {
+                Some("this agent's CUDA driver shows it no GPU; register a host pool and stage KV through it".into())
+            }
+            Err(e) => Some(format!(
+                "this agent's CUDA driver: {e}; register a host pool and stage KV through it"
+            )),
         }
     }
 }
@@ -198,6 +198,7 @@ impl Agent {
             shared: Arc::new(Shared {
                 cfg,
                 transport: Arc::new(ucx.clone()),
+                cuda: Arc::new(crate::transport::cuda_ipc::CudaIpc::new()),
                 ucx,
                 metrics,
                 unauthenticated: Mutex::new(HashMap::new()),
@@ -261,8 +262,11 @@ impl Agent {
                     name: d.name,
                 })
                 .collect(),
-            pool_memory: vec!["host".into()],
-            gpu_pools_refused: Some(self.shared.gpu_pools_refused()),
+            pool_memory: match self.shared.gpu_pools_refused() {
+                None => vec!["host".into(), "cuda".into()],
+                Some(_) => vec!["host".into()],
+            },
+            gpu_pools_refused: self.shared.gpu_pools_refused(),
         }
     }
 
@@ -529,8 +533,10 @@ struct Engine {
     settings: Settings,
     key: Vec<u8>,
     layout: PoolLayout,
-    /// One pool per region of `layout`, in order.
+    /// One pool per region of `layout`, in order (host memory; empty for a GPU pool).
     pools: Vec<Pool>,
+    /// The pool, when it is GPU memory.
+    device: Option<crate::memory::gpu_pool::DevicePool>,
     local: PeerInfo,
     address: String,
     writer: Arc<Mutex<UnixStream>>,
@@ -580,10 +586,9 @@ impl Engine {
         }
         if let Some(gpu) = &reg.gpu {
             gpu.check(layout.regions.len(), reg.memory_fd)?;
-            return Err(format!(
-                "gpu: GPU pools are not accepted: {}",
-                shared.gpu_pools_refused()
-            ));
+            if let Some(why) = shared.gpu_pools_refused() {
+                return Err(format!("gpu: GPU pools are not accepted: {why}"));
+            }
         }
         if reg.memory_fd && fds.len() != layout.regions.len() {
             return Err(format!(
@@ -613,7 +618,7 @@ impl Engine {
                 reg.num_blocks, layout.layers, layout.halves(), layout.local_heads, layout.block_size, layout.head_dim, layout.element_bytes
             )
         })?;
-        if fds.is_empty() {
+        if fds.is_empty() && reg.gpu.is_none() {
             // The agent allocates (and faults in) the whole pool: never more than its file
             // system holds, or one registration could exhaust the node's memory.
             let free = pool::available(&shared.cfg.pool_dir).unwrap_or(0);
@@ -644,7 +649,26 @@ impl Engine {
             None => shared.cfg.listen_host.to_string(),
         };
         // Last: nothing after this fails, so no registered region is left behind.
-        let pools = Engine::pools(&shared, &layout, fds)?;
+        let (pools, device) = match &reg.gpu {
+            Some(gpu) => (
+                Vec::new(),
+                Some(crate::memory::gpu_pool::DevicePool::open(&shared.cuda, &layout, gpu)?),
+            ),
+            None => (Engine::pools(&shared, &layout, fds)?, None),
+        };
+        let (worker_address, memory) = match &device {
+            Some(d) => (
+                crate::transport::Backend::address(&*shared.cuda),
+                MemoryDesc {
+                    kind: protocol::MemoryKind::Cuda,
+                    ..MemoryDesc::of(&layout, d.regions.iter().map(|r| (r.base, r.token.to_vec())).collect())
+                },
+            ),
+            None => (
+                shared.transport.address(),
+                MemoryDesc::of(&layout, pools.iter().map(|p| (p.base, p.rkey.clone())).collect()),
+            ),
+        };
         let local = PeerInfo {
             agent: shared.cfg.name.clone(),
             version: protocol::PROTOCOL_VERSION,
@@ -656,8 +680,8 @@ impl Engine {
             parallelism: reg.parallelism.clone(),
             kv: reg.kv.clone(),
             tensor_rank: reg.tensor_rank,
-            worker_address: shared.transport.address(),
-            memory: MemoryDesc::of(&layout, pools.iter().map(|p| (p.base, p.rkey.clone())).collect()),
+            worker_address,
+            memory,
         };
         let engine = Arc::new(Engine {
             shared,
@@ -666,6 +690,7 @@ impl Engine {
             key,
             layout,
             pools,
+            device,
             local,
             address,
             writer,
@@ -728,7 +753,7 @@ impl Engine {
         if let Some(p) = link.path.get() {
             return Some(p.clone());
         }
-        let seen = match self.shared.transport.observe(link.ucx_peer?) {
+        let seen = match self.transport().observe(link.ucx_peer?) {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(peer = %link.addr, error = %e, "cannot read the transport's path");
@@ -738,7 +763,7 @@ impl Engine {
         let path = pdpair_api::TransferPath {
             peer: peer_name(&link.peer.engine, &link.peer.agent),
             kind: seen.kind,
-            backend: self.shared.transport.kind(),
+            backend: self.transport().kind(),
             lanes: seen.lanes,
             emulated: seen.emulated,
             ucx_version: seen.version,
@@ -772,15 +797,68 @@ impl Engine {
             .collect()
     }
 
-    /// The UCX ids of the pool's regions.
+    /// The backend's ids of the pool's regions.
     fn regions(&self) -> Vec<u64> {
-        self.pools.iter().map(|p| p.region).collect()
+        match &self.device {
+            Some(d) => d.regions.iter().map(|r| r.id).collect(),
+            None => self.pools.iter().map(|p| p.region).collect(),
+        }
     }
 
     /// The registered address of a block of a layer's K (`v = false`, or the latent) or V array.
     fn block_addr(&self, layer: u32, v: bool, block: u32) -> u64 {
         let (r, at) = self.layout.block_offset(layer, v, block);
-        self.pools[r].base + at as u64
+        match &self.device {
+            Some(d) => d.regions[r].base + at as u64,
+            None => self.pools[r].base + at as u64,
+        }
+    }
+
+    /// What moves this engine's bytes: CUDA IPC for a GPU pool, UCX for a host pool.
+    fn transport(&self) -> &dyn crate::transport::Backend {
+        match &self.device {
+            Some(_) => &*self.shared.cuda,
+            None => &*self.shared.transport,
+        }
+    }
+
+    /// The checksums of `blocks` (block, its first token) over `count` local heads from
+    /// `first`: on the host over the pool's memory, or on the GPU in place. `None` when one
+    /// cannot be computed.
+    fn sums_of(&self, blocks: &[(u32, u64)], num_tokens: u64, first: u32, count: u32) -> Option<Vec<u64>> {
+        let Some(device) = &self.device else {
+            let memory = self.memory();
+            return blocks
+                .iter()
+                .map(|(b, t)| self.layout.checksum_heads(&memory, *b, *t, num_tokens, first, count))
+                .collect();
+        };
+        let step = u64::from(self.layout.block_size);
+        let first_token = blocks.first().map_or(0, |(_, t)| *t);
+        let contiguous = blocks
+            .iter()
+            .enumerate()
+            .all(|(j, (_, t))| *t == first_token + j as u64 * step);
+        let run = |ids: &[u32], first_token: u64| {
+            device.sums(
+                &self.layout,
+                &crate::checksum::gpu::Blocks {
+                    blocks: ids,
+                    first_token,
+                    num_tokens,
+                    first,
+                    count,
+                },
+            )
+        };
+        if contiguous {
+            let ids: Vec<u32> = blocks.iter().map(|(b, _)| *b).collect();
+            return run(&ids, first_token);
+        }
+        blocks
+            .iter()
+            .map(|(b, t)| run(&[*b], *t).and_then(|s| s.first().copied()))
+            .collect()
     }
 
     /// Maps and registers the engine's memfds (one per region), or allocates the regions: all
@@ -905,6 +983,9 @@ impl Engine {
         lock(&self.pending).clear();
         for pool in &self.pools {
             pool.release(&self.shared.ucx);
+        }
+        if let Some(d) = &self.device {
+            d.release();
         }
     }
 }

@@ -199,6 +199,9 @@ pub struct RegionDesc {
 /// V block array (or MLA's one latent array) are.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryDesc {
+    /// What memory the pool is (absent: host).
+    #[serde(default, skip_serializing_if = "MemoryKind::is_host")]
+    pub kind: MemoryKind,
     /// The pool's regions.
     pub regions: Vec<RegionDesc>,
     /// Blocks per K (or V) array.
@@ -209,11 +212,40 @@ pub struct MemoryDesc {
     pub layers: Vec<LayerAt>,
 }
 
+/// What memory a pool is, and so which backend moves it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MemoryKind {
+    /// Host memory (UCX; a region's key is a packed UCX remote key).
+    #[default]
+    Host,
+    /// GPU memory behind this agent (CUDA IPC; a region's key is its 16-byte token).
+    Cuda,
+}
+
+impl MemoryKind {
+    /// Whether it is host memory (the default).
+    pub fn is_host(&self) -> bool {
+        *self == MemoryKind::Host
+    }
+
+    /// Its name in messages.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryKind::Host => "host",
+            MemoryKind::Cuda => "GPU",
+        }
+    }
+}
+
+/// Bytes of a GPU region's token.
+pub const CUDA_TOKEN_LEN: usize = 16;
+
 impl MemoryDesc {
     /// The description of a pool laid out as `layout`, its regions registered at `regions`
     /// (address, packed key), in the layout's region order.
     pub fn of(layout: &PoolLayout, regions: Vec<(u64, Vec<u8>)>) -> MemoryDesc {
         MemoryDesc {
+            kind: MemoryKind::Host,
             regions: regions
                 .into_iter()
                 .zip(layout.region_lens())
@@ -261,7 +293,16 @@ impl MemoryDesc {
                     r.base, r.len
                 ));
             }
-            check_rkey(&r.rkey).map_err(|e| format!("memory.regions[{i}].rkey {e}"))?;
+            match self.kind {
+                MemoryKind::Host => check_rkey(&r.rkey).map_err(|e| format!("memory.regions[{i}].rkey {e}"))?,
+                MemoryKind::Cuda if r.rkey.len() != CUDA_TOKEN_LEN => {
+                    return Err(format!(
+                        "memory.regions[{i}].rkey is {} bytes; a GPU region's token is {CUDA_TOKEN_LEN}",
+                        r.rkey.len()
+                    ));
+                }
+                MemoryKind::Cuda => {}
+            }
         }
         // Regions are separate memory: overlapping ones describe nothing real (and would make an
         // op's region ambiguous).
@@ -761,6 +802,16 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<Reason>, String)> {
         .and_then(|()| peer.memory.check(&peer.kv, &peer.parallelism, peer.tensor_rank))
     {
         return Some((vec![Reason::MemoryLayoutMismatch], format!("the peer's memory: {e}")));
+    }
+    if peer.memory.kind != local.memory.kind {
+        return Some((
+            vec![Reason::AgentUnsupported],
+            format!(
+                "the peer's pool is {} memory and ours {}: both engines of a pair need the same pool memory in this agent version",
+                peer.memory.kind.as_str(),
+                local.memory.kind.as_str()
+            ),
+        ));
     }
     if local.mode == TransferMode::Pull && peer.kv.layout != local.kv.layout {
         return Some((

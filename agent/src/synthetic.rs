@@ -11,6 +11,8 @@ use std::{
 
 use pdpair_api::{ChecksumPolicy, KvGeometry, Parallelism, Role, TransferMode};
 
+pub mod gpu;
+
 use crate::{
     engine_api::{AgentEvent, EngineRequest, PoolRegistration},
     layout::PoolLayout,
@@ -251,65 +253,10 @@ impl SyntheticEngine {
         self.stream.try_clone()
     }
 
-    fn token_bytes(seed: u64, layer: u32, head: u32, token: u64, v: bool, out: &mut [u8]) {
-        let mut x = seed
-            ^ (u64::from(layer) << 52)
-            ^ (u64::from(head) << 40)
-            ^ token.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            ^ u64::from(v);
-        for chunk in out.chunks_mut(8) {
-            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            let bytes = z.to_le_bytes();
-            chunk.copy_from_slice(&bytes[..chunk.len()]);
-        }
-    }
-
-    fn for_each_token(
-        &self,
-        blocks: &[u32],
-        first_token: u64,
-        num_tokens: u64,
-        mut f: impl FnMut((usize, usize), u32, u32, u64, bool),
-    ) {
-        let b = u64::from(self.layout.block_size);
-        for (i, block) in blocks.iter().enumerate() {
-            for j in 0..self.layout.block_size {
-                let t = first_token + i as u64 * b + u64::from(j);
-                if t >= num_tokens {
-                    return;
-                }
-                for l in 0..self.layout.layers {
-                    for h in 0..self.layout.local_heads {
-                        for v in self.layout.arrays() {
-                            let (r, at) = self.layout.block_offset(l, *v, *block);
-                            f(
-                                (r, at + self.layout.token_offset(h, j)),
-                                l,
-                                self.layout.head_offset + h,
-                                t,
-                                *v,
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
-
     /// Prefill: writes the request's KV into its blocks.
     pub fn fill(&mut self, seed: u64, blocks: &[u32], first_token: u64, num_tokens: u64) {
-        let half = self.layout.half_token();
-        let mut writes = Vec::new();
-        self.for_each_token(blocks, first_token, num_tokens, |at, l, h, t, v| {
-            writes.push((at, l, h, t, v))
-        });
-        for ((r, at), l, h, t, v) in writes {
-            Self::token_bytes(seed, l, h, t, v, &mut self.maps[r][at..at + half]);
-        }
+        let mut maps: Vec<&mut [u8]> = self.maps.iter_mut().map(|m| &mut m[..]).collect();
+        fill_into(&self.layout, &mut maps, seed, blocks, first_token, num_tokens);
     }
 
     /// Decode: zeroes blocks before a request, so stale bytes cannot pass verification.
@@ -327,16 +274,91 @@ impl SyntheticEngine {
 
     /// Decode: counts the received tokens whose bytes differ from what prefill computed.
     pub fn verify(&self, seed: u64, blocks: &[u32], first_token: u64, num_tokens: u64) -> u64 {
-        let half = self.layout.half_token();
-        let mut expected = vec![0u8; half];
-        let mut bad = 0u64;
-        self.for_each_token(blocks, first_token, num_tokens, |(r, at), l, h, t, v| {
-            Self::token_bytes(seed, l, h, t, v, &mut expected);
-            if self.maps[r][at..at + half] != expected[..] {
-                bad += 1;
+        let maps: Vec<&[u8]> = self.maps.iter().map(|m| &m[..]).collect();
+        verify_in(&self.layout, &maps, seed, blocks, first_token, num_tokens)
+    }
+}
+
+/// Writes a request's KV (what prefill computed for `seed`) into `blocks` of a pool laid out as
+/// `layout`, one slice per region.
+pub fn fill_into(
+    layout: &PoolLayout,
+    maps: &mut [&mut [u8]],
+    seed: u64,
+    blocks: &[u32],
+    first_token: u64,
+    num_tokens: u64,
+) {
+    let half = layout.half_token();
+    let mut writes = Vec::new();
+    for_each_token(layout, blocks, first_token, num_tokens, |at, l, h, t, v| {
+        writes.push((at, l, h, t, v))
+    });
+    for ((r, at), l, h, t, v) in writes {
+        token_bytes(seed, l, h, t, v, &mut maps[r][at..at + half]);
+    }
+}
+
+/// Counts the tokens of `blocks` whose bytes differ from what prefill computed for `seed`.
+pub fn verify_in(
+    layout: &PoolLayout,
+    maps: &[&[u8]],
+    seed: u64,
+    blocks: &[u32],
+    first_token: u64,
+    num_tokens: u64,
+) -> u64 {
+    let half = layout.half_token();
+    let mut expected = vec![0u8; half];
+    let mut bad = 0u64;
+    for_each_token(layout, blocks, first_token, num_tokens, |(r, at), l, h, t, v| {
+        token_bytes(seed, l, h, t, v, &mut expected);
+        if maps[r][at..at + half] != expected[..] {
+            bad += 1;
+        }
+    });
+    bad
+}
+fn token_bytes(seed: u64, layer: u32, head: u32, token: u64, v: bool, out: &mut [u8]) {
+    let mut x = seed
+        ^ (u64::from(layer) << 52)
+        ^ (u64::from(head) << 40)
+        ^ token.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ u64::from(v);
+    for chunk in out.chunks_mut(8) {
+        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let bytes = z.to_le_bytes();
+        chunk.copy_from_slice(&bytes[..chunk.len()]);
+    }
+}
+
+fn for_each_token(
+    layout: &PoolLayout,
+    blocks: &[u32],
+    first_token: u64,
+    num_tokens: u64,
+    mut f: impl FnMut((usize, usize), u32, u32, u64, bool),
+) {
+    let b = u64::from(layout.block_size);
+    for (i, block) in blocks.iter().enumerate() {
+        for j in 0..layout.block_size {
+            let t = first_token + i as u64 * b + u64::from(j);
+            if t >= num_tokens {
+                return;
             }
-        });
-        bad
+            for l in 0..layout.layers {
+                for h in 0..layout.local_heads {
+                    for v in layout.arrays() {
+                        let (r, at) = layout.block_offset(l, *v, *block);
+                        f((r, at + layout.token_offset(h, j)), l, layout.head_offset + h, t, *v);
+                    }
+                }
+            }
+        }
     }
 }
 

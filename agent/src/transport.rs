@@ -11,6 +11,7 @@
 
 use std::time::Duration;
 
+pub mod cuda_ipc;
 pub mod lanes;
 pub mod ucx;
 pub mod ucx_thread;

@@ -286,6 +286,7 @@ proptest! {
             ),
             0..4,
         ),
+        gpu in any::<bool>(),
         num_blocks in prop_oneof![0..32u32, Just(u32::MAX)],
         layers in prop_oneof![
             3 => prop::collection::vec(
@@ -305,6 +306,9 @@ proptest! {
             .expect("layout")
             .block_len() as u64;
         let desc = protocol::MemoryDesc {
+            // A GPU pool's keys are 16-byte tokens (every other length refused), a host pool's
+            // UCX keys.
+            kind: if gpu { protocol::MemoryKind::Cuda } else { protocol::MemoryKind::Host },
             regions: regions
                 .into_iter()
                 .map(|(base, len, rkey)| protocol::RegionDesc { base, len, rkey })
@@ -322,6 +326,9 @@ proptest! {
                 .collect(),
         };
         if desc.check(&geometry, &Parallelism::default(), 0).is_ok() {
+            if gpu {
+                prop_assert!(desc.regions.iter().all(|r| r.rkey.len() == protocol::CUDA_TOKEN_LEN));
+            }
             for (l, layer) in desc.layers.iter().enumerate() {
                 let region = &desc.regions[layer.region as usize];
                 prop_assert!(region.base.checked_add(region.len).is_some());
@@ -363,6 +370,7 @@ fn the_memory_description_property_sees_descriptions_that_pass() {
                 block_stride: stride,
             };
             let desc = protocol::MemoryDesc {
+                kind: protocol::MemoryKind::Host,
                 regions: if split {
                     vec![region(4096), region(1 << 40)]
                 } else {

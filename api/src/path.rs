@@ -18,6 +18,9 @@ pub enum PathKind {
     SharedMemory,
     /// Both engines behind one agent: UCX's `self` transport, a copy inside the agent process.
     Local,
+    /// GPU to GPU on one node: the agent copies between both engines' GPU memory, opened through
+    /// CUDA IPC handles (NVLink or PCIe peer to peer; no host memory on the way).
+    CudaIpc,
     /// TCP sockets.
     Tcp,
     /// A transport pdpair does not classify (its lanes say which).
@@ -31,6 +34,7 @@ impl PathKind {
             PathKind::Rdma => "Rdma",
             PathKind::SharedMemory => "SharedMemory",
             PathKind::Local => "Local",
+            PathKind::CudaIpc => "CudaIpc",
             PathKind::Tcp => "Tcp",
             PathKind::Other => "Other",
         }
@@ -40,7 +44,7 @@ impl PathKind {
     /// memory first, TCP and unknown last.
     pub fn rank(self) -> u8 {
         match self {
-            PathKind::Rdma | PathKind::SharedMemory | PathKind::Local => 0,
+            PathKind::Rdma | PathKind::SharedMemory | PathKind::Local | PathKind::CudaIpc => 0,
             PathKind::Tcp => 1,
             PathKind::Other => 2,
         }
@@ -59,6 +63,8 @@ pub enum Backend {
     /// UCX puts and gets between host memory pools.
     #[default]
     UcxHost,
+    /// CUDA copies between GPU pools the agent opened through CUDA IPC handles.
+    CudaIpc,
 }
 
 impl Backend {
@@ -66,6 +72,7 @@ impl Backend {
     pub fn as_str(self) -> &'static str {
         match self {
             Backend::UcxHost => "UcxHost",
+            Backend::CudaIpc => "CudaIpc",
         }
     }
 }

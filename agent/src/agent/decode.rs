@@ -455,8 +455,7 @@ impl Engine {
         // Pull: decode reads from prefill's memory through its own endpoint.
         let ucx_peer = match self.settings.mode {
             pdpair_api::TransferMode::Pull => Some(
-                self.shared
-                    .transport
+                self.transport()
                     .connect(peer.worker_address.clone(), peer.memory.keys())
                     .map_err(|e| HandshakeError::Rejected {
                         reasons: vec![Reason::TransportFailed],
@@ -699,18 +698,16 @@ impl Engine {
             });
         }
         let block = u64::from(self.layout.block_size);
-        let memory = self.memory();
         // A block whose checksum cannot be computed leaves the request Unverified.
-        let ours = p
+        let live: Vec<(u32, u64)> = p
             .blocks
             .iter()
             .enumerate()
-            .filter(|(i, _)| p.first_token + *i as u64 * block < p.num_tokens)
-            .map(|(i, b)| {
-                self.layout
-                    .checksum(&memory, *b, p.first_token + i as u64 * block, p.num_tokens)
-            })
-            .collect::<Option<Vec<u64>>>()
+            .map(|(i, b)| (*b, p.first_token + i as u64 * block))
+            .filter(|(_, t)| *t < p.num_tokens)
+            .collect();
+        let ours = self
+            .sums_of(&live, p.num_tokens, 0, self.layout.local_heads)
             .map(|sums| BlockSums {
                 block_size: self.layout.block_size,
                 first_token: p.first_token,
@@ -803,8 +800,7 @@ impl Engine {
             .map_err(|m| (Reason::TokenRangeNotCovered, m))
             .and_then(|ops| match link.ucx_peer {
                 Some(peer) => self
-                    .shared
-                    .transport
+                    .transport()
                     .get(
                         peer,
                         self.regions(),

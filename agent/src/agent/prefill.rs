@@ -187,8 +187,7 @@ impl Engine {
         }
         // In pull mode decode reads from us: no endpoint of ours writes to it.
         let connected = if push {
-            self.shared
-                .transport
+            self.transport()
                 .connect(peer.worker_address.clone(), peer.memory.keys())
                 .map(Some)
         } else {
@@ -258,7 +257,7 @@ impl Engine {
             !waiting.is_empty()
         });
         if let Some(id) = ucx_peer {
-            self.shared.transport.disconnect(id);
+            self.transport().disconnect(id);
         }
     }
 
@@ -619,15 +618,10 @@ impl Engine {
         if self.settings.checksum == ChecksumPolicy::Disabled {
             return None;
         }
-        let memory = self.memory();
         // A block whose checksum cannot be computed sends none at all: decode counts the
         // request Unverified (never a sum of 0 that would match decode's 0).
-        let sums = blocks
-            .map(|(p, t)| {
-                self.layout
-                    .checksum_heads(&memory, p, t, num_tokens, link.heads.p_first, link.heads.count)
-            })
-            .collect::<Option<Vec<u64>>>()?;
+        let blocks: Vec<(u32, u64)> = blocks.collect();
+        let sums = self.sums_of(&blocks, num_tokens, link.heads.p_first, link.heads.count)?;
         Some(BlockSums {
             block_size: self.layout.block_size,
             first_token,
@@ -681,7 +675,7 @@ impl Engine {
                     pairs.iter().map(|(p, _, t)| (*p, *t)),
                 )
             });
-            let put = self.shared.transport.put(
+            let put = self.transport().put(
                 ucx_peer,
                 self.regions(),
                 ops,

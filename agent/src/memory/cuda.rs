@@ -210,6 +210,41 @@ impl Gpu {
         unsafe { self.copy_async(dst.ptr + dst_at as u64, src.ptr + src_at as u64, len) }
     }
 
+    /// Queues a copy of `len` bytes between any two device addresses this process can reach
+    /// (its own memory or memory opened through IPC, on this GPU or another: unified addressing)
+    /// on the agent's stream.
+    ///
+    /// # Safety
+    /// Both ranges must stay live device memory until the stream has passed the copy.
+    pub unsafe fn copy_any_async(&self, dst: u64, src: u64, len: usize) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: the caller guarantees the ranges; the stream is ours.
+        check("cuMemcpyAsync", unsafe {
+            sys::cuMemcpyAsync(dst, src, len, self.stream.cu_stream())
+        })
+    }
+
+    /// Makes the agent's stream wait (without blocking this thread) for the latest record of
+    /// `event`, an engine's: copies queued after this start after the engine's writes.
+    pub fn wait_for(&self, event: &IpcEvent) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: a live event and our stream.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(self.stream.cu_stream(), event.0, 0)
+        })
+    }
+
+    /// A marker after everything queued on the agent's stream so far; [`Fence::passed`] says
+    /// when the stream reached it.
+    pub fn fence(&self) -> Result<Fence, CudaError> {
+        let event = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(driver("cuEventCreate"))?;
+        event.record(&self.stream).map_err(driver("cuEventRecord"))?;
+        Ok(Fence(event))
+    }
+
     /// Waits until everything queued on the agent's stream is done.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.stream.synchronize().map_err(driver("cuStreamSynchronize"))
@@ -230,6 +265,116 @@ impl Gpu {
         end.record(&self.stream).map_err(driver("cuEventRecord"))?;
         end.synchronize().map_err(driver("cuEventSynchronize"))?;
         start.elapsed_ms(&end).map_err(driver("cuEventElapsedTime"))
+    }
+}
+
+/// See [`Gpu::fence`].
+#[derive(Debug)]
+pub struct Fence(cudarc::driver::CudaEvent);
+
+impl Fence {
+    /// Whether the stream passed the fence (`cuEventQuery`), without blocking.
+    pub fn passed(&self) -> Result<bool, CudaError> {
+        // SAFETY: a live event.
+        match unsafe { sys::cuEventQuery(self.0.cu_event()) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|()| false),
+        }
+    }
+}
+
+/// An engine's interprocess event (`cuIpcOpenEventHandle`), destroyed on drop.
+#[derive(Debug)]
+pub struct IpcEvent(sys::CUevent, Gpu);
+
+// SAFETY: a CUevent is a driver handle usable from any thread with its context bound (every use
+// binds `.1`'s context first).
+unsafe impl Send for IpcEvent {}
+// SAFETY: as above; the driver serializes calls on one event.
+unsafe impl Sync for IpcEvent {}
+
+impl IpcEvent {
+    /// Opens an engine's event on `gpu` from its handle.
+    pub fn open(gpu: &Gpu, handle: &IpcHandle) -> Result<IpcEvent, CudaError> {
+        gpu.bind()?;
+        let raw = sys::CUipcEventHandle {
+            reserved: handle.0.map(|b| b as std::ffi::c_char),
+        };
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: out-pointer; the driver validates the handle's bytes.
+        check("cuIpcOpenEventHandle", unsafe {
+            sys::cuIpcOpenEventHandle(&mut event, raw)
+        })?;
+        Ok(IpcEvent(event, gpu.clone()))
+    }
+}
+
+impl Drop for IpcEvent {
+    fn drop(&mut self) {
+        if self.1.bind().is_ok() {
+            // SAFETY: opened here, destroyed once.
+            let _ = unsafe { sys::cuEventDestroy_v2(self.0) };
+        }
+    }
+}
+
+impl IpcEvent {
+    /// A new event on `gpu` made with `CU_EVENT_INTERPROCESS` (what an engine makes for
+    /// `gpu.event`; the GPU tests use it), and the handle another process opens it by.
+    pub fn create(gpu: &Gpu) -> Result<(IpcEvent, IpcHandle), CudaError> {
+        gpu.bind()?;
+        let flags =
+            sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: out-pointer, in the bound context.
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut event, flags) })?;
+        let event = IpcEvent(event, gpu.clone());
+        // SAFETY: zeroed handle bytes are a valid out-value; the event is live.
+        let mut raw: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        check("cuIpcGetEventHandle", unsafe {
+            sys::cuIpcGetEventHandle(&mut raw, event.0)
+        })?;
+        Ok((event, IpcHandle(raw.reserved.map(|b| b as u8))))
+    }
+
+    /// Records the event on `gpu`'s agent stream (an engine records it on its own stream).
+    pub fn record(&self, gpu: &Gpu) -> Result<(), CudaError> {
+        gpu.bind()?;
+        // SAFETY: a live event and a live stream.
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(self.0, gpu.stream.cu_stream())
+        })
+    }
+}
+
+/// Opens the GPU with this UUID (either spelling, see [`normalize_uuid`]), whatever its number
+/// in this process.
+pub fn open_by_uuid(uuid: &str) -> Result<Gpu, CudaError> {
+    let want = normalize_uuid(uuid).map_err(CudaError::Invalid)?;
+    let list = devices()?;
+    let found = list.iter().find(|d| d.uuid == want).ok_or_else(|| {
+        CudaError::Invalid(format!(
+            "no GPU {want} here (this agent sees {})",
+            if list.is_empty() {
+                "none".to_owned()
+            } else {
+                list.iter().map(|d| d.uuid.as_str()).collect::<Vec<_>>().join(", ")
+            }
+        ))
+    })?;
+    Gpu::open(found.ordinal)
+}
+
+/// The driver's version, as `major.minor`.
+pub fn driver_version() -> String {
+    let mut v = 0i32;
+    // SAFETY: an out-pointer.
+    if driver_present() && unsafe { sys::cuDriverGetVersion(&mut v) } == sys::CUresult::CUDA_SUCCESS {
+        format!("CUDA {}.{}", v / 1000, (v % 1000) / 10)
+    } else {
+        "CUDA (unknown)".into()
     }
 }
 

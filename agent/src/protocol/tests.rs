@@ -432,3 +432,33 @@ fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
     assert_eq!(PROTOCOL_VERSION, 4);
     assert!(server.join().expect("thread").is_err());
 }
+
+#[test]
+fn a_gpu_pool_and_a_host_pool_are_refused_at_the_handshake_and_two_gpu_pools_pass() {
+    let gpu = |p: &PeerInfo| {
+        let l = crate::layout::PoolLayout::new(&p.kv, &p.parallelism, 16, p.tensor_rank).expect("layout");
+        MemoryDesc {
+            kind: MemoryKind::Cuda,
+            ..MemoryDesc::of(&l, vec![(0x7f00_0000_0000, vec![5; CUDA_TOKEN_LEN])])
+        }
+    };
+    let (mut p, mut d) = (info(Role::Prefill, 16), info(Role::Decode, 16));
+    p.memory = gpu(&p);
+    d.memory = described(&d);
+    let (pr, dr) = pair_as_is(b"s", b"s", p.clone(), d.clone());
+    let e = pr.expect_err("prefill refuses");
+    assert_eq!(e.reasons(), vec![Reason::AgentUnsupported]);
+    assert!(
+        e.to_string().contains("the peer's pool is host memory and ours GPU"),
+        "{e}"
+    );
+    assert!(dr.is_err(), "decode hears the refusal");
+    d.memory = gpu(&d);
+    let (pr, dr) = pair_as_is(b"s", b"s", p.clone(), d.clone());
+    assert!(pr.is_ok() && dr.is_ok(), "{pr:?} {dr:?}");
+    // A GPU pool's key is a 16-byte token: a UCX key (or any other length) is refused.
+    d.memory.regions[0].rkey = rkey();
+    let (pr, _) = pair_as_is(b"s", b"s", p, d);
+    let e = pr.expect_err("a GPU region with a UCX key");
+    assert!(e.to_string().contains("a GPU region's token is 16"), "{e}");
+}

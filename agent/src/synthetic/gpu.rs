@@ -1,0 +1,162 @@
+//! The synthetic engine with its KV pool in GPU memory, as vLLM's would be: each region its own
+//! `cuMemAlloc` allocation (the first one with the region at an offset, as a torch tensor inside a
+//! caching-allocator block), shared with the agent by CUDA IPC handle, and an interprocess event
+//! recorded after each fill. Its bytes are the host synthetic engine's ([`super::fill_into`]),
+//! written and read through host copies, so decode checks every byte independently of the
+//! checksums. Needs a GPU, and an agent in another process (a process cannot open its own IPC
+//! handles).
+
+use std::{os::unix::net::UnixStream, path::Path};
+
+use crate::{
+    engine_api::{AgentEvent, EngineRequest, GpuPool, GpuRegion},
+    layout::PoolLayout,
+    memory::cuda::{DeviceMemory, Gpu, IpcEvent},
+    synthetic::{EngineSpec, SyntheticEngine},
+    wire::{self, FrameError},
+};
+
+/// Bytes before the first region inside its allocation (a tensor at an offset in a block).
+pub const FIRST_OFFSET: usize = 4096;
+
+/// A registered GPU engine.
+#[derive(Debug)]
+pub struct GpuEngine {
+    stream: UnixStream,
+    /// Its pool layout.
+    pub layout: PoolLayout,
+    gpu: Gpu,
+    /// One allocation per region; region `r` starts at `offsets[r]` in it.
+    memory: Vec<DeviceMemory>,
+    offsets: Vec<usize>,
+    event: IpcEvent,
+    /// Side-channel address the agent gave it.
+    pub address: String,
+}
+
+impl GpuEngine {
+    /// Allocates the pool on `gpu`, and registers it with the agent at `socket` as a GPU pool.
+    pub fn register(socket: &Path, spec: &EngineSpec, gpu: &Gpu) -> Result<GpuEngine, String> {
+        let mut reg = SyntheticEngine::registration(spec, None, false);
+        let layout = reg.layout().map_err(|e| e.to_string())?;
+        let lens = layout.region_lens();
+        let offsets: Vec<usize> = (0..lens.len()).map(|r| if r == 0 { FIRST_OFFSET } else { 0 }).collect();
+        let memory = lens
+            .iter()
+            .zip(&offsets)
+            .map(|(len, off)| DeviceMemory::alloc(gpu, len + off))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let (event, event_handle) = IpcEvent::create(gpu).map_err(|e| e.to_string())?;
+        let regions = memory
+            .iter()
+            .zip(&offsets)
+            .map(|(m, off)| {
+                m.ipc_handle().map(|h| GpuRegion {
+                    ipc_handle: h.to_hex(),
+                    offset: *off as u64,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        reg.gpu = Some(GpuPool {
+            device_uuid: gpu.uuid(),
+            regions,
+            event: Some(event_handle.to_hex()),
+        });
+        let mut stream = UnixStream::connect(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+        wire::write_frame(&mut stream, &EngineRequest::RegisterPool(Box::new(reg))).map_err(|e| e.to_string())?;
+        match wire::read_frame::<AgentEvent>(&mut stream).map_err(|e| e.to_string())? {
+            AgentEvent::Registered {
+                address, region_lens, ..
+            } => {
+                let says: Vec<usize> = region_lens.iter().map(|l| *l as usize).collect();
+                if says != lens {
+                    return Err(format!(
+                        "the agent says regions of {says:?} bytes; the layout has {lens:?}"
+                    ));
+                }
+                Ok(GpuEngine {
+                    stream,
+                    layout,
+                    gpu: gpu.clone(),
+                    memory,
+                    offsets,
+                    event,
+                    address,
+                })
+            }
+            AgentEvent::RegistrationFailed { message } => Err(message),
+            other => Err(format!("unexpected answer to RegisterPool: {other:?}")),
+        }
+    }
+
+    fn download(&self) -> Result<Vec<Vec<u8>>, String> {
+        self.layout
+            .region_lens()
+            .iter()
+            .enumerate()
+            .map(|(r, len)| {
+                let mut host = vec![0u8; *len];
+                self.memory[r]
+                    .read(self.offsets[r], &mut host)
+                    .map(|()| host)
+                    .map_err(|e| e.to_string())
+            })
+            .collect()
+    }
+
+    fn upload(&self, host: &[Vec<u8>]) -> Result<(), String> {
+        for (r, bytes) in host.iter().enumerate() {
+            self.memory[r]
+                .write(self.offsets[r], bytes)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Prefill: writes the request's KV into its blocks on the GPU, then records the engine's
+    /// event (as an engine does before `KvReady`).
+    pub fn fill(&mut self, seed: u64, blocks: &[u32], first_token: u64, num_tokens: u64) -> Result<(), String> {
+        let mut host = self.download()?;
+        let mut maps: Vec<&mut [u8]> = host.iter_mut().map(|m| &mut m[..]).collect();
+        super::fill_into(&self.layout, &mut maps, seed, blocks, first_token, num_tokens);
+        self.upload(&host)?;
+        self.event.record(&self.gpu).map_err(|e| e.to_string())
+    }
+
+    /// Decode: zeroes the whole pool.
+    pub fn clear(&mut self) -> Result<(), String> {
+        let zero: Vec<Vec<u8>> = self.layout.region_lens().iter().map(|l| vec![0u8; *l]).collect();
+        self.upload(&zero)
+    }
+
+    /// Decode: counts the received tokens whose bytes differ from what prefill computed.
+    pub fn verify(&self, seed: u64, blocks: &[u32], first_token: u64, num_tokens: u64) -> Result<u64, String> {
+        let host = self.download()?;
+        let maps: Vec<&[u8]> = host.iter().map(|m| &m[..]).collect();
+        Ok(super::verify_in(
+            &self.layout,
+            &maps,
+            seed,
+            blocks,
+            first_token,
+            num_tokens,
+        ))
+    }
+
+    /// Sends one request.
+    pub fn send(&mut self, request: &EngineRequest) -> Result<(), FrameError> {
+        wire::write_frame(&mut self.stream, request)
+    }
+
+    /// Waits for the next event.
+    pub fn next_event(&mut self) -> Result<AgentEvent, FrameError> {
+        wire::read_frame(&mut self.stream)
+    }
+
+    /// A second handle on the socket (for a read timeout).
+    pub fn events(&self) -> std::io::Result<UnixStream> {
+        self.stream.try_clone()
+    }
+}

@@ -1,0 +1,398 @@
+//! GPU to GPU on one node: both engines' GPU pools are behind this agent, which opened their
+//! regions through CUDA IPC handles ([`crate::memory::gpu_pool`]), so a put or get is a copy
+//! between two device addresses of this process, queued on the copying GPU's agent stream
+//! (contiguous blocks coalesced into one copy) and complete when a fence after it passed. No
+//! host memory and no network on the way.
+//!
+//! Every region is registered here with a random 16-byte token, which the engine's handshake
+//! description carries as its key. A peer's description is accepted only when its address is
+//! this backend's and every region's token, base and length name a region registered here: a
+//! description from another agent, or one that claims more than an engine registered, is
+//! refused, and every op is checked against both sides' regions as UCX's are.
+//!
+//! Nothing here runs without a GPU: on machines without one, GPU pools are refused before any of
+//! it is reached (`memory::gpu_pool`). Its checks are plain arithmetic, shared with the host
+//! path's ([`within`]).
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use crate::{
+    memory::cuda::{DeviceMemory, Gpu, IpcEvent},
+    transport::{Backend, Observed, OpError, PutOp},
+};
+
+/// Prefix of this backend's address (then the agent instance's 16 random bytes).
+pub const ADDRESS_PREFIX: &[u8] = b"pdpair-cuda-ipc:";
+
+/// One registered GPU region.
+#[derive(Clone, Debug)]
+struct Region {
+    base: u64,
+    len: u64,
+    token: [u8; 16],
+    gpu: Gpu,
+    /// The engine's event, recorded after its writes: copies from the region wait for it.
+    event: Option<Arc<IpcEvent>>,
+    /// Keeps the opened allocation alive while an op uses it (its drop waits for the stream).
+    _memory: Arc<DeviceMemory>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    next_id: u64,
+    regions: HashMap<u64, Region>,
+    /// Peer id -> the peer's region ids.
+    peers: HashMap<u64, Vec<u64>>,
+}
+
+/// The CUDA IPC backend (one per agent).
+#[derive(Debug)]
+pub struct CudaIpc {
+    address: Vec<u8>,
+    inner: Mutex<Inner>,
+}
+
+fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// 16 bytes from the OS's random source (a token no peer can guess; all zero only if that
+/// source fails, which then matches no handshake's key: connect compares whole tokens of
+/// regions registered here, each drawn anew).
+fn token() -> [u8; 16] {
+    let mut t = [0u8; 16];
+    if getrandom::fill(&mut t).is_err() {
+        tracing::error!("the OS random source failed: a GPU region token is not random");
+    }
+    t
+}
+
+/// Whether `at..at+len` lies inside `base..base+size` (checked arithmetic).
+pub fn within(at: u64, len: u64, base: u64, size: u64) -> bool {
+    at >= base
+        && at
+            .checked_add(len)
+            .is_some_and(|end| base.checked_add(size).is_some_and(|top| end <= top))
+}
+
+/// Copies `(dst, src, len)` with contiguous neighbours merged (ops in the order given).
+pub fn coalesce(copies: impl IntoIterator<Item = (u64, u64, u64)>) -> Vec<(u64, u64, u64)> {
+    let mut out: Vec<(u64, u64, u64)> = Vec::new();
+    for (dst, src, len) in copies {
+        if let Some(last) = out.last_mut()
+            && last.0 + last.2 == dst
+            && last.1 + last.2 == src
+        {
+            last.2 += len;
+            continue;
+        }
+        out.push((dst, src, len));
+    }
+    out
+}
+
+impl Default for CudaIpc {
+    fn default() -> Self {
+        CudaIpc::new()
+    }
+}
+
+impl CudaIpc {
+    /// A backend with a fresh random address.
+    pub fn new() -> CudaIpc {
+        let mut address = ADDRESS_PREFIX.to_vec();
+        address.extend(token());
+        CudaIpc {
+            address,
+            inner: Mutex::new(Inner {
+                next_id: 1,
+                ..Inner::default()
+            }),
+        }
+    }
+
+    /// Registers `len` bytes at `base` (inside `memory`, opened on `gpu`); returns its id and
+    /// its token. `event` is the engine's, waited for before copies read the region.
+    pub fn register(
+        &self,
+        gpu: &Gpu,
+        memory: Arc<DeviceMemory>,
+        base: u64,
+        len: u64,
+        event: Option<Arc<IpcEvent>>,
+    ) -> Result<(u64, [u8; 16]), String> {
+        if !within(base, len, memory.ptr(), memory.len() as u64) || len == 0 {
+            return Err(format!(
+                "a GPU region of {len} bytes at {base:#x} lies outside its allocation ({} bytes at {:#x})",
+                memory.len(),
+                memory.ptr()
+            ));
+        }
+        let token = token();
+        let mut inner = lock(&self.inner);
+        let id = inner.next_id;
+        inner.next_id += 1;
+        inner.regions.insert(
+            id,
+            Region {
+                base,
+                len,
+                token,
+                gpu: gpu.clone(),
+                event,
+                _memory: memory,
+            },
+        );
+        Ok((id, token))
+    }
+
+    /// Forgets a region: ops naming it fail from now on (one in flight holds its memory until
+    /// it is done).
+    pub fn unregister(&self, id: u64) {
+        let mut inner = lock(&self.inner);
+        inner.regions.remove(&id);
+        for regions in inner.peers.values_mut() {
+            regions.retain(|r| *r != id);
+        }
+    }
+
+    /// Copies `ops` (`from_local`: local -> peer, else peer -> local), checked, coalesced, on the
+    /// agent stream of the local regions' GPU; waits for the engine events of the regions read.
+    #[allow(unsafe_code)]
+    fn copy(
+        &self,
+        peer: u64,
+        locals: &[u64],
+        ops: &[PutOp],
+        from_local: bool,
+        corrupt: bool,
+        within_: Duration,
+    ) -> Result<u64, OpError> {
+        let deadline = Instant::now() + within_;
+        // Resolve and check under the lock; copy outside it with the regions (and their memory)
+        // held by this call.
+        let (mine, theirs) = {
+            let inner = lock(&self.inner);
+            let theirs: Vec<Region> = inner
+                .peers
+                .get(&peer)
+                .ok_or_else(|| OpError::Failed(format!("unknown GPU peer {peer}")))?
+                .iter()
+                .filter_map(|id| inner.regions.get(id).cloned())
+                .collect();
+            let mine = locals
+                .iter()
+                .map(|id| {
+                    inner.regions.get(id).cloned().ok_or_else(|| {
+                        OpError::Failed(format!("GPU region {id} is no longer registered (its engine closed)"))
+                    })
+                })
+                .collect::<Result<Vec<Region>, OpError>>()?;
+            (mine, theirs)
+        };
+        let find = |set: &[Region], at: u64, len: u64, what: &str| -> Result<usize, OpError> {
+            set.iter().position(|r| within(at, len, r.base, r.len)).ok_or_else(|| {
+                OpError::Failed(format!(
+                    "{what} range {at:#x}+{len} lies outside the registered GPU regions"
+                ))
+            })
+        };
+        let mut copies = Vec::with_capacity(ops.len());
+        // The regions the copies read (ours for a put, the peer's for a get), by index.
+        let mut read = vec![false; if from_local { mine.len() } else { theirs.len() }];
+        for op in ops {
+            let l = find(&mine, op.local, op.len, "local")?;
+            let r = find(&theirs, op.remote, op.len, "remote")?;
+            if from_local {
+                copies.push((op.remote, op.local, op.len));
+                read[l] = true;
+            } else {
+                copies.push((op.local, op.remote, op.len));
+                read[r] = true;
+            }
+        }
+        let sources = if from_local { &mine } else { &theirs };
+        let Some(gpu) = mine.first().map(|r| r.gpu.clone()) else {
+            return if ops.is_empty() {
+                Ok(0)
+            } else {
+                Err(OpError::Failed("no local GPU region named".into()))
+            };
+        };
+        // The engine's writes first: the stream waits for the events of the regions read.
+        for (region, _) in sources.iter().zip(&read).filter(|(_, r)| **r) {
+            if let Some(event) = &region.event {
+                gpu.wait_for(event).map_err(|e| OpError::Failed(e.to_string()))?;
+            }
+        }
+        let mut bytes = 0u64;
+        let merged = coalesce(copies);
+        for (dst, src, len) in &merged {
+            // SAFETY: both ranges were checked inside regions registered here, whose opened
+            // allocations `mine` and `theirs` hold until this returns (and whose drop waits for
+            // the stream).
+            unsafe { gpu.copy_any_async(*dst, *src, *len as usize) }.map_err(|e| OpError::Failed(e.to_string()))?;
+            bytes += len;
+        }
+        let fence = gpu.fence().map_err(|e| OpError::Failed(e.to_string()))?;
+        loop {
+            match fence.passed() {
+                Ok(true) => break,
+                Ok(false) if Instant::now() >= deadline => {
+                    return Err(OpError::Timeout(format!(
+                        "GPU copies to peer {peer} ({bytes} bytes) not done by the deadline"
+                    )));
+                }
+                Ok(false) => std::thread::sleep(Duration::from_micros(20)),
+                Err(e) => return Err(OpError::Failed(e.to_string())),
+            }
+        }
+        if corrupt && let Some((dst, _, _)) = merged.first() {
+            flip_byte(&gpu, *dst).map_err(|e| OpError::Failed(e.to_string()))?;
+        }
+        Ok(bytes)
+    }
+}
+
+/// Fault injection: flips the byte at device address `at` (a copied range, still held).
+#[allow(unsafe_code)]
+fn flip_byte(gpu: &Gpu, at: u64) -> Result<(), crate::memory::cuda::CudaError> {
+    use cudarc::driver::result;
+    gpu.bind()?;
+    let mut b = [0u8; 1];
+    // SAFETY: `at` is the first byte of a copy just checked and completed.
+    unsafe { result::memcpy_dtoh_sync(&mut b, at) }.map_err(crate::memory::cuda::driver("cuMemcpyDtoH"))?;
+    b[0] ^= 0xff;
+    // SAFETY: as above.
+    unsafe { result::memcpy_htod_sync(at, &b) }.map_err(crate::memory::cuda::driver("cuMemcpyHtoD"))
+}
+
+impl Backend for CudaIpc {
+    fn kind(&self) -> pdpair_api::Backend {
+        pdpair_api::Backend::CudaIpc
+    }
+
+    fn address(&self) -> Vec<u8> {
+        self.address.clone()
+    }
+
+    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>) -> Result<u64, String> {
+        if address != self.address {
+            return Err(
+                "the peer's GPU pool is behind another agent: GPU pools move only between engines behind one agent in this version (CUDA IPC)"
+                    .into(),
+            );
+        }
+        let mut inner = lock(&self.inner);
+        let mut ids = Vec::with_capacity(remotes.len());
+        for (i, (token, (base, len))) in remotes.iter().enumerate() {
+            let found = inner
+                .regions
+                .iter()
+                .find(|(_, r)| r.token.as_slice() == token.as_slice())
+                .filter(|(_, r)| r.base == *base && r.len == *len)
+                .map(|(id, _)| *id)
+                .ok_or_else(|| {
+                    format!("the peer's region {i} ({base:#x}+{len}) is not a GPU region registered with this agent")
+                })?;
+            ids.push(found);
+        }
+        let id = inner.next_id;
+        inner.next_id += 1;
+        inner.peers.insert(id, ids);
+        Ok(id)
+    }
+
+    fn disconnect(&self, peer: u64) {
+        lock(&self.inner).peers.remove(&peer);
+    }
+
+    fn put(
+        &self,
+        peer: u64,
+        regions: Vec<u64>,
+        ops: Vec<PutOp>,
+        corrupt: bool,
+        within: Duration,
+    ) -> Result<u64, OpError> {
+        self.copy(peer, &regions, &ops, true, corrupt, within)
+    }
+
+    fn get(&self, peer: u64, regions: Vec<u64>, ops: Vec<PutOp>, within: Duration) -> Result<u64, OpError> {
+        self.copy(peer, &regions, &ops, false, false, within)
+    }
+
+    fn observe(&self, peer: u64) -> Result<Observed, String> {
+        let inner = lock(&self.inner);
+        let ids = inner
+            .peers
+            .get(&peer)
+            .ok_or_else(|| format!("unknown GPU peer {peer}"))?;
+        let mut lanes: Vec<String> = ids
+            .iter()
+            .filter_map(|id| inner.regions.get(id))
+            .map(|r| format!("cuda-ipc/{}", r.gpu.uuid()))
+            .collect();
+        lanes.sort();
+        lanes.dedup();
+        Ok(Observed {
+            kind: pdpair_api::PathKind::CudaIpc,
+            lanes,
+            emulated: false,
+            version: crate::memory::cuda::driver_version(),
+        })
+    }
+
+    fn alive(&self, _within: Duration) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_are_checked_without_overflow() {
+        assert!(within(100, 10, 100, 10));
+        assert!(within(105, 5, 100, 10));
+        assert!(!within(105, 6, 100, 10), "one past the end");
+        assert!(!within(99, 2, 100, 10), "before the start");
+        assert!(!within(u64::MAX - 1, 4, u64::MAX - 8, 8), "wraps");
+        assert!(!within(0, 1, u64::MAX, 2), "the region wraps");
+    }
+
+    #[test]
+    fn contiguous_copies_merge_and_others_do_not() {
+        let merged = coalesce([
+            (1000, 0, 10),
+            (1010, 10, 10),
+            (1020, 30, 10),
+            (2000, 40, 10),
+            (2010, 50, 5),
+        ]);
+        assert_eq!(merged, vec![(1000, 0, 20), (1020, 30, 10), (2000, 40, 15)]);
+        assert!(coalesce([]).is_empty());
+    }
+
+    #[test]
+    fn a_peer_from_another_agent_or_with_unknown_tokens_is_refused() {
+        let b = CudaIpc::new();
+        let e = b
+            .connect(CudaIpc::new().address(), vec![(vec![0; 16], (0x1000, 64))])
+            .expect_err("another agent");
+        assert!(e.contains("behind another agent"), "{e}");
+        let e = b
+            .connect(b.address(), vec![(vec![7; 16], (0x1000, 64))])
+            .expect_err("no such region");
+        assert!(e.contains("is not a GPU region registered with this agent"), "{e}");
+        let e = b
+            .put(9, vec![], vec![], false, Duration::from_secs(1))
+            .expect_err("no peer");
+        assert!(e.to_string().contains("unknown GPU peer 9"), "{e}");
+    }
+}
