@@ -69,7 +69,7 @@ fn crd_has_the_declared_names_columns_and_status() {
         .iter()
         .filter_map(|k| k.as_str())
         .collect();
-    assert_eq!(kinds, ["Rdma", "SharedMemory", "Local", "Tcp", "Other"]);
+    assert_eq!(kinds, ["Rdma", "SharedMemory", "Local", "CudaIpc", "Tcp", "Other"]);
 }
 
 #[test]
