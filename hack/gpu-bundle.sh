@@ -17,4 +17,13 @@ for line in sys.stdin:
         print(m["executable"])')
 cp "$exe" "$out/gpu-tests"
 cp hack/gpu-check.sh "$out/gpu-check.sh"
+# The UCX the agent was built and tested against (Debian's 1.13), so the GPU machine runs the
+# agent as CI does whatever UCX it has (the one measured had 1.16): the libraries, libnuma, and
+# the one transport module without further dependencies (cma; tcp and shared memory are built in).
+lib=/usr/lib/x86_64-linux-gnu
+mkdir -p "$out/lib/ucx"
+for l in libucp.so.0 libuct.so.0 libucs.so.0 libucm.so.0 libnuma.so.1; do
+  cp -L "$lib/$l" "$out/lib/$l"
+done
+cp -L "$lib/ucx/libuct_cma.so.0" "$out/lib/ucx/libuct_cma.so.0"
 echo "gpu-bundle: $(du -sh "$out" | cut -f1) in $out: run $out/gpu-check.sh on the GPU machine"

@@ -11,8 +11,14 @@ if [[ ! -x $bundle/gpu-tests || ! -x $bundle/pdpair-agent ]]; then
   echo "gpu-check: no bundle: run 'make gpu-bundle' on the build machine and carry .gpu/ here" >&2
   exit 2
 fi
+# The bundle's UCX (what CI runs), ahead of the machine's; CUDA's libraries stay the machine's.
+if [[ -d $bundle/lib ]]; then
+  export LD_LIBRARY_PATH=$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export UCX_MODULE_DIR=$bundle/lib/ucx
+fi
 out=${OUT:-$(mktemp -d)}
 nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$out/nvidia-smi.txt"
+ldd "$bundle/pdpair-agent" | grep -E 'libuc|libnuma|not found' | tee "$out/ldd.txt"
 rc=0
 echo "== GPU tests"
 PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 300 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |

@@ -6,8 +6,10 @@
 //! bytes, its sums compared with the CPU checksum of every block; a push through a CUDA IPC
 //! handle from a second process (the prefill side) into this one's pool, coalesced and block by
 //! block for a 4096-token prompt of 16-token blocks, verified by checksum on the receiving GPU.
-//! The agent's sessions do not move GPU pools yet: the IPC rows measure the copies an agent will
-//! issue, not a request through the agent.
+//! Then requests through the agent (`pdpair-agent run` as a child process, GPU pools of two
+//! synthetic GPU engines registered by IPC handle): 1 GiB of blocks with checksums off and with
+//! FailClosed (both sides' GPU checksums), and a 4096-token prompt, each from `KvReady` to
+//! decode's `RequestDone`, every byte read back and checked, the path from the agent's metrics.
 #![allow(unsafe_code)] // one `prepare` of a launch over memory the check holds
 
 use std::{
@@ -169,6 +171,9 @@ pub fn run(args: &GpuCheckArgs, out: &mut dyn Write) -> Result<bool, CudaError> 
         for row in ipc_rows(&gpu, args.gpu, k, args.repeat) {
             push(row, "CUDA IPC push");
         }
+    }
+    for row in agent_rows(&gpu, args.repeat) {
+        push(row, "through the agent");
     }
     let report = Report {
         gpu: gpu.name(),
@@ -440,4 +445,187 @@ fn ipc_child(gpu: &Gpu, repeat: u32) -> Result<(), CudaError> {
         serde_json::to_string(&report).map_err(|e| CudaError::Invalid(e.to_string()))?
     );
     Ok(())
+}
+
+/// The agent process of the through-the-agent rows: killed when dropped.
+struct AgentProcess(std::process::Child, std::net::SocketAddr, std::path::PathBuf);
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+        let _ = std::fs::remove_dir_all(&self.2);
+    }
+}
+
+fn invalid(e: impl std::fmt::Display) -> CudaError {
+    CudaError::Invalid(e.to_string())
+}
+
+/// Requests through a real agent between two GPU pools on this GPU.
+fn agent_rows(gpu: &Gpu, repeat: u32) -> Vec<Result<Row, CudaError>> {
+    match agent_rows_inner(gpu, repeat) {
+        Ok(rows) => rows.into_iter().map(Ok).collect(),
+        Err(e) => vec![Err(e)],
+    }
+}
+
+fn agent_rows_inner(gpu: &Gpu, repeat: u32) -> Result<Vec<Row>, CudaError> {
+    use crate::synthetic::{EngineMemory, EngineSpec, gpu::GpuEngine};
+    use pdpair_api::{ChecksumPolicy, Role, TransferMode};
+
+    let dir = std::env::temp_dir().join(format!("pdpair-gpu-check-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("pools")).map_err(invalid)?;
+    let socket = dir.join("agent.sock");
+    let admin = crate::loopback::free_admin_addr().map_err(invalid)?;
+    let exe = std::env::current_exe().map_err(invalid)?;
+    let child = crate::loopback::run_command(&exe, "gpu-check", "auto", &socket, &dir.join("pools"))
+        .arg("--no-publish")
+        .arg("--admin-bind")
+        .arg(admin.to_string())
+        .spawn()
+        .map_err(|e| invalid(format!("starting the agent: {e}")))?;
+    let agent = AgentProcess(child, admin, dir.clone());
+    let start = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        if start.elapsed() > std::time::Duration::from_secs(10) {
+            return Err(invalid("the agent did not open its socket in 10 s"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let spec = |role, name: &str, checksum, blocks| EngineSpec {
+        pdpair: "gpu-check/pair".into(),
+        role,
+        engine: name.into(),
+        mode: TransferMode::Push,
+        checksum,
+        handshake_timeout_ms: 5000,
+        lease_ms: 30_000,
+        parallelism: Parallelism::default(),
+        kv: geometry(),
+        pairing_key: b"gpu-check".to_vec(),
+        num_blocks: blocks,
+        tensor_rank: 0,
+        memory: EngineMemory::Agent,
+        arrangement: None,
+        regions: Vec::new(),
+    };
+    // One 8B-class block over all layers is 2 MiB: 512 of them are 1 GiB, 256 a 4096-token prompt.
+    let mut rows = Vec::new();
+    for (label, checksum, blocks) in [
+        ("1 GiB of blocks, checksums off", ChecksumPolicy::Disabled, 512u32),
+        (
+            "1 GiB of blocks, FailClosed (GPU checksums both sides)",
+            ChecksumPolicy::FailClosed,
+            512,
+        ),
+        (
+            "4096-token prompt of 16-token blocks, FailClosed",
+            ChecksumPolicy::FailClosed,
+            256,
+        ),
+    ] {
+        let tag = rows.len();
+        let mut p = GpuEngine::register(&socket, &spec(Role::Prefill, &format!("p{tag}"), checksum, blocks), gpu)
+            .map_err(|e| invalid(format!("prefill registers: {e}")))?;
+        let mut d = GpuEngine::register(&socket, &spec(Role::Decode, &format!("d{tag}"), checksum, blocks), gpu)
+            .map_err(|e| invalid(format!("decode registers: {e}")))?;
+        for e in [p.events().map_err(invalid)?, d.events().map_err(invalid)?] {
+            e.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+                .map_err(invalid)?;
+        }
+        let all: Vec<u32> = (0..blocks).collect();
+        let tokens = u64::from(blocks) * 16;
+        d.clear().map_err(invalid)?;
+        p.fill(7 + tag as u64, &all, 0, tokens).map_err(invalid)?;
+        let bytes = p.layout.pool_len();
+        let mut times = Vec::new();
+        let mut outcome = String::new();
+        // The first request dials and handshakes: a warm-up, not timed.
+        for i in 0..=repeat.max(1) {
+            let id = format!("r{tag}-{i}");
+            d.send(&crate::engine_api::EngineRequest::ExpectKv {
+                request: id.clone(),
+                prefill: p.address.clone(),
+                blocks: all.clone(),
+                num_tokens: tokens,
+                first_token: 0,
+            })
+            .map_err(invalid)?;
+            // Let decode's registration reach prefill, so the time is the transfer's.
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let t = std::time::Instant::now();
+            p.send(&crate::engine_api::EngineRequest::KvReady {
+                request: id.clone(),
+                blocks: all.clone(),
+                num_tokens: tokens,
+                first_token: 0,
+            })
+            .map_err(invalid)?;
+            let done = wait_done(&mut d, &id)?;
+            let took = t.elapsed().as_secs_f64() * 1e3;
+            wait_done(&mut p, &id)?;
+            match done {
+                crate::engine_api::AgentEvent::RequestDone { checksum, .. } => {
+                    outcome = checksum.unwrap_or_else(|| "no checksum".into());
+                    if i > 0 {
+                        times.push(took);
+                    }
+                }
+                other => return Err(invalid(format!("{label}: {other:?}"))),
+            }
+        }
+        let bad = d.verify(7 + tag as u64, &all, 0, tokens).map_err(invalid)?;
+        times.sort_by(f64::total_cmp);
+        let best = times.first().copied().unwrap_or(f64::NAN);
+        let p50 = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+        let paths = crate::loopback::metrics(agent.1)
+            .map(|m| crate::loopback::transfer_paths(&m))
+            .unwrap_or_default();
+        let check = if bad == 0 && (checksum == ChecksumPolicy::Disabled || outcome == "Verified") {
+            format!("every byte read back and checked; checksum: {outcome}; p50 {p50:.3} ms")
+        } else {
+            format!("FAILED: {bad} tokens differ; checksum: {outcome}")
+        };
+        rows.push(Row {
+            what: format!("through the agent: {label} ({} MiB)", bytes >> 20),
+            gbps: Some(gbps(bytes, best)),
+            ms: Some(best),
+            check,
+            path: paths
+                .iter()
+                .map(|(p, n)| format!("{p} x{n}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        });
+    }
+    Ok(rows)
+}
+
+/// Reads `engine`'s events until `request`'s answer.
+fn wait_done(
+    engine: &mut crate::synthetic::gpu::GpuEngine,
+    request: &str,
+) -> Result<crate::engine_api::AgentEvent, CudaError> {
+    use crate::engine_api::AgentEvent;
+    loop {
+        match engine.next_event().map_err(invalid)? {
+            e @ (AgentEvent::RequestDone { .. } | AgentEvent::RequestFailed { .. } | AgentEvent::Cancelled { .. })
+                if event_request(&e) == Some(request) =>
+            {
+                return Ok(e);
+            }
+            _ => {}
+        }
+    }
+}
+
+fn event_request(e: &crate::engine_api::AgentEvent) -> Option<&str> {
+    use crate::engine_api::AgentEvent;
+    match e {
+        AgentEvent::RequestDone { request, .. }
+        | AgentEvent::RequestFailed { request, .. }
+        | AgentEvent::Cancelled { request } => Some(request),
+        _ => None,
+    }
 }

@@ -189,7 +189,7 @@ impl Spawned {
 }
 
 /// `GET /metrics` from an agent's admin port (1 s deadlines).
-fn metrics(addr: std::net::SocketAddr) -> Option<String> {
+pub(crate) fn metrics(addr: std::net::SocketAddr) -> Option<String> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
@@ -220,7 +220,7 @@ pub fn transfer_paths(metrics: &str) -> Vec<(String, u64)> {
 }
 
 /// A free port on loopback for an agent's admin server.
-fn free_admin_addr() -> Result<std::net::SocketAddr, String> {
+pub(crate) fn free_admin_addr() -> Result<std::net::SocketAddr, String> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|e| format!("no free port for an agent's admin server: {e}"))

@@ -795,14 +795,8 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<Reason>, String)> {
         ));
     }
     // Compatible on paper, but beyond what this agent's transfer path does yet: say so at the
-    // handshake instead of failing later.
-    // Pull converts block sizes (decode reads several prefill blocks into one of its own) and
-    // head ranges, not layouts.
-    if let Err(e) = check_worker_address(&peer.worker_address)
-        .and_then(|()| peer.memory.check(&peer.kv, &peer.parallelism, peer.tensor_rank))
-    {
-        return Some((vec![Reason::MemoryLayoutMismatch], format!("the peer's memory: {e}")));
-    }
+    // handshake instead of failing later. The pool memory first: a peer's keys are checked by
+    // its kind.
     if peer.memory.kind != local.memory.kind {
         return Some((
             vec![Reason::AgentUnsupported],
@@ -813,6 +807,13 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<Reason>, String)> {
             ),
         ));
     }
+    if let Err(e) = check_worker_address(&peer.worker_address)
+        .and_then(|()| peer.memory.check(&peer.kv, &peer.parallelism, peer.tensor_rank))
+    {
+        return Some((vec![Reason::MemoryLayoutMismatch], format!("the peer's memory: {e}")));
+    }
+    // Pull converts block sizes (decode reads several prefill blocks into one of its own) and
+    // head ranges, not layouts.
     if local.mode == TransferMode::Pull && peer.kv.layout != local.kv.layout {
         return Some((
             vec![Reason::AgentUnsupported],

@@ -160,3 +160,111 @@ fn gpu_check_pushes_through_an_ipc_handle_from_another_process_verified() {
         "an overclaiming handle is refused: {report}"
     );
 }
+
+mod common;
+
+/// Both engines' pools in GPU memory behind one agent (its own process: a process cannot open
+/// its own IPC handles): the agent opens them by IPC handle, copies prefill's blocks into
+/// decode's on the GPU (CUDA IPC, coalesced), and both sides checksum on the GPU (FailClosed).
+/// Decode's engine then reads its pool back and checks every byte; the path is `CudaIpc`. A GPU
+/// prefill and a host decode are refused at the handshake, and a handle that claims more than
+/// its allocation holds is refused at registration.
+#[test]
+#[ignore = "needs an NVIDIA GPU: make gpu-check"]
+fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
+    use pdpair_agent::{
+        engine_api::{AgentEvent, EngineRequest},
+        synthetic::{SyntheticEngine, gpu::GpuEngine},
+    };
+    use pdpair_api::{ChecksumPolicy, Role};
+
+    let g = gpu();
+    let w = common::World::new("gpu-pools");
+    let (_agent, socket) = common::ProcessAgent::start(&w, "a");
+    // 256 KiB blocks (4 layers, K and V, 8 heads x 16 tokens x 128 x 2 bytes): 64 of them.
+    let geometry = kv(8, 128, false, false, CacheDtype::Auto);
+    let spec = |role, name: &str| {
+        let mut s = common::spec(role, name, geometry.clone(), b"k", ChecksumPolicy::FailClosed);
+        s.num_blocks = 64;
+        s.lease_ms = 10_000;
+        s
+    };
+    let mut p = GpuEngine::register(&socket, &spec(Role::Prefill, "p0"), &g).expect("GPU prefill registers");
+    let mut d = GpuEngine::register(&socket, &spec(Role::Decode, "d0"), &g).expect("GPU decode registers");
+    for e in [p.events().expect("events"), d.events().expect("events")] {
+        e.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .expect("timeout");
+    }
+    // Decode's blocks in another order than prefill's: some copies coalesce, some do not.
+    let p_blocks: Vec<u32> = (0..32).collect();
+    let d_blocks: Vec<u32> = (0..16).chain(40..56).rev().collect();
+    let tokens = 32 * 16 - 5;
+    d.clear().expect("clear");
+    p.fill(11, &p_blocks, 0, tokens).expect("fill");
+    d.send(&EngineRequest::ExpectKv {
+        request: "r".into(),
+        prefill: p.address.clone(),
+        blocks: d_blocks.clone(),
+        num_tokens: tokens,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
+    p.send(&EngineRequest::KvReady {
+        request: "r".into(),
+        blocks: p_blocks.clone(),
+        num_tokens: tokens,
+        first_token: 0,
+    })
+    .expect("KvReady");
+    let done = loop {
+        if let e @ (AgentEvent::RequestDone { .. } | AgentEvent::RequestFailed { .. }) =
+            d.next_event().expect("decode event")
+        {
+            break e;
+        }
+    };
+    assert!(
+        matches!(&done, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
+        "{done:?}"
+    );
+    assert_eq!(
+        d.verify(11, &d_blocks, 0, tokens).expect("read back"),
+        0,
+        "every byte arrived"
+    );
+    // A host decode engine of the same pair cannot take a GPU prefill's KV in this version.
+    let mut h = SyntheticEngine::register(&socket, &w.dir, &spec(Role::Decode, "h0")).expect("host decode");
+    h.events()
+        .expect("events")
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .expect("timeout");
+    h.send(&EngineRequest::ExpectKv {
+        request: "h".into(),
+        prefill: p.address.clone(),
+        blocks: vec![0],
+        num_tokens: 16,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
+    let refused = h.next_event().expect("host decode event");
+    assert!(
+        matches!(&refused, AgentEvent::RequestFailed { reasons, message, .. }
+            if reasons == &["AgentUnsupported".to_owned()] && message.contains("GPU")),
+        "{refused:?}"
+    );
+    // A handle that claims more than its allocation holds.
+    let small = DeviceMemory::alloc(&g, 1 << 20).expect("alloc");
+    let mut reg = SyntheticEngine::registration(&spec(Role::Prefill, "p1"), None, false);
+    let region = reg.layout().expect("layout").region_lens()[0];
+    reg.gpu = Some(pdpair_agent::engine_api::GpuPool {
+        device_uuid: g.uuid(),
+        regions: vec![pdpair_agent::engine_api::GpuRegion {
+            ipc_handle: small.ipc_handle().expect("handle").to_hex(),
+            offset: 0,
+        }],
+        event: None,
+    });
+    assert!(region > 1 << 20);
+    let e = SyntheticEngine::register_as(&socket, reg).expect_err("an overclaiming handle");
+    assert!(e.contains("gpu.regions[0].ipc_handle") && e.contains("bytes"), "{e}");
+}

@@ -203,8 +203,11 @@ pub struct ProcessAgent(pub std::process::Child);
 impl ProcessAgent {
     pub fn start(w: &World, name: &str) -> (ProcessAgent, PathBuf) {
         let socket = w.dir.join(format!("{name}.sock"));
-        let bin = std::path::Path::new(env!("CARGO_BIN_EXE_pdpair-agent"));
-        let child = pdpair_agent::loopback::run_command(bin, name, "tcp", &socket, &w.pools())
+        // The GPU check runs these tests on another machine, with the agent carried beside them.
+        let bin = std::env::var_os("PDPAIR_AGENT_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_pdpair-agent").into());
+        let child = pdpair_agent::loopback::run_command(&bin, name, "tcp", &socket, &w.pools())
             .arg("--no-publish")
             .spawn()
             .expect("agent process");
