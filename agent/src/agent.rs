@@ -114,6 +114,10 @@ struct Shared {
     transport: Arc<dyn crate::transport::Backend>,
     /// What moves GPU pools' bytes between engines behind this agent.
     cuda: Arc<crate::transport::cuda_ipc::CudaIpc>,
+    /// The engines registered here (by a registration id): who they are and the memory they
+    /// described, to tell a peer that is one of them from one that only claims this agent's
+    /// memory.
+    locals: Mutex<Vec<(u64, LocalEngine)>>,
     metrics: Arc<Metrics>,
     /// Unauthenticated side-channel connections by source address (the pre-auth budget).
     unauthenticated: Mutex<HashMap<IpAddr, usize>>,
@@ -121,7 +125,42 @@ struct Shared {
     listening: AtomicBool,
 }
 
+/// An engine registered with this agent, as its peers see it.
+#[derive(Debug)]
+struct LocalEngine {
+    pdpair: String,
+    role: Role,
+    engine: String,
+    memory: MemoryDesc,
+}
+
 impl Shared {
+    /// A peer whose memory is this agent's (it names one of this agent's backend addresses)
+    /// must be an engine registered here, of `pdpair`, with the role, name and exact memory it
+    /// claims: otherwise an authenticated peer could hand a prefill engine's own memory (learned
+    /// from its handshake), or another pair's, as its own, and have the agent copy into it.
+    fn check_local_peer(&self, pdpair: &str, peer: &PeerInfo) -> Result<(), String> {
+        let ours = [
+            self.transport.address(),
+            crate::transport::Backend::address(&*self.cuda),
+        ];
+        if !ours.contains(&peer.worker_address) {
+            return Ok(());
+        }
+        let found = lock(&self.locals).iter().any(|(_, l)| {
+            l.pdpair == pdpair && l.role == peer.role && l.engine == peer.engine && l.memory == peer.memory
+        });
+        if found {
+            Ok(())
+        } else {
+            Err(format!(
+                "the peer names this agent's own memory but is no {} engine {:?} of {pdpair} registered here with that memory",
+                peer.role,
+                crate::reason::peer_text(&peer.engine)
+            ))
+        }
+    }
+
     /// Why this agent refuses GPU pools, when it does: it has no CUDA driver, or sees no GPU.
     fn gpu_pools_refused(&self) -> Option<String> {
         if !crate::memory::cuda::driver_present() {
@@ -199,6 +238,7 @@ impl Agent {
                 cfg,
                 transport: Arc::new(ucx.clone()),
                 cuda: Arc::new(crate::transport::cuda_ipc::CudaIpc::new()),
+                locals: Mutex::new(Vec::new()),
                 ucx,
                 metrics,
                 unauthenticated: Mutex::new(HashMap::new()),
@@ -560,6 +600,8 @@ struct Engine {
     /// The decode agents' links this P engine accepted: closed when the engine goes, so their
     /// threads end and the engine's pools are freed then, not when a silent peer times out.
     accepted: Mutex<Vec<std::sync::Weak<Link>>>,
+    /// This registration's id in `Shared::locals`.
+    local_id: u64,
 }
 
 impl Engine {
@@ -649,10 +691,16 @@ impl Engine {
             None => shared.cfg.listen_host.to_string(),
         };
         // Last: nothing after this fails, so no registered region is left behind.
+        let owner = format!("{}/{}/{}", reg.pdpair, reg.role, reg.engine);
         let (pools, device) = match &reg.gpu {
             Some(gpu) => (
                 Vec::new(),
-                Some(crate::memory::gpu_pool::DevicePool::open(&shared.cuda, &layout, gpu)?),
+                Some(crate::memory::gpu_pool::DevicePool::open(
+                    &shared.cuda,
+                    &layout,
+                    gpu,
+                    &owner,
+                )?),
             ),
             None => (Engine::pools(&shared, &layout, fds)?, None),
         };
@@ -702,7 +750,17 @@ impl Engine {
             rejections: Mutex::new(HashMap::new()),
             matching: Mutex::new(Matching::default()),
             accepted: Mutex::new(Vec::new()),
+            local_id: next_link_id(),
         });
+        lock(&engine.shared.locals).push((
+            engine.local_id,
+            LocalEngine {
+                pdpair: engine.reg.pdpair.clone(),
+                role: engine.reg.role,
+                engine: engine.reg.engine.clone(),
+                memory: engine.local.memory.clone(),
+            },
+        ));
         if let Some(listener) = listener {
             let e = engine.clone();
             thread::spawn(move || e.accept(listener));
@@ -825,7 +883,15 @@ impl Engine {
     /// The checksums of `blocks` (block, its first token) over `count` local heads from
     /// `first`: on the host over the pool's memory, or on the GPU in place. `None` when one
     /// cannot be computed.
-    fn sums_of(&self, blocks: &[(u32, u64)], num_tokens: u64, first: u32, count: u32) -> Option<Vec<u64>> {
+    /// `engine_deadline` (prefill): a GPU pool's engine event is waited for first, until then.
+    fn sums_of(
+        &self,
+        blocks: &[(u32, u64)],
+        num_tokens: u64,
+        first: u32,
+        count: u32,
+        engine_deadline: Option<Instant>,
+    ) -> Option<Vec<u64>> {
         let Some(device) = &self.device else {
             let memory = self.memory();
             return blocks
@@ -849,6 +915,7 @@ impl Engine {
                     first,
                     count,
                 },
+                engine_deadline,
             )
         };
         if contiguous {
@@ -987,6 +1054,7 @@ impl Engine {
         if let Some(d) = &self.device {
             d.release();
         }
+        lock(&self.shared.locals).retain(|(id, _)| *id != self.local_id);
     }
 }
 

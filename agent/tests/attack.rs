@@ -150,6 +150,46 @@ fn memory_descriptors_out_of_range_or_malformed_are_refused_and_prefill_keeps_se
 }
 
 #[test]
+fn a_peer_that_claims_the_prefill_agents_own_memory_is_refused() {
+    let _serial = serial();
+    // An insider of the pair (it has the key) first handshakes honestly, with a real UCX worker
+    // and pool of its own, and so learns prefill's worker address and memory (prefill sends them
+    // in its Handshake). It then comes back claiming them as its own: without the check, prefill's
+    // agent would connect to its own worker and WRITE requests' KV into its own pool, at blocks
+    // the insider picks.
+    let w = World::new("attack-deputy");
+    let mut p = prefill(&w);
+    let mallory = pdpair_agent::transport::ucx_thread::UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
+    let mut honest = insider(Role::Decode);
+    let l = PoolLayout::new(&honest.kv, &honest.parallelism, 16, 0).expect("layout");
+    let pool = mallory.allocate(l.pool_len() as u64).expect("a pool of its own");
+    honest.worker_address = mallory.worker_address.clone();
+    honest.memory = MemoryDesc::of(&l, vec![(pool.addr, pool.rkey.clone())]);
+    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+    let prefills = protocol::handshake_decode(&mut s, &mut session, &honest).expect("an honest handshake passes");
+    drop(s);
+    let mut deputy = honest.clone();
+    deputy.worker_address = prefills.worker_address.clone();
+    deputy.memory = prefills.memory.clone();
+    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+    // Prefill answers the handshake (the geometry is fine), then refuses to connect to that
+    // memory and closes.
+    protocol::handshake_decode(&mut s, &mut session, &deputy).expect("the geometry passes");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    match wire::read_sealed::<Message>(&mut s, &mut session.opener, wire::MAX_FRAME) {
+        Ok(Message::Reject { reasons, message }) => {
+            assert_eq!(reasons, vec![Reason::TransportFailed], "{message}");
+            assert!(message.contains("names this agent's own memory"), "{message}");
+        }
+        other => panic!("prefill took its own memory for a decode's: {other:?}"),
+    }
+    mallory.unmap(pool.region);
+    still_serves(&w, &mut p, "d");
+}
+
+#[test]
 fn oversized_and_trickled_preauth_frames_are_cut_off() {
     let _serial = serial();
     let w = World::new("attack-preauth");

@@ -455,8 +455,12 @@ impl Engine {
         // Pull: decode reads from prefill's memory through its own endpoint.
         let ucx_peer = match self.settings.mode {
             pdpair_api::TransferMode::Pull => Some(
-                self.transport()
-                    .connect(peer.worker_address.clone(), peer.memory.keys())
+                self.shared
+                    .check_local_peer(&self.reg.pdpair, &peer)
+                    .and_then(|()| {
+                        self.transport()
+                            .connect(peer.worker_address.clone(), peer.memory.keys())
+                    })
                     .map_err(|e| HandshakeError::Rejected {
                         reasons: vec![Reason::TransportFailed],
                         message: e,
@@ -707,7 +711,7 @@ impl Engine {
             .filter(|(_, t)| *t < p.num_tokens)
             .collect();
         let ours = self
-            .sums_of(&live, p.num_tokens, 0, self.layout.local_heads)
+            .sums_of(&live, p.num_tokens, 0, self.layout.local_heads, None)
             .map(|sums| BlockSums {
                 block_size: self.layout.block_size,
                 first_token: p.first_token,

@@ -187,8 +187,12 @@ impl Engine {
         }
         // In pull mode decode reads from us: no endpoint of ours writes to it.
         let connected = if push {
-            self.transport()
-                .connect(peer.worker_address.clone(), peer.memory.keys())
+            self.shared
+                .check_local_peer(&self.reg.pdpair, &peer)
+                .and_then(|()| {
+                    self.transport()
+                        .connect(peer.worker_address.clone(), peer.memory.keys())
+                })
                 .map(Some)
         } else {
             Ok(None)
@@ -621,7 +625,13 @@ impl Engine {
         // A block whose checksum cannot be computed sends none at all: decode counts the
         // request Unverified (never a sum of 0 that would match decode's 0).
         let blocks: Vec<(u32, u64)> = blocks.collect();
-        let sums = self.sums_of(&blocks, num_tokens, link.heads.p_first, link.heads.count)?;
+        let sums = self.sums_of(
+            &blocks,
+            num_tokens,
+            link.heads.p_first,
+            link.heads.count,
+            Some(Instant::now() + self.lease()),
+        )?;
         Some(BlockSums {
             block_size: self.layout.block_size,
             first_token,

@@ -168,7 +168,11 @@ impl Gpu {
 
     /// Binds the context to the calling thread (the raw driver calls below need it current).
     pub fn bind(&self) -> Result<(), CudaError> {
-        self.ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))
+        // Directly, not cudarc's bind_to_thread: that first returns (and clears) an error some
+        // earlier call on this context recorded, failing an unrelated operation (or a drop,
+        // which then leaks what it should release).
+        // SAFETY: a live context, retained by `ctx`.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx.cu_ctx()) })
     }
 
     /// The agent's stream.
@@ -224,13 +228,17 @@ impl Gpu {
         })
     }
 
-    /// Makes the agent's stream wait (without blocking this thread) for the latest record of
-    /// `event`, an engine's: copies queued after this start after the engine's writes.
-    pub fn wait_for(&self, event: &IpcEvent) -> Result<(), CudaError> {
+    /// Queues a copy of `src` to device address `dst` on this stream, without waiting for it
+    /// (what an engine's forward pass is to the agent: writes still running when it says so).
+    ///
+    /// # Safety
+    /// `dst..dst+src.len()` must be live device memory, and `src` must stay alive and unchanged
+    /// until the stream has passed the copy.
+    pub unsafe fn upload_async(&self, dst: u64, src: &[u8]) -> Result<(), CudaError> {
         self.bind()?;
-        // SAFETY: a live event and our stream.
-        check("cuStreamWaitEvent", unsafe {
-            sys::cuStreamWaitEvent(self.stream.cu_stream(), event.0, 0)
+        // SAFETY: the caller guarantees both sides.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), self.stream.cu_stream())
         })
     }
 
@@ -295,6 +303,19 @@ unsafe impl Send for IpcEvent {}
 unsafe impl Sync for IpcEvent {}
 
 impl IpcEvent {
+    /// Whether the work the event's latest record follows is done (`cuEventQuery`), without
+    /// blocking: the agent polls an engine's event from the host instead of making its own
+    /// streams wait on it, so an engine whose event never fires stalls only its own requests.
+    pub fn passed(&self) -> Result<bool, CudaError> {
+        self.1.bind()?;
+        // SAFETY: a live event.
+        match unsafe { sys::cuEventQuery(self.0) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|()| false),
+        }
+    }
+
     /// Opens an engine's event on `gpu` from its handle.
     pub fn open(gpu: &Gpu, handle: &IpcHandle) -> Result<IpcEvent, CudaError> {
         gpu.bind()?;

@@ -7,13 +7,13 @@
 //! Needs a GPU: on machines without a CUDA driver the registration is refused before anything
 //! here runs.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use crate::{
     checksum::gpu::{Blocks, GpuChecksum},
     engine_api::GpuPool,
     layout::PoolLayout,
-    memory::cuda::{self, DeviceMemory, Gpu, IpcEvent, IpcHandle},
+    memory::cuda::{DeviceMemory, Gpu, IpcEvent, IpcHandle},
     transport::cuda_ipc::CudaIpc,
 };
 
@@ -40,14 +40,18 @@ pub struct DevicePool {
     backend: Arc<CudaIpc>,
     /// The opened allocations (also held by the backend's regions).
     _memory: Vec<Arc<DeviceMemory>>,
-    checksum: OnceLock<Result<GpuChecksum, String>>,
+    /// The checksum kernels, once they compiled and loaded (a failure is retried next time).
+    checksum: Mutex<Option<GpuChecksum>>,
 }
 
 impl DevicePool {
     /// Opens the engine's regions (the registration's `gpu`, already checked field by field) and
-    /// registers them with `backend`; all or none.
-    pub fn open(backend: &Arc<CudaIpc>, layout: &PoolLayout, req: &GpuPool) -> Result<DevicePool, String> {
-        let gpu = cuda::open_by_uuid(&req.device_uuid).map_err(|e| format!("gpu.device_uuid: {e}"))?;
+    /// registers them with `backend`; all or none. `owner` names the engine
+    /// (`pdpair/role/engine`): an allocation another engine registered is refused.
+    pub fn open(backend: &Arc<CudaIpc>, layout: &PoolLayout, req: &GpuPool, owner: &str) -> Result<DevicePool, String> {
+        let gpu = backend
+            .gpu(&req.device_uuid)
+            .map_err(|e| format!("gpu.device_uuid: {e}"))?;
         let lens = layout.region_lens();
         if req.regions.len() != lens.len() {
             return Err(format!(
@@ -82,7 +86,7 @@ impl DevicePool {
             .enumerate()
             .map(|(at, (h, need))| {
                 let need = usize::try_from(*need).map_err(|_| format!("a GPU region reaches {need} bytes"))?;
-                DeviceMemory::open_ipc(&gpu, h, need).map(Arc::new).map_err(|e| {
+                backend.open_handle(&gpu, h, need, owner).map_err(|e| {
                     let first = which.iter().position(|w| *w == at).unwrap_or(0);
                     format!("gpu.regions[{first}].ipc_handle: {e}")
                 })
@@ -102,7 +106,7 @@ impl DevicePool {
             regions: Vec::with_capacity(lens.len()),
             backend: backend.clone(),
             _memory: memory.clone(),
-            checksum: OnceLock::new(),
+            checksum: Mutex::new(None),
         };
         for (i, (r, len)) in req.regions.iter().zip(&lens).enumerate() {
             let mem = &memory[which[i]];
@@ -122,20 +126,35 @@ impl DevicePool {
     }
 
     /// The checksums of `which` blocks, computed on the GPU over the pool in place; `None` when
-    /// they cannot be (the kernel did not compile, a launch failed: logged), which a request
-    /// counts as unverified, never as a match.
+    /// they cannot be (the kernel did not compile, a launch failed, the engine's event did not
+    /// fire by `engine_deadline`: logged), which a request counts as unverified, never as a
+    /// match. With `engine_deadline` (prefill) the engine's event is waited for first: the
+    /// engine's writes may still be running when its `KvReady` arrives.
     #[allow(unsafe_code)]
-    pub fn sums(&self, layout: &PoolLayout, which: &Blocks<'_>) -> Option<Vec<u64>> {
-        let kernel = self
-            .checksum
-            .get_or_init(|| GpuChecksum::new(&self.gpu).map_err(|e| e.to_string()));
-        let kernel = match kernel {
-            Ok(k) => k,
-            Err(e) => {
-                tracing::warn!(error = %e, "the GPU checksum kernel is not available");
+    pub fn sums(
+        &self,
+        layout: &PoolLayout,
+        which: &Blocks<'_>,
+        engine_deadline: Option<std::time::Instant>,
+    ) -> Option<Vec<u64>> {
+        if let Some(deadline) = engine_deadline {
+            let ids: Vec<u64> = self.regions.iter().map(|r| r.id).collect();
+            if let Err(e) = self.backend.wait_engine(&ids, deadline) {
+                tracing::warn!(error = %e, "no GPU checksum");
                 return None;
             }
-        };
+        }
+        let mut cached = self.checksum.lock().unwrap_or_else(|e| e.into_inner());
+        if cached.is_none() {
+            match GpuChecksum::new(&self.gpu) {
+                Ok(k) => *cached = Some(k),
+                Err(e) => {
+                    tracing::warn!(error = %e, "the GPU checksum kernel is not available");
+                    return None;
+                }
+            }
+        }
+        let kernel = cached.as_ref()?;
         let bases: Vec<u64> = self.regions.iter().map(|r| r.base).collect();
         // SAFETY: every base is a registered region of an allocation this pool holds open.
         match unsafe { kernel.block_sums(layout, &bases, which) } {

@@ -30,6 +30,8 @@ pub struct GpuEngine {
     memory: Vec<DeviceMemory>,
     offsets: Vec<usize>,
     event: IpcEvent,
+    /// What the last fill is still copying from.
+    staging: Vec<Vec<u8>>,
     /// Side-channel address the agent gave it.
     pub address: String,
 }
@@ -83,6 +85,7 @@ impl GpuEngine {
                     memory,
                     offsets,
                     event,
+                    staging: Vec::new(),
                     address,
                 })
             }
@@ -92,6 +95,7 @@ impl GpuEngine {
     }
 
     fn download(&self) -> Result<Vec<Vec<u8>>, String> {
+        // `read` synchronizes the engine's stream first (a fill still copying).
         self.layout
             .region_lens()
             .iter()
@@ -115,14 +119,29 @@ impl GpuEngine {
         Ok(())
     }
 
-    /// Prefill: writes the request's KV into its blocks on the GPU, then records the engine's
-    /// event (as an engine does before `KvReady`).
+    /// Prefill: queues the request's KV into its blocks on the GPU and records the engine's
+    /// event after it, without waiting (as a forward pass leaves its writes running when the
+    /// engine sends `KvReady`): the agent must wait for the event before it reads them.
+    #[allow(unsafe_code)]
     pub fn fill(&mut self, seed: u64, blocks: &[u32], first_token: u64, num_tokens: u64) -> Result<(), String> {
         let mut host = self.download()?;
         let mut maps: Vec<&mut [u8]> = host.iter_mut().map(|m| &mut m[..]).collect();
         super::fill_into(&self.layout, &mut maps, seed, blocks, first_token, num_tokens);
-        self.upload(&host)?;
-        self.event.record(&self.gpu).map_err(|e| e.to_string())
+        for (r, bytes) in host.iter().enumerate() {
+            self.memory[r]
+                .range(self.offsets[r], bytes.len())
+                .map_err(|e| e.to_string())?;
+            // SAFETY: the range was checked in live memory this engine holds; `host` is kept in
+            // `self.staging`, unchanged, until the next fill or read, which synchronize first.
+            unsafe {
+                self.gpu
+                    .upload_async(self.memory[r].ptr() + self.offsets[r] as u64, bytes)
+            }
+            .map_err(|e| e.to_string())?;
+        }
+        self.event.record(&self.gpu).map_err(|e| e.to_string())?;
+        self.staging = host;
+        Ok(())
     }
 
     /// Decode: zeroes the whole pool.

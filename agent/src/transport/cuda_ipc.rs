@@ -8,7 +8,18 @@
 //! description carries as its key. A peer's description is accepted only when its address is
 //! this backend's and every region's token, base and length name a region registered here: a
 //! description from another agent, or one that claims more than an engine registered, is
-//! refused, and every op is checked against both sides' regions as UCX's are.
+//! refused, and every op is checked against both sides' regions as UCX's are. (That the regions
+//! are the named peer engine's, not the caller's own or another pair's, the sessions check
+//! first: `Shared::check_local_peer`.)
+//!
+//! An engine's event is polled from the host (`cuEventQuery`) until it has passed, and only then
+//! are the copies queued: the agent's streams never wait on an engine's event, so an engine whose
+//! event never fires holds up only its own requests, until their deadline. Copies still queued
+//! when an op fails (a deadline) keep the regions they touch, and so their memory, open until
+//! their fence passes.
+//!
+//! One [`Gpu`] (context and stream) per device for every pool on it, opened once; each IPC handle
+//! is opened once per agent, and a handle another engine registered is refused.
 //!
 //! Nothing here runs without a GPU: on machines without one, GPU pools are refused before any of
 //! it is reached (`memory::gpu_pool`). Its checks are plain arithmetic, shared with the host
@@ -21,7 +32,7 @@ use std::{
 };
 
 use crate::{
-    memory::cuda::{DeviceMemory, Gpu, IpcEvent},
+    memory::cuda::{DeviceMemory, Fence, Gpu, IpcEvent, IpcHandle},
     transport::{Backend, Observed, OpError, PutOp},
 };
 
@@ -47,6 +58,12 @@ struct Inner {
     regions: HashMap<u64, Region>,
     /// Peer id -> the peer's region ids.
     peers: HashMap<u64, Vec<u64>>,
+    /// Every GPU opened, by canonical UUID.
+    gpus: HashMap<String, Gpu>,
+    /// Every IPC handle opened: the engine that registered it, and its memory while alive.
+    opened: HashMap<[u8; 64], (String, std::sync::Weak<DeviceMemory>)>,
+    /// Copies queued by ops that failed before their fence passed, with what they touch.
+    parked: Vec<(Fence, Vec<Region>)>,
 }
 
 /// The CUDA IPC backend (one per agent).
@@ -113,6 +130,58 @@ impl CudaIpc {
                 ..Inner::default()
             }),
         }
+    }
+
+    /// The GPU with this UUID (either spelling), opened once for every pool on it.
+    pub fn gpu(&self, uuid: &str) -> Result<Gpu, String> {
+        let canonical = crate::memory::cuda::normalize_uuid(uuid)?;
+        let mut inner = lock(&self.inner);
+        if let Some(g) = inner.gpus.get(&canonical) {
+            return Ok(g.clone());
+        }
+        let g = crate::memory::cuda::open_by_uuid(&canonical).map_err(|e| e.to_string())?;
+        inner.gpus.insert(canonical, g.clone());
+        Ok(g)
+    }
+
+    /// Opens `handle` for `owner` (`pdpair/role/engine`), claiming `need` bytes from its start:
+    /// the memory already open when `owner` opened it before (and it holds `need`), refused when
+    /// another engine registered it.
+    pub fn open_handle(
+        &self,
+        gpu: &Gpu,
+        handle: &IpcHandle,
+        need: usize,
+        owner: &str,
+    ) -> Result<Arc<DeviceMemory>, String> {
+        let mut inner = lock(&self.inner);
+        inner.opened.retain(|_, (_, m)| m.strong_count() > 0);
+        if let Some((who, memory)) = inner.opened.get(&handle.0) {
+            if who != owner {
+                return Err("this allocation is registered by another engine".into());
+            }
+            if let Some(m) = memory.upgrade() {
+                return if m.len() >= need {
+                    Ok(m)
+                } else {
+                    Err(format!(
+                        "this allocation is open for {} bytes; a region now claims {need}",
+                        m.len()
+                    ))
+                };
+            }
+        }
+        let m = Arc::new(DeviceMemory::open_ipc(gpu, handle, need).map_err(|e| e.to_string())?);
+        inner.opened.insert(handle.0, (owner.to_owned(), Arc::downgrade(&m)));
+        Ok(m)
+    }
+
+    /// Drops parked copies whose fence passed (and with them, maybe, the last hold on their
+    /// memory).
+    fn reap(&self) {
+        lock(&self.inner)
+            .parked
+            .retain(|(fence, _)| !matches!(fence.passed(), Ok(true)));
     }
 
     /// Registers `len` bytes at `base` (inside `memory`, opened on `gpu`); returns its id and
@@ -223,38 +292,100 @@ impl CudaIpc {
                 Err(OpError::Failed("no local GPU region named".into()))
             };
         };
-        // The engine's writes first: the stream waits for the events of the regions read.
+        self.reap();
+        // The engine's writes first: its events, polled from the host until the deadline.
         for (region, _) in sources.iter().zip(&read).filter(|(_, r)| **r) {
             if let Some(event) = &region.event {
-                gpu.wait_for(event).map_err(|e| OpError::Failed(e.to_string()))?;
+                wait_passed(event, deadline).map_err(|e| match e {
+                    Waited::Late => OpError::Timeout(format!(
+                        "the engine's event had not fired by the deadline (peer {peer}); nothing was copied"
+                    )),
+                    Waited::Failed(e) => OpError::Failed(e),
+                })?;
             }
         }
         let mut bytes = 0u64;
         let merged = coalesce(copies);
+        let mut queued = Ok(());
         for (dst, src, len) in &merged {
             // SAFETY: both ranges were checked inside regions registered here, whose opened
-            // allocations `mine` and `theirs` hold until this returns (and whose drop waits for
-            // the stream).
-            unsafe { gpu.copy_any_async(*dst, *src, *len as usize) }.map_err(|e| OpError::Failed(e.to_string()))?;
+            // allocations `mine` and `theirs` hold until the copies' fence passed (here, or
+            // parked below).
+            queued =
+                unsafe { gpu.copy_any_async(*dst, *src, *len as usize) }.map_err(|e| OpError::Failed(e.to_string()));
+            if queued.is_err() {
+                break;
+            }
             bytes += len;
         }
-        let fence = gpu.fence().map_err(|e| OpError::Failed(e.to_string()))?;
-        loop {
-            match fence.passed() {
-                Ok(true) => break,
-                Ok(false) if Instant::now() >= deadline => {
-                    return Err(OpError::Timeout(format!(
-                        "GPU copies to peer {peer} ({bytes} bytes) not done by the deadline"
-                    )));
-                }
-                Ok(false) => std::thread::sleep(Duration::from_micros(20)),
-                Err(e) => return Err(OpError::Failed(e.to_string())),
+        let fence = match gpu.fence() {
+            Ok(f) => f,
+            Err(e) => {
+                // No fence to watch: wait for the stream itself before the memory can go.
+                let _ = gpu.synchronize();
+                return Err(OpError::Failed(e.to_string()));
             }
+        };
+        let outcome = queued.and_then(|()| {
+            loop {
+                match fence.passed() {
+                    Ok(true) => break Ok(()),
+                    Ok(false) if Instant::now() >= deadline => {
+                        break Err(OpError::Timeout(format!(
+                            "GPU copies to peer {peer} ({bytes} bytes) not done by the deadline"
+                        )));
+                    }
+                    Ok(false) => std::thread::sleep(Duration::from_micros(20)),
+                    Err(e) => break Err(OpError::Failed(e.to_string())),
+                }
+            }
+        });
+        if let Err(e) = outcome {
+            // Copies may still be queued: their regions stay open until the fence passes.
+            let mut held = mine;
+            held.extend(theirs);
+            lock(&self.inner).parked.push((fence, held));
+            return Err(e);
         }
         if corrupt && let Some((dst, _, _)) = merged.first() {
             flip_byte(&gpu, *dst).map_err(|e| OpError::Failed(e.to_string()))?;
         }
         Ok(bytes)
+    }
+
+    /// Waits (polling from the host, until `deadline`) for the engine's event of every region
+    /// in `ids` that has one: what the checksum of a prefill pool waits for before reading it.
+    pub fn wait_engine(&self, ids: &[u64], deadline: Instant) -> Result<(), String> {
+        let events: Vec<Arc<IpcEvent>> = {
+            let inner = lock(&self.inner);
+            ids.iter()
+                .filter_map(|id| inner.regions.get(id).and_then(|r| r.event.clone()))
+                .collect()
+        };
+        for event in events {
+            wait_passed(&event, deadline).map_err(|e| match e {
+                Waited::Late => "the engine's event had not fired by the deadline".to_owned(),
+                Waited::Failed(e) => e,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+enum Waited {
+    Late,
+    Failed(String),
+}
+
+/// Polls `event` until it passed or `deadline` passes.
+fn wait_passed(event: &IpcEvent, deadline: Instant) -> Result<(), Waited> {
+    loop {
+        match event.passed() {
+            Ok(true) => return Ok(()),
+            Ok(false) if Instant::now() >= deadline => return Err(Waited::Late),
+            Ok(false) => std::thread::sleep(Duration::from_micros(20)),
+            Err(e) => return Err(Waited::Failed(e.to_string())),
+        }
     }
 }
 
@@ -268,7 +399,11 @@ fn flip_byte(gpu: &Gpu, at: u64) -> Result<(), crate::memory::cuda::CudaError> {
     unsafe { result::memcpy_dtoh_sync(&mut b, at) }.map_err(crate::memory::cuda::driver("cuMemcpyDtoH"))?;
     b[0] ^= 0xff;
     // SAFETY: as above.
-    unsafe { result::memcpy_htod_sync(at, &b) }.map_err(crate::memory::cuda::driver("cuMemcpyHtoD"))
+    unsafe { result::memcpy_htod_sync(at, &b) }.map_err(crate::memory::cuda::driver("cuMemcpyHtoD"))?;
+    // A copy from pageable memory may return before it lands, on a stream ours does not wait for.
+    gpu.context()
+        .synchronize()
+        .map_err(crate::memory::cuda::driver("cuCtxSynchronize"))
 }
 
 impl Backend for CudaIpc {
