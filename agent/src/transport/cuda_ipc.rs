@@ -292,6 +292,8 @@ impl CudaIpc {
                 Err(OpError::Failed("no local GPU region named".into()))
             };
         };
+        // Fences are queried with the GPU's context current on this thread.
+        gpu.bind().map_err(|e| OpError::Failed(e.to_string()))?;
         self.reap();
         // The engine's writes first: its events, polled from the host until the deadline.
         for (region, _) in sources.iter().zip(&read).filter(|(_, r)| **r) {
