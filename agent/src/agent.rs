@@ -144,11 +144,23 @@ impl Shared {
             self.transport.address(),
             crate::transport::Backend::address(&*self.cuda),
         ];
-        if !ours.contains(&peer.worker_address) {
+        let locals = lock(&self.locals);
+        // This agent's memory: its own address, or one of its engines' regions, key, base and
+        // length (a peer may dress our keys in another address that still reaches this process;
+        // a key alone is not ours: over tcp UCX packs the same few bytes for every region).
+        let names_ours = ours.contains(&peer.worker_address)
+            || locals
+                .iter()
+                .any(|(_, l)| l.memory.regions.iter().any(|r| peer.memory.regions.contains(r)));
+        if !names_ours {
             return Ok(());
         }
-        let found = lock(&self.locals).iter().any(|(_, l)| {
-            l.pdpair == pdpair && l.role == peer.role && l.engine == peer.engine && l.memory == peer.memory
+        let found = locals.iter().any(|(_, l)| {
+            l.pdpair == pdpair
+                && l.role == peer.role
+                && l.engine == peer.engine
+                && l.memory == peer.memory
+                && ours.contains(&peer.worker_address)
         });
         if found {
             Ok(())
@@ -526,6 +538,9 @@ struct Pending {
 struct Link {
     /// The stream and the session's sealer: every frame we send is sealed.
     writer: Mutex<(TcpStream, Sealer)>,
+    /// Another handle on the stream, to shut it down without waiting for a send in progress
+    /// (one to a stalled peer holds `writer` until its write timeout).
+    closer: Option<TcpStream>,
     /// This link's id (unique in the process): requests are owned by the link they came on.
     id: u64,
     /// Cleared when the link's reader stops: nothing more is sent on it.
@@ -550,7 +565,14 @@ impl Link {
     }
 
     fn close(&self) {
-        let _ = lock(&self.writer).0.shutdown(std::net::Shutdown::Both);
+        match &self.closer {
+            Some(s) => {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+            None => {
+                let _ = lock(&self.writer).0.shutdown(std::net::Shutdown::Both);
+            }
+        }
     }
 }
 

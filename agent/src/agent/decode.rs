@@ -478,6 +478,7 @@ impl Engine {
         let Session { sealer, opener } = session;
         Ok((
             Link {
+                closer: stream.try_clone().ok(),
                 writer: Mutex::new((stream, sealer)),
                 id: next_link_id(),
                 alive: AtomicBool::new(true),

@@ -276,6 +276,55 @@ impl Gpu {
     }
 }
 
+/// Page-locked host memory (`cuMemHostAlloc`): copies from it are DMA transfers that run after
+/// the call returns. Freed on drop.
+#[derive(Debug)]
+pub struct PinnedBuffer {
+    ptr: *mut u8,
+    len: usize,
+    gpu: Gpu,
+}
+
+// SAFETY: plain host memory owned by this value.
+unsafe impl Send for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// `len` bytes (at least 1).
+    pub fn alloc(gpu: &Gpu, len: usize) -> Result<PinnedBuffer, CudaError> {
+        gpu.bind()?;
+        // SAFETY: a plain allocation in the bound context.
+        let ptr = unsafe { result::malloc_host(len.max(1), 0) }.map_err(driver("cuMemHostAlloc"))?;
+        Ok(PinnedBuffer {
+            ptr: ptr.cast(),
+            len,
+            gpu: gpu.clone(),
+        })
+    }
+
+    /// Its bytes.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `len` bytes allocated above, owned by `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Its bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // Copies from it may still be queued.
+            let _ = self.gpu.synchronize();
+            // SAFETY: allocated by malloc_host, freed once.
+            let _ = unsafe { result::free_host(self.ptr.cast()) };
+        }
+    }
+}
+
 /// See [`Gpu::fence`].
 #[derive(Debug)]
 pub struct Fence(cudarc::driver::CudaEvent);

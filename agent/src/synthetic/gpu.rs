@@ -11,7 +11,7 @@ use std::{os::unix::net::UnixStream, path::Path};
 use crate::{
     engine_api::{AgentEvent, EngineRequest, GpuPool, GpuRegion},
     layout::PoolLayout,
-    memory::cuda::{DeviceMemory, Gpu, IpcEvent},
+    memory::cuda::{DeviceMemory, Gpu, IpcEvent, PinnedBuffer},
     synthetic::{EngineSpec, SyntheticEngine},
     wire::{self, FrameError},
 };
@@ -30,8 +30,9 @@ pub struct GpuEngine {
     memory: Vec<DeviceMemory>,
     offsets: Vec<usize>,
     event: IpcEvent,
-    /// What the last fill is still copying from.
-    staging: Vec<Vec<u8>>,
+    /// What the last fill is still copying from (page-locked: the copies run after the fill
+    /// returns, as a forward pass's writes would).
+    staging: Vec<PinnedBuffer>,
     /// Side-channel address the agent gave it.
     pub address: String,
 }
@@ -119,29 +120,42 @@ impl GpuEngine {
         Ok(())
     }
 
-    /// Prefill: queues the request's KV into its blocks on the GPU and records the engine's
-    /// event after it, without waiting (as a forward pass leaves its writes running when the
-    /// engine sends `KvReady`): the agent must wait for the event before it reads them.
+    /// Prefill: queues the request's KV into its blocks on the GPU (DMA from page-locked memory)
+    /// and records the engine's event after it, without waiting, as a forward pass leaves its
+    /// writes running when the engine sends `KvReady`: the agent must wait for the event before
+    /// it reads them.
     #[allow(unsafe_code)]
     pub fn fill(&mut self, seed: u64, blocks: &[u32], first_token: u64, num_tokens: u64) -> Result<(), String> {
-        let mut host = self.download()?;
-        let mut maps: Vec<&mut [u8]> = host.iter_mut().map(|m| &mut m[..]).collect();
-        super::fill_into(&self.layout, &mut maps, seed, blocks, first_token, num_tokens);
-        for (r, bytes) in host.iter().enumerate() {
-            self.memory[r]
-                .range(self.offsets[r], bytes.len())
+        self.gpu.synchronize().map_err(|e| e.to_string())?;
+        let lens = self.layout.region_lens();
+        if self.staging.len() != lens.len() {
+            self.staging = lens
+                .iter()
+                .map(|len| PinnedBuffer::alloc(&self.gpu, *len))
+                .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| e.to_string())?;
-            // SAFETY: the range was checked in live memory this engine holds; `host` is kept in
-            // `self.staging`, unchanged, until the next fill or read, which synchronize first.
+        }
+        for (r, buffer) in self.staging.iter_mut().enumerate() {
+            self.memory[r]
+                .read(self.offsets[r], buffer.as_mut_slice())
+                .map_err(|e| e.to_string())?;
+        }
+        let mut maps: Vec<&mut [u8]> = self.staging.iter_mut().map(|b| b.as_mut_slice()).collect();
+        super::fill_into(&self.layout, &mut maps, seed, blocks, first_token, num_tokens);
+        for (r, buffer) in self.staging.iter().enumerate() {
+            self.memory[r]
+                .range(self.offsets[r], buffer.as_slice().len())
+                .map_err(|e| e.to_string())?;
+            // SAFETY: the range was checked in live memory this engine holds; the buffer stays in
+            // `self.staging`, unchanged, until the next fill (which synchronizes first) or its
+            // drop (which synchronizes too).
             unsafe {
                 self.gpu
-                    .upload_async(self.memory[r].ptr() + self.offsets[r] as u64, bytes)
+                    .upload_async(self.memory[r].ptr() + self.offsets[r] as u64, buffer.as_slice())
             }
             .map_err(|e| e.to_string())?;
         }
-        self.event.record(&self.gpu).map_err(|e| e.to_string())?;
-        self.staging = host;
-        Ok(())
+        self.event.record(&self.gpu).map_err(|e| e.to_string())
     }
 
     /// Decode: zeroes the whole pool.

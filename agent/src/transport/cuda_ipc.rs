@@ -60,10 +60,12 @@ struct Inner {
     peers: HashMap<u64, Vec<u64>>,
     /// Every GPU opened, by canonical UUID.
     gpus: HashMap<String, Gpu>,
-    /// Every IPC handle opened: the engine that registered it, and its memory while alive.
-    opened: HashMap<[u8; 64], (String, std::sync::Weak<DeviceMemory>)>,
-    /// Copies queued by ops that failed before their fence passed, with what they touch.
-    parked: Vec<(Fence, Vec<Region>)>,
+    /// Every IPC handle opened: the engine that registered it, on which GPU, and its memory
+    /// while alive.
+    opened: HashMap<[u8; 64], (String, String, std::sync::Weak<DeviceMemory>)>,
+    /// Copies queued by ops that failed before their fence passed (on that GPU), with what they
+    /// touch.
+    parked: Vec<(Gpu, Fence, Vec<Region>)>,
 }
 
 /// The CUDA IPC backend (one per agent).
@@ -154,34 +156,65 @@ impl CudaIpc {
         need: usize,
         owner: &str,
     ) -> Result<Arc<DeviceMemory>, String> {
-        let mut inner = lock(&self.inner);
-        inner.opened.retain(|_, (_, m)| m.strong_count() > 0);
-        if let Some((who, memory)) = inner.opened.get(&handle.0) {
-            if who != owner {
-                return Err("this allocation is registered by another engine".into());
-            }
-            if let Some(m) = memory.upgrade() {
-                return if m.len() >= need {
-                    Ok(m)
-                } else {
-                    Err(format!(
-                        "this allocation is open for {} bytes; a region now claims {need}",
-                        m.len()
-                    ))
-                };
+        let uuid = gpu.uuid();
+        {
+            let mut inner = lock(&self.inner);
+            inner.opened.retain(|_, (_, _, m)| m.strong_count() > 0);
+            if let Some((who, on, memory)) = inner.opened.get(&handle.0) {
+                if who != owner {
+                    return Err("this allocation is registered by another engine".into());
+                }
+                if *on != uuid {
+                    return Err(format!("this allocation is open on GPU {on}, not {uuid}"));
+                }
+                if let Some(m) = memory.upgrade() {
+                    return if m.len() >= need {
+                        Ok(m)
+                    } else {
+                        Err(format!(
+                            "this allocation is open for {} bytes; a region now claims {need}",
+                            m.len()
+                        ))
+                    };
+                }
             }
         }
+        // Opened (and, when its claim fails, closed, which waits for the stream) without the lock.
         let m = Arc::new(DeviceMemory::open_ipc(gpu, handle, need).map_err(|e| e.to_string())?);
-        inner.opened.insert(handle.0, (owner.to_owned(), Arc::downgrade(&m)));
+        let mut inner = lock(&self.inner);
+        if inner
+            .opened
+            .get(&handle.0)
+            .is_some_and(|(_, _, w)| w.strong_count() > 0)
+        {
+            drop(inner);
+            return Err("this allocation is being registered by another registration".into());
+        }
+        inner
+            .opened
+            .insert(handle.0, (owner.to_owned(), uuid, Arc::downgrade(&m)));
         Ok(m)
     }
 
-    /// Drops parked copies whose fence passed (and with them, maybe, the last hold on their
-    /// memory).
+    /// Drops parked copies whose fence passed, each queried on its own GPU (and with them, maybe,
+    /// the last hold on their memory, closed after the lock is released). A fence that cannot be
+    /// queried has its stream synchronized and goes too.
     fn reap(&self) {
-        lock(&self.inner)
-            .parked
-            .retain(|(fence, _)| !matches!(fence.passed(), Ok(true)));
+        let parked = std::mem::take(&mut lock(&self.inner).parked);
+        let mut keep = Vec::new();
+        let mut done = Vec::new();
+        for (gpu, fence, regions) in parked {
+            match gpu.bind().and_then(|()| fence.passed()) {
+                Ok(false) => keep.push((gpu, fence, regions)),
+                Ok(true) => done.push(regions),
+                Err(_) => {
+                    let _ = gpu.synchronize();
+                    done.push(regions);
+                }
+            }
+        }
+        lock(&self.inner).parked.extend(keep);
+        drop(done);
     }
 
     /// Registers `len` bytes at `base` (inside `memory`, opened on `gpu`); returns its id and
@@ -222,11 +255,17 @@ impl CudaIpc {
     /// Forgets a region: ops naming it fail from now on (one in flight holds its memory until
     /// it is done).
     pub fn unregister(&self, id: u64) {
-        let mut inner = lock(&self.inner);
-        inner.regions.remove(&id);
-        for regions in inner.peers.values_mut() {
-            regions.retain(|r| *r != id);
-        }
+        let gone = {
+            let mut inner = lock(&self.inner);
+            let gone = inner.regions.remove(&id);
+            for regions in inner.peers.values_mut() {
+                regions.retain(|r| *r != id);
+            }
+            gone
+        };
+        // Its memory may close here (that waits for its stream): not under the lock.
+        drop(gone);
+        self.reap();
     }
 
     /// Copies `ops` (`from_local`: local -> peer, else peer -> local), checked, coalesced, on the
@@ -346,7 +385,7 @@ impl CudaIpc {
             // Copies may still be queued: their regions stay open until the fence passes.
             let mut held = mine;
             held.extend(theirs);
-            lock(&self.inner).parked.push((fence, held));
+            lock(&self.inner).parked.push((gpu, fence, held));
             return Err(e);
         }
         if corrupt && let Some((dst, _, _)) = merged.first() {

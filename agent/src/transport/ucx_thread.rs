@@ -352,8 +352,9 @@ struct Held {
 struct Orphan {
     requests: Vec<crate::transport::ucx::Request>,
     regions: Vec<u64>,
-    _remotes: Vec<Remote>,
-    _scratch: Option<Vec<u8>>,
+    /// The peer's keys (and shared-memory guards), shared by all of that peer's orphans.
+    remotes: std::rc::Rc<Vec<Remote>>,
+    scratch: Option<Vec<u8>>,
 }
 
 /// See [`UcxHandle::orphans`].
@@ -462,7 +463,7 @@ fn drop_peer(
         drop(ep); // Endpoint's drop force-closes and waits for the close
         remotes
     });
-    let mut remotes = remotes.unwrap_or_default();
+    let remotes = std::rc::Rc::new(remotes.unwrap_or_default());
     for op in inflight.extract_if(.., |op| op.peer == peer) {
         let InFlight {
             mut requests,
@@ -480,8 +481,8 @@ fn drop_peer(
             orphans.push(Orphan {
                 requests,
                 regions,
-                _remotes: std::mem::take(&mut remotes),
-                _scratch,
+                remotes: remotes.clone(),
+                scratch: _scratch,
             });
         }
         let _ = reply.send(Err(why.clone()));
@@ -761,18 +762,43 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
             }
         }
     }
+    // Endpoints first (each force-closed), then every request UCX may still hold is released,
+    // then the peers' keys (before the worker: UCX takes them from its memory pool), then the
+    // worker (which destroys what is left of the closed endpoints), and only then the memory
+    // those requests named.
+    let mut scratch = Vec::new();
+    let mut keys = Vec::new();
+    for (_, Peer { ep, remotes }) in peers.drain() {
+        drop(ep);
+        keys.push(std::rc::Rc::new(remotes));
+    }
     for op in inflight.drain(..) {
-        let _ = op.reply.send(Err(OpError::Failed("the UCX thread stopped".into())));
+        let InFlight {
+            requests,
+            flush,
+            reply,
+            _scratch,
+            ..
+        } = op;
+        let _ = reply.send(Err(OpError::Failed("the UCX thread stopped".into())));
+        drop(requests);
+        drop(flush);
+        scratch.push(_scratch);
     }
-    // Endpoints first, then the requests UCX still holds, then the worker (which destroys what
-    // is left of the closed endpoints), and only then the memory those requests named.
-    drop(peers);
-    drop(inflight);
-    for o in &mut orphans {
-        o.requests.clear();
+    for o in orphans.drain(..) {
+        let Orphan {
+            requests,
+            remotes,
+            scratch: s,
+            ..
+        } = o;
+        drop(requests);
+        keys.push(remotes);
+        scratch.push(s);
     }
+    drop(keys);
     drop(worker);
-    drop(orphans);
+    drop(scratch);
     drop(retired);
     drop(registered);
     drop(context);
