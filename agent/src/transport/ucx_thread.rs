@@ -637,6 +637,10 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                 if let Some(held) = registered.remove(&region)
                     && orphans.iter().any(|o| o.regions.contains(&region))
                 {
+                    // The engine is gone: its memory need not be kept, only the addresses UCX
+                    // may still read. Zero pages replace it, so a peer that never resumes holds
+                    // no pool's memory, and a late WRITE sends zeros, not the engine's KV.
+                    overlay_zeros(held.region.addr(), held.region.len());
                     retired.insert(region, held);
                 }
                 let _ = reply.send(Ok(()));
@@ -881,6 +885,30 @@ fn mapped_whole(rkey: &RemoteKey, remote: (u64, u64), at: u64) -> Result<(), Str
         ));
     }
     Ok(())
+}
+
+/// Replaces `addr..addr+len` (whole pages of a mapping this process holds) with private
+/// anonymous zero pages (`MAP_FIXED`): the addresses stay valid, the memory behind them (a
+/// memfd's or segment's pages) is no longer referenced here. Best effort: on failure the original
+/// mapping stays.
+#[allow(unsafe_code)]
+fn overlay_zeros(addr: u64, len: usize) {
+    // SAFETY: only this thread reads through these addresses from now on (UCX, for requests the
+    // peer never completed); they stay mapped, with zeros. The range is a registered region's,
+    // page-aligned (mappings are).
+    let done = unsafe {
+        libc::mmap(
+            addr as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if done == libc::MAP_FAILED {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "cannot release a retired region's memory");
+    }
 }
 
 /// Best effort: fault `addr..addr+len` into this process's page tables for writing
@@ -1330,6 +1358,14 @@ mod tests {
         );
         assert!(matches!(stalled, Err(OpError::Timeout(_))), "{stalled:?}");
         a.unmap(region); // the pool's release; its mapping (`source`) is the UCX thread's now
+        // Its memory went: zero pages stand at its addresses (UCX may still read them).
+        #[allow(unsafe_code)]
+        // SAFETY: the addresses stay mapped while the region is retired (asserted below).
+        let now = unsafe { std::slice::from_raw_parts(base as *const u8, 4096) };
+        assert!(
+            now.iter().all(|b| *b == 0),
+            "the retired region still holds the engine's bytes"
+        );
         let held = a.orphans().expect("orphans");
         assert!(
             held.requests > 0 && held.retired_bytes == len as u64,
