@@ -169,37 +169,28 @@ fn a_peer_that_claims_the_prefill_agents_own_memory_is_refused() {
     let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
     let prefills = protocol::handshake_decode(&mut s, &mut session, &honest).expect("an honest handshake passes");
     drop(s);
+    // Prefill answers each handshake (the geometry is fine), then refuses to connect to that
+    // memory and closes.
+    let refused = |claim: &PeerInfo, what: &str| {
+        let mut s = TcpStream::connect(addr(&p)).expect("connect");
+        let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+        protocol::handshake_decode(&mut s, &mut session, claim).expect("the geometry passes");
+        s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        match wire::read_sealed::<Message>(&mut s, &mut session.opener, wire::MAX_FRAME) {
+            Ok(Message::Reject { reasons, message }) => {
+                assert_eq!(reasons, vec![Reason::TransportFailed], "{what}: {message}");
+                assert!(message.contains("names this agent's own memory"), "{what}: {message}");
+            }
+            other => panic!("prefill took {what} for a decode's memory: {other:?}"),
+        }
+    };
     let mut deputy = honest.clone();
     deputy.worker_address = prefills.worker_address.clone();
     deputy.memory = prefills.memory.clone();
-    let mut s = TcpStream::connect(addr(&p)).expect("connect");
-    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
-    // Prefill answers the handshake (the geometry is fine), then refuses to connect to that
-    // memory and closes.
-    protocol::handshake_decode(&mut s, &mut session, &deputy).expect("the geometry passes");
-    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    match wire::read_sealed::<Message>(&mut s, &mut session.opener, wire::MAX_FRAME) {
-        Ok(Message::Reject { reasons, message }) => {
-            assert_eq!(reasons, vec![Reason::TransportFailed], "{message}");
-            assert!(message.contains("names this agent's own memory"), "{message}");
-        }
-        other => panic!("prefill took its own memory for a decode's: {other:?}"),
-    }
-    // The same keys behind another worker address (mallory's own, which UCX accepts): refused
-    // too, by the keys.
-    let mut dressed = deputy.clone();
-    dressed.worker_address = mallory.worker_address.clone();
-    let mut s = TcpStream::connect(addr(&p)).expect("connect");
-    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
-    protocol::handshake_decode(&mut s, &mut session, &dressed).expect("the geometry passes");
-    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    match wire::read_sealed::<Message>(&mut s, &mut session.opener, wire::MAX_FRAME) {
-        Ok(Message::Reject { reasons, message }) => {
-            assert_eq!(reasons, vec![Reason::TransportFailed], "{message}");
-            assert!(message.contains("names this agent's own memory"), "{message}");
-        }
-        other => panic!("prefill took its own keys behind another address: {other:?}"),
-    }
+    refused(&deputy, "its own worker and memory");
+    // The same regions behind another worker address (mallory's own, which UCX accepts).
+    deputy.worker_address = mallory.worker_address.clone();
+    refused(&deputy, "its own regions behind another address");
     mallory.unmap(pool.region);
     still_serves(&w, &mut p, "d");
 }
