@@ -140,28 +140,26 @@ impl Shared {
     /// claims: otherwise an authenticated peer could hand a prefill engine's own memory (learned
     /// from its handshake), or another pair's, as its own, and have the agent copy into it.
     fn check_local_peer(&self, pdpair: &str, peer: &PeerInfo) -> Result<(), String> {
-        let ours = [
+        let at_ours = [
             self.transport.address(),
             crate::transport::Backend::address(&*self.cuda),
-        ];
+        ]
+        .contains(&peer.worker_address);
         let locals = lock(&self.locals);
         // This agent's memory: its own address, or one of its engines' regions, key, base and
         // length (a peer may dress our keys in another address that still reaches this process;
         // a key alone is not ours: over tcp UCX packs the same few bytes for every region).
-        let names_ours = ours.contains(&peer.worker_address)
+        let names_ours = at_ours
             || locals
                 .iter()
                 .any(|(_, l)| l.memory.regions.iter().any(|r| peer.memory.regions.contains(r)));
         if !names_ours {
             return Ok(());
         }
-        let found = locals.iter().any(|(_, l)| {
-            l.pdpair == pdpair
-                && l.role == peer.role
-                && l.engine == peer.engine
-                && l.memory == peer.memory
-                && ours.contains(&peer.worker_address)
-        });
+        let found = at_ours
+            && locals.iter().any(|(_, l)| {
+                l.pdpair == pdpair && l.role == peer.role && l.engine == peer.engine && l.memory == peer.memory
+            });
         if found {
             Ok(())
         } else {
@@ -296,6 +294,7 @@ impl Agent {
     /// What this agent can do (the answer to `Capabilities`).
     pub fn capabilities(&self) -> AgentEvent {
         let gpus = crate::memory::cuda::devices().unwrap_or_default();
+        let refused = self.shared.gpu_pools_refused();
         AgentEvent::Capabilities {
             api_version: crate::engine_api::API_VERSION,
             agent: self.shared.cfg.name.clone(),
@@ -314,11 +313,11 @@ impl Agent {
                     name: d.name,
                 })
                 .collect(),
-            pool_memory: match self.shared.gpu_pools_refused() {
+            pool_memory: match refused {
                 None => vec!["host".into(), "cuda".into()],
                 Some(_) => vec!["host".into()],
             },
-            gpu_pools_refused: self.shared.gpu_pools_refused(),
+            gpu_pools_refused: refused,
         }
     }
 
@@ -900,6 +899,18 @@ impl Engine {
             Some(_) => &*self.shared.cuda,
             None => &*self.shared.transport,
         }
+    }
+
+    /// `blocks` (the `j`th holding tokens from `first_token + j * block_size`) with each one's
+    /// first token, those that hold any of the request's `num_tokens`.
+    fn live_blocks(&self, blocks: &[u32], first_token: u64, num_tokens: u64) -> Vec<(u32, u64)> {
+        let step = u64::from(self.layout.block_size);
+        blocks
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (*b, first_token + i as u64 * step))
+            .filter(|(_, t)| *t < num_tokens)
+            .collect()
     }
 
     /// The checksums of `blocks` (block, its first token) over `count` local heads from

@@ -702,15 +702,8 @@ impl Engine {
                 transfer_us,
             });
         }
-        let block = u64::from(self.layout.block_size);
         // A block whose checksum cannot be computed leaves the request Unverified.
-        let live: Vec<(u32, u64)> = p
-            .blocks
-            .iter()
-            .enumerate()
-            .map(|(i, b)| (*b, p.first_token + i as u64 * block))
-            .filter(|(_, t)| *t < p.num_tokens)
-            .collect();
+        let live = self.live_blocks(&p.blocks, p.first_token, p.num_tokens);
         let ours = self
             .sums_of(&live, p.num_tokens, 0, self.layout.local_heads, None)
             .map(|sums| BlockSums {

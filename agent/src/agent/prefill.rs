@@ -585,14 +585,7 @@ impl Engine {
     /// Pull: tell decode where the request's KV is (with our checksums) and hold the blocks until
     /// it has read them or the lease ends.
     fn lend(&self, link: &Link, reg: Registration, ready: Ready) {
-        let b = u64::from(self.layout.block_size);
-        let live: Vec<(u32, u64)> = ready
-            .blocks
-            .iter()
-            .enumerate()
-            .map(|(i, block)| (*block, ready.first_token + i as u64 * b))
-            .filter(|(_, t)| *t < ready.num_tokens)
-            .collect();
+        let live = self.live_blocks(&ready.blocks, ready.first_token, ready.num_tokens);
         let sums = self.head_sums(link, ready.first_token, ready.num_tokens, live.iter().copied());
         self.started(&reg.request);
         let sent = link.send(&Message::Ready {
