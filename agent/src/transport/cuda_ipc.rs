@@ -368,18 +368,12 @@ impl CudaIpc {
             }
         };
         let outcome = queued.and_then(|()| {
-            loop {
-                match fence.passed() {
-                    Ok(true) => break Ok(()),
-                    Ok(false) if Instant::now() >= deadline => {
-                        break Err(OpError::Timeout(format!(
-                            "GPU copies to peer {peer} ({bytes} bytes) not done by the deadline"
-                        )));
-                    }
-                    Ok(false) => std::thread::sleep(Duration::from_micros(20)),
-                    Err(e) => break Err(OpError::Failed(e.to_string())),
-                }
-            }
+            poll_until(deadline, || fence.passed()).map_err(|e| match e {
+                Waited::Late => OpError::Timeout(format!(
+                    "GPU copies to peer {peer} ({bytes} bytes) not done by the deadline"
+                )),
+                Waited::Failed(e) => OpError::Failed(e),
+            })
         });
         if let Err(e) = outcome {
             // Copies may still be queued: their regions stay open until the fence passes.
@@ -420,8 +414,16 @@ enum Waited {
 
 /// Polls `event` until it passed or `deadline` passes.
 fn wait_passed(event: &IpcEvent, deadline: Instant) -> Result<(), Waited> {
+    poll_until(deadline, || event.passed())
+}
+
+/// Polls `passed` (an event's or a fence's query) until it says so or `deadline` passes.
+fn poll_until(
+    deadline: Instant,
+    passed: impl Fn() -> Result<bool, crate::memory::cuda::CudaError>,
+) -> Result<(), Waited> {
     loop {
-        match event.passed() {
+        match passed() {
             Ok(true) => return Ok(()),
             Ok(false) if Instant::now() >= deadline => return Err(Waited::Late),
             Ok(false) => std::thread::sleep(Duration::from_micros(20)),
