@@ -532,6 +532,21 @@ struct Pending {
     release: bool,
 }
 
+impl Pending {
+    /// Whether `prefill` still owes this request its part: it is one of the request's prefills
+    /// and its part is not here yet. Only such a prefill may answer for it, and only its loss
+    /// fails it (a rank whose KV is here already lost nothing by closing).
+    fn waits_on(&self, prefill: &str) -> bool {
+        self.prefills.iter().any(|a| a == prefill) && !self.parts.contains_key(prefill)
+    }
+
+    /// `prefill`'s part is here (pushed to us, or read by us); whether every part is.
+    fn arrived(&mut self, prefill: &str, sums: Option<BlockSums>, bytes: u64) -> bool {
+        self.parts.insert(prefill.to_owned(), (sums, bytes));
+        self.parts.len() >= self.prefills.len()
+    }
+}
+
 /// An authenticated, handshaken side-channel connection.
 #[derive(Debug)]
 struct Link {
@@ -1114,6 +1129,26 @@ mod tests {
                 k8s_openapi::jiff::Timestamp::from_second(since).expect("time"),
             ),
         }
+    }
+
+    #[test]
+    fn a_prefill_rank_whose_part_arrived_owes_nothing_more() {
+        let mut p = Pending {
+            prefills: vec!["a".into(), "b".into()],
+            parts: HashMap::new(),
+            reading: Vec::new(),
+            blocks: vec![1],
+            num_tokens: 16,
+            first_token: 0,
+            deadline: Instant::now(),
+            release: false,
+        };
+        assert!(p.waits_on("a") && p.waits_on("b") && !p.waits_on("c"));
+        // Pull: decode records its read of a's blocks before a hears `Released` (and may close
+        // its link): a's loss then fails nothing, b's still does.
+        assert!(!p.arrived("a", None, 8), "b's part is still to come");
+        assert!(!p.waits_on("a") && p.waits_on("b"));
+        assert!(p.arrived("b", None, 8));
     }
 
     #[test]

@@ -70,12 +70,7 @@ impl Engine {
             return self.event(AgentEvent::Cancelled { request });
         };
         let pull = self.settings.mode == pdpair_api::TransferMode::Pull;
-        let writers: Vec<String> = p
-            .prefills
-            .iter()
-            .filter(|a| !p.parts.contains_key(*a))
-            .cloned()
-            .collect();
+        let writers: Vec<String> = p.prefills.iter().filter(|a| p.waits_on(a)).cloned().collect();
         let mut notify = Vec::new();
         let mut waiting = Vec::new();
         {
@@ -524,7 +519,7 @@ impl Engine {
         let Some(p) = pending.get_mut(request) else {
             return false;
         };
-        if !p.prefills.contains(&link.addr) || p.parts.contains_key(&link.addr) {
+        if !p.waits_on(&link.addr) {
             return false;
         }
         if reading {
@@ -650,7 +645,7 @@ impl Engine {
         let mut pending = lock(&self.pending);
         let ids: Vec<String> = pending
             .iter()
-            .filter(|(_, p)| p.prefills.iter().any(|a| a == addr))
+            .filter(|(_, p)| p.waits_on(addr))
             .map(|(id, _)| id.clone())
             .collect();
         ids.into_iter().filter(|id| pending.remove(id).is_some()).collect()
@@ -681,8 +676,7 @@ impl Engine {
         let p = {
             let mut pending = lock(&self.pending);
             let Some(p) = pending.get_mut(&request) else { return };
-            p.parts.insert(from.to_owned(), (sums, bytes));
-            if p.parts.len() < p.prefills.len() {
+            if !p.arrived(from, sums, bytes) {
                 return; // more prefill ranks to come
             }
             let Some(p) = pending.remove(&request) else { return };
@@ -820,6 +814,11 @@ impl Engine {
             Ok(bytes) => {
                 let took = started.elapsed();
                 self.moved(link);
+                // This rank's part is here before prefill hears it may free its blocks: a
+                // prefill that then ends (its engine done) and closes the link fails nothing.
+                if let Some(p) = lock(&self.pending).get_mut(&request) {
+                    p.arrived(&link.addr, sums.clone(), bytes);
+                }
                 link.send(&Message::Released {
                     request: request.clone(),
                     bytes,
