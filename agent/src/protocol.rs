@@ -376,9 +376,11 @@ impl MemoryDesc {
     }
 }
 
-/// Checks a packed UCX remote key's structure before UCX parses it: UCX 1.13 packs a 64-bit map
-/// of memory domains, a memory-type byte, then per domain in the map a length byte and that many
-/// bytes. The key must hold exactly that (an empty or truncated key would make UCX read past it).
+/// Checks a packed UCX remote key's structure before UCX parses it: UCX packs a 64-bit map of
+/// memory domains, a memory-type byte, then per domain in the map a length byte and that many
+/// bytes; since 1.12 it may append the memory's system device (one byte) and that device's
+/// distances (3 bytes each; 1.22 appends the device byte alone for host memory). The key must
+/// hold exactly that (an empty or truncated key would make UCX read past it).
 pub fn check_rkey(rkey: &[u8]) -> Result<(), String> {
     if rkey.len() < 9 || rkey.len() > MAX_UCX_BLOB {
         return Err(format!("is {} bytes; a UCX key is 9..={MAX_UCX_BLOB}", rkey.len()));
@@ -396,10 +398,15 @@ pub fn check_rkey(rkey: &[u8]) -> Result<(), String> {
         };
         at += 1 + usize::from(*n);
     }
-    if at != rkey.len() {
-        return Err(format!("is {} bytes; its {domains} domains take {at}", rkey.len()));
+    match rkey.len().checked_sub(at) {
+        // Nothing more, or a system device and whole distances.
+        Some(0) => Ok(()),
+        Some(rest) if (rest - 1) % 3 == 0 => Ok(()),
+        _ => Err(format!(
+            "is {} bytes; its {domains} domains take {at}, and what follows is not a device byte and 3-byte distances",
+            rkey.len()
+        )),
     }
-    Ok(())
 }
 
 /// Checks a peer's UCX worker address before UCX parses it: present and bounded. (UCX's address
@@ -409,6 +416,21 @@ pub fn check_worker_address(address: &[u8]) -> Result<(), String> {
         return Err(format!(
             "worker_address is {} bytes; a UCX worker address is 8..={MAX_UCX_BLOB}",
             address.len()
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a UCX worker address (a host pool's peer) like [`check_worker_address`], and its
+/// format: the first byte's low 4 bits are 0 (v1) or 1 (v2). UCX aborts the process on any other
+/// (an assertion that stays in release builds: measured with 1.13 and 1.22).
+pub fn check_ucx_address(address: &[u8]) -> Result<(), String> {
+    check_worker_address(address)?;
+    let format = address[0] & 0x0f;
+    if format > 1 {
+        return Err(format!(
+            "worker_address has format {format} (its first byte is {:#04x}); UCX addresses are format 0 or 1",
+            address[0]
         ));
     }
     Ok(())
@@ -807,9 +829,11 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<Reason>, String)> {
             ),
         ));
     }
-    if let Err(e) = check_worker_address(&peer.worker_address)
-        .and_then(|()| peer.memory.check(&peer.kv, &peer.parallelism, peer.tensor_rank))
-    {
+    let address = match peer.memory.kind {
+        MemoryKind::Host => check_ucx_address(&peer.worker_address),
+        _ => check_worker_address(&peer.worker_address),
+    };
+    if let Err(e) = address.and_then(|()| peer.memory.check(&peer.kv, &peer.parallelism, peer.tensor_rank)) {
         return Some((vec![Reason::MemoryLayoutMismatch], format!("the peer's memory: {e}")));
     }
     // Pull converts block sizes (decode reads several prefill blocks into one of its own) and

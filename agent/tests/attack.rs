@@ -61,7 +61,9 @@ fn insider(role: Role) -> PeerInfo {
         parallelism,
         kv,
         tensor_rank: 0,
-        worker_address: vec![7; 64],
+        // Format 0 (v1) in its first byte, so the handshake takes it; UCX never sees it
+        // unless the agent under attack goes too far.
+        worker_address: [vec![0x10], vec![7; 63]].concat(),
         memory: MemoryDesc::of(&l, vec![(0x7000_0000, structured_rkey())]),
     }
 }
@@ -132,8 +134,13 @@ fn memory_descriptors_out_of_range_or_malformed_are_refused_and_prefill_keeps_se
     bad("no blocks", &|i| i.memory.num_blocks = 0);
     bad("an empty key", &|i| i.memory.regions[0].rkey.clear());
     bad("a truncated key", &|i| i.memory.regions[0].rkey.truncate(10));
-    bad("a key with trailing bytes", &|i| i.memory.regions[0].rkey.push(0));
+    // (UCX may append a device byte and 3-byte distances; two bytes are neither.)
+    bad("a key with trailing bytes", &|i| {
+        i.memory.regions[0].rkey.extend([0, 0])
+    });
     bad("an empty worker address", &|i| i.worker_address.clear());
+    // UCX (1.13 and 1.22) aborts the process on an address format it does not know.
+    bad("a worker address of an unknown format", &|i| i.worker_address[0] = 7);
     bad("a huge worker address", &|i| i.worker_address = vec![1; 64 << 10]);
     for (name, info) in &cases {
         let mut s = TcpStream::connect(addr(&p)).expect("connect");

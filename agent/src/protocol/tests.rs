@@ -53,6 +53,38 @@ fn rkey() -> Vec<u8> {
     k
 }
 
+#[test]
+fn a_ucx_key_must_hold_exactly_its_domains_and_an_optional_device_trailer() {
+    assert_eq!(check_rkey(&rkey()), Ok(()));
+    // UCX 1.22 appends the memory's system device; a device's distances are 3 bytes each.
+    for extra in [vec![0u8], vec![1, 2, 3, 4], vec![1, 2, 3, 4, 5, 6, 7]] {
+        let mut k = rkey();
+        k.extend_from_slice(&extra);
+        assert_eq!(check_rkey(&k), Ok(()), "{} trailing bytes", extra.len());
+    }
+    // A distance cut short, a domain's bytes cut short, no domain, too short a key.
+    let mut k = rkey();
+    k.extend_from_slice(&[1, 2]);
+    assert!(check_rkey(&k).expect_err("a partial distance").contains("take 14"));
+    let short = rkey()[..12].to_vec();
+    assert!(check_rkey(&short).expect_err("truncated").contains("is 12 bytes"));
+    let mut none = rkey();
+    none[..8].copy_from_slice(&0u64.to_le_bytes());
+    assert_eq!(check_rkey(&none), Err("names no memory domain".into()));
+    assert!(check_rkey(&[1, 0, 0]).is_err());
+}
+
+#[test]
+fn a_ucx_worker_address_must_be_of_a_format_ucx_knows() {
+    assert_eq!(check_ucx_address(&[0x10; 16]), Ok(()), "v1, flags in the high bits");
+    assert_eq!(check_ucx_address(&[0x01; 16]), Ok(()), "v2");
+    let e = check_ucx_address(&[0x07; 16]).expect_err("format 7");
+    assert!(e.contains("format 7") && e.contains("0x07"), "{e}");
+    assert!(check_ucx_address(&[0; 4]).expect_err("short").contains("is 4 bytes"));
+    // Another backend's address (CUDA IPC's) is checked for its length only.
+    assert_eq!(check_worker_address(&[0x07; 16]), Ok(()));
+}
+
 /// The memory description a peer's current geometry implies (16 blocks at 0x10000).
 fn described(p: &PeerInfo) -> MemoryDesc {
     let l = crate::layout::PoolLayout::new(&p.kv, &p.parallelism, 16, p.tensor_rank).expect("layout");

@@ -64,12 +64,18 @@ impl Lanes {
         out
     }
 
-    /// The lanes puts and gets travel on: the RMA lanes, or, when UCX has none for this peer
-    /// (it then emulates RMA with active messages), the lanes that carry messages.
+    /// The lanes puts and gets travel on: the RMA lanes; else the lanes UCX lists for no use it
+    /// names (UCX 1.22 prints no RMA use, nor `put[i]` lines, for shared memory's lanes; 1.13
+    /// gave such a lane `put[i]` lines); or, when UCX has neither for this peer (it then
+    /// emulates RMA with active messages), the lanes that carry messages.
     pub fn carrying(&self) -> (Vec<&Lane>, bool) {
         let rma: Vec<&Lane> = self.all.iter().filter(|l| self.rma.contains(&l.index)).collect();
         if !rma.is_empty() {
             return (rma, false);
+        }
+        let unnamed: Vec<&Lane> = self.all.iter().filter(|l| l.usage.is_empty()).collect();
+        if !unnamed.is_empty() {
+            return (unnamed, false);
         }
         let am: Vec<&Lane> = self
             .all
@@ -79,16 +85,17 @@ impl Lanes {
         (if am.is_empty() { self.all.iter().collect() } else { am }, true)
     }
 
-    /// The class of path: `Local` when UCX reaches the peer through `self` (only an endpoint to
-    /// this very worker has that lane: both engines are behind this agent), else the worst of
+    /// The class of path: `Local` when the endpoint has a `self` lane (only an endpoint to this
+    /// very worker has one: both engines are behind this agent; UCX 1.22 lists RMA on tcp lanes
+    /// beside it and reaches the memory through the self lane's `rkey_ptr`), else the worst of
     /// the carrying lanes (TCP beside RDMA is TCP; the first such lane names it), `Other` when
     /// there are none.
     pub fn kind(&self) -> PathKind {
-        let (lanes, _) = self.carrying();
-        let kinds: Vec<PathKind> = lanes.iter().map(|l| classify(&l.transport)).collect();
-        if kinds.contains(&PathKind::Local) {
+        if self.all.iter().any(|l| classify(&l.transport) == PathKind::Local) {
             return PathKind::Local;
         }
+        let (lanes, _) = self.carrying();
+        let kinds: Vec<PathKind> = lanes.iter().map(|l| classify(&l.transport)).collect();
         let mut worst: Option<PathKind> = None;
         for k in kinds {
             if worst.is_none_or(|w| k.rank() > w.rank()) {
@@ -139,10 +146,18 @@ fn parse_lane(line: &str) -> Option<Lane> {
     if transport.is_empty() || device.is_empty() {
         return None;
     }
-    // After the `->` and the remote md come the usage words.
+    // After the `->` and the remote md come the usage words (UCX 1.16+ puts the segment size,
+    // `seg 8256`, first: not a use).
     let usage = rest
         .split_once("->")
-        .map(|(_, r)| r.split_whitespace().skip(1).map(str::to_owned).collect())
+        .map(|(_, r)| {
+            let mut words = r.split_whitespace().skip(1).peekable();
+            if words.peek() == Some(&"seg") {
+                words.next();
+                words.next();
+            }
+            words.map(str::to_owned).collect()
+        })
         .unwrap_or_default();
     Some(Lane {
         index,

@@ -202,14 +202,21 @@ impl Context {
                 ("USE_PROC_LINK", "n".to_owned()),
             ]);
         }
+        let modify = |name: &str, value: &str| match (CString::new(name), CString::new(value)) {
+            // SAFETY: config is valid; both strings are NUL-terminated.
+            (Ok(n), Ok(v)) => check("ucp_config_modify", unsafe {
+                sys::ucp_config_modify(config, n.as_ptr(), v.as_ptr())
+            }),
+            _ => check("ucp_config_modify", sys::ucs_status_t_UCS_ERR_INVALID_PARAM),
+        };
         for (name, value) in settings {
-            let modified = match (CString::new(name), CString::new(value)) {
-                // SAFETY: config is valid; both strings are NUL-terminated.
-                (Ok(n), Ok(v)) => check("ucp_config_modify", unsafe {
-                    sys::ucp_config_modify(config, n.as_ptr(), v.as_ptr())
-                }),
-                _ => check("ucp_config_modify", sys::ucs_status_t_UCS_ERR_INVALID_PARAM),
-            };
+            // UCX 1.13 takes a transport's setting by its bare name ("DIR") and ignores the
+            // prefixed one; later UCX refuses a bare name several components have ("DIR" is also
+            // PROTO_INFO_DIR in 1.22) and takes the POSIX_ one.
+            let modified = modify(name, &value).or_else(|e| match name {
+                "DIR" | "USE_PROC_LINK" => modify(&format!("POSIX_{name}"), &value),
+                _ => Err(e),
+            });
             if let Err(e) = modified {
                 // SAFETY: config came from ucp_config_read.
                 unsafe { sys::ucp_config_release(config) };

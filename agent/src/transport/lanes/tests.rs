@@ -1,5 +1,5 @@
-//! Parsing `ucp_ep_print_info` as UCX 1.13 prints it here (the shm and tcp texts were captured
-//! from this machine's UCX), and as newer versions print RDMA lanes.
+//! Parsing `ucp_ep_print_info` as UCX 1.13 and 1.22 print it here (the shm, tcp and self texts
+//! were captured from this machine's UCX), and as newer versions print RDMA lanes.
 
 use super::*;
 
@@ -62,6 +62,7 @@ fn tcp_has_no_rma_lane_so_puts_are_emulated_over_its_message_lane() {
 fn rdma_bandwidth_lanes_are_the_carrying_ones_and_make_an_rdma_path() {
     let lanes = Lanes::parse(RDMA);
     assert_eq!(lanes.rma, [1, 2], "from the rma_bw usage");
+    assert_eq!(lanes.all[0].usage, ["am", "am_bw#0"], "the segment size is not a use");
     assert_eq!(lanes.names(), ["rc_mlx5/mlx5_2:1", "rc_mlx5/mlx5_1:1"]);
     assert_eq!(lanes.kind(), PathKind::Rdma);
 }
@@ -89,6 +90,45 @@ fn an_endpoint_to_the_agents_own_worker_is_local() {
     let lanes = Lanes::parse(SELF);
     assert_eq!(lanes.kind(), PathKind::Local);
     assert_eq!(lanes.names(), ["self/memory0", "sysv/memory", "posix/memory"]);
+}
+
+// UCX 1.22 (the libucx-cu12 wheel), captured here: tcp carries RMA itself (no emulation), on
+// the loopback and the host's other interface; an endpoint to its own worker lists RMA on tcp
+// beside its self lane.
+const TCP_122: &str = "#
+#                 lane[0]:  2:tcp/lo.0 md[1]                -> md[1]/tcp/sysdev[255] seg 4294967295 rma_bw#0 am
+#                 lane[1]:  1:tcp/eth0.0 md[1]              -> md[1]/tcp/sysdev[255] seg 4294967295 rma_bw#1 wireup
+";
+const SELF_122: &str = "#
+#                 lane[0]:  0:self/memory.0 md[0]           -> md[0]/self/sysdev[255] seg 4294967295 am rkey_ptr
+#                 lane[1]:  2:tcp/lo.0 md[1]                -> md[1]/tcp/sysdev[255] seg 4294967295 rma_bw#0
+#                 lane[2]:  1:tcp/eth0.0 md[1]              -> md[1]/tcp/sysdev[255] seg 4294967295 rma_bw#1 wireup
+";
+
+const SHM_122: &str = "#
+#                 lane[0]:  1:sysv/memory.0 md[1]           -> md[1]/sysv/sysdev[255] seg 4294967295 am
+#                 lane[1]:  2:posix/memory.0 md[2]          -> md[2]/posix/sysdev[255] seg 4294967295
+";
+
+#[test]
+fn ucx_1_22_shared_memory_lists_its_rma_lane_for_no_named_use() {
+    let lanes = Lanes::parse(SHM_122);
+    assert!(lanes.rma.is_empty());
+    assert_eq!(lanes.carrying(), (vec![&lanes.all[1]], false));
+    assert_eq!(lanes.names(), ["posix/memory"]);
+    assert_eq!(lanes.kind(), PathKind::SharedMemory);
+}
+
+#[test]
+fn ucx_1_22_tcp_puts_natively_and_a_self_lane_is_still_local() {
+    let lanes = Lanes::parse(TCP_122);
+    assert_eq!(lanes.rma, [0, 1]);
+    assert!(!lanes.carrying().1, "tcp's own RMA");
+    assert_eq!(lanes.names(), ["tcp/lo", "tcp/eth0"]);
+    assert_eq!(lanes.kind(), PathKind::Tcp);
+    let own = Lanes::parse(SELF_122);
+    assert_eq!(own.names(), ["tcp/lo", "tcp/eth0"], "RMA lanes");
+    assert_eq!(own.kind(), PathKind::Local, "the self lane decides");
 }
 
 #[test]

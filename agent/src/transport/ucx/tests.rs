@@ -156,9 +156,12 @@ fn an_endpoint_reports_the_lanes_ucx_chose_for_it() {
     use pdpair_api::PathKind;
     let dir = std::env::temp_dir().join(format!("pdpair-lanes-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
+    // Over tcp, UCX 1.13 emulates puts with active messages; later UCX puts over tcp's own
+    // RMA lanes (measured with 1.22).
+    let tcp_emulated = version().starts_with("1.13.");
     // Auto: UCX picks among what it loaded; on one host here that is shared memory.
     for (transport, kind, emulated) in [
-        (Transport::Tcp, PathKind::Tcp, true),
+        (Transport::Tcp, PathKind::Tcp, tcp_emulated),
         (Transport::Shm, PathKind::SharedMemory, false),
         (Transport::Auto, PathKind::SharedMemory, false),
     ] {
@@ -172,7 +175,10 @@ fn an_endpoint_reports_the_lanes_ucx_chose_for_it() {
         assert_eq!(lanes.kind(), kind, "{transport:?}:\n{text}");
         assert_eq!(lanes.carrying().1, emulated, "{transport:?}:\n{text}");
         if transport == Transport::Tcp {
-            assert_eq!(lanes.names(), ["tcp/lo"], "{text}");
+            // 1.22 adds a second tcp lane over the host's other interface.
+            let names = lanes.names();
+            assert_eq!(names.first().map(String::as_str), Some("tcp/lo"), "{text}");
+            assert!(names.iter().all(|n| n.starts_with("tcp/")), "{text}");
         }
         ep.close(|| {
             wb.progress();
