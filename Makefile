@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: all deps build test fmt-check clippy unit python-test e2e control-plane images node demo demo-down lint-manifests bench crds fmt clean gpu-bundle gpu-check
+.PHONY: all deps build test fmt-check clippy unit ucx-compat python-test e2e control-plane images node demo demo-down lint-manifests bench crds fmt clean gpu-bundle gpu-check
 
 all: build
 
@@ -21,6 +21,11 @@ clippy: deps
 unit: deps
 	$(CARGO) test --workspace --exclude pdpair-e2e
 
+## make ucx-compat: the agent's tests again on UCX 1.22 (PyPI's libucx-cu12, cached outside the
+## tree), the UCX with CUDA memory support, beside Debian's 1.13 that `unit` runs them on.
+ucx-compat: deps
+	hack/ucx-compat.sh
+
 ## make python-test: the vLLM connector (python/): its wheel built and installed into a cached
 ## vLLM venv, tested against real agents and inside vLLM's own scheduler.
 python-test: deps
@@ -37,7 +42,7 @@ control-plane: deps
 	hack/control-plane.sh build
 
 ## make test: format check, clippy with warnings denied, unit tests, the connector's tests, end-to-end tests.
-test: fmt-check clippy unit python-test e2e
+test: fmt-check clippy unit ucx-compat python-test e2e
 
 ## make images: pdpair's image as an OCI archive, built here without Docker (hack/images.sh).
 images: deps

@@ -272,6 +272,24 @@ fn non_default_values_change_what_they_should() {
         env.iter()
             .any(|e| e["name"] == "UCX_NET_DEVICES" && e["value"] == "mlx5_0:1")
     );
+    // The system's UCX unless the image's 1.22 is asked for.
+    assert!(
+        !env.iter()
+            .any(|e| e["name"] == "LD_LIBRARY_PATH" || e["name"] == "UCX_MODULE_DIR")
+    );
+    let with_122 = render(&["agent.ucx.library=1.22"]).expect("renders");
+    let env122 = get(&with_122, "DaemonSet", "agent")["spec"]["template"]["spec"]["containers"][0]["env"].clone();
+    let env122 = env122.as_sequence().expect("env");
+    assert!(
+        env122
+            .iter()
+            .any(|e| e["name"] == "LD_LIBRARY_PATH" && e["value"] == "/opt/ucx-1.22/lib")
+    );
+    assert!(
+        env122
+            .iter()
+            .any(|e| e["name"] == "UCX_MODULE_DIR" && e["value"] == "/opt/ucx-1.22/lib/ucx")
+    );
     // By default UCX chooses; the operator hands the agents' socket group to engine pods.
     let args = |objs: &[serde_yaml::Value], kind: &str, name: &str| -> Vec<String> {
         get(objs, kind, name)["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -339,6 +357,7 @@ fn bad_values_fail_with_the_path_and_the_value() {
         ("webhook.certificates.mode=selfmade", "/webhook/certificates/mode"),
         ("webhook.url=http://127.0.0.1:9443", "/webhook/url"),
         ("agent.ucx.transport=ib", "/agent/ucx/transport"),
+        ("agent.ucx.library=1.23", "/agent/ucx/library"),
         ("operator.leaseDuration=soon", "/operator/leaseDuration"),
         ("operator.typo=1", "typo"),
     ] {

@@ -193,6 +193,41 @@ fn helm_install_runs_pdpair_in_pods_and_a_pair_turns_ready_with_a_transfer() {
         (out.code == 0 && out.stdout.contains("\"bad_tokens\":0")).then_some(())
     });
 
+    // The image's UCX 1.22 (agent.ucx.library): the DaemonSet's pod is replaced, the engines
+    // register again, and transfers go through an agent that loaded 1.22, as its PDEndpoint says.
+    let agent = ready_pods(NS, "app.kubernetes.io/component=agent", 1).expect("the agent pod")[0].clone();
+    let out = helm(&[
+        "upgrade",
+        "pdpair",
+        &chart.to_string_lossy(),
+        "--namespace",
+        NS,
+        "--reuse-values",
+        "--set",
+        "agent.ucx.library=1.22",
+    ]);
+    assert_eq!(out.code, 0, "{}{}", out.stdout, out.stderr);
+    eventually(WAIT, "the agent pod on UCX 1.22 Ready", || {
+        ready_pods(NS, "app.kubernetes.io/component=agent", 1).filter(|p| p[0] != agent)
+    });
+    let version = eventually(Duration::from_secs(180), "a transfer through UCX 1.22", || {
+        let address = prefill_address(&ns)?;
+        let out = transfer(&ns, &address);
+        if out.code != 0 || !out.stdout.contains("\"bad_tokens\":0") {
+            return None;
+        }
+        let endpoints: serde_json::Value =
+            serde_json::from_str(&kubectl_ok(&["get", "pde", "-n", &ns, "-o", "json"], None)).ok()?;
+        endpoints["items"]
+            .as_array()?
+            .iter()
+            .filter_map(|e| e["status"]["paths"].get(0))
+            .find(|p| p["ucxVersion"].as_str().is_some_and(|v| v.starts_with("1.22")))
+            .map(|p| (p["ucxVersion"].clone(), p["lanes"].clone(), p["kind"].clone()))
+    });
+    assert_eq!(version.2, "Local", "{version:?}");
+    assert_eq!(version.1, serde_json::json!(["self/memory"]), "{version:?}");
+
     // Uninstall: the pair is the user's; with it deleted, nothing of the release is left but the
     // CRDs.
     kubectl_ok(&["delete", "pdpair", "test-pair", "-n", &ns, "--wait=false"], None);

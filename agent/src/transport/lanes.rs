@@ -64,11 +64,16 @@ impl Lanes {
         out
     }
 
-    /// The lanes puts and gets travel on: the RMA lanes; else the lanes UCX lists for no use it
-    /// names (UCX 1.22 prints no RMA use, nor `put[i]` lines, for shared memory's lanes; 1.13
-    /// gave such a lane `put[i]` lines); or, when UCX has neither for this peer (it then
+    /// The lanes puts and gets travel on: for an endpoint to this very worker (it has a `self`
+    /// lane), its self lanes; else the RMA lanes; else the lanes UCX lists for no use it names
+    /// (UCX 1.22 prints no RMA use, nor `put[i]` lines, for shared memory's lanes; 1.13 gave
+    /// such a lane `put[i]` lines); or, when UCX has none of these for this peer (it then
     /// emulates RMA with active messages), the lanes that carry messages.
     pub fn carrying(&self) -> (Vec<&Lane>, bool) {
+        let own: Vec<&Lane> = self.all.iter().filter(|l| l.transport == "self").collect();
+        if !own.is_empty() {
+            return (own, false);
+        }
         let rma: Vec<&Lane> = self.all.iter().filter(|l| self.rma.contains(&l.index)).collect();
         if !rma.is_empty() {
             return (rma, false);
@@ -87,15 +92,15 @@ impl Lanes {
 
     /// The class of path: `Local` when the endpoint has a `self` lane (only an endpoint to this
     /// very worker has one: both engines are behind this agent; UCX 1.22 lists RMA on tcp lanes
-    /// beside it and reaches the memory through the self lane's `rkey_ptr`), else the worst of
+    /// beside it), else the worst of
     /// the carrying lanes (TCP beside RDMA is TCP; the first such lane names it), `Other` when
     /// there are none.
     pub fn kind(&self) -> PathKind {
-        if self.all.iter().any(|l| classify(&l.transport) == PathKind::Local) {
-            return PathKind::Local;
-        }
         let (lanes, _) = self.carrying();
         let kinds: Vec<PathKind> = lanes.iter().map(|l| classify(&l.transport)).collect();
+        if kinds.contains(&PathKind::Local) {
+            return PathKind::Local;
+        }
         let mut worst: Option<PathKind> = None;
         for k in kinds {
             if worst.is_none_or(|w| k.rank() > w.rank()) {
