@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# docs/benchmarks.md, "UCX 1.13 beside 1.22": the push over shm and tcp (512 MiB requests) and
+# ucx_perftest at 256 MiB, on Debian's UCX 1.13 and on 1.22 (hack/ucx-wheel.sh), in three
+# interleaved rounds (this machine drifts between runs). Release build.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release -q -p pdpair-agent
+bin=target/release/pdpair-agent
+L=$(hack/ucx-wheel.sh)
+tmp=$(mktemp -d)
+cat > "$tmp/8b.yaml" <<Y
+apiVersion: pdpair.dev/v1alpha1
+kind: PDPair
+metadata: {name: llama-8b}
+spec:
+  transfer: {mode: Push, checksum: Disabled, handshakeTimeout: 5s, leaseDuration: 30s}
+  prefill:
+    kv: &kv {engine: vllm, model: meta-llama/Llama-3.1-8B-Instruct, dtype: bfloat16, layers: 32, kvHeads: 8, headDim: 128, attentionBackend: FLASH_ATTN, layout: HND, blockSize: 16}
+  decode:
+    kv: *kv
+Y
+with() { if [ "$1" = 1.22 ]; then shift; LD_LIBRARY_PATH=$L UCX_MODULE_DIR=$L/ucx "$@"; else shift; "$@"; fi; }
+pt() { if [ "$1" = 1.22 ]; then echo "$L/../bin/ucx_perftest"; else echo ucx_perftest; fi; }
+for round in 1 2 3; do
+  for v in 1.13 1.22; do
+    for t in shm tcp; do
+      n=6; [ $t = tcp ] && n=4
+      echo "round $round UCX $v $t: $(with $v $bin loopback --pair $tmp/8b.yaml --requests $n --prompt-tokens 4096 --transport $t --no-verify-bytes -o json | python3 -c 'import json,sys; r=json.load(sys.stdin); print({k:v for k,v in r.items() if k in ("throughput_gb_per_s","p50_ms","p99_ms","ucx_version","path")})')"
+    done
+    p=$(pt $v); port=$((13400+round*2+${v#1.}))
+    with $v env UCX_TLS=posix,sysv,self $p -p $port >/dev/null 2>&1 &
+    sleep 1
+    echo "round $round UCX $v perftest shm 256MiB: $(with $v env UCX_TLS=posix,sysv,self $p -p $port 127.0.0.1 -t ucp_put_bw -s 268435456 -n 20 2>&1 | grep -E 'Final|^ +[0-9]' | tail -1)"
+    wait
+  done
+done
+rm -rf "$tmp"
