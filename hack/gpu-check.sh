@@ -26,5 +26,12 @@ PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 300 "$bundle/gpu-tests" --ignored 
 echo "== gpu-check"
 timeout 300 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 --json-file "$out/gpu-check.json" 2>&1 |
   tee "$out/gpu-check.txt" || rc=1
+if [[ -x $bundle/ucx-1.22/bin/ucx_info ]]; then
+  echo "== UCX 1.22 (agent.ucx.library=1.22): does its CUDA module load here"
+  u=$bundle/ucx-1.22/lib
+  (LD_LIBRARY_PATH=$u UCX_MODULE_DIR=$u/ucx timeout 60 "$bundle/ucx-1.22/bin/ucx_info" -v
+   LD_LIBRARY_PATH=$u UCX_MODULE_DIR=$u/ucx timeout 60 "$bundle/ucx-1.22/bin/ucx_info" -d |
+     grep -E 'Memory domain|Component|Transport|memory types|Device') 2>&1 | tee "$out/ucx-1.22.txt"
+fi
 echo "gpu-check: exit $rc; reports in $out"
 exit $rc
