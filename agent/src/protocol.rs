@@ -409,8 +409,8 @@ pub fn check_rkey(rkey: &[u8]) -> Result<(), String> {
     }
 }
 
-/// Checks a peer's UCX worker address before UCX parses it: present and bounded. (UCX's address
-/// format is internal; UCX itself checks the rest, within the bytes given.)
+/// Checks a peer's worker address before a backend parses it: present and bounded. (UCX's address
+/// format is internal, and UCX trusts the rest: docs/security.md, "A hostile UCX worker address".)
 pub fn check_worker_address(address: &[u8]) -> Result<(), String> {
     if address.len() < 8 || address.len() > MAX_UCX_BLOB {
         return Err(format!(
