@@ -7,4 +7,4 @@ lib="$(hack/ucx-wheel.sh)"
 export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" UCX_MODULE_DIR="$lib/ucx"
 got="$("$lib/../bin/ucx_info" -v | sed -n 's/^# Library version: //p')"
 [[ "$got" == 1.22.* ]] || { echo "hack/ucx-compat.sh: expected UCX 1.22, loaded '$got'" >&2; exit 1; }
-cargo test -q -p pdpair-agent "$@"
+PDPAIR_EXPECT_UCX=1.22 cargo test -q -p pdpair-agent "$@"

@@ -540,10 +540,21 @@ impl Pending {
         self.prefills.iter().any(|a| a == prefill) && !self.parts.contains_key(prefill)
     }
 
-    /// `prefill`'s part is here (pushed to us, or read by us); whether every part is.
+    /// Pull: whether decode's own read of `prefill`'s blocks into this request's blocks runs or
+    /// ran: then only the read's end answers for that prefill (not its messages, not its link
+    /// going), since until then our READs may still be writing the blocks.
+    fn read_from(&self, prefill: &str) -> bool {
+        self.reading.iter().any(|a| a == prefill)
+    }
+
+    /// `prefill`'s part is here (pushed to us, or read by us); whether every part is. A prefill
+    /// that is not one of the request's adds nothing, and a part is recorded once (its first
+    /// record stays).
     fn arrived(&mut self, prefill: &str, sums: Option<BlockSums>, bytes: u64) -> bool {
-        self.parts.insert(prefill.to_owned(), (sums, bytes));
-        self.parts.len() >= self.prefills.len()
+        if self.prefills.iter().any(|a| a == prefill) {
+            self.parts.entry(prefill.to_owned()).or_insert((sums, bytes));
+        }
+        self.prefills.iter().all(|a| self.parts.contains_key(a))
     }
 }
 
@@ -1148,6 +1159,10 @@ mod tests {
         // its link): a's loss then fails nothing, b's still does.
         assert!(!p.arrived("a", None, 8), "b's part is still to come");
         assert!(!p.waits_on("a") && p.waits_on("b"));
+        // A stranger's part, or a's again with other bytes, changes nothing.
+        assert!(!p.arrived("c", None, 8) && !p.parts.contains_key("c"));
+        assert!(!p.arrived("a", None, 99));
+        assert_eq!(p.parts["a"].1, 8, "the first record stays");
         assert!(p.arrived("b", None, 8));
     }
 

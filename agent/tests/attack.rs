@@ -338,12 +338,20 @@ fn a_flood_of_unauthenticated_connections_is_capped_and_a_real_decode_gets_throu
 fn evil_prefill(
     script: impl FnOnce(&mut TcpStream, &mut protocol::Session, Registration) + Send + 'static,
 ) -> (String, std::thread::JoinHandle<()>) {
+    evil_prefill_as(insider(Role::Prefill), script)
+}
+
+/// [`evil_prefill`], saying `info` about itself.
+fn evil_prefill_as(
+    info: PeerInfo,
+    script: impl FnOnce(&mut TcpStream, &mut protocol::Session, Registration) + Send + 'static,
+) -> (String, std::thread::JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = listener.local_addr().expect("addr").to_string();
     let handle = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().expect("accept");
         let (_, mut session) = protocol::authenticate_prefill(&mut s, |_| Some(KEY.to_vec())).expect("auth");
-        protocol::handshake_prefill(&mut s, &mut session, &insider(Role::Prefill)).expect("handshake");
+        protocol::handshake_prefill(&mut s, &mut session, &info).expect("handshake");
         let Ok(Message::Register(reg)) = session.recv(&mut s) else {
             panic!("expected a registration");
         };
@@ -352,6 +360,70 @@ fn evil_prefill(
         std::thread::sleep(Duration::from_millis(1500));
     });
     (address, handle)
+}
+
+#[test]
+fn in_pull_only_decodes_own_read_answers_not_a_forged_complete_nor_the_link_going() {
+    let _serial = serial();
+    // An insider prefill (a real UCX worker and pool of its own) answers a pull registration with
+    // its Ready, then at once forges the request's Complete, or drops the link. Decode's READs of
+    // its blocks are then still running, writing into the request's blocks: decode's engine must
+    // hear only their end (here: done, every byte), never the forgery or a PeerLost while
+    // they may still write.
+    let w = World::new("attack-pull-read");
+    let ds = w.agent("d", Transport::Shm, false);
+    const BLOCKS: u32 = 2048;
+    let mut dspec = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::Disabled);
+    dspec.mode = TransferMode::Pull;
+    dspec.num_blocks = BLOCKS;
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &dspec).expect("decode registers");
+    let mallory = pdpair_agent::transport::ucx_thread::UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
+    let mut info = insider(Role::Prefill);
+    info.mode = TransferMode::Pull;
+    info.checksum = ChecksumPolicy::Disabled;
+    let l = PoolLayout::new(&info.kv, &info.parallelism, BLOCKS, 0).expect("layout");
+    let pool = mallory.allocate(l.pool_len() as u64).expect("a pool of its own");
+    info.worker_address = mallory.worker_address.clone();
+    info.memory = MemoryDesc::of(&l, vec![(pool.addr, pool.rkey.clone())]);
+    let blocks: Vec<u32> = (0..BLOCKS).collect();
+    // 64 tokens a block, 256 bytes a token (2 layers, K and V, 2 heads of 16, bf16): 32 MiB.
+    let tokens = u64::from(BLOCKS) * 64;
+    for forge in [true, false] {
+        let ready = blocks.clone();
+        let (evil, handle) = evil_prefill_as(info.clone(), move |s, session, reg| {
+            session
+                .send(
+                    s,
+                    &Message::Ready {
+                        request: reg.request.clone(),
+                        blocks: ready,
+                        first_token: 0,
+                        num_tokens: reg.num_tokens,
+                        sums: None,
+                    },
+                )
+                .expect("Ready");
+            if forge {
+                let forged = Message::Complete {
+                    request: reg.request,
+                    sums: None,
+                    bytes: 1,
+                };
+                session.send(s, &forged).expect("Complete");
+            } else {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        });
+        let id = format!("pull-{forge}");
+        expect_kv(&mut d, &id, evil, &blocks, tokens);
+        let event = d.next_event().expect("event");
+        assert!(
+            matches!(&event, AgentEvent::RequestDone { request, bytes, .. } if *request == id && *bytes == tokens * 256),
+            "forged Complete {forge}: {event:?}"
+        );
+        let _ = handle.join();
+    }
+    mallory.unmap(pool.region);
 }
 
 #[test]

@@ -519,13 +519,11 @@ impl Engine {
         let Some(p) = pending.get_mut(request) else {
             return false;
         };
-        if !p.waits_on(&link.addr) {
+        // Once we read (or are reading) this prefill's blocks, only that read answers.
+        if !p.waits_on(&link.addr) || p.read_from(&link.addr) {
             return false;
         }
         if reading {
-            if p.reading.contains(&link.addr) {
-                return false;
-            }
             p.reading.push(link.addr.clone());
         }
         true
@@ -547,7 +545,11 @@ impl Engine {
                     | Message::ReleaseDone { ref request },
                 ) if self.cancel_answered(&link.addr, request) => {}
                 Ok(Message::Ready { ref request, .. }) if lock(&self.cancelled).contains_key(request) => {}
-                Ok(Message::Complete { request, sums, bytes }) if self.owned_by(&link, &request, false) => {
+                // Push only: in pull our own read of its blocks completes a request.
+                Ok(Message::Complete { request, sums, bytes })
+                    if self.settings.mode == pdpair_api::TransferMode::Push
+                        && self.owned_by(&link, &request, false) =>
+                {
                     self.complete(&link.addr, request, sums, bytes, None)
                 }
                 Ok(Message::Ready {
@@ -645,7 +647,9 @@ impl Engine {
         let mut pending = lock(&self.pending);
         let ids: Vec<String> = pending
             .iter()
-            .filter(|(_, p)| p.waits_on(addr))
+            // A request whose read from it runs is answered by the read's end (its READs may
+            // still be writing the blocks until then).
+            .filter(|(_, p)| p.waits_on(addr) && !p.read_from(addr))
             .map(|(id, _)| id.clone())
             .collect();
         ids.into_iter().filter(|id| pending.remove(id).is_some()).collect()

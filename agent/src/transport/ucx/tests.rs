@@ -138,7 +138,19 @@ fn a_pool_dir_too_long_for_shared_memory_is_refused_naming_it_instead_of_abortin
         .and_then(|c| Worker::new(&c).map(|_| ()))
         .expect_err("refused");
     assert!(err.text.contains(&long.display().to_string()), "{}", err.text);
-    // Short enough, it works; tcp does not pack the directory at all.
+    // Short enough, it works (up to the limit itself); tcp does not pack the directory at all.
+    let base = std::env::temp_dir().join("pdpair-ucx-dir-");
+    let at_limit = std::path::PathBuf::from(format!(
+        "{}{}",
+        base.display(),
+        "x".repeat(MAX_POOL_DIR.saturating_sub(base.as_os_str().len()))
+    ));
+    assert_eq!(at_limit.as_os_str().len(), MAX_POOL_DIR, "{}", at_limit.display());
+    std::fs::create_dir_all(&at_limit).expect("dir");
+    Context::new(Transport::Shm, Some(&at_limit))
+        .and_then(|c| Worker::new(&c).and_then(|w| w.address()).map(|_| ()))
+        .expect("a dir of the limit's length works");
+    let _ = std::fs::remove_dir(&at_limit);
     let ok = std::env::temp_dir().join("pdpair-ucx-dir-ok");
     std::fs::create_dir_all(&ok).expect("dir");
     Context::new(Transport::Shm, Some(&ok))
@@ -192,6 +204,14 @@ fn an_endpoint_reports_the_lanes_ucx_chose_for_it() {
     }
     let _ = std::fs::remove_dir_all(&dir);
     assert!(version().starts_with("1."), "{}", version());
+    // hack/ucx-compat.sh says which UCX these tests must have loaded.
+    if let Ok(want) = std::env::var("PDPAIR_EXPECT_UCX") {
+        assert!(
+            version().starts_with(&format!("{want}.")),
+            "loaded UCX {}, not {want}",
+            version()
+        );
+    }
 }
 
 #[test]
