@@ -401,6 +401,9 @@ pub fn check_rkey(rkey: &[u8]) -> Result<(), String> {
     match rkey.len().checked_sub(at) {
         // Nothing more, or a system device and whole distances.
         Some(0) => Ok(()),
+        // (1.22's host keys end in device 255, "unknown". UCX reads none of this through
+        // `ucp_ep_rkey_unpack`, which passes no length; were it to, device bytes would index
+        // its table of 255 devices, so 255 would need refusing there.)
         Some(rest) if (rest - 1) % 3 == 0 => Ok(()),
         _ => Err(format!(
             "is {} bytes; its {domains} domains take {at}, and what follows is not a device byte and 3-byte distances",

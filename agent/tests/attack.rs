@@ -372,7 +372,7 @@ fn in_pull_only_decodes_own_read_answers_not_a_forged_complete_nor_the_link_goin
     // they may still write.
     let w = World::new("attack-pull-read");
     let ds = w.agent("d", Transport::Shm, false);
-    const BLOCKS: u32 = 2048;
+    const BLOCKS: u32 = 8192;
     let mut dspec = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::Disabled);
     dspec.mode = TransferMode::Pull;
     dspec.num_blocks = BLOCKS;
@@ -386,7 +386,8 @@ fn in_pull_only_decodes_own_read_answers_not_a_forged_complete_nor_the_link_goin
     info.worker_address = mallory.worker_address.clone();
     info.memory = MemoryDesc::of(&l, vec![(pool.addr, pool.rkey.clone())]);
     let blocks: Vec<u32> = (0..BLOCKS).collect();
-    // 64 tokens a block, 256 bytes a token (2 layers, K and V, 2 heads of 16, bf16): 32 MiB.
+    // 64 tokens a block, 256 bytes a token (2 layers, K and V, 2 heads of 16, bf16): 128 MiB, so
+    // the read still runs when the forgery arrives.
     let tokens = u64::from(BLOCKS) * 64;
     for forge in [true, false] {
         let ready = blocks.clone();
