@@ -28,10 +28,7 @@ done
 cp -L "$lib/ucx/libuct_cma.so.0" "$out/lib/ucx/libuct_cma.so.0"
 # UCX 1.22 as the image carries it (agent.ucx.library=1.22), with its ucx_info: the GPU machine
 # says whether its CUDA module loads there and which memory types it then offers.
-ucx=$(hack/ucx-wheel.sh)
-mkdir -p "$out/ucx-1.22/lib/ucx" "$out/ucx-1.22/bin"
-for f in libucp libuct libucs libucm; do cp -L "$ucx/$f.so.0" "$out/ucx-1.22/lib/"; done
-cp "$ucx"/../../libucx_cu12.libs/libcudart-*.so.* "$out/ucx-1.22/lib/"
-for m in libuct_cma libuct_cuda libucm_cuda; do cp -L "$ucx/ucx/$m.so.0" "$out/ucx-1.22/lib/ucx/"; done
+ucx=$(hack/ucx-wheel.sh --copy "$out/ucx-1.22")
+mkdir -p "$out/ucx-1.22/bin"
 cp "$ucx/../bin/ucx_info" "$out/ucx-1.22/bin/"
 echo "gpu-bundle: $(du -sh "$out" | cut -f1) in $out: run $out/gpu-check.sh on the GPU machine"

@@ -50,11 +50,7 @@ cp target/release/pdpair-operator target/release/pdpair-agent "$ctx/bin/"
 # UCX 1.22 beside the system's 1.13 (the chart's agent.ucx.library picks): its libraries and the
 # cma and cuda modules from PyPI's libucx-cu12 (hack/ucx-wheel.sh), with the CUDA runtime its
 # memory hooks link; libcuda and NVML come from the node's driver.
-ucx=$(hack/ucx-wheel.sh)
-mkdir -p "$ctx/ucx-1.22/lib/ucx"
-for f in libucp libuct libucs libucm; do cp -L "$ucx/$f.so.0" "$ctx/ucx-1.22/lib/"; done
-cp "$ucx"/../../libucx_cu12.libs/libcudart-*.so.* "$ctx/ucx-1.22/lib/"
-for m in libuct_cma libuct_cuda libucm_cuda; do cp -L "$ucx/ucx/$m.so.0" "$ctx/ucx-1.22/lib/ucx/"; done
+hack/ucx-wheel.sh --copy "$ctx/ucx-1.22" >/dev/null
 
 # Rebuild only when the binaries, UCX 1.22 or the Dockerfile changed.
 stamp=$(find "$ctx" -type f | sort | xargs cat images/Dockerfile | sha256sum | cut -c1-16)

@@ -5,6 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 lib="$(hack/ucx-wheel.sh)"
 export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" UCX_MODULE_DIR="$lib/ucx"
-got="$("$lib/../bin/ucx_info" -v | sed -n 's/^# Library version: //p')"
-[[ "$got" == 1.22.* ]] || { echo "hack/ucx-compat.sh: expected UCX 1.22, loaded '$got'" >&2; exit 1; }
+# The tests check that they loaded it (transport::ucx::tests, PDPAIR_EXPECT_UCX).
 PDPAIR_EXPECT_UCX=1.22 cargo test -q -p pdpair-agent "$@"

@@ -3,6 +3,10 @@
 # and cuda modules, no verbs) once into a cache outside the tree and prints its lib directory. The
 # agent is built against Debian's 1.13 headers and runs on either library (same soname,
 # libucp.so.0). Concurrent callers (images and ucx-compat) wait for each other.
+#
+#   hack/ucx-wheel.sh            print the lib directory
+#   hack/ucx-wheel.sh --copy D   also copy what the agent loads into D: D/lib (libucp, libuct, libucs,
+#                                libucm, the CUDA runtime ucm_cuda links) and D/lib/ucx (cma, cuda)
 set -euo pipefail
 version=1.22.0
 sha256=5cbbef0c140a0a158ae3486089af659b38822b2234cd3dc90ba40a5e6553402a
@@ -20,5 +24,12 @@ if [[ ! -e "$lib/libucp.so.0" ]]; then
   python3 -m zipfile -e "$wheel" "$cache.tmp/x"
   chmod +x "$cache.tmp/x/libucx/bin/"* 2>/dev/null || true
   rm -rf "$cache" && mv "$cache.tmp/x" "$cache" && rm -rf "$cache.tmp"
+fi
+if [[ ${1:-} == --copy ]]; then
+  dest=$2
+  mkdir -p "$dest/lib/ucx"
+  for f in libucp libuct libucs libucm; do cp -L "$lib/$f.so.0" "$dest/lib/"; done
+  cp "$cache"/libucx_cu12.libs/libcudart-*.so.* "$dest/lib/"
+  for m in libuct_cma libuct_cuda libucm_cuda; do cp -L "$lib/ucx/$m.so.0" "$dest/lib/ucx/"; done
 fi
 echo "$lib"
