@@ -112,6 +112,7 @@ mod tests {
             pool_dir: dir.join("pools"),
             heartbeat: Duration::from_secs(1),
             attestor: None,
+            ucx_probe: None,
         };
         let metrics = Arc::new(Metrics::new());
         let agent = Agent::start(cfg, metrics.clone()).expect("agent");

@@ -72,6 +72,11 @@ pub struct AgentConfig {
     /// Binds each engine to its Pod ([`crate::attest`]); `None` (outside a cluster) accepts any
     /// engine that can open the socket, and the agent says so at start.
     pub attestor: Option<Arc<crate::attest::Attestor>>,
+    /// The agent's binary, which probes each peer's UCX worker address in a throwaway process
+    /// before the agent's worker sees it ([`crate::transport::ucx_probe`]); `None` hands peers'
+    /// addresses to UCX unprobed (a hostile one can crash the agent), and the agent says so at
+    /// start.
+    pub ucx_probe: Option<PathBuf>,
 }
 
 /// Default ping interval on decode's side-channel links.
@@ -237,7 +242,19 @@ impl Agent {
             .pool_dir
             .canonicalize()
             .map_err(|e| format!("pool directory {}: {e}", cfg.pool_dir.display()))?;
-        let ucx = UcxHandle::start(cfg.transport, &cfg.pool_dir)?;
+        let mut ucx = UcxHandle::start(cfg.transport, &cfg.pool_dir)?;
+        match &cfg.ucx_probe {
+            Some(exe) => {
+                let started = std::time::Instant::now();
+                let prober = crate::transport::ucx_probe::Prober::new(exe.clone(), cfg.transport, &cfg.pool_dir);
+                ucx = ucx.with_probe(prober)?;
+                tracing::info!(
+                    ms = started.elapsed().as_millis() as u64,
+                    "peers' UCX worker addresses are probed in a throwaway process first"
+                );
+            }
+            None => tracing::warn!("the UCX probe is off: a peer's hostile UCX worker address can crash this agent"),
+        }
         if cfg.attestor.is_none() {
             tracing::warn!(
                 "engine attestation is off: any process that can open the engine socket may register for any PDPair, role and pod"

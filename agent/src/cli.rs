@@ -152,6 +152,52 @@ pub struct RunArgs {
     /// user connect through it (in a cluster: engine Pods with this supplemental group).
     #[arg(long = "socket-group")]
     pub socket_group: Option<u32>,
+    /// Hand peers' UCX worker addresses to UCX without first trying each in a throwaway,
+    /// sealed-off process (which needs user namespaces or CAP_SYS_ADMIN). A hostile address can
+    /// then crash the agent (docs/security.md).
+    #[arg(long = "no-ucx-probe")]
+    pub no_ucx_probe: bool,
+}
+
+/// Arguments of `pdpair-agent ucx-probe` (run by the agent itself, see
+/// [`crate::transport::ucx_probe`]); the address comes on stdin.
+#[derive(Clone, Debug, clap::Args)]
+pub struct UcxProbeArgs {
+    /// The agent's `--transport`.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "shm"])]
+    pub transport: String,
+    /// The agent's pool directory.
+    #[arg(long = "pool-dir")]
+    pub pool_dir: std::path::PathBuf,
+    /// An empty directory (the agent makes it in the pool directory and removes it after) that
+    /// the probe mounts over the pool directory for its own segments.
+    #[arg(long)]
+    pub scratch: std::path::PathBuf,
+}
+
+/// `pdpair-agent ucx-probe`: the exit status the agent reads (0: UCX survived the address).
+/// Prints one line, `ucx-probe: ...`, to stderr.
+pub fn ucx_probe(args: &UcxProbeArgs) -> i32 {
+    let result = args
+        .transport
+        .parse()
+        .map_err(|e: String| crate::transport::ucx_probe::ProbeError {
+            code: crate::transport::ucx_probe::EXIT_SETUP,
+            message: e,
+        })
+        .and_then(|t| {
+            crate::transport::ucx_probe::serve(t, &args.pool_dir, &args.scratch, &mut std::io::stdin().lock())
+        });
+    match result {
+        Ok(said) => {
+            eprintln!("ucx-probe: {said}");
+            0
+        }
+        Err(e) => {
+            eprintln!("ucx-probe: {}", e.message);
+            e.code
+        }
+    }
 }
 
 /// The API server configuration: a kubeconfig, or in-cluster credentials; `None` outside a
@@ -271,6 +317,14 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
         },
         pool_dir: args.pool_dir.clone(),
         heartbeat: std::time::Duration::from_millis(args.heartbeat_ms),
+        ucx_probe: if args.no_ucx_probe {
+            None
+        } else {
+            Some(
+                std::env::current_exe()
+                    .map_err(|e| UsageError(format!("the agent's own binary, for the UCX probe: {e}")))?,
+            )
+        },
     };
     if args.clean_pool_dir {
         let removed = crate::memory::pool::clean_dir(&args.pool_dir);

@@ -34,6 +34,17 @@ enum Command {
     /// operator's environment).
     #[command(hide = true)]
     TestEngine(pdpair_agent::test_engine::TestEngineArgs),
+    /// Try a peer's UCX worker address (on stdin) in this sealed-off process: what the agent
+    /// runs before its own worker sees the address.
+    #[command(hide = true)]
+    UcxProbe(cli::UcxProbeArgs),
+}
+
+/// Ends the probe without running UCX's (or anything's) teardown, which could reach the peer.
+#[allow(unsafe_code)]
+fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit ends the process at once; nothing after it runs.
+    unsafe { libc::_exit(code) }
 }
 
 /// UCX's tcp transport writes to sockets without MSG_NOSIGNAL: a peer agent that dies mid-transfer
@@ -68,6 +79,8 @@ fn main() -> ExitCode {
         Command::BenchPut(args) => cli::bench_put(&args, &mut stdout.lock()),
         Command::SyntheticEngine(args) => cli::synthetic_engine(&args, &mut stdout.lock()),
         Command::TestEngine(args) => pdpair_agent::test_engine::run(&args, &mut stdout.lock()),
+        // Nothing above starts a thread, so the probe may still enter a user namespace.
+        Command::UcxProbe(args) => exit_now(cli::ucx_probe(&args)),
         Command::GpuCheck(args) => {
             return match pdpair_agent::gpu_check::run(&args, &mut stdout.lock()) {
                 Ok(true) => ExitCode::SUCCESS,

@@ -14,6 +14,7 @@ use std::time::Duration;
 pub mod cuda_ipc;
 pub mod lanes;
 pub mod ucx;
+pub mod ucx_probe;
 pub mod ucx_thread;
 
 pub use ucx_thread::{OpError, PutOp};

@@ -16,7 +16,11 @@ use pdpair_agent::{
     layout::PoolLayout,
     protocol::{self, HandshakeError, MemoryDesc, Message, PeerInfo, Reason, Registration},
     synthetic::SyntheticEngine,
-    transport::ucx::Transport,
+    transport::{
+        ucx::Transport,
+        ucx_probe::{Prober, Verdict},
+        ucx_thread::UcxHandle,
+    },
     wire,
 };
 use pdpair_api::{ChecksumPolicy, Parallelism, Role, TransferMode};
@@ -74,7 +78,11 @@ fn addr(engine: &SyntheticEngine) -> SocketAddr {
 
 /// A prefill agent and engine with one request's KV ready (`r`, 100 tokens in blocks 3 and 4).
 fn prefill(w: &World) -> SyntheticEngine {
-    let ps = w.agent("p", Transport::Shm, false);
+    prefill_on(w, Transport::Shm)
+}
+
+fn prefill_on(w: &World, transport: Transport) -> SyntheticEngine {
+    let ps = w.agent("p", transport, false);
     let mut p = w.engine(&ps, Role::Prefill, "p0", KEY);
     p.fill(1, &[3, 4], 0, 100);
     p
@@ -83,7 +91,11 @@ fn prefill(w: &World) -> SyntheticEngine {
 /// A real decode request against `p` succeeds, every byte verified: the agent under attack
 /// still serves.
 fn still_serves(w: &World, p: &mut SyntheticEngine, name: &str) {
-    let ds = w.agent(name, Transport::Shm, false);
+    still_serves_on(w, p, name, Transport::Shm);
+}
+
+fn still_serves_on(w: &World, p: &mut SyntheticEngine, name: &str, transport: Transport) {
+    let ds = w.agent(name, transport, false);
     let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
     let (event, bad) = request(p, &mut d, Req::from_start(&format!("after-{name}"), 9, 100, 2));
     assert!(done(&event) && bad == 0, "{event:?}, {bad} bad tokens");
@@ -156,6 +168,164 @@ fn memory_descriptors_out_of_range_or_malformed_are_refused_and_prefill_keeps_se
     still_serves(&w, &mut p, "d");
 }
 
+/// A worker address UCX crashes on: a real one (of a live tcp worker) with one byte changed,
+/// found by trying each byte at 0xff, then 0x00, in probes. Under UCX 1.13, byte 51 at 0xff of
+/// this machine's address made it abort (`select.c`: ``Assertion `score >= 0.0'``); 1.22 (built
+/// without assertions) survived every such change, so there this finds none.
+fn an_address_ucx_crashes_on(w: &World) -> Option<Vec<u8>> {
+    let honest = UcxHandle::start(Transport::Tcp, &w.pools()).expect("UCX");
+    let prober = Prober::new(env!("CARGO_BIN_EXE_pdpair-agent").into(), Transport::Tcp, &w.pools());
+    let real = &honest.worker_address;
+    let files = || std::fs::read_dir(w.pools()).expect("pool dir").count();
+    let before = files();
+    for value in [0xff, 0x00] {
+        for i in 1..real.len() {
+            let mut address = real.clone();
+            address[i] = value;
+            if address == *real {
+                continue;
+            }
+            match prober.probe(&address) {
+                Err(e) if e.contains("crashed") => {
+                    eprintln!("byte {i} at {value:#04x}: {e}");
+                    // The crashed probe's segments were in its scratch directory, now gone.
+                    assert_eq!(files(), before, "a crashed probe left files in the pool directory");
+                    return Some(address);
+                }
+                Err(e) => panic!("a probe that did not crash must pass: {e}"),
+                Ok(_) => {}
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn a_worker_address_that_crashes_ucx_crashes_only_a_probe_and_prefill_keeps_serving() {
+    let _serial = serial();
+    let w = World::new("attack-crash");
+    let mut p = prefill_on(&w, Transport::Tcp);
+    let version = pdpair_agent::transport::ucx::version();
+    let found = an_address_ucx_crashes_on(&w);
+    if version.starts_with("1.13") {
+        assert!(found.is_some(), "no one-byte change crashed UCX {version}");
+    }
+    eprintln!("UCX {version}: a crashing address found: {}", found.is_some());
+    if let Some(address) = found {
+        // An insider of the pair (it has the key) sends it as its decode worker's address:
+        // prefill's agent, which connects to decode's worker in push, would abort with it.
+        let mut info = insider(Role::Decode);
+        info.worker_address = address;
+        for _ in 0..2 {
+            let mut s = TcpStream::connect(addr(&p)).expect("connect");
+            let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+            // The handshake passes its checks; prefill then connects to decode's worker, and
+            // refuses when it cannot.
+            protocol::handshake_decode(&mut s, &mut session, &info).expect("the handshake's checks pass");
+            match session.recv(&mut s) {
+                Ok(Message::Reject { reasons, message }) => {
+                    assert_eq!(reasons, vec![Reason::TransportFailed], "{message}");
+                    assert!(message.contains("UCX crashed on it in a probe"), "{message}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    still_serves_on(&w, &mut p, "d", Transport::Tcp);
+}
+
+#[test]
+fn a_probe_reaches_no_peer_and_leaves_nothing_behind() {
+    let _serial = serial();
+    let w = World::new("attack-probe");
+    let exe = env!("CARGO_BIN_EXE_pdpair-agent");
+    std::fs::create_dir_all(w.pools()).expect("pool dir");
+    for transport in [Transport::Tcp, Transport::Shm] {
+        // A live peer: without the probe's namespaces, UCX would take its address (dial its
+        // tcp listener, open its shared-memory segment in the pool directory) and send it a
+        // wireup message.
+        let peer = UcxHandle::start(transport, &w.pools()).expect("UCX");
+        let files = || std::fs::read_dir(w.pools()).expect("pool dir").count();
+        let before = files();
+        // As root with every capability, and as the DaemonSet runs it: no capability but
+        // IPC_LOCK, no new privileges (the probe then isolates itself in a user namespace).
+        for dropped in [false, true] {
+            let scratch = w.pools().join(format!(".ucx-probe-test-{dropped}"));
+            std::fs::create_dir(&scratch).expect("scratch");
+            let mut cmd = std::process::Command::new(if dropped { "setpriv" } else { exe });
+            if dropped {
+                cmd.args([
+                    "--no-new-privs",
+                    "--inh-caps=-all",
+                    "--ambient-caps=-all",
+                    "--bounding-set=-all,+ipc_lock",
+                    exe,
+                ]);
+            }
+            let mut child = cmd
+                .args(["ucx-probe", "--transport", transport.as_arg(), "--pool-dir"])
+                .arg(w.pools())
+                .arg("--scratch")
+                .arg(&scratch)
+                .env("UCX_MEM_EVENTS", "n")
+                .stdin(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("probe");
+            child
+                .stdin
+                .take()
+                .expect("stdin")
+                .write_all(&peer.worker_address)
+                .expect("address");
+            let out = child.wait_with_output().expect("probe ends");
+            let said = String::from_utf8_lossy(&out.stderr);
+            let what = format!("{transport:?}, capabilities dropped: {dropped}");
+            assert!(out.status.success(), "{what}: {:?} {said}", out.status);
+            assert!(said.contains("ucx-probe: UCX refused the address"), "{what}: {said}");
+            // Its segments went into the scratch directory (the probe tears nothing down, as a
+            // crashed one would not), nowhere else.
+            let left = std::fs::read_dir(&scratch).expect("scratch").count();
+            if transport == Transport::Shm {
+                assert!(
+                    left > 0,
+                    "{what}: UCX's shared-memory segments are in the scratch directory"
+                );
+            }
+            std::fs::remove_dir_all(&scratch).expect("scratch");
+            assert_eq!(files(), before, "{what}: the probe left nothing in the pool directory");
+        }
+        // The agent's prober: it passes, and a second time it remembers.
+        let prober = Prober::new(exe.into(), transport, &w.pools());
+        assert_eq!(prober.probe(&peer.worker_address), Ok(Verdict::Survived));
+        assert_eq!(prober.probe(&peer.worker_address), Ok(Verdict::Remembered));
+    }
+}
+
+#[test]
+fn an_agent_whose_probe_cannot_run_does_not_start() {
+    let w = World::new("attack-noprobe");
+    let cfg = pdpair_agent::agent::AgentConfig {
+        name: "a".into(),
+        listen_host: std::net::Ipv4Addr::LOCALHOST.into(),
+        transport: Transport::Tcp,
+        corrupt_one_byte: false,
+        rejection_ttl: Duration::from_secs(30),
+        publisher: None,
+        pool_dir: w.pools(),
+        heartbeat: Duration::from_secs(1),
+        attestor: None,
+        ucx_probe: Some("/bin/false".into()),
+    };
+    let metrics = std::sync::Arc::new(pdpair_agent::metrics::Metrics::new());
+    let e = pdpair_agent::agent::Agent::start(cfg, metrics).expect_err("the probe fails");
+    assert!(
+        e.contains("the UCX probe does not pass this agent's own worker address")
+            && e.contains("the UCX probe failed (exit Some(1))"),
+        "{e}"
+    );
+}
+
 #[test]
 fn a_peer_that_claims_the_prefill_agents_own_memory_is_refused() {
     let _serial = serial();
@@ -166,7 +336,7 @@ fn a_peer_that_claims_the_prefill_agents_own_memory_is_refused() {
     // the insider picks.
     let w = World::new("attack-deputy");
     let mut p = prefill(&w);
-    let mallory = pdpair_agent::transport::ucx_thread::UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
+    let mallory = UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
     let mut honest = insider(Role::Decode);
     let l = PoolLayout::new(&honest.kv, &honest.parallelism, 16, 0).expect("layout");
     let pool = mallory.allocate(l.pool_len() as u64).expect("a pool of its own");
@@ -175,6 +345,18 @@ fn a_peer_that_claims_the_prefill_agents_own_memory_is_refused() {
     let mut s = TcpStream::connect(addr(&p)).expect("connect");
     let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
     let prefills = protocol::handshake_decode(&mut s, &mut session, &honest).expect("an honest handshake passes");
+    // Prefill connects to mallory's worker and unpacks its key after the handshake: wait for
+    // that before mallory's pool goes (UCX 1.13 crashes unpacking a shared-memory key whose
+    // segment is gone: docs/security.md).
+    let metrics = w.metrics.lock().expect("metrics")[0].clone();
+    let start = Instant::now();
+    while !metrics.render().contains(r#"outcome="accepted"} 1"#) {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "prefill never accepted the honest handshake"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     drop(s);
     // Prefill answers each handshake (the geometry is fine), then refuses to connect to that
     // memory and closes.
@@ -377,7 +559,7 @@ fn in_pull_only_decodes_own_read_answers_not_a_forged_complete_nor_the_link_goin
     dspec.mode = TransferMode::Pull;
     dspec.num_blocks = BLOCKS;
     let mut d = SyntheticEngine::register(&ds, &w.dir, &dspec).expect("decode registers");
-    let mallory = pdpair_agent::transport::ucx_thread::UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
+    let mallory = UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
     let mut info = insider(Role::Prefill);
     info.mode = TransferMode::Pull;
     info.checksum = ChecksumPolicy::Disabled;

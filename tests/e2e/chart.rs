@@ -300,6 +300,10 @@ fn non_default_values_change_what_they_should() {
             .collect()
     };
     assert!(args(&objs, "DaemonSet", "agent").contains(&"--transport=auto".to_owned()));
+    // Peers' UCX addresses are probed unless turned off.
+    assert!(!args(&objs, "DaemonSet", "agent").contains(&"--no-ucx-probe".to_owned()));
+    let unprobed = render(&["agent.ucx.probe=false"]).expect("renders");
+    assert!(args(&unprobed, "DaemonSet", "agent").contains(&"--no-ucx-probe".to_owned()));
     assert!(args(&objs, "Deployment", "operator").contains(&"--agent-socket-group=2000".to_owned()));
     let objs = render(&["agent.socketGroup=0", "agent.ucx.transport=tcp"]).expect("renders");
     assert!(args(&objs, "DaemonSet", "agent").contains(&"--transport=tcp".to_owned()));
@@ -358,6 +362,7 @@ fn bad_values_fail_with_the_path_and_the_value() {
         ("webhook.url=http://127.0.0.1:9443", "/webhook/url"),
         ("agent.ucx.transport=ib", "/agent/ucx/transport"),
         ("agent.ucx.library=1.23", "/agent/ucx/library"),
+        ("agent.ucx.probe=maybe", "/agent/ucx/probe"),
         ("operator.leaseDuration=soon", "/operator/leaseDuration"),
         ("operator.typo=1", "typo"),
     ] {

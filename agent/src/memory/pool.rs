@@ -337,9 +337,18 @@ pub fn clean_dir(dir: &Path) -> usize {
         .filter(|e| {
             let name = e.file_name();
             let name = name.to_string_lossy();
-            name.starts_with(UCX_SEGMENT_PREFIX) || name.starts_with(AGENT_POOL_PREFIX)
+            name.starts_with(UCX_SEGMENT_PREFIX)
+                || name.starts_with(AGENT_POOL_PREFIX)
+                || name.starts_with(crate::transport::ucx_probe::SCRATCH_PREFIX)
         })
-        .filter(|e| std::fs::remove_file(e.path()).is_ok())
+        .filter(|e| {
+            // A UCX probe's scratch directory, left by an agent that died during a probe.
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                std::fs::remove_dir_all(e.path()).is_ok()
+            } else {
+                std::fs::remove_file(e.path()).is_ok()
+            }
+        })
         .count()
 }
 

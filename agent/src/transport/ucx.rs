@@ -70,6 +70,15 @@ impl Transport {
         }
     }
 
+    /// The `--transport` value that selects this.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
+        }
+    }
+
     /// Whether UCX's shared-memory transports may load (they limit the pool directory's length).
     fn may_use_shm(self) -> bool {
         !matches!(self, Transport::Tcp)

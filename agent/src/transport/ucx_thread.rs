@@ -162,6 +162,8 @@ pub struct UcxHandle {
     pub worker_address: Vec<u8>,
     /// The memory types the context moves (see [`Context::memory_types`]).
     pub memory_types: Vec<crate::transport::ucx::MemoryType>,
+    /// Tries each peer's worker address in a throwaway process before this worker sees it.
+    probe: Option<std::sync::Arc<crate::transport::ucx_probe::Prober>>,
 }
 
 impl UcxHandle {
@@ -196,7 +198,19 @@ impl UcxHandle {
             tx,
             worker_address,
             memory_types,
+            probe: None,
         })
+    }
+
+    /// From now on, every peer's worker address is first tried by `prober`
+    /// ([`crate::transport::ucx_probe`]); fails when the probe does not pass this worker's own
+    /// address (it cannot run or isolate itself here).
+    pub fn with_probe(mut self, prober: crate::transport::ucx_probe::Prober) -> Result<UcxHandle, String> {
+        prober
+            .probe(&self.worker_address)
+            .map_err(|e| format!("the UCX probe does not pass this agent's own worker address: {e}"))?;
+        self.probe = Some(std::sync::Arc::new(prober));
+        Ok(self)
     }
 
     fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, String> {
@@ -240,6 +254,11 @@ impl UcxHandle {
     /// before UCX parses them, and no range may be empty or wrap.
     pub fn connect(&self, worker_address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>) -> Result<u64, String> {
         crate::protocol::check_ucx_address(&worker_address)?;
+        if let Some(prober) = &self.probe {
+            prober
+                .probe(&worker_address)
+                .map_err(|e| format!("worker_address: {e}"))?;
+        }
         if remotes.is_empty() || remotes.len() > crate::layout::MAX_REGIONS {
             return Err(format!(
                 "the peer has {} regions; a pool has 1..={}",

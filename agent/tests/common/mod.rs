@@ -104,6 +104,8 @@ impl World {
             pool_dir: self.pools(),
             heartbeat: self.heartbeat,
             attestor: None,
+            // Every test agent probes its peers' UCX addresses, as the DaemonSet's does.
+            ucx_probe: Some(env!("CARGO_BIN_EXE_pdpair-agent").into()),
         };
         let metrics = Arc::new(Metrics::new());
         self.metrics.lock().expect("metrics").push(metrics.clone());
