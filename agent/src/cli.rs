@@ -113,8 +113,9 @@ pub struct RunArgs {
     /// Address the side-channel listeners bind (the pod or node IP in a cluster).
     #[arg(long = "listen-host", env = "POD_IP", default_value = "127.0.0.1")]
     pub listen_host: std::net::IpAddr,
-    /// UCX transports: auto (UCX's choice, which `UCX_TLS` in the environment may narrow; the
-    /// path it took is reported per peer), or only tcp, or only shm (shared memory, one host).
+    /// UCX transports: auto (UCX's choice among its network transports, which `UCX_TLS` in the
+    /// environment may narrow; never one within the host; the path it took is reported per
+    /// peer), or only tcp, or only shm (shared memory, for peer agents on one host).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "shm"])]
     pub transport: String,
     /// Plain-HTTP address for /metrics and /healthz.
@@ -243,8 +244,9 @@ pub struct LoopbackArgs {
     /// Prompt tokens per request.
     #[arg(long = "prompt-tokens", default_value_t = 1024)]
     pub prompt_tokens: u64,
-    /// UCX transports of both agents: auto (UCX's choice), tcp or shm.
-    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "shm"])]
+    /// UCX transports of both agents: shm (they are on one host), tcp, or auto (UCX's choice
+    /// among its network transports: tcp here).
+    #[arg(long, default_value = "shm", value_parser = ["auto", "tcp", "shm"])]
     pub transport: String,
     /// Flip one byte of one block in flight per request (push: prefill corrupts what it writes).
     #[arg(long = "corrupt-one-byte")]

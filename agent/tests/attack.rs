@@ -19,7 +19,7 @@ use pdpair_agent::{
     transport::{
         ucx::Transport,
         ucx_probe::{Prober, Verdict},
-        ucx_thread::UcxHandle,
+        ucx_thread::{Allocated, UcxHandle},
     },
     wire,
 };
@@ -300,6 +300,122 @@ fn a_probe_reaches_no_peer_and_leaves_nothing_behind() {
         assert_eq!(prober.probe(&peer.worker_address), Ok(Verdict::Survived));
         assert_eq!(prober.probe(&peer.worker_address), Ok(Verdict::Remembered));
     }
+}
+
+/// A shared-memory key of `pool` (allocated by `mallory`) rewritten to name other memory:
+/// `/proc/<pid>/fd/<fd>` of this process's `victim` descriptor (UCX 1.13 and 1.22 encode it in
+/// the segment id: bit 63, the descriptor from bit 30, the pid below), or the same segment in
+/// `elsewhere` instead of the pool directory (a path of the same length).
+fn forged_keys(
+    pool_dir: &std::path::Path,
+    pool: &Allocated,
+    victim: &std::fs::File,
+    elsewhere: &std::path::Path,
+) -> Vec<(&'static str, Vec<u8>)> {
+    use std::os::fd::AsRawFd;
+    let path = pdpair_agent::memory::pool::mapping_path(pool.addr).expect("the pool is a file");
+    let hex = path
+        .file_name()
+        .expect("name")
+        .to_string_lossy()
+        .trim_start_matches("ucx_shm_posix_")
+        .to_owned();
+    let seg = u64::from_str_radix(&hex, 16).expect("a segment id").to_le_bytes();
+    let at = find(&pool.rkey, &seg).expect("the key holds the segment id");
+    let mut procfs = pool.rkey.clone();
+    let fd = victim.as_raw_fd() as u64;
+    let id = (1u64 << 63) | (fd << 30) | u64::from(std::process::id());
+    procfs[at..at + 8].copy_from_slice(&id.to_le_bytes());
+    let dir = pool_dir.as_os_str().as_encoded_bytes();
+    let other = elsewhere.as_os_str().as_encoded_bytes();
+    assert_eq!(dir.len(), other.len());
+    let d = find(&pool.rkey, dir).expect("the key holds the pool directory");
+    let mut moved = pool.rkey.clone();
+    moved[d..d + dir.len()].copy_from_slice(other);
+    vec![
+        ("a descriptor of another process, through /proc", procfs),
+        ("a segment in another directory", moved),
+    ]
+}
+
+#[test]
+fn a_shared_memory_key_naming_memory_outside_the_pool_directory_is_refused() {
+    let _serial = serial();
+    // An insider of the pair with a real UCX worker on this host, and a file of a "victim"
+    // outside the pool directory (another process's memory file: here this test's own).
+    let w = World::new("attack-shmkey");
+    let mut p = prefill(&w);
+    let pools = w.pools().canonicalize().expect("pools");
+    let mallory = UcxHandle::start(Transport::Shm, &pools).expect("UCX");
+    let mut honest = insider(Role::Decode);
+    let l = PoolLayout::new(&honest.kv, &honest.parallelism, 16, 0).expect("layout");
+    let pool = mallory.allocate(l.pool_len() as u64).expect("a pool of its own");
+    honest.worker_address = mallory.worker_address.clone();
+    let victim_path = w.dir.join("victim");
+    std::fs::write(&victim_path, vec![b'V'; pool.len as usize]).expect("victim");
+    let victim = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&victim_path)
+        .expect("victim");
+    let elsewhere = pools.with_file_name("other");
+    std::fs::create_dir_all(&elsewhere).expect("elsewhere");
+    let segment = pdpair_agent::memory::pool::mapping_path(pool.addr).expect("segment");
+    std::fs::copy(&segment, elsewhere.join(segment.file_name().expect("name"))).expect("a copy elsewhere");
+    for (what, key) in forged_keys(&pools, &pool, &victim, &elsewhere) {
+        let mut claim = honest.clone();
+        claim.memory = MemoryDesc::of(&l, vec![(pool.addr, key)]);
+        let mut s = TcpStream::connect(addr(&p)).expect("connect");
+        let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+        protocol::handshake_decode(&mut s, &mut session, &claim).expect("the geometry passes");
+        s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        match session.recv(&mut s) {
+            Ok(Message::Reject { reasons, message }) => {
+                assert_eq!(reasons, vec![Reason::TransportFailed], "{what}: {message}");
+                assert!(
+                    message.contains("not a shared-memory segment in the pool directory"),
+                    "{what}: {message}"
+                );
+            }
+            other => panic!("prefill took {what} for a decode's memory: {other:?}"),
+        }
+    }
+    assert!(std::fs::read(&victim_path).expect("victim").iter().all(|b| *b == b'V'));
+    mallory.unmap(pool.region);
+    still_serves(&w, &mut p, "d");
+}
+
+#[test]
+fn an_agent_on_auto_reaches_no_peer_through_memory_on_its_host() {
+    let _serial = serial();
+    // The same insider against an agent on `--transport auto` (the DaemonSet's): it offers no
+    // transport within the host, so it cannot reach a shared-memory worker at all, whatever its
+    // keys say.
+    let w = World::new("attack-auto");
+    let mut p = prefill_on(&w, Transport::Auto);
+    let pools = w.pools().canonicalize().expect("pools");
+    let mallory = UcxHandle::start(Transport::Shm, &pools).expect("UCX");
+    let mut claim = insider(Role::Decode);
+    let l = PoolLayout::new(&claim.kv, &claim.parallelism, 16, 0).expect("layout");
+    let pool = mallory.allocate(l.pool_len() as u64).expect("a pool of its own");
+    claim.worker_address = mallory.worker_address.clone();
+    claim.memory = MemoryDesc::of(&l, vec![(pool.addr, pool.rkey.clone())]);
+    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+    protocol::handshake_decode(&mut s, &mut session, &claim).expect("the geometry passes");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    match session.recv(&mut s) {
+        Ok(Message::Reject { reasons, message }) => {
+            assert_eq!(reasons, vec![Reason::TransportFailed], "{message}");
+            assert!(
+                message.contains("ucp_ep_create"),
+                "UCX finds no transport to it: {message}"
+            );
+        }
+        other => panic!("an agent on auto connected to a shared-memory worker: {other:?}"),
+    }
+    mallory.unmap(pool.region);
+    still_serves_on(&w, &mut p, "d", Transport::Auto);
 }
 
 #[test]

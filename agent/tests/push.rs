@@ -32,9 +32,10 @@ fn push_64_64(transport: Transport, memory: EngineMemory) {
         transport,
         memory,
         match transport {
-            Transport::Tcp => "Tcp",
+            // Auto offers UCX no transport within the host: two agents on one host use tcp.
+            Transport::Tcp | Transport::Auto => "Tcp",
             // One host: UCX 1.13 chooses sysv and posix shared memory here (cma is refused).
-            Transport::Shm | Transport::Auto => "SharedMemory",
+            Transport::Shm => "SharedMemory",
         },
     );
 }

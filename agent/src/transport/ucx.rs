@@ -49,24 +49,89 @@ fn check(op: &'static str, status: sys::ucs_status_t) -> Result<(), UcxError> {
 /// Which transports UCX may use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
-    /// UCX's own choice among what it loaded (`UCX_TLS` from the environment, else all): the
-    /// default, so a node with RDMA NICs uses them. What it chose is reported per peer
-    /// ([`Endpoint::print_info`], read by `crate::transport::lanes`).
+    /// UCX's own choice among the network transports it loaded (`UCX_TLS` from the environment
+    /// narrows it), and `self` for endpoints to the agent's own worker: the default, so a node
+    /// with RDMA NICs uses them. Never a transport within the host ([`INTRA_NODE`]): peer agents
+    /// are on other nodes (one agent per node serves both engines of a local pair). What UCX
+    /// chose is reported per peer ([`Endpoint::print_info`], read by `crate::transport::lanes`).
     Auto,
     /// TCP sockets only.
     Tcp,
-    /// Shared memory (posix, sysv) on one host only.
+    /// Shared memory (posix, sysv) on one host only: peer agents on the same host (local runs,
+    /// tests).
     Shm,
 }
 
+/// UCX's transports that reach another process on this host through its memory. A peer's
+/// address and keys say which memory: a segment's directory and name, a `/proc/<pid>/fd/<fd>`
+/// (measured with 1.13: a key naming any descriptor of any process the agent may open made it
+/// map that file and WRITE into it), a System V segment id, a process to read, a GPU IPC handle.
+/// So they are offered only with [`Transport::Shm`], whose keys are checked to name segments in
+/// the pool directory (`transport::ucx_thread`); `sm`, `shm` and `mm` are UCX's names for groups
+/// of them.
+pub const INTRA_NODE: [&str; 12] = [
+    "sm",
+    "shm",
+    "mm",
+    "posix",
+    "sysv",
+    "cma",
+    "knem",
+    "xpmem",
+    "cuda_ipc",
+    "rocm_ipc",
+    "ze_ipc",
+    "gaudi_ipc",
+];
+
+/// The `UCX_TLS` for [`Transport::Auto`], from the environment's (`env`): that list without the
+/// [`INTRA_NODE`] transports (and with `self`), or everything else when it is unset, `all`, or a
+/// `^` list. Fails when nothing but transports within the host is left. `gpu_ipc`: whether this
+/// UCX may have GPU IPC transports to exclude (1.13 has none, and warns about each name it does
+/// not know in an exclusion; `sm` covers its shared-memory ones).
+pub fn auto_tls(env: Option<&str>, gpu_ipc: bool) -> Result<String, String> {
+    let env = env.map(str::trim).unwrap_or("");
+    let excluded = if gpu_ipc {
+        "sm,cuda_ipc,rocm_ipc,ze_ipc,gaudi_ipc"
+    } else {
+        "sm"
+    };
+    if env.is_empty() || env == "all" {
+        return Ok(format!("^{excluded}"));
+    }
+    if let Some(rest) = env.strip_prefix('^') {
+        return Ok(format!("^{rest},{excluded}"));
+    }
+    let mut kept: Vec<&str> = env
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty() && !INTRA_NODE.contains(t))
+        .collect();
+    if kept.contains(&"all") {
+        return Ok(format!("^{excluded}"));
+    }
+    if kept.iter().all(|t| *t == "self") {
+        return Err(format!(
+            "UCX_TLS={env:?} names no network transport; --transport auto uses none within the host (use --transport shm for peer agents on one host)"
+        ));
+    }
+    if !kept.contains(&"self") {
+        kept.push("self");
+    }
+    Ok(kept.join(","))
+}
+
 impl Transport {
-    /// The `UCX_TLS` this restriction sets (`None`: left to UCX and the environment).
-    fn tls(self) -> Option<&'static str> {
+    /// The `UCX_TLS` this restriction sets.
+    fn tls(self) -> Result<String, String> {
         // `self` lets an endpoint reach its own worker.
         match self {
-            Transport::Auto => None,
-            Transport::Tcp => Some("tcp,self"),
-            Transport::Shm => Some("posix,sysv,self"),
+            Transport::Auto => auto_tls(
+                std::env::var("UCX_TLS").ok().as_deref(),
+                !version().starts_with("1.13."),
+            ),
+            Transport::Tcp => Ok("tcp,self".into()),
+            Transport::Shm => Ok("posix,sysv,self".into()),
         }
     }
 
@@ -81,7 +146,7 @@ impl Transport {
 
     /// Whether UCX's shared-memory transports may load (they limit the pool directory's length).
     fn may_use_shm(self) -> bool {
-        !matches!(self, Transport::Tcp)
+        matches!(self, Transport::Shm)
     }
 }
 
@@ -195,12 +260,17 @@ impl Context {
                 ),
             });
         }
+        let tls = transport.tls().map_err(|text| UcxError {
+            op: "ucp_config_modify",
+            status: sys::ucs_status_t_UCS_ERR_INVALID_PARAM,
+            text,
+        })?;
         let mut config: *mut sys::ucp_config_t = ptr::null_mut();
         // SAFETY: out-pointer to a config handle; null prefix and file mean defaults plus env.
         check("ucp_config_read", unsafe {
             sys::ucp_config_read(ptr::null(), ptr::null(), &mut config)
         })?;
-        let mut settings: Vec<(&str, String)> = transport.tls().map(|t| ("TLS", t.to_owned())).into_iter().collect();
+        let mut settings: Vec<(&str, String)> = vec![("TLS", tls)];
         if let Some(dir) = pool_dir {
             settings.extend([
                 ("ALLOC_PRIO", "md:posix".to_owned()),

@@ -170,7 +170,8 @@ impl UcxHandle {
     /// Starts the thread. Fails when UCX cannot start on `transport`.
     /// `pool_dir` is where memory this thread allocates lives (see [`crate::pool`]).
     pub fn start(transport: Transport, pool_dir: &std::path::Path) -> Result<UcxHandle, String> {
-        let pool_dir = pool_dir.to_path_buf();
+        // Canonical: peers' keys must name segments in it, as /proc/self/maps shows them.
+        let pool_dir = pool_dir.canonicalize().unwrap_or_else(|_| pool_dir.to_path_buf());
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::channel();
         thread::Builder::new()
@@ -181,7 +182,7 @@ impl UcxHandle {
                     Ok((context, worker)) => match worker.address() {
                         Ok(addr) => {
                             let _ = ready_tx.send(Ok((addr, context.memory_types())));
-                            run(context, worker, rx);
+                            run(context, worker, rx, &pool_dir);
                         }
                         Err(e) => {
                             let _ = ready_tx.send(Err(e.to_string()));
@@ -517,7 +518,7 @@ fn reap(orphans: &mut Vec<Orphan>, retired: &mut HashMap<u64, Held>) {
     retired.retain(|id, _| orphans.iter().any(|o| o.regions.contains(id)));
 }
 
-fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
+fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::path::Path) {
     let mut registered: HashMap<u64, Held> = HashMap::new();
     let mut peers: HashMap<u64, Peer> = HashMap::new();
     let mut inflight: Vec<InFlight> = Vec::new();
@@ -688,6 +689,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>) {
                                 // peer that claims more than its segment holds would make us copy
                                 // into our own memory past it.
                                 mapped_whole(&rkey, range, at)?;
+                                segment_in(pool_dir, at)?;
                                 guard = Some(crate::memory::guard::guard(at, range.1));
                             }
                             locals.push(local);
@@ -904,6 +906,32 @@ fn mapped_whole(rkey: &RemoteKey, remote: (u64, u64), at: u64) -> Result<(), Str
         ));
     }
     Ok(())
+}
+
+/// The file UCX mapped at `at` for a peer's key is a UCX segment in the pool directory: a
+/// peer's shared-memory key names the file to map (a directory and a segment name, or
+/// `/proc/<pid>/fd/<fd>` of any process), and UCX maps whatever it names.
+fn segment_in(pool_dir: &std::path::Path, at: u64) -> Result<(), String> {
+    let path = crate::memory::pool::mapping_path(at);
+    let ours = path.as_deref().is_some_and(|p| {
+        p.parent() == Some(pool_dir)
+            && p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(crate::memory::pool::UCX_SEGMENT_PREFIX))
+    });
+    if ours {
+        return Ok(());
+    }
+    Err(match path {
+        Some(p) => format!(
+            "the peer's key maps {}, not a shared-memory segment in the pool directory {}",
+            crate::reason::peer_text(&p.to_string_lossy()),
+            pool_dir.display()
+        ),
+        None => format!(
+            "the peer's key maps memory that is no file in the pool directory {}",
+            pool_dir.display()
+        ),
+    })
 }
 
 /// Replaces `addr..addr+len` (whole pages of a mapping this process holds) with private

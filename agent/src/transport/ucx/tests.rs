@@ -171,11 +171,12 @@ fn an_endpoint_reports_the_lanes_ucx_chose_for_it() {
     // Over tcp, UCX 1.13 emulates puts with active messages; later UCX puts over tcp's own
     // RMA lanes (measured with 1.22).
     let tcp_emulated = version().starts_with("1.13.");
-    // Auto: UCX picks among what it loaded; on one host here that is shared memory.
+    // Auto: UCX picks among the network transports it loaded (never shared memory, even on
+    // one host); here that is tcp.
     for (transport, kind, emulated) in [
         (Transport::Tcp, PathKind::Tcp, tcp_emulated),
         (Transport::Shm, PathKind::SharedMemory, false),
-        (Transport::Auto, PathKind::SharedMemory, false),
+        (Transport::Auto, PathKind::Tcp, tcp_emulated),
     ] {
         let a = Context::new(transport, Some(&dir)).expect("context A");
         let b = Context::new(transport, Some(&dir)).expect("context B");
@@ -186,7 +187,7 @@ fn an_endpoint_reports_the_lanes_ucx_chose_for_it() {
         let lanes = Lanes::parse(&text);
         assert_eq!(lanes.kind(), kind, "{transport:?}:\n{text}");
         assert_eq!(lanes.carrying().1, emulated, "{transport:?}:\n{text}");
-        if transport == Transport::Tcp {
+        if transport != Transport::Shm {
             // 1.22 adds a second tcp lane over the host's other interface.
             let names = lanes.names();
             assert_eq!(names.first().map(String::as_str), Some("tcp/lo"), "{text}");
@@ -223,11 +224,30 @@ fn transports_parse_from_their_names_and_refuse_others_naming_them() {
     ] {
         assert_eq!(name.parse::<Transport>(), Ok(t));
     }
+    // Auto narrows the environment's UCX_TLS to transports that leave the host.
+    let excluded = "sm,cuda_ipc,rocm_ipc,ze_ipc,gaudi_ipc";
     assert_eq!(
-        Transport::Auto.tls(),
-        None,
-        "auto leaves UCX_TLS to UCX and the environment"
+        auto_tls(None, false),
+        Ok("^sm".to_owned()),
+        "1.13 has no GPU IPC to exclude"
     );
+    for (env, want) in [
+        (None, format!("^{excluded}")),
+        (Some("all"), format!("^{excluded}")),
+        (Some("^ud"), format!("^ud,{excluded}")),
+        (Some("rc,sm"), "rc,self".to_owned()),
+        (Some("rc, posix ,self,cma"), "rc,self".to_owned()),
+        (Some("tcp,cuda_copy,cuda_ipc"), "tcp,cuda_copy,self".to_owned()),
+    ] {
+        assert_eq!(auto_tls(env, true), Ok(want), "{env:?}");
+    }
+    for env in ["sm", "posix,sysv,self", "self"] {
+        let e = auto_tls(Some(env), true).expect_err(env);
+        assert!(
+            e.contains(&format!("UCX_TLS={env:?}")) && e.contains("--transport shm"),
+            "{e}"
+        );
+    }
     let e = "ib".parse::<Transport>().expect_err("refused");
     assert!(e.contains("\"ib\""), "{e}");
 }
