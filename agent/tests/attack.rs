@@ -419,6 +419,61 @@ fn an_agent_on_auto_reaches_no_peer_through_memory_on_its_host() {
 }
 
 #[test]
+fn a_copy_of_the_agents_own_address_with_a_byte_changed_is_refused() {
+    let _serial = serial();
+    // An insider learns prefill's worker address and its engine's memory from an honest
+    // handshake, then sends that address with one byte changed (past UCX's worker id) and a
+    // region inside the engine's pool but not equal to it (so it is not "the agent's own
+    // memory" by equality). UCX 1.13 and 1.22 connect such an address to the agent's own worker
+    // over `self`, and prefill's puts would land in its own pool at the insider's offsets.
+    let w = World::new("attack-self");
+    let mut p = prefill_on(&w, Transport::Tcp);
+    let mallory = UcxHandle::start(Transport::Tcp, &w.pools()).expect("UCX");
+    let mut honest = insider(Role::Decode);
+    let l = PoolLayout::new(&honest.kv, &honest.parallelism, 16, 0).expect("layout");
+    let mut buffer = vec![0u8; l.pool_len()];
+    let (_, rkey) = mallory
+        .map(buffer.as_mut_ptr() as u64, buffer.len() as u64, Box::new(()))
+        .expect("a pool of its own");
+    honest.worker_address = mallory.worker_address.clone();
+    honest.memory = MemoryDesc::of(&l, vec![(buffer.as_ptr() as u64, rkey)]);
+    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+    let prefills = protocol::handshake_decode(&mut s, &mut session, &honest).expect("an honest handshake passes");
+    let own = prefills.worker_address.clone();
+    let region = prefills.memory.regions[0].clone();
+    let mut claim = honest.clone();
+    // The upper half of prefill's pool, as a pool of half the blocks.
+    let half = PoolLayout::new(&honest.kv, &honest.parallelism, 8, 0).expect("layout");
+    claim.memory = MemoryDesc::of(&half, vec![(region.base + half.pool_len() as u64, region.rkey.clone())]);
+    assert!(
+        claim.memory.regions[0].base + claim.memory.regions[0].len <= region.base + region.len,
+        "the claim lies inside prefill's pool"
+    );
+    for i in [own.len() - 1, 20] {
+        let mut forged = own.clone();
+        forged[i] ^= 1;
+        claim.worker_address = forged;
+        let mut s = TcpStream::connect(addr(&p)).expect("connect");
+        let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+        protocol::handshake_decode(&mut s, &mut session, &claim).expect("the geometry passes");
+        s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        match session.recv(&mut s) {
+            Ok(Message::Reject { reasons, message }) => {
+                assert_eq!(reasons, vec![Reason::TransportFailed], "byte {i}: {message}");
+                assert!(
+                    message.contains("reaches this agent's own worker"),
+                    "byte {i}: {message}"
+                );
+            }
+            other => panic!("byte {i}: prefill took its own worker for a decode's: {other:?}"),
+        }
+    }
+    drop(s);
+    still_serves_on(&w, &mut p, "d", Transport::Tcp);
+}
+
+#[test]
 fn an_agent_whose_probe_cannot_run_does_not_start() {
     let w = World::new("attack-noprobe");
     let cfg = pdpair_agent::agent::AgentConfig {

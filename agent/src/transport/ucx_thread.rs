@@ -674,6 +674,24 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
                     .connect(&worker_address)
                     .map_err(|e| e.to_string())
                     .and_then(|ep| {
+                        // UCX takes an address with this worker's id for this worker (its `self`
+                        // lane), whatever its other bytes: a peer's copy of our address with a
+                        // byte changed would have us put into our own memory at ranges it
+                        // describes. Only our address itself may reach us (the caller checks
+                        // that such a peer is one of our engines, with its exact memory).
+                        let reaches_us = crate::transport::lanes::Lanes::parse(&ep.print_info())
+                            .names()
+                            .iter()
+                            .any(|n| n.starts_with("self/"));
+                        if reaches_us && worker.address().ok().as_deref() != Some(&worker_address[..]) {
+                            return Err(
+                                "the peer's worker address reaches this agent's own worker but is not its address"
+                                    .to_owned(),
+                            );
+                        }
+                        Ok(ep)
+                    })
+                    .and_then(|ep| {
                         let mut unpacked = Vec::with_capacity(remotes.len());
                         let mut locals = Vec::with_capacity(remotes.len());
                         for (rkey, range) in remotes {
@@ -689,7 +707,11 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
                                 // peer that claims more than its segment holds would make us copy
                                 // into our own memory past it.
                                 mapped_whole(&rkey, range, at)?;
-                                segment_in(pool_dir, at)?;
+                                // Our own registered memory (an endpoint to our own worker, UCX
+                                // 1.22's self lane), else a segment in the pool directory.
+                                if !inside_registered(&registered, at, range.1) {
+                                    segment_in(pool_dir, at)?;
+                                }
                                 guard = Some(crate::memory::guard::guard(at, range.1));
                             }
                             locals.push(local);
@@ -906,6 +928,14 @@ fn mapped_whole(rkey: &RemoteKey, remote: (u64, u64), at: u64) -> Result<(), Str
         ));
     }
     Ok(())
+}
+
+/// Whether `at..at+len` lies inside one region registered here.
+fn inside_registered(registered: &HashMap<u64, Held>, at: u64, len: u64) -> bool {
+    registered.values().any(|h| {
+        let (start, end) = (h.region.addr(), h.region.addr() + h.region.len() as u64);
+        at >= start && at.checked_add(len).is_some_and(|e| e <= end)
+    })
 }
 
 /// The file UCX mapped at `at` for a peer's key is a UCX segment in the pool directory: a
