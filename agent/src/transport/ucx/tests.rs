@@ -235,6 +235,8 @@ fn transports_parse_from_their_names_and_refuse_others_naming_them() {
         (None, format!("^{excluded}")),
         (Some("all"), format!("^{excluded}")),
         (Some("^ud"), format!("^ud,{excluded}")),
+        // What docs/operations.md advises on an RDMA cluster: no tcp either.
+        (Some("^tcp"), format!("^tcp,{excluded}")),
         (Some("rc,sm"), "rc,self".to_owned()),
         (Some("rc, posix ,self,cma"), "rc,self".to_owned()),
         (Some("tcp,cuda_copy,cuda_ipc"), "tcp,cuda_copy,self".to_owned()),
