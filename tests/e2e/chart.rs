@@ -305,9 +305,15 @@ fn non_default_values_change_what_they_should() {
     let policy = get(&plain, "NetworkPolicy", "agent");
     let selector = &get(&plain, "DaemonSet", "agent")["spec"]["template"]["metadata"]["labels"];
     assert_eq!(&policy["spec"]["podSelector"]["matchLabels"], selector);
-    assert_eq!(&policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"], selector);
+    assert_eq!(
+        &policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"],
+        selector
+    );
     assert_eq!(policy["spec"]["ingress"][1]["ports"][0]["port"], 9090);
-    assert!(policy["spec"]["ingress"][1]["from"].is_null(), "the admin port is open to all");
+    assert!(
+        policy["spec"]["ingress"][1]["from"].is_null(),
+        "the admin port is open to all"
+    );
     assert_eq!(policy["spec"]["ingress"].as_sequence().map(Vec::len), Some(2));
     assert!(find(&objs, "NetworkPolicy", "agent").is_none(), "host networking");
     let off = render(&["agent.networkPolicy.enabled=false"]).expect("renders");

@@ -162,7 +162,22 @@ impl Prober {
             .map_err(|e| format!("starting the UCX probe {}: {e}", self.exe.display()))?;
         // The address fits a pipe's buffer (at most MAX_UCX_BLOB bytes), so this does not block.
         let wrote = child.stdin.take().map(|mut s| s.write_all(address));
-        let mut stderr = child.stderr.take();
+        // Drained as it comes (UCX may log more than a pipe holds), keeping the tail.
+        let drain = child.stderr.take().map(|mut s| {
+            std::thread::spawn(move || {
+                let mut tail = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while let Ok(n) = s.read(&mut chunk) {
+                    if n == 0 {
+                        break;
+                    }
+                    tail.extend_from_slice(&chunk[..n]);
+                    let excess = tail.len().saturating_sub(4096);
+                    tail.drain(..excess);
+                }
+                String::from_utf8_lossy(&tail).into_owned()
+            })
+        });
         let status = loop {
             match child.try_wait() {
                 Ok(Some(status)) => break status,
@@ -188,10 +203,7 @@ impl Prober {
             return Ok(());
         }
         // The probe's own message (its last line), never UCX's text about the peer's bytes.
-        let mut text = String::new();
-        if let Some(s) = stderr.as_mut() {
-            let _ = s.take(4096).read_to_string(&mut text);
-        }
+        let text = drain.and_then(|d| d.join().ok()).unwrap_or_default();
         let line = text
             .lines()
             .rev()
@@ -263,6 +275,15 @@ pub fn serve(
         .read_to_end(&mut address)
         .map_err(|e| setup(format!("reading the address: {e}")))?;
     crate::protocol::check_ucx_address(&address).map_err(setup)?;
+    // Nothing of the agent's (its sockets, segments, pools: UCX opens them without
+    // close-on-exec) stays open in here, where UCX parses a hostile address.
+    // SAFETY: closes descriptors 3 and up of this single-threaded process; none is in use here.
+    if unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) } != 0 {
+        return Err(setup(format!(
+            "closing the agent's descriptors: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
     // Mount and IPC namespaces of our own, before UCX starts: its segments (files in the
     // scratch directory, System V segments) are then ours alone.
     // SAFETY: unshare changes only this (single-threaded) process's namespaces.
