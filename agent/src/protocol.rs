@@ -991,11 +991,22 @@ pub fn handshake_prefill(
     session: &mut Session,
     local: &PeerInfo,
 ) -> Result<PeerInfo, HandshakeError> {
+    handshake_prefill_vetted(stream, session, local, |_| None)
+}
+
+/// [`handshake_prefill`], with `vet` asked too before P answers (the agent tries D's UCX address
+/// in a probe there, so D's heartbeat clock does not start while P is still probing).
+pub fn handshake_prefill_vetted(
+    stream: &mut (impl Read + Write),
+    session: &mut Session,
+    local: &PeerInfo,
+    vet: impl FnOnce(&PeerInfo) -> Option<(Vec<Reason>, String)>,
+) -> Result<PeerInfo, HandshakeError> {
     let peer = match session.recv(stream)? {
         Message::Handshake(peer) => *peer,
         other => return Err(unexpected("Handshake", &other)),
     };
-    if let Some((reasons, message)) = refuse(local, &peer) {
+    if let Some((reasons, message)) = refuse(local, &peer).or_else(|| vet(&peer)) {
         return Err(reject_sealed(stream, session, reasons, message));
     }
     session.send(stream, &Message::Handshake(Box::new(local.clone())))?;

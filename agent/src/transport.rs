@@ -42,6 +42,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// What a peer needs to reach this backend (UCX: the worker address).
     fn address(&self) -> Vec<u8>;
 
+    /// Whether a peer's `address` may be handed to [`Backend::connect`] (UCX: it passed the probe,
+    /// [`ucx_probe`]); `connect` asks again (a remembered address is answered at once).
+    fn vet_address(&self, _address: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
+
     /// Connects to a peer at `address` whose regions are `remotes` (key, (address, bytes)).
     fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>) -> Result<u64, String>;
 
@@ -76,6 +82,10 @@ impl Backend for ucx_thread::UcxHandle {
 
     fn address(&self) -> Vec<u8> {
         self.worker_address.clone()
+    }
+
+    fn vet_address(&self, address: &[u8]) -> Result<(), String> {
+        ucx_thread::UcxHandle::vet_address(self, address)
     }
 
     fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>) -> Result<u64, String> {

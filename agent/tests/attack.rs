@@ -219,11 +219,9 @@ fn a_worker_address_that_crashes_ucx_crashes_only_a_probe_and_prefill_keeps_serv
         for _ in 0..2 {
             let mut s = TcpStream::connect(addr(&p)).expect("connect");
             let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
-            // The handshake passes its checks; prefill then connects to decode's worker, and
-            // refuses when it cannot.
-            protocol::handshake_decode(&mut s, &mut session, &info).expect("the handshake's checks pass");
-            match session.recv(&mut s) {
-                Ok(Message::Reject { reasons, message }) => {
+            // Prefill probes decode's address before it answers the handshake.
+            match protocol::handshake_decode(&mut s, &mut session, &info) {
+                Err(HandshakeError::Rejected { reasons, message }) => {
                     assert_eq!(reasons, vec![Reason::TransportFailed], "{message}");
                     assert!(message.contains("UCX crashed on it in a probe"), "{message}");
                 }

@@ -141,7 +141,16 @@ impl Engine {
         let shaken = protocol::authenticate_prefill(&mut timed, |p| (p == pdpair).then(|| key.clone())).and_then(
             |(_, mut session)| {
                 drop(slot); // authenticated: no longer counted against the pre-auth budget
-                protocol::handshake_prefill(&mut timed, &mut session, &self.local).map(|peer| (peer, session))
+                // In push we connect to decode's worker: its address is probed before we answer.
+                let push = self.settings.mode == pdpair_api::TransferMode::Push;
+                let vet = |peer: &PeerInfo| {
+                    (push && peer.memory.kind == crate::protocol::MemoryKind::Host)
+                        .then(|| self.transport().vet_address(&peer.worker_address).err())
+                        .flatten()
+                        .map(|e| (vec![Reason::TransportFailed], e))
+                };
+                protocol::handshake_prefill_vetted(&mut timed, &mut session, &self.local, vet)
+                    .map(|peer| (peer, session))
             },
         );
         let (peer, mut session) = match shaken {

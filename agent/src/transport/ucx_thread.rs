@@ -244,6 +244,18 @@ impl UcxHandle {
         let _ = self.call(|reply| Command::Unmap { region, reply });
     }
 
+    /// A peer's worker address, checked for size and format and tried in the probe (when this
+    /// handle has one) before this worker sees it.
+    pub fn vet_address(&self, worker_address: &[u8]) -> Result<(), String> {
+        crate::protocol::check_ucx_address(worker_address)?;
+        if let Some(prober) = &self.probe {
+            prober
+                .probe(worker_address)
+                .map_err(|e| format!("worker_address: {e}"))?;
+        }
+        Ok(())
+    }
+
     /// See [`Command::Connect`].
     /// `remotes` are the peer's regions: (packed key, registered range (address, bytes)). When
     /// UCX mapped the peer's memory into this process (shared memory it allocated: puts are
@@ -254,12 +266,7 @@ impl UcxHandle {
     /// The keys and address are a peer's bytes: they are length- and structure-checked here,
     /// before UCX parses them, and no range may be empty or wrap.
     pub fn connect(&self, worker_address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>) -> Result<u64, String> {
-        crate::protocol::check_ucx_address(&worker_address)?;
-        if let Some(prober) = &self.probe {
-            prober
-                .probe(&worker_address)
-                .map_err(|e| format!("worker_address: {e}"))?;
-        }
+        self.vet_address(&worker_address)?;
         if remotes.is_empty() || remotes.len() > crate::layout::MAX_REGIONS {
             return Err(format!(
                 "the peer has {} regions; a pool has 1..={}",
