@@ -336,6 +336,22 @@ fn forged_keys(
     ]
 }
 
+/// An insider's handshake with `p` that passes its checks, after which prefill refuses to
+/// connect to the worker and memory `claim` names (`TransportFailed`): the refusal's message.
+fn connect_refused(p: &SyntheticEngine, claim: &PeerInfo, what: &str) -> String {
+    let mut s = TcpStream::connect(addr(p)).expect("connect");
+    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+    protocol::handshake_decode(&mut s, &mut session, claim).expect("the geometry passes");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    match session.recv(&mut s) {
+        Ok(Message::Reject { reasons, message }) => {
+            assert_eq!(reasons, vec![Reason::TransportFailed], "{what}: {message}");
+            message
+        }
+        other => panic!("prefill connected to {what}: {other:?}"),
+    }
+}
+
 #[test]
 fn a_shared_memory_key_naming_memory_outside_the_pool_directory_is_refused() {
     let _serial = serial();
@@ -363,20 +379,11 @@ fn a_shared_memory_key_naming_memory_outside_the_pool_directory_is_refused() {
     for (what, key) in forged_keys(&pools, &pool, &victim, &elsewhere) {
         let mut claim = honest.clone();
         claim.memory = MemoryDesc::of(&l, vec![(pool.addr, key)]);
-        let mut s = TcpStream::connect(addr(&p)).expect("connect");
-        let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
-        protocol::handshake_decode(&mut s, &mut session, &claim).expect("the geometry passes");
-        s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-        match session.recv(&mut s) {
-            Ok(Message::Reject { reasons, message }) => {
-                assert_eq!(reasons, vec![Reason::TransportFailed], "{what}: {message}");
-                assert!(
-                    message.contains("not a shared-memory segment in the pool directory"),
-                    "{what}: {message}"
-                );
-            }
-            other => panic!("prefill took {what} for a decode's memory: {other:?}"),
-        }
+        let message = connect_refused(&p, &claim, what);
+        assert!(
+            message.contains("not a shared-memory segment in the pool directory"),
+            "{what}: {message}"
+        );
     }
     assert!(std::fs::read(&victim_path).expect("victim").iter().all(|b| *b == b'V'));
     mallory.unmap(pool.region);
@@ -398,20 +405,11 @@ fn an_agent_on_auto_reaches_no_peer_through_memory_on_its_host() {
     let pool = mallory.allocate(l.pool_len() as u64).expect("a pool of its own");
     claim.worker_address = mallory.worker_address.clone();
     claim.memory = MemoryDesc::of(&l, vec![(pool.addr, pool.rkey.clone())]);
-    let mut s = TcpStream::connect(addr(&p)).expect("connect");
-    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
-    protocol::handshake_decode(&mut s, &mut session, &claim).expect("the geometry passes");
-    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    match session.recv(&mut s) {
-        Ok(Message::Reject { reasons, message }) => {
-            assert_eq!(reasons, vec![Reason::TransportFailed], "{message}");
-            assert!(
-                message.contains("ucp_ep_create"),
-                "UCX finds no transport to it: {message}"
-            );
-        }
-        other => panic!("an agent on auto connected to a shared-memory worker: {other:?}"),
-    }
+    let message = connect_refused(&p, &claim, "a shared-memory worker, from auto");
+    assert!(
+        message.contains("ucp_ep_create"),
+        "UCX finds no transport to it: {message}"
+    );
     mallory.unmap(pool.region);
     still_serves_on(&w, &mut p, "d", Transport::Auto);
 }
@@ -452,20 +450,11 @@ fn a_copy_of_the_agents_own_address_with_a_byte_changed_is_refused() {
         let mut forged = own.clone();
         forged[i] ^= 1;
         claim.worker_address = forged;
-        let mut s = TcpStream::connect(addr(&p)).expect("connect");
-        let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
-        protocol::handshake_decode(&mut s, &mut session, &claim).expect("the geometry passes");
-        s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-        match session.recv(&mut s) {
-            Ok(Message::Reject { reasons, message }) => {
-                assert_eq!(reasons, vec![Reason::TransportFailed], "byte {i}: {message}");
-                assert!(
-                    message.contains("reaches this agent's own worker"),
-                    "byte {i}: {message}"
-                );
-            }
-            other => panic!("byte {i}: prefill took its own worker for a decode's: {other:?}"),
-        }
+        let message = connect_refused(&p, &claim, &format!("its own worker, byte {i} changed"));
+        assert!(
+            message.contains("reaches this agent's own worker"),
+            "byte {i}: {message}"
+        );
     }
     drop(s);
     still_serves_on(&w, &mut p, "d", Transport::Tcp);
