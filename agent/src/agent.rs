@@ -18,7 +18,7 @@ use std::{
     os::unix::net::{UnixListener, UnixStream},
     path::{Path, PathBuf},
     sync::{
-        Arc, Mutex, MutexGuard,
+        Arc, Mutex,
         atomic::{AtomicBool, Ordering},
     },
     thread,
@@ -38,6 +38,7 @@ pub use publish::Publisher;
 use crate::{
     engine_api::{AgentEvent, EngineRequest, PoolRegistration, Settings},
     layout::PoolLayout,
+    lock,
     memory::pool::{self, Pool},
     metrics::Metrics,
     protocol::{self, HandshakeError, MemoryDesc, Message, PeerInfo, Reason},
@@ -88,12 +89,6 @@ pub const HEARTBEAT_MISSES: u32 = 5;
 /// How long prefill waits for any frame from a decode agent (which pings at least every
 /// [`MAX_HEARTBEAT`]) before it drops the link and forgets its registrations.
 pub const PREFILL_SILENCE_LIMIT: Duration = Duration::from_secs(30);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A poisoned lock means a panicking thread; the data is still consistent enough to fail
-    // requests with, so keep going rather than cascade the panic.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A running agent.
 #[derive(Clone, Debug)]

@@ -5,6 +5,13 @@
 //! admission webhook), and moves KV blocks with RDMA WRITEs over UCX, verified by KV checksums.
 
 pub mod admin;
+
+/// Locks `m`. A poisoned lock means a panicking thread; the data is still consistent enough to
+/// fail requests with, so keep going rather than cascade the panic.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 pub mod agent;
 pub mod api_client;
 pub mod attest;

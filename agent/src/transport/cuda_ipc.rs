@@ -32,6 +32,7 @@ use std::{
 };
 
 use crate::{
+    lock,
     memory::cuda::{DeviceMemory, Fence, Gpu, IpcEvent, IpcHandle},
     transport::{Backend, Observed, OpError, PutOp},
 };
@@ -73,10 +74,6 @@ struct Inner {
 pub struct CudaIpc {
     address: Vec<u8>,
     inner: Mutex<Inner>,
-}
-
-fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// 16 bytes from the OS's random source (a token no peer can guess; all zero only if that

@@ -37,7 +37,10 @@ use std::{
 
 use sha2::{Digest, Sha256};
 
-use crate::transport::ucx::{Context, Transport, Worker};
+use crate::{
+    lock,
+    transport::ucx::{Context, Transport, Worker},
+};
 
 /// How long a probe may take (a UCX context and worker in a fresh process; a debug build on a
 /// busy 2-core machine takes well under a second).
@@ -214,10 +217,6 @@ impl Prober {
             .collect::<String>();
         Err(format!("the UCX probe failed (exit {:?}): {line}", status.code()))
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn signal_name(signal: i32) -> &'static str {

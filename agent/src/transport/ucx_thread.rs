@@ -181,8 +181,8 @@ impl UcxHandle {
                 match setup {
                     Ok((context, worker)) => match worker.address() {
                         Ok(addr) => {
-                            let _ = ready_tx.send(Ok((addr, context.memory_types())));
-                            run(context, worker, rx, &pool_dir);
+                            let _ = ready_tx.send(Ok((addr.clone(), context.memory_types())));
+                            run(context, worker, rx, &pool_dir, &addr);
                         }
                         Err(e) => {
                             let _ = ready_tx.send(Err(e.to_string()));
@@ -525,7 +525,7 @@ fn reap(orphans: &mut Vec<Orphan>, retired: &mut HashMap<u64, Held>) {
     retired.retain(|id, _| orphans.iter().any(|o| o.regions.contains(id)));
 }
 
-fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::path::Path) {
+fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::path::Path, own_address: &[u8]) {
     let mut registered: HashMap<u64, Held> = HashMap::new();
     let mut peers: HashMap<u64, Peer> = HashMap::new();
     let mut inflight: Vec<InFlight> = Vec::new();
@@ -690,7 +690,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
                             .names()
                             .iter()
                             .any(|n| n.starts_with("self/"));
-                        if reaches_us && worker.address().ok().as_deref() != Some(&worker_address[..]) {
+                        if reaches_us && worker_address != own_address {
                             return Err(
                                 "the peer's worker address reaches this agent's own worker but is not its address"
                                     .to_owned(),
