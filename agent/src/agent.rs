@@ -43,8 +43,8 @@ use crate::{
     metrics::Metrics,
     protocol::{self, HandshakeError, MemoryDesc, Message, PeerInfo, Reason},
     reason,
-    transport::ucx::Transport,
     transport::ucx_thread::UcxHandle,
+    transport::{Backend as _, ucx::Transport},
     wire::{self, Sealer, hex_bytes},
 };
 
@@ -110,8 +110,9 @@ struct Shared {
     cfg: AgentConfig,
     /// UCX, for registering the engines' pools (host memory).
     ucx: UcxHandle,
-    /// What moves host pools' bytes (the same UCX thread).
-    transport: Arc<dyn crate::transport::Backend>,
+    /// What moves host pools' bytes: the same UCX thread, or the tcp stream
+    /// (`transport::host`).
+    transport: Arc<crate::transport::host::Host>,
     /// What moves GPU pools' bytes between engines behind this agent.
     cuda: Arc<crate::transport::cuda_ipc::CudaIpc>,
     /// The engines registered here (by a registration id): who they are and the memory they
@@ -250,6 +251,22 @@ impl Agent {
             }
             None => tracing::warn!("the UCX probe is off: a peer's hostile UCX worker address can crash this agent"),
         }
+        // UCX's tcp is never loaded (docs/security.md): peers without RDMA get the stream.
+        let stream = match cfg.transport {
+            Transport::Tcp => true,
+            Transport::Auto => !crate::transport::ucx::network_available(),
+            Transport::Shm => false,
+        };
+        let stream = if stream {
+            let s = crate::transport::stream::Stream::start(cfg.listen_host)?;
+            tracing::info!(
+                address = %String::from_utf8_lossy(&s.address()),
+                "KV moves over this agent's tcp stream (no RDMA device, or --transport tcp); the path is reported as Tcp"
+            );
+            Some(s)
+        } else {
+            None
+        };
         if cfg.attestor.is_none() {
             tracing::warn!(
                 "engine attestation is off: any process that can open the engine socket may register for any PDPair, role and pod"
@@ -258,7 +275,7 @@ impl Agent {
         Ok(Agent {
             shared: Arc::new(Shared {
                 cfg,
-                transport: Arc::new(ucx.clone()),
+                transport: Arc::new(crate::transport::host::Host::new(ucx.clone(), stream)),
                 cuda: Arc::new(crate::transport::cuda_ipc::CudaIpc::new()),
                 locals: Mutex::new(Vec::new()),
                 ucx,
@@ -573,6 +590,9 @@ impl Pending {
 /// An authenticated, handshaken side-channel connection.
 #[derive(Debug)]
 struct Link {
+    /// What the peer may reach of this engine's memory through the backend (the tcp stream's
+    /// admission; nothing for UCX), for as long as the link lives.
+    _admission: Option<crate::transport::Admission>,
     /// The stream and the session's sealer: every frame we send is sealed.
     writer: Mutex<(TcpStream, Sealer)>,
     /// Another handle on the stream, to shut it down without waiting for a send in progress
@@ -880,7 +900,7 @@ impl Engine {
         let path = pdpair_api::TransferPath {
             peer: peer_name(&link.peer.engine, &link.peer.agent),
             kind: seen.kind,
-            backend: self.transport().kind(),
+            backend: seen.backend,
             lanes: seen.lanes,
             emulated: seen.emulated,
             ucx_version: seen.version,
@@ -1029,6 +1049,21 @@ impl Engine {
                 }
             }
         }
+        if let Some(s) = shared.transport.stream() {
+            if let Some(i) = pools.iter().position(|p| p.keep().is_none()) {
+                for p in &pools {
+                    p.release(&shared.ucx);
+                }
+                return Err(format!(
+                    "region {i}: UCX allocated it, and the tcp stream moves only the agent's own mappings"
+                ));
+            }
+            for (p, len) in pools.iter().zip(&lens) {
+                if let Some(keep) = p.keep() {
+                    s.register(p.region, p.base, *len as u64, keep);
+                }
+            }
+        }
         Ok(pools)
     }
 
@@ -1120,6 +1155,9 @@ impl Engine {
         }
         lock(&self.pending).clear();
         for pool in &self.pools {
+            if let Some(s) = self.shared.transport.stream() {
+                s.forget(pool.region);
+            }
             pool.release(&self.shared.ucx);
         }
         if let Some(d) = &self.device {

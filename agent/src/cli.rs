@@ -113,9 +113,10 @@ pub struct RunArgs {
     /// Address the side-channel listeners bind (the pod or node IP in a cluster).
     #[arg(long = "listen-host", env = "POD_IP", default_value = "127.0.0.1")]
     pub listen_host: std::net::IpAddr,
-    /// UCX transports: auto (UCX's choice among its network transports, which `UCX_TLS` in the
-    /// environment may narrow; never one within the host; the path it took is reported per
-    /// peer), or only tcp, or only shm (shared memory, for peer agents on one host).
+    /// How KV moves: auto (RDMA through UCX where UCX finds an RDMA device, which `UCX_TLS` in
+    /// the environment may narrow, else the agent's tcp stream; the path is reported per peer),
+    /// tcp (the agent's tcp stream, where the receiving agent places every byte; UCX's own tcp
+    /// is never loaded), or shm (UCX's shared memory, for peer agents on one host).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "shm"])]
     pub transport: String,
     /// Plain-HTTP address for /metrics and /healthz.
@@ -244,8 +245,8 @@ pub struct LoopbackArgs {
     /// Prompt tokens per request.
     #[arg(long = "prompt-tokens", default_value_t = 1024)]
     pub prompt_tokens: u64,
-    /// UCX transports of both agents: shm (they are on one host), tcp, or auto (UCX's choice
-    /// among its network transports: tcp here).
+    /// How both agents move KV: shm (UCX's shared memory: they are on one host), tcp (the
+    /// agents' tcp stream), or auto (RDMA where there is a device, else the stream).
     #[arg(long, default_value = "shm", value_parser = ["auto", "tcp", "shm"])]
     pub transport: String,
     /// Flip one byte of one block in flight per request (push: prefill corrupts what it writes).

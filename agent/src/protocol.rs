@@ -496,6 +496,9 @@ pub struct Session {
     pub sealer: Sealer,
     /// Opens what the peer sends.
     pub opener: Opener,
+    /// The same on both sides, never on the wire: what the peer proves to a backend it dials
+    /// whose memory it reaches through the agent (the tcp stream, `transport::stream`).
+    pub stream_key: [u8; 32],
 }
 
 fn session_key(secret: &[u8], pdpair: &str, d_nonce: &[u8], p_nonce: &[u8], direction: &str) -> [u8; 32] {
@@ -525,6 +528,7 @@ impl Session {
         Session {
             sealer: Sealer::new(send),
             opener: Opener::new(recv),
+            stream_key: session_key(secret, pdpair, d_nonce, p_nonce, "stream"),
         }
     }
 
@@ -832,7 +836,22 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<Reason>, String)> {
             ),
         ));
     }
+    use crate::transport::stream::{is_stream_address, parse_address};
+    if peer.memory.kind == MemoryKind::Host
+        && is_stream_address(&peer.worker_address) != is_stream_address(&local.worker_address)
+    {
+        let name = |a: &[u8]| if is_stream_address(a) { "the tcp stream" } else { "UCX" };
+        return Some((
+            vec![Reason::AgentUnsupported],
+            format!(
+                "the peer's agent moves KV over {} and ours over {}: run both agents with transports that meet (--transport tcp on both, or RDMA on both)",
+                name(&peer.worker_address),
+                name(&local.worker_address)
+            ),
+        ));
+    }
     let address = match peer.memory.kind {
+        MemoryKind::Host if is_stream_address(&peer.worker_address) => parse_address(&peer.worker_address).map(|_| ()),
         MemoryKind::Host => check_ucx_address(&peer.worker_address),
         _ => check_worker_address(&peer.worker_address),
     };

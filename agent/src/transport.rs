@@ -12,7 +12,9 @@
 use std::time::Duration;
 
 pub mod cuda_ipc;
+pub mod host;
 pub mod lanes;
+pub mod stream;
 pub mod ucx;
 pub mod ucx_probe;
 pub mod ucx_thread;
@@ -24,12 +26,23 @@ pub use ucx_thread::{OpError, PutOp};
 pub struct Observed {
     /// The class of path.
     pub kind: pdpair_api::PathKind,
+    /// What moved the bytes.
+    pub backend: pdpair_api::Backend,
     /// The lanes that carried the bytes (`transport/device`).
     pub lanes: Vec<String>,
     /// Whether remote memory access was emulated with messages.
     pub emulated: bool,
-    /// The library version behind the backend (UCX's).
+    /// The library version behind the backend (UCX's; empty for the tcp stream).
     pub version: String,
+}
+
+/// What an admission holds (see [`Backend::admit`]); dropping it revokes it.
+pub struct Admission(pub Box<dyn Send + Sync>);
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Admission")
+    }
 }
 
 /// What moves a session's bytes. Peers are ids the backend hands out at [`Backend::connect`];
@@ -49,7 +62,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     }
 
     /// Connects to a peer at `address` whose regions are `remotes` (key, (address, bytes)).
-    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>) -> Result<u64, String>;
+    /// `key` is the side-channel session's stream key: a backend whose peer places the bytes
+    /// (the tcp stream) proves with it that this is the peer the session authenticated.
+    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>, key: &[u8; 32]) -> Result<u64, String>;
+
+    /// Lets the peer of a session (holding `key`) reach the local `regions` with `access`,
+    /// where this backend's peers reach memory through it (the tcp stream); until the returned
+    /// value drops. Backends whose memory is reached by keys alone (UCX, CUDA IPC) need nothing.
+    fn admit(&self, _key: &[u8; 32], _regions: &[u64], _access: stream::Access) -> Result<Admission, String> {
+        Ok(Admission(Box::new(())))
+    }
 
     /// Drops a peer (what is in flight to it fails).
     fn disconnect(&self, peer: u64);
@@ -88,7 +110,7 @@ impl Backend for ucx_thread::UcxHandle {
         ucx_thread::UcxHandle::vet_address(self, address)
     }
 
-    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>) -> Result<u64, String> {
+    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>, _key: &[u8; 32]) -> Result<u64, String> {
         ucx_thread::UcxHandle::connect(self, address, remotes)
     }
 
@@ -115,6 +137,7 @@ impl Backend for ucx_thread::UcxHandle {
         let lanes = self.lanes(peer)?;
         Ok(Observed {
             kind: lanes.kind(),
+            backend: pdpair_api::Backend::UcxHost,
             emulated: lanes.carrying().1,
             lanes: lanes.names(),
             version: ucx::version(),

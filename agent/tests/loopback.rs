@@ -279,12 +279,12 @@ fn pull_reads_smaller_prefill_blocks_into_larger_decode_blocks_verified() {
             assert_eq!(v["mode"], "Pull");
             assert_all_verified(&v, 3, &format!("{layout} {transport}"));
             // Pull: decode's agent moved the bytes and reports the path.
-            let kind = if transport == "tcp" { "Tcp" } else { "SharedMemory" };
-            assert_eq!(
-                v["paths"],
-                serde_json::json!({ format!("{kind}/UcxHost"): 3 }),
-                "{layout} {transport}"
-            );
+            let path = if transport == "tcp" {
+                "Tcp/TcpStream"
+            } else {
+                "SharedMemory/UcxHost"
+            };
+            assert_eq!(v["paths"], serde_json::json!({ path: 3 }), "{layout} {transport}");
         }
     }
     // The vLLM pull case that cannot work, decode blocks smaller than prefill's, is refused at

@@ -17,10 +17,14 @@ mod common;
 
 use common::{ProcessAgent, Req, World, done, kv, reasons, request, spec};
 
-/// Completed transfers the `agent`th agent of `w` counted on a path of `kind` (UCX host backend).
+/// Completed transfers the `agent`th agent of `w` counted on a path of `kind` (UCX's host
+/// backend, or the tcp stream for `Tcp`).
 fn transfers_over(w: &World, agent: usize, kind: &str) -> u64 {
     let text = w.metrics.lock().expect("metrics")[agent].render();
-    let path = format!("{kind}/UcxHost");
+    let path = match kind {
+        "Tcp" => "Tcp/TcpStream".to_owned(),
+        _ => format!("{kind}/UcxHost"),
+    };
     pdpair_agent::loopback::transfer_paths(&text)
         .into_iter()
         .find_map(|(p, n)| (p == path).then_some(n))
@@ -32,7 +36,8 @@ fn push_64_64(transport: Transport, memory: EngineMemory) {
         transport,
         memory,
         match transport {
-            // Auto offers UCX no transport within the host: two agents on one host use tcp.
+            // Auto offers UCX no transport within the host, nor tcp: without an RDMA device two
+            // agents on one host use the tcp stream.
             Transport::Tcp | Transport::Auto => "Tcp",
             // One host: UCX 1.13 chooses sysv and posix shared memory here (cma is refused).
             Transport::Shm => "SharedMemory",

@@ -65,6 +65,9 @@ pub enum Backend {
     UcxHost,
     /// CUDA copies between GPU pools the agent opened through CUDA IPC handles.
     CudaIpc,
+    /// The agent's own TCP stream between host memory pools: the receiving agent places every
+    /// byte (UCX's tcp transport is never loaded).
+    TcpStream,
 }
 
 impl Backend {
@@ -73,6 +76,7 @@ impl Backend {
         match self {
             Backend::UcxHost => "UcxHost",
             Backend::CudaIpc => "CudaIpc",
+            Backend::TcpStream => "TcpStream",
         }
     }
 }
@@ -94,7 +98,7 @@ pub struct TransferPath {
     /// the WRITEs or READs with messages (as over TCP).
     #[serde(default)]
     pub emulated: bool,
-    /// The UCX library version the agent loaded.
+    /// The UCX library version the agent loaded (absent when UCX did not move the bytes).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub ucx_version: String,
     /// When the first transfer over this path completed.

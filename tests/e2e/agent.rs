@@ -135,17 +135,17 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         condition(&pair_json, "TransferReady").map(|c| c.0).as_deref(),
         Some("True")
     );
-    // The path: prefill's agent moved the bytes, over tcp alone, and says so; decode's holds no
-    // endpoint and reports none.
+    // The path: prefill's agent moved the bytes, over its tcp stream, and says so; decode's
+    // holds no endpoint and reports none.
     let endpoint = eventually(WAIT, "the path in prefill's PDEndpoint", || {
         let e = get_json("pdendpoint", &ns, "prefill-pod-p0")?;
         e["status"]["paths"].get(0).is_some().then_some(e)
     });
     let path = &endpoint["status"]["paths"][0];
     assert_eq!(path["kind"], "Tcp", "{endpoint}");
-    assert_eq!(path["lanes"], serde_json::json!(["tcp/lo"]), "{endpoint}");
-    assert_eq!(path["backend"], "UcxHost");
-    assert_eq!(path["emulated"], true, "UCX 1.13 has no RMA over tcp");
+    assert_eq!(path["lanes"], serde_json::json!(["tcp-stream/127.0.0.1"]), "{endpoint}");
+    assert_eq!(path["backend"], "TcpStream");
+    assert_eq!(path["emulated"], false, "the receiving agent places the bytes");
     assert_eq!(path["peer"], "d0@node-d", "{endpoint}");
     let decode = get_json("pdendpoint", &ns, "decode-pod-d0").expect("decode's endpoint");
     assert!(decode["status"]["paths"].is_null(), "{decode}");
@@ -167,7 +167,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     let message = warning["message"].as_str().unwrap_or_default();
     assert!(
         message.contains("requirePath [Rdma, SharedMemory]")
-            && message.contains("prefill-pod-p0: Tcp (tcp/lo, emulated RMA)"),
+            && message.contains("prefill-pod-p0: Tcp (tcp-stream/127.0.0.1)"),
         "{message}"
     );
     // Allowing Tcp turns it True, its reason the path.

@@ -17,7 +17,7 @@ use pdpair_api::{
 use super::*;
 use crate::{
     protocol::{self, HandshakeError, MemoryDesc, Message, Reason, Registration, Session},
-    transport::{OpError, PutOp},
+    transport::{OpError, PutOp, stream::Access},
     wire::{self, Opener},
 };
 
@@ -434,9 +434,22 @@ impl Engine {
         let stream = TcpStream::connect_timeout(&sock, self.handshake_timeout()).map_err(wire::FrameError::from)?;
         stream.set_nodelay(true).map_err(wire::FrameError::from)?;
         // One deadline for authentication and handshake together, however the peer paces them.
+        let mut admission = None;
         let (peer, session) = {
             let mut timed = wire::Deadline::new(&stream, self.handshake_timeout());
             let mut session: Session = protocol::authenticate_decode(&mut timed, &self.reg.pdpair, &self.key)?;
+            // Push: this prefill writes into our blocks, through our stream where we run one;
+            // admitted before our handshake names the stream, so it can dial at once.
+            if self.settings.mode == pdpair_api::TransferMode::Push {
+                admission = Some(
+                    self.transport()
+                        .admit(&session.stream_key, &self.regions(), Access::Write)
+                        .map_err(|e| HandshakeError::Rejected {
+                            reasons: vec![Reason::TransportFailed],
+                            message: e,
+                        })?,
+                );
+            }
             let peer = protocol::handshake_decode(&mut timed, &mut session, &self.local)?;
             (peer, session)
         };
@@ -454,7 +467,7 @@ impl Engine {
                     .check_local_peer(&self.reg.pdpair, &peer)
                     .and_then(|()| {
                         self.transport()
-                            .connect(peer.worker_address.clone(), peer.memory.keys())
+                            .connect(peer.worker_address.clone(), peer.memory.keys(), &session.stream_key)
                     })
                     .map_err(|e| HandshakeError::Rejected {
                         reasons: vec![Reason::TransportFailed],
@@ -470,9 +483,10 @@ impl Engine {
             count: self.layout.local_heads,
             d_first: 0,
         });
-        let Session { sealer, opener } = session;
+        let Session { sealer, opener, .. } = session;
         Ok((
             Link {
+                _admission: admission,
                 closer: stream.try_clone().ok(),
                 writer: Mutex::new((stream, sealer)),
                 id: next_link_id(),

@@ -15,7 +15,7 @@ use pdpair_api::{ChecksumPolicy, Role, checksum::BlockSums};
 use super::*;
 use crate::{
     protocol::{self, Message, Reason, Registration, Session},
-    transport::{OpError, PutOp},
+    transport::{OpError, PutOp, stream::Access},
     wire,
 };
 
@@ -141,6 +141,19 @@ impl Engine {
         let shaken = protocol::authenticate_prefill(&mut timed, |p| (p == pdpair).then(|| key.clone())).and_then(
             |(_, mut session)| {
                 drop(slot); // authenticated: no longer counted against the pre-auth budget
+                // Pull: this decode reads our blocks, through our stream where we run one;
+                // admitted before our handshake names the stream.
+                let admission = match self.settings.mode {
+                    pdpair_api::TransferMode::Pull => Some(
+                        self.transport()
+                            .admit(&session.stream_key, &self.regions(), Access::Read)
+                            .map_err(|e| HandshakeError::Rejected {
+                                reasons: vec![Reason::TransportFailed],
+                                message: e,
+                            })?,
+                    ),
+                    pdpair_api::TransferMode::Push => None,
+                };
                 // In push we connect to decode's worker: its address is probed before we answer.
                 let push = self.settings.mode == pdpair_api::TransferMode::Push;
                 let vet = |peer: &PeerInfo| {
@@ -150,10 +163,10 @@ impl Engine {
                         .map(|e| (vec![Reason::TransportFailed], e))
                 };
                 protocol::handshake_prefill_vetted(&mut timed, &mut session, &self.local, vet)
-                    .map(|peer| (peer, session))
+                    .map(|peer| (peer, session, admission))
             },
         );
-        let (peer, mut session) = match shaken {
+        let (peer, mut session, admission) = match shaken {
             Ok(done) => done,
             Err(err) => {
                 for r in err.reasons() {
@@ -200,7 +213,7 @@ impl Engine {
                 .check_local_peer(&self.reg.pdpair, &peer)
                 .and_then(|()| {
                     self.transport()
-                        .connect(peer.worker_address.clone(), peer.memory.keys())
+                        .connect(peer.worker_address.clone(), peer.memory.keys(), &session.stream_key)
                 })
                 .map(Some)
         } else {
@@ -226,8 +239,9 @@ impl Engine {
         // Decode pings at least every MAX_HEARTBEAT: a decode agent silent much longer is gone.
         let _ = stream.set_read_timeout(Some(PREFILL_SILENCE_LIMIT));
         let _ = stream.set_write_timeout(Some(PREFILL_SILENCE_LIMIT));
-        let Session { sealer, mut opener } = session;
+        let Session { sealer, mut opener, .. } = session;
         let link = Arc::new(Link {
+            _admission: admission,
             closer: stream.try_clone().ok(),
             writer: Mutex::new((stream, sealer)),
             id: next_link_id(),

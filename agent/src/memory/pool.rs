@@ -144,6 +144,13 @@ impl Pool {
         }
     }
 
+    /// What keeps the registered memory mapped for a backend that reaches it itself (the tcp
+    /// stream): the agent's own mapping where the registration is that mapping; UCX's
+    /// allocations (shared memory only) are kept by the UCX thread: `None`.
+    pub fn keep(&self) -> Option<std::sync::Arc<dyn Send + Sync>> {
+        (self.base == self.map.as_ptr() as u64).then(|| self.map.clone() as std::sync::Arc<dyn Send + Sync>)
+    }
+
     /// The descriptor the engine maps (whole, shared).
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()

@@ -455,7 +455,7 @@ impl Backend for CudaIpc {
         self.address.clone()
     }
 
-    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>) -> Result<u64, String> {
+    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>, _key: &[u8; 32]) -> Result<u64, String> {
         if address != self.address {
             return Err(
                 "the peer's GPU pool is behind another agent: GPU pools move only between engines behind one agent in this version (CUDA IPC)"
@@ -516,6 +516,7 @@ impl Backend for CudaIpc {
         lanes.dedup();
         Ok(Observed {
             kind: pdpair_api::PathKind::CudaIpc,
+            backend: pdpair_api::Backend::CudaIpc,
             lanes,
             emulated: false,
             version: crate::memory::cuda::driver_version(),
@@ -558,11 +559,11 @@ mod tests {
     fn a_peer_from_another_agent_or_with_unknown_tokens_is_refused() {
         let b = CudaIpc::new();
         let e = b
-            .connect(CudaIpc::new().address(), vec![(vec![0; 16], (0x1000, 64))])
+            .connect(CudaIpc::new().address(), vec![(vec![0; 16], (0x1000, 64))], &[0; 32])
             .expect_err("another agent");
         assert!(e.contains("behind another agent"), "{e}");
         let e = b
-            .connect(b.address(), vec![(vec![7; 16], (0x1000, 64))])
+            .connect(b.address(), vec![(vec![7; 16], (0x1000, 64))], &[0; 32])
             .expect_err("no such region");
         assert!(e.contains("is not a GPU region registered with this agent"), "{e}");
         let e = b

@@ -46,21 +46,28 @@ fn check(op: &'static str, status: sys::ucs_status_t) -> Result<(), UcxError> {
     }
 }
 
-/// Which transports UCX may use.
+/// How the agent moves host pools, and so which transports UCX may load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
-    /// UCX's own choice among the network transports it loaded (`UCX_TLS` from the environment
-    /// narrows it), and `self` for endpoints to the agent's own worker: the default, so a node
-    /// with RDMA NICs uses them. Never a transport within the host ([`INTRA_NODE`]): peer agents
-    /// are on other nodes (one agent per node serves both engines of a local pair). What UCX
-    /// chose is reported per peer ([`Endpoint::print_info`], read by `crate::transport::lanes`).
+    /// RDMA where UCX finds an RDMA device (UCX chooses among the network transports it loaded
+    /// but tcp; `UCX_TLS` from the environment narrows it), else the agent's tcp stream
+    /// (`crate::transport::stream`): the default. Never a transport within the host
+    /// ([`INTRA_NODE`]): peer agents are on other nodes (one agent per node serves both engines
+    /// of a local pair, through `self`). What carried each peer's bytes is reported per peer.
     Auto,
-    /// TCP sockets only.
+    /// The agent's tcp stream (`crate::transport::stream`); UCX loads `self` alone (for both
+    /// engines behind this agent).
     Tcp,
     /// Shared memory (posix, sysv) on one host only: peer agents on the same host (local runs,
     /// tests).
     Shm,
 }
+
+/// UCX's transports that are never loaded but with [`Transport::Shm`] ([`INTRA_NODE`]), or never
+/// at all: UCX's tcp takes a put or get at any address of the process from anyone who reaches
+/// its port (measured with 1.13 and 1.22; docs/security.md). Peers over tcp use the agent's
+/// stream instead.
+pub const NEVER: [&str; 1] = ["tcp"];
 
 /// UCX's transports that reach another process on this host through its memory. A peer's
 /// address and keys say which memory: a segment's directory and name, a `/proc/<pid>/fd/<fd>`
@@ -85,53 +92,70 @@ pub const INTRA_NODE: [&str; 12] = [
 ];
 
 /// The `UCX_TLS` for [`Transport::Auto`], from the environment's (`env`): that list without the
-/// [`INTRA_NODE`] transports (and with `self`), or everything else when it is unset, `all`, or a
-/// `^` list. Fails when nothing but transports within the host is left. `gpu_ipc`: whether this
-/// UCX may have GPU IPC transports to exclude (1.13 has none, and warns about each name it does
-/// not know in an exclusion; `sm` covers its shared-memory ones).
-pub fn auto_tls(env: Option<&str>, gpu_ipc: bool) -> Result<String, String> {
+/// [`INTRA_NODE`] transports and tcp ([`NEVER`]), with `self`; or everything else when it is
+/// unset, `all`, or a `^` list. `gpu_ipc`: whether this UCX may have GPU IPC transports to
+/// exclude (1.13 has none, and warns about each name it does not know in an exclusion; `sm`
+/// covers its shared-memory ones). A list left with `self` alone means no RDMA: the agent's
+/// stream carries its peers.
+pub fn auto_tls(env: Option<&str>, gpu_ipc: bool) -> String {
     let env = env.map(str::trim).unwrap_or("");
     let excluded = if gpu_ipc {
-        "sm,cuda_ipc,rocm_ipc,ze_ipc,gaudi_ipc"
+        "sm,tcp,cuda_ipc,rocm_ipc,ze_ipc,gaudi_ipc"
     } else {
-        "sm"
+        "sm,tcp"
     };
     if env.is_empty() || env == "all" {
-        return Ok(format!("^{excluded}"));
+        return format!("^{excluded}");
     }
     if let Some(rest) = env.strip_prefix('^') {
-        return Ok(format!("^{rest},{excluded}"));
+        return format!("^{rest},{excluded}");
     }
     let mut kept: Vec<&str> = env
         .split(',')
         .map(str::trim)
-        .filter(|t| !t.is_empty() && !INTRA_NODE.contains(t))
+        .filter(|t| !t.is_empty() && !INTRA_NODE.contains(t) && !NEVER.contains(t))
         .collect();
     if kept.contains(&"all") {
-        return Ok(format!("^{excluded}"));
-    }
-    if kept.iter().all(|t| *t == "self") {
-        return Err(format!(
-            "UCX_TLS={env:?} names no network transport; --transport auto uses none within the host (use --transport shm for peer agents on one host)"
-        ));
+        return format!("^{excluded}");
     }
     if !kept.contains(&"self") {
         kept.push("self");
     }
-    Ok(kept.join(","))
+    kept.join(",")
+}
+
+/// `tls` without `self`, or `None` when nothing else is in it (for asking UCX whether anything
+/// but `self` is there).
+fn without_self(tls: &str) -> Option<String> {
+    match tls.strip_prefix('^') {
+        Some(rest) => Some(format!("^{rest},self")),
+        None => {
+            let rest: Vec<&str> = tls.split(',').filter(|t| *t != "self").collect();
+            (!rest.is_empty()).then(|| rest.join(","))
+        }
+    }
+}
+
+/// Whether UCX, restricted as [`Transport::Auto`] restricts it, finds a network device (an RDMA
+/// NIC: tcp is never loaded): a context without `self` starts only when it does.
+pub fn network_available() -> bool {
+    let Some(tls) = without_self(&Transport::Auto.tls()) else {
+        return false;
+    };
+    Context::open(tls, None).is_ok()
 }
 
 impl Transport {
     /// The `UCX_TLS` this restriction sets.
-    fn tls(self) -> Result<String, String> {
+    fn tls(self) -> String {
         // `self` lets an endpoint reach its own worker.
         match self {
             Transport::Auto => auto_tls(
                 std::env::var("UCX_TLS").ok().as_deref(),
                 !version().starts_with("1.13."),
             ),
-            Transport::Tcp => Ok("tcp,self".into()),
-            Transport::Shm => Ok("posix,sysv,self".into()),
+            Transport::Tcp => "self".into(),
+            Transport::Shm => "posix,sysv,self".into(),
         }
     }
 
@@ -260,11 +284,11 @@ impl Context {
                 ),
             });
         }
-        let tls = transport.tls().map_err(|text| UcxError {
-            op: "ucp_config_modify",
-            status: sys::ucs_status_t_UCS_ERR_INVALID_PARAM,
-            text,
-        })?;
+        Context::open(transport.tls(), pool_dir)
+    }
+
+    /// A context on the transports `tls` (`UCX_TLS`'s syntax).
+    fn open(tls: String, pool_dir: Option<&std::path::Path>) -> Result<Context, UcxError> {
         let mut config: *mut sys::ucp_config_t = ptr::null_mut();
         // SAFETY: out-pointer to a config handle; null prefix and file mean defaults plus env.
         check("ucp_config_read", unsafe {

@@ -1108,8 +1108,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pdpair-ucx-regions-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let (a, b) = (
-            UcxHandle::start(Transport::Tcp, &dir).expect("A"),
-            UcxHandle::start(Transport::Tcp, &dir).expect("B"),
+            UcxHandle::start(Transport::Shm, &dir).expect("A"),
+            UcxHandle::start(Transport::Shm, &dir).expect("B"),
         );
         // Two sources and two targets, each its own allocation and registration.
         let sources: Vec<Vec<u8>> = (0..2u8).map(|r| vec![r + 1; 4096]).collect();
@@ -1318,8 +1318,8 @@ mod tests {
     }
 
     /// A UCX worker on its own thread that a test can stop (it stops progressing, like a peer
-    /// agent under SIGSTOP: its socket fills and our WRITEs queue), resume, or kill (its worker
-    /// destroyed, its sockets closed). It exposes one registered target region.
+    /// agent under SIGSTOP: our emulated WRITEs queue), resume, or kill (its worker destroyed).
+    /// It exposes one registered target region.
     struct StallablePeer {
         state: std::sync::Arc<std::sync::atomic::AtomicU8>,
         thread: Option<thread::JoinHandle<()>>,
@@ -1334,13 +1334,13 @@ mod tests {
 
     impl StallablePeer {
         #[allow(unsafe_code)]
-        fn start(len: usize) -> StallablePeer {
+        fn start(len: usize, dir: std::path::PathBuf) -> StallablePeer {
             use std::sync::atomic::Ordering;
             let state = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(RUN));
             let st = state.clone();
             let (tx, rx) = mpsc::channel();
             let thread = thread::spawn(move || {
-                let context = Context::new(Transport::Tcp, None).expect("peer context");
+                let context = Context::new(Transport::Shm, Some(&dir)).expect("peer context");
                 let worker = Worker::new(&context).expect("peer worker");
                 let target = vec![0u8; len];
                 // SAFETY: `target` outlives the region (dropped below, after it).
@@ -1402,16 +1402,17 @@ mod tests {
         }
     }
 
-    /// 64 MiB of WRITEs to a stalled peer over tcp, a 300 ms deadline, then the engine's pool
-    /// released and its mapping dropped: UCX still holds the WRITEs queued behind the full
-    /// socket, so the region and its memory must outlive the release. `then` resumes or kills
-    /// the peer; either way UCX completes the requests and the memory goes.
+    /// 64 MiB of WRITEs to a stalled peer over shared memory (emulated: the peer's worker must
+    /// progress), a 300 ms deadline, then the engine's pool
+    /// released and its mapping dropped: UCX still holds the WRITEs, so the region and its
+    /// memory must outlive the release. `then` resumes the peer: UCX completes the requests and
+    /// the memory goes.
     fn stalled_peer_then(then: u8) {
         let dir = std::env::temp_dir().join(format!("pdpair-ucx-stalled-{then}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let len: usize = 64 << 20;
-        let mut peer = StallablePeer::start(len);
-        let a = UcxHandle::start(Transport::Tcp, &dir).expect("A");
+        let mut peer = StallablePeer::start(len, dir.clone());
+        let a = UcxHandle::start(Transport::Shm, &dir).expect("A");
         let mut source = memmap2::MmapMut::map_anon(len).expect("anonymous memory");
         source.fill(7);
         let base = source.as_ptr() as u64;
@@ -1457,8 +1458,8 @@ mod tests {
             "UCX still holds the queued WRITEs and their region stays mapped: {held:?}"
         );
         peer.set(then);
-        // Resumed, the peer drains the socket and UCX sends the closed endpoint's queue from
-        // the region; killed, the socket errors and UCX fails the queue. Either way it ends.
+        // Resumed, the peer progresses and UCX completes the closed endpoint's queue from the
+        // region.
         let after = orphans_until(&a, Duration::from_secs(20), |o| *o == Orphans::default());
         assert_eq!(
             after,
@@ -1476,8 +1477,7 @@ mod tests {
         stalled_peer_then(RUN);
     }
 
-    #[test]
-    fn a_stalled_peer_that_dies_releases_what_its_writes_held() {
-        stalled_peer_then(KILL);
-    }
+    // A peer that dies instead: over shared memory (error mode NONE) UCX never fails the queue,
+    // so nothing here can end it; UCX's tcp, which did (socket errors), is no longer loaded, and
+    // RDMA, which does, cannot run here.
 }

@@ -93,6 +93,12 @@ impl World {
     }
 
     pub fn agent(&self, name: &str, transport: Transport, corrupt: bool) -> PathBuf {
+        self.agent_probing_with(name, transport, corrupt, env!("CARGO_BIN_EXE_pdpair-agent").into())
+    }
+
+    /// [`World::agent`], its UCX probe run as `probe`.
+    #[allow(dead_code)]
+    pub fn agent_probing_with(&self, name: &str, transport: Transport, corrupt: bool, probe: PathBuf) -> PathBuf {
         let cfg = AgentConfig {
             name: name.into(),
             listen_host: IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -105,7 +111,7 @@ impl World {
             heartbeat: self.heartbeat,
             attestor: None,
             // Every test agent probes its peers' UCX addresses, as the DaemonSet's does.
-            ucx_probe: Some(env!("CARGO_BIN_EXE_pdpair-agent").into()),
+            ucx_probe: Some(probe),
         };
         let metrics = Arc::new(Metrics::new());
         self.metrics.lock().expect("metrics").push(metrics.clone());

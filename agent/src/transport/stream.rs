@@ -1,0 +1,695 @@
+//! KV over plain TCP, placed by the receiver: the backend for `--transport tcp`, and for `auto`
+//! where UCX finds no RDMA device.
+//!
+//! UCX's own tcp transport is never loaded: it takes a put or get at any address of the
+//! process from anyone who reaches its port (measured with 1.13 and 1.22: an unregistered
+//! address, a key from another context, a worker id changed; docs/security.md). Here the side
+//! whose memory is reached (push: decode's agent; pull: prefill's) does every write and read
+//! itself, into and from memory it admitted for that one side-channel link, after checking it.
+//!
+//! - **Admission.** After the side channel authenticated a peer, the agent whose memory the
+//!   peer reaches calls [`Stream::admit`] with the session's stream key (`protocol::Session`:
+//!   HKDF from the pairing secret and both nonces; never on the wire), the engine's regions and
+//!   what the peer may do there (write or read). The admission lives with the link; dropping it
+//!   closes its connection.
+//! - **Connection.** The peer dials the address in the handshake (`pdpair-tcp:` and `ip:port`).
+//!   The listener sends a 32-byte nonce; the dialler answers with the admission's id
+//!   (HMAC(key, "pdpair/stream id"), 16 bytes) and a proof, HMAC(key, "pdpair/stream proof" |
+//!   nonce). The listener checks the proof in constant time; one connection per admission. A
+//!   stranger, a replayed proof and a second connection are refused before a byte of memory is
+//!   touched.
+//! - **Ops.** 24-byte headers (op, 7 zero bytes, address, length, big-endian): `PUT` and its
+//!   bytes, `GET` (answered with its bytes), `FLUSH` (answered once every earlier put is in
+//!   memory). Every range must lie inside one admitted region and match the admitted access;
+//!   anything else is answered with an error and the connection closes.
+//!
+//! What it does not do: encrypt, or authenticate each byte. Someone on the path between two
+//! agents can change bytes in flight (as over RDMA); the per-request checksums catch that, and
+//! the ranges stay inside the link's admitted regions.
+#![allow(unsafe_code)]
+
+use std::{
+    collections::HashMap,
+    io::{self, Read, Write},
+    net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream},
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::{
+    lock,
+    transport::{Observed, OpError, PutOp},
+};
+
+/// What a stream address starts with (then `ip:port`).
+pub const ADDRESS_PREFIX: &str = "pdpair-tcp:";
+/// The first bytes each side sends.
+const MAGIC: &[u8; 16] = b"PDPAIR-STREAM/1\n";
+/// Connections that have not proved an admission yet, at most...
+pub const MAX_UNPROVEN: usize = 64;
+/// ...each for at most this long.
+pub const PROOF_WITHIN: Duration = Duration::from_secs(5);
+/// How long an answer may wait for a peer that does not read it.
+const ANSWER_WITHIN: Duration = Duration::from_secs(30);
+/// Longest error text on the wire.
+const MAX_ERROR: usize = 300;
+/// A get's window: requests sent before their answers are read.
+const GET_WINDOW_BYTES: u64 = 8 << 20;
+const GET_WINDOW_OPS: usize = 512;
+
+const OP_PUT: u8 = 1;
+const OP_GET: u8 = 2;
+const OP_FLUSH: u8 = 3;
+const OK: u8 = 0;
+const REFUSED: u8 = 1;
+
+/// What an admitted peer may do in the regions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Write (push: prefill into decode's blocks).
+    Write,
+    /// Read (pull: decode from prefill's blocks).
+    Read,
+}
+
+/// Memory the stream may move: a registered region and what keeps it mapped.
+#[derive(Clone)]
+struct Region {
+    base: u64,
+    len: u64,
+    _keep: Arc<dyn Send + Sync>,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#x}+{}", self.base, self.len)
+    }
+}
+
+#[derive(Debug)]
+struct Admitted {
+    key: [u8; 32],
+    regions: Vec<Region>,
+    access: Access,
+    /// The connection that proved it (one at most), to close with the admission.
+    conn: Option<TcpStream>,
+}
+
+#[derive(Debug)]
+struct PeerConn {
+    conn: Mutex<Option<TcpStream>>,
+    remotes: Vec<(u64, u64)>,
+    lane: String,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    regions: Mutex<HashMap<u64, Region>>,
+    admitted: Mutex<HashMap<[u8; 16], Admitted>>,
+    peers: Mutex<HashMap<u64, Arc<PeerConn>>>,
+    next_peer: AtomicU64,
+    unproven: AtomicUsize,
+}
+
+/// The stream backend: a listener and the connections this agent dialled.
+#[derive(Debug, Clone)]
+pub struct Stream {
+    inner: Arc<Inner>,
+    address: Vec<u8>,
+    local: SocketAddr,
+}
+
+/// An admission (see the module docs): revoked, and its connection closed, when dropped.
+#[derive(Debug)]
+pub struct Admission {
+    inner: Weak<Inner>,
+    id: [u8; 16],
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.upgrade()
+            && let Some(a) = lock(&inner.admitted).remove(&self.id)
+            && let Some(c) = a.conn
+        {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+type HmacSha256 = Hmac<Sha256>;
+
+fn hmac(key: &[u8; 32], parts: &[&[u8]]) -> [u8; 32] {
+    let mut m = HmacSha256::new_from_slice(key).unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
+    for p in parts {
+        m.update(&(p.len() as u64).to_be_bytes());
+        m.update(p);
+    }
+    m.finalize().into_bytes().into()
+}
+
+/// The id an admission of `key` is found by.
+fn admission_id(key: &[u8; 32]) -> [u8; 16] {
+    let mut id = [0u8; 16];
+    id.copy_from_slice(&hmac(key, &[b"pdpair/stream id"])[..16]);
+    id
+}
+
+fn proof(key: &[u8; 32], nonce: &[u8]) -> [u8; 32] {
+    hmac(key, &[b"pdpair/stream proof", nonce])
+}
+
+/// Whether `at..at+len` lies inside `base..base+len` (no wrap on either).
+fn inside(at: u64, len: u64, base: u64, region: u64) -> bool {
+    match (at.checked_add(len), base.checked_add(region)) {
+        (Some(end), Some(region_end)) => at >= base && end <= region_end,
+        _ => false,
+    }
+}
+
+/// Parses a stream address: the prefix, then a socket address.
+pub fn parse_address(address: &[u8]) -> Result<SocketAddr, String> {
+    let text = std::str::from_utf8(address).map_err(|_| "the stream address is not UTF-8".to_owned())?;
+    let rest = text
+        .strip_prefix(ADDRESS_PREFIX)
+        .ok_or_else(|| format!("the stream address does not start with {ADDRESS_PREFIX:?}"))?;
+    rest.parse().map_err(|_| {
+        format!(
+            "the stream address {:?} names no ip:port",
+            crate::reason::peer_text(rest)
+        )
+    })
+}
+
+/// Whether `address` is meant as a stream address (its prefix).
+pub fn is_stream_address(address: &[u8]) -> bool {
+    address.starts_with(ADDRESS_PREFIX.as_bytes())
+}
+
+fn send_error(c: &mut TcpStream, msg: &str) {
+    let mut text = msg.as_bytes();
+    if text.len() > MAX_ERROR {
+        text = &text[..MAX_ERROR];
+    }
+    let mut frame = vec![REFUSED];
+    frame.extend_from_slice(&(text.len() as u16).to_be_bytes());
+    frame.extend_from_slice(text);
+    let _ = c.write_all(&frame);
+}
+
+/// Reads a status byte; an error's text when it is one.
+fn read_status(c: &mut TcpStream) -> io::Result<Result<(), String>> {
+    let mut s = [0u8; 1];
+    c.read_exact(&mut s)?;
+    match s[0] {
+        OK => Ok(Ok(())),
+        REFUSED => {
+            let mut n = [0u8; 2];
+            c.read_exact(&mut n)?;
+            let n = (u16::from_be_bytes(n) as usize).min(MAX_ERROR);
+            let mut text = vec![0u8; n];
+            c.read_exact(&mut text)?;
+            Ok(Err(crate::reason::peer_text(&String::from_utf8_lossy(&text))))
+        }
+        other => Ok(Err(format!("the peer answered with status {other}"))),
+    }
+}
+
+fn header(op: u8, addr: u64, len: u64) -> [u8; 24] {
+    let mut h = [0u8; 24];
+    h[0] = op;
+    h[8..16].copy_from_slice(&addr.to_be_bytes());
+    h[16..24].copy_from_slice(&len.to_be_bytes());
+    h
+}
+
+impl Stream {
+    /// Listens on `host` (an ephemeral port).
+    pub fn start(host: IpAddr) -> Result<Stream, String> {
+        let listener = TcpListener::bind((host, 0)).map_err(|e| format!("binding the KV stream on {host}: {e}"))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| format!("the KV stream's address: {e}"))?;
+        let inner = Arc::new(Inner::default());
+        let weak = Arc::downgrade(&inner);
+        thread::Builder::new()
+            .name("kv-stream".into())
+            .spawn(move || accept_loop(listener, weak))
+            .map_err(|e| format!("starting the KV stream's thread: {e}"))?;
+        Ok(Stream {
+            inner,
+            address: format!("{ADDRESS_PREFIX}{local}").into_bytes(),
+            local,
+        })
+    }
+
+    /// The address peers dial (`pdpair-tcp:ip:port`).
+    pub fn address(&self) -> Vec<u8> {
+        self.address.clone()
+    }
+
+    /// Makes a registered region (id `id`, `base..base+len`, mapped while `keep` lives) movable.
+    pub fn register(&self, id: u64, base: u64, len: u64, keep: Arc<dyn Send + Sync>) {
+        lock(&self.inner.regions).insert(id, Region { base, len, _keep: keep });
+    }
+
+    /// Forgets a region: new ops on it fail (a connection already holding it keeps the mapping
+    /// alive until it ends).
+    pub fn forget(&self, id: u64) {
+        lock(&self.inner.regions).remove(&id);
+    }
+
+    fn resolve(&self, ids: &[u64]) -> Result<Vec<Region>, String> {
+        let regions = lock(&self.inner.regions);
+        ids.iter()
+            .map(|id| regions.get(id).cloned().ok_or_else(|| format!("unknown region {id}")))
+            .collect()
+    }
+
+    /// Lets the one peer that holds `key` reach `regions` with `access` (see the module docs).
+    pub fn admit(&self, key: &[u8; 32], regions: &[u64], access: Access) -> Result<Admission, String> {
+        let regions = self.resolve(regions)?;
+        let id = admission_id(key);
+        let mut admitted = lock(&self.inner.admitted);
+        if admitted.contains_key(&id) {
+            return Err("this stream key is already admitted".into());
+        }
+        admitted.insert(
+            id,
+            Admitted {
+                key: *key,
+                regions,
+                access,
+                conn: None,
+            },
+        );
+        Ok(Admission {
+            inner: Arc::downgrade(&self.inner),
+            id,
+        })
+    }
+
+    /// Dials the peer at `address` and proves `key`'s admission there; `remotes` are the peer's
+    /// regions (address, bytes) every op's remote side must lie in.
+    pub fn connect(&self, address: &[u8], remotes: Vec<(u64, u64)>, key: &[u8; 32]) -> Result<u64, String> {
+        let sock = parse_address(address)?;
+        let mut c = TcpStream::connect_timeout(&sock, PROOF_WITHIN)
+            .map_err(|e| format!("dialling the KV stream at {sock}: {e}"))?;
+        let _ = c.set_nodelay(true);
+        c.set_read_timeout(Some(PROOF_WITHIN))
+            .and_then(|()| c.set_write_timeout(Some(PROOF_WITHIN)))
+            .map_err(|e| format!("the KV stream at {sock}: {e}"))?;
+        let mut hello = [0u8; 48];
+        c.read_exact(&mut hello)
+            .map_err(|e| format!("the KV stream at {sock} sent no greeting: {e}"))?;
+        if &hello[..16] != MAGIC {
+            return Err(format!("the KV stream at {sock} is not a pdpair stream"));
+        }
+        let mut answer = Vec::with_capacity(64);
+        answer.extend_from_slice(MAGIC);
+        answer.extend_from_slice(&admission_id(key));
+        answer.extend_from_slice(&proof(key, &hello[16..]));
+        c.write_all(&answer)
+            .map_err(|e| format!("the KV stream at {sock}: {e}"))?;
+        match read_status(&mut c) {
+            Ok(Ok(())) => {}
+            Ok(Err(why)) => return Err(format!("the KV stream at {sock} refused this agent: {why}")),
+            Err(e) => return Err(format!("the KV stream at {sock} closed: {e}")),
+        }
+        let id = self.inner.next_peer.fetch_add(1, Ordering::Relaxed) + 1;
+        lock(&self.inner.peers).insert(
+            id,
+            Arc::new(PeerConn {
+                conn: Mutex::new(Some(c)),
+                remotes,
+                lane: format!("tcp-stream/{}", self.local.ip()),
+            }),
+        );
+        Ok(id)
+    }
+
+    /// Drops a peer's connection.
+    pub fn disconnect(&self, peer: u64) {
+        if let Some(p) = lock(&self.inner.peers).remove(&peer)
+            && let Some(c) = lock(&p.conn).take()
+        {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Checks `ops` (local ranges in `regions`, remote ones in the peer's) and returns the peer.
+    fn prepare(&self, peer: u64, regions: &[u64], ops: &[PutOp]) -> Result<(Arc<PeerConn>, Vec<Region>), OpError> {
+        let p = lock(&self.inner.peers)
+            .get(&peer)
+            .cloned()
+            .ok_or_else(|| OpError::Failed(format!("unknown stream peer {peer}")))?;
+        let local = self.resolve(regions).map_err(OpError::Failed)?;
+        for (i, op) in ops.iter().enumerate() {
+            if op.len == 0 {
+                return Err(OpError::Failed(format!("op {i} moves no bytes")));
+            }
+            if !local.iter().any(|r| inside(op.local, op.len, r.base, r.len)) {
+                return Err(OpError::Failed(format!(
+                    "op {i}: local {:#x}+{} is outside the registered regions",
+                    op.local, op.len
+                )));
+            }
+            if !p.remotes.iter().any(|(b, l)| inside(op.remote, op.len, *b, *l)) {
+                return Err(OpError::Failed(format!(
+                    "op {i}: remote {:#x}+{} is outside the peer's regions",
+                    op.remote, op.len
+                )));
+            }
+        }
+        Ok((p, local))
+    }
+
+    /// Writes `ops` into the peer's memory and waits until the peer has them in memory.
+    pub fn put(
+        &self,
+        peer: u64,
+        regions: &[u64],
+        ops: &[PutOp],
+        corrupt: bool,
+        within: Duration,
+    ) -> Result<u64, OpError> {
+        let (p, _held) = self.prepare(peer, regions, ops)?;
+        let deadline = Instant::now() + within;
+        let mut guard = lock(&p.conn);
+        let c = guard
+            .as_mut()
+            .ok_or_else(|| OpError::Failed("the stream to this peer was closed".into()))?;
+        let mut result = (|| -> Result<u64, OpError> {
+            let mut bytes = 0u64;
+            for (i, op) in ops.iter().enumerate() {
+                timeouts(c, deadline)?;
+                // SAFETY: `prepare` checked the range lies in a registered region, which `_held`
+                // keeps mapped.
+                let data = unsafe { std::slice::from_raw_parts(op.local as *const u8, op.len as usize) };
+                c.write_all(&header(OP_PUT, op.remote, op.len)).map_err(io_error)?;
+                if corrupt && i == 0 {
+                    let mut copy = data.to_vec();
+                    let at = copy.len() / 2;
+                    copy[at] ^= 0xff;
+                    c.write_all(&copy).map_err(io_error)?;
+                } else {
+                    c.write_all(data).map_err(io_error)?;
+                }
+                bytes += op.len;
+            }
+            timeouts(c, deadline)?;
+            c.write_all(&header(OP_FLUSH, 0, 0)).map_err(io_error)?;
+            match read_status(c).map_err(io_error)? {
+                Ok(()) => Ok(bytes),
+                Err(why) => Err(OpError::Failed(format!("the peer refused a write: {why}"))),
+            }
+        })();
+        // The peer may hold half a frame or have closed: after a failure the connection is done.
+        if result.is_err()
+            && let Some(mut c) = guard.take()
+        {
+            // A peer that refused an op said why before it closed; a write into the closed
+            // connection fails first.
+            if matches!(result, Err(OpError::Failed(_)))
+                && c.set_read_timeout(Some(Duration::from_millis(500))).is_ok()
+                && let Ok(Err(why)) = read_status(&mut c)
+            {
+                result = Err(OpError::Failed(format!("the peer refused a write: {why}")));
+            }
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        result
+    }
+
+    /// Reads `ops` (`remote` the source, `local` the destination) from the peer's memory.
+    pub fn get(&self, peer: u64, regions: &[u64], ops: &[PutOp], within: Duration) -> Result<u64, OpError> {
+        let (p, _held) = self.prepare(peer, regions, ops)?;
+        let deadline = Instant::now() + within;
+        let mut guard = lock(&p.conn);
+        let c = guard
+            .as_mut()
+            .ok_or_else(|| OpError::Failed("the stream to this peer was closed".into()))?;
+        let result = (|| -> Result<u64, OpError> {
+            let mut bytes = 0u64;
+            let mut next = 0;
+            while next < ops.len() {
+                // Send a window of requests, then read their answers in order.
+                let (mut end, mut window) = (next, 0u64);
+                while end < ops.len()
+                    && end - next < GET_WINDOW_OPS
+                    && (end == next || window + ops[end].len <= GET_WINDOW_BYTES)
+                {
+                    window += ops[end].len;
+                    end += 1;
+                }
+                timeouts(c, deadline)?;
+                let mut headers = Vec::with_capacity((end - next) * 24);
+                for op in &ops[next..end] {
+                    headers.extend_from_slice(&header(OP_GET, op.remote, op.len));
+                }
+                c.write_all(&headers).map_err(io_error)?;
+                for op in &ops[next..end] {
+                    timeouts(c, deadline)?;
+                    if let Err(why) = read_status(c).map_err(io_error)? {
+                        return Err(OpError::Failed(format!("the peer refused a read: {why}")));
+                    }
+                    // SAFETY: `prepare` checked the range lies in a registered region, which
+                    // `_held` keeps mapped.
+                    let into = unsafe { std::slice::from_raw_parts_mut(op.local as *mut u8, op.len as usize) };
+                    read_until(c, into, deadline)?;
+                    bytes += op.len;
+                }
+                next = end;
+            }
+            Ok(bytes)
+        })();
+        if result.is_err()
+            && let Some(c) = guard.take()
+        {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        result
+    }
+
+    /// The path to `peer`.
+    pub fn observe(&self, peer: u64) -> Result<Observed, String> {
+        let p = lock(&self.inner.peers)
+            .get(&peer)
+            .cloned()
+            .ok_or_else(|| format!("unknown stream peer {peer}"))?;
+        Ok(Observed {
+            kind: pdpair_api::PathKind::Tcp,
+            backend: pdpair_api::Backend::TcpStream,
+            lanes: vec![p.lane.clone()],
+            emulated: false,
+            version: String::new(),
+        })
+    }
+}
+
+fn io_error(e: io::Error) -> OpError {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => OpError::Timeout(e.to_string()),
+        _ => OpError::Failed(format!("the stream to the peer: {e}")),
+    }
+}
+
+/// Bounds the next socket call by what is left of `deadline`.
+fn timeouts(c: &TcpStream, deadline: Instant) -> Result<(), OpError> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(OpError::Timeout("the deadline passed".into()));
+    }
+    c.set_write_timeout(Some(left))
+        .and_then(|()| c.set_read_timeout(Some(left)))
+        .map_err(io_error)
+}
+
+/// `read_exact` that keeps to `deadline` however the peer paces its bytes.
+fn read_until(c: &mut TcpStream, mut into: &mut [u8], deadline: Instant) -> Result<(), OpError> {
+    while !into.is_empty() {
+        timeouts(c, deadline)?;
+        match c.read(into) {
+            Ok(0) => return Err(OpError::Failed("the peer closed the stream".into())),
+            Ok(n) => into = &mut into[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io_error(e)),
+        }
+    }
+    Ok(())
+}
+
+fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
+    for conn in listener.incoming() {
+        let Some(strong) = inner.upgrade() else { return };
+        let Ok(c) = conn else { continue };
+        if strong.unproven.fetch_add(1, Ordering::SeqCst) >= MAX_UNPROVEN {
+            strong.unproven.fetch_sub(1, Ordering::SeqCst);
+            drop(c);
+            continue;
+        }
+        let spawned = thread::Builder::new()
+            .name("kv-stream-conn".into())
+            .spawn(move || serve(c, strong));
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start a KV stream connection's thread");
+        }
+    }
+}
+
+/// One dialled connection: proof, then ops until it ends.
+fn serve(mut c: TcpStream, inner: Arc<Inner>) {
+    let proven = prove(&mut c, &inner);
+    inner.unproven.fetch_sub(1, Ordering::SeqCst);
+    let Some((id, regions, access)) = proven else {
+        return;
+    };
+    if let Err(why) = serve_ops(&mut c, &regions, access) {
+        tracing::info!(error = %why, "closed a KV stream connection");
+        send_error(&mut c, &why);
+        linger(&mut c);
+    }
+    let _ = c.shutdown(Shutdown::Both);
+    // The connection is over; the link's peer (it holds the key) may dial again.
+    if let Some(a) = lock(&inner.admitted).get_mut(&id) {
+        a.conn = None;
+    }
+}
+
+/// Half-closes `c` and drops what the peer still sends (briefly), so the refusal sent before
+/// reaches it: closing with unread bytes would reset the connection and lose it.
+fn linger(c: &mut TcpStream) {
+    let _ = c.shutdown(Shutdown::Write);
+    let _ = c.set_read_timeout(Some(Duration::from_millis(500)));
+    let mut sink = [0u8; 64 << 10];
+    let until = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < until {
+        match c.read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
+}
+
+type Proven = ([u8; 16], Vec<Region>, Access);
+
+fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
+    let _ = c.set_nodelay(true);
+    let deadline = Instant::now() + PROOF_WITHIN;
+    c.set_read_timeout(Some(PROOF_WITHIN)).ok()?;
+    c.set_write_timeout(Some(PROOF_WITHIN)).ok()?;
+    let mut nonce = [0u8; 32];
+    getrandom::fill(&mut nonce).ok()?;
+    let mut hello = MAGIC.to_vec();
+    hello.extend_from_slice(&nonce);
+    c.write_all(&hello).ok()?;
+    let mut answer = [0u8; 64];
+    read_until(c, &mut answer, deadline).ok()?;
+    if &answer[..16] != MAGIC {
+        send_error(c, "not a pdpair stream greeting");
+        return None;
+    }
+    let mut id = [0u8; 16];
+    id.copy_from_slice(&answer[16..32]);
+    let mut admitted = lock(&inner.admitted);
+    let verdict = match admitted.get_mut(&id) {
+        None => Err("no admission has that id"),
+        Some(a) => {
+            let mut m =
+                HmacSha256::new_from_slice(&a.key).unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
+            for p in [b"pdpair/stream proof".as_slice(), nonce.as_slice()] {
+                m.update(&(p.len() as u64).to_be_bytes());
+                m.update(p);
+            }
+            if m.verify_slice(&answer[32..64]).is_err() {
+                Err("the proof is wrong")
+            } else if a.conn.is_some() {
+                Err("the admission already has a connection")
+            } else {
+                match c.try_clone() {
+                    Ok(clone) => {
+                        a.conn = Some(clone);
+                        Ok((id, a.regions.clone(), a.access))
+                    }
+                    Err(_) => Err("cannot hold the connection"),
+                }
+            }
+        }
+    };
+    drop(admitted);
+    match verdict {
+        Ok(p) => {
+            // Proven: ops may pause as long as the link lives (its admission closes this), and
+            // an answer may wait as long as the side channel's silence limit.
+            c.set_read_timeout(None).ok()?;
+            c.set_write_timeout(Some(ANSWER_WITHIN)).ok()?;
+            c.write_all(&[OK]).ok()?;
+            Some(p)
+        }
+        Err(why) => {
+            tracing::info!(peer = ?c.peer_addr().ok(), reason = why, "refused a KV stream connection");
+            send_error(c, why);
+            None
+        }
+    }
+}
+
+/// Serves ops until the peer closes (`Ok`) or sends something refused (`Err`, answered).
+fn serve_ops(c: &mut TcpStream, regions: &[Region], access: Access) -> Result<(), String> {
+    let mut reader = c.try_clone().map_err(|e| e.to_string())?;
+    loop {
+        let mut h = [0u8; 24];
+        match reader.read_exact(&mut h) {
+            Ok(()) => {}
+            Err(_) => return Ok(()),
+        }
+        if h[1..8] != [0u8; 7] {
+            return Err("a header's reserved bytes are not zero".into());
+        }
+        let addr = u64::from_be_bytes(h[8..16].try_into().unwrap_or_default());
+        let len = u64::from_be_bytes(h[16..24].try_into().unwrap_or_default());
+        let (op, wants) = match h[0] {
+            OP_PUT => ("write", Access::Write),
+            OP_GET => ("read", Access::Read),
+            OP_FLUSH => {
+                if addr != 0 || len != 0 {
+                    return Err("a flush carries an address or length".into());
+                }
+                c.write_all(&[OK]).map_err(|e| e.to_string())?;
+                continue;
+            }
+            other => return Err(format!("unknown op {other}")),
+        };
+        if access != wants {
+            return Err(format!("this link may not {op} here"));
+        }
+        if len == 0 || !regions.iter().any(|r| inside(addr, len, r.base, r.len)) {
+            return Err(format!(
+                "a {op} of {addr:#x}+{len} is outside the memory this link was admitted to"
+            ));
+        }
+        if wants == Access::Write {
+            // SAFETY: the range lies inside an admitted region, which `regions` keeps mapped.
+            let into = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
+            if reader.read_exact(into).is_err() {
+                return Ok(());
+            }
+        } else {
+            // SAFETY: as above.
+            let from = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+            c.write_all(&[OK])
+                .and_then(|()| c.write_all(from))
+                .map_err(|e| e.to_string())?;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
