@@ -393,14 +393,14 @@ impl Stream {
                 // SAFETY: `prepare` checked the range lies in a registered region, which `_held`
                 // keeps mapped.
                 let data = unsafe { std::slice::from_raw_parts(op.local as *const u8, op.len as usize) };
-                c.write_all(&header(OP_PUT, op.remote, op.len)).map_err(io_error)?;
+                let h = header(OP_PUT, op.remote, op.len);
                 if corrupt && i == 0 {
                     let mut copy = data.to_vec();
                     let at = copy.len() / 2;
                     copy[at] ^= 0xff;
-                    c.write_all(&copy).map_err(io_error)?;
+                    write_both(c, &h, &copy).map_err(io_error)?;
                 } else {
-                    c.write_all(data).map_err(io_error)?;
+                    write_both(c, &h, data).map_err(io_error)?;
                 }
                 bytes += op.len;
             }
@@ -499,6 +499,26 @@ fn io_error(e: io::Error) -> OpError {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => OpError::Timeout(e.to_string()),
         _ => OpError::Failed(format!("the stream to the peer: {e}")),
     }
+}
+
+/// Writes `head` then `body` with as few system calls as the socket allows (one, usually: a
+/// header alone would be a packet of its own with `TCP_NODELAY`).
+fn write_both(c: &mut TcpStream, head: &[u8], body: &[u8]) -> io::Result<()> {
+    let (mut head, mut body) = (head, body);
+    while !head.is_empty() {
+        let n = match c.write_vectored(&[io::IoSlice::new(head), io::IoSlice::new(body)]) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        let from_head = n.min(head.len());
+        head = &head[from_head..];
+        body = &body[n - from_head..];
+    }
+    c.write_all(body)
 }
 
 /// Bounds the next socket call by what is left of `deadline`.
