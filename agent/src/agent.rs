@@ -592,7 +592,7 @@ impl Pending {
 struct Link {
     /// What the peer may reach of this engine's memory through the backend (the tcp stream's
     /// admission; nothing for UCX), for as long as the link lives.
-    _admission: Option<crate::transport::Admission>,
+    admission: Option<crate::transport::Admission>,
     /// The stream and the session's sealer: every frame we send is sealed.
     writer: Mutex<(TcpStream, Sealer)>,
     /// Another handle on the stream, to shut it down without waiting for a send in progress
@@ -667,6 +667,9 @@ struct Engine {
     /// blocks; `Cancelled` goes to the engine when none is left.
     cancelled: Mutex<HashMap<String, Vec<String>>>,
     peers: Mutex<HashMap<String, Slot>>,
+    /// Requests -> the links' write windows their blocks are open in (the tcp stream's):
+    /// closed when the request ends for the engine.
+    windows: Mutex<HashMap<String, Vec<std::sync::Arc<crate::transport::stream::Windows>>>>,
     /// Prefill address -> (when, reasons, message): this engine's remembered rejections (no
     /// retry storm; another engine on the agent has its own, so one engine's bad key or
     /// misrouted rank never blocks another).
@@ -826,6 +829,7 @@ impl Engine {
             pending: Mutex::new(HashMap::new()),
             cancelled: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
+            windows: Mutex::new(HashMap::new()),
             rejections: Mutex::new(HashMap::new()),
             matching: Mutex::new(Matching::default()),
             accepted: Mutex::new(Vec::new()),
@@ -848,7 +852,41 @@ impl Engine {
     }
 
     fn event(&self, event: AgentEvent) {
+        // A request that ended for the engine: its blocks may go to another request at once,
+        // so no link writes them any more (the stream drops late writes).
+        if let AgentEvent::RequestDone { request, .. }
+        | AgentEvent::RequestFailed { request, .. }
+        | AgentEvent::Released { request }
+        | AgentEvent::Cancelled { request } = &event
+            && let Some(open) = lock(&self.windows).remove(request)
+        {
+            for w in open {
+                w.close(request);
+            }
+        }
         send(&self.writer, &event);
+    }
+
+    /// Opens `request`'s blocks to `link`'s writes, where its backend bounds writes per request.
+    fn open_window(&self, link: &Link, request: &str, blocks: &[u32]) {
+        let Some(w) = link.admission.as_ref().and_then(|a| a.windows()) else {
+            return;
+        };
+        let len = self.layout.block_len() as u64;
+        let mut ranges = Vec::with_capacity(blocks.len() * self.layout.layers as usize * 2);
+        for &b in blocks.iter().filter(|b| **b < self.layout.num_blocks) {
+            for layer in 0..self.layout.layers {
+                for v in [false, true].into_iter().take(self.layout.halves() as usize) {
+                    ranges.push((self.block_addr(layer, v, b), len));
+                }
+            }
+        }
+        w.allow(request, ranges);
+        let mut open = lock(&self.windows);
+        let list = open.entry(request.to_owned()).or_default();
+        if !list.iter().any(|o| std::sync::Arc::ptr_eq(o, &w)) {
+            list.push(w);
+        }
     }
 
     fn fail(&self, request: String, reasons: Vec<Reason>, message: String) {

@@ -36,12 +36,22 @@ pub struct Observed {
     pub version: String,
 }
 
-/// What an admission holds (see [`Backend::admit`]); dropping it revokes it.
-pub struct Admission(pub Box<dyn Send + Sync>);
+/// What an admission holds (see [`Backend::admit`]): the stream's, or nothing where peers reach
+/// memory by keys alone; dropping it revokes it.
+#[derive(Debug, Default)]
+pub struct Admission(Option<stream::Admission>);
 
-impl std::fmt::Debug for Admission {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Admission")
+impl Admission {
+    /// A stream's admission.
+    pub fn stream(a: stream::Admission) -> Admission {
+        Admission(Some(a))
+    }
+
+    /// Where the admitted peer may write, when the backend bounds it per request (the stream's
+    /// write admissions): the session opens a request's blocks there before it registers the
+    /// request, and closes them when the request ends for the engine.
+    pub fn windows(&self) -> Option<std::sync::Arc<stream::Windows>> {
+        self.0.as_ref().and_then(|a| a.windows.clone())
     }
 }
 
@@ -70,7 +80,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// where this backend's peers reach memory through it (the tcp stream); until the returned
     /// value drops. Backends whose memory is reached by keys alone (UCX, CUDA IPC) need nothing.
     fn admit(&self, _key: &[u8; 32], _regions: &[u64], _access: stream::Access) -> Result<Admission, String> {
-        Ok(Admission(Box::new(())))
+        Ok(Admission::default())
     }
 
     /// Drops a peer (what is in flight to it fails).

@@ -454,6 +454,11 @@ fn evil_prefill_links(engines: &mut [&mut SyntheticEngine], blocks: &[u32]) -> V
         let (mut s, _) = listener.accept().expect("accept");
         let (_, mut session) = protocol::authenticate_prefill(&mut s, |_| Some(KEY.to_vec())).expect("auth");
         let decode = protocol::handshake_prefill(&mut s, &mut session, &info).expect("handshake");
+        // Decode opens the request's blocks to this link before it registers the request.
+        match session.recv(&mut s) {
+            Ok(Message::Register(reg)) => assert_eq!(reg.blocks, blocks, "the registration"),
+            other => panic!("expected a registration: {other:?}"),
+        }
         links.push((decode, session.stream_key, s));
     }
     // The links stay up (their sockets leak into the test's end): decode keeps the admissions.
@@ -472,8 +477,9 @@ fn an_insider_prefill_reaches_only_its_links_blocks_through_the_stream() {
     let _serial = serial();
     // Two decode engines behind one agent on the tcp stream, both dialling an insider prefill
     // of their pair. With the key of d0's link, the insider dials decode's stream and writes:
-    // into d0's pool it may; into d1's pool (learned from d1's own link), or beside d0's, the
-    // agent refuses and writes nothing, and it serves reads to no one in push.
+    // into the blocks d0 asked it for it may; into d1's pool (learned from d1's own link),
+    // beside d0's, or into d0's other blocks, the agent refuses and writes nothing, and it
+    // serves reads to no one in push.
     let w = World::new("attack-stream");
     let ds = w.agent("d", Transport::Tcp, false);
     let mut d0 = w.engine(&ds, Role::Decode, "d0", KEY);
@@ -526,8 +532,30 @@ fn an_insider_prefill_reaches_only_its_links_blocks_through_the_stream() {
         );
     }
     assert!(d1.region(0).iter().all(|b| *b == 0x11), "d1's pool is untouched");
-    put(mine.base + 4096).expect("d0's own blocks take the write");
-    assert!(d0.region(0)[4096..4096 + 64].iter().all(|b| *b == 0xee));
+    // Block 1 of layer 1's V array: one of the request's blocks.
+    let (_, at) = d0.layout.block_offset(1, true, 1);
+    put(mine.base + at as u64).expect("d0's blocks of the request take the write");
+    assert!(d0.region(0)[at..at + 64].iter().all(|b| *b == 0xee));
+    // Block 5 is inside what the link was admitted to, but no request of this link's holds
+    // it: the write is dropped (the engine may have lent it to another request).
+    let (_, at) = d0.layout.block_offset(1, true, 5);
+    let e = put(mine.base + at as u64).expect_err("a block no request of the link holds");
+    assert!(
+        e.to_string().contains("outside every block this link was asked for"),
+        "{e}"
+    );
+    assert!(d0.region(0)[at..at + 64].iter().all(|b| *b == 0), "block 5 untouched");
+    // The request ends for the engine (nothing completes it: its deadline passes), and its
+    // blocks may go to another request at once: a late write of them is dropped too.
+    let event = d0.next_event().expect("event");
+    assert!(reasons(&event) == vec!["DeadlineExceeded".to_owned()], "{event:?}");
+    let (_, at) = d0.layout.block_offset(0, false, 0);
+    let e = put(mine.base + at as u64).expect_err("a late write");
+    assert!(
+        e.to_string().contains("outside every block this link was asked for"),
+        "{e}"
+    );
+    assert!(d0.region(0)[at..at + 64].iter().all(|b| *b == 0), "block 0 untouched");
     // Push admits writes only: nothing of decode's is read back.
     let started = Instant::now();
     let peer = loop {

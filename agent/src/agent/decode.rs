@@ -348,6 +348,7 @@ impl Engine {
                     request: request.to_owned(),
                 }
             } else {
+                self.open_window(link, request, &p.blocks);
                 Message::Register(Registration {
                     request: request.to_owned(),
                     blocks: p.blocks.clone(),
@@ -486,7 +487,7 @@ impl Engine {
         let Session { sealer, opener, .. } = session;
         Ok((
             Link {
-                _admission: admission,
+                admission,
                 closer: stream.try_clone().ok(),
                 writer: Mutex::new((stream, sealer)),
                 id: next_link_id(),

@@ -241,7 +241,7 @@ impl Engine {
         let _ = stream.set_write_timeout(Some(PREFILL_SILENCE_LIMIT));
         let Session { sealer, mut opener, .. } = session;
         let link = Arc::new(Link {
-            _admission: admission,
+            admission,
             closer: stream.try_clone().ok(),
             writer: Mutex::new((stream, sealer)),
             id: next_link_id(),

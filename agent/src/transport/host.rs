@@ -119,8 +119,8 @@ impl Backend for Host {
 
     fn admit(&self, key: &[u8; 32], regions: &[u64], access: Access) -> Result<Admission, String> {
         match &self.stream {
-            Some(s) => Ok(Admission(Box::new(s.admit(key, regions, access)?))),
-            None => Ok(Admission(Box::new(()))),
+            Some(s) => Ok(Admission::stream(s.admit(key, regions, access)?)),
+            None => Ok(Admission::default()),
         }
     }
 

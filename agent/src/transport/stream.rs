@@ -21,7 +21,9 @@
 //! - **Ops.** 24-byte headers (op, 7 zero bytes, address, length, big-endian): `PUT` and its
 //!   bytes, `GET` (answered with its bytes), `FLUSH` (answered once every earlier put is in
 //!   memory). Every range must lie inside one admitted region and match the admitted access;
-//!   anything else is answered with an error and the connection closes.
+//!   anything else is answered with an error and the connection closes. A write must also lie in
+//!   an open [`Windows`] range: the blocks of a request the link was asked for and that has not
+//!   ended for the engine; outside them its bytes are dropped and the next flush says so.
 //!
 //! What it does not do: encrypt, or authenticate each byte. Someone on the path between two
 //! agents can change bytes in flight (as over RDMA); the per-request checksums catch that, and
@@ -98,8 +100,59 @@ struct Admitted {
     key: [u8; 32],
     regions: Vec<Region>,
     access: Access,
+    /// Where a write admission's peer may write now.
+    windows: Arc<Windows>,
     /// The connection that proved it (one at most), to close with the admission.
     conn: Option<TcpStream>,
+}
+
+/// The byte ranges a write admission's peer may write at the moment: the blocks of the requests
+/// the link was asked for, from just before the registration is sent until the request ends for
+/// the engine (its blocks may then go to another request). A write inside the admitted regions
+/// but outside every window is dropped (its bytes read and discarded) and reported at the next
+/// flush; the connection stays.
+#[derive(Debug, Default)]
+pub struct Windows {
+    open: Mutex<HashMap<String, Vec<(u64, u64)>>>,
+}
+
+impl Windows {
+    /// Opens `request`'s window over `ranges` (address, bytes; merged here), replacing one it
+    /// had.
+    pub fn allow(&self, request: &str, mut ranges: Vec<(u64, u64)>) {
+        ranges.retain(|r| r.1 > 0);
+        ranges.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+        for (at, len) in ranges {
+            match merged.last_mut() {
+                Some(last) if last.0.checked_add(last.1).is_some_and(|end| end >= at) => {
+                    let end = at.saturating_add(len).max(last.0 + last.1);
+                    last.1 = end - last.0;
+                }
+                _ => merged.push((at, len)),
+            }
+        }
+        lock(&self.open).insert(request.to_owned(), merged);
+    }
+
+    /// Closes `request`'s window (nothing more of it is written).
+    pub fn close(&self, request: &str) {
+        lock(&self.open).remove(request);
+    }
+
+    /// Whether `at..at+len` lies inside one open window's range.
+    fn contains(&self, at: u64, len: u64) -> bool {
+        lock(&self.open).values().any(|ranges| {
+            // The last range starting at or before `at`.
+            let i = ranges.partition_point(|r| r.0 <= at);
+            i > 0 && inside(at, len, ranges[i - 1].0, ranges[i - 1].1)
+        })
+    }
+
+    /// The requests with an open window.
+    pub fn requests(&self) -> Vec<String> {
+        lock(&self.open).keys().cloned().collect()
+    }
 }
 
 #[derive(Debug)]
@@ -131,6 +184,8 @@ pub struct Stream {
 pub struct Admission {
     inner: Weak<Inner>,
     id: [u8; 16],
+    /// Where its peer may write (a write admission).
+    pub windows: Option<Arc<Windows>>,
 }
 
 impl Drop for Admission {
@@ -281,18 +336,21 @@ impl Stream {
         if admitted.contains_key(&id) {
             return Err("this stream key is already admitted".into());
         }
+        let windows = Arc::new(Windows::default());
         admitted.insert(
             id,
             Admitted {
                 key: *key,
                 regions,
                 access,
+                windows: windows.clone(),
                 conn: None,
             },
         );
         Ok(Admission {
             inner: Arc::downgrade(&self.inner),
             id,
+            windows: (access == Access::Write).then_some(windows),
         })
     }
 
@@ -386,6 +444,7 @@ impl Stream {
         let c = guard
             .as_mut()
             .ok_or_else(|| OpError::Failed("the stream to this peer was closed".into()))?;
+        let mut kept = false;
         let mut result = (|| -> Result<u64, OpError> {
             let mut bytes = 0u64;
             for (i, op) in ops.iter().enumerate() {
@@ -408,11 +467,16 @@ impl Stream {
             c.write_all(&header(OP_FLUSH, 0, 0)).map_err(io_error)?;
             match read_status(c).map_err(io_error)? {
                 Ok(()) => Ok(bytes),
-                Err(why) => Err(OpError::Failed(format!("the peer refused a write: {why}"))),
+                Err(why) => {
+                    // The peer dropped a write and kept the connection: framing is intact.
+                    kept = true;
+                    Err(OpError::Failed(format!("the peer refused a write: {why}")))
+                }
             }
         })();
         // The peer may hold half a frame or have closed: after a failure the connection is done.
         if result.is_err()
+            && !kept
             && let Some(mut c) = guard.take()
         {
             // A peer that refused an op said why before it closed; a write into the closed
@@ -568,10 +632,10 @@ fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
 fn serve(mut c: TcpStream, inner: Arc<Inner>) {
     let proven = prove(&mut c, &inner);
     inner.unproven.fetch_sub(1, Ordering::SeqCst);
-    let Some((id, regions, access)) = proven else {
+    let Some((id, regions, access, windows)) = proven else {
         return;
     };
-    if let Err(why) = serve_ops(&mut c, &regions, access) {
+    if let Err(why) = serve_ops(&mut c, &regions, access, &windows) {
         tracing::info!(error = %why, "closed a KV stream connection");
         send_error(&mut c, &why);
         linger(&mut c);
@@ -598,7 +662,7 @@ fn linger(c: &mut TcpStream) {
     }
 }
 
-type Proven = ([u8; 16], Vec<Region>, Access);
+type Proven = ([u8; 16], Vec<Region>, Access, Arc<Windows>);
 
 fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
     let _ = c.set_nodelay(true);
@@ -636,7 +700,7 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
                 match c.try_clone() {
                     Ok(clone) => {
                         a.conn = Some(clone);
-                        Ok((id, a.regions.clone(), a.access))
+                        Ok((id, a.regions.clone(), a.access, a.windows.clone()))
                     }
                     Err(_) => Err("cannot hold the connection"),
                 }
@@ -662,8 +726,10 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
 }
 
 /// Serves ops until the peer closes (`Ok`) or sends something refused (`Err`, answered).
-fn serve_ops(c: &mut TcpStream, regions: &[Region], access: Access) -> Result<(), String> {
+fn serve_ops(c: &mut TcpStream, regions: &[Region], access: Access, windows: &Windows) -> Result<(), String> {
     let mut reader = c.try_clone().map_err(|e| e.to_string())?;
+    // A write outside every open window since the last flush: the flush's answer.
+    let mut dropped: Option<String> = None;
     loop {
         let mut h = [0u8; 24];
         match reader.read_exact(&mut h) {
@@ -682,7 +748,10 @@ fn serve_ops(c: &mut TcpStream, regions: &[Region], access: Access) -> Result<()
                 if addr != 0 || len != 0 {
                     return Err("a flush carries an address or length".into());
                 }
-                c.write_all(&[OK]).map_err(|e| e.to_string())?;
+                match dropped.take() {
+                    Some(why) => send_error(c, &why),
+                    None => c.write_all(&[OK]).map_err(|e| e.to_string())?,
+                }
                 continue;
             }
             other => return Err(format!("unknown op {other}")),
@@ -695,7 +764,22 @@ fn serve_ops(c: &mut TcpStream, regions: &[Region], access: Access) -> Result<()
                 "a {op} of {addr:#x}+{len} is outside the memory this link was admitted to"
             ));
         }
-        if wants == Access::Write {
+        if wants == Access::Write && !windows.contains(addr, len) {
+            // Inside the engine's pool, but no request of this link's is open there (it ended,
+            // or was never asked for): read and drop the bytes, and say so at the flush.
+            let mut sink = [0u8; 64 << 10];
+            let mut left = len;
+            while left > 0 {
+                let n = left.min(sink.len() as u64) as usize;
+                if reader.read_exact(&mut sink[..n]).is_err() {
+                    return Ok(());
+                }
+                left -= n as u64;
+            }
+            dropped.get_or_insert(format!(
+                "a write of {addr:#x}+{len} is outside every block this link was asked for now (dropped)"
+            ));
+        } else if wants == Access::Write {
             // SAFETY: the range lies inside an admitted region, which `regions` keeps mapped.
             let into = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
             if reader.read_exact(into).is_err() {

@@ -43,6 +43,10 @@ fn pair(access: Access) -> Pair {
     let d_mem = region(&d, 1, 4096, 0);
     let p_mem = region(&p, 7, 4096, 0xab);
     let admission = d.admit(&key(1), &[1], access).expect("admitted");
+    // A request of the link's over all of the region (the windows' own test narrows them).
+    if let Some(w) = &admission.windows {
+        w.allow("all", vec![(d_mem.0, 4096)]);
+    }
     Pair {
         d,
         p,
@@ -321,4 +325,64 @@ fn unproven_connections_are_bounded() {
     let mut b = [0u8; 1];
     assert_eq!(over.read(&mut b).expect("closed, not served"), 0);
     drop(idle);
+}
+
+#[test]
+fn a_write_outside_every_open_window_is_dropped_and_the_connection_stays() {
+    let t = pair(Access::Write);
+    let w = t
+        .admission
+        .as_ref()
+        .and_then(|a| a.windows.clone())
+        .expect("a write admission has windows");
+    w.close("all");
+    // Request r: bytes 0..1024 and 3000..3100 of the pool.
+    w.allow(
+        "r",
+        vec![(t.d_mem.0 + 512, 512), (t.d_mem.0, 512), (t.d_mem.0 + 3000, 100)],
+    );
+    let peer =
+        t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(1))
+            .expect("connected");
+    let put = |at: u64, len: u64| {
+        t.p.put(peer, &[7], &[op(t.p_mem.0, t.d_mem.0 + at, len)], false, SECOND)
+    };
+    assert_eq!(put(0, 1024), Ok(1024), "the merged window");
+    assert_eq!(put(3000, 100), Ok(100));
+    for (at, len) in [(1000, 100), (2048, 64), (3050, 100), (4000, 96)] {
+        let e = put(at, len).expect_err("outside the windows");
+        assert!(
+            e.to_string().contains("outside every block this link was asked for"),
+            "{at}+{len}: {e}"
+        );
+    }
+    let got = bytes(&t.d_mem.1);
+    assert!(got[..1024].iter().all(|b| *b == 0xab) && got[3000..3100].iter().all(|b| *b == 0xab));
+    assert!(
+        got[1024..3000].iter().all(|b| *b == 0) && got[3100..].iter().all(|b| *b == 0),
+        "nothing else written"
+    );
+    // The connection stayed: the window still takes writes; closed, it takes none.
+    assert_eq!(put(100, 8), Ok(8));
+    w.close("r");
+    let e = put(100, 8).expect_err("closed");
+    assert!(e.to_string().contains("outside every block"), "{e}");
+    assert!(w.requests().is_empty());
+}
+
+#[test]
+fn windows_merge_touching_ranges_and_check_without_overflow() {
+    let w = Windows::default();
+    w.allow("a", vec![(100, 10), (110, 10), (50, 0), (200, 5), (u64::MAX - 4, 4)]);
+    assert!(w.contains(100, 20), "merged");
+    assert!(!w.contains(100, 21));
+    assert!(!w.contains(50, 1), "empty ranges open nothing");
+    assert!(w.contains(201, 4) && !w.contains(199, 2));
+    assert!(w.contains(u64::MAX - 4, 4) && !w.contains(u64::MAX - 4, 5));
+    w.allow("b", vec![(300, 10)]);
+    w.allow("a", vec![(400, 10)]);
+    assert!(
+        !w.contains(100, 1) && w.contains(400, 10) && w.contains(300, 10),
+        "replaced, not added"
+    );
 }
