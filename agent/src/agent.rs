@@ -1088,7 +1088,8 @@ impl Engine {
             }
         }
         if let Some(s) = shared.transport.stream() {
-            if let Some(i) = pools.iter().position(|p| p.keep().is_none()) {
+            let keeps: Vec<_> = pools.iter().map(Pool::keep).collect();
+            if let Some(i) = keeps.iter().position(Option::is_none) {
                 for p in &pools {
                     p.release(&shared.ucx);
                 }
@@ -1096,10 +1097,8 @@ impl Engine {
                     "region {i}: UCX allocated it, and the tcp stream moves only the agent's own mappings"
                 ));
             }
-            for (p, len) in pools.iter().zip(&lens) {
-                if let Some(keep) = p.keep() {
-                    s.register(p.region, p.base, *len as u64, keep);
-                }
+            for ((p, len), keep) in pools.iter().zip(&lens).zip(keeps.into_iter().flatten()) {
+                s.register(p.region, p.base, *len as u64, keep);
             }
         }
         Ok(pools)

@@ -504,10 +504,10 @@ fn an_insider_prefill_reaches_only_its_links_blocks_through_the_stream() {
         len: 64,
         remote,
     };
-    let put = |remote: u64| {
-        // A refused op closes the connection; the link's key may dial again once it is gone.
+    // A refused op closes the connection; the link's key may dial again once it is gone.
+    let dial = || {
         let started = Instant::now();
-        let peer = loop {
+        loop {
             match mallory.connect(&decode, everything.clone(), &key) {
                 Ok(peer) => break peer,
                 Err(e) if e.contains("already has a connection") && started.elapsed() < Duration::from_secs(5) => {
@@ -515,7 +515,10 @@ fn an_insider_prefill_reaches_only_its_links_blocks_through_the_stream() {
                 }
                 Err(e) => panic!("the link's key dials decode's stream: {e}"),
             }
-        };
+        }
+    };
+    let put = |remote: u64| {
+        let peer = dial();
         let r = mallory.put(peer, &[1], &[op(remote)], false, Duration::from_secs(5));
         mallory.disconnect(peer);
         r
@@ -546,14 +549,7 @@ fn an_insider_prefill_reaches_only_its_links_blocks_through_the_stream() {
     );
     assert!(d0.region(0)[at..at + 64].iter().all(|b| *b == 0), "block 5 untouched");
     // Push admits writes only: nothing of decode's is read back.
-    let started = Instant::now();
-    let peer = loop {
-        match mallory.connect(&decode, everything.clone(), &key) {
-            Ok(peer) => break peer,
-            Err(_) if started.elapsed() < Duration::from_secs(5) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => panic!("{e}"),
-        }
-    };
+    let peer = dial();
     let e = mallory
         .get(peer, &[1], &[op(mine.base)], Duration::from_secs(5))
         .expect_err("no reads in push");

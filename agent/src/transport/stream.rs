@@ -201,13 +201,18 @@ impl Drop for Admission {
 
 type HmacSha256 = Hmac<Sha256>;
 
-fn hmac(key: &[u8; 32], parts: &[&[u8]]) -> [u8; 32] {
+/// HMAC-SHA256 over `parts`, each length-prefixed.
+fn mac(key: &[u8; 32], parts: &[&[u8]]) -> HmacSha256 {
     let mut m = HmacSha256::new_from_slice(key).unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
     for p in parts {
         m.update(&(p.len() as u64).to_be_bytes());
         m.update(p);
     }
-    m.finalize().into_bytes().into()
+    m
+}
+
+fn hmac(key: &[u8; 32], parts: &[&[u8]]) -> [u8; 32] {
+    mac(key, parts).finalize().into_bytes().into()
 }
 
 /// The id an admission of `key` is found by.
@@ -217,8 +222,12 @@ fn admission_id(key: &[u8; 32]) -> [u8; 16] {
     id
 }
 
+fn proof_mac(key: &[u8; 32], nonce: &[u8]) -> HmacSha256 {
+    mac(key, &[b"pdpair/stream proof", nonce])
+}
+
 fn proof(key: &[u8; 32], nonce: &[u8]) -> [u8; 32] {
-    hmac(key, &[b"pdpair/stream proof", nonce])
+    proof_mac(key, nonce).finalize().into_bytes().into()
 }
 
 /// Whether `at..at+len` lies inside `base..base+len` (no wrap on either).
@@ -440,12 +449,7 @@ impl Stream {
     ) -> Result<u64, OpError> {
         let (p, _held) = self.prepare(peer, regions, ops)?;
         let deadline = Instant::now() + within;
-        let mut guard = lock(&p.conn);
-        let c = guard
-            .as_mut()
-            .ok_or_else(|| OpError::Failed("the stream to this peer was closed".into()))?;
-        let mut kept = false;
-        let mut result = (|| -> Result<u64, OpError> {
+        on_connection(&p, true, |c| {
             let mut bytes = 0u64;
             for (i, op) in ops.iter().enumerate() {
                 timeouts(c, deadline)?;
@@ -467,40 +471,17 @@ impl Stream {
             c.write_all(&header(OP_FLUSH, 0, 0)).map_err(io_error)?;
             match read_status(c).map_err(io_error)? {
                 Ok(()) => Ok(bytes),
-                Err(why) => {
-                    // The peer dropped a write and kept the connection: framing is intact.
-                    kept = true;
-                    Err(OpError::Failed(format!("the peer refused a write: {why}")))
-                }
+                // The peer dropped a write and kept the connection: framing is intact.
+                Err(why) => Err(Kept(OpError::Failed(format!("the peer refused a write: {why}")))),
             }
-        })();
-        // The peer may hold half a frame or have closed: after a failure the connection is done.
-        if result.is_err()
-            && !kept
-            && let Some(mut c) = guard.take()
-        {
-            // A peer that refused an op said why before it closed; a write into the closed
-            // connection fails first.
-            if matches!(result, Err(OpError::Failed(_)))
-                && c.set_read_timeout(Some(Duration::from_millis(500))).is_ok()
-                && let Ok(Err(why)) = read_status(&mut c)
-            {
-                result = Err(OpError::Failed(format!("the peer refused a write: {why}")));
-            }
-            let _ = c.shutdown(Shutdown::Both);
-        }
-        result
+        })
     }
 
     /// Reads `ops` (`remote` the source, `local` the destination) from the peer's memory.
     pub fn get(&self, peer: u64, regions: &[u64], ops: &[PutOp], within: Duration) -> Result<u64, OpError> {
         let (p, _held) = self.prepare(peer, regions, ops)?;
         let deadline = Instant::now() + within;
-        let mut guard = lock(&p.conn);
-        let c = guard
-            .as_mut()
-            .ok_or_else(|| OpError::Failed("the stream to this peer was closed".into()))?;
-        let result = (|| -> Result<u64, OpError> {
+        on_connection(&p, false, |c| {
             let mut bytes = 0u64;
             let mut next = 0;
             while next < ops.len() {
@@ -522,7 +503,7 @@ impl Stream {
                 for op in &ops[next..end] {
                     timeouts(c, deadline)?;
                     if let Err(why) = read_status(c).map_err(io_error)? {
-                        return Err(OpError::Failed(format!("the peer refused a read: {why}")));
+                        return Err(OpError::Failed(format!("the peer refused a read: {why}")).into());
                     }
                     // SAFETY: `prepare` checked the range lies in a registered region, which
                     // `_held` keeps mapped.
@@ -533,13 +514,7 @@ impl Stream {
                 next = end;
             }
             Ok(bytes)
-        })();
-        if result.is_err()
-            && let Some(c) = guard.take()
-        {
-            let _ = c.shutdown(Shutdown::Both);
-        }
-        result
+        })
     }
 
     /// The path to `peer`.
@@ -555,6 +530,51 @@ impl Stream {
             emulated: false,
             version: String::new(),
         })
+    }
+}
+
+/// An op's failure: `Kept` when the connection's framing is intact (the peer refused at a
+/// flush and goes on), `Closed` when it is in doubt and the connection must go.
+enum Failure {
+    Kept(OpError),
+    Closed(OpError),
+}
+use Failure::Kept;
+
+impl From<OpError> for Failure {
+    fn from(e: OpError) -> Failure {
+        Failure::Closed(e)
+    }
+}
+
+/// Runs `op` on `p`'s connection. A failure that leaves the framing in doubt closes it (the
+/// peer may hold half a frame, or have closed); `refusal`: first read the refusal a peer sends
+/// before it closes (a write into the closed connection fails before its text is read).
+fn on_connection(
+    p: &PeerConn,
+    refusal: bool,
+    op: impl FnOnce(&mut TcpStream) -> Result<u64, Failure>,
+) -> Result<u64, OpError> {
+    let mut guard = lock(&p.conn);
+    let c = guard
+        .as_mut()
+        .ok_or_else(|| OpError::Failed("the stream to this peer was closed".into()))?;
+    match op(c) {
+        Ok(bytes) => Ok(bytes),
+        Err(Failure::Kept(e)) => Err(e),
+        Err(Failure::Closed(mut e)) => {
+            if let Some(mut c) = guard.take() {
+                if refusal
+                    && matches!(e, OpError::Failed(_))
+                    && c.set_read_timeout(Some(Duration::from_millis(500))).is_ok()
+                    && let Ok(Err(why)) = read_status(&mut c)
+                {
+                    e = OpError::Failed(format!("the peer refused a write: {why}"));
+                }
+                let _ = c.shutdown(Shutdown::Both);
+            }
+            Err(e)
+        }
     }
 }
 
@@ -686,13 +706,7 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
     let verdict = match admitted.get_mut(&id) {
         None => Err("no admission has that id"),
         Some(a) => {
-            let mut m =
-                HmacSha256::new_from_slice(&a.key).unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
-            for p in [b"pdpair/stream proof".as_slice(), nonce.as_slice()] {
-                m.update(&(p.len() as u64).to_be_bytes());
-                m.update(p);
-            }
-            if m.verify_slice(&answer[32..64]).is_err() {
+            if proof_mac(&a.key, &nonce).verify_slice(&answer[32..64]).is_err() {
                 Err("the proof is wrong")
             } else if a.conn.is_some() {
                 Err("the admission already has a connection")
