@@ -621,6 +621,13 @@ impl Link {
         wire::write_sealed(stream, sealer, m).is_ok()
     }
 
+    /// Closes `request`'s blocks to this link (where its backend bounds them per request).
+    fn close_window(&self, request: &str) {
+        if let Some(w) = self.admission.as_ref().and_then(|a| a.windows()) {
+            w.close(request);
+        }
+    }
+
     fn close(&self) {
         match &self.closer {
             Some(s) => {
@@ -667,8 +674,8 @@ struct Engine {
     /// blocks; `Cancelled` goes to the engine when none is left.
     cancelled: Mutex<HashMap<String, Vec<String>>>,
     peers: Mutex<HashMap<String, Slot>>,
-    /// Requests -> the links' write windows their blocks are open in (the tcp stream's):
-    /// closed when the request ends for the engine.
+    /// Requests -> the links' windows their blocks are open in (the tcp stream's; push: decode's
+    /// blocks to writes, pull: prefill's to reads): closed when the request ends for the engine.
     windows: Mutex<HashMap<String, Vec<std::sync::Arc<crate::transport::stream::Windows>>>>,
     /// Prefill address -> (when, reasons, message): this engine's remembered rejections (no
     /// retry storm; another engine on the agent has its own, so one engine's bad key or
@@ -853,7 +860,8 @@ impl Engine {
 
     fn event(&self, event: AgentEvent) {
         // A request that ended for the engine: its blocks may go to another request at once,
-        // so no link writes them any more (the stream drops late writes).
+        // so no link writes or reads them any more (the stream drops late writes and refuses
+        // late reads).
         if let AgentEvent::RequestDone { request, .. }
         | AgentEvent::RequestFailed { request, .. }
         | AgentEvent::Released { request }
@@ -867,7 +875,8 @@ impl Engine {
         send(&self.writer, &event);
     }
 
-    /// Opens `request`'s blocks to `link`'s writes, where its backend bounds writes per request.
+    /// Opens `request`'s blocks to `link` (push: its writes into decode's; pull: its reads of
+    /// prefill's), where its backend bounds them per request.
     fn open_window(&self, link: &Link, request: &str, blocks: &[u32]) {
         let Some(w) = link.admission.as_ref().and_then(|a| a.windows()) else {
             return;

@@ -47,11 +47,12 @@ impl Admission {
         Admission(Some(a))
     }
 
-    /// Where the admitted peer may write, when the backend bounds it per request (the stream's
-    /// write admissions): the session opens a request's blocks there before it registers the
-    /// request, and closes them when the request ends for the engine.
+    /// Where the admitted peer may write (push) or read (pull), when the backend bounds it per
+    /// request (the stream's admissions): the session opens a request's blocks there before it
+    /// registers (push) or lends (pull) them, and closes them when the request ends for the
+    /// engine or the link.
     pub fn windows(&self) -> Option<std::sync::Arc<stream::Windows>> {
-        self.0.as_ref().and_then(|a| a.windows.clone())
+        self.0.as_ref().map(|a| a.windows.clone())
     }
 }
 

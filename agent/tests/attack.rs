@@ -580,6 +580,205 @@ fn an_insider_prefill_reaches_only_its_links_blocks_through_the_stream() {
     assert!(d0.region(0)[at..at + 64].iter().all(|b| *b == 0), "block 0 untouched");
 }
 
+#[test]
+fn an_insider_decode_reads_only_what_prefill_lent_its_link_through_the_stream() {
+    use pdpair_agent::transport::stream::Stream;
+    let _serial = serial();
+    // Pull over the tcp stream: two prefill engines behind one agent; an insider holds the keys
+    // of two decode links to p0 (decode ranks 0 and 1 of a TP 2 decode, each taking one head of
+    // the request). Through its stream it reads the blocks p0 lent the links; never p1's pool,
+    // p0's other blocks, nor a block after its own link released it.
+    let w = World::new("attack-stream-pull");
+    let ps = w.agent("p", Transport::Tcp, false);
+    let mut engines = ["p0", "p1"].map(|name| {
+        let mut pull = spec(Role::Prefill, name, kv(64, None), KEY, ChecksumPolicy::Disabled);
+        pull.mode = TransferMode::Pull;
+        // Long enough that no loan ends by its lease while the test runs.
+        pull.lease_ms = 30_000;
+        SyntheticEngine::register(&ps, &w.dir, &pull).expect("prefill registers")
+    });
+    let [p0, p1] = &mut engines;
+    p0.fill(1, &[3, 4], 0, 100);
+    p0.fill(2, &[6, 7], 0, 100);
+    p1.region_mut(0).fill(0x11);
+    kv_ready(p0, "r", &[3, 4], 100);
+    kv_ready(p0, "s", &[6, 7], 100);
+    let mut me = insider(Role::Decode);
+    me.mode = TransferMode::Pull;
+    me.checksum = ChecksumPolicy::Disabled;
+    me.parallelism.tensor = 2;
+    // A stream address, as a decode agent without RDMA offers (never dialled in pull).
+    me.worker_address = b"pdpair-tcp:127.0.0.1:9".to_vec();
+    let l = PoolLayout::new(&me.kv, &me.parallelism, 16, 0).expect("layout");
+    me.memory = MemoryDesc::of(&l, vec![(0x7000_0000, structured_rkey())]);
+    let link = |to: &SyntheticEngine, rank: u32| {
+        let mut info = me.clone();
+        info.tensor_rank = rank;
+        let mut s = TcpStream::connect(addr(to)).expect("connect");
+        let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+        let prefills = protocol::handshake_decode(&mut s, &mut session, &info).expect("handshake");
+        (s, session, prefills)
+    };
+    let (_, _, p1_info) = link(p1, 0);
+    let theirs = p1_info.memory.regions[0].clone();
+    let mut ranks: Vec<_> = (0..2).map(|rank| link(p0, rank)).collect();
+    let mine = ranks[0].2.memory.regions[0].clone();
+    let prefill_stream = ranks[0].2.worker_address.clone();
+    for (s, session, _) in &mut ranks {
+        for (request, lent) in [("r", vec![3, 4]), ("s", vec![6, 7])] {
+            let register = Message::Register(Registration {
+                request: request.into(),
+                blocks: vec![1, 2],
+                num_tokens: 100,
+                first_token: 0,
+            });
+            session.send(s, &register).expect("register");
+            match session.recv(s) {
+                Ok(Message::Ready { blocks, .. }) => assert_eq!(blocks, lent),
+                other => panic!("expected the blocks lent: {other:?}"),
+            }
+        }
+    }
+
+    let mallory = Stream::start(std::net::Ipv4Addr::LOCALHOST.into()).expect("a stream of its own");
+    let mut into = memmap2::MmapOptions::new().len(4096).map_anon().expect("memory");
+    let to = into.as_mut_ptr() as u64;
+    let into = std::sync::Arc::new(std::sync::Mutex::new(into));
+    mallory.register(1, to, 4096, into.clone());
+    // Mallory's own side checks nothing it does not claim: it claims all of memory.
+    let everything = vec![(0, u64::MAX / 2)];
+    let peers: Vec<u64> = ranks
+        .iter()
+        .map(|(_, session, _)| {
+            mallory
+                .connect(&prefill_stream, everything.clone(), &session.stream_key)
+                .expect("each link's key dials prefill's stream")
+        })
+        .collect();
+    let op = |remote: u64| pdpair_agent::transport::PutOp {
+        local: to,
+        len: 64,
+        remote,
+    };
+    // A refused op closes mallory's connection; its next op dials again.
+    let read = |rank: usize, remote: u64| mallory.get(peers[rank], &[1], &[op(remote)], Duration::from_secs(5));
+    let refused = |rank: usize, remote: u64, what: &str, why: &str| {
+        let e = read(rank, remote).expect_err(what);
+        assert!(e.to_string().contains(why), "{what}: {e}");
+    };
+    // Layer 1's V array of block 3: one of the blocks lent.
+    let (_, at) = p0.layout.block_offset(1, true, 3);
+    for rank in 0..2 {
+        assert_eq!(
+            read(rank, mine.base + at as u64),
+            Ok(64),
+            "rank {rank} reads a lent block"
+        );
+        let got = into.lock().expect("lock")[..64].to_vec();
+        assert_eq!(got, &p0.region(0)[at..at + 64], "the lent bytes");
+    }
+    let admitted = "outside the memory this link was admitted to";
+    refused(0, theirs.base, "p1's pool", admitted);
+    refused(0, mine.base + mine.len - 32, "just past p0's pool", admitted);
+    refused(0, mine.base - 32, "just before p0's pool", admitted);
+    let (_, other) = p0.layout.block_offset(1, true, 5);
+    refused(
+        0,
+        mine.base + other as u64,
+        "a block not lent",
+        "outside every block lent to this link",
+    );
+    // Pull admits reads only.
+    let e = mallory
+        .put(
+            peers[0],
+            &[1],
+            &[op(mine.base + at as u64)],
+            false,
+            Duration::from_secs(5),
+        )
+        .expect_err("no writes in pull");
+    assert!(e.to_string().contains("may not write"), "{e}");
+    // Rank 0 has read its part and releases the blocks; rank 1 has not yet. From then on rank
+    // 0's link reads nothing of them, while rank 1's still may.
+    let (s, session, _) = &mut ranks[0];
+    session
+        .send(
+            s,
+            &Message::Released {
+                request: "r".into(),
+                bytes: 64,
+            },
+        )
+        .expect("Released");
+    let until = Instant::now() + Duration::from_secs(3);
+    while read(0, mine.base + at as u64).is_ok() {
+        assert!(Instant::now() < until, "rank 0 still reads the blocks it released");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    refused(
+        0,
+        mine.base + at as u64,
+        "a released block",
+        "outside every block lent to this link",
+    );
+    assert_eq!(read(1, mine.base + at as u64), Ok(64), "rank 1 still holds its loan");
+    // Rank 0 gives up request s unread (its engine aborted it): the same.
+    let (_, in_s) = p0.layout.block_offset(0, false, 6);
+    assert_eq!(read(0, mine.base + in_s as u64), Ok(64), "s is lent to rank 0");
+    let (s, session, _) = &mut ranks[0];
+    session
+        .send(s, &Message::Release { request: "s".into() })
+        .expect("Release");
+    let until = Instant::now() + Duration::from_secs(3);
+    while read(0, mine.base + in_s as u64).is_ok() {
+        assert!(
+            Instant::now() < until,
+            "rank 0 still reads the blocks of a request it gave up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    refused(
+        0,
+        mine.base + in_s as u64,
+        "a request given up",
+        "outside every block lent to this link",
+    );
+    assert_eq!(read(1, mine.base + in_s as u64), Ok(64), "rank 1 still holds s");
+    // Rank 1 releases both: the requests are done for the engine, and nothing of them is read.
+    let (s, session, _) = &mut ranks[1];
+    for request in ["r", "s"] {
+        let released = Message::Released {
+            request: request.into(),
+            bytes: 64,
+        };
+        session.send(s, &released).expect("Released");
+    }
+    let mut ended = Vec::new();
+    while ended.len() < 2 {
+        match p0.next_event().expect("event") {
+            AgentEvent::TransferStarted { .. } => {}
+            other => {
+                assert!(done(&other), "{other:?}");
+                ended.push(other);
+            }
+        }
+    }
+    refused(
+        1,
+        mine.base + at as u64,
+        "after r ended",
+        "outside every block lent to this link",
+    );
+    refused(
+        1,
+        mine.base + in_s as u64,
+        "after s ended",
+        "outside every block lent to this link",
+    );
+    assert!(p1.region(0).iter().all(|b| *b == 0x11), "p1's pool is untouched");
+}
+
 /// How prefill on `transport` answered each copy of its own worker address with one byte
 /// changed (each of its first 40 bytes but UCX's format byte) or, for a stream, other spellings
 /// of its socket, claimed by an

@@ -308,6 +308,8 @@ impl Engine {
             tracing::warn!(engine = %self.reg.engine, peer = %link.addr, "ignored a Released for a request not lent on this link");
         }
         if lent {
+            // This decode rank read them: nothing more of them is read through this link.
+            link.close_window(&request);
             self.shared.metrics.transfer_done(Role::Prefill, bytes);
             self.transferred(bytes);
             self.finish(request, Ok((bytes, 0)));
@@ -417,6 +419,7 @@ impl Engine {
                 (Some(serving), lent) => {
                     // Pull, lent to this link: decode will not read them.
                     if let Some(i) = lent {
+                        link.close_window(&request);
                         serving.links.swap_remove(i);
                         serving.in_flight = serving.in_flight.saturating_sub(1);
                     }
@@ -611,6 +614,9 @@ impl Engine {
         let live = self.live_blocks(&ready.blocks, ready.first_token, ready.num_tokens);
         let sums = self.head_sums(link, ready.first_token, ready.num_tokens, live.iter().copied());
         self.started(&reg.request);
+        // The link may read these blocks now (the stream refuses others), until it releases
+        // them or the request ends for the engine.
+        self.open_window(link, &reg.request, &ready.blocks);
         let sent = link.send(&Message::Ready {
             request: reg.request.clone(),
             blocks: ready.blocks,

@@ -15,15 +15,19 @@
 //! - **Connection.** The peer dials the address in the handshake (`pdpair-tcp:` and `ip:port`).
 //!   The listener sends a 32-byte nonce; the dialler answers with the admission's id
 //!   (HMAC(key, "pdpair/stream id"), 16 bytes) and a proof, HMAC(key, "pdpair/stream proof" |
-//!   nonce). The listener checks the proof in constant time; one connection per admission. A
-//!   stranger, a replayed proof and a second connection are refused before a byte of memory is
-//!   touched.
+//!   nonce). The listener checks the proof in constant time. A stranger and a replayed proof
+//!   are refused before a byte of memory is touched. An admission holds one connection: a
+//!   newer proven one replaces it (only the link's peer holds the key, and a connection whose
+//!   other end vanished without a word would otherwise hold the admission forever). The
+//!   dialler dials again, within the op's deadline, when an op finds its connection gone (an
+//!   earlier op timed out, the peer closed it).
 //! - **Ops.** 24-byte headers (op, 7 zero bytes, address, length, big-endian): `PUT` and its
 //!   bytes, `GET` (answered with its bytes), `FLUSH` (answered once every earlier put is in
 //!   memory). Every range must lie inside one admitted region and match the admitted access;
-//!   anything else is answered with an error and the connection closes. A write must also lie in
-//!   an open [`Windows`] range: the blocks of a request the link was asked for and that has not
-//!   ended for the engine; outside them its bytes are dropped and the next flush says so.
+//!   anything else is answered with an error and the connection closes. Each op must also lie in
+//!   an open [`Windows`] range: the blocks of a request the link was asked for (push) or lent
+//!   (pull) and that has not ended for the engine or the link. Outside them a write's bytes are
+//!   dropped and the next flush says so; a read is answered with a refusal and no bytes.
 //!
 //! What it does not do: encrypt, or authenticate each byte. Someone on the path between two
 //! agents can change bytes in flight (as over RDMA); the per-request checksums catch that, and
@@ -70,7 +74,11 @@ const OP_PUT: u8 = 1;
 const OP_GET: u8 = 2;
 const OP_FLUSH: u8 = 3;
 const OK: u8 = 0;
+/// Refused, and the connection closes.
 const REFUSED: u8 = 1;
+/// Refused, and the connection stays (a write dropped outside the windows, a read refused
+/// there): the answer's framing is intact.
+const DECLINED: u8 = 2;
 
 /// What an admitted peer may do in the regions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,17 +108,19 @@ struct Admitted {
     key: [u8; 32],
     regions: Vec<Region>,
     access: Access,
-    /// Where a write admission's peer may write now.
+    /// Where the peer may write or read now.
     windows: Arc<Windows>,
-    /// The connection that proved it (one at most), to close with the admission.
-    conn: Option<TcpStream>,
+    /// The connection that proved it last (one at most; its serial number), to close with the
+    /// admission or when a newer one proves it.
+    conn: Option<(u64, TcpStream)>,
 }
 
-/// The byte ranges a write admission's peer may write at the moment: the blocks of the requests
-/// the link was asked for, from just before the registration is sent until the request ends for
-/// the engine (its blocks may then go to another request). A write inside the admitted regions
-/// but outside every window is dropped (its bytes read and discarded) and reported at the next
-/// flush; the connection stays.
+/// The byte ranges an admission's peer may reach at the moment: the blocks of the requests the
+/// link was asked for (push: from just before the registration is sent) or lent (pull: from
+/// just before the `Ready` is sent), until the request ends for the engine or the link (the
+/// blocks may then go to another request). A write inside the admitted regions but outside
+/// every window is dropped (its bytes read and discarded) and reported at the next flush; a
+/// read there is refused without a byte; the connection stays.
 #[derive(Debug, Default)]
 pub struct Windows {
     open: Mutex<HashMap<String, Vec<(u64, u64)>>>,
@@ -157,7 +167,10 @@ impl Windows {
 
 #[derive(Debug)]
 struct PeerConn {
+    /// `None` once an op closed it: the next op dials again.
     conn: Mutex<Option<TcpStream>>,
+    at: SocketAddr,
+    key: [u8; 32],
     remotes: Vec<(u64, u64)>,
     lane: String,
 }
@@ -168,6 +181,7 @@ struct Inner {
     admitted: Mutex<HashMap<[u8; 16], Admitted>>,
     peers: Mutex<HashMap<u64, Arc<PeerConn>>>,
     next_peer: AtomicU64,
+    next_conn: AtomicU64,
     unproven: AtomicUsize,
 }
 
@@ -184,15 +198,15 @@ pub struct Stream {
 pub struct Admission {
     inner: Weak<Inner>,
     id: [u8; 16],
-    /// Where its peer may write (a write admission).
-    pub windows: Option<Arc<Windows>>,
+    /// Where its peer may write (push) or read (pull) now.
+    pub windows: Arc<Windows>,
 }
 
 impl Drop for Admission {
     fn drop(&mut self) {
         if let Some(inner) = self.inner.upgrade()
             && let Some(a) = lock(&inner.admitted).remove(&self.id)
-            && let Some(c) = a.conn
+            && let Some((_, c)) = a.conn
         {
             let _ = c.shutdown(Shutdown::Both);
         }
@@ -257,32 +271,55 @@ pub fn is_stream_address(address: &[u8]) -> bool {
     address.starts_with(ADDRESS_PREFIX.as_bytes())
 }
 
+/// Refuses, then closes the connection.
 fn send_error(c: &mut TcpStream, msg: &str) {
+    send_refusal(c, REFUSED, msg);
+}
+
+/// Refuses one op and keeps the connection.
+fn send_declined(c: &mut TcpStream, msg: &str) {
+    send_refusal(c, DECLINED, msg);
+}
+
+fn send_refusal(c: &mut TcpStream, status: u8, msg: &str) {
     let mut text = msg.as_bytes();
     if text.len() > MAX_ERROR {
         text = &text[..MAX_ERROR];
     }
-    let mut frame = vec![REFUSED];
+    let mut frame = vec![status];
     frame.extend_from_slice(&(text.len() as u16).to_be_bytes());
     frame.extend_from_slice(text);
     let _ = c.write_all(&frame);
 }
 
-/// Reads a status byte; an error's text when it is one.
-fn read_status(c: &mut TcpStream) -> io::Result<Result<(), String>> {
+/// What the peer refused, and whether it keeps the connection.
+#[derive(Debug)]
+struct Refusal {
+    why: String,
+    kept: bool,
+}
+
+/// Reads a status byte; the refusal when it is one.
+fn read_status(c: &mut TcpStream) -> io::Result<Result<(), Refusal>> {
     let mut s = [0u8; 1];
     c.read_exact(&mut s)?;
     match s[0] {
         OK => Ok(Ok(())),
-        REFUSED => {
+        status @ (REFUSED | DECLINED) => {
             let mut n = [0u8; 2];
             c.read_exact(&mut n)?;
             let n = (u16::from_be_bytes(n) as usize).min(MAX_ERROR);
             let mut text = vec![0u8; n];
             c.read_exact(&mut text)?;
-            Ok(Err(crate::reason::peer_text(&String::from_utf8_lossy(&text))))
+            Ok(Err(Refusal {
+                why: crate::reason::peer_text(&String::from_utf8_lossy(&text)),
+                kept: status == DECLINED,
+            }))
         }
-        other => Ok(Err(format!("the peer answered with status {other}"))),
+        other => Ok(Err(Refusal {
+            why: format!("the peer answered with status {other}"),
+            kept: false,
+        })),
     }
 }
 
@@ -292,6 +329,34 @@ fn header(op: u8, addr: u64, len: u64) -> [u8; 24] {
     h[8..16].copy_from_slice(&addr.to_be_bytes());
     h[16..24].copy_from_slice(&len.to_be_bytes());
     h
+}
+
+/// Dials the stream at `at` and proves `key`'s admission there, by `deadline`.
+fn dial(at: SocketAddr, key: &[u8; 32], deadline: Instant) -> Result<TcpStream, String> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(format!("no time was left to dial the KV stream at {at}"));
+    }
+    let mut c = TcpStream::connect_timeout(&at, left).map_err(|e| format!("dialling the KV stream at {at}: {e}"))?;
+    let _ = c.set_nodelay(true);
+    let mut hello = [0u8; 48];
+    read_until(&mut c, &mut hello, deadline).map_err(|e| format!("the KV stream at {at} sent no greeting: {e}"))?;
+    if &hello[..16] != MAGIC {
+        return Err(format!("the KV stream at {at} is not a pdpair stream"));
+    }
+    let mut answer = Vec::with_capacity(64);
+    answer.extend_from_slice(MAGIC);
+    answer.extend_from_slice(&admission_id(key));
+    answer.extend_from_slice(&proof(key, &hello[16..]));
+    timeouts(&c, deadline)
+        .map_err(|e| e.to_string())
+        .and_then(|()| c.write_all(&answer).map_err(|e| e.to_string()))
+        .map_err(|e| format!("the KV stream at {at}: {e}"))?;
+    match read_status(&mut c) {
+        Ok(Ok(())) => Ok(c),
+        Ok(Err(r)) => Err(format!("the KV stream at {at} refused this agent: {}", r.why)),
+        Err(e) => Err(format!("the KV stream at {at} closed: {e}")),
+    }
 }
 
 impl Stream {
@@ -359,42 +424,22 @@ impl Stream {
         Ok(Admission {
             inner: Arc::downgrade(&self.inner),
             id,
-            windows: (access == Access::Write).then_some(windows),
+            windows,
         })
     }
 
     /// Dials the peer at `address` and proves `key`'s admission there; `remotes` are the peer's
     /// regions (address, bytes) every op's remote side must lie in.
     pub fn connect(&self, address: &[u8], remotes: Vec<(u64, u64)>, key: &[u8; 32]) -> Result<u64, String> {
-        let sock = parse_address(address)?;
-        let mut c = TcpStream::connect_timeout(&sock, PROOF_WITHIN)
-            .map_err(|e| format!("dialling the KV stream at {sock}: {e}"))?;
-        let _ = c.set_nodelay(true);
-        c.set_read_timeout(Some(PROOF_WITHIN))
-            .and_then(|()| c.set_write_timeout(Some(PROOF_WITHIN)))
-            .map_err(|e| format!("the KV stream at {sock}: {e}"))?;
-        let mut hello = [0u8; 48];
-        c.read_exact(&mut hello)
-            .map_err(|e| format!("the KV stream at {sock} sent no greeting: {e}"))?;
-        if &hello[..16] != MAGIC {
-            return Err(format!("the KV stream at {sock} is not a pdpair stream"));
-        }
-        let mut answer = Vec::with_capacity(64);
-        answer.extend_from_slice(MAGIC);
-        answer.extend_from_slice(&admission_id(key));
-        answer.extend_from_slice(&proof(key, &hello[16..]));
-        c.write_all(&answer)
-            .map_err(|e| format!("the KV stream at {sock}: {e}"))?;
-        match read_status(&mut c) {
-            Ok(Ok(())) => {}
-            Ok(Err(why)) => return Err(format!("the KV stream at {sock} refused this agent: {why}")),
-            Err(e) => return Err(format!("the KV stream at {sock} closed: {e}")),
-        }
+        let at = parse_address(address)?;
+        let c = dial(at, key, Instant::now() + PROOF_WITHIN)?;
         let id = self.inner.next_peer.fetch_add(1, Ordering::Relaxed) + 1;
         lock(&self.inner.peers).insert(
             id,
             Arc::new(PeerConn {
                 conn: Mutex::new(Some(c)),
+                at,
+                key: *key,
                 remotes,
                 lane: format!("tcp-stream/{}", self.local.ip()),
             }),
@@ -449,7 +494,7 @@ impl Stream {
     ) -> Result<u64, OpError> {
         let (p, _held) = self.prepare(peer, regions, ops)?;
         let deadline = Instant::now() + within;
-        on_connection(&p, true, |c| {
+        on_connection(&p, true, deadline, |c| {
             let mut bytes = 0u64;
             for (i, op) in ops.iter().enumerate() {
                 timeouts(c, deadline)?;
@@ -472,7 +517,9 @@ impl Stream {
             match read_status(c).map_err(io_error)? {
                 Ok(()) => Ok(bytes),
                 // The peer dropped a write and kept the connection: framing is intact.
-                Err(why) => Err(Kept(OpError::Failed(format!("the peer refused a write: {why}")))),
+                Err(r) if r.kept => Err(Kept(OpError::Failed(format!("the peer refused a write: {}", r.why)))),
+                // It refused and closes.
+                Err(r) => Err(OpError::Failed(format!("the peer refused a write: {}", r.why)).into()),
             }
         })
     }
@@ -481,7 +528,7 @@ impl Stream {
     pub fn get(&self, peer: u64, regions: &[u64], ops: &[PutOp], within: Duration) -> Result<u64, OpError> {
         let (p, _held) = self.prepare(peer, regions, ops)?;
         let deadline = Instant::now() + within;
-        on_connection(&p, false, |c| {
+        on_connection(&p, false, deadline, |c| {
             let mut bytes = 0u64;
             let mut next = 0;
             while next < ops.len() {
@@ -502,8 +549,10 @@ impl Stream {
                 c.write_all(&headers).map_err(io_error)?;
                 for op in &ops[next..end] {
                     timeouts(c, deadline)?;
-                    if let Err(why) = read_status(c).map_err(io_error)? {
-                        return Err(OpError::Failed(format!("the peer refused a read: {why}")).into());
+                    // Refused: the answers to the reads after it are still on their way, so the
+                    // connection goes either way (the next op dials again).
+                    if let Err(r) = read_status(c).map_err(io_error)? {
+                        return Err(OpError::Failed(format!("the peer refused a read: {}", r.why)).into());
                     }
                     // SAFETY: `prepare` checked the range lies in a registered region, which
                     // `_held` keeps mapped.
@@ -547,18 +596,30 @@ impl From<OpError> for Failure {
     }
 }
 
-/// Runs `op` on `p`'s connection. A failure that leaves the framing in doubt closes it (the
-/// peer may hold half a frame, or have closed); `refusal`: first read the refusal a peer sends
-/// before it closes (a write into the closed connection fails before its text is read).
+/// Runs `op` on `p`'s connection, dialling it again first when an earlier op closed it. A
+/// failure that leaves the framing in doubt closes it (the peer may hold half a frame, or have
+/// closed); `refusal`: first read the refusal a peer sends before it closes (a write into the
+/// closed connection fails before its text is read).
 fn on_connection(
     p: &PeerConn,
     refusal: bool,
+    deadline: Instant,
     op: impl FnOnce(&mut TcpStream) -> Result<u64, Failure>,
 ) -> Result<u64, OpError> {
     let mut guard = lock(&p.conn);
-    let c = guard
-        .as_mut()
-        .ok_or_else(|| OpError::Failed("the stream to this peer was closed".into()))?;
+    if guard.is_none() {
+        if Instant::now() >= deadline {
+            return Err(OpError::Timeout(
+                "the deadline passed before the stream was dialled again".into(),
+            ));
+        }
+        let c = dial(p.at, &p.key, deadline.min(Instant::now() + PROOF_WITHIN))
+            .map_err(|e| OpError::Failed(format!("dialling the stream to this peer again: {e}")))?;
+        *guard = Some(c);
+    }
+    let Some(c) = guard.as_mut() else {
+        return Err(OpError::Failed("the stream to this peer is closed".into()));
+    };
     match op(c) {
         Ok(bytes) => Ok(bytes),
         Err(Failure::Kept(e)) => Err(e),
@@ -567,9 +628,9 @@ fn on_connection(
                 if refusal
                     && matches!(e, OpError::Failed(_))
                     && c.set_read_timeout(Some(Duration::from_millis(500))).is_ok()
-                    && let Ok(Err(why)) = read_status(&mut c)
+                    && let Ok(Err(r)) = read_status(&mut c)
                 {
-                    e = OpError::Failed(format!("the peer refused a write: {why}"));
+                    e = OpError::Failed(format!("the peer refused a write: {}", r.why));
                 }
                 let _ = c.shutdown(Shutdown::Both);
             }
@@ -652,7 +713,7 @@ fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
 fn serve(mut c: TcpStream, inner: Arc<Inner>) {
     let proven = prove(&mut c, &inner);
     inner.unproven.fetch_sub(1, Ordering::SeqCst);
-    let Some((id, regions, access, windows)) = proven else {
+    let Some((id, serial, regions, access, windows)) = proven else {
         return;
     };
     if let Err(why) = serve_ops(&mut c, &regions, access, &windows) {
@@ -661,8 +722,10 @@ fn serve(mut c: TcpStream, inner: Arc<Inner>) {
         linger(&mut c);
     }
     let _ = c.shutdown(Shutdown::Both);
-    // The connection is over; the link's peer (it holds the key) may dial again.
-    if let Some(a) = lock(&inner.admitted).get_mut(&id) {
+    // The connection is over (unless a newer one replaced it already).
+    if let Some(a) = lock(&inner.admitted).get_mut(&id)
+        && a.conn.as_ref().is_some_and(|(s, _)| *s == serial)
+    {
         a.conn = None;
     }
 }
@@ -682,7 +745,8 @@ fn linger(c: &mut TcpStream) {
     }
 }
 
-type Proven = ([u8; 16], Vec<Region>, Access, Arc<Windows>);
+/// An admission's id, the connection's serial number, and what the admission allows.
+type Proven = ([u8; 16], u64, Vec<Region>, Access, Arc<Windows>);
 
 fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
     let _ = c.set_nodelay(true);
@@ -708,13 +772,15 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
         Some(a) => {
             if proof_mac(&a.key, &nonce).verify_slice(&answer[32..64]).is_err() {
                 Err("the proof is wrong")
-            } else if a.conn.is_some() {
-                Err("the admission already has a connection")
             } else {
                 match c.try_clone() {
                     Ok(clone) => {
-                        a.conn = Some(clone);
-                        Ok((id, a.regions.clone(), a.access, a.windows.clone()))
+                        let serial = inner.next_conn.fetch_add(1, Ordering::Relaxed);
+                        // The peer dialled again: what it had before is over.
+                        if let Some((_, old)) = a.conn.replace((serial, clone)) {
+                            let _ = old.shutdown(Shutdown::Both);
+                        }
+                        Ok((id, serial, a.regions.clone(), a.access, a.windows.clone()))
                     }
                     Err(_) => Err("cannot hold the connection"),
                 }
@@ -763,7 +829,7 @@ fn serve_ops(c: &mut TcpStream, regions: &[Region], access: Access, windows: &Wi
                     return Err("a flush carries an address or length".into());
                 }
                 match dropped.take() {
-                    Some(why) => send_error(c, &why),
+                    Some(why) => send_declined(c, &why),
                     None => c.write_all(&[OK]).map_err(|e| e.to_string())?,
                 }
                 continue;
@@ -778,7 +844,13 @@ fn serve_ops(c: &mut TcpStream, regions: &[Region], access: Access, windows: &Wi
                 "a {op} of {addr:#x}+{len} is outside the memory this link was admitted to"
             ));
         }
-        if wants == Access::Write && !windows.contains(addr, len) {
+        if wants == Access::Read && !windows.contains(addr, len) {
+            // Inside the engine's pool, but not in a block lent to this link now.
+            send_declined(
+                c,
+                &format!("a read of {addr:#x}+{len} is outside every block lent to this link now"),
+            );
+        } else if wants == Access::Write && !windows.contains(addr, len) {
             // Inside the engine's pool, but no request of this link's is open there (it ended,
             // or was never asked for): read and drop the bytes, and say so at the flush.
             let mut sink = [0u8; 64 << 10];

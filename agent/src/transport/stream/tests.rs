@@ -43,10 +43,8 @@ fn pair(access: Access) -> Pair {
     let d_mem = region(&d, 1, 4096, 0);
     let p_mem = region(&p, 7, 4096, 0xab);
     let admission = d.admit(&key(1), &[1], access).expect("admitted");
-    // A request of the link's over all of the region (the windows' own test narrows them).
-    if let Some(w) = &admission.windows {
-        w.allow("all", vec![(d_mem.0, 4096)]);
-    }
+    // A request of the link's over all of the region (the windows' own tests narrow them).
+    admission.windows.allow("all", vec![(d_mem.0, 4096)]);
     Pair {
         d,
         p,
@@ -89,6 +87,7 @@ fn an_admitted_peer_writes_and_reads_inside_the_admitted_regions() {
 
     // Pull: decode dials prefill, which admitted reads.
     let admission = t.p.admit(&key(2), &[7], Access::Read).expect("admitted");
+    admission.windows.allow("lent", vec![(t.p_mem.0, 4096)]);
     let peer =
         t.d.connect(&t.p.address(), vec![(t.p_mem.0, 4096)], &key(2))
             .expect("connected");
@@ -126,7 +125,7 @@ fn a_dialler_without_the_key_is_refused_and_writes_nothing() {
     answer.extend_from_slice(&admission_id(&key(1)));
     answer.extend_from_slice(&proof(&key(9), &hello[16..]));
     c.write_all(&answer).expect("sent");
-    let refused = read_status(&mut c).expect("answered").expect_err("refused");
+    let refused = read_status(&mut c).expect("answered").expect_err("refused").why;
     assert!(refused.contains("the proof is wrong"), "{refused}");
     let _ = c.write_all(&header(OP_PUT, t.d_mem.0, 8));
     let _ = c.write_all(&[0xee; 8]);
@@ -148,27 +147,84 @@ fn a_dialler_without_the_key_is_refused_and_writes_nothing() {
 }
 
 #[test]
-fn an_admission_takes_one_connection_and_its_drop_closes_it() {
+fn an_admission_holds_its_newest_connection_and_its_drop_closes_it() {
     let mut t = pair(Access::Write);
-    let peer =
+    let first =
         t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(1))
             .expect("connected");
-    let e =
+    // The link's peer dials again (its first connection's other end may have vanished without
+    // a word): the newer connection replaces the older, which the listener closes.
+    let second =
         t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(1))
-            .expect_err("a second connection");
-    assert!(e.contains("already has a connection"), "{e}");
-    t.p.put(peer, &[7], &[op(t.p_mem.0, t.d_mem.0, 8)], false, SECOND)
+            .expect("a second connection");
+    let e =
+        t.p.put(first, &[7], &[op(t.p_mem.0, t.d_mem.0 + 16, 8)], false, SECOND)
+            .expect_err("the replaced connection");
+    assert!(matches!(e, OpError::Failed(_)), "{e}");
+    t.p.put(second, &[7], &[op(t.p_mem.0, t.d_mem.0, 8)], false, SECOND)
         .expect("written");
+    t.p.disconnect(first);
+    assert_eq!(
+        lock(&t.d.inner.admitted).values().filter(|a| a.conn.is_some()).count(),
+        1,
+        "one connection at a time"
+    );
     drop(t.admission.take());
     let e =
-        t.p.put(peer, &[7], &[op(t.p_mem.0, t.d_mem.0 + 8, 8)], false, SECOND)
+        t.p.put(second, &[7], &[op(t.p_mem.0, t.d_mem.0 + 8, 8)], false, SECOND)
             .expect_err("the link is gone");
     assert!(matches!(e, OpError::Failed(_)), "{e}");
-    assert!(bytes(&t.d_mem.1)[8..16].iter().all(|b| *b == 0));
+    // Dialling again finds no admission.
+    let e =
+        t.p.put(second, &[7], &[op(t.p_mem.0, t.d_mem.0 + 8, 8)], false, SECOND)
+            .expect_err("revoked");
+    assert!(e.to_string().contains("no admission"), "{e}");
+    assert!(bytes(&t.d_mem.1)[8..].iter().all(|b| *b == 0));
     let e =
         t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(1))
             .expect_err("revoked");
     assert!(e.contains("no admission"), "{e}");
+}
+
+#[test]
+fn an_op_that_finds_its_connection_closed_dials_again() {
+    let t = pair(Access::Write);
+    let peer =
+        t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(1))
+            .expect("connected");
+    // An op that runs out of time closes its connection (the peer may hold half a frame)...
+    let e =
+        t.p.put(peer, &[7], &[op(t.p_mem.0, t.d_mem.0, 8)], false, Duration::ZERO)
+            .expect_err("no time");
+    assert!(matches!(e, OpError::Timeout(_)), "{e}");
+    assert!(
+        lock(&t.p.inner.peers)[&peer].conn.lock().expect("lock").is_none(),
+        "closed"
+    );
+    // ...and the next op of the link dials again and goes through.
+    assert_eq!(
+        t.p.put(peer, &[7], &[op(t.p_mem.0, t.d_mem.0 + 64, 8)], false, SECOND),
+        Ok(8)
+    );
+    assert!(bytes(&t.d_mem.1)[64..72].iter().all(|b| *b == 0xab));
+    assert!(
+        bytes(&t.d_mem.1)[..64].iter().all(|b| *b == 0),
+        "the timed-out op wrote nothing"
+    );
+
+    // A refusal after which the peer closes (a write on a read admission) closes ours too: the
+    // next op dials again, not into the closed connection.
+    let admission = t.p.admit(&key(2), &[7], Access::Read).expect("admitted");
+    admission.windows.allow("lent", vec![(t.p_mem.0, 4096)]);
+    let peer =
+        t.d.connect(&t.p.address(), vec![(t.p_mem.0, 4096)], &key(2))
+            .expect("connected");
+    let e =
+        t.d.put(peer, &[1], &[op(t.d_mem.0, t.p_mem.0, 8)], false, SECOND)
+            .expect_err("a write on a read admission");
+    assert!(e.to_string().contains("may not write"), "{e}");
+    assert_eq!(t.d.get(peer, &[1], &[op(t.d_mem.0 + 256, t.p_mem.0, 8)], SECOND), Ok(8));
+    assert!(bytes(&t.d_mem.1)[256..264].iter().all(|b| *b == 0xab));
 }
 
 /// A peer that proved its admission and then sends its own headers: the listener checks each.
@@ -201,13 +257,8 @@ fn an_admitted_peer_cannot_write_or_read_outside_its_regions_or_access() {
         let mut c = forged(&t, &key(1));
         c.write_all(&header(OP_PUT, addr, len)).expect("sent");
         let _ = c.write_all(&[0xee; 8]);
-        let e = read_status(&mut c).expect("answered").expect_err("refused");
+        let e = read_status(&mut c).expect("answered").expect_err("refused").why;
         assert!(e.contains(what), "{addr:#x}+{len}: {e}");
-        // The admission stays, its connection is gone: the link may not dial again.
-        lock(&t.d.inner.admitted)
-            .get_mut(&admission_id(&key(1)))
-            .expect("admitted")
-            .conn = None;
     }
     assert!(bytes(&t.d_mem.1).iter().all(|b| *b == 0));
     assert!(bytes(&other.1).iter().all(|b| *b == 0x11));
@@ -225,10 +276,6 @@ fn an_admitted_peer_cannot_write_or_read_outside_its_regions_or_access() {
         let mut c = forged(&t, &key(1));
         c.write_all(&h).expect("sent");
         assert!(read_status(&mut c).expect("answered").is_err(), "{h:?}");
-        lock(&t.d.inner.admitted)
-            .get_mut(&admission_id(&key(1)))
-            .expect("admitted")
-            .conn = None;
     }
 }
 
@@ -330,11 +377,7 @@ fn unproven_connections_are_bounded() {
 #[test]
 fn a_write_outside_every_open_window_is_dropped_and_the_connection_stays() {
     let t = pair(Access::Write);
-    let w = t
-        .admission
-        .as_ref()
-        .and_then(|a| a.windows.clone())
-        .expect("a write admission has windows");
+    let w = t.admission.as_ref().expect("admitted").windows.clone();
     w.close("all");
     // Request r: bytes 0..1024 and 3000..3100 of the pool.
     w.allow(
@@ -385,4 +428,42 @@ fn windows_merge_touching_ranges_and_check_without_overflow() {
         !w.contains(100, 1) && w.contains(400, 10) && w.contains(300, 10),
         "replaced, not added"
     );
+}
+
+#[test]
+fn a_read_outside_every_lent_block_is_refused_without_a_byte() {
+    // Pull, with the pair's roles as the fixture names them: `p` reads `d`'s region, which `d`
+    // admitted to reads; only the bytes `d` lent the link are served.
+    let t = pair(Access::Read);
+    let w = t.admission.as_ref().expect("admitted").windows.clone();
+    w.close("all");
+    w.allow("r", vec![(t.d_mem.0 + 1024, 1024)]);
+    // The reader's memory: zeroed, so a refused read shows it took nothing.
+    let into = region(&t.p, 8, 4096, 0);
+    let peer =
+        t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(1))
+            .expect("connected");
+    let get = |at: u64, len: u64| t.p.get(peer, &[8], &[op(into.0 + at, t.d_mem.0 + at, len)], SECOND);
+    // Mark the lent bytes, then read them.
+    // SAFETY: the mapping is alive and nothing else touches it during the test.
+    unsafe { std::ptr::write_bytes((t.d_mem.0 + 1024) as *mut u8, 0x5a, 1024) };
+    assert_eq!(get(1024, 1024), Ok(1024));
+    for (at, len) in [(0, 64), (1000, 100), (2040, 16), (3000, 64)] {
+        let e = get(at, len).expect_err("outside the lent blocks");
+        assert!(
+            e.to_string().contains("outside every block lent to this link"),
+            "{at}+{len}: {e}"
+        );
+    }
+    let got = bytes(&into.1);
+    assert!(got[1024..2048].iter().all(|b| *b == 0x5a));
+    assert!(
+        got[..1024].iter().all(|b| *b == 0) && got[2048..].iter().all(|b| *b == 0),
+        "nothing else read"
+    );
+    // Still served (the reader dials again after a refusal); closed, nothing is.
+    assert_eq!(get(1500, 8), Ok(8));
+    w.close("r");
+    let e = get(1500, 8).expect_err("closed");
+    assert!(e.to_string().contains("outside every block lent"), "{e}");
 }
