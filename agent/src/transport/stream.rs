@@ -29,9 +29,11 @@
 //!   (pull) and that has not ended for the engine or the link. Outside them a write's bytes are
 //!   dropped and the next flush says so; a read is answered with a refusal and no bytes.
 //!
-//! What it does not do: encrypt, or authenticate each byte. Someone on the path between two
-//! agents can change bytes in flight (as over RDMA); the per-request checksums catch that, and
-//! the ranges stay inside the link's admitted regions.
+//! - **Records.** After the proof every byte either way is sealed (AES-256-GCM; per-connection,
+//!   per-direction keys from the stream key and the greeting's nonce; nonces a counter; see
+//!   [`seal`]): someone on the path between two agents reads no KV, and a byte changed,
+//!   dropped, replayed or reordered fails its record, which closes the connection before its
+//!   bytes land (each record is opened in a buffer, then copied into place).
 #![allow(unsafe_code)]
 
 use std::{
@@ -49,6 +51,7 @@ use std::{
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use self::seal::{Conn, Side};
 use crate::{
     lock,
     transport::{Observed, OpError, PutOp},
@@ -168,7 +171,7 @@ impl Windows {
 #[derive(Debug)]
 struct PeerConn {
     /// `None` once an op closed it: the next op dials again.
-    conn: Mutex<Option<TcpStream>>,
+    conn: Mutex<Option<Conn>>,
     at: SocketAddr,
     key: [u8; 32],
     remotes: Vec<(u64, u64)>,
@@ -271,25 +274,37 @@ pub fn is_stream_address(address: &[u8]) -> bool {
     address.starts_with(ADDRESS_PREFIX.as_bytes())
 }
 
-/// Refuses, then closes the connection.
-fn send_error(c: &mut TcpStream, msg: &str) {
-    send_refusal(c, REFUSED, msg);
-}
-
-/// Refuses one op and keeps the connection.
-fn send_declined(c: &mut TcpStream, msg: &str) {
-    send_refusal(c, DECLINED, msg);
-}
-
-fn send_refusal(c: &mut TcpStream, status: u8, msg: &str) {
+fn status_frame(status: u8, msg: &str) -> (Vec<u8>, &[u8]) {
     let mut text = msg.as_bytes();
     if text.len() > MAX_ERROR {
         text = &text[..MAX_ERROR];
     }
-    let mut frame = vec![status];
-    frame.extend_from_slice(&(text.len() as u16).to_be_bytes());
+    let mut head = vec![status];
+    head.extend_from_slice(&(text.len() as u16).to_be_bytes());
+    (head, text)
+}
+
+/// Refuses a connection before its proof (in the clear: there are no keys yet), then closes.
+fn refuse_plain(c: &mut TcpStream, msg: &str) {
+    let (mut frame, text) = status_frame(REFUSED, msg);
     frame.extend_from_slice(text);
     let _ = c.write_all(&frame);
+}
+
+/// Refuses, then closes the connection.
+fn send_error(c: &mut Conn, msg: &str) {
+    send_refusal(c, REFUSED, msg);
+}
+
+/// Refuses one op and keeps the connection.
+fn send_declined(c: &mut Conn, msg: &str) {
+    send_refusal(c, DECLINED, msg);
+}
+
+/// A status record (status, text length), then the text's record when there is text.
+fn send_refusal(c: &mut Conn, status: u8, msg: &str) {
+    let (head, text) = status_frame(status, msg);
+    let _ = c.send_with(&head, text, |_| Ok(()));
 }
 
 /// What the peer refused, and whether it keeps the connection.
@@ -299,27 +314,44 @@ struct Refusal {
     kept: bool,
 }
 
-/// Reads a status byte; the refusal when it is one.
-fn read_status(c: &mut TcpStream) -> io::Result<Result<(), Refusal>> {
-    let mut s = [0u8; 1];
-    c.read_exact(&mut s)?;
-    match s[0] {
-        OK => Ok(Ok(())),
-        status @ (REFUSED | DECLINED) => {
-            let mut n = [0u8; 2];
-            c.read_exact(&mut n)?;
-            let n = (u16::from_be_bytes(n) as usize).min(MAX_ERROR);
-            let mut text = vec![0u8; n];
-            c.read_exact(&mut text)?;
+/// Reads a status record (and its text); the refusal when it is one.
+fn read_status(c: &mut Conn, deadline: Option<Instant>) -> io::Result<Result<(), Refusal>> {
+    let head = c.recv(3, deadline)?;
+    let (status, n) = (head[0], usize::from(u16::from_be_bytes([head[1], head[2]])));
+    match status {
+        OK if n == 0 => Ok(Ok(())),
+        REFUSED | DECLINED if n <= MAX_ERROR => {
+            let text = if n > 0 {
+                c.recv(n, deadline)?.to_vec()
+            } else {
+                Vec::new()
+            };
             Ok(Err(Refusal {
                 why: crate::reason::peer_text(&String::from_utf8_lossy(&text)),
                 kept: status == DECLINED,
             }))
         }
-        other => Ok(Err(Refusal {
-            why: format!("the peer answered with status {other}"),
+        _ => Ok(Err(Refusal {
+            why: format!("the peer answered with status {status} and length {n}"),
             kept: false,
         })),
+    }
+}
+
+/// Reads the proof's answer (in the clear); the refusal's text when it is one.
+fn read_plain_status(c: &mut TcpStream, deadline: Instant) -> io::Result<Result<(), String>> {
+    let mut head = [0u8; 3];
+    seal::read_full(c, &mut head[..1], Some(deadline))?;
+    match head[0] {
+        OK => Ok(Ok(())),
+        REFUSED => {
+            seal::read_full(c, &mut head[1..], Some(deadline))?;
+            let n = usize::from(u16::from_be_bytes([head[1], head[2]])).min(MAX_ERROR);
+            let mut text = vec![0u8; n];
+            seal::read_full(c, &mut text, Some(deadline))?;
+            Ok(Err(crate::reason::peer_text(&String::from_utf8_lossy(&text))))
+        }
+        other => Ok(Err(format!("the peer answered with status {other}"))),
     }
 }
 
@@ -332,7 +364,7 @@ fn header(op: u8, addr: u64, len: u64) -> [u8; 24] {
 }
 
 /// Dials the stream at `at` and proves `key`'s admission there, by `deadline`.
-fn dial(at: SocketAddr, key: &[u8; 32], deadline: Instant) -> Result<TcpStream, String> {
+fn dial(at: SocketAddr, key: &[u8; 32], deadline: Instant) -> Result<Conn, String> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
         return Err(format!("no time was left to dial the KV stream at {at}"));
@@ -340,7 +372,8 @@ fn dial(at: SocketAddr, key: &[u8; 32], deadline: Instant) -> Result<TcpStream, 
     let mut c = TcpStream::connect_timeout(&at, left).map_err(|e| format!("dialling the KV stream at {at}: {e}"))?;
     let _ = c.set_nodelay(true);
     let mut hello = [0u8; 48];
-    read_until(&mut c, &mut hello, deadline).map_err(|e| format!("the KV stream at {at} sent no greeting: {e}"))?;
+    seal::read_full(&mut c, &mut hello, Some(deadline))
+        .map_err(|e| format!("the KV stream at {at} sent no greeting: {e}"))?;
     if &hello[..16] != MAGIC {
         return Err(format!("the KV stream at {at} is not a pdpair stream"));
     }
@@ -352,9 +385,9 @@ fn dial(at: SocketAddr, key: &[u8; 32], deadline: Instant) -> Result<TcpStream, 
         .map_err(|e| e.to_string())
         .and_then(|()| c.write_all(&answer).map_err(|e| e.to_string()))
         .map_err(|e| format!("the KV stream at {at}: {e}"))?;
-    match read_status(&mut c) {
-        Ok(Ok(())) => Ok(c),
-        Ok(Err(r)) => Err(format!("the KV stream at {at} refused this agent: {}", r.why)),
+    match read_plain_status(&mut c, deadline) {
+        Ok(Ok(())) => Ok(Conn::new(c, key, &hello[16..], Side::Dialler)),
+        Ok(Err(why)) => Err(format!("the KV stream at {at} refused this agent: {why}")),
         Err(e) => Err(format!("the KV stream at {at} closed: {e}")),
     }
 }
@@ -452,7 +485,7 @@ impl Stream {
         if let Some(p) = lock(&self.inner.peers).remove(&peer)
             && let Some(c) = lock(&p.conn).take()
         {
-            let _ = c.shutdown(Shutdown::Both);
+            let _ = c.sock.shutdown(Shutdown::Both);
         }
     }
 
@@ -496,25 +529,25 @@ impl Stream {
         let deadline = Instant::now() + within;
         on_connection(&p, true, deadline, |c| {
             let mut bytes = 0u64;
+            let each = |s: &TcpStream| timeouts(s, deadline).map_err(op_io);
             for (i, op) in ops.iter().enumerate() {
-                timeouts(c, deadline)?;
                 // SAFETY: `prepare` checked the range lies in a registered region, which `_held`
                 // keeps mapped.
                 let data = unsafe { std::slice::from_raw_parts(op.local as *const u8, op.len as usize) };
                 let h = header(OP_PUT, op.remote, op.len);
                 if corrupt && i == 0 {
+                    // Changed before it is sealed: it lands so (the checksums' test).
                     let mut copy = data.to_vec();
                     let at = copy.len() / 2;
                     copy[at] ^= 0xff;
-                    write_both(c, &h, &copy).map_err(io_error)?;
+                    c.send_with(&h, &copy, each).map_err(io_error)?;
                 } else {
-                    write_both(c, &h, data).map_err(io_error)?;
+                    c.send_with(&h, data, each).map_err(io_error)?;
                 }
                 bytes += op.len;
             }
-            timeouts(c, deadline)?;
-            c.write_all(&header(OP_FLUSH, 0, 0)).map_err(io_error)?;
-            match read_status(c).map_err(io_error)? {
+            c.send_with(&header(OP_FLUSH, 0, 0), &[], each).map_err(io_error)?;
+            match read_status(c, Some(deadline)).map_err(io_error)? {
                 Ok(()) => Ok(bytes),
                 // The peer dropped a write and kept the connection: framing is intact.
                 Err(r) if r.kept => Err(Kept(OpError::Failed(format!("the peer refused a write: {}", r.why)))),
@@ -541,23 +574,23 @@ impl Stream {
                     window += ops[end].len;
                     end += 1;
                 }
-                timeouts(c, deadline)?;
-                let mut headers = Vec::with_capacity((end - next) * 24);
+                timeouts(&c.sock, deadline)?;
+                let headers: Vec<[u8; 24]> = ops[next..end]
+                    .iter()
+                    .map(|op| header(OP_GET, op.remote, op.len))
+                    .collect();
+                let records: Vec<&[u8]> = headers.iter().map(|h| &h[..]).collect();
+                c.send_small(&records).map_err(io_error)?;
                 for op in &ops[next..end] {
-                    headers.extend_from_slice(&header(OP_GET, op.remote, op.len));
-                }
-                c.write_all(&headers).map_err(io_error)?;
-                for op in &ops[next..end] {
-                    timeouts(c, deadline)?;
                     // Refused: the answers to the reads after it are still on their way, so the
                     // connection goes either way (the next op dials again).
-                    if let Err(r) = read_status(c).map_err(io_error)? {
+                    if let Err(r) = read_status(c, Some(deadline)).map_err(io_error)? {
                         return Err(OpError::Failed(format!("the peer refused a read: {}", r.why)).into());
                     }
                     // SAFETY: `prepare` checked the range lies in a registered region, which
                     // `_held` keeps mapped.
                     let into = unsafe { std::slice::from_raw_parts_mut(op.local as *mut u8, op.len as usize) };
-                    read_until(c, into, deadline)?;
+                    c.recv_into(Some(into), op.len, Some(deadline)).map_err(io_error)?;
                     bytes += op.len;
                 }
                 next = end;
@@ -604,7 +637,7 @@ fn on_connection(
     p: &PeerConn,
     refusal: bool,
     deadline: Instant,
-    op: impl FnOnce(&mut TcpStream) -> Result<u64, Failure>,
+    op: impl FnOnce(&mut Conn) -> Result<u64, Failure>,
 ) -> Result<u64, OpError> {
     let mut guard = lock(&p.conn);
     if guard.is_none() {
@@ -627,12 +660,11 @@ fn on_connection(
             if let Some(mut c) = guard.take() {
                 if refusal
                     && matches!(e, OpError::Failed(_))
-                    && c.set_read_timeout(Some(Duration::from_millis(500))).is_ok()
-                    && let Ok(Err(r)) = read_status(&mut c)
+                    && let Ok(Err(r)) = read_status(&mut c, Some(Instant::now() + Duration::from_millis(500)))
                 {
                     e = OpError::Failed(format!("the peer refused a write: {}", r.why));
                 }
-                let _ = c.shutdown(Shutdown::Both);
+                let _ = c.sock.shutdown(Shutdown::Both);
             }
             Err(e)
         }
@@ -646,24 +678,12 @@ fn io_error(e: io::Error) -> OpError {
     }
 }
 
-/// Writes `head` then `body` with as few system calls as the socket allows (one, usually: a
-/// header alone would be a packet of its own with `TCP_NODELAY`).
-fn write_both(c: &mut TcpStream, head: &[u8], body: &[u8]) -> io::Result<()> {
-    let (mut head, mut body) = (head, body);
-    while !head.is_empty() {
-        let n = match c.write_vectored(&[io::IoSlice::new(head), io::IoSlice::new(body)]) {
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        let from_head = n.min(head.len());
-        head = &head[from_head..];
-        body = &body[n - from_head..];
+/// The other way round, for a deadline checked inside an io call.
+fn op_io(e: OpError) -> io::Error {
+    match e {
+        OpError::Timeout(why) => io::Error::new(io::ErrorKind::TimedOut, why),
+        other => io::Error::other(other.to_string()),
     }
-    c.write_all(body)
 }
 
 /// Bounds the next socket call by what is left of `deadline`.
@@ -675,20 +695,6 @@ fn timeouts(c: &TcpStream, deadline: Instant) -> Result<(), OpError> {
     c.set_write_timeout(Some(left))
         .and_then(|()| c.set_read_timeout(Some(left)))
         .map_err(io_error)
-}
-
-/// `read_exact` that keeps to `deadline` however the peer paces its bytes.
-fn read_until(c: &mut TcpStream, mut into: &mut [u8], deadline: Instant) -> Result<(), OpError> {
-    while !into.is_empty() {
-        timeouts(c, deadline)?;
-        match c.read(into) {
-            Ok(0) => return Err(OpError::Failed("the peer closed the stream".into())),
-            Ok(n) => into = &mut into[n..],
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io_error(e)),
-        }
-    }
-    Ok(())
 }
 
 fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
@@ -713,18 +719,19 @@ fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
 fn serve(mut c: TcpStream, inner: Arc<Inner>) {
     let proven = prove(&mut c, &inner);
     inner.unproven.fetch_sub(1, Ordering::SeqCst);
-    let Some((id, serial, regions, access, windows)) = proven else {
+    let Some(p) = proven else {
         return;
     };
-    if let Err(why) = serve_ops(&mut c, &regions, access, &windows) {
+    let mut conn = Conn::new(c, &p.key, &p.nonce, Side::Listener);
+    if let Err(why) = serve_ops(&mut conn, &p.regions, p.access, &p.windows) {
         tracing::info!(error = %why, "closed a KV stream connection");
-        send_error(&mut c, &why);
-        linger(&mut c);
+        send_error(&mut conn, &why);
+        linger(&mut conn.sock);
     }
-    let _ = c.shutdown(Shutdown::Both);
+    let _ = conn.sock.shutdown(Shutdown::Both);
     // The connection is over (unless a newer one replaced it already).
-    if let Some(a) = lock(&inner.admitted).get_mut(&id)
-        && a.conn.as_ref().is_some_and(|(s, _)| *s == serial)
+    if let Some(a) = lock(&inner.admitted).get_mut(&p.id)
+        && a.conn.as_ref().is_some_and(|(s, _)| *s == p.serial)
     {
         a.conn = None;
     }
@@ -745,13 +752,21 @@ fn linger(c: &mut TcpStream) {
     }
 }
 
-/// An admission's id, the connection's serial number, and what the admission allows.
-type Proven = ([u8; 16], u64, Vec<Region>, Access, Arc<Windows>);
+/// A proven connection: its admission (id), its serial number, what the admission allows, and
+/// what its records' keys come from.
+struct Proven {
+    id: [u8; 16],
+    serial: u64,
+    regions: Vec<Region>,
+    access: Access,
+    windows: Arc<Windows>,
+    key: [u8; 32],
+    nonce: [u8; 32],
+}
 
 fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
     let _ = c.set_nodelay(true);
     let deadline = Instant::now() + PROOF_WITHIN;
-    c.set_read_timeout(Some(PROOF_WITHIN)).ok()?;
     c.set_write_timeout(Some(PROOF_WITHIN)).ok()?;
     let mut nonce = [0u8; 32];
     getrandom::fill(&mut nonce).ok()?;
@@ -759,9 +774,9 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
     hello.extend_from_slice(&nonce);
     c.write_all(&hello).ok()?;
     let mut answer = [0u8; 64];
-    read_until(c, &mut answer, deadline).ok()?;
+    seal::read_full(c, &mut answer, Some(deadline)).ok()?;
     if &answer[..16] != MAGIC {
-        send_error(c, "not a pdpair stream greeting");
+        refuse_plain(c, "not a pdpair stream greeting");
         return None;
     }
     let mut id = [0u8; 16];
@@ -780,7 +795,15 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
                         if let Some((_, old)) = a.conn.replace((serial, clone)) {
                             let _ = old.shutdown(Shutdown::Both);
                         }
-                        Ok((id, serial, a.regions.clone(), a.access, a.windows.clone()))
+                        Ok(Proven {
+                            id,
+                            serial,
+                            regions: a.regions.clone(),
+                            access: a.access,
+                            windows: a.windows.clone(),
+                            key: a.key,
+                            nonce,
+                        })
                     }
                     Err(_) => Err("cannot hold the connection"),
                 }
@@ -799,23 +822,27 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
         }
         Err(why) => {
             tracing::info!(peer = ?c.peer_addr().ok(), reason = why, "refused a KV stream connection");
-            send_error(c, why);
+            refuse_plain(c, why);
             None
         }
     }
 }
 
 /// Serves ops until the peer closes (`Ok`) or sends something refused (`Err`, answered).
-fn serve_ops(c: &mut TcpStream, regions: &[Region], access: Access, windows: &Windows) -> Result<(), String> {
-    let mut reader = c.try_clone().map_err(|e| e.to_string())?;
+fn serve_ops(c: &mut Conn, regions: &[Region], access: Access, windows: &Windows) -> Result<(), String> {
     // A write outside every open window since the last flush: the flush's answer.
     let mut dropped: Option<String> = None;
+    // The peer closing between ops ends the connection quietly; a record that does not open
+    // (changed on the way) is refused.
+    let ended = |e: io::Error| match e.kind() {
+        io::ErrorKind::InvalidData => Err(e.to_string()),
+        _ => Ok(()),
+    };
     loop {
-        let mut h = [0u8; 24];
-        match reader.read_exact(&mut h) {
-            Ok(()) => {}
-            Err(_) => return Ok(()),
-        }
+        let h: [u8; 24] = match c.recv(24, None) {
+            Ok(h) => h.try_into().unwrap_or([0xff; 24]),
+            Err(e) => return ended(e),
+        };
         if h[1..8] != [0u8; 7] {
             return Err("a header's reserved bytes are not zero".into());
         }
@@ -830,7 +857,7 @@ fn serve_ops(c: &mut TcpStream, regions: &[Region], access: Access, windows: &Wi
                 }
                 match dropped.take() {
                     Some(why) => send_declined(c, &why),
-                    None => c.write_all(&[OK]).map_err(|e| e.to_string())?,
+                    None => c.send(&[OK, 0, 0]).map_err(|e| e.to_string())?,
                 }
                 continue;
             }
@@ -844,42 +871,43 @@ fn serve_ops(c: &mut TcpStream, regions: &[Region], access: Access, windows: &Wi
                 "a {op} of {addr:#x}+{len} is outside the memory this link was admitted to"
             ));
         }
-        if wants == Access::Read && !windows.contains(addr, len) {
-            // Inside the engine's pool, but not in a block lent to this link now.
-            send_declined(
-                c,
-                &format!("a read of {addr:#x}+{len} is outside every block lent to this link now"),
-            );
-        } else if wants == Access::Write && !windows.contains(addr, len) {
-            // Inside the engine's pool, but no request of this link's is open there (it ended,
-            // or was never asked for): read and drop the bytes, and say so at the flush.
-            let mut sink = [0u8; 64 << 10];
-            let mut left = len;
-            while left > 0 {
-                let n = left.min(sink.len() as u64) as usize;
-                if reader.read_exact(&mut sink[..n]).is_err() {
-                    return Ok(());
+        let open = windows.contains(addr, len);
+        match wants {
+            Access::Read if !open => {
+                // Inside the engine's pool, but not in a block lent to this link now.
+                send_declined(
+                    c,
+                    &format!("a read of {addr:#x}+{len} is outside every block lent to this link now"),
+                );
+            }
+            Access::Read => {
+                // SAFETY: the range lies inside an admitted region, which `regions` keeps mapped.
+                let from = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+                c.send_with(&[OK, 0, 0], from, |_| Ok(())).map_err(|e| e.to_string())?;
+            }
+            Access::Write if !open => {
+                // Inside the engine's pool, but no request of this link's is open there (it
+                // ended, or was never asked for): the bytes are read (and authenticated) and
+                // dropped, and the flush says so.
+                if let Err(e) = c.recv_into(None, len, None) {
+                    return ended(e);
                 }
-                left -= n as u64;
+                dropped.get_or_insert(format!(
+                    "a write of {addr:#x}+{len} is outside every block this link was asked for now (dropped)"
+                ));
             }
-            dropped.get_or_insert(format!(
-                "a write of {addr:#x}+{len} is outside every block this link was asked for now (dropped)"
-            ));
-        } else if wants == Access::Write {
-            // SAFETY: the range lies inside an admitted region, which `regions` keeps mapped.
-            let into = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
-            if reader.read_exact(into).is_err() {
-                return Ok(());
+            Access::Write => {
+                // SAFETY: the range lies inside an admitted region, which `regions` keeps mapped.
+                let into = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
+                if let Err(e) = c.recv_into(Some(into), len, None) {
+                    return ended(e);
+                }
             }
-        } else {
-            // SAFETY: as above.
-            let from = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
-            c.write_all(&[OK])
-                .and_then(|()| c.write_all(from))
-                .map_err(|e| e.to_string())?;
         }
     }
 }
+
+mod seal;
 
 #[cfg(test)]
 mod tests;

@@ -125,7 +125,9 @@ fn a_dialler_without_the_key_is_refused_and_writes_nothing() {
     answer.extend_from_slice(&admission_id(&key(1)));
     answer.extend_from_slice(&proof(&key(9), &hello[16..]));
     c.write_all(&answer).expect("sent");
-    let refused = read_status(&mut c).expect("answered").expect_err("refused").why;
+    let refused = read_plain_status(&mut c, Instant::now() + SECOND)
+        .expect("answered")
+        .expect_err("refused");
     assert!(refused.contains("the proof is wrong"), "{refused}");
     let _ = c.write_all(&header(OP_PUT, t.d_mem.0, 8));
     let _ = c.write_all(&[0xee; 8]);
@@ -139,7 +141,11 @@ fn a_dialler_without_the_key_is_refused_and_writes_nothing() {
     answer.extend_from_slice(&admission_id(&key(1)));
     answer.extend_from_slice(&proof(&key(1), &[0u8; 32]));
     c.write_all(&answer).expect("sent");
-    assert!(read_status(&mut c).expect("answered").is_err());
+    assert!(
+        read_plain_status(&mut c, Instant::now() + SECOND)
+            .expect("answered")
+            .is_err()
+    );
 
     // The rightful peer still gets in.
     t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(1))
@@ -228,7 +234,7 @@ fn an_op_that_finds_its_connection_closed_dials_again() {
 }
 
 /// A peer that proved its admission and then sends its own headers: the listener checks each.
-fn forged(t: &Pair, k: &[u8; 32]) -> TcpStream {
+fn forged(t: &Pair, k: &[u8; 32]) -> Conn {
     let mut c = TcpStream::connect(parse_address(&t.d.address()).expect("address")).expect("dialled");
     let mut hello = [0u8; 48];
     c.read_exact(&mut hello).expect("greeting");
@@ -236,10 +242,15 @@ fn forged(t: &Pair, k: &[u8; 32]) -> TcpStream {
     answer.extend_from_slice(&admission_id(k));
     answer.extend_from_slice(&proof(k, &hello[16..]));
     c.write_all(&answer).expect("sent");
-    read_status(&mut c).expect("answered").expect("admitted");
-    // A listener that takes what it should refuse answers nothing: fail, do not hang.
-    c.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    c
+    read_plain_status(&mut c, Instant::now() + SECOND)
+        .expect("answered")
+        .expect("admitted");
+    Conn::new(c, k, &hello[16..], Side::Dialler)
+}
+
+/// Within 5 s: a listener that takes what it should refuse answers nothing; fail, do not hang.
+fn answer(c: &mut Conn) -> Result<(), Refusal> {
+    read_status(c, Some(Instant::now() + Duration::from_secs(5))).expect("answered")
 }
 
 #[test]
@@ -255,9 +266,8 @@ fn an_admitted_peer_cannot_write_or_read_outside_its_regions_or_access() {
         (t.d_mem.0, 0, "outside the memory"),
     ] {
         let mut c = forged(&t, &key(1));
-        c.write_all(&header(OP_PUT, addr, len)).expect("sent");
-        let _ = c.write_all(&[0xee; 8]);
-        let e = read_status(&mut c).expect("answered").expect_err("refused").why;
+        let _ = c.send_with(&header(OP_PUT, addr, len), &[0xee; 8], |_| Ok(()));
+        let e = answer(&mut c).expect_err("refused").why;
         assert!(e.contains(what), "{addr:#x}+{len}: {e}");
     }
     assert!(bytes(&t.d_mem.1).iter().all(|b| *b == 0));
@@ -274,8 +284,8 @@ fn an_admitted_peer_cannot_write_or_read_outside_its_regions_or_access() {
         header(9, 0, 0),
     ] {
         let mut c = forged(&t, &key(1));
-        c.write_all(&h).expect("sent");
-        assert!(read_status(&mut c).expect("answered").is_err(), "{h:?}");
+        c.send(&h).expect("sent");
+        assert!(answer(&mut c).is_err(), "{h:?}");
     }
 }
 
@@ -466,4 +476,84 @@ fn a_read_outside_every_lent_block_is_refused_without_a_byte() {
     w.close("r");
     let e = get(1500, 8).expect_err("closed");
     assert!(e.to_string().contains("outside every block lent"), "{e}");
+}
+
+/// A relay from a listener of its own to `to`, as someone on the path: every byte either way is
+/// recorded, and the dialler's byte at offset `flip` (in that direction) is changed. The
+/// relay's stream address.
+fn relay(to: SocketAddr, flip: Option<usize>, seen: Arc<Mutex<Vec<u8>>>) -> Vec<u8> {
+    let listener = TcpListener::bind((LOOPBACK, 0)).expect("relay");
+    let at = listener.local_addr().expect("address");
+    thread::spawn(move || {
+        let (down, _) = listener.accept().expect("accepted");
+        let up = TcpStream::connect(to).expect("upstream");
+        let pump = |mut from: TcpStream, mut into: TcpStream, flip: Option<usize>, seen: Arc<Mutex<Vec<u8>>>| {
+            thread::spawn(move || {
+                let (mut buf, mut offset) = (vec![0u8; 64 << 10], 0usize);
+                while let Ok(n) = from.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    if let Some(f) = flip
+                        && (offset..offset + n).contains(&f)
+                    {
+                        buf[f - offset] ^= 0x01;
+                    }
+                    offset += n;
+                    lock(&seen).extend_from_slice(&buf[..n]);
+                    if into.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = into.shutdown(Shutdown::Write);
+            })
+        };
+        pump(
+            down.try_clone().expect("clone"),
+            up.try_clone().expect("clone"),
+            flip,
+            seen.clone(),
+        );
+        pump(up, down, None, seen);
+    });
+    format!("{ADDRESS_PREFIX}{at}").into_bytes()
+}
+
+#[test]
+fn a_byte_changed_on_the_way_fails_its_record_and_nothing_lands() {
+    let t = pair(Access::Write);
+    let to = parse_address(&t.d.address()).expect("address");
+    // The dialler's 64-byte proof, the PUT's header record (24 + 16), then its bytes' record:
+    // one bit of the bytes' ciphertext changed, and in another run one of the header's.
+    for flip in [64 + 40 + 10, 64 + 12] {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let via = relay(to, Some(flip), seen);
+        let peer = t.p.connect(&via, vec![(t.d_mem.0, 4096)], &key(1)).expect("connected");
+        let e =
+            t.p.put(peer, &[7], &[op(t.p_mem.0, t.d_mem.0 + 512, 64)], false, SECOND)
+                .expect_err("a changed record");
+        assert!(e.to_string().contains("failed its authentication"), "byte {flip}: {e}");
+        assert!(bytes(&t.d_mem.1).iter().all(|b| *b == 0), "byte {flip}: nothing landed");
+        t.p.disconnect(peer);
+    }
+}
+
+#[test]
+fn the_stream_carries_no_kv_or_address_in_the_clear() {
+    let t = pair(Access::Write);
+    let to = parse_address(&t.d.address()).expect("address");
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let via = relay(to, None, seen.clone());
+    let peer = t.p.connect(&via, vec![(t.d_mem.0, 4096)], &key(1)).expect("connected");
+    assert_eq!(
+        t.p.put(peer, &[7], &[op(t.p_mem.0, t.d_mem.0, 4096)], false, SECOND),
+        Ok(4096)
+    );
+    assert!(bytes(&t.d_mem.1).iter().all(|b| *b == 0xab), "the bytes landed");
+    let seen = lock(&seen).clone();
+    assert!(seen.len() > 4096, "the relay carried the put ({} bytes)", seen.len());
+    let run = [0xabu8; 16];
+    assert!(!seen.windows(16).any(|w| w == run), "the KV went in the clear");
+    let target = t.d_mem.0.to_be_bytes();
+    assert!(!seen.windows(8).any(|w| w == target), "the header went in the clear");
 }
