@@ -445,8 +445,9 @@ fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
     // Version 3 changed what `Release` means (it also cancels): a version 2 prefill would count
     // a cancelling decode as served while still pushing to it. Version 4 describes memory as
     // regions: a version 3 peer would read a description without its one base and key. Version
-    // 5 lets the address be a KV stream's: a version 4 peer would hand it to UCX. So the
-    // versions must not meet.
+    // 5 lets the address be a KV stream's: a version 4 peer would hand it to UCX. Version 6
+    // seals the stream: a version 5 peer would read records as headers. So the versions must
+    // not meet.
     let (mut c, server) = prefill_with_secret_1();
     wire::write_frame(
         &mut c,
@@ -462,7 +463,7 @@ fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
         matches!(&answer, Message::Reject { reasons, .. } if reasons == &vec![Reason::VersionMismatch]),
         "{answer:?}"
     );
-    assert_eq!(PROTOCOL_VERSION, 5);
+    assert_eq!(PROTOCOL_VERSION, 6);
     assert!(server.join().expect("thread").is_err());
 }
 

@@ -60,7 +60,7 @@ use crate::{
 /// What a stream address starts with (then `ip:port`).
 pub const ADDRESS_PREFIX: &str = "pdpair-tcp:";
 /// The first bytes each side sends.
-const MAGIC: &[u8; 16] = b"PDPAIR-STREAM/1\n";
+const MAGIC: &[u8; 16] = b"PDPAIR-STREAM/2\n";
 /// Connections that have not proved an admission yet, at most...
 pub const MAX_UNPROVEN: usize = 64;
 /// ...each for at most this long.
