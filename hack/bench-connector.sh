@@ -5,6 +5,8 @@
 # 16-token blocks, shm, 512 and 4096 tokens, checksums Disabled and FailClosed. docs/benchmarks.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=hack/lib.sh
+source hack/lib.sh
 venv="$(hack/python-wheel.sh)"
 cargo build -q --release -p pdpair-agent
 bin="$PWD/target/release/pdpair-agent"
@@ -12,17 +14,7 @@ requests="${1:-12}"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for checksum in Disabled FailClosed; do
-  cat > "$tmp/8b-$checksum.yaml" <<Y
-apiVersion: pdpair.dev/v1alpha1
-kind: PDPair
-metadata: {name: llama-8b}
-spec:
-  transfer: {mode: Push, checksum: $checksum, handshakeTimeout: 5s, leaseDuration: 30s}
-  prefill:
-    kv: &kv {engine: vllm, model: meta-llama/Llama-3.1-8B-Instruct, dtype: float16, layers: 32, kvHeads: 8, headDim: 128, attentionBackend: FLASH_ATTN, layout: NHD, blockSize: 16}
-  decode:
-    kv: *kv
-Y
+  bench_manifest "$tmp/8b-$checksum.yaml" "$checksum" float16 NHD
   for tokens in 512 4096; do
     echo "synthetic engines, $tokens tokens, $checksum:"
     "$bin" loopback --pair "$tmp/8b-$checksum.yaml" --requests "$requests" --prompt-tokens "$tokens" \

@@ -2,31 +2,28 @@
 # The KV stream (`--transport tcp`) beside ucx_perftest's put bandwidth over UCX's tcp (the path
 # it replaced) at the stream's write size, interleaved in rounds on one machine: 16 requests of a
 # 4096-token prompt of an 8B-class model (512 MiB each, 64 coalesced writes of 8 MiB).
-# Usage: hack/bench-stream.sh [rounds]
+# Usage: hack/bench-stream.sh [rounds]; with PDPAIR_BENCH_BASELINE=<another pdpair-agent> each
+# round also runs that binary's stream (a build of another commit) beside this one's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=hack/lib.sh
+source hack/lib.sh
 hack/deps.sh >/dev/null
 cargo build --release -q -p pdpair-agent
 bin=target/release/pdpair-agent
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"; pkill -f "ucx_perftest -p 1334" 2>/dev/null || true' EXIT
-cat > "$tmp/8b.yaml" <<Y
-apiVersion: pdpair.dev/v1alpha1
-kind: PDPair
-metadata: {name: llama-8b}
-spec:
-  transfer: {mode: Push, checksum: Disabled, handshakeTimeout: 5s, leaseDuration: 30s}
-  prefill:
-    kv: &kv {engine: vllm, model: meta-llama/Llama-3.1-8B-Instruct, dtype: bfloat16, layers: 32, kvHeads: 8, headDim: 128, attentionBackend: FLASH_ATTN, layout: HND, blockSize: 16}
-  decode:
-    kv: *kv
-Y
+bench_manifest "$tmp/8b.yaml"
 summary='import json,sys; r=json.load(sys.stdin); print({k: r[k] for k in ("throughput_gb_per_s","p50_ms","p99_ms","paths") if k in r})'
 for round in $(seq "${1:-3}"); do
   for t in tcp shm; do
     echo "round $round: \$ $bin loopback --pair 8b.yaml --requests 16 --prompt-tokens 4096 --transport $t --no-verify-bytes -o json"
     $bin loopback --pair "$tmp/8b.yaml" --requests 16 --prompt-tokens 4096 --transport $t --no-verify-bytes -o json | python3 -c "$summary"
   done
+  if [[ -n ${PDPAIR_BENCH_BASELINE:-} ]]; then
+    echo "round $round: baseline \$ $PDPAIR_BENCH_BASELINE loopback --pair 8b.yaml --requests 16 --prompt-tokens 4096 --transport tcp --no-verify-bytes -o json"
+    "$PDPAIR_BENCH_BASELINE" loopback --pair "$tmp/8b.yaml" --requests 16 --prompt-tokens 4096 --transport tcp --no-verify-bytes -o json | python3 -c "$summary"
+  fi
   port=$((13340 + round))
   UCX_TLS=tcp,self ucx_perftest -p $port >/dev/null 2>&1 &
   sleep 1

@@ -4,21 +4,13 @@
 # interleaved rounds (this machine drifts between runs). Release build.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=hack/lib.sh
+source hack/lib.sh
 cargo build --release -q -p pdpair-agent
 bin=target/release/pdpair-agent
 L=$(hack/ucx-wheel.sh)
 tmp=$(mktemp -d)
-cat > "$tmp/8b.yaml" <<Y
-apiVersion: pdpair.dev/v1alpha1
-kind: PDPair
-metadata: {name: llama-8b}
-spec:
-  transfer: {mode: Push, checksum: Disabled, handshakeTimeout: 5s, leaseDuration: 30s}
-  prefill:
-    kv: &kv {engine: vllm, model: meta-llama/Llama-3.1-8B-Instruct, dtype: bfloat16, layers: 32, kvHeads: 8, headDim: 128, attentionBackend: FLASH_ATTN, layout: HND, blockSize: 16}
-  decode:
-    kv: *kv
-Y
+bench_manifest "$tmp/8b.yaml"
 with() { if [ "$1" = 1.22 ]; then shift; LD_LIBRARY_PATH=$L UCX_MODULE_DIR=$L/ucx "$@"; else shift; "$@"; fi; }
 pt() { if [ "$1" = 1.22 ]; then echo "$L/../bin/ucx_perftest"; else echo ucx_perftest; fi; }
 for round in 1 2 3; do

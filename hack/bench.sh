@@ -4,27 +4,15 @@
 # speed per core. Release build; every number printed comes with the command that produced it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=hack/lib.sh
+source hack/lib.sh
 hack/deps.sh
 cargo build --release -q -p pdpair-agent
 bin=target/release/pdpair-agent
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"; pkill -f "ucx_perftest -p" 2>/dev/null || true' EXIT
 
-# An 8B-class model (32 layers, 8 KV heads of 128, bf16), 16-token blocks: a 4096-token prompt is
-# 512 MiB of KV, 64 coalesced WRITEs of 8 MiB per request.
-big() {
-  cat > "$tmp/8b.yaml" <<Y
-apiVersion: pdpair.dev/v1alpha1
-kind: PDPair
-metadata: {name: llama-8b}
-spec:
-  transfer: {mode: Push, checksum: $1, handshakeTimeout: 5s, leaseDuration: 30s}
-  prefill:
-    kv: &kv {engine: vllm, model: meta-llama/Llama-3.1-8B-Instruct, dtype: bfloat16, layers: 32, kvHeads: 8, headDim: 128, attentionBackend: FLASH_ATTN, layout: HND, blockSize: 16}
-  decode:
-    kv: *kv
-Y
-}
+big() { bench_manifest "$tmp/8b.yaml" "$1"; }
 
 run() { echo "\$ $*"; "$@"; echo; }
 
