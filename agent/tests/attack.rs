@@ -711,17 +711,16 @@ fn an_insider_decode_reads_only_what_prefill_lent_its_link_through_the_stream() 
             },
         )
         .expect("Released");
-    let until = Instant::now() + Duration::from_secs(3);
-    while read(0, mine.base + at as u64).is_ok() {
-        assert!(Instant::now() < until, "rank 0 still reads the blocks it released");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    refused(
-        0,
-        mine.base + at as u64,
-        "a released block",
-        "outside every block lent to this link",
-    );
+    // Prefill hears it a moment later: until then the read may still pass.
+    let soon_refused = |rank: usize, remote: u64, what: &str| {
+        let until = Instant::now() + Duration::from_secs(3);
+        while read(rank, remote).is_ok() {
+            assert!(Instant::now() < until, "rank {rank} still reads {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        refused(rank, remote, what, "outside every block lent to this link");
+    };
+    soon_refused(0, mine.base + at as u64, "a block it released");
     assert_eq!(read(1, mine.base + at as u64), Ok(64), "rank 1 still holds its loan");
     // Rank 0 gives up request s unread (its engine aborted it): the same.
     let (_, in_s) = p0.layout.block_offset(0, false, 6);
@@ -730,20 +729,7 @@ fn an_insider_decode_reads_only_what_prefill_lent_its_link_through_the_stream() 
     session
         .send(s, &Message::Release { request: "s".into() })
         .expect("Release");
-    let until = Instant::now() + Duration::from_secs(3);
-    while read(0, mine.base + in_s as u64).is_ok() {
-        assert!(
-            Instant::now() < until,
-            "rank 0 still reads the blocks of a request it gave up"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    refused(
-        0,
-        mine.base + in_s as u64,
-        "a request given up",
-        "outside every block lent to this link",
-    );
+    soon_refused(0, mine.base + in_s as u64, "a block of a request it gave up");
     assert_eq!(read(1, mine.base + in_s as u64), Ok(64), "rank 1 still holds s");
     // Rank 1 releases both: the requests are done for the engine, and nothing of them is read.
     let (s, session, _) = &mut ranks[1];
