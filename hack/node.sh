@@ -159,7 +159,9 @@ cmd_stop() {
   local ns
   for ns in $(ip netns list 2>/dev/null | awk '/^cni-/{print $1}'); do ip netns del "$ns" 2>/dev/null || true; done
   iptables-save 2>/dev/null | grep -q KUBE- && "$K8S_BIN/kube-proxy" --cleanup >/dev/null 2>&1 || true
-  iptables -t nat -S 2>/dev/null | grep -- "CNI-" | sed 's/^-A/-D/' | while read -r rule; do
+  # (No CNI rule left makes grep fail: with pipefail that must not end the script before the
+  # control plane is stopped below, which left a kube-apiserver running after every run.)
+  { iptables -t nat -S 2>/dev/null | grep -- "CNI-" || true; } | sed 's/^-A/-D/' | while read -r rule; do
     eval iptables -t nat "$rule" 2>/dev/null || true
   done
   ip addr del "$NODE_IP/32" dev lo 2>/dev/null || true

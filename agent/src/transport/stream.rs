@@ -14,9 +14,11 @@
 //!   closes its connection.
 //! - **Connection.** The peer dials the address in the handshake (`pdpair-tcp:` and `ip:port`).
 //!   The listener sends a 32-byte nonce; the dialler answers with the admission's id
-//!   (HMAC(key, "pdpair/stream id"), 16 bytes) and a proof, HMAC(key, "pdpair/stream proof" |
-//!   nonce). The listener checks the proof in constant time. A stranger and a replayed proof
-//!   are refused before a byte of memory is touched. An admission holds one connection: a
+//!   (HMAC(key, "pdpair/stream id"), 16 bytes), a nonce of its own and a proof, HMAC(key,
+//!   "pdpair/stream proof" | both nonces). The listener checks the proof in constant time and
+//!   answers with its own (HMAC(key, "pdpair/stream accept" | both nonces)), which the dialler
+//!   checks before it sends anything more. A stranger and a replayed proof are refused before
+//!   a byte of memory is touched; so is a listener that cannot prove the key. An admission holds one connection: a
 //!   newer proven one replaces it (only the link's peer holds the key, and a connection whose
 //!   other end vanished without a word would otherwise hold the admission forever). The
 //!   dialler dials again, within the op's deadline, when an op finds its connection gone (an
@@ -27,7 +29,9 @@
 //!   anything else is answered with an error and the connection closes. Each op must also lie in
 //!   an open [`Windows`] range: the blocks of a request the link was asked for (push) or lent
 //!   (pull) and that has not ended for the engine or the link. Outside them a write's bytes are
-//!   dropped and the next flush says so; a read is answered with a refusal and no bytes.
+//!   dropped and the next flush says so; a read is answered with a refusal and no bytes. Every
+//!   piece of an op is checked again as it is copied, under the windows' lock, so a window
+//!   closed while the op runs takes (or gives) nothing more of it.
 //!
 //! - **Records.** After the proof every byte either way is sealed (AES-256-GCM; per-connection,
 //!   per-direction keys from the stream key and the greeting's nonce; nonces a counter; see
@@ -61,6 +65,10 @@ use crate::{
 pub const ADDRESS_PREFIX: &str = "pdpair-tcp:";
 /// The first bytes each side sends.
 const MAGIC: &[u8; 16] = b"PDPAIR-STREAM/2\n";
+/// The dialler's answer to the greeting: magic, admission id, its nonce, its proof.
+const ANSWER_LEN: usize = 16 + 16 + 32 + 32;
+/// Unproven connections from one source address, at most.
+pub const MAX_UNPROVEN_FROM: usize = 8;
 /// Connections that have not proved an admission yet, at most...
 pub const MAX_UNPROVEN: usize = 64;
 /// ...each for at most this long.
@@ -155,7 +163,36 @@ impl Windows {
 
     /// Whether `at..at+len` lies inside one open window's range.
     fn contains(&self, at: u64, len: u64) -> bool {
-        lock(&self.open).values().any(|ranges| {
+        Self::holds(&lock(&self.open), at, len)
+    }
+
+    /// Copies `plain` to `at` if the range lies inside one open window, under the windows' lock:
+    /// once [`Windows::close`] returned, nothing more lands in what it closed.
+    fn copy_into(&self, at: u64, plain: &[u8]) -> bool {
+        let open = lock(&self.open);
+        let inside = Self::holds(&open, at, plain.len() as u64);
+        if inside {
+            // SAFETY: the caller checked the range lies inside an admitted region, which it keeps
+            // mapped; raw copies, as the engine may touch the memory at any time.
+            unsafe { std::ptr::copy_nonoverlapping(plain.as_ptr(), at as *mut u8, plain.len()) };
+        }
+        inside
+    }
+
+    /// Copies from `at` into `into` if the range lies inside one open window, under the
+    /// windows' lock (see [`Windows::copy_into`]).
+    fn copy_from(&self, at: u64, into: &mut [u8]) -> bool {
+        let open = lock(&self.open);
+        let inside = Self::holds(&open, at, into.len() as u64);
+        if inside {
+            // SAFETY: as in `copy_into`.
+            unsafe { std::ptr::copy_nonoverlapping(at as *const u8, into.as_mut_ptr(), into.len()) };
+        }
+        inside
+    }
+
+    fn holds(open: &HashMap<String, Vec<(u64, u64)>>, at: u64, len: u64) -> bool {
+        open.values().any(|ranges| {
             // The last range starting at or before `at`.
             let i = ranges.partition_point(|r| r.0 <= at);
             i > 0 && inside(at, len, ranges[i - 1].0, ranges[i - 1].1)
@@ -186,6 +223,8 @@ struct Inner {
     next_peer: AtomicU64,
     next_conn: AtomicU64,
     unproven: AtomicUsize,
+    /// Unproven connections per source address.
+    unproven_from: Mutex<HashMap<IpAddr, usize>>,
 }
 
 /// The stream backend: a listener and the connections this agent dialled.
@@ -239,12 +278,18 @@ fn admission_id(key: &[u8; 32]) -> [u8; 16] {
     id
 }
 
-fn proof_mac(key: &[u8; 32], nonce: &[u8]) -> HmacSha256 {
-    mac(key, &[b"pdpair/stream proof", nonce])
+/// The dialler's proof of the key, over both sides' nonces.
+fn proof_mac(key: &[u8; 32], theirs: &[u8], ours: &[u8]) -> HmacSha256 {
+    mac(key, &[b"pdpair/stream proof", theirs, ours])
 }
 
-fn proof(key: &[u8; 32], nonce: &[u8]) -> [u8; 32] {
-    proof_mac(key, nonce).finalize().into_bytes().into()
+fn proof(key: &[u8; 32], theirs: &[u8], ours: &[u8]) -> [u8; 32] {
+    proof_mac(key, theirs, ours).finalize().into_bytes().into()
+}
+
+/// The listener's proof of the key (its acceptance), over both nonces.
+fn accept_mac(key: &[u8; 32], theirs: &[u8], ours: &[u8]) -> HmacSha256 {
+    mac(key, &[b"pdpair/stream accept", theirs, ours])
 }
 
 /// Whether `at..at+len` lies inside `base..base+len` (no wrap on either).
@@ -293,18 +338,21 @@ fn refuse_plain(c: &mut TcpStream, msg: &str) {
 
 /// Refuses, then closes the connection.
 fn send_error(c: &mut Conn, msg: &str) {
-    send_refusal(c, REFUSED, msg);
+    let _ = send_refusal(c, REFUSED, msg);
 }
 
-/// Refuses one op and keeps the connection.
-fn send_declined(c: &mut Conn, msg: &str) {
-    send_refusal(c, DECLINED, msg);
+/// Refuses one op and keeps the connection (when the refusal went out whole).
+fn send_declined(c: &mut Conn, msg: &str) -> Result<(), String> {
+    send_refusal(c, DECLINED, msg).map_err(|e| e.to_string())
 }
 
 /// A status record (status, text length), then the text's record when there is text.
-fn send_refusal(c: &mut Conn, status: u8, msg: &str) {
+fn send_refusal(c: &mut Conn, status: u8, msg: &str) -> io::Result<()> {
     let (head, text) = status_frame(status, msg);
-    let _ = c.send_with(&head, text, |_| Ok(()));
+    c.send_op(&head, text.len() as u64, |at, into| {
+        into.copy_from_slice(&text[at as usize..at as usize + into.len()]);
+        Ok(())
+    })
 }
 
 /// What the peer refused, and whether it keeps the connection.
@@ -315,17 +363,13 @@ struct Refusal {
 }
 
 /// Reads a status record (and its text); the refusal when it is one.
-fn read_status(c: &mut Conn, deadline: Option<Instant>) -> io::Result<Result<(), Refusal>> {
-    let head = c.recv(3, deadline)?;
+fn read_status(c: &mut Conn) -> io::Result<Result<(), Refusal>> {
+    let head = c.recv(3)?;
     let (status, n) = (head[0], usize::from(u16::from_be_bytes([head[1], head[2]])));
     match status {
         OK if n == 0 => Ok(Ok(())),
         REFUSED | DECLINED if n <= MAX_ERROR => {
-            let text = if n > 0 {
-                c.recv(n, deadline)?.to_vec()
-            } else {
-                Vec::new()
-            };
+            let text = if n > 0 { c.recv(n)?.to_vec() } else { Vec::new() };
             Ok(Err(Refusal {
                 why: crate::reason::peer_text(&String::from_utf8_lossy(&text)),
                 kept: status == DECLINED,
@@ -377,19 +421,29 @@ fn dial(at: SocketAddr, key: &[u8; 32], deadline: Instant) -> Result<Conn, Strin
     if &hello[..16] != MAGIC {
         return Err(format!("the KV stream at {at} is not a pdpair stream"));
     }
-    let mut answer = Vec::with_capacity(64);
+    let mut ours = [0u8; 32];
+    getrandom::fill(&mut ours).map_err(|e| format!("a nonce for the KV stream: {e}"))?;
+    let mut answer = Vec::with_capacity(ANSWER_LEN);
     answer.extend_from_slice(MAGIC);
     answer.extend_from_slice(&admission_id(key));
-    answer.extend_from_slice(&proof(key, &hello[16..]));
-    timeouts(&c, deadline)
-        .map_err(|e| e.to_string())
-        .and_then(|()| c.write_all(&answer).map_err(|e| e.to_string()))
-        .map_err(|e| format!("the KV stream at {at}: {e}"))?;
+    answer.extend_from_slice(&ours);
+    answer.extend_from_slice(&proof(key, &hello[16..], &ours));
+    seal::write_full(&mut c, &[&answer], Some(deadline)).map_err(|e| format!("the KV stream at {at}: {e}"))?;
     match read_plain_status(&mut c, deadline) {
-        Ok(Ok(())) => Ok(Conn::new(c, key, &hello[16..], Side::Dialler)),
-        Ok(Err(why)) => Err(format!("the KV stream at {at} refused this agent: {why}")),
-        Err(e) => Err(format!("the KV stream at {at} closed: {e}")),
+        Ok(Ok(())) => {}
+        Ok(Err(why)) => return Err(format!("the KV stream at {at} refused this agent: {why}")),
+        Err(e) => return Err(format!("the KV stream at {at} closed: {e}")),
     }
+    // The listener proves the key too: someone on the path who answers in its place (with a
+    // nonce of an earlier connection, say) gets no further.
+    let mut accepted = [0u8; 32];
+    seal::read_full(&mut c, &mut accepted, Some(deadline))
+        .map_err(|e| format!("the KV stream at {at} did not prove the key: {e}"))?;
+    if accept_mac(key, &hello[16..], &ours).verify_slice(&accepted).is_err() {
+        return Err(format!("the KV stream at {at} did not prove the key (not our peer)"));
+    }
+    let salt = [&hello[16..], &ours[..]].concat();
+    Ok(Conn::new(c, key, &salt, Side::Dialler))
 }
 
 impl Stream {
@@ -529,25 +583,24 @@ impl Stream {
         let deadline = Instant::now() + within;
         on_connection(&p, true, deadline, |c| {
             let mut bytes = 0u64;
-            let each = |s: &TcpStream| timeouts(s, deadline).map_err(op_io);
             for (i, op) in ops.iter().enumerate() {
-                // SAFETY: `prepare` checked the range lies in a registered region, which `_held`
-                // keeps mapped.
-                let data = unsafe { std::slice::from_raw_parts(op.local as *const u8, op.len as usize) };
-                let h = header(OP_PUT, op.remote, op.len);
-                if corrupt && i == 0 {
-                    // Changed before it is sealed: it lands so (the checksums' test).
-                    let mut copy = data.to_vec();
-                    let at = copy.len() / 2;
-                    copy[at] ^= 0xff;
-                    c.send_with(&h, &copy, each).map_err(io_error)?;
-                } else {
-                    c.send_with(&h, data, each).map_err(io_error)?;
-                }
+                c.send_op(&header(OP_PUT, op.remote, op.len), op.len, |at, into| {
+                    // SAFETY: `prepare` checked the range lies in a registered region, which
+                    // `_held` keeps mapped; a raw copy, as the engine may touch it any time.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping((op.local + at) as *const u8, into.as_mut_ptr(), into.len())
+                    };
+                    if corrupt && i == 0 && at == 0 {
+                        // Changed before it is sealed: it lands so (the checksums' test).
+                        into[into.len() / 2] ^= 0xff;
+                    }
+                    Ok(())
+                })
+                .map_err(failure)?;
                 bytes += op.len;
             }
-            c.send_with(&header(OP_FLUSH, 0, 0), &[], each).map_err(io_error)?;
-            match read_status(c, Some(deadline)).map_err(io_error)? {
+            c.send_op(&header(OP_FLUSH, 0, 0), 0, |_, _| Ok(())).map_err(failure)?;
+            match read_status(c).map_err(failure)? {
                 Ok(()) => Ok(bytes),
                 // The peer dropped a write and kept the connection: framing is intact.
                 Err(r) if r.kept => Err(Kept(OpError::Failed(format!("the peer refused a write: {}", r.why)))),
@@ -574,23 +627,26 @@ impl Stream {
                     window += ops[end].len;
                     end += 1;
                 }
-                timeouts(&c.sock, deadline)?;
                 let headers: Vec<[u8; 24]> = ops[next..end]
                     .iter()
                     .map(|op| header(OP_GET, op.remote, op.len))
                     .collect();
                 let records: Vec<&[u8]> = headers.iter().map(|h| &h[..]).collect();
-                c.send_small(&records).map_err(io_error)?;
+                c.send_small(&records).map_err(failure)?;
                 for op in &ops[next..end] {
                     // Refused: the answers to the reads after it are still on their way, so the
                     // connection goes either way (the next op dials again).
-                    if let Err(r) = read_status(c, Some(deadline)).map_err(io_error)? {
+                    if let Err(r) = read_status(c).map_err(failure)? {
                         return Err(OpError::Failed(format!("the peer refused a read: {}", r.why)).into());
                     }
-                    // SAFETY: `prepare` checked the range lies in a registered region, which
-                    // `_held` keeps mapped.
-                    let into = unsafe { std::slice::from_raw_parts_mut(op.local as *mut u8, op.len as usize) };
-                    c.recv_into(Some(into), op.len, Some(deadline)).map_err(io_error)?;
+                    c.recv_each(op.len, |at, plain| {
+                        // SAFETY: `prepare` checked the range lies in a registered region, which
+                        // `_held` keeps mapped; a raw copy, as the engine may touch it any time.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(plain.as_ptr(), (op.local + at) as *mut u8, plain.len())
+                        };
+                    })
+                    .map_err(failure)?;
                     bytes += op.len;
                 }
                 next = end;
@@ -620,8 +676,23 @@ impl Stream {
 enum Failure {
     Kept(OpError),
     Closed(OpError),
+    /// The connection was gone when the op found it (the peer, or something on the path, had
+    /// closed it: an idle connection dropped by a firewall, say): the op may run again once on
+    /// a new one (puts and gets move the same bytes again).
+    Lost(OpError),
 }
 use Failure::Kept;
+
+/// An op's io error: `Lost` when the peer had closed the connection.
+fn failure(e: io::Error) -> Failure {
+    match e.kind() {
+        io::ErrorKind::UnexpectedEof
+        | io::ErrorKind::BrokenPipe
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::ConnectionAborted => Failure::Lost(io_error(e)),
+        _ => Failure::Closed(io_error(e)),
+    }
+}
 
 impl From<OpError> for Failure {
     fn from(e: OpError) -> Failure {
@@ -632,41 +703,62 @@ impl From<OpError> for Failure {
 /// Runs `op` on `p`'s connection, dialling it again first when an earlier op closed it. A
 /// failure that leaves the framing in doubt closes it (the peer may hold half a frame, or have
 /// closed); `refusal`: first read the refusal a peer sends before it closes (a write into the
-/// closed connection fails before its text is read).
+/// closed connection fails before its text is read). An op that found the connection lost
+/// runs once more on a new one, time allowing.
 fn on_connection(
     p: &PeerConn,
     refusal: bool,
     deadline: Instant,
-    op: impl FnOnce(&mut Conn) -> Result<u64, Failure>,
+    mut op: impl FnMut(&mut Conn) -> Result<u64, Failure>,
 ) -> Result<u64, OpError> {
     let mut guard = lock(&p.conn);
+    let mut again = true;
+    loop {
+        match run_once(p, &mut guard, refusal, deadline, &mut op) {
+            Err(Failure::Lost(_)) if std::mem::take(&mut again) && Instant::now() < deadline => {
+                tracing::debug!(peer = %p.at, "the KV stream's connection was lost; dialling again");
+            }
+            Err(Failure::Lost(e) | Failure::Closed(e) | Failure::Kept(e)) => return Err(e),
+            Ok(bytes) => return Ok(bytes),
+        }
+    }
+}
+
+fn run_once(
+    p: &PeerConn,
+    guard: &mut std::sync::MutexGuard<'_, Option<Conn>>,
+    refusal: bool,
+    deadline: Instant,
+    op: &mut impl FnMut(&mut Conn) -> Result<u64, Failure>,
+) -> Result<u64, Failure> {
     if guard.is_none() {
         if Instant::now() >= deadline {
-            return Err(OpError::Timeout(
-                "the deadline passed before the stream was dialled again".into(),
-            ));
+            return Err(OpError::Timeout("the deadline passed before the stream was dialled again".into()).into());
         }
         let c = dial(p.at, &p.key, deadline.min(Instant::now() + PROOF_WITHIN))
             .map_err(|e| OpError::Failed(format!("dialling the stream to this peer again: {e}")))?;
-        *guard = Some(c);
+        **guard = Some(c);
     }
     let Some(c) = guard.as_mut() else {
-        return Err(OpError::Failed("the stream to this peer is closed".into()));
+        return Err(OpError::Failed("the stream to this peer is closed".into()).into());
     };
+    c.deadline = Some(deadline);
     match op(c) {
         Ok(bytes) => Ok(bytes),
-        Err(Failure::Kept(e)) => Err(e),
-        Err(Failure::Closed(mut e)) => {
+        Err(Failure::Kept(e)) => Err(Kept(e)),
+        Err(mut failed) => {
             if let Some(mut c) = guard.take() {
+                c.deadline = Some(Instant::now() + Duration::from_millis(500));
+                // A refusal the peer sent before it closed is the answer (not a lost connection).
                 if refusal
-                    && matches!(e, OpError::Failed(_))
-                    && let Ok(Err(r)) = read_status(&mut c, Some(Instant::now() + Duration::from_millis(500)))
+                    && let Failure::Closed(OpError::Failed(_)) | Failure::Lost(OpError::Failed(_)) = failed
+                    && let Ok(Err(r)) = read_status(&mut c)
                 {
-                    e = OpError::Failed(format!("the peer refused a write: {}", r.why));
+                    failed = Failure::Closed(OpError::Failed(format!("the peer refused a write: {}", r.why)));
                 }
                 let _ = c.sock.shutdown(Shutdown::Both);
             }
-            Err(e)
+            Err(failed)
         }
     }
 }
@@ -678,51 +770,73 @@ fn io_error(e: io::Error) -> OpError {
     }
 }
 
-/// The other way round, for a deadline checked inside an io call.
-fn op_io(e: OpError) -> io::Error {
-    match e {
-        OpError::Timeout(why) => io::Error::new(io::ErrorKind::TimedOut, why),
-        other => io::Error::other(other.to_string()),
-    }
-}
-
-/// Bounds the next socket call by what is left of `deadline`.
-fn timeouts(c: &TcpStream, deadline: Instant) -> Result<(), OpError> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err(OpError::Timeout("the deadline passed".into()));
-    }
-    c.set_write_timeout(Some(left))
-        .and_then(|()| c.set_read_timeout(Some(left)))
-        .map_err(io_error)
-}
-
 fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
     for conn in listener.incoming() {
         let Some(strong) = inner.upgrade() else { return };
-        let Ok(c) = conn else { continue };
-        if strong.unproven.fetch_add(1, Ordering::SeqCst) >= MAX_UNPROVEN {
-            strong.unproven.fetch_sub(1, Ordering::SeqCst);
+        let c = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of descriptors, say: do not spin on it.
+                tracing::warn!(error = %e, "the KV stream cannot accept");
+                thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let Some(from) = c.peer_addr().ok().map(|a| a.ip()) else {
+            continue;
+        };
+        if !strong.count_unproven(from) {
             drop(c);
             continue;
         }
+        let held = strong.clone();
         let spawned = thread::Builder::new()
             .name("kv-stream-conn".into())
-            .spawn(move || serve(c, strong));
+            .spawn(move || serve(c, held, from));
         if let Err(e) = spawned {
+            strong.proven_or_gone(from);
             tracing::warn!(error = %e, "cannot start a KV stream connection's thread");
         }
     }
 }
 
+impl Inner {
+    /// Counts one more unproven connection from `from`, if both caps allow it.
+    fn count_unproven(&self, from: IpAddr) -> bool {
+        let mut per = lock(&self.unproven_from);
+        let mine = per.entry(from).or_insert(0);
+        if *mine >= MAX_UNPROVEN_FROM || self.unproven.load(Ordering::SeqCst) >= MAX_UNPROVEN {
+            if *mine == 0 {
+                per.remove(&from);
+            }
+            return false;
+        }
+        *mine += 1;
+        self.unproven.fetch_add(1, Ordering::SeqCst);
+        true
+    }
+
+    /// An unproven connection from `from` proved itself, or ended.
+    fn proven_or_gone(&self, from: IpAddr) {
+        let mut per = lock(&self.unproven_from);
+        if let Some(n) = per.get_mut(&from) {
+            *n -= 1;
+            if *n == 0 {
+                per.remove(&from);
+            }
+        }
+        self.unproven.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// One dialled connection: proof, then ops until it ends.
-fn serve(mut c: TcpStream, inner: Arc<Inner>) {
+fn serve(mut c: TcpStream, inner: Arc<Inner>, from: IpAddr) {
     let proven = prove(&mut c, &inner);
-    inner.unproven.fetch_sub(1, Ordering::SeqCst);
+    inner.proven_or_gone(from);
     let Some(p) = proven else {
         return;
     };
-    let mut conn = Conn::new(c, &p.key, &p.nonce, Side::Listener);
+    let mut conn = Conn::new(c, &p.key, &p.salt, Side::Listener);
     if let Err(why) = serve_ops(&mut conn, &p.regions, p.access, &p.windows) {
         tracing::info!(error = %why, "closed a KV stream connection");
         send_error(&mut conn, &why);
@@ -761,7 +875,8 @@ struct Proven {
     access: Access,
     windows: Arc<Windows>,
     key: [u8; 32],
-    nonce: [u8; 32],
+    /// Both sides' nonces.
+    salt: Vec<u8>,
 }
 
 fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
@@ -773,7 +888,7 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
     let mut hello = MAGIC.to_vec();
     hello.extend_from_slice(&nonce);
     c.write_all(&hello).ok()?;
-    let mut answer = [0u8; 64];
+    let mut answer = [0u8; ANSWER_LEN];
     seal::read_full(c, &mut answer, Some(deadline)).ok()?;
     if &answer[..16] != MAGIC {
         refuse_plain(c, "not a pdpair stream greeting");
@@ -785,7 +900,10 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
     let verdict = match admitted.get_mut(&id) {
         None => Err("no admission has that id"),
         Some(a) => {
-            if proof_mac(&a.key, &nonce).verify_slice(&answer[32..64]).is_err() {
+            if proof_mac(&a.key, &nonce, &answer[32..64])
+                .verify_slice(&answer[64..96])
+                .is_err()
+            {
                 Err("the proof is wrong")
             } else {
                 match c.try_clone() {
@@ -802,7 +920,7 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
                             access: a.access,
                             windows: a.windows.clone(),
                             key: a.key,
-                            nonce,
+                            salt: [&nonce[..], &answer[32..64]].concat(),
                         })
                     }
                     Err(_) => Err("cannot hold the connection"),
@@ -817,7 +935,11 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
             // an answer may wait as long as the side channel's silence limit.
             c.set_read_timeout(None).ok()?;
             c.set_write_timeout(Some(ANSWER_WITHIN)).ok()?;
-            c.write_all(&[OK]).ok()?;
+            let accepted: [u8; 32] = accept_mac(&p.key, &nonce, &answer[32..64])
+                .finalize()
+                .into_bytes()
+                .into();
+            c.write_all(&[&[OK][..], &accepted].concat()).ok()?;
             Some(p)
         }
         Err(why) => {
@@ -839,7 +961,7 @@ fn serve_ops(c: &mut Conn, regions: &[Region], access: Access, windows: &Windows
         _ => Ok(()),
     };
     loop {
-        let h: [u8; 24] = match c.recv(24, None) {
+        let h: [u8; 24] = match c.recv(24) {
             Ok(h) => h.try_into().unwrap_or([0xff; 24]),
             Err(e) => return ended(e),
         };
@@ -856,7 +978,7 @@ fn serve_ops(c: &mut Conn, regions: &[Region], access: Access, windows: &Windows
                     return Err("a flush carries an address or length".into());
                 }
                 match dropped.take() {
-                    Some(why) => send_declined(c, &why),
+                    Some(why) => send_declined(c, &why)?,
                     None => c.send(&[OK, 0, 0]).map_err(|e| e.to_string())?,
                 }
                 continue;
@@ -871,36 +993,43 @@ fn serve_ops(c: &mut Conn, regions: &[Region], access: Access, windows: &Windows
                 "a {op} of {addr:#x}+{len} is outside the memory this link was admitted to"
             ));
         }
-        let open = windows.contains(addr, len);
+        // Every piece is checked against the windows as it is copied, under their lock: a
+        // window closed while an op runs (its request ended, its blocks may go to another
+        // request) takes nothing more of it.
         match wants {
-            Access::Read if !open => {
+            Access::Read if !windows.contains(addr, len) => {
                 // Inside the engine's pool, but not in a block lent to this link now.
                 send_declined(
                     c,
                     &format!("a read of {addr:#x}+{len} is outside every block lent to this link now"),
-                );
+                )?;
             }
             Access::Read => {
-                // SAFETY: the range lies inside an admitted region, which `regions` keeps mapped.
-                let from = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
-                c.send_with(&[OK, 0, 0], from, |_| Ok(())).map_err(|e| e.to_string())?;
-            }
-            Access::Write if !open => {
-                // Inside the engine's pool, but no request of this link's is open there (it
-                // ended, or was never asked for): the bytes are read (and authenticated) and
-                // dropped, and the flush says so.
-                if let Err(e) = c.recv_into(None, len, None) {
-                    return ended(e);
-                }
-                dropped.get_or_insert(format!(
-                    "a write of {addr:#x}+{len} is outside every block this link was asked for now (dropped)"
-                ));
+                c.send_op(&[OK, 0, 0], len, |at, into| {
+                    if windows.copy_from(addr + at, into) {
+                        Ok(())
+                    } else {
+                        Err(io::Error::other(format!(
+                            "the blocks at {addr:#x}+{len} were taken back from this link while it read them"
+                        )))
+                    }
+                })
+                .map_err(|e| e.to_string())?;
             }
             Access::Write => {
-                // SAFETY: the range lies inside an admitted region, which `regions` keeps mapped.
-                let into = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
-                if let Err(e) = c.recv_into(Some(into), len, None) {
+                // Outside every window of this link's requests (it ended, or was never asked
+                // for), whole or from some piece on: the rest is read, authenticated and
+                // dropped, and the flush says so.
+                let mut lost = false;
+                if let Err(e) = c.recv_each(len, |at, plain| {
+                    lost = lost || !windows.copy_into(addr + at, plain);
+                }) {
                     return ended(e);
+                }
+                if lost {
+                    dropped.get_or_insert(format!(
+                        "a write of {addr:#x}+{len} is outside every block this link was asked for now (dropped)"
+                    ));
                 }
             }
         }

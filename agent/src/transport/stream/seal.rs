@@ -1,7 +1,7 @@
 //! The KV stream's records: after the proof, every byte either way is AES-256-GCM, one key per
 //! direction and connection, nonces a per-direction counter.
 //!
-//! Keys: HKDF-SHA256 (salt: the listener's greeting nonce, fresh per connection; ikm: the
+//! Keys: HKDF-SHA256 (salt: both sides' nonces, fresh per connection; ikm: the
 //! session's stream key; info: `pdpair/stream seal` and the direction), so no two connections
 //! share a key, and a record replayed, dropped, reordered or moved to the other direction fails
 //! to open. A record is its ciphertext and a 16-byte tag; its length is known to both sides
@@ -59,9 +59,11 @@ impl Key {
     }
 }
 
-/// One connection with its two keys and a buffer of one record.
+/// One connection with its two keys and a buffer of one record. Every socket call keeps to
+/// `deadline` when one is set (the dialler's op), however the peer paces its bytes.
 pub struct Conn {
     pub sock: TcpStream,
+    pub deadline: Option<Instant>,
     tx: Key,
     rx: Key,
     buf: Vec<u8>,
@@ -87,97 +89,101 @@ pub fn forged() -> io::Error {
     )
 }
 
+fn seal_into(tx: &mut Key, buf: &mut [u8], n: usize) -> io::Result<usize> {
+    let nonce = tx.nonce()?;
+    let tag: Tag = tx
+        .key
+        .seal_in_place_separate_tag(nonce, Aad::empty(), &mut buf[..n])
+        .map_err(|_| io::Error::other("sealing a record failed"))?;
+    buf[n..n + TAG].copy_from_slice(tag.as_ref());
+    Ok(n + TAG)
+}
+
 impl Conn {
-    /// `sock` after the proof of `stream_key`'s admission, against the greeting's `nonce`.
-    pub fn new(sock: TcpStream, stream_key: &[u8; 32], nonce: &[u8], side: Side) -> Conn {
+    /// `sock` after the proof of `stream_key`'s admission; `salt`: both sides' nonces.
+    pub fn new(sock: TcpStream, stream_key: &[u8; 32], salt: &[u8], side: Side) -> Conn {
         let other = match side {
             Side::Dialler => Side::Listener,
             Side::Listener => Side::Dialler,
         };
         Conn {
             sock,
-            tx: Key::derive(stream_key, nonce, side),
-            rx: Key::derive(stream_key, nonce, other),
+            deadline: None,
+            tx: Key::derive(stream_key, salt, side),
+            rx: Key::derive(stream_key, salt, other),
             buf: vec![0u8; CHUNK + TAG],
         }
-    }
-
-    /// Seals `plain` (at most [`CHUNK`] bytes) into the buffer; the record's length on the wire.
-    fn seal(&mut self, plain: &[u8]) -> io::Result<usize> {
-        let n = plain.len();
-        debug_assert!(n <= CHUNK);
-        self.buf[..n].copy_from_slice(plain);
-        let nonce = self.tx.nonce()?;
-        let tag: Tag = self
-            .tx
-            .key
-            .seal_in_place_separate_tag(nonce, Aad::empty(), &mut self.buf[..n])
-            .map_err(|_| io::Error::other("sealing a record failed"))?;
-        self.buf[n..n + TAG].copy_from_slice(tag.as_ref());
-        Ok(n + TAG)
-    }
-
-    /// Sends `plain` as one record.
-    pub fn send(&mut self, plain: &[u8]) -> io::Result<()> {
-        let n = self.seal(plain)?;
-        self.sock.write_all(&self.buf[..n])
-    }
-
-    /// Sends `head` as one record and `body` in records of [`CHUNK`] bytes, the first with the
-    /// head in one system call where the socket takes it; `each` runs before every socket write
-    /// (the caller's deadline).
-    pub fn send_with(
-        &mut self,
-        head: &[u8],
-        body: &[u8],
-        mut each: impl FnMut(&TcpStream) -> io::Result<()>,
-    ) -> io::Result<()> {
-        let mut head_record = [0u8; 64 + TAG];
-        let h = head.len();
-        head_record[..h].copy_from_slice(head);
-        let nonce = self.tx.nonce()?;
-        let tag = self
-            .tx
-            .key
-            .seal_in_place_separate_tag(nonce, Aad::empty(), &mut head_record[..h])
-            .map_err(|_| io::Error::other("sealing a record failed"))?;
-        head_record[h..h + TAG].copy_from_slice(tag.as_ref());
-        let mut chunks = body.chunks(CHUNK);
-        let first = chunks.next().unwrap_or(&[]);
-        let n = if first.is_empty() { 0 } else { self.seal(first)? };
-        each(&self.sock)?;
-        write_both(&mut self.sock, &head_record[..h + TAG], &self.buf[..n])?;
-        for chunk in chunks {
-            let n = self.seal(chunk)?;
-            each(&self.sock)?;
-            self.sock.write_all(&self.buf[..n])?;
-        }
-        Ok(())
     }
 
     /// Sends each of `small` (at most 64 bytes each) as a record, in one write.
     pub fn send_small(&mut self, small: &[&[u8]]) -> io::Result<()> {
         let mut out = Vec::with_capacity(small.iter().map(|r| r.len() + TAG).sum());
         for r in small {
-            debug_assert!(r.len() <= 64);
+            if r.len() > 64 {
+                return Err(io::Error::other("a small record over 64 bytes"));
+            }
             let at = out.len();
             out.extend_from_slice(r);
-            let nonce = self.tx.nonce()?;
-            let tag = self
-                .tx
-                .key
-                .seal_in_place_separate_tag(nonce, Aad::empty(), &mut out[at..])
-                .map_err(|_| io::Error::other("sealing a record failed"))?;
-            out.extend_from_slice(tag.as_ref());
+            out.extend_from_slice(&[0u8; TAG]);
+            seal_into(&mut self.tx, &mut out[at..], r.len())?;
         }
-        self.sock.write_all(&out)
+        write_full(&mut self.sock, &[&out], self.deadline)
     }
 
-    /// Receives one record of `len` bytes (at most [`CHUNK`]), by `deadline` when one is set;
-    /// its plaintext, only once it opened.
-    pub fn recv(&mut self, len: usize, deadline: Option<Instant>) -> io::Result<&[u8]> {
-        debug_assert!(len <= CHUNK);
-        read_full(&mut self.sock, &mut self.buf[..len + TAG], deadline)?;
+    /// Sends `head` (at most 64 bytes) as one record and then `len` bytes in records of
+    /// [`CHUNK`], the first with the head in one system call where the socket takes it. `fill`
+    /// writes each record's plaintext (its offset in the `len` bytes, and the bytes to fill)
+    /// just before it is sealed; its error ends the op there.
+    pub fn send_op(
+        &mut self,
+        head: &[u8],
+        len: u64,
+        mut fill: impl FnMut(u64, &mut [u8]) -> io::Result<()>,
+    ) -> io::Result<()> {
+        if head.len() > 64 {
+            return Err(io::Error::other("a header over 64 bytes"));
+        }
+        let mut head_record = [0u8; 64 + TAG];
+        let h = head.len();
+        head_record[..h].copy_from_slice(head);
+        let h = seal_into(&mut self.tx, &mut head_record, h)?;
+        let mut done = 0u64;
+        let mut head_part: &[u8] = &head_record[..h];
+        loop {
+            let n = (len - done).min(CHUNK as u64) as usize;
+            let body = if n > 0 {
+                fill(done, &mut self.buf[..n])?;
+                seal_into(&mut self.tx, &mut self.buf, n)?
+            } else {
+                0
+            };
+            write_full(&mut self.sock, &[head_part, &self.buf[..body]], self.deadline)?;
+            head_part = &[];
+            done += n as u64;
+            if done >= len {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Sends `plain` (at most [`CHUNK`] bytes) as one record.
+    pub fn send(&mut self, plain: &[u8]) -> io::Result<()> {
+        if plain.len() > CHUNK {
+            return Err(io::Error::other("a record over the chunk size"));
+        }
+        let n = plain.len();
+        self.buf[..n].copy_from_slice(plain);
+        let n = seal_into(&mut self.tx, &mut self.buf, n)?;
+        write_full(&mut self.sock, &[&self.buf[..n]], self.deadline)
+    }
+
+    /// Receives one record of `len` bytes (at most [`CHUNK`]); its plaintext, only once it
+    /// opened.
+    pub fn recv(&mut self, len: usize) -> io::Result<&[u8]> {
+        if len > CHUNK {
+            return Err(io::Error::other("a record over the chunk size"));
+        }
+        read_full(&mut self.sock, &mut self.buf[..len + TAG], self.deadline)?;
         let nonce = self.rx.nonce()?;
         let (data, tag) = self.buf[..len + TAG].split_at_mut(len);
         let tag = Tag::try_from(&tag[..]).map_err(|_| forged())?;
@@ -188,34 +194,36 @@ impl Conn {
         Ok(&self.buf[..len])
     }
 
-    /// Receives `into.len()` bytes in records of [`CHUNK`], each copied into `into` only once it
-    /// opened (nothing unauthenticated lands); `into: None` drops them after they opened.
-    pub fn recv_into(&mut self, into: Option<&mut [u8]>, len: u64, deadline: Option<Instant>) -> io::Result<()> {
+    /// Receives `len` bytes in records of [`CHUNK`], handing each to `take` (its offset in the
+    /// `len` bytes, its plaintext) only once it opened: nothing unauthenticated is handed on.
+    pub fn recv_each(&mut self, len: u64, mut take: impl FnMut(u64, &[u8])) -> io::Result<()> {
         let mut done = 0u64;
-        let mut into = into;
         while done < len {
             let n = (len - done).min(CHUNK as u64) as usize;
-            let plain = self.recv(n, deadline)?;
-            if let Some(into) = into.as_deref_mut() {
-                // `done + n <= len == into.len()`.
-                into[done as usize..done as usize + n].copy_from_slice(plain);
-            }
+            take(done, self.recv(n)?);
             done += n as u64;
         }
         Ok(())
     }
 }
 
+/// Before each system call: the time left of `deadline` as the socket's timeouts.
+fn bound(c: &TcpStream, deadline: Option<Instant>) -> io::Result<()> {
+    if let Some(deadline) = deadline {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "the deadline passed"));
+        }
+        c.set_read_timeout(Some(left))?;
+        c.set_write_timeout(Some(left))?;
+    }
+    Ok(())
+}
+
 /// `read_exact` that keeps to `deadline` (when set) however the peer paces its bytes.
 pub fn read_full(c: &mut TcpStream, mut into: &mut [u8], deadline: Option<Instant>) -> io::Result<()> {
     while !into.is_empty() {
-        if let Some(deadline) = deadline {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, "the deadline passed"));
-            }
-            c.set_read_timeout(Some(left))?;
-        }
+        bound(c, deadline)?;
         match c.read(into) {
             Ok(0) => {
                 return Err(io::Error::new(
@@ -231,22 +239,30 @@ pub fn read_full(c: &mut TcpStream, mut into: &mut [u8], deadline: Option<Instan
     Ok(())
 }
 
-/// Writes `head` then `body` with as few system calls as the socket allows (one, usually: a
-/// header alone would be a packet of its own with `TCP_NODELAY`).
-pub fn write_both(c: &mut TcpStream, head: &[u8], body: &[u8]) -> io::Result<()> {
-    let (mut head, mut body) = (head, body);
-    while !head.is_empty() {
-        let n = match c.write_vectored(&[io::IoSlice::new(head), io::IoSlice::new(body)]) {
+/// Writes `parts` in order with as few system calls as the socket allows (one, usually: a
+/// header alone would be a packet of its own with `TCP_NODELAY`), each call kept to
+/// `deadline` (when set) however the peer paces its reads.
+pub fn write_full(c: &mut TcpStream, parts: &[&[u8]], deadline: Option<Instant>) -> io::Result<()> {
+    let mut parts: Vec<&[u8]> = parts.iter().copied().filter(|p| !p.is_empty()).collect();
+    while !parts.is_empty() {
+        bound(c, deadline)?;
+        let slices: Vec<io::IoSlice<'_>> = parts.iter().map(|p| io::IoSlice::new(p)).collect();
+        let mut n = match c.write_vectored(&slices) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
+        while n > 0 {
+            let first = parts[0];
+            if n >= first.len() {
+                n -= first.len();
+                parts.remove(0);
+            } else {
+                parts[0] = &first[n..];
+                n = 0;
+            }
         }
-        let from_head = n.min(head.len());
-        head = &head[from_head..];
-        body = &body[n - from_head..];
     }
-    c.write_all(body)
+    Ok(())
 }

@@ -121,10 +121,8 @@ fn a_dialler_without_the_key_is_refused_and_writes_nothing() {
     let mut c = TcpStream::connect(parse_address(&t.d.address()).expect("address")).expect("dialled");
     let mut hello = [0u8; 48];
     c.read_exact(&mut hello).expect("greeting");
-    let mut answer = MAGIC.to_vec();
-    answer.extend_from_slice(&admission_id(&key(1)));
-    answer.extend_from_slice(&proof(&key(9), &hello[16..]));
-    c.write_all(&answer).expect("sent");
+    c.write_all(&greeting_answer(&key(1), &key(9), &hello[16..], &[5; 32]))
+        .expect("sent");
     let refused = read_plain_status(&mut c, Instant::now() + SECOND)
         .expect("answered")
         .expect_err("refused");
@@ -137,10 +135,8 @@ fn a_dialler_without_the_key_is_refused_and_writes_nothing() {
     // A proof for another nonce (replayed) fails the same way.
     let mut c = TcpStream::connect(parse_address(&t.d.address()).expect("address")).expect("dialled");
     c.read_exact(&mut hello).expect("greeting");
-    let mut answer = MAGIC.to_vec();
-    answer.extend_from_slice(&admission_id(&key(1)));
-    answer.extend_from_slice(&proof(&key(1), &[0u8; 32]));
-    c.write_all(&answer).expect("sent");
+    c.write_all(&greeting_answer(&key(1), &key(1), &[0u8; 32], &[5; 32]))
+        .expect("sent");
     assert!(
         read_plain_status(&mut c, Instant::now() + SECOND)
             .expect("answered")
@@ -163,13 +159,27 @@ fn an_admission_holds_its_newest_connection_and_its_drop_closes_it() {
     let second =
         t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(1))
             .expect("a second connection");
-    let e =
-        t.p.put(first, &[7], &[op(t.p_mem.0, t.d_mem.0 + 16, 8)], false, SECOND)
-            .expect_err("the replaced connection");
-    assert!(matches!(e, OpError::Failed(_)), "{e}");
-    t.p.put(second, &[7], &[op(t.p_mem.0, t.d_mem.0, 8)], false, SECOND)
-        .expect("written");
+    let first_conn = |t: &Pair| {
+        lock(&t.p.inner.peers)[&first]
+            .conn
+            .lock()
+            .expect("lock")
+            .as_ref()
+            .map(|c| c.sock.local_addr().expect("address"))
+    };
+    let before = first_conn(&t);
+    // The replaced one's next op finds it closed, and goes through on a new connection (which
+    // replaces the newer in turn): still one at a time.
+    assert_eq!(
+        t.p.put(first, &[7], &[op(t.p_mem.0, t.d_mem.0 + 16, 8)], false, SECOND),
+        Ok(8)
+    );
+    assert_ne!(first_conn(&t), before, "dialled again");
     t.p.disconnect(first);
+    assert_eq!(
+        t.p.put(second, &[7], &[op(t.p_mem.0, t.d_mem.0, 8)], false, SECOND),
+        Ok(8)
+    );
     assert_eq!(
         lock(&t.d.inner.admitted).values().filter(|a| a.conn.is_some()).count(),
         1,
@@ -185,7 +195,8 @@ fn an_admission_holds_its_newest_connection_and_its_drop_closes_it() {
         t.p.put(second, &[7], &[op(t.p_mem.0, t.d_mem.0 + 8, 8)], false, SECOND)
             .expect_err("revoked");
     assert!(e.to_string().contains("no admission"), "{e}");
-    assert!(bytes(&t.d_mem.1)[8..].iter().all(|b| *b == 0));
+    assert!(bytes(&t.d_mem.1)[8..16].iter().all(|b| *b == 0));
+    assert!(bytes(&t.d_mem.1)[24..].iter().all(|b| *b == 0));
     let e =
         t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(1))
             .expect_err("revoked");
@@ -234,23 +245,35 @@ fn an_op_that_finds_its_connection_closed_dials_again() {
 }
 
 /// A peer that proved its admission and then sends its own headers: the listener checks each.
+/// A dialler's answer to a greeting with nonce `theirs`: the admission id of `id_key`, our
+/// nonce `ours`, and a proof with `proof_key`.
+fn greeting_answer(id_key: &[u8; 32], proof_key: &[u8; 32], theirs: &[u8], ours: &[u8; 32]) -> Vec<u8> {
+    let mut answer = MAGIC.to_vec();
+    answer.extend_from_slice(&admission_id(id_key));
+    answer.extend_from_slice(ours);
+    answer.extend_from_slice(&proof(proof_key, theirs, ours));
+    answer
+}
+
 fn forged(t: &Pair, k: &[u8; 32]) -> Conn {
     let mut c = TcpStream::connect(parse_address(&t.d.address()).expect("address")).expect("dialled");
     let mut hello = [0u8; 48];
     c.read_exact(&mut hello).expect("greeting");
-    let mut answer = MAGIC.to_vec();
-    answer.extend_from_slice(&admission_id(k));
-    answer.extend_from_slice(&proof(k, &hello[16..]));
-    c.write_all(&answer).expect("sent");
+    c.write_all(&greeting_answer(k, k, &hello[16..], &[5; 32]))
+        .expect("sent");
     read_plain_status(&mut c, Instant::now() + SECOND)
         .expect("answered")
         .expect("admitted");
-    Conn::new(c, k, &hello[16..], Side::Dialler)
+    let mut accepted = [0u8; 32];
+    c.read_exact(&mut accepted).expect("the listener's proof");
+    let salt = [&hello[16..], &[5; 32][..]].concat();
+    Conn::new(c, k, &salt, Side::Dialler)
 }
 
 /// Within 5 s: a listener that takes what it should refuse answers nothing; fail, do not hang.
 fn answer(c: &mut Conn) -> Result<(), Refusal> {
-    read_status(c, Some(Instant::now() + Duration::from_secs(5))).expect("answered")
+    c.deadline = Some(Instant::now() + Duration::from_secs(5));
+    read_status(c).expect("answered")
 }
 
 #[test]
@@ -266,7 +289,10 @@ fn an_admitted_peer_cannot_write_or_read_outside_its_regions_or_access() {
         (t.d_mem.0, 0, "outside the memory"),
     ] {
         let mut c = forged(&t, &key(1));
-        let _ = c.send_with(&header(OP_PUT, addr, len), &[0xee; 8], |_| Ok(()));
+        let _ = c.send_op(&header(OP_PUT, addr, len), len.min(8), |_, into| {
+            into.fill(0xee);
+            Ok(())
+        });
         let e = answer(&mut c).expect_err("refused").why;
         assert!(e.contains(what), "{addr:#x}+{len}: {e}");
     }
@@ -317,13 +343,7 @@ fn a_peer_that_stops_reading_fails_the_put_at_its_deadline() {
     let silent = TcpListener::bind((LOOPBACK, 0)).expect("listener");
     let at = silent.local_addr().expect("address");
     let held = thread::spawn(move || {
-        let (mut c, _) = silent.accept().expect("accepted");
-        let mut hello = MAGIC.to_vec();
-        hello.extend_from_slice(&[0; 32]);
-        c.write_all(&hello).expect("greeting");
-        let mut answer = [0u8; 64];
-        c.read_exact(&mut answer).expect("proof");
-        c.write_all(&[OK]).expect("ok");
+        let c = fake_accept(&silent, &key(3), true);
         thread::sleep(Duration::from_secs(3));
         drop(c);
     });
@@ -365,23 +385,67 @@ fn addresses_parse_strictly() {
     }
 }
 
+/// A connection to `to` from the loopback address `source`.
+fn connect_from(source: [u8; 4], to: SocketAddr) -> TcpStream {
+    use std::os::fd::FromRawFd;
+    let SocketAddr::V4(to) = to else { panic!("IPv4 only") };
+    let sockaddr = |ip: [u8; 4], port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(ip),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: a fresh socket, owned by the TcpStream at once; bind and connect read `len` bytes
+    // of valid sockaddr_in values.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(fd >= 0, "socket: {}", io::Error::last_os_error());
+        let stream = TcpStream::from_raw_fd(fd);
+        let local = sockaddr(source, 0);
+        assert_eq!(libc::bind(fd, (&raw const local).cast(), len), 0, "bind");
+        let remote = sockaddr(to.ip().octets(), to.port());
+        assert_eq!(libc::connect(fd, (&raw const remote).cast(), len), 0, "connect");
+        stream
+    }
+}
+
+/// Whether the listener greets `c` (serves it) rather than closing it unread.
+fn greeted(mut c: &TcpStream) -> bool {
+    c.set_read_timeout(Some(SECOND)).expect("timeout");
+    let mut hello = [0u8; 48];
+    c.read_exact(&mut hello).is_ok()
+}
+
 #[test]
-fn unproven_connections_are_bounded() {
+fn unproven_connections_are_bounded_per_source_and_in_all() {
     let d = Stream::start(LOOPBACK).expect("stream");
     let at = parse_address(&d.address()).expect("address");
-    let idle: Vec<TcpStream> = (0..MAX_UNPROVEN)
-        .map(|_| TcpStream::connect(at).expect("dialled"))
-        .collect();
-    // Each got its greeting: all are being served.
-    for mut c in &idle {
-        let mut hello = [0u8; 48];
-        c.read_exact(&mut hello).expect("greeting");
+    let from = |i: u8| connect_from([127, 0, 0, i], at);
+    let mut idle: Vec<TcpStream> = (0..MAX_UNPROVEN_FROM).map(|_| from(1)).collect();
+    assert!(idle.iter().all(greeted), "one source's first connections are served");
+    assert!(!greeted(&from(1)), "one more from that source is closed unread");
+    // Other sources fill the rest of the slots, and then none is left for anyone.
+    let others = MAX_UNPROVEN / MAX_UNPROVEN_FROM - 1;
+    for i in 0..others {
+        for _ in 0..MAX_UNPROVEN_FROM {
+            idle.push(from(2 + i as u8));
+        }
     }
-    let mut over = TcpStream::connect(at).expect("dialled");
-    over.set_read_timeout(Some(SECOND)).expect("timeout");
-    let mut b = [0u8; 1];
-    assert_eq!(over.read(&mut b).expect("closed, not served"), 0);
+    assert_eq!(idle.len(), MAX_UNPROVEN);
+    assert!(
+        idle[MAX_UNPROVEN_FROM..].iter().all(greeted),
+        "served up to the cap in all"
+    );
+    assert!(!greeted(&from(100)), "a new source finds no slot left");
+    // The slots come back when the connections end.
     drop(idle);
+    let until = Instant::now() + Duration::from_secs(5);
+    while !greeted(&from(1)) {
+        assert!(Instant::now() < until, "the slots came back");
+    }
 }
 
 #[test]
@@ -523,9 +587,9 @@ fn relay(to: SocketAddr, flip: Option<usize>, seen: Arc<Mutex<Vec<u8>>>) -> Vec<
 fn a_byte_changed_on_the_way_fails_its_record_and_nothing_lands() {
     let t = pair(Access::Write);
     let to = parse_address(&t.d.address()).expect("address");
-    // The dialler's 64-byte proof, the PUT's header record (24 + 16), then its bytes' record:
+    // The dialler's answer to the greeting, the PUT's header record (24 + 16), then its bytes' record:
     // one bit of the bytes' ciphertext changed, and in another run one of the header's.
-    for flip in [64 + 40 + 10, 64 + 12] {
+    for flip in [ANSWER_LEN + 40 + 10, ANSWER_LEN + 12] {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let via = relay(to, Some(flip), seen);
         let peer = t.p.connect(&via, vec![(t.d_mem.0, 4096)], &key(1)).expect("connected");
@@ -556,4 +620,170 @@ fn the_stream_carries_no_kv_or_address_in_the_clear() {
     assert!(!seen.windows(16).any(|w| w == run), "the KV went in the clear");
     let target = t.d_mem.0.to_be_bytes();
     assert!(!seen.windows(8).any(|w| w == target), "the header went in the clear");
+}
+
+/// A listener of its own that takes one dialler's proof without checking it and answers as an
+/// admitting listener would: with the listener's proof of `k` (`prove`), or with a forged one.
+fn fake_accept(l: &TcpListener, k: &[u8; 32], prove: bool) -> TcpStream {
+    let (mut c, _) = l.accept().expect("accepted");
+    let mut hello = MAGIC.to_vec();
+    hello.extend_from_slice(&[0; 32]);
+    c.write_all(&hello).expect("greeting");
+    let mut answer = [0u8; ANSWER_LEN];
+    c.read_exact(&mut answer).expect("proof");
+    let accepted: [u8; 32] = if prove {
+        accept_mac(k, &[0; 32], &answer[32..64]).finalize().into_bytes().into()
+    } else {
+        [0u8; 32]
+    };
+    c.write_all(&[&[OK][..], &accepted].concat()).expect("ok");
+    c
+}
+
+#[test]
+fn a_listener_that_does_not_prove_the_key_is_not_dialled_into() {
+    // Someone on the path answers in the listener's place (it cannot know the key): the dialler
+    // sends nothing more.
+    let p = Stream::start(LOOPBACK).expect("stream");
+    let fake = TcpListener::bind((LOOPBACK, 0)).expect("listener");
+    let at = fake.local_addr().expect("address");
+    let held = thread::spawn(move || fake_accept(&fake, &key(3), false));
+    let e = p
+        .connect(
+            format!("{ADDRESS_PREFIX}{at}").as_bytes(),
+            vec![(0x1000_0000, 4096)],
+            &key(3),
+        )
+        .expect_err("an unproven listener");
+    assert!(e.contains("did not prove the key"), "{e}");
+    drop(held.join().expect("joined"));
+}
+
+#[test]
+fn a_peer_that_reads_a_byte_at_a_time_fails_the_put_at_its_deadline() {
+    let p = Stream::start(LOOPBACK).expect("stream");
+    let big = region(&p, 1, 16 << 20, 1);
+    let slow = TcpListener::bind((LOOPBACK, 0)).expect("listener");
+    let at = slow.local_addr().expect("address");
+    let held = thread::spawn(move || {
+        let mut c = fake_accept(&slow, &key(3), true);
+        let _ = c.set_read_timeout(Some(Duration::from_millis(100)));
+        let (started, mut b) = (Instant::now(), vec![0u8; 64 << 10]);
+        // Let the socket's buffers fill, then trickle: 64 KiB every 900 ms, for 3 s.
+        thread::sleep(Duration::from_millis(200));
+        while started.elapsed() < Duration::from_secs(3) {
+            match c.read(&mut b) {
+                Ok(0) => break,
+                Err(e) if e.kind() != io::ErrorKind::WouldBlock && e.kind() != io::ErrorKind::TimedOut => break,
+                _ => thread::sleep(Duration::from_millis(900)),
+            }
+        }
+    });
+    let peer = p
+        .connect(
+            format!("{ADDRESS_PREFIX}{at}").as_bytes(),
+            vec![(0x1000_0000, 16 << 20)],
+            &key(3),
+        )
+        .expect("connected");
+    let started = Instant::now();
+    let e = p
+        .put(peer, &[1], &[op(big.0, 0x1000_0000, 16 << 20)], false, SECOND)
+        .expect_err("trickled");
+    assert!(matches!(e, OpError::Timeout(_)), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        started.elapsed()
+    );
+    held.join().expect("joined");
+}
+
+#[test]
+fn a_window_closed_while_a_write_runs_takes_no_more_of_it() {
+    let d = Stream::start(LOOPBACK).expect("stream");
+    let len = 2 * seal::CHUNK;
+    let mem = region(&d, 1, len, 0);
+    let admission = d.admit(&key(1), &[1], Access::Write).expect("admitted");
+    admission.windows.allow("r", vec![(mem.0, len as u64)]);
+    let t = Pair {
+        p: Stream::start(LOOPBACK).expect("stream"),
+        p_mem: (0, mem.1.clone()),
+        d_mem: mem.clone(),
+        d,
+        admission: Some(admission),
+    };
+    // An insider sends the header of a write over the whole window and its first piece...
+    let mut c = forged(&t, &key(1));
+    c.send(&header(OP_PUT, mem.0, len as u64)).expect("header");
+    c.send(&vec![0xee; seal::CHUNK]).expect("first piece");
+    let until = Instant::now() + Duration::from_secs(5);
+    while bytes(&mem.1)[seal::CHUNK - 1] != 0xee {
+        assert!(Instant::now() < until, "the first piece lands");
+        thread::sleep(Duration::from_millis(10));
+    }
+    // ...the request ends (its blocks may go to another request), then the rest comes.
+    t.admission.as_ref().expect("admitted").windows.close("r");
+    c.send(&vec![0xee; seal::CHUNK]).expect("second piece");
+    c.send(&header(OP_FLUSH, 0, 0)).expect("flush");
+    let e = answer(&mut c).expect_err("dropped").why;
+    assert!(e.contains("outside every block this link was asked for"), "{e}");
+    let got = bytes(&mem.1);
+    assert!(got[..seal::CHUNK].iter().all(|b| *b == 0xee));
+    assert!(got[seal::CHUNK..].iter().all(|b| *b == 0), "nothing after the close");
+}
+
+#[test]
+fn a_window_closed_while_a_read_runs_gives_no_more_of_it() {
+    let t = pair(Access::Read);
+    let len = 64usize << 20;
+    let big = region(&t.d, 9, len, 0x77);
+    // A read admission of its own, over the big region alone.
+    drop(t.admission);
+    let admission = t.d.admit(&key(4), &[9], Access::Read).expect("admitted");
+    admission.windows.allow("r", vec![(big.0, len as u64)]);
+    let t = Pair {
+        admission: Some(admission),
+        ..t
+    };
+    let mut c = forged(&t, &key(4));
+    c.send(&header(OP_GET, big.0, len as u64)).expect("header");
+    c.deadline = Some(Instant::now() + Duration::from_secs(10));
+    read_status(&mut c).expect("answered").expect("served");
+    // The reader takes the first piece, then the request ends; the listener has sealed at
+    // most what the sockets buffer, and no more after the close.
+    c.recv(seal::CHUNK).expect("first piece");
+    t.admission.as_ref().expect("admitted").windows.close("r");
+    let mut read = seal::CHUNK;
+    while read < len && c.recv((len - read).min(seal::CHUNK)).is_ok() {
+        read += seal::CHUNK;
+    }
+    assert!(read < len / 2, "{read} of {len} bytes read after the close");
+}
+
+#[test]
+fn an_op_on_a_connection_the_peer_dropped_goes_through_on_a_new_one() {
+    let t = pair(Access::Write);
+    let peer =
+        t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(1))
+            .expect("connected");
+    assert_eq!(
+        t.p.put(peer, &[7], &[op(t.p_mem.0, t.d_mem.0, 8)], false, SECOND),
+        Ok(8)
+    );
+    // The idle connection is dropped under the link (by the listener here; a firewall that
+    // forgets idle connections does the same): the next op finds it gone, dials again and
+    // goes through, not failing its request.
+    let (_, c) = lock(&t.d.inner.admitted)[&admission_id(&key(1))]
+        .conn
+        .as_ref()
+        .map(|(s, c)| (*s, c.try_clone().expect("clone")))
+        .expect("connected");
+    c.shutdown(Shutdown::Both).expect("dropped");
+    thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        t.p.put(peer, &[7], &[op(t.p_mem.0, t.d_mem.0 + 64, 8)], false, SECOND),
+        Ok(8)
+    );
+    assert!(bytes(&t.d_mem.1)[64..72].iter().all(|b| *b == 0xab));
 }
