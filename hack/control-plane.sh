@@ -176,7 +176,7 @@ cmd_stop() {
   local name pid pids=()
   while read -r name pid; do
     # Only signal a pid that is still the process we started (pids are reused).
-    if [[ -r /proc/$pid/cmdline ]] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q "$name"; then
+    if [[ -r /proc/$pid/cmdline && $(tr '\0' ' ' < "/proc/$pid/cmdline") == *"$name"* ]]; then
       kill "$pid" 2>/dev/null && pids+=("$pid")
     fi
   done < <(tac "$dir/pids")

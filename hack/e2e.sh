@@ -13,7 +13,7 @@ export PDPAIR_E2E_DIR=$dir
 stop_operators() {
   [[ -f $dir/operator-pids ]] || return 0
   while read -r pid; do
-    if [[ -r /proc/$pid/cmdline ]] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q "pdpair-operator run"; then
+    if [[ -r /proc/$pid/cmdline && $(tr '\0' ' ' < "/proc/$pid/cmdline") == *"pdpair-operator run"* ]]; then
       kill "$pid" 2>/dev/null || true
     fi
   done < "$dir/operator-pids"

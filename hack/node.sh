@@ -59,7 +59,9 @@ cmd_start() {
   local n=$dir/node
   mkdir -p "$n/cni" "$n/logs" "$n/kubelet"
   : > "$n/pids"
-  ip addr show dev lo | grep -q " $NODE_IP/" || ip addr add "$NODE_IP/32" dev lo
+  # No `cmd | grep -q` under pipefail here: grep exits at its match, the writer may die of
+  # SIGPIPE, and the pipeline then fails although it matched (it failed this script once).
+  [[ $(ip addr show dev lo) == *" $NODE_IP/"* ]] || ip addr add "$NODE_IP/32" dev lo
   echo 1 > /proc/sys/net/ipv4/ip_forward
   cat > "$n/cni/10-pdpair.conflist" <<CNI
 {"cniVersion": "0.4.0", "name": "pdpair", "plugins": [
@@ -138,7 +140,7 @@ cmd_stop() {
     fi
     local name pid
     while read -r name pid; do
-      if [[ -r /proc/$pid/cmdline ]] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q "$name"; then
+      if [[ -r /proc/$pid/cmdline && $(tr '\0' ' ' < "/proc/$pid/cmdline") == *"$name"* ]]; then
         kill "$pid" 2>/dev/null || true
       fi
     done < <(tac "$n/pids")
@@ -158,7 +160,7 @@ cmd_stop() {
   ip link del "$BRIDGE" 2>/dev/null || true
   local ns
   for ns in $(ip netns list 2>/dev/null | awk '/^cni-/{print $1}'); do ip netns del "$ns" 2>/dev/null || true; done
-  iptables-save 2>/dev/null | grep -q KUBE- && "$K8S_BIN/kube-proxy" --cleanup >/dev/null 2>&1 || true
+  [[ $(iptables-save 2>/dev/null) == *KUBE-* ]] && "$K8S_BIN/kube-proxy" --cleanup >/dev/null 2>&1 || true
   # (No CNI rule left makes grep fail: with pipefail that must not end the script before the
   # control plane is stopped below, which left a kube-apiserver running after every run.)
   { iptables -t nat -S 2>/dev/null | grep -- "CNI-" || true; } | sed 's/^-A/-D/' | while read -r rule; do
@@ -177,7 +179,7 @@ cmd_up() {
   local dir=${1:?usage: node.sh up DIR}
   cmd_build
   mkdir -p "$dir"
-  ip addr show dev lo | grep -q " $NODE_IP/" || ip addr add "$NODE_IP/32" dev lo
+  [[ $(ip addr show dev lo) == *" $NODE_IP/"* ]] || ip addr add "$NODE_IP/32" dev lo
   PDPAIR_APISERVER_IP=$NODE_IP hack/control-plane.sh start "$dir"
   cmd_start "$dir"
 }
