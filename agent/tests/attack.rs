@@ -826,7 +826,12 @@ fn own_address_variants(transport: Transport) -> (Vec<usize>, Vec<String>) {
             Err(HandshakeError::Rejected { message, .. }) => message,
             Err(e) => panic!("byte {i:?} ({what}): {e}"),
             Ok(_) => {
-                s.set_read_timeout(Some(Duration::from_secs(3))).expect("timeout");
+                // Longer than prefill's dial of a stream address may take: a changed byte can
+                // name another IP, which this machine's default route may black-hole (no quick
+                // "unreachable"), and the refusal comes when the dial gives up.
+                let dial = pdpair_agent::transport::stream::PROOF_WITHIN;
+                s.set_read_timeout(Some(dial + Duration::from_secs(3)))
+                    .expect("timeout");
                 match session.recv(&mut s) {
                     Ok(Message::Reject { reasons, message }) => {
                         assert_eq!(reasons, vec![Reason::TransportFailed], "byte {i:?}: {message}");
