@@ -1038,6 +1038,44 @@ fn connect_from(source: [u8; 4], to: SocketAddr) -> std::io::Result<TcpStream> {
     }
 }
 
+/// Whether the listener greets `c` (serves it) rather than closing it unread.
+fn greeted(mut c: &TcpStream) -> bool {
+    c.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
+    let mut hello = [0u8; 48];
+    c.read_exact(&mut hello).is_ok()
+}
+
+#[test]
+fn the_kv_streams_unproven_connections_are_bounded_per_source_and_in_all() {
+    use pdpair_agent::transport::stream::{MAX_UNPROVEN, MAX_UNPROVEN_FROM, Stream, parse_address};
+    let _serial = serial();
+    let d = Stream::start(std::net::Ipv4Addr::LOCALHOST.into()).expect("stream");
+    let at = parse_address(&d.address()).expect("address");
+    let from = |i: u8| connect_from([127, 0, 0, i], at).expect("connected");
+    let mut idle: Vec<TcpStream> = (0..MAX_UNPROVEN_FROM).map(|_| from(1)).collect();
+    assert!(idle.iter().all(greeted), "one source's first connections are served");
+    assert!(!greeted(&from(1)), "one more from that source is closed unread");
+    // Other sources fill the rest of the slots, and then none is left for anyone.
+    let others = MAX_UNPROVEN / MAX_UNPROVEN_FROM - 1;
+    for i in 0..others {
+        for _ in 0..MAX_UNPROVEN_FROM {
+            idle.push(from(2 + i as u8));
+        }
+    }
+    assert_eq!(idle.len(), MAX_UNPROVEN);
+    assert!(
+        idle[MAX_UNPROVEN_FROM..].iter().all(greeted),
+        "served up to the cap in all"
+    );
+    assert!(!greeted(&from(100)), "a new source finds no slot left");
+    // The slots come back when the connections end.
+    drop(idle);
+    let until = Instant::now() + Duration::from_secs(5);
+    while !greeted(&from(1)) {
+        assert!(Instant::now() < until, "the slots came back");
+    }
+}
+
 fn vm_hwm_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
     status

@@ -385,69 +385,6 @@ fn addresses_parse_strictly() {
     }
 }
 
-/// A connection to `to` from the loopback address `source`.
-fn connect_from(source: [u8; 4], to: SocketAddr) -> TcpStream {
-    use std::os::fd::FromRawFd;
-    let SocketAddr::V4(to) = to else { panic!("IPv4 only") };
-    let sockaddr = |ip: [u8; 4], port: u16| libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from_ne_bytes(ip),
-        },
-        sin_zero: [0; 8],
-    };
-    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: a fresh socket, owned by the TcpStream at once; bind and connect read `len` bytes
-    // of valid sockaddr_in values.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
-        assert!(fd >= 0, "socket: {}", io::Error::last_os_error());
-        let stream = TcpStream::from_raw_fd(fd);
-        let local = sockaddr(source, 0);
-        assert_eq!(libc::bind(fd, (&raw const local).cast(), len), 0, "bind");
-        let remote = sockaddr(to.ip().octets(), to.port());
-        assert_eq!(libc::connect(fd, (&raw const remote).cast(), len), 0, "connect");
-        stream
-    }
-}
-
-/// Whether the listener greets `c` (serves it) rather than closing it unread.
-fn greeted(mut c: &TcpStream) -> bool {
-    c.set_read_timeout(Some(SECOND)).expect("timeout");
-    let mut hello = [0u8; 48];
-    c.read_exact(&mut hello).is_ok()
-}
-
-#[test]
-fn unproven_connections_are_bounded_per_source_and_in_all() {
-    let d = Stream::start(LOOPBACK).expect("stream");
-    let at = parse_address(&d.address()).expect("address");
-    let from = |i: u8| connect_from([127, 0, 0, i], at);
-    let mut idle: Vec<TcpStream> = (0..MAX_UNPROVEN_FROM).map(|_| from(1)).collect();
-    assert!(idle.iter().all(greeted), "one source's first connections are served");
-    assert!(!greeted(&from(1)), "one more from that source is closed unread");
-    // Other sources fill the rest of the slots, and then none is left for anyone.
-    let others = MAX_UNPROVEN / MAX_UNPROVEN_FROM - 1;
-    for i in 0..others {
-        for _ in 0..MAX_UNPROVEN_FROM {
-            idle.push(from(2 + i as u8));
-        }
-    }
-    assert_eq!(idle.len(), MAX_UNPROVEN);
-    assert!(
-        idle[MAX_UNPROVEN_FROM..].iter().all(greeted),
-        "served up to the cap in all"
-    );
-    assert!(!greeted(&from(100)), "a new source finds no slot left");
-    // The slots come back when the connections end.
-    drop(idle);
-    let until = Instant::now() + Duration::from_secs(5);
-    while !greeted(&from(1)) {
-        assert!(Instant::now() < until, "the slots came back");
-    }
-}
-
 #[test]
 fn a_write_outside_every_open_window_is_dropped_and_the_connection_stays() {
     let t = pair(Access::Write);
