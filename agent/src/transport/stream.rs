@@ -38,6 +38,12 @@
 //!   [`seal`]): someone on the path between two agents reads no KV, and a byte changed,
 //!   dropped, replayed or reordered fails its record, which closes the connection before its
 //!   bytes land (each record is opened in a buffer, then copied into place).
+//! - **Staging.** A region may be memory this process cannot dereference (a GPU pool between
+//!   agents, `transport::cuda_ipc`): it is registered with a [`DeviceCopy`], and every piece
+//!   of an op on it is copied between the device and the record buffer through that (the
+//!   buffer is the staging buffer, 256 KiB a piece, so device copies and the network overlap
+//!   piece by piece); the windows and range checks are the same. Writes into such a region have
+//!   landed when the flush (push) or the get (pull) answers: [`DeviceCopy::settle`] first.
 #![allow(unsafe_code)]
 
 use std::{
@@ -100,12 +106,61 @@ pub enum Access {
     Read,
 }
 
-/// Memory the stream may move: a registered region and what keeps it mapped.
+/// Copies between memory the stream cannot dereference (a GPU's) and its host buffers.
+pub trait DeviceCopy: Send + Sync {
+    /// Copies `into.len()` bytes from device address `at` into `into`, there on return.
+    fn read(&self, at: u64, into: &mut [u8]) -> Result<(), String>;
+    /// Copies `from` to device address `at` (it may land later: [`DeviceCopy::settle`]).
+    fn write(&self, at: u64, from: &[u8]) -> Result<(), String>;
+    /// Returns once every earlier write has landed where the engine reads it.
+    fn settle(&self) -> Result<(), String>;
+}
+
+/// Memory the stream may move: a registered region, what keeps it mapped, and how its bytes
+/// are reached (`None`: host memory of this process, copied directly).
 #[derive(Clone)]
 struct Region {
     base: u64,
     len: u64,
     _keep: Arc<dyn Send + Sync>,
+    device: Option<Arc<dyn DeviceCopy>>,
+}
+
+impl Region {
+    /// Copies from `at` (checked by the caller to lie in this region) into `into`.
+    fn read(&self, at: u64, into: &mut [u8]) -> Result<(), String> {
+        match &self.device {
+            Some(d) => d.read(at, into),
+            None => {
+                // SAFETY: the caller checked the range lies inside this region, which `_keep`
+                // keeps mapped; a raw copy, as the engine may touch the memory at any time.
+                unsafe { std::ptr::copy_nonoverlapping(at as *const u8, into.as_mut_ptr(), into.len()) };
+                Ok(())
+            }
+        }
+    }
+
+    /// Copies `from` to `at` (checked by the caller to lie in this region).
+    fn write(&self, at: u64, from: &[u8]) -> Result<(), String> {
+        match &self.device {
+            Some(d) => d.write(at, from),
+            None => {
+                // SAFETY: as in `read`.
+                unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), at as *mut u8, from.len()) };
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits for this region's writes to land (device memory; host writes are done).
+    fn settle(&self) -> Result<(), String> {
+        self.device.as_ref().map_or(Ok(()), |d| d.settle())
+    }
+}
+
+/// The region of `regions` that holds `at..at+len`.
+fn region_of(regions: &[Region], at: u64, len: u64) -> Option<&Region> {
+    regions.iter().find(|r| inside(at, len, r.base, r.len))
 }
 
 impl std::fmt::Debug for Region {
@@ -166,29 +221,25 @@ impl Windows {
         Self::holds(&lock(&self.open), at, len)
     }
 
-    /// Copies `plain` to `at` if the range lies inside one open window, under the windows' lock:
-    /// once [`Windows::close`] returned, nothing more lands in what it closed.
-    fn copy_into(&self, at: u64, plain: &[u8]) -> bool {
+    /// Copies `plain` to `at` in `region` (the caller checked the range lies in it) if the
+    /// range lies inside one open window, under the windows' lock: once [`Windows::close`]
+    /// returned, nothing more lands in what it closed. `Ok(false)`: outside every window.
+    fn copy_into(&self, region: &Region, at: u64, plain: &[u8]) -> Result<bool, String> {
         let open = lock(&self.open);
-        let inside = Self::holds(&open, at, plain.len() as u64);
-        if inside {
-            // SAFETY: the caller checked the range lies inside an admitted region, which it keeps
-            // mapped; raw copies, as the engine may touch the memory at any time.
-            unsafe { std::ptr::copy_nonoverlapping(plain.as_ptr(), at as *mut u8, plain.len()) };
+        if !Self::holds(&open, at, plain.len() as u64) {
+            return Ok(false);
         }
-        inside
+        region.write(at, plain).map(|()| true)
     }
 
-    /// Copies from `at` into `into` if the range lies inside one open window, under the
-    /// windows' lock (see [`Windows::copy_into`]).
-    fn copy_from(&self, at: u64, into: &mut [u8]) -> bool {
+    /// Copies from `at` in `region` into `into` if the range lies inside one open window, under
+    /// the windows' lock (see [`Windows::copy_into`]).
+    fn copy_from(&self, region: &Region, at: u64, into: &mut [u8]) -> Result<bool, String> {
         let open = lock(&self.open);
-        let inside = Self::holds(&open, at, into.len() as u64);
-        if inside {
-            // SAFETY: as in `copy_into`.
-            unsafe { std::ptr::copy_nonoverlapping(at as *const u8, into.as_mut_ptr(), into.len()) };
+        if !Self::holds(&open, at, into.len() as u64) {
+            return Ok(false);
         }
-        inside
+        region.read(at, into).map(|()| true)
     }
 
     fn holds(open: &HashMap<String, Vec<(u64, u64)>>, at: u64, len: u64) -> bool {
@@ -473,7 +524,36 @@ impl Stream {
 
     /// Makes a registered region (id `id`, `base..base+len`, mapped while `keep` lives) movable.
     pub fn register(&self, id: u64, base: u64, len: u64, keep: Arc<dyn Send + Sync>) {
-        lock(&self.inner.regions).insert(id, Region { base, len, _keep: keep });
+        lock(&self.inner.regions).insert(
+            id,
+            Region {
+                base,
+                len,
+                _keep: keep,
+                device: None,
+            },
+        );
+    }
+
+    /// Makes a region of device memory movable (`base..base+len` in `device`'s addresses, valid
+    /// while `keep` lives): every byte is copied through `device`, never dereferenced here.
+    pub fn register_device(
+        &self,
+        id: u64,
+        base: u64,
+        len: u64,
+        keep: Arc<dyn Send + Sync>,
+        device: Arc<dyn DeviceCopy>,
+    ) {
+        lock(&self.inner.regions).insert(
+            id,
+            Region {
+                base,
+                len,
+                _keep: keep,
+                device: Some(device),
+            },
+        );
     }
 
     /// Forgets a region: new ops on it fail (a connection already holding it keeps the mapping
@@ -579,17 +659,16 @@ impl Stream {
         corrupt: bool,
         within: Duration,
     ) -> Result<u64, OpError> {
-        let (p, _held) = self.prepare(peer, regions, ops)?;
+        let (p, held) = self.prepare(peer, regions, ops)?;
         let deadline = Instant::now() + within;
         on_connection(&p, true, deadline, |c| {
             let mut bytes = 0u64;
             for (i, op) in ops.iter().enumerate() {
+                let source = region_of(&held, op.local, op.len)
+                    .ok_or_else(|| Failure::Closed(OpError::Failed(format!("op {i}: no local region"))))?;
                 c.send_op(&header(OP_PUT, op.remote, op.len), op.len, |at, into| {
-                    // SAFETY: `prepare` checked the range lies in a registered region, which
-                    // `_held` keeps mapped; a raw copy, as the engine may touch it any time.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping((op.local + at) as *const u8, into.as_mut_ptr(), into.len())
-                    };
+                    // `prepare` checked the range lies in the region, which `held` keeps mapped.
+                    source.read(op.local + at, into).map_err(io::Error::other)?;
                     if corrupt && i == 0 && at == 0 {
                         // Changed before it is sealed: it lands so (the checksums' test).
                         into[into.len() / 2] ^= 0xff;
@@ -612,11 +691,12 @@ impl Stream {
 
     /// Reads `ops` (`remote` the source, `local` the destination) from the peer's memory.
     pub fn get(&self, peer: u64, regions: &[u64], ops: &[PutOp], within: Duration) -> Result<u64, OpError> {
-        let (p, _held) = self.prepare(peer, regions, ops)?;
+        let (p, held) = self.prepare(peer, regions, ops)?;
         let deadline = Instant::now() + within;
         on_connection(&p, false, deadline, |c| {
             let mut bytes = 0u64;
             let mut next = 0;
+            let mut wrote_device = false;
             while next < ops.len() {
                 // Send a window of requests, then read their answers in order.
                 let (mut end, mut window) = (next, 0u64);
@@ -639,17 +719,30 @@ impl Stream {
                     if let Err(r) = read_status(c).map_err(failure)? {
                         return Err(OpError::Failed(format!("the peer refused a read: {}", r.why)).into());
                     }
+                    let dest = region_of(&held, op.local, op.len)
+                        .ok_or_else(|| Failure::Closed(OpError::Failed("a read into no local region".into())))?;
+                    wrote_device |= dest.device.is_some();
+                    let mut failed = None;
                     c.recv_each(op.len, |at, plain| {
-                        // SAFETY: `prepare` checked the range lies in a registered region, which
-                        // `_held` keeps mapped; a raw copy, as the engine may touch it any time.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(plain.as_ptr(), (op.local + at) as *mut u8, plain.len())
-                        };
+                        // `prepare` checked the range lies in the region, which `held` keeps
+                        // mapped. After a failed copy the rest is read (framing) and dropped.
+                        if failed.is_none() {
+                            failed = dest.write(op.local + at, plain).err();
+                        }
                     })
                     .map_err(failure)?;
+                    if let Some(e) = failed {
+                        return Err(Kept(OpError::Failed(format!("placing a read in device memory: {e}"))));
+                    }
                     bytes += op.len;
                 }
                 next = end;
+            }
+            if wrote_device {
+                for r in &held {
+                    r.settle()
+                        .map_err(|e| Kept(OpError::Failed(format!("device writes did not land: {e}"))))?;
+                }
             }
             Ok(bytes)
         })
@@ -954,6 +1047,8 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
 fn serve_ops(c: &mut Conn, regions: &[Region], access: Access, windows: &Windows) -> Result<(), String> {
     // A write outside every open window since the last flush: the flush's answer.
     let mut dropped: Option<String> = None;
+    // A write into device memory since the last flush: it has landed before the flush answers.
+    let mut written = false;
     // The peer closing between ops ends the connection quietly; a record that does not open
     // (changed on the way) is refused.
     let ended = |e: io::Error| match e.kind() {
@@ -977,6 +1072,11 @@ fn serve_ops(c: &mut Conn, regions: &[Region], access: Access, windows: &Windows
                 if addr != 0 || len != 0 {
                     return Err("a flush carries an address or length".into());
                 }
+                if std::mem::take(&mut written)
+                    && let Some(e) = regions.iter().find_map(|r| r.settle().err())
+                {
+                    dropped.get_or_insert(format!("device writes did not land: {e}"));
+                }
                 match dropped.take() {
                     Some(why) => send_declined(c, &why)?,
                     None => c.send(&[OK, 0, 0]).map_err(|e| e.to_string())?,
@@ -988,11 +1088,11 @@ fn serve_ops(c: &mut Conn, regions: &[Region], access: Access, windows: &Windows
         if access != wants {
             return Err(format!("this link may not {op} here"));
         }
-        if len == 0 || !regions.iter().any(|r| inside(addr, len, r.base, r.len)) {
+        let Some(region) = region_of(regions, addr, len).filter(|_| len > 0) else {
             return Err(format!(
                 "a {op} of {addr:#x}+{len} is outside the memory this link was admitted to"
             ));
-        }
+        };
         // Every piece is checked against the windows as it is copied, under their lock: a
         // window closed while an op runs (its request ended, its blocks may go to another
         // request) takes nothing more of it.
@@ -1006,12 +1106,12 @@ fn serve_ops(c: &mut Conn, regions: &[Region], access: Access, windows: &Windows
             }
             Access::Read => {
                 c.send_op(&[OK, 0, 0], len, |at, into| {
-                    if windows.copy_from(addr + at, into) {
-                        Ok(())
-                    } else {
-                        Err(io::Error::other(format!(
+                    match windows.copy_from(region, addr + at, into) {
+                        Ok(true) => Ok(()),
+                        Ok(false) => Err(io::Error::other(format!(
                             "the blocks at {addr:#x}+{len} were taken back from this link while it read them"
-                        )))
+                        ))),
+                        Err(e) => Err(io::Error::other(format!("reading device memory at {addr:#x}: {e}"))),
                     }
                 })
                 .map_err(|e| e.to_string())?;
@@ -1021,10 +1121,21 @@ fn serve_ops(c: &mut Conn, regions: &[Region], access: Access, windows: &Windows
                 // for), whole or from some piece on: the rest is read, authenticated and
                 // dropped, and the flush says so.
                 let mut lost = false;
+                let mut failed = None;
                 if let Err(e) = c.recv_each(len, |at, plain| {
-                    lost = lost || !windows.copy_into(addr + at, plain);
+                    if !lost && failed.is_none() {
+                        match windows.copy_into(region, addr + at, plain) {
+                            Ok(true) => {}
+                            Ok(false) => lost = true,
+                            Err(e) => failed = Some(e),
+                        }
+                    }
                 }) {
                     return ended(e);
+                }
+                written |= region.device.is_some();
+                if let Some(e) = failed {
+                    dropped.get_or_insert(format!("a write of {addr:#x}+{len} did not reach device memory: {e}"));
                 }
                 if lost {
                     dropped.get_or_insert(format!(

@@ -724,3 +724,156 @@ fn an_op_on_a_connection_the_peer_dropped_goes_through_on_a_new_one() {
     );
     assert!(bytes(&t.d_mem.1)[64..72].iter().all(|b| *b == 0xab));
 }
+
+/// Stands in for a GPU's memory (there is none here): `len` bytes at addresses reserved with no
+/// access in this process, so a direct copy there would fault; reached only through the
+/// copier, whose writes land at `settle`, as a GPU copy from pageable memory may land later.
+struct FakeDevice {
+    base: u64,
+    len: usize,
+    mem: Mutex<Vec<u8>>,
+    pending: Mutex<Vec<(u64, Vec<u8>)>>,
+}
+
+impl FakeDevice {
+    fn new(len: usize, fill: u8) -> Arc<FakeDevice> {
+        // SAFETY: a fresh private reservation, never accessed (PROT_NONE).
+        let at = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(at, libc::MAP_FAILED, "reserving addresses");
+        Arc::new(FakeDevice {
+            base: at as u64,
+            len,
+            mem: Mutex::new(vec![fill; len]),
+            pending: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn offset(&self, at: u64, len: usize) -> Result<usize, String> {
+        let off = at.checked_sub(self.base).ok_or("below the device region")? as usize;
+        (off + len <= self.len)
+            .then_some(off)
+            .ok_or_else(|| "past the device region".into())
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        lock(&self.mem).clone()
+    }
+
+    fn register(self: &Arc<Self>, s: &Stream, id: u64) {
+        s.register_device(id, self.base, self.len as u64, self.clone(), self.clone());
+    }
+}
+
+impl DeviceCopy for FakeDevice {
+    fn read(&self, at: u64, into: &mut [u8]) -> Result<(), String> {
+        let off = self.offset(at, into.len())?;
+        into.copy_from_slice(&lock(&self.mem)[off..off + into.len()]);
+        Ok(())
+    }
+
+    fn write(&self, at: u64, from: &[u8]) -> Result<(), String> {
+        self.offset(at, from.len())?;
+        lock(&self.pending).push((at, from.to_vec()));
+        Ok(())
+    }
+
+    fn settle(&self) -> Result<(), String> {
+        let mut mem = lock(&self.mem);
+        for (at, data) in lock(&self.pending).drain(..) {
+            let off = (at - self.base) as usize;
+            mem[off..off + data.len()].copy_from_slice(&data);
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn device_memory_is_staged_through_its_copier_and_has_landed_when_the_op_answers() {
+    let d = Stream::start(LOOPBACK).expect("decode's stream");
+    let p = Stream::start(LOOPBACK).expect("prefill's stream");
+    let len = 1 << 20;
+    let d_dev = FakeDevice::new(len, 0);
+    let p_dev = FakeDevice::new(len, 0);
+    {
+        let mut m = lock(&p_dev.mem);
+        for (i, b) in m.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+    }
+    d_dev.register(&d, 1);
+    p_dev.register(&p, 7);
+    let expected = p_dev.bytes();
+
+    // Push: prefill's device bytes into decode's, across several 256 KiB pieces; landed (settled)
+    // when the put returns.
+    let admission = d.admit(&key(1), &[1], Access::Write).expect("admitted");
+    admission.windows.allow("r", vec![(d_dev.base, len as u64)]);
+    let peer = p
+        .connect(&d.address(), vec![(d_dev.base, len as u64)], &key(1))
+        .expect("connected");
+    let n = p
+        .put(
+            peer,
+            &[7],
+            &[
+                op(p_dev.base, d_dev.base, 700_000),
+                op(p_dev.base + 800_000, d_dev.base + 800_000, 1000),
+            ],
+            false,
+            SECOND * 5,
+        )
+        .expect("written");
+    assert_eq!(n, 701_000);
+    let got = d_dev.bytes();
+    assert_eq!(got[..700_000], expected[..700_000]);
+    assert_eq!(got[800_000..801_000], expected[800_000..801_000]);
+    assert!(got[700_000..800_000].iter().all(|b| *b == 0) && got[801_000..].iter().all(|b| *b == 0));
+    drop(admission);
+
+    // A write outside every window is dropped: nothing reaches the device.
+    let admission = d.admit(&key(3), &[1], Access::Write).expect("admitted");
+    admission.windows.allow("r", vec![(d_dev.base, 4096)]);
+    let peer = p
+        .connect(&d.address(), vec![(d_dev.base, len as u64)], &key(3))
+        .expect("connected");
+    let e = p
+        .put(
+            peer,
+            &[7],
+            &[op(p_dev.base, d_dev.base + 900_000, 64)],
+            false,
+            SECOND * 5,
+        )
+        .expect_err("outside the windows");
+    assert!(e.to_string().contains("outside every block"), "{e}");
+    assert!(d_dev.bytes()[900_000..900_064].iter().all(|b| *b == 0));
+    assert!(lock(&d_dev.pending).is_empty());
+    drop(admission);
+
+    // Pull: decode reads prefill's device bytes into its own; landed when the get returns.
+    let admission = p.admit(&key(2), &[7], Access::Read).expect("admitted");
+    admission.windows.allow("lent", vec![(p_dev.base, len as u64)]);
+    let peer = d
+        .connect(&p.address(), vec![(p_dev.base, len as u64)], &key(2))
+        .expect("connected");
+    let n = d
+        .get(
+            peer,
+            &[1],
+            &[op(d_dev.base + 900_000, p_dev.base + 10, 100_000)],
+            SECOND * 5,
+        )
+        .expect("read");
+    assert_eq!(n, 100_000);
+    assert_eq!(d_dev.bytes()[900_000..1_000_000], expected[10..100_010]);
+    drop(admission);
+}
