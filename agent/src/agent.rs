@@ -272,11 +272,16 @@ impl Agent {
                 "engine attestation is off: any process that can open the engine socket may register for any PDPair, role and pod"
             );
         }
+        // GPU pools behind other agents move over the same stream, staged through host buffers.
+        let cuda = crate::transport::cuda_ipc::CudaIpc::new();
+        if let Some(s) = &stream {
+            cuda.use_stream(s.clone());
+        }
         Ok(Agent {
             shared: Arc::new(Shared {
                 cfg,
                 transport: Arc::new(crate::transport::host::Host::new(ucx.clone(), stream)),
-                cuda: Arc::new(crate::transport::cuda_ipc::CudaIpc::new()),
+                cuda: Arc::new(cuda),
                 locals: Mutex::new(Vec::new()),
                 ucx,
                 metrics,
@@ -818,6 +823,10 @@ impl Engine {
             kv: reg.kv.clone(),
             tensor_rank: reg.tensor_rank,
             worker_address,
+            stream_address: match (&device, shared.transport.stream()) {
+                (Some(_), Some(s)) => String::from_utf8_lossy(&s.address()).into_owned(),
+                _ => String::new(),
+            },
             memory,
         };
         let engine = Arc::new(Engine {

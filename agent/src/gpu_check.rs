@@ -10,6 +10,9 @@
 //! synthetic GPU engines registered by IPC handle): 1 GiB of blocks with checksums off and with
 //! FailClosed (both sides' GPU checksums), and a 4096-token prompt, each from `KvReady` to
 //! decode's `RequestDone`, every byte read back and checked, the path from the agent's metrics.
+//! Last, the same between two agents (`--transport tcp` both, the engines on one GPU but behind
+//! different agents): GPU KV staged through each agent's host buffers over the KV stream
+//! (`Tcp/StagedStream` expected).
 #![allow(unsafe_code)] // one `prepare` of a launch over memory the check holds
 
 use std::{
@@ -462,30 +465,36 @@ fn invalid(e: impl std::fmt::Display) -> CudaError {
     CudaError::Invalid(e.to_string())
 }
 
-/// Requests through a real agent between two GPU pools on this GPU.
+/// Requests through a real agent between two GPU pools on this GPU (CUDA IPC), then between
+/// two agents (`--transport tcp` both: the staged stream).
 fn agent_rows(gpu: &Gpu, repeat: u32) -> Vec<Result<Row, CudaError>> {
-    match agent_rows_inner(gpu, repeat) {
-        Ok(rows) => rows.into_iter().map(Ok).collect(),
-        Err(e) => vec![Err(e)],
+    let mut rows = Vec::new();
+    for staged in [false, true] {
+        match agent_rows_inner(gpu, repeat, staged) {
+            Ok(r) => rows.extend(r.into_iter().map(Ok)),
+            Err(e) => rows.push(Err(e)),
+        }
     }
+    rows
 }
 
-fn agent_rows_inner(gpu: &Gpu, repeat: u32) -> Result<Vec<Row>, CudaError> {
-    use crate::synthetic::{EngineMemory, EngineSpec, gpu::GpuEngine};
-    use pdpair_api::{ChecksumPolicy, Role, TransferMode};
-
-    let dir = std::env::temp_dir().join(format!("pdpair-gpu-check-{}", std::process::id()));
+/// Starts `pdpair-agent run` (`transport`) in `dir`: the process and its engine socket.
+fn start_agent(
+    dir: &std::path::Path,
+    name: &str,
+    transport: &str,
+) -> Result<(AgentProcess, std::path::PathBuf), CudaError> {
     std::fs::create_dir_all(dir.join("pools")).map_err(invalid)?;
     let socket = dir.join("agent.sock");
     let admin = crate::loopback::free_admin_addr().map_err(invalid)?;
     let exe = std::env::current_exe().map_err(invalid)?;
-    let child = crate::loopback::run_command(&exe, "gpu-check", "auto", &socket, &dir.join("pools"))
+    let child = crate::loopback::run_command(&exe, name, transport, &socket, &dir.join("pools"))
         .arg("--no-publish")
         .arg("--admin-bind")
         .arg(admin.to_string())
         .spawn()
         .map_err(|e| invalid(format!("starting the agent: {e}")))?;
-    let agent = AgentProcess(child, admin, dir.clone());
+    let agent = AgentProcess(child, admin, dir.to_path_buf());
     let start = std::time::Instant::now();
     while std::os::unix::net::UnixStream::connect(&socket).is_err() {
         if start.elapsed() > std::time::Duration::from_secs(10) {
@@ -493,6 +502,22 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32) -> Result<Vec<Row>, CudaError> {
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
+    Ok((agent, socket))
+}
+
+fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, CudaError> {
+    use crate::synthetic::{EngineMemory, EngineSpec, gpu::GpuEngine};
+    use pdpair_api::{ChecksumPolicy, Role, TransferMode};
+
+    let dir = std::env::temp_dir().join(format!("pdpair-gpu-check-{}-{staged}", std::process::id()));
+    // Behind one agent both engines use its socket; staged, decode's agent is a second one.
+    let (agent, socket) = start_agent(&dir.join("a"), "gpu-check", if staged { "tcp" } else { "auto" })?;
+    let second = if staged {
+        Some(start_agent(&dir.join("b"), "gpu-check-b", "tcp")?)
+    } else {
+        None
+    };
+    let d_socket = second.as_ref().map_or(socket.clone(), |(_, s)| s.clone());
     let spec = |role, name: &str, checksum, blocks| EngineSpec {
         pdpair: "gpu-check/pair".into(),
         role,
@@ -512,24 +537,40 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32) -> Result<Vec<Row>, CudaError> {
     };
     // One 8B-class block over all layers is 2 MiB: 512 of them are 1 GiB, 256 a 4096-token prompt.
     let mut rows = Vec::new();
-    for (label, checksum, blocks) in [
-        ("1 GiB of blocks, checksums off", ChecksumPolicy::Disabled, 512u32),
-        (
-            "1 GiB of blocks, FailClosed (GPU checksums both sides)",
-            ChecksumPolicy::FailClosed,
-            512,
-        ),
-        (
-            "4096-token prompt of 16-token blocks, FailClosed",
-            ChecksumPolicy::FailClosed,
-            256,
-        ),
-    ] {
+    let scenarios: &[(&str, ChecksumPolicy, u32)] = if staged {
+        &[
+            ("1 GiB of blocks, checksums off", ChecksumPolicy::Disabled, 512u32),
+            (
+                "4096-token prompt of 16-token blocks, FailClosed",
+                ChecksumPolicy::FailClosed,
+                256,
+            ),
+        ]
+    } else {
+        &[
+            ("1 GiB of blocks, checksums off", ChecksumPolicy::Disabled, 512u32),
+            (
+                "1 GiB of blocks, FailClosed (GPU checksums both sides)",
+                ChecksumPolicy::FailClosed,
+                512,
+            ),
+            (
+                "4096-token prompt of 16-token blocks, FailClosed",
+                ChecksumPolicy::FailClosed,
+                256,
+            ),
+        ]
+    };
+    for &(label, checksum, blocks) in scenarios {
         let tag = rows.len();
         let mut p = GpuEngine::register(&socket, &spec(Role::Prefill, &format!("p{tag}"), checksum, blocks), gpu)
             .map_err(|e| invalid(format!("prefill registers: {e}")))?;
-        let mut d = GpuEngine::register(&socket, &spec(Role::Decode, &format!("d{tag}"), checksum, blocks), gpu)
-            .map_err(|e| invalid(format!("decode registers: {e}")))?;
+        let mut d = GpuEngine::register(
+            &d_socket,
+            &spec(Role::Decode, &format!("d{tag}"), checksum, blocks),
+            gpu,
+        )
+        .map_err(|e| invalid(format!("decode registers: {e}")))?;
         for e in [p.events().map_err(invalid)?, d.events().map_err(invalid)?] {
             e.set_read_timeout(Some(std::time::Duration::from_secs(60)))
                 .map_err(invalid)?;
@@ -579,6 +620,7 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32) -> Result<Vec<Row>, CudaError> {
         times.sort_by(f64::total_cmp);
         let best = times.first().copied().unwrap_or(f64::NAN);
         let p50 = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+        // Prefill's agent moves the bytes in push: its metrics name the path.
         let paths = crate::loopback::metrics(agent.1)
             .map(|m| crate::loopback::transfer_paths(&m))
             .unwrap_or_default();
@@ -587,8 +629,13 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32) -> Result<Vec<Row>, CudaError> {
         } else {
             format!("FAILED: {bad} tokens differ; checksum: {outcome}")
         };
+        let through = if staged {
+            "between two agents (staged stream)"
+        } else {
+            "through the agent"
+        };
         rows.push(Row {
-            what: format!("through the agent: {label} ({} MiB)", bytes >> 20),
+            what: format!("{through}: {label} ({} MiB)", bytes >> 20),
             gbps: Some(gbps(bytes, best)),
             ms: Some(best),
             check,

@@ -38,7 +38,7 @@ use crate::{
 /// The protocol version this agent speaks (2: sealed frames after authentication; 3: `Release`
 /// also cancels; 4: memory in several regions, MLA's latent arrays; 5: KV stream addresses; 6:
 /// the KV stream sealed; see `docs/protocol.md`).
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Bytes of a nonce.
 pub const NONCE_LEN: usize = 32;
 /// The most bytes of a UCX worker address or packed remote key accepted from a peer.
@@ -182,6 +182,26 @@ pub struct PeerInfo {
     pub worker_address: Vec<u8>,
     /// The registered KV memory.
     pub memory: MemoryDesc,
+    /// A GPU pool's KV stream (`pdpair-tcp:ip:port`), where its agent runs one: peers behind
+    /// another agent move its KV over that, staged through host buffers (`worker_address` is
+    /// then the agent's CUDA IPC address, for peers behind the same agent). Empty otherwise.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub stream_address: String,
+}
+
+impl PeerInfo {
+    /// Where a peer of `local`'s moves KV with it: the address of its backend the two share
+    /// (a GPU pool behind another agent: its KV stream; otherwise its worker address).
+    pub fn address_for(&self, local: &PeerInfo) -> Vec<u8> {
+        if self.memory.kind == MemoryKind::Cuda
+            && self.worker_address != local.worker_address
+            && !self.stream_address.is_empty()
+        {
+            self.stream_address.clone().into_bytes()
+        } else {
+            self.worker_address.clone()
+        }
+    }
 }
 
 /// One registered memory region of a peer's pool.
@@ -851,9 +871,43 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<Reason>, String)> {
             ),
         ));
     }
+    // GPU pools behind two agents move over the KV stream, staged through host buffers: both
+    // agents must run one.
+    if peer.memory.kind == MemoryKind::Cuda
+        && peer.worker_address != local.worker_address
+        && (peer.stream_address.is_empty() || local.stream_address.is_empty())
+    {
+        let side = |p: &PeerInfo| {
+            if p.stream_address.is_empty() {
+                "runs no KV stream"
+            } else {
+                "runs a KV stream"
+            }
+        };
+        return Some((
+            vec![Reason::AgentUnsupported],
+            format!(
+                "the engines' GPU pools are behind two agents, which move GPU KV between them over their tcp streams (staged through host memory): the peer's agent {} and ours {}; run both with --transport tcp",
+                side(peer),
+                side(local)
+            ),
+        ));
+    }
     let address = match peer.memory.kind {
         MemoryKind::Host if is_stream_address(&peer.worker_address) => parse_address(&peer.worker_address).map(|_| ()),
         MemoryKind::Host => check_ucx_address(&peer.worker_address),
+        _ if peer.worker_address != local.worker_address => check_worker_address(&peer.worker_address).and_then(|()| {
+            if is_stream_address(peer.stream_address.as_bytes()) {
+                parse_address(peer.stream_address.as_bytes())
+                    .map(|_| ())
+                    .map_err(|e| format!("stream_address: {e}"))
+            } else {
+                Err(format!(
+                    "stream_address {:?} is not a KV stream address",
+                    crate::reason::peer_text(&peer.stream_address)
+                ))
+            }
+        }),
         _ => check_worker_address(&peer.worker_address),
     };
     if let Err(e) = address.and_then(|()| peer.memory.check(&peer.kv, &peer.parallelism, peer.tensor_rank)) {

@@ -69,6 +69,7 @@ fn insider(role: Role) -> PeerInfo {
         // unless the agent under attack goes too far.
         worker_address: [vec![0x10], vec![7; 63]].concat(),
         memory: MemoryDesc::of(&l, vec![(0x7000_0000, structured_rkey())]),
+        stream_address: String::new(),
     }
 }
 

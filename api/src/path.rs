@@ -68,6 +68,9 @@ pub enum Backend {
     /// The agent's own TCP stream between host memory pools: the receiving agent places every
     /// byte (UCX's tcp transport is never loaded).
     TcpStream,
+    /// GPU pools behind two agents: each agent copies between its engine's GPU memory and its
+    /// host buffers, piece by piece, and the pieces move over the agents' TCP stream.
+    StagedStream,
 }
 
 impl Backend {
@@ -77,6 +80,7 @@ impl Backend {
             Backend::UcxHost => "UcxHost",
             Backend::CudaIpc => "CudaIpc",
             Backend::TcpStream => "TcpStream",
+            Backend::StagedStream => "StagedStream",
         }
     }
 }

@@ -468,7 +468,7 @@ impl Engine {
                     .check_local_peer(&self.reg.pdpair, &peer)
                     .and_then(|()| {
                         self.transport()
-                            .connect(peer.worker_address.clone(), peer.memory.keys(), &session.stream_key)
+                            .connect(peer.address_for(&self.local), peer.memory.keys(), &session.stream_key)
                     })
                     .map_err(|e| HandshakeError::Rejected {
                         reasons: vec![Reason::TransportFailed],

@@ -213,7 +213,7 @@ impl Engine {
                 .check_local_peer(&self.reg.pdpair, &peer)
                 .and_then(|()| {
                     self.transport()
-                        .connect(peer.worker_address.clone(), peer.memory.keys(), &session.stream_key)
+                        .connect(peer.address_for(&self.local), peer.memory.keys(), &session.stream_key)
                 })
                 .map(Some)
         } else {
@@ -613,6 +613,16 @@ impl Engine {
     fn lend(&self, link: &Link, reg: Registration, ready: Ready) {
         let live = self.live_blocks(&ready.blocks, ready.first_token, ready.num_tokens);
         let sums = self.head_sums(link, ready.first_token, ready.num_tokens, live.iter().copied());
+        // A GPU pool's blocks are lent once the engine's writes are done (a decode agent
+        // reading them over the stream cannot wait for the engine's event itself).
+        if self.device.is_some()
+            && let Err(e) = self
+                .shared
+                .cuda
+                .wait_engine(&self.regions(), Instant::now() + self.lease())
+        {
+            return self.finish(reg.request, Err((vec![Reason::TransferTimeout], e)));
+        }
         self.started(&reg.request);
         // The link may read these blocks now (the stream refuses others), until it releases
         // them or the request ends for the engine.

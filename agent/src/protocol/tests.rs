@@ -43,6 +43,7 @@ fn info(role: Role, block: i32) -> PeerInfo {
         tensor_rank: 0,
         worker_address: vec![1; 16],
         memory: MemoryDesc::default(),
+        stream_address: String::new(),
     }
 }
 
@@ -446,8 +447,9 @@ fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
     // a cancelling decode as served while still pushing to it. Version 4 describes memory as
     // regions: a version 3 peer would read a description without its one base and key. Version
     // 5 lets the address be a KV stream's: a version 4 peer would hand it to UCX. Version 6
-    // seals the stream: a version 5 peer would read records as headers. So the versions must
-    // not meet.
+    // seals the stream: a version 5 peer would read records as headers. Version 7 offers a GPU
+    // pool's KV stream: a version 6 peer would take a GPU pool behind another agent for one
+    // behind its own. So the versions must not meet.
     let (mut c, server) = prefill_with_secret_1();
     wire::write_frame(
         &mut c,
@@ -463,7 +465,7 @@ fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
         matches!(&answer, Message::Reject { reasons, .. } if reasons == &vec![Reason::VersionMismatch]),
         "{answer:?}"
     );
-    assert_eq!(PROTOCOL_VERSION, 6);
+    assert_eq!(PROTOCOL_VERSION, 7);
     assert!(server.join().expect("thread").is_err());
 }
 
@@ -495,4 +497,45 @@ fn a_gpu_pool_and_a_host_pool_are_refused_at_the_handshake_and_two_gpu_pools_pas
     let (pr, _) = pair_as_is(b"s", b"s", p, d);
     let e = pr.expect_err("a GPU region with a UCX key");
     assert!(e.to_string().contains("a GPU region's token is 16"), "{e}");
+}
+
+#[test]
+fn gpu_pools_behind_two_agents_meet_over_both_agents_kv_streams() {
+    let gpu = |p: &PeerInfo| {
+        let l = crate::layout::PoolLayout::new(&p.kv, &p.parallelism, 16, p.tensor_rank).expect("layout");
+        MemoryDesc {
+            kind: MemoryKind::Cuda,
+            ..MemoryDesc::of(&l, vec![(0x7f00_0000_0000, vec![5; CUDA_TOKEN_LEN])])
+        }
+    };
+    let (mut p, mut d) = (info(Role::Prefill, 16), info(Role::Decode, 16));
+    p.memory = gpu(&p);
+    d.memory = gpu(&d);
+    // Two agents: two CUDA IPC addresses.
+    p.worker_address = [crate::transport::cuda_ipc::ADDRESS_PREFIX, &[1; 16]].concat();
+    d.worker_address = [crate::transport::cuda_ipc::ADDRESS_PREFIX, &[2; 16]].concat();
+    p.stream_address = "pdpair-tcp:127.0.0.1:4000".into();
+    let (pr, dr) = pair_as_is(b"s", b"s", p.clone(), d.clone());
+    let e = pr.expect_err("decode's agent runs no stream");
+    assert_eq!(e.reasons(), vec![Reason::AgentUnsupported]);
+    assert!(
+        e.to_string()
+            .contains("the peer's agent runs no KV stream and ours runs a KV stream"),
+        "{e}"
+    );
+    assert!(dr.is_err(), "decode refuses too");
+    d.stream_address = "pdpair-tcp:127.0.0.2:4001".into();
+    let (pr, dr) = pair_as_is(b"s", b"s", p.clone(), d.clone());
+    assert!(pr.is_ok() && dr.is_ok(), "{pr:?} {dr:?}");
+    // Each side dials the other's stream; behind one agent it is the CUDA IPC address.
+    assert_eq!(d.address_for(&p), b"pdpair-tcp:127.0.0.2:4001".to_vec());
+    assert_eq!(p.address_for(&d), b"pdpair-tcp:127.0.0.1:4000".to_vec());
+    let mut same = d.clone();
+    same.worker_address = p.worker_address.clone();
+    assert_eq!(same.address_for(&p), p.worker_address);
+    // A stream address that does not parse is refused, naming the field.
+    d.stream_address = "pdpair-tcp:nowhere".into();
+    let (pr, _) = pair_as_is(b"s", b"s", p, d);
+    let e = pr.expect_err("a bad stream address");
+    assert!(e.to_string().contains("stream_address"), "{e}");
 }

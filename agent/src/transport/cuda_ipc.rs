@@ -21,6 +21,12 @@
 //! One [`Gpu`] (context and stream) per device for every pool on it, opened once; each IPC handle
 //! is opened once per agent, and a handle another engine registered is refused.
 //!
+//! Between agents (the peer's address is a KV stream's, `transport::stream`): where this agent
+//! runs the stream (`--transport tcp`), every GPU region is also registered with it as device
+//! memory, copied piece by piece between the GPU and the stream's record buffers (the staged
+//! path, backend `StagedStream`); a put first waits for the engine's event of the regions it
+//! reads, as the copies above do.
+//!
 //! Nothing here runs without a GPU: on machines without one, GPU pools are refused before any of
 //! it is reached (`memory::gpu_pool`). Its checks are plain arithmetic, shared with the host
 //! path's ([`within`]).
@@ -34,8 +40,50 @@ use std::{
 use crate::{
     lock,
     memory::cuda::{DeviceMemory, Fence, Gpu, IpcEvent, IpcHandle},
-    transport::{Backend, Observed, OpError, PutOp},
+    transport::{
+        Admission, Backend, Observed, OpError, PutOp,
+        stream::{self, Access, DeviceCopy, Stream},
+    },
 };
+
+/// A GPU region's id in the stream's regions (which host pools' ids share).
+const STREAM_ID: u64 = 1 << 62;
+
+/// The stream's way into a GPU's memory: synchronous copies between it and the record buffer.
+struct GpuCopy(Gpu);
+
+impl DeviceCopy for GpuCopy {
+    #[allow(unsafe_code)]
+    fn read(&self, at: u64, into: &mut [u8]) -> Result<(), String> {
+        use cudarc::driver::result;
+        self.0.bind().map_err(|e| e.to_string())?;
+        // SAFETY: the stream checked `at..at+len` lies inside a region registered here, whose
+        // opened allocation its registration keeps alive.
+        unsafe { result::memcpy_dtoh_sync(into, at) }
+            .map_err(crate::memory::cuda::driver("cuMemcpyDtoH"))
+            .map_err(|e| e.to_string())
+    }
+
+    #[allow(unsafe_code)]
+    fn write(&self, at: u64, from: &[u8]) -> Result<(), String> {
+        use cudarc::driver::result;
+        self.0.bind().map_err(|e| e.to_string())?;
+        // SAFETY: as in `read`.
+        unsafe { result::memcpy_htod_sync(at, from) }
+            .map_err(crate::memory::cuda::driver("cuMemcpyHtoD"))
+            .map_err(|e| e.to_string())
+    }
+
+    fn settle(&self) -> Result<(), String> {
+        // A copy from pageable memory may return before it lands.
+        self.0.bind().map_err(|e| e.to_string())?;
+        self.0
+            .context()
+            .synchronize()
+            .map_err(crate::memory::cuda::driver("cuCtxSynchronize"))
+            .map_err(|e| e.to_string())
+    }
+}
 
 /// Prefix of this backend's address (then the agent instance's 16 random bytes).
 pub const ADDRESS_PREFIX: &[u8] = b"pdpair-cuda-ipc:";
@@ -59,6 +107,8 @@ struct Inner {
     regions: HashMap<u64, Region>,
     /// Peer id -> the peer's region ids.
     peers: HashMap<u64, Vec<u64>>,
+    /// Peer id -> the stream's peer, for peers behind another agent.
+    staged: HashMap<u64, u64>,
     /// Every GPU opened, by canonical UUID.
     gpus: HashMap<String, Gpu>,
     /// Every IPC handle opened: the engine that registered it, on which GPU, and its memory
@@ -74,6 +124,8 @@ struct Inner {
 pub struct CudaIpc {
     address: Vec<u8>,
     inner: Mutex<Inner>,
+    /// The agent's KV stream, for GPU pools behind other agents.
+    stream: std::sync::OnceLock<Stream>,
 }
 
 /// 16 bytes from the OS's random source (a token no peer can guess; all zero only if that
@@ -128,7 +180,19 @@ impl CudaIpc {
                 next_id: 1,
                 ..Inner::default()
             }),
+            stream: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Moves GPU regions registered from now on to peers behind other agents over `stream`.
+    pub fn use_stream(&self, stream: Stream) {
+        let _ = self.stream.set(stream);
+    }
+
+    /// The stream's peer for `peer`, when it is behind another agent.
+    fn staged_peer(&self, peer: u64) -> Option<(u64, &Stream)> {
+        let id = *lock(&self.inner).staged.get(&peer)?;
+        Some((id, self.stream.get()?))
     }
 
     /// The GPU with this UUID (either spelling), opened once for every pool on it.
@@ -235,6 +299,15 @@ impl CudaIpc {
         let mut inner = lock(&self.inner);
         let id = inner.next_id;
         inner.next_id += 1;
+        if let Some(s) = self.stream.get() {
+            s.register_device(
+                STREAM_ID | id,
+                base,
+                len,
+                memory.clone(),
+                Arc::new(GpuCopy(gpu.clone())),
+            );
+        }
         inner.regions.insert(
             id,
             Region {
@@ -252,6 +325,9 @@ impl CudaIpc {
     /// Forgets a region: ops naming it fail from now on (one in flight holds its memory until
     /// it is done).
     pub fn unregister(&self, id: u64) {
+        if let Some(s) = self.stream.get() {
+            s.forget(STREAM_ID | id);
+        }
         let gone = {
             let mut inner = lock(&self.inner);
             let gone = inner.regions.remove(&id);
@@ -455,12 +531,20 @@ impl Backend for CudaIpc {
         self.address.clone()
     }
 
-    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>, _key: &[u8; 32]) -> Result<u64, String> {
+    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>, key: &[u8; 32]) -> Result<u64, String> {
         if address != self.address {
-            return Err(
-                "the peer's GPU pool is behind another agent: GPU pools move only between engines behind one agent in this version (CUDA IPC)"
-                    .into(),
-            );
+            let Some(s) = self.stream.get().filter(|_| stream::is_stream_address(&address)) else {
+                return Err(
+                    "the peer's GPU pool is behind another agent: GPU pools move between agents only over their KV streams (--transport tcp on both)"
+                        .into(),
+                );
+            };
+            let via = s.connect(&address, remotes.into_iter().map(|(_, r)| r).collect(), key)?;
+            let mut inner = lock(&self.inner);
+            let id = inner.next_id;
+            inner.next_id += 1;
+            inner.staged.insert(id, via);
+            return Ok(id);
         }
         let mut inner = lock(&self.inner);
         let mut ids = Vec::with_capacity(remotes.len());
@@ -482,8 +566,25 @@ impl Backend for CudaIpc {
         Ok(id)
     }
 
+    fn admit(&self, key: &[u8; 32], regions: &[u64], access: Access) -> Result<Admission, String> {
+        match self.stream.get() {
+            Some(s) => {
+                let ids: Vec<u64> = regions.iter().map(|r| STREAM_ID | r).collect();
+                Ok(Admission::stream(s.admit(key, &ids, access)?))
+            }
+            None => Ok(Admission::default()),
+        }
+    }
+
     fn disconnect(&self, peer: u64) {
-        lock(&self.inner).peers.remove(&peer);
+        let staged = {
+            let mut inner = lock(&self.inner);
+            inner.peers.remove(&peer);
+            inner.staged.remove(&peer)
+        };
+        if let (Some(via), Some(s)) = (staged, self.stream.get()) {
+            s.disconnect(via);
+        }
     }
 
     fn put(
@@ -494,14 +595,37 @@ impl Backend for CudaIpc {
         corrupt: bool,
         within: Duration,
     ) -> Result<u64, OpError> {
+        if let Some((via, s)) = self.staged_peer(peer) {
+            // The engine's writes first, as for the copies here.
+            let deadline = Instant::now() + within;
+            self.wait_engine(&regions, deadline).map_err(OpError::Timeout)?;
+            let ids: Vec<u64> = regions.iter().map(|r| STREAM_ID | r).collect();
+            return s.put(
+                via,
+                &ids,
+                &ops,
+                corrupt,
+                deadline.saturating_duration_since(Instant::now()),
+            );
+        }
         self.copy(peer, &regions, &ops, true, corrupt, within)
     }
 
     fn get(&self, peer: u64, regions: Vec<u64>, ops: Vec<PutOp>, within: Duration) -> Result<u64, OpError> {
+        if let Some((via, s)) = self.staged_peer(peer) {
+            let ids: Vec<u64> = regions.iter().map(|r| STREAM_ID | r).collect();
+            return s.get(via, &ids, &ops, within);
+        }
         self.copy(peer, &regions, &ops, false, false, within)
     }
 
     fn observe(&self, peer: u64) -> Result<Observed, String> {
+        if let Some((via, s)) = self.staged_peer(peer) {
+            return s.observe(via).map(|o| Observed {
+                backend: pdpair_api::Backend::StagedStream,
+                ..o
+            });
+        }
         let inner = lock(&self.inner);
         let ids = inner
             .peers
