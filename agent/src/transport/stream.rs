@@ -732,7 +732,9 @@ impl Stream {
                     })
                     .map_err(failure)?;
                     if let Some(e) = failed {
-                        return Err(Kept(OpError::Failed(format!("placing a read in device memory: {e}"))));
+                        // The answers to the window's later reads are still on their way: the
+                        // connection goes.
+                        return Err(OpError::Failed(format!("placing a read in device memory: {e}")).into());
                     }
                     bytes += op.len;
                 }
