@@ -695,4 +695,57 @@ mod tests {
             .expect_err("no peer");
         assert!(e.to_string().contains("unknown GPU peer 9"), "{e}");
     }
+
+    #[test]
+    fn a_peer_behind_another_agent_goes_over_this_agents_stream_and_is_reported_staged() {
+        let loopback = std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+        let theirs = Stream::start(loopback).expect("the peer's stream");
+        let mut memory = vec![0u8; 4096];
+        let base = memory.as_mut_ptr() as u64;
+        theirs.register(1, base, 4096, Arc::new(()));
+        let key = [4u8; 32];
+        let _admitted = theirs.admit(&key, &[1], Access::Write).expect("admitted");
+        let remotes = vec![(vec![5; 16], (base, 4096))];
+        // Without a stream of its own the agent refuses, naming the remedy.
+        let b = CudaIpc::new();
+        let e = b
+            .connect(theirs.address(), remotes.clone(), &key)
+            .expect_err("no stream here");
+        assert!(e.contains("only over their KV streams"), "{e}");
+        b.use_stream(Stream::start(loopback).expect("our stream"));
+        // A stranger's key is refused by the peer's stream.
+        let e = b
+            .connect(theirs.address(), remotes.clone(), &[9; 32])
+            .expect_err("a wrong key");
+        assert!(e.contains("no admission has that id"), "{e}");
+        let peer = b.connect(theirs.address(), remotes, &key).expect("connected");
+        let seen = b.observe(peer).expect("observed");
+        assert_eq!(
+            (seen.kind, seen.backend),
+            (pdpair_api::PathKind::Tcp, pdpair_api::Backend::StagedStream)
+        );
+        assert!(
+            seen.lanes.iter().all(|l| l.starts_with("tcp-stream/")),
+            "{:?}",
+            seen.lanes
+        );
+        // A region unknown here fails the op before anything is sent.
+        let e = b
+            .put(
+                peer,
+                vec![77],
+                vec![PutOp {
+                    local: 0x1000,
+                    len: 8,
+                    remote: base,
+                }],
+                false,
+                Duration::from_secs(1),
+            )
+            .expect_err("no such local region");
+        assert!(e.to_string().contains("unknown region"), "{e}");
+        assert!(memory.iter().all(|b| *b == 0));
+        b.disconnect(peer);
+        assert!(b.observe(peer).is_err(), "forgotten");
+    }
 }
