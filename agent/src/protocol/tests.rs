@@ -469,15 +469,17 @@ fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
     assert!(server.join().expect("thread").is_err());
 }
 
+/// A GPU pool's description for `p`'s geometry (one region, a token for its key).
+fn gpu(p: &PeerInfo) -> MemoryDesc {
+    let l = crate::layout::PoolLayout::new(&p.kv, &p.parallelism, 16, p.tensor_rank).expect("layout");
+    MemoryDesc {
+        kind: MemoryKind::Cuda,
+        ..MemoryDesc::of(&l, vec![(0x7f00_0000_0000, vec![5; CUDA_TOKEN_LEN])])
+    }
+}
+
 #[test]
 fn a_gpu_pool_and_a_host_pool_are_refused_at_the_handshake_and_two_gpu_pools_pass() {
-    let gpu = |p: &PeerInfo| {
-        let l = crate::layout::PoolLayout::new(&p.kv, &p.parallelism, 16, p.tensor_rank).expect("layout");
-        MemoryDesc {
-            kind: MemoryKind::Cuda,
-            ..MemoryDesc::of(&l, vec![(0x7f00_0000_0000, vec![5; CUDA_TOKEN_LEN])])
-        }
-    };
     let (mut p, mut d) = (info(Role::Prefill, 16), info(Role::Decode, 16));
     p.memory = gpu(&p);
     d.memory = described(&d);
@@ -501,13 +503,6 @@ fn a_gpu_pool_and_a_host_pool_are_refused_at_the_handshake_and_two_gpu_pools_pas
 
 #[test]
 fn gpu_pools_behind_two_agents_meet_over_both_agents_kv_streams() {
-    let gpu = |p: &PeerInfo| {
-        let l = crate::layout::PoolLayout::new(&p.kv, &p.parallelism, 16, p.tensor_rank).expect("layout");
-        MemoryDesc {
-            kind: MemoryKind::Cuda,
-            ..MemoryDesc::of(&l, vec![(0x7f00_0000_0000, vec![5; CUDA_TOKEN_LEN])])
-        }
-    };
     let (mut p, mut d) = (info(Role::Prefill, 16), info(Role::Decode, 16));
     p.memory = gpu(&p);
     d.memory = gpu(&d);

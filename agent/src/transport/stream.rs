@@ -524,13 +524,17 @@ impl Stream {
 
     /// Makes a registered region (id `id`, `base..base+len`, mapped while `keep` lives) movable.
     pub fn register(&self, id: u64, base: u64, len: u64, keep: Arc<dyn Send + Sync>) {
+        self.insert(id, base, len, keep, None);
+    }
+
+    fn insert(&self, id: u64, base: u64, len: u64, keep: Arc<dyn Send + Sync>, device: Option<Arc<dyn DeviceCopy>>) {
         lock(&self.inner.regions).insert(
             id,
             Region {
                 base,
                 len,
                 _keep: keep,
-                device: None,
+                device,
             },
         );
     }
@@ -545,15 +549,7 @@ impl Stream {
         keep: Arc<dyn Send + Sync>,
         device: Arc<dyn DeviceCopy>,
     ) {
-        lock(&self.inner.regions).insert(
-            id,
-            Region {
-                base,
-                len,
-                _keep: keep,
-                device: Some(device),
-            },
-        );
+        self.insert(id, base, len, keep, Some(device));
     }
 
     /// Forgets a region: new ops on it fail (a connection already holding it keeps the mapping
