@@ -877,3 +877,40 @@ fn device_memory_is_staged_through_its_copier_and_has_landed_when_the_op_answers
     assert_eq!(d_dev.bytes()[900_000..1_000_000], expected[10..100_010]);
     drop(admission);
 }
+
+#[test]
+fn a_read_whose_blocks_are_taken_back_midway_fails_saying_so() {
+    let d = Stream::start(LOOPBACK).expect("prefill's stream");
+    let p = Stream::start(LOOPBACK).expect("decode's stream");
+    let len = 64usize << 20;
+    let src = region(&d, 1, len, 0x77);
+    let dst = region(&p, 7, len, 0);
+    let admission = d.admit(&key(1), &[1], Access::Read).expect("admitted");
+    admission.windows.allow("r", vec![(src.0, len as u64)]);
+    let peer = p
+        .connect(&d.address(), vec![(src.0, len as u64)], &key(1))
+        .expect("connected");
+    // The blocks are taken back once the first bytes of the read have landed.
+    let windows = admission.windows.clone();
+    let first = dst.1.clone();
+    let closer = thread::spawn(move || {
+        let start = Instant::now();
+        // SAFETY: the mapping is alive; a volatile read of a byte another thread writes.
+        while unsafe { std::ptr::read_volatile(first.as_ptr()) } != 0x77 && start.elapsed() < SECOND * 20 {
+            thread::sleep(Duration::from_micros(50));
+        }
+        windows.close("r");
+    });
+    let e = p
+        .get(peer, &[7], &[op(dst.0, src.0, len as u64)], SECOND * 30)
+        .expect_err("taken back midway");
+    closer.join().expect("closer");
+    assert!(
+        e.to_string().contains("outside every block lent to this link now"),
+        "{e}"
+    );
+    assert!(
+        bytes(&dst.1)[len - 4096..].iter().all(|b| *b == 0),
+        "the end was not read"
+    );
+}
