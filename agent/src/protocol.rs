@@ -193,14 +193,17 @@ impl PeerInfo {
     /// Where a peer of `local`'s moves KV with it: the address of its backend the two share
     /// (a GPU pool behind another agent: its KV stream; otherwise its worker address).
     pub fn address_for(&self, local: &PeerInfo) -> Vec<u8> {
-        if self.memory.kind == MemoryKind::Cuda
-            && self.worker_address != local.worker_address
-            && !self.stream_address.is_empty()
-        {
+        if self.gpu_behind_another_agent(local) && !self.stream_address.is_empty() {
             self.stream_address.clone().into_bytes()
         } else {
             self.worker_address.clone()
         }
+    }
+
+    /// Whether this is a GPU pool behind another agent than `local`'s (their CUDA IPC
+    /// addresses differ).
+    pub fn gpu_behind_another_agent(&self, local: &PeerInfo) -> bool {
+        self.memory.kind == MemoryKind::Cuda && self.worker_address != local.worker_address
     }
 }
 
@@ -873,10 +876,7 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<Reason>, String)> {
     }
     // GPU pools behind two agents move over the KV stream, staged through host buffers: both
     // agents must run one.
-    if peer.memory.kind == MemoryKind::Cuda
-        && peer.worker_address != local.worker_address
-        && (peer.stream_address.is_empty() || local.stream_address.is_empty())
-    {
+    if peer.gpu_behind_another_agent(local) && (peer.stream_address.is_empty() || local.stream_address.is_empty()) {
         let side = |p: &PeerInfo| {
             if p.stream_address.is_empty() {
                 "runs no KV stream"
@@ -896,17 +896,10 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<Reason>, String)> {
     let address = match peer.memory.kind {
         MemoryKind::Host if is_stream_address(&peer.worker_address) => parse_address(&peer.worker_address).map(|_| ()),
         MemoryKind::Host => check_ucx_address(&peer.worker_address),
-        _ if peer.worker_address != local.worker_address => check_worker_address(&peer.worker_address).and_then(|()| {
-            if is_stream_address(peer.stream_address.as_bytes()) {
-                parse_address(peer.stream_address.as_bytes())
-                    .map(|_| ())
-                    .map_err(|e| format!("stream_address: {e}"))
-            } else {
-                Err(format!(
-                    "stream_address {:?} is not a KV stream address",
-                    crate::reason::peer_text(&peer.stream_address)
-                ))
-            }
+        _ if peer.gpu_behind_another_agent(local) => check_worker_address(&peer.worker_address).and_then(|()| {
+            parse_address(peer.stream_address.as_bytes())
+                .map(|_| ())
+                .map_err(|e| format!("stream_address: {e}"))
         }),
         _ => check_worker_address(&peer.worker_address),
     };

@@ -50,6 +50,7 @@ use crate::{
 const STREAM_ID: u64 = 1 << 62;
 
 /// The stream's way into a GPU's memory: synchronous copies between it and the record buffer.
+#[derive(Debug)]
 struct GpuCopy(Gpu);
 
 impl DeviceCopy for GpuCopy {
@@ -111,6 +112,9 @@ struct Inner {
     staged: HashMap<u64, u64>,
     /// Every GPU opened, by canonical UUID.
     gpus: HashMap<String, Gpu>,
+    /// The stream's way into each GPU with a region registered, by UUID (one per GPU, so the
+    /// stream settles each GPU once).
+    copiers: HashMap<String, Arc<GpuCopy>>,
     /// Every IPC handle opened: the engine that registered it, on which GPU, and its memory
     /// while alive.
     opened: HashMap<[u8; 64], (String, String, std::sync::Weak<DeviceMemory>)>,
@@ -300,13 +304,12 @@ impl CudaIpc {
         let id = inner.next_id;
         inner.next_id += 1;
         if let Some(s) = self.stream.get() {
-            s.register_device(
-                STREAM_ID | id,
-                base,
-                len,
-                memory.clone(),
-                Arc::new(GpuCopy(gpu.clone())),
-            );
+            let copier = inner
+                .copiers
+                .entry(gpu.uuid())
+                .or_insert_with(|| Arc::new(GpuCopy(gpu.clone())))
+                .clone();
+            s.register_device(STREAM_ID | id, base, len, memory.clone(), copier);
         }
         inner.regions.insert(
             id,

@@ -151,12 +151,24 @@ impl Region {
             }
         }
     }
-
-    /// Waits for this region's writes to land (device memory; host writes are done).
-    fn settle(&self) -> Result<(), String> {
-        self.device.as_ref().map_or(Ok(()), |d| d.settle())
-    }
 }
+
+/// Waits for the writes into the devices of `regions` to land, each device once (host writes
+/// are done when they return).
+fn settle(regions: &[Region]) -> Result<(), String> {
+    let mut settled: Vec<*const ()> = Vec::new();
+    for device in regions.iter().filter_map(|r| r.device.as_ref()) {
+        let at = Arc::as_ptr(device).cast::<()>();
+        if !settled.contains(&at) {
+            settled.push(at);
+            device.settle()?;
+        }
+    }
+    Ok(())
+}
+
+/// A checked op list's peer, its local regions (held while it runs) and each op's region index.
+type Prepared = (Arc<PeerConn>, Vec<Region>, Vec<usize>);
 
 /// The region of `regions` that holds `at..at+len`.
 fn region_of(regions: &[Region], at: u64, len: u64) -> Option<&Region> {
@@ -619,23 +631,26 @@ impl Stream {
         }
     }
 
-    /// Checks `ops` (local ranges in `regions`, remote ones in the peer's) and returns the peer.
-    fn prepare(&self, peer: u64, regions: &[u64], ops: &[PutOp]) -> Result<(Arc<PeerConn>, Vec<Region>), OpError> {
+    /// Checks `ops` (local ranges in `regions`, remote ones in the peer's) and returns the peer,
+    /// the regions (held while the op runs) and, for each op, the index of its local region.
+    fn prepare(&self, peer: u64, regions: &[u64], ops: &[PutOp]) -> Result<Prepared, OpError> {
         let p = lock(&self.inner.peers)
             .get(&peer)
             .cloned()
             .ok_or_else(|| OpError::Failed(format!("unknown stream peer {peer}")))?;
         let local = self.resolve(regions).map_err(OpError::Failed)?;
+        let mut within = Vec::with_capacity(ops.len());
         for (i, op) in ops.iter().enumerate() {
             if op.len == 0 {
                 return Err(OpError::Failed(format!("op {i} moves no bytes")));
             }
-            if !local.iter().any(|r| inside(op.local, op.len, r.base, r.len)) {
+            let Some(r) = local.iter().position(|r| inside(op.local, op.len, r.base, r.len)) else {
                 return Err(OpError::Failed(format!(
                     "op {i}: local {:#x}+{} is outside the registered regions",
                     op.local, op.len
                 )));
-            }
+            };
+            within.push(r);
             if !p.remotes.iter().any(|(b, l)| inside(op.remote, op.len, *b, *l)) {
                 return Err(OpError::Failed(format!(
                     "op {i}: remote {:#x}+{} is outside the peer's regions",
@@ -643,7 +658,7 @@ impl Stream {
                 )));
             }
         }
-        Ok((p, local))
+        Ok((p, local, within))
     }
 
     /// Writes `ops` into the peer's memory and waits until the peer has them in memory.
@@ -655,13 +670,12 @@ impl Stream {
         corrupt: bool,
         within: Duration,
     ) -> Result<u64, OpError> {
-        let (p, held) = self.prepare(peer, regions, ops)?;
+        let (p, held, at_region) = self.prepare(peer, regions, ops)?;
         let deadline = Instant::now() + within;
         on_connection(&p, true, deadline, |c| {
             let mut bytes = 0u64;
             for (i, op) in ops.iter().enumerate() {
-                let source = region_of(&held, op.local, op.len)
-                    .ok_or_else(|| Failure::Closed(OpError::Failed(format!("op {i}: no local region"))))?;
+                let source = &held[at_region[i]];
                 c.send_op(&header(OP_PUT, op.remote, op.len), op.len, |at, into| {
                     // `prepare` checked the range lies in the region, which `held` keeps mapped.
                     source.read(op.local + at, into).map_err(io::Error::other)?;
@@ -687,7 +701,7 @@ impl Stream {
 
     /// Reads `ops` (`remote` the source, `local` the destination) from the peer's memory.
     pub fn get(&self, peer: u64, regions: &[u64], ops: &[PutOp], within: Duration) -> Result<u64, OpError> {
-        let (p, held) = self.prepare(peer, regions, ops)?;
+        let (p, held, at_region) = self.prepare(peer, regions, ops)?;
         let deadline = Instant::now() + within;
         on_connection(&p, false, deadline, |c| {
             let mut bytes = 0u64;
@@ -709,14 +723,13 @@ impl Stream {
                     .collect();
                 let records: Vec<&[u8]> = headers.iter().map(|h| &h[..]).collect();
                 c.send_small(&records).map_err(failure)?;
-                for op in &ops[next..end] {
+                for (op, r) in ops[next..end].iter().zip(&at_region[next..end]) {
                     // Refused: the answers to the reads after it are still on their way, so the
                     // connection goes either way (the next op dials again).
                     if let Err(r) = read_status(c).map_err(failure)? {
                         return Err(OpError::Failed(format!("the peer refused a read: {}", r.why)).into());
                     }
-                    let dest = region_of(&held, op.local, op.len)
-                        .ok_or_else(|| Failure::Closed(OpError::Failed("a read into no local region".into())))?;
+                    let dest = &held[*r];
                     wrote_device |= dest.device.is_some();
                     let mut failed = None;
                     c.recv_each(op.len, |at, plain| {
@@ -737,10 +750,7 @@ impl Stream {
                 next = end;
             }
             if wrote_device {
-                for r in &held {
-                    r.settle()
-                        .map_err(|e| Kept(OpError::Failed(format!("device writes did not land: {e}"))))?;
-                }
+                settle(&held).map_err(|e| Kept(OpError::Failed(format!("device writes did not land: {e}"))))?;
             }
             Ok(bytes)
         })
@@ -1071,7 +1081,7 @@ fn serve_ops(c: &mut Conn, regions: &[Region], access: Access, windows: &Windows
                     return Err("a flush carries an address or length".into());
                 }
                 if std::mem::take(&mut written)
-                    && let Some(e) = regions.iter().find_map(|r| r.settle().err())
+                    && let Err(e) = settle(regions)
                 {
                     dropped.get_or_insert(format!("device writes did not land: {e}"));
                 }
