@@ -23,6 +23,20 @@ rc=0
 echo "== GPU tests"
 PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 300 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |
   tee "$out/gpu-tests.txt" || rc=1
+echo "== the vLLM connector's direct path (python/tests/test_direct.py -m gpu: torch CUDA tensors, real agents)"
+if env -u LD_LIBRARY_PATH python3 -c 'import torch, pytest; assert torch.cuda.is_available()' 2>/dev/null; then
+  # The agent with the bundle's libraries; python3 and torch with the machine's own.
+  wrap=$(mktemp -d)/pdpair-agent
+  printf '#!/bin/sh\nLD_LIBRARY_PATH=%s UCX_MODULE_DIR=%s exec %s "$@"\n' "${LD_LIBRARY_PATH:-}" "${UCX_MODULE_DIR:-}" \
+    "$bundle/pdpair-agent" >"$wrap"
+  chmod +x "$wrap"
+  (cd "$here/../python/tests" && env -u LD_LIBRARY_PATH -u UCX_MODULE_DIR PYTHONPATH="$here/../python/src" \
+     PDPAIR_AGENT_BIN="$wrap" timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu test_direct.py) 2>&1 |
+    tee "$out/connector-direct.txt" || rc=1
+else
+  echo "gpu-check: no python3 with CUDA torch and pytest here: the connector's GPU tests did not run" | tee "$out/connector-direct.txt"
+  rc=1
+fi
 echo "== gpu-check"
 timeout 300 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 --json-file "$out/gpu-check.json" 2>&1 |
   tee "$out/gpu-check.txt" || rc=1

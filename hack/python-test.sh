@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 cargo build -q -p pdpair-agent
 venv="$(hack/python-wheel.sh)"
 cd python/tests
-PDPAIR_AGENT_BIN="$PWD/../../target/debug/pdpair-agent" "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@" .
+PDPAIR_AGENT_BIN="$PWD/../../target/debug/pdpair-agent" "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not gpu" "$@" .

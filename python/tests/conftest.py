@@ -153,3 +153,8 @@ def rust_result(proc) -> dict:
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     return json.loads(out.strip().splitlines()[-1])
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: needs a GPU and CUDA torch; make python-test leaves these out, hack/gpu-check.sh runs them")

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM venv (hack/vllm-venv.sh) runs these")  # noqa: E402
 
 import pdpair_vllm  # noqa: E402
+from pdpair_vllm.client import AgentError  # noqa: E402
 from vllm_harness import SAMPLED, Engine  # noqa: E402
 
 P_SEED, D_SEED = 1, 2
@@ -84,6 +85,8 @@ def test_the_connector_is_the_installed_wheel_not_the_source_tree():
 @pytest.mark.parametrize("layout", ["NHD", "HND", "MLA"])
 def test_a_request_moves_prefill_to_decode_through_vllm_byte_exact(pair, mode, layout):
     p, d = pair(mode=mode, layout=layout)
+    for w in p.workers + d.workers:  # CPU tensors: staged through the agents' host pools, saying why
+        assert w.kv_path == ("staged", "the KV cache is in cpu memory, not on a GPU"), w.kv_path
     if layout == "MLA":
         assert (p.layout.arrangement, p.layout.arrays) == ("Latent", (False,)), "registered as MLA latents"
     prompt = list(range(100, 150))  # 50 tokens: 3 full blocks of 16 and a partial one
@@ -95,6 +98,19 @@ def test_a_request_moves_prefill_to_decode_through_vllm_byte_exact(pair, mode, l
     assert d.outputs["req"].new_token_ids[-1] == SAMPLED
     both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
     assert "req" not in p.scheduler.requests
+
+
+def test_the_direct_setting_is_checked_and_direct_true_fails_where_the_kv_cache_cannot_be_the_pool(world):
+    agent = world.agent("p", "tcp")
+    with pytest.raises(ValueError, match="kv_connector_extra_config.direct is 'sometimes', not auto, true or false"):
+        Engine(world, agent, "prefill", seed=P_SEED, connector={"direct": "sometimes"})
+    with pytest.raises(AgentError, match="direct is true, but the KV cache is in cpu memory"):
+        Engine(world, agent, "prefill", seed=P_SEED, connector={"direct": True})
+    staged = Engine(world, agent, "prefill", seed=P_SEED, connector={"direct": False})
+    try:
+        assert staged.worker.kv_path == ("staged", "turned off (kv_connector_extra_config.direct: false)")
+    finally:
+        staged.close()
 
 
 @pytest.mark.parametrize("mode,p_block,d_block", [("Push", 16, 16), ("Pull", 16, 32)])

@@ -63,9 +63,10 @@ class Engine:
     def __init__(self, world, agent, role: str, *, seed: int, block_size: int = 16, num_blocks: int = 64,
                  layout: str = "NHD", mode: str = "Push", checksum: str = "FailClosed", lease_ms: int = 30000,
                  handshake_ms: int = 5000, policy: str = "fail", min_transfer_tokens: int = 1, tp: int = 1,
-                 shape=(LAYERS, HEADS, HEAD_DIM), compute: bool = True):
+                 shape=(LAYERS, HEADS, HEAD_DIM), compute: bool = True, connector: Optional[dict] = None):
         """``shape`` is (layers, KV heads, head dim); ``compute`` false skips writing KV for the
-        scheduled tokens (benchmarks: the transfer moves the same bytes either way)."""
+        scheduled tokens (benchmarks: the transfer moves the same bytes either way); ``connector``
+        adds to the connector's ``kv_connector_extra_config``."""
         self.role, self.seed, self.tp, self.compute = role, seed, tp, compute
         n_layers, n_heads, head_dim = shape
         self.shape = shape
@@ -86,6 +87,7 @@ class Engine:
                 "settings": {"mode": mode, "checksum": checksum, "handshake_timeout_ms": handshake_ms,
                              "lease_ms": lease_ms},
                 "renew_interval_s": 0.2, "min_transfer_tokens": min_transfer_tokens, "tensor_rank": rank,
+                **(connector or {}),
             }
             mc = ModelConfig(model=model_dir(*shape), tokenizer=model_dir(*shape), skip_tokenizer_init=True,
                              dtype="float16", max_model_len=8192)

@@ -11,7 +11,7 @@ import socket
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Union
 
 from . import wire
 from .layout import PoolLayout
@@ -69,11 +69,13 @@ def registration(
     memory_fd: bool = False,
     kv_arrangement: Optional[str] = None,
     regions: Optional[List[dict]] = None,
+    gpu: Optional[dict] = None,
 ) -> dict:
     """A ``RegisterPool`` message. Settings left ``None`` are filled by the agent from the
     PDPair (in a cluster); outside one the agent requires them. ``regions`` splits the pool
     (``[{"layers": n, "kv_arrangement": ...}, ...]``, in layer order); without it the pool is one
-    region arranged ``kv_arrangement`` (``None``: ``KvFirst``, or ``Latent`` for MLA)."""
+    region arranged ``kv_arrangement`` (``None``: ``KvFirst``, or ``Latent`` for MLA). ``gpu`` makes it a GPU pool
+    (``{"device_uuid", "regions": [{"ipc_handle", "offset"}], "event"}``, docs/engine-api.md)."""
     if role not in ("prefill", "decode"):
         raise ValueError(f"role is {role!r}, not prefill or decode")
     message = {
@@ -92,6 +94,7 @@ def registration(
     optional = {
         "kv_arrangement": kv_arrangement,
         "regions": list(regions) if regions else None,
+        "gpu": gpu,
         "pod": pod,
         "mode": mode,
         "checksum": checksum,
@@ -124,10 +127,11 @@ class AgentClient:
         self.layout = layout
         #: The side-channel address decode engines name as this prefill engine's (empty on decode).
         self.address = address
-        #: The pool's regions, each mapped shared: this engine's KV staging memory.
+        #: The pool's regions, each mapped shared: this engine's KV staging memory (none for a
+        #: GPU pool, which is the engine's own memory).
         self.pools = pools
-        #: The first region (a one-region pool's whole memory).
-        self.pool = pools[0]
+        #: The first region (a one-region pool's whole memory); ``None`` for a GPU pool.
+        self.pool = pools[0] if pools else None
         self._lock = threading.Condition()
         self._events: Dict[str, Deque[Event]] = {}
         self._finished: Deque[Event] = deque()
@@ -137,45 +141,55 @@ class AgentClient:
         self._reader.start()
 
     @staticmethod
-    def register(socket_path: str, reg: dict, timeout: float = 30.0) -> "AgentClient":
-        """Connects to the agent and registers ``reg`` (a :func:`registration`); the agent
-        allocates the pool's regions and passes their descriptors, each mapped whole."""
-        layout = PoolLayout.new(
-            reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"], reg.get("tensor_rank", 0),
-            reg.get("kv_arrangement"), reg.get("regions"),
-        )
-        if reg.get("memory_fd"):
-            raise AgentError("memory_fd is true, but this client lets the agent allocate the pool: register with "
-                             "memory_fd false")
+    def register(socket_path: str, reg: Union[dict, Callable[[dict], dict]], timeout: float = 30.0) -> "AgentClient":
+        """Connects to the agent and registers ``reg`` (a :func:`registration`, or a function
+        from the agent's ``Capabilities`` answer to one, asked on the same connection first). For
+        a host pool the agent allocates the regions and passes their descriptors, each mapped
+        whole; a GPU pool (``gpu`` set) is the engine's own memory, and nothing is passed."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
-            sock.connect(socket_path)
-            # What the agent can do, before registering: which pool memory it accepts.
-            wire.send(sock, {"type": "Capabilities"})
-            capabilities, stray = wire.recv_with_fds(sock)
-            for fd in stray:
-                os.close(fd)
+            try:
+                sock.connect(socket_path)
+                # What the agent can do, before registering: which pool memory it accepts.
+                wire.send(sock, {"type": "Capabilities"})
+                capabilities, stray = wire.recv_with_fds(sock)
+                for fd in stray:
+                    os.close(fd)
+            except (OSError, wire.FrameError) as e:
+                raise AgentError(f"asking the agent at {socket_path} for its capabilities: {e}") from None
             if capabilities.get("type") != "Capabilities":
-                sock.close()
                 raise AgentError(f"the agent answered Capabilities with {capabilities.get('type')}: "
                                  f"{capabilities.get('message', '')}")
-            wire.send(sock, reg)
-            answer, fds = wire.recv_with_fds(sock)
-        except (OSError, wire.FrameError) as e:
+            if callable(reg):
+                reg = reg(capabilities)
+            layout = PoolLayout.new(
+                reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"], reg.get("tensor_rank", 0),
+                reg.get("kv_arrangement"), reg.get("regions"),
+            )
+            if reg.get("memory_fd"):
+                raise AgentError("memory_fd is true, but this client lets the agent allocate the pool: register with "
+                                 "memory_fd false")
+            try:
+                wire.send(sock, reg)
+                answer, fds = wire.recv_with_fds(sock)
+            except (OSError, wire.FrameError) as e:
+                raise AgentError(f"registering with the agent at {socket_path}: {e}") from None
+        except BaseException:
             sock.close()
-            raise AgentError(f"registering with the agent at {socket_path}: {e}") from None
+            raise
         pools: List[mmap.mmap] = []
+        gpu = bool(reg.get("gpu"))
         try:
             if answer["type"] == "RegistrationFailed":
                 raise AgentError(str(answer.get("message")))
             lens = layout.region_lens
-            if answer["type"] != "Registered" or len(fds) != len(lens):
+            if answer["type"] != "Registered" or len(fds) != (0 if gpu else len(lens)):
                 raise AgentError(
                     f"unexpected answer to RegisterPool: {answer['type']} with {len(fds)} descriptors "
-                    f"for {len(lens)} regions"
+                    f"for {len(lens)} {'GPU ' if gpu else ''}regions"
                 )
-            sizes = [os.fstat(fd).st_size for fd in fds]
+            sizes = [os.fstat(fd).st_size for fd in fds] if not gpu else lens
             said = answer.get("region_lens")
             if said != lens or answer.get("memory_len") != layout.pool_len or any(s < n for s, n in zip(sizes, lens)):
                 raise AgentError(

@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover
 
 from . import client as agent_client
 from .client import AgentClient
+from . import direct
 from .layout import ELEMENT_BYTES, runs
 from .transfer import Plan, Results, SchedulerState, Stager, WorkerState
 
@@ -87,6 +88,18 @@ def _role(vllm_config, extra: dict) -> str:
             "to prefill or decode (kv_role kv_producer/kv_consumer also say it)"
         )
     return role
+
+
+def _direct_setting(value) -> Optional[bool]:
+    """``kv_connector_extra_config.direct``: ``"auto"`` (the default: direct where it can be),
+    ``true`` (direct or the registration fails, saying why), ``false`` (always stage)."""
+    if value in ("auto", None):
+        return None
+    if value in (True, "true", "True"):
+        return True
+    if value in (False, "false", "False"):
+        return False
+    raise ValueError(f"pdpair: kv_connector_extra_config.direct is {value!r}, not auto, true or false")
 
 
 def _layer_index(name: str) -> Tuple[int, str]:
@@ -260,17 +273,21 @@ class PdpairConnector(KVConnectorBase_V1):
             pod=os.environ.get("PDPAIR_POD_NAME"), **dict(self._extra.get("settings") or {}),
         )
         sock = self._extra.get("socket") or os.environ.get("PDPAIR_AGENT_SOCKET") or agent_client.DEFAULT_SOCKET
-        self._client = AgentClient.register(sock, reg)
+        self._client, stager, why = direct.register(sock, reg, tensors, _direct_setting(self._extra.get("direct", "auto")))
         caps = self._client.capabilities
-        # This connector stages KV through the agent's host pool; say which path that is and why
-        # not a direct GPU one (the agent's own words).
-        log.info(
-            "pdpair: rank %d stages KV through host memory (agent %s, UCX %s moves %s; pool memory it accepts: %s; "
-            "GPU pools: %s)",
-            rank, caps.get("agent"), caps.get("ucx_version"), caps.get("ucx_memory_types"),
-            caps.get("pool_memory"), caps.get("gpu_pools_refused") or "accepted, not used by this connector version",
-        )
-        stager = TorchStager(tensors, self._client.pool, self._client.layout)
+        if stager is not None:
+            log.info("pdpair: rank %d moves KV in GPU memory directly: its KV tensors are the agent's GPU pool, "
+                     "no host staging (agent %s, GPU %s)", rank, caps.get("agent"), stager.uuid)
+        else:
+            log.info(
+                "pdpair: rank %d stages KV through host memory (agent %s, UCX %s moves %s; pool memory it accepts: "
+                "%s; direct path not taken: %s)",
+                rank, caps.get("agent"), caps.get("ucx_version"), caps.get("ucx_memory_types"),
+                caps.get("pool_memory"), why,
+            )
+            stager = TorchStager(tensors, self._client.pool, self._client.layout)
+        #: Which path this rank's KV takes, ``direct`` or ``staged``, and why not direct.
+        self.kv_path = ("staged", why) if why else ("direct", None)
         self._worker = WorkerState(self._client, stager, rank)
 
     def _rank(self) -> Tuple[int, int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 #: The largest frame either side accepts (the agent's ``wire::MAX_FRAME``).
 MAX_FRAME = 16 << 20

@@ -1,0 +1,280 @@
+"""The direct path: vLLM's KV tensors, as they are in GPU memory, registered as the agent's GPU pool
+(docs/engine-api.md, "GPU pools"), so no byte of KV is staged through host memory by the engine.
+
+The connector takes it where the agent accepts GPU pools (its ``Capabilities`` list ``cuda`` and
+the tensors' GPU) and every layer's tensor is, byte for byte, a region the agent's layout
+describes: one region per layer, ``KvFirst`` (FlashAttention's ``[2, blocks, ...]``),
+``BlocksFirst`` (FlashInfer's ``[blocks, 2, ...]``) or ``Latent`` (MLA), blocks dense in the
+geometry's token layout. Each region is shared by the CUDA IPC handle of the ``cudaMalloc``
+allocation that holds it and its offset there (torch's caching allocator; memory it maps with
+``expandable_segments`` is not shareable that way yet, and is staged), and prefill records an
+interprocess CUDA event after each forward pass, which the agent waits for before it reads.
+
+Torch and the CUDA driver (through ``ctypes``, ``libcuda.so.1``) only: no vLLM, so the GPU check
+(hack/gpu-check.sh) runs this against real agents on a machine with torch and a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from typing import List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from . import client as agent_client
+from .layout import MAX_REGIONS, PoolLayout
+from .transfer import Stager
+
+log = logging.getLogger("pdpair_vllm")
+
+
+class DirectRefused(Exception):
+    """Why the direct path cannot take these tensors (the connector stages instead)."""
+
+
+# ---- which bytes a tensor holds ------------------------------------------------------------------
+
+
+def arrangement_of(t: torch.Tensor, layout: PoolLayout) -> str:
+    """The region arrangement whose bytes ``t`` (one layer's KV tensor) holds from its first
+    byte, exactly as the agent's layout places them (the same block ids, dense blocks in the
+    geometry's token layout); raises :class:`DirectRefused` naming what differs."""
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    elems = layout.block_len // t.element_size() if layout.block_len % t.element_size() == 0 else -1
+    nb = layout.num_blocks
+    if t.dim() == 3:  # MLA: [blocks, block, dim]
+        if not layout.latent:
+            raise DirectRefused(f"a KV tensor of shape {shape} is MLA's [blocks, block, dim], the geometry's is not MLA")
+        arrangement, kv_dim, block_dim = "Latent", None, 0
+    elif t.dim() == 5 and shape[0] == 2 and shape[1] == nb:
+        arrangement, kv_dim, block_dim = "KvFirst", 0, 1
+    elif t.dim() == 5 and shape[0] == nb and shape[1] == 2:
+        arrangement, kv_dim, block_dim = "BlocksFirst", 1, 0
+    else:
+        raise DirectRefused(f"a KV tensor of shape {shape} is neither [2, {nb}, ...], [{nb}, 2, ...] nor [{nb}, block, dim]")
+    if shape[block_dim] != nb:
+        raise DirectRefused(f"a KV tensor of shape {shape} has {shape[block_dim]} blocks; the pool has {nb}")
+    # Inside a block: (token, head, dim) in the geometry's order, densely.
+    if t.dim() == 3:
+        dims = [(shape[1], stride[1]), (1, 0), (shape[2], stride[2])]
+    else:
+        dims = [(shape[2], stride[2]), (shape[3], stride[3]), (shape[4], stride[4])]
+    (tokens, s_token), (heads, s_head), (dim, s_dim) = dims
+    if (tokens, heads, dim) != (layout.block_size, layout.local_heads, layout.head_dim):
+        raise DirectRefused(
+            f"a KV block of tensor {shape} holds (tokens, heads, dim) = ({tokens}, {heads}, {dim}); the geometry's is "
+            f"({layout.block_size}, {layout.local_heads}, {layout.head_dim})"
+        )
+    want_token, want_head = ((dim, tokens * dim) if layout.layout == "HND" else (heads * dim, dim))
+    dense = s_dim == 1 and (tokens == 1 or s_token == want_token) and (heads == 1 or s_head == want_head)
+    if not dense or tokens * heads * dim != elems:
+        raise DirectRefused(
+            f"a KV block of tensor {shape} / strides {stride} is not a dense {layout.layout} block of "
+            f"{layout.block_len} bytes"
+        )
+    want_block, want_kv = {"KvFirst": (elems, nb * elems), "BlocksFirst": (2 * elems, elems),
+                           "Latent": (elems, 0)}[arrangement]
+    if stride[block_dim] != want_block or (kv_dim is not None and stride[kv_dim] != want_kv):
+        raise DirectRefused(
+            f"KV tensor {shape} / strides {stride} does not hold its blocks back to back as {arrangement} "
+            f"(blocks {want_block} elements apart{'' if kv_dim is None else f', K to V {want_kv}'})"
+        )
+    return arrangement
+
+
+def regions(tensors: Sequence[torch.Tensor], layout: PoolLayout) -> List[dict]:
+    """The registration's ``regions`` for one region per layer, each its tensor's arrangement."""
+    if len(tensors) != layout.layers:
+        raise DirectRefused(f"{len(tensors)} KV tensors for {layout.layers} layers")
+    if len(tensors) > MAX_REGIONS:
+        raise DirectRefused(f"{len(tensors)} layers, each its own tensor; a pool has at most {MAX_REGIONS} regions")
+    return [{"layers": 1, "kv_arrangement": arrangement_of(t, layout)} for t in tensors]
+
+
+def refused_by_agent(capabilities: Mapping, device_uuid: str) -> Optional[str]:
+    """Why the agent would not take a GPU pool on ``device_uuid``, from its ``Capabilities``."""
+    if "cuda" not in (capabilities.get("pool_memory") or ()):
+        return f"the agent accepts no GPU pools ({capabilities.get('gpu_pools_refused') or 'it lists no cuda pool memory'})"
+    uuids = {normalize_uuid(g.get("uuid", "")) for g in capabilities.get("gpus") or () if isinstance(g, Mapping)}
+    if normalize_uuid(device_uuid) not in uuids:
+        return f"the KV cache is on GPU {device_uuid}, which the agent's CUDA driver does not show it (it shows {sorted(uuids)})"
+    return None
+
+
+def normalize_uuid(uuid: str) -> str:
+    u = str(uuid).lower()
+    if u.startswith("gpu-"):
+        u = u[4:]
+    return u.replace("-", "")
+
+
+# ---- the CUDA driver ------------------------------------------------------------------------------
+
+_POINTER_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+_lock = threading.Lock()
+_driver: Optional[ctypes.CDLL] = None
+
+
+def _cuda() -> ctypes.CDLL:
+    global _driver
+    with _lock:
+        if _driver is None:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError as e:
+                raise DirectRefused(f"no CUDA driver in the engine ({e})") from None
+            _check(lib.cuInit(0), "cuInit")
+            _driver = lib
+        return _driver
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        raise DirectRefused(f"{what} failed with CUDA error {code}")
+
+
+class _Bytes64(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+def _ensure_context(lib: ctypes.CDLL, ordinal: int) -> None:
+    """Driver calls need a current context: torch's (the device's primary one) where it made one
+    current on this thread, else that primary context."""
+    ctx = ctypes.c_void_p()
+    _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if ctx.value:
+        return
+    dev = ctypes.c_int()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    try:
+        _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    finally:
+        lib.cuDevicePrimaryCtxRelease(dev)
+
+
+def device_uuid(t: torch.Tensor) -> str:
+    """The UUID of the GPU holding ``t``, as ``nvidia-smi -L`` prints it (``GPU-...``): device
+    numbers differ between the engine's container and the agent's."""
+    lib = _cuda()
+    dev = ctypes.c_int()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), t.device.index), "cuDeviceGet")
+    raw = (ctypes.c_ubyte * 16)()
+    _check(lib.cuDeviceGetUuid(raw, dev), "cuDeviceGetUuid")
+    h = bytes(raw).hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def share(t: torch.Tensor, length: int, handles: Optional[dict] = None) -> dict:
+    """``{"ipc_handle", "offset"}`` of the allocation holding ``t``'s first ``length`` bytes
+    (``handles``: allocation base -> handle, so tensors in one allocation name it alike)."""
+    lib = _cuda()
+    _ensure_context(lib, t.device.index)
+    ptr = ctypes.c_uint64(t.data_ptr())
+    capable = ctypes.c_int()
+    _check(lib.cuPointerGetAttribute(ctypes.byref(capable), _POINTER_IS_LEGACY_CUDA_IPC_CAPABLE, ptr),
+           "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)")
+    if not capable.value:
+        raise DirectRefused(
+            "the KV cache's memory cannot be shared by CUDA IPC handle (torch's expandable_segments, or another "
+            "allocator than cudaMalloc); sharing it by VMM descriptor is not built yet"
+        )
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    _check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
+    offset = t.data_ptr() - base.value
+    if offset + length > size.value:
+        raise DirectRefused(
+            f"a KV tensor's {length} bytes at offset {offset} run past its allocation of {size.value} bytes"
+        )
+    handles = {} if handles is None else handles
+    if base.value not in handles:
+        handle = _Bytes64()
+        _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
+        handles[base.value] = bytes(handle.reserved).hex()
+    return {"ipc_handle": handles[base.value], "offset": offset}
+
+
+# ---- the pool --------------------------------------------------------------------------------------
+
+
+class DirectKv(Stager):
+    """The engine's own KV tensors are the agent's pool: nothing to copy. Prefill records its
+    interprocess event on the stream that wrote the KV before each ``KvReady`` (the agent's
+    copies wait for it); decode's blocks have landed when the agent says ``RequestDone``."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], layout: PoolLayout, device: torch.device):
+        self.tensors = list(tensors)
+        self.layout = layout
+        self.device = device
+        #: The GPU's UUID (``GPU-...``).
+        self.uuid = device_uuid(self.tensors[0])
+        self.event = torch.cuda.Event(enable_timing=False, interprocess=True)
+        self.event.record(torch.cuda.current_stream(device))
+        self.regions = regions(self.tensors, layout)
+
+    def gpu_pool(self) -> dict:
+        """The registration's ``gpu`` field."""
+        handles: dict = {}
+        return {
+            "device_uuid": self.uuid,
+            "regions": [share(t, self.layout.layer_len, handles) for t in self.tensors],
+            "event": bytes(self.event.ipc_handle()).hex(),
+        }
+
+    def save(self, blocks: List[int]) -> None:
+        self.event.record(torch.cuda.current_stream(self.device))
+
+    def load(self, blocks: List[int]) -> None:
+        return  # the agent wrote them in place
+
+
+def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapping) -> DirectKv:
+    """The direct pool for these tensors, or :class:`DirectRefused` saying why not."""
+    first = tensors[0]
+    if not first.is_cuda:
+        raise DirectRefused(f"the KV cache is in {first.device.type} memory, not on a GPU")
+    if any(t.device != first.device for t in tensors):
+        raise DirectRefused(f"the KV tensors are on several devices ({sorted({str(t.device) for t in tensors})})")
+    why = refused_by_agent(capabilities, device_uuid(first))
+    if why:
+        raise DirectRefused(why)
+    return DirectKv(tensors, layout, first.device)
+
+
+def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want: Optional[bool] = None
+             ) -> Tuple[agent_client.AgentClient, Optional[DirectKv], Optional[str]]:
+    """Registers one rank's KV with its agent: as a GPU pool of ``tensors`` themselves where the
+    agent takes one (``want`` ``None``: where it can; ``True``: or fail saying why; ``False``:
+    never), else ``reg`` (a host pool, which the engine stages through). Returns the client, the
+    direct pool (``None`` when staged) and why not direct (``None`` when direct)."""
+    chosen: dict = {}
+
+    def pick(caps: dict) -> dict:
+        if want is False:
+            chosen["why"] = "turned off (kv_connector_extra_config.direct: false)"
+            return reg
+        try:
+            host = PoolLayout.new(reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"],
+                                  reg.get("tensor_rank", 0))
+            d = plan(tensors, host, caps)
+            gpu_reg = dict(reg, regions=d.regions, gpu=d.gpu_pool())
+        except DirectRefused as e:
+            if want is True:
+                raise agent_client.AgentError(f"direct is true, but {e}") from None
+            chosen["why"] = str(e)
+            return reg
+        chosen["direct"] = d
+        return gpu_reg
+
+    try:
+        client = agent_client.AgentClient.register(socket_path, pick)
+    except agent_client.AgentError as e:
+        if "direct" not in chosen or want is True:
+            raise
+        # The agent could not open the GPU pool (a CUDA IPC handle from another PID namespace,
+        # say): stage instead, on a new connection.
+        log.warning("pdpair: the agent refused the KV cache as a GPU pool (%s); staging through host memory", e)
+        return agent_client.AgentClient.register(socket_path, reg), None, f"the agent refused the GPU pool: {e}"
+    return client, chosen.get("direct"), chosen.get("why")

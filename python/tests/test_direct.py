@@ -1,0 +1,194 @@
+"""The direct path (``pdpair_vllm.direct``): vLLM-shaped KV tensors registered as the agent's GPU
+pool. Here, without a GPU: which bytes a tensor's layout puts where (checked byte for byte against
+the agent's layout on CPU tensors of the same shapes and strides), what is refused and why, and
+that without a GPU every registration stages, saying why. The tests marked ``gpu`` move real CUDA
+tensors between engines through real agents; ``make python-test`` leaves them out (``-m "not
+gpu"``) and hack/gpu-check.sh runs them on a machine with a GPU and torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdpair_vllm import direct, synthetic
+from pdpair_vllm.client import AgentClient, AgentError, registration
+from pdpair_vllm.layout import PoolLayout
+
+from conftest import kv
+
+
+def vllm_tensors(g: dict, num_blocks: int, shape: str, layers=None, device="cpu", dtype=torch.float16):
+    """Per-layer KV tensors as vLLM allocates them: one flat byte allocation per layer, viewed in
+    its physical order and permuted to the logical one (HND: heads before tokens in memory)."""
+    bs, h, d = g.get("kernelBlockSize", g["blockSize"]), g["kvHeads"], g["headDim"]
+    out = []
+    for _ in range(layers or g["layers"]):
+        if shape == "mla":
+            physical, perm = (num_blocks, bs, d), (0, 1, 2)
+        elif shape == "flash":  # [2, blocks, block, heads, dim]
+            physical, perm = ((2, num_blocks, h, bs, d), (0, 1, 3, 2, 4)) if g["layout"] == "HND" else \
+                ((2, num_blocks, bs, h, d), (0, 1, 2, 3, 4))
+        else:  # flashinfer: [blocks, 2, block, heads, dim]
+            physical, perm = ((num_blocks, 2, h, bs, d), (0, 1, 3, 2, 4)) if g["layout"] == "HND" else \
+                ((num_blocks, 2, bs, h, d), (0, 1, 2, 3, 4))
+        n = 1
+        for x in physical:
+            n *= x
+        flat = torch.zeros(n * torch.tensor([], dtype=dtype).element_size(), dtype=torch.int8, device=device)
+        out.append(flat.view(dtype).view(physical).permute(*perm))
+    return out
+
+
+def raw(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` bytes of ``t``'s memory from its first element, in memory order."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,))
+
+
+def per_layer(g: dict, tensors, num_blocks: int) -> PoolLayout:
+    host = PoolLayout.new(g, 1, num_blocks, 0)
+    return PoolLayout.new(g, 1, num_blocks, 0, regions=direct.regions(tensors, host))
+
+
+CASES = [
+    ("flash", "NHD", False, "KvFirst"),
+    ("flash", "HND", False, "KvFirst"),
+    ("flashinfer", "NHD", False, "BlocksFirst"),
+    ("flashinfer", "HND", False, "BlocksFirst"),
+    ("mla", "NHD", True, "Latent"),
+]
+
+
+@pytest.mark.parametrize("shape,token_layout,mla,arrangement", CASES)
+def test_each_layers_tensor_is_described_as_the_region_its_bytes_are(shape, token_layout, mla, arrangement):
+    g = kv(block=4, heads=1 if mla else 3, layers=2, head_dim=8, layout=token_layout, mla=mla)
+    tensors = vllm_tensors(g, 5, shape)
+    for t in tensors:  # distinct bytes everywhere
+        flat = raw(t, t.numel() * t.element_size())
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+    layout = per_layer(g, tensors, 5)
+    assert [r[2] for r in layout.regions] == [arrangement, arrangement]
+    assert layout.region_lens == [t.numel() * t.element_size() for t in tensors]
+    # Every token's K and V (or latent) where the agent's layout says, in the tensor's memory,
+    # is what vLLM's logical indexing reads.
+    regions = [raw(t, n) for t, n in zip(tensors, layout.region_lens)]
+    half = layout.half_token
+    checked = 0
+    for (r, at), layer, head, token, v in layout.tokens(list(range(5)), 0, 5 * 4):
+        block, j, t = token // 4, token % 4, tensors[layer]
+        if shape == "mla":
+            logical = t[block, j]
+        elif shape == "flash":
+            logical = t[int(v), block, j, head]
+        else:
+            logical = t[block, int(v), j, head]
+        assert torch.equal(regions[r][at:at + half], logical.contiguous().view(torch.uint8)), (layer, head, token, v)
+        checked += 1
+    assert checked == 5 * 4 * 2 * (1 if mla else 3 * 2)
+
+
+def test_tensors_whose_bytes_are_not_the_agents_layout_are_refused_naming_what_differs():
+    g = kv(block=4, heads=2, layers=1, head_dim=8, layout="NHD")
+    host = PoolLayout.new(g, 1, 6, 0)
+    # Blocks with a gap between the K array and the V array (a slice of a larger cache).
+    gapped = vllm_tensors(g, 7, "flash")[0][:, :6]
+    with pytest.raises(direct.DirectRefused, match="back to back as KvFirst"):
+        direct.arrangement_of(gapped, host)
+    # HND memory declared NHD.
+    with pytest.raises(direct.DirectRefused, match="not a dense NHD block"):
+        direct.arrangement_of(vllm_tensors(dict(g, layout="HND"), 6, "flash")[0], host)
+    # A cache of another size, another head count.
+    with pytest.raises(direct.DirectRefused, match="neither"):
+        direct.arrangement_of(vllm_tensors(g, 5, "flash")[0], host)
+    with pytest.raises(direct.DirectRefused, match=r"\(4, 3, 8\); the geometry's is \(4, 2, 8\)"):
+        direct.arrangement_of(vllm_tensors(dict(g, kvHeads=3), 6, "flash")[0], host)
+    # One layer's tensor for a two-layer geometry.
+    with pytest.raises(direct.DirectRefused, match="1 KV tensors for 2 layers"):
+        direct.regions(vllm_tensors(g, 6, "flash"), PoolLayout.new(dict(g, layers=2), 1, 6, 0))
+    # The layout that fits is taken.
+    assert direct.arrangement_of(vllm_tensors(g, 6, "flash")[0], host) == "KvFirst"
+
+
+def test_the_agents_capabilities_decide_whether_it_takes_a_gpu_pool():
+    uuid = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
+    none = {"pool_memory": ["host"], "gpus": [], "gpu_pools_refused": "this agent has no CUDA driver"}
+    assert "this agent has no CUDA driver" in direct.refused_by_agent(none, uuid)
+    other = {"pool_memory": ["host", "cuda"], "gpus": [{"uuid": "GPU-ffffffff-0000-1111-2222-333344445555"}]}
+    assert f"on GPU {uuid}, which the agent's CUDA driver does not show" in direct.refused_by_agent(other, uuid)
+    # UUIDs compare whatever their spelling (torch prints them without GPU- and dashes).
+    same = {"pool_memory": ["host", "cuda"], "gpus": [{"uuid": "0A1B2C3D000011112222333344445555"}]}
+    assert direct.refused_by_agent(same, uuid) is None
+    # Tensors in host memory never take it.
+    g = kv(block=4, layers=1)
+    with pytest.raises(direct.DirectRefused, match="in cpu memory, not on a GPU"):
+        direct.plan(vllm_tensors(g, 2, "flash"), PoolLayout.new(g, 1, 2, 0), same)
+
+
+def reg(world, role: str, g: dict, num_blocks: int, **kw) -> dict:
+    return registration(pdpair="default/pair", role=role, engine=f"direct-{role}", kv=g, num_blocks=num_blocks,
+                        pairing_key=world.key, mode="Push", checksum="FailClosed", handshake_timeout_ms=5000,
+                        lease_ms=30000, **kw)
+
+
+def test_without_a_gpu_the_registration_stages_saying_why_and_a_gpu_pool_is_refused_by_the_agent(world):
+    g = kv(block=16, layers=2)
+    agent = world.agent("a")
+    tensors = vllm_tensors(g, 4, "flash")
+    client, pool, why = direct.register(agent.socket, reg(world, "prefill", g, 4), tensors)
+    try:
+        assert pool is None and "in cpu memory" in why
+        assert client.pool is not None and client.layout.region_lens == [2 * 2 * 4 * client.layout.block_len]
+    finally:
+        client.close()
+    with pytest.raises(AgentError, match="direct is true, but the KV cache is in cpu memory"):
+        direct.register(agent.socket, reg(world, "prefill", g, 4), tensors, want=True)
+    client, pool, why = direct.register(agent.socket, reg(world, "prefill", g, 4), tensors, want=False)
+    client.close()
+    assert pool is None and "turned off" in why
+    # A GPU pool sent anyway is refused by this agent (no CUDA driver here), naming why.
+    gpu = {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555",
+           "regions": [{"ipc_handle": "00" * 64, "offset": 0}] * 2}
+    with pytest.raises(AgentError, match="gpu: GPU pools are not accepted"):
+        AgentClient.register(agent.socket, reg(world, "prefill", g, 4, gpu=gpu,
+                                               regions=[{"layers": 1, "kv_arrangement": "KvFirst"}] * 2))
+
+
+# ---- on a GPU (hack/gpu-check.sh) ------------------------------------------------------------------
+
+
+def gpu_engine(world, agent, role: str, g: dict, num_blocks: int, shape: str):
+    tensors = vllm_tensors(g, num_blocks, shape, device="cuda", dtype=torch.bfloat16)
+    client, pool, why = direct.register(agent.socket, reg(world, role, g, num_blocks), tensors, want=True)
+    assert pool is not None and why is None
+    assert client.pool is None  # nothing mapped: the tensors are the pool
+    return client, pool
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("agents", ["one", "two"])
+@pytest.mark.parametrize("p_shape,d_shape,token_layout", [("flash", "flash", "HND"), ("flash", "flashinfer", "NHD")])
+def test_vllm_shaped_gpu_kv_moves_between_engines_without_host_staging(world, agents, p_shape, d_shape, token_layout):
+    # One agent: both engines on its node, the agent copies GPU to GPU (CudaIpc). Two agents over
+    # their KV streams (StagedStream). Every byte checked on the host after the move.
+    g = kv(block=16, heads=8, layers=4, head_dim=128, layout=token_layout, dtype="bfloat16")
+    pa = world.agent("p", "tcp")
+    da = pa if agents == "one" else world.agent("d", "tcp")
+    # 16 MiB per layer: each its own allocation in torch's caching allocator (as vLLM's, of GBs),
+    # so the two engines in this one process share none (smaller ones would, split from one).
+    p, p_kv = gpu_engine(world, pa, "prefill", g, 256, p_shape)
+    d, d_kv = gpu_engine(world, da, "decode", g, 256, d_shape)
+    blocks, d_blocks, tokens = [3, 4, 5, 9, 10], [200, 2, 201, 202, 40], 75
+    host = [bytearray(n) for n in p.layout.region_lens]
+    synthetic.fill(host, p.layout, 7, blocks, 0, tokens)
+    for t, h, n in zip(p_kv.tensors, host, p.layout.region_lens):
+        raw(t, n).copy_(torch.frombuffer(h, dtype=torch.uint8))  # on the current stream, as a forward pass
+    p_kv.save(blocks)  # the event after the writes
+    p.kv_ready("g1", blocks, tokens)
+    d.expect_kv("g1", [p.address], d_blocks, tokens)
+    event = d.wait("g1", timeout=60)
+    assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw
+    got = [bytearray(raw(t, n).cpu().numpy().tobytes()) for t, n in zip(d_kv.tensors, d.layout.region_lens)]
+    assert synthetic.verify(got, d.layout, 7, d_blocks, 0, tokens) == 0
+    assert p.wait("g1").type == "RequestDone"
+    p.close()
+    d.close()
