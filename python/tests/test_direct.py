@@ -192,3 +192,28 @@ def test_vllm_shaped_gpu_kv_moves_between_engines_without_host_staging(world, ag
     assert p.wait("g1").type == "RequestDone"
     p.close()
     d.close()
+
+
+def test_a_gpu_pool_the_agent_cannot_open_falls_back_to_staging_on_a_new_connection(world, monkeypatch):
+    # The GPU half stands in (no GPU here): a plan whose GPU pool this agent refuses, as an agent
+    # refuses a CUDA IPC handle it cannot open (another PID namespace). The registration then
+    # stages through a host pool, saying why, unless direct was required.
+    class Unopenable:
+        regions = [{"layers": 1, "kv_arrangement": "KvFirst"}] * 2
+
+        def gpu_pool(self):
+            return {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555",
+                    "regions": [{"ipc_handle": "11" * 64, "offset": 0}] * 2}
+
+    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps: Unopenable())
+    g = kv(block=16, layers=2)
+    agent = world.agent("a")
+    tensors = vllm_tensors(g, 4, "flash")
+    client, pool, why = direct.register(agent.socket, reg(world, "prefill", g, 4), tensors)
+    try:
+        assert pool is None and why.startswith("the agent refused the GPU pool: gpu: GPU pools are not accepted"), why
+        assert client.pool is not None and "gpu" not in client.registration
+    finally:
+        client.close()
+    with pytest.raises(AgentError, match="gpu: GPU pools are not accepted"):
+        direct.register(agent.socket, reg(world, "prefill", g, 4), tensors, want=True)

@@ -3,9 +3,11 @@
 A thin adapter: the decisions are in :mod:`pdpair_vllm.transfer` (engine-agnostic), the agent
 protocol in :mod:`pdpair_vllm.client`. Load it with ``--kv-transfer-config
 '{"kv_connector":"PdpairConnector","kv_connector_module_path":"pdpair_vllm","kv_role":"kv_both"}'``
-(the operator renders this, docs/vllm.md). The KV moves through the agent's host pool: P's worker
-copies its blocks into the pool after the prefill, D's worker copies them from its pool into the KV
-cache when the agent reports them received and verified.
+(the operator renders this, docs/vllm.md). Where the agent accepts GPU pools, the KV tensors
+themselves are its pool (:mod:`pdpair_vllm.direct`: nothing is copied by the engine); otherwise
+the KV moves through the agent's host pool: P's worker copies its blocks into the pool after the
+prefill, D's worker copies them from its pool into the KV cache when the agent reports them
+received and verified.
 
 ``kv_connector_extra_config`` (all optional; in a pod the operator's ``PDPAIR_*`` env is used):
 ``role`` (prefill|decode; else ``PDPAIR_ROLE``, or from ``kv_role`` producer/consumer), ``socket``
@@ -13,7 +15,8 @@ cache when the agent reports them received and verified.
 (``PDPAIR_PAIRING_KEY_FILE``), ``kv`` (identity fields vLLM cannot tell: ``model`` as the PDPair
 spells it, ``attentionBackend``; else ``PDPAIR_KV``, JSON), ``settings`` (mode, checksum,
 handshake_timeout_ms, lease_ms: outside a cluster, where the agent cannot read the PDPair),
-``tensor_rank`` (when vLLM's distributed state is not initialised), ``renew_interval_s``.
+``tensor_rank`` (when vLLM's distributed state is not initialised), ``renew_interval_s``,
+``direct`` (``auto``, ``true`` or ``false``: the direct GPU path where it can be, required, or never).
 """
 
 from __future__ import annotations
