@@ -352,6 +352,7 @@ impl Agent {
                 Some(_) => vec!["host".into()],
             },
             gpu_pools_refused: refused,
+            gpu_between_agents: self.shared.transport.stream().is_some(),
         }
     }
 

@@ -294,6 +294,12 @@ pub enum AgentEvent {
         /// Why GPU pools are not accepted, when they are not.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         gpu_pools_refused: Option<String>,
+        /// Whether a GPU pool here reaches engines behind other agents: where this agent runs a
+        /// KV stream (GPU KV staged through host memory); not where it moves KV over UCX (RDMA
+        /// carries host pools only in this version), so an engine whose peers are on other nodes
+        /// registers a host pool there.
+        #[serde(default)]
+        gpu_between_agents: bool,
     },
     /// The pool is registered; peers reach this engine at `address`.
     Registered {

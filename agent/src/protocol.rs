@@ -200,10 +200,22 @@ impl PeerInfo {
         }
     }
 
-    /// Whether this is a GPU pool behind another agent than `local`'s (their CUDA IPC
-    /// addresses differ).
+    /// Whether this is a GPU pool that `local`'s pool does not reach through the same agent's
+    /// CUDA IPC (their addresses differ: a GPU pool behind another agent, or a host pool).
     pub fn gpu_behind_another_agent(&self, local: &PeerInfo) -> bool {
-        self.memory.kind == MemoryKind::Cuda && self.worker_address != local.worker_address
+        self.memory.kind == MemoryKind::Cuda
+            && (local.memory.kind != MemoryKind::Cuda || self.worker_address != local.worker_address)
+    }
+
+    /// The KV stream this pool is reached on, where its agent runs one: a GPU pool's
+    /// `stream_address`, a host pool's worker address when that is a stream's.
+    pub fn kv_stream(&self) -> Option<&[u8]> {
+        match self.memory.kind {
+            MemoryKind::Cuda => (!self.stream_address.is_empty()).then_some(self.stream_address.as_bytes()),
+            MemoryKind::Host => {
+                crate::transport::stream::is_stream_address(&self.worker_address).then_some(&self.worker_address[..])
+            }
+        }
     }
 }
 
@@ -850,18 +862,9 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<Reason>, String)> {
     // Compatible on paper, but beyond what this agent's transfer path does yet: say so at the
     // handshake instead of failing later. The pool memory first: a peer's keys are checked by
     // its kind.
-    if peer.memory.kind != local.memory.kind {
-        return Some((
-            vec![Reason::AgentUnsupported],
-            format!(
-                "the peer's pool is {} memory and ours {}: both engines of a pair need the same pool memory in this agent version",
-                peer.memory.kind.as_str(),
-                local.memory.kind.as_str()
-            ),
-        ));
-    }
     use crate::transport::stream::{is_stream_address, parse_address};
     if peer.memory.kind == MemoryKind::Host
+        && local.memory.kind == MemoryKind::Host
         && is_stream_address(&peer.worker_address) != is_stream_address(&local.worker_address)
     {
         let name = |a: &[u8]| if is_stream_address(a) { "the tcp stream" } else { "UCX" };
@@ -874,24 +877,35 @@ fn refuse(local: &PeerInfo, peer: &PeerInfo) -> Option<(Vec<Reason>, String)> {
             ),
         ));
     }
-    // GPU pools behind two agents move over the KV stream, staged through host buffers: both
-    // agents must run one.
-    if peer.gpu_behind_another_agent(local) && (peer.stream_address.is_empty() || local.stream_address.is_empty()) {
-        let side = |p: &PeerInfo| {
-            if p.stream_address.is_empty() {
-                "runs no KV stream"
-            } else {
-                "runs a KV stream"
-            }
+    // A GPU pool meets a pool that is not behind the same agent's CUDA IPC (a GPU pool behind
+    // another agent, or a host pool) over the agents' KV streams, staged through host memory:
+    // both sides must run one.
+    if peer.gpu_behind_another_agent(local) || local.gpu_behind_another_agent(peer) {
+        let side = |p: &PeerInfo| match (p.memory.kind, p.kv_stream().is_some()) {
+            (MemoryKind::Cuda, true) => "a GPU pool whose agent runs a KV stream",
+            (MemoryKind::Cuda, false) => "a GPU pool whose agent runs no KV stream",
+            (MemoryKind::Host, true) => "a host pool on a KV stream",
+            (MemoryKind::Host, false) => "a host pool on UCX",
         };
-        return Some((
-            vec![Reason::AgentUnsupported],
-            format!(
-                "the engines' GPU pools are behind two agents, which move GPU KV between them over their tcp streams (staged through host memory): the peer's agent {} and ours {}; run both with --transport tcp",
-                side(peer),
-                side(local)
-            ),
-        ));
+        if peer.kv_stream().is_none() || local.kv_stream().is_none() {
+            let what = if peer.memory.kind == local.memory.kind {
+                "the engines' GPU pools are behind two agents".to_string()
+            } else {
+                format!(
+                    "the peer's pool is {} memory and ours {}",
+                    peer.memory.kind.as_str(),
+                    local.memory.kind.as_str()
+                )
+            };
+            return Some((
+                vec![Reason::AgentUnsupported],
+                format!(
+                    "{what}: such pools move KV only over the agents' tcp streams (staged through host memory), and the peer has {} and we {}; run both agents with --transport tcp",
+                    side(peer),
+                    side(local)
+                ),
+            ));
+        }
     }
     let address = match peer.memory.kind {
         MemoryKind::Host if is_stream_address(&peer.worker_address) => parse_address(&peer.worker_address).map(|_| ()),

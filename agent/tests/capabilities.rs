@@ -64,6 +64,7 @@ fn capabilities_say_what_ucx_and_the_driver_allow_and_registration_follows_on_th
         gpus,
         pool_memory,
         gpu_pools_refused,
+        gpu_between_agents,
     } = ask(&mut s, &EngineRequest::Capabilities)
     else {
         panic!("not Capabilities");
@@ -81,6 +82,11 @@ fn capabilities_say_what_ucx_and_the_driver_allow_and_registration_follows_on_th
         types.iter().map(|t| t.as_str().to_owned()).collect::<Vec<_>>()
     );
     assert!(ucx_memory_types.contains(&"host".to_owned()));
+    // No RDMA device here: `auto` runs the KV stream, over which GPU pools reach other agents.
+    assert!(
+        gpu_between_agents,
+        "an agent on the KV stream moves GPU KV to other agents"
+    );
     assert_eq!(gpus.len(), cuda::devices().map(|d| d.len()).unwrap_or(0));
     if cuda::devices().is_ok_and(|d| !d.is_empty()) {
         assert_eq!(pool_memory, vec!["host".to_owned(), "cuda".to_owned()]);
@@ -108,6 +114,19 @@ fn capabilities_say_what_ucx_and_the_driver_allow_and_registration_follows_on_th
     assert!(
         matches!(&second, AgentEvent::RegistrationFailed { message } if message.contains("must be RegisterPool")),
         "{second:?}"
+    );
+    // An agent on UCX (shared memory here; RDMA between nodes) moves no GPU KV to other agents.
+    let ucx = w.agent("b", Transport::Shm, false);
+    let answer = ask(&mut connect(&ucx), &EngineRequest::Capabilities);
+    assert!(
+        matches!(
+            answer,
+            AgentEvent::Capabilities {
+                gpu_between_agents: false,
+                ..
+            }
+        ),
+        "{answer:?}"
     );
 }
 

@@ -166,9 +166,9 @@ mod common;
 /// Both engines' pools in GPU memory behind one agent (its own process: a process cannot open
 /// its own IPC handles): the agent opens them by IPC handle, copies prefill's blocks into
 /// decode's on the GPU (CUDA IPC, coalesced), and both sides checksum on the GPU (FailClosed).
-/// Decode's engine then reads its pool back and checks every byte; the path is `CudaIpc`. A GPU
-/// prefill and a host decode are refused at the handshake, and a handle that claims more than
-/// its allocation holds is refused at registration.
+/// Decode's engine then reads its pool back and checks every byte; the path is `CudaIpc`. A host
+/// decode takes the GPU prefill's KV over the agent's own KV stream, and a handle that claims
+/// more than its allocation holds is refused at registration.
 #[test]
 #[ignore = "needs an NVIDIA GPU: make gpu-check"]
 fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
@@ -232,26 +232,42 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
         0,
         "every byte arrived"
     );
-    // A host decode engine of the same pair cannot take a GPU prefill's KV in this version.
+    // A host decode engine of the same pair: the GPU prefill's KV reaches it over the agent's own
+    // KV stream (staged through host memory), every byte checked.
     let mut h = SyntheticEngine::register(&socket, &w.dir, &spec(Role::Decode, "h0")).expect("host decode");
     h.events()
         .expect("events")
         .set_read_timeout(Some(std::time::Duration::from_secs(30)))
         .expect("timeout");
+    h.clear(&[0, 1]);
+    p.fill(12, &[33, 34], 0, 20).expect("fill");
     h.send(&EngineRequest::ExpectKv {
         request: "h".into(),
         prefill: p.address.clone(),
-        blocks: vec![0],
-        num_tokens: 16,
+        blocks: vec![0, 1],
+        num_tokens: 20,
         first_token: 0,
     })
     .expect("ExpectKv");
-    let refused = h.next_event().expect("host decode event");
+    p.send(&EngineRequest::KvReady {
+        request: "h".into(),
+        blocks: vec![33, 34],
+        num_tokens: 20,
+        first_token: 0,
+    })
+    .expect("KvReady");
+    let done = loop {
+        if let e @ (AgentEvent::RequestDone { .. } | AgentEvent::RequestFailed { .. }) =
+            h.next_event().expect("host decode event")
+        {
+            break e;
+        }
+    };
     assert!(
-        matches!(&refused, AgentEvent::RequestFailed { reasons, message, .. }
-            if reasons == &["AgentUnsupported".to_owned()] && message.contains("GPU")),
-        "{refused:?}"
+        matches!(&done, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
+        "{done:?}"
     );
+    assert_eq!(h.verify(12, &[0, 1], 0, 20), 0, "every byte reached the host pool");
     // A handle that claims more than its allocation holds.
     let small = DeviceMemory::alloc(&g, 1 << 20).expect("alloc");
     let mut reg = SyntheticEngine::registration(&spec(Role::Prefill, "p1"), None, false);

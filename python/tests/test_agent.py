@@ -269,7 +269,12 @@ def test_the_client_asks_capabilities_before_registering(world):
     assert caps["pool_memory"] == ["host"]
     # This agent version refuses GPU pools and says why.
     assert caps["gpu_pools_refused"]
+    # On the KV stream (tcp) a GPU pool would reach other agents; on UCX (shm, RDMA) not.
+    assert caps["gpu_between_agents"] is True
     c.close()
+    u = py_engine(world, world.agent("u", "shm"), "prefill", kv())
+    assert u.capabilities["gpu_between_agents"] is False
+    u.close()
 
 
 def test_registration_refusals_name_the_field(world):

@@ -113,11 +113,18 @@ def test_the_agents_capabilities_decide_whether_it_takes_a_gpu_pool():
     uuid = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
     none = {"pool_memory": ["host"], "gpus": [], "gpu_pools_refused": "this agent has no CUDA driver"}
     assert "this agent has no CUDA driver" in direct.refused_by_agent(none, uuid)
-    other = {"pool_memory": ["host", "cuda"], "gpus": [{"uuid": "GPU-ffffffff-0000-1111-2222-333344445555"}]}
+    other = {"pool_memory": ["host", "cuda"], "gpus": [{"uuid": "GPU-ffffffff-0000-1111-2222-333344445555"}],
+             "gpu_between_agents": True}
     assert f"on GPU {uuid}, which the agent's CUDA driver does not show" in direct.refused_by_agent(other, uuid)
     # UUIDs compare whatever their spelling (torch prints them without GPU- and dashes).
-    same = {"pool_memory": ["host", "cuda"], "gpus": [{"uuid": "0A1B2C3D000011112222333344445555"}]}
+    same = {"pool_memory": ["host", "cuda"], "gpus": [{"uuid": "0A1B2C3D000011112222333344445555"}],
+            "gpu_between_agents": True}
     assert direct.refused_by_agent(same, uuid) is None
+    # An agent on UCX (RDMA) takes GPU pools, but they would not reach other nodes: staged, unless
+    # the engine asks for the direct path anyway (a pair on one node).
+    rdma = dict(same, gpu_between_agents=False)
+    assert "over UCX (RDMA), which carries host memory only" in direct.refused_by_agent(rdma, uuid)
+    assert direct.refused_by_agent(rdma, uuid, across_nodes=False) is None
     # Tensors in host memory never take it.
     g = kv(block=4, layers=1)
     with pytest.raises(direct.DirectRefused, match="in cpu memory, not on a GPU"):
@@ -205,7 +212,7 @@ def test_a_gpu_pool_the_agent_cannot_open_falls_back_to_staging_on_a_new_connect
             return {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555",
                     "regions": [{"ipc_handle": "11" * 64, "offset": 0}] * 2}
 
-    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps: Unopenable())
+    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps, across_nodes=True: Unopenable())
     g = kv(block=16, layers=2)
     agent = world.agent("a")
     tensors = vllm_tensors(g, 4, "flash")
@@ -217,3 +224,42 @@ def test_a_gpu_pool_the_agent_cannot_open_falls_back_to_staging_on_a_new_connect
         client.close()
     with pytest.raises(AgentError, match="gpu: GPU pools are not accepted"):
         direct.register(agent.socket, reg(world, "prefill", g, 4), tensors, want=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("agents", ["one", "two"])
+@pytest.mark.parametrize("direct_side", ["prefill", "decode"])
+def test_a_direct_gpu_pool_and_a_staged_host_pool_meet_over_the_agents_streams(world, agents, direct_side):
+    # One engine's connector took the direct path, the other's staged (direct: false, or its
+    # agent refused the GPU pool): the agents move the KV between GPU memory and the host pool
+    # over their KV streams. Every byte checked on the host after the move.
+    g = kv(block=16, heads=8, layers=4, head_dim=128, layout="NHD", dtype="bfloat16")
+    pa = world.agent("p", "tcp")
+    da = pa if agents == "one" else world.agent("d", "tcp")
+    blocks, d_blocks, tokens = [3, 4, 5, 9, 10], [200, 2, 201, 202, 40], 75
+    if direct_side == "prefill":
+        p, p_kv = gpu_engine(world, pa, "prefill", g, 256, "flash")
+        host = [bytearray(n) for n in p.layout.region_lens]
+        synthetic.fill(host, p.layout, 9, blocks, 0, tokens)
+        for t, h, n in zip(p_kv.tensors, host, p.layout.region_lens):
+            raw(t, n).copy_(torch.frombuffer(h, dtype=torch.uint8))
+        p_kv.save(blocks)
+        d, _, why = direct.register(da.socket, reg(world, "decode", g, 256), [], want=False)
+        assert why and d.pool is not None
+    else:
+        p, _, why = direct.register(pa.socket, reg(world, "prefill", g, 256), [], want=False)
+        assert why and p.pool is not None
+        synthetic.fill(p.pool, p.layout, 9, blocks, 0, tokens)
+        d, d_kv = gpu_engine(world, da, "decode", g, 256, "flashinfer")
+    p.kv_ready("m1", blocks, tokens)
+    d.expect_kv("m1", [p.address], d_blocks, tokens)
+    event = d.wait("m1", timeout=60)
+    assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw
+    if direct_side == "prefill":
+        assert synthetic.verify(d.pool, d.layout, 9, d_blocks, 0, tokens) == 0
+    else:
+        got = [bytearray(raw(t, n).cpu().numpy().tobytes()) for t, n in zip(d_kv.tensors, d.layout.region_lens)]
+        assert synthetic.verify(got, d.layout, 9, d_blocks, 0, tokens) == 0
+    assert p.wait("m1").type == "RequestDone"
+    p.close()
+    d.close()

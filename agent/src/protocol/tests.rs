@@ -479,19 +479,50 @@ fn gpu(p: &PeerInfo) -> MemoryDesc {
 }
 
 #[test]
-fn a_gpu_pool_and_a_host_pool_are_refused_at_the_handshake_and_two_gpu_pools_pass() {
+fn a_gpu_pool_and_a_host_pool_meet_only_over_both_agents_streams_and_two_gpu_pools_pass() {
     let (mut p, mut d) = (info(Role::Prefill, 16), info(Role::Decode, 16));
     p.memory = gpu(&p);
     d.memory = described(&d);
+    // A host pool on UCX: nothing moves GPU KV to it.
     let (pr, dr) = pair_as_is(b"s", b"s", p.clone(), d.clone());
     let e = pr.expect_err("prefill refuses");
     assert_eq!(e.reasons(), vec![Reason::AgentUnsupported]);
     assert!(
-        e.to_string().contains("the peer's pool is host memory and ours GPU"),
+        e.to_string().contains(
+            "the peer's pool is host memory and ours GPU: such pools move KV only over the agents' tcp streams"
+        ) && e
+            .to_string()
+            .contains("the peer has a host pool on UCX and we a GPU pool whose agent runs no KV stream"),
         "{e}"
     );
     assert!(dr.is_err(), "decode hears the refusal");
+    // A host pool on a stream, and a GPU pool whose agent runs none: still refused.
+    d.worker_address = b"pdpair-tcp:127.0.0.2:4001".to_vec();
+    let (pr, dr) = pair_as_is(b"s", b"s", p.clone(), d.clone());
+    let e = pr.expect_err("prefill refuses");
+    assert!(
+        e.to_string()
+            .contains("the peer has a host pool on a KV stream and we a GPU pool whose agent runs no KV stream"),
+        "{e}"
+    );
+    assert!(dr.is_err(), "decode hears the refusal");
+    // Both on streams: they meet, each dialling the other's stream (GPU KV staged).
+    p.stream_address = "pdpair-tcp:127.0.0.1:4000".into();
+    let (pr, dr) = pair_as_is(b"s", b"s", p.clone(), d.clone());
+    assert!(pr.is_ok() && dr.is_ok(), "{pr:?} {dr:?}");
+    assert_eq!(p.address_for(&d), b"pdpair-tcp:127.0.0.1:4000".to_vec());
+    assert_eq!(d.address_for(&p), b"pdpair-tcp:127.0.0.2:4001".to_vec());
+    // The other way round: a host prefill, a GPU decode.
+    let (mut hp, mut gd) = (info(Role::Prefill, 16), info(Role::Decode, 16));
+    hp.memory = described(&hp);
+    hp.worker_address = b"pdpair-tcp:127.0.0.1:4002".to_vec();
+    gd.memory = gpu(&gd);
+    gd.stream_address = "pdpair-tcp:127.0.0.2:4003".into();
+    let (pr, dr) = pair_as_is(b"s", b"s", hp, gd);
+    assert!(pr.is_ok() && dr.is_ok(), "{pr:?} {dr:?}");
+    p.stream_address.clear();
     d.memory = gpu(&d);
+    d.worker_address = p.worker_address.clone();
     let (pr, dr) = pair_as_is(b"s", b"s", p.clone(), d.clone());
     assert!(pr.is_ok() && dr.is_ok(), "{pr:?} {dr:?}");
     // A GPU pool's key is a 16-byte token: a UCX key (or any other length) is refused.
@@ -514,8 +545,9 @@ fn gpu_pools_behind_two_agents_meet_over_both_agents_kv_streams() {
     let e = pr.expect_err("decode's agent runs no stream");
     assert_eq!(e.reasons(), vec![Reason::AgentUnsupported]);
     assert!(
-        e.to_string()
-            .contains("the peer's agent runs no KV stream and ours runs a KV stream"),
+        e.to_string().contains(
+            "the peer has a GPU pool whose agent runs no KV stream and we a GPU pool whose agent runs a KV stream"
+        ),
         "{e}"
     );
     assert!(dr.is_err(), "decode refuses too");

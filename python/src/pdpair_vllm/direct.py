@@ -93,13 +93,17 @@ def regions(tensors: Sequence[torch.Tensor], layout: PoolLayout) -> List[dict]:
     return [{"layers": 1, "kv_arrangement": arrangement_of(t, layout)} for t in tensors]
 
 
-def refused_by_agent(capabilities: Mapping, device_uuid: str) -> Optional[str]:
-    """Why the agent would not take a GPU pool on ``device_uuid``, from its ``Capabilities``."""
+def refused_by_agent(capabilities: Mapping, device_uuid: str, across_nodes: bool = True) -> Optional[str]:
+    """Why the agent would not take a GPU pool on ``device_uuid``, from its ``Capabilities``;
+    ``across_nodes``: also why its GPU pools would not reach engines on other nodes."""
     if "cuda" not in (capabilities.get("pool_memory") or ()):
         return f"the agent accepts no GPU pools ({capabilities.get('gpu_pools_refused') or 'it lists no cuda pool memory'})"
     uuids = {normalize_uuid(g.get("uuid", "")) for g in capabilities.get("gpus") or () if isinstance(g, Mapping)}
     if normalize_uuid(device_uuid) not in uuids:
         return f"the KV cache is on GPU {device_uuid}, which the agent's CUDA driver does not show it (it shows {sorted(uuids)})"
+    if across_nodes and not capabilities.get("gpu_between_agents"):
+        return ("the agent moves KV to other nodes over UCX (RDMA), which carries host memory only in this version, so "
+                "KV is staged to reach them (direct: true takes the direct path for pairs on one node)")
     return None
 
 
@@ -230,14 +234,16 @@ class DirectKv(Stager):
         return  # the agent wrote them in place
 
 
-def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapping) -> DirectKv:
-    """The direct pool for these tensors, or :class:`DirectRefused` saying why not."""
+def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapping,
+         across_nodes: bool = True) -> DirectKv:
+    """The direct pool for these tensors, or :class:`DirectRefused` saying why not
+    (``across_nodes``: also where its KV could not reach engines on other nodes)."""
     first = tensors[0]
     if not first.is_cuda:
         raise DirectRefused(f"the KV cache is in {first.device.type} memory, not on a GPU")
     if any(t.device != first.device for t in tensors):
         raise DirectRefused(f"the KV tensors are on several devices ({sorted({str(t.device) for t in tensors})})")
-    why = refused_by_agent(capabilities, device_uuid(first))
+    why = refused_by_agent(capabilities, device_uuid(first), across_nodes)
     if why:
         raise DirectRefused(why)
     return DirectKv(tensors, layout, first.device)
@@ -246,8 +252,8 @@ def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapp
 def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want: Optional[bool] = None
              ) -> Tuple[agent_client.AgentClient, Optional[DirectKv], Optional[str]]:
     """Registers one rank's KV with its agent: as a GPU pool of ``tensors`` themselves where the
-    agent takes one (``want`` ``None``: where it can; ``True``: or fail saying why; ``False``:
-    never), else ``reg`` (a host pool, which the engine stages through). Returns the client, the
+    agent takes one (``want`` ``None``: where it can, its KV reaching other nodes too; ``True``:
+    wherever the agent takes it, or fail saying why; ``False``: never), else ``reg`` (a host pool, which the engine stages through). Returns the client, the
     direct pool (``None`` when staged) and why not direct (``None`` when direct)."""
     chosen: dict = {}
 
@@ -258,7 +264,7 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
         try:
             host = PoolLayout.new(reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"],
                                   reg.get("tensor_rank", 0))
-            d = plan(tensors, host, caps)
+            d = plan(tensors, host, caps, across_nodes=want is not True)
             gpu_reg = dict(reg, regions=d.regions, gpu=d.gpu_pool())
         except DirectRefused as e:
             if want is True:
