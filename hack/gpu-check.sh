@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU (libcuda and libnvrtc on the loader path, UCX's libucp.so.0):
-# the GPU tests (ignored everywhere else), then `pdpair-agent gpu-check`'s table. Builds nothing:
+# the GPU tests (ignored everywhere else), `pdpair-agent gpu-check`'s table, then the vLLM
+# connector's GPU tests and its paths measured (python/tests, with that machine's torch). Builds nothing:
 # the binaries come from hack/gpu-bundle.sh (`make gpu-bundle`) on the build machine. Writes the
 # report to $OUT when set. Exits non-zero when a test or a check fails.
 set -uo pipefail
@@ -17,12 +18,17 @@ if [[ -d $bundle/lib ]]; then
   export UCX_MODULE_DIR=$bundle/lib/ucx
 fi
 out=${OUT:-$(mktemp -d)}
-nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$out/nvidia-smi.txt"
-ldd "$bundle/pdpair-agent" | grep -E 'libuc|libnuma|not found' | tee "$out/ldd.txt"
+# At most 8 files come back from the device tool's $OUT: machine.txt, gpu-tests.txt,
+# connector.txt, gpu-check.txt, gpu-check.json, ucx-1.22.txt.
+(nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader
+ ldd "$bundle/pdpair-agent" | grep -E 'libuc|libnuma|not found') 2>&1 | tee "$out/machine.txt"
 rc=0
 echo "== GPU tests"
 PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 300 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |
   tee "$out/gpu-tests.txt" || rc=1
+echo "== gpu-check"
+timeout 300 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 --json-file "$out/gpu-check.json" 2>&1 |
+  tee "$out/gpu-check.txt" || rc=1
 echo "== the vLLM connector's direct path (python/tests/test_direct.py -m gpu: torch CUDA tensors, real agents)"
 if env -u LD_LIBRARY_PATH python3 -c 'import torch, pytest; assert torch.cuda.is_available()' 2>/dev/null; then
   # The agent with the bundle's libraries; python3 and torch with the machine's own.
@@ -30,16 +36,17 @@ if env -u LD_LIBRARY_PATH python3 -c 'import torch, pytest; assert torch.cuda.is
   printf '#!/bin/sh\nLD_LIBRARY_PATH=%s UCX_MODULE_DIR=%s exec %s "$@"\n' "${LD_LIBRARY_PATH:-}" "${UCX_MODULE_DIR:-}" \
     "$bundle/pdpair-agent" >"$wrap"
   chmod +x "$wrap"
-  (cd "$here/../python/tests" && env -u LD_LIBRARY_PATH -u UCX_MODULE_DIR PYTHONPATH="$here/../python/src" \
-     PDPAIR_AGENT_BIN="$wrap" timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu test_direct.py) 2>&1 |
-    tee "$out/connector-direct.txt" || rc=1
+  py() {
+    (cd "$here/../python/tests" && env -u LD_LIBRARY_PATH -u UCX_MODULE_DIR PYTHONPATH="$here/../python/src" \
+       PDPAIR_AGENT_BIN="$wrap" PYTHONUNBUFFERED=1 "$@")
+  }
+  py timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu test_direct.py 2>&1 | tee "$out/connector.txt" || rc=1
+  echo "== the connector's paths, measured (python/tests/bench_gpu.py)" | tee -a "$out/connector.txt"
+  py timeout 240 python3 bench_gpu.py 5 2>&1 | tee -a "$out/connector.txt" || rc=1
 else
-  echo "gpu-check: no python3 with CUDA torch and pytest here: the connector's GPU tests did not run" | tee "$out/connector-direct.txt"
+  echo "gpu-check: no python3 with CUDA torch and pytest here: the connector's GPU tests did not run" | tee "$out/connector.txt"
   rc=1
 fi
-echo "== gpu-check"
-timeout 300 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 --json-file "$out/gpu-check.json" 2>&1 |
-  tee "$out/gpu-check.txt" || rc=1
 if [[ -x $bundle/ucx-1.22/bin/ucx_info ]]; then
   echo "== UCX 1.22 (agent.ucx.library=1.22): does its CUDA module load here"
   u=$bundle/ucx-1.22/lib

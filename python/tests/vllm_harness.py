@@ -32,7 +32,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from pdpair_vllm import synthetic
-from pdpair_vllm.connector import block_rows
+from pdpair_vllm.staging import block_rows
 
 LAYERS, HEADS, HEAD_DIM = 2, 4, 16
 SAMPLED = 7
