@@ -263,3 +263,50 @@ def test_a_direct_gpu_pool_and_a_staged_host_pool_meet_over_the_agents_streams(w
     assert p.wait("m1").type == "RequestDone"
     p.close()
     d.close()
+
+
+@pytest.mark.gpu
+def test_across_pid_namespaces_the_direct_path_moves_kv_or_falls_back_to_staging(world, monkeypatch, capsys):
+    # In a cluster the agent runs in the host's PID namespace and engines in their pods' own;
+    # CUDA IPC handles are documented not to open across PID namespaces. Here the agent runs in a
+    # new one (unshare): either the direct path works there, byte for byte, or the connector's
+    # registration falls back to staging with the agent's reason. Which one is printed: the GPU
+    # check records it.
+    import shutil
+
+    import conftest
+
+    unshare = shutil.which("unshare")
+    assert unshare, "unshare (util-linux) is needed to start the agent in another PID namespace"
+    wrapper = world.dir / "agent-in-pidns"
+    wrapper.write_text(f'#!/bin/sh\nexec {unshare} --pid --fork --kill-child {conftest.AGENT_BIN} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(conftest, "AGENT_BIN", wrapper)
+    g = kv(block=16, heads=8, layers=4, head_dim=128, layout="NHD", dtype="bfloat16")
+    agent = world.agent("ns", "tcp")
+    p_tensors = vllm_tensors(g, 256, "flash", device="cuda", dtype=torch.bfloat16)
+    p, p_kv, why = direct.register(agent.socket, reg(world, "prefill", g, 256), p_tensors)
+    with capsys.disabled():
+        print(f"\nCUDA IPC across PID namespaces: {'direct path works' if p_kv else 'fell back: ' + str(why)}")
+    if p_kv is None:
+        assert why.startswith("the agent refused the GPU pool: "), why
+        assert p.pool is not None
+        p.close()
+        agent.kill()  # unshare outlasts a SIGTERM; its child dies with it
+        return
+    d, d_kv = gpu_engine(world, agent, "decode", g, 256, "flash")
+    blocks, d_blocks, tokens = [1, 2, 3], [7, 8, 9], 40
+    host = [bytearray(n) for n in p.layout.region_lens]
+    synthetic.fill(host, p.layout, 5, blocks, 0, tokens)
+    for t, h, n in zip(p_kv.tensors, host, p.layout.region_lens):
+        raw(t, n).copy_(torch.frombuffer(h, dtype=torch.uint8))
+    p_kv.save(blocks)
+    p.kv_ready("ns1", blocks, tokens)
+    d.expect_kv("ns1", [p.address], d_blocks, tokens)
+    event = d.wait("ns1", timeout=60)
+    assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw
+    got = [bytearray(raw(t, n).cpu().numpy().tobytes()) for t, n in zip(d_kv.tensors, d.layout.region_lens)]
+    assert synthetic.verify(got, d.layout, 5, d_blocks, 0, tokens) == 0
+    p.close()
+    d.close()
+    agent.kill()  # unshare outlasts a SIGTERM; its child dies with it
