@@ -718,6 +718,7 @@ impl Engine {
             .filter(|k| !k.is_empty())
             .ok_or("pairing_key must be non-empty hex")?;
         let layout = reg.layout().map_err(|e| e.to_string())?;
+        reg.check_staging()?;
         if reg.num_blocks == 0 {
             return Err("num_blocks must be at least 1".into());
         }

@@ -170,7 +170,15 @@ pub struct PoolRegistration {
     /// agent's). Only where `Capabilities` lists `cuda` in `pool_memory`; otherwise refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<GpuPool>,
+    /// Why the engine registers a host pool and stages its KV through it (its KV cache is on a
+    /// GPU the agent does not take, say), in its own words: published in its PDEndpoint
+    /// (`spec.staging`). At most [`MAX_STAGING`] bytes; not with `gpu`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staging: Option<String>,
 }
+
+/// The longest `staging` a registration may give.
+pub const MAX_STAGING: usize = 1024;
 
 /// A pool in GPU memory: each region lies in a CUDA allocation the engine shares by IPC handle.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -251,6 +259,17 @@ pub struct RegionRequest {
 }
 
 impl PoolRegistration {
+    /// Checks `staging`: short, and only for a host pool.
+    pub fn check_staging(&self) -> Result<(), String> {
+        match &self.staging {
+            Some(s) if s.len() > MAX_STAGING => Err(format!("staging is {} bytes; at most {MAX_STAGING}", s.len())),
+            Some(_) if self.gpu.is_some() => Err(
+                "staging and gpu are both set: a GPU pool is the engine's KV cache itself, nothing is staged".into(),
+            ),
+            _ => Ok(()),
+        }
+    }
+
     /// The pool's layout: its geometry, split into the regions it names.
     pub fn layout(&self) -> Result<crate::layout::PoolLayout, crate::layout::LayoutError> {
         let layout = crate::layout::PoolLayout::new(&self.kv, &self.parallelism, self.num_blocks, self.tensor_rank)?;
@@ -448,6 +467,29 @@ mod tests {
     fn transfer() -> pdpair_api::TransferSpec {
         serde_json::from_value(serde_json::json!({"mode": "Push", "checksum": "FailClosed", "handshakeTimeout": "5s", "leaseDuration": "30s"}))
             .expect("transfer")
+    }
+
+    #[test]
+    fn a_staging_reason_is_short_and_only_for_a_host_pool() {
+        let mut r = reg();
+        assert_eq!(r.check_staging(), Ok(()), "none given");
+        r.staging = Some("the KV cache is in cpu memory".into());
+        assert_eq!(r.check_staging(), Ok(()));
+        r.staging = Some("x".repeat(MAX_STAGING + 1));
+        assert_eq!(
+            r.check_staging(),
+            Err(format!("staging is {} bytes; at most {MAX_STAGING}", MAX_STAGING + 1))
+        );
+        r.staging = Some("why".into());
+        r.gpu = Some(GpuPool {
+            device_uuid: "GPU-0".into(),
+            regions: Vec::new(),
+            event: None,
+        });
+        assert!(
+            r.check_staging()
+                .is_err_and(|e| e.starts_with("staging and gpu are both set"))
+        );
     }
 
     #[test]

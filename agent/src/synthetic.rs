@@ -220,6 +220,7 @@ impl SyntheticEngine {
             kv_arrangement: spec.arrangement,
             regions: spec.regions.clone(),
             gpu: None,
+            staging: None,
         }
     }
 

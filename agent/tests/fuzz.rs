@@ -190,6 +190,8 @@ fn registration() -> impl Strategy<Value = PoolRegistration> {
                             kv_arrangement: None,
                         }],
                     },
+                    // Now and then a staging reason, sometimes past its limit or beside a GPU pool.
+                    staging: (layout % 5 == 0).then(|| "staged \u{7}".repeat(usize::from(layout) * 3)),
                     gpu,
                 }
             },

@@ -41,6 +41,12 @@ use crate::{KvGeometry, Parallelism, Role, schema};
     ),
     printcolumn(name = "Node", type_ = "string", json_path = ".spec.node", description = "The node"),
     printcolumn(
+        name = "Memory",
+        type_ = "string",
+        json_path = ".spec.poolMemory",
+        description = "Where the engine's KV pool is: Gpu (its KV cache itself) or Host (staged)"
+    ),
+    printcolumn(
         name = "Path",
         type_ = "string",
         json_path = ".status.paths[0].kind",
@@ -64,6 +70,25 @@ pub struct PDEndpointSpec {
     pub parallelism: Parallelism,
     /// The KV geometry the engine actually runs with.
     pub kv: KvGeometry,
+    /// Where the engine's KV pool is: `Gpu`, the engine's KV cache itself (GPU memory the agent
+    /// opened), or `Host`, a host pool the engine copies its KV through (staging).
+    #[serde(default)]
+    pub pool_memory: PoolMemory,
+    /// Why the engine stages its KV through a host pool, in its own words, where it said
+    /// (the vLLM connector says why it did not take the direct path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staging: Option<String>,
+}
+
+/// Where an engine's KV pool is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PoolMemory {
+    /// Host memory: the engine copies its KV between its cache and the pool (or its cache is
+    /// host memory).
+    #[default]
+    Host,
+    /// GPU memory: the engine's KV cache, which the agent reads and writes in place.
+    Gpu,
 }
 
 /// What the node agent observed for this engine.

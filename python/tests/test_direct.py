@@ -145,6 +145,7 @@ def test_without_a_gpu_the_registration_stages_saying_why_and_a_gpu_pool_is_refu
     try:
         assert pool is None and "in cpu memory" in why
         assert client.pool is not None and client.layout.region_lens == [2 * 2 * 4 * client.layout.block_len]
+        assert client.registration["staging"] == why, "the agent is told why (the PDEndpoint shows it)"
     finally:
         client.close()
     with pytest.raises(AgentError, match="direct is true, but the KV cache is in cpu memory"):
@@ -220,6 +221,7 @@ def test_a_gpu_pool_the_agent_cannot_open_falls_back_to_staging_on_a_new_connect
     try:
         assert pool is None and why.startswith("the agent refused the GPU pool: gpu: GPU pools are not accepted"), why
         assert client.pool is not None and "gpu" not in client.registration
+        assert client.registration["staging"] == why
     finally:
         client.close()
     with pytest.raises(AgentError, match="gpu: GPU pools are not accepted"):

@@ -102,7 +102,11 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     let register = |socket: &PathBuf, (spec, pod): (EngineSpec, String)| {
         SyntheticEngine::register_in_pod(socket, &work, &spec, Some(pod)).expect("registers")
     };
-    let mut d = register(&d_sock, spec(Role::Decode, "d0", "decode-pod", 64));
+    // Decode says why it stages (as the vLLM connector does); prefill says nothing.
+    let (d_spec, d_pod) = spec(Role::Decode, "d0", "decode-pod", 64);
+    let mut d_reg = SyntheticEngine::registration(&d_spec, Some(d_pod), false);
+    d_reg.staging = Some("the KV cache is in cpu memory, not on a GPU\u{1b}[31m".into());
+    let mut d = SyntheticEngine::register_as(&d_sock, d_reg).expect("registers");
     let mut p = register(&p_sock, spec(Role::Prefill, "p0", "prefill-pod", 64));
     // Both endpoints appear, owned by their Pods, and the pair counts them.
     let endpoint = eventually(WAIT, "the decode PDEndpoint", || {
@@ -115,9 +119,18 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     );
     assert_eq!(endpoint["spec"]["node"], "node-d");
     assert_eq!(endpoint["spec"]["role"], "decode");
-    eventually(WAIT, "the prefill PDEndpoint", || {
+    // Where its KV pool is, and why it stages, in its words made printable.
+    assert_eq!(endpoint["spec"]["poolMemory"], "Host");
+    let staging = endpoint["spec"]["staging"].as_str().expect("staging");
+    assert!(
+        staging.starts_with("the KV cache is in cpu memory, not on a GPU") && !staging.contains('\u{1b}'),
+        "{staging:?}"
+    );
+    let prefill = eventually(WAIT, "the prefill PDEndpoint", || {
         get_json("pdendpoint", &ns, "prefill-pod-p0")
     });
+    assert_eq!(prefill["spec"]["poolMemory"], "Host");
+    assert!(prefill["spec"].get("staging").is_none(), "{prefill}");
     eventually(WAIT, "2 endpoints in the pair's status", || {
         let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
         (p["status"]["transfer"]["endpoints"] == 2 && condition(&p, "GeometryCompatible")?.0 == "True").then_some(())

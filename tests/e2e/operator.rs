@@ -289,6 +289,8 @@ fn endpoint(ns: &str, name: &str, role: Role, pair: &PDPair) -> PDEndpoint {
             address: "127.0.0.1:7000".into(),
             parallelism: pool.parallelism.clone(),
             kv: pool.kv.clone(),
+            pool_memory: Default::default(),
+            staging: None,
         },
     );
     e.metadata.namespace = Some(ns.to_owned());

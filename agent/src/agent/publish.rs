@@ -189,6 +189,12 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
                 address: engine.address.clone(),
                 parallelism: engine.reg.parallelism.clone(),
                 kv: engine.reg.kv.clone(),
+                pool_memory: match engine.device {
+                    Some(_) => pdpair_api::PoolMemory::Gpu,
+                    None => pdpair_api::PoolMemory::Host,
+                },
+                // The engine's words, shown to whoever reads the PDEndpoint: printable and short.
+                staging: engine.reg.staging.as_deref().map(crate::reason::peer_text),
             },
             status: None,
         };

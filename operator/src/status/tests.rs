@@ -35,6 +35,8 @@ fn endpoint(name: &str, role: Role, pair: &PDPair) -> PDEndpoint {
             address: "10.0.0.1:7000".into(),
             parallelism: pool.parallelism.clone(),
             kv: pool.kv.clone(),
+            pool_memory: Default::default(),
+            staging: None,
         },
     );
     e.metadata.namespace = Some("default".into());

@@ -70,12 +70,14 @@ def registration(
     kv_arrangement: Optional[str] = None,
     regions: Optional[List[dict]] = None,
     gpu: Optional[dict] = None,
+    staging: Optional[str] = None,
 ) -> dict:
     """A ``RegisterPool`` message. Settings left ``None`` are filled by the agent from the
     PDPair (in a cluster); outside one the agent requires them. ``regions`` splits the pool
     (``[{"layers": n, "kv_arrangement": ...}, ...]``, in layer order); without it the pool is one
     region arranged ``kv_arrangement`` (``None``: ``KvFirst``, or ``Latent`` for MLA). ``gpu`` makes it a GPU pool
-    (``{"device_uuid", "regions": [{"ipc_handle", "offset"}], "event"}``, docs/engine-api.md)."""
+    (``{"device_uuid", "regions": [{"ipc_handle", "offset"}], "event"}``, docs/engine-api.md);
+    ``staging`` says why a host pool is registered instead (published in the PDEndpoint)."""
     if role not in ("prefill", "decode"):
         raise ValueError(f"role is {role!r}, not prefill or decode")
     message = {
@@ -95,6 +97,7 @@ def registration(
         "kv_arrangement": kv_arrangement,
         "regions": list(regions) if regions else None,
         "gpu": gpu,
+        "staging": staging,
         "pod": pod,
         "mode": mode,
         "checksum": checksum,

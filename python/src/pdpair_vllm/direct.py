@@ -257,10 +257,14 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
     direct pool (``None`` when staged) and why not direct (``None`` when direct)."""
     chosen: dict = {}
 
+    def staged(why: str) -> dict:
+        # The agent publishes why in the PDEndpoint (spec.staging); it keeps 300 characters.
+        chosen["why"] = why
+        return dict(reg, staging=why[:1024])
+
     def pick(caps: dict) -> dict:
         if want is False:
-            chosen["why"] = "turned off (kv_connector_extra_config.direct: false)"
-            return reg
+            return staged("turned off (kv_connector_extra_config.direct: false)")
         try:
             host = PoolLayout.new(reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"],
                                   reg.get("tensor_rank", 0))
@@ -269,8 +273,7 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
         except DirectRefused as e:
             if want is True:
                 raise agent_client.AgentError(f"direct is true, but {e}") from None
-            chosen["why"] = str(e)
-            return reg
+            return staged(str(e))
         chosen["direct"] = d
         return gpu_reg
 
@@ -282,5 +285,6 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
         # The agent could not open the GPU pool (a CUDA IPC handle from another PID namespace,
         # say): stage instead, on a new connection.
         log.warning("pdpair: the agent refused the KV cache as a GPU pool (%s); staging through host memory", e)
-        return agent_client.AgentClient.register(socket_path, reg), None, f"the agent refused the GPU pool: {e}"
+        why = f"the agent refused the GPU pool: {e}"
+        return agent_client.AgentClient.register(socket_path, dict(reg, staging=why[:1024])), None, why
     return client, chosen.get("direct"), chosen.get("why")
