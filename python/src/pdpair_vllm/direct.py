@@ -249,18 +249,24 @@ def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapp
     return DirectKv(tensors, layout, first.device)
 
 
+def _short(text: str) -> str:
+    """``text`` cut to the 1024 bytes a registration's ``staging`` may hold."""
+    return text.encode()[:1024].decode(errors="ignore")
+
+
 def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want: Optional[bool] = None
              ) -> Tuple[agent_client.AgentClient, Optional[DirectKv], Optional[str]]:
     """Registers one rank's KV with its agent: as a GPU pool of ``tensors`` themselves where the
     agent takes one (``want`` ``None``: where it can, its KV reaching other nodes too; ``True``:
-    wherever the agent takes it, or fail saying why; ``False``: never), else ``reg`` (a host pool, which the engine stages through). Returns the client, the
-    direct pool (``None`` when staged) and why not direct (``None`` when direct)."""
+    wherever the agent takes it, or fail saying why; ``False``: never), else ``reg`` (a host
+    pool, which the engine stages through, told why). Returns the client, the direct pool
+    (``None`` when staged) and why not direct (``None`` when direct)."""
     chosen: dict = {}
 
     def staged(why: str) -> dict:
         # The agent publishes why in the PDEndpoint (spec.staging); it keeps 300 characters.
         chosen["why"] = why
-        return dict(reg, staging=why[:1024])
+        return dict(reg, staging=_short(why))
 
     def pick(caps: dict) -> dict:
         if want is False:
@@ -286,5 +292,5 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
         # say): stage instead, on a new connection.
         log.warning("pdpair: the agent refused the KV cache as a GPU pool (%s); staging through host memory", e)
         why = f"the agent refused the GPU pool: {e}"
-        return agent_client.AgentClient.register(socket_path, dict(reg, staging=why[:1024])), None, why
+        return agent_client.AgentClient.register(socket_path, dict(reg, staging=_short(why))), None, why
     return client, chosen.get("direct"), chosen.get("why")
