@@ -353,8 +353,35 @@ const PATHS_NAMED: usize = 3;
 /// `TransferPath` from the paths the agents that moved KV report (push: prefill's; pull:
 /// decode's): Unknown until one has; False when `spec.transfer.requirePath` is set and some
 /// endpoint's path to a peer is not in it (RDMA that fell back to TCP, say); else True, its
-/// reason the worst class seen.
+/// reason the worst class seen. The message also counts the engines that stage their KV through
+/// host memory by their own account (`spec.staging`): a copy on each side the path leaves out.
 fn path_condition(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond {
+    let mut c = path_condition_of_transfers(pair, endpoints);
+    let mut staging: Vec<&str> = endpoints
+        .iter()
+        .filter(|e| e.spec.pool_memory == pdpair_api::PoolMemory::Host && e.spec.staging.is_some())
+        .map(|e| e.metadata.name.as_deref().unwrap_or("?"))
+        .collect();
+    if !staging.is_empty() {
+        staging.sort_unstable();
+        let named: Vec<&str> = staging.iter().take(PATHS_NAMED).copied().collect();
+        let more = staging.len().saturating_sub(PATHS_NAMED);
+        let more = if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        };
+        c.message.push_str(&format!(
+            "; {} of {} engine(s) stage KV through host memory ({}{more}: their PDEndpoints' spec.staging say why)",
+            staging.len(),
+            endpoints.len(),
+            named.join(", ")
+        ));
+    }
+    c
+}
+
+fn path_condition_of_transfers(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond {
     let paths: Vec<(&str, &pdpair_api::TransferPath)> = endpoints
         .iter()
         .filter_map(|e| Some((e.metadata.name.as_deref().unwrap_or("?"), e.status.as_ref()?)))

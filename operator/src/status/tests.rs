@@ -480,6 +480,21 @@ fn transfer_path_is_unknown_until_an_agent_reports_one_then_names_the_worst() {
         "{}",
         c.message
     );
+    assert!(!c.message.contains("stage KV"), "{}", c.message);
+    // An engine that says it stages through host memory is counted and named; one with a GPU
+    // pool, or a host pool without a word, is not.
+    let mut staged = endpoint("d1", Role::Decode, &pair);
+    staged.spec.staging = Some("the agent refused the GPU pool: ...".into());
+    let mut gpu = endpoint("d2", Role::Decode, &pair);
+    gpu.spec.pool_memory = pdpair_api::PoolMemory::Gpu;
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d, &staged, &gpu]), &t(2));
+    let c = cond(&s, ct::TRANSFER_PATH);
+    assert!(
+        c.message
+            .ends_with("; 1 of 4 engine(s) stage KV through host memory (d1: their PDEndpoints' spec.staging say why)"),
+        "{}",
+        c.message
+    );
 }
 
 #[test]
