@@ -172,6 +172,21 @@ def gpu_engine(world, agent, role: str, g: dict, num_blocks: int, shape: str):
     return client, pool
 
 
+def fill_gpu(p, p_kv, seed: int, blocks, tokens: int) -> None:
+    """Writes the synthetic pattern into prefill's CUDA tensors (on the current stream, as a
+    forward pass would: the event recorded after it covers it)."""
+    host = [bytearray(n) for n in p.layout.region_lens]
+    synthetic.fill(host, p.layout, seed, blocks, 0, tokens)
+    for t, h, n in zip(p_kv.tensors, host, p.layout.region_lens):
+        raw(t, n).copy_(torch.frombuffer(h, dtype=torch.uint8))
+
+
+def bad_tokens_on_gpu(d, d_kv, seed: int, blocks, tokens: int) -> int:
+    """Decode's CUDA tensors read back to the host: the tokens whose bytes are not the pattern."""
+    got = [bytearray(raw(t, n).cpu().numpy().tobytes()) for t, n in zip(d_kv.tensors, d.layout.region_lens)]
+    return synthetic.verify(got, d.layout, seed, blocks, 0, tokens)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("agents", ["one", "two"])
 @pytest.mark.parametrize("p_shape,d_shape,token_layout", [("flash", "flash", "HND"), ("flash", "flashinfer", "NHD")])
@@ -186,17 +201,13 @@ def test_vllm_shaped_gpu_kv_moves_between_engines_without_host_staging(world, ag
     p, p_kv = gpu_engine(world, pa, "prefill", g, 256, p_shape)
     d, d_kv = gpu_engine(world, da, "decode", g, 256, d_shape)
     blocks, d_blocks, tokens = [3, 4, 5, 9, 10], [200, 2, 201, 202, 40], 75
-    host = [bytearray(n) for n in p.layout.region_lens]
-    synthetic.fill(host, p.layout, 7, blocks, 0, tokens)
-    for t, h, n in zip(p_kv.tensors, host, p.layout.region_lens):
-        raw(t, n).copy_(torch.frombuffer(h, dtype=torch.uint8))  # on the current stream, as a forward pass
+    fill_gpu(p, p_kv, 7, blocks, tokens)
     p_kv.save(blocks)  # the event after the writes
     p.kv_ready("g1", blocks, tokens)
     d.expect_kv("g1", [p.address], d_blocks, tokens)
     event = d.wait("g1", timeout=60)
     assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw
-    got = [bytearray(raw(t, n).cpu().numpy().tobytes()) for t, n in zip(d_kv.tensors, d.layout.region_lens)]
-    assert synthetic.verify(got, d.layout, 7, d_blocks, 0, tokens) == 0
+    assert bad_tokens_on_gpu(d, d_kv, 7, d_blocks, tokens) == 0
     assert p.wait("g1").type == "RequestDone"
     p.close()
     d.close()
@@ -241,10 +252,7 @@ def test_a_direct_gpu_pool_and_a_staged_host_pool_meet_over_the_agents_streams(w
     blocks, d_blocks, tokens = [3, 4, 5, 9, 10], [200, 2, 201, 202, 40], 75
     if direct_side == "prefill":
         p, p_kv = gpu_engine(world, pa, "prefill", g, 256, "flash")
-        host = [bytearray(n) for n in p.layout.region_lens]
-        synthetic.fill(host, p.layout, 9, blocks, 0, tokens)
-        for t, h, n in zip(p_kv.tensors, host, p.layout.region_lens):
-            raw(t, n).copy_(torch.frombuffer(h, dtype=torch.uint8))
+        fill_gpu(p, p_kv, 9, blocks, tokens)
         p_kv.save(blocks)
         d, _, why = direct.register(da.socket, reg(world, "decode", g, 256), [], want=False)
         assert why and d.pool is not None
@@ -260,8 +268,7 @@ def test_a_direct_gpu_pool_and_a_staged_host_pool_meet_over_the_agents_streams(w
     if direct_side == "prefill":
         assert synthetic.verify(d.pool, d.layout, 9, d_blocks, 0, tokens) == 0
     else:
-        got = [bytearray(raw(t, n).cpu().numpy().tobytes()) for t, n in zip(d_kv.tensors, d.layout.region_lens)]
-        assert synthetic.verify(got, d.layout, 9, d_blocks, 0, tokens) == 0
+        assert bad_tokens_on_gpu(d, d_kv, 9, d_blocks, tokens) == 0
     assert p.wait("m1").type == "RequestDone"
     p.close()
     d.close()
@@ -298,17 +305,13 @@ def test_across_pid_namespaces_the_direct_path_moves_kv_or_falls_back_to_staging
         return
     d, d_kv = gpu_engine(world, agent, "decode", g, 256, "flash")
     blocks, d_blocks, tokens = [1, 2, 3], [7, 8, 9], 40
-    host = [bytearray(n) for n in p.layout.region_lens]
-    synthetic.fill(host, p.layout, 5, blocks, 0, tokens)
-    for t, h, n in zip(p_kv.tensors, host, p.layout.region_lens):
-        raw(t, n).copy_(torch.frombuffer(h, dtype=torch.uint8))
+    fill_gpu(p, p_kv, 5, blocks, tokens)
     p_kv.save(blocks)
     p.kv_ready("ns1", blocks, tokens)
     d.expect_kv("ns1", [p.address], d_blocks, tokens)
     event = d.wait("ns1", timeout=60)
     assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw
-    got = [bytearray(raw(t, n).cpu().numpy().tobytes()) for t, n in zip(d_kv.tensors, d.layout.region_lens)]
-    assert synthetic.verify(got, d.layout, 5, d_blocks, 0, tokens) == 0
+    assert bad_tokens_on_gpu(d, d_kv, 5, d_blocks, tokens) == 0
     p.close()
     d.close()
     agent.kill()  # unshare outlasts a SIGTERM; its child dies with it
