@@ -208,12 +208,12 @@ class DirectKv(Stager):
     interprocess event on the stream that wrote the KV before each ``KvReady`` (the agent's
     copies wait for it); decode's blocks have landed when the agent says ``RequestDone``."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], layout: PoolLayout, device: torch.device):
+    def __init__(self, tensors: Sequence[torch.Tensor], layout: PoolLayout, device: torch.device, uuid: str):
         self.tensors = list(tensors)
         self.layout = layout
         self.device = device
         #: The GPU's UUID (``GPU-...``).
-        self.uuid = device_uuid(self.tensors[0])
+        self.uuid = uuid
         self.event = torch.cuda.Event(enable_timing=False, interprocess=True)
         self.event.record(torch.cuda.current_stream(device))
         self.regions = regions(self.tensors, layout)
@@ -243,10 +243,11 @@ def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapp
         raise DirectRefused(f"the KV cache is in {first.device.type} memory, not on a GPU")
     if any(t.device != first.device for t in tensors):
         raise DirectRefused(f"the KV tensors are on several devices ({sorted({str(t.device) for t in tensors})})")
-    why = refused_by_agent(capabilities, device_uuid(first), across_nodes)
+    uuid = device_uuid(first)
+    why = refused_by_agent(capabilities, uuid, across_nodes)
     if why:
         raise DirectRefused(why)
-    return DirectKv(tensors, layout, first.device)
+    return DirectKv(tensors, layout, first.device, uuid)
 
 
 def _short(text: str) -> str:
