@@ -785,7 +785,9 @@ fn two_decode_ranks_take_their_heads_from_one_prefill_rank_and_prefill_hears_onc
         let mut geometry = kv(16, None);
         geometry.kv_heads = 8;
         let mut p_spec = spec(Role::Prefill, "p0", geometry.clone(), b"k", ChecksumPolicy::FailClosed);
-        (p_spec.parallelism.tensor, p_spec.mode) = (2, mode);
+        // Two handshakes on one prefill rank, each with its UCX probe: 2 s was once too short
+        // on a loaded 2-core machine (EAGAIN); nothing here waits for a deadline to pass.
+        (p_spec.parallelism.tensor, p_spec.mode, p_spec.handshake_timeout_ms) = (2, mode, 10_000);
         let mut p = SyntheticEngine::register(&ps, &w.dir, &p_spec).expect("P");
         let mut d: Vec<SyntheticEngine> = (0..2)
             .map(|r| {
@@ -796,7 +798,7 @@ fn two_decode_ranks_take_their_heads_from_one_prefill_rank_and_prefill_hears_onc
                     b"k",
                     ChecksumPolicy::FailClosed,
                 );
-                (s.parallelism.tensor, s.tensor_rank, s.mode) = (4, r, mode);
+                (s.parallelism.tensor, s.tensor_rank, s.mode, s.handshake_timeout_ms) = (4, r, mode, 10_000);
                 SyntheticEngine::register(&ds, &w.dir, &s).expect("D rank")
             })
             .collect();
