@@ -351,6 +351,10 @@ impl Agent {
                 None => vec!["host".into(), "cuda".into()],
                 Some(_) => vec!["host".into()],
             },
+            gpu_sharing: match &refused {
+                None => vec!["ipc_handle".into(), "vmm_fd".into()],
+                Some(_) => Vec::new(),
+            },
             gpu_pools_refused: refused,
             gpu_between_agents: self.shared.transport.stream().is_some(),
         }
@@ -396,13 +400,23 @@ impl Agent {
             send(&writer, &self.capabilities());
             first = wire::read_frame_fds::<EngineRequest>(&reader, wire::MAX_FRAME);
         }
+        // VMM allocations of a GPU pool, shared before the registration that names them.
+        let mut shared: Vec<(std::os::fd::OwnedFd, u64)> = Vec::new();
+        while let Ok((EngineRequest::ShareGpuMemory { sizes }, fds)) = &mut first {
+            if let Err(message) = crate::engine_api::check_share(sizes, fds.len(), shared.len()) {
+                send(&writer, &AgentEvent::RegistrationFailed { message });
+                return;
+            }
+            shared.extend(std::mem::take(fds).into_iter().zip(sizes.iter().copied()));
+            first = wire::read_frame_fds::<EngineRequest>(&reader, wire::MAX_FRAME);
+        }
         let (registration, fds) = match first {
             Ok((EngineRequest::RegisterPool(reg), fds)) => (*reg, fds),
             Ok(_) => {
                 send(
                     &writer,
                     &AgentEvent::RegistrationFailed {
-                        message: "the first message must be RegisterPool (after at most one Capabilities)".into(),
+                        message: "the first message must be RegisterPool (after at most one Capabilities and any ShareGpuMemory)".into(),
                     },
                 );
                 return;
@@ -412,7 +426,7 @@ impl Agent {
                 return;
             }
         };
-        let engine = match Engine::register(self.shared.clone(), registration, fds, writer.clone()) {
+        let engine = match Engine::register(self.shared.clone(), registration, fds, shared, writer.clone()) {
             Ok(engine) => engine,
             Err(message) => {
                 send(&writer, &AgentEvent::RegistrationFailed { message });
@@ -484,6 +498,10 @@ impl Agent {
                 },
                 Ok(EngineRequest::RegisterPool(_)) => {
                     tracing::warn!(engine = %engine.reg.engine, "engine registered twice; ignoring");
+                }
+                Ok(EngineRequest::ShareGpuMemory { .. }) => {
+                    // Read without a control buffer: the kernel closed any descriptors it carried.
+                    tracing::warn!(engine = %engine.reg.engine, "GPU memory shared after the registration; ignoring");
                 }
                 Ok(EngineRequest::Capabilities) => send(&writer, &self.capabilities()),
                 Err(e) => {
@@ -704,6 +722,7 @@ impl Engine {
         shared: Arc<Shared>,
         reg: PoolRegistration,
         fds: Vec<std::os::fd::OwnedFd>,
+        gpu_memory: Vec<(std::os::fd::OwnedFd, u64)>,
         writer: Arc<Mutex<UnixStream>>,
     ) -> Result<Arc<Engine>, String> {
         if let Some(path) = &reg.memory_path {
@@ -722,8 +741,14 @@ impl Engine {
         if reg.num_blocks == 0 {
             return Err("num_blocks must be at least 1".into());
         }
+        if reg.gpu.is_none() && !gpu_memory.is_empty() {
+            return Err(format!(
+                "{} GPU allocations were shared (ShareGpuMemory), but the registration is not a GPU pool (no gpu)",
+                gpu_memory.len()
+            ));
+        }
         if let Some(gpu) = &reg.gpu {
-            gpu.check(layout.regions.len(), reg.memory_fd)?;
+            gpu.check(layout.regions.len(), reg.memory_fd, gpu_memory.len())?;
             if let Some(why) = shared.gpu_pools_refused() {
                 return Err(format!("gpu: GPU pools are not accepted: {why}"));
             }
@@ -796,6 +821,7 @@ impl Engine {
                     &layout,
                     gpu,
                     &owner,
+                    &gpu_memory,
                 )?),
             ),
             None => (Engine::pools(&shared, &layout, fds)?, None),

@@ -19,7 +19,21 @@ pub enum EngineRequest {
     /// time after it, so an engine learns whether its GPU pool would be accepted before it
     /// registers one.
     Capabilities,
-    /// First message on a connection (after an optional `Capabilities`): the engine's KV pool.
+    /// GPU memory for a GPU pool, shared as VMM allocations (`cuMemCreate` memory, as torch's
+    /// `expandable_segments` and other VMM allocators make): this frame carries one POSIX file
+    /// descriptor per allocation (`cuMemExportToShareableHandle`; `SCM_RIGHTS`, in order, at most
+    /// 128 a frame), and `sizes` says how many bytes of each to map. Only before `RegisterPool`
+    /// (after an optional `Capabilities`), as many frames as it takes, at most
+    /// [`crate::memory::cuda::MAX_VMM_CHUNKS`] allocations in all. The agent maps them end to end,
+    /// in the order shared, into one range; a `gpu.regions` entry without `ipc_handle` lies in it,
+    /// `offset` bytes from its start. Unlike an IPC handle, a descriptor is the sender's: the
+    /// memory is the registering engine's own, and it works across PID namespaces.
+    ShareGpuMemory {
+        /// Bytes of each allocation whose descriptor this frame carries, in order.
+        sizes: Vec<u64>,
+    },
+    /// First message on a connection (after an optional `Capabilities` and any
+    /// `ShareGpuMemory`): the engine's KV pool.
     RegisterPool(Box<PoolRegistration>),
     /// Decode: KV for this request will come from the prefill engine at `prefill`.
     ExpectKv {
@@ -177,10 +191,31 @@ pub struct PoolRegistration {
     pub staging: Option<String>,
 }
 
+/// Checks one `ShareGpuMemory` frame before its descriptors are kept: one size per descriptor,
+/// at least one, and at most [`crate::memory::cuda::MAX_VMM_CHUNKS`] allocations with the
+/// `before` shared already (each size is checked against the GPU's granularity when mapped).
+pub fn check_share(sizes: &[u64], fds: usize, before: usize) -> Result<(), String> {
+    if sizes.len() != fds || fds == 0 {
+        return Err(format!(
+            "ShareGpuMemory names {} sizes and carried {fds} file descriptors (one per size, at least one)",
+            sizes.len()
+        ));
+    }
+    let max = crate::memory::cuda::MAX_VMM_CHUNKS;
+    if before + fds > max {
+        return Err(format!(
+            "ShareGpuMemory: {} GPU allocations shared in all; at most {max}",
+            before + fds
+        ));
+    }
+    Ok(())
+}
+
 /// The longest `staging` a registration may give.
 pub const MAX_STAGING: usize = 1024;
 
-/// A pool in GPU memory: each region lies in a CUDA allocation the engine shares by IPC handle.
+/// A pool in GPU memory: each region lies in a CUDA allocation the engine shares by IPC handle,
+/// or in the VMM allocations it shared with `ShareGpuMemory`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuPool {
     /// The GPU's UUID (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` as `nvidia-smi -L` prints it,
@@ -204,17 +239,22 @@ pub struct GpuPool {
 pub struct GpuRegion {
     /// `cuIpcGetMemHandle` of the allocation that holds the region (`cudaMalloc` memory, as
     /// torch's caching allocator makes; not the stream-ordered allocator's), hex of its 64 bytes.
-    pub ipc_handle: String,
-    /// Bytes from the start of that allocation to the region (torch's storage offset).
+    /// Absent: the region lies in the VMM memory shared with `ShareGpuMemory`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipc_handle: Option<String>,
+    /// Bytes from the start of that allocation to the region (torch's storage offset); without
+    /// `ipc_handle`, from the start of the shared VMM memory (its allocations end to end).
     #[serde(default)]
     pub offset: u64,
 }
 
 impl GpuPool {
-    /// Checks the fields against a pool of `regions` regions, naming the field and value that is
-    /// wrong: a UUID, one well-formed 64-byte handle per region, offsets that do not wrap, a
-    /// well-formed event handle, and no `memory_fd` beside it.
-    pub fn check(&self, regions: usize, memory_fd: bool) -> Result<(), String> {
+    /// Checks the fields against a pool of `regions` regions and the `shared` VMM allocations
+    /// (`ShareGpuMemory`), naming the field and value that is wrong: a UUID, for each region a
+    /// well-formed 64-byte handle or shared memory to lie in, offsets that do not wrap, shared
+    /// memory only where a region lies in it, a well-formed event handle, and no `memory_fd`
+    /// beside it.
+    pub fn check(&self, regions: usize, memory_fd: bool, shared: usize) -> Result<(), String> {
         if memory_fd {
             return Err("gpu and memory_fd are both set: a GPU pool's regions are CUDA IPC handles, not memfds".into());
         }
@@ -226,11 +266,26 @@ impl GpuPool {
             ));
         }
         for (i, r) in self.regions.iter().enumerate() {
-            crate::memory::cuda::IpcHandle::from_hex(&r.ipc_handle)
-                .map_err(|e| format!("gpu.regions[{i}].ipc_handle: {e}"))?;
+            match &r.ipc_handle {
+                Some(h) => {
+                    crate::memory::cuda::IpcHandle::from_hex(h)
+                        .map_err(|e| format!("gpu.regions[{i}].ipc_handle: {e}"))?;
+                }
+                None if shared == 0 => {
+                    return Err(format!(
+                        "gpu.regions[{i}] has no ipc_handle, and no GPU memory was shared (ShareGpuMemory) for it to lie in"
+                    ));
+                }
+                None => {}
+            }
             if r.offset > i64::MAX as u64 {
                 return Err(format!("gpu.regions[{i}].offset {} is out of range", r.offset));
             }
+        }
+        if shared > 0 && self.regions.iter().all(|r| r.ipc_handle.is_some()) {
+            return Err(format!(
+                "{shared} GPU allocations were shared (ShareGpuMemory), but every gpu.regions entry names an ipc_handle"
+            ));
         }
         if let Some(event) = &self.event {
             crate::memory::cuda::IpcHandle::from_hex(event).map_err(|e| format!("gpu.event: {e}"))?;
@@ -319,6 +374,10 @@ pub enum AgentEvent {
         /// registers a host pool there.
         #[serde(default)]
         gpu_between_agents: bool,
+        /// How a GPU pool's memory may be shared, where GPU pools are accepted: `ipc_handle`
+        /// (`gpu.regions[].ipc_handle`, `cudaMalloc` memory) and `vmm_fd` (`ShareGpuMemory`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        gpu_sharing: Vec<String>,
     },
     /// The pool is registered; peers reach this engine at `address`.
     Registered {

@@ -8,8 +8,10 @@
 //! block for a 4096-token prompt of 16-token blocks, verified by checksum on the receiving GPU.
 //! Then requests through the agent (`pdpair-agent run` as a child process, GPU pools of two
 //! synthetic GPU engines registered by IPC handle): 1 GiB of blocks with checksums off and with
-//! FailClosed (both sides' GPU checksums), and a 4096-token prompt, each from `KvReady` to
-//! decode's `RequestDone`, every byte read back and checked, the path from the agent's metrics.
+//! FailClosed (both sides' GPU checksums), a 4096-token prompt, and the same prompt with both
+//! pools shared as VMM allocations (`ShareGpuMemory`, 20 MiB each, as torch's
+//! `expandable_segments` maps them), each from `KvReady` to decode's `RequestDone`, every byte
+//! read back and checked, the path from the agent's metrics.
 //! Last, the same between two agents (`--transport tcp` both, the engines on one GPU but behind
 //! different agents): GPU KV staged through each agent's host buffers over the KV stream
 //! (`Tcp/StagedStream` expected).
@@ -506,7 +508,10 @@ fn start_agent(
 }
 
 fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, CudaError> {
-    use crate::synthetic::{EngineMemory, EngineSpec, gpu::GpuEngine};
+    use crate::synthetic::{
+        EngineMemory, EngineSpec,
+        gpu::{GpuEngine, Sharing},
+    };
     use pdpair_api::{ChecksumPolicy, Role, TransferMode};
 
     let dir = std::env::temp_dir().join(format!("pdpair-gpu-check-{}-{staged}", std::process::id()));
@@ -537,38 +542,65 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, Cu
     };
     // One 8B-class block over all layers is 2 MiB: 512 of them are 1 GiB, 256 a 4096-token prompt.
     let mut rows = Vec::new();
-    let scenarios: &[(&str, ChecksumPolicy, u32)] = if staged {
+    // torch's expandable_segments maps 20 MiB allocations; so do the VMM rows' engines.
+    let vmm = Sharing::Vmm { chunk: 20 << 20 };
+    let scenarios: &[(&str, ChecksumPolicy, u32, Sharing)] = if staged {
         &[
-            ("1 GiB of blocks, checksums off", ChecksumPolicy::Disabled, 512u32),
+            (
+                "1 GiB of blocks, checksums off",
+                ChecksumPolicy::Disabled,
+                512u32,
+                Sharing::Ipc,
+            ),
             (
                 "4096-token prompt of 16-token blocks, FailClosed",
                 ChecksumPolicy::FailClosed,
                 256,
+                Sharing::Ipc,
             ),
         ]
     } else {
         &[
-            ("1 GiB of blocks, checksums off", ChecksumPolicy::Disabled, 512u32),
+            (
+                "1 GiB of blocks, checksums off",
+                ChecksumPolicy::Disabled,
+                512u32,
+                Sharing::Ipc,
+            ),
             (
                 "1 GiB of blocks, FailClosed (GPU checksums both sides)",
                 ChecksumPolicy::FailClosed,
                 512,
+                Sharing::Ipc,
             ),
             (
                 "4096-token prompt of 16-token blocks, FailClosed",
                 ChecksumPolicy::FailClosed,
                 256,
+                Sharing::Ipc,
+            ),
+            (
+                "4096-token prompt, both pools shared as VMM descriptors, FailClosed",
+                ChecksumPolicy::FailClosed,
+                256,
+                vmm,
             ),
         ]
     };
-    for &(label, checksum, blocks) in scenarios {
+    for &(label, checksum, blocks, sharing) in scenarios {
         let tag = rows.len();
-        let mut p = GpuEngine::register(&socket, &spec(Role::Prefill, &format!("p{tag}"), checksum, blocks), gpu)
-            .map_err(|e| invalid(format!("prefill registers: {e}")))?;
-        let mut d = GpuEngine::register(
+        let mut p = GpuEngine::register_sharing(
+            &socket,
+            &spec(Role::Prefill, &format!("p{tag}"), checksum, blocks),
+            gpu,
+            sharing,
+        )
+        .map_err(|e| invalid(format!("prefill registers: {e}")))?;
+        let mut d = GpuEngine::register_sharing(
             &d_socket,
             &spec(Role::Decode, &format!("d{tag}"), checksum, blocks),
             gpu,
+            sharing,
         )
         .map_err(|e| invalid(format!("decode registers: {e}")))?;
         for e in [p.events().map_err(invalid)?, d.events().map_err(invalid)?] {

@@ -70,6 +70,12 @@ fn main() -> ExitCode {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+    if matches!(cli.command, Command::Run(_)) {
+        match pdpair_agent::tuning::raise_fd_limit() {
+            Ok(n) => tracing::debug!(open_files = n, "file descriptor limit"),
+            Err(e) => tracing::warn!(error = %e, "cannot raise the file descriptor limit"),
+        }
+    }
     let stdout = std::io::stdout();
     let result = match cli.command {
         Command::Run(args) => cli::run(&args),

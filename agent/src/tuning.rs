@@ -64,9 +64,41 @@ pub fn reexec_tuned() {
     eprintln!("pdpair-agent: could not re-execute with the copy settings (running without them): {err}");
 }
 
+/// Raises the soft limit on open file descriptors to the hard one: an engine's GPU pool may be
+/// shared as thousands of VMM allocations, one descriptor each (`ShareGpuMemory`, up to
+/// `memory::cuda::MAX_VMM_CHUNKS` per engine), held until its registration maps them. Returns
+/// the soft limit now in force.
+#[allow(unsafe_code)]
+pub fn raise_fd_limit() -> std::io::Result<u64> {
+    // SAFETY: a zeroed rlimit is a valid out-value.
+    let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: out-pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if limit.rlim_cur < limit.rlim_max {
+        limit.rlim_cur = limit.rlim_max;
+        // SAFETY: a valid rlimit; only the soft limit changes, up to the hard one.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(limit.rlim_cur as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[allow(unsafe_code)]
+    fn the_file_descriptor_limit_is_raised_to_the_hard_one() {
+        let now = raise_fd_limit().expect("raised");
+        // SAFETY: a zeroed rlimit is a valid out-value; out-pointer.
+        let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0);
+        assert_eq!((limit.rlim_cur, now), (limit.rlim_max, limit.rlim_max as u64));
+    }
 
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> {
         let pairs: Vec<(String, String)> = pairs.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect();

@@ -44,7 +44,7 @@ fn gpu_pool() -> GpuPool {
     GpuPool {
         device_uuid: "GPU-5f1c2a3b-0d4e-4f60-8a9b-0c1d2e3f4a5b".into(),
         regions: vec![GpuRegion {
-            ipc_handle: "ab".repeat(64),
+            ipc_handle: Some("ab".repeat(64)),
             offset: 4096,
         }],
         event: Some("cd".repeat(64)),
@@ -65,6 +65,7 @@ fn capabilities_say_what_ucx_and_the_driver_allow_and_registration_follows_on_th
         pool_memory,
         gpu_pools_refused,
         gpu_between_agents,
+        gpu_sharing,
     } = ask(&mut s, &EngineRequest::Capabilities)
     else {
         panic!("not Capabilities");
@@ -91,8 +92,10 @@ fn capabilities_say_what_ucx_and_the_driver_allow_and_registration_follows_on_th
     if cuda::devices().is_ok_and(|d| !d.is_empty()) {
         assert_eq!(pool_memory, vec!["host".to_owned(), "cuda".to_owned()]);
         assert_eq!(gpu_pools_refused, None);
+        assert_eq!(gpu_sharing, vec!["ipc_handle".to_owned(), "vmm_fd".to_owned()]);
     } else {
         assert_eq!(pool_memory, vec!["host".to_owned()]);
+        assert!(gpu_sharing.is_empty(), "{gpu_sharing:?}");
         let why = gpu_pools_refused.expect("GPU pools are refused, saying why");
         if !cuda::driver_present() {
             assert!(why.contains("no CUDA driver"), "{why}");
@@ -157,11 +160,11 @@ fn gpu_pools_are_refused_naming_the_field_or_the_reason_and_the_agent_keeps_serv
         ("gpu.regions has 0 entries", with(&|_, g| g.regions.clear())),
         (
             "gpu.regions[0].ipc_handle",
-            with(&|_, g| g.regions[0].ipc_handle = "ab".repeat(63)),
+            with(&|_, g| g.regions[0].ipc_handle = Some("ab".repeat(63))),
         ),
         (
             "gpu.regions[0].ipc_handle",
-            with(&|_, g| g.regions[0].ipc_handle = "zz".repeat(64)),
+            with(&|_, g| g.regions[0].ipc_handle = Some("zz".repeat(64))),
         ),
         ("gpu.regions[0].offset", with(&|_, g| g.regions[0].offset = u64::MAX)),
         ("gpu.event", with(&|_, g| g.event = Some("00".into()))),
@@ -179,6 +182,116 @@ fn gpu_pools_are_refused_naming_the_field_or_the_reason_and_the_agent_keeps_serv
         }
     }
     // Nothing half-registered: a host pool still registers.
+    let mut s = connect(&socket);
+    let answer = ask(&mut s, &EngineRequest::RegisterPool(Box::new(host_registration())));
+    assert!(matches!(answer, AgentEvent::Registered { .. }), "{answer:?}");
+}
+
+/// `n` descriptors to attach to a frame (memfds: what they are is the driver's to check when a
+/// GPU pool maps them; everything here is refused before that).
+#[allow(unsafe_code)]
+fn descriptors(n: usize) -> Vec<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    (0..n)
+        .map(|_| {
+            // SAFETY: memfd_create with a static name; the new descriptor is owned here.
+            let fd = unsafe { libc::memfd_create(c"vmm".as_ptr(), libc::MFD_CLOEXEC) };
+            assert!(fd >= 0, "memfd_create");
+            // SAFETY: as above.
+            unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
+        })
+        .collect()
+}
+
+/// Sends `ShareGpuMemory` frames (each `sizes` with one descriptor per size, or `fds` of them)
+/// and then `then`; the agent's answer.
+fn share_then(socket: &std::path::Path, frames: &[(Vec<u64>, usize)], then: Option<EngineRequest>) -> AgentEvent {
+    use std::os::fd::AsFd;
+    let mut s = connect(socket);
+    for (sizes, fds) in frames {
+        let fds = descriptors(*fds);
+        let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+        // The agent may already have refused and closed: its answer says why.
+        if wire::write_frame_fds(&s, &EngineRequest::ShareGpuMemory { sizes: sizes.clone() }, &borrowed).is_err() {
+            break;
+        }
+    }
+    if let Some(then) = then {
+        let _ = wire::write_frame(&mut s, &then);
+    }
+    wire::read_frame::<AgentEvent>(&mut s).expect("an answer")
+}
+
+#[test]
+fn gpu_memory_shared_as_descriptors_is_checked_against_the_registration_and_refused_naming_why() {
+    let w = World::new("caps-vmm");
+    let socket = w.agent("a", Transport::Tcp, false);
+    let mb2 = 2u64 << 20;
+    let vmm_pool = |regions: usize| {
+        let mut reg = host_registration();
+        let mut gpu = gpu_pool();
+        gpu.regions = (0..regions)
+            .map(|_| GpuRegion {
+                ipc_handle: None,
+                offset: 0,
+            })
+            .collect();
+        reg.gpu = Some(gpu);
+        EngineRequest::RegisterPool(Box::new(reg))
+    };
+    let refused = |answer: AgentEvent, expected: &str| {
+        assert!(
+            matches!(&answer, AgentEvent::RegistrationFailed { message } if message.contains(expected)),
+            "{expected}: {answer:?}"
+        );
+    };
+    // One size per descriptor.
+    refused(
+        share_then(&socket, &[(vec![mb2, mb2], 1)], Some(vmm_pool(1))),
+        "ShareGpuMemory names 2 sizes and carried 1 file descriptors",
+    );
+    refused(
+        share_then(&socket, &[(vec![], 0)], Some(vmm_pool(1))),
+        "names 0 sizes and carried 0 file descriptors",
+    );
+    // Shared memory for a registration that is not a GPU pool, or that no region lies in.
+    refused(
+        share_then(
+            &socket,
+            &[(vec![mb2; 3], 3)],
+            Some(EngineRequest::RegisterPool(Box::new(host_registration()))),
+        ),
+        "3 GPU allocations were shared (ShareGpuMemory), but the registration is not a GPU pool",
+    );
+    let mut all_ipc = host_registration();
+    all_ipc.gpu = Some(gpu_pool());
+    refused(
+        share_then(
+            &socket,
+            &[(vec![mb2], 1)],
+            Some(EngineRequest::RegisterPool(Box::new(all_ipc))),
+        ),
+        "every gpu.regions entry names an ipc_handle",
+    );
+    // A region without a handle needs shared memory to lie in.
+    refused(
+        share_then(&socket, &[], Some(vmm_pool(1))),
+        "gpu.regions[0] has no ipc_handle, and no GPU memory was shared",
+    );
+    // Only before the registration.
+    refused(
+        share_then(&socket, &[(vec![mb2], 1)], Some(EngineRequest::Capabilities)),
+        "must be RegisterPool (after at most one Capabilities and any ShareGpuMemory)",
+    );
+    // Well-formed, over several frames: as far as this agent goes (without a GPU, the driver's
+    // refusal; with one, the memfds are not the driver's exports).
+    let answer = share_then(&socket, &[(vec![mb2; 128], 128), (vec![mb2; 2], 2)], Some(vmm_pool(1)));
+    if cuda::devices().is_ok_and(|d| !d.is_empty()) {
+        refused(answer, "shared GPU allocation 0");
+    } else {
+        refused(answer, "gpu: GPU pools are not accepted: ");
+    }
+    // Nothing half-registered, no descriptor kept: a host pool still registers.
     let mut s = connect(&socket);
     let answer = ask(&mut s, &EngineRequest::RegisterPool(Box::new(host_registration())));
     assert!(matches!(answer, AgentEvent::Registered { .. }), "{answer:?}");

@@ -207,7 +207,10 @@ fn gpu_pool() -> impl Strategy<Value = GpuPool> {
             1 => ".{0,40}"
         ],
         prop::collection::vec(
-            (handle.clone(), prop_oneof![3 => 0..(1u64 << 30), 1 => any::<u64>()]),
+            (
+                prop_oneof![4 => handle.clone().prop_map(Some), 1 => Just(None)],
+                prop_oneof![3 => 0..(1u64 << 30), 1 => any::<u64>()],
+            ),
             0..5,
         ),
         prop::option::of(handle),

@@ -275,7 +275,7 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
     reg.gpu = Some(pdpair_agent::engine_api::GpuPool {
         device_uuid: g.uuid(),
         regions: vec![pdpair_agent::engine_api::GpuRegion {
-            ipc_handle: small.ipc_handle().expect("handle").to_hex(),
+            ipc_handle: Some(small.ipc_handle().expect("handle").to_hex()),
             offset: 0,
         }],
         event: None,
@@ -283,4 +283,141 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
     assert!(region > 1 << 20);
     let e = SyntheticEngine::register_as(&socket, reg).expect_err("an overclaiming handle");
     assert!(e.contains("gpu.regions[0].ipc_handle") && e.contains("bytes"), "{e}");
+}
+
+/// Sends `shared` as `ShareGpuMemory` (descriptor, claimed bytes) and then `reg`; the agent's
+/// refusal, or `None` when it registered the pool.
+fn register_sharing_raw(
+    socket: &std::path::Path,
+    shared: &[(std::os::fd::BorrowedFd<'_>, u64)],
+    reg: pdpair_agent::engine_api::PoolRegistration,
+) -> Option<String> {
+    use pdpair_agent::{
+        engine_api::{AgentEvent, EngineRequest},
+        wire,
+    };
+    let mut s = std::os::unix::net::UnixStream::connect(socket).expect("connect");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .expect("timeout");
+    let fds: Vec<_> = shared.iter().map(|(fd, _)| *fd).collect();
+    let sizes = shared.iter().map(|(_, n)| *n).collect();
+    wire::write_frame_fds(&s, &EngineRequest::ShareGpuMemory { sizes }, &fds).expect("share");
+    wire::write_frame(&mut s, &EngineRequest::RegisterPool(Box::new(reg))).expect("register");
+    match wire::read_frame::<AgentEvent>(&mut s).expect("an answer") {
+        AgentEvent::RegistrationFailed { message } => Some(message),
+        AgentEvent::Registered { .. } => None,
+        other => panic!("unexpected answer: {other:?}"),
+    }
+}
+
+/// GPU pools shared as VMM allocations (`ShareGpuMemory`: file descriptors of `cuMemCreate`
+/// memory, as torch's `expandable_segments` allocates), their regions straddling allocations:
+/// a VMM prefill pushes to an IPC-handle decode and to a VMM decode through one agent, every
+/// byte and checksum checked. Refused: a descriptor that is no GPU allocation, and an allocation
+/// claimed larger than it is.
+#[test]
+#[ignore = "needs an NVIDIA GPU: make gpu-check"]
+fn gpu_pools_shared_as_vmm_descriptors_move_byte_for_byte_and_false_claims_are_refused() {
+    use pdpair_agent::{
+        engine_api::{AgentEvent, EngineRequest, GpuPool, GpuRegion},
+        synthetic::{
+            SyntheticEngine,
+            gpu::{GpuEngine, Sharing},
+        },
+    };
+    use pdpair_api::{ChecksumPolicy, Role};
+    use std::os::fd::AsFd;
+
+    let g = gpu();
+    let w = common::World::new("gpu-vmm");
+    let (_agent, socket) = common::ProcessAgent::start(&w, "a");
+    let geometry = kv(8, 128, false, false, CacheDtype::Auto);
+    let spec = |role, name: &str| {
+        let mut s = common::spec(role, name, geometry.clone(), b"k", ChecksumPolicy::FailClosed);
+        s.num_blocks = 64;
+        s.lease_ms = 10_000;
+        s
+    };
+    // 16 MiB of pool in 2 MiB allocations, the region starting 4 KiB into the first.
+    let vmm = Sharing::Vmm { chunk: 2 << 20 };
+    let mut p = GpuEngine::register_sharing(&socket, &spec(Role::Prefill, "p0"), &g, vmm).expect("VMM prefill");
+    let mut d_ipc = GpuEngine::register(&socket, &spec(Role::Decode, "d0"), &g).expect("IPC decode");
+    let mut d_vmm = GpuEngine::register_sharing(&socket, &spec(Role::Decode, "d1"), &g, vmm).expect("VMM decode");
+    for (n, d) in [&mut d_ipc, &mut d_vmm].into_iter().enumerate() {
+        d.events()
+            .expect("events")
+            .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .expect("timeout");
+        let request = format!("r{n}");
+        let p_blocks: Vec<u32> = (0..32).collect();
+        let d_blocks: Vec<u32> = (8..40).rev().collect();
+        let tokens = 32 * 16 - 3;
+        d.clear().expect("clear");
+        p.fill(20 + n as u64, &p_blocks, 0, tokens).expect("fill");
+        d.send(&EngineRequest::ExpectKv {
+            request: request.clone(),
+            prefill: p.address.clone(),
+            blocks: d_blocks.clone(),
+            num_tokens: tokens,
+            first_token: 0,
+        })
+        .expect("ExpectKv");
+        p.send(&EngineRequest::KvReady {
+            request,
+            blocks: p_blocks,
+            num_tokens: tokens,
+            first_token: 0,
+        })
+        .expect("KvReady");
+        let done = loop {
+            if let e @ (AgentEvent::RequestDone { .. } | AgentEvent::RequestFailed { .. }) =
+                d.next_event().expect("decode event")
+            {
+                break e;
+            }
+        };
+        assert!(
+            matches!(&done, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
+            "decode {n}: {done:?}"
+        );
+        assert_eq!(
+            d.verify(20 + n as u64, &d_blocks, 0, tokens).expect("read back"),
+            0,
+            "decode {n}: every byte arrived"
+        );
+    }
+    // False claims, each refused at registration.
+    let mut reg = SyntheticEngine::registration(&spec(Role::Prefill, "p1"), None, false);
+    let region = reg.layout().expect("layout").region_lens()[0] as u64;
+    reg.gpu = Some(GpuPool {
+        device_uuid: g.uuid(),
+        regions: vec![GpuRegion {
+            ipc_handle: None,
+            offset: 0,
+        }],
+        event: None,
+    });
+    // A memfd is no GPU allocation.
+    #[allow(unsafe_code)]
+    // SAFETY: memfd_create with a static name; the new descriptor is owned here.
+    let memfd =
+        unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(libc::memfd_create(c"x".as_ptr(), 0)) };
+    let e = register_sharing_raw(
+        &socket,
+        &[(memfd.as_fd(), region.div_ceil(2 << 20) * (2 << 20))],
+        reg.clone(),
+    )
+    .expect("a memfd is refused");
+    assert!(e.contains("shared GPU allocation 0"), "{e}");
+    // A 2 MiB allocation claimed as the whole region.
+    let (_small, fds) = DeviceMemory::alloc_vmm(&g, 2 << 20, 2 << 20).expect("alloc");
+    assert_eq!(fds.len(), 1);
+    let claim = region.div_ceil(2 << 20) * (2 << 20);
+    assert!(claim > 2 << 20);
+    let e = register_sharing_raw(&socket, &[(fds[0].0.as_fd(), claim)], reg).expect("an overclaim is refused");
+    assert!(
+        e.contains(&format!("shared GPU allocation 0 does not hold the {claim} bytes")),
+        "{e}"
+    );
+    println!("refused as it should: {e}");
 }

@@ -131,6 +131,65 @@ def test_the_agents_capabilities_decide_whether_it_takes_a_gpu_pool():
         direct.plan(vllm_tensors(g, 2, "flash"), PoolLayout.new(g, 1, 2, 0), same)
 
 
+def test_tensors_in_vmm_memory_are_placed_in_their_allocations_laid_end_to_end():
+    # The driver's answers (which mapped allocation holds an address) come from a table here, as
+    # torch's expandable segments lay them out: 2 MiB allocations mapped back to back in one
+    # segment at 0x1000_0000, and a second segment far above it.
+    mb = 2 << 20
+    table = [(0x1000_0000 + i * mb, mb) for i in range(6)] + [(0x9000_0000 + i * mb, mb) for i in range(3)]
+
+    def address_range(p):
+        for base, size in table:
+            if base <= p < base + size:
+                return base, size
+        raise AssertionError(f"{p:#x} is not mapped")
+
+    # Two tensors of 3 MiB: one from 4 KiB into the first segment (two allocations), one from
+    # 1 MiB into the second (two allocations); and one sharing the first tensor's last allocation.
+    starts = [0x1000_1000, 0x9000_0000 + mb // 2, 0x1000_0000 + mb + mb // 2 + 0x1000]
+    chunks, offsets = direct.vmm_plan(starts, 3 << 20, address_range)
+    assert chunks == [table[0], table[1], table[2], table[6], table[7]], "each allocation once, in address order"
+    # Laid end to end: [s1 a0][s1 a1][s1 a2][s2 a0][s2 a1].
+    assert offsets == [0x1000, 3 * mb + mb // 2, mb + mb // 2 + 0x1000]
+    # Each tensor's bytes are, in the end-to-end layout, the bytes it has in the engine.
+    for start, off in zip(starts, offsets):
+        i = 0
+        while off >= chunks[i][1]:
+            off -= chunks[i][1]
+            i += 1
+        assert chunks[i][0] + off == start
+    # Answers that do not fit are refused, naming them.
+    with pytest.raises(direct.DirectRefused, match="places address 0x10001000 in 0 bytes"):
+        direct.vmm_plan([0x1000_1000], 10, lambda p: (0x1000_0000, 0))
+    with pytest.raises(direct.DirectRefused, match="overlap"):
+        direct.vmm_plan([0x1000, 0x2000], 16, lambda p: (p - 0x800, 0x1000) if p == 0x2000 else (0x1000, 0x1000))
+    with pytest.raises(direct.DirectRefused, match="the agent maps at most 8192"):
+        direct.vmm_plan([0], 8193 * 4096, lambda p: (p - p % 4096, 4096))
+
+
+def test_gpu_memory_shared_as_descriptors_reaches_the_agent_before_the_registration(world):
+    # The client's half of ShareGpuMemory against a real agent (no GPU here): descriptors go in
+    # frames of at most 128 before the registration, the agent checks them all before it refuses
+    # the GPU pool for want of a driver, and the client closes them once sent.
+    import os
+
+    g = kv(block=16, layers=2)
+    agent = world.agent("a")
+    fds = [os.memfd_create("vmm") for _ in range(130)]
+    gpu = {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555", "regions": [{"offset": 0}, {"offset": 4096}]}
+    r = reg(world, "prefill", g, 4, gpu=gpu, regions=[{"layers": 1, "kv_arrangement": "KvFirst"}] * 2)
+    with pytest.raises(AgentError, match="gpu: GPU pools are not accepted"):
+        AgentClient.register(agent.socket, lambda caps: (r, [(fd, 2 << 20) for fd in fds]))
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    # Shared memory and a registration that names none of it: refused naming both.
+    all_ipc = dict(gpu, regions=[{"ipc_handle": "ab" * 64, "offset": 0}] * 2)
+    r = reg(world, "prefill", g, 4, gpu=all_ipc, regions=[{"layers": 1, "kv_arrangement": "KvFirst"}] * 2)
+    with pytest.raises(AgentError, match="every gpu.regions entry names an ipc_handle"):
+        AgentClient.register(agent.socket, lambda caps: (r, [(os.memfd_create("vmm"), 2 << 20)]))
+
+
 def reg(world, role: str, g: dict, num_blocks: int, **kw) -> dict:
     return registration(pdpair="default/pair", role=role, engine=f"direct-{role}", kv=g, num_blocks=num_blocks,
                         pairing_key=world.key, mode="Push", checksum="FailClosed", handshake_timeout_ms=5000,
@@ -315,3 +374,35 @@ def test_across_pid_namespaces_the_direct_path_moves_kv_or_falls_back_to_staging
     p.close()
     d.close()
     agent.kill()  # unshare outlasts a SIGTERM; its child dies with it
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("agents", ["one", "two"])
+def test_kv_in_torchs_expandable_segments_moves_direct_shared_as_vmm_descriptors(world, agents):
+    # torch's expandable_segments maps its memory with the VMM API (cuMemCreate), which CUDA IPC
+    # handles cannot share: the connector shares those allocations as descriptors
+    # (ShareGpuMemory) and still takes the direct path. Every byte checked after the move.
+    g = kv(block=16, heads=8, layers=4, head_dim=128, layout="HND", dtype="bfloat16")
+    pa = world.agent("p", "tcp")
+    da = pa if agents == "one" else world.agent("d", "tcp")
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    try:
+        p_tensors = vllm_tensors(g, 256, "flash", device="cuda", dtype=torch.bfloat16)
+        d_tensors = vllm_tensors(g, 256, "flashinfer", device="cuda", dtype=torch.bfloat16)
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    assert not direct.ipc_capable(p_tensors[0]), "expandable segments are VMM memory"
+    p, p_kv, why = direct.register(pa.socket, reg(world, "prefill", g, 256), p_tensors, want=True)
+    d, d_kv, why_d = direct.register(da.socket, reg(world, "decode", g, 256), d_tensors, want=True)
+    assert p_kv is not None and p_kv.vmm and d_kv is not None and d_kv.vmm, (why, why_d)
+    blocks, d_blocks, tokens = [3, 4, 5, 9, 10], [200, 2, 201, 202, 40], 75
+    fill_gpu(p, p_kv, 13, blocks, tokens)
+    p_kv.save(blocks)
+    p.kv_ready("v1", blocks, tokens)
+    d.expect_kv("v1", [p.address], d_blocks, tokens)
+    event = d.wait("v1", timeout=60)
+    assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw
+    assert bad_tokens_on_gpu(d, d_kv, 13, d_blocks, tokens) == 0
+    assert p.wait("v1").type == "RequestDone"
+    p.close()
+    d.close()

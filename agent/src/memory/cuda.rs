@@ -153,6 +153,11 @@ impl Gpu {
         CudaContext::device_count().map_or(0, |n| usize::try_from(n).unwrap_or(0))
     }
 
+    /// Its number in this process.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
     /// The device's name.
     pub fn name(&self) -> String {
         self.ctx.name().unwrap_or_else(|e| format!("(unnamed: {e})"))
@@ -482,14 +487,81 @@ impl IpcHandle {
     }
 }
 
-/// Device memory: allocated here (`cuMemAlloc`, exportable), or a peer's opened from its IPC
-/// handle. Freed or closed on drop.
+/// Device memory: allocated here (`cuMemAlloc`, exportable by IPC handle), a peer's opened from
+/// its IPC handle, or VMM allocations (`cuMemCreate`) mapped end to end into one reserved range
+/// (an engine's, imported from the file descriptors it passed, or made here to share that way).
+/// Freed, closed or unmapped on drop.
 #[derive(Debug)]
 pub struct DeviceMemory {
     gpu: Gpu,
     ptr: u64,
     len: usize,
-    opened: bool,
+    kind: Kind,
+}
+
+/// How a [`DeviceMemory`] came to be, which decides how it goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Allocated,
+    Opened,
+    /// VMM allocations mapped into a reserved range of `len` bytes (each allocation's handle was
+    /// released once mapped: the mapping holds it).
+    Mapped,
+}
+
+/// The most VMM allocations one [`DeviceMemory::import_vmm`] maps.
+pub const MAX_VMM_CHUNKS: usize = 8192;
+
+/// The allocation properties of memory on `gpu` shareable by POSIX file descriptor.
+fn vmm_prop(gpu: &Gpu) -> sys::CUmemAllocationProp {
+    // SAFETY: a zeroed CUmemAllocationProp is valid (no handle types, no flags).
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = gpu.ordinal() as std::ffi::c_int;
+    prop
+}
+
+/// The granularity VMM allocations and mappings on `gpu` are made in.
+fn vmm_granularity(gpu: &Gpu) -> Result<usize, CudaError> {
+    let prop = vmm_prop(gpu);
+    let mut granularity = 0usize;
+    // SAFETY: out-pointer and a valid property struct.
+    check("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut granularity,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    })?;
+    Ok(granularity.max(1))
+}
+
+/// Checks the sizes an engine claims for the VMM allocations it shares before anything is
+/// mapped: 1..=[`MAX_VMM_CHUNKS`] of them, each a positive multiple of `granularity`, adding up
+/// without overflow; the total. A claim larger than the allocation itself is refused by the
+/// driver when it is mapped.
+pub fn check_vmm_sizes(sizes: &[u64], granularity: u64) -> Result<u64, String> {
+    if sizes.is_empty() || sizes.len() > MAX_VMM_CHUNKS {
+        return Err(format!(
+            "{} VMM allocations shared; 1..={MAX_VMM_CHUNKS} are taken",
+            sizes.len()
+        ));
+    }
+    let mut total = 0u64;
+    for (i, size) in sizes.iter().enumerate() {
+        if *size == 0 || granularity == 0 || size % granularity != 0 {
+            return Err(format!(
+                "shared GPU allocation {i} claims {size} bytes, not a positive multiple of the GPU's VMM granularity ({granularity} bytes)"
+            ));
+        }
+        total = total
+            .checked_add(*size)
+            .filter(|t| *t <= i64::MAX as u64)
+            .ok_or_else(|| format!("the shared GPU allocations' sizes overflow at allocation {i} ({size} bytes)"))?;
+    }
+    Ok(total)
 }
 
 impl DeviceMemory {
@@ -505,7 +577,7 @@ impl DeviceMemory {
             gpu: gpu.clone(),
             ptr,
             len,
-            opened: false,
+            kind: Kind::Allocated,
         };
         // SAFETY: the range is the allocation just made.
         unsafe { result::memset_d8_sync(ptr, 0, len) }.map_err(driver("cuMemsetD8"))?;
@@ -536,10 +608,163 @@ impl DeviceMemory {
             gpu: gpu.clone(),
             ptr,
             len,
-            opened: true,
+            kind: Kind::Opened,
         };
         memory.check_claim()?;
         Ok(memory)
+    }
+
+    /// VMM allocations an engine shared as POSIX file descriptors (`cuMemExportToShareableHandle`
+    /// of `cuMemCreate` memory), each claimed to hold `size` bytes, imported and mapped end to end
+    /// into one reserved range on `gpu`, readable and writable there; all or none. Each claim is
+    /// checked ([`check_vmm_sizes`]; the driver refuses to map more than an allocation holds),
+    /// and each allocation must be on `gpu`. The descriptors may be closed afterwards.
+    pub fn import_vmm(gpu: &Gpu, chunks: &[(std::os::fd::BorrowedFd<'_>, u64)]) -> Result<DeviceMemory, CudaError> {
+        use std::os::fd::AsRawFd;
+        gpu.bind()?;
+        let sizes: Vec<u64> = chunks.iter().map(|(_, s)| *s).collect();
+        let total = check_vmm_sizes(&sizes, vmm_granularity(gpu)? as u64).map_err(CudaError::Invalid)?;
+        let total = usize::try_from(total).map_err(|_| CudaError::Invalid(format!("{total} bytes of GPU memory")))?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer; a fresh range anywhere.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut ptr, total, 0, 0, 0)
+        })?;
+        let mut mapped = 0usize;
+        let outcome = (|| {
+            for (i, (fd, size)) in chunks.iter().enumerate() {
+                let size = *size as usize;
+                let mut handle: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: out-pointer; the driver checks the descriptor is one of its exports
+                // (the value is the descriptor itself, as the POSIX handle type takes it).
+                check("cuMemImportFromShareableHandle", unsafe {
+                    sys::cuMemImportFromShareableHandle(
+                        &mut handle,
+                        fd.as_raw_fd() as isize as *mut std::ffi::c_void,
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    )
+                })
+                .map_err(|e| CudaError::Invalid(format!("shared GPU allocation {i}: {e}")))?;
+                let on = allocation_device(handle);
+                // SAFETY: `handle` was imported above; the mapping (if made) holds the allocation,
+                // so the handle is released either way.
+                let map = match on {
+                    Ok(d) if d == gpu.ordinal() => check("cuMemMap", unsafe {
+                        sys::cuMemMap(ptr + mapped as u64, size, 0, handle, 0)
+                    })
+                    .map_err(|e| {
+                        CudaError::Invalid(format!(
+                            "shared GPU allocation {i} does not hold the {size} bytes claimed for it ({e})"
+                        ))
+                    }),
+                    Ok(d) => Err(CudaError::Invalid(format!(
+                        "shared GPU allocation {i} is on GPU {d} of this process, not on GPU {} (the pool's device_uuid)",
+                        gpu.ordinal()
+                    ))),
+                    Err(e) => Err(e),
+                };
+                // SAFETY: as above.
+                unsafe { sys::cuMemRelease(handle) };
+                map?;
+                mapped += size;
+            }
+            let access = sys::CUmemAccessDesc {
+                location: vmm_prop(gpu).location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: the whole range is mapped.
+            check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(ptr, total, &access, 1) })
+        })();
+        if let Err(e) = outcome {
+            // SAFETY: the first `mapped` bytes were mapped here, the range reserved here.
+            unsafe { unmap_and_free(ptr, mapped, total) };
+            return Err(e);
+        }
+        Ok(DeviceMemory {
+            gpu: gpu.clone(),
+            ptr,
+            len: total,
+            kind: Kind::Mapped,
+        })
+    }
+
+    /// `len` bytes on `gpu` (rounded up to the VMM granularity) made of allocations of about
+    /// `chunk` bytes each, shareable by POSIX file descriptor, mapped end to end and zeroed, as
+    /// torch's `expandable_segments` maps its memory: the memory, and each allocation's exported
+    /// descriptor with its size (what an engine passes to [`DeviceMemory::import_vmm`]).
+    pub fn alloc_vmm(
+        gpu: &Gpu,
+        len: usize,
+        chunk: usize,
+    ) -> Result<(DeviceMemory, Vec<(std::os::fd::OwnedFd, u64)>), CudaError> {
+        use std::os::fd::FromRawFd;
+        gpu.bind()?;
+        let g = vmm_granularity(gpu)?;
+        let chunk = chunk.max(1).div_ceil(g) * g;
+        let total = len.max(1).div_ceil(g) * g;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer; a fresh range anywhere.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut ptr, total, 0, 0, 0)
+        })?;
+        let prop = vmm_prop(gpu);
+        let mut fds = Vec::new();
+        let mut mapped = 0usize;
+        let outcome = (|| {
+            while mapped < total {
+                let size = chunk.min(total - mapped);
+                let mut handle: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: out-pointer and a valid property struct.
+                check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
+                let mut fd: std::ffi::c_int = -1;
+                // SAFETY: the POSIX handle type writes an int; `handle` is live.
+                let exported = check("cuMemExportToShareableHandle", unsafe {
+                    sys::cuMemExportToShareableHandle(
+                        (&raw mut fd).cast(),
+                        handle,
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                        0,
+                    )
+                })
+                // SAFETY: the range's next `size` bytes are reserved and unmapped.
+                .and_then(|()| {
+                    check("cuMemMap", unsafe {
+                        sys::cuMemMap(ptr + mapped as u64, size, 0, handle, 0)
+                    })
+                });
+                if fd >= 0 {
+                    // SAFETY: the driver made this descriptor for us.
+                    fds.push((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, size as u64));
+                }
+                // SAFETY: the mapping (if made) holds the allocation.
+                unsafe { sys::cuMemRelease(handle) };
+                exported?;
+                mapped += size;
+            }
+            let access = sys::CUmemAccessDesc {
+                location: prop.location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: the whole range is mapped.
+            check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(ptr, total, &access, 1) })?;
+            // SAFETY: the range is mapped and accessible.
+            unsafe { result::memset_d8_sync(ptr, 0, total) }.map_err(driver("cuMemsetD8"))?;
+            gpu.ctx.synchronize().map_err(driver("cuCtxSynchronize"))
+        })();
+        if let Err(e) = outcome {
+            // SAFETY: the first `mapped` bytes were mapped here, the range reserved here.
+            unsafe { unmap_and_free(ptr, mapped, total) };
+            return Err(e);
+        }
+        Ok((
+            DeviceMemory {
+                gpu: gpu.clone(),
+                ptr,
+                len: total,
+                kind: Kind::Mapped,
+            },
+            fds,
+        ))
     }
 
     /// The allocation behind `ptr` starts at it and holds `len` bytes.
@@ -623,12 +848,17 @@ impl Drop for DeviceMemory {
         }
         // Copies and kernels queued on the agent's stream may still use this memory.
         let _ = self.gpu.synchronize();
-        // SAFETY: ptr was allocated or opened here, exactly once, and is released once.
+        // SAFETY: ptr was allocated, opened or reserved and mapped here, exactly once, and is
+        // released once.
         unsafe {
-            if self.opened {
-                let _ = sys::cuIpcCloseMemHandle(self.ptr);
-            } else {
-                let _ = result::free_sync(self.ptr);
+            match self.kind {
+                Kind::Opened => {
+                    let _ = sys::cuIpcCloseMemHandle(self.ptr);
+                }
+                Kind::Allocated => {
+                    let _ = result::free_sync(self.ptr);
+                }
+                Kind::Mapped => unmap_and_free(self.ptr, self.len, self.len),
             }
         }
     }
@@ -644,6 +874,39 @@ pub fn address_range(ptr: u64) -> Result<(u64, usize), CudaError> {
     Ok((base, size))
 }
 
+/// The device (this process's ordinal) a VMM allocation is on.
+fn allocation_device(handle: sys::CUmemGenericAllocationHandle) -> Result<usize, CudaError> {
+    // SAFETY: a zeroed CUmemAllocationProp is a valid out-value.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    // SAFETY: out-pointer; `handle` is live.
+    check("cuMemGetAllocationPropertiesFromHandle", unsafe {
+        sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, handle)
+    })?;
+    if prop.location.type_ != sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE {
+        return Err(CudaError::Invalid(format!(
+            "a shared GPU allocation is not device memory (location {:?})",
+            prop.location.type_
+        )));
+    }
+    usize::try_from(prop.location.id)
+        .map_err(|_| CudaError::Invalid(format!("a shared GPU allocation is on device {}", prop.location.id)))
+}
+
+/// Unmaps the first `mapped` bytes at `ptr` and frees the `reserved` bytes reserved there.
+///
+/// # Safety
+/// `ptr..ptr+mapped` must be mapped (whole allocations, from `ptr`) and `ptr..ptr+reserved`
+/// reserved, by this process, and nothing may use them any more.
+unsafe fn unmap_and_free(ptr: u64, mapped: usize, reserved: usize) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        if mapped > 0 {
+            let _ = sys::cuMemUnmap(ptr, mapped);
+        }
+        let _ = sys::cuMemAddressFree(ptr, reserved);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -655,6 +918,25 @@ mod tests {
         let e = IpcHandle::from_hex("abc").expect_err("too short");
         assert!(e.to_string().contains("got 3 characters"), "{e}");
         assert!(IpcHandle::from_hex(&"zz".repeat(64)).is_err());
+    }
+
+    #[test]
+    fn shared_vmm_sizes_are_checked_before_anything_is_mapped_naming_the_allocation() {
+        let g = 2 << 20;
+        assert_eq!(check_vmm_sizes(&[g, 3 * g, g], g), Ok(5 * g));
+        let refused = |sizes: &[u64]| check_vmm_sizes(sizes, g).expect_err("refused");
+        assert!(refused(&[]).contains("0 VMM allocations shared; 1..=8192"));
+        assert!(refused(&vec![g; MAX_VMM_CHUNKS + 1]).contains("8193 VMM allocations"));
+        let e = refused(&[g, 0]);
+        assert!(e.contains("allocation 1 claims 0 bytes"), "{e}");
+        let e = refused(&[g, g, g + 4096]);
+        assert!(
+            e.contains("allocation 2 claims 2101248 bytes") && e.contains("(2097152 bytes)"),
+            "{e}"
+        );
+        let e = refused(&[g, u64::MAX - (u64::MAX % g)]);
+        assert!(e.contains("overflow at allocation 1"), "{e}");
+        assert!(check_vmm_sizes(&[g], 0).is_err());
     }
 
     #[test]

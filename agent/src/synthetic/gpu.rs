@@ -1,7 +1,9 @@
 //! The synthetic engine with its KV pool in GPU memory, as vLLM's would be: each region its own
 //! `cuMemAlloc` allocation (the first one with the region at an offset, as a torch tensor inside a
-//! caching-allocator block), shared with the agent by CUDA IPC handle, and an interprocess event
-//! recorded after each fill. Its bytes are the host synthetic engine's ([`super::fill_into`]),
+//! caching-allocator block), shared with the agent by CUDA IPC handle, or ([`Sharing::Vmm`]) every
+//! region in one range of VMM allocations, as torch's `expandable_segments` maps its memory,
+//! shared as file descriptors (`ShareGpuMemory`); and an interprocess event recorded after each
+//! fill. Its bytes are the host synthetic engine's ([`super::fill_into`]),
 //! written and read through host copies, so decode checks every byte independently of the
 //! checksums. Needs a GPU, and an agent in another process (a process cannot open its own IPC
 //! handles).
@@ -19,6 +21,20 @@ use crate::{
 /// Bytes before the first region inside its allocation (a tensor at an offset in a block).
 pub const FIRST_OFFSET: usize = 4096;
 
+/// How the engine shares its pool's GPU memory with the agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sharing {
+    /// One `cuMemAlloc` allocation per region, each by CUDA IPC handle.
+    Ipc,
+    /// Every region in one range of VMM allocations of about `chunk` bytes each (region 0 at
+    /// [`FIRST_OFFSET`], the others right after it, so regions straddle allocations), shared as
+    /// file descriptors.
+    Vmm {
+        /// Bytes per allocation (rounded up to the GPU's granularity).
+        chunk: usize,
+    },
+}
+
 /// A registered GPU engine.
 #[derive(Debug)]
 pub struct GpuEngine {
@@ -26,8 +42,9 @@ pub struct GpuEngine {
     /// Its pool layout.
     pub layout: PoolLayout,
     gpu: Gpu,
-    /// One allocation per region; region `r` starts at `offsets[r]` in it.
+    /// The allocations; region `r` starts at `offsets[r]` in `memory[of[r]]`.
     memory: Vec<DeviceMemory>,
+    of: Vec<usize>,
     offsets: Vec<usize>,
     event: IpcEvent,
     /// What the last fill is still copying from (page-locked: the copies run after the fill
@@ -38,29 +55,64 @@ pub struct GpuEngine {
 }
 
 impl GpuEngine {
-    /// Allocates the pool on `gpu`, and registers it with the agent at `socket` as a GPU pool.
+    /// Allocates the pool on `gpu`, and registers it with the agent at `socket` as a GPU pool
+    /// shared by CUDA IPC handles.
     pub fn register(socket: &Path, spec: &EngineSpec, gpu: &Gpu) -> Result<GpuEngine, String> {
+        GpuEngine::register_sharing(socket, spec, gpu, Sharing::Ipc)
+    }
+
+    /// Allocates the pool on `gpu`, and registers it with the agent at `socket` as a GPU pool
+    /// shared as `sharing` says.
+    pub fn register_sharing(
+        socket: &Path,
+        spec: &EngineSpec,
+        gpu: &Gpu,
+        sharing: Sharing,
+    ) -> Result<GpuEngine, String> {
+        use std::os::fd::AsFd;
         let mut reg = SyntheticEngine::registration(spec, None, false);
         let layout = reg.layout().map_err(|e| e.to_string())?;
         let lens = layout.region_lens();
-        let offsets: Vec<usize> = (0..lens.len()).map(|r| if r == 0 { FIRST_OFFSET } else { 0 }).collect();
-        let memory = lens
-            .iter()
-            .zip(&offsets)
-            .map(|(len, off)| DeviceMemory::alloc(gpu, len + off))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
+        let (memory, of, offsets, descriptors) = match sharing {
+            Sharing::Ipc => {
+                let offsets: Vec<usize> = (0..lens.len()).map(|r| if r == 0 { FIRST_OFFSET } else { 0 }).collect();
+                let memory = lens
+                    .iter()
+                    .zip(&offsets)
+                    .map(|(len, off)| DeviceMemory::alloc(gpu, len + off))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| e.to_string())?;
+                (memory, (0..lens.len()).collect::<Vec<_>>(), offsets, Vec::new())
+            }
+            Sharing::Vmm { chunk } => {
+                let offsets: Vec<usize> = lens
+                    .iter()
+                    .scan(FIRST_OFFSET, |at, len| {
+                        let here = *at;
+                        *at += len;
+                        Some(here)
+                    })
+                    .collect();
+                let total = FIRST_OFFSET + lens.iter().sum::<usize>();
+                let (memory, fds) = DeviceMemory::alloc_vmm(gpu, total, chunk).map_err(|e| e.to_string())?;
+                (vec![memory], vec![0; lens.len()], offsets, fds)
+            }
+        };
         let (event, event_handle) = IpcEvent::create(gpu).map_err(|e| e.to_string())?;
-        let regions = memory
+        let regions = of
             .iter()
             .zip(&offsets)
             .map(|(m, off)| {
-                m.ipc_handle().map(|h| GpuRegion {
-                    ipc_handle: h.to_hex(),
+                let ipc_handle = match sharing {
+                    Sharing::Ipc => Some(memory[*m].ipc_handle()?.to_hex()),
+                    Sharing::Vmm { .. } => None,
+                };
+                Ok(GpuRegion {
+                    ipc_handle,
                     offset: *off as u64,
                 })
             })
-            .collect::<Result<Vec<_>, _>>()
+            .collect::<Result<Vec<_>, crate::memory::cuda::CudaError>>()
             .map_err(|e| e.to_string())?;
         reg.gpu = Some(GpuPool {
             device_uuid: gpu.uuid(),
@@ -68,6 +120,14 @@ impl GpuEngine {
             event: Some(event_handle.to_hex()),
         });
         let mut stream = UnixStream::connect(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+        for batch in descriptors.chunks(wire::MAX_FDS) {
+            let fds: Vec<_> = batch.iter().map(|(fd, _)| fd.as_fd()).collect();
+            let sizes = batch.iter().map(|(_, size)| *size).collect();
+            wire::write_frame_fds(&stream, &EngineRequest::ShareGpuMemory { sizes }, &fds)
+                .map_err(|e| e.to_string())?;
+        }
+        // The agent holds what it imported; this process keeps its own mappings.
+        drop(descriptors);
         wire::write_frame(&mut stream, &EngineRequest::RegisterPool(Box::new(reg))).map_err(|e| e.to_string())?;
         match wire::read_frame::<AgentEvent>(&mut stream).map_err(|e| e.to_string())? {
             AgentEvent::Registered {
@@ -84,6 +144,7 @@ impl GpuEngine {
                     layout,
                     gpu: gpu.clone(),
                     memory,
+                    of,
                     offsets,
                     event,
                     staging: Vec::new(),
@@ -103,7 +164,7 @@ impl GpuEngine {
             .enumerate()
             .map(|(r, len)| {
                 let mut host = vec![0u8; *len];
-                self.memory[r]
+                self.memory[self.of[r]]
                     .read(self.offsets[r], &mut host)
                     .map(|()| host)
                     .map_err(|e| e.to_string())
@@ -113,7 +174,7 @@ impl GpuEngine {
 
     fn upload(&self, host: &[Vec<u8>]) -> Result<(), String> {
         for (r, bytes) in host.iter().enumerate() {
-            self.memory[r]
+            self.memory[self.of[r]]
                 .write(self.offsets[r], bytes)
                 .map_err(|e| e.to_string())?;
         }
@@ -136,22 +197,24 @@ impl GpuEngine {
                 .map_err(|e| e.to_string())?;
         }
         for (r, buffer) in self.staging.iter_mut().enumerate() {
-            self.memory[r]
+            self.memory[self.of[r]]
                 .read(self.offsets[r], buffer.as_mut_slice())
                 .map_err(|e| e.to_string())?;
         }
         let mut maps: Vec<&mut [u8]> = self.staging.iter_mut().map(|b| b.as_mut_slice()).collect();
         super::fill_into(&self.layout, &mut maps, seed, blocks, first_token, num_tokens);
         for (r, buffer) in self.staging.iter().enumerate() {
-            self.memory[r]
+            self.memory[self.of[r]]
                 .range(self.offsets[r], buffer.as_slice().len())
                 .map_err(|e| e.to_string())?;
             // SAFETY: the range was checked in live memory this engine holds; the buffer stays in
             // `self.staging`, unchanged, until the next fill (which synchronizes first) or its
             // drop (which synchronizes too).
             unsafe {
-                self.gpu
-                    .upload_async(self.memory[r].ptr() + self.offsets[r] as u64, buffer.as_slice())
+                self.gpu.upload_async(
+                    self.memory[self.of[r]].ptr() + self.offsets[r] as u64,
+                    buffer.as_slice(),
+                )
             }
             .map_err(|e| e.to_string())?;
         }

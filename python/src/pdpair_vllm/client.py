@@ -11,7 +11,7 @@ import socket
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Union
+from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
 
 from . import wire
 from .layout import PoolLayout
@@ -144,11 +144,15 @@ class AgentClient:
         self._reader.start()
 
     @staticmethod
-    def register(socket_path: str, reg: Union[dict, Callable[[dict], dict]], timeout: float = 30.0) -> "AgentClient":
+    def register(socket_path: str, reg: Union[dict, Callable[[dict], Union[dict, Tuple[dict, List[Tuple[int, int]]]]]],
+                 timeout: float = 30.0) -> "AgentClient":
         """Connects to the agent and registers ``reg`` (a :func:`registration`, or a function
         from the agent's ``Capabilities`` answer to one, asked on the same connection first). For
         a host pool the agent allocates the regions and passes their descriptors, each mapped
-        whole; a GPU pool (``gpu`` set) is the engine's own memory, and nothing is passed."""
+        whole; a GPU pool (``gpu`` set) is the engine's own memory, and nothing is passed. The
+        function may also return the VMM allocations its GPU pool lies in, ``(reg, [(descriptor,
+        bytes), ...])``: they are shared first (``ShareGpuMemory``, at most ``wire.MAX_FDS`` a
+        frame) and closed here once sent."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
@@ -164,8 +168,20 @@ class AgentClient:
             if capabilities.get("type") != "Capabilities":
                 raise AgentError(f"the agent answered Capabilities with {capabilities.get('type')}: "
                                  f"{capabilities.get('message', '')}")
+            shared: List[Tuple[int, int]] = []
             if callable(reg):
                 reg = reg(capabilities)
+                if isinstance(reg, tuple):
+                    reg, shared = reg
+            try:
+                for i in range(0, len(shared), wire.MAX_FDS):
+                    batch = shared[i:i + wire.MAX_FDS]
+                    wire.send(sock, {"type": "ShareGpuMemory", "sizes": [n for _, n in batch]}, [fd for fd, _ in batch])
+            except (OSError, wire.FrameError):
+                pass  # the agent refused and closed: its answer to the registration says why
+            finally:
+                for fd, _ in shared:
+                    os.close(fd)
             layout = PoolLayout.new(
                 reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"], reg.get("tensor_rank", 0),
                 reg.get("kv_arrangement"), reg.get("regions"),
@@ -174,7 +190,10 @@ class AgentClient:
                 raise AgentError("memory_fd is true, but this client lets the agent allocate the pool: register with "
                                  "memory_fd false")
             try:
-                wire.send(sock, reg)
+                try:
+                    wire.send(sock, reg)
+                except OSError:
+                    pass  # the agent refused what was shared and closed: its answer says why
                 answer, fds = wire.recv_with_fds(sock)
             except (OSError, wire.FrameError) as e:
                 raise AgentError(f"registering with the agent at {socket_path}: {e}") from None

@@ -6,9 +6,11 @@ the tensors' GPU) and every layer's tensor is, byte for byte, a region the agent
 describes: one region per layer, ``KvFirst`` (FlashAttention's ``[2, blocks, ...]``),
 ``BlocksFirst`` (FlashInfer's ``[blocks, 2, ...]``) or ``Latent`` (MLA), blocks dense in the
 geometry's token layout. Each region is shared by the CUDA IPC handle of the ``cudaMalloc``
-allocation that holds it and its offset there (torch's caching allocator; memory it maps with
-``expandable_segments`` is not shareable that way yet, and is staged), and prefill records an
-interprocess CUDA event after each forward pass, which the agent waits for before it reads.
+allocation that holds it and its offset there (torch's caching allocator), or, for memory that
+cannot be shared that way (torch's ``expandable_segments``, other VMM allocators), as the file
+descriptors of the VMM allocations it lies in (``ShareGpuMemory``, where the agent's
+``gpu_sharing`` lists ``vmm_fd``); and prefill records an interprocess CUDA event after each
+forward pass, which the agent waits for before it reads.
 
 Torch and the CUDA driver (through ``ctypes``, ``libcuda.so.1``) only: no vLLM, so the GPU check
 (hack/gpu-check.sh) runs this against real agents on a machine with torch and a GPU.
@@ -19,7 +21,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from typing import List, Mapping, Optional, Sequence, Tuple
+import bisect
+import os
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -117,6 +121,9 @@ def normalize_uuid(uuid: str) -> str:
 # ---- the CUDA driver ------------------------------------------------------------------------------
 
 _POINTER_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+#: The most VMM allocations an agent maps for one engine (``memory::cuda::MAX_VMM_CHUNKS``).
+MAX_VMM_CHUNKS = 8192
 _lock = threading.Lock()
 _driver: Optional[ctypes.CDLL] = None
 
@@ -171,33 +178,112 @@ def device_uuid(t: torch.Tensor) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
+def _address_range(lib: ctypes.CDLL, ptr: int) -> Tuple[int, int]:
+    """(base, bytes) of the allocation (for VMM memory: the mapped allocation) holding ``ptr``."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    _check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)),
+           "cuMemGetAddressRange")
+    return base.value, size.value
+
+
+def ipc_capable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory can be shared by CUDA IPC handle (``cudaMalloc``'s, not VMM's)."""
+    lib = _cuda()
+    _ensure_context(lib, t.device.index)
+    capable = ctypes.c_int()
+    _check(lib.cuPointerGetAttribute(ctypes.byref(capable), _POINTER_IS_LEGACY_CUDA_IPC_CAPABLE,
+                                     ctypes.c_uint64(t.data_ptr())),
+           "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)")
+    return bool(capable.value)
+
+
+def vmm_plan(starts: Sequence[int], length: int, address_range: Callable[[int], Tuple[int, int]]
+             ) -> Tuple[List[Tuple[int, int]], List[int]]:
+    """The VMM allocations holding ``length`` bytes from each of ``starts``, as ``(base, bytes)`` in
+    address order (each once), and each start's offset into them laid end to end, as the agent
+    maps them (``ShareGpuMemory``). ``address_range(ptr)`` is the mapped allocation holding
+    ``ptr``. A tensor is contiguous in the engine's addresses, so the allocations it spans are
+    neighbours in that order; raises :class:`DirectRefused` when the driver's answers do not fit."""
+    chunks: dict = {}
+    for start in starts:
+        at, end = start, start + length
+        while at < end:
+            base, size = address_range(at)
+            if size <= 0 or not base <= at < base + size:
+                raise DirectRefused(f"the driver places address {at:#x} in {size} bytes at {base:#x}")
+            if chunks.setdefault(base, size) != size:
+                raise DirectRefused(f"the allocation at {base:#x} is {size} and {chunks[base]} bytes long")
+            at = base + size
+    order = sorted(chunks)
+    for a, b in zip(order, order[1:]):
+        if a + chunks[a] > b:
+            raise DirectRefused(f"allocations at {a:#x} and {b:#x} overlap")
+    if len(order) > MAX_VMM_CHUNKS:
+        raise DirectRefused(f"the KV cache lies in {len(order)} VMM allocations; the agent maps at most {MAX_VMM_CHUNKS}")
+    offset_of, total = {}, 0
+    for base in order:
+        offset_of[base] = total
+        total += chunks[base]
+    offsets = []
+    for start in starts:
+        base = order[bisect.bisect_right(order, start) - 1]
+        offsets.append(offset_of[base] + start - base)
+    return [(b, chunks[b]) for b in order], offsets
+
+
+def _export_vmm(lib: ctypes.CDLL, base: int) -> int:
+    """A POSIX file descriptor of the VMM allocation mapped at ``base`` (the caller closes it)."""
+    handle = ctypes.c_uint64()
+    _check(lib.cuMemRetainAllocationHandle(ctypes.byref(handle), ctypes.c_void_p(base)), "cuMemRetainAllocationHandle")
+    try:
+        fd = ctypes.c_int(-1)
+        _check(lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, ctypes.c_int(_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                                                ctypes.c_ulonglong(0)),
+               "cuMemExportToShareableHandle(POSIX file descriptor)")
+    finally:
+        lib.cuMemRelease(handle)
+    return fd.value
+
+
+def share_vmm(tensors: Sequence[torch.Tensor], length: int) -> Tuple[List[dict], List[Tuple[int, int]]]:
+    """The registration's ``gpu.regions`` for tensors in VMM memory (each ``{"offset"}``, no
+    handle) and the allocations to share before it, ``(descriptor, bytes)`` in order; the caller
+    closes the descriptors once sent."""
+    lib = _cuda()
+    _ensure_context(lib, tensors[0].device.index)
+    chunks, offsets = vmm_plan([t.data_ptr() for t in tensors], length, lambda p: _address_range(lib, p))
+    shared: List[Tuple[int, int]] = []
+    try:
+        for base, size in chunks:
+            shared.append((_export_vmm(lib, base), size))
+    except BaseException:
+        for fd, _ in shared:
+            os.close(fd)
+        raise
+    return [{"offset": o} for o in offsets], shared
+
+
 def share(t: torch.Tensor, length: int, handles: Optional[dict] = None) -> dict:
     """``{"ipc_handle", "offset"}`` of the allocation holding ``t``'s first ``length`` bytes
     (``handles``: allocation base -> handle, so tensors in one allocation name it alike)."""
     lib = _cuda()
-    _ensure_context(lib, t.device.index)
-    ptr = ctypes.c_uint64(t.data_ptr())
-    capable = ctypes.c_int()
-    _check(lib.cuPointerGetAttribute(ctypes.byref(capable), _POINTER_IS_LEGACY_CUDA_IPC_CAPABLE, ptr),
-           "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)")
-    if not capable.value:
+    if not ipc_capable(t):
         raise DirectRefused(
             "the KV cache's memory cannot be shared by CUDA IPC handle (torch's expandable_segments, or another "
-            "allocator than cudaMalloc); sharing it by VMM descriptor is not built yet"
+            "allocator than cudaMalloc), and the agent takes no VMM descriptors (its gpu_sharing lacks vmm_fd)"
         )
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    _check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
-    offset = t.data_ptr() - base.value
-    if offset + length > size.value:
+    base_value, size_value = _address_range(lib, t.data_ptr())
+    offset = t.data_ptr() - base_value
+    if offset + length > size_value:
         raise DirectRefused(
-            f"a KV tensor's {length} bytes at offset {offset} run past its allocation of {size.value} bytes"
+            f"a KV tensor's {length} bytes at offset {offset} run past its allocation of {size_value} bytes"
         )
     handles = {} if handles is None else handles
-    if base.value not in handles:
+    if base_value not in handles:
         handle = _Bytes64()
-        _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
-        handles[base.value] = bytes(handle.reserved).hex()
-    return {"ipc_handle": handles[base.value], "offset": offset}
+        _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(base_value)), "cuIpcGetMemHandle")
+        handles[base_value] = bytes(handle.reserved).hex()
+    return {"ipc_handle": handles[base_value], "offset": offset}
 
 
 # ---- the pool --------------------------------------------------------------------------------------
@@ -208,24 +294,33 @@ class DirectKv(Stager):
     interprocess event on the stream that wrote the KV before each ``KvReady`` (the agent's
     copies wait for it); decode's blocks have landed when the agent says ``RequestDone``."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], layout: PoolLayout, device: torch.device, uuid: str):
+    def __init__(self, tensors: Sequence[torch.Tensor], layout: PoolLayout, device: torch.device, uuid: str,
+                 vmm: bool = False):
         self.tensors = list(tensors)
         self.layout = layout
         self.device = device
         #: The GPU's UUID (``GPU-...``).
         self.uuid = uuid
+        #: Whether the tensors' memory is shared as VMM descriptors (else by IPC handles).
+        self.vmm = vmm
         self.event = torch.cuda.Event(enable_timing=False, interprocess=True)
         self.event.record(torch.cuda.current_stream(device))
         self.regions = regions(self.tensors, layout)
 
-    def gpu_pool(self) -> dict:
-        """The registration's ``gpu`` field."""
-        handles: dict = {}
+    def gpu_pool(self) -> Tuple[dict, List[Tuple[int, int]]]:
+        """The registration's ``gpu`` field, and the VMM allocations to share before it
+        (``(descriptor, bytes)``, empty for IPC handles; the caller closes them once sent)."""
+        shared: List[Tuple[int, int]] = []
+        if self.vmm:
+            gpu_regions, shared = share_vmm(self.tensors, self.layout.layer_len)
+        else:
+            handles: dict = {}
+            gpu_regions = [share(t, self.layout.layer_len, handles) for t in self.tensors]
         return {
             "device_uuid": self.uuid,
-            "regions": [share(t, self.layout.layer_len, handles) for t in self.tensors],
+            "regions": gpu_regions,
             "event": bytes(self.event.ipc_handle()).hex(),
-        }
+        }, shared
 
     def save(self, blocks: List[int]) -> None:
         self.event.record(torch.cuda.current_stream(self.device))
@@ -247,7 +342,13 @@ def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapp
     why = refused_by_agent(capabilities, uuid, across_nodes)
     if why:
         raise DirectRefused(why)
-    return DirectKv(tensors, layout, first.device, uuid)
+    vmm = not all(ipc_capable(t) for t in tensors)
+    if vmm and "vmm_fd" not in (capabilities.get("gpu_sharing") or ()):
+        raise DirectRefused(
+            "the KV cache's memory cannot be shared by CUDA IPC handle (torch's expandable_segments, or another "
+            "allocator than cudaMalloc), and the agent takes no VMM descriptors (its gpu_sharing lacks vmm_fd)"
+        )
+    return DirectKv(tensors, layout, first.device, uuid, vmm=vmm)
 
 
 def _short(text: str) -> str:
@@ -269,20 +370,21 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
         chosen["why"] = why
         return dict(reg, staging=_short(why))
 
-    def pick(caps: dict) -> dict:
+    def pick(caps: dict):
         if want is False:
             return staged("turned off (kv_connector_extra_config.direct: false)")
         try:
             host = PoolLayout.new(reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"],
                                   reg.get("tensor_rank", 0))
             d = plan(tensors, host, caps, across_nodes=want is not True)
-            gpu_reg = dict(reg, regions=d.regions, gpu=d.gpu_pool())
+            gpu, shared = d.gpu_pool()
+            gpu_reg = dict(reg, regions=d.regions, gpu=gpu)
         except DirectRefused as e:
             if want is True:
                 raise agent_client.AgentError(f"direct is true, but {e}") from None
             return staged(str(e))
         chosen["direct"] = d
-        return gpu_reg
+        return (gpu_reg, shared) if shared else gpu_reg
 
     try:
         client = agent_client.AgentClient.register(socket_path, pick)
