@@ -12,6 +12,8 @@ if [[ ! -x $bundle/gpu-tests || ! -x $bundle/pdpair-agent ]]; then
   echo "gpu-check: no bundle: run 'make gpu-bundle' on the build machine and carry .gpu/ here" >&2
   exit 2
 fi
+# The machine's own library path, for its python3 and torch (libcuda may be found through it).
+machine_ld=${LD_LIBRARY_PATH-}
 # The bundle's UCX (what CI runs), ahead of the machine's; CUDA's libraries stay the machine's.
 if [[ -d $bundle/lib ]]; then
   export LD_LIBRARY_PATH=$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -20,29 +22,38 @@ fi
 out=${OUT:-$(mktemp -d)}
 # At most 8 files come back from the device tool's $OUT: machine.txt, gpu-tests.txt,
 # connector.txt, gpu-check.txt, gpu-check.json, ucx-1.22.txt.
-(nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader
- ldd "$bundle/pdpair-agent" | grep -E 'libuc|libnuma|not found') 2>&1 | tee "$out/machine.txt"
+(nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,compute_mode --format=csv,noheader
+ ldd "$bundle/pdpair-agent" | grep -E 'libuc|libnuma|not found'
+ LD_LIBRARY_PATH=$machine_ld python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
+) 2>&1 | tee "$out/machine.txt"
 rc=0
+# `timeout` ends only its child: agents a killed phase started would keep their GPU contexts.
+reap() { pkill -KILL -f -- 'pdpair-agent run' 2>/dev/null || true; }
+# Each phase's limit keeps the whole script under about 520 s (the device tool allows 600).
 echo "== GPU tests"
-PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 300 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |
+PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 150 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |
   tee "$out/gpu-tests.txt" || rc=1
+reap
 echo "== gpu-check"
-timeout 300 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 --json-file "$out/gpu-check.json" 2>&1 |
+timeout 150 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 --json-file "$out/gpu-check.json" 2>&1 |
   tee "$out/gpu-check.txt" || rc=1
+reap
 echo "== the vLLM connector's direct path (python/tests/test_direct.py -m gpu: torch CUDA tensors, real agents)"
-if env -u LD_LIBRARY_PATH python3 -c 'import torch, pytest; assert torch.cuda.is_available()' 2>/dev/null; then
+if LD_LIBRARY_PATH=$machine_ld python3 -c 'import torch, pytest; assert torch.cuda.is_available()' 2>/dev/null; then
   # The agent with the bundle's libraries; python3 and torch with the machine's own.
   wrap=$(mktemp -d)/pdpair-agent
   printf '#!/bin/sh\nLD_LIBRARY_PATH=%s UCX_MODULE_DIR=%s exec %s "$@"\n' "${LD_LIBRARY_PATH:-}" "${UCX_MODULE_DIR:-}" \
     "$bundle/pdpair-agent" >"$wrap"
   chmod +x "$wrap"
   py() {
-    (cd "$here/../python/tests" && env -u LD_LIBRARY_PATH -u UCX_MODULE_DIR PYTHONPATH="$here/../python/src" \
+    (cd "$here/../python/tests" && env -u UCX_MODULE_DIR LD_LIBRARY_PATH="$machine_ld" PYTHONPATH="$here/../python/src" \
        PDPAIR_AGENT_BIN="$wrap" PYTHONUNBUFFERED=1 "$@")
   }
-  py timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu test_direct.py 2>&1 | tee "$out/connector.txt" || rc=1
+  py timeout 100 python3 -m pytest -q -rs -p no:cacheprovider -m gpu test_direct.py 2>&1 | tee "$out/connector.txt" || rc=1
+  reap
   echo "== the connector's paths, measured (python/tests/bench_gpu.py)" | tee -a "$out/connector.txt"
-  py timeout 240 python3 bench_gpu.py 5 2>&1 | tee -a "$out/connector.txt" || rc=1
+  py timeout 80 python3 bench_gpu.py 5 2>&1 | tee -a "$out/connector.txt" || rc=1
+  reap
 else
   echo "gpu-check: no python3 with CUDA torch and pytest here: the connector's GPU tests did not run" | tee "$out/connector.txt"
   rc=1
@@ -50,8 +61,8 @@ fi
 if [[ -x $bundle/ucx-1.22/bin/ucx_info ]]; then
   echo "== UCX 1.22 (agent.ucx.library=1.22): does its CUDA module load here"
   u=$bundle/ucx-1.22/lib
-  (LD_LIBRARY_PATH=$u UCX_MODULE_DIR=$u/ucx timeout 60 "$bundle/ucx-1.22/bin/ucx_info" -v
-   LD_LIBRARY_PATH=$u UCX_MODULE_DIR=$u/ucx timeout 60 "$bundle/ucx-1.22/bin/ucx_info" -d |
+  (LD_LIBRARY_PATH=$u UCX_MODULE_DIR=$u/ucx timeout 20 "$bundle/ucx-1.22/bin/ucx_info" -v
+   LD_LIBRARY_PATH=$u UCX_MODULE_DIR=$u/ucx timeout 20 "$bundle/ucx-1.22/bin/ucx_info" -d |
      grep -E 'Memory domain|Component|Transport|memory types|Device') 2>&1 | tee "$out/ucx-1.22.txt"
 fi
 echo "gpu-check: exit $rc; reports in $out"

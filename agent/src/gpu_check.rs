@@ -459,6 +459,15 @@ impl Drop for AgentProcess {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+        // Its warnings and errors go to the report (all that comes back from the GPU machine).
+        let log = std::fs::read_to_string(self.2.join("agent.log")).unwrap_or_default();
+        for line in log
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR") || l.contains("panicked"))
+            .take(40)
+        {
+            eprintln!("agent {}: {line}", self.2.display());
+        }
         let _ = std::fs::remove_dir_all(&self.2);
     }
 }
@@ -490,7 +499,9 @@ fn start_agent(
     let socket = dir.join("agent.sock");
     let admin = crate::loopback::free_admin_addr().map_err(invalid)?;
     let exe = std::env::current_exe().map_err(invalid)?;
+    let log = std::fs::File::create(dir.join("agent.log")).map_err(invalid)?;
     let child = crate::loopback::run_command(&exe, name, transport, &socket, &dir.join("pools"))
+        .stderr(log)
         .arg("--no-publish")
         .arg("--admin-bind")
         .arg(admin.to_string())

@@ -172,17 +172,30 @@ impl GpuChecksum {
             return Err(CudaError::NoNvrtc);
         }
         gpu.bind()?;
-        let ptx = compile_ptx_with_opts(
-            SOURCE,
-            CompileOptions {
-                name: Some("pdpair_checksum.cu".into()),
-                ..Default::default()
-            },
-        )
-        .map_err(|e| CudaError::Compile {
-            kernel: "checksum",
-            log: e.to_string(),
-        })?;
+        // For this GPU's architecture (NVRTC's default is an older one the driver must JIT up
+        // from); NVRTC's default where it does not know this one.
+        let own = gpu
+            .context()
+            .compute_capability()
+            .ok()
+            .map(|(major, minor)| vec![format!("--gpu-architecture=compute_{major}{minor}")]);
+        let compile = |options: Vec<String>| {
+            compile_ptx_with_opts(
+                SOURCE,
+                CompileOptions {
+                    name: Some("pdpair_checksum.cu".into()),
+                    options,
+                    ..Default::default()
+                },
+            )
+        };
+        let ptx = own
+            .and_then(|o| compile(o).ok())
+            .map_or_else(|| compile(Vec::new()), Ok)
+            .map_err(|e| CudaError::Compile {
+                kernel: "checksum",
+                log: e.to_string(),
+            })?;
         let module = gpu.context().load_module(ptx).map_err(driver("cuModuleLoadData"))?;
         Ok(GpuChecksum {
             gpu: gpu.clone(),

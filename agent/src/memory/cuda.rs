@@ -500,13 +500,13 @@ pub struct DeviceMemory {
 }
 
 /// How a [`DeviceMemory`] came to be, which decides how it goes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 enum Kind {
     Allocated,
     Opened,
-    /// VMM allocations mapped into a reserved range of `len` bytes (each allocation's handle was
-    /// released once mapped: the mapping holds it).
-    Mapped,
+    /// VMM allocations of these sizes mapped end to end into a reserved range of `len` bytes
+    /// (each allocation's handle was released once mapped: the mapping holds it).
+    Mapped(Vec<usize>),
 }
 
 /// The most VMM allocations one [`DeviceMemory::import_vmm`] maps.
@@ -630,8 +630,9 @@ impl DeviceMemory {
         check("cuMemAddressReserve", unsafe {
             sys::cuMemAddressReserve(&mut ptr, total, 0, 0, 0)
         })?;
-        let mut mapped = 0usize;
+        let mut mapped: Vec<usize> = Vec::with_capacity(chunks.len());
         let outcome = (|| {
+            let mut at = 0usize;
             for (i, (fd, size)) in chunks.iter().enumerate() {
                 let size = *size as usize;
                 let mut handle: sys::CUmemGenericAllocationHandle = 0;
@@ -650,7 +651,7 @@ impl DeviceMemory {
                 // so the handle is released either way.
                 let map = match on {
                     Ok(d) if d == gpu.ordinal() => check("cuMemMap", unsafe {
-                        sys::cuMemMap(ptr + mapped as u64, size, 0, handle, 0)
+                        sys::cuMemMap(ptr + at as u64, size, 0, handle, 0)
                     })
                     .map_err(|e| {
                         CudaError::Invalid(format!(
@@ -666,7 +667,8 @@ impl DeviceMemory {
                 // SAFETY: as above.
                 unsafe { sys::cuMemRelease(handle) };
                 map?;
-                mapped += size;
+                mapped.push(size);
+                at += size;
             }
             let access = sys::CUmemAccessDesc {
                 location: vmm_prop(gpu).location,
@@ -676,15 +678,16 @@ impl DeviceMemory {
             check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(ptr, total, &access, 1) })
         })();
         if let Err(e) = outcome {
-            // SAFETY: the first `mapped` bytes were mapped here, the range reserved here.
-            unsafe { unmap_and_free(ptr, mapped, total) };
+            // SAFETY: the allocations in `mapped` were mapped here from `ptr`, the range reserved
+            // here.
+            unsafe { unmap_and_free(ptr, &mapped, total) };
             return Err(e);
         }
         Ok(DeviceMemory {
             gpu: gpu.clone(),
             ptr,
             len: total,
-            kind: Kind::Mapped,
+            kind: Kind::Mapped(mapped),
         })
     }
 
@@ -709,10 +712,11 @@ impl DeviceMemory {
         })?;
         let prop = vmm_prop(gpu);
         let mut fds = Vec::new();
-        let mut mapped = 0usize;
+        let mut mapped: Vec<usize> = Vec::new();
         let outcome = (|| {
-            while mapped < total {
-                let size = chunk.min(total - mapped);
+            let mut at = 0usize;
+            while at < total {
+                let size = chunk.min(total - at);
                 let mut handle: sys::CUmemGenericAllocationHandle = 0;
                 // SAFETY: out-pointer and a valid property struct.
                 check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
@@ -729,7 +733,7 @@ impl DeviceMemory {
                 // SAFETY: the range's next `size` bytes are reserved and unmapped.
                 .and_then(|()| {
                     check("cuMemMap", unsafe {
-                        sys::cuMemMap(ptr + mapped as u64, size, 0, handle, 0)
+                        sys::cuMemMap(ptr + at as u64, size, 0, handle, 0)
                     })
                 });
                 if fd >= 0 {
@@ -739,7 +743,8 @@ impl DeviceMemory {
                 // SAFETY: the mapping (if made) holds the allocation.
                 unsafe { sys::cuMemRelease(handle) };
                 exported?;
-                mapped += size;
+                mapped.push(size);
+                at += size;
             }
             let access = sys::CUmemAccessDesc {
                 location: prop.location,
@@ -752,8 +757,9 @@ impl DeviceMemory {
             gpu.ctx.synchronize().map_err(driver("cuCtxSynchronize"))
         })();
         if let Err(e) = outcome {
-            // SAFETY: the first `mapped` bytes were mapped here, the range reserved here.
-            unsafe { unmap_and_free(ptr, mapped, total) };
+            // SAFETY: the allocations in `mapped` were mapped here from `ptr`, the range reserved
+            // here.
+            unsafe { unmap_and_free(ptr, &mapped, total) };
             return Err(e);
         }
         Ok((
@@ -761,7 +767,7 @@ impl DeviceMemory {
                 gpu: gpu.clone(),
                 ptr,
                 len: total,
-                kind: Kind::Mapped,
+                kind: Kind::Mapped(mapped),
             },
             fds,
         ))
@@ -851,14 +857,14 @@ impl Drop for DeviceMemory {
         // SAFETY: ptr was allocated, opened or reserved and mapped here, exactly once, and is
         // released once.
         unsafe {
-            match self.kind {
+            match &self.kind {
                 Kind::Opened => {
                     let _ = sys::cuIpcCloseMemHandle(self.ptr);
                 }
                 Kind::Allocated => {
                     let _ = result::free_sync(self.ptr);
                 }
-                Kind::Mapped => unmap_and_free(self.ptr, self.len, self.len),
+                Kind::Mapped(sizes) => unmap_and_free(self.ptr, sizes, self.len),
             }
         }
     }
@@ -892,19 +898,21 @@ fn allocation_device(handle: sys::CUmemGenericAllocationHandle) -> Result<usize,
         .map_err(|_| CudaError::Invalid(format!("a shared GPU allocation is on device {}", prop.location.id)))
 }
 
-/// Unmaps the first `mapped` bytes at `ptr` and frees the `reserved` bytes reserved there.
+/// Unmaps the allocations of `mapped` sizes mapped end to end from `ptr`, one by one, and frees
+/// the `reserved` bytes reserved there.
 ///
 /// # Safety
-/// `ptr..ptr+mapped` must be mapped (whole allocations, from `ptr`) and `ptr..ptr+reserved`
-/// reserved, by this process, and nothing may use them any more.
-unsafe fn unmap_and_free(ptr: u64, mapped: usize, reserved: usize) {
-    // SAFETY: as the caller guarantees.
-    unsafe {
-        if mapped > 0 {
-            let _ = sys::cuMemUnmap(ptr, mapped);
-        }
-        let _ = sys::cuMemAddressFree(ptr, reserved);
+/// Those allocations must be mapped there and `ptr..ptr+reserved` reserved, by this process,
+/// and nothing may use them any more.
+unsafe fn unmap_and_free(ptr: u64, mapped: &[usize], reserved: usize) {
+    let mut at = ptr;
+    for size in mapped {
+        // SAFETY: as the caller guarantees.
+        let _ = unsafe { sys::cuMemUnmap(at, *size) };
+        at += *size as u64;
     }
+    // SAFETY: as the caller guarantees.
+    let _ = unsafe { sys::cuMemAddressFree(ptr, reserved) };
 }
 
 #[cfg(test)]

@@ -212,13 +212,18 @@ impl ProcessAgent {
     pub fn start(w: &World, name: &str) -> (ProcessAgent, PathBuf) {
         let socket = w.dir.join(format!("{name}.sock"));
         // The GPU check runs these tests on another machine, with the agent carried beside them.
-        let bin = std::env::var_os("PDPAIR_AGENT_BIN")
+        let carried = std::env::var_os("PDPAIR_AGENT_BIN");
+        let bin = carried
+            .clone()
             .map(PathBuf::from)
             .unwrap_or_else(|| env!("CARGO_BIN_EXE_pdpair-agent").into());
-        let child = pdpair_agent::loopback::run_command(&bin, name, "tcp", &socket, &w.pools())
-            .arg("--no-publish")
-            .spawn()
-            .expect("agent process");
+        let mut cmd = pdpair_agent::loopback::run_command(&bin, name, "tcp", &socket, &w.pools());
+        if carried.is_some() {
+            // Under the GPU check its warnings and errors go to the report, which is all that
+            // comes back from that machine.
+            cmd.stderr(std::process::Stdio::inherit()).env("RUST_LOG", "warn");
+        }
+        let child = cmd.arg("--no-publish").spawn().expect("agent process");
         let start = Instant::now();
         while std::os::unix::net::UnixStream::connect(&socket).is_err() {
             assert!(

@@ -173,7 +173,10 @@ def device_uuid(t: torch.Tensor) -> str:
     dev = ctypes.c_int()
     _check(lib.cuDeviceGet(ctypes.byref(dev), t.device.index), "cuDeviceGet")
     raw = (ctypes.c_ubyte * 16)()
-    _check(lib.cuDeviceGetUuid(raw, dev), "cuDeviceGetUuid")
+    get_uuid = getattr(lib, "cuDeviceGetUuid_v2", None) or getattr(lib, "cuDeviceGetUuid", None)
+    if get_uuid is None:
+        raise DirectRefused("the engine's CUDA driver has no cuDeviceGetUuid")
+    _check(get_uuid(raw, dev), "cuDeviceGetUuid")
     h = bytes(raw).hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
