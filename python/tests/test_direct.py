@@ -144,13 +144,14 @@ def test_tensors_in_vmm_memory_are_placed_in_their_allocations_laid_end_to_end()
                 return base, size
         raise AssertionError(f"{p:#x} is not mapped")
 
-    # Two tensors of 3 MiB: one from 4 KiB into the first segment (two allocations), one from
-    # 1 MiB into the second (two allocations); and one sharing the first tensor's last allocation.
-    starts = [0x1000_1000, 0x9000_0000 + mb // 2, 0x1000_0000 + mb + mb // 2 + 0x1000]
+    # Three tensors of 3 MiB: from 4 KiB into the first segment (allocations 0 and 1), from 1 MiB
+    # into the second (its 0 and 1), and from 4 KiB into the first segment's allocation 1 (1 and 2,
+    # sharing one with the first tensor).
+    starts = [0x1000_1000, 0x9000_0000 + mb // 2, 0x1000_0000 + mb + 0x1000]
     chunks, offsets = direct.vmm_plan(starts, 3 << 20, address_range)
     assert chunks == [table[0], table[1], table[2], table[6], table[7]], "each allocation once, in address order"
     # Laid end to end: [s1 a0][s1 a1][s1 a2][s2 a0][s2 a1].
-    assert offsets == [0x1000, 3 * mb + mb // 2, mb + mb // 2 + 0x1000]
+    assert offsets == [0x1000, 3 * mb + mb // 2, mb + 0x1000]
     # Each tensor's bytes are, in the end-to-end layout, the bytes it has in the engine.
     for start, off in zip(starts, offsets):
         i = 0
@@ -281,7 +282,7 @@ def test_a_gpu_pool_the_agent_cannot_open_falls_back_to_staging_on_a_new_connect
 
         def gpu_pool(self):
             return {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555",
-                    "regions": [{"ipc_handle": "11" * 64, "offset": 0}] * 2}
+                    "regions": [{"ipc_handle": "11" * 64, "offset": 0}] * 2}, []
 
     monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps, across_nodes=True: Unopenable())
     g = kv(block=16, layers=2)
