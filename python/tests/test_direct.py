@@ -284,7 +284,7 @@ def test_a_gpu_pool_the_agent_cannot_open_falls_back_to_staging_on_a_new_connect
             return {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555",
                     "regions": [{"ipc_handle": "11" * 64, "offset": 0}] * 2}, []
 
-    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps, across_nodes=True: Unopenable())
+    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps, across_nodes=True, event=True: Unopenable())
     g = kv(block=16, layers=2)
     agent = world.agent("a")
     tensors = vllm_tensors(g, 4, "flash")
@@ -297,6 +297,57 @@ def test_a_gpu_pool_the_agent_cannot_open_falls_back_to_staging_on_a_new_connect
         client.close()
     with pytest.raises(AgentError, match="gpu: GPU pools are not accepted"):
         direct.register(agent.socket, reg(world, "prefill", g, 4), tensors, want=True)
+
+
+def test_an_engine_event_the_agent_cannot_open_is_dropped_before_the_direct_path_is(world, monkeypatch):
+    # The GPU half stands in (no GPU here): a plan whose event the agent refuses ("gpu.event:",
+    # as an agent refuses an interprocess event it cannot open from another PID namespace). The
+    # connector registers its memory again without the event (synchronizing its stream before
+    # KvReady instead) before it gives up the direct path; here the agent then refuses GPU pools
+    # for want of a driver, so the engine stages, saying so.
+    asked = []
+
+    class NoEvent:
+        regions = [{"layers": 1, "kv_arrangement": "KvFirst"}] * 2
+
+        def __init__(self, event):
+            self.event = event
+
+        def gpu_pool(self):
+            pool = {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555",
+                    "regions": [{"ipc_handle": "11" * 64, "offset": 0}] * 2}
+            if self.event:
+                pool["event"] = "00"  # not a handle: refused as "gpu.event: ..."
+            return pool, []
+
+    def plan(tensors, layout, caps, across_nodes=True, event=True):
+        asked.append(event)
+        return NoEvent(event)
+
+    monkeypatch.setattr(direct, "plan", plan)
+    g = kv(block=16, layers=2)
+    agent = world.agent("a")
+    tensors = vllm_tensors(g, 4, "flash")
+    client, pool, why = direct.register(agent.socket, reg(world, "prefill", g, 4), tensors)
+    client.close()
+    assert asked == [True, False], "registered again without the event"
+    assert pool is None and why.startswith("the agent refused the GPU pool: gpu: GPU pools are not accepted"), why
+    asked.clear()
+    with pytest.raises(AgentError, match="gpu: GPU pools are not accepted"):
+        direct.register(agent.socket, reg(world, "prefill", g, 4), tensors, want=True)
+    assert asked == [True, False]
+    # Another refusal is not retried without the event.
+    class BadUuid(NoEvent):
+        def gpu_pool(self):
+            pool, shared = super().gpu_pool()
+            return dict(pool, device_uuid="GPU-0"), shared
+
+    asked.clear()
+    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps, across_nodes=True, event=True:
+                        asked.append(event) or BadUuid(event))
+    client, pool, why = direct.register(agent.socket, reg(world, "prefill", g, 4), tensors)
+    client.close()
+    assert asked == [True] and "gpu.device_uuid" in why, (asked, why)
 
 
 @pytest.mark.gpu
@@ -362,7 +413,8 @@ def test_across_pid_namespaces_the_direct_path_moves_kv_or_falls_back_to_staging
     p_tensors = vllm_tensors(g, 256, "flash", device="cuda", dtype=torch.bfloat16)
     p, p_kv, why = direct.register(agent.socket, reg(world, "prefill", g, 256), p_tensors)
     with capsys.disabled():
-        print(f"\nCUDA IPC across PID namespaces: {'direct path works' if p_kv else 'fell back: ' + str(why)}")
+        print(f"\nCUDA IPC across PID namespaces: "
+              f"{('direct path works, ' + ('with' if p_kv.event else 'without') + ' the engine event') if p_kv else 'fell back: ' + str(why)}")
     if p_kv is None:
         assert why.startswith("the agent refused the GPU pool: "), why
         assert p.pool is not None

@@ -295,10 +295,11 @@ def share(t: torch.Tensor, length: int, handles: Optional[dict] = None) -> dict:
 class DirectKv(Stager):
     """The engine's own KV tensors are the agent's pool: nothing to copy. Prefill records its
     interprocess event on the stream that wrote the KV before each ``KvReady`` (the agent's
-    copies wait for it); decode's blocks have landed when the agent says ``RequestDone``."""
+    copies wait for it), or, without one (``event=False``: an agent that cannot open it),
+    synchronizes that stream; decode's blocks have landed when the agent says ``RequestDone``."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], layout: PoolLayout, device: torch.device, uuid: str,
-                 vmm: bool = False):
+                 vmm: bool = False, event: bool = True):
         self.tensors = list(tensors)
         self.layout = layout
         self.device = device
@@ -306,8 +307,10 @@ class DirectKv(Stager):
         self.uuid = uuid
         #: Whether the tensors' memory is shared as VMM descriptors (else by IPC handles).
         self.vmm = vmm
-        self.event = torch.cuda.Event(enable_timing=False, interprocess=True)
-        self.event.record(torch.cuda.current_stream(device))
+        #: The interprocess event the agent waits for (``None``: the stream is synchronized).
+        self.event = torch.cuda.Event(enable_timing=False, interprocess=True) if event else None
+        if self.event is not None:
+            self.event.record(torch.cuda.current_stream(device))
         self.regions = regions(self.tensors, layout)
 
     def gpu_pool(self) -> Tuple[dict, List[Tuple[int, int]]]:
@@ -319,21 +322,23 @@ class DirectKv(Stager):
         else:
             handles: dict = {}
             gpu_regions = [share(t, self.layout.layer_len, handles) for t in self.tensors]
-        return {
-            "device_uuid": self.uuid,
-            "regions": gpu_regions,
-            "event": bytes(self.event.ipc_handle()).hex(),
-        }, shared
+        pool = {"device_uuid": self.uuid, "regions": gpu_regions}
+        if self.event is not None:
+            pool["event"] = bytes(self.event.ipc_handle()).hex()
+        return pool, shared
 
     def save(self, blocks: List[int]) -> None:
-        self.event.record(torch.cuda.current_stream(self.device))
+        if self.event is not None:
+            self.event.record(torch.cuda.current_stream(self.device))
+        else:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def load(self, blocks: List[int]) -> None:
         return  # the agent wrote them in place
 
 
 def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapping,
-         across_nodes: bool = True) -> DirectKv:
+         across_nodes: bool = True, event: bool = True) -> DirectKv:
     """The direct pool for these tensors, or :class:`DirectRefused` saying why not
     (``across_nodes``: also where its KV could not reach engines on other nodes)."""
     first = tensors[0]
@@ -351,7 +356,7 @@ def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapp
             "the KV cache's memory cannot be shared by CUDA IPC handle (torch's expandable_segments, or another "
             "allocator than cudaMalloc), and the agent takes no VMM descriptors (its gpu_sharing lacks vmm_fd)"
         )
-    return DirectKv(tensors, layout, first.device, uuid, vmm=vmm)
+    return DirectKv(tensors, layout, first.device, uuid, vmm=vmm, event=event)
 
 
 def _short(text: str) -> str:
@@ -367,6 +372,7 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
     pool, which the engine stages through, told why). Returns the client, the direct pool
     (``None`` when staged) and why not direct (``None`` when direct)."""
     chosen: dict = {}
+    options = {"event": True}
 
     def staged(why: str) -> dict:
         # The agent publishes why in the PDEndpoint (spec.staging); it keeps 300 characters.
@@ -379,7 +385,7 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
         try:
             host = PoolLayout.new(reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"],
                                   reg.get("tensor_rank", 0))
-            d = plan(tensors, host, caps, across_nodes=want is not True)
+            d = plan(tensors, host, caps, across_nodes=want is not True, event=options["event"])
             gpu, shared = d.gpu_pool()
             gpu_reg = dict(reg, regions=d.regions, gpu=gpu)
         except DirectRefused as e:
@@ -390,7 +396,18 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
         return (gpu_reg, shared) if shared else gpu_reg
 
     try:
-        client = agent_client.AgentClient.register(socket_path, pick)
+        try:
+            client = agent_client.AgentClient.register(socket_path, pick)
+        except agent_client.AgentError as e:
+            if "direct" not in chosen or not str(e).startswith("gpu.event:"):
+                raise
+            # The agent took the KV memory but cannot open the engine's interprocess event (from
+            # another PID namespace, say): direct without it, the engine synchronizing its stream
+            # before each KvReady instead, on a new connection.
+            log.warning("pdpair: the agent cannot open the engine's CUDA event (%s); synchronizing before KvReady", e)
+            options["event"] = False
+            chosen.clear()
+            client = agent_client.AgentClient.register(socket_path, pick)
     except agent_client.AgentError as e:
         if "direct" not in chosen or want is True:
             raise
