@@ -106,6 +106,7 @@ mod tests {
             name: "a".into(),
             listen_host: Ipv4Addr::LOCALHOST.into(),
             transport: Transport::Tcp,
+            stream_lanes: crate::transport::stream::DEFAULT_LANES,
             corrupt_one_byte: false,
             rejection_ttl: Duration::from_secs(30),
             publisher: None,

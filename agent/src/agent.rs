@@ -57,6 +57,8 @@ pub struct AgentConfig {
     pub listen_host: IpAddr,
     /// UCX transports.
     pub transport: Transport,
+    /// Lanes the KV stream splits each peer's large ops over ([`crate::transport::stream`]).
+    pub stream_lanes: usize,
     /// Fault injection: flip one byte of one block in flight per request (prefill side).
     pub corrupt_one_byte: bool,
     /// How long a remembered rejection short-circuits new requests to that peer.
@@ -258,7 +260,7 @@ impl Agent {
             Transport::Shm => false,
         };
         let stream = if stream {
-            let s = crate::transport::stream::Stream::start(cfg.listen_host)?;
+            let s = crate::transport::stream::Stream::with_lanes(cfg.listen_host, cfg.stream_lanes)?;
             tracing::info!(
                 address = %String::from_utf8_lossy(&s.address()),
                 "KV moves over this agent's tcp stream (no RDMA device, or --transport tcp); the path is reported as Tcp"

@@ -119,6 +119,11 @@ pub struct RunArgs {
     /// is never loaded), or shm (UCX's shared memory, for peer agents on one host).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "shm"])]
     pub transport: String,
+    /// Connections (lanes) the KV stream splits each peer's large ops over, each on its own
+    /// thread, so sealing and copying use that many cores (1-8).
+    #[arg(long = "stream-lanes", default_value_t = crate::transport::stream::DEFAULT_LANES,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=8))]
+    pub stream_lanes: usize,
     /// Plain-HTTP address for /metrics and /healthz.
     #[arg(long = "admin-bind")]
     pub admin_bind: Option<std::net::SocketAddr>,
@@ -249,6 +254,9 @@ pub struct LoopbackArgs {
     /// agents' tcp stream), or auto (RDMA where there is a device, else the stream).
     #[arg(long, default_value = "shm", value_parser = ["auto", "tcp", "shm"])]
     pub transport: String,
+    /// The agents' `--stream-lanes` (KV stream connections per peer; theirs by default).
+    #[arg(long = "stream-lanes", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=8))]
+    pub stream_lanes: Option<usize>,
     /// Flip one byte of one block in flight per request (push: prefill corrupts what it writes).
     #[arg(long = "corrupt-one-byte")]
     pub corrupt_one_byte: bool,
@@ -306,6 +314,7 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
         name: args.name.clone(),
         listen_host: args.listen_host,
         transport,
+        stream_lanes: args.stream_lanes,
         corrupt_one_byte: args.corrupt_one_byte,
         rejection_ttl: std::time::Duration::from_secs(30),
         publisher: match kube.clone().filter(|_| !args.no_publish) {
@@ -377,6 +386,7 @@ pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageErr
         requests: args.requests,
         prompt_tokens: args.prompt_tokens,
         transport: args.transport.clone(),
+        stream_lanes: args.stream_lanes,
         corrupt_one_byte: args.corrupt_one_byte,
         kill_prefill_after: args.kill_prefill_after,
         verify_bytes: !args.no_verify_bytes,

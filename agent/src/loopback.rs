@@ -36,6 +36,8 @@ pub struct Options {
     pub prompt_tokens: u64,
     /// `tcp` or `shm`.
     pub transport: String,
+    /// The agents' `--stream-lanes` (their default when `None`).
+    pub stream_lanes: Option<usize>,
     /// Flip one byte of one block in flight per request.
     pub corrupt_one_byte: bool,
     /// SIGKILL the first P agent once this many of its requests started transferring.
@@ -289,6 +291,9 @@ pub fn run_command(bin: &Path, name: &str, transport: &str, socket: &Path, pool_
 fn spawn_agent(opts: &Options, dir: &Path, name: &str, corrupt: bool) -> Result<(Spawned, PathBuf), String> {
     let socket = dir.join(format!("{name}.sock"));
     let mut cmd = run_command(&opts.agent_bin, name, &opts.transport, &socket, &dir.join("pools"));
+    if let Some(lanes) = opts.stream_lanes {
+        cmd.arg("--stream-lanes").arg(lanes.to_string());
+    }
     if corrupt {
         cmd.arg("--corrupt-one-byte");
     }

@@ -38,7 +38,7 @@ use crate::{
 /// The protocol version this agent speaks (2: sealed frames after authentication; 3: `Release`
 /// also cancels; 4: memory in several regions, MLA's latent arrays; 5: KV stream addresses; 6:
 /// the KV stream sealed; see `docs/protocol.md`).
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 /// Bytes of a nonce.
 pub const NONCE_LEN: usize = 32;
 /// The most bytes of a UCX worker address or packed remote key accepted from a peer.

@@ -885,6 +885,7 @@ fn an_agent_whose_probe_cannot_run_does_not_start() {
         name: "a".into(),
         listen_host: std::net::Ipv4Addr::LOCALHOST.into(),
         transport: Transport::Tcp,
+        stream_lanes: pdpair_agent::transport::stream::DEFAULT_LANES,
         corrupt_one_byte: false,
         rejection_ttl: Duration::from_secs(30),
         publisher: None,

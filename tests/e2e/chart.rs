@@ -201,7 +201,9 @@ fn default_values_render_a_least_privilege_hardened_install() {
         .filter_map(|a| a.as_str())
         .collect();
     assert!(
-        args.contains(&"--pool-dir=/dev/shm/pdpair") && args.contains(&"--clean-pool-dir"),
+        args.contains(&"--pool-dir=/dev/shm/pdpair")
+            && args.contains(&"--clean-pool-dir")
+            && args.contains(&"--stream-lanes=4"),
         "{args:?}"
     );
     assert!(
@@ -260,12 +262,20 @@ fn non_default_values_change_what_they_should() {
     // Host networking and UCX settings reach the agent.
     let objs = render(&[
         "agent.hostNetwork=true",
+        "agent.streamLanes=2",
         "agent.ucx.tls=rc\\,sm",
         "agent.ucx.netDevices=mlx5_0:1",
     ])
     .expect("renders");
     let spec = &get(&objs, "DaemonSet", "agent")["spec"]["template"]["spec"];
     assert_eq!(spec["hostNetwork"], true);
+    assert!(
+        spec["containers"][0]["args"]
+            .as_sequence()
+            .expect("args")
+            .iter()
+            .any(|a| a.as_str() == Some("--stream-lanes=2"))
+    );
     let env = spec["containers"][0]["env"].as_sequence().expect("env");
     assert!(env.iter().any(|e| e["name"] == "UCX_TLS" && e["value"] == "rc,sm"));
     assert!(
@@ -381,6 +391,7 @@ fn bad_values_fail_with_the_path_and_the_value() {
         ("agent.ucx.transport=ib", "/agent/ucx/transport"),
         ("agent.ucx.library=1.23", "/agent/ucx/library"),
         ("agent.ucx.probe=maybe", "/agent/ucx/probe"),
+        ("agent.streamLanes=9", "/agent/streamLanes"),
         ("operator.leaseDuration=soon", "/operator/leaseDuration"),
         ("operator.typo=1", "typo"),
     ] {

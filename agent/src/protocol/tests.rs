@@ -465,7 +465,7 @@ fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
         matches!(&answer, Message::Reject { reasons, .. } if reasons == &vec![Reason::VersionMismatch]),
         "{answer:?}"
     );
-    assert_eq!(PROTOCOL_VERSION, 7);
+    assert_eq!(PROTOCOL_VERSION, 8);
     assert!(server.join().expect("thread").is_err());
 }
 

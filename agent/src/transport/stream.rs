@@ -14,15 +14,20 @@
 //!   closes its connection.
 //! - **Connection.** The peer dials the address in the handshake (`pdpair-tcp:` and `ip:port`).
 //!   The listener sends a 32-byte nonce; the dialler answers with the admission's id
-//!   (HMAC(key, "pdpair/stream id"), 16 bytes), a nonce of its own and a proof, HMAC(key,
-//!   "pdpair/stream proof" | both nonces). The listener checks the proof in constant time and
+//!   (HMAC(key, "pdpair/stream id"), 16 bytes), its lane, a nonce of its own and a proof,
+//!   HMAC(key, "pdpair/stream proof" | both nonces | lane). The listener checks the proof in constant time and
 //!   answers with its own (HMAC(key, "pdpair/stream accept" | both nonces)), which the dialler
 //!   checks before it sends anything more. A stranger and a replayed proof are refused before
-//!   a byte of memory is touched; so is a listener that cannot prove the key. An admission holds one connection: a
-//!   newer proven one replaces it (only the link's peer holds the key, and a connection whose
-//!   other end vanished without a word would otherwise hold the admission forever). The
-//!   dialler dials again, within the op's deadline, when an op finds its connection gone (an
-//!   earlier op timed out, the peer closed it).
+//!   a byte of memory is touched; so is a listener that cannot prove the key.
+//! - **Lanes.** The dialler's answer names a lane (0..[`MAX_LANES`], covered by its proof): an
+//!   admission holds one connection per lane, and a newer proven one replaces its lane's (only
+//!   the link's peer holds the key, and a connection whose other end vanished without a word
+//!   would otherwise hold the lane forever). A put or get of at least [`MIN_LANE_BYTES`] a lane
+//!   is split into contiguous parts, one per lane, each on its own connection and thread, so
+//!   sealing, opening and copying use as many cores as there are lanes (the stream's lanes,
+//!   `--stream-lanes`); each lane's flush covers its own writes, and the op is done when every
+//!   lane's is. The dialler dials a lane again, within the op's deadline, when an op finds its
+//!   connection gone (an earlier op timed out, the peer closed it).
 //! - **Ops.** 24-byte headers (op, 7 zero bytes, address, length, big-endian): `PUT` and its
 //!   bytes, `GET` (answered with its bytes), `FLUSH` (answered once every earlier put is in
 //!   memory). Every range must lie inside one admitted region and match the admitted access;
@@ -31,7 +36,8 @@
 //!   (pull) and that has not ended for the engine or the link. Outside them a write's bytes are
 //!   dropped and the next flush says so; a read is answered with a refusal and no bytes. Every
 //!   piece of an op is checked again as it is copied, under the windows' lock, so a window
-//!   closed while the op runs takes (or gives) nothing more of it.
+//!   closed while the op runs takes (or gives) nothing more of it (lanes copy side by side; a
+//!   close waits for the copies under way).
 //!
 //! - **Records.** After the proof every byte either way is sealed (AES-256-GCM; per-connection,
 //!   per-direction keys from the stream key and the greeting's nonce; nonces a counter; see
@@ -70,9 +76,15 @@ use crate::{
 /// What a stream address starts with (then `ip:port`).
 pub const ADDRESS_PREFIX: &str = "pdpair-tcp:";
 /// The first bytes each side sends.
-const MAGIC: &[u8; 16] = b"PDPAIR-STREAM/2\n";
-/// The dialler's answer to the greeting: magic, admission id, its nonce, its proof.
-const ANSWER_LEN: usize = 16 + 16 + 32 + 32;
+const MAGIC: &[u8; 16] = b"PDPAIR-STREAM/3\n";
+/// The dialler's answer to the greeting: magic, admission id, lane, its nonce, its proof.
+const ANSWER_LEN: usize = 16 + 16 + 1 + 32 + 32;
+/// Connections one admission holds at most, one per lane.
+pub const MAX_LANES: usize = 8;
+/// Lanes a stream dials by default.
+pub const DEFAULT_LANES: usize = 4;
+/// The least an op moves per lane: smaller ops use fewer lanes (one below twice this).
+pub const MIN_LANE_BYTES: u64 = 4 << 20;
 /// Unproven connections from one source address, at most.
 pub const MAX_UNPROVEN_FROM: usize = 8;
 /// Connections that have not proved an admission yet, at most...
@@ -188,9 +200,9 @@ struct Admitted {
     access: Access,
     /// Where the peer may write or read now.
     windows: Arc<Windows>,
-    /// The connection that proved it last (one at most; its serial number), to close with the
-    /// admission or when a newer one proves it.
-    conn: Option<(u64, TcpStream)>,
+    /// The connection that proved it last on each lane (its serial number), to close with the
+    /// admission or when a newer one proves it on that lane.
+    conns: HashMap<u8, (u64, TcpStream)>,
 }
 
 /// The byte ranges an admission's peer may reach at the moment: the blocks of the requests the
@@ -201,7 +213,8 @@ struct Admitted {
 /// read there is refused without a byte; the connection stays.
 #[derive(Debug, Default)]
 pub struct Windows {
-    open: Mutex<HashMap<String, Vec<(u64, u64)>>>,
+    /// Copies hold it shared (lanes copy side by side), opening and closing exclusively.
+    open: std::sync::RwLock<HashMap<String, Vec<(u64, u64)>>>,
 }
 
 impl Windows {
@@ -220,24 +233,24 @@ impl Windows {
                 _ => merged.push((at, len)),
             }
         }
-        lock(&self.open).insert(request.to_owned(), merged);
+        write_lock(&self.open).insert(request.to_owned(), merged);
     }
 
     /// Closes `request`'s window (nothing more of it is written).
     pub fn close(&self, request: &str) {
-        lock(&self.open).remove(request);
+        write_lock(&self.open).remove(request);
     }
 
     /// Whether `at..at+len` lies inside one open window's range.
     fn contains(&self, at: u64, len: u64) -> bool {
-        Self::holds(&lock(&self.open), at, len)
+        Self::holds(&read_lock(&self.open), at, len)
     }
 
     /// Copies `plain` to `at` in `region` (the caller checked the range lies in it) if the
     /// range lies inside one open window, under the windows' lock: once [`Windows::close`]
     /// returned, nothing more lands in what it closed. `Ok(false)`: outside every window.
     fn copy_into(&self, region: &Region, at: u64, plain: &[u8]) -> Result<bool, String> {
-        let open = lock(&self.open);
+        let open = read_lock(&self.open);
         if !Self::holds(&open, at, plain.len() as u64) {
             return Ok(false);
         }
@@ -247,7 +260,7 @@ impl Windows {
     /// Copies from `at` in `region` into `into` if the range lies inside one open window, under
     /// the windows' lock (see [`Windows::copy_into`]).
     fn copy_from(&self, region: &Region, at: u64, into: &mut [u8]) -> Result<bool, String> {
-        let open = lock(&self.open);
+        let open = read_lock(&self.open);
         if !Self::holds(&open, at, into.len() as u64) {
             return Ok(false);
         }
@@ -264,14 +277,25 @@ impl Windows {
 
     /// The requests with an open window.
     pub fn requests(&self) -> Vec<String> {
-        lock(&self.open).keys().cloned().collect()
+        read_lock(&self.open).keys().cloned().collect()
     }
+}
+
+/// A read lock, poisoned or not (a copy that panicked left the windows as they were).
+fn read_lock<T>(l: &std::sync::RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A write lock, poisoned or not.
+fn write_lock<T>(l: &std::sync::RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|e| e.into_inner())
 }
 
 #[derive(Debug)]
 struct PeerConn {
-    /// `None` once an op closed it: the next op dials again.
-    conn: Mutex<Option<Conn>>,
+    /// One connection per lane, dialled when first used; `None` once an op closed it: the next
+    /// op on that lane dials again.
+    lanes: Vec<Mutex<Option<Conn>>>,
     at: SocketAddr,
     key: [u8; 32],
     remotes: Vec<(u64, u64)>,
@@ -296,6 +320,8 @@ pub struct Stream {
     inner: Arc<Inner>,
     address: Vec<u8>,
     local: SocketAddr,
+    /// Lanes each peer's ops are split over (1..=[`MAX_LANES`]).
+    lanes: usize,
 }
 
 /// An admission (see the module docs): revoked, and its connection closed, when dropped.
@@ -311,9 +337,10 @@ impl Drop for Admission {
     fn drop(&mut self) {
         if let Some(inner) = self.inner.upgrade()
             && let Some(a) = lock(&inner.admitted).remove(&self.id)
-            && let Some((_, c)) = a.conn
         {
-            let _ = c.shutdown(Shutdown::Both);
+            for (_, c) in a.conns.values() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
         }
     }
 }
@@ -342,12 +369,12 @@ fn admission_id(key: &[u8; 32]) -> [u8; 16] {
 }
 
 /// The dialler's proof of the key, over both sides' nonces.
-fn proof_mac(key: &[u8; 32], theirs: &[u8], ours: &[u8]) -> HmacSha256 {
-    mac(key, &[b"pdpair/stream proof", theirs, ours])
+fn proof_mac(key: &[u8; 32], theirs: &[u8], ours: &[u8], lane: u8) -> HmacSha256 {
+    mac(key, &[b"pdpair/stream proof", theirs, ours, &[lane]])
 }
 
-fn proof(key: &[u8; 32], theirs: &[u8], ours: &[u8]) -> [u8; 32] {
-    proof_mac(key, theirs, ours).finalize().into_bytes().into()
+fn proof(key: &[u8; 32], theirs: &[u8], ours: &[u8], lane: u8) -> [u8; 32] {
+    proof_mac(key, theirs, ours, lane).finalize().into_bytes().into()
 }
 
 /// The listener's proof of the key (its acceptance), over both nonces.
@@ -470,8 +497,8 @@ fn header(op: u8, addr: u64, len: u64) -> [u8; 24] {
     h
 }
 
-/// Dials the stream at `at` and proves `key`'s admission there, by `deadline`.
-fn dial(at: SocketAddr, key: &[u8; 32], deadline: Instant) -> Result<Conn, String> {
+/// Dials the stream at `at` and proves `key`'s admission there on `lane`, by `deadline`.
+fn dial(at: SocketAddr, key: &[u8; 32], lane: u8, deadline: Instant) -> Result<Conn, String> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
         return Err(format!("no time was left to dial the KV stream at {at}"));
@@ -489,8 +516,9 @@ fn dial(at: SocketAddr, key: &[u8; 32], deadline: Instant) -> Result<Conn, Strin
     let mut answer = Vec::with_capacity(ANSWER_LEN);
     answer.extend_from_slice(MAGIC);
     answer.extend_from_slice(&admission_id(key));
+    answer.push(lane);
     answer.extend_from_slice(&ours);
-    answer.extend_from_slice(&proof(key, &hello[16..], &ours));
+    answer.extend_from_slice(&proof(key, &hello[16..], &ours, lane));
     seal::write_full(&mut c, &[&answer], Some(deadline)).map_err(|e| format!("the KV stream at {at}: {e}"))?;
     match read_plain_status(&mut c, deadline) {
         Ok(Ok(())) => {}
@@ -510,8 +538,17 @@ fn dial(at: SocketAddr, key: &[u8; 32], deadline: Instant) -> Result<Conn, Strin
 }
 
 impl Stream {
-    /// Listens on `host` (an ephemeral port).
+    /// Listens on `host` (an ephemeral port); ops to peers go over [`DEFAULT_LANES`] lanes.
     pub fn start(host: IpAddr) -> Result<Stream, String> {
+        Stream::with_lanes(host, DEFAULT_LANES)
+    }
+
+    /// Listens on `host` (an ephemeral port); ops to peers go over `lanes` lanes
+    /// (1..=[`MAX_LANES`]).
+    pub fn with_lanes(host: IpAddr, lanes: usize) -> Result<Stream, String> {
+        if !(1..=MAX_LANES).contains(&lanes) {
+            return Err(format!("the KV stream takes 1..={MAX_LANES} lanes, not {lanes}"));
+        }
         let listener = TcpListener::bind((host, 0)).map_err(|e| format!("binding the KV stream on {host}: {e}"))?;
         let local = listener
             .local_addr()
@@ -526,6 +563,7 @@ impl Stream {
             inner,
             address: format!("{ADDRESS_PREFIX}{local}").into_bytes(),
             local,
+            lanes,
         })
     }
 
@@ -593,7 +631,7 @@ impl Stream {
                 regions,
                 access,
                 windows: windows.clone(),
-                conn: None,
+                conns: HashMap::new(),
             },
         );
         Ok(Admission {
@@ -607,12 +645,15 @@ impl Stream {
     /// regions (address, bytes) every op's remote side must lie in.
     pub fn connect(&self, address: &[u8], remotes: Vec<(u64, u64)>, key: &[u8; 32]) -> Result<u64, String> {
         let at = parse_address(address)?;
-        let c = dial(at, key, Instant::now() + PROOF_WITHIN)?;
+        // Lane 0 now (the peer is checked at connect); the others when an op first uses them.
+        let c = dial(at, key, 0, Instant::now() + PROOF_WITHIN)?;
         let id = self.inner.next_peer.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut lanes = vec![Mutex::new(Some(c))];
+        lanes.extend((1..self.lanes).map(|_| Mutex::new(None)));
         lock(&self.inner.peers).insert(
             id,
             Arc::new(PeerConn {
-                conn: Mutex::new(Some(c)),
+                lanes,
                 at,
                 key: *key,
                 remotes,
@@ -624,10 +665,12 @@ impl Stream {
 
     /// Drops a peer's connection.
     pub fn disconnect(&self, peer: u64) {
-        if let Some(p) = lock(&self.inner.peers).remove(&peer)
-            && let Some(c) = lock(&p.conn).take()
-        {
-            let _ = c.sock.shutdown(Shutdown::Both);
+        if let Some(p) = lock(&self.inner.peers).remove(&peer) {
+            for lane in &p.lanes {
+                if let Some(c) = lock(lane).take() {
+                    let _ = c.sock.shutdown(Shutdown::Both);
+                }
+            }
         }
     }
 
@@ -661,7 +704,8 @@ impl Stream {
         Ok((p, local, within))
     }
 
-    /// Writes `ops` into the peer's memory and waits until the peer has them in memory.
+    /// Writes `ops` into the peer's memory and waits until the peer has them in memory (each
+    /// lane's part on its own connection: see [`split`]).
     pub fn put(
         &self,
         peer: u64,
@@ -672,87 +716,92 @@ impl Stream {
     ) -> Result<u64, OpError> {
         let (p, held, at_region) = self.prepare(peer, regions, ops)?;
         let deadline = Instant::now() + within;
-        on_connection(&p, true, deadline, |c| {
-            let mut bytes = 0u64;
-            for (i, op) in ops.iter().enumerate() {
-                let source = &held[at_region[i]];
-                c.send_op(&header(OP_PUT, op.remote, op.len), op.len, |at, into| {
-                    // `prepare` checked the range lies in the region, which `held` keeps mapped.
-                    source.read(op.local + at, into).map_err(io::Error::other)?;
-                    if corrupt && i == 0 && at == 0 {
-                        // Changed before it is sealed: it lands so (the checksums' test).
-                        into[into.len() / 2] ^= 0xff;
-                    }
-                    Ok(())
-                })
-                .map_err(failure)?;
-                bytes += op.len;
-            }
-            c.send_op(&header(OP_FLUSH, 0, 0), 0, |_, _| Ok(())).map_err(failure)?;
-            match read_status(c).map_err(failure)? {
-                Ok(()) => Ok(bytes),
-                // The peer dropped a write and kept the connection: framing is intact.
-                Err(r) if r.kept => Err(Kept(OpError::Failed(format!("the peer refused a write: {}", r.why)))),
-                // It refused and closes.
-                Err(r) => Err(OpError::Failed(format!("the peer refused a write: {}", r.why)).into()),
-            }
+        across_lanes(&split(ops, p.lanes.len()), |lane, parts| {
+            on_connection(&p, lane, true, deadline, |c| {
+                let mut bytes = 0u64;
+                for (i, from, op) in parts {
+                    let source = &held[at_region[*i]];
+                    c.send_op(&header(OP_PUT, op.remote, op.len), op.len, |at, into| {
+                        // `prepare` checked the range lies in the region, which `held` keeps mapped.
+                        source.read(op.local + at, into).map_err(io::Error::other)?;
+                        if corrupt && *i == 0 && from + at == 0 {
+                            // Changed before it is sealed: it lands so (the checksums' test).
+                            into[into.len() / 2] ^= 0xff;
+                        }
+                        Ok(())
+                    })
+                    .map_err(failure)?;
+                    bytes += op.len;
+                }
+                c.send_op(&header(OP_FLUSH, 0, 0), 0, |_, _| Ok(())).map_err(failure)?;
+                match read_status(c).map_err(failure)? {
+                    Ok(()) => Ok(bytes),
+                    // The peer dropped a write and kept the connection: framing is intact.
+                    Err(r) if r.kept => Err(Kept(OpError::Failed(format!("the peer refused a write: {}", r.why)))),
+                    // It refused and closes.
+                    Err(r) => Err(OpError::Failed(format!("the peer refused a write: {}", r.why)).into()),
+                }
+            })
         })
     }
 
-    /// Reads `ops` (`remote` the source, `local` the destination) from the peer's memory.
+    /// Reads `ops` (`remote` the source, `local` the destination) from the peer's memory (each
+    /// lane's part on its own connection: see [`split`]).
     pub fn get(&self, peer: u64, regions: &[u64], ops: &[PutOp], within: Duration) -> Result<u64, OpError> {
         let (p, held, at_region) = self.prepare(peer, regions, ops)?;
         let deadline = Instant::now() + within;
-        on_connection(&p, false, deadline, |c| {
-            let mut bytes = 0u64;
-            let mut next = 0;
-            let mut wrote_device = false;
-            while next < ops.len() {
-                // Send a window of requests, then read their answers in order.
-                let (mut end, mut window) = (next, 0u64);
-                while end < ops.len()
-                    && end - next < GET_WINDOW_OPS
-                    && (end == next || window + ops[end].len <= GET_WINDOW_BYTES)
-                {
-                    window += ops[end].len;
-                    end += 1;
-                }
-                let headers: Vec<[u8; 24]> = ops[next..end]
-                    .iter()
-                    .map(|op| header(OP_GET, op.remote, op.len))
-                    .collect();
-                let records: Vec<&[u8]> = headers.iter().map(|h| &h[..]).collect();
-                c.send_small(&records).map_err(failure)?;
-                for (op, r) in ops[next..end].iter().zip(&at_region[next..end]) {
-                    // Refused: the answers to the reads after it are still on their way, so the
-                    // connection goes either way (the next op dials again).
-                    if let Err(r) = read_status(c).map_err(failure)? {
-                        return Err(OpError::Failed(format!("the peer refused a read: {}", r.why)).into());
+        across_lanes(&split(ops, p.lanes.len()), |lane, parts| {
+            on_connection(&p, lane, false, deadline, |c| {
+                let mut bytes = 0u64;
+                let mut next = 0;
+                let mut wrote_device = false;
+                while next < parts.len() {
+                    // Send a window of requests, then read their answers in order.
+                    let (mut end, mut window) = (next, 0u64);
+                    while end < parts.len()
+                        && end - next < GET_WINDOW_OPS
+                        && (end == next || window + parts[end].2.len <= GET_WINDOW_BYTES)
+                    {
+                        window += parts[end].2.len;
+                        end += 1;
                     }
-                    let dest = &held[*r];
-                    wrote_device |= dest.device.is_some();
-                    let mut failed = None;
-                    c.recv_each(op.len, |at, plain| {
-                        // `prepare` checked the range lies in the region, which `held` keeps
-                        // mapped. After a failed copy the rest is read (framing) and dropped.
-                        if failed.is_none() {
-                            failed = dest.write(op.local + at, plain).err();
+                    let headers: Vec<[u8; 24]> = parts[next..end]
+                        .iter()
+                        .map(|(_, _, op)| header(OP_GET, op.remote, op.len))
+                        .collect();
+                    let records: Vec<&[u8]> = headers.iter().map(|h| &h[..]).collect();
+                    c.send_small(&records).map_err(failure)?;
+                    for (i, _, op) in &parts[next..end] {
+                        // Refused: the answers to the reads after it are still on their way, so
+                        // the connection goes either way (the next op dials again).
+                        if let Err(r) = read_status(c).map_err(failure)? {
+                            return Err(OpError::Failed(format!("the peer refused a read: {}", r.why)).into());
                         }
-                    })
-                    .map_err(failure)?;
-                    if let Some(e) = failed {
-                        // The answers to the window's later reads are still on their way: the
-                        // connection goes.
-                        return Err(OpError::Failed(format!("placing a read in device memory: {e}")).into());
+                        let dest = &held[at_region[*i]];
+                        wrote_device |= dest.device.is_some();
+                        let mut failed = None;
+                        c.recv_each(op.len, |at, plain| {
+                            // `prepare` checked the range lies in the region, which `held` keeps
+                            // mapped. After a failed copy the rest is read (framing) and dropped.
+                            if failed.is_none() {
+                                failed = dest.write(op.local + at, plain).err();
+                            }
+                        })
+                        .map_err(failure)?;
+                        if let Some(e) = failed {
+                            // The answers to the window's later reads are still on their way:
+                            // the connection goes.
+                            return Err(OpError::Failed(format!("placing a read in device memory: {e}")).into());
+                        }
+                        bytes += op.len;
                     }
-                    bytes += op.len;
+                    next = end;
                 }
-                next = end;
-            }
-            if wrote_device {
-                settle(&held).map_err(|e| Kept(OpError::Failed(format!("device writes did not land: {e}"))))?;
-            }
-            Ok(bytes)
+                if wrote_device {
+                    settle(&held).map_err(|e| Kept(OpError::Failed(format!("device writes did not land: {e}"))))?;
+                }
+                Ok(bytes)
+            })
         })
     }
 
@@ -770,6 +819,86 @@ impl Stream {
             version: String::new(),
         })
     }
+}
+
+/// One lane's share of an op list: the op it comes from (its index), where in that op it
+/// starts, and the bytes it moves.
+type Part = (usize, u64, PutOp);
+
+/// Splits `ops` into one contiguous share per lane, about the same bytes each and at least
+/// [`MIN_LANE_BYTES`] each (so fewer lanes than `lanes` for small lists, one below twice that):
+/// an op is cut where a lane's share ends, at a multiple of the record size from its start. The
+/// shares keep the ops' order; an empty list is one empty share (a flush alone).
+fn split(ops: &[PutOp], lanes: usize) -> Vec<Vec<Part>> {
+    let total: u64 = ops.iter().map(|o| o.len).sum();
+    let n = (total / MIN_LANE_BYTES).clamp(1, lanes.max(1) as u64) as usize;
+    let record = seal::CHUNK as u64;
+    let share = total.div_ceil(n as u64).div_ceil(record).max(1) * record;
+    let mut out: Vec<Vec<Part>> = vec![Vec::new(); n];
+    let (mut lane, mut filled) = (0, 0u64);
+    for (i, op) in ops.iter().enumerate() {
+        let mut from = 0u64;
+        while from < op.len {
+            let room = if lane + 1 == n { u64::MAX } else { share - filled };
+            let take = (op.len - from).min(room);
+            out[lane].push((
+                i,
+                from,
+                PutOp {
+                    local: op.local + from,
+                    remote: op.remote + from,
+                    len: take,
+                },
+            ));
+            from += take;
+            filled += take;
+            if filled >= share && lane + 1 < n {
+                lane += 1;
+                filled = 0;
+            }
+        }
+    }
+    out.retain(|share| !share.is_empty());
+    if out.is_empty() {
+        out.push(Vec::new());
+    }
+    out
+}
+
+/// Runs `run(lane, share)` for every share, each on a thread of its own but the first (on this
+/// one), and sums their bytes; the first failure in lane order is the op's.
+fn across_lanes(
+    shares: &[Vec<Part>],
+    run: impl Fn(usize, &[Part]) -> Result<u64, OpError> + Sync,
+) -> Result<u64, OpError> {
+    if let [only] = shares {
+        return run(0, only);
+    }
+    let run = &run;
+    thread::scope(|s| {
+        let spawned: Vec<_> = shares
+            .iter()
+            .enumerate()
+            .skip(1)
+            .map(|(lane, share)| {
+                thread::Builder::new()
+                    .name("kv-stream-lane".into())
+                    .spawn_scoped(s, move || run(lane, share))
+                    .map_err(|e| (lane, e))
+            })
+            .collect();
+        let mut results = vec![run(0, &shares[0])];
+        for handle in spawned {
+            results.push(match handle {
+                Ok(h) => h
+                    .join()
+                    .unwrap_or_else(|_| Err(OpError::Failed("a lane's thread panicked".into()))),
+                // No thread for it: this one runs it.
+                Err((lane, _)) => run(lane, &shares[lane]),
+            });
+        }
+        results.into_iter().try_fold(0u64, |sum, r| Ok(sum + r?))
+    })
 }
 
 /// An op's failure: `Kept` when the connection's framing is intact (the peer refused at a
@@ -808,14 +937,15 @@ impl From<OpError> for Failure {
 /// runs once more on a new one, time allowing.
 fn on_connection(
     p: &PeerConn,
+    lane: usize,
     refusal: bool,
     deadline: Instant,
     mut op: impl FnMut(&mut Conn) -> Result<u64, Failure>,
 ) -> Result<u64, OpError> {
-    let mut guard = lock(&p.conn);
+    let mut guard = lock(&p.lanes[lane]);
     let mut again = true;
     loop {
-        match run_once(p, &mut guard, refusal, deadline, &mut op) {
+        match run_once(p, lane, &mut guard, refusal, deadline, &mut op) {
             Err(Failure::Lost(_)) if std::mem::take(&mut again) && Instant::now() < deadline => {
                 tracing::debug!(peer = %p.at, "the KV stream's connection was lost; dialling again");
             }
@@ -827,6 +957,7 @@ fn on_connection(
 
 fn run_once(
     p: &PeerConn,
+    lane: usize,
     guard: &mut std::sync::MutexGuard<'_, Option<Conn>>,
     refusal: bool,
     deadline: Instant,
@@ -836,7 +967,7 @@ fn run_once(
         if Instant::now() >= deadline {
             return Err(OpError::Timeout("the deadline passed before the stream was dialled again".into()).into());
         }
-        let c = dial(p.at, &p.key, deadline.min(Instant::now() + PROOF_WITHIN))
+        let c = dial(p.at, &p.key, lane as u8, deadline.min(Instant::now() + PROOF_WITHIN))
             .map_err(|e| OpError::Failed(format!("dialling the stream to this peer again: {e}")))?;
         **guard = Some(c);
     }
@@ -944,11 +1075,11 @@ fn serve(mut c: TcpStream, inner: Arc<Inner>, from: IpAddr) {
         linger(&mut conn.sock);
     }
     let _ = conn.sock.shutdown(Shutdown::Both);
-    // The connection is over (unless a newer one replaced it already).
+    // The connection is over (unless a newer one replaced it on its lane already).
     if let Some(a) = lock(&inner.admitted).get_mut(&p.id)
-        && a.conn.as_ref().is_some_and(|(s, _)| *s == p.serial)
+        && a.conns.get(&p.lane).is_some_and(|(s, _)| *s == p.serial)
     {
-        a.conn = None;
+        a.conns.remove(&p.lane);
     }
 }
 
@@ -971,6 +1102,7 @@ fn linger(c: &mut TcpStream) {
 /// what its records' keys come from.
 struct Proven {
     id: [u8; 16],
+    lane: u8,
     serial: u64,
     regions: Vec<Region>,
     access: Access,
@@ -997,31 +1129,36 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
     }
     let mut id = [0u8; 16];
     id.copy_from_slice(&answer[16..32]);
+    let lane = answer[32];
+    let theirs = &answer[33..65];
     let mut admitted = lock(&inner.admitted);
     let verdict = match admitted.get_mut(&id) {
         None => Err("no admission has that id"),
         Some(a) => {
-            if proof_mac(&a.key, &nonce, &answer[32..64])
-                .verify_slice(&answer[64..96])
+            if proof_mac(&a.key, &nonce, theirs, lane)
+                .verify_slice(&answer[65..97])
                 .is_err()
             {
                 Err("the proof is wrong")
+            } else if usize::from(lane) >= MAX_LANES {
+                Err("the lane is past the ones an admission holds")
             } else {
                 match c.try_clone() {
                     Ok(clone) => {
                         let serial = inner.next_conn.fetch_add(1, Ordering::Relaxed);
-                        // The peer dialled again: what it had before is over.
-                        if let Some((_, old)) = a.conn.replace((serial, clone)) {
+                        // The peer dialled this lane again: what it had there before is over.
+                        if let Some((_, old)) = a.conns.insert(lane, (serial, clone)) {
                             let _ = old.shutdown(Shutdown::Both);
                         }
                         Ok(Proven {
                             id,
+                            lane,
                             serial,
                             regions: a.regions.clone(),
                             access: a.access,
                             windows: a.windows.clone(),
                             key: a.key,
-                            salt: [&nonce[..], &answer[32..64]].concat(),
+                            salt: [&nonce[..], theirs].concat(),
                         })
                     }
                     Err(_) => Err("cannot hold the connection"),
@@ -1036,7 +1173,7 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
             // an answer may wait as long as the side channel's silence limit.
             c.set_read_timeout(None).ok()?;
             c.set_write_timeout(Some(ANSWER_WITHIN)).ok()?;
-            let accepted: [u8; 32] = accept_mac(&p.key, &nonce, &answer[32..64])
+            let accepted: [u8; 32] = accept_mac(&p.key, &nonce, &answer[33..65])
                 .finalize()
                 .into_bytes()
                 .into();

@@ -103,6 +103,7 @@ impl World {
             name: name.into(),
             listen_host: IpAddr::V4(Ipv4Addr::LOCALHOST),
             transport,
+            stream_lanes: pdpair_agent::transport::stream::DEFAULT_LANES,
             corrupt_one_byte: corrupt,
             rejection_ttl: Duration::from_secs(30),
             publisher: None,

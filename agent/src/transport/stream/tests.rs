@@ -149,7 +149,7 @@ fn a_dialler_without_the_key_is_refused_and_writes_nothing() {
 }
 
 #[test]
-fn an_admission_holds_its_newest_connection_and_its_drop_closes_it() {
+fn an_admission_holds_its_newest_connection_per_lane_and_its_drop_closes_them() {
     let mut t = pair(Access::Write);
     let first =
         t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(1))
@@ -160,8 +160,7 @@ fn an_admission_holds_its_newest_connection_and_its_drop_closes_it() {
         t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(1))
             .expect("a second connection");
     let first_conn = |t: &Pair| {
-        lock(&t.p.inner.peers)[&first]
-            .conn
+        lock(&t.p.inner.peers)[&first].lanes[0]
             .lock()
             .expect("lock")
             .as_ref()
@@ -181,9 +180,9 @@ fn an_admission_holds_its_newest_connection_and_its_drop_closes_it() {
         Ok(8)
     );
     assert_eq!(
-        lock(&t.d.inner.admitted).values().filter(|a| a.conn.is_some()).count(),
+        lock(&t.d.inner.admitted).values().map(|a| a.conns.len()).sum::<usize>(),
         1,
-        "one connection at a time"
+        "one connection at a time on a lane (small ops use lane 0 alone)"
     );
     drop(t.admission.take());
     let e =
@@ -215,7 +214,7 @@ fn an_op_that_finds_its_connection_closed_dials_again() {
             .expect_err("no time");
     assert!(matches!(e, OpError::Timeout(_)), "{e}");
     assert!(
-        lock(&t.p.inner.peers)[&peer].conn.lock().expect("lock").is_none(),
+        lock(&t.p.inner.peers)[&peer].lanes[0].lock().expect("lock").is_none(),
         "closed"
     );
     // ...and the next op of the link dials again and goes through.
@@ -248,10 +247,23 @@ fn an_op_that_finds_its_connection_closed_dials_again() {
 /// A dialler's answer to a greeting with nonce `theirs`: the admission id of `id_key`, our
 /// nonce `ours`, and a proof with `proof_key`.
 fn greeting_answer(id_key: &[u8; 32], proof_key: &[u8; 32], theirs: &[u8], ours: &[u8; 32]) -> Vec<u8> {
+    lane_answer(id_key, proof_key, theirs, ours, 0, 0)
+}
+
+/// [`greeting_answer`] on lane `lane`, its proof made for lane `proved`.
+fn lane_answer(
+    id_key: &[u8; 32],
+    proof_key: &[u8; 32],
+    theirs: &[u8],
+    ours: &[u8; 32],
+    lane: u8,
+    proved: u8,
+) -> Vec<u8> {
     let mut answer = MAGIC.to_vec();
     answer.extend_from_slice(&admission_id(id_key));
+    answer.push(lane);
     answer.extend_from_slice(ours);
-    answer.extend_from_slice(&proof(proof_key, theirs, ours));
+    answer.extend_from_slice(&proof(proof_key, theirs, ours, proved));
     answer
 }
 
@@ -338,7 +350,8 @@ fn ops_are_checked_on_the_dialling_side_too() {
 
 #[test]
 fn a_peer_that_stops_reading_fails_the_put_at_its_deadline() {
-    let p = Stream::start(LOOPBACK).expect("stream");
+    // One lane: the fake listener takes one connection.
+    let p = Stream::with_lanes(LOOPBACK, 1).expect("stream");
     let big = region(&p, 1, 64 << 20, 1);
     let silent = TcpListener::bind((LOOPBACK, 0)).expect("listener");
     let at = silent.local_addr().expect("address");
@@ -569,7 +582,7 @@ fn fake_accept(l: &TcpListener, k: &[u8; 32], prove: bool) -> TcpStream {
     let mut answer = [0u8; ANSWER_LEN];
     c.read_exact(&mut answer).expect("proof");
     let accepted: [u8; 32] = if prove {
-        accept_mac(k, &[0; 32], &answer[32..64]).finalize().into_bytes().into()
+        accept_mac(k, &[0; 32], &answer[33..65]).finalize().into_bytes().into()
     } else {
         [0u8; 32]
     };
@@ -598,7 +611,8 @@ fn a_listener_that_does_not_prove_the_key_is_not_dialled_into() {
 
 #[test]
 fn a_peer_that_reads_a_byte_at_a_time_fails_the_put_at_its_deadline() {
-    let p = Stream::start(LOOPBACK).expect("stream");
+    // One lane: the slow listener takes one connection.
+    let p = Stream::with_lanes(LOOPBACK, 1).expect("stream");
     let big = region(&p, 1, 16 << 20, 1);
     let slow = TcpListener::bind((LOOPBACK, 0)).expect("listener");
     let at = slow.local_addr().expect("address");
@@ -712,8 +726,8 @@ fn an_op_on_a_connection_the_peer_dropped_goes_through_on_a_new_one() {
     // forgets idle connections does the same): the next op finds it gone, dials again and
     // goes through, not failing its request.
     let (_, c) = lock(&t.d.inner.admitted)[&admission_id(&key(1))]
-        .conn
-        .as_ref()
+        .conns
+        .get(&0)
         .map(|(s, c)| (*s, c.try_clone().expect("clone")))
         .expect("connected");
     c.shutdown(Shutdown::Both).expect("dropped");
@@ -913,4 +927,158 @@ fn a_read_whose_blocks_are_taken_back_midway_fails_saying_so() {
         bytes(&dst.1)[len - 4096..].iter().all(|b| *b == 0),
         "the end was not read"
     );
+}
+
+#[test]
+fn ops_split_into_contiguous_lane_shares_cut_at_record_multiples() {
+    let mib = 1u64 << 20;
+    // 64 writes of 8 MiB over 4 lanes: 128 MiB each, whole ops.
+    let ops: Vec<PutOp> = (0..64)
+        .map(|i| op(i * 8 * mib, (1 << 40) + i * 8 * mib, 8 * mib))
+        .collect();
+    let shares = split(&ops, 4);
+    assert_eq!(shares.len(), 4);
+    for share in &shares {
+        assert_eq!(share.iter().map(|(_, _, o)| o.len).sum::<u64>(), 128 * mib);
+    }
+    // Every byte once, in order, each part where its op puts it.
+    let parts: Vec<&Part> = shares.iter().flatten().collect();
+    let mut at = (0usize, 0u64);
+    for (i, from, part) in parts {
+        assert_eq!((*i, *from), at, "contiguous");
+        let whole = &ops[*i];
+        assert_eq!((part.local, part.remote), (whole.local + from, whole.remote + from));
+        at = if from + part.len == whole.len {
+            (i + 1, 0)
+        } else {
+            (*i, from + part.len)
+        };
+    }
+    assert_eq!(at, (64, 0));
+    // One op of 40 MiB over 4 lanes: cut where each share ends, at record multiples.
+    let shares = split(&[op(0, 0, 40 * mib)], 4);
+    assert_eq!(shares.len(), 4);
+    for share in &shares[..3] {
+        assert_eq!(share[0].2.len % seal::CHUNK as u64, 0);
+        assert_eq!(share[0].2.len, 10 * mib);
+    }
+    // Small lists take fewer lanes (each at least MIN_LANE_BYTES), an empty one a flush alone.
+    assert_eq!(split(&[op(0, 0, MIN_LANE_BYTES * 2 - 1)], 4).len(), 1);
+    assert_eq!(split(&[op(0, 0, MIN_LANE_BYTES * 3)], 4).len(), 3);
+    assert_eq!(split(&[op(0, 0, 100), op(200, 200, 50)], 4).len(), 1);
+    assert_eq!(split(&[], 4), vec![Vec::new()]);
+    assert_eq!(split(&ops, 1).len(), 1);
+}
+
+#[test]
+fn a_large_put_and_get_go_over_every_lane_each_on_its_own_connection() {
+    let len = 64usize << 20;
+    let d = Stream::with_lanes(LOOPBACK, 4).expect("decode's stream");
+    let p = Stream::with_lanes(LOOPBACK, 4).expect("prefill's stream");
+    let d_mem = region(&d, 1, len, 0);
+    let p_mem = region(&p, 7, len, 0);
+    // A pattern that tells every 8 bytes apart: a part landing in another part's place shows.
+    // SAFETY: the mapping is alive, len bytes, and nothing else touches it yet.
+    let src = unsafe { std::slice::from_raw_parts_mut(p_mem.1.as_mut_ptr(), len) };
+    for (i, w) in src.chunks_exact_mut(8).enumerate() {
+        w.copy_from_slice(&(i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
+    }
+    let admission = d.admit(&key(1), &[1], Access::Write).expect("admitted");
+    admission.windows.allow("r", vec![(d_mem.0, len as u64)]);
+    let peer = p
+        .connect(&d.address(), vec![(d_mem.0, len as u64)], &key(1))
+        .expect("connected");
+    // Two ops, one in reverse halves: 64 MiB over 4 lanes.
+    let half = len as u64 / 2;
+    let ops = [op(p_mem.0 + half, d_mem.0, half), op(p_mem.0, d_mem.0 + half, half)];
+    assert_eq!(p.put(peer, &[7], &ops, false, 10 * SECOND), Ok(len as u64));
+    let got = bytes(&d_mem.1);
+    assert!(got[..half as usize] == src[half as usize..] && got[half as usize..] == src[..half as usize]);
+    assert_eq!(
+        lock(&d.inner.admitted)[&admission_id(&key(1))].conns.len(),
+        4,
+        "one connection per lane"
+    );
+    // And back, read from a read admission over the lanes.
+    let back = p.admit(&key(2), &[7], Access::Read).expect("admitted");
+    back.windows.allow("lent", vec![(p_mem.0, len as u64)]);
+    let peer = d
+        .connect(&p.address(), vec![(p_mem.0, len as u64)], &key(2))
+        .expect("connected");
+    // SAFETY: as above: nothing writes decode's region while the stream is idle.
+    unsafe { std::ptr::write_bytes(d_mem.1.as_mut_ptr(), 0, len) };
+    assert_eq!(
+        d.get(peer, &[1], &[op(d_mem.0, p_mem.0, len as u64)], 10 * SECOND),
+        Ok(len as u64)
+    );
+    assert!(bytes(&d_mem.1) == src, "every byte read back in place");
+    assert_eq!(lock(&p.inner.admitted)[&admission_id(&key(2))].conns.len(), 4);
+    // A window closed under one lane fails the whole op, saying so.
+    admission.windows.close("r");
+    admission.windows.allow("r", vec![(d_mem.0, half)]);
+    let e = p
+        .put(peer_of(&p, &d), &[7], &ops, false, 10 * SECOND)
+        .expect_err("refused");
+    assert!(
+        e.to_string().contains("outside every block this link was asked for"),
+        "{e}"
+    );
+}
+
+/// `p`'s (only) peer connected to `d`.
+fn peer_of(p: &Stream, d: &Stream) -> u64 {
+    let at = parse_address(&d.address()).expect("address");
+    *lock(&p.inner.peers)
+        .iter()
+        .find(|(_, c)| c.at == at)
+        .map(|(id, _)| id)
+        .expect("a peer")
+}
+
+#[test]
+fn a_lane_is_bound_by_the_proof_and_an_admission_holds_a_bounded_number() {
+    let t = pair(Access::Write);
+    let dial = |lane: u8, proved: u8| {
+        let mut c = TcpStream::connect(parse_address(&t.d.address()).expect("address")).expect("dialled");
+        let mut hello = [0u8; 48];
+        c.read_exact(&mut hello).expect("greeting");
+        c.write_all(&lane_answer(&key(1), &key(1), &hello[16..], &[5; 32], lane, proved))
+            .expect("sent");
+        read_plain_status(&mut c, Instant::now() + SECOND)
+            .expect("answered")
+            .map(|()| c)
+    };
+    // A lane changed on the way (a proof for lane 0 sent as lane 1) is refused.
+    let e = dial(1, 0).expect_err("refused");
+    assert!(e.contains("the proof is wrong"), "{e}");
+    // No lane past the ones an admission holds, even proved.
+    let e = dial(MAX_LANES as u8, MAX_LANES as u8).expect_err("refused");
+    assert!(e.contains("the lane is past"), "{e}");
+    // Each lane holds its newest connection: MAX_LANES at most, however many are dialled (the
+    // older one on a lane is closed by the listener).
+    let held: Vec<TcpStream> = (0..MAX_LANES as u8)
+        .chain(0..MAX_LANES as u8)
+        .map(|lane| dial(lane, lane).expect("admitted"))
+        .collect();
+    thread::sleep(Duration::from_millis(50));
+    assert_eq!(lock(&t.d.inner.admitted)[&admission_id(&key(1))].conns.len(), MAX_LANES);
+    let mut first = held[0].try_clone().expect("clone");
+    first.set_read_timeout(Some(SECOND)).expect("timeout");
+    // Its proof, then the end (not a read timeout: the listener shut it).
+    let mut rest = Vec::new();
+    let end = first.read_to_end(&mut rest);
+    assert!(
+        end.is_ok() || end.as_ref().is_err_and(|e| e.kind() == io::ErrorKind::ConnectionReset),
+        "replaced on its lane, closed: {end:?}"
+    );
+    let mut last = held[MAX_LANES].try_clone().expect("clone");
+    last.set_read_timeout(Some(Duration::from_millis(200)))
+        .expect("timeout");
+    let e = last.read_to_end(&mut Vec::new()).expect_err("the newest stays open");
+    assert!(
+        matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut),
+        "{e}"
+    );
+    assert!(Stream::with_lanes(LOOPBACK, MAX_LANES + 1).is_err());
+    assert!(Stream::with_lanes(LOOPBACK, 0).is_err());
 }
