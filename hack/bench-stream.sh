@@ -2,7 +2,9 @@
 # The KV stream (`--transport tcp`) beside ucx_perftest's put bandwidth over UCX's tcp (the path
 # it replaced) at the stream's write size, interleaved in rounds on one machine: 16 requests of a
 # 4096-token prompt of an 8B-class model (512 MiB each, 64 coalesced writes of 8 MiB), the
-# stream with one lane and with the agents' default lanes (--stream-lanes), then shared memory.
+# stream with one lane and with the agents' default lanes (--stream-lanes), then shared memory,
+# and NIXL's UCX backend over tcp moving the same bytes between two processes (a peer moving KV
+# over TCP, unencrypted; hack/nixl-venv.sh).
 # Usage: hack/bench-stream.sh [rounds]; with PDPAIR_BENCH_BASELINE=<another pdpair-agent> each
 # round also runs that binary's stream (a build of another commit) beside this one's.
 set -euo pipefail
@@ -12,6 +14,7 @@ source hack/lib.sh
 hack/deps.sh >/dev/null
 cargo build --release -q -p pdpair-agent
 bin=target/release/pdpair-agent
+nixl=$(hack/nixl-venv.sh)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"; pkill -f "ucx_perftest -p 1334" 2>/dev/null || true' EXIT
 bench_manifest "$tmp/8b.yaml"
@@ -26,6 +29,8 @@ for round in $(seq "${1:-3}"); do
     echo "round $round: baseline \$ $PDPAIR_BENCH_BASELINE loopback --pair 8b.yaml --requests 16 --prompt-tokens 4096 --transport tcp --no-verify-bytes -o json"
     "$PDPAIR_BENCH_BASELINE" loopback --pair "$tmp/8b.yaml" --requests 16 --prompt-tokens 4096 --transport tcp --no-verify-bytes -o json | python3 -c "$summary"
   fi
+  echo "round $round: \$ UCX_MODULES=^ib UCX_TLS=tcp python3 hack/nixl-bench.py 512 8 16"
+  env UCX_MODULES=^ib UCX_TLS=tcp "$nixl/bin/python" hack/nixl-bench.py 512 8 16 2>/dev/null | grep '^nixl'
   port=$((13340 + round))
   UCX_TLS=tcp,self ucx_perftest -p $port >/dev/null 2>&1 &
   sleep 1
