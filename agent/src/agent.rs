@@ -126,6 +126,46 @@ struct Shared {
     unauthenticated: Mutex<HashMap<IpAddr, usize>>,
     /// The engine API socket is bound.
     listening: AtomicBool,
+    /// GPU memory descriptors held for registrations not made yet (`ShareGpuMemory`), on all
+    /// engine connections: at most [`MAX_PENDING_GPU_FDS`].
+    pending_gpu_fds: std::sync::atomic::AtomicUsize,
+}
+
+/// GPU memory descriptors the agent holds for registrations in progress, on all engine
+/// connections together (two engines' worth of [`crate::memory::cuda::MAX_VMM_CHUNKS`]): engines
+/// that share descriptors and never register cannot run the agent out of descriptors.
+pub const MAX_PENDING_GPU_FDS: usize = 2 * crate::memory::cuda::MAX_VMM_CHUNKS;
+
+/// How long an engine connection may take to register (its `Capabilities`, `ShareGpuMemory`
+/// and `RegisterPool` frames); after that, no limit.
+pub const REGISTER_WITHIN: Duration = Duration::from_secs(30);
+
+/// Descriptors counted in [`Shared::pending_gpu_fds`] until dropped.
+struct PendingFds<'a> {
+    count: &'a std::sync::atomic::AtomicUsize,
+    held: usize,
+}
+
+impl PendingFds<'_> {
+    /// Counts `n` more, if the agent-wide budget allows.
+    fn take(&mut self, n: usize) -> Result<(), String> {
+        let now = self.count.fetch_add(n, Ordering::SeqCst) + n;
+        if now > MAX_PENDING_GPU_FDS {
+            self.count.fetch_sub(n, Ordering::SeqCst);
+            return Err(format!(
+                "ShareGpuMemory: the agent holds {} GPU memory descriptors of registrations in progress; at most {MAX_PENDING_GPU_FDS}",
+                now - n
+            ));
+        }
+        self.held += n;
+        Ok(())
+    }
+}
+
+impl Drop for PendingFds<'_> {
+    fn drop(&mut self) {
+        self.count.fetch_sub(self.held, Ordering::SeqCst);
+    }
 }
 
 /// An engine registered with this agent, as its peers see it.
@@ -289,6 +329,7 @@ impl Agent {
                 metrics,
                 unauthenticated: Mutex::new(HashMap::new()),
                 listening: AtomicBool::new(false),
+                pending_gpu_fds: std::sync::atomic::AtomicUsize::new(0),
             }),
         })
     }
@@ -397,6 +438,9 @@ impl Agent {
         // An engine that stops reading its events must not stall transfer threads forever.
         let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
         let writer = Arc::new(Mutex::new(stream));
+        // Registration is bounded in time (a connection that shares memory and stalls holds
+        // descriptors); once registered, an engine may be silent as long as it likes.
+        let _ = reader.set_read_timeout(Some(REGISTER_WITHIN));
         let mut first = wire::read_frame_fds::<EngineRequest>(&reader, wire::MAX_FRAME);
         if let Ok((EngineRequest::Capabilities, _)) = &first {
             send(&writer, &self.capabilities());
@@ -404,8 +448,14 @@ impl Agent {
         }
         // VMM allocations of a GPU pool, shared before the registration that names them.
         let mut shared: Vec<(std::os::fd::OwnedFd, u64)> = Vec::new();
+        let mut pending = PendingFds {
+            count: &self.shared.pending_gpu_fds,
+            held: 0,
+        };
         while let Ok((EngineRequest::ShareGpuMemory { sizes }, fds)) = &mut first {
-            if let Err(message) = crate::engine_api::check_share(sizes, fds.len(), shared.len()) {
+            if let Err(message) =
+                crate::engine_api::check_share(sizes, fds.len(), shared.len()).and_then(|()| pending.take(fds.len()))
+            {
                 send(&writer, &AgentEvent::RegistrationFailed { message });
                 return;
             }
@@ -428,13 +478,17 @@ impl Agent {
                 return;
             }
         };
-        let engine = match Engine::register(self.shared.clone(), registration, fds, shared, writer.clone()) {
+        let registered = Engine::register(self.shared.clone(), registration, fds, shared, writer.clone());
+        // The descriptors are mapped (or refused) and closed by now.
+        drop(pending);
+        let engine = match registered {
             Ok(engine) => engine,
             Err(message) => {
                 send(&writer, &AgentEvent::RegistrationFailed { message });
                 return;
             }
         };
+        let _ = reader.set_read_timeout(None);
         self.shared.metrics.registrations.inc();
         if let Some(publisher) = &self.shared.cfg.publisher {
             publisher.add(&engine);
@@ -1261,6 +1315,28 @@ pub fn is_handshake_rejection(reason: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpu_memory_descriptors_held_for_registrations_are_bounded_across_connections() {
+        let count = std::sync::atomic::AtomicUsize::new(0);
+        let mut a = PendingFds { count: &count, held: 0 };
+        let mut b = PendingFds { count: &count, held: 0 };
+        a.take(MAX_PENDING_GPU_FDS - 10).expect("within");
+        let e = b.take(11).expect_err("past the budget");
+        assert!(
+            e.contains(&format!("holds {} GPU memory descriptors", MAX_PENDING_GPU_FDS - 10)),
+            "{e}"
+        );
+        b.take(10).expect("to the budget");
+        assert_eq!(count.load(Ordering::SeqCst), MAX_PENDING_GPU_FDS);
+        // A connection that goes (registered, refused or dropped) gives its share back.
+        drop(a);
+        assert_eq!(count.load(Ordering::SeqCst), 10);
+        let mut c = PendingFds { count: &count, held: 0 };
+        c.take(MAX_PENDING_GPU_FDS - 10).expect("room again");
+        drop((b, c));
+        assert_eq!(count.load(Ordering::SeqCst), 0);
+    }
     use pdpair_api::{Backend, PathKind, TransferPath};
 
     fn path(peer: &str, kind: PathKind, since: i64) -> TransferPath {

@@ -296,3 +296,38 @@ fn gpu_memory_shared_as_descriptors_is_checked_against_the_registration_and_refu
     let answer = ask(&mut s, &EngineRequest::RegisterPool(Box::new(host_registration())));
     assert!(matches!(answer, AgentEvent::Registered { .. }), "{answer:?}");
 }
+
+#[test]
+fn a_connection_that_shares_gpu_memory_and_never_registers_is_closed() {
+    use std::io::Read;
+    use std::os::fd::AsFd;
+    let w = World::new("caps-stall");
+    let socket = w.agent("a", Transport::Tcp, false);
+    let mut s = connect(&socket);
+    let fds = descriptors(4);
+    let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+    wire::write_frame_fds(
+        &s,
+        &EngineRequest::ShareGpuMemory {
+            sizes: vec![2 << 20; 4],
+        },
+        &borrowed,
+    )
+    .expect("shared");
+    drop(fds);
+    // It holds descriptors and says nothing more: the agent lets it go once the registration's
+    // time is up (and gives the descriptors back).
+    let started = std::time::Instant::now();
+    s.set_read_timeout(Some(
+        pdpair_agent::agent::REGISTER_WITHIN + std::time::Duration::from_secs(10),
+    ))
+    .expect("timeout");
+    let mut buf = [0u8; 16];
+    let n = s.read(&mut buf).expect("closed, not timed out");
+    assert_eq!(n, 0, "closed without an answer");
+    let took = started.elapsed();
+    assert!(
+        took >= pdpair_agent::agent::REGISTER_WITHIN - std::time::Duration::from_secs(1),
+        "closed at the limit, not before: {took:?}"
+    );
+}

@@ -25,6 +25,26 @@ fn resource_versions(ns: &str) -> Vec<(String, String)> {
     out
 }
 
+/// The resource versions once they held still for 5 s (the operator's reconciles after the
+/// Deployments' status updates are over; on a loaded machine that takes longer than any fixed
+/// wait: a fixed 3 s once let the first operator's last status write land after the restart).
+fn settled(ns: &str) -> Vec<(String, String)> {
+    let until = std::time::Instant::now() + WAIT;
+    let mut last = resource_versions(ns);
+    loop {
+        std::thread::sleep(Duration::from_secs(5));
+        let now = resource_versions(ns);
+        if now == last {
+            return now;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "still changing after {WAIT:?}: {now:?}"
+        );
+        last = now;
+    }
+}
+
 #[test]
 fn a_restarted_operator_changes_nothing_that_is_already_right() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -41,8 +61,7 @@ fn a_restarted_operator_changes_nothing_that_is_already_right() {
         get_json("secret", &ns, "llama-8b-pairing")
     });
     // Let the first operator settle (Deployment status updates trigger reconciles).
-    std::thread::sleep(Duration::from_secs(3));
-    let before = resource_versions(&ns);
+    let before = settled(&ns);
     let key_before = get_json("secret", &ns, "llama-8b-pairing").expect("secret")["data"]["key"].clone();
     first.stop();
 

@@ -631,6 +631,7 @@ impl DeviceMemory {
             sys::cuMemAddressReserve(&mut ptr, total, 0, 0, 0)
         })?;
         let mut mapped: Vec<usize> = Vec::with_capacity(chunks.len());
+        let mut devices: Vec<Option<usize>> = Vec::with_capacity(chunks.len());
         let outcome = (|| {
             let mut at = 0usize;
             for (i, (fd, size)) in chunks.iter().enumerate() {
@@ -646,36 +647,56 @@ impl DeviceMemory {
                     )
                 })
                 .map_err(|e| CudaError::Invalid(format!("shared GPU allocation {i}: {e}")))?;
-                let on = allocation_device(handle);
+                // Where the driver says it is (its numbering for an imported handle may be the
+                // exporter's: the mapped address is asked again below).
+                let said = allocation_device(handle).ok();
                 // SAFETY: `handle` was imported above; the mapping (if made) holds the allocation,
                 // so the handle is released either way.
-                let map = match on {
-                    Ok(d) if d == gpu.ordinal() => check("cuMemMap", unsafe {
-                        sys::cuMemMap(ptr + at as u64, size, 0, handle, 0)
-                    })
-                    .map_err(|e| {
-                        CudaError::Invalid(format!(
-                            "shared GPU allocation {i} does not hold the {size} bytes claimed for it ({e})"
-                        ))
-                    }),
-                    Ok(d) => Err(CudaError::Invalid(format!(
-                        "shared GPU allocation {i} is on GPU {d} of this process, not on GPU {} (the pool's device_uuid)",
-                        gpu.ordinal()
-                    ))),
-                    Err(e) => Err(e),
-                };
+                let map = check("cuMemMap", unsafe {
+                    sys::cuMemMap(ptr + at as u64, size, 0, handle, 0)
+                })
+                .map_err(|e| {
+                    CudaError::Invalid(format!(
+                        "shared GPU allocation {i} does not hold the {size} bytes claimed for it ({e})"
+                    ))
+                });
                 // SAFETY: as above.
                 unsafe { sys::cuMemRelease(handle) };
                 map?;
+                devices.push(said);
                 mapped.push(size);
                 at += size;
             }
-            let access = sys::CUmemAccessDesc {
-                location: vmm_prop(gpu).location,
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
-            // SAFETY: the whole range is mapped.
-            check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(ptr, total, &access, 1) })
+            // The pool's GPU reads and writes it, and so may the GPUs that reach it as a peer
+            // (an engine's pool on another GPU of the node is copied to or from on its own).
+            let accesses: Vec<sys::CUmemAccessDesc> = std::iter::once(gpu.ordinal())
+                .chain(peers_of(gpu))
+                .map(|d| sys::CUmemAccessDesc {
+                    location: sys::CUmemLocation {
+                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                        id: d as std::ffi::c_int,
+                    },
+                    flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                })
+                .collect();
+            // SAFETY: the whole range is mapped; one descriptor per device.
+            check("cuMemSetAccess", unsafe {
+                sys::cuMemSetAccess(ptr, total, accesses.as_ptr(), accesses.len())
+            })?;
+            // Each allocation must be on the pool's GPU, in this process's numbering.
+            let mut start = ptr;
+            for (i, (size, said)) in mapped.iter().zip(&devices).enumerate() {
+                let on = pointer_device(start).ok().or(*said);
+                if on != Some(gpu.ordinal()) {
+                    return Err(CudaError::Invalid(format!(
+                        "shared GPU allocation {i} is on GPU {} of this process, not on GPU {} (the pool's device_uuid)",
+                        on.map_or_else(|| "(unknown)".to_owned(), |d| d.to_string()),
+                        gpu.ordinal()
+                    )));
+                }
+                start += *size as u64;
+            }
+            Ok(())
         })();
         if let Err(e) = outcome {
             // SAFETY: the allocations in `mapped` were mapped here from `ptr`, the range reserved
@@ -896,6 +917,43 @@ fn allocation_device(handle: sys::CUmemGenericAllocationHandle) -> Result<usize,
     }
     usize::try_from(prop.location.id)
         .map_err(|_| CudaError::Invalid(format!("a shared GPU allocation is on device {}", prop.location.id)))
+}
+
+/// The device (this process's ordinal) of the memory at device address `ptr`.
+fn pointer_device(ptr: u64) -> Result<usize, CudaError> {
+    let mut ordinal: std::ffi::c_int = -1;
+    // SAFETY: out-pointer of the attribute's type (an int); the driver looks the address up.
+    check("cuPointerGetAttribute(DEVICE_ORDINAL)", unsafe {
+        sys::cuPointerGetAttribute(
+            (&raw mut ordinal).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    })?;
+    usize::try_from(ordinal).map_err(|_| CudaError::Invalid(format!("memory at {ptr:#x} is on device {ordinal}")))
+}
+
+/// The other GPUs of this process that can reach `gpu`'s memory as a peer.
+fn peers_of(gpu: &Gpu) -> Vec<usize> {
+    let Ok(n) = result::device::get_count() else {
+        return Vec::new();
+    };
+    let Ok(own) = result::device::get(gpu.ordinal() as std::ffi::c_int) else {
+        return Vec::new();
+    };
+    (0..n.max(0))
+        .filter(|d| *d as usize != gpu.ordinal())
+        .filter(|d| {
+            let Ok(other) = result::device::get(*d) else {
+                return false;
+            };
+            let mut can: std::ffi::c_int = 0;
+            // SAFETY: out-pointer; two devices of this process.
+            let asked = unsafe { sys::cuDeviceCanAccessPeer(&mut can, other, own) };
+            asked == sys::CUresult::CUDA_SUCCESS && can == 1
+        })
+        .map(|d| d as usize)
+        .collect()
 }
 
 /// Unmaps the allocations of `mapped` sizes mapped end to end from `ptr`, one by one, and frees

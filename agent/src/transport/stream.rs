@@ -26,8 +26,11 @@
 //!   is split into contiguous parts, one per lane, each on its own connection and thread, so
 //!   sealing, opening and copying use as many cores as there are lanes (the stream's lanes,
 //!   `--stream-lanes`); each lane's flush covers its own writes, and the op is done when every
-//!   lane's is. The dialler dials a lane again, within the op's deadline, when an op finds its
-//!   connection gone (an earlier op timed out, the peer closed it).
+//!   lane's is; once one lane fails the others stop, and the op's failure is the first one's.
+//!   Lanes past 0 are dialled when first used; a share whose lane cannot be dialled (the peer's
+//!   cap on connections waiting for their proof, when many links dial at once) goes over lane 0.
+//!   The dialler dials a lane again, within the op's deadline, when an op finds its connection
+//!   gone (an earlier op timed out, the peer closed it).
 //! - **Ops.** 24-byte headers (op, 7 zero bytes, address, length, big-endian): `PUT` and its
 //!   bytes, `GET` (answered with its bytes), `FLUSH` (answered once every earlier put is in
 //!   memory). Every range must lie inside one admitted region and match the admitted access;
@@ -48,8 +51,9 @@
 //!   agents, `transport::cuda_ipc`): it is registered with a [`DeviceCopy`], and every piece
 //!   of an op on it is copied between the device and the record buffer through that (the
 //!   buffer is the staging buffer, 256 KiB a piece, so device copies and the network overlap
-//!   piece by piece); the windows and range checks are the same. Writes into such a region have
-//!   landed when the flush (push) or the get (pull) answers: [`DeviceCopy::settle`] first.
+//!   piece by piece); the windows and range checks are the same. A piece written into such a
+//!   region under the windows' lock has landed before the lock goes ([`DeviceCopy::settle`], so
+//!   nothing lands after a close), and a get's writes have landed before it returns.
 #![allow(unsafe_code)]
 
 use std::{
@@ -248,13 +252,19 @@ impl Windows {
 
     /// Copies `plain` to `at` in `region` (the caller checked the range lies in it) if the
     /// range lies inside one open window, under the windows' lock: once [`Windows::close`]
-    /// returned, nothing more lands in what it closed. `Ok(false)`: outside every window.
+    /// returned, nothing more lands in what it closed. A copy into device memory has landed
+    /// before the lock goes (a copy from pageable memory may land after it returns).
+    /// `Ok(false)`: outside every window.
     fn copy_into(&self, region: &Region, at: u64, plain: &[u8]) -> Result<bool, String> {
         let open = read_lock(&self.open);
         if !Self::holds(&open, at, plain.len() as u64) {
             return Ok(false);
         }
-        region.write(at, plain).map(|()| true)
+        region.write(at, plain)?;
+        if let Some(device) = &region.device {
+            device.settle()?;
+        }
+        Ok(true)
     }
 
     /// Copies from `at` in `region` into `into` if the range lies inside one open window, under
@@ -665,7 +675,10 @@ impl Stream {
 
     /// Drops a peer's connection.
     pub fn disconnect(&self, peer: u64) {
-        if let Some(p) = lock(&self.inner.peers).remove(&peer) {
+        // Out of the map first: an op still running on a lane holds that lane's lock, and
+        // every other peer's ops need the map meanwhile.
+        let removed = lock(&self.inner.peers).remove(&peer);
+        if let Some(p) = removed {
             for lane in &p.lanes {
                 if let Some(c) = lock(lane).take() {
                     let _ = c.sock.shutdown(Shutdown::Both);
@@ -716,12 +729,16 @@ impl Stream {
     ) -> Result<u64, OpError> {
         let (p, held, at_region) = self.prepare(peer, regions, ops)?;
         let deadline = Instant::now() + within;
-        across_lanes(&split(ops, p.lanes.len()), |lane, parts| {
+        across_lanes(&p, &split(ops, p.lanes.len()), deadline, |lane, parts, stop| {
             on_connection(&p, lane, true, deadline, |c| {
                 let mut bytes = 0u64;
                 for (i, from, op) in parts {
                     let source = &held[at_region[*i]];
                     c.send_op(&header(OP_PUT, op.remote, op.len), op.len, |at, into| {
+                        if stop.load(Ordering::Relaxed) {
+                            // Mid-write: this connection goes (the op has failed anyway).
+                            return Err(io::Error::other(ANOTHER_LANE));
+                        }
                         // `prepare` checked the range lies in the region, which `held` keeps mapped.
                         source.read(op.local + at, into).map_err(io::Error::other)?;
                         if corrupt && *i == 0 && from + at == 0 {
@@ -750,12 +767,16 @@ impl Stream {
     pub fn get(&self, peer: u64, regions: &[u64], ops: &[PutOp], within: Duration) -> Result<u64, OpError> {
         let (p, held, at_region) = self.prepare(peer, regions, ops)?;
         let deadline = Instant::now() + within;
-        across_lanes(&split(ops, p.lanes.len()), |lane, parts| {
+        across_lanes(&p, &split(ops, p.lanes.len()), deadline, |lane, parts, stop| {
             on_connection(&p, lane, false, deadline, |c| {
                 let mut bytes = 0u64;
                 let mut next = 0;
                 let mut wrote_device = false;
                 while next < parts.len() {
+                    if stop.load(Ordering::Relaxed) {
+                        // Between windows of reads: nothing is outstanding, the connection stays.
+                        return Err(Kept(OpError::Failed(ANOTHER_LANE.into())));
+                    }
                     // Send a window of requests, then read their answers in order.
                     let (mut end, mut window) = (next, 0u64);
                     while end < parts.len()
@@ -825,10 +846,10 @@ impl Stream {
 /// starts, and the bytes it moves.
 type Part = (usize, u64, PutOp);
 
-/// Splits `ops` into one contiguous share per lane, about the same bytes each and at least
-/// [`MIN_LANE_BYTES`] each (so fewer lanes than `lanes` for small lists, one below twice that):
-/// an op is cut where a lane's share ends, at a multiple of the record size from its start. The
-/// shares keep the ops' order; an empty list is one empty share (a flush alone).
+/// Splits `ops` into one contiguous share per lane, about the same bytes each (the lanes used:
+/// one per [`MIN_LANE_BYTES`] of the total, at most `lanes`; one below twice that): each share
+/// but the last is a whole number of records, so an op is cut where a share ends. The shares
+/// keep the ops' order; an empty list is one empty share (a flush alone).
 fn split(ops: &[PutOp], lanes: usize) -> Vec<Vec<Part>> {
     let total: u64 = ops.iter().map(|o| o.len).sum();
     let n = (total / MIN_LANE_BYTES).clamp(1, lanes.max(1) as u64) as usize;
@@ -865,40 +886,96 @@ fn split(ops: &[PutOp], lanes: usize) -> Vec<Vec<Part>> {
     out
 }
 
-/// Runs `run(lane, share)` for every share, each on a thread of its own but the first (on this
-/// one), and sums their bytes; the first failure in lane order is the op's.
+/// Why a lane stopped: another lane of its op failed first.
+const ANOTHER_LANE: &str = "another lane of this op failed";
+
+/// Runs `run(lane, share, stop)` for every share, each on a thread of its own but the first (on
+/// this one), and sums their bytes. A lane that cannot be dialled (the peer's cap on connections
+/// waiting for their proof, say) has its share run on lane 0 instead, after lane 0's own. Once a
+/// lane fails, `stop` is set and the others stop at their next record (puts) or window of reads
+/// (gets); the op's failure is the first lane's to fail.
 fn across_lanes(
+    p: &PeerConn,
     shares: &[Vec<Part>],
-    run: impl Fn(usize, &[Part]) -> Result<u64, OpError> + Sync,
+    deadline: Instant,
+    run: impl Fn(usize, &[Part], &std::sync::atomic::AtomicBool) -> Result<u64, OpError> + Sync,
 ) -> Result<u64, OpError> {
+    let stop = std::sync::atomic::AtomicBool::new(false);
     if let [only] = shares {
-        return run(0, only);
+        return run(0, only, &stop);
     }
-    let run = &run;
+    let first_failed: Mutex<Option<usize>> = Mutex::new(None);
+    let (run, stop_ref, first_ref) = (&run, &stop, &first_failed);
+    // Runs one share on `on` (its own lane, or lane 0 for a lane that could not be dialled),
+    // noting a failure.
+    let attempt = move |share: usize, on: usize| {
+        let r = run(on, &shares[share], stop_ref);
+        if r.is_err() {
+            stop_ref.store(true, Ordering::Relaxed);
+            lock(first_ref).get_or_insert(share);
+        }
+        r
+    };
     thread::scope(|s| {
-        let spawned: Vec<_> = shares
-            .iter()
-            .enumerate()
-            .skip(1)
-            .map(|(lane, share)| {
+        let spawned: Vec<_> = (1..shares.len())
+            .map(|lane| {
                 thread::Builder::new()
                     .name("kv-stream-lane".into())
-                    .spawn_scoped(s, move || run(lane, share))
-                    .map_err(|e| (lane, e))
+                    .spawn_scoped(s, move || p.dialled(lane, deadline).then(|| attempt(lane, lane)))
+                    .map_err(|_| lane)
             })
             .collect();
-        let mut results = vec![run(0, &shares[0])];
+        let mut results: Vec<Option<Result<u64, OpError>>> = vec![Some(attempt(0, 0))];
         for handle in spawned {
             results.push(match handle {
                 Ok(h) => h
                     .join()
-                    .unwrap_or_else(|_| Err(OpError::Failed("a lane's thread panicked".into()))),
-                // No thread for it: this one runs it.
-                Err((lane, _)) => run(lane, &shares[lane]),
+                    .unwrap_or_else(|_| Some(Err(OpError::Failed("a lane's thread panicked".into())))),
+                // No thread for it: lane 0 runs its share.
+                Err(_) => None,
             });
+        }
+        // Shares whose lane could not be dialled (or had no thread) go over lane 0, in order.
+        for (share, r) in results.iter_mut().enumerate() {
+            if r.is_none() {
+                *r = Some(attempt(share, 0));
+            }
+        }
+        let results: Vec<Result<u64, OpError>> = results.into_iter().flatten().collect();
+        if let Some(first) = *lock(&first_failed) {
+            return Err(results[first]
+                .clone()
+                .err()
+                .unwrap_or_else(|| OpError::Failed(ANOTHER_LANE.into())));
         }
         results.into_iter().try_fold(0u64, |sum, r| Ok(sum + r?))
     })
+}
+
+impl PeerConn {
+    /// Whether `lane` has a connection, dialling it first where it has none (by `deadline`,
+    /// within [`PROOF_WITHIN`]); a failed dial is logged, and the caller uses lane 0.
+    fn dialled(&self, lane: usize, deadline: Instant) -> bool {
+        let mut guard = lock(&self.lanes[lane]);
+        if guard.is_some() {
+            return true;
+        }
+        match dial(
+            self.at,
+            &self.key,
+            lane as u8,
+            deadline.min(Instant::now() + PROOF_WITHIN),
+        ) {
+            Ok(c) => {
+                *guard = Some(c);
+                true
+            }
+            Err(e) => {
+                tracing::debug!(peer = %self.at, lane, error = %e, "cannot dial a KV stream lane; its share goes over lane 0");
+                false
+            }
+        }
+    }
 }
 
 /// An op's failure: `Kept` when the connection's framing is intact (the peer refused at a

@@ -315,16 +315,22 @@ class DirectKv(Stager):
 
     def gpu_pool(self) -> Tuple[dict, List[Tuple[int, int]]]:
         """The registration's ``gpu`` field, and the VMM allocations to share before it
-        (``(descriptor, bytes)``, empty for IPC handles; the caller closes them once sent)."""
-        shared: List[Tuple[int, int]] = []
-        if self.vmm:
-            gpu_regions, shared = share_vmm(self.tensors, self.layout.layer_len)
-        else:
-            handles: dict = {}
-            gpu_regions = [share(t, self.layout.layer_len, handles) for t in self.tensors]
-        pool = {"device_uuid": self.uuid, "regions": gpu_regions}
+        (``(descriptor, bytes)``, empty for IPC handles; the caller closes them once sent). Each
+        tensor goes by IPC handle where its memory allows, the others as VMM allocations."""
+        pool = {"device_uuid": self.uuid}
         if self.event is not None:
             pool["event"] = bytes(self.event.ipc_handle()).hex()
+        handles: dict = {}
+        by_ipc = [not self.vmm or ipc_capable(t) for t in self.tensors]
+        gpu_regions: List[Optional[dict]] = [share(t, self.layout.layer_len, handles) if ipc else None
+                                             for t, ipc in zip(self.tensors, by_ipc)]
+        shared: List[Tuple[int, int]] = []
+        rest = [t for t, ipc in zip(self.tensors, by_ipc) if not ipc]
+        if rest:
+            vmm_regions, shared = share_vmm(rest, self.layout.layer_len)
+            it = iter(vmm_regions)
+            gpu_regions = [r if r is not None else next(it) for r in gpu_regions]
+        pool["regions"] = gpu_regions
         return pool, shared
 
     def save(self, blocks: List[int]) -> None:

@@ -1082,3 +1082,66 @@ fn a_lane_is_bound_by_the_proof_and_an_admission_holds_a_bounded_number() {
     assert!(Stream::with_lanes(LOOPBACK, MAX_LANES + 1).is_err());
     assert!(Stream::with_lanes(LOOPBACK, 0).is_err());
 }
+
+#[test]
+fn a_lane_that_cannot_be_dialled_has_its_share_go_over_lane_0() {
+    let len = 32usize << 20;
+    let d = Stream::start(LOOPBACK).expect("decode's stream");
+    let p = Stream::with_lanes(LOOPBACK, 4).expect("prefill's stream");
+    let d_mem = region(&d, 1, len, 0);
+    let p_mem = region(&p, 7, len, 0x5a);
+    let admission = d.admit(&key(1), &[1], Access::Write).expect("admitted");
+    admission.windows.allow("r", vec![(d_mem.0, len as u64)]);
+    let peer = p
+        .connect(&d.address(), vec![(d_mem.0, len as u64)], &key(1))
+        .expect("connected");
+    // Many links dialling at once from this address fill the listener's cap on connections
+    // waiting for their proof: here, connections that never prove anything hold it.
+    let at = parse_address(&d.address()).expect("address");
+    let hogs: Vec<TcpStream> = (0..MAX_UNPROVEN_FROM)
+        .map(|_| TcpStream::connect(at).expect("a hog"))
+        .collect();
+    thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        p.put(peer, &[7], &[op(p_mem.0, d_mem.0, len as u64)], false, 10 * SECOND),
+        Ok(len as u64),
+        "the shares of the lanes the listener turned away went over lane 0"
+    );
+    assert!(bytes(&d_mem.1).iter().all(|b| *b == 0x5a), "every byte landed");
+    assert_eq!(
+        lock(&d.inner.admitted)[&admission_id(&key(1))].conns.len(),
+        1,
+        "lane 0 alone"
+    );
+    drop(hogs);
+}
+
+#[test]
+fn a_piece_written_into_device_memory_has_landed_before_its_window_can_close() {
+    // The stand-in device lands writes only at `settle` (as a copy from pageable memory may land
+    // after it returns): a piece the windows let through must have landed before their lock
+    // goes, or a close that returned could still see it land in blocks gone to another request.
+    let d = Stream::start(LOOPBACK).expect("stream");
+    let len = 2 * seal::CHUNK;
+    let dev = FakeDevice::new(len, 0);
+    dev.register(&d, 1);
+    let admission = d.admit(&key(1), &[1], Access::Write).expect("admitted");
+    admission.windows.allow("r", vec![(dev.base, len as u64)]);
+    let t = Pair {
+        p: Stream::start(LOOPBACK).expect("stream"),
+        p_mem: region(&d, 2, 4096, 0),
+        d_mem: region(&d, 3, 4096, 0),
+        d,
+        admission: Some(admission),
+    };
+    let mut c = forged(&t, &key(1));
+    c.send(&header(OP_PUT, dev.base, len as u64)).expect("header");
+    c.send(&vec![0xee; seal::CHUNK]).expect("first piece");
+    // No flush: the piece lands on its own.
+    let until = Instant::now() + Duration::from_secs(5);
+    while dev.bytes()[seal::CHUNK - 1] != 0xee {
+        assert!(Instant::now() < until, "the piece landed without a flush");
+        thread::sleep(Duration::from_millis(10));
+    }
+    assert!(lock(&dev.pending).is_empty(), "nothing still landing");
+}
