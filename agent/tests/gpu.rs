@@ -163,6 +163,54 @@ fn gpu_check_pushes_through_an_ipc_handle_from_another_process_verified() {
 
 mod common;
 
+/// One request from the GPU prefill `p` to the GPU decode `d` through their agent: `p`'s
+/// `p_blocks` filled with pattern `seed`, `d`'s `d_blocks` cleared; checksums Verified and every
+/// byte read back from `d`'s GPU.
+fn gpu_to_gpu(
+    p: &mut pdpair_agent::synthetic::gpu::GpuEngine,
+    d: &mut pdpair_agent::synthetic::gpu::GpuEngine,
+    request: &str,
+    seed: u64,
+    p_blocks: &[u32],
+    d_blocks: &[u32],
+    tokens: u64,
+) {
+    use pdpair_agent::engine_api::{AgentEvent, EngineRequest};
+    d.clear().expect("clear");
+    p.fill(seed, p_blocks, 0, tokens).expect("fill");
+    d.send(&EngineRequest::ExpectKv {
+        request: request.into(),
+        prefill: p.address.clone(),
+        blocks: d_blocks.to_vec(),
+        num_tokens: tokens,
+        first_token: 0,
+    })
+    .expect("ExpectKv");
+    p.send(&EngineRequest::KvReady {
+        request: request.into(),
+        blocks: p_blocks.to_vec(),
+        num_tokens: tokens,
+        first_token: 0,
+    })
+    .expect("KvReady");
+    let done = loop {
+        if let e @ (AgentEvent::RequestDone { .. } | AgentEvent::RequestFailed { .. }) =
+            d.next_event().expect("decode event")
+        {
+            break e;
+        }
+    };
+    assert!(
+        matches!(&done, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
+        "{request}: {done:?}"
+    );
+    assert_eq!(
+        d.verify(seed, d_blocks, 0, tokens).expect("read back"),
+        0,
+        "{request}: every byte arrived"
+    );
+}
+
 /// Both engines' pools in GPU memory behind one agent (its own process: a process cannot open
 /// its own IPC handles): the agent opens them by IPC handle, copies prefill's blocks into
 /// decode's on the GPU (CUDA IPC, coalesced), and both sides checksum on the GPU (FailClosed).
@@ -198,40 +246,7 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
     // Decode's blocks in another order than prefill's: some copies coalesce, some do not.
     let p_blocks: Vec<u32> = (0..32).collect();
     let d_blocks: Vec<u32> = (0..16).chain(40..56).rev().collect();
-    let tokens = 32 * 16 - 5;
-    d.clear().expect("clear");
-    p.fill(11, &p_blocks, 0, tokens).expect("fill");
-    d.send(&EngineRequest::ExpectKv {
-        request: "r".into(),
-        prefill: p.address.clone(),
-        blocks: d_blocks.clone(),
-        num_tokens: tokens,
-        first_token: 0,
-    })
-    .expect("ExpectKv");
-    p.send(&EngineRequest::KvReady {
-        request: "r".into(),
-        blocks: p_blocks.clone(),
-        num_tokens: tokens,
-        first_token: 0,
-    })
-    .expect("KvReady");
-    let done = loop {
-        if let e @ (AgentEvent::RequestDone { .. } | AgentEvent::RequestFailed { .. }) =
-            d.next_event().expect("decode event")
-        {
-            break e;
-        }
-    };
-    assert!(
-        matches!(&done, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
-        "{done:?}"
-    );
-    assert_eq!(
-        d.verify(11, &d_blocks, 0, tokens).expect("read back"),
-        0,
-        "every byte arrived"
-    );
+    gpu_to_gpu(&mut p, &mut d, "r", 11, &p_blocks, &d_blocks, 32 * 16 - 5);
     // A host decode engine of the same pair: the GPU prefill's KV reaches it over the agent's own
     // KV stream (staged through host memory), every byte checked.
     let mut h = SyntheticEngine::register(&socket, &w.dir, &spec(Role::Decode, "h0")).expect("host decode");
@@ -319,7 +334,7 @@ fn register_sharing_raw(
 #[ignore = "needs an NVIDIA GPU: make gpu-check"]
 fn gpu_pools_shared_as_vmm_descriptors_move_byte_for_byte_and_false_claims_are_refused() {
     use pdpair_agent::{
-        engine_api::{AgentEvent, EngineRequest, GpuPool, GpuRegion},
+        engine_api::{GpuPool, GpuRegion},
         synthetic::{
             SyntheticEngine,
             gpu::{GpuEngine, Sharing},
@@ -348,42 +363,16 @@ fn gpu_pools_shared_as_vmm_descriptors_move_byte_for_byte_and_false_claims_are_r
             .expect("events")
             .set_read_timeout(Some(std::time::Duration::from_secs(30)))
             .expect("timeout");
-        let request = format!("r{n}");
         let p_blocks: Vec<u32> = (0..32).collect();
         let d_blocks: Vec<u32> = (8..40).rev().collect();
-        let tokens = 32 * 16 - 3;
-        d.clear().expect("clear");
-        p.fill(20 + n as u64, &p_blocks, 0, tokens).expect("fill");
-        d.send(&EngineRequest::ExpectKv {
-            request: request.clone(),
-            prefill: p.address.clone(),
-            blocks: d_blocks.clone(),
-            num_tokens: tokens,
-            first_token: 0,
-        })
-        .expect("ExpectKv");
-        p.send(&EngineRequest::KvReady {
-            request,
-            blocks: p_blocks,
-            num_tokens: tokens,
-            first_token: 0,
-        })
-        .expect("KvReady");
-        let done = loop {
-            if let e @ (AgentEvent::RequestDone { .. } | AgentEvent::RequestFailed { .. }) =
-                d.next_event().expect("decode event")
-            {
-                break e;
-            }
-        };
-        assert!(
-            matches!(&done, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
-            "decode {n}: {done:?}"
-        );
-        assert_eq!(
-            d.verify(20 + n as u64, &d_blocks, 0, tokens).expect("read back"),
-            0,
-            "decode {n}: every byte arrived"
+        gpu_to_gpu(
+            &mut p,
+            d,
+            &format!("r{n}"),
+            20 + n as u64,
+            &p_blocks,
+            &d_blocks,
+            32 * 16 - 3,
         );
     }
     // False claims, each refused at registration.

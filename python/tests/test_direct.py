@@ -247,6 +247,22 @@ def bad_tokens_on_gpu(d, d_kv, seed: int, blocks, tokens: int) -> int:
     return synthetic.verify(got, d.layout, seed, blocks, 0, tokens)
 
 
+def direct_to_direct(p, p_kv, d, d_kv, request: str, seed: int) -> None:
+    """One request from prefill's CUDA tensors into decode's, both direct: checksums Verified and
+    every byte read back from decode's GPU; both engines then closed."""
+    blocks, d_blocks, tokens = [3, 4, 5, 9, 10], [200, 2, 201, 202, 40], 75
+    fill_gpu(p, p_kv, seed, blocks, tokens)
+    p_kv.save(blocks)  # the event after the writes (or a synchronize without one)
+    p.kv_ready(request, blocks, tokens)
+    d.expect_kv(request, [p.address], d_blocks, tokens)
+    event = d.wait(request, timeout=60)
+    assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw
+    assert bad_tokens_on_gpu(d, d_kv, seed, d_blocks, tokens) == 0
+    assert p.wait(request).type == "RequestDone"
+    p.close()
+    d.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("agents", ["one", "two"])
 @pytest.mark.parametrize("p_shape,d_shape,token_layout", [("flash", "flash", "HND"), ("flash", "flashinfer", "NHD")])
@@ -260,17 +276,7 @@ def test_vllm_shaped_gpu_kv_moves_between_engines_without_host_staging(world, ag
     # so the two engines in this one process share none (smaller ones would, split from one).
     p, p_kv = gpu_engine(world, pa, "prefill", g, 256, p_shape)
     d, d_kv = gpu_engine(world, da, "decode", g, 256, d_shape)
-    blocks, d_blocks, tokens = [3, 4, 5, 9, 10], [200, 2, 201, 202, 40], 75
-    fill_gpu(p, p_kv, 7, blocks, tokens)
-    p_kv.save(blocks)  # the event after the writes
-    p.kv_ready("g1", blocks, tokens)
-    d.expect_kv("g1", [p.address], d_blocks, tokens)
-    event = d.wait("g1", timeout=60)
-    assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw
-    assert bad_tokens_on_gpu(d, d_kv, 7, d_blocks, tokens) == 0
-    assert p.wait("g1").type == "RequestDone"
-    p.close()
-    d.close()
+    direct_to_direct(p, p_kv, d, d_kv, "g1", 7)
 
 
 def test_a_gpu_pool_the_agent_cannot_open_falls_back_to_staging_on_a_new_connection(world, monkeypatch):
@@ -422,16 +428,7 @@ def test_across_pid_namespaces_the_direct_path_moves_kv_or_falls_back_to_staging
         agent.kill()  # unshare outlasts a SIGTERM; its child dies with it
         return
     d, d_kv = gpu_engine(world, agent, "decode", g, 256, "flash")
-    blocks, d_blocks, tokens = [1, 2, 3], [7, 8, 9], 40
-    fill_gpu(p, p_kv, 5, blocks, tokens)
-    p_kv.save(blocks)
-    p.kv_ready("ns1", blocks, tokens)
-    d.expect_kv("ns1", [p.address], d_blocks, tokens)
-    event = d.wait("ns1", timeout=60)
-    assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw
-    assert bad_tokens_on_gpu(d, d_kv, 5, d_blocks, tokens) == 0
-    p.close()
-    d.close()
+    direct_to_direct(p, p_kv, d, d_kv, "ns1", 5)
     agent.kill()  # unshare outlasts a SIGTERM; its child dies with it
 
 
@@ -457,17 +454,7 @@ def test_kv_in_torchs_expandable_segments_moves_direct_shared_as_vmm_descriptors
     p, p_kv, why = direct.register(pa.socket, reg(world, "prefill", g, 256), p_tensors, want=True)
     d, d_kv, why_d = direct.register(da.socket, reg(world, "decode", g, 256), d_tensors, want=True)
     assert p_kv is not None and p_kv.vmm and d_kv is not None and d_kv.vmm, (why, why_d)
-    blocks, d_blocks, tokens = [3, 4, 5, 9, 10], [200, 2, 201, 202, 40], 75
-    fill_gpu(p, p_kv, 13, blocks, tokens)
-    p_kv.save(blocks)
-    p.kv_ready("v1", blocks, tokens)
-    d.expect_kv("v1", [p.address], d_blocks, tokens)
-    event = d.wait("v1", timeout=60)
-    assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw
-    assert bad_tokens_on_gpu(d, d_kv, 13, d_blocks, tokens) == 0
-    assert p.wait("v1").type == "RequestDone"
-    p.close()
-    d.close()
+    direct_to_direct(p, p_kv, d, d_kv, "v1", 13)
     del p_kv, d_kv, p_tensors, d_tensors
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
