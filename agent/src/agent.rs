@@ -438,13 +438,21 @@ impl Agent {
         // An engine that stops reading its events must not stall transfer threads forever.
         let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
         let writer = Arc::new(Mutex::new(stream));
-        // Registration is bounded in time (a connection that shares memory and stalls holds
-        // descriptors); once registered, an engine may be silent as long as it likes.
-        let _ = reader.set_read_timeout(Some(REGISTER_WITHIN));
-        let mut first = wire::read_frame_fds::<EngineRequest>(&reader, wire::MAX_FRAME);
+        // Registration is bounded in time, all frames together (a connection that shares memory
+        // and stalls holds descriptors); once registered, an engine may be silent as long as it
+        // likes.
+        let register_by = Instant::now() + REGISTER_WITHIN;
+        let next_frame = || {
+            let left = register_by.saturating_duration_since(Instant::now());
+            reader
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .map_err(wire::FrameError::from)?;
+            wire::read_frame_fds::<EngineRequest>(&reader, wire::MAX_FRAME)
+        };
+        let mut first = next_frame();
         if let Ok((EngineRequest::Capabilities, _)) = &first {
             send(&writer, &self.capabilities());
-            first = wire::read_frame_fds::<EngineRequest>(&reader, wire::MAX_FRAME);
+            first = next_frame();
         }
         // VMM allocations of a GPU pool, shared before the registration that names them.
         let mut shared: Vec<(std::os::fd::OwnedFd, u64)> = Vec::new();
@@ -460,7 +468,7 @@ impl Agent {
                 return;
             }
             shared.extend(std::mem::take(fds).into_iter().zip(sizes.iter().copied()));
-            first = wire::read_frame_fds::<EngineRequest>(&reader, wire::MAX_FRAME);
+            first = next_frame();
         }
         let (registration, fds) = match first {
             Ok((EngineRequest::RegisterPool(reg), fds)) => (*reg, fds),
