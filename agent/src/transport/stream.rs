@@ -306,6 +306,11 @@ struct PeerConn {
     /// One connection per lane, dialled when first used; `None` once an op closed it: the next
     /// op on that lane dials again.
     lanes: Vec<Mutex<Option<Conn>>>,
+    /// A handle on each lane's socket, outside its lock: a disconnect shuts down the socket
+    /// an op is still using (a dead peer's op ends then, not at its deadline).
+    socks: Vec<Mutex<Option<TcpStream>>>,
+    /// Set by a disconnect: no lane is dialled again.
+    gone: std::sync::atomic::AtomicBool,
     at: SocketAddr,
     key: [u8; 32],
     remotes: Vec<(u64, u64)>,
@@ -658,12 +663,18 @@ impl Stream {
         // Lane 0 now (the peer is checked at connect); the others when an op first uses them.
         let c = dial(at, key, 0, Instant::now() + PROOF_WITHIN)?;
         let id = self.inner.next_peer.fetch_add(1, Ordering::Relaxed) + 1;
+        let socks: Vec<Mutex<Option<TcpStream>>> = std::iter::once(c.sock.try_clone().ok())
+            .chain((1..self.lanes).map(|_| None))
+            .map(Mutex::new)
+            .collect();
         let mut lanes = vec![Mutex::new(Some(c))];
         lanes.extend((1..self.lanes).map(|_| Mutex::new(None)));
         lock(&self.inner.peers).insert(
             id,
             Arc::new(PeerConn {
                 lanes,
+                socks,
+                gone: std::sync::atomic::AtomicBool::new(false),
                 at,
                 key: *key,
                 remotes,
@@ -679,6 +690,14 @@ impl Stream {
         // every other peer's ops need the map meanwhile.
         let removed = lock(&self.inner.peers).remove(&peer);
         if let Some(p) = removed {
+            // No lane is dialled again; then the sockets ops may still be using are shut
+            // down (their locks are held until they end).
+            p.gone.store(true, Ordering::SeqCst);
+            for sock in &p.socks {
+                if let Some(s) = lock(sock).take() {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+            }
             for lane in &p.lanes {
                 if let Some(c) = lock(lane).take() {
                     let _ = c.sock.shutdown(Shutdown::Both);
@@ -960,6 +979,9 @@ impl PeerConn {
         if guard.is_some() {
             return true;
         }
+        if self.gone.load(Ordering::SeqCst) {
+            return false;
+        }
         match dial(
             self.at,
             &self.key,
@@ -967,6 +989,7 @@ impl PeerConn {
             deadline.min(Instant::now() + PROOF_WITHIN),
         ) {
             Ok(c) => {
+                *lock(&self.socks[lane]) = c.sock.try_clone().ok();
                 *guard = Some(c);
                 true
             }
@@ -1041,11 +1064,15 @@ fn run_once(
     op: &mut impl FnMut(&mut Conn) -> Result<u64, Failure>,
 ) -> Result<u64, Failure> {
     if guard.is_none() {
+        if p.gone.load(Ordering::SeqCst) {
+            return Err(OpError::Failed("the link to this peer was dropped".into()).into());
+        }
         if Instant::now() >= deadline {
             return Err(OpError::Timeout("the deadline passed before the stream was dialled again".into()).into());
         }
         let c = dial(p.at, &p.key, lane as u8, deadline.min(Instant::now() + PROOF_WITHIN))
             .map_err(|e| OpError::Failed(format!("dialling the stream to this peer again: {e}")))?;
+        *lock(&p.socks[lane]) = c.sock.try_clone().ok();
         **guard = Some(c);
     }
     let Some(c) = guard.as_mut() else {

@@ -1145,3 +1145,45 @@ fn a_piece_written_into_device_memory_has_landed_before_its_window_can_close() {
     }
     assert!(lock(&dev.pending).is_empty(), "nothing still landing");
 }
+
+#[test]
+fn a_disconnect_ends_an_op_stuck_on_a_silent_peer_at_once() {
+    // One lane: the fake listener takes one connection, then reads nothing.
+    let p = Arc::new(Stream::with_lanes(LOOPBACK, 1).expect("stream"));
+    let big = region(&p, 1, 64 << 20, 1);
+    let silent = TcpListener::bind((LOOPBACK, 0)).expect("listener");
+    let at = silent.local_addr().expect("address");
+    let held = thread::spawn(move || {
+        let c = fake_accept(&silent, &key(3), true);
+        thread::sleep(Duration::from_secs(12));
+        drop(c);
+    });
+    let peer = p
+        .connect(
+            format!("{ADDRESS_PREFIX}{at}").as_bytes(),
+            vec![(0x1000_0000, 64 << 20)],
+            &key(3),
+        )
+        .expect("connected");
+    let started = Instant::now();
+    let putter = {
+        let p = p.clone();
+        thread::spawn(move || {
+            let r = p.put(peer, &[1], &[op(big.0, 0x1000_0000, 64 << 20)], false, 10 * SECOND);
+            (r, started.elapsed())
+        })
+    };
+    thread::sleep(Duration::from_millis(300));
+    // The link goes (its peer is lost, say): the put holding the lane must not keep it, nor
+    // the caller, until its deadline.
+    let asked = Instant::now();
+    p.disconnect(peer);
+    assert!(asked.elapsed() < 2 * SECOND, "disconnect waited {:?}", asked.elapsed());
+    let (r, took) = putter.join().expect("joined");
+    assert!(r.is_err(), "{r:?}");
+    assert!(
+        took < 3 * SECOND,
+        "the put ended {took:?} after it started, not at its 10 s deadline"
+    );
+    drop(held);
+}
