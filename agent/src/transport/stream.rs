@@ -301,14 +301,20 @@ fn write_lock<T>(l: &std::sync::RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T>
     l.write().unwrap_or_else(|e| e.into_inner())
 }
 
+/// One lane of a peer's stream.
+#[derive(Debug, Default)]
+struct Lane {
+    /// Its connection, dialled when first used; `None` once an op closed it: the next op on
+    /// the lane dials again.
+    conn: Mutex<Option<Conn>>,
+    /// A handle on its socket, outside `conn`'s lock: a disconnect shuts down the socket an op
+    /// is still using (a dead peer's op ends then, not at its deadline).
+    sock: Mutex<Option<TcpStream>>,
+}
+
 #[derive(Debug)]
 struct PeerConn {
-    /// One connection per lane, dialled when first used; `None` once an op closed it: the next
-    /// op on that lane dials again.
-    lanes: Vec<Mutex<Option<Conn>>>,
-    /// A handle on each lane's socket, outside its lock: a disconnect shuts down the socket
-    /// an op is still using (a dead peer's op ends then, not at its deadline).
-    socks: Vec<Mutex<Option<TcpStream>>>,
+    lanes: Vec<Lane>,
     /// Set by a disconnect: no lane is dialled again.
     gone: std::sync::atomic::AtomicBool,
     at: SocketAddr,
@@ -659,28 +665,19 @@ impl Stream {
     /// Dials the peer at `address` and proves `key`'s admission there; `remotes` are the peer's
     /// regions (address, bytes) every op's remote side must lie in.
     pub fn connect(&self, address: &[u8], remotes: Vec<(u64, u64)>, key: &[u8; 32]) -> Result<u64, String> {
-        let at = parse_address(address)?;
+        let peer = PeerConn {
+            lanes: (0..self.lanes).map(|_| Lane::default()).collect(),
+            gone: std::sync::atomic::AtomicBool::new(false),
+            at: parse_address(address)?,
+            key: *key,
+            remotes,
+            lane: format!("tcp-stream/{}", self.local.ip()),
+        };
         // Lane 0 now (the peer is checked at connect); the others when an op first uses them.
-        let c = dial(at, key, 0, Instant::now() + PROOF_WITHIN)?;
+        let c = peer.dial_lane(0, Instant::now() + PROOF_WITHIN)?;
+        *lock(&peer.lanes[0].conn) = Some(c);
         let id = self.inner.next_peer.fetch_add(1, Ordering::Relaxed) + 1;
-        let socks: Vec<Mutex<Option<TcpStream>>> = std::iter::once(c.sock.try_clone().ok())
-            .chain((1..self.lanes).map(|_| None))
-            .map(Mutex::new)
-            .collect();
-        let mut lanes = vec![Mutex::new(Some(c))];
-        lanes.extend((1..self.lanes).map(|_| Mutex::new(None)));
-        lock(&self.inner.peers).insert(
-            id,
-            Arc::new(PeerConn {
-                lanes,
-                socks,
-                gone: std::sync::atomic::AtomicBool::new(false),
-                at,
-                key: *key,
-                remotes,
-                lane: format!("tcp-stream/{}", self.local.ip()),
-            }),
-        );
+        lock(&self.inner.peers).insert(id, Arc::new(peer));
         Ok(id)
     }
 
@@ -693,13 +690,13 @@ impl Stream {
             // No lane is dialled again; then the sockets ops may still be using are shut
             // down (their locks are held until they end).
             p.gone.store(true, Ordering::SeqCst);
-            for sock in &p.socks {
-                if let Some(s) = lock(sock).take() {
+            for lane in &p.lanes {
+                if let Some(s) = lock(&lane.sock).take() {
                     let _ = s.shutdown(Shutdown::Both);
                 }
             }
             for lane in &p.lanes {
-                if let Some(c) = lock(lane).take() {
+                if let Some(c) = lock(&lane.conn).take() {
                     let _ = c.sock.shutdown(Shutdown::Both);
                 }
             }
@@ -972,24 +969,31 @@ fn across_lanes(
 }
 
 impl PeerConn {
-    /// Whether `lane` has a connection, dialling it first where it has none (by `deadline`,
-    /// within [`PROOF_WITHIN`]); a failed dial is logged, and the caller uses lane 0.
-    fn dialled(&self, lane: usize, deadline: Instant) -> bool {
-        let mut guard = lock(&self.lanes[lane]);
-        if guard.is_some() {
-            return true;
-        }
+    /// Dials `lane` and proves the admission there (by `deadline`, within [`PROOF_WITHIN`]),
+    /// unless the link was dropped; its socket is noted for a disconnect.
+    fn dial_lane(&self, lane: usize, deadline: Instant) -> Result<Conn, String> {
         if self.gone.load(Ordering::SeqCst) {
-            return false;
+            return Err("the link to this peer was dropped".into());
         }
-        match dial(
+        let c = dial(
             self.at,
             &self.key,
             lane as u8,
             deadline.min(Instant::now() + PROOF_WITHIN),
-        ) {
+        )?;
+        *lock(&self.lanes[lane].sock) = c.sock.try_clone().ok();
+        Ok(c)
+    }
+
+    /// Whether `lane` has a connection, dialling it first where it has none; a failed dial is
+    /// logged, and the caller uses lane 0.
+    fn dialled(&self, lane: usize, deadline: Instant) -> bool {
+        let mut guard = lock(&self.lanes[lane].conn);
+        if guard.is_some() {
+            return true;
+        }
+        match self.dial_lane(lane, deadline) {
             Ok(c) => {
-                *lock(&self.socks[lane]) = c.sock.try_clone().ok();
                 *guard = Some(c);
                 true
             }
@@ -1042,7 +1046,7 @@ fn on_connection(
     deadline: Instant,
     mut op: impl FnMut(&mut Conn) -> Result<u64, Failure>,
 ) -> Result<u64, OpError> {
-    let mut guard = lock(&p.lanes[lane]);
+    let mut guard = lock(&p.lanes[lane].conn);
     let mut again = true;
     loop {
         match run_once(p, lane, &mut guard, refusal, deadline, &mut op) {
@@ -1064,15 +1068,12 @@ fn run_once(
     op: &mut impl FnMut(&mut Conn) -> Result<u64, Failure>,
 ) -> Result<u64, Failure> {
     if guard.is_none() {
-        if p.gone.load(Ordering::SeqCst) {
-            return Err(OpError::Failed("the link to this peer was dropped".into()).into());
-        }
         if Instant::now() >= deadline {
             return Err(OpError::Timeout("the deadline passed before the stream was dialled again".into()).into());
         }
-        let c = dial(p.at, &p.key, lane as u8, deadline.min(Instant::now() + PROOF_WITHIN))
+        let c = p
+            .dial_lane(lane, deadline)
             .map_err(|e| OpError::Failed(format!("dialling the stream to this peer again: {e}")))?;
-        *lock(&p.socks[lane]) = c.sock.try_clone().ok();
         **guard = Some(c);
     }
     let Some(c) = guard.as_mut() else {

@@ -161,6 +161,7 @@ fn an_admission_holds_its_newest_connection_per_lane_and_its_drop_closes_them() 
             .expect("a second connection");
     let first_conn = |t: &Pair| {
         lock(&t.p.inner.peers)[&first].lanes[0]
+            .conn
             .lock()
             .expect("lock")
             .as_ref()
@@ -214,7 +215,11 @@ fn an_op_that_finds_its_connection_closed_dials_again() {
             .expect_err("no time");
     assert!(matches!(e, OpError::Timeout(_)), "{e}");
     assert!(
-        lock(&t.p.inner.peers)[&peer].lanes[0].lock().expect("lock").is_none(),
+        lock(&t.p.inner.peers)[&peer].lanes[0]
+            .conn
+            .lock()
+            .expect("lock")
+            .is_none(),
         "closed"
     );
     // ...and the next op of the link dials again and goes through.
@@ -348,16 +353,17 @@ fn ops_are_checked_on_the_dialling_side_too() {
     assert!(bytes(&t.d_mem.1).iter().all(|b| *b == 0));
 }
 
-#[test]
-fn a_peer_that_stops_reading_fails_the_put_at_its_deadline() {
-    // One lane: the fake listener takes one connection.
+/// A stream of one lane (the fake listener takes one connection) with a 64 MiB region (its
+/// base), connected (the peer) to a listener that proves the key and then reads nothing for
+/// `hold` (its thread); the peer's region is at 0x1000_0000.
+fn silent_peer(hold: Duration) -> (Stream, u64, u64, thread::JoinHandle<()>) {
     let p = Stream::with_lanes(LOOPBACK, 1).expect("stream");
     let big = region(&p, 1, 64 << 20, 1);
     let silent = TcpListener::bind((LOOPBACK, 0)).expect("listener");
     let at = silent.local_addr().expect("address");
     let held = thread::spawn(move || {
         let c = fake_accept(&silent, &key(3), true);
-        thread::sleep(Duration::from_secs(3));
+        thread::sleep(hold);
         drop(c);
     });
     let peer = p
@@ -367,12 +373,18 @@ fn a_peer_that_stops_reading_fails_the_put_at_its_deadline() {
             &key(3),
         )
         .expect("connected");
+    (p, big.0, peer, held)
+}
+
+#[test]
+fn a_peer_that_stops_reading_fails_the_put_at_its_deadline() {
+    let (p, big, peer, held) = silent_peer(Duration::from_secs(3));
     let started = Instant::now();
     let e = p
         .put(
             peer,
             &[1],
-            &[op(big.0, 0x1000_0000, 64 << 20)],
+            &[op(big, 0x1000_0000, 64 << 20)],
             false,
             Duration::from_millis(300),
         )
@@ -1148,28 +1160,13 @@ fn a_piece_written_into_device_memory_has_landed_before_its_window_can_close() {
 
 #[test]
 fn a_disconnect_ends_an_op_stuck_on_a_silent_peer_at_once() {
-    // One lane: the fake listener takes one connection, then reads nothing.
-    let p = Arc::new(Stream::with_lanes(LOOPBACK, 1).expect("stream"));
-    let big = region(&p, 1, 64 << 20, 1);
-    let silent = TcpListener::bind((LOOPBACK, 0)).expect("listener");
-    let at = silent.local_addr().expect("address");
-    let held = thread::spawn(move || {
-        let c = fake_accept(&silent, &key(3), true);
-        thread::sleep(Duration::from_secs(12));
-        drop(c);
-    });
-    let peer = p
-        .connect(
-            format!("{ADDRESS_PREFIX}{at}").as_bytes(),
-            vec![(0x1000_0000, 64 << 20)],
-            &key(3),
-        )
-        .expect("connected");
+    let (p, big, peer, held) = silent_peer(Duration::from_secs(12));
+    let p = Arc::new(p);
     let started = Instant::now();
     let putter = {
         let p = p.clone();
         thread::spawn(move || {
-            let r = p.put(peer, &[1], &[op(big.0, 0x1000_0000, 64 << 20)], false, 10 * SECOND);
+            let r = p.put(peer, &[1], &[op(big, 0x1000_0000, 64 << 20)], false, 10 * SECOND);
             (r, started.elapsed())
         })
     };
