@@ -299,14 +299,16 @@ class DirectKv(Stager):
     synchronizes that stream; decode's blocks have landed when the agent says ``RequestDone``."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], layout: PoolLayout, device: torch.device, uuid: str,
-                 vmm: bool = False, event: bool = True):
+                 by_ipc: Optional[Sequence[bool]] = None, event: bool = True):
         self.tensors = list(tensors)
         self.layout = layout
         self.device = device
         #: The GPU's UUID (``GPU-...``).
         self.uuid = uuid
-        #: Whether the tensors' memory is shared as VMM descriptors (else by IPC handles).
-        self.vmm = vmm
+        #: Per tensor, whether its memory is shared by IPC handle (else as VMM descriptors).
+        self.by_ipc = list(by_ipc) if by_ipc is not None else [True] * len(self.tensors)
+        #: Whether any tensor's memory is shared as VMM descriptors.
+        self.vmm = not all(self.by_ipc)
         #: The interprocess event the agent waits for (``None``: the stream is synchronized).
         self.event = torch.cuda.Event(enable_timing=False, interprocess=True) if event else None
         if self.event is not None:
@@ -321,11 +323,10 @@ class DirectKv(Stager):
         if self.event is not None:
             pool["event"] = bytes(self.event.ipc_handle()).hex()
         handles: dict = {}
-        by_ipc = [not self.vmm or ipc_capable(t) for t in self.tensors]
         gpu_regions: List[Optional[dict]] = [share(t, self.layout.layer_len, handles) if ipc else None
-                                             for t, ipc in zip(self.tensors, by_ipc)]
+                                             for t, ipc in zip(self.tensors, self.by_ipc)]
         shared: List[Tuple[int, int]] = []
-        rest = [t for t, ipc in zip(self.tensors, by_ipc) if not ipc]
+        rest = [t for t, ipc in zip(self.tensors, self.by_ipc) if not ipc]
         if rest:
             vmm_regions, shared = share_vmm(rest, self.layout.layer_len)
             it = iter(vmm_regions)
@@ -356,13 +357,13 @@ def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapp
     why = refused_by_agent(capabilities, uuid, across_nodes)
     if why:
         raise DirectRefused(why)
-    vmm = not all(ipc_capable(t) for t in tensors)
-    if vmm and "vmm_fd" not in (capabilities.get("gpu_sharing") or ()):
+    by_ipc = [ipc_capable(t) for t in tensors]
+    if not all(by_ipc) and "vmm_fd" not in (capabilities.get("gpu_sharing") or ()):
         raise DirectRefused(
             "the KV cache's memory cannot be shared by CUDA IPC handle (torch's expandable_segments, or another "
             "allocator than cudaMalloc), and the agent takes no VMM descriptors (its gpu_sharing lacks vmm_fd)"
         )
-    return DirectKv(tensors, layout, first.device, uuid, vmm=vmm, event=event)
+    return DirectKv(tensors, layout, first.device, uuid, by_ipc=by_ipc, event=event)
 
 
 def _short(text: str) -> str:
