@@ -6,3 +6,4 @@ pub mod cuda;
 pub mod gpu_pool;
 pub mod guard;
 pub mod pool;
+pub mod stream_copy;
