@@ -9,7 +9,7 @@
 //! so the path is reported, not assumed. A new backend (CUDA IPC between engines behind one
 //! agent, staged copies through pinned host memory) is a new module implementing [`Backend`].
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub mod cuda_ipc;
 pub mod host;
@@ -74,8 +74,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// Connects to a peer at `address` whose regions are `remotes` (key, (address, bytes)).
     /// `key` is the side-channel session's stream key: a backend whose peer places the bytes
-    /// (the tcp stream) proves with it that this is the peer the session authenticated.
-    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>, key: &[u8; 32]) -> Result<u64, String>;
+    /// (the tcp stream) proves with it that this is the peer the session authenticated, by
+    /// `by` (the handshake's deadline: the peer waits for our answer until then).
+    fn connect(
+        &self,
+        address: Vec<u8>,
+        remotes: Vec<(Vec<u8>, (u64, u64))>,
+        key: &[u8; 32],
+        by: Instant,
+    ) -> Result<u64, String>;
 
     /// Lets the peer of a session (holding `key`) reach the local `regions` with `access`,
     /// where this backend's peers reach memory through it (the tcp stream); until the returned
@@ -121,7 +128,13 @@ impl Backend for ucx_thread::UcxHandle {
         ucx_thread::UcxHandle::vet_address(self, address)
     }
 
-    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>, _key: &[u8; 32]) -> Result<u64, String> {
+    fn connect(
+        &self,
+        address: Vec<u8>,
+        remotes: Vec<(Vec<u8>, (u64, u64))>,
+        _key: &[u8; 32],
+        _by: Instant,
+    ) -> Result<u64, String> {
         ucx_thread::UcxHandle::connect(self, address, remotes)
     }
 

@@ -200,6 +200,11 @@ impl<'a> Deadline<'a> {
         }
     }
 
+    /// When it runs out.
+    pub fn until(&self) -> Instant {
+        self.until
+    }
+
     fn left(&self) -> io::Result<Duration> {
         let left = self.until.saturating_duration_since(Instant::now());
         if left < Duration::from_millis(1) {

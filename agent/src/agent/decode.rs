@@ -436,8 +436,10 @@ impl Engine {
         stream.set_nodelay(true).map_err(wire::FrameError::from)?;
         // One deadline for authentication and handshake together, however the peer paces them.
         let mut admission = None;
+        let handshake_until;
         let (peer, session) = {
             let mut timed = wire::Deadline::new(&stream, self.handshake_timeout());
+            handshake_until = timed.until();
             let mut session: Session = protocol::authenticate_decode(&mut timed, &self.reg.pdpair, &self.key)?;
             // Push: this prefill writes into our blocks, through our stream where we run one;
             // admitted before our handshake names the stream, so it can dial at once.
@@ -467,8 +469,12 @@ impl Engine {
                 self.shared
                     .check_local_peer(&self.reg.pdpair, &peer)
                     .and_then(|()| {
-                        self.transport()
-                            .connect(peer.address_for(&self.local), peer.memory.keys(), &session.stream_key)
+                        self.transport().connect(
+                            peer.address_for(&self.local),
+                            peer.memory.keys(),
+                            &session.stream_key,
+                            handshake_until,
+                        )
                     })
                     .map_err(|e| HandshakeError::Rejected {
                         reasons: vec![Reason::TransportFailed],

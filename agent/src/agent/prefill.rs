@@ -138,6 +138,7 @@ impl Engine {
         // One deadline for authentication and handshake together: a peer that trickles bytes
         // runs out of time however it paces them.
         let mut timed = wire::Deadline::new(&stream, self.handshake_timeout());
+        let handshake_until = timed.until();
         let shaken = protocol::authenticate_prefill(&mut timed, |p| (p == pdpair).then(|| key.clone())).and_then(
             |(_, mut session)| {
                 drop(slot); // authenticated: no longer counted against the pre-auth budget
@@ -212,8 +213,12 @@ impl Engine {
             self.shared
                 .check_local_peer(&self.reg.pdpair, &peer)
                 .and_then(|()| {
-                    self.transport()
-                        .connect(peer.address_for(&self.local), peer.memory.keys(), &session.stream_key)
+                    self.transport().connect(
+                        peer.address_for(&self.local),
+                        peer.memory.keys(),
+                        &session.stream_key,
+                        handshake_until,
+                    )
                 })
                 .map(Some)
         } else {

@@ -534,7 +534,13 @@ impl Backend for CudaIpc {
         self.address.clone()
     }
 
-    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>, key: &[u8; 32]) -> Result<u64, String> {
+    fn connect(
+        &self,
+        address: Vec<u8>,
+        remotes: Vec<(Vec<u8>, (u64, u64))>,
+        key: &[u8; 32],
+        by: Instant,
+    ) -> Result<u64, String> {
         if address != self.address {
             let Some(s) = self.stream.get().filter(|_| stream::is_stream_address(&address)) else {
                 return Err(
@@ -542,7 +548,7 @@ impl Backend for CudaIpc {
                         .into(),
                 );
             };
-            let via = s.connect(&address, remotes.into_iter().map(|(_, r)| r).collect(), key)?;
+            let via = s.connect_by(&address, remotes.into_iter().map(|(_, r)| r).collect(), key, by)?;
             let mut inner = lock(&self.inner);
             let id = inner.next_id;
             inner.next_id += 1;
@@ -659,6 +665,10 @@ impl Backend for CudaIpc {
 mod tests {
     use super::*;
 
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(5)
+    }
+
     #[test]
     fn ranges_are_checked_without_overflow() {
         assert!(within(100, 10, 100, 10));
@@ -686,11 +696,16 @@ mod tests {
     fn a_peer_from_another_agent_or_with_unknown_tokens_is_refused() {
         let b = CudaIpc::new();
         let e = b
-            .connect(CudaIpc::new().address(), vec![(vec![0; 16], (0x1000, 64))], &[0; 32])
+            .connect(
+                CudaIpc::new().address(),
+                vec![(vec![0; 16], (0x1000, 64))],
+                &[0; 32],
+                soon(),
+            )
             .expect_err("another agent");
         assert!(e.contains("behind another agent"), "{e}");
         let e = b
-            .connect(b.address(), vec![(vec![7; 16], (0x1000, 64))], &[0; 32])
+            .connect(b.address(), vec![(vec![7; 16], (0x1000, 64))], &[0; 32], soon())
             .expect_err("no such region");
         assert!(e.contains("is not a GPU region registered with this agent"), "{e}");
         let e = b
@@ -712,16 +727,16 @@ mod tests {
         // Without a stream of its own the agent refuses, naming the remedy.
         let b = CudaIpc::new();
         let e = b
-            .connect(theirs.address(), remotes.clone(), &key)
+            .connect(theirs.address(), remotes.clone(), &key, soon())
             .expect_err("no stream here");
         assert!(e.contains("only over their KV streams"), "{e}");
         b.use_stream(Stream::start(loopback).expect("our stream"));
         // A stranger's key is refused by the peer's stream.
         let e = b
-            .connect(theirs.address(), remotes.clone(), &[9; 32])
+            .connect(theirs.address(), remotes.clone(), &[9; 32], soon())
             .expect_err("a wrong key");
         assert!(e.contains("no admission has that id"), "{e}");
-        let peer = b.connect(theirs.address(), remotes, &key).expect("connected");
+        let peer = b.connect(theirs.address(), remotes, &key, soon()).expect("connected");
         let seen = b.observe(peer).expect("observed");
         assert_eq!(
             (seen.kind, seen.backend),

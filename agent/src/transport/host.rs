@@ -12,7 +12,7 @@ use std::{
         Mutex,
         atomic::{AtomicU64, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use crate::{
@@ -100,14 +100,20 @@ impl Backend for Host {
         }
     }
 
-    fn connect(&self, address: Vec<u8>, remotes: Vec<(Vec<u8>, (u64, u64))>, key: &[u8; 32]) -> Result<u64, String> {
+    fn connect(
+        &self,
+        address: Vec<u8>,
+        remotes: Vec<(Vec<u8>, (u64, u64))>,
+        key: &[u8; 32],
+        by: Instant,
+    ) -> Result<u64, String> {
         let route = match &self.stream {
             // Our own engines: UCX's self (a copy in this process).
             Some(s) if address == s.address() => {
                 Route::Ucx(self.ucx.connect(self.ucx.worker_address.clone(), remotes)?)
             }
             Some(s) if stream::is_stream_address(&address) => {
-                Route::Stream(s.connect(&address, remotes.into_iter().map(|(_, r)| r).collect(), key)?)
+                Route::Stream(s.connect_by(&address, remotes.into_iter().map(|(_, r)| r).collect(), key, by)?)
             }
             None if !stream::is_stream_address(&address) => Route::Ucx(self.ucx.connect(address, remotes)?),
             _ => return Err(self.mismatch(stream::is_stream_address(&address))),

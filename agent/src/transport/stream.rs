@@ -668,6 +668,18 @@ impl Stream {
     /// Dials the peer at `address` and proves `key`'s admission there; `remotes` are the peer's
     /// regions (address, bytes) every op's remote side must lie in.
     pub fn connect(&self, address: &[u8], remotes: Vec<(u64, u64)>, key: &[u8; 32]) -> Result<u64, String> {
+        self.connect_by(address, remotes, key, Instant::now() + PROOF_WITHIN)
+    }
+
+    /// [`Stream::connect`], done or failed by `by` (and within [`PROOF_WITHIN`], which the
+    /// peer's listener allows a dialler to prove itself).
+    pub fn connect_by(
+        &self,
+        address: &[u8],
+        remotes: Vec<(u64, u64)>,
+        key: &[u8; 32],
+        by: Instant,
+    ) -> Result<u64, String> {
         let peer = PeerConn {
             lanes: (0..self.lanes).map(|_| Lane::default()).collect(),
             gone: std::sync::atomic::AtomicBool::new(false),
@@ -677,7 +689,7 @@ impl Stream {
             lane: format!("tcp-stream/{}", self.local.ip()),
         };
         // Lane 0 now (the peer is checked at connect); the others when an op first uses them.
-        let c = peer.dial_lane(0, Instant::now() + PROOF_WITHIN)?;
+        let c = peer.dial_lane(0, by)?;
         *lock(&peer.lanes[0].conn) = Some(c);
         let id = self.inner.next_peer.fetch_add(1, Ordering::Relaxed) + 1;
         lock(&self.inner.peers).insert(id, Arc::new(peer));

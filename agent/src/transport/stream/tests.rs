@@ -622,6 +622,33 @@ fn a_listener_that_does_not_prove_the_key_is_not_dialled_into() {
 }
 
 #[test]
+fn connecting_to_a_listener_that_never_greets_ends_at_the_callers_deadline() {
+    // The handshake's deadline, shorter than the listener's proof window: the peer waits for
+    // our answer only until then, so connecting must not outlast it.
+    let p = Stream::start(LOOPBACK).expect("stream");
+    let mute = TcpListener::bind((LOOPBACK, 0)).expect("listener");
+    let at = mute.local_addr().expect("address");
+    let held = thread::spawn(move || mute.accept().map(|(c, _)| (c, mute)));
+    let started = Instant::now();
+    let e = p
+        .connect_by(
+            format!("{ADDRESS_PREFIX}{at}").as_bytes(),
+            vec![(0x1000_0000, 4096)],
+            &key(3),
+            started + Duration::from_millis(300),
+        )
+        .expect_err("a listener that says nothing");
+    // Not a speed check: the listener's window is PROOF_WITHIN (5 s); without the caller's
+    // deadline the dial waits all of it.
+    assert!(
+        started.elapsed() < PROOF_WITHIN / 2,
+        "took {:?}: {e}",
+        started.elapsed()
+    );
+    drop(held.join().expect("joined"));
+}
+
+#[test]
 fn a_peer_that_reads_a_byte_at_a_time_fails_the_put_at_its_deadline() {
     // One lane: the slow listener takes one connection.
     let p = Stream::with_lanes(LOOPBACK, 1).expect("stream");
