@@ -1133,10 +1133,14 @@ impl Engine {
     ) -> Option<Vec<u64>> {
         let Some(device) = &self.device else {
             let memory = self.memory();
-            return blocks
-                .iter()
-                .map(|(b, t)| self.layout.checksum_heads(&memory, *b, *t, num_tokens, first, count))
-                .collect();
+            // Bytes read per block: `count` heads of every layer's K and V (or latent) arrays.
+            let arrays = u64::from(self.layout.layers) * if self.layout.latent { 1 } else { 2 };
+            let per_block =
+                u64::from(self.layout.block_size) * u64::from(count) * self.layout.half_token() as u64 * arrays;
+            let threads = crate::checksum::threads_for(per_block.saturating_mul(blocks.len() as u64));
+            return crate::checksum::each_on_threads(blocks, threads, |(b, t)| {
+                self.layout.checksum_heads(&memory, *b, *t, num_tokens, first, count)
+            });
         };
         let step = u64::from(self.layout.block_size);
         let first_token = blocks.first().map_or(0, |(_, t)| *t);
