@@ -168,6 +168,50 @@ def test_tensors_in_vmm_memory_are_placed_in_their_allocations_laid_end_to_end()
         direct.vmm_plan([0], 8193 * 4096, lambda p: (p - p % 4096, 4096))
 
 
+def test_vmm_allocations_not_exportable_as_descriptors_are_refused_naming_their_handle_types():
+    # What cuMemGetAllocationPropertiesFromHandle reports decides it (read on a GPU; the values
+    # here are cuda.h's CUmemAllocationHandleType bits): without the POSIX-descriptor bit the
+    # export would fail with a bare CUDA error, so the connector stages, saying why.
+    import ctypes
+
+    assert ctypes.sizeof(direct._AllocationProp) == 32, "CUmemAllocationProp is 32 bytes in cuda.h"
+    for types in (0x1, 0x1 | 0x2, 0x1 | 0x8):  # POSIX fd alone, with Win32, with fabric
+        direct.exportable_as_fd(types, 0x7F00_0000_0000)
+    for types in (0x0, 0x8, 0x2):  # none (torch before 2.5), fabric only, Win32 only
+        with pytest.raises(direct.DirectRefused, match=f"at 0x7f0000000000 .* handle types are {types:#x}"):
+            direct.exportable_as_fd(types, 0x7F00_0000_0000)
+
+
+def test_exporting_thousands_of_allocations_makes_room_for_their_descriptors_or_says_why_not():
+    # Every VMM allocation is exported before any is sent: a large cache in 20 MiB allocations
+    # holds thousands of descriptors at once, past the usual soft limit. In child processes,
+    # whose limits can be lowered without touching this one's.
+    import subprocess
+    import sys
+
+    probe = """
+import os, resource, sys
+from pdpair_vllm import direct
+soft, hard = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+try:
+    direct.room_for_fds(int(sys.argv[3]))
+except direct.DirectRefused as e:
+    print("refused:", e)
+# Opening as many descriptors as were asked for works now.
+fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(int(sys.argv[3]))]
+print("opened", len(fds), "soft", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+    run = lambda *a: subprocess.run([sys.executable, "-c", probe, *map(str, a)], capture_output=True, text=True,
+                                    timeout=60)
+    done = run(64, 8192, 3000)
+    assert done.returncode == 0 and "opened 3000" in done.stdout and "refused" not in done.stdout, done
+    # A hard limit too low: refused before anything is exported, naming the limit.
+    low = run(64, 512, 3000)
+    assert "refused: sharing the KV cache takes 3000 file descriptors at once" in low.stdout, low
+    assert "open-file limit is 512" in low.stdout, low
+
+
 def test_gpu_memory_shared_as_descriptors_reaches_the_agent_before_the_registration(world):
     # The client's half of ShareGpuMemory against a real agent (no GPU here): descriptors go in
     # frames of at most 128 before the registration, the agent checks them all before it refuses
@@ -447,6 +491,9 @@ def test_kv_in_torchs_expandable_segments_moves_direct_shared_as_vmm_descriptors
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     try:
         p_tensors = vllm_tensors(g, 256, "flash", device="cuda", dtype=torch.bfloat16)
+        # Past the rest of prefill's last allocation (torch maps 20 MiB at a time on large
+        # segments), so the two engines share no allocation.
+        spacer = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
         d_tensors = vllm_tensors(g, 256, "flashinfer", device="cuda", dtype=torch.bfloat16)
     finally:
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
@@ -455,6 +502,6 @@ def test_kv_in_torchs_expandable_segments_moves_direct_shared_as_vmm_descriptors
     d, d_kv, why_d = direct.register(da.socket, reg(world, "decode", g, 256), d_tensors, want=True)
     assert p_kv is not None and p_kv.vmm and d_kv is not None and d_kv.vmm, (why, why_d)
     direct_to_direct(p, p_kv, d, d_kv, "v1", 13)
-    del p_kv, d_kv, p_tensors, d_tensors
+    del p_kv, d_kv, p_tensors, d_tensors, spacer
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from pdpair_vllm.transfer import PARAM_RANKS, PARAM_REQUEST, PARAM_TOKENS, SchedulerState, check_params, kernel_ids
+from pdpair_vllm.transfer import (PARAM_RANKS, PARAM_REQUEST, PARAM_TOKENS, Plan, Recv, SchedulerState, Stager,
+                                  WorkerState, check_params, kernel_ids)
 
 
 def params(**over):
@@ -94,3 +95,26 @@ def test_a_failed_load_vllm_ends_is_not_cancelled_but_an_abort_in_flight_is():
     assert s.finished("failed", {}, False, [1, 2, 3, 4], 0, "e", load_failed=True) == (False, None)
     assert s.finished("aborted", {}, False, [1, 2, 3, 4], 0, "e") == (True, None)
     assert s.plan().cancels == ["aborted"]
+
+
+def test_the_stager_is_told_before_the_agent_is_asked_for_new_receives():
+    # The direct path's agent may write a receive's blocks as soon as it is asked: the engine's
+    # queued kernels (reading what those blocks held) must be done first. The client records the
+    # order of calls (no agent needed for the order).
+    calls = []
+
+    class Recording(Stager):
+        def before_receive(self):
+            calls.append("before_receive")
+
+    class Client:
+        def expect_kv(self, request, *args):
+            calls.append(f"expect_kv {request}")
+
+    w = WorkerState(Client(), Recording())
+    w.start(Plan())
+    assert calls == [], "no receives: nothing to wait for"
+    recv = lambda r: Recv(request=r, agent_request=f"a-{r}", prefill_ranks=["10.0.0.1:7000"], logical_blocks=[1],
+                          blocks=[1], first_token=0, num_tokens=16)
+    w.start(Plan(recvs=[recv("r1"), recv("r2")]))
+    assert calls == ["before_receive", "expect_kv a-r1", "expect_kv a-r2"]

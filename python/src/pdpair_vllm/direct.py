@@ -23,6 +23,7 @@ import logging
 import threading
 import bisect
 import os
+import resource
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -143,7 +144,21 @@ def _cuda() -> ctypes.CDLL:
 
 def _check(code: int, what: str) -> None:
     if code != 0:
-        raise DirectRefused(f"{what} failed with CUDA error {code}")
+        raise DirectRefused(f"{what} failed with CUDA error {code}{_error_name(code)}")
+
+
+def _error_name(code: int) -> str:
+    """`` (CUDA_ERROR_...)`` for ``code`` where the loaded driver names it, else nothing."""
+    lib = _driver
+    if lib is None:
+        return ""
+    name = ctypes.c_char_p()
+    try:
+        if lib.cuGetErrorName(ctypes.c_int(code), ctypes.byref(name)) != 0 or not name.value:
+            return ""
+    except AttributeError:
+        return ""
+    return f" ({name.value.decode(errors='replace')})"
 
 
 class _Bytes64(ctypes.Structure):
@@ -151,19 +166,28 @@ class _Bytes64(ctypes.Structure):
 
 
 def _ensure_context(lib: ctypes.CDLL, ordinal: int) -> None:
-    """Driver calls need a current context: torch's (the device's primary one) where it made one
-    current on this thread, else that primary context."""
+    """Driver calls need a current context of the tensors' device: torch's (the device's primary
+    one) where it made one current on this thread, else that primary context. A current context
+    of another device is refused (its answers would be about the wrong GPU's memory): callers
+    enter ``torch.cuda.device`` first."""
     ctx = ctypes.c_void_p()
     _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-    if ctx.value:
-        return
     dev = ctypes.c_int()
     _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    if ctx.value:
+        current = ctypes.c_int()
+        _check(lib.cuCtxGetDevice(ctypes.byref(current)), "cuCtxGetDevice")
+        if current.value != dev.value:
+            raise DirectRefused(f"this thread's CUDA context is device {current.value}'s, the KV cache is on {ordinal}")
+        return
     _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
     try:
         _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     finally:
-        lib.cuDevicePrimaryCtxRelease(dev)
+        # The v2 entry point (cuda.h maps the name to it); the context stays alive, as torch's
+        # runtime holds its own reference to the primary context.
+        release = getattr(lib, "cuDevicePrimaryCtxRelease_v2", None) or lib.cuDevicePrimaryCtxRelease
+        release(dev)
 
 
 def device_uuid(t: torch.Tensor) -> str:
@@ -234,11 +258,42 @@ def vmm_plan(starts: Sequence[int], length: int, address_range: Callable[[int], 
     return [(b, chunks[b]) for b in order], offsets
 
 
+class _AllocationProp(ctypes.Structure):
+    """``CUmemAllocationProp`` (cuda.h): 32 bytes."""
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location_type", ctypes.c_int),
+        ("location_id", ctypes.c_int),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+def exportable_as_fd(requested_handle_types: int, base: int) -> None:
+    """Refuses, saying why, an allocation made without POSIX-descriptor export (torch before 2.5
+    requests none for its expandable segments; fabric handles; allocators such as vLLM's sleep
+    mode): the export would fail with a bare CUDA error."""
+    if not requested_handle_types & _HANDLE_TYPE_POSIX_FILE_DESCRIPTOR:
+        raise DirectRefused(
+            f"the VMM allocation at {base:#x} was not made exportable as a POSIX file descriptor (its requested "
+            f"handle types are {requested_handle_types:#x}; torch before 2.5, fabric-only handles or another "
+            "allocator): it cannot be shared with the agent"
+        )
+
+
 def _export_vmm(lib: ctypes.CDLL, base: int) -> int:
     """A POSIX file descriptor of the VMM allocation mapped at ``base`` (the caller closes it)."""
     handle = ctypes.c_uint64()
     _check(lib.cuMemRetainAllocationHandle(ctypes.byref(handle), ctypes.c_void_p(base)), "cuMemRetainAllocationHandle")
     try:
+        prop = _AllocationProp()
+        _check(lib.cuMemGetAllocationPropertiesFromHandle(ctypes.byref(prop), handle),
+               "cuMemGetAllocationPropertiesFromHandle")
+        exportable_as_fd(prop.requestedHandleTypes, base)
         fd = ctypes.c_int(-1)
         _check(lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, ctypes.c_int(_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
                                                 ctypes.c_ulonglong(0)),
@@ -255,6 +310,7 @@ def share_vmm(tensors: Sequence[torch.Tensor], length: int) -> Tuple[List[dict],
     lib = _cuda()
     _ensure_context(lib, tensors[0].device.index)
     chunks, offsets = vmm_plan([t.data_ptr() for t in tensors], length, lambda p: _address_range(lib, p))
+    room_for_fds(len(chunks))
     shared: List[Tuple[int, int]] = []
     try:
         for base, size in chunks:
@@ -264,6 +320,25 @@ def share_vmm(tensors: Sequence[torch.Tensor], length: int) -> Tuple[List[dict],
             os.close(fd)
         raise
     return [{"offset": o} for o in offsets], shared
+
+
+def room_for_fds(count: int, margin: int = 256) -> None:
+    """Makes room for ``count`` more open descriptors (every VMM allocation is exported before
+    any is sent: thousands for a large cache, past the usual soft limit of 1024), raising the soft
+    limit up to the hard one; refuses, saying so, where even the hard limit is too low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        open_now = 0
+    need = open_now + count + margin
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise DirectRefused(
+                f"sharing the KV cache takes {count} file descriptors at once, and the engine's open-file limit is "
+                f"{hard} with {open_now} open (raise its RLIMIT_NOFILE)"
+            )
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def share(t: torch.Tensor, length: int, handles: Optional[dict] = None) -> dict:
@@ -323,14 +398,15 @@ class DirectKv(Stager):
         if self.event is not None:
             pool["event"] = bytes(self.event.ipc_handle()).hex()
         handles: dict = {}
-        gpu_regions: List[Optional[dict]] = [share(t, self.layout.layer_len, handles) if ipc else None
-                                             for t, ipc in zip(self.tensors, self.by_ipc)]
-        shared: List[Tuple[int, int]] = []
-        rest = [t for t, ipc in zip(self.tensors, self.by_ipc) if not ipc]
-        if rest:
-            vmm_regions, shared = share_vmm(rest, self.layout.layer_len)
-            it = iter(vmm_regions)
-            gpu_regions = [r if r is not None else next(it) for r in gpu_regions]
+        with torch.cuda.device(self.device):
+            gpu_regions: List[Optional[dict]] = [share(t, self.layout.layer_len, handles) if ipc else None
+                                                 for t, ipc in zip(self.tensors, self.by_ipc)]
+            shared: List[Tuple[int, int]] = []
+            rest = [t for t, ipc in zip(self.tensors, self.by_ipc) if not ipc]
+            if rest:
+                vmm_regions, shared = share_vmm(rest, self.layout.layer_len)
+                it = iter(vmm_regions)
+                gpu_regions = [r if r is not None else next(it) for r in gpu_regions]
         pool["regions"] = gpu_regions
         return pool, shared
 
@@ -339,6 +415,12 @@ class DirectKv(Stager):
             self.event.record(torch.cuda.current_stream(self.device))
         else:
             torch.cuda.current_stream(self.device).synchronize()
+
+    def before_receive(self) -> None:
+        # The agent writes into the blocks of new receives on its own stream: kernels this
+        # engine queued before (reading blocks a finished request left, now given to the
+        # receive) must be done first.
+        torch.cuda.current_stream(self.device).synchronize()
 
     def load(self, blocks: List[int]) -> None:
         return  # the agent wrote them in place
@@ -357,7 +439,8 @@ def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapp
     why = refused_by_agent(capabilities, uuid, across_nodes)
     if why:
         raise DirectRefused(why)
-    by_ipc = [ipc_capable(t) for t in tensors]
+    with torch.cuda.device(first.device):
+        by_ipc = [ipc_capable(t) for t in tensors]
     if not all(by_ipc) and "vmm_fd" not in (capabilities.get("gpu_sharing") or ()):
         raise DirectRefused(
             "the KV cache's memory cannot be shared by CUDA IPC handle (torch's expandable_segments, or another "

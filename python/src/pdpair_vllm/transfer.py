@@ -245,6 +245,9 @@ class Stager:
     def save(self, blocks: List[int]) -> None:  # KV cache -> pool
         raise NotImplementedError
 
+    def before_receive(self) -> None:
+        """Before the agent is asked for new receives' blocks (it may write them at once)."""
+
     def load(self, blocks: List[int]) -> None:  # pool -> KV cache
         raise NotImplementedError
 
@@ -277,6 +280,8 @@ class WorkerState:
 
     def start(self, plan: Plan) -> None:
         """Before the forward pass: ask for the KV of new receives, release, renew, cancel."""
+        if plan.recvs:
+            self.stager.before_receive()
         for recv in plan.recvs:
             self._open[recv.agent_request] = ("recv", recv.request, recv)
             self._by_request[recv.request] = recv.agent_request
