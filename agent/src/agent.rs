@@ -1138,7 +1138,7 @@ impl Engine {
             let per_block =
                 u64::from(self.layout.block_size) * u64::from(count) * self.layout.half_token() as u64 * arrays;
             let threads = crate::checksum::threads_for(per_block.saturating_mul(blocks.len() as u64));
-            return crate::checksum::each_on_threads(blocks, threads, |(b, t)| {
+            return crate::checksum::each_on_threads(blocks, threads.count(), |(b, t)| {
                 self.layout.checksum_heads(&memory, *b, *t, num_tokens, first, count)
             });
         };

@@ -8,28 +8,72 @@ pub mod gpu;
 
 pub use cpu::*;
 
+use std::sync::{
+    OnceLock,
+    atomic::{AtomicUsize, Ordering},
+};
+
 /// Threads one request's host checksums use at most.
 pub const MAX_THREADS: usize = 8;
 /// The least a checksum thread reads: below it, starting a thread costs more than it saves.
 pub const MIN_THREAD_BYTES: u64 = 16 << 20;
 
-/// Threads for checksumming `bytes`: one per [`MIN_THREAD_BYTES`], at most the cores this
-/// process may use (its cgroup's quota included) and [`MAX_THREADS`].
-pub fn threads_for(bytes: u64) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cap = cores.min(MAX_THREADS) as u64;
-    (bytes / MIN_THREAD_BYTES).clamp(1, cap) as usize
+/// The cores this process may use (its cgroup's quota included), read once.
+fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// Extra checksum threads running now, across every request: together at most the cores, so
+/// concurrent requests do not pile threads onto the transfers'.
+static EXTRA: AtomicUsize = AtomicUsize::new(0);
+
+/// A request's checksum threads: the caller's and those taken from the agent-wide budget,
+/// given back when this drops.
+#[derive(Debug)]
+pub struct Threads(usize);
+
+impl Threads {
+    /// How many, the caller's included.
+    pub fn count(&self) -> usize {
+        self.0
+    }
+}
+
+impl Drop for Threads {
+    fn drop(&mut self) {
+        EXTRA.fetch_sub(self.0 - 1, Ordering::Relaxed);
+    }
+}
+
+/// Threads for checksumming `bytes`: one per [`MIN_THREAD_BYTES`], at most [`MAX_THREADS`], and
+/// extra ones only while fewer than the cores run across all requests.
+pub fn threads_for(bytes: u64) -> Threads {
+    let cap = cores().min(MAX_THREADS) as u64;
+    let want = (bytes / MIN_THREAD_BYTES).clamp(1, cap) as usize - 1;
+    let mut got = 0;
+    let _ = EXTRA.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |running| {
+        got = want.min(cores().saturating_sub(running + 1));
+        Some(running + got)
+    });
+    Threads(got + 1)
 }
 
 /// `f` of each of `items`, in order, on up to `threads` threads (contiguous shares, the first
 /// on this thread); `None` if any is `None`. A thread that cannot be started leaves its share
-/// to this one; one that panicked counts as `None`.
+/// to this one; a share that panicked counts as `None` (every thread is joined first).
 pub fn each_on_threads<T: Sync, R: Send>(
     items: &[T],
     threads: usize,
     f: impl Fn(&T) -> Option<R> + Sync,
 ) -> Option<Vec<R>> {
-    let all = |part: &[T]| part.iter().map(&f).collect::<Option<Vec<R>>>();
+    let all = |part: &[T]| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            part.iter().map(&f).collect::<Option<Vec<R>>>()
+        }))
+        .ok()
+        .flatten()
+    };
     if threads <= 1 || items.len() < 2 {
         return all(items);
     }
@@ -45,12 +89,18 @@ pub fn each_on_threads<T: Sync, R: Send>(
                     .map_err(|_| part)
             })
             .collect();
-        let mut out = all(first)?;
-        for t in started {
-            out.extend(match t {
-                Ok(handle) => handle.join().ok()??,
-                Err(part) => all(part)?,
-            });
+        let mine = all(first);
+        // Every thread joined before any result is looked at.
+        let rest: Vec<Option<Vec<R>>> = started
+            .into_iter()
+            .map(|t| match t {
+                Ok(handle) => handle.join().ok().flatten(),
+                Err(part) => all(part),
+            })
+            .collect();
+        let mut out = mine?;
+        for r in rest {
+            out.extend(r?);
         }
         Some(out)
     })
@@ -87,13 +137,35 @@ mod tests {
     }
 
     #[test]
-    fn threads_follow_the_bytes_up_to_the_cap() {
-        assert_eq!(threads_for(0), 1);
-        assert_eq!(threads_for(MIN_THREAD_BYTES - 1), 1);
-        let cap = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(MAX_THREADS);
-        assert_eq!(threads_for(2 * MIN_THREAD_BYTES), 2.min(cap));
-        assert_eq!(threads_for(u64::MAX), cap);
+    fn a_share_that_panics_is_none_and_every_thread_is_joined() {
+        let items: Vec<u64> = (0..100).collect();
+        for bad in [0, 10, 60, 99] {
+            // A None in the first share and a panic in this or a later one: None, no panic here.
+            let got = std::panic::catch_unwind(|| {
+                each_on_threads(&items, 4, |x| {
+                    assert!(*x != bad, "checksum of item {x} panicked");
+                    (*x != 5 || bad == 0).then_some(*x)
+                })
+            });
+            assert_eq!(got.ok(), Some(None), "item {bad} panicked");
+        }
+    }
+
+    #[test]
+    fn threads_follow_the_bytes_and_share_one_budget_of_cores() {
+        // The only test that takes from the agent-wide budget (tests run in parallel).
+        let cap = cores().min(MAX_THREADS);
+        assert_eq!(threads_for(0).count(), 1);
+        assert_eq!(threads_for(MIN_THREAD_BYTES - 1).count(), 1);
+        assert_eq!(threads_for(2 * MIN_THREAD_BYTES).count(), 2.min(cap));
+        let all = threads_for(u64::MAX);
+        assert_eq!(all.count(), cap);
+        // While those run, another request gets only what the cores leave.
+        let next = threads_for(u64::MAX);
+        assert_eq!(next.count(), (cores() - cap).min(MAX_THREADS - 1) + 1);
+        drop(next);
+        drop(all);
+        assert_eq!(EXTRA.load(Ordering::Relaxed), 0, "every thread given back");
+        assert_eq!(threads_for(u64::MAX).count(), cap);
     }
 }

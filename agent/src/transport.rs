@@ -75,7 +75,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Connects to a peer at `address` whose regions are `remotes` (key, (address, bytes)).
     /// `key` is the side-channel session's stream key: a backend whose peer places the bytes
     /// (the tcp stream) proves with it that this is the peer the session authenticated, by
-    /// `by` (the handshake's deadline: the peer waits for our answer until then).
+    /// `by` (the handshake's deadline: connecting is part of setting up the link, which the
+    /// pair's `handshakeTimeout` bounds).
     fn connect(
         &self,
         address: Vec<u8>,

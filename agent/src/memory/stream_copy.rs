@@ -35,15 +35,16 @@ mod x86 {
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len) };
             return;
         }
-        // A plain copy up to dst's first 16-byte boundary, then 64 bytes a step in streaming
-        // stores, then a plain copy of the tail.
-        let head = dst.align_offset(16).min(len);
+        // A plain copy up to dst's first cache line boundary, then a line a step in streaming
+        // stores (whole lines: the CPU's write-combining buffers go out full), then a plain
+        // copy of the tail.
+        let head = dst.align_offset(64).min(len);
         // SAFETY: within both ranges (head <= len).
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, head) };
         let mut at = head;
         while at + 64 <= len {
             // SAFETY: at+64 <= len, so the loads lie in `src` and the stores in `dst`;
-            // `dst + at` is 16-byte aligned (head aligned it, steps are 64); loads are
+            // `dst + at` is 64-byte aligned (head aligned it, steps are 64); loads are
             // unaligned.
             unsafe {
                 let s = src.as_ptr().add(at).cast::<__m128i>();

@@ -418,9 +418,9 @@ class DirectKv(Stager):
 
     def before_receive(self) -> None:
         # The agent writes into the blocks of new receives on its own stream: kernels this
-        # engine queued before (reading blocks a finished request left, now given to the
-        # receive) must be done first.
-        torch.cuda.current_stream(self.device).synchronize()
+        # engine queued before, on any stream (reading blocks a finished request left, now
+        # given to the receive), must be done first.
+        torch.cuda.synchronize(self.device)
 
     def load(self, blocks: List[int]) -> None:
         return  # the agent wrote them in place

@@ -623,8 +623,8 @@ fn a_listener_that_does_not_prove_the_key_is_not_dialled_into() {
 
 #[test]
 fn connecting_to_a_listener_that_never_greets_ends_at_the_callers_deadline() {
-    // The handshake's deadline, shorter than the listener's proof window: the peer waits for
-    // our answer only until then, so connecting must not outlast it.
+    // The handshake's deadline, shorter than the listener's proof window: connecting is part of
+    // setting up the link, which the pair's handshakeTimeout bounds.
     let p = Stream::start(LOOPBACK).expect("stream");
     let mute = TcpListener::bind((LOOPBACK, 0)).expect("listener");
     let at = mute.local_addr().expect("address");
