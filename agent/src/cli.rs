@@ -162,7 +162,7 @@ pub struct RunArgs {
     /// Hand peers' UCX worker addresses to UCX without first trying each in a throwaway,
     /// sealed-off process (which needs user namespaces or CAP_SYS_ADMIN). A hostile address can
     /// then crash the agent (docs/security.md).
-    #[arg(long = "no-ucx-probe")]
+    #[arg(long = "no-ucx-probe", env = "PDPAIR_NO_UCX_PROBE")]
     pub no_ucx_probe: bool,
 }
 

@@ -50,7 +50,9 @@ def engine(world, agent, role, checksum, path):
     if path == "direct":
         return client, pool
     stager = TorchStager(tensors, client.pool, client.layout)
-    assert stager.pinned, "the staging pool is page-locked"
+    if not stager.pinned:
+        print(f"bench_gpu: {role}'s staging pool could not be page-locked: its copies are from pageable memory",
+              flush=True)
     return client, stager
 
 
