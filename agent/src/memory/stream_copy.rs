@@ -1,5 +1,5 @@
 //! Copies into memory this process will not read again soon (a peer's KV landing in an engine's
-//! pool): non-temporal stores on x86_64, so the destination's lines are neither read first
+//! pool, read by the engine, and by the agent's checksums only once the whole request landed): non-temporal stores on x86_64, so the destination's lines are neither read first
 //! (read-for-ownership) nor left in the cache, where they would push out the record buffers the
 //! stream reuses. Elsewhere a plain copy.
 #![allow(unsafe_code)]

@@ -47,8 +47,8 @@
 //!   [`seal`]): someone on the path between two agents reads no KV, and a byte changed,
 //!   dropped, replayed or reordered fails its record, which closes the connection before its
 //!   bytes land (each record is opened in a buffer, then copied into place; into host memory
-//!   with streaming stores, `memory::stream_copy`: the engine reads those bytes, the agent
-//!   does not).
+//!   with streaming stores, `memory::stream_copy`: the engine reads those bytes; the agent at
+//!   most once more, for the request's checksums, after the whole request landed).
 //! - **Staging.** A region may be memory this process cannot dereference (a GPU pool between
 //!   agents, `transport::cuda_ipc`): it is registered with a [`DeviceCopy`], and every piece
 //!   of an op on it is copied between the device and the record buffer through that (the
@@ -163,8 +163,9 @@ impl Region {
         match &self.device {
             Some(d) => d.write(at, from),
             None => {
-                // SAFETY: as in `read`. The engine reads these bytes, not this process: they
-                // bypass the cache (the record buffers stay in it).
+                // SAFETY: as in `read`. The engine reads these bytes (this process at most for
+                // the request's checksums, once all of it landed): they bypass the cache, where
+                // the record buffers stay.
                 unsafe { crate::memory::stream_copy::copy_streaming(at as *mut u8, from) };
                 Ok(())
             }
