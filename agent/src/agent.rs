@@ -1000,6 +1000,21 @@ impl Engine {
     }
 
     fn fail(&self, request: String, reasons: Vec<Reason>, message: String) {
+        let event = self.failure(request, reasons, message);
+        self.event(event);
+    }
+
+    /// Refuses a message about `request` that was not accepted (a second `ExpectKv` or
+    /// `KvReady` for a request still open, bad blocks, the wrong role): answered and counted
+    /// as [`Engine::fail`] does, but a request of that name already accepted keeps its windows
+    /// (the first keeps its promise).
+    fn refuse(&self, request: String, reasons: Vec<Reason>, message: String) {
+        let event = self.failure(request, reasons, message);
+        send(&self.writer, &event);
+    }
+
+    /// Counts a failure and makes its event.
+    fn failure(&self, request: String, reasons: Vec<Reason>, message: String) -> AgentEvent {
         for r in &reasons {
             self.shared.metrics.request_failed(self.reg.role, *r);
         }
@@ -1010,11 +1025,11 @@ impl Engine {
                 stats.last_failure = Some((unix_now(), reasons.clone(), message.clone()));
             }
         }
-        self.event(AgentEvent::RequestFailed {
+        AgentEvent::RequestFailed {
             request,
             reasons: reason::names(&reasons),
             message,
-        });
+        }
     }
 
     /// Records the path of a transfer this agent moved over `link` (it holds the UCX endpoint).
@@ -1234,7 +1249,7 @@ impl Engine {
         match self.check_blocks(blocks) {
             Ok(()) => true,
             Err(message) => {
-                self.fail(request.to_owned(), vec![Reason::InvalidRequest], message);
+                self.refuse(request.to_owned(), vec![Reason::InvalidRequest], message);
                 false
             }
         }
@@ -1245,7 +1260,7 @@ impl Engine {
         if self.reg.role == role {
             return true;
         }
-        self.fail(
+        self.refuse(
             request.to_owned(),
             vec![Reason::WrongRole],
             format!("{what} is for {role} engines"),
@@ -1254,16 +1269,7 @@ impl Engine {
     }
 
     fn check_blocks(&self, blocks: &[u32]) -> Result<(), String> {
-        if blocks.is_empty() {
-            return Err("no blocks".into());
-        }
-        match blocks.iter().find(|b| **b >= self.layout.num_blocks) {
-            Some(b) => Err(format!(
-                "block {b} is outside the pool's {} blocks",
-                self.layout.num_blocks
-            )),
-            None => Ok(()),
-        }
+        check_blocks(blocks, self.layout.num_blocks)
     }
 
     // ---- timers and shutdown ----------------------------------------------------------------
@@ -1324,9 +1330,56 @@ pub fn is_handshake_rejection(reason: &str) -> bool {
     Reason::parse(reason).is_handshake_rejection()
 }
 
+/// A request's `blocks`: at least one, each inside the pool's `num_blocks` and named once (a
+/// request's blocks are distinct; every one costs a range per layer in the windows and ops the
+/// agent builds for it).
+pub fn check_blocks(blocks: &[u32], num_blocks: u32) -> Result<(), String> {
+    if blocks.is_empty() {
+        return Err("blocks is empty".into());
+    }
+    if blocks.len() > num_blocks as usize {
+        return Err(format!(
+            "blocks names {} blocks; the pool has {num_blocks}",
+            blocks.len()
+        ));
+    }
+    if let Some(b) = blocks.iter().find(|b| **b >= num_blocks) {
+        return Err(format!("block {b} is outside the pool's {num_blocks} blocks"));
+    }
+    let mut sorted = blocks.to_vec();
+    sorted.sort_unstable();
+    match sorted.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(format!("block {} is named twice in blocks", w[0])),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_requests_blocks_are_distinct_inside_the_pool_and_at_least_one() {
+        assert_eq!(check_blocks(&[3, 0, 4], 5), Ok(()));
+        assert_eq!(check_blocks(&[], 5).expect_err("refused"), "blocks is empty");
+        assert_eq!(
+            check_blocks(&[1, 5], 5).expect_err("refused"),
+            "block 5 is outside the pool's 5 blocks"
+        );
+        assert_eq!(
+            check_blocks(&[4, 1, 4], 5).expect_err("refused"),
+            "block 4 is named twice in blocks"
+        );
+        // A frame's worth of one block (each id costs a range per layer in the windows).
+        assert_eq!(
+            check_blocks(&[0; 6], 5).expect_err("refused"),
+            "blocks names 6 blocks; the pool has 5"
+        );
+        assert_eq!(
+            check_blocks(&[0, 0], 5).expect_err("refused"),
+            "block 0 is named twice in blocks"
+        );
+    }
 
     #[test]
     fn gpu_memory_descriptors_held_for_registrations_are_bounded_across_connections() {

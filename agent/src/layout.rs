@@ -30,6 +30,10 @@ use crate::checksum::block_checksum;
 /// The most memory regions one pool may have (descriptors in one `RegisterPool` frame, keys in
 /// one handshake).
 pub const MAX_REGIONS: usize = 128;
+/// The most layers a pool's geometry may have (the largest models have about 130).
+pub const MAX_LAYERS: u32 = 1024;
+/// The most tensor-parallel ranks an engine may have (peers' claims are walked rank by rank).
+pub const MAX_TENSOR_PARALLEL: u32 = 1024;
 
 /// A run of consecutive layers in one memory region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,7 +109,15 @@ impl PoolLayout {
                 .ok_or_else(|| LayoutError(format!("kv.{name} is {v}; it must be at least 1")))
         };
         let heads = positive("kvHeads", kv.kv_heads)?;
-        let tp = u32::try_from(parallelism.tensor).ok().filter(|t| *t > 0).unwrap_or(1);
+        let tp = u32::try_from(parallelism.tensor)
+            .ok()
+            .filter(|t| (1..=MAX_TENSOR_PARALLEL).contains(t))
+            .ok_or_else(|| {
+                LayoutError(format!(
+                    "parallelism.tensor is {}; it must be 1..={MAX_TENSOR_PARALLEL}",
+                    parallelism.tensor
+                ))
+            })?;
         if rank >= tp {
             return Err(LayoutError(format!(
                 "tensor_rank {rank} is outside parallelism.tensor {tp}"
@@ -116,13 +128,20 @@ impl PoolLayout {
         } else if tp <= heads {
             (heads / tp, rank * (heads / tp))
         } else {
-            (1, rank * heads / tp)
+            // rank < tp <= MAX_TENSOR_PARALLEL and heads < tp here: the product fits u64, and
+            // the quotient is below heads.
+            (1, (u64::from(rank) * u64::from(heads) / u64::from(tp)) as u32)
         };
         let element_bytes = kv
             .resolved_cache_dtype()
             .element_bytes()
             .ok_or_else(|| LayoutError("cache dtype did not resolve".into()))?;
         let layers = positive("layers", kv.layers)?;
+        if layers > MAX_LAYERS {
+            return Err(LayoutError(format!(
+                "kv.layers is {layers}; a pool has at most {MAX_LAYERS}"
+            )));
+        }
         Ok(PoolLayout {
             layers,
             local_heads,
@@ -436,6 +455,22 @@ mod tests {
         );
         kv.mla = true;
         assert_eq!(at(&kv, 4, 3), (0, 8), "MLA is not sharded by head");
+        kv.mla = false;
+        // The most ranks, the last one: its head offset computed without overflow.
+        kv.kv_heads = 1000;
+        assert_eq!(at(&kv, 1024, 1023), (999, 1));
+        // Beyond the bounds, or none: refused naming the field and the value (a peer claiming
+        // 2^31 ranks would otherwise have the agent walk them all).
+        for (tp, layers) in [(0, 1), (-1, 1), (1025, 1), (i32::MAX, 1), (1, 1025)] {
+            kv.layers = layers;
+            let e = PoolLayout::new(&kv, &par(tp), 1, 0).expect_err("refused");
+            let named = if layers > 1024 {
+                format!("kv.layers is {layers}")
+            } else {
+                format!("parallelism.tensor is {tp}")
+            };
+            assert!(e.0.contains(&named), "{e}");
+        }
     }
 
     fn small(latent: bool) -> PoolLayout {

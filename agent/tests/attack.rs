@@ -1298,10 +1298,18 @@ fn one_engines_bad_key_does_not_block_another_engine_on_the_same_agent() {
 
 #[test]
 fn a_duplicate_expect_kv_is_refused_and_the_first_keeps_its_promise() {
+    // Over shared memory and over the KV stream, whose windows a refusal must not close: the
+    // first request's blocks still take its KV.
+    for transport in [Transport::Shm, Transport::Tcp] {
+        duplicate_expect_kv(transport);
+    }
+}
+
+fn duplicate_expect_kv(transport: Transport) {
     let _serial = serial();
     let w = World::new("attack-dup");
-    let mut p = prefill(&w);
-    let ds = w.agent("d", Transport::Shm, false);
+    let mut p = prefill_on(&w, transport);
+    let ds = w.agent("d", transport, false);
     let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
     let expect = |blocks: Vec<u32>| EngineRequest::ExpectKv {
         request: "r".into(),
@@ -1311,9 +1319,24 @@ fn a_duplicate_expect_kv_is_refused_and_the_first_keeps_its_promise() {
         first_token: 0,
     };
     d.send(&expect(vec![5, 6])).expect("ExpectKv");
-    d.send(&expect(vec![10, 11])).expect("ExpectKv again");
-    let event = d.next_event().expect("event");
-    assert_eq!(reasons(&event), vec!["InvalidRequest".to_owned()], "{event:?}");
+    // Linked and registered with prefill by then (the stream's window for its blocks open).
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // The same request again: with other blocks, with a block named twice, with a block outside
+    // the pool. Each refused on its own.
+    for (again, why) in [
+        (vec![10, 11], "already expected"),
+        (vec![7, 7], "named twice"),
+        (vec![1 << 30], "outside the pool"),
+    ] {
+        d.send(&expect(again)).expect("ExpectKv again");
+        let event = d.next_event().expect("event");
+        assert_eq!(
+            reasons(&event),
+            vec!["InvalidRequest".to_owned()],
+            "{transport:?}: {event:?}"
+        );
+        assert!(format!("{event:?}").contains(why), "{transport:?}: {event:?}");
+    }
     p.fill(5, &[3, 4], 0, 100);
     kv_ready(&mut p, "r", &[3, 4], 100);
     let event = d.next_event().expect("event");

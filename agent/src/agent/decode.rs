@@ -158,13 +158,18 @@ impl Engine {
     ) {
         prefills.sort();
         prefills.dedup();
-        if prefills.is_empty() {
-            return self.fail(request, vec![Reason::InvalidRequest], "no prefill address".into());
+        if prefills.is_empty() || prefills.len() > 1024 {
+            // Each new prefill address is dialled on a thread of its own.
+            return self.refuse(
+                request,
+                vec![Reason::InvalidRequest],
+                format!("prefills names {} addresses; 1..=1024 are accepted", prefills.len()),
+            );
         }
         if lock(&self.pending).contains_key(&request) {
-            // The first ExpectKv keeps its promise (exactly one answer for it); this one is
-            // refused on its own.
-            return self.fail(
+            // The first ExpectKv keeps its promise (exactly one answer for it, its windows
+            // open); this one is refused on its own.
+            return self.refuse(
                 request.clone(),
                 vec![Reason::InvalidRequest],
                 format!("request {request} is already expected (ExpectKv or Release twice); the first stands"),
@@ -226,7 +231,7 @@ impl Engine {
             return;
         }
         if prefill_ranks.is_empty() || prefill_ranks.len() > 1024 {
-            return self.fail(
+            return self.refuse(
                 request,
                 vec![Reason::InvalidRequest],
                 format!(

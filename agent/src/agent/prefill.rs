@@ -554,16 +554,7 @@ impl Engine {
     }
 
     fn check_remote_blocks(&self, link: &Link, blocks: &[u32]) -> Result<(), String> {
-        if blocks.is_empty() {
-            return Err("no blocks".into());
-        }
-        match blocks.iter().find(|b| **b >= link.peer.memory.num_blocks) {
-            Some(b) => Err(format!(
-                "decode block {b} is outside its {} blocks",
-                link.peer.memory.num_blocks
-            )),
-            None => Ok(()),
-        }
+        crate::agent::check_blocks(blocks, link.peer.memory.num_blocks).map_err(|e| format!("decode's {e}"))
     }
 
     pub(super) fn kv_ready(self: &Arc<Self>, request: String, blocks: Vec<u32>, num_tokens: u64, first_token: u64) {
@@ -580,7 +571,7 @@ impl Engine {
             let mut matching = lock(&self.matching);
             if matching.ready.contains_key(&request) {
                 drop(matching);
-                return self.fail(
+                return self.refuse(
                     request.clone(),
                     vec![Reason::InvalidRequest],
                     format!("request {request} is already ready (KvReady twice); the first stands"),
