@@ -129,7 +129,13 @@ struct Shared {
     /// GPU memory descriptors held for registrations not made yet (`ShareGpuMemory`), on all
     /// engine connections: at most [`MAX_PENDING_GPU_FDS`].
     pending_gpu_fds: std::sync::atomic::AtomicUsize,
+    /// Engine connections that have not registered yet: at most [`MAX_UNREGISTERED`].
+    unregistered: std::sync::atomic::AtomicUsize,
 }
+
+/// Engine connections that have not registered yet, at most: more are closed at once (each
+/// holds a thread and a descriptor until it registers or its [`REGISTER_WITHIN`] runs out).
+pub const MAX_UNREGISTERED: usize = 64;
 
 /// GPU memory descriptors the agent holds for registrations in progress, on all engine
 /// connections together (two engines' worth of [`crate::memory::cuda::MAX_VMM_CHUNKS`]): engines
@@ -330,6 +336,7 @@ impl Agent {
                 unauthenticated: Mutex::new(HashMap::new()),
                 listening: AtomicBool::new(false),
                 pending_gpu_fds: std::sync::atomic::AtomicUsize::new(0),
+                unregistered: std::sync::atomic::AtomicUsize::new(0),
             }),
         })
     }
@@ -417,17 +424,50 @@ impl Agent {
         for stream in listener.incoming() {
             match stream {
                 Ok(stream) => {
+                    let unregistered = &self.shared.unregistered;
+                    if unregistered.fetch_add(1, Ordering::SeqCst) >= MAX_UNREGISTERED {
+                        unregistered.fetch_sub(1, Ordering::SeqCst);
+                        tracing::warn!(
+                            "engine API: {MAX_UNREGISTERED} connections are registering already; closed a new one"
+                        );
+                        continue;
+                    }
                     let agent = self.clone();
-                    thread::spawn(move || agent.engine_session(stream));
+                    let started = thread::Builder::new()
+                        .name("engine".into())
+                        .spawn(move || agent.engine_session(stream));
+                    if let Err(e) = started {
+                        unregistered.fetch_sub(1, Ordering::SeqCst);
+                        tracing::warn!(error = %e, "engine API: cannot start a thread for a connection; closed it");
+                    }
                 }
-                Err(e) => tracing::warn!(error = %e, "engine API accept failed"),
+                Err(e) => {
+                    // Out of descriptors, say: do not spin on it.
+                    tracing::warn!(error = %e, "engine API accept failed");
+                    thread::sleep(Duration::from_millis(100));
+                }
             }
         }
         Ok(())
     }
 
-    /// Handles one engine connection: registration, then its requests.
+    /// Handles one engine connection: registration, then its requests. It was counted in
+    /// [`Shared::unregistered`], which it leaves once registered or gone.
     pub fn engine_session(&self, stream: UnixStream) {
+        struct Registering<'a>(Option<&'a std::sync::atomic::AtomicUsize>);
+        impl Registering<'_> {
+            fn done(&mut self) {
+                if let Some(count) = self.0.take() {
+                    count.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+        }
+        impl Drop for Registering<'_> {
+            fn drop(&mut self) {
+                self.done();
+            }
+        }
+        let mut registering = Registering(Some(&self.shared.unregistered));
         let mut reader = match stream.try_clone() {
             Ok(r) => r,
             Err(e) => {
@@ -442,13 +482,8 @@ impl Agent {
         // and stalls holds descriptors); once registered, an engine may be silent as long as it
         // likes.
         let register_by = Instant::now() + REGISTER_WITHIN;
-        let next_frame = || {
-            let left = register_by.saturating_duration_since(Instant::now());
-            reader
-                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
-                .map_err(wire::FrameError::from)?;
-            wire::read_frame_fds::<EngineRequest>(&reader, wire::MAX_FRAME)
-        };
+        // Every read of every frame keeps to it, however the engine paces its bytes.
+        let next_frame = || wire::read_frame_fds_by::<EngineRequest>(&reader, wire::MAX_FRAME, Some(register_by));
         let mut first = next_frame();
         if let Ok((EngineRequest::Capabilities, _)) = &first {
             send(&writer, &self.capabilities());
@@ -496,6 +531,7 @@ impl Agent {
                 return;
             }
         };
+        registering.done();
         let _ = reader.set_read_timeout(None);
         self.shared.metrics.registrations.inc();
         if let Some(publisher) = &self.shared.cfg.publisher {

@@ -308,12 +308,50 @@ fn msghdr(iov: &mut libc::iovec, control: &mut [u8]) -> libc::msghdr {
 /// Reads one frame of at most `max` bytes from a Unix socket, with the file descriptors that came
 /// with its first bytes (in order). More than [`MAX_FDS`] is an error (the kernel truncates the
 /// control message; what arrived is closed).
-#[allow(unsafe_code)]
 pub fn read_frame_fds<T: DeserializeOwned>(
     stream: &std::os::unix::net::UnixStream,
     max: usize,
 ) -> Result<(T, Vec<std::os::fd::OwnedFd>), FrameError> {
+    read_frame_fds_by(stream, max, None)
+}
+
+/// A Unix stream whose every read keeps to `until` (when set): its read timeout is what is left.
+struct UnixDeadline<'a> {
+    stream: &'a std::os::unix::net::UnixStream,
+    until: Option<Instant>,
+}
+
+impl UnixDeadline<'_> {
+    fn bound(&self) -> io::Result<()> {
+        if let Some(until) = self.until {
+            let left = until.saturating_duration_since(Instant::now());
+            if left < Duration::from_millis(1) {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "the deadline passed"));
+            }
+            self.stream.set_read_timeout(Some(left))?;
+        }
+        Ok(())
+    }
+}
+
+impl Read for UnixDeadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.bound()?;
+        (&mut &*self.stream).read(buf)
+    }
+}
+
+/// [`read_frame_fds`], every read done by `until` when set (a sender that trickles bytes runs out
+/// of time however it paces them).
+#[allow(unsafe_code)]
+pub fn read_frame_fds_by<T: DeserializeOwned>(
+    stream: &std::os::unix::net::UnixStream,
+    max: usize,
+    until: Option<Instant>,
+) -> Result<(T, Vec<std::os::fd::OwnedFd>), FrameError> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let timed = UnixDeadline { stream, until };
+    timed.bound()?;
     let mut len = [0u8; 4];
     let mut iov = libc::iovec {
         iov_base: len.as_mut_ptr().cast(),
@@ -348,7 +386,7 @@ pub fn read_frame_fds<T: DeserializeOwned>(
         return Err(FrameError::Malformed("too many file descriptors attached".into()));
     }
     // The rest of the frame is plain data: what recvmsg read, then the stream.
-    let mut rest = len[..got as usize].chain(stream);
+    let mut rest = len[..got as usize].chain(timed);
     let message = read_frame_max(&mut rest, max)?;
     Ok((message, fds))
 }

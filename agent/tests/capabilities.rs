@@ -315,11 +315,24 @@ fn a_connection_that_shares_gpu_memory_and_never_registers_is_closed() {
         wire::write_frame_fds(s, &frame, &borrowed).expect("shared");
     };
     share(&s, 4);
-    // It holds descriptors and drips more well inside each read's time, but never registers:
-    // the agent lets it go once the registration's time is up, counted from the start (and gives
-    // the descriptors back).
-    std::thread::sleep(limit * 2 / 3);
+    // It holds descriptors and drips more well inside each read's time, then trickles a frame
+    // a byte at a time, but never registers: the agent lets it go once the registration's time
+    // is up, counted from the start, however the bytes are paced (and gives the descriptors
+    // back).
+    std::thread::sleep(limit / 3);
     share(&s, 1);
+    std::thread::sleep(limit / 3);
+    let mut trickle = s.try_clone().expect("clone");
+    std::thread::spawn(move || {
+        use std::io::Write;
+        let frame: Vec<u8> = [&64u32.to_be_bytes()[..], &[b' '; 64][..]].concat();
+        for b in frame {
+            if trickle.write_all(&[b]).is_err() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+    });
     s.set_read_timeout(Some(limit)).expect("timeout");
     let mut buf = [0u8; 16];
     let n = s.read(&mut buf).expect("closed, not timed out");
@@ -329,4 +342,38 @@ fn a_connection_that_shares_gpu_memory_and_never_registers_is_closed() {
         took >= limit - std::time::Duration::from_secs(1) && took < limit + std::time::Duration::from_secs(5),
         "closed at the limit from the start, not before nor after the last frame's: {took:?}"
     );
+}
+
+#[test]
+fn connections_that_do_not_register_are_bounded_and_the_agent_keeps_serving() {
+    use std::io::Read;
+    let w = World::new("caps-many");
+    let socket = w.agent("a", Transport::Tcp, false);
+    // As many as may be registering at once, saying nothing...
+    let idle: Vec<UnixStream> = (0..pdpair_agent::agent::MAX_UNREGISTERED)
+        .map(|_| connect(&socket))
+        .collect();
+    // ...one more is closed at once, unanswered (reset, as it sent what no one read).
+    let mut probe = connect(&socket);
+    wire::write_frame(&mut probe, &EngineRequest::Capabilities).expect("send");
+    let mut buf = [0u8; 16];
+    match probe.read(&mut buf) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("one past the bound is closed without an answer: {other:?}"),
+    }
+    // Once they go, engines register again.
+    drop(idle);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let mut s = connect(&socket);
+        let answer = wire::write_frame(&mut s, &EngineRequest::RegisterPool(Box::new(host_registration())))
+            .map_err(|e| e.to_string())
+            .and_then(|()| wire::read_frame::<AgentEvent>(&mut s).map_err(|e| e.to_string()));
+        match answer {
+            Ok(AgentEvent::Registered { .. }) => break,
+            other if std::time::Instant::now() > deadline => panic!("no registration: {other:?}"),
+            _ => std::thread::sleep(std::time::Duration::from_millis(100)),
+        }
+    }
 }
