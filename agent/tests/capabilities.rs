@@ -349,9 +349,18 @@ fn connections_that_do_not_register_are_bounded_and_the_agent_keeps_serving() {
     use std::io::Read;
     let w = World::new("caps-many");
     let socket = w.agent("a", Transport::Tcp, false);
-    // As many as may be registering at once, saying nothing...
+    // As many as may be registering at once, each served (its Capabilities answered), then
+    // saying nothing...
     let idle: Vec<UnixStream> = (0..pdpair_agent::agent::MAX_UNREGISTERED)
-        .map(|_| connect(&socket))
+        .map(|i| {
+            let mut s = connect(&socket);
+            let answer = ask(&mut s, &EngineRequest::Capabilities);
+            assert!(
+                matches!(answer, AgentEvent::Capabilities { .. }),
+                "connection {i}: {answer:?}"
+            );
+            s
+        })
         .collect();
     // ...one more is closed at once, unanswered (reset, as it sent what no one read).
     let mut probe = connect(&socket);
@@ -360,7 +369,10 @@ fn connections_that_do_not_register_are_bounded_and_the_agent_keeps_serving() {
     match probe.read(&mut buf) {
         Ok(0) => {}
         Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
-        other => panic!("one past the bound is closed without an answer: {other:?}"),
+        other => panic!(
+            "one past the bound is closed without an answer: {other:?} {:?}",
+            String::from_utf8_lossy(&buf)
+        ),
     }
     // Once they go, engines register again.
     drop(idle);
