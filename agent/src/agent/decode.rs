@@ -712,7 +712,8 @@ impl Engine {
             let Some(p) = pending.remove(&request) else { return };
             p
         };
-        let bytes: u64 = p.parts.values().map(|(_, b)| *b).sum();
+        // Each prefill's own count (push): a peer's numbers, added saturating.
+        let bytes: u64 = p.parts.values().fold(0u64, |sum, (_, b)| sum.saturating_add(*b));
         // Each prefill rank summed its own heads; checksums add over heads, so the parts' sums
         // add up to decode's whole-block checksums.
         let sums = combine(p.parts.values().map(|(s, _)| s.as_ref()));

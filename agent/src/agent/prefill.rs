@@ -298,16 +298,19 @@ impl Engine {
     /// engine may reuse them.
     fn released(&self, link: &Link, request: String, bytes: u64) {
         // Only a link the blocks were lent to releases them, once: another decode agent of the
-        // pair cannot end a request it was not served.
-        let lent = lock(&self.matching).ready.get_mut(&request).is_some_and(|s| {
-            match s.links.iter().position(|id| *id == link.id) {
-                Some(i) if s.in_flight > 0 => {
-                    s.links.swap_remove(i);
-                    true
+        // pair cannot end a request it was not served. Only in pull: in push the link is being
+        // pushed to, and its Released would end the request under a running push.
+        let pull = self.settings.mode == pdpair_api::TransferMode::Pull;
+        let lent = pull
+            && lock(&self.matching).ready.get_mut(&request).is_some_and(|s| {
+                match s.links.iter().position(|id| *id == link.id) {
+                    Some(i) if s.in_flight > 0 => {
+                        s.links.swap_remove(i);
+                        true
+                    }
+                    _ => false,
                 }
-                _ => false,
-            }
-        });
+            });
         if !lent {
             self.shared.metrics.foreign_answer();
             tracing::warn!(engine = %self.reg.engine, peer = %link.addr, "ignored a Released for a request not lent on this link");
@@ -348,8 +351,9 @@ impl Engine {
             serving.finished += 1;
             match outcome {
                 Ok((bytes, us)) => {
-                    serving.bytes += bytes;
-                    serving.transfer_us += us;
+                    // A peer's numbers (pull: decode says what it read): saturating.
+                    serving.bytes = serving.bytes.saturating_add(bytes);
+                    serving.transfer_us = serving.transfer_us.saturating_add(us);
                 }
                 Err(failure) => {
                     serving.failure.get_or_insert(failure);
@@ -621,8 +625,20 @@ impl Engine {
         }
         self.started(&reg.request);
         // The link may read these blocks now (the stream refuses others), until it releases
-        // them or the request ends for the engine.
-        self.open_window(link, &reg.request, &ready.blocks);
+        // them or the request ends for the engine; unless it ended while the checksums (or the
+        // engine's GPU event) were awaited: checked, and opened, under the matching lock, so a
+        // window never opens after the request's end closed its windows.
+        {
+            let matching = lock(&self.matching);
+            if !matching
+                .ready
+                .get(&reg.request)
+                .is_some_and(|s| s.links.contains(&link.id))
+            {
+                return;
+            }
+            self.open_window(link, &reg.request, &ready.blocks);
+        }
         let sent = link.send(&Message::Ready {
             request: reg.request.clone(),
             blocks: ready.blocks,
