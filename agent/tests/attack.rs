@@ -1531,6 +1531,55 @@ fn an_engine_that_truncates_its_shared_memory_pool_kills_no_agent() {
 }
 
 #[test]
+fn a_cancelled_pull_whose_loan_is_never_released_is_answered_cancelled_at_the_lease() {
+    let _serial = serial();
+    // Pull: prefill lends a request's blocks to a decode link that never releases them (an
+    // insider), and the engine cancels the request. At the lease the loan ends, and the engine
+    // hears what it waits for: Cancelled (it heard LeaseExpired, and kept waiting).
+    let w = World::new("attack-cancel-lent");
+    let ps = w.agent("p", Transport::Shm, false);
+    let mut pull = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    pull.mode = TransferMode::Pull;
+    let mut p = SyntheticEngine::register(&ps, &w.dir, &pull).expect("P");
+    p.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("timeout");
+    p.fill(1, &[3, 4], 0, 100);
+    kv_ready(&mut p, "r", &[3, 4], 100);
+    let mut me = insider(Role::Decode);
+    me.mode = TransferMode::Pull;
+    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("auth");
+    protocol::handshake_decode(&mut s, &mut session, &me).expect("handshake");
+    session
+        .send(
+            &mut s,
+            &Message::Register(Registration {
+                request: "r".into(),
+                blocks: vec![1, 2],
+                num_tokens: 100,
+                first_token: 0,
+            }),
+        )
+        .expect("register");
+    let ready = session.recv(&mut s).expect("Ready");
+    assert!(matches!(ready, Message::Ready { .. }), "{ready:?}");
+    p.send(&EngineRequest::Cancel { request: "r".into() }).expect("Cancel");
+    let event = loop {
+        match p.next_event().expect("event") {
+            AgentEvent::TransferStarted { .. } => {}
+            other => break other,
+        }
+    };
+    assert!(
+        matches!(&event, AgentEvent::Cancelled { request } if request == "r"),
+        "{event:?}"
+    );
+    drop(s);
+}
+
+#[test]
 fn a_released_from_a_link_the_blocks_were_not_lent_to_is_ignored() {
     let _serial = serial();
     // Pull: prefill lends a request's blocks to the decode link that registered it; only that

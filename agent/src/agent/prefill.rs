@@ -855,6 +855,12 @@ impl Engine {
         };
         for (request, serving) in expired {
             self.shared.metrics.lease_expired();
+            if serving.cancelled {
+                // The engine cancelled it and waits for `Cancelled`: the lease ended what held
+                // the blocks (a decode rank that never released its loan), so that is the answer.
+                self.conclude(request, serving);
+                continue;
+            }
             let message = if serving.in_flight > 0 {
                 "decode did not read the request's blocks within the lease".to_owned()
             } else if serving.finished == 0 {
