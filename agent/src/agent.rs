@@ -133,6 +133,10 @@ struct Shared {
     unregistered: std::sync::atomic::AtomicUsize,
 }
 
+/// Prefill agents one decode engine dials at once (each on a thread of its own), and
+/// `ExpectKvFromPool`s it links at once, at most: requests past it are refused.
+pub const MAX_DIALS: usize = 64;
+
 /// Engine connections that have not registered yet, at most: more are closed at once (each
 /// holds a thread and a descriptor until it registers or its [`REGISTER_WITHIN`] runs out).
 pub const MAX_UNREGISTERED: usize = 64;
@@ -798,6 +802,9 @@ struct Engine {
     /// blocks; `Cancelled` goes to the engine when none is left.
     cancelled: Mutex<HashMap<String, Vec<String>>>,
     peers: Mutex<HashMap<String, Slot>>,
+    /// `ExpectKvFromPool`s linking to their ranks now (each on a thread of its own): at most
+    /// [`MAX_DIALS`].
+    picking: std::sync::atomic::AtomicUsize,
     /// Requests -> the links' windows their blocks are open in (the tcp stream's; push: decode's
     /// blocks to writes, pull: prefill's to reads): closed when the request ends for the engine.
     windows: Mutex<HashMap<String, Vec<std::sync::Arc<crate::transport::stream::Windows>>>>,
@@ -973,6 +980,7 @@ impl Engine {
             pending: Mutex::new(HashMap::new()),
             cancelled: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
+            picking: std::sync::atomic::AtomicUsize::new(0),
             windows: Mutex::new(HashMap::new()),
             rejections: Mutex::new(HashMap::new()),
             matching: Mutex::new(Matching::default()),

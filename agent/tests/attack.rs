@@ -1531,6 +1531,62 @@ fn an_engine_that_truncates_its_shared_memory_pool_kills_no_agent() {
 }
 
 #[test]
+fn a_decode_engine_dials_a_bounded_number_of_prefill_agents_at_once() {
+    let _serial = serial();
+    // Each prefill address a decode engine names that its agent has no link to is dialled on a
+    // thread of its own: an engine naming thousands (addresses that take the connection and
+    // never answer) would run the agent out of threads. At most MAX_DIALS at once; the rest is
+    // refused, and the agent keeps serving.
+    let w = World::new("attack-dials");
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    d.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    let max = pdpair_agent::agent::MAX_DIALS;
+    let mute: Vec<TcpListener> = (0..=max)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect();
+    let at = |l: &TcpListener| l.local_addr().expect("addr").to_string();
+    let expect = |request: &str, prefills: Vec<String>| EngineRequest::ExpectKvFrom {
+        request: request.into(),
+        prefills,
+        blocks: vec![1],
+        num_tokens: 16,
+        first_token: 0,
+    };
+    // All of them in one request: refused at once.
+    d.send(&expect("all", mute.iter().map(at).collect())).expect("send");
+    let event = d.next_event().expect("event");
+    assert!(
+        format!("{event:?}").contains(&format!("at most {max} at once")),
+        "{event:?}"
+    );
+    // As many as the bound: dialled (they hang until the handshake's deadline)...
+    d.send(&expect("most", mute[..max].iter().map(at).collect()))
+        .expect("send");
+    // ...and one more address meanwhile is refused.
+    d.send(&expect("one-more", vec![at(&mute[max])])).expect("send");
+    let event = d.next_event().expect("event");
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { request, .. } if request == "one-more"),
+        "{event:?}"
+    );
+    assert!(format!("{event:?}").contains("dials"), "{event:?}");
+    // The mute ones fail at their deadline; then a real prefill serves this engine.
+    let event = d.next_event().expect("event");
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { request, .. } if request == "most"),
+        "{event:?}"
+    );
+    drop(mute);
+    let mut p = prefill(&w);
+    let (event, bad) = request(&mut p, &mut d, Req::from_start("after", 9, 100, 2));
+    assert!(done(&event) && bad == 0, "{event:?}, {bad} bad tokens");
+}
+
+#[test]
 fn a_cancelled_pull_whose_loan_is_never_released_is_answered_cancelled_at_the_lease() {
     let _serial = serial();
     // Pull: prefill lends a request's blocks to a decode link that never releases them (an

@@ -47,7 +47,8 @@ impl Engine {
             }
             Some(Slot::Connecting(_)) => {}
             None => {
-                if self.remembered(&prefill).is_none() {
+                // Best effort: not while the engine's dials are at their bound.
+                if self.remembered(&prefill).is_none() && dialling(&peers) < super::MAX_DIALS {
                     peers.insert(prefill.clone(), Slot::Connecting(Vec::new()));
                     drop(peers);
                     let e = self.clone();
@@ -184,6 +185,22 @@ impl Engine {
                 );
             }
         }
+        {
+            let peers = lock(&self.peers);
+            let new = prefills.iter().filter(|a| !peers.contains_key(*a)).count();
+            if new > 0 && dialling(&peers) + new > super::MAX_DIALS {
+                drop(peers);
+                return self.refuse(
+                    request,
+                    vec![Reason::InvalidRequest],
+                    format!(
+                        "this engine dials {} prefill agents already; at most {} at once",
+                        dialling(&lock(&self.peers)),
+                        super::MAX_DIALS
+                    ),
+                );
+            }
+        }
         let deadline = Instant::now() + self.handshake_timeout() + self.lease();
         lock(&self.pending).insert(
             request.clone(),
@@ -240,11 +257,35 @@ impl Engine {
                 ),
             );
         }
+        if self.picking.fetch_add(1, Ordering::SeqCst) >= super::MAX_DIALS {
+            self.picking.fetch_sub(1, Ordering::SeqCst);
+            return self.refuse(
+                request,
+                vec![Reason::InvalidRequest],
+                format!(
+                    "{} ExpectKvFromPool are linking already; at most that many at once",
+                    super::MAX_DIALS
+                ),
+            );
+        }
         let e = self.clone();
-        thread::spawn(move || match e.pick_sources(&prefill_ranks) {
-            Ok(sources) => e.expect_kv(request, sources, blocks, num_tokens, first_token),
-            Err((reasons, message)) => e.fail(request, reasons, message),
+        let id = request.clone();
+        let started = thread::Builder::new().name("pool-links".into()).spawn(move || {
+            let picked = e.pick_sources(&prefill_ranks);
+            e.picking.fetch_sub(1, Ordering::SeqCst);
+            match picked {
+                Ok(sources) => e.expect_kv(request, sources, blocks, num_tokens, first_token),
+                Err((reasons, message)) => e.fail(request, reasons, message),
+            }
         });
+        if let Err(e) = started {
+            self.picking.fetch_sub(1, Ordering::SeqCst);
+            self.refuse(
+                id,
+                vec![Reason::InvalidRequest],
+                format!("the agent cannot start a thread to link the ranks: {e}"),
+            );
+        }
     }
 
     /// The addresses, among `ranks`, of the prefill ranks this decode rank takes its heads from.
@@ -1009,4 +1050,9 @@ fn combine<'a>(parts: impl Iterator<Item = Option<&'a BlockSums>>) -> Option<Blo
         }
     }
     total
+}
+
+/// Prefill agents being dialled now.
+fn dialling(peers: &HashMap<String, Slot>) -> usize {
+    peers.values().filter(|s| matches!(s, Slot::Connecting(_))).count()
 }
