@@ -1286,11 +1286,14 @@ impl Engine {
     }
 
     /// Whether a request from the engine fits its role and pool; fails it otherwise.
-    fn accept_request(&self, role: Role, what: &str, request: &str, blocks: &[u32]) -> bool {
+    fn accept_request(&self, role: Role, what: &str, request: &str, blocks: &[u32], tokens: (u64, u64)) -> bool {
         if !self.role_is(role, what, request) {
             return false;
         }
-        match self.check_blocks(blocks) {
+        match self
+            .check_blocks(blocks)
+            .and_then(|()| check_tokens(tokens.0, tokens.1))
+        {
             Ok(()) => true,
             Err(message) => {
                 self.refuse(request.to_owned(), vec![Reason::InvalidRequest], message);
@@ -1374,6 +1377,20 @@ pub fn is_handshake_rejection(reason: &str) -> bool {
     Reason::parse(reason).is_handshake_rejection()
 }
 
+/// The most tokens a request may have: token positions stay far from overflowing when blocks
+/// are counted on from them.
+pub const MAX_TOKENS: u64 = 1 << 40;
+
+/// A request's `first_token` and `num_tokens`, each at most [`MAX_TOKENS`].
+pub fn check_tokens(first_token: u64, num_tokens: u64) -> Result<(), String> {
+    for (name, v) in [("first_token", first_token), ("num_tokens", num_tokens)] {
+        if v > MAX_TOKENS {
+            return Err(format!("{name} is {v}; at most {MAX_TOKENS}"));
+        }
+    }
+    Ok(())
+}
+
 /// A request's `blocks`: at least one, each inside the pool's `num_blocks` and named once (a
 /// request's blocks are distinct; every one costs a range per layer in the windows and ops the
 /// agent builds for it).
@@ -1422,6 +1439,11 @@ mod tests {
         assert_eq!(
             check_blocks(&[0, 0], 5).expect_err("refused"),
             "block 0 is named twice in blocks"
+        );
+        assert_eq!(check_tokens(MAX_TOKENS, MAX_TOKENS), Ok(()));
+        assert_eq!(
+            check_tokens(u64::MAX - 3, 100).expect_err("refused"),
+            format!("first_token is {}; at most {MAX_TOKENS}", u64::MAX - 3)
         );
     }
 

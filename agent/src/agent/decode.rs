@@ -140,7 +140,7 @@ impl Engine {
         num_tokens: u64,
         first_token: u64,
     ) {
-        if !self.accept_request(Role::Decode, "ExpectKv", &request, &blocks) {
+        if !self.accept_request(Role::Decode, "ExpectKv", &request, &blocks, (first_token, num_tokens)) {
             return;
         }
         self.ask(request, prefills, blocks, num_tokens, first_token, false);
@@ -244,7 +244,13 @@ impl Engine {
         num_tokens: u64,
         first_token: u64,
     ) {
-        if !self.accept_request(Role::Decode, "ExpectKvFromPool", &request, &blocks) {
+        if !self.accept_request(
+            Role::Decode,
+            "ExpectKvFromPool",
+            &request,
+            &blocks,
+            (first_token, num_tokens),
+        ) {
             return;
         }
         if prefill_ranks.is_empty() || prefill_ranks.len() > 1024 {
@@ -849,6 +855,8 @@ impl Engine {
                 Reason::TokenCountMismatch,
                 format!("decode expects {d_tokens} tokens, prefill computed {num_tokens}"),
             ))
+        } else if let Err(e) = crate::agent::check_tokens(p_first, num_tokens) {
+            Err((Reason::InvalidRequest, format!("prefill's {e}")))
         } else {
             let p_block = u32::try_from(link.peer.kv.kernel_block_size()).unwrap_or(0);
             self.pull_ops(

@@ -515,7 +515,10 @@ impl Engine {
                 message,
             });
         };
-        if let Err(e) = self.check_remote_blocks(link, &reg.blocks) {
+        if let Err(e) = self
+            .check_remote_blocks(link, &reg.blocks)
+            .and_then(|()| crate::agent::check_tokens(reg.first_token, reg.num_tokens))
+        {
             return refuse(e);
         }
         let mut matching = lock(&self.matching);
@@ -562,7 +565,7 @@ impl Engine {
     }
 
     pub(super) fn kv_ready(self: &Arc<Self>, request: String, blocks: Vec<u32>, num_tokens: u64, first_token: u64) {
-        if !self.accept_request(Role::Prefill, "KvReady", &request, &blocks) {
+        if !self.accept_request(Role::Prefill, "KvReady", &request, &blocks, (first_token, num_tokens)) {
             return;
         }
         let ready = Ready {
