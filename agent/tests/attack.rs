@@ -1636,6 +1636,73 @@ fn a_cancelled_pull_whose_loan_is_never_released_is_answered_cancelled_at_the_le
 }
 
 #[test]
+fn a_release_from_another_link_does_not_end_a_request_lent_to_one() {
+    let _serial = serial();
+    // Pull, one decode rank expected: the blocks are lent to the borrower's link. Another link
+    // of the pair (an insider) says its rank needs nothing, twice: the only place is the
+    // borrower's, so neither counts, and the engine hears the borrower's read, not Released.
+    let w = World::new("attack-release-other");
+    let ps = w.agent("p", Transport::Shm, false);
+    let mut pull = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    pull.mode = TransferMode::Pull;
+    let mut p = SyntheticEngine::register(&ps, &w.dir, &pull).expect("P");
+    p.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("timeout");
+    p.fill(1, &[3, 4], 0, 100);
+    kv_ready(&mut p, "r", &[3, 4], 100);
+    let mut me = insider(Role::Decode);
+    me.mode = TransferMode::Pull;
+    let link = |info: &PeerInfo| {
+        let mut s = TcpStream::connect(addr(&p)).expect("connect");
+        let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("auth");
+        protocol::handshake_decode(&mut s, &mut session, info).expect("handshake");
+        (s, session)
+    };
+    let (mut borrower, mut borrowed) = link(&me);
+    borrowed
+        .send(
+            &mut borrower,
+            &Message::Register(Registration {
+                request: "r".into(),
+                blocks: vec![1, 2],
+                num_tokens: 100,
+                first_token: 0,
+            }),
+        )
+        .expect("register");
+    let ready = borrowed.recv(&mut borrower).expect("Ready");
+    assert!(matches!(ready, Message::Ready { .. }), "{ready:?}");
+    let (mut other, mut session) = link(&me);
+    for _ in 0..2 {
+        session
+            .send(&mut other, &Message::Release { request: "r".into() })
+            .expect("Release");
+        let done = session.recv(&mut other).expect("ReleaseDone");
+        assert!(matches!(done, Message::ReleaseDone { .. }), "{done:?}");
+    }
+    // The borrower read them: that is how the request ends.
+    borrowed
+        .send(
+            &mut borrower,
+            &Message::Released {
+                request: "r".into(),
+                bytes: 64,
+            },
+        )
+        .expect("Released");
+    let event = loop {
+        match p.next_event().expect("event") {
+            AgentEvent::TransferStarted { .. } => {}
+            other => break other,
+        }
+    };
+    assert!(matches!(&event, AgentEvent::RequestDone { .. }), "{event:?}");
+    drop((borrower, other));
+}
+
+#[test]
 fn a_released_from_a_link_the_blocks_were_not_lent_to_is_ignored() {
     let _serial = serial();
     // Pull: prefill lends a request's blocks to the decode link that registered it; only that

@@ -55,6 +55,8 @@ pub(super) struct Serving {
     links: Vec<u64>,
     /// Decode ranks that released the request (needed nothing), counted in `finished`.
     released: u32,
+    /// The links whose Release was counted (each counts once).
+    released_by: Vec<u64>,
     /// When a decode agent last renewed the hold (decode's engine queues the request).
     renewed: Option<Instant>,
     /// The engine cancelled the request: it hears `Cancelled` once no transfer of it runs.
@@ -81,6 +83,7 @@ impl Serving {
             lent_since: None,
             links: Vec::new(),
             released: 0,
+            released_by: Vec::new(),
             renewed: None,
             cancelled: false,
         }
@@ -93,8 +96,8 @@ pub(super) struct Matching {
     ready: HashMap<String, Serving>,
     /// Registrations waiting for their KvReady (several decode ranks may wait for one request).
     registered: HashMap<String, Vec<Waiting>>,
-    /// Releases that came before the KvReady: (decode ranks released, ranks expected, when).
-    released_early: HashMap<String, (u32, u32, Instant)>,
+    /// Releases that came before the KvReady: (the links that released, ranks expected, when).
+    released_early: HashMap<String, (Vec<u64>, u32, Instant)>,
     /// Requests released lately (kept for a lease): a later registration is refused at once.
     gone: HashMap<String, Instant>,
 }
@@ -433,8 +436,16 @@ impl Engine {
                         serving.in_flight = serving.in_flight.saturating_sub(1);
                     }
                     let expected = *serving.expected.get_or_insert(expected);
-                    serving.finished += 1;
-                    serving.released += 1;
+                    // A decode rank that needed nothing takes one of the expected ranks' places:
+                    // once per link, and only a place no transfer holds (another link of the
+                    // pair cannot end a request under a running transfer, nor count twice).
+                    let counted =
+                        serving.released_by.contains(&link.id) || serving.finished + serving.in_flight >= expected;
+                    if !counted {
+                        serving.released_by.push(link.id);
+                        serving.finished += 1;
+                        serving.released += 1;
+                    }
                     if serving.concluded(expected) {
                         matching.ready.remove(&request)
                     } else {
@@ -443,11 +454,14 @@ impl Engine {
                 }
                 (None, _) if gone => None,
                 (None, _) => {
-                    let early = matching
-                        .released_early
-                        .entry(request.clone())
-                        .or_insert((0, expected, Instant::now()));
-                    early.0 += 1;
+                    let early = matching.released_early.entry(request.clone()).or_insert((
+                        Vec::new(),
+                        expected,
+                        Instant::now(),
+                    ));
+                    if !early.0.contains(&link.id) && early.0.len() < early.1 as usize {
+                        early.0.push(link.id);
+                    }
                     None
                 }
             }
@@ -585,7 +599,9 @@ impl Engine {
                 );
             }
             let mut serving = Serving::new(ready);
-            if let Some((count, expected, _)) = matching.released_early.remove(&request) {
+            if let Some((links, expected, _)) = matching.released_early.remove(&request) {
+                let count = u32::try_from(links.len()).unwrap_or(u32::MAX);
+                serving.released_by = links;
                 serving.expected = Some(expected);
                 (serving.finished, serving.released) = (count, count);
             }
