@@ -327,3 +327,21 @@ def test_layout_matches_the_documented_formula():
     assert nhd.token_offset(1, 3) == (3 * 2 + 1) * 256
     more_ranks = PoolLayout.new(kv(heads=2), 4, 10, 3)
     assert (more_ranks.local_heads, more_ranks.head_offset) == (1, 1)
+
+
+def test_a_send_to_an_agent_that_stops_reading_fails_instead_of_hanging(monkeypatch):
+    # An agent (here the other end of a socket pair, standing in for a stuck or hostile one) that
+    # reads nothing: the engine's sends fill the socket and then fail within the send timeout,
+    # rather than blocking vLLM's step forever.
+    import socket
+
+    monkeypatch.setattr(AgentClient, "SEND_TIMEOUT_S", 0.5)
+    ours, theirs = socket.socketpair()
+    client = AgentClient(ours, {}, None, "", [])
+    started = time.monotonic()
+    with pytest.raises(AgentError, match="sending KvReady"):
+        for i in range(100000):
+            client.kv_ready(f"r{i}", list(range(512)), 8192)
+    assert time.monotonic() - started < 30, "failed at the send timeout, not at the end of the loop"
+    client.close()
+    theirs.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import struct
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -120,8 +121,15 @@ def pairing_key_from_env(env=os.environ) -> bytes:
 class AgentClient:
     """One registered engine (one tensor-parallel rank)."""
 
+    #: How long one write to the agent may block (an agent that stops reading would otherwise
+    #: hang the engine's step inside :meth:`send`): the send then fails with :class:`AgentError`.
+    SEND_TIMEOUT_S = 30.0
+
     def __init__(self, sock: socket.socket, reg: dict, layout: PoolLayout, address: str, pools: List[mmap.mmap],
                  capabilities: Optional[dict] = None):
+        # Writes time out, reads (the event reader, which waits as long as events take) do not.
+        t = self.SEND_TIMEOUT_S
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(t), int(t % 1 * 1e6)))
         self._sock = sock
         self.registration = reg
         #: The agent's ``Capabilities`` answer (its UCX, the memory types it moves, its GPUs, the
