@@ -743,10 +743,19 @@ struct Link {
 }
 
 impl Link {
+    /// Sends `m`; a write that fails (the peer stopped reading until the write timeout, or
+    /// went away) closes the link, so its reader ends it and fails its requests, and later
+    /// sends fail at once instead of each waiting out the timeout (docs/protocol.md).
     fn send(&self, m: &Message) -> bool {
-        let mut w = lock(&self.writer);
-        let (stream, sealer) = &mut *w;
-        wire::write_sealed(stream, sealer, m).is_ok()
+        let sent = {
+            let mut w = lock(&self.writer);
+            let (stream, sealer) = &mut *w;
+            wire::write_sealed(stream, sealer, m).is_ok()
+        };
+        if !sent {
+            self.close();
+        }
+        sent
     }
 
     /// Closes `request`'s blocks to this link (where its backend bounds them per request).

@@ -64,19 +64,33 @@ impl Engine {
     /// `ReleaseDone`, its link lost, or (pull) our own read of it done. Until then the engine
     /// must not reuse the blocks; after it nothing writes them.
     pub(super) fn cancel_decode(self: &Arc<Self>, request: String) {
-        let Some(p) = lock(&self.pending).remove(&request) else {
-            if lock(&self.cancelled).contains_key(&request) {
-                return; // cancelled already: the first Cancel's answer is coming
+        let (p, writers) = {
+            let mut pending = lock(&self.pending);
+            let Some(p) = pending.remove(&request) else {
+                drop(pending);
+                if lock(&self.cancelled).contains_key(&request) {
+                    return; // cancelled already: the first Cancel's answer is coming
+                }
+                return self.event(AgentEvent::Cancelled { request });
+            };
+            // Marked cancelled before the pending entry goes: a prefill's answer arriving
+            // meanwhile is the cancel's answer, not a foreign one dropped (after which nothing
+            // would answer the cancel).
+            let writers: Vec<String> = p.prefills.iter().filter(|a| p.waits_on(a)).cloned().collect();
+            if !writers.is_empty() {
+                lock(&self.cancelled).insert(request.clone(), writers.clone());
             }
-            return self.event(AgentEvent::Cancelled { request });
+            (p, writers)
         };
+        if writers.is_empty() {
+            return self.event(AgentEvent::Cancelled { request });
+        }
         let pull = self.settings.mode == pdpair_api::TransferMode::Pull;
-        let writers: Vec<String> = p.prefills.iter().filter(|a| p.waits_on(a)).cloned().collect();
         let mut notify = Vec::new();
         let mut waiting = Vec::new();
         {
             let mut peers = lock(&self.peers);
-            for addr in writers {
+            for addr in writers.iter().cloned() {
                 match peers.get_mut(&addr) {
                     // Pull, our read of it running: its end answers.
                     Some(Slot::Connected(_)) if pull && p.reading.contains(&addr) => waiting.push(addr),
@@ -92,10 +106,11 @@ impl Engine {
                 }
             }
         }
-        if waiting.is_empty() {
-            return self.event(AgentEvent::Cancelled { request });
+        // The prefills that will not write (no link, no queued registration) are answered now;
+        // the last answer, from them or from a prefill meanwhile, sends `Cancelled`.
+        for addr in writers.iter().filter(|a| !waiting.contains(*a)) {
+            self.cancel_answered(addr, &request);
         }
-        lock(&self.cancelled).insert(request.clone(), waiting);
         for link in notify {
             self.release_cancelled(&link, &request);
         }
