@@ -1586,13 +1586,8 @@ fn a_decode_engine_dials_a_bounded_number_of_prefill_agents_at_once() {
     assert!(done(&event) && bad == 0, "{event:?}, {bad} bad tokens");
 }
 
-#[test]
-fn a_cancelled_pull_whose_loan_is_never_released_is_answered_cancelled_at_the_lease() {
-    let _serial = serial();
-    // Pull: prefill lends a request's blocks to a decode link that never releases them (an
-    // insider), and the engine cancels the request. At the lease the loan ends, and the engine
-    // hears what it waits for: Cancelled (it heard LeaseExpired, and kept waiting).
-    let w = World::new("attack-cancel-lent");
+/// A pull prefill engine in `w` with request "r" ready (blocks 3 and 4, 100 tokens).
+fn pull_prefill_ready(w: &World) -> SyntheticEngine {
     let ps = w.agent("p", Transport::Shm, false);
     let mut pull = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
     pull.mode = TransferMode::Pull;
@@ -1603,11 +1598,22 @@ fn a_cancelled_pull_whose_loan_is_never_released_is_answered_cancelled_at_the_le
         .expect("timeout");
     p.fill(1, &[3, 4], 0, 100);
     kv_ready(&mut p, "r", &[3, 4], 100);
+    p
+}
+
+/// An insider's pull decode link to `p` (it holds the pair's key), handshaken.
+fn pull_link(p: &SyntheticEngine) -> (TcpStream, protocol::Session) {
     let mut me = insider(Role::Decode);
     me.mode = TransferMode::Pull;
-    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    let mut s = TcpStream::connect(addr(p)).expect("connect");
     let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("auth");
     protocol::handshake_decode(&mut s, &mut session, &me).expect("handshake");
+    (s, session)
+}
+
+/// An insider's pull link that registered request "r" and was lent its blocks (got `Ready`).
+fn borrower_of_r(p: &SyntheticEngine) -> (TcpStream, protocol::Session) {
+    let (mut s, mut session) = pull_link(p);
     session
         .send(
             &mut s,
@@ -1621,18 +1627,35 @@ fn a_cancelled_pull_whose_loan_is_never_released_is_answered_cancelled_at_the_le
         .expect("register");
     let ready = session.recv(&mut s).expect("Ready");
     assert!(matches!(ready, Message::Ready { .. }), "{ready:?}");
-    p.send(&EngineRequest::Cancel { request: "r".into() }).expect("Cancel");
-    let event = loop {
+    (s, session)
+}
+
+/// The engine's next event other than `TransferStarted`.
+fn final_event(p: &mut SyntheticEngine) -> AgentEvent {
+    loop {
         match p.next_event().expect("event") {
             AgentEvent::TransferStarted { .. } => {}
-            other => break other,
+            other => return other,
         }
-    };
+    }
+}
+
+#[test]
+fn a_cancelled_pull_whose_loan_is_never_released_is_answered_cancelled_at_the_lease() {
+    let _serial = serial();
+    // Pull: prefill lends a request's blocks to a decode link that never releases them (an
+    // insider), and the engine cancels the request. At the lease the loan ends, and the engine
+    // hears what it waits for: Cancelled (it heard LeaseExpired, and kept waiting).
+    let w = World::new("attack-cancel-lent");
+    let mut p = pull_prefill_ready(&w);
+    let borrower = borrower_of_r(&p);
+    p.send(&EngineRequest::Cancel { request: "r".into() }).expect("Cancel");
+    let event = final_event(&mut p);
     assert!(
         matches!(&event, AgentEvent::Cancelled { request } if request == "r"),
         "{event:?}"
     );
-    drop(s);
+    drop(borrower);
 }
 
 #[test]
@@ -1642,39 +1665,9 @@ fn a_release_from_another_link_does_not_end_a_request_lent_to_one() {
     // of the pair (an insider) says its rank needs nothing, twice: the only place is the
     // borrower's, so neither counts, and the engine hears the borrower's read, not Released.
     let w = World::new("attack-release-other");
-    let ps = w.agent("p", Transport::Shm, false);
-    let mut pull = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
-    pull.mode = TransferMode::Pull;
-    let mut p = SyntheticEngine::register(&ps, &w.dir, &pull).expect("P");
-    p.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(15)))
-        .expect("timeout");
-    p.fill(1, &[3, 4], 0, 100);
-    kv_ready(&mut p, "r", &[3, 4], 100);
-    let mut me = insider(Role::Decode);
-    me.mode = TransferMode::Pull;
-    let link = |info: &PeerInfo| {
-        let mut s = TcpStream::connect(addr(&p)).expect("connect");
-        let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("auth");
-        protocol::handshake_decode(&mut s, &mut session, info).expect("handshake");
-        (s, session)
-    };
-    let (mut borrower, mut borrowed) = link(&me);
-    borrowed
-        .send(
-            &mut borrower,
-            &Message::Register(Registration {
-                request: "r".into(),
-                blocks: vec![1, 2],
-                num_tokens: 100,
-                first_token: 0,
-            }),
-        )
-        .expect("register");
-    let ready = borrowed.recv(&mut borrower).expect("Ready");
-    assert!(matches!(ready, Message::Ready { .. }), "{ready:?}");
-    let (mut other, mut session) = link(&me);
+    let mut p = pull_prefill_ready(&w);
+    let (mut borrower, mut borrowed) = borrower_of_r(&p);
+    let (mut other, mut session) = pull_link(&p);
     for _ in 0..2 {
         session
             .send(&mut other, &Message::Release { request: "r".into() })
@@ -1692,12 +1685,7 @@ fn a_release_from_another_link_does_not_end_a_request_lent_to_one() {
             },
         )
         .expect("Released");
-    let event = loop {
-        match p.next_event().expect("event") {
-            AgentEvent::TransferStarted { .. } => {}
-            other => break other,
-        }
-    };
+    let event = final_event(&mut p);
     assert!(matches!(&event, AgentEvent::RequestDone { .. }), "{event:?}");
     drop((borrower, other));
 }
@@ -1708,41 +1696,11 @@ fn a_released_from_a_link_the_blocks_were_not_lent_to_is_ignored() {
     // Pull: prefill lends a request's blocks to the decode link that registered it; only that
     // link's Released frees them. Another link of the pair (an insider) says Released first.
     let w = World::new("attack-released");
-    let ps = w.agent("p", Transport::Shm, false);
-    let mut pull = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
-    pull.mode = TransferMode::Pull;
-    let mut p = SyntheticEngine::register(&ps, &w.dir, &pull).expect("P");
-    p.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(15)))
-        .expect("timeout");
-    p.fill(1, &[3, 4], 0, 100);
-    kv_ready(&mut p, "r", &[3, 4], 100);
-    let mut me = insider(Role::Decode);
-    me.mode = TransferMode::Pull;
-    let link = |info: &PeerInfo| {
-        let mut s = TcpStream::connect(addr(&p)).expect("connect");
-        let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("auth");
-        protocol::handshake_decode(&mut s, &mut session, info).expect("handshake");
-        (s, session)
-    };
+    let mut p = pull_prefill_ready(&w);
     // The borrower registers and is lent the blocks...
-    let (mut borrower, mut borrowed) = link(&me);
-    borrowed
-        .send(
-            &mut borrower,
-            &Message::Register(Registration {
-                request: "r".into(),
-                blocks: vec![1, 2],
-                num_tokens: 100,
-                first_token: 0,
-            }),
-        )
-        .expect("register");
-    let ready = borrowed.recv(&mut borrower).expect("Ready");
-    assert!(matches!(ready, Message::Ready { .. }), "{ready:?}");
+    let borrower = borrower_of_r(&p);
     // ...and another link releases them.
-    let (mut other, mut session) = link(&me);
+    let (mut other, mut session) = pull_link(&p);
     session
         .send(
             &mut other,
@@ -1754,12 +1712,7 @@ fn a_released_from_a_link_the_blocks_were_not_lent_to_is_ignored() {
         .expect("Released");
     // The blocks stay lent to the borrower until the lease (3 s) ends: the engine hears
     // LeaseExpired, not a transfer of 999 bytes.
-    let event = loop {
-        match p.next_event().expect("event") {
-            AgentEvent::TransferStarted { .. } => {}
-            other => break other,
-        }
-    };
+    let event = final_event(&mut p);
     assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{event:?}");
     drop((borrower, other));
 }
