@@ -1202,7 +1202,7 @@ impl Engine {
         let Some(device) = &self.device else {
             let memory = self.memory();
             // Bytes read per block: `count` heads of every layer's K and V (or latent) arrays.
-            let arrays = u64::from(self.layout.layers) * if self.layout.latent { 1 } else { 2 };
+            let arrays = u64::from(self.layout.layers) * u64::from(self.layout.halves());
             let per_block =
                 u64::from(self.layout.block_size) * u64::from(count) * self.layout.half_token() as u64 * arrays;
             let threads = crate::checksum::threads_for(per_block.saturating_mul(blocks.len() as u64));

@@ -206,12 +206,18 @@ impl<'a> Deadline<'a> {
     }
 
     fn left(&self) -> io::Result<Duration> {
-        let left = self.until.saturating_duration_since(Instant::now());
-        if left < Duration::from_millis(1) {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "handshake deadline passed"));
-        }
-        Ok(left)
+        time_left(self.until, "handshake deadline passed")
     }
+}
+
+/// What is left of `until` for the next system call, or a `TimedOut` error saying `passed`
+/// once less than a millisecond is.
+fn time_left(until: Instant, passed: &str) -> io::Result<Duration> {
+    let left = until.saturating_duration_since(Instant::now());
+    if left < Duration::from_millis(1) {
+        return Err(io::Error::new(io::ErrorKind::TimedOut, passed));
+    }
+    Ok(left)
 }
 
 impl Read for Deadline<'_> {
@@ -324,11 +330,8 @@ struct UnixDeadline<'a> {
 impl UnixDeadline<'_> {
     fn bound(&self) -> io::Result<()> {
         if let Some(until) = self.until {
-            let left = until.saturating_duration_since(Instant::now());
-            if left < Duration::from_millis(1) {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, "the deadline passed"));
-            }
-            self.stream.set_read_timeout(Some(left))?;
+            self.stream
+                .set_read_timeout(Some(time_left(until, "the deadline passed")?))?;
         }
         Ok(())
     }

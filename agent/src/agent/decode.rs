@@ -203,14 +203,14 @@ impl Engine {
         {
             let peers = lock(&self.peers);
             let new = prefills.iter().filter(|a| !peers.contains_key(*a)).count();
-            if new > 0 && dialling(&peers) + new > super::MAX_DIALS {
+            let now = dialling(&peers);
+            if new > 0 && now + new > super::MAX_DIALS {
                 drop(peers);
                 return self.refuse(
                     request,
                     vec![Reason::InvalidRequest],
                     format!(
-                        "this engine dials {} prefill agents already; at most {} at once",
-                        dialling(&lock(&self.peers)),
+                        "this engine dials {now} prefill agents already; at most {} at once",
                         super::MAX_DIALS
                     ),
                 );

@@ -53,9 +53,8 @@ pub(super) struct Serving {
     lent_since: Option<Instant>,
     /// Links being served: only these may answer `Released` (once each).
     links: Vec<u64>,
-    /// Decode ranks that released the request (needed nothing), counted in `finished`.
-    released: u32,
-    /// The links whose Release was counted (each counts once).
+    /// The links of decode ranks that released the request (needed nothing), each counted
+    /// once, in `finished` too.
     released_by: Vec<u64>,
     /// When a decode agent last renewed the hold (decode's engine queues the request).
     renewed: Option<Instant>,
@@ -82,7 +81,6 @@ impl Serving {
             started: false,
             lent_since: None,
             links: Vec::new(),
-            released: 0,
             released_by: Vec::new(),
             renewed: None,
             cancelled: false,
@@ -444,7 +442,6 @@ impl Engine {
                     if !counted {
                         serving.released_by.push(link.id);
                         serving.finished += 1;
-                        serving.released += 1;
                     }
                     if serving.concluded(expected) {
                         matching.ready.remove(&request)
@@ -493,7 +490,7 @@ impl Engine {
             lock(&self.matching).gone.insert(request.clone(), Instant::now());
             return self.event(AgentEvent::Cancelled { request });
         }
-        if serving.failure.is_none() && serving.released == serving.finished {
+        if serving.failure.is_none() && serving.released_by.len() == serving.finished as usize {
             lock(&self.matching).gone.insert(request.clone(), Instant::now());
             return self.event(AgentEvent::Released { request });
         }
@@ -603,7 +600,7 @@ impl Engine {
                 let count = u32::try_from(links.len()).unwrap_or(u32::MAX);
                 serving.released_by = links;
                 serving.expected = Some(expected);
-                (serving.finished, serving.released) = (count, count);
+                serving.finished = count;
             }
             if serving.expected.is_some_and(|e| serving.finished >= e) {
                 // Every decode rank released it before it was ready: free at once.
