@@ -133,6 +133,14 @@ struct Shared {
     unregistered: std::sync::atomic::AtomicUsize,
 }
 
+/// Why an engine connection's frame before registration was not taken.
+enum Unregistered {
+    /// Said to the engine (`RegistrationFailed`): a frame that does not decode, or time ran out.
+    Refused(String),
+    /// The connection failed or closed.
+    Gone(wire::FrameError),
+}
+
 /// Prefill agents one decode engine dials at once (each on a thread of its own), and
 /// `ExpectKvFromPool`s it links at once, at most: requests past it are refused.
 pub const MAX_DIALS: usize = 64;
@@ -188,6 +196,19 @@ struct LocalEngine {
 }
 
 impl Shared {
+    /// Engine names are unique on the node (its agent): two engines of one name would share a
+    /// PDEndpoint, and a peer naming one could not tell them apart.
+    fn name_free(&self, locals: &[(u64, LocalEngine)], engine: &str) -> Result<(), String> {
+        match locals.iter().find(|(_, l)| l.engine == engine) {
+            // Which pair holds it is not said: it may be another tenant's.
+            Some(_) => Err(format!(
+                "engine \"{}\" is already registered at this agent; engine names must be unique on the node",
+                crate::reason::peer_text(engine),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// A peer whose memory is this agent's (it names one of this agent's backend addresses)
     /// must be an engine registered here, of `pdpair`, with the role, name and exact memory it
     /// claims: otherwise an authenticated peer could hand a prefill engine's own memory (learned
@@ -487,7 +508,24 @@ impl Agent {
         // likes.
         let register_by = Instant::now() + REGISTER_WITHIN;
         // Every read of every frame keeps to it, however the engine paces its bytes.
-        let next_frame = || wire::read_frame_fds_by::<EngineRequest>(&reader, wire::MAX_FRAME, Some(register_by));
+        // A frame that does not decode is answered naming the field (and then closed).
+        let next_frame = || {
+            let (frame, fds) = wire::read_frame_fds_by::<serde_json::Value>(
+                &reader,
+                wire::MAX_FRAME,
+                Some(register_by),
+            )
+            .map_err(|e| match e {
+                wire::FrameError::Malformed(why) => {
+                    Unregistered::Refused(crate::reason::peer_text(&format!("malformed frame: {why}")))
+                }
+                e if e.timed_out() => Unregistered::Refused(format!("no registration within {REGISTER_WITHIN:?}")),
+                e => Unregistered::Gone(e),
+            })?;
+            crate::engine_api::decode_before_registration(frame)
+                .map(|request| (request, fds))
+                .map_err(Unregistered::Refused)
+        };
         let mut first = next_frame();
         if let Ok((EngineRequest::Capabilities, _)) = &first {
             send(&writer, &self.capabilities());
@@ -520,7 +558,12 @@ impl Agent {
                 );
                 return;
             }
-            Err(e) => {
+            Err(Unregistered::Refused(message)) => {
+                tracing::debug!(%message, "engine API: registration refused");
+                send(&writer, &AgentEvent::RegistrationFailed { message });
+                return;
+            }
+            Err(Unregistered::Gone(e)) => {
                 tracing::debug!(error = %e, "engine API: no registration");
                 return;
             }
@@ -891,6 +934,8 @@ impl Engine {
         };
         let settings =
             crate::engine_api::resolve(&reg, pair.as_ref().map(|p| (reg.pdpair.as_str(), &p.spec.transfer)))?;
+        // Before the pool is allocated (checked again, under the lock, as it is recorded).
+        shared.name_free(&lock(&shared.locals), &reg.engine)?;
         let need = layout.pool_len_checked().ok_or_else(|| {
             format!(
                 "num_blocks {} with this geometry ({} layers x {} arrays x {} heads x {} tokens x {} x {} bytes) overflows the address space",
@@ -996,15 +1041,24 @@ impl Engine {
             accepted: Mutex::new(Vec::new()),
             local_id: next_link_id(),
         });
-        lock(&engine.shared.locals).push((
-            engine.local_id,
-            LocalEngine {
-                pdpair: engine.reg.pdpair.clone(),
-                role: engine.reg.role,
-                engine: engine.reg.engine.clone(),
-                memory: engine.local.memory.clone(),
-            },
-        ));
+        {
+            let mut locals = lock(&engine.shared.locals);
+            // Another registration of the name may have got here first.
+            if let Err(taken) = engine.shared.name_free(&locals, &engine.reg.engine) {
+                drop(locals);
+                engine.shutdown();
+                return Err(taken);
+            }
+            locals.push((
+                engine.local_id,
+                LocalEngine {
+                    pdpair: engine.reg.pdpair.clone(),
+                    role: engine.reg.role,
+                    engine: engine.reg.engine.clone(),
+                    memory: engine.local.memory.clone(),
+                },
+            ));
+        }
         if let Some(listener) = listener {
             let e = engine.clone();
             thread::spawn(move || e.accept(listener));

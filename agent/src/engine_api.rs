@@ -191,6 +191,24 @@ pub struct PoolRegistration {
     pub staging: Option<String>,
 }
 
+/// Decodes a frame an engine sent before it registered, naming what is wrong: a `RegisterPool`
+/// that does not decode is refused naming the field and why (`kv.dtype: unknown variant ...`),
+/// so `RegistrationFailed` tells the engine what to fix instead of the connection just closing.
+pub fn decode_before_registration(frame: serde_json::Value) -> Result<EngineRequest, String> {
+    if frame.get("type").and_then(serde_json::Value::as_str) == Some("RegisterPool") {
+        return serde_path_to_error::deserialize::<_, PoolRegistration>(&frame)
+            .map(|reg| EngineRequest::RegisterPool(Box::new(reg)))
+            .map_err(|e| {
+                let path = e.path().to_string();
+                crate::reason::peer_text(&match path.as_str() {
+                    "." => format!("RegisterPool: {}", e.inner()),
+                    _ => format!("RegisterPool field {path}: {}", e.inner()),
+                })
+            });
+    }
+    serde_json::from_value(frame).map_err(|e| crate::reason::peer_text(&format!("malformed message: {e}")))
+}
+
 /// Checks one `ShareGpuMemory` frame before its descriptors are kept: one size per descriptor,
 /// at least one, and at most [`crate::memory::cuda::MAX_VMM_CHUNKS`] allocations with the
 /// `before` shared already (each size is checked against the GPU's granularity when mapped).

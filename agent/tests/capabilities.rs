@@ -334,9 +334,14 @@ fn a_connection_that_shares_gpu_memory_and_never_registers_is_closed() {
         }
     });
     s.set_read_timeout(Some(limit)).expect("timeout");
+    let answer = wire::read_frame::<AgentEvent>(&mut s).expect("answered, not timed out");
+    assert!(
+        matches!(&answer, AgentEvent::RegistrationFailed { message } if message.contains("no registration within")),
+        "{answer:?}"
+    );
     let mut buf = [0u8; 16];
     let n = s.read(&mut buf).expect("closed, not timed out");
-    assert_eq!(n, 0, "closed without an answer");
+    assert_eq!(n, 0, "then closed");
     let took = started.elapsed();
     assert!(
         took >= limit - std::time::Duration::from_secs(1) && took < limit + std::time::Duration::from_secs(5),
@@ -398,6 +403,131 @@ fn connections_that_do_not_register_are_bounded_and_the_agent_keeps_serving() {
             Ok(AgentEvent::Registered { .. }) => break,
             other if std::time::Instant::now() > deadline => panic!("no registration: {other:?}"),
             _ => std::thread::sleep(std::time::Duration::from_millis(100)),
+        }
+    }
+}
+
+/// A registration as JSON, `change` applied to it.
+fn registration_json(change: impl FnOnce(&mut serde_json::Value)) -> serde_json::Value {
+    let mut frame = serde_json::to_value(EngineRequest::RegisterPool(Box::new(host_registration()))).expect("json");
+    change(&mut frame);
+    frame
+}
+
+#[test]
+fn a_registration_that_does_not_decode_is_refused_naming_the_field_and_the_agent_keeps_serving() {
+    use std::io::{Read, Write};
+    let w = World::new("caps-decode");
+    let socket = w.agent("a", Transport::Tcp, false);
+    let cases: Vec<(serde_json::Value, &str)> = vec![
+        (
+            registration_json(|f| f["role"] = "middle".into()),
+            "RegisterPool field role: unknown variant `middle`",
+        ),
+        (
+            registration_json(|f| f["num_blocks"] = (-1).into()),
+            "RegisterPool field num_blocks: invalid value: integer `-1`",
+        ),
+        (
+            registration_json(|f| f["num_blocks"] = (1u64 << 40).into()),
+            "RegisterPool field num_blocks: invalid value: integer `1099511627776`",
+        ),
+        (
+            registration_json(|f| f["kv"]["dtype"] = "float7".into()),
+            "RegisterPool field kv.dtype: unknown variant `float7`",
+        ),
+        (
+            registration_json(|f| f["regions"] = serde_json::json!([{"layers": 1, "kv_arrangement": "Sideways"}])),
+            "RegisterPool field regions[0].kv_arrangement: unknown variant `Sideways`",
+        ),
+        (
+            registration_json(|f| {
+                f.as_object_mut().expect("object").remove("pairing_key");
+            }),
+            "RegisterPool: missing field `pairing_key`",
+        ),
+        (
+            serde_json::json!({"type": "RegisterPools"}),
+            "malformed message: unknown variant `RegisterPools`",
+        ),
+    ];
+    for (frame, expected) in cases {
+        let mut s = connect(&socket);
+        let answer = ask_raw(&mut s, &frame);
+        assert!(
+            matches!(&answer, AgentEvent::RegistrationFailed { message } if message.contains(expected)),
+            "{expected}: {answer:?}"
+        );
+        let mut buf = [0u8; 1];
+        assert_eq!(s.read(&mut buf).expect("closed"), 0, "{expected}: then closed");
+    }
+    // Not JSON at all.
+    let mut s = connect(&socket);
+    s.write_all(&[&5u32.to_be_bytes()[..], b"{{{{{"].concat())
+        .expect("send");
+    let answer = wire::read_frame::<AgentEvent>(&mut s).expect("an answer");
+    assert!(
+        matches!(&answer, AgentEvent::RegistrationFailed { message } if message.starts_with("malformed frame:")),
+        "{answer:?}"
+    );
+    // What the engine sent comes back cut and escaped.
+    let mut s = connect(&socket);
+    let answer = ask_raw(
+        &mut s,
+        &registration_json(|f| f["role"] = format!("\u{1b}[31m{}", "x".repeat(5000)).into()),
+    );
+    let AgentEvent::RegistrationFailed { message } = answer else {
+        panic!("{answer:?}");
+    };
+    assert!(
+        message.chars().count() < 400 && !message.contains('\u{1b}'),
+        "{message}"
+    );
+    let answer = ask(
+        &mut connect(&socket),
+        &EngineRequest::RegisterPool(Box::new(host_registration())),
+    );
+    assert!(matches!(answer, AgentEvent::Registered { .. }), "{answer:?}");
+}
+
+fn ask_raw(s: &mut UnixStream, frame: &serde_json::Value) -> AgentEvent {
+    wire::write_frame(s, frame).expect("send");
+    wire::read_frame::<AgentEvent>(s).expect("an answer")
+}
+
+#[test]
+fn an_engine_name_is_registered_once_per_agent_until_its_engine_goes() {
+    let w = World::new("caps-name");
+    let socket = w.agent("a", Transport::Tcp, false);
+    let mut first = connect(&socket);
+    let answer = ask(&mut first, &EngineRequest::RegisterPool(Box::new(host_registration())));
+    assert!(matches!(answer, AgentEvent::Registered { .. }), "{answer:?}");
+    // The same name again, even for the other role, while the first is registered: refused.
+    let mut decode = host_registration();
+    decode.role = Role::Decode;
+    for reg in [host_registration(), decode] {
+        let answer = ask(&mut connect(&socket), &EngineRequest::RegisterPool(Box::new(reg)));
+        assert!(
+            matches!(&answer, AgentEvent::RegistrationFailed { message }
+                if message.contains("engine \"p0\" is already registered at this agent")),
+            "{answer:?}"
+        );
+    }
+    // Another name is fine, and once the first engine goes its name is free again.
+    let mut other = host_registration();
+    other.engine = "p1".into();
+    let answer = ask(&mut connect(&socket), &EngineRequest::RegisterPool(Box::new(other)));
+    assert!(matches!(answer, AgentEvent::Registered { .. }), "{answer:?}");
+    drop(first);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match ask(
+            &mut connect(&socket),
+            &EngineRequest::RegisterPool(Box::new(host_registration())),
+        ) {
+            AgentEvent::Registered { .. } => break,
+            other if std::time::Instant::now() > deadline => panic!("the name stayed taken: {other:?}"),
+            _ => std::thread::sleep(std::time::Duration::from_millis(50)),
         }
     }
 }

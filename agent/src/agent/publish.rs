@@ -123,21 +123,36 @@ async fn run(
     }
 }
 
-/// The endpoint's name: `<pod>-<engine>`, as a DNS subdomain.
+/// The endpoint's name: `<pod>-<engine>-<hash>`, a DNS subdomain. The readable part alone is
+/// not one-to-one (pod `a` with engine `b-c` and pod `a-b` with engine `c`, or `X` and `x`, read
+/// the same), and an engine whose name matched another's endpoint would overwrite it (its
+/// address, pair and owner): the hash of both exact names keeps them apart.
 fn endpoint_name(pod: &str, engine: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::new()
+        .chain_update(pod.as_bytes())
+        .chain_update([0])
+        .chain_update(engine.as_bytes())
+        .finalize();
+    let hash: String = digest[..5].iter().map(|b| format!("{b:02x}")).collect();
     let raw = format!("{pod}-{engine}").to_lowercase();
     let cleaned: String = raw
         .chars()
         .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
-                c
-            } else {
-                '-'
-            }
+            // No dots: each dot-separated label would have to begin and end alphanumeric.
+            if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' }
         })
         .collect();
-    let trimmed = cleaned.trim_matches(|c: char| !c.is_ascii_alphanumeric());
-    trimmed.chars().take(253).collect()
+    let readable: String = cleaned
+        .trim_matches(|c: char| !c.is_ascii_alphanumeric())
+        .chars()
+        .take(253 - 1 - hash.len())
+        .collect();
+    let readable = readable.trim_end_matches(|c: char| !c.is_ascii_alphanumeric());
+    match readable {
+        "" => hash,
+        _ => format!("{readable}-{hash}"),
+    }
 }
 
 fn split_pair(pdpair: &str) -> (String, String) {
@@ -245,12 +260,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn endpoint_names_are_dns_subdomains() {
-        assert_eq!(
-            endpoint_name("llama-decode-7f9c-abcde", "decode-0"),
-            "llama-decode-7f9c-abcde-decode-0"
-        );
-        assert_eq!(endpoint_name("Pod_A", "rank:1"), "pod-a-rank-1");
+    fn endpoint_names_are_dns_subdomains_and_one_to_one() {
+        let name = endpoint_name("llama-decode-7f9c-abcde", "decode-0");
+        assert!(name.starts_with("llama-decode-7f9c-abcde-decode-0-"), "{name}");
+        assert!(endpoint_name("Pod_A", "rank:1").starts_with("pod-a-rank-1-"));
+        // Names that read the same stay apart.
+        for (a, b) in [
+            (("a", "b-c"), ("a-b", "c")),
+            (("pod", "X"), ("pod", "x")),
+            (("pod", "e_1"), ("pod", "e-1")),
+            (("p", &"e".repeat(300)), ("p", &"e".repeat(301))),
+        ] {
+            assert_ne!(endpoint_name(a.0, a.1), endpoint_name(b.0, b.1), "{a:?} and {b:?}");
+        }
+        for (pod, engine) in [("p", &"e".repeat(400)[..]), ("-", "_"), ("Pod.", ".x.")] {
+            let name = endpoint_name(pod, engine);
+            assert!(name.len() <= 253, "{name}");
+            assert!(
+                name.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'),
+                "{name}"
+            );
+            assert!(name.starts_with(|c: char| c.is_ascii_alphanumeric()), "{name}");
+            assert!(name.ends_with(|c: char| c.is_ascii_alphanumeric()), "{name}");
+        }
         assert_eq!(split_pair("team-a/llama"), ("team-a".to_owned(), "llama".to_owned()));
         assert_eq!(split_pair("llama"), ("default".to_owned(), "llama".to_owned()));
     }
