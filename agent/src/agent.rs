@@ -850,9 +850,9 @@ struct Engine {
     stats: Mutex<EngineStats>,
     // Decode side.
     pending: Mutex<HashMap<String, Pending>>,
-    /// Cancelled decode requests -> the prefill addresses that may still be writing into their
+    /// Cancelled decode requests: the prefill addresses that may still be writing into their
     /// blocks; `Cancelled` goes to the engine when none is left.
-    cancelled: Mutex<HashMap<String, Vec<String>>>,
+    cancelled: Mutex<HashMap<String, decode::Cancelling>>,
     peers: Mutex<HashMap<String, Slot>>,
     /// `ExpectKvFromPool`s linking to their ranks now (each on a thread of its own): at most
     /// [`MAX_DIALS`].

@@ -1716,3 +1716,51 @@ fn a_released_from_a_link_the_blocks_were_not_lent_to_is_ignored() {
     assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{event:?}");
     drop((borrower, other));
 }
+
+#[test]
+fn a_prefill_that_never_answers_a_cancel_loses_its_link_and_the_engine_hears_cancelled() {
+    let _serial = serial();
+    // An insider prefill takes a push registration, answers every heartbeat, and never answers
+    // the Release that decode's cancel sends (nor pushes). Decode's engine must not wait for good
+    // with its blocks held: a handshake and a lease after the cancel the link is closed (which
+    // ends whatever that prefill could write) and the engine hears Cancelled.
+    let w = World::new("attack-cancel-mute");
+    let ds = w.agent("d", Transport::Shm, false);
+    let dspec = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    let within = Duration::from_millis(dspec.handshake_timeout_ms + dspec.lease_ms);
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &dspec).expect("decode registers");
+    d.events()
+        .expect("events")
+        .set_read_timeout(Some(within * 3))
+        .expect("timeout");
+    let (seen, saw) = std::sync::mpsc::channel();
+    let (evil, handle) = evil_prefill(move |s, session, _reg| {
+        let mut released = false;
+        loop {
+            match session.recv(s) {
+                Ok(Message::Ping { seq }) => {
+                    let _ = session.send(s, &Message::Pong { seq });
+                }
+                Ok(Message::Release { .. }) => released = true,
+                Ok(_) => {}
+                // The link is closed: say whether the Release had come.
+                Err(_) => break,
+            }
+        }
+        let _ = seen.send(released);
+    });
+    expect_kv(&mut d, "r", evil, &[1, 2], 100);
+    std::thread::sleep(Duration::from_millis(300));
+    let cancelled_at = Instant::now();
+    d.send(&EngineRequest::Cancel { request: "r".into() }).expect("Cancel");
+    let event = d.next_event().expect("an answer to the cancel");
+    assert!(
+        matches!(&event, AgentEvent::Cancelled { request } if request == "r"),
+        "{event:?}"
+    );
+    let took = cancelled_at.elapsed();
+    assert!(took >= within, "not before the cancel's deadline: {took:?}");
+    let released = saw.recv_timeout(Duration::from_secs(10)).expect("the link was closed");
+    assert!(released, "the prefill was asked to release first");
+    let _ = handle.join();
+}

@@ -78,7 +78,13 @@ impl Engine {
             // would answer the cancel).
             let writers: Vec<String> = p.prefills.iter().filter(|a| p.waits_on(a)).cloned().collect();
             if !writers.is_empty() {
-                lock(&self.cancelled).insert(request.clone(), writers.clone());
+                lock(&self.cancelled).insert(
+                    request.clone(),
+                    Cancelling {
+                        waiting: writers.clone(),
+                        deadline: Instant::now() + self.handshake_timeout() + self.lease(),
+                    },
+                );
             }
             (p, writers)
         };
@@ -130,14 +136,14 @@ impl Engine {
     /// when no prefill is left. False when `request` is not a cancelled one waiting on `from`.
     fn cancel_answered(&self, from: &str, request: &str) -> bool {
         let mut cancelled = lock(&self.cancelled);
-        let Some(waiting) = cancelled.get_mut(request) else {
+        let Some(c) = cancelled.get_mut(request) else {
             return false;
         };
-        let Some(i) = waiting.iter().position(|a| a == from) else {
+        let Some(i) = c.waiting.iter().position(|a| a == from) else {
             return false;
         };
-        waiting.swap_remove(i);
-        if waiting.is_empty() {
+        c.waiting.swap_remove(i);
+        if c.waiting.is_empty() {
             cancelled.remove(request);
             drop(cancelled);
             self.event(AgentEvent::Cancelled {
@@ -405,7 +411,7 @@ impl Engine {
     fn send_registration(&self, link: &Link, request: &str) {
         let cancelled = lock(&self.cancelled)
             .get(request)
-            .is_some_and(|w| w.contains(&link.addr));
+            .is_some_and(|c| c.waiting.contains(&link.addr));
         if cancelled {
             return self.release_cancelled(link, request);
         }
@@ -726,7 +732,7 @@ impl Engine {
         // A prefill that is gone writes nothing more into cancelled requests.
         let cancelled: Vec<String> = lock(&self.cancelled)
             .iter()
-            .filter(|(_, w)| w.iter().any(|a| a == addr))
+            .filter(|(_, c)| c.waiting.iter().any(|a| a == addr))
             .map(|(r, _)| r.clone())
             .collect();
         for request in cancelled {
@@ -1040,9 +1046,48 @@ impl Engine {
         Ok(ops.into_iter().map(|(_, _, op)| op).collect())
     }
 
-    /// Fails requests past their deadline.
+    /// Cancels past their deadline: a prefill still linked that has not answered loses its link
+    /// (a peer that answers heartbeats and never the `Release` would hold the engine's blocks
+    /// for good); one not linked has sent nothing and writes nothing, and is answered now.
+    fn expire_cancelled(&self, now: Instant) {
+        let late: Vec<(String, Vec<String>)> = {
+            let mut cancelled = lock(&self.cancelled);
+            cancelled
+                .iter_mut()
+                .filter(|(_, c)| c.deadline <= now)
+                .map(|(request, c)| {
+                    // Looked at again only if still unanswered a handshake's time later.
+                    c.deadline = now + self.handshake_timeout();
+                    (request.clone(), c.waiting.clone())
+                })
+                .collect()
+        };
+        for (request, waiting) in late {
+            for addr in waiting {
+                let link = match lock(&self.peers).get(&addr) {
+                    Some(Slot::Connected(link)) => Some(link.clone()),
+                    _ => None,
+                };
+                match link {
+                    Some(link) => {
+                        tracing::warn!(
+                            engine = %self.reg.engine, %request, prefill = %addr,
+                            "a prefill has not answered a cancel by its deadline; closing its link"
+                        );
+                        link.close();
+                    }
+                    None => {
+                        self.cancel_answered(&addr, &request);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fails requests past their deadline, and ends cancels a prefill has not answered by theirs.
     pub(super) fn expire_pending(&self) {
         let now = Instant::now();
+        self.expire_cancelled(now);
         let late: Vec<(String, Pending)> = { lock(&self.pending).extract_if(|_, p| p.deadline <= now).collect() };
         for (request, p) in late {
             self.fail(
@@ -1052,6 +1097,17 @@ impl Engine {
             );
         }
     }
+}
+
+/// A cancelled decode request waiting for the prefills that may still write into its blocks.
+#[derive(Debug)]
+pub(super) struct Cancelling {
+    /// Their addresses; each leaves when it answers (or its link goes).
+    pub(super) waiting: Vec<String>,
+    /// By when they must have answered the cancel's `Release`: a full handshake and lease from
+    /// the cancel (a push running then ends within prefill's lease). A prefill still linked then
+    /// loses its link, which ends its writes and answers the cancel.
+    pub(super) deadline: Instant,
 }
 
 /// Adds prefill ranks' block checksums element by element; `None` when any is missing or they do
