@@ -1149,8 +1149,9 @@ fn evil_prefill_as(
         let (mut s, _) = listener.accept().expect("accept");
         let (_, mut session) = protocol::authenticate_prefill(&mut s, |_| Some(KEY.to_vec())).expect("auth");
         protocol::handshake_prefill(&mut s, &mut session, &info).expect("handshake");
-        let Ok(Message::Register(reg)) = session.recv(&mut s) else {
-            panic!("expected a registration");
+        let reg = match session.recv(&mut s) {
+            Ok(Message::Register(reg)) => reg,
+            other => panic!("expected a registration: {other:?}"),
         };
         script(&mut s, &mut session, reg);
         // Keep the link up while the test looks at what the decode agent did.
@@ -1763,4 +1764,302 @@ fn a_prefill_that_never_answers_a_cancel_loses_its_link_and_the_engine_hears_can
     let released = saw.recv_timeout(Duration::from_secs(10)).expect("the link was closed");
     assert!(released, "the prefill was asked to release first");
     let _ = handle.join();
+}
+
+/// An insider prefill's script that waits for decode's `Release` of its registration, then, a
+/// moment later, answers with `Complete`, as a push that was running when decode let the
+/// request go ends; sends the time it answered (or nothing, when no Release came).
+fn completes_after_release(
+    answered: std::sync::mpsc::Sender<Instant>,
+) -> impl FnOnce(&mut TcpStream, &mut protocol::Session, Registration) + Send + 'static {
+    move |s, session, reg| {
+        loop {
+            match session.recv(s) {
+                Ok(Message::Release { request }) if request == reg.request => break,
+                Ok(Message::Ping { seq }) => {
+                    let _ = session.send(s, &Message::Pong { seq });
+                }
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let at = Instant::now();
+        let _ = session.send(
+            s,
+            &Message::Complete {
+                request: reg.request,
+                sums: None,
+                bytes: 0,
+            },
+        );
+        let _ = answered.send(at);
+    }
+}
+
+#[test]
+fn a_push_that_fails_at_one_prefill_is_told_only_once_the_others_stopped_writing() {
+    let _serial = serial();
+    // A request of two prefill ranks (push): one fails it at once; the other is still pushing
+    // (it answers only when told, as a running push ends). Decode's engine reuses the blocks as
+    // soon as it hears the failure, so it must hear it only after the other prefill was told to
+    // stop and answered: not while its writes may still land.
+    let w = World::new("attack-fail-one-rank");
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("decode registers");
+    let (fails, fails_handle) = evil_prefill(|s, session, reg| {
+        session
+            .send(
+                s,
+                &Message::Failed {
+                    request: reg.request,
+                    reason: Reason::WriteFailed,
+                    message: "rank 0 failed".into(),
+                },
+            )
+            .expect("Failed");
+    });
+    let (answered, answer) = std::sync::mpsc::channel();
+    let (pushing, pushing_handle) = evil_prefill(completes_after_release(answered));
+    d.send(&EngineRequest::ExpectKvFrom {
+        request: "r".into(),
+        prefills: vec![fails, pushing],
+        blocks: vec![1, 2],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("ExpectKvFrom");
+    let event = d.next_event().expect("event");
+    let told = Instant::now();
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { request, message, .. } if request == "r" && message.contains("rank 0 failed")),
+        "{event:?}"
+    );
+    let stopped = answer
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the pushing prefill was told to stop (Release) and answered");
+    assert!(
+        stopped <= told,
+        "the engine heard the failure before the other prefill stopped"
+    );
+    let _ = fails_handle.join();
+    let _ = pushing_handle.join();
+}
+
+#[test]
+fn a_pull_that_fails_at_one_prefill_is_told_only_once_decodes_other_reads_ended() {
+    let _serial = serial();
+    // A request of two prefill ranks (pull): one lends its blocks (a real UCX pool of its own,
+    // 256 MiB, so decode's read of them runs a while), the other fails the request at once.
+    // Decode's own READs write into the request's blocks until they end: its engine must hear
+    // the failure only then (its blocks hold all they will ever get), not while they land.
+    let w = World::new("attack-fail-pull-rank");
+    let (mut d, lender) = pull_decode_and_lender(&w);
+    let (info, blocks, tokens) = (lender.info.clone(), lender.blocks.clone(), lender.tokens);
+    let lent = blocks.clone();
+    // The failure goes once the lender's Ready is out (decode's read then starts at once).
+    let (lent_tx, lent_rx) = std::sync::mpsc::channel();
+    let (lender, lender_handle) = evil_prefill_as(info.clone(), move |s, session, reg| {
+        session
+            .send(
+                s,
+                &Message::Ready {
+                    request: reg.request,
+                    blocks: lent,
+                    first_token: 0,
+                    num_tokens: reg.num_tokens,
+                    sums: None,
+                },
+            )
+            .expect("Ready");
+        let _ = lent_tx.send(());
+    });
+    let (fails, fails_handle) = evil_prefill_as(info, move |s, session, reg| {
+        let _ = lent_rx.recv_timeout(Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(5));
+        session
+            .send(
+                s,
+                &Message::Failed {
+                    request: reg.request,
+                    reason: Reason::WriteFailed,
+                    message: "rank 1 failed".into(),
+                },
+            )
+            .expect("Failed");
+    });
+    d.send(&EngineRequest::ExpectKvFrom {
+        request: "r".into(),
+        prefills: vec![lender, fails],
+        blocks: blocks.clone(),
+        num_tokens: tokens,
+        first_token: 0,
+    })
+    .expect("ExpectKvFrom");
+    let event = d.next_event().expect("event");
+    let late = written_after_reuse(&mut d);
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { request, message, .. } if request == "r" && message.contains("rank 1 failed")),
+        "{event:?}"
+    );
+    assert_eq!(
+        late, 0,
+        "MiB written after the engine heard the failure and reused its blocks: decode's READs still ran"
+    );
+    let _ = lender_handle.join();
+    let _ = fails_handle.join();
+}
+
+/// What an engine does on hearing a request's answer: it reuses the blocks (here: zeroes its
+/// whole pool at once). Returns how many MiB of the pool hold anything else a moment later:
+/// written after the answer, by transfers that had not ended.
+fn written_after_reuse(d: &mut SyntheticEngine) -> usize {
+    d.region_mut(0).fill(0);
+    std::thread::sleep(Duration::from_millis(500));
+    let zeros = vec![0u8; 1 << 20];
+    d.region(0).chunks(1 << 20).filter(|c| *c != &zeros[..c.len()]).count()
+}
+
+/// An insider pull prefill with a real UCX pool of its own, [`LENT_BLOCKS`] blocks (256 MiB, so
+/// decode's read of them runs a while) holding seed 7's KV for all of them.
+struct Lender {
+    mallory: UcxHandle,
+    pool: pdpair_agent::transport::ucx_thread::Allocated,
+    /// What it says about itself (its worker and pool).
+    info: PeerInfo,
+    blocks: Vec<u32>,
+    tokens: u64,
+}
+
+const LENT_BLOCKS: u32 = 16384;
+
+impl Drop for Lender {
+    fn drop(&mut self) {
+        self.mallory.unmap(self.pool.region);
+    }
+}
+
+/// A pull decode engine of [`LENT_BLOCKS`] blocks in `w`, and a [`Lender`].
+fn pull_decode_and_lender(w: &World) -> (SyntheticEngine, Lender) {
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut dspec = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::Disabled);
+    dspec.mode = TransferMode::Pull;
+    dspec.num_blocks = LENT_BLOCKS;
+    let d = SyntheticEngine::register(&ds, &w.dir, &dspec).expect("decode registers");
+    let mallory = UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
+    let mut info = insider(Role::Prefill);
+    info.mode = TransferMode::Pull;
+    info.checksum = ChecksumPolicy::Disabled;
+    let l = PoolLayout::new(&info.kv, &info.parallelism, LENT_BLOCKS, 0).expect("layout");
+    let pool = mallory.allocate(l.pool_len() as u64).expect("a pool of its own");
+    let blocks: Vec<u32> = (0..LENT_BLOCKS).collect();
+    let tokens = u64::from(LENT_BLOCKS) * 64;
+    {
+        // SAFETY: the pool is mapped, `pool_len` bytes, until the Lender drops; only this
+        // writes it, before anyone reads it.
+        #[allow(unsafe_code)]
+        let bytes = unsafe { std::slice::from_raw_parts_mut(pool.addr as *mut u8, l.pool_len()) };
+        pdpair_agent::synthetic::fill_into(&l, &mut [bytes], 7, &blocks, 0, tokens);
+    }
+    info.worker_address = mallory.worker_address.clone();
+    info.memory = MemoryDesc::of(&l, vec![(pool.addr, pool.rkey.clone())]);
+    let lender = Lender {
+        mallory,
+        pool,
+        info,
+        blocks,
+        tokens,
+    };
+    (d, lender)
+}
+
+#[test]
+fn a_pull_cancelled_mid_read_is_not_answered_by_the_lenders_forgeries() {
+    let _serial = serial();
+    // Decode reads an insider's lent blocks (pull) when its engine cancels the request. Only
+    // the end of decode's own READs may answer for that prefill: the lender's forged
+    // ReleaseDone and Complete, then its link dropped, must not make the engine hear Cancelled
+    // (and reuse the blocks) while the READs still write them.
+    let w = World::new("attack-cancel-pull-forged");
+    let (mut d, lender) = pull_decode_and_lender(&w);
+    let (blocks, tokens) = (lender.blocks.clone(), lender.tokens);
+    // Blocks looked at to see that the read has begun.
+    let sample: Vec<u32> = blocks.iter().copied().step_by(512).collect();
+    // The cancel must come while the read runs; an attempt whose read ended first (the engine
+    // heard RequestDone) is run again.
+    for attempt in 0..3 {
+        let request = format!("r{attempt}");
+        d.clear(&blocks);
+        let lent = blocks.clone();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let (evil, handle) = evil_prefill_as(lender.info.clone(), move |s, session, reg| {
+            let request = reg.request.clone();
+            session
+                .send(
+                    s,
+                    &Message::Ready {
+                        request: reg.request,
+                        blocks: lent,
+                        first_token: 0,
+                        num_tokens: reg.num_tokens,
+                        sums: None,
+                    },
+                )
+                .expect("Ready");
+            // Once the engine has cancelled: the forgeries, then the link dropped.
+            let _ = go_rx.recv_timeout(Duration::from_secs(10));
+            let _ = session.send(
+                s,
+                &Message::ReleaseDone {
+                    request: request.clone(),
+                },
+            );
+            let _ = session.send(
+                s,
+                &Message::Complete {
+                    request,
+                    sums: None,
+                    bytes: 0,
+                },
+            );
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        });
+        expect_kv(&mut d, &request, evil, &blocks, tokens);
+        let until = Instant::now() + Duration::from_secs(10);
+        while !sample
+            .iter()
+            .any(|b| d.verify(7, &[*b], u64::from(*b) * 64, u64::from(*b + 1) * 64) == 0)
+        {
+            assert!(Instant::now() < until, "decode never began reading");
+        }
+        d.send(&EngineRequest::Cancel {
+            request: request.clone(),
+        })
+        .expect("Cancel");
+        std::thread::sleep(Duration::from_millis(2));
+        let _ = go_tx.send(());
+        let event = d.next_event().expect("event");
+        let late = written_after_reuse(&mut d);
+        let _ = handle.join();
+        if matches!(&event, AgentEvent::RequestDone { .. }) {
+            let after = d.next_event().expect("the cancel's answer");
+            assert!(matches!(&after, AgentEvent::Cancelled { .. }), "{after:?}");
+            continue;
+        }
+        assert!(
+            matches!(&event, AgentEvent::Cancelled { request: r } if *r == request),
+            "{event:?}"
+        );
+        assert_eq!(
+            late, 0,
+            "MiB written after the engine heard Cancelled and reused its blocks: decode's READs still ran"
+        );
+        return;
+    }
+    panic!("every read ended before its cancel came");
 }

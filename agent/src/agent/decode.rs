@@ -64,32 +64,80 @@ impl Engine {
     /// `ReleaseDone`, its link lost, or (pull) our own read of it done. Until then the engine
     /// must not reuse the blocks; after it nothing writes them.
     pub(super) fn cancel_decode(self: &Arc<Self>, request: String) {
-        let (p, writers) = {
+        let down = {
             let mut pending = lock(&self.pending);
-            let Some(p) = pending.remove(&request) else {
-                drop(pending);
-                if lock(&self.cancelled).contains_key(&request) {
-                    return; // cancelled already: the first Cancel's answer is coming
+            match self.wind_down(&mut pending, &request, Ending::Cancelled, None) {
+                Some(down) => down,
+                None => {
+                    drop(pending);
+                    if let Some(c) = lock(&self.cancelled).get_mut(&request) {
+                        // Ending already: a failure not said yet becomes the cancel's answer;
+                        // a cancel's answer is coming.
+                        c.ending = Ending::Cancelled;
+                        return;
+                    }
+                    return self.event(AgentEvent::Cancelled { request });
                 }
-                return self.event(AgentEvent::Cancelled { request });
-            };
-            // Marked cancelled before the pending entry goes: a prefill's answer arriving
-            // meanwhile is the cancel's answer, not a foreign one dropped (after which nothing
-            // would answer the cancel).
-            let writers: Vec<String> = p.prefills.iter().filter(|a| p.waits_on(a)).cloned().collect();
-            if !writers.is_empty() {
-                lock(&self.cancelled).insert(
-                    request.clone(),
-                    Cancelling {
-                        waiting: writers.clone(),
-                        deadline: Instant::now() + self.handshake_timeout() + self.lease(),
-                    },
-                );
             }
-            (p, writers)
         };
-        if writers.is_empty() {
-            return self.event(AgentEvent::Cancelled { request });
+        self.tell_writers(down);
+    }
+
+    /// Takes `request` out of `pending` (whose lock the caller holds, so a prefill's answer
+    /// arriving meanwhile is counted, not dropped as foreign) to end it with `ending`, but only
+    /// once no prefill writes into its blocks: an engine that hears an answer reuses them at
+    /// once, and a prefill still pushing (or our read of another rank) would write into another
+    /// request's KV. The prefills that may still write are recorded here; [`Engine::tell_writers`]
+    /// then asks them to stop. `ended`: a prefill known to write nothing more (its read or its
+    /// link just ended). None when the request is not pending.
+    fn wind_down(
+        &self,
+        pending: &mut HashMap<String, Pending>,
+        request: &str,
+        ending: Ending,
+        ended: Option<&str>,
+    ) -> Option<WindDown> {
+        let p = pending.remove(request)?;
+        let writers: Vec<String> = p
+            .prefills
+            .iter()
+            .filter(|a| p.waits_on(a) && Some(a.as_str()) != ended)
+            .cloned()
+            .collect();
+        let now = if writers.is_empty() {
+            Some(ending)
+        } else {
+            lock(&self.cancelled).insert(
+                request.to_owned(),
+                Cancelling {
+                    waiting: writers.clone(),
+                    reading: p.reading.iter().filter(|a| writers.contains(a)).cloned().collect(),
+                    deadline: Instant::now() + self.handshake_timeout() + self.lease(),
+                    ending,
+                },
+            );
+            None
+        };
+        Some(WindDown {
+            request: request.to_owned(),
+            writers,
+            reading: p.reading,
+            now,
+        })
+    }
+
+    /// After [`Engine::wind_down`], with no lock held: answers the engine when no prefill may
+    /// write, or sends a `Release` to each one that may (its `ReleaseDone`, or the end of a push
+    /// running, answers), and answers for those that cannot (not linked, nothing sent).
+    fn tell_writers(&self, down: WindDown) {
+        let WindDown {
+            request,
+            writers,
+            reading,
+            now,
+        } = down;
+        if let Some(ending) = now {
+            return self.end(request, ending);
         }
         let pull = self.settings.mode == pdpair_api::TransferMode::Pull;
         let mut notify = Vec::new();
@@ -98,8 +146,8 @@ impl Engine {
             let mut peers = lock(&self.peers);
             for addr in writers.iter().cloned() {
                 match peers.get_mut(&addr) {
-                    // Pull, our read of it running: its end answers.
-                    Some(Slot::Connected(_)) if pull && p.reading.contains(&addr) => waiting.push(addr),
+                    // Pull, our read of it running (linked or not): its end answers.
+                    _ if pull && reading.contains(&addr) => waiting.push(addr),
                     Some(Slot::Connected(link)) => {
                         notify.push(link.clone());
                         waiting.push(addr);
@@ -113,12 +161,34 @@ impl Engine {
             }
         }
         // The prefills that will not write (no link, no queued registration) are answered now;
-        // the last answer, from them or from a prefill meanwhile, sends `Cancelled`.
+        // the last answer, from them or from a prefill meanwhile, answers the engine.
         for addr in writers.iter().filter(|a| !waiting.contains(*a)) {
             self.cancel_answered(addr, &request);
         }
         for link in notify {
             self.release_cancelled(&link, &request);
+        }
+    }
+
+    /// The engine hears how `request` ended, nothing writing its blocks any more.
+    fn end(&self, request: String, ending: Ending) {
+        match ending {
+            Ending::Cancelled => self.event(AgentEvent::Cancelled { request }),
+            Ending::Failed(reasons, message) => self.fail(request, reasons, message),
+        }
+    }
+
+    /// Fails `request` (when still pending) once no other prefill writes into its blocks;
+    /// `ended` (the prefill whose failure this is) writes nothing more.
+    fn fail_pending(&self, request: &str, reasons: Vec<Reason>, message: String, ended: Option<&str>) {
+        let down = self.wind_down(
+            &mut lock(&self.pending),
+            request,
+            Ending::Failed(reasons, message),
+            ended,
+        );
+        if let Some(down) = down {
+            self.tell_writers(down);
         }
     }
 
@@ -132,9 +202,21 @@ impl Engine {
         }
     }
 
-    /// `from` will not write into cancelled `request` any more; the engine hears `Cancelled`
-    /// when no prefill is left. False when `request` is not a cancelled one waiting on `from`.
+    /// `from` will not write into ending `request` any more (its answer came, its link went, or
+    /// it was never sent anything); the engine hears how the request ended when no prefill is
+    /// left. False when `request` is not an ending one waiting on `from`, or (pull) when our own
+    /// read of `from`'s blocks runs: only that read's end answers for it
+    /// ([`Engine::read_ended`]), never the prefill's messages or its link.
     fn cancel_answered(&self, from: &str, request: &str) -> bool {
+        self.answered(from, request, false)
+    }
+
+    /// Our read of `from`'s blocks into ending `request` ended (or never started).
+    fn read_ended(&self, from: &str, request: &str) -> bool {
+        self.answered(from, request, true)
+    }
+
+    fn answered(&self, from: &str, request: &str, by_read: bool) -> bool {
         let mut cancelled = lock(&self.cancelled);
         let Some(c) = cancelled.get_mut(request) else {
             return false;
@@ -142,13 +224,15 @@ impl Engine {
         let Some(i) = c.waiting.iter().position(|a| a == from) else {
             return false;
         };
+        if !by_read && c.reading.iter().any(|a| a == from) {
+            return false;
+        }
         c.waiting.swap_remove(i);
-        if c.waiting.is_empty() {
-            cancelled.remove(request);
+        if c.waiting.is_empty()
+            && let Some(c) = cancelled.remove(request)
+        {
             drop(cancelled);
-            self.event(AgentEvent::Cancelled {
-                request: request.to_owned(),
-            });
+            self.end(request.to_owned(), c.ending);
         }
         true
     }
@@ -195,6 +279,15 @@ impl Engine {
                 request.clone(),
                 vec![Reason::InvalidRequest],
                 format!("request {request} is already expected (ExpectKv or Release twice); the first stands"),
+            );
+        }
+        if lock(&self.cancelled).contains_key(&request) {
+            // Its answer waits for prefills that may still write into its blocks; a new request
+            // of the name now would take their late answers for its own.
+            return self.refuse(
+                request.clone(),
+                vec![Reason::InvalidRequest],
+                format!("request {request} is still ending (cancelled or failed, its answer not sent yet)"),
             );
         }
         for prefill in &prefills {
@@ -432,12 +525,12 @@ impl Engine {
         });
         if let Some(message) = message
             && !link.send(&message)
-            && lock(&self.pending).remove(request).is_some()
         {
-            self.fail(
-                request.to_owned(),
+            self.fail_pending(
+                request,
                 vec![Reason::PeerLost],
                 format!("cannot reach prefill {}", link.addr),
+                Some(&link.addr),
             );
         }
     }
@@ -489,13 +582,12 @@ impl Engine {
                     if self.cancel_answered(&addr, &request) {
                         continue;
                     }
-                    if lock(&self.pending).remove(&request).is_some() {
-                        self.fail(
-                            request,
-                            reasons.clone(),
-                            format!("handshake with prefill {addr} failed: {err}"),
-                        );
-                    }
+                    self.fail_pending(
+                        &request,
+                        reasons.clone(),
+                        format!("handshake with prefill {addr} failed: {err}"),
+                        Some(&addr),
+                    );
                 }
             }
         }
@@ -661,9 +753,12 @@ impl Engine {
                     reason,
                     message,
                 }) if self.owned_by(&link, &request, false) => {
-                    if lock(&self.pending).remove(&request).is_some() {
-                        self.fail(request, vec![reason], crate::reason::peer_text(&message));
-                    }
+                    self.fail_pending(
+                        &request,
+                        vec![reason],
+                        crate::reason::peer_text(&message),
+                        Some(&link.addr),
+                    );
                 }
                 Ok(Message::ReleaseDone { request }) if self.owned_by(&link, &request, false) => {
                     if lock(&self.pending).remove(&request).is_some() {
@@ -717,55 +812,52 @@ impl Engine {
     fn refused(&self, link: &Link, reasons: Vec<Reason>, message: String) {
         self.rejected(&link.addr, reasons.clone(), message.clone());
         lock(&self.rejections).insert(link.addr.clone(), (Instant::now(), reasons.clone(), message.clone()));
-        for request in self.forget_peer(&link.addr) {
-            self.fail(
-                request,
-                reasons.clone(),
-                format!("prefill {} refused: {message}", link.addr),
-            );
-        }
+        self.forget_peer(&link.addr, reasons, format!("prefill {} refused: {message}", link.addr));
     }
 
-    /// Drops the connection slot of a prefill peer and takes the requests that waited on it.
-    fn forget_peer(&self, addr: &str) -> Vec<String> {
+    /// Drops the connection slot of a prefill peer and fails the requests that waited on it
+    /// (each once no other prefill writes into its blocks).
+    fn forget_peer(&self, addr: &str, reasons: Vec<Reason>, message: String) {
         lock(&self.peers).remove(addr);
-        // A prefill that is gone writes nothing more into cancelled requests.
-        let cancelled: Vec<String> = lock(&self.cancelled)
+        // A prefill that is gone writes nothing more into requests that are ending.
+        let ending: Vec<String> = lock(&self.cancelled)
             .iter()
             .filter(|(_, c)| c.waiting.iter().any(|a| a == addr))
             .map(|(r, _)| r.clone())
             .collect();
-        for request in cancelled {
+        for request in ending {
             self.cancel_answered(addr, &request);
         }
-        let mut pending = lock(&self.pending);
-        let ids: Vec<String> = pending
-            .iter()
-            // A request whose read from it runs is answered by the read's end (its READs may
-            // still be writing the blocks until then).
-            .filter(|(_, p)| p.waits_on(addr) && !p.read_from(addr))
-            .map(|(id, _)| id.clone())
-            .collect();
-        ids.into_iter().filter(|id| pending.remove(id).is_some()).collect()
+        let down: Vec<WindDown> = {
+            let mut pending = lock(&self.pending);
+            let ids: Vec<String> = pending
+                .iter()
+                // A request whose read from it runs is answered by the read's end (its READs
+                // may still be writing the blocks until then).
+                .filter(|(_, p)| p.waits_on(addr) && !p.read_from(addr))
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| {
+                    let ending = Ending::Failed(reasons.clone(), message.clone());
+                    self.wind_down(&mut pending, &id, ending, Some(addr))
+                })
+                .collect()
+        };
+        for down in down {
+            self.tell_writers(down);
+        }
     }
 
-    /// The prefill peer is gone: fail at once everything that waited on it.
+    /// The prefill peer is gone: fail what waited on it (once no other prefill writes into
+    /// their blocks).
     fn lost(&self, link: &Link, why: String) {
-        let failed = self.forget_peer(&link.addr);
-        if self.closed.load(Ordering::SeqCst) {
-            return;
-        }
-        for request in failed {
-            self.fail(
-                request,
-                vec![Reason::PeerLost],
-                format!(
-                    "prefill {} ({}) went away: {why}",
-                    link.addr,
-                    crate::reason::peer_text(&link.peer.agent)
-                ),
-            );
-        }
+        let message = format!(
+            "prefill {} ({}) went away: {why}",
+            link.addr,
+            crate::reason::peer_text(&link.peer.agent)
+        );
+        self.forget_peer(&link.addr, vec![Reason::PeerLost], message);
     }
 
     /// A prefill rank's KV is in place (pushed to us, or read by us in `transfer_us`): verify
@@ -865,7 +957,7 @@ impl Engine {
                     request: request.clone(),
                     bytes: 0,
                 });
-                self.cancel_answered(&link.addr, &request);
+                self.read_ended(&link.addr, &request);
             }
             return;
         };
@@ -924,7 +1016,7 @@ impl Engine {
                     request: request.clone(),
                     bytes,
                 });
-                if !self.cancel_answered(&link.addr, &request) {
+                if !self.read_ended(&link.addr, &request) {
                     self.complete(&link.addr, request, sums, bytes, Some(took.as_micros() as u64));
                 }
             }
@@ -933,12 +1025,10 @@ impl Engine {
                     request: request.clone(),
                     bytes: 0,
                 });
-                if self.cancel_answered(&link.addr, &request) {
+                if self.read_ended(&link.addr, &request) {
                     return;
                 }
-                if lock(&self.pending).remove(&request).is_some() {
-                    self.fail(request, vec![reason], message);
-                }
+                self.fail_pending(&request, vec![reason], message, Some(&link.addr));
             }
         }
     }
@@ -1088,22 +1178,61 @@ impl Engine {
     pub(super) fn expire_pending(&self) {
         let now = Instant::now();
         self.expire_cancelled(now);
-        let late: Vec<(String, Pending)> = { lock(&self.pending).extract_if(|_, p| p.deadline <= now).collect() };
-        for (request, p) in late {
-            self.fail(
-                request,
-                vec![Reason::DeadlineExceeded],
-                format!("no KV from prefill {} before the deadline", p.prefills.join(", ")),
-            );
+        let down: Vec<WindDown> = {
+            let mut pending = lock(&self.pending);
+            let late: Vec<(String, String)> = pending
+                .iter()
+                .filter(|(_, p)| p.deadline <= now)
+                .map(|(request, p)| (request.clone(), p.prefills.join(", ")))
+                .collect();
+            late.into_iter()
+                .filter_map(|(request, prefills)| {
+                    let why = format!("no KV from prefill {prefills} before the deadline");
+                    self.wind_down(
+                        &mut pending,
+                        &request,
+                        Ending::Failed(vec![Reason::DeadlineExceeded], why),
+                        None,
+                    )
+                })
+                .collect()
+        };
+        for down in down {
+            self.tell_writers(down);
         }
     }
 }
 
-/// A cancelled decode request waiting for the prefills that may still write into its blocks.
+/// How a decode request that is not pending any more ends for its engine.
+#[derive(Debug)]
+pub(super) enum Ending {
+    /// Its engine cancelled it.
+    Cancelled,
+    /// It failed: reasons and message.
+    Failed(Vec<Reason>, String),
+}
+
+/// A request [`Engine::wind_down`] took out of `pending`, and who to tell.
+struct WindDown {
+    request: String,
+    /// The prefills that may still write into its blocks.
+    writers: Vec<String>,
+    /// Pull: the prefills whose blocks our own read copies (its end answers for them).
+    reading: Vec<String>,
+    /// No prefill may write: how it ends, now.
+    now: Option<Ending>,
+}
+
+/// A decode request that is ending (cancelled, or failed) and waits for the prefills that may
+/// still write into its blocks before its engine hears how.
 #[derive(Debug)]
 pub(super) struct Cancelling {
     /// Their addresses; each leaves when it answers (or its link goes).
     pub(super) waiting: Vec<String>,
+    /// Pull: those of them whose blocks our own read copies: only its end answers for them.
+    pub(super) reading: Vec<String>,
+    /// What the engine hears when none is left (a `Cancel` meanwhile makes it `Cancelled`).
+    pub(super) ending: Ending,
     /// By when they must have answered the cancel's `Release`: a full handshake and lease from
     /// the cancel (a push running then ends within prefill's lease). A prefill still linked then
     /// loses its link, which ends its writes and answers the cancel.
