@@ -764,11 +764,14 @@ struct Link {
     /// What the peer may reach of this engine's memory through the backend (the tcp stream's
     /// admission; nothing for UCX), for as long as the link lives.
     admission: Option<crate::transport::Admission>,
-    /// The stream and the session's sealer: every frame we send is sealed.
-    writer: Mutex<(TcpStream, Sealer)>,
-    /// Another handle on the stream, to shut it down without waiting for a send in progress
-    /// (one to a stalled peer holds `writer` until its write timeout).
-    closer: Option<TcpStream>,
+    /// What we send, sealed in order, to the link's writer thread, which writes it: no thread
+    /// that sends (the engine's, the timer, another link's reader) waits on a peer that stopped
+    /// reading. `None` closes the link once what was queued before it is written.
+    outbox: Mutex<(Sealer, std::sync::mpsc::Sender<Option<Vec<u8>>>)>,
+    /// Bytes in the outbox: at most [`LINK_OUTBOX`].
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+    /// A handle on the stream, to read it and to shut it down.
+    stream: TcpStream,
     /// This link's id (unique in the process): requests are owned by the link they came on.
     id: u64,
     /// Cleared when the link's reader stops: nothing more is sent on it.
@@ -785,20 +788,76 @@ struct Link {
     heads: protocol::HeadMap,
 }
 
+/// Bytes a link holds for its peer, at most (two of the largest frames): a peer that lets more
+/// pile up (it stopped reading) loses the link.
+pub const LINK_OUTBOX: usize = 2 * wire::MAX_FRAME;
+
+/// A link's sending half: its outbox and a handle on its stream (see [`Link::writer`]).
+type Sending = (
+    Mutex<(Sealer, std::sync::mpsc::Sender<Option<Vec<u8>>>)>,
+    Arc<std::sync::atomic::AtomicUsize>,
+    TcpStream,
+);
+
 impl Link {
-    /// Sends `m`; a write that fails (the peer stopped reading until the write timeout, or
-    /// went away) closes the link, so its reader ends it and fails its requests, and later
-    /// sends fail at once instead of each waiting out the timeout (docs/protocol.md).
+    /// Starts the writer thread of a link over `stream` (whose write timeout is set: a write
+    /// that takes longer ends the link).
+    fn writer(stream: TcpStream, sealer: Sealer) -> std::io::Result<Sending> {
+        let handle = stream.try_clone()?;
+        let (outbox, queued_frames) = std::sync::mpsc::channel::<Option<Vec<u8>>>();
+        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = queued.clone();
+        thread::Builder::new().name("link-writer".into()).spawn(move || {
+            let mut stream = stream;
+            for frame in queued_frames.iter().map_while(|f| f) {
+                let written = std::io::Write::write_all(&mut stream, &frame);
+                counted.fetch_sub(frame.len(), Ordering::SeqCst);
+                if let Err(e) = written {
+                    tracing::debug!(error = %e, "a link's write failed; closing it");
+                    break;
+                }
+            }
+            // The link is gone (dropped, closed, or a write failed): its reader ends it.
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        })?;
+        Ok((Mutex::new((sealer, outbox)), queued, handle))
+    }
+
+    /// Queues `m` for the peer. False, and the link closed, when it cannot be: a write failed
+    /// (the peer stopped reading until the write timeout, or went away) or [`LINK_OUTBOX`]
+    /// bytes wait; its reader then ends it and fails its requests, and later sends fail at
+    /// once (docs/protocol.md).
     fn send(&self, m: &Message) -> bool {
-        let sent = {
-            let mut w = lock(&self.writer);
-            let (stream, sealer) = &mut *w;
-            wire::write_sealed(stream, sealer, m).is_ok()
+        let queued = {
+            let mut outbox = lock(&self.outbox);
+            let (sealer, sender) = &mut *outbox;
+            match wire::seal(sealer, m) {
+                Ok(frame) if self.queued.load(Ordering::SeqCst) + frame.len() <= LINK_OUTBOX => {
+                    self.queued.fetch_add(frame.len(), Ordering::SeqCst);
+                    sender.send(Some(frame)).is_ok()
+                }
+                Ok(_) => {
+                    tracing::warn!(peer = %self.addr, "a peer let {LINK_OUTBOX} bytes pile up; closing its link");
+                    false
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %self.addr, error = %e, "cannot seal a frame; closing the link");
+                    false
+                }
+            }
         };
-        if !sent {
+        if !queued {
             self.close();
         }
-        sent
+        queued
+    }
+
+    /// Closes the link once the frames queued so far are written (a failure's `Failed` reaches
+    /// the peer before the link goes).
+    fn close_after_sent(&self) {
+        if lock(&self.outbox).1.send(None).is_err() {
+            self.close();
+        }
     }
 
     /// Closes `request`'s blocks to this link (where its backend bounds them per request).
@@ -809,14 +868,7 @@ impl Link {
     }
 
     fn close(&self) {
-        match &self.closer {
-            Some(s) => {
-                let _ = s.shutdown(std::net::Shutdown::Both);
-            }
-            None => {
-                let _ = lock(&self.writer).0.shutdown(std::net::Shutdown::Both);
-            }
-        }
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 }
 
@@ -1599,5 +1651,122 @@ mod tests {
         assert_eq!(paths.len(), pdpair_api::MAX_PATHS);
         assert_eq!(paths[0].peer, "p0", "the oldest peer (a) went");
         assert_eq!(paths.last().map(|p| p.peer.as_str()), Some("p15"));
+    }
+
+    /// A link to a peer that never reads (a connected socket whose far end is left unread).
+    fn link_to_a_mute_peer() -> (Link, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let ours = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (theirs, _) = listener.accept().expect("accept");
+        ours.set_write_timeout(Some(PREFILL_SILENCE_LIMIT)).expect("timeout");
+        let (outbox, queued, stream) = Link::writer(ours, Sealer::new([7; 32])).expect("writer");
+        let kv = pdpair_api::KvGeometry {
+            engine: "vllm".into(),
+            engine_version: None,
+            model: "m".into(),
+            dtype: pdpair_api::ModelDtype::Bfloat16,
+            cache_dtype: Default::default(),
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 16,
+            attention_backend: "FLASH_ATTN".into(),
+            layout: pdpair_api::KvLayout::Nhd,
+            block_size: 16,
+            kernel_block_size: None,
+            mla: false,
+            hybrid: false,
+            host_buffer: false,
+        };
+        let peer = PeerInfo {
+            agent: "mute".into(),
+            version: protocol::PROTOCOL_VERSION,
+            pdpair: "team-a/llama".into(),
+            role: Role::Decode,
+            engine: "d0".into(),
+            mode: pdpair_api::TransferMode::Pull,
+            checksum: pdpair_api::ChecksumPolicy::FailClosed,
+            parallelism: Default::default(),
+            kv,
+            tensor_rank: 0,
+            worker_address: Vec::new(),
+            memory: MemoryDesc::default(),
+            stream_address: String::new(),
+        };
+        let link = Link {
+            admission: None,
+            outbox,
+            queued,
+            stream,
+            id: next_link_id(),
+            alive: AtomicBool::new(true),
+            peer,
+            ucx_peer: None,
+            path: std::sync::OnceLock::new(),
+            addr: "mute".into(),
+            heads: protocol::HeadMap {
+                p_first: 0,
+                count: 2,
+                d_first: 0,
+            },
+        };
+        (link, theirs)
+    }
+
+    #[test]
+    fn a_peer_that_stops_reading_never_blocks_a_sender_and_loses_its_link_past_the_outbox() {
+        // Frames of 1 MiB to a peer that reads nothing: the socket buffers fill, then the outbox;
+        // each send returns at once (the timer, the engine's thread, another link's reader send
+        // on links), and the first past the outbox's bound is refused and closes the link.
+        let (link, mut theirs) = link_to_a_mute_peer();
+        let big = Message::Failed {
+            request: "r".into(),
+            reason: Reason::InvalidRequest,
+            message: "x".repeat(1 << 20),
+        };
+        let (done, finished) = std::sync::mpsc::channel();
+        let sender = thread::spawn(move || {
+            let refused = (0..1000).find(|_| !link.send(&big));
+            let _ = done.send(refused);
+            link
+        });
+        let refused = finished
+            .recv_timeout(Duration::from_secs(20))
+            .expect("sends to a peer that reads nothing returned without waiting for it");
+        let refused = refused.expect("the outbox is bounded");
+        assert!(
+            refused >= LINK_OUTBOX >> 20,
+            "refused only past the outbox's {LINK_OUTBOX} bytes: {refused}"
+        );
+        let link = sender.join().expect("sender");
+        assert!(
+            !link.send(&Message::Pong { seq: 1 }),
+            "a closed link sends nothing more"
+        );
+        // The peer then finds the link closed after what was in flight.
+        theirs.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+        let mut sink = vec![0u8; 1 << 20];
+        loop {
+            match std::io::Read::read(&mut theirs, &mut sink) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+                Err(e) => panic!("the link was not closed: {e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_link_closed_after_a_frame_delivers_that_frame_first() {
+        let (link, mut theirs) = link_to_a_mute_peer();
+        assert!(link.send(&Message::Pong { seq: 9 }));
+        link.close_after_sent();
+        theirs.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        let mut opener = wire::Opener::new([7; 32]);
+        let got = wire::read_sealed::<Message>(&mut theirs, &mut opener, wire::MAX_FRAME).expect("the frame");
+        assert_eq!(got, Message::Pong { seq: 9 });
+        assert!(matches!(
+            wire::read_sealed::<Message>(&mut theirs, &mut opener, wire::MAX_FRAME),
+            Err(wire::FrameError::Closed)
+        ));
     }
 }

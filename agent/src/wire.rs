@@ -152,6 +152,14 @@ impl Opener {
 
 /// Writes one sealed frame: length, body, then the tag over (sequence number, body).
 pub fn write_sealed<T: Serialize>(w: &mut impl Write, sealer: &mut Sealer, message: &T) -> Result<(), FrameError> {
+    let buf = seal(sealer, message)?;
+    w.write_all(&buf)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// One sealed frame's bytes, as [`write_sealed`] writes them (the sealer counts it as sent).
+pub fn seal<T: Serialize>(sealer: &mut Sealer, message: &T) -> Result<Vec<u8>, FrameError> {
     let mut body = serde_json::to_vec(message).map_err(|e| FrameError::Malformed(e.to_string()))?;
     if body.is_empty() || body.len() + TAG_LEN > MAX_FRAME {
         return Err(FrameError::BadLength(body.len()));
@@ -163,9 +171,7 @@ pub fn write_sealed<T: Serialize>(w: &mut impl Write, sealer: &mut Sealer, messa
     buf.extend_from_slice(&len.to_be_bytes());
     buf.append(&mut body);
     buf.extend_from_slice(&t);
-    w.write_all(&buf)?;
-    w.flush()?;
-    Ok(())
+    Ok(buf)
 }
 
 /// Reads one sealed frame of at most `max` bytes; the tag is checked (in constant time) before

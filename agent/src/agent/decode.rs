@@ -656,11 +656,13 @@ impl Engine {
             d_first: 0,
         });
         let Session { sealer, opener, .. } = session;
+        let (outbox, queued, stream) = Link::writer(stream, sealer).map_err(wire::FrameError::from)?;
         Ok((
             Link {
                 admission,
-                closer: stream.try_clone().ok(),
-                writer: Mutex::new((stream, sealer)),
+                outbox,
+                queued,
+                stream,
                 id: next_link_id(),
                 alive: AtomicBool::new(true),
                 peer,
@@ -716,7 +718,7 @@ impl Engine {
     }
 
     fn read_prefill(self: Arc<Self>, link: Arc<Link>, mut opener: Opener) {
-        let mut reader = match lock(&link.writer).0.try_clone() {
+        let mut reader = match link.stream.try_clone() {
             Ok(r) => r,
             Err(_) => return self.lost(&link, "cannot read the side channel".into()),
         };
@@ -993,11 +995,9 @@ impl Engine {
                         deadline.saturating_duration_since(Instant::now()),
                     )
                     .map_err(|e| match e {
-                        // The READs were cancelled and the endpoint closed: drop the link too.
-                        OpError::Timeout(_) => {
-                            link.close();
-                            (Reason::TransferTimeout, format!("reading prefill's blocks: {e}"))
-                        }
+                        // The READs were cancelled and the endpoint closed: the link goes too
+                        // (below, once prefill was told).
+                        OpError::Timeout(_) => (Reason::TransferTimeout, format!("reading prefill's blocks: {e}")),
                         OpError::Failed(_) => (Reason::ReadFailed, format!("reading prefill's blocks failed: {e}")),
                     }),
                 None => Err((Reason::TransportFailed, "no UCX endpoint to prefill".into())),
@@ -1025,6 +1025,9 @@ impl Engine {
                     request: request.clone(),
                     bytes: 0,
                 });
+                if reason == Reason::TransferTimeout {
+                    link.close_after_sent();
+                }
                 if self.read_ended(&link.addr, &request) {
                     return;
                 }

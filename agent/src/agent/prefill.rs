@@ -246,10 +246,17 @@ impl Engine {
         let _ = stream.set_read_timeout(Some(PREFILL_SILENCE_LIMIT));
         let _ = stream.set_write_timeout(Some(PREFILL_SILENCE_LIMIT));
         let Session { sealer, mut opener, .. } = session;
+        let Ok((outbox, queued, stream)) = Link::writer(stream, sealer) else {
+            if let Some(id) = ucx_peer {
+                self.transport().disconnect(id);
+            }
+            return;
+        };
         let link = Arc::new(Link {
             admission,
-            closer: stream.try_clone().ok(),
-            writer: Mutex::new((stream, sealer)),
+            outbox,
+            queued,
+            stream,
             id: next_link_id(),
             alive: AtomicBool::new(true),
             heads,
@@ -781,7 +788,7 @@ impl Engine {
                 // The WRITEs were cancelled and the endpoint closed; the link goes too (decode
                 // sees it lost and reconnects for later requests).
                 refuse(Reason::TransferTimeout, format!("writing decode's blocks: {e}"));
-                link.close();
+                link.close_after_sent();
             }
             Err(e) => refuse(Reason::WriteFailed, format!("the WRITEs failed: {e}")),
         }
