@@ -29,6 +29,7 @@ use pdpair_api::{Role, checksum::BlockSums};
 
 mod decode;
 mod prefill;
+pub use prefill::{MAX_WAITING, MAX_WAITING_BLOCKS};
 mod publish;
 
 use prefill::Matching;
@@ -786,6 +787,9 @@ struct Link {
     /// P side: which of P's heads go where in D's blocks (all to all unless tensor parallelism
     /// differs).
     heads: protocol::HeadMap,
+    /// P side: registrations of this link waiting for their KvReady, and their blocks
+    /// (`prefill::Held`).
+    waiting: (std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsize),
 }
 
 /// Bytes a link holds for its peer, at most (two of the largest frames): a peer that lets more
@@ -1708,6 +1712,7 @@ mod tests {
                 count: 2,
                 d_first: 0,
             },
+            waiting: Default::default(),
         };
         (link, theirs)
     }

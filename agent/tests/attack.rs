@@ -2063,3 +2063,84 @@ fn a_pull_cancelled_mid_read_is_not_answered_by_the_lenders_forgeries() {
     }
     panic!("every read ended before its cancel came");
 }
+
+#[test]
+fn a_decode_link_has_a_bounded_number_of_registrations_waiting() {
+    let _serial = serial();
+    // An insider registers requests the prefill engine never readies, as many as it likes:
+    // each waits for its KvReady (for a lease), holding agent memory. Past the bound they are
+    // refused; one that leaves (released) makes room again.
+    let w = World::new("attack-waiting");
+    let mut p = pull_prefill_ready(&w);
+    let (mut s, mut session) = pull_link(&p);
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let register = |s: &mut TcpStream, session: &mut protocol::Session, request: String| {
+        session
+            .send(
+                s,
+                &Message::Register(Registration {
+                    request,
+                    blocks: vec![1],
+                    num_tokens: 10,
+                    first_token: 0,
+                }),
+            )
+            .expect("register");
+    };
+    let bound = pdpair_agent::agent::MAX_WAITING;
+    for i in 0..bound {
+        register(&mut s, &mut session, format!("w{i}"));
+    }
+    register(&mut s, &mut session, "over".into());
+    match session.recv(&mut s).expect("an answer") {
+        Message::Failed {
+            request,
+            reason,
+            message,
+        } => {
+            assert_eq!(request, "over");
+            assert_eq!(reason, Reason::InvalidRequest);
+            assert!(message.contains(&format!("{bound} registrations")), "{message}");
+        }
+        other => panic!("the registration past the bound: {other:?}"),
+    }
+    // A release that comes before its KvReady is kept (for a lease) in the same bound.
+    session
+        .send(
+            &mut s,
+            &Message::Release {
+                request: "early".into(),
+            },
+        )
+        .expect("release");
+    match session.recv(&mut s).expect("an answer") {
+        Message::Failed { request, message, .. } => {
+            assert_eq!(request, "early");
+            assert!(message.contains("release before the KvReady is not kept"), "{message}");
+        }
+        other => panic!("the early release past the bound: {other:?}"),
+    }
+    // One leaves (its KV is ready: lent); the next is taken and served when its KV is ready.
+    let lent = |s: &mut TcpStream, session: &mut protocol::Session, p: &mut SyntheticEngine, request: &str| {
+        p.fill(2, &[5], 0, 10);
+        kv_ready(p, request, &[5], 10);
+        let answer = session.recv(s).expect("an answer");
+        assert!(
+            matches!(&answer, Message::Ready { request: r, .. } if r == request),
+            "{request}: {answer:?}"
+        );
+        session
+            .send(
+                s,
+                &Message::Released {
+                    request: request.into(),
+                    bytes: 0,
+                },
+            )
+            .expect("released");
+    };
+    lent(&mut s, &mut session, &mut p, "w1");
+    register(&mut s, &mut session, "x".into());
+    std::thread::sleep(Duration::from_millis(200));
+    lent(&mut s, &mut session, &mut p, "x");
+}

@@ -670,6 +670,7 @@ impl Engine {
                 path: std::sync::OnceLock::new(),
                 addr: addr.to_owned(),
                 heads,
+                waiting: Default::default(),
             },
             opener,
         ))

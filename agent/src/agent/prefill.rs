@@ -95,13 +95,62 @@ pub(super) struct Matching {
     /// Registrations waiting for their KvReady (several decode ranks may wait for one request).
     registered: HashMap<String, Vec<Waiting>>,
     /// Releases that came before the KvReady: (the links that released, ranks expected, when).
-    released_early: HashMap<String, (Vec<u64>, u32, Instant)>,
+    released_early: HashMap<String, EarlyRelease>,
     /// Requests released lately (kept for a lease): a later registration is refused at once.
     gone: HashMap<String, Instant>,
 }
 
-/// A D registration waiting for P's KV: the link it came on, the registration, when.
-type Waiting = (Arc<Link>, Registration, Instant);
+/// Releases of a request that came before its KvReady: the links that released (each counted
+/// against its bound), the decode ranks expected, when the first came.
+type EarlyRelease = (Vec<(u64, Held)>, u32, Instant);
+
+/// A D registration waiting for P's KV: the link it came on, the registration, when, and its
+/// place in the link's bound.
+type Waiting = (Arc<Link>, Registration, Instant, Held);
+
+/// Registrations (and releases that came first) one decode link may have waiting for their
+/// KvReady, at most: more are refused (an insider could otherwise fill the agent's memory with
+/// registrations of requests that never come). A decode engine asks for far fewer at once (vLLM
+/// runs at most a few hundred requests).
+pub const MAX_WAITING: usize = 4096;
+
+/// Block ids in one decode link's waiting registrations, at most (16 MiB of them).
+pub const MAX_WAITING_BLOCKS: usize = 1 << 22;
+
+/// One waiting registration counted against its link's [`MAX_WAITING`] and
+/// [`MAX_WAITING_BLOCKS`], for as long as it lives (however it leaves the waiting list).
+#[derive(Debug)]
+pub(super) struct Held {
+    link: Arc<Link>,
+    blocks: usize,
+}
+
+impl Held {
+    /// A place for a registration of `blocks` blocks on `link`, or why there is none.
+    fn take(link: &Arc<Link>, blocks: usize) -> Result<Held, String> {
+        let (count, held) = (&link.waiting.0, &link.waiting.1);
+        let now = count.load(Ordering::SeqCst);
+        let now_blocks = held.load(Ordering::SeqCst);
+        if now >= MAX_WAITING || now_blocks + blocks > MAX_WAITING_BLOCKS {
+            return Err(format!(
+                "this link has {now} registrations and releases of {now_blocks} blocks waiting for their KvReady; at most {MAX_WAITING} of {MAX_WAITING_BLOCKS}"
+            ));
+        }
+        count.fetch_add(1, Ordering::SeqCst);
+        held.fetch_add(blocks, Ordering::SeqCst);
+        Ok(Held {
+            link: link.clone(),
+            blocks,
+        })
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.link.waiting.0.fetch_sub(1, Ordering::SeqCst);
+        self.link.waiting.1.fetch_sub(self.blocks, Ordering::SeqCst);
+    }
+}
 
 /// A registration being served: its link, the registration, and the ready KV.
 pub(super) type Consumer = (Arc<Link>, Registration, Ready);
@@ -264,6 +313,7 @@ impl Engine {
             ucx_peer,
             path: std::sync::OnceLock::new(),
             addr: peer_addr,
+            waiting: Default::default(),
         });
         {
             let mut accepted = lock(&self.accepted);
@@ -294,7 +344,7 @@ impl Engine {
         // D is gone: forget its registrations (the P engine's KV stays ready for a retry until
         // its lease ends).
         lock(&self.matching).registered.retain(|_, waiting| {
-            waiting.retain(|(l, _, _)| !Arc::ptr_eq(l, &link));
+            waiting.retain(|(l, ..)| !Arc::ptr_eq(l, &link));
             !waiting.is_empty()
         });
         if let Some(id) = ucx_peer {
@@ -414,13 +464,13 @@ impl Engine {
     /// of this link still waiting for the KvReady is dropped, so nothing will be written; a
     /// push to this link that is running is left to end, and its `Complete` or `Failed` is the
     /// answer; blocks lent to this link (pull) count as released.
-    fn decode_released(&self, link: &Link, request: String) {
+    fn decode_released(&self, link: &Arc<Link>, request: String) {
         let expected = protocol::decode_ranks_served(&self.local, &link.peer);
         let concluded = {
             let mut matching = lock(&self.matching);
             let gone = matching.gone.contains_key(&request);
             if let Some(waiting) = matching.registered.get_mut(&request) {
-                waiting.retain(|(l, _, _)| l.id != link.id);
+                waiting.retain(|(l, ..)| l.id != link.id);
                 if waiting.is_empty() {
                     matching.registered.remove(&request);
                 }
@@ -463,8 +513,23 @@ impl Engine {
                         expected,
                         Instant::now(),
                     ));
-                    if !early.0.contains(&link.id) && early.0.len() < early.1 as usize {
-                        early.0.push(link.id);
+                    if !early.0.iter().any(|(id, _)| *id == link.id) && early.0.len() < early.1 as usize {
+                        // Counted with the link's waiting registrations: kept for a lease.
+                        match Held::take(link, 0) {
+                            Ok(held) => early.0.push((link.id, held)),
+                            Err(why) => {
+                                if early.0.is_empty() {
+                                    matching.released_early.remove(&request);
+                                }
+                                drop(matching);
+                                link.send(&Message::Failed {
+                                    request,
+                                    reason: Reason::InvalidRequest,
+                                    message: format!("a release before the KvReady is not kept: {why}"),
+                                });
+                                return;
+                            }
+                        }
                     }
                     None
                 }
@@ -547,7 +612,7 @@ impl Engine {
             || matching
                 .registered
                 .get(&reg.request)
-                .is_some_and(|w| w.iter().any(|(l, _, _)| l.id == link.id));
+                .is_some_and(|w| w.iter().any(|(l, ..)| l.id == link.id));
         let refusal = if matching.gone.contains_key(&reg.request) {
             Some(format!(
                 "request {} was released: prefill's blocks are free",
@@ -570,11 +635,19 @@ impl Engine {
                 self.spawn_transfer(consumer);
             }
         } else {
-            matching
-                .registered
-                .entry(reg.request.clone())
-                .or_default()
-                .push((link.clone(), reg, Instant::now()));
+            // Under the matching lock: the check and the count are one step.
+            match Held::take(link, reg.blocks.len()) {
+                Ok(held) => matching.registered.entry(reg.request.clone()).or_default().push((
+                    link.clone(),
+                    reg,
+                    Instant::now(),
+                    held,
+                )),
+                Err(why) => {
+                    drop(matching);
+                    refuse(why);
+                }
+            }
         }
     }
 
@@ -605,7 +678,7 @@ impl Engine {
             let mut serving = Serving::new(ready);
             if let Some((links, expected, _)) = matching.released_early.remove(&request) {
                 let count = u32::try_from(links.len()).unwrap_or(u32::MAX);
-                serving.released_by = links;
+                serving.released_by = links.into_iter().map(|(id, _)| id).collect();
                 serving.expected = Some(expected);
                 serving.finished = count;
             }
@@ -618,7 +691,7 @@ impl Engine {
             let waiting = matching.registered.remove(&request).unwrap_or_default();
             waiting
                 .into_iter()
-                .filter_map(|(link, reg, _)| self.begin(&mut matching, &link, reg))
+                .filter_map(|(link, reg, ..)| self.begin(&mut matching, &link, reg))
                 .collect()
         };
         for consumer in consumers {
@@ -906,7 +979,7 @@ impl Engine {
             let registered = &mut lock(&self.matching).registered;
             let mut stale = Vec::new();
             registered.retain(|id, waiting| {
-                waiting.retain(|(link, _, at)| {
+                waiting.retain(|(link, _, at, _)| {
                     let old = at.elapsed() >= lease;
                     if old {
                         stale.push((link.clone(), id.clone()));
