@@ -604,7 +604,21 @@ impl Agent {
         }
         engine.spawn_timer();
         loop {
-            match wire::read_frame::<EngineRequest>(&mut reader) {
+            let frame = match wire::read_frame::<serde_json::Value>(&mut reader) {
+                Ok(frame) => match crate::engine_api::decode_request(frame) {
+                    Ok(request) => Ok(request),
+                    // A request that does not decode is refused on its own (the engine's other
+                    // requests go on); one that does not even name its request ends the
+                    // connection, the only way left to tell the engine.
+                    Err((Some(request), why)) => {
+                        engine.refuse(request, vec![Reason::InvalidRequest], why);
+                        continue;
+                    }
+                    Err((None, why)) => Err(wire::FrameError::Malformed(why)),
+                },
+                Err(e) => Err(e),
+            };
+            match frame {
                 Ok(EngineRequest::ExpectKv {
                     request,
                     prefill,

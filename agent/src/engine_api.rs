@@ -209,6 +209,21 @@ pub fn decode_before_registration(frame: serde_json::Value) -> Result<EngineRequ
     serde_json::from_value(frame).map_err(|e| crate::reason::peer_text(&format!("malformed message: {e}")))
 }
 
+/// Decodes a registered engine's frame. Err: the request it names, when it names one as a
+/// string, and what is wrong (cut and escaped).
+pub fn decode_request(frame: serde_json::Value) -> Result<EngineRequest, (Option<String>, String)> {
+    let request = frame
+        .get("request")
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_owned);
+    let kind = frame
+        .get("type")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("message")
+        .to_owned();
+    serde_json::from_value(frame).map_err(|e| (request, crate::reason::peer_text(&format!("malformed {kind}: {e}"))))
+}
+
 /// Checks one `ShareGpuMemory` frame before its descriptors are kept: one size per descriptor,
 /// at least one, and at most [`crate::memory::cuda::MAX_VMM_CHUNKS`] allocations with the
 /// `before` shared already (each size is checked against the GPU's granularity when mapped).

@@ -531,3 +531,43 @@ fn an_engine_name_is_registered_once_per_agent_until_its_engine_goes() {
         }
     }
 }
+
+#[test]
+fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_registered() {
+    use std::io::Read;
+    let w = World::new("caps-malformed");
+    let socket = w.agent("a", Transport::Tcp, false);
+    let mut s = connect(&socket);
+    let answer = ask(&mut s, &EngineRequest::RegisterPool(Box::new(host_registration())));
+    assert!(matches!(answer, AgentEvent::Registered { .. }), "{answer:?}");
+    // Blocks that are not a list, a count that is negative: refused naming the request.
+    for (frame, expected) in [
+        (
+            serde_json::json!({"type": "KvReady", "request": "bad", "blocks": "1,2", "num_tokens": 10, "first_token": 0}),
+            "malformed KvReady: invalid type: string",
+        ),
+        (
+            serde_json::json!({"type": "KvReady", "request": "worse", "blocks": [1], "num_tokens": -3, "first_token": 0}),
+            "malformed KvReady: invalid value: integer `-3`",
+        ),
+        (
+            serde_json::json!({"type": "Frobnicate", "request": "odd"}),
+            "malformed Frobnicate: unknown variant `Frobnicate`",
+        ),
+    ] {
+        let request = frame["request"].as_str().expect("named").to_owned();
+        let answer = ask_raw(&mut s, &frame);
+        assert!(
+            matches!(&answer, AgentEvent::RequestFailed { request: r, reasons, message }
+                if *r == request && reasons == &["InvalidRequest".to_owned()] && message.contains(expected)),
+            "{expected}: {answer:?}"
+        );
+    }
+    // The connection still serves.
+    let again = ask(&mut s, &EngineRequest::Capabilities);
+    assert!(matches!(again, AgentEvent::Capabilities { .. }), "{again:?}");
+    // A frame that names no request cannot be answered: the connection ends.
+    wire::write_frame(&mut s, &serde_json::json!({"type": "KvReady", "blocks": []})).expect("send");
+    let mut buf = [0u8; 1];
+    assert_eq!(s.read(&mut buf).expect("closed"), 0, "closed");
+}
