@@ -1925,9 +1925,9 @@ fn written_after_reuse(d: &mut SyntheticEngine) -> usize {
     d.region(0).chunks(1 << 20).filter(|c| *c != &zeros[..c.len()]).count()
 }
 
-/// An insider pull prefill with a real UCX pool of its own, [`LENT_BLOCKS`] blocks (256 MiB, so
-/// decode's read of them runs a while) holding seed 7's KV for all of them.
-struct Lender {
+/// An insider with a real UCX worker and a pool of its own, [`BIG_BLOCKS`] blocks (256 MiB, so a
+/// transfer of them runs a while), checksums Disabled.
+struct UcxInsider {
     mallory: UcxHandle,
     pool: pdpair_agent::transport::ucx_thread::Allocated,
     /// What it says about itself (its worker and pool).
@@ -1936,46 +1936,106 @@ struct Lender {
     tokens: u64,
 }
 
-const LENT_BLOCKS: u32 = 16384;
+const BIG_BLOCKS: u32 = 16384;
 
-impl Drop for Lender {
+impl Drop for UcxInsider {
     fn drop(&mut self) {
         self.mallory.unmap(self.pool.region);
     }
 }
 
-/// A pull decode engine of [`LENT_BLOCKS`] blocks in `w`, and a [`Lender`].
-fn pull_decode_and_lender(w: &World) -> (SyntheticEngine, Lender) {
+impl UcxInsider {
+    fn new(w: &World, role: Role, mode: TransferMode) -> UcxInsider {
+        let mallory = UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
+        let mut info = insider(role);
+        info.mode = mode;
+        info.checksum = ChecksumPolicy::Disabled;
+        let l = PoolLayout::new(&info.kv, &info.parallelism, BIG_BLOCKS, 0).expect("layout");
+        let pool = mallory.allocate(l.pool_len() as u64).expect("a pool of its own");
+        info.worker_address = mallory.worker_address.clone();
+        info.memory = MemoryDesc::of(&l, vec![(pool.addr, pool.rkey.clone())]);
+        UcxInsider {
+            mallory,
+            pool,
+            info,
+            blocks: (0..BIG_BLOCKS).collect(),
+            tokens: u64::from(BIG_BLOCKS) * 64,
+        }
+    }
+
+    /// Writes seed 7's KV into all its blocks.
+    fn fill(&self) {
+        let l = PoolLayout::new(&self.info.kv, &self.info.parallelism, BIG_BLOCKS, 0).expect("layout");
+        // SAFETY: the pool is mapped, `pool_len` bytes, until the insider drops; only this
+        // writes it, before anyone reads it.
+        #[allow(unsafe_code)]
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.pool.addr as *mut u8, l.pool_len()) };
+        pdpair_agent::synthetic::fill_into(&l, &mut [bytes], 7, &self.blocks, 0, self.tokens);
+    }
+}
+
+/// A pull decode engine of [`BIG_BLOCKS`] blocks in `w`, and an insider prefill to lend it KV.
+fn pull_decode_and_lender(w: &World) -> (SyntheticEngine, UcxInsider) {
     let ds = w.agent("d", Transport::Shm, false);
     let mut dspec = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::Disabled);
     dspec.mode = TransferMode::Pull;
-    dspec.num_blocks = LENT_BLOCKS;
+    dspec.num_blocks = BIG_BLOCKS;
     let d = SyntheticEngine::register(&ds, &w.dir, &dspec).expect("decode registers");
-    let mallory = UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
-    let mut info = insider(Role::Prefill);
-    info.mode = TransferMode::Pull;
-    info.checksum = ChecksumPolicy::Disabled;
-    let l = PoolLayout::new(&info.kv, &info.parallelism, LENT_BLOCKS, 0).expect("layout");
-    let pool = mallory.allocate(l.pool_len() as u64).expect("a pool of its own");
-    let blocks: Vec<u32> = (0..LENT_BLOCKS).collect();
-    let tokens = u64::from(LENT_BLOCKS) * 64;
-    {
-        // SAFETY: the pool is mapped, `pool_len` bytes, until the Lender drops; only this
-        // writes it, before anyone reads it.
-        #[allow(unsafe_code)]
-        let bytes = unsafe { std::slice::from_raw_parts_mut(pool.addr as *mut u8, l.pool_len()) };
-        pdpair_agent::synthetic::fill_into(&l, &mut [bytes], 7, &blocks, 0, tokens);
-    }
-    info.worker_address = mallory.worker_address.clone();
-    info.memory = MemoryDesc::of(&l, vec![(pool.addr, pool.rkey.clone())]);
-    let lender = Lender {
-        mallory,
-        pool,
-        info,
-        blocks,
-        tokens,
-    };
+    let lender = UcxInsider::new(w, Role::Prefill, TransferMode::Pull);
+    lender.fill();
     (d, lender)
+}
+
+#[test]
+fn a_released_from_a_decode_being_pushed_to_does_not_end_the_push() {
+    let _serial = serial();
+    // Push: `Released` is pull's (decode read the blocks). An insider decode being pushed to
+    // sends one while the push runs: it must not end the request for prefill's engine (which
+    // would reuse its blocks under the running push); the push's own end does, with its bytes.
+    let w = World::new("attack-released-push");
+    let ps = w.agent("p", Transport::Shm, false);
+    let mut pspec = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::Disabled);
+    pspec.num_blocks = BIG_BLOCKS;
+    let mut p = SyntheticEngine::register(&ps, &w.dir, &pspec).expect("P");
+    p.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("timeout");
+    let me = UcxInsider::new(&w, Role::Decode, TransferMode::Push);
+    let (blocks, tokens) = (me.blocks.clone(), me.tokens);
+    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("auth");
+    protocol::handshake_decode(&mut s, &mut session, &me.info).expect("handshake");
+    session
+        .send(
+            &mut s,
+            &Message::Register(Registration {
+                request: "r".into(),
+                blocks: blocks.clone(),
+                num_tokens: tokens,
+                first_token: 0,
+            }),
+        )
+        .expect("register");
+    std::thread::sleep(Duration::from_millis(200));
+    kv_ready(&mut p, "r", &blocks, tokens);
+    let started = p.next_event().expect("event");
+    assert!(matches!(started, AgentEvent::TransferStarted { .. }), "{started:?}");
+    session
+        .send(
+            &mut s,
+            &Message::Released {
+                request: "r".into(),
+                bytes: 12345,
+            },
+        )
+        .expect("Released");
+    let event = final_event(&mut p);
+    assert!(
+        matches!(&event, AgentEvent::RequestDone { request, bytes, .. } if request == "r" && *bytes == tokens * 256),
+        "the push's own end, with its bytes: {event:?}"
+    );
+    drop(me);
 }
 
 #[test]
