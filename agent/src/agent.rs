@@ -199,11 +199,12 @@ struct LocalEngine {
 impl Shared {
     /// Engine names are unique on the node (its agent): two engines of one name would share a
     /// PDEndpoint, and a peer naming one could not tell them apart.
-    fn name_free(&self, locals: &[(u64, LocalEngine)], engine: &str) -> Result<(), String> {
-        match locals.iter().find(|(_, l)| l.engine == engine) {
+    fn name_free(&self, locals: &[(u64, LocalEngine)], pdpair: &str, engine: &str) -> Result<(), String> {
+        // Per pair: another tenant's engine cannot take a name to keep this pair's out.
+        match locals.iter().find(|(_, l)| l.engine == engine && l.pdpair == pdpair) {
             // Which pair holds it is not said: it may be another tenant's.
             Some(_) => Err(format!(
-                "engine \"{}\" is already registered at this agent; engine names must be unique on the node",
+                "engine \"{}\" of this PDPair is already registered at this agent; engine names must be unique on the node",
                 crate::reason::peer_text(engine),
             )),
             None => Ok(()),
@@ -606,7 +607,14 @@ impl Agent {
         loop {
             let frame = match wire::read_frame::<serde_json::Value>(&mut reader) {
                 Ok(frame) => match crate::engine_api::decode_request(frame) {
-                    Ok(request) => Ok(request),
+                    Ok(request) => match request.request_id().map(crate::engine_api::check_request_id) {
+                        Some(Err(why)) => {
+                            let id = request.request_id().unwrap_or_default().to_owned();
+                            engine.refuse(id, vec![Reason::InvalidRequest], why);
+                            continue;
+                        }
+                        _ => Ok(request),
+                    },
                     // A request that does not decode is refused on its own (the engine's other
                     // requests go on); one that does not even name its request ends the
                     // connection, the only way left to tell the engine.
@@ -803,7 +811,9 @@ struct Link {
     heads: protocol::HeadMap,
     /// P side: registrations of this link waiting for their KvReady, and their blocks
     /// (`prefill::Held`).
-    waiting: (std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsize),
+    waiting: Arc<(std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsize)>,
+    /// Closed, or closing once what is queued is written: nothing more is sent.
+    closing: AtomicBool,
 }
 
 /// Bytes a link holds for its peer, at most (two of the largest frames): a peer that lets more
@@ -848,6 +858,9 @@ impl Link {
     fn send(&self, m: &Message) -> bool {
         let queued = {
             let mut outbox = lock(&self.outbox);
+            if self.closing.load(Ordering::SeqCst) {
+                return false;
+            }
             let (sealer, sender) = &mut *outbox;
             match wire::seal(sealer, m) {
                 Ok(frame) if self.queued.load(Ordering::SeqCst) + frame.len() <= LINK_OUTBOX => {
@@ -873,7 +886,11 @@ impl Link {
     /// Closes the link once the frames queued so far are written (a failure's `Failed` reaches
     /// the peer before the link goes).
     fn close_after_sent(&self) {
-        if lock(&self.outbox).1.send(None).is_err() {
+        let outbox = lock(&self.outbox);
+        // Under the outbox lock: no frame is queued behind the close.
+        self.closing.store(true, Ordering::SeqCst);
+        if outbox.1.send(None).is_err() {
+            drop(outbox);
             self.close();
         }
     }
@@ -886,7 +903,17 @@ impl Link {
     }
 
     fn close(&self) {
+        self.closing.store(true, Ordering::SeqCst);
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Ends the link as its engine goes: nothing more is read (its reader ends now), and it
+    /// closes once what was queued is written (a `Complete` or `Released` the engine's last
+    /// answers depended on still reaches the peer; a peer that does not read loses it at the
+    /// write timeout).
+    fn finish(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Read);
+        self.close_after_sent();
     }
 }
 
@@ -927,6 +954,9 @@ struct Engine {
     /// `ExpectKvFromPool`s linking to their ranks now (each on a thread of its own): at most
     /// [`MAX_DIALS`].
     picking: std::sync::atomic::AtomicUsize,
+    /// `ExpectKvFromPool` requests still linking to their ranks (not pending yet) -> whether
+    /// the engine cancelled them meanwhile.
+    linking: Mutex<HashMap<String, bool>>,
     /// Requests -> the links' windows their blocks are open in (the tcp stream's; push: decode's
     /// blocks to writes, pull: prefill's to reads): closed when the request ends for the engine.
     windows: Mutex<HashMap<String, Vec<std::sync::Arc<crate::transport::stream::Windows>>>>,
@@ -1005,7 +1035,7 @@ impl Engine {
         let settings =
             crate::engine_api::resolve(&reg, pair.as_ref().map(|p| (reg.pdpair.as_str(), &p.spec.transfer)))?;
         // Before the pool is allocated (checked again, under the lock, as it is recorded).
-        shared.name_free(&lock(&shared.locals), &reg.engine)?;
+        shared.name_free(&lock(&shared.locals), &reg.pdpair, &reg.engine)?;
         let need = layout.pool_len_checked().ok_or_else(|| {
             format!(
                 "num_blocks {} with this geometry ({} layers x {} arrays x {} heads x {} tokens x {} x {} bytes) overflows the address space",
@@ -1105,6 +1135,7 @@ impl Engine {
             cancelled: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             picking: std::sync::atomic::AtomicUsize::new(0),
+            linking: Mutex::new(HashMap::new()),
             windows: Mutex::new(HashMap::new()),
             rejections: Mutex::new(HashMap::new()),
             matching: Mutex::new(Matching::default()),
@@ -1114,7 +1145,7 @@ impl Engine {
         {
             let mut locals = lock(&engine.shared.locals);
             // Another registration of the name may have got here first.
-            if let Err(taken) = engine.shared.name_free(&locals, &engine.reg.engine) {
+            if let Err(taken) = engine.shared.name_free(&locals, &engine.reg.pdpair, &engine.reg.engine) {
                 drop(locals);
                 engine.shutdown();
                 return Err(taken);
@@ -1144,13 +1175,19 @@ impl Engine {
         | AgentEvent::RequestFailed { request, .. }
         | AgentEvent::Released { request }
         | AgentEvent::Cancelled { request } = &event
-            && let Some(open) = lock(&self.windows).remove(request)
         {
+            self.close_windows(request);
+        }
+        send(&self.writer, &event);
+    }
+
+    /// Closes every link's window onto `request`'s blocks.
+    fn close_windows(&self, request: &str) {
+        if let Some(open) = lock(&self.windows).remove(request) {
             for w in open {
                 w.close(request);
             }
         }
-        send(&self.writer, &event);
     }
 
     /// Opens `request`'s blocks to `link` (push: its writes into decode's; pull: its reads of
@@ -1482,12 +1519,12 @@ impl Engine {
         }
         for (_, slot) in lock(&self.peers).drain() {
             if let Slot::Connected(link) = slot {
-                link.close();
+                link.finish();
             }
         }
         for link in lock(&self.accepted).drain(..) {
             if let Some(link) = link.upgrade() {
-                link.close();
+                link.finish();
             }
         }
         lock(&self.pending).clear();
@@ -1727,6 +1764,7 @@ mod tests {
                 d_first: 0,
             },
             waiting: Default::default(),
+            closing: AtomicBool::new(false),
         };
         (link, theirs)
     }
@@ -1779,10 +1817,55 @@ mod tests {
         let (link, mut theirs) = link_to_a_mute_peer();
         assert!(link.send(&Message::Pong { seq: 9 }));
         link.close_after_sent();
+        // Nothing is queued behind the close (it would be lost while the send said it went).
+        assert!(!link.send(&Message::Pong { seq: 10 }), "a send after close_after_sent");
         theirs.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
         let mut opener = wire::Opener::new([7; 32]);
         let got = wire::read_sealed::<Message>(&mut theirs, &mut opener, wire::MAX_FRAME).expect("the frame");
         assert_eq!(got, Message::Pong { seq: 9 });
+        assert!(matches!(
+            wire::read_sealed::<Message>(&mut theirs, &mut opener, wire::MAX_FRAME),
+            Err(wire::FrameError::Closed)
+        ));
+    }
+
+    #[test]
+    fn a_link_its_engine_leaves_still_delivers_what_was_queued() {
+        // The engine heard its answer after the frame its peer needs was queued (prefill's
+        // Complete, decode's Released), and may leave at once: the link stops reading but
+        // delivers the frame, even from behind a full socket. (Closed at once, the blocked write
+        // failed and the frame was lost: the peer's engine heard PeerLost for a transfer that
+        // had worked.)
+        let (link, mut theirs) = link_to_a_mute_peer();
+        let filler = Message::Failed {
+            request: "f".into(),
+            reason: Reason::InvalidRequest,
+            message: "x".repeat(1 << 20),
+        };
+        for _ in 0..24 {
+            assert!(link.send(&filler));
+        }
+        assert!(link.send(&Message::Complete {
+            request: "r".into(),
+            sums: None,
+            bytes: 7,
+        }));
+        link.finish();
+        let mut ours = link.stream.try_clone().expect("clone");
+        ours.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        assert_eq!(
+            std::io::Read::read(&mut ours, &mut [0u8; 8]).expect("read"),
+            0,
+            "reading ended"
+        );
+        theirs.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+        let mut opener = wire::Opener::new([7; 32]);
+        for i in 0..24 {
+            let got = wire::read_sealed::<Message>(&mut theirs, &mut opener, wire::MAX_FRAME);
+            assert!(matches!(got, Ok(Message::Failed { .. })), "filler {i}: {got:?}");
+        }
+        let last = wire::read_sealed::<Message>(&mut theirs, &mut opener, wire::MAX_FRAME).expect("the Complete");
+        assert!(matches!(last, Message::Complete { bytes: 7, .. }), "{last:?}");
         assert!(matches!(
             wire::read_sealed::<Message>(&mut theirs, &mut opener, wire::MAX_FRAME),
             Err(wire::FrameError::Closed)

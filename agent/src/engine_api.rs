@@ -121,6 +121,37 @@ pub enum EngineRequest {
     },
 }
 
+/// Bytes of a request id, at most (engines' and peers'): ids are kept while their requests
+/// live, and a frame may carry megabytes. vLLM's are tens of bytes.
+pub const MAX_REQUEST_ID: usize = 512;
+
+impl EngineRequest {
+    /// The request it is about, for those about one.
+    pub fn request_id(&self) -> Option<&str> {
+        match self {
+            EngineRequest::ExpectKv { request, .. }
+            | EngineRequest::ExpectKvFrom { request, .. }
+            | EngineRequest::Release { request, .. }
+            | EngineRequest::Renew { request, .. }
+            | EngineRequest::ExpectKvFromPool { request, .. }
+            | EngineRequest::Cancel { request }
+            | EngineRequest::KvReady { request, .. } => Some(request),
+            EngineRequest::Capabilities | EngineRequest::ShareGpuMemory { .. } | EngineRequest::RegisterPool(_) => None,
+        }
+    }
+}
+
+/// A request id longer than [`MAX_REQUEST_ID`] is refused, saying so.
+pub fn check_request_id(request: &str) -> Result<(), String> {
+    if request.len() > MAX_REQUEST_ID {
+        return Err(format!(
+            "request ids are at most {MAX_REQUEST_ID} bytes; this one has {}",
+            request.len()
+        ));
+    }
+    Ok(())
+}
+
 /// An engine's KV pool.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PoolRegistration {

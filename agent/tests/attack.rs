@@ -1858,13 +1858,54 @@ fn a_pull_that_fails_at_one_prefill_is_told_only_once_decodes_other_reads_ended(
     // 256 MiB, so decode's read of them runs a while), the other fails the request at once.
     // Decode's own READs write into the request's blocks until they end: its engine must hear
     // the failure only then (its blocks hold all they will ever get), not while they land.
-    let w = World::new("attack-fail-pull-rank");
+    let (event, late) = pull_with_a_second_rank_saying(|request| Message::Failed {
+        request,
+        reason: Reason::WriteFailed,
+        message: "rank 1 failed".into(),
+    });
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { request, message, .. } if request == "r" && message.contains("rank 1 failed")),
+        "{event:?}"
+    );
+    assert_eq!(
+        late, 0,
+        "MiB written after the engine heard the failure and reused its blocks: decode's READs still ran"
+    );
+}
+
+#[test]
+fn a_release_done_for_a_request_that_asked_for_kv_does_not_end_it() {
+    let _serial = serial();
+    // The same, the second rank answering a registration with a ReleaseDone (forged: decode sent
+    // it no Release). It ended the request for the engine (`Released`) while decode's READs of
+    // the first rank still wrote its blocks; it is a foreign answer, and the request fails once
+    // those READs are done (that rank owes its part: its link going, here, or the deadline).
+    let (event, late) = pull_with_a_second_rank_saying(|request| Message::ReleaseDone { request });
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { request, .. } if request == "r"),
+        "{event:?}"
+    );
+    assert_eq!(
+        late, 0,
+        "MiB written after the engine heard the answer and reused its blocks: decode's READs still ran"
+    );
+}
+
+/// A pull request of two prefill ranks: an insider lends its blocks (decode reads 256 MiB), the
+/// other insider says `answer` for the request once the first's Ready is out. The engine's
+/// first event, and [`written_after_reuse`] then.
+fn pull_with_a_second_rank_saying(answer: impl FnOnce(String) -> Message + Send + 'static) -> (AgentEvent, usize) {
+    let w = World::new("attack-pull-two-ranks");
     let (mut d, lender) = pull_decode_and_lender(&w);
+    d.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("timeout");
     let (info, blocks, tokens) = (lender.info.clone(), lender.blocks.clone(), lender.tokens);
     let lent = blocks.clone();
-    // The failure goes once the lender's Ready is out (decode's read then starts at once).
+    // The second rank speaks once the lender's Ready is out (decode's read then starts at once).
     let (lent_tx, lent_rx) = std::sync::mpsc::channel();
-    let (lender, lender_handle) = evil_prefill_as(info.clone(), move |s, session, reg| {
+    let (lender_addr, lender_handle) = evil_prefill_as(info.clone(), move |s, session, reg| {
         session
             .send(
                 s,
@@ -1879,23 +1920,14 @@ fn a_pull_that_fails_at_one_prefill_is_told_only_once_decodes_other_reads_ended(
             .expect("Ready");
         let _ = lent_tx.send(());
     });
-    let (fails, fails_handle) = evil_prefill_as(info, move |s, session, reg| {
+    let (second, second_handle) = evil_prefill_as(info, move |s, session, reg| {
         let _ = lent_rx.recv_timeout(Duration::from_secs(10));
         std::thread::sleep(Duration::from_millis(5));
-        session
-            .send(
-                s,
-                &Message::Failed {
-                    request: reg.request,
-                    reason: Reason::WriteFailed,
-                    message: "rank 1 failed".into(),
-                },
-            )
-            .expect("Failed");
+        session.send(s, &answer(reg.request)).expect("answer");
     });
     d.send(&EngineRequest::ExpectKvFrom {
         request: "r".into(),
-        prefills: vec![lender, fails],
+        prefills: vec![lender_addr, second],
         blocks: blocks.clone(),
         num_tokens: tokens,
         first_token: 0,
@@ -1903,16 +1935,80 @@ fn a_pull_that_fails_at_one_prefill_is_told_only_once_decodes_other_reads_ended(
     .expect("ExpectKvFrom");
     let event = d.next_event().expect("event");
     let late = written_after_reuse(&mut d);
+    let _ = lender_handle.join();
+    let _ = second_handle.join();
+    drop(lender);
+    (event, late)
+}
+
+#[test]
+fn a_cancel_while_an_expect_kv_from_pool_still_links_is_answered_once_and_after_its_release() {
+    let _serial = serial();
+    // ExpectKvFromPool first links to the ranks (here: one that takes a while to answer its
+    // handshake), then asks them. A Cancel meanwhile was answered at once, and the request then
+    // went ahead (its Register sent, a second answer later). It must be answered once, when the
+    // prefill asked has let it go.
+    let w = World::new("attack-cancel-linking");
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
+    )
+    .expect("decode registers");
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("addr").to_string();
+    let (released_tx, released) = std::sync::mpsc::channel();
+    let handle = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        // Slow to answer: the cancel comes while decode still links.
+        std::thread::sleep(Duration::from_millis(500));
+        let (_, mut session) = protocol::authenticate_prefill(&mut s, |_| Some(KEY.to_vec())).expect("auth");
+        protocol::handshake_prefill(&mut s, &mut session, &insider(Role::Prefill)).expect("handshake");
+        loop {
+            match session.recv(&mut s) {
+                Ok(Message::Release { request }) => {
+                    let _ = released_tx.send(Instant::now());
+                    let _ = session.send(&mut s, &Message::ReleaseDone { request });
+                }
+                Ok(Message::Ping { seq }) => {
+                    let _ = session.send(&mut s, &Message::Pong { seq });
+                }
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
+    });
+    d.send(&EngineRequest::ExpectKvFromPool {
+        request: "r".into(),
+        prefill_ranks: vec![address],
+        blocks: vec![1, 2],
+        num_tokens: 100,
+        first_token: 0,
+    })
+    .expect("ExpectKvFromPool");
+    d.send(&EngineRequest::Cancel { request: "r".into() }).expect("Cancel");
+    let event = d.next_event().expect("the cancel's answer");
+    let heard = Instant::now();
     assert!(
-        matches!(&event, AgentEvent::RequestFailed { request, message, .. } if request == "r" && message.contains("rank 1 failed")),
+        matches!(&event, AgentEvent::Cancelled { request } if request == "r"),
         "{event:?}"
     );
-    assert_eq!(
-        late, 0,
-        "MiB written after the engine heard the failure and reused its blocks: decode's READs still ran"
+    let let_go = released
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the prefill asked was told to let the request go");
+    assert!(
+        let_go <= heard,
+        "the engine heard Cancelled before the prefill let the request go"
     );
-    let _ = lender_handle.join();
-    let _ = fails_handle.join();
+    // And nothing more about it (the lease and deadline are 3 and 5 s).
+    d.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(7)))
+        .expect("timeout");
+    assert!(d.next_event().is_err(), "a second answer");
+    drop(d);
+    let _ = handle.join();
 }
 
 /// What an engine does on hearing a request's answer: it reuses the blocks (here: zeroes its
@@ -2148,6 +2244,11 @@ fn a_decode_link_has_a_bounded_number_of_registrations_waiting() {
             .expect("register");
     };
     let bound = pdpair_agent::agent::MAX_WAITING;
+    // Ids longer than any engine's are kept nowhere: as many as the bound take no place in it.
+    let long = "l".repeat(pdpair_agent::engine_api::MAX_REQUEST_ID + 1);
+    for i in 0..bound {
+        register(&mut s, &mut session, format!("{long}{i}"));
+    }
     for i in 0..bound {
         register(&mut s, &mut session, format!("w{i}"));
     }

@@ -509,10 +509,16 @@ fn an_engine_name_is_registered_once_per_agent_until_its_engine_goes() {
         let answer = ask(&mut connect(&socket), &EngineRequest::RegisterPool(Box::new(reg)));
         assert!(
             matches!(&answer, AgentEvent::RegistrationFailed { message }
-                if message.contains("engine \"p0\" is already registered at this agent")),
+                if message.contains("engine \"p0\" of this PDPair is already registered at this agent")),
             "{answer:?}"
         );
     }
+    // Another pair's engine of the same name is its own (a tenant cannot keep another's out).
+    let mut other_pair = host_registration();
+    other_pair.pdpair = "team-b/other".into();
+    let mut other = connect(&socket);
+    let answer = ask(&mut other, &EngineRequest::RegisterPool(Box::new(other_pair)));
+    assert!(matches!(answer, AgentEvent::Registered { .. }), "{answer:?}");
     // Another name is fine, and once the first engine goes its name is free again.
     let mut other = host_registration();
     other.engine = "p1".into();
@@ -563,6 +569,22 @@ fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_reg
             "{expected}: {answer:?}"
         );
     }
+    // A request id past the bound is refused (ids are kept while their requests live).
+    let long = "r".repeat(pdpair_agent::engine_api::MAX_REQUEST_ID + 1);
+    let answer = ask(
+        &mut s,
+        &EngineRequest::KvReady {
+            request: long.clone(),
+            blocks: vec![1],
+            num_tokens: 10,
+            first_token: 0,
+        },
+    );
+    assert!(
+        matches!(&answer, AgentEvent::RequestFailed { request, message, .. }
+            if *request == long && message.contains("request ids are at most 512 bytes; this one has 513")),
+        "{answer:?}"
+    );
     // The connection still serves.
     let again = ask(&mut s, &EngineRequest::Capabilities);
     assert!(matches!(again, AgentEvent::Capabilities { .. }), "{again:?}");

@@ -65,11 +65,19 @@ impl Engine {
     /// must not reuse the blocks; after it nothing writes them.
     pub(super) fn cancel_decode(self: &Arc<Self>, request: String) {
         let down = {
+            // Locks in this order everywhere: linking, pending, cancelled.
+            let mut linking = lock(&self.linking);
             let mut pending = lock(&self.pending);
             match self.wind_down(&mut pending, &request, Ending::Cancelled, None) {
                 Some(down) => down,
                 None => {
                     drop(pending);
+                    if let Some(cancelled) = linking.get_mut(&request) {
+                        // Still linking to its ranks: answered when that ends.
+                        *cancelled = true;
+                        return;
+                    }
+                    drop(linking);
                     if let Some(c) = lock(&self.cancelled).get_mut(&request) {
                         // Ending already: a failure not said yet becomes the cancel's answer;
                         // a cancel's answer is coming.
@@ -105,6 +113,9 @@ impl Engine {
             .cloned()
             .collect();
         let now = if writers.is_empty() {
+            // Its windows close while the name is still held (a new request of the name is
+            // refused until then), so none it opens is closed by this one's answer.
+            self.close_windows(request);
             Some(ending)
         } else {
             lock(&self.cancelled).insert(
@@ -137,7 +148,7 @@ impl Engine {
             now,
         } = down;
         if let Some(ending) = now {
-            return self.end(request, ending);
+            return self.end_quietly(request, ending);
         }
         let pull = self.settings.mode == pdpair_api::TransferMode::Pull;
         let mut notify = Vec::new();
@@ -170,12 +181,15 @@ impl Engine {
         }
     }
 
-    /// The engine hears how `request` ended, nothing writing its blocks any more.
-    fn end(&self, request: String, ending: Ending) {
-        match ending {
-            Ending::Cancelled => self.event(AgentEvent::Cancelled { request }),
-            Ending::Failed(reasons, message) => self.fail(request, reasons, message),
-        }
+    /// The engine hears how `request` ended, nothing writing its blocks any more; its windows
+    /// were closed while its name was still held ([`Engine::close_windows`]), so this touches
+    /// none (a new request of the name may have opened its own since).
+    fn end_quietly(&self, request: String, ending: Ending) {
+        let event = match ending {
+            Ending::Cancelled => AgentEvent::Cancelled { request },
+            Ending::Failed(reasons, message) => self.failure(request, reasons, message),
+        };
+        send(&self.writer, &event);
     }
 
     /// Fails `request` (when still pending) once no other prefill writes into its blocks;
@@ -228,11 +242,12 @@ impl Engine {
             return false;
         }
         c.waiting.swap_remove(i);
-        if c.waiting.is_empty()
-            && let Some(c) = cancelled.remove(request)
-        {
-            drop(cancelled);
-            self.end(request.to_owned(), c.ending);
+        if c.waiting.is_empty() {
+            self.close_windows(request);
+            if let Some(c) = cancelled.remove(request) {
+                drop(cancelled);
+                self.end_quietly(request.to_owned(), c.ending);
+            }
         }
         true
     }
@@ -247,6 +262,13 @@ impl Engine {
     ) {
         if !self.accept_request(Role::Decode, "ExpectKv", &request, &blocks, (first_token, num_tokens)) {
             return;
+        }
+        if lock(&self.linking).contains_key(&request) {
+            return self.refuse(
+                request.clone(),
+                vec![Reason::InvalidRequest],
+                format!("request {request} is already expected (ExpectKvFromPool, linking); the first stands"),
+            );
         }
         self.ask(request, prefills, blocks, num_tokens, first_token, false);
     }
@@ -316,19 +338,35 @@ impl Engine {
             }
         }
         let deadline = Instant::now() + self.handshake_timeout() + self.lease();
-        lock(&self.pending).insert(
-            request.clone(),
-            Pending {
-                prefills: prefills.clone(),
-                parts: HashMap::new(),
-                reading: Vec::new(),
-                blocks,
-                num_tokens,
-                first_token,
-                deadline,
-                release,
-            },
-        );
+        let taken = {
+            // Checked again with the insert, under one lock: another thread (an
+            // `ExpectKvFromPool` done linking) may have asked for the name since.
+            let mut pending = lock(&self.pending);
+            let taken = pending.contains_key(&request) || lock(&self.cancelled).contains_key(&request);
+            if !taken {
+                pending.insert(
+                    request.clone(),
+                    Pending {
+                        prefills: prefills.clone(),
+                        parts: HashMap::new(),
+                        reading: Vec::new(),
+                        blocks,
+                        num_tokens,
+                        first_token,
+                        deadline,
+                        release,
+                    },
+                );
+            }
+            taken
+        };
+        if taken {
+            return self.refuse(
+                request.clone(),
+                vec![Reason::InvalidRequest],
+                format!("request {request} is already expected (ExpectKv or Release twice); the first stands"),
+            );
+        }
         for prefill in prefills {
             let mut peers = lock(&self.peers);
             match peers.get_mut(&prefill) {
@@ -388,22 +426,57 @@ impl Engine {
                 ),
             );
         }
+        let taken = {
+            let mut linking = lock(&self.linking);
+            let taken = linking.contains_key(&request)
+                || lock(&self.pending).contains_key(&request)
+                || lock(&self.cancelled).contains_key(&request);
+            if !taken {
+                linking.insert(request.clone(), false);
+            }
+            taken
+        };
+        if taken {
+            self.picking.fetch_sub(1, Ordering::SeqCst);
+            return self.refuse(
+                request.clone(),
+                vec![Reason::InvalidRequest],
+                format!("request {request} is already expected or still ending; the first stands"),
+            );
+        }
         let e = self.clone();
         let id = request.clone();
         let started = thread::Builder::new().name("pool-links".into()).spawn(move || {
             let picked = e.pick_sources(&prefill_ranks);
             e.picking.fetch_sub(1, Ordering::SeqCst);
             match picked {
-                Ok(sources) => e.expect_kv(request, sources, blocks, num_tokens, first_token),
-                Err((reasons, message)) => e.fail(request, reasons, message),
+                Ok(sources) => {
+                    // Pending before it stops linking: a cancel meanwhile finds it one way or
+                    // the other, never neither.
+                    e.ask(request.clone(), sources, blocks, num_tokens, first_token, false);
+                    let cancelled = lock(&e.linking).remove(&request).unwrap_or(false);
+                    if cancelled {
+                        e.cancel_decode(request);
+                    }
+                }
+                Err((reasons, message)) => {
+                    let mut linking = lock(&e.linking);
+                    // Cancelled while linking: nothing was asked of any prefill, so that is the
+                    // answer (answered under the lock, so a cancel cannot come between).
+                    match linking.remove(&request) {
+                        Some(true) => e.event(AgentEvent::Cancelled { request }),
+                        _ => e.fail(request, reasons, message),
+                    }
+                }
             }
         });
-        if let Err(e) = started {
+        if let Err(err) = started {
             self.picking.fetch_sub(1, Ordering::SeqCst);
+            lock(&self.linking).remove(&id);
             self.refuse(
                 id,
                 vec![Reason::InvalidRequest],
-                format!("the agent cannot start a thread to link the ranks: {e}"),
+                format!("the agent cannot start a thread to link the ranks: {err}"),
             );
         }
     }
@@ -508,24 +581,28 @@ impl Engine {
         if cancelled {
             return self.release_cancelled(link, request);
         }
-        let message = lock(&self.pending).get(request).map(|p| {
-            if p.release {
-                Message::Release {
-                    request: request.to_owned(),
-                }
-            } else {
-                self.open_window(link, request, &p.blocks);
-                Message::Register(Registration {
-                    request: request.to_owned(),
-                    blocks: p.blocks.clone(),
-                    num_tokens: p.num_tokens,
-                    first_token: p.first_token,
-                })
-            }
-        });
-        if let Some(message) = message
-            && !link.send(&message)
-        {
+        // Sent under the pending lock (a send only queues): a request that winds down meanwhile
+        // is either not sent, or sent before the wind-down's `Release`, never after it.
+        let sent = {
+            let pending = lock(&self.pending);
+            pending.get(request).map(|p| {
+                let message = if p.release {
+                    Message::Release {
+                        request: request.to_owned(),
+                    }
+                } else {
+                    self.open_window(link, request, &p.blocks);
+                    Message::Register(Registration {
+                        request: request.to_owned(),
+                        blocks: p.blocks.clone(),
+                        num_tokens: p.num_tokens,
+                        first_token: p.first_token,
+                    })
+                };
+                link.send(&message)
+            })
+        };
+        if sent == Some(false) {
             self.fail_pending(
                 request,
                 vec![Reason::PeerLost],
@@ -656,7 +733,15 @@ impl Engine {
             d_first: 0,
         });
         let Session { sealer, opener, .. } = session;
-        let (outbox, queued, stream) = Link::writer(stream, sealer).map_err(wire::FrameError::from)?;
+        let (outbox, queued, stream) = match Link::writer(stream, sealer) {
+            Ok(writer) => writer,
+            Err(e) => {
+                if let Some(id) = ucx_peer {
+                    self.transport().disconnect(id);
+                }
+                return Err(wire::FrameError::from(e).into());
+            }
+        };
         Ok((
             Link {
                 admission,
@@ -671,6 +756,7 @@ impl Engine {
                 addr: addr.to_owned(),
                 heads,
                 waiting: Default::default(),
+                closing: AtomicBool::new(false),
             },
             opener,
         ))
@@ -763,7 +849,12 @@ impl Engine {
                         Some(&link.addr),
                     );
                 }
-                Ok(Message::ReleaseDone { request }) if self.owned_by(&link, &request, false) => {
+                // Only a request that asked for nothing (a release) ends with it: a registered
+                // request's ReleaseDone (stale, or forged) would end it while others may write.
+                Ok(Message::ReleaseDone { request })
+                    if self.owned_by(&link, &request, false)
+                        && lock(&self.pending).get(&request).is_some_and(|p| p.release) =>
+                {
                     if lock(&self.pending).remove(&request).is_some() {
                         self.event(AgentEvent::Released { request });
                     }

@@ -121,13 +121,15 @@ pub const MAX_WAITING_BLOCKS: usize = 1 << 22;
 /// [`MAX_WAITING_BLOCKS`], for as long as it lives (however it leaves the waiting list).
 #[derive(Debug)]
 pub(super) struct Held {
-    link: Arc<Link>,
+    /// The link's counts (not the link: an early release outlives its link by up to a lease,
+    /// and must not keep the link's socket and writer thread).
+    counts: Arc<(std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsize)>,
     blocks: usize,
 }
 
 impl Held {
     /// A place for a registration of `blocks` blocks on `link`, or why there is none.
-    fn take(link: &Arc<Link>, blocks: usize) -> Result<Held, String> {
+    fn take(link: &Link, blocks: usize) -> Result<Held, String> {
         let (count, held) = (&link.waiting.0, &link.waiting.1);
         let now = count.load(Ordering::SeqCst);
         let now_blocks = held.load(Ordering::SeqCst);
@@ -139,7 +141,7 @@ impl Held {
         count.fetch_add(1, Ordering::SeqCst);
         held.fetch_add(blocks, Ordering::SeqCst);
         Ok(Held {
-            link: link.clone(),
+            counts: link.waiting.clone(),
             blocks,
         })
     }
@@ -147,8 +149,8 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        self.link.waiting.0.fetch_sub(1, Ordering::SeqCst);
-        self.link.waiting.1.fetch_sub(self.blocks, Ordering::SeqCst);
+        self.counts.0.fetch_sub(1, Ordering::SeqCst);
+        self.counts.1.fetch_sub(self.blocks, Ordering::SeqCst);
     }
 }
 
@@ -314,6 +316,7 @@ impl Engine {
             path: std::sync::OnceLock::new(),
             addr: peer_addr,
             waiting: Default::default(),
+            closing: AtomicBool::new(false),
         });
         {
             let mut accepted = lock(&self.accepted);
@@ -326,6 +329,16 @@ impl Engine {
         }
         loop {
             match wire::read_sealed::<Message>(&mut reader, &mut opener, wire::MAX_FRAME) {
+                // An id no engine of ours could have sent is kept nowhere (and not echoed back).
+                Ok(
+                    Message::Register(Registration { ref request, .. })
+                    | Message::Released { ref request, .. }
+                    | Message::Release { ref request }
+                    | Message::Renew { ref request },
+                ) if request.len() > crate::engine_api::MAX_REQUEST_ID => {
+                    self.shared.metrics.foreign_answer();
+                    tracing::warn!(engine = %self.reg.engine, peer = %link.addr, bytes = request.len(), "ignored a message whose request id is too long");
+                }
                 Ok(Message::Register(reg)) => self.registration(&link, reg),
                 Ok(Message::Released { request, bytes }) => self.released(&link, request, bytes),
                 Ok(Message::Release { request }) => self.decode_released(&link, request),
@@ -464,7 +477,7 @@ impl Engine {
     /// of this link still waiting for the KvReady is dropped, so nothing will be written; a
     /// push to this link that is running is left to end, and its `Complete` or `Failed` is the
     /// answer; blocks lent to this link (pull) count as released.
-    fn decode_released(&self, link: &Arc<Link>, request: String) {
+    fn decode_released(&self, link: &Link, request: String) {
         let expected = protocol::decode_ranks_served(&self.local, &link.peer);
         let concluded = {
             let mut matching = lock(&self.matching);

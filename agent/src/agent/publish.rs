@@ -134,7 +134,8 @@ fn endpoint_name(pod: &str, engine: &str) -> String {
         .chain_update([0])
         .chain_update(engine.as_bytes())
         .finalize();
-    let hash: String = digest[..5].iter().map(|b| format!("{b:02x}")).collect();
+    // 64 bits: finding another pair of names with the same hash takes about 2^64 tries.
+    let hash: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
     let raw = format!("{pod}-{engine}").to_lowercase();
     let cleaned: String = raw
         .chars()
