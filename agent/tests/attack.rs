@@ -1735,7 +1735,9 @@ fn a_prefill_that_never_answers_a_cancel_loses_its_link_and_the_engine_hears_can
         .set_read_timeout(Some(within * 3))
         .expect("timeout");
     let (seen, saw) = std::sync::mpsc::channel();
+    let (registered_tx, registered) = std::sync::mpsc::channel::<()>();
     let (evil, handle) = evil_prefill(move |s, session, _reg| {
+        let _ = registered_tx.send(());
         let mut released = false;
         loop {
             match session.recv(s) {
@@ -1751,7 +1753,7 @@ fn a_prefill_that_never_answers_a_cancel_loses_its_link_and_the_engine_hears_can
         let _ = seen.send(released);
     });
     expect_kv(&mut d, "r", evil, &[1, 2], 100);
-    std::thread::sleep(Duration::from_millis(300));
+    registered.recv_timeout(Duration::from_secs(10)).expect("registered");
     let cancelled_at = Instant::now();
     d.send(&EngineRequest::Cancel { request: "r".into() }).expect("Cancel");
     let event = d.next_event().expect("an answer to the cancel");
@@ -1812,7 +1814,10 @@ fn a_push_that_fails_at_one_prefill_is_told_only_once_the_others_stopped_writing
         &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
     )
     .expect("decode registers");
-    let (fails, fails_handle) = evil_prefill(|s, session, reg| {
+    // It fails once the other has its registration (else that one is only ever sent a Release).
+    let (registered_tx, registered) = std::sync::mpsc::channel::<()>();
+    let (fails, fails_handle) = evil_prefill(move |s, session, reg| {
+        let _ = registered.recv_timeout(Duration::from_secs(10));
         session
             .send(
                 s,
@@ -1825,7 +1830,11 @@ fn a_push_that_fails_at_one_prefill_is_told_only_once_the_others_stopped_writing
             .expect("Failed");
     });
     let (answered, answer) = std::sync::mpsc::channel();
-    let (pushing, pushing_handle) = evil_prefill(completes_after_release(answered));
+    let stop_when_told = completes_after_release(answered);
+    let (pushing, pushing_handle) = evil_prefill(move |s, session, reg| {
+        let _ = registered_tx.send(());
+        stop_when_told(s, session, reg)
+    });
     d.send(&EngineRequest::ExpectKvFrom {
         request: "r".into(),
         prefills: vec![fails, pushing],
