@@ -34,7 +34,7 @@ mod publish;
 
 use prefill::Matching;
 
-pub use publish::Publisher;
+pub use publish::{Publisher, endpoint_name};
 
 use crate::{
     engine_api::{AgentEvent, EngineRequest, PoolRegistration, Settings},

@@ -5,6 +5,7 @@
 use std::{path::PathBuf, time::Duration};
 
 use pdpair_agent::{
+    agent::endpoint_name,
     engine_api::{AgentEvent, EngineRequest},
     synthetic::{EngineMemory, EngineSpec, SyntheticEngine},
 };
@@ -110,7 +111,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     let mut p = register(&p_sock, spec(Role::Prefill, "p0", "prefill-pod", 64));
     // Both endpoints appear, owned by their Pods, and the pair counts them.
     let endpoint = eventually(WAIT, "the decode PDEndpoint", || {
-        get_json("pdendpoint", &ns, "decode-pod-d0")
+        get_json("pdendpoint", &ns, &endpoint_name("decode-pod", "d0"))
     });
     let owner = &endpoint["metadata"]["ownerReferences"][0];
     assert_eq!(
@@ -127,7 +128,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         "{staging:?}"
     );
     let prefill = eventually(WAIT, "the prefill PDEndpoint", || {
-        get_json("pdendpoint", &ns, "prefill-pod-p0")
+        get_json("pdendpoint", &ns, &endpoint_name("prefill-pod", "p0"))
     });
     assert_eq!(prefill["spec"]["poolMemory"], "Host");
     assert!(prefill["spec"].get("staging").is_none(), "{prefill}");
@@ -151,7 +152,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     // The path: prefill's agent moved the bytes, over its tcp stream, and says so; decode's
     // holds no endpoint and reports none.
     let endpoint = eventually(WAIT, "the path in prefill's PDEndpoint", || {
-        let e = get_json("pdendpoint", &ns, "prefill-pod-p0")?;
+        let e = get_json("pdendpoint", &ns, &endpoint_name("prefill-pod", "p0"))?;
         e["status"]["paths"].get(0).is_some().then_some(e)
     });
     let path = &endpoint["status"]["paths"][0];
@@ -160,7 +161,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     assert_eq!(path["backend"], "TcpStream");
     assert_eq!(path["emulated"], false, "the receiving agent places the bytes");
     assert_eq!(path["peer"], "d0@node-d", "{endpoint}");
-    let decode = get_json("pdendpoint", &ns, "decode-pod-d0").expect("decode's endpoint");
+    let decode = get_json("pdendpoint", &ns, &endpoint_name("decode-pod", "d0")).expect("decode's endpoint");
     assert!(decode["status"]["paths"].is_null(), "{decode}");
     // Tcp is not what the pair requires: TransferPath False with a Warning Event (no kubelet
     // runs the pods here, so Ready is False for that already).
@@ -180,7 +181,10 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     let message = warning["message"].as_str().unwrap_or_default();
     assert!(
         message.contains("requirePath [Rdma, SharedMemory]")
-            && message.contains("prefill-pod-p0: Tcp (tcp-stream/127.0.0.1)"),
+            && message.contains(&format!(
+                "{}: Tcp (tcp-stream/127.0.0.1)",
+                endpoint_name("prefill-pod", "p0")
+            )),
         "{message}"
     );
     // Allowing Tcp turns it True, its reason the path.
@@ -224,7 +228,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         "{event:?}"
     );
     let endpoint = eventually(WAIT, "the rejection in decode's PDEndpoint", || {
-        let e = get_json("pdendpoint", &ns, "decode-pod-d0")?;
+        let e = get_json("pdendpoint", &ns, &endpoint_name("decode-pod", "d0"))?;
         (e["status"]["handshakesRejected"] == 1).then_some(e)
     });
     assert_eq!(
@@ -255,7 +259,9 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         None,
     );
     eventually(WAIT, "the endpoint of the deleted Pod to go", || {
-        get_json("pdendpoint", &ns, "prefill16-pod-p16").is_none().then_some(())
+        get_json("pdendpoint", &ns, &endpoint_name("prefill16-pod", "p16"))
+            .is_none()
+            .then_some(())
     });
     drop(p16);
     // Routine engine-side outcomes are counted but are no news about the path: KV that no
@@ -281,7 +287,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         "{event:?}"
     );
     let endpoint = eventually(WAIT, "the expiry in prefill's PDEndpoint", || {
-        let e = get_json("pdendpoint", &ns, "prefill-pod-p0")?;
+        let e = get_json("pdendpoint", &ns, &endpoint_name("prefill-pod", "p0"))?;
         (e["status"]["transfersFailed"] == 1).then_some(e)
     });
     assert!(endpoint["status"]["lastFailure"].is_null(), "{endpoint}");
@@ -296,7 +302,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     });
     assert_eq!(pair_json["status"]["transfer"]["handshakesRejected"], 1);
     assert_eq!(pair_json["status"]["transfer"]["transfersFailed"], 1);
-    let endpoint = get_json("pdendpoint", &ns, "decode-pod-d0").expect("decode's endpoint");
+    let endpoint = get_json("pdendpoint", &ns, &endpoint_name("decode-pod", "d0")).expect("decode's endpoint");
     assert!(
         endpoint["status"]["lastSuccess"].as_str() >= endpoint["status"]["lastRejection"]["time"].as_str(),
         "{endpoint}"

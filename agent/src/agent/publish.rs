@@ -127,7 +127,7 @@ async fn run(
 /// not one-to-one (pod `a` with engine `b-c` and pod `a-b` with engine `c`, or `X` and `x`, read
 /// the same), and an engine whose name matched another's endpoint would overwrite it (its
 /// address, pair and owner): the hash of both exact names keeps them apart.
-fn endpoint_name(pod: &str, engine: &str) -> String {
+pub fn endpoint_name(pod: &str, engine: &str) -> String {
     use sha2::Digest;
     let digest = sha2::Sha256::new()
         .chain_update(pod.as_bytes())
