@@ -29,7 +29,7 @@ use pdpair_api::{Role, checksum::BlockSums};
 
 mod decode;
 mod prefill;
-pub use prefill::{MAX_WAITING, MAX_WAITING_BLOCKS};
+pub use prefill::{MAX_LINKS_PER_SOURCE, MAX_WAITING, MAX_WAITING_BLOCKS};
 mod publish;
 
 use prefill::Matching;

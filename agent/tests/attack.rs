@@ -2314,3 +2314,34 @@ fn a_decode_link_has_a_bounded_number_of_registrations_waiting() {
     std::thread::sleep(Duration::from_millis(200));
     lent(&mut s, &mut session, &mut p, "x");
 }
+
+#[test]
+fn an_insider_keeps_a_bounded_number_of_links_to_one_engine() {
+    let _serial = serial();
+    // Each authenticated link has its own bounds (its outbox, its waiting registrations) and
+    // threads; one source may hold a bounded number of them to one engine, or an insider would
+    // multiply those bounds by opening links.
+    let w = World::new("attack-links");
+    let p = pull_prefill_ready(&w);
+    let bound = pdpair_agent::agent::MAX_LINKS_PER_SOURCE;
+    let mut links: Vec<_> = (0..bound).map(|_| pull_link(&p)).collect();
+    let mut me = insider(Role::Decode);
+    me.mode = TransferMode::Pull;
+    let one_more = || -> Result<(), String> {
+        let mut s = TcpStream::connect(addr(&p)).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| e.to_string())?;
+        let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).map_err(|e| e.to_string())?;
+        protocol::handshake_decode(&mut s, &mut session, &me).map_err(|e| e.to_string())?;
+        Ok(())
+    };
+    assert!(one_more().is_err(), "a link past the bound is closed");
+    // One goes; another may come.
+    links.pop();
+    let until = Instant::now() + Duration::from_secs(10);
+    while let Err(e) = one_more() {
+        assert!(Instant::now() < until, "no link after one went: {e}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(links);
+}

@@ -108,6 +108,10 @@ type EarlyRelease = (Vec<(u64, Held)>, u32, Instant);
 /// place in the link's bound.
 type Waiting = (Arc<Link>, Registration, Instant, Held);
 
+/// Links one prefill engine keeps with one source address at most (a decode agent holds one per
+/// decode engine on its node): more are closed before authentication, like the pre-auth budget's.
+pub const MAX_LINKS_PER_SOURCE: usize = 128;
+
 /// Registrations (and releases that came first) one decode link may have waiting for their
 /// KvReady, at most: more are refused (an insider could otherwise fill the agent's memory with
 /// registrations of requests that never come). A decode engine asks for far fewer at once (vLLM
@@ -177,9 +181,28 @@ impl Engine {
                 drop(stream);
                 continue;
             };
+            // Authenticated links are bounded per source too: an insider cannot multiply the
+            // per-link bounds (outbox, waiting registrations, threads) by opening links.
+            if self.links_from(source) >= MAX_LINKS_PER_SOURCE {
+                self.shared.metrics.handshake_refused(Reason::Busy);
+                tracing::warn!(engine = %self.reg.engine, %source, "a source holds {MAX_LINKS_PER_SOURCE} links to this engine already; closed another");
+                drop(stream);
+                continue;
+            }
             let e = self.clone();
             thread::spawn(move || e.serve_decode(stream, slot));
         }
+    }
+
+    /// Links to this engine from `source` whose reader still runs.
+    fn links_from(&self, source: std::net::IpAddr) -> usize {
+        let mut accepted = lock(&self.accepted);
+        accepted.retain(|l| l.strong_count() > 0);
+        accepted
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .filter(|l| l.alive.load(Ordering::SeqCst) && l.addr.parse::<SocketAddr>().is_ok_and(|a| a.ip() == source))
+            .count()
     }
 
     fn serve_decode(self: Arc<Self>, stream: TcpStream, slot: PreAuth) {
