@@ -862,12 +862,14 @@ impl Link {
                 return false;
             }
             let (sealer, sender) = &mut *outbox;
-            match wire::seal(sealer, m) {
-                Ok(frame) if self.queued.load(Ordering::SeqCst) + frame.len() <= LINK_OUTBOX => {
+            // Sealed only when it fits: a refused frame leaves no gap in the sequence.
+            let fits = |len: usize| self.queued.load(Ordering::SeqCst) + len <= LINK_OUTBOX;
+            match wire::seal_if(sealer, m, fits) {
+                Ok(Some(frame)) => {
                     self.queued.fetch_add(frame.len(), Ordering::SeqCst);
                     sender.send(Some(frame)).is_ok()
                 }
-                Ok(_) => {
+                Ok(None) => {
                     tracing::warn!(peer = %self.addr, "a peer let {LINK_OUTBOX} bytes pile up; closing its link");
                     false
                 }

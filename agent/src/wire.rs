@@ -160,9 +160,22 @@ pub fn write_sealed<T: Serialize>(w: &mut impl Write, sealer: &mut Sealer, messa
 
 /// One sealed frame's bytes, as [`write_sealed`] writes them (the sealer counts it as sent).
 pub fn seal<T: Serialize>(sealer: &mut Sealer, message: &T) -> Result<Vec<u8>, FrameError> {
+    seal_if(sealer, message, |_| true).map(|frame| frame.unwrap_or_default())
+}
+
+/// [`seal`], only when `fits` the frame's length: `None` otherwise, the sealer untouched (the
+/// next frame sealed is still the one the peer expects).
+pub fn seal_if<T: Serialize>(
+    sealer: &mut Sealer,
+    message: &T,
+    fits: impl FnOnce(usize) -> bool,
+) -> Result<Option<Vec<u8>>, FrameError> {
     let mut body = serde_json::to_vec(message).map_err(|e| FrameError::Malformed(e.to_string()))?;
     if body.is_empty() || body.len() + TAG_LEN > MAX_FRAME {
         return Err(FrameError::BadLength(body.len()));
+    }
+    if !fits(4 + body.len() + TAG_LEN) {
+        return Ok(None);
     }
     let t = tag(&sealer.key, sealer.seq, &body).finalize().into_bytes();
     sealer.seq += 1;
@@ -171,7 +184,7 @@ pub fn seal<T: Serialize>(sealer: &mut Sealer, message: &T) -> Result<Vec<u8>, F
     buf.extend_from_slice(&len.to_be_bytes());
     buf.append(&mut body);
     buf.extend_from_slice(&t);
-    Ok(buf)
+    Ok(Some(buf))
 }
 
 /// Reads one sealed frame of at most `max` bytes; the tag is checked (in constant time) before
@@ -441,6 +454,20 @@ mod tests {
         a: u32,
         #[serde(with = "hex_bytes")]
         b: Vec<u8>,
+    }
+
+    #[test]
+    fn a_frame_that_does_not_fit_is_not_sealed_and_leaves_no_gap() {
+        let mut sealer = Sealer::new([3; 32]);
+        let refused = seal_if(&mut sealer, &"too big", |len| len < 10).expect("sealable");
+        assert_eq!(refused, None);
+        // The next frame is still the first the peer expects.
+        let frame = seal_if(&mut sealer, &"fits", |_| true)
+            .expect("sealable")
+            .expect("sealed");
+        let mut opener = Opener::new([3; 32]);
+        let got: String = read_sealed(&mut &frame[..], &mut opener, MAX_FRAME).expect("verifies");
+        assert_eq!(got, "fits");
     }
 
     #[test]
