@@ -118,3 +118,107 @@ def test_the_stager_is_told_before_the_agent_is_asked_for_new_receives():
                           blocks=[1], first_token=0, num_tokens=16)
     w.start(Plan(recvs=[recv("r1"), recv("r2")]))
     assert calls == ["before_receive", "expect_kv a-r1", "expect_kv a-r2"]
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [(PARAM_REQUEST, "\ud800"), (PARAM_REQUEST, "r" * 513), (PARAM_RANKS, ["10.0.0.1:7000"] * 1025),
+     (PARAM_RANKS, ["\udfff"]), (PARAM_RANKS, ["a" * 257]), (PARAM_TOKENS, (1 << 40) + 1)],
+)
+def test_params_the_agent_could_not_take_are_refused_before_reaching_it(field, value):
+    # A lone surrogate is escaped by json.dumps but cannot be decoded by the agent (it closed the
+    # connection, every transfer of the rank with it); an oversized id or list failed the frame
+    # (the worker's step raised). Both are the client's: the request is computed locally.
+    with pytest.raises(ValueError, match=field):
+        check_params(params(**{field: value}))
+
+
+def test_ranks_named_twice_count_once():
+    assert check_params(params(**{PARAM_RANKS: ["a:1", "b:2", "a:1"]}))[1] == ["a:1", "b:2"]
+
+
+def test_remote_decode_asked_of_an_engine_with_no_prefill_rank_is_ignored_not_fatal(caplog):
+    # A decode engine's workers offer no address; a client's do_remote_decode there raised inside
+    # request_finished and took the engine core down.
+    s = SchedulerState(16, 16)
+    assert s.finished("r", {"do_remote_decode": True}, True, [1, 2], 20, "e") == (False, None)
+    assert "no prefill rank" in caplog.text
+    assert s.plan().empty()
+
+
+class _Client:
+    """Records what a worker asks of its agent; answers come from ``finished``."""
+
+    def __init__(self):
+        self.calls = []
+        self.finished = []
+
+    def expect_kv(self, request, *args):
+        self.calls.append(("expect_kv", request))
+
+    def kv_ready(self, request, *args):
+        self.calls.append(("kv_ready", request))
+
+    def cancel(self, request):
+        self.calls.append(("cancel", request))
+
+    def take_finished(self):
+        out, self.finished = self.finished, []
+        return out
+
+
+def test_a_receive_naming_a_transfer_in_flight_is_failed_locally_and_the_first_keeps_its_answer():
+    # Two requests whose params name one prefill request (a client's copy), or a receive naming
+    # this engine's own prefill in flight: asking the agent again overwrote the first's entry, so
+    # the first's answer was lost (its blocks held for good) or applied to the second (which then
+    # loaded blocks the agent never wrote).
+    from pdpair_vllm.client import Event
+    from pdpair_vllm.transfer import Send
+    client = _Client()
+    loads = []
+
+    class Loads(Stager):
+        def load(self, blocks):
+            loads.append(blocks)
+
+        def save(self, blocks):
+            pass
+
+    w = WorkerState(client, Loads())
+    recv = lambda r, blocks: Recv(request=r, agent_request="p-1", prefill_ranks=["10.0.0.1:7000"],
+                                  logical_blocks=blocks, blocks=blocks, first_token=0, num_tokens=16)
+    w.start(Plan(recvs=[recv("a", [1])]))
+    w.start(Plan(recvs=[recv("b", [2])]))
+    assert client.calls == [("expect_kv", "p-1")], "the agent is asked once"
+    got = w.poll()
+    assert got.failed_recving == {"b"} and got.error_blocks == {2} and got.finished_recving == {"b"}
+    client.finished.append(Event("RequestDone", "p-1", {"type": "RequestDone", "request": "p-1"}))
+    got = w.poll()
+    assert got.finished_recving == {"a"} and not got.failed_recving and loads == [[1]]
+    # This engine's own prefill in flight, named by a receive: the receive fails; the send keeps
+    # its answer. And a send whose id a receive holds is not offered.
+    w.save(Plan(sends=[Send("own", [3], 16)]))
+    w.start(Plan(recvs=[Recv(request="c", agent_request="own", prefill_ranks=["x:1"], logical_blocks=[4],
+                             blocks=[4], first_token=0, num_tokens=16)]))
+    assert w.poll().failed_recving == {"c"}
+    client.finished.append(Event("RequestDone", "own", {"type": "RequestDone", "request": "own"}))
+    assert w.poll().finished_sending == {"own"}
+    w.start(Plan(recvs=[Recv(request="d", agent_request="held", prefill_ranks=["x:1"], logical_blocks=[5],
+                             blocks=[5], first_token=0, num_tokens=16)]))
+    w.save(Plan(sends=[Send("held", [6], 16)]))
+    assert ("kv_ready", "held") not in client.calls
+    assert w.poll().finished_sending == {"held"}
+
+
+def test_a_workers_outcomes_are_bounded():
+    from pdpair_vllm import transfer
+    from pdpair_vllm.client import Event
+    client = _Client()
+    w = WorkerState(client, Stager())
+    for i in range(transfer.KEPT + 10):
+        w.start(Plan())
+        w._open[f"s{i}"] = ("send", f"s{i}", None)
+        client.finished.append(Event("RequestDone", f"s{i}", {"type": "RequestDone", "request": f"s{i}"}))
+        w.poll()
+    assert len(w.outcomes) == transfer.KEPT
+    assert f"s{transfer.KEPT + 9}" in w.outcomes and "s0" not in w.outcomes

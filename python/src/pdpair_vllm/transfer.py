@@ -87,20 +87,50 @@ class Plan:
         return not (self.sends or self.recvs or self.releases or self.renews or self.cancels)
 
 
+#: Bytes of a request id, at most (the agent's bound, ``engine_api::MAX_REQUEST_ID``).
+MAX_REQUEST_ID = 512
+#: Prefill ranks one request may name, at most (the agent's bound), and bytes of each address.
+MAX_RANKS = 1024
+MAX_ADDRESS = 256
+#: Tokens one request may have, at most (the agent's bound, 2^40).
+MAX_TOKENS = 1 << 40
+
+
+def _text(value: object, limit: int) -> bool:
+    """A non-empty string the agent can take: UTF-8 (no lone surrogates, which JSON escapes and
+    the agent cannot decode), at most ``limit`` bytes."""
+    if not isinstance(value, str) or not value:
+        return False
+    try:
+        return len(value.encode("utf-8")) <= limit
+    except UnicodeEncodeError:
+        return False
+
+
 def check_params(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]:
     """P's request id, ranks and token count from D's ``kv_transfer_params``, or ``None`` when
     they ask for no remote prefill. They come from a client through the proxy: untrusted, so a
-    malformed field raises ``ValueError`` naming it and its value."""
+    malformed field raises ``ValueError`` naming it and its value (cut short). Ranks named twice
+    count once."""
     if not params or not params.get("do_remote_prefill"):
         return None
     request, ranks, tokens = params.get(PARAM_REQUEST), params.get(PARAM_RANKS), params.get(PARAM_TOKENS)
-    if not isinstance(request, str) or not request:
-        raise ValueError(f"kv_transfer_params.{PARAM_REQUEST} is {request!r}, not a request id")
-    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, str) and r for r in ranks):
-        raise ValueError(f"kv_transfer_params.{PARAM_RANKS} is {ranks!r}, not a list of addresses")
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-        raise ValueError(f"kv_transfer_params.{PARAM_TOKENS} is {tokens!r}, not a token count")
-    return request, ranks, tokens
+    if not _text(request, MAX_REQUEST_ID):
+        raise ValueError(f"kv_transfer_params.{PARAM_REQUEST} is {_short(request)}, not a request id "
+                         f"(UTF-8, 1 to {MAX_REQUEST_ID} bytes)")
+    if (not isinstance(ranks, list) or not ranks or len(ranks) > MAX_RANKS
+            or not all(_text(r, MAX_ADDRESS) for r in ranks)):
+        raise ValueError(f"kv_transfer_params.{PARAM_RANKS} is {_short(ranks)}, not a list of 1 to {MAX_RANKS} "
+                         f"addresses")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"kv_transfer_params.{PARAM_TOKENS} is {_short(tokens)}, not a token count")
+    return request, list(dict.fromkeys(ranks)), tokens
+
+
+def _short(value: object) -> str:
+    """A client's value for a log line: its repr, cut to 200 characters."""
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _remote(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]:
@@ -215,7 +245,12 @@ class SchedulerState:
         if not params or not params.get("do_remote_decode") or not completed or not block_ids:
             return False, None
         if not self.prefill_ranks:
-            raise RuntimeError("no worker has registered with the pdpair agent yet")
+            # A decode engine (its workers have no address to offer), or a prefill engine whose
+            # workers have not registered: nothing to send. The flag comes from a client, so
+            # this must not take the engine down.
+            log.warning("pdpair: request %s asks for remote decode, but this engine has no prefill rank "
+                        "registered with its agent; its KV is not offered", request)
+            return False, None
         tokens = num_computed_tokens
         logical = list(block_ids[: -(-tokens // self.block_size)])
         self._plan.sends.append(Send(request, kernel_ids(logical, self.per_logical), tokens))
@@ -262,6 +297,24 @@ class Results:
     error_blocks: Set[int] = field(default_factory=set)
 
 
+#: Requests whose outcome and staging times a worker keeps (for logs and tests), at most.
+KEPT = 4096
+
+
+def _keep(table: dict, key: str, value):
+    """``table[key]``, set to ``value`` when absent, keeping only the newest :data:`KEPT` keys."""
+    if key not in table:
+        table[key] = value
+        while len(table) > KEPT:
+            table.pop(next(iter(table)))
+    return table[key]
+
+
+def _set(table: dict, key: str, value) -> None:
+    _keep(table, key, value)
+    table[key] = value
+
+
 class WorkerState:
     """One worker rank's side: its agent connection and its staging."""
 
@@ -273,9 +326,11 @@ class WorkerState:
         self._open: Dict[str, Tuple[str, str, Optional[Recv]]] = {}
         self._by_request: Dict[str, str] = {}
         self._results = Results()
-        #: How each request ended with the agent (vLLM id -> final event type), for logs and tests.
+        #: How each request ended with the agent (vLLM id -> final event type), for logs and tests:
+        #: the last :data:`KEPT` requests.
         self.outcomes: Dict[str, str] = {}
-        #: Milliseconds of staging copies per request (vLLM id -> "save"/"load" -> ms).
+        #: Milliseconds of staging copies per request (vLLM id -> "save"/"load" -> ms), the last
+        #: :data:`KEPT` requests.
         self.staging_ms: Dict[str, Dict[str, float]] = {}
 
     def start(self, plan: Plan) -> None:
@@ -283,6 +338,15 @@ class WorkerState:
         if plan.recvs:
             self.stager.before_receive()
         for recv in plan.recvs:
+            if recv.agent_request in self._open:
+                # The id names a transfer in flight here (another request's params, or this
+                # engine's own prefill): asking again would take its answer for this one.
+                log.warning("pdpair: request %s names %s, which is in flight here; its KV is computed locally",
+                            recv.request, _short(recv.agent_request))
+                self._results.failed_recving.add(recv.request)
+                self._results.error_blocks.update(recv.logical_blocks)
+                self._results.finished_recving.add(recv.request)
+                continue
             self._open[recv.agent_request] = ("recv", recv.request, recv)
             self._by_request[recv.request] = recv.agent_request
             self.client.expect_kv(recv.agent_request, recv.prefill_ranks, recv.blocks, recv.num_tokens,
@@ -306,9 +370,15 @@ class WorkerState:
     def save(self, plan: Plan) -> None:
         """After the forward pass: stage finished prefills into the pool and announce them."""
         for send in plan.sends:
+            if send.request in self._open:
+                # A receive here claims this id (a client named it): the send cannot be told
+                # apart from it, so it is not offered; its blocks are free.
+                log.warning("pdpair: request %s is in flight here as a receive; its KV is not offered", send.request)
+                self._results.finished_sending.add(send.request)
+                continue
             t = time.perf_counter()
             self.stager.save(send.blocks)
-            self.staging_ms.setdefault(send.request, {})["save"] = (time.perf_counter() - t) * 1e3
+            _keep(self.staging_ms, send.request, {})["save"] = (time.perf_counter() - t) * 1e3
             self._open[send.request] = ("send", send.request, None)
             self.client.kv_ready(send.request, send.blocks, send.num_tokens)
 
@@ -329,7 +399,7 @@ class WorkerState:
             self._open[event.request] = entry
             return
         self._by_request.pop(request, None)
-        self.outcomes[request] = event.type
+        _set(self.outcomes, request, event.type)
         r = self._results
         if kind == "send" or kind == "cancel":
             # P: done, failed or released: the blocks are free. D: the cancel was answered.
@@ -339,7 +409,7 @@ class WorkerState:
         if event.type == "RequestDone":
             t = time.perf_counter()
             self.stager.load(recv.blocks)
-            self.staging_ms.setdefault(request, {})["load"] = (time.perf_counter() - t) * 1e3
+            _keep(self.staging_ms, request, {})["load"] = (time.perf_counter() - t) * 1e3
         else:
             log.warning("pdpair: receiving request %s (%s) failed: %s: %s", request, event.request,
                         ",".join(event.reasons) or event.type, event.message)
