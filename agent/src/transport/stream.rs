@@ -801,61 +801,77 @@ impl Stream {
         let deadline = Instant::now() + within;
         across_lanes(&p, &split(ops, p.lanes.len()), deadline, |lane, parts, stop| {
             on_connection(&p, lane, false, deadline, |c| {
-                let mut bytes = 0u64;
-                let mut next = 0;
                 let mut wrote_device = false;
-                while next < parts.len() {
-                    if stop.load(Ordering::Relaxed) {
-                        // Between windows of reads: nothing is outstanding, the connection stays.
-                        return Err(Kept(OpError::Failed(ANOTHER_LANE.into())));
-                    }
-                    // Send a window of requests, then read their answers in order.
-                    let (mut end, mut window) = (next, 0u64);
-                    while end < parts.len()
-                        && end - next < GET_WINDOW_OPS
-                        && (end == next || window + parts[end].2.len <= GET_WINDOW_BYTES)
-                    {
-                        window += parts[end].2.len;
-                        end += 1;
-                    }
-                    let headers: Vec<[u8; 24]> = parts[next..end]
-                        .iter()
-                        .map(|(_, _, op)| header(OP_GET, op.remote, op.len))
-                        .collect();
-                    let records: Vec<&[u8]> = headers.iter().map(|h| &h[..]).collect();
-                    c.send_small(&records).map_err(failure)?;
-                    for (i, _, op) in &parts[next..end] {
-                        // Refused: the answers to the reads after it are still on their way, so
-                        // the connection goes either way (the next op dials again).
-                        if let Err(r) = read_status(c).map_err(failure)? {
-                            return Err(OpError::Failed(format!("the peer refused a read: {}", r.why)).into());
-                        }
-                        let dest = &held[at_region[*i]];
-                        wrote_device |= dest.device.is_some();
-                        let mut failed = None;
-                        c.recv_each(op.len, |at, plain| {
-                            // `prepare` checked the range lies in the region, which `held` keeps
-                            // mapped. After a failed copy the rest is read (framing) and dropped.
-                            if failed.is_none() {
-                                failed = dest.write(op.local + at, plain).err();
-                            }
-                        })
-                        .map_err(failure)?;
-                        if let Some(e) = failed {
-                            // The answers to the window's later reads are still on their way:
-                            // the connection goes.
-                            return Err(OpError::Failed(format!("placing a read in device memory: {e}")).into());
-                        }
-                        bytes += op.len;
-                    }
-                    next = end;
-                }
-                if wrote_device {
-                    settle(&held).map_err(|e| Kept(OpError::Failed(format!("device writes did not land: {e}"))))?;
-                }
+                let read = Self::read_gets(c, parts, stop, &held, &at_region, &mut wrote_device);
+                // On every exit, failed or not: a write into device memory may still be on its
+                // way, and the caller may hand the blocks back as soon as this returns.
+                let settled = if wrote_device { settle(&held) } else { Ok(()) };
+                let bytes = read?;
+                settled.map_err(|e| Kept(OpError::Failed(format!("device writes did not land: {e}"))))?;
                 Ok(bytes)
             })
         })
+    }
+
+    /// One lane's part of [`Stream::get`] on its connection: the reads' answers placed into
+    /// `held` (`wrote_device` set once any went to device memory, which the caller settles).
+    fn read_gets(
+        c: &mut Conn,
+        parts: &[(usize, u64, PutOp)],
+        stop: &std::sync::atomic::AtomicBool,
+        held: &[Region],
+        at_region: &[usize],
+        wrote_device: &mut bool,
+    ) -> Result<u64, Failure> {
+        let mut bytes = 0u64;
+        let mut next = 0;
+        while next < parts.len() {
+            if stop.load(Ordering::Relaxed) {
+                // Between windows of reads: nothing is outstanding, the connection stays.
+                return Err(Kept(OpError::Failed(ANOTHER_LANE.into())));
+            }
+            // Send a window of requests, then read their answers in order.
+            let (mut end, mut window) = (next, 0u64);
+            while end < parts.len()
+                && end - next < GET_WINDOW_OPS
+                && (end == next || window + parts[end].2.len <= GET_WINDOW_BYTES)
+            {
+                window += parts[end].2.len;
+                end += 1;
+            }
+            let headers: Vec<[u8; 24]> = parts[next..end]
+                .iter()
+                .map(|(_, _, op)| header(OP_GET, op.remote, op.len))
+                .collect();
+            let records: Vec<&[u8]> = headers.iter().map(|h| &h[..]).collect();
+            c.send_small(&records).map_err(failure)?;
+            for (i, _, op) in &parts[next..end] {
+                // Refused: the answers to the reads after it are still on their way, so
+                // the connection goes either way (the next op dials again).
+                if let Err(r) = read_status(c).map_err(failure)? {
+                    return Err(OpError::Failed(format!("the peer refused a read: {}", r.why)).into());
+                }
+                let dest = &held[at_region[*i]];
+                *wrote_device |= dest.device.is_some();
+                let mut failed = None;
+                c.recv_each(op.len, |at, plain| {
+                    // `prepare` checked the range lies in the region, which `held` keeps
+                    // mapped. After a failed copy the rest is read (framing) and dropped.
+                    if failed.is_none() {
+                        failed = dest.write(op.local + at, plain).err();
+                    }
+                })
+                .map_err(failure)?;
+                if let Some(e) = failed {
+                    // The answers to the window's later reads are still on their way:
+                    // the connection goes.
+                    return Err(OpError::Failed(format!("placing a read in device memory: {e}")).into());
+                }
+                bytes += op.len;
+            }
+            next = end;
+        }
+        Ok(bytes)
     }
 
     /// The path to `peer`.
