@@ -146,19 +146,29 @@ impl Conn {
         let mut head_record = [0u8; 64 + TAG];
         let h = head.len();
         head_record[..h].copy_from_slice(head);
-        let h = seal_into(&mut self.tx, &mut head_record, h)?;
         let mut done = 0u64;
-        let mut head_part: &[u8] = &head_record[..h];
+        let mut first = true;
         loop {
             let n = (len - done).min(CHUNK as u64) as usize;
-            let body = if n > 0 {
+            if n > 0 {
                 fill(done, &mut self.buf[..n])?;
+            }
+            // The header is sealed once the first piece is filled: a fill that fails leaves no
+            // sealed record unsent (the next record sealed is the one the peer expects, and
+            // it reads the refusal, not a record that fails its authentication).
+            let head_part: &[u8] = if first {
+                first = false;
+                let sealed = seal_into(&mut self.tx, &mut head_record, h)?;
+                &head_record[..sealed]
+            } else {
+                &[]
+            };
+            let body = if n > 0 {
                 seal_into(&mut self.tx, &mut self.buf, n)?
             } else {
                 0
             };
             write_full(&mut self.sock, &[head_part, &self.buf[..body]], self.deadline)?;
-            head_part = &[];
             done += n as u64;
             if done >= len {
                 return Ok(());
@@ -265,4 +275,43 @@ pub fn write_full(c: &mut TcpStream, parts: &[&[u8]], deadline: Option<Instant>)
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two ends of one connection, sealed with one key.
+    fn pair() -> (Conn, Conn) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let dialled = TcpStream::connect(listener.local_addr().expect("addr")).expect("dial");
+        let (accepted, _) = listener.accept().expect("accept");
+        let (key, salt) = ([9u8; 32], [4u8; 64]);
+        (
+            Conn::new(dialled, &key, &salt, Side::Dialler),
+            Conn::new(accepted, &key, &salt, Side::Listener),
+        )
+    }
+
+    #[test]
+    fn an_op_whose_first_piece_cannot_be_filled_sends_nothing_and_the_next_record_opens() {
+        // A read whose first copy fails (its blocks taken back between the window check and the
+        // copy, or a device read error) is answered with a refusal: the refusal must open, not
+        // fail authentication because a header sealed for the failed op was never sent.
+        let (mut dialler, mut listener) = pair();
+        let failed = listener.send_op(&[1, 0, 0], 100, |_, _| Err(io::Error::other("taken back")));
+        assert!(failed.is_err());
+        listener.send(b"refused").expect("the refusal");
+        dialler.deadline = Some(Instant::now() + std::time::Duration::from_secs(5));
+        assert_eq!(dialler.recv(7).expect("opens"), b"refused");
+        // An op that fills sends its header and its bytes.
+        listener
+            .send_op(&[1, 0, 0], 3, |_, into| {
+                into.copy_from_slice(b"abc");
+                Ok(())
+            })
+            .expect("sent");
+        assert_eq!(dialler.recv(3).expect("header"), &[1, 0, 0]);
+        assert_eq!(dialler.recv(3).expect("body"), b"abc");
+    }
 }
