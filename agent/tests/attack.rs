@@ -1718,6 +1718,20 @@ fn a_released_from_a_link_the_blocks_were_not_lent_to_is_ignored() {
     drop((borrower, other));
 }
 
+/// A decode engine ("d0", push) on its own agent in `w`, and how long its requests may take (a
+/// handshake timeout and a lease): its events wait three times that.
+fn decode_and_its_deadline(w: &World) -> (SyntheticEngine, Duration) {
+    let ds = w.agent("d", Transport::Shm, false);
+    let dspec = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    let within = Duration::from_millis(dspec.handshake_timeout_ms + dspec.lease_ms);
+    let d = w.engine(&ds, Role::Decode, "d0", KEY);
+    d.events()
+        .expect("events")
+        .set_read_timeout(Some(within * 3))
+        .expect("timeout");
+    (d, within)
+}
+
 #[test]
 fn a_prefill_that_never_answers_a_cancel_loses_its_link_and_the_engine_hears_cancelled() {
     let _serial = serial();
@@ -1726,14 +1740,7 @@ fn a_prefill_that_never_answers_a_cancel_loses_its_link_and_the_engine_hears_can
     // with its blocks held: a handshake and a lease after the cancel the link is closed (which
     // ends whatever that prefill could write) and the engine hears Cancelled.
     let w = World::new("attack-cancel-mute");
-    let ds = w.agent("d", Transport::Shm, false);
-    let dspec = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
-    let within = Duration::from_millis(dspec.handshake_timeout_ms + dspec.lease_ms);
-    let mut d = SyntheticEngine::register(&ds, &w.dir, &dspec).expect("decode registers");
-    d.events()
-        .expect("events")
-        .set_read_timeout(Some(within * 3))
-        .expect("timeout");
+    let (mut d, within) = decode_and_its_deadline(&w);
     let (seen, saw) = std::sync::mpsc::channel();
     let (registered_tx, registered) = std::sync::mpsc::channel::<()>();
     let (evil, handle) = evil_prefill(move |s, session, _reg| {
@@ -1808,12 +1815,7 @@ fn a_push_that_fails_at_one_prefill_is_told_only_once_the_others_stopped_writing
     // stop and answered: not while its writes may still land.
     let w = World::new("attack-fail-one-rank");
     let ds = w.agent("d", Transport::Shm, false);
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("decode registers");
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
     // It fails once the other has its registration (else that one is only ever sent a Release).
     let (registered_tx, registered) = std::sync::mpsc::channel::<()>();
     let (fails, fails_handle) = evil_prefill(move |s, session, reg| {
@@ -1858,6 +1860,30 @@ fn a_push_that_fails_at_one_prefill_is_told_only_once_the_others_stopped_writing
     );
     let _ = fails_handle.join();
     let _ = pushing_handle.join();
+}
+
+#[test]
+fn a_push_past_decodes_deadline_is_told_to_stop_before_the_engine_hears_it_failed() {
+    let _serial = serial();
+    // A prefill that is still pushing when decode's deadline passes: decode tells it to stop
+    // (`Release`) and its engine hears DeadlineExceeded only once the push ended (its answer),
+    // since the engine reuses the blocks on hearing it.
+    let w = World::new("attack-deadline-push");
+    let (mut d, _) = decode_and_its_deadline(&w);
+    let (answered, answer) = std::sync::mpsc::channel();
+    let (pushing, handle) = evil_prefill(completes_after_release(answered));
+    expect_kv(&mut d, "r", pushing, &[1, 2], 100);
+    let event = d.next_event().expect("event");
+    let told = Instant::now();
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { request, reasons, .. } if request == "r" && reasons.iter().any(|r| r == "DeadlineExceeded")),
+        "{event:?}"
+    );
+    let stopped = answer
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the prefill was told to stop (Release) and answered");
+    assert!(stopped <= told, "the engine heard the failure before the push ended");
+    let _ = handle.join();
 }
 
 #[test]
@@ -1959,12 +1985,7 @@ fn a_cancel_while_an_expect_kv_from_pool_still_links_is_answered_once_and_after_
     // prefill asked has let it go.
     let w = World::new("attack-cancel-linking");
     let ds = w.agent("d", Transport::Shm, false);
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed),
-    )
-    .expect("decode registers");
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = listener.local_addr().expect("addr").to_string();
     let (released_tx, released) = std::sync::mpsc::channel();
