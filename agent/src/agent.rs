@@ -820,17 +820,18 @@ struct Link {
 /// pile up (it stopped reading) loses the link.
 pub const LINK_OUTBOX: usize = 2 * wire::MAX_FRAME;
 
-/// A link's sending half: its outbox and a handle on its stream (see [`Link::writer`]).
-type Sending = (
-    Mutex<(Sealer, std::sync::mpsc::Sender<Option<Vec<u8>>>)>,
-    Arc<std::sync::atomic::AtomicUsize>,
-    TcpStream,
-);
-
 impl Link {
-    /// Starts the writer thread of a link over `stream` (whose write timeout is set: a write
-    /// that takes longer ends the link).
-    fn writer(stream: TcpStream, sealer: Sealer) -> std::io::Result<Sending> {
+    /// A link over `stream` (its handshake done, its write timeout set: a write that takes
+    /// longer ends the link), with its writer thread started.
+    fn new(
+        stream: TcpStream,
+        sealer: Sealer,
+        admission: Option<crate::transport::Admission>,
+        peer: PeerInfo,
+        ucx_peer: Option<u64>,
+        addr: String,
+        heads: protocol::HeadMap,
+    ) -> std::io::Result<Link> {
         let handle = stream.try_clone()?;
         let (outbox, queued_frames) = std::sync::mpsc::channel::<Option<Vec<u8>>>();
         let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -848,7 +849,21 @@ impl Link {
             // The link is gone (dropped, closed, or a write failed): its reader ends it.
             let _ = stream.shutdown(std::net::Shutdown::Both);
         })?;
-        Ok((Mutex::new((sealer, outbox)), queued, handle))
+        Ok(Link {
+            admission,
+            outbox: Mutex::new((sealer, outbox)),
+            queued,
+            stream: handle,
+            id: next_link_id(),
+            alive: AtomicBool::new(true),
+            peer,
+            ucx_peer,
+            path: std::sync::OnceLock::new(),
+            addr,
+            heads,
+            waiting: Default::default(),
+            closing: AtomicBool::new(false),
+        })
     }
 
     /// Queues `m` for the peer. False, and the link closed, when it cannot be: a write failed
@@ -1710,13 +1725,21 @@ mod tests {
         assert_eq!(paths.last().map(|p| p.peer.as_str()), Some("p15"));
     }
 
+    /// A frame of about 1 MiB.
+    fn mib_frame() -> Message {
+        Message::Failed {
+            request: "f".into(),
+            reason: Reason::InvalidRequest,
+            message: "x".repeat(1 << 20),
+        }
+    }
+
     /// A link to a peer that never reads (a connected socket whose far end is left unread).
     fn link_to_a_mute_peer() -> (Link, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let ours = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
         let (theirs, _) = listener.accept().expect("accept");
         ours.set_write_timeout(Some(PREFILL_SILENCE_LIMIT)).expect("timeout");
-        let (outbox, queued, stream) = Link::writer(ours, Sealer::new([7; 32])).expect("writer");
         let kv = pdpair_api::KvGeometry {
             engine: "vllm".into(),
             engine_version: None,
@@ -1749,25 +1772,12 @@ mod tests {
             memory: MemoryDesc::default(),
             stream_address: String::new(),
         };
-        let link = Link {
-            admission: None,
-            outbox,
-            queued,
-            stream,
-            id: next_link_id(),
-            alive: AtomicBool::new(true),
-            peer,
-            ucx_peer: None,
-            path: std::sync::OnceLock::new(),
-            addr: "mute".into(),
-            heads: protocol::HeadMap {
-                p_first: 0,
-                count: 2,
-                d_first: 0,
-            },
-            waiting: Default::default(),
-            closing: AtomicBool::new(false),
+        let heads = protocol::HeadMap {
+            p_first: 0,
+            count: 2,
+            d_first: 0,
         };
+        let link = Link::new(ours, Sealer::new([7; 32]), None, peer, None, "mute".into(), heads).expect("a link");
         (link, theirs)
     }
 
@@ -1777,11 +1787,7 @@ mod tests {
         // each send returns at once (the timer, the engine's thread, another link's reader send
         // on links), and the first past the outbox's bound is refused and closes the link.
         let (link, mut theirs) = link_to_a_mute_peer();
-        let big = Message::Failed {
-            request: "r".into(),
-            reason: Reason::InvalidRequest,
-            message: "x".repeat(1 << 20),
-        };
+        let big = mib_frame();
         let (done, finished) = std::sync::mpsc::channel();
         let sender = thread::spawn(move || {
             let refused = (0..1000).find(|_| !link.send(&big));
@@ -1839,11 +1845,7 @@ mod tests {
         // failed and the frame was lost: the peer's engine heard PeerLost for a transfer that
         // had worked.)
         let (link, mut theirs) = link_to_a_mute_peer();
-        let filler = Message::Failed {
-            request: "f".into(),
-            reason: Reason::InvalidRequest,
-            message: "x".repeat(1 << 20),
-        };
+        let filler = mib_frame();
         for _ in 0..24 {
             assert!(link.send(&filler));
         }

@@ -733,33 +733,15 @@ impl Engine {
             d_first: 0,
         });
         let Session { sealer, opener, .. } = session;
-        let (outbox, queued, stream) = match Link::writer(stream, sealer) {
-            Ok(writer) => writer,
+        match Link::new(stream, sealer, admission, peer, ucx_peer, addr.to_owned(), heads) {
+            Ok(link) => Ok((link, opener)),
             Err(e) => {
                 if let Some(id) = ucx_peer {
                     self.transport().disconnect(id);
                 }
-                return Err(wire::FrameError::from(e).into());
+                Err(wire::FrameError::from(e).into())
             }
-        };
-        Ok((
-            Link {
-                admission,
-                outbox,
-                queued,
-                stream,
-                id: next_link_id(),
-                alive: AtomicBool::new(true),
-                peer,
-                ucx_peer,
-                path: std::sync::OnceLock::new(),
-                addr: addr.to_owned(),
-                heads,
-                waiting: Default::default(),
-                closing: AtomicBool::new(false),
-            },
-            opener,
-        ))
+        }
     }
 
     fn silence_limit(&self) -> Duration {

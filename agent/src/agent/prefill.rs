@@ -320,27 +320,13 @@ impl Engine {
         let _ = stream.set_read_timeout(Some(PREFILL_SILENCE_LIMIT));
         let _ = stream.set_write_timeout(Some(PREFILL_SILENCE_LIMIT));
         let Session { sealer, mut opener, .. } = session;
-        let Ok((outbox, queued, stream)) = Link::writer(stream, sealer) else {
+        let Ok(link) = Link::new(stream, sealer, admission, peer, ucx_peer, peer_addr, heads) else {
             if let Some(id) = ucx_peer {
                 self.transport().disconnect(id);
             }
             return;
         };
-        let link = Arc::new(Link {
-            admission,
-            outbox,
-            queued,
-            stream,
-            id: next_link_id(),
-            alive: AtomicBool::new(true),
-            heads,
-            peer,
-            ucx_peer,
-            path: std::sync::OnceLock::new(),
-            addr: peer_addr,
-            waiting: Default::default(),
-            closing: AtomicBool::new(false),
-        });
+        let link = Arc::new(link);
         {
             let mut accepted = lock(&self.accepted);
             accepted.retain(|l| l.strong_count() > 0);
