@@ -264,13 +264,29 @@ impl Engine {
             return;
         }
         if lock(&self.linking).contains_key(&request) {
-            return self.refuse(
-                request.clone(),
-                vec![Reason::InvalidRequest],
-                format!("request {request} is already expected (ExpectKvFromPool, linking); the first stands"),
-            );
+            return self.refuse_taken(request, LINKING);
         }
         self.ask(request, prefills, blocks, num_tokens, first_token, false);
+    }
+
+    /// Why a new request of this name is refused, if it is: one of the name is expected (in
+    /// `pending`, whose lock the caller holds), or still ending (its answer waits for prefills
+    /// that may still write into its blocks: a new one would take their late answers for its
+    /// own). Not: one still linking its ranks ([`LINKING`], in `linking`).
+    fn taken(&self, pending: &HashMap<String, Pending>, request: &str) -> Option<&'static str> {
+        if pending.contains_key(request) {
+            return Some("is already expected (ExpectKv or Release twice)");
+        }
+        lock(&self.cancelled)
+            .contains_key(request)
+            .then_some("is still ending (cancelled or failed, its answer not sent yet)")
+    }
+
+    /// Refuses a request whose name is [`Engine::taken`]: the first keeps its promise (exactly
+    /// one answer for it, its windows open); this one gets its own answer.
+    fn refuse_taken(&self, request: String, why: &str) {
+        let message = format!("request {request} {why}; the first stands");
+        self.refuse(request, vec![Reason::InvalidRequest], message);
     }
 
     /// Registers `request` with its prefill engines (or, `release`, tells them decode needs
@@ -294,23 +310,11 @@ impl Engine {
                 format!("prefills names {} addresses; 1..=1024 are accepted", prefills.len()),
             );
         }
-        if lock(&self.pending).contains_key(&request) {
-            // The first ExpectKv keeps its promise (exactly one answer for it, its windows
-            // open); this one is refused on its own.
-            return self.refuse(
-                request.clone(),
-                vec![Reason::InvalidRequest],
-                format!("request {request} is already expected (ExpectKv or Release twice); the first stands"),
-            );
-        }
-        if lock(&self.cancelled).contains_key(&request) {
-            // Its answer waits for prefills that may still write into its blocks; a new request
-            // of the name now would take their late answers for its own.
-            return self.refuse(
-                request.clone(),
-                vec![Reason::InvalidRequest],
-                format!("request {request} is still ending (cancelled or failed, its answer not sent yet)"),
-            );
+        // Before the checks below that fail (rather than refuse) a request: the first of the name
+        // keeps its windows.
+        let taken = self.taken(&lock(&self.pending), &request);
+        if let Some(why) = taken {
+            return self.refuse_taken(request, why);
         }
         for prefill in &prefills {
             if let Some((reasons, message)) = self.remembered(prefill) {
@@ -342,8 +346,8 @@ impl Engine {
             // Checked again with the insert, under one lock: another thread (an
             // `ExpectKvFromPool` done linking) may have asked for the name since.
             let mut pending = lock(&self.pending);
-            let taken = pending.contains_key(&request) || lock(&self.cancelled).contains_key(&request);
-            if !taken {
+            let taken = self.taken(&pending, &request);
+            if taken.is_none() {
                 pending.insert(
                     request.clone(),
                     Pending {
@@ -360,12 +364,8 @@ impl Engine {
             }
             taken
         };
-        if taken {
-            return self.refuse(
-                request.clone(),
-                vec![Reason::InvalidRequest],
-                format!("request {request} is already expected (ExpectKv or Release twice); the first stands"),
-            );
+        if let Some(why) = taken {
+            return self.refuse_taken(request, why);
         }
         for prefill in prefills {
             let mut peers = lock(&self.peers);
@@ -428,21 +428,18 @@ impl Engine {
         }
         let taken = {
             let mut linking = lock(&self.linking);
-            let taken = linking.contains_key(&request)
-                || lock(&self.pending).contains_key(&request)
-                || lock(&self.cancelled).contains_key(&request);
-            if !taken {
+            let taken = match linking.contains_key(&request) {
+                true => Some(LINKING),
+                false => self.taken(&lock(&self.pending), &request),
+            };
+            if taken.is_none() {
                 linking.insert(request.clone(), false);
             }
             taken
         };
-        if taken {
+        if let Some(why) = taken {
             self.picking.fetch_sub(1, Ordering::SeqCst);
-            return self.refuse(
-                request.clone(),
-                vec![Reason::InvalidRequest],
-                format!("request {request} is already expected or still ending; the first stands"),
-            );
+            return self.refuse_taken(request, why);
         }
         let e = self.clone();
         let id = request.clone();
@@ -1299,6 +1296,9 @@ struct WindDown {
     /// No prefill may write: how it ends, now.
     now: Option<Ending>,
 }
+
+/// Why [`Engine::taken`] would say a request of the name is taken while it links its ranks.
+const LINKING: &str = "is already expected (ExpectKvFromPool, linking)";
 
 /// A decode request that is ending (cancelled, or failed) and waits for the prefills that may
 /// still write into its blocks before its engine hears how.

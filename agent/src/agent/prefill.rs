@@ -344,7 +344,7 @@ impl Engine {
                     | Message::Released { ref request, .. }
                     | Message::Release { ref request }
                     | Message::Renew { ref request },
-                ) if request.len() > crate::engine_api::MAX_REQUEST_ID => {
+                ) if crate::engine_api::check_request_id(request).is_err() => {
                     self.shared.metrics.foreign_answer();
                     tracing::warn!(engine = %self.reg.engine, peer = %link.addr, bytes = request.len(), "ignored a message whose request id is too long");
                 }
