@@ -633,8 +633,15 @@ impl Agent {
                     blocks,
                     num_tokens,
                     first_token,
+                    prompt,
                 }) => {
-                    engine.expect_kv(request, vec![prefill], blocks, num_tokens, first_token);
+                    let want = Want {
+                        blocks,
+                        num_tokens,
+                        first_token,
+                        prompt,
+                    };
+                    engine.expect_kv(request, vec![prefill], want);
                 }
                 Ok(EngineRequest::ExpectKvFrom {
                     request,
@@ -642,16 +649,30 @@ impl Agent {
                     blocks,
                     num_tokens,
                     first_token,
+                    prompt,
                 }) => {
-                    engine.expect_kv(request, prefills, blocks, num_tokens, first_token);
+                    let want = Want {
+                        blocks,
+                        num_tokens,
+                        first_token,
+                        prompt,
+                    };
+                    engine.expect_kv(request, prefills, want);
                 }
                 Ok(EngineRequest::KvReady {
                     request,
                     blocks,
                     num_tokens,
                     first_token,
+                    prompt,
                 }) => {
-                    engine.kv_ready(request, blocks, num_tokens, first_token);
+                    let want = Want {
+                        blocks,
+                        num_tokens,
+                        first_token,
+                        prompt,
+                    };
+                    engine.kv_ready(request, want);
                 }
                 Ok(EngineRequest::ExpectKvFromPool {
                     request,
@@ -659,7 +680,16 @@ impl Agent {
                     blocks,
                     num_tokens,
                     first_token,
-                }) => engine.expect_kv_from_pool(request, prefill_ranks, blocks, num_tokens, first_token),
+                    prompt,
+                }) => {
+                    let want = Want {
+                        blocks,
+                        num_tokens,
+                        first_token,
+                        prompt,
+                    };
+                    engine.expect_kv_from_pool(request, prefill_ranks, want);
+                }
                 Ok(EngineRequest::Release { request, prefill }) => engine.release(request, prefill),
                 Ok(EngineRequest::Renew { request, prefill }) => engine.renew(request, prefill),
                 Ok(EngineRequest::Cancel { request }) => match engine.reg.role {
@@ -737,6 +767,19 @@ fn unix_now() -> i64 {
         .map_or(0, |d| d.as_secs() as i64)
 }
 
+/// What an engine says of a request's KV: its blocks, its tokens, what it was computed from.
+#[derive(Debug, Default)]
+pub(super) struct Want {
+    /// The engine's block ids, in token order.
+    pub blocks: Vec<u32>,
+    /// The request's token count.
+    pub num_tokens: u64,
+    /// Absolute position of the first token the first block holds.
+    pub first_token: u64,
+    /// The engine's prompt digest, when it gives one.
+    pub prompt: Option<crate::engine_api::PromptDigest>,
+}
+
 /// A D request waiting for its KV.
 #[derive(Debug)]
 struct Pending {
@@ -750,6 +793,8 @@ struct Pending {
     blocks: Vec<u32>,
     num_tokens: u64,
     first_token: u64,
+    /// The engine's prompt digest, sent in the registration.
+    prompt: Option<crate::engine_api::PromptDigest>,
     deadline: Instant,
     /// A `Release` (decode needs nothing), answered by `ReleaseDone`, not a registration.
     release: bool,
@@ -1680,6 +1725,7 @@ mod tests {
             blocks: vec![1],
             num_tokens: 16,
             first_token: 0,
+            prompt: None,
             deadline: Instant::now(),
             release: false,
         };

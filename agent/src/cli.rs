@@ -548,6 +548,9 @@ pub struct SyntheticEngineArgs {
     /// Decode: the prefill ranks' addresses (repeatable: several make an `ExpectKvFromPool`).
     #[arg(long)]
     pub prefill: Vec<String>,
+    /// The request's prompt digest (64 hex digits; absent: none is sent).
+    #[arg(long, value_parser = parse_prompt)]
+    pub prompt: Option<crate::engine_api::PromptDigest>,
     /// Where each layer's K and V blocks are in a one-region pool: KvFirst, BlocksFirst or
     /// (MLA) Latent; absent: the geometry's default.
     #[arg(long = "kv-arrangement", value_parser = parse_arrangement)]
@@ -566,6 +569,10 @@ fn parse_arrangement(s: &str) -> Result<crate::layout::KvArrangement, String> {
         "Latent" => Ok(Latent),
         other => Err(format!("{other:?} is not KvFirst, BlocksFirst or Latent")),
     }
+}
+
+fn parse_prompt(s: &str) -> Result<crate::engine_api::PromptDigest, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_owned())).map_err(|e| format!("prompt {s:?}: {e}"))
 }
 
 fn parse_region(s: &str) -> Result<crate::engine_api::RegionRequest, String> {
@@ -621,7 +628,7 @@ pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Resu
     };
     say(out, serde_json::json!({ "address": engine.address }))?;
     let (request, blocks) = (args.request.clone(), args.blocks.clone());
-    let (num_tokens, first_token) = (args.num_tokens, args.first_token);
+    let (num_tokens, first_token, prompt) = (args.num_tokens, args.first_token, args.prompt.clone());
     let message = if role == pdpair_api::Role::Prefill {
         engine.fill(args.seed, &blocks, first_token, num_tokens);
         EngineRequest::KvReady {
@@ -629,6 +636,7 @@ pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Resu
             blocks,
             num_tokens,
             first_token,
+            prompt,
         }
     } else {
         engine.clear(&blocks);
@@ -639,6 +647,7 @@ pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Resu
                 blocks,
                 num_tokens,
                 first_token,
+                prompt,
             },
             many => EngineRequest::ExpectKvFromPool {
                 request,
@@ -646,6 +655,7 @@ pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Resu
                 blocks,
                 num_tokens,
                 first_token,
+                prompt,
             },
         }
     };

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 /// Default socket path.
 pub const DEFAULT_SOCKET: &str = "/var/run/pdpair/agent.sock";
 /// The engine API version this agent speaks; `RegisterPool.api_version` must be it.
-pub const API_VERSION: u16 = 4;
+pub const API_VERSION: u16 = 5;
 
 /// Engine -> agent.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -48,6 +48,10 @@ pub enum EngineRequest {
         /// Absolute position of the first token the first block holds (after a prefix-cache hit,
         /// D already has the earlier blocks).
         first_token: u64,
+        /// The request's prompt digest ([`PromptDigest`]); absent: none, and the other side's
+        /// engine must give none either.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prompt: Option<PromptDigest>,
     },
     /// Decode: like `ExpectKv`, from several prefill engines at once: the tensor-parallel ranks
     /// of a prefill pool with more ranks than decode's, each holding part of this decode rank's
@@ -63,6 +67,10 @@ pub enum EngineRequest {
         num_tokens: u64,
         /// Absolute position of the first token the first block holds.
         first_token: u64,
+        /// The request's prompt digest ([`PromptDigest`]); absent: none, and the other side's
+        /// engine must give none either.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prompt: Option<PromptDigest>,
     },
     /// Decode: this engine needs nothing of `request` from the prefill engine at `prefill`
     /// (a full local prefix hit, or an abort before it asked): prefill frees the request's
@@ -98,6 +106,10 @@ pub enum EngineRequest {
         num_tokens: u64,
         /// Absolute position of the first token the first block holds.
         first_token: u64,
+        /// The request's prompt digest ([`PromptDigest`]); absent: none, and the other side's
+        /// engine must give none either.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prompt: Option<PromptDigest>,
     },
     /// Either role: the engine gives up `request` (decode aborted it, or prefill gave up).
     /// Answered by exactly one `Cancelled`, once nothing writes into the request's blocks any
@@ -118,7 +130,69 @@ pub enum EngineRequest {
         num_tokens: u64,
         /// Absolute position of the first token the first block holds.
         first_token: u64,
+        /// The request's prompt digest ([`PromptDigest`]); absent: none, and the other side's
+        /// engine must give none either.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prompt: Option<PromptDigest>,
     },
+}
+
+/// What a request's KV was computed from: 32 bytes an engine derives from the request's tokens
+/// (and whatever else its KV depends on: adapters, images, a cache salt), hex on the wire. The
+/// agents compare decode's with prefill's before any KV moves (`Failed{PromptMismatch}`), so a
+/// client cannot hand decode the KV of another prompt (docs/engine-api.md says how the vLLM
+/// connector derives it; the agent only compares).
+#[derive(Clone, PartialEq, Eq)]
+pub struct PromptDigest(pub [u8; PromptDigest::LEN]);
+
+impl PromptDigest {
+    /// Bytes of a digest.
+    pub const LEN: usize = 32;
+
+    /// The first bytes, hex, for messages and logs.
+    pub fn short(&self) -> String {
+        crate::wire::hex_bytes::encode(&self.0[..8])
+    }
+}
+
+impl std::fmt::Debug for PromptDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PromptDigest({})", crate::wire::hex_bytes::encode(&self.0))
+    }
+}
+
+impl Serialize for PromptDigest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        crate::wire::hex_bytes::serialize(&self.0, s)
+    }
+}
+
+impl<'de> Deserialize<'de> for PromptDigest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<PromptDigest, D::Error> {
+        let bytes = crate::wire::hex_bytes::deserialize(d)?;
+        let len = bytes.len();
+        bytes
+            .try_into()
+            .map(PromptDigest)
+            .map_err(|_| serde::de::Error::custom(format!("a prompt digest is {} bytes, not {len}", PromptDigest::LEN)))
+    }
+}
+
+/// Whether decode's and prefill's prompt digests let KV move between them: equal, or neither
+/// given (engines that do not derive one). One without the other is refused: an engine that
+/// binds its KV to its prompt must not have that skipped by a peer that does not.
+pub fn check_prompt(decode: Option<&PromptDigest>, prefill: Option<&PromptDigest>) -> Result<(), String> {
+    match (decode, prefill) {
+        (None, None) => Ok(()),
+        (Some(d), Some(p)) if d == p => Ok(()),
+        (Some(d), Some(p)) => Err(format!(
+            "decode's prompt (digest {}...) is not the one prefill computed the KV of (digest {}...)",
+            d.short(),
+            p.short()
+        )),
+        (Some(_), None) => Err("decode gave a prompt digest and prefill gave none".into()),
+        (None, Some(_)) => Err("prefill gave a prompt digest and decode gave none".into()),
+    }
 }
 
 /// Bytes of a request id, at most (engines' and peers'): ids are kept while their requests
@@ -668,5 +742,32 @@ mod tests {
         );
         r.api_version = 0;
         assert!(resolve(&r, None).expect_err("none").contains("names none"));
+    }
+
+    #[test]
+    fn a_prompt_digest_is_32_bytes_of_hex_and_a_wrong_one_is_refused_naming_it() {
+        let frame = |prompt: &str| {
+            serde_json::json!({"type": "ExpectKv", "request": "r", "prefill": "a:1", "blocks": [1],
+                "num_tokens": 16, "first_token": 0, "prompt": prompt})
+        };
+        let good = "ab".repeat(32);
+        match decode_request(frame(&good)) {
+            Ok(EngineRequest::ExpectKv { prompt: Some(p), .. }) => assert_eq!(p, PromptDigest([0xab; 32])),
+            other => panic!("{other:?}"),
+        }
+        for (bad, why) in [("ab".repeat(31), "32 bytes, not 31"), ("zz".repeat(32), "invalid hex")] {
+            let (request, e) = decode_request(frame(&bad)).expect_err("refused");
+            assert_eq!(request.as_deref(), Some("r"));
+            assert!(e.contains(why), "{e}");
+        }
+        let (a, b) = (PromptDigest([1; 32]), PromptDigest([2; 32]));
+        assert_eq!(check_prompt(None, None), Ok(()));
+        assert_eq!(check_prompt(Some(&a), Some(&a)), Ok(()));
+        assert!(
+            check_prompt(Some(&a), Some(&b))
+                .expect_err("differ")
+                .contains("0101010101010101")
+        );
+        assert!(check_prompt(Some(&a), None).is_err() && check_prompt(None, Some(&b)).is_err());
     }
 }

@@ -634,6 +634,7 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, Cu
                 blocks: all.clone(),
                 num_tokens: tokens,
                 first_token: 0,
+                prompt: Some(crate::synthetic::prompt(7 + tag as u64, tokens)),
             })
             .map_err(invalid)?;
             // Let decode's registration reach prefill, so the time is the transfer's.
@@ -644,6 +645,7 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, Cu
                 blocks: all.clone(),
                 num_tokens: tokens,
                 first_token: 0,
+                prompt: Some(crate::synthetic::prompt(7 + tag as u64, tokens)),
             })
             .map_err(invalid)?;
             let done = wait_done(&mut d, &id)?;

@@ -504,6 +504,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                 blocks: p_blocks,
                 num_tokens: tokens,
                 first_token: 0,
+                prompt: Some(crate::synthetic::prompt(seed, tokens)),
             });
         }
         let d_blocks: Vec<u32> = if opts.scatter_blocks {
@@ -538,6 +539,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                     blocks: d_blocks.clone(),
                     num_tokens: tokens,
                     first_token: hit,
+                    prompt: Some(crate::synthetic::prompt(seed, tokens)),
                 }
             } else {
                 EngineRequest::ExpectKvFrom {
@@ -546,6 +548,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                     blocks: d_blocks.clone(),
                     num_tokens: tokens,
                     first_token: hit,
+                    prompt: Some(crate::synthetic::prompt(seed, tokens)),
                 }
             };
             engine

@@ -37,8 +37,8 @@ use crate::{
 
 /// The protocol version this agent speaks (2: sealed frames after authentication; 3: `Release`
 /// also cancels; 4: memory in several regions, MLA's latent arrays; 5: KV stream addresses; 6:
-/// the KV stream sealed; see `docs/protocol.md`).
-pub const PROTOCOL_VERSION: u16 = 8;
+/// the KV stream sealed; 9: prompt digests in `Register`; see `docs/protocol.md`).
+pub const PROTOCOL_VERSION: u16 = 9;
 /// Bytes of a nonce.
 pub const NONCE_LEN: usize = 32;
 /// The most bytes of a UCX worker address or packed remote key accepted from a peer.
@@ -486,6 +486,10 @@ pub struct Registration {
     pub num_tokens: u64,
     /// Absolute position of the first token D's first block holds.
     pub first_token: u64,
+    /// D's engine's prompt digest: P serves the request only when its engine gave the same
+    /// (`Failed{PromptMismatch}`; neither: no check).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<crate::engine_api::PromptDigest>,
 }
 
 /// Why a connection ended before it was usable.

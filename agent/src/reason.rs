@@ -56,6 +56,9 @@ pub enum Reason {
     TokenCountMismatch,
     /// Decode's blocks ask for tokens prefill's blocks do not hold.
     TokenRangeNotCovered,
+    /// Decode's engine and prefill's computed different prompts (their prompt digests differ,
+    /// or one gave none): no KV moves.
+    PromptMismatch,
     /// Received KV does not match prefill's checksums.
     ChecksumMismatch,
     /// Received KV could not be verified (FailClosed).
@@ -65,7 +68,7 @@ pub enum Reason {
 }
 
 /// Every reason other than the rule table's, for parsing and documentation.
-const OWN: [Reason; 25] = [
+const OWN: [Reason; 26] = [
     Reason::Unauthenticated,
     Reason::VersionMismatch,
     Reason::PairMismatch,
@@ -88,6 +91,7 @@ const OWN: [Reason; 25] = [
     Reason::LeaseExpired,
     Reason::TokenCountMismatch,
     Reason::TokenRangeNotCovered,
+    Reason::PromptMismatch,
     Reason::ChecksumMismatch,
     Reason::ChecksumUnverified,
     Reason::Unknown,
@@ -120,6 +124,7 @@ impl Reason {
             Reason::LeaseExpired => "LeaseExpired",
             Reason::TokenCountMismatch => "TokenCountMismatch",
             Reason::TokenRangeNotCovered => "TokenRangeNotCovered",
+            Reason::PromptMismatch => "PromptMismatch",
             Reason::ChecksumMismatch => "ChecksumMismatch",
             Reason::ChecksumUnverified => "ChecksumUnverified",
             Reason::Unknown => "Unknown",
@@ -174,6 +179,7 @@ impl Reason {
                 | Reason::LeaseExpired
                 | Reason::TokenCountMismatch
                 | Reason::TokenRangeNotCovered
+                | Reason::PromptMismatch
         )
     }
 }

@@ -19,6 +19,17 @@ use crate::{
     wire::{self, FrameError, hex_bytes},
 };
 
+/// The prompt digest of a synthetic request: its KV depends only on the pattern's seed and its
+/// token count, so that is its "prompt" (both synthetic engines of a request derive the same).
+pub fn prompt(seed: u64, num_tokens: u64) -> crate::engine_api::PromptDigest {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"pdpair synthetic prompt\0");
+    h.update(seed.to_le_bytes());
+    h.update(num_tokens.to_le_bytes());
+    crate::engine_api::PromptDigest(h.finalize().into())
+}
+
 /// What the engine needs to register.
 #[derive(Clone, Debug)]
 pub struct EngineSpec {

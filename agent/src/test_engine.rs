@@ -130,6 +130,7 @@ pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError>
                     blocks: blocks.clone(),
                     num_tokens: args.tokens,
                     first_token: 0,
+                    prompt: Some(crate::synthetic::prompt(seed(&request), args.tokens)),
                 })
                 .map_err(|e| UsageError(e.to_string()))?;
             loop {
@@ -155,6 +156,7 @@ pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError>
                     blocks: blocks.clone(),
                     num_tokens: args.tokens,
                     first_token: 0,
+                    prompt: Some(crate::synthetic::prompt(seed(&request), args.tokens)),
                 })
                 .map_err(|e| UsageError(e.to_string()))?;
             let event = engine.next_event().map_err(|e| UsageError(e.to_string()))?;

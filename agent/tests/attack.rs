@@ -632,6 +632,7 @@ fn an_insider_decode_reads_only_what_prefill_lent_its_link_through_the_stream() 
                 blocks: vec![1, 2],
                 num_tokens: 100,
                 first_token: 0,
+                prompt: None,
             });
             session.send(s, &register).expect("register");
             match session.recv(s) {
@@ -1287,6 +1288,7 @@ fn one_engines_bad_key_does_not_block_another_engine_on_the_same_agent() {
             blocks: vec![1, 2],
             num_tokens: 100,
             first_token: 0,
+            prompt: None,
         })
         .expect("ExpectKv");
     let event = wrong.next_event().expect("event");
@@ -1318,6 +1320,7 @@ fn duplicate_expect_kv(transport: Transport) {
         blocks,
         num_tokens: 100,
         first_token: 0,
+        prompt: None,
     };
     d.send(&expect(vec![5, 6])).expect("ExpectKv");
     // Linked and registered with prefill by then (the stream's window for its blocks open).
@@ -1556,6 +1559,7 @@ fn a_decode_engine_dials_a_bounded_number_of_prefill_agents_at_once() {
         blocks: vec![1],
         num_tokens: 16,
         first_token: 0,
+        prompt: None,
     };
     // All of them in one request: refused at once.
     d.send(&expect("all", mute.iter().map(at).collect())).expect("send");
@@ -1623,6 +1627,7 @@ fn borrower_of_r(p: &SyntheticEngine) -> (TcpStream, protocol::Session) {
                 blocks: vec![1, 2],
                 num_tokens: 100,
                 first_token: 0,
+                prompt: None,
             }),
         )
         .expect("register");
@@ -1843,6 +1848,7 @@ fn a_push_that_fails_at_one_prefill_is_told_only_once_the_others_stopped_writing
         blocks: vec![1, 2],
         num_tokens: 100,
         first_token: 0,
+        prompt: None,
     })
     .expect("ExpectKvFrom");
     let event = d.next_event().expect("event");
@@ -1966,6 +1972,7 @@ fn pull_with_a_second_rank_saying(answer: impl FnOnce(String) -> Message + Send 
         blocks: blocks.clone(),
         num_tokens: tokens,
         first_token: 0,
+        prompt: None,
     })
     .expect("ExpectKvFrom");
     let event = d.next_event().expect("event");
@@ -2015,6 +2022,7 @@ fn a_cancel_while_an_expect_kv_from_pool_still_links_is_answered_once_and_after_
         blocks: vec![1, 2],
         num_tokens: 100,
         first_token: 0,
+        prompt: None,
     })
     .expect("ExpectKvFromPool");
     d.send(&EngineRequest::Cancel { request: "r".into() }).expect("Cancel");
@@ -2140,6 +2148,7 @@ fn a_released_from_a_decode_being_pushed_to_does_not_end_the_push() {
                 blocks: blocks.clone(),
                 num_tokens: tokens,
                 first_token: 0,
+                prompt: None,
             }),
         )
         .expect("register");
@@ -2269,6 +2278,7 @@ fn a_decode_link_has_a_bounded_number_of_registrations_waiting() {
                     blocks: vec![1],
                     num_tokens: 10,
                     first_token: 0,
+                    prompt: None,
                 }),
             )
             .expect("register");
@@ -2365,4 +2375,80 @@ fn an_insider_keeps_a_bounded_number_of_links_to_one_engine() {
         std::thread::sleep(Duration::from_millis(50));
     }
     drop(links);
+}
+
+#[test]
+fn kv_moves_only_to_a_decode_whose_prompt_is_the_one_prefill_computed() {
+    // A client hands decode prefill's request id with another prompt (kv_transfer_params come
+    // from clients): decode would take that KV as its own prompt's and cache it under it, for
+    // every later request of that prompt. The engines' prompt digests must agree, or one given
+    // without the other stops it, before a block is lent or written: push and pull.
+    use pdpair_agent::synthetic::prompt;
+    let _serial = serial();
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let w = World::new("attack-prompt");
+        let (ps, ds) = (w.agent("p", Transport::Shm, false), w.agent("d", Transport::Shm, false));
+        let engine = |socket: &std::path::Path, role: Role, name: &str| {
+            let mut s = spec(role, name, kv(64, None), KEY, ChecksumPolicy::FailClosed);
+            s.mode = mode;
+            let e = SyntheticEngine::register(socket, &w.dir, &s).expect("engine");
+            e.events()
+                .expect("events")
+                .set_read_timeout(Some(Duration::from_secs(20)))
+                .expect("timeout");
+            e
+        };
+        let (mut p, mut d) = (engine(&ps, Role::Prefill, "p0"), engine(&ds, Role::Decode, "d0"));
+        let cases = [
+            (
+                Some(prompt(2, 100)),
+                Some(prompt(1, 100)),
+                "is not the one prefill computed",
+            ),
+            (Some(prompt(1, 100)), None, "prefill gave none"),
+            (None, Some(prompt(1, 100)), "decode gave none"),
+            (Some(prompt(1, 100)), Some(prompt(1, 100)), ""),
+        ];
+        for (i, (d_prompt, p_prompt, why)) in cases.into_iter().enumerate() {
+            let id = format!("r{i}");
+            p.fill(1, &[3, 4], 0, 100);
+            d.clear(&[5, 6]);
+            let untouched = d.verify(1, &[5, 6], 0, 100);
+            p.send(&EngineRequest::KvReady {
+                request: id.clone(),
+                blocks: vec![3, 4],
+                num_tokens: 100,
+                first_token: 0,
+                prompt: p_prompt,
+            })
+            .expect("KvReady");
+            d.send(&EngineRequest::ExpectKv {
+                request: id.clone(),
+                prefill: p.address.clone(),
+                blocks: vec![5, 6],
+                num_tokens: 100,
+                first_token: 0,
+                prompt: d_prompt,
+            })
+            .expect("ExpectKv");
+            let (d_event, p_event) = (d.next_event().expect("D event"), final_event(&mut p));
+            let bad = d.verify(1, &[5, 6], 0, 100);
+            if why.is_empty() {
+                assert!(done(&d_event) && bad == 0, "{mode:?}: {d_event:?}, {bad} bad tokens");
+                continue;
+            }
+            for event in [&d_event, &p_event] {
+                assert_eq!(
+                    reasons(event),
+                    vec!["PromptMismatch".to_owned()],
+                    "{mode:?} {i}: {event:?}"
+                );
+                assert!(format!("{event:?}").contains(why), "{mode:?} {i}: {event:?}");
+            }
+            assert_eq!(
+                bad, untouched,
+                "{mode:?} {i}: none of prefill's KV reached decode's blocks"
+            );
+        }
+    }
 }

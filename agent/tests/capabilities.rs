@@ -578,6 +578,7 @@ fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_reg
             blocks: vec![1],
             num_tokens: 10,
             first_token: 0,
+            prompt: None,
         },
     );
     assert!(

@@ -184,6 +184,7 @@ fn gpu_to_gpu(
         blocks: d_blocks.to_vec(),
         num_tokens: tokens,
         first_token: 0,
+        prompt: None,
     })
     .expect("ExpectKv");
     p.send(&EngineRequest::KvReady {
@@ -191,6 +192,7 @@ fn gpu_to_gpu(
         blocks: p_blocks.to_vec(),
         num_tokens: tokens,
         first_token: 0,
+        prompt: None,
     })
     .expect("KvReady");
     let done = loop {
@@ -262,6 +264,7 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
         blocks: vec![0, 1],
         num_tokens: 20,
         first_token: 0,
+        prompt: None,
     })
     .expect("ExpectKv");
     p.send(&EngineRequest::KvReady {
@@ -269,6 +272,7 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
         blocks: vec![33, 34],
         num_tokens: 20,
         first_token: 0,
+        prompt: None,
     })
     .expect("KvReady");
     let done = loop {

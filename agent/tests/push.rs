@@ -202,6 +202,7 @@ fn push_16_64_is_rejected_at_the_handshake_and_decode_keeps_serving() {
             blocks: vec![1],
             num_tokens: 10,
             first_token: 0,
+            prompt: None,
         })
         .expect("ExpectKv");
         let event = d.next_event().expect("event");
@@ -231,6 +232,7 @@ fn push_16_64_is_rejected_at_the_handshake_and_decode_keeps_serving() {
         blocks: vec![0],
         num_tokens: 10,
         first_token: 0,
+        prompt: None,
     })
     .expect("KvReady");
     let event = bad.next_event().expect("lease event");
@@ -268,6 +270,7 @@ fn a_foreign_prefill_is_unauthenticated_and_learns_nothing() {
         blocks: vec![1],
         num_tokens: 10,
         first_token: 0,
+        prompt: None,
     })
     .expect("send");
     assert_eq!(
@@ -281,6 +284,7 @@ fn a_foreign_prefill_is_unauthenticated_and_learns_nothing() {
         blocks: vec![1],
         num_tokens: 10,
         first_token: 0,
+        prompt: None,
     })
     .expect("send");
     let event = d.next_event().expect("event");
@@ -351,6 +355,7 @@ fn a_request_for_an_unknown_prefill_fails_within_its_deadline() {
         blocks: vec![1],
         num_tokens: 10,
         first_token: 0,
+        prompt: None,
     })
     .expect("send");
     let event = d.next_event().expect("event");
@@ -561,6 +566,7 @@ fn kv_ready_and_registration_arriving_together_always_match() {
             blocks: vec![0],
             num_tokens: 16,
             first_token: 0,
+            prompt: None,
         };
         let expect = EngineRequest::ExpectKv {
             request: id.clone(),
@@ -568,6 +574,7 @@ fn kv_ready_and_registration_arriving_together_always_match() {
             blocks: vec![1],
             num_tokens: 16,
             first_token: 0,
+            prompt: None,
         };
         if i % 2 == 0 {
             p.send(&ready).expect("send");
@@ -673,6 +680,7 @@ fn decode_rank_gathers(mode: TransferMode) {
             blocks: vec![0, 1, 2],
             num_tokens: 40,
             first_token: 0,
+            prompt: None,
         })
         .expect("KvReady");
     }
@@ -683,6 +691,7 @@ fn decode_rank_gathers(mode: TransferMode) {
         blocks: vec![5, 6, 7],
         num_tokens: 40,
         first_token: 0,
+        prompt: None,
     })
     .expect("ExpectKvFrom");
     let event = d.next_event().expect("event");
@@ -703,6 +712,7 @@ fn decode_rank_gathers(mode: TransferMode) {
         blocks: vec![0, 1, 2],
         num_tokens: 40,
         first_token: 0,
+        prompt: None,
     })
     .expect("KvReady");
     d.send(&EngineRequest::ExpectKvFrom {
@@ -711,6 +721,7 @@ fn decode_rank_gathers(mode: TransferMode) {
         blocks: vec![5, 6, 7],
         num_tokens: 40,
         first_token: 0,
+        prompt: None,
     })
     .expect("ExpectKvFrom");
     let event = d.next_event().expect("event");
@@ -765,6 +776,7 @@ fn a_stuck_prefill_is_lost_after_missed_heartbeats_not_at_the_deadline() {
         blocks: vec![9, 10],
         num_tokens: 100,
         first_token: 0,
+        prompt: None,
     })
     .expect("ExpectKv");
     let event = d.next_event().expect("event");
@@ -808,6 +820,7 @@ fn two_decode_ranks_take_their_heads_from_one_prefill_rank_and_prefill_hears_onc
             blocks: vec![0, 1, 2],
             num_tokens: 40,
             first_token: 0,
+            prompt: None,
         })
         .expect("KvReady");
         let mut bytes = 0;
@@ -819,6 +832,7 @@ fn two_decode_ranks_take_their_heads_from_one_prefill_rank_and_prefill_hears_onc
                 blocks: vec![4, 5, 6],
                 num_tokens: 40,
                 first_token: 0,
+                prompt: None,
             })
             .expect("ExpectKv");
         }
@@ -878,6 +892,7 @@ fn given_every_prefill_rank_the_agent_asks_the_ones_holding_its_heads() {
             blocks: vec![1, 2, 3],
             num_tokens: 40,
             first_token: 0,
+            prompt: None,
         })
         .expect("KvReady");
     };
@@ -889,6 +904,7 @@ fn given_every_prefill_rank_the_agent_asks_the_ones_holding_its_heads() {
             blocks: vec![4, 5, 6],
             num_tokens: 40,
             first_token: 0,
+            prompt: None,
         })
         .expect("ExpectKvFromPool");
         let event = d.next_event().expect("event");

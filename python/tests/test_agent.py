@@ -279,10 +279,11 @@ def test_the_client_asks_capabilities_before_registering(world):
 
 def test_registration_refusals_name_the_field(world):
     a = world.agent("p")
-    # Version 2 lacked Cancel and kv_arrangement, version 3 regions and MLA's latent arrays: a
-    # client of either is refused, naming both versions.
-    for old in (1, 2, 3):
-        with pytest.raises(AgentError, match=f"api_version {old} .*version 4"):
+    # Version 2 lacked Cancel and kv_arrangement, version 3 regions and MLA's latent arrays,
+    # version 4 prompt digests (an agent of 4 would drop them unchecked): a client of any is
+    # refused, naming both versions.
+    for old in (1, 2, 3, 4):
+        with pytest.raises(AgentError, match=f"api_version {old} .*version 5"):
             reg = registration(pdpair="default/pair", role="decode", engine="e", kv=kv(), num_blocks=4,
                                pairing_key=world.key, mode="Push", checksum="Disabled", **SETTINGS)
             reg["api_version"] = old

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from pdpair_vllm.transfer import (PARAM_RANKS, PARAM_REQUEST, PARAM_TOKENS, Plan, Recv, SchedulerState, Stager,
-                                  WorkerState, check_params, kernel_ids)
+from pdpair_vllm.transfer import (PARAM_RANKS, PARAM_REQUEST, PARAM_TOKENS, Plan, Prompt, Recv, SchedulerState,
+                                  Stager, WorkerState, check_params, kernel_ids)
 
 
 def params(**over):
@@ -108,7 +108,7 @@ def test_the_stager_is_told_before_the_agent_is_asked_for_new_receives():
             calls.append("before_receive")
 
     class Client:
-        def expect_kv(self, request, *args):
+        def expect_kv(self, request, *args, **kw):
             calls.append(f"expect_kv {request}")
 
     w = WorkerState(Client(), Recording())
@@ -153,10 +153,10 @@ class _Client:
         self.calls = []
         self.finished = []
 
-    def expect_kv(self, request, *args):
+    def expect_kv(self, request, *args, **kw):
         self.calls.append(("expect_kv", request))
 
-    def kv_ready(self, request, *args):
+    def kv_ready(self, request, *args, **kw):
         self.calls.append(("kv_ready", request))
 
     def cancel(self, request):
@@ -222,3 +222,52 @@ def test_a_workers_outcomes_are_bounded():
         w.poll()
     assert len(w.outcomes) == transfer.KEPT
     assert f"s{transfer.KEPT + 9}" in w.outcomes and "s0" not in w.outcomes
+
+
+def test_a_prompt_digest_covers_the_tokens_and_what_else_the_kv_depends_on():
+    tokens = list(range(100, 150))
+    base = Prompt(tokens, [["salt", "s"]], [("img", 10, 5)])
+    d = base.digest(40)
+    assert d == Prompt(list(tokens), [["salt", "s"]], [("img", 10, 5)]).digest(40), "a function of its inputs"
+    assert len(bytes.fromhex(d)) == 32
+    others = [
+        Prompt(tokens[:39] + [7] + tokens[40:], [["salt", "s"]], [("img", 10, 5)]).digest(40),  # one token
+        base.digest(39),  # fewer tokens
+        Prompt(tokens, [["salt", "t"]], [("img", 10, 5)]).digest(40),  # another cache salt
+        Prompt(tokens, [["salt", "s"], ["lora", "a", "/a"]], [("img", 10, 5)]).digest(40),  # an adapter
+        Prompt(tokens, [["salt", "s"]], [("img2", 10, 5)]).digest(40),  # another image
+        Prompt(tokens, [["salt", "s"]], [("img", 11, 5)]).digest(40),  # elsewhere
+    ]
+    assert all(o != d for o in others) and len(set(others)) == len(others)
+    # Media starting after the KV's last token do not count: D's shorter tail still matches.
+    assert Prompt(tokens, [["salt", "s"]], [("img", 10, 5), ("late", 45, 2)]).digest(40) == d
+    # Tokens of any size (ids past 2^32 are not cut).
+    assert Prompt([1 << 33], []).digest(1) != Prompt([0], []).digest(1)
+    with pytest.raises(ValueError, match="51 tokens"):
+        base.digest(51)
+
+
+def test_prefill_and_decode_bind_the_same_tokens_and_an_unbound_prompt_moves_no_kv(caplog):
+    prompt = list(range(200, 250))
+    # P computed the prompt and sampled one token; D holds 32 tokens and receives the tail.
+    p = SchedulerState(16, 16)
+    p.learn_ranks({0: "10.0.0.1:7000"})
+    hold, out = p.finished("p-1", {"do_remote_decode": True}, True, [1, 2, 3, 4], 50, "e",
+                           prompt=Prompt(prompt + [9]))
+    (send,) = p.plan().sends
+    d = SchedulerState(16, 16)
+    d.after_alloc("r", out, [5, 6, 7, 8], 50, 18, Prompt(prompt))
+    (recv,) = d.plan().recvs
+    assert hold and send.prompt == recv.prompt == Prompt(prompt).digest(50)
+    # Another prompt of the same length: another digest (the agents refuse the pair).
+    d.after_alloc("r2", params(), [5, 6, 7, 8], 50, 50, Prompt(prompt[::-1]))
+    assert d.plan().recvs[0].prompt != send.prompt
+    # Prompt embeddings: P offers nothing, D computes locally and releases P.
+    embedded = Prompt(prompt, unbound="embeddings")
+    assert p.finished("p-2", {"do_remote_decode": True}, True, [1], 50, "e", prompt=embedded) == (False, None)
+    assert p.plan().empty()
+    assert d.matched_tokens("r3", params(), 50, 0, embedded) == (0, False)
+    d.after_alloc("r3", params(), [1, 2, 3, 4], 50, 0, embedded)
+    plan = d.plan()
+    assert not plan.recvs and [r.agent_request for r in plan.releases] == ["p-1"]
+    assert caplog.text.count("embeddings") == 2

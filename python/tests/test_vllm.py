@@ -198,6 +198,28 @@ def test_a_mismatched_prefill_is_refused_and_decode_recomputes_then_serves_a_goo
             e.close()
 
 
+def test_a_client_that_pairs_another_prompts_params_gets_no_kv_and_decode_computes_its_own(world, caplog):
+    # kv_transfer_params come from the client: one that hands D prompt Y with the params of P's
+    # prompt X would have D take X's KV as Y's, and cache it under Y's blocks for every later
+    # request of Y. The agents compare the engines' prompt digests first: D computes Y itself.
+    pa, da = world.agent("p"), world.agent("d")
+    p = Engine(world, pa, "prefill", seed=P_SEED)
+    d = Engine(world, da, "decode", seed=D_SEED, policy="recompute")
+    try:
+        x, y = list(range(3000, 3040)), list(range(4000, 4040))  # same length: the token counts agree
+        params = prefill(p, "x", x)
+        req = d.add("y", y, params, max_tokens=3)
+        both(p, d, lambda: len(req.output_token_ids) >= 1, what="D computed its prompt")
+        assert any("y" in o.failed_recving for o in d.transfer_events), "the receive failed"
+        assert d.outcome("y") == "RequestFailed" and "PromptMismatch" in caplog.text
+        assert d.kv_seeds("y", 0, len(y), [P_SEED, D_SEED]) == [D_SEED] * len(y), "none of X's KV in Y's blocks"
+        both(p, d, lambda: p.status("x") is None, what="P freed X's blocks")
+        assert p.outcome("x") == "RequestFailed"
+    finally:
+        for e in (p, d):
+            e.close()
+
+
 def test_fail_closed_reports_a_corrupted_byte_as_load_errors_and_vllm_fails_the_request(pair):
     p, d = pair(p_extra=("--corrupt-one-byte",))
     prompt = list(range(1000, 1040))

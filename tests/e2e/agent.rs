@@ -29,6 +29,7 @@ fn push_one(p: &mut SyntheticEngine, d: &mut SyntheticEngine, request: &str, see
         blocks: vec![0, 1],
         num_tokens: 100,
         first_token: 0,
+        prompt: Some(pdpair_agent::synthetic::prompt(seed, 100)),
     })
     .expect("send");
     d.send(&EngineRequest::ExpectKv {
@@ -37,6 +38,7 @@ fn push_one(p: &mut SyntheticEngine, d: &mut SyntheticEngine, request: &str, see
         blocks: vec![2, 3],
         num_tokens: 100,
         first_token: 0,
+        prompt: Some(pdpair_agent::synthetic::prompt(seed, 100)),
     })
     .expect("send");
     d.next_event().expect("event")
@@ -220,6 +222,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         blocks: vec![2],
         num_tokens: 10,
         first_token: 0,
+        prompt: None,
     })
     .expect("send");
     let event = d.next_event().expect("event");
@@ -272,6 +275,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         blocks: vec![0],
         num_tokens: 10,
         first_token: 0,
+        prompt: None,
     })
     .expect("send");
     // (Prefill's earlier events, r1's, are still queued: skip to this request's last.)

@@ -27,7 +27,7 @@ impl Engine {
     /// failure. The engine hears `Released` once prefill confirmed it.
     pub(super) fn release(self: &Arc<Self>, request: String, prefill: String) {
         if self.role_is(Role::Decode, "Release", &request) {
-            self.ask(request, vec![prefill], Vec::new(), 0, 0, true);
+            self.ask(request, vec![prefill], Want::default(), true);
         }
     }
 
@@ -252,21 +252,20 @@ impl Engine {
         true
     }
 
-    pub(super) fn expect_kv(
-        self: &Arc<Self>,
-        request: String,
-        prefills: Vec<String>,
-        blocks: Vec<u32>,
-        num_tokens: u64,
-        first_token: u64,
-    ) {
-        if !self.accept_request(Role::Decode, "ExpectKv", &request, &blocks, (first_token, num_tokens)) {
+    pub(super) fn expect_kv(self: &Arc<Self>, request: String, prefills: Vec<String>, want: Want) {
+        if !self.accept_request(
+            Role::Decode,
+            "ExpectKv",
+            &request,
+            &want.blocks,
+            (want.first_token, want.num_tokens),
+        ) {
             return;
         }
         if lock(&self.linking).contains_key(&request) {
             return self.refuse_taken(request, LINKING);
         }
-        self.ask(request, prefills, blocks, num_tokens, first_token, false);
+        self.ask(request, prefills, want, false);
     }
 
     /// Why a new request of this name is refused, if it is: one of the name is expected (in
@@ -291,15 +290,7 @@ impl Engine {
 
     /// Registers `request` with its prefill engines (or, `release`, tells them decode needs
     /// nothing), connecting to them first when needed.
-    fn ask(
-        self: &Arc<Self>,
-        request: String,
-        mut prefills: Vec<String>,
-        blocks: Vec<u32>,
-        num_tokens: u64,
-        first_token: u64,
-        release: bool,
-    ) {
+    fn ask(self: &Arc<Self>, request: String, mut prefills: Vec<String>, want: Want, release: bool) {
         prefills.sort();
         prefills.dedup();
         if prefills.is_empty() || prefills.len() > 1024 {
@@ -354,9 +345,10 @@ impl Engine {
                         prefills: prefills.clone(),
                         parts: HashMap::new(),
                         reading: Vec::new(),
-                        blocks,
-                        num_tokens,
-                        first_token,
+                        blocks: want.blocks,
+                        num_tokens: want.num_tokens,
+                        first_token: want.first_token,
+                        prompt: want.prompt,
                         deadline,
                         release,
                     },
@@ -388,20 +380,13 @@ impl Engine {
 
     /// `ExpectKvFromPool`: links to every prefill rank named (in a thread of its own), then
     /// asks the ranks that hold this decode rank's heads.
-    pub(super) fn expect_kv_from_pool(
-        self: &Arc<Self>,
-        request: String,
-        prefill_ranks: Vec<String>,
-        blocks: Vec<u32>,
-        num_tokens: u64,
-        first_token: u64,
-    ) {
+    pub(super) fn expect_kv_from_pool(self: &Arc<Self>, request: String, prefill_ranks: Vec<String>, want: Want) {
         if !self.accept_request(
             Role::Decode,
             "ExpectKvFromPool",
             &request,
-            &blocks,
-            (first_token, num_tokens),
+            &want.blocks,
+            (want.first_token, want.num_tokens),
         ) {
             return;
         }
@@ -450,7 +435,7 @@ impl Engine {
                 Ok(sources) => {
                     // Pending before it stops linking: a cancel meanwhile finds it one way or
                     // the other, never neither.
-                    e.ask(request.clone(), sources, blocks, num_tokens, first_token, false);
+                    e.ask(request.clone(), sources, want, false);
                     let cancelled = lock(&e.linking).remove(&request).unwrap_or(false);
                     if cancelled {
                         e.cancel_decode(request);
@@ -594,6 +579,7 @@ impl Engine {
                         blocks: p.blocks.clone(),
                         num_tokens: p.num_tokens,
                         first_token: p.first_token,
+                        prompt: p.prompt.clone(),
                     })
                 };
                 link.send(&message)

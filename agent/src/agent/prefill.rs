@@ -28,6 +28,8 @@ pub(super) struct Ready {
     blocks: Vec<u32>,
     num_tokens: u64,
     first_token: u64,
+    /// The engine's prompt digest: a registration must bring the same.
+    prompt: Option<crate::engine_api::PromptDigest>,
     since: Instant,
 }
 
@@ -677,7 +679,13 @@ impl Engine {
         crate::agent::check_blocks(blocks, link.peer.memory.num_blocks).map_err(|e| format!("decode's {e}"))
     }
 
-    pub(super) fn kv_ready(self: &Arc<Self>, request: String, blocks: Vec<u32>, num_tokens: u64, first_token: u64) {
+    pub(super) fn kv_ready(self: &Arc<Self>, request: String, want: Want) {
+        let Want {
+            blocks,
+            num_tokens,
+            first_token,
+            prompt,
+        } = want;
         if !self.accept_request(Role::Prefill, "KvReady", &request, &blocks, (first_token, num_tokens)) {
             return;
         }
@@ -685,6 +693,7 @@ impl Engine {
             blocks,
             num_tokens,
             first_token,
+            prompt,
             since: Instant::now(),
         };
         let consumers: Vec<Consumer> = {
@@ -820,6 +829,11 @@ impl Engine {
                     reg.num_tokens, ready.num_tokens
                 ),
             );
+        }
+        // Before any block is lent or written: a client that gave decode another prompt's
+        // request id gets nothing (decode would cache that KV under its own prompt).
+        if let Err(why) = crate::engine_api::check_prompt(reg.prompt.as_ref(), ready.prompt.as_ref()) {
+            return refuse(Reason::PromptMismatch, format!("request {request}: {why}"));
         }
         if self.settings.mode == pdpair_api::TransferMode::Pull {
             return self.lend(link, reg, ready);
@@ -1066,6 +1080,7 @@ mod tests {
             blocks,
             num_tokens: 40,
             first_token: first,
+            prompt: None,
             since: Instant::now(),
         }
     }
@@ -1076,6 +1091,7 @@ mod tests {
             blocks,
             num_tokens: 40,
             first_token: first,
+            prompt: None,
         }
     }
 

@@ -449,7 +449,8 @@ fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
     // 5 lets the address be a KV stream's: a version 4 peer would hand it to UCX. Version 6
     // seals the stream: a version 5 peer would read records as headers. Version 7 offers a GPU
     // pool's KV stream: a version 6 peer would take a GPU pool behind another agent for one
-    // behind its own. So the versions must not meet.
+    // behind its own. Version 9 carries decode's prompt digest in `Register`: a version 8
+    // prefill would drop it and serve KV of another prompt. So the versions must not meet.
     let (mut c, server) = prefill_with_secret_1();
     wire::write_frame(
         &mut c,
@@ -465,7 +466,7 @@ fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
         matches!(&answer, Message::Reject { reasons, .. } if reasons == &vec![Reason::VersionMismatch]),
         "{answer:?}"
     );
-    assert_eq!(PROTOCOL_VERSION, 8);
+    assert_eq!(PROTOCOL_VERSION, 9);
     assert!(server.join().expect("thread").is_err());
 }
 

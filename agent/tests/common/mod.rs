@@ -180,6 +180,7 @@ pub fn request(p: &mut SyntheticEngine, d: &mut SyntheticEngine, r: Req<'_>) -> 
         blocks: p_blocks,
         num_tokens: r.tokens,
         first_token: r.p_first,
+        prompt: Some(pdpair_agent::synthetic::prompt(r.seed, r.tokens)),
     })
     .expect("KvReady");
     d.send(&EngineRequest::ExpectKv {
@@ -188,6 +189,7 @@ pub fn request(p: &mut SyntheticEngine, d: &mut SyntheticEngine, r: Req<'_>) -> 
         blocks: d_blocks.clone(),
         num_tokens: r.tokens,
         first_token: r.d_first,
+        prompt: Some(pdpair_agent::synthetic::prompt(r.seed, r.tokens)),
     })
     .expect("ExpectKv");
     let event = d.next_event().expect("D event");
@@ -259,6 +261,7 @@ pub fn kv_ready(p: &mut SyntheticEngine, request: &str, blocks: &[u32], num_toke
         blocks: blocks.to_vec(),
         num_tokens,
         first_token: 0,
+        prompt: None,
     })
     .expect("KvReady");
 }
@@ -271,6 +274,7 @@ pub fn expect_kv(d: &mut SyntheticEngine, request: &str, prefill: String, blocks
         blocks: blocks.to_vec(),
         num_tokens,
         first_token: 0,
+        prompt: None,
     })
     .expect("ExpectKv");
 }

@@ -18,7 +18,7 @@ from . import wire
 from .layout import PoolLayout
 
 #: The engine API version this client speaks (the agent's ``engine_api::API_VERSION``).
-API_VERSION = 4
+API_VERSION = 5
 #: The agent's default socket (``PDPAIR_AGENT_SOCKET`` in pods the operator runs).
 DEFAULT_SOCKET = "/var/run/pdpair/agent.sock"
 #: Events after which the agent does nothing more for a request.
@@ -250,20 +250,28 @@ class AgentClient:
             except OSError as e:
                 raise AgentError(f"sending {message.get('type')}: {e}") from None
 
-    def kv_ready(self, request: str, blocks: List[int], num_tokens: int, first_token: int = 0) -> None:
-        """Prefill: the request's KV is in ``blocks`` of the pool."""
-        self.send(
-            {"type": "KvReady", "request": request, "blocks": blocks, "num_tokens": num_tokens, "first_token": first_token}
-        )
+    def kv_ready(self, request: str, blocks: List[int], num_tokens: int, first_token: int = 0,
+                 prompt: Optional[str] = None) -> None:
+        """Prefill: the request's KV is in ``blocks`` of the pool. ``prompt``: its prompt digest
+        (hex), which decode's must equal."""
+        message = {"type": "KvReady", "request": request, "blocks": blocks, "num_tokens": num_tokens,
+                   "first_token": first_token}
+        if prompt is not None:
+            message["prompt"] = prompt
+        self.send(message)
 
-    def expect_kv(self, request: str, prefill_ranks: List[str], blocks: List[int], num_tokens: int, first_token: int = 0) -> None:
+    def expect_kv(self, request: str, prefill_ranks: List[str], blocks: List[int], num_tokens: int, first_token: int = 0,
+                  prompt: Optional[str] = None) -> None:
         """Decode: KV for ``request`` comes from the prefill pool whose ranks' addresses are
-        ``prefill_ranks`` (the agent picks which ranks hold this rank's heads)."""
+        ``prefill_ranks`` (the agent picks which ranks hold this rank's heads). ``prompt``: its
+        prompt digest (hex), which prefill's must equal."""
         if len(prefill_ranks) == 1:
             message = {"type": "ExpectKv", "prefill": prefill_ranks[0]}
         else:
             message = {"type": "ExpectKvFromPool", "prefill_ranks": list(prefill_ranks)}
         message.update({"request": request, "blocks": blocks, "num_tokens": num_tokens, "first_token": first_token})
+        if prompt is not None:
+            message["prompt"] = prompt
         self.send(message)
 
     def release(self, request: str, prefill: str) -> None:

@@ -50,7 +50,7 @@ from .client import AgentClient
 from . import direct
 from .layout import ELEMENT_BYTES
 from .staging import TorchStager
-from .transfer import Plan, Results, SchedulerState, WorkerState
+from .transfer import Plan, Prompt, Results, SchedulerState, WorkerState
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -106,6 +106,26 @@ def _direct_setting(value) -> Optional[bool]:
     raise ValueError(f"pdpair: kv_connector_extra_config.direct is {value!r}, not auto, true or false")
 
 
+def _prompt(request: "Request") -> Prompt:
+    """What vLLM computes a request's KV from, as its prefix cache keys it: the tokens, the LoRA
+    adapter (name and path), the cache salt, the multimodal inputs' identifiers and positions.
+    Prompt embeddings are not bound (the token ids of an embedded prompt do not say what it
+    was): such a request's KV does not move."""
+    extras = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        extras.append(["lora", str(lora.lora_name), str(getattr(lora, "lora_path", "") or "")])
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        extras.append(["salt", str(salt)])
+    media = [(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+             for f in getattr(request, "mm_features", None) or ()]
+    unbound = None
+    if getattr(request, "prompt_embeds", None) is not None:
+        unbound = "its prompt is given as embeddings, which pdpair cannot bind its KV to"
+    return Prompt(request.all_token_ids, extras, media, unbound)
+
+
 def _layer_index(name: str) -> Tuple[int, str]:
     m = re.search(r"(\d+)", name)
     return (int(m.group(1)) if m else -1, name)
@@ -140,13 +160,13 @@ class PdpairConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         assert self._sched is not None
         return self._sched.matched_tokens(request.request_id, request.kv_transfer_params,
-                                          request.num_prompt_tokens, num_computed_tokens)
+                                          request.num_prompt_tokens, num_computed_tokens, _prompt(request))
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         assert self._sched is not None
         ids = blocks.get_block_ids()[0] if blocks is not None else []
         self._sched.after_alloc(request.request_id, request.kv_transfer_params, list(ids),
-                                request.num_prompt_tokens, num_external_tokens)
+                                request.num_prompt_tokens, num_external_tokens, _prompt(request))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -167,7 +187,7 @@ class PdpairConnector(KVConnectorBase_V1):
         status = getattr(request.status, "name", str(request.status))
         return self._sched.finished(request.request_id, request.kv_transfer_params, status in COMPLETED,
                                     list(ids or []), request.num_computed_tokens, self._engine_id,
-                                    load_failed=status == "FINISHED_ERROR")
+                                    load_failed=status == "FINISHED_ERROR", prompt=_prompt(request))
 
     # ==== worker side ============================================================================
 

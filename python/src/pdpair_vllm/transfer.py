@@ -22,8 +22,12 @@ The flow (docs/vllm.md):
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import sys
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -43,12 +47,50 @@ def kernel_ids(logical: Iterable[int], per_logical: int) -> List[int]:
 
 
 @dataclass
+class Prompt:
+    """What a request's KV is computed from, as the engine knows it: its tokens and what else
+    the KV depends on. P and D derive the same :meth:`digest`, which their agents compare before
+    any KV moves: a client that hands D another prompt's ``kv_transfer_params`` gets no KV (D
+    would cache it under its own prompt's blocks and serve it to later requests)."""
+
+    #: The request's tokens (prompt, then any output P computed the KV of).
+    tokens: Sequence[int]
+    #: What else the KV depends on, the same on P and D (JSON-able): a LoRA adapter, a cache salt.
+    extras: List[list] = field(default_factory=list)
+    #: Multimodal inputs: (identifier, first token, tokens) each; one starting before the KV's
+    #: last token counts.
+    media: List[Tuple[str, int, int]] = field(default_factory=list)
+    #: Why its KV cannot be bound to it (prompt embeddings: the tokens do not say what the KV
+    #: was computed from), or ``None``.
+    unbound: Optional[str] = None
+
+    def digest(self, num_tokens: int) -> str:
+        """SHA-256, hex, of the first ``num_tokens`` tokens and what the KV of those depends on
+        (docs/engine-api.md, "Prompt digests")."""
+        if not 0 <= num_tokens <= len(self.tokens):
+            raise ValueError(f"the KV of {num_tokens} tokens cannot come from a prompt of {len(self.tokens)}")
+        ids = array("q", [int(t) for t in self.tokens[:num_tokens]])
+        if sys.byteorder != "little":
+            ids.byteswap()
+        keys = list(self.extras) + [["mm", i, at, n] for i, at, n in self.media if at < num_tokens]
+        extra = json.dumps(keys, separators=(",", ":"), ensure_ascii=True).encode()
+        h = hashlib.sha256(b"pdpair prompt v1\0")
+        h.update(num_tokens.to_bytes(8, "little"))
+        h.update(ids.tobytes())
+        h.update(len(extra).to_bytes(8, "little"))
+        h.update(extra)
+        return h.hexdigest()
+
+
+@dataclass
 class Send:
     """P: stage ``blocks`` (kernel ids) of ``request`` and tell the agent they are ready."""
 
     request: str
     blocks: List[int]
     num_tokens: int
+    #: The request's prompt digest (:meth:`Prompt.digest`), when the engine gave its prompt.
+    prompt: Optional[str] = None
 
 
 @dataclass
@@ -62,6 +104,8 @@ class Recv:
     blocks: List[int]
     first_token: int
     num_tokens: int
+    #: D's prompt digest over ``num_tokens`` tokens, when the engine gave its prompt.
+    prompt: Optional[str] = None
 
 
 @dataclass
@@ -174,10 +218,14 @@ class SchedulerState:
     # --- D --------------------------------------------------------------------------------------
 
     def matched_tokens(self, request: str, params: Optional[dict], num_prompt_tokens: int,
-                       num_computed_tokens: int) -> Tuple[int, bool]:
-        """Tokens D will receive beyond what it holds, and whether asynchronously."""
+                       num_computed_tokens: int, prompt: Optional[Prompt] = None) -> Tuple[int, bool]:
+        """Tokens D will receive beyond what it holds, and whether asynchronously. None for a
+        prompt whose KV cannot be bound to it (computed here; P is released after allocation)."""
         remote = _remote(params)
         if remote is None:
+            return 0, False
+        if prompt is not None and prompt.unbound:
+            log.warning("pdpair: request %s is computed locally, not received: %s", request, prompt.unbound)
             return 0, False
         agent_request, ranks, tokens = remote
         count = min(tokens, num_prompt_tokens) - num_computed_tokens
@@ -187,10 +235,11 @@ class SchedulerState:
         return count, True
 
     def after_alloc(self, request: str, params: Optional[dict], block_ids: Sequence[int],
-                    num_prompt_tokens: int, num_external_tokens: int) -> None:
+                    num_prompt_tokens: int, num_external_tokens: int, prompt: Optional[Prompt] = None) -> None:
         """D allocated ``block_ids`` (all of the request's, logical) for the
         ``num_external_tokens`` it claimed: it holds the tokens before them (its own prefix hit),
-        so it receives the tail, or releases P when it claimed none."""
+        so it receives the tail, or releases P when it claimed none. ``prompt``: the request's,
+        whose digest the agents check against P's."""
         remote = _remote(params)
         self.queued.pop(request, None)
         if remote is None:
@@ -209,8 +258,9 @@ class SchedulerState:
             return
         held = local // self.block_size
         logical = list(block_ids[held:])
+        digest = prompt.digest(total) if prompt is not None else None
         self._plan.recvs.append(
-            Recv(request, agent_request, ranks, logical, kernel_ids(logical, self.per_logical), local, total)
+            Recv(request, agent_request, ranks, logical, kernel_ids(logical, self.per_logical), local, total, digest)
         )
         self.receiving[request] = agent_request
 
@@ -222,10 +272,12 @@ class SchedulerState:
     # --- both -----------------------------------------------------------------------------------
 
     def finished(self, request: str, params: Optional[dict], completed: bool, block_ids: Sequence[int],
-                 num_computed_tokens: int, engine: str, load_failed: bool = False) -> Tuple[bool, Optional[dict]]:
+                 num_computed_tokens: int, engine: str, load_failed: bool = False,
+                 prompt: Optional[Prompt] = None) -> Tuple[bool, Optional[dict]]:
         """vLLM's ``request_finished``: whether to hold the blocks, and the params for D.
         ``load_failed``: vLLM ended the request because its KV failed to load (the worker reported
-        the transfer over; vLLM frees the blocks whatever this returns)."""
+        the transfer over; vLLM frees the blocks whatever this returns). ``prompt``: P's, whose
+        digest its agent holds D's against."""
         self.queued.pop(request, None)
         if params and params.get("do_remote_prefill"):
             # D: finished before allocation (an abort): P frees its blocks.
@@ -251,9 +303,17 @@ class SchedulerState:
             log.warning("pdpair: request %s asks for remote decode, but this engine has no prefill rank "
                         "registered with its agent; its KV is not offered", request)
             return False, None
+        if prompt is not None and prompt.unbound:
+            log.warning("pdpair: request %s asks for remote decode; its KV is not offered: %s", request, prompt.unbound)
+            return False, None
         tokens = num_computed_tokens
+        if prompt is not None and tokens > len(prompt.tokens):
+            log.warning("pdpair: request %s computed %d tokens of %d known; its KV is not offered", request, tokens,
+                        len(prompt.tokens))
+            return False, None
         logical = list(block_ids[: -(-tokens // self.block_size)])
-        self._plan.sends.append(Send(request, kernel_ids(logical, self.per_logical), tokens))
+        digest = prompt.digest(tokens) if prompt is not None else None
+        self._plan.sends.append(Send(request, kernel_ids(logical, self.per_logical), tokens, digest))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -350,7 +410,7 @@ class WorkerState:
             self._open[recv.agent_request] = ("recv", recv.request, recv)
             self._by_request[recv.request] = recv.agent_request
             self.client.expect_kv(recv.agent_request, recv.prefill_ranks, recv.blocks, recv.num_tokens,
-                                  recv.first_token)
+                                  recv.first_token, prompt=recv.prompt)
         if self.rank == 0:
             # One rank speaks for the engine to every prefill rank.
             for rel in plan.releases:
@@ -380,7 +440,7 @@ class WorkerState:
             self.stager.save(send.blocks)
             _keep(self.staging_ms, send.request, {})["save"] = (time.perf_counter() - t) * 1e3
             self._open[send.request] = ("send", send.request, None)
-            self.client.kv_ready(send.request, send.blocks, send.num_tokens)
+            self.client.kv_ready(send.request, send.blocks, send.num_tokens, prompt=send.prompt)
 
     def poll(self) -> Results:
         """Applies the agent's final events since the last call and returns what to report."""
