@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from pdpair_vllm.transfer import (PARAM_RANKS, PARAM_REQUEST, PARAM_TOKENS, Plan, Prompt, Recv, SchedulerState,
-                                  Stager, WorkerState, check_params, kernel_ids)
+from pdpair_vllm.transfer import (PARAM_RANKS, PARAM_REQUEST, PARAM_TOKENS, Plan, Prompt, Recv, Results,
+                                  SchedulerState, Stager, WorkerState, check_params, kernel_ids)
 
 
 def params(**over):
@@ -108,6 +108,8 @@ def test_the_stager_is_told_before_the_agent_is_asked_for_new_receives():
             calls.append("before_receive")
 
     class Client:
+        closed = None
+
         def expect_kv(self, request, *args, **kw):
             calls.append(f"expect_kv {request}")
 
@@ -152,8 +154,19 @@ class _Client:
     def __init__(self):
         self.calls = []
         self.finished = []
+        self.closed = None
+        self.refuse = False
+
+    def release(self, request, prefill):
+        self.calls.append(("release", request))
+
+    def close(self):
+        self.calls.append(("close", None))
 
     def expect_kv(self, request, *args, **kw):
+        if self.refuse:
+            from pdpair_vllm.client import AgentError
+            raise AgentError("sending ExpectKv: [Errno 32] Broken pipe")
         self.calls.append(("expect_kv", request))
 
     def kv_ready(self, request, *args, **kw):
@@ -271,3 +284,69 @@ def test_prefill_and_decode_bind_the_same_tokens_and_an_unbound_prompt_moves_no_
     plan = d.plan()
     assert not plan.recvs and [r.agent_request for r in plan.releases] == ["p-1"]
     assert caplog.text.count("embeddings") == 2
+
+
+class _Saves(Stager):
+    def save(self, blocks):
+        pass
+
+    def load(self, blocks):
+        pass
+
+
+def _recv(r, blocks):
+    return Recv(request=r, agent_request=f"a-{r}", prefill_ranks=["10.0.0.1:7000"], logical_blocks=blocks,
+                blocks=blocks, first_token=0, num_tokens=16)
+
+
+def test_a_lost_agent_ends_every_transfer_in_flight_and_later_ones_never_reach_it(caplog):
+    # An agent that restarts or dies closes the connection: without noticing, the open
+    # receives waited forever (vLLM's requests stuck waiting for remote KV, their blocks held)
+    # and so did prefill's held blocks; the next message raised into the engine's step.
+    from pdpair_vllm.transfer import Release, Send
+    client = _Client()
+    w = WorkerState(client, _Saves())
+    w.start(Plan(recvs=[_recv("r", [1, 2]), _recv("c", [3])]))
+    w.save(Plan(sends=[Send("s", [4], 16)]))
+    w.start(Plan(cancels=["c"]))
+    assert w.poll() == Results(), "nothing ended while the agent is up"
+    client.closed = "the agent closed the connection"
+    got = w.poll()
+    assert got.failed_recving == {"r"} and got.error_blocks == {1, 2} and got.finished_recving == {"r"}
+    assert got.finished_sending == {"s", "c"}, "prefill's blocks and the cancelled receive's are free"
+    assert w.outcomes == {"r": "RequestFailed", "s": "RequestFailed", "c": "Cancelled"}
+    assert "lost its agent connection" in caplog.text
+    calls = list(client.calls)
+    w.start(Plan(recvs=[_recv("late", [5])], releases=[Release("p-9", ["x:1"])]))
+    w.save(Plan(sends=[Send("late-send", [6], 16)]))
+    got = w.poll()
+    assert got.failed_recving == {"late"} and got.error_blocks == {5} and got.finished_sending == {"late-send"}
+    assert client.calls == calls, "nothing more is sent to a lost agent"
+    assert caplog.text.count("lost its agent connection") == 1, "logged once"
+
+
+def test_a_send_that_fails_is_not_raised_into_the_step_and_its_transfer_ends():
+    client = _Client()
+    client.refuse = True
+    w = WorkerState(client, _Saves())
+    w.start(Plan(recvs=[_recv("r", [1])]))  # raised AgentError into vLLM's step before
+    got = w.poll()
+    assert got.failed_recving == {"r"} and w.lost and "Broken pipe" in w.lost
+    assert client.calls == [("close", None)], "the broken connection is closed"
+
+
+def test_in_place_the_transfers_of_a_lost_agent_end_only_after_the_grace(monkeypatch):
+    # The direct path: the agent copies into the KV cache itself, and may still have copies
+    # queued until its process is gone; the blocks are not handed back before the grace.
+    from pdpair_vllm import transfer
+
+    class InPlace(_Saves):
+        in_place = True
+
+    client = _Client()
+    w = WorkerState(client, InPlace())
+    w.start(Plan(recvs=[_recv("r", [1])]))
+    client.closed = "the agent closed the connection"
+    assert not w.poll().finished_recving, "within the grace"
+    monkeypatch.setattr(transfer, "LOST_GRACE_S", 0.0)
+    assert w.poll().failed_recving == {"r"}

@@ -220,6 +220,36 @@ def test_a_client_that_pairs_another_prompts_params_gets_no_kv_and_decode_comput
             e.close()
 
 
+def test_lost_agents_end_the_transfers_in_flight_and_both_engines_go_on(world):
+    # Agents restarting (a DaemonSet rollout) or dying: D's request waiting for its KV and P's
+    # blocks held for D waited forever, and the next message to the agent raised into the step.
+    pa, da = world.agent("p"), world.agent("d")
+    p = Engine(world, pa, "prefill", seed=P_SEED)
+    d = Engine(world, da, "decode", seed=D_SEED, policy="recompute")
+    try:
+        held = prefill(p, "x", list(range(5000, 5040)))  # P holds x's blocks; no D asks for them
+        waiting = dict(held, pdpair_request="nobody-computes-this")  # D waits for KV never ready
+        y = list(range(6000, 6040))
+        d.add("y", y, waiting, max_tokens=2)
+        both(p, d, lambda: d.worker._worker._open, what="D asked its agent")
+        pa.kill()
+        da.kill()
+        both(p, d, lambda: "y" in d.outputs and p.status("x") is None, what="both engines gave up the transfers")
+        assert any("y" in o.failed_recving for o in d.transfer_events)
+        assert d.outputs["y"].new_token_ids[-1] == SAMPLED, "D computed y itself"
+        assert d.outcome("y") == p.outcome("x") == "RequestFailed"
+        # Later requests do not reach the agents: computed locally, and the steps do not raise.
+        z = list(range(7000, 7040))
+        d.add("z", z, held)
+        p.add("w", list(range(8000, 8040)), {"do_remote_decode": True})
+        both(p, d, lambda: "z" in d.outputs and "w" in p.outputs and p.status("w") is None,
+             what="requests after the loss")
+        assert d.outputs["z"].new_token_ids[-1] == SAMPLED
+    finally:
+        for e in (p, d):
+            e.close()
+
+
 def test_fail_closed_reports_a_corrupted_byte_as_load_errors_and_vllm_fails_the_request(pair):
     p, d = pair(p_extra=("--corrupt-one-byte",))
     prompt = list(range(1000, 1040))

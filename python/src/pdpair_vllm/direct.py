@@ -373,6 +373,8 @@ class DirectKv(Stager):
     copies wait for it), or, without one (``event=False``: an agent that cannot open it),
     synchronizes that stream; decode's blocks have landed when the agent says ``RequestDone``."""
 
+    in_place = True
+
     def __init__(self, tensors: Sequence[torch.Tensor], layout: PoolLayout, device: torch.device, uuid: str,
                  by_ipc: Optional[Sequence[bool]] = None, event: bool = True):
         self.tensors = list(tensors)

@@ -31,7 +31,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from .client import AgentClient, Event
+from .client import AgentClient, AgentError, Event
 
 log = logging.getLogger("pdpair_vllm")
 
@@ -337,6 +337,10 @@ class SchedulerState:
 class Stager:
     """Copies blocks between an engine's KV cache and the agent's pool (host staging)."""
 
+    #: Whether the agent reads and writes the engine's KV cache itself (the direct path), rather
+    #: than a pool the engine copies through.
+    in_place = False
+
     def save(self, blocks: List[int]) -> None:  # KV cache -> pool
         raise NotImplementedError
 
@@ -359,6 +363,13 @@ class Results:
 
 #: Requests whose outcome and staging times a worker keeps (for logs and tests), at most.
 KEPT = 4096
+
+#: Seconds a worker whose KV cache is the agent's pool (:attr:`Stager.in_place`) waits, once its
+#: agent connection is gone, before it gives up the transfers in flight: copies the agent queued
+#: into or out of that memory may still run until its process is gone. A staged worker gives
+#: them up at once (the agent never touches its KV cache; its pool is read only on
+#: ``RequestDone``).
+LOST_GRACE_S = 5.0
 
 
 def _keep(table: dict, key: str, value):
@@ -392,6 +403,38 @@ class WorkerState:
         #: Milliseconds of staging copies per request (vLLM id -> "save"/"load" -> ms), the last
         #: :data:`KEPT` requests.
         self.staging_ms: Dict[str, Dict[str, float]] = {}
+        #: Why the agent connection is gone (a send failed, or the agent closed it), and when
+        #: this worker noticed; ``None`` while it is up.
+        self.lost: Optional[str] = None
+        self._lost_at = 0.0
+
+    def _gone(self) -> bool:
+        """Whether the agent connection is gone (noticed, and logged, once)."""
+        why = self.lost or self.client.closed
+        if why is not None and self._lost_at == 0.0:
+            self.lost, self._lost_at = why, time.monotonic()
+            log.error("pdpair: rank %d lost its agent connection (%s): its %d transfers in flight end as failed, and "
+                      "no KV moves on this rank any more (requests are computed locally); restart the engine to "
+                      "connect again", self.rank, why, len(self._open))
+        return why is not None
+
+    def _call(self, send, *args, **kw) -> None:
+        """One message to the agent; a connection that fails is noted (:meth:`_gone`) and closed
+        (a write cut short leaves the stream unusable; the agent then lets this engine go), not
+        raised into the engine's step."""
+        try:
+            send(*args, **kw)
+        except AgentError as e:
+            if self.lost is None:
+                self.lost = str(e)
+            self._gone()
+            self.client.close()
+
+    def _fail_locally(self, recv: Recv) -> None:
+        """A receive no agent was asked for: its blocks are load errors at once."""
+        self._results.failed_recving.add(recv.request)
+        self._results.error_blocks.update(recv.logical_blocks)
+        self._results.finished_recving.add(recv.request)
 
     def start(self, plan: Plan) -> None:
         """Before the forward pass: ask for the KV of new receives, release, renew, cancel."""
@@ -403,29 +446,32 @@ class WorkerState:
                 # engine's own prefill): asking again would take its answer for this one.
                 log.warning("pdpair: request %s names %s, which is in flight here; its KV is computed locally",
                             recv.request, _short(recv.agent_request))
-                self._results.failed_recving.add(recv.request)
-                self._results.error_blocks.update(recv.logical_blocks)
-                self._results.finished_recving.add(recv.request)
+                self._fail_locally(recv)
                 continue
+            if self._gone():
+                self._fail_locally(recv)
+                continue
+            # Open before it is sent: a send that fails leaves it to be given up like the rest.
             self._open[recv.agent_request] = ("recv", recv.request, recv)
             self._by_request[recv.request] = recv.agent_request
-            self.client.expect_kv(recv.agent_request, recv.prefill_ranks, recv.blocks, recv.num_tokens,
-                                  recv.first_token, prompt=recv.prompt)
-        if self.rank == 0:
+            self._call(self.client.expect_kv, recv.agent_request, recv.prefill_ranks, recv.blocks, recv.num_tokens,
+                       recv.first_token, prompt=recv.prompt)
+        if self.rank == 0 and not self._gone():
             # One rank speaks for the engine to every prefill rank.
             for rel in plan.releases:
                 for prefill in rel.prefill_ranks:
-                    self.client.release(rel.agent_request, prefill)
+                    self._call(self.client.release, rel.agent_request, prefill)
             for ren in plan.renews:
                 for prefill in ren.prefill_ranks:
-                    self.client.renew(ren.agent_request, prefill)
+                    self._call(self.client.renew, ren.agent_request, prefill)
         for request in plan.cancels:
             agent_request = self._by_request.get(request)
             if agent_request is None or agent_request not in self._open:
                 self._results.finished_sending.add(request)  # nothing in flight here
                 continue
             self._open[agent_request] = ("cancel", request, None)
-            self.client.cancel(agent_request)
+            if not self._gone():
+                self._call(self.client.cancel, agent_request)
 
     def save(self, plan: Plan) -> None:
         """After the forward pass: stage finished prefills into the pool and announce them."""
@@ -436,16 +482,27 @@ class WorkerState:
                 log.warning("pdpair: request %s is in flight here as a receive; its KV is not offered", send.request)
                 self._results.finished_sending.add(send.request)
                 continue
+            if self._gone():
+                self._results.finished_sending.add(send.request)  # no agent to offer it to
+                continue
             t = time.perf_counter()
             self.stager.save(send.blocks)
             _keep(self.staging_ms, send.request, {})["save"] = (time.perf_counter() - t) * 1e3
             self._open[send.request] = ("send", send.request, None)
-            self.client.kv_ready(send.request, send.blocks, send.num_tokens, prompt=send.prompt)
+            self._call(self.client.kv_ready, send.request, send.blocks, send.num_tokens, prompt=send.prompt)
 
     def poll(self) -> Results:
-        """Applies the agent's final events since the last call and returns what to report."""
+        """Applies the agent's final events since the last call and returns what to report.
+        Once the agent connection is gone the transfers still open end as failed (after
+        :data:`LOST_GRACE_S` where the agent works in the KV cache itself)."""
         for event in self.client.take_finished():
             self._apply(event)
+        if self._open and self._gone() and not (
+                self.stager.in_place and time.monotonic() - self._lost_at < LOST_GRACE_S):
+            for agent_request, (kind, _, _) in list(self._open.items()):
+                end = "Cancelled" if kind == "cancel" else "RequestFailed"
+                self._apply(Event(end, agent_request, {"type": end, "request": agent_request,
+                                                        "reasons": ["AgentConnectionLost"], "message": self.lost}))
         results, self._results = self._results, Results()
         return results
 
