@@ -2379,10 +2379,12 @@ fn an_insider_keeps_a_bounded_number_of_links_to_one_engine() {
 
 #[test]
 fn kv_moves_only_to_a_decode_whose_prompt_is_the_one_prefill_computed() {
-    // A client hands decode prefill's request id with another prompt (kv_transfer_params come
-    // from clients): decode would take that KV as its own prompt's and cache it under it, for
-    // every later request of that prompt. The engines' prompt digests must agree, or one given
-    // without the other stops it, before a block is lent or written: push and pull.
+    // A client hands a decode engine prefill's request id with another prompt
+    // (kv_transfer_params come from clients): decode would take that KV as its own prompt's and
+    // cache it under it, for every later request of that prompt. The engines' prompt digests
+    // must agree, or one given without the other stops it, before a block is lent or written:
+    // push and pull. And the refusal is that registration's alone: the request is not ended,
+    // nor its blocks freed, for the decode it belongs to.
     use pdpair_agent::synthetic::prompt;
     let _serial = serial();
     for mode in [TransferMode::Push, TransferMode::Pull] {
@@ -2398,7 +2400,8 @@ fn kv_moves_only_to_a_decode_whose_prompt_is_the_one_prefill_computed() {
                 .expect("timeout");
             e
         };
-        let (mut p, mut d) = (engine(&ps, Role::Prefill, "p0"), engine(&ds, Role::Decode, "d0"));
+        let mut p = engine(&ps, Role::Prefill, "p0");
+        let (mut evil, mut good) = (engine(&ds, Role::Decode, "evil"), engine(&ds, Role::Decode, "good"));
         let cases = [
             (
                 Some(prompt(2, 100)),
@@ -2407,48 +2410,91 @@ fn kv_moves_only_to_a_decode_whose_prompt_is_the_one_prefill_computed() {
             ),
             (Some(prompt(1, 100)), None, "prefill gave none"),
             (None, Some(prompt(1, 100)), "decode gave none"),
-            (Some(prompt(1, 100)), Some(prompt(1, 100)), ""),
         ];
-        for (i, (d_prompt, p_prompt, why)) in cases.into_iter().enumerate() {
-            let id = format!("r{i}");
+        for (i, (wrong, right, why)) in cases.into_iter().enumerate() {
+            let (id, address) = (format!("r{i}"), p.address.clone());
+            let expect = |prompt| EngineRequest::ExpectKv {
+                request: id.clone(),
+                prefill: address.clone(),
+                blocks: vec![5, 6],
+                num_tokens: 100,
+                first_token: 0,
+                prompt,
+            };
             p.fill(1, &[3, 4], 0, 100);
-            d.clear(&[5, 6]);
-            let untouched = d.verify(1, &[5, 6], 0, 100);
             p.send(&EngineRequest::KvReady {
                 request: id.clone(),
                 blocks: vec![3, 4],
                 num_tokens: 100,
                 first_token: 0,
-                prompt: p_prompt,
+                prompt: right.clone(),
             })
             .expect("KvReady");
-            d.send(&EngineRequest::ExpectKv {
-                request: id.clone(),
-                prefill: p.address.clone(),
-                blocks: vec![5, 6],
-                num_tokens: 100,
-                first_token: 0,
-                prompt: d_prompt,
-            })
-            .expect("ExpectKv");
-            let (d_event, p_event) = (d.next_event().expect("D event"), final_event(&mut p));
-            let bad = d.verify(1, &[5, 6], 0, 100);
-            if why.is_empty() {
-                assert!(done(&d_event) && bad == 0, "{mode:?}: {d_event:?}, {bad} bad tokens");
-                continue;
-            }
-            for event in [&d_event, &p_event] {
-                assert_eq!(
-                    reasons(event),
-                    vec!["PromptMismatch".to_owned()],
-                    "{mode:?} {i}: {event:?}"
-                );
-                assert!(format!("{event:?}").contains(why), "{mode:?} {i}: {event:?}");
-            }
+            evil.clear(&[5, 6]);
+            let untouched = evil.verify(1, &[5, 6], 0, 100);
+            evil.send(&expect(wrong)).expect("ExpectKv");
+            let event = evil.next_event().expect("evil's event");
             assert_eq!(
-                bad, untouched,
-                "{mode:?} {i}: none of prefill's KV reached decode's blocks"
+                reasons(&event),
+                vec!["PromptMismatch".to_owned()],
+                "{mode:?} {i}: {event:?}"
             );
+            assert!(format!("{event:?}").contains(why), "{mode:?} {i}: {event:?}");
+            assert_eq!(
+                evil.verify(1, &[5, 6], 0, 100),
+                untouched,
+                "{mode:?} {i}: none of prefill's KV reached the wrong prompt's blocks"
+            );
+            // The decode the request belongs to still gets its KV, and prefill's engine hears
+            // only that (its events come in order: no failure came first).
+            good.clear(&[5, 6]);
+            good.send(&expect(right)).expect("ExpectKv");
+            let event = good.next_event().expect("good's event");
+            let bad = good.verify(1, &[5, 6], 0, 100);
+            assert!(done(&event) && bad == 0, "{mode:?} {i}: {event:?}, {bad} bad tokens");
+            let event = final_event(&mut p);
+            assert!(done(&event), "{mode:?} {i}: prefill's engine heard {event:?}");
         }
     }
+}
+
+#[test]
+fn a_second_decode_given_the_same_request_is_not_served_while_the_first_reads() {
+    // Two decodes registering one request (a client's params given to both): serving both let
+    // the first to end conclude the request for the engine, which reused the blocks while the
+    // other still read them. Pull: an insider holds its loan; a second one asks.
+    let _serial = serial();
+    let w = World::new("attack-second");
+    let mut p = pull_prefill_ready(&w);
+    let (mut s, mut session) = borrower_of_r(&p);
+    let (mut s2, mut session2) = pull_link(&p);
+    session2
+        .send(
+            &mut s2,
+            &Message::Register(Registration {
+                request: "r".into(),
+                blocks: vec![1, 2],
+                num_tokens: 100,
+                first_token: 0,
+                prompt: None,
+            }),
+        )
+        .expect("register");
+    let answer = session2.recv(&mut s2).expect("answer");
+    assert!(
+        matches!(&answer, Message::Failed { reason: Reason::InvalidRequest, message, .. } if message.contains("as many decode ranks as expected")),
+        "{answer:?}"
+    );
+    // The first reader ends its read: only then does the engine hear the request ended.
+    session
+        .send(
+            &mut s,
+            &Message::Released {
+                request: "r".into(),
+                bytes: 1,
+            },
+        )
+        .expect("released");
+    let event = final_event(&mut p);
+    assert!(done(&event), "{event:?}");
 }

@@ -208,13 +208,16 @@ def test_a_client_that_pairs_another_prompts_params_gets_no_kv_and_decode_comput
     try:
         x, y = list(range(3000, 3040)), list(range(4000, 4040))  # same length: the token counts agree
         params = prefill(p, "x", x)
-        req = d.add("y", y, params, max_tokens=3)
+        req = d.add("y", y, dict(params), max_tokens=3)  # a copy: D marks the params it took
         both(p, d, lambda: len(req.output_token_ids) >= 1, what="D computed its prompt")
         assert any("y" in o.failed_recving for o in d.transfer_events), "the receive failed"
         assert d.outcome("y") == "RequestFailed" and "PromptMismatch" in caplog.text
         assert d.kv_seeds("y", 0, len(y), [P_SEED, D_SEED]) == [D_SEED] * len(y), "none of X's KV in Y's blocks"
+        # X's own request, on the same decode engine, still gets X's KV: the wrong pairing did
+        # not end it for P.
+        assert decode_receives(p, d, "x", x, params) == [P_SEED] * len(x)
         both(p, d, lambda: p.status("x") is None, what="P freed X's blocks")
-        assert p.outcome("x") == "RequestFailed"
+        assert p.outcome("x") == "RequestDone"
     finally:
         for e in (p, d):
             e.close()
@@ -248,6 +251,41 @@ def test_lost_agents_end_the_transfers_in_flight_and_both_engines_go_on(world):
     finally:
         for e in (p, d):
             e.close()
+
+
+def test_the_connector_binds_what_vllms_prefix_cache_keys_and_refuses_what_it_cannot_bind():
+    import torch
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.v1.request import Request
+
+    from pdpair_vllm.connector import _prompt
+
+    tokens = list(range(40))
+
+    def digest(**kw):
+        req = Request("r", tokens, SamplingParams(max_tokens=1), None, **kw)
+        prompt = _prompt(req)
+        return prompt.unbound or prompt.digest(len(tokens))
+
+    def image(identifier, offset=4):
+        return [MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                      mm_position=PlaceholderRange(offset=offset, length=8))]
+
+    plain = digest()
+    others = [digest(cache_salt="tenant-a"), digest(lora_request=LoRARequest("a", 1, "/adapters/a")),
+              digest(mm_features=image("img-1")), digest(mm_features=image("img-2")),
+              digest(mm_features=image("img-1", offset=5))]
+    assert len({plain, *others}) == 6, "each changes the digest"
+    assert digest(cache_salt="tenant-a") == others[0], "and the same request gives the same"
+    assert "embeddings" in digest(prompt_embeds=torch.zeros(40, 8))
+
+    class Older:  # a Request that does not say what else its KV depends on
+        all_token_ids = tokens
+        lora_request = cache_salt = None
+
+    assert "mm_features, prompt_embeds" in _prompt(Older()).unbound
 
 
 def test_fail_closed_reports_a_corrupted_byte_as_load_errors_and_vllm_fails_the_request(pair):

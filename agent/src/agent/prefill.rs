@@ -407,18 +407,57 @@ impl Engine {
     }
 
     /// Starts serving a ready request to one registration: counts it in flight and says how
-    /// many decode ranks to expect (the first time). `None` when the request is not ready.
-    fn begin(&self, matching: &mut Matching, link: &Arc<Link>, reg: Registration) -> Option<Consumer> {
+    /// many decode ranks to expect (the first time). `None` when the request is not ready;
+    /// `Some(Err)` when as many decode ranks as expected are served or being served (another
+    /// decode given the same request id: serving it too would let the first to end conclude
+    /// the request, and free its blocks, while the other still reads them).
+    fn begin(&self, matching: &mut Matching, link: &Arc<Link>, reg: Registration) -> Option<Result<Consumer, String>> {
         let serving = matching.ready.get_mut(&reg.request)?;
-        if serving.expected.is_none() {
-            serving.expected = Some(protocol::decode_ranks_served(&self.local, &link.peer));
+        let expected = *serving
+            .expected
+            .get_or_insert_with(|| protocol::decode_ranks_served(&self.local, &link.peer));
+        if serving.finished.saturating_add(serving.in_flight) >= expected {
+            return Some(Err(format!(
+                "request {} is served to as many decode ranks as expected ({expected}) already",
+                reg.request
+            )));
         }
         serving.in_flight += 1;
         serving.links.push(link.id);
         if self.settings.mode == pdpair_api::TransferMode::Pull {
             serving.lent_since = Some(Instant::now());
         }
-        Some((link.clone(), reg, serving.ready.clone()))
+        Some(Ok((link.clone(), reg, serving.ready.clone())))
+    }
+
+    /// A registration refused before anything moved for it (decode's prompt, token count or
+    /// range is not the request's): only its link hears it. The request stays ready for the
+    /// decode it belongs to (which may be behind the same link: the request a client paired
+    /// wrongly and the right one can reach one decode engine): whoever holds its id cannot end
+    /// it, nor free its blocks under a transfer that runs. A cancelled request with nothing left
+    /// in flight is answered now.
+    fn refuse_registration(&self, link: &Link, request: &str, reason: Reason, message: String) {
+        link.send(&Message::Failed {
+            request: request.to_owned(),
+            reason,
+            message,
+        });
+        let concluded = {
+            let mut matching = lock(&self.matching);
+            let Some(serving) = matching.ready.get_mut(request) else {
+                return;
+            };
+            serving.in_flight = serving.in_flight.saturating_sub(1);
+            serving.links.retain(|id| *id != link.id);
+            if serving.cancelled && serving.in_flight == 0 {
+                matching.ready.remove(request)
+            } else {
+                None
+            }
+        };
+        if let Some(serving) = concluded {
+            self.conclude(request.to_owned(), serving);
+        }
     }
 
     /// One consumer of a ready request is done; when all expected are, tell the engine once:
@@ -615,9 +654,10 @@ impl Engine {
     }
 
     fn registration(self: &Arc<Self>, link: &Arc<Link>, reg: Registration) {
+        let id = reg.request.clone();
         let refuse = |message: String| {
             link.send(&Message::Failed {
-                request: reg.request.clone(),
+                request: id.clone(),
                 reason: Reason::InvalidRequest,
                 message,
             });
@@ -655,8 +695,10 @@ impl Engine {
         if matching.ready.contains_key(&reg.request) {
             let consumer = self.begin(&mut matching, link, reg);
             drop(matching);
-            if let Some(consumer) = consumer {
-                self.spawn_transfer(consumer);
+            match consumer {
+                Some(Ok(consumer)) => self.spawn_transfer(consumer),
+                Some(Err(why)) => refuse(why),
+                None => {}
             }
         } else {
             // Under the matching lock: the check and the count are one step.
@@ -696,7 +738,7 @@ impl Engine {
             prompt,
             since: Instant::now(),
         };
-        let consumers: Vec<Consumer> = {
+        let consumers: Vec<(Arc<Link>, Result<Consumer, String>)> = {
             let mut matching = lock(&self.matching);
             if matching.ready.contains_key(&request) {
                 drop(matching);
@@ -722,11 +764,20 @@ impl Engine {
             let waiting = matching.registered.remove(&request).unwrap_or_default();
             waiting
                 .into_iter()
-                .filter_map(|(link, reg, ..)| self.begin(&mut matching, &link, reg))
+                .filter_map(|(link, reg, ..)| Some((link.clone(), self.begin(&mut matching, &link, reg)?)))
                 .collect()
         };
-        for consumer in consumers {
-            self.spawn_transfer(consumer);
+        for (link, consumer) in consumers {
+            match consumer {
+                Ok(consumer) => self.spawn_transfer(consumer),
+                Err(message) => {
+                    link.send(&Message::Failed {
+                        request: request.clone(),
+                        reason: Reason::InvalidRequest,
+                        message,
+                    });
+                }
+            }
         }
     }
 
@@ -821,26 +872,30 @@ impl Engine {
             });
             self.finish(request.clone(), Err((vec![reason], message)));
         };
-        if reg.num_tokens != ready.num_tokens {
-            return refuse(
-                Reason::TokenCountMismatch,
-                format!(
-                    "decode expects {} tokens, prefill computed {}",
-                    reg.num_tokens, ready.num_tokens
-                ),
+        // Before any block is lent or written: a client that gave decode another prompt's
+        // request id gets nothing (decode would cache that KV under its own prompt), and the
+        // request is not ended for the decode it belongs to.
+        if let Err(why) = crate::engine_api::check_prompt(reg.prompt.as_ref(), ready.prompt.as_ref()) {
+            return self.refuse_registration(
+                link,
+                &request,
+                Reason::PromptMismatch,
+                format!("request {request}: {why}"),
             );
         }
-        // Before any block is lent or written: a client that gave decode another prompt's
-        // request id gets nothing (decode would cache that KV under its own prompt).
-        if let Err(why) = crate::engine_api::check_prompt(reg.prompt.as_ref(), ready.prompt.as_ref()) {
-            return refuse(Reason::PromptMismatch, format!("request {request}: {why}"));
+        if reg.num_tokens != ready.num_tokens {
+            let message = format!(
+                "decode expects {} tokens, prefill computed {}",
+                reg.num_tokens, ready.num_tokens
+            );
+            return self.refuse_registration(link, &request, Reason::TokenCountMismatch, message);
         }
         if self.settings.mode == pdpair_api::TransferMode::Pull {
             return self.lend(link, reg, ready);
         }
         let pairs = match pair_blocks(self.layout.block_size, &ready, &reg) {
             Ok(p) => p,
-            Err(message) => return refuse(Reason::TokenRangeNotCovered, message),
+            Err(message) => return self.refuse_registration(link, &request, Reason::TokenRangeNotCovered, message),
         };
         let Some(ucx_peer) = link.ucx_peer else {
             return refuse(Reason::TransportFailed, "no UCX endpoint".into());

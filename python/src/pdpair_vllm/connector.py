@@ -110,18 +110,22 @@ def _prompt(request: "Request") -> Prompt:
     """What vLLM computes a request's KV from, as its prefix cache keys it: the tokens, the LoRA
     adapter (name and path), the cache salt, the multimodal inputs' identifiers and positions.
     Prompt embeddings are not bound (the token ids of an embedded prompt do not say what it
-    was): such a request's KV does not move."""
+    was): such a request's KV does not move; nor does it where the request does not say all of
+    that (another vLLM's ``Request``: binding less would be silent)."""
+    missing = [a for a in ("lora_request", "cache_salt", "mm_features", "prompt_embeds") if not hasattr(request, a)]
+    if missing:
+        return Prompt(request.all_token_ids, unbound=f"this vLLM's requests do not say {', '.join(missing)}, "
+                                                     "so pdpair cannot bind their KV to what it was computed from")
     extras = []
-    lora = getattr(request, "lora_request", None)
+    lora = request.lora_request
     if lora is not None:
         extras.append(["lora", str(lora.lora_name), str(getattr(lora, "lora_path", "") or "")])
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        extras.append(["salt", str(salt)])
+    if request.cache_salt:
+        extras.append(["salt", str(request.cache_salt)])
     media = [(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
-             for f in getattr(request, "mm_features", None) or ()]
+             for f in request.mm_features or ()]
     unbound = None
-    if getattr(request, "prompt_embeds", None) is not None:
+    if request.prompt_embeds is not None:
         unbound = "its prompt is given as embeddings, which pdpair cannot bind its KV to"
     return Prompt(request.all_token_ids, extras, media, unbound)
 

@@ -69,7 +69,7 @@ class Prompt:
         (docs/engine-api.md, "Prompt digests")."""
         if not 0 <= num_tokens <= len(self.tokens):
             raise ValueError(f"the KV of {num_tokens} tokens cannot come from a prompt of {len(self.tokens)}")
-        ids = array("q", [int(t) for t in self.tokens[:num_tokens]])
+        ids = array("q", self.tokens[:num_tokens])
         if sys.byteorder != "little":
             ids.byteswap()
         keys = list(self.extras) + [["mm", i, at, n] for i, at, n in self.media if at < num_tokens]
