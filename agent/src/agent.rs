@@ -591,6 +591,8 @@ impl Agent {
             agent: self.shared.cfg.name.clone(),
             memory_len: engine.layout.pool_len() as u64,
             region_lens: engine.layout.region_lens().into_iter().map(|l| l as u64).collect(),
+            handshake_timeout_ms: engine.settings.handshake_timeout_ms,
+            lease_ms: engine.settings.lease_ms,
         };
         // The engine maps what the agent allocated through these descriptors (never a path).
         let fds: Vec<_> = engine
@@ -690,7 +692,11 @@ impl Agent {
                     };
                     engine.expect_kv_from_pool(request, prefill_ranks, want);
                 }
-                Ok(EngineRequest::Release { request, prefill }) => engine.release(request, prefill),
+                Ok(EngineRequest::Release {
+                    request,
+                    prefill,
+                    prompt,
+                }) => engine.release(request, prefill, prompt),
                 Ok(EngineRequest::Renew { request, prefill }) => engine.renew(request, prefill),
                 Ok(EngineRequest::Cancel { request }) => match engine.reg.role {
                     Role::Decode => engine.cancel_decode(request),

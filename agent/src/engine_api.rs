@@ -81,6 +81,10 @@ pub enum EngineRequest {
         request: String,
         /// The prefill engine's side-channel address.
         prefill: String,
+        /// The request's prompt digest ([`PromptDigest`]): prefill counts the release only for
+        /// the request whose prompt it is (absent: only for one that has none).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prompt: Option<PromptDigest>,
     },
     /// Decode: this engine queues `request` (it has no blocks for it yet): the prefill engine
     /// at `prefill` holds the request's blocks one more lease from now (at most
@@ -523,6 +527,16 @@ pub enum AgentEvent {
         /// Bytes of each region, in order.
         #[serde(default)]
         region_lens: Vec<u64>,
+        /// The settings the engine runs under (its own, or the PDPair's where it left them
+        /// out): how long a peer's handshake may take and how long prefill holds KV, in
+        /// milliseconds. Together they bound how long the agent's transfers of a request may
+        /// run, which an engine that loses its agent connection waits out before it reuses
+        /// memory the agent writes in place.
+        #[serde(default)]
+        handshake_timeout_ms: u64,
+        /// See `handshake_timeout_ms`.
+        #[serde(default)]
+        lease_ms: u64,
     },
     /// The registration was refused; the agent closes the connection.
     RegistrationFailed {

@@ -123,6 +123,10 @@ pub enum Message {
     Release {
         /// Request id.
         request: String,
+        /// D's engine's prompt digest: a release counts only for the request whose prompt it
+        /// is (or neither gives one).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prompt: Option<crate::engine_api::PromptDigest>,
     },
     /// D -> P: hold this ready request's blocks one more lease (decode's engine queues it).
     Renew {

@@ -729,7 +729,13 @@ fn an_insider_decode_reads_only_what_prefill_lent_its_link_through_the_stream() 
     assert_eq!(read(0, mine.base + in_s as u64), Ok(64), "s is lent to rank 0");
     let (s, session, _) = &mut ranks[0];
     session
-        .send(s, &Message::Release { request: "s".into() })
+        .send(
+            s,
+            &Message::Release {
+                request: "s".into(),
+                prompt: None,
+            },
+        )
         .expect("Release");
     soon_refused(0, mine.base + in_s as u64, "a block of a request it gave up");
     assert_eq!(read(1, mine.base + in_s as u64), Ok(64), "rank 1 still holds s");
@@ -1676,7 +1682,13 @@ fn a_release_from_another_link_does_not_end_a_request_lent_to_one() {
     let (mut other, mut session) = pull_link(&p);
     for _ in 0..2 {
         session
-            .send(&mut other, &Message::Release { request: "r".into() })
+            .send(
+                &mut other,
+                &Message::Release {
+                    request: "r".into(),
+                    prompt: None,
+                },
+            )
             .expect("Release");
         let done = session.recv(&mut other).expect("ReleaseDone");
         assert!(matches!(done, Message::ReleaseDone { .. }), "{done:?}");
@@ -1789,7 +1801,7 @@ fn completes_after_release(
     move |s, session, reg| {
         loop {
             match session.recv(s) {
-                Ok(Message::Release { request }) if request == reg.request => break,
+                Ok(Message::Release { request, .. }) if request == reg.request => break,
                 Ok(Message::Ping { seq }) => {
                     let _ = session.send(s, &Message::Pong { seq });
                 }
@@ -2004,7 +2016,7 @@ fn a_cancel_while_an_expect_kv_from_pool_still_links_is_answered_once_and_after_
         protocol::handshake_prefill(&mut s, &mut session, &insider(Role::Prefill)).expect("handshake");
         loop {
             match session.recv(&mut s) {
-                Ok(Message::Release { request }) => {
+                Ok(Message::Release { request, .. }) => {
                     let _ = released_tx.send(Instant::now());
                     let _ = session.send(&mut s, &Message::ReleaseDone { request });
                 }
@@ -2311,6 +2323,7 @@ fn a_decode_link_has_a_bounded_number_of_registrations_waiting() {
             &mut s,
             &Message::Release {
                 request: "early".into(),
+                prompt: None,
             },
         )
         .expect("release");
@@ -2411,7 +2424,11 @@ fn kv_moves_only_to_a_decode_whose_prompt_is_the_one_prefill_computed() {
             (Some(prompt(1, 100)), None, "prefill gave none"),
             (None, Some(prompt(1, 100)), "decode gave none"),
         ];
-        for (i, (wrong, right, why)) in cases.into_iter().enumerate() {
+        // Each case twice: the wrong decode asks after the KV is ready, then before (its
+        // registration and the right one's wait for the KvReady, the wrong one first).
+        let cases = cases.iter().chain(&cases).cloned().enumerate();
+        for (i, (wrong, right, why)) in cases {
+            let before = i >= 3;
             let (id, address) = (format!("r{i}"), p.address.clone());
             let expect = |prompt| EngineRequest::ExpectKv {
                 request: id.clone(),
@@ -2421,18 +2438,28 @@ fn kv_moves_only_to_a_decode_whose_prompt_is_the_one_prefill_computed() {
                 first_token: 0,
                 prompt,
             };
-            p.fill(1, &[3, 4], 0, 100);
-            p.send(&EngineRequest::KvReady {
+            let ready = EngineRequest::KvReady {
                 request: id.clone(),
                 blocks: vec![3, 4],
                 num_tokens: 100,
                 first_token: 0,
                 prompt: right.clone(),
-            })
-            .expect("KvReady");
+            };
+            p.fill(1, &[3, 4], 0, 100);
             evil.clear(&[5, 6]);
+            good.clear(&[5, 6]);
             let untouched = evil.verify(1, &[5, 6], 0, 100);
-            evil.send(&expect(wrong)).expect("ExpectKv");
+            if before {
+                evil.send(&expect(wrong)).expect("ExpectKv");
+                std::thread::sleep(Duration::from_millis(500));
+                good.send(&expect(right.clone())).expect("ExpectKv");
+                // Both linked and registered with prefill by then.
+                std::thread::sleep(Duration::from_millis(1500));
+                p.send(&ready).expect("KvReady");
+            } else {
+                p.send(&ready).expect("KvReady");
+                evil.send(&expect(wrong)).expect("ExpectKv");
+            }
             let event = evil.next_event().expect("evil's event");
             assert_eq!(
                 reasons(&event),
@@ -2447,8 +2474,9 @@ fn kv_moves_only_to_a_decode_whose_prompt_is_the_one_prefill_computed() {
             );
             // The decode the request belongs to still gets its KV, and prefill's engine hears
             // only that (its events come in order: no failure came first).
-            good.clear(&[5, 6]);
-            good.send(&expect(right)).expect("ExpectKv");
+            if !before {
+                good.send(&expect(right)).expect("ExpectKv");
+            }
             let event = good.next_event().expect("good's event");
             let bad = good.verify(1, &[5, 6], 0, 100);
             assert!(done(&event) && bad == 0, "{mode:?} {i}: {event:?}, {bad} bad tokens");
@@ -2497,4 +2525,61 @@ fn a_second_decode_given_the_same_request_is_not_served_while_the_first_reads() 
         .expect("released");
     let event = final_event(&mut p);
     assert!(done(&event), "{event:?}");
+}
+
+#[test]
+fn a_release_of_another_prompt_does_not_end_the_request_for_its_decode() {
+    // A decode given the request id with another prompt winds down the registration prefill
+    // refused with a `Release` to the request's other prefill ranks (or its engine aborts and
+    // releases): that counted as its decode needing nothing, and the request ended as
+    // `Released` for the decode it belongs to. An insider sends it before the KvReady, when
+    // prefill cannot compare yet (pull: prefill dials no UCX endpoint to the insider).
+    use pdpair_agent::synthetic::prompt;
+    let _serial = serial();
+    let w = World::new("attack-release-prompt");
+    let engine = |socket: &std::path::Path, role: Role, name: &str| {
+        let mut s = spec(role, name, kv(64, None), KEY, ChecksumPolicy::FailClosed);
+        s.mode = TransferMode::Pull;
+        let e = SyntheticEngine::register(socket, &w.dir, &s).expect("engine");
+        e.events()
+            .expect("events")
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .expect("timeout");
+        e
+    };
+    let mut p = engine(&w.agent("p", Transport::Shm, false), Role::Prefill, "p0");
+    p.fill(1, &[3, 4], 0, 100);
+    let (mut s, mut session) = pull_link(&p);
+    let release = Message::Release {
+        request: "r".into(),
+        prompt: Some(prompt(2, 100)),
+    };
+    session.send(&mut s, &release).expect("release");
+    let answer = session.recv(&mut s).expect("answer");
+    assert!(matches!(answer, Message::ReleaseDone { .. }), "{answer:?}");
+    p.send(&EngineRequest::KvReady {
+        request: "r".into(),
+        blocks: vec![3, 4],
+        num_tokens: 100,
+        first_token: 0,
+        prompt: Some(prompt(1, 100)),
+    })
+    .expect("KvReady");
+    let mut d = engine(&w.agent("d", Transport::Shm, false), Role::Decode, "d0");
+    d.clear(&[5, 6]);
+    d.send(&EngineRequest::ExpectKv {
+        request: "r".into(),
+        prefill: p.address.clone(),
+        blocks: vec![5, 6],
+        num_tokens: 100,
+        first_token: 0,
+        prompt: Some(prompt(1, 100)),
+    })
+    .expect("ExpectKv");
+    let event = d.next_event().expect("event");
+    let bad = d.verify(1, &[5, 6], 0, 100);
+    assert!(done(&event) && bad == 0, "{event:?}, {bad} bad tokens");
+    let event = final_event(&mut p);
+    assert!(done(&event), "prefill's engine heard {event:?}");
+    drop(s);
 }

@@ -32,6 +32,7 @@ fn release(d: &mut SyntheticEngine, p: &SyntheticEngine, request: &str) {
     d.send(&EngineRequest::Release {
         request: request.into(),
         prefill: p.address.clone(),
+        prompt: None,
     })
     .expect("Release");
 }

@@ -262,7 +262,9 @@ def test_mla_latent_arrays_move_byte_exact_between_python_and_rust(world, mode):
 
 def test_the_client_asks_capabilities_before_registering(world):
     a = world.agent("p")
-    c = py_engine(world, a, "prefill", kv())
+    c = py_engine(world, a, "prefill", kv(), lease_ms=1234)
+    # Registered says the settings the engine runs under: how long the agent's transfers run.
+    assert c.transfer_bound_s == (5000 + 1234) / 1000
     caps = c.capabilities
     assert caps["type"] == "Capabilities" and caps["agent"] == "p"
     assert "host" in caps["ucx_memory_types"] and caps["ucx_version"]

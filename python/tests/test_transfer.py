@@ -157,7 +157,7 @@ class _Client:
         self.closed = None
         self.refuse = False
 
-    def release(self, request, prefill):
+    def release(self, request, prefill, **kw):
         self.calls.append(("release", request))
 
     def close(self):
@@ -282,8 +282,13 @@ def test_prefill_and_decode_bind_the_same_tokens_and_an_unbound_prompt_moves_no_
     assert d.matched_tokens("r3", params(), 50, 0, embedded) == (0, False)
     d.after_alloc("r3", params(), [1, 2, 3, 4], 50, 0, embedded)
     plan = d.plan()
-    assert not plan.recvs and [r.agent_request for r in plan.releases] == ["p-1"]
+    assert not plan.recvs and [(r.agent_request, r.prompt) for r in plan.releases] == [("p-1", None)]
     assert caplog.text.count("embeddings") == 2
+    # A release names the prompt too (P counts it only for the request of that prompt): a full
+    # hit, and an abort before allocation.
+    d.after_alloc("r4", params(), [1, 2, 3, 4], 50, 0, Prompt(prompt))
+    d.finished("r5", params(), False, [], 0, "e", prompt=Prompt(prompt[:40]))
+    assert [r.prompt for r in d.plan().releases] == [send.prompt, Prompt(prompt[:40]).digest(40)]
 
 
 class _Saves(Stager):
@@ -349,4 +354,7 @@ def test_in_place_the_transfers_of_a_lost_agent_end_only_after_the_grace(monkeyp
     client.closed = "the agent closed the connection"
     assert not w.poll().finished_recving, "within the grace"
     monkeypatch.setattr(transfer, "LOST_GRACE_S", 0.0)
+    client.transfer_bound_s = 0.2  # the agent's handshake timeout and lease: twice that
+    assert not w.poll().finished_recving, "within twice the agent's bound"
+    time.sleep(0.45)
     assert w.poll().failed_recving == {"r"}

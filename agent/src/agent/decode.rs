@@ -25,9 +25,18 @@ impl Engine {
     /// Decode needs nothing of `request` from `prefill` (a full local prefix hit, or an abort
     /// before it asked): prefill frees the request's blocks at once, and neither side counts a
     /// failure. The engine hears `Released` once prefill confirmed it.
-    pub(super) fn release(self: &Arc<Self>, request: String, prefill: String) {
+    pub(super) fn release(
+        self: &Arc<Self>,
+        request: String,
+        prefill: String,
+        prompt: Option<crate::engine_api::PromptDigest>,
+    ) {
         if self.role_is(Role::Decode, "Release", &request) {
-            self.ask(request, vec![prefill], Want::default(), true);
+            let want = Want {
+                prompt,
+                ..Want::default()
+            };
+            self.ask(request, vec![prefill], want, true);
         }
     }
 
@@ -123,6 +132,7 @@ impl Engine {
                 Cancelling {
                     waiting: writers.clone(),
                     reading: p.reading.iter().filter(|a| writers.contains(a)).cloned().collect(),
+                    prompt: p.prompt.clone(),
                     deadline: Instant::now() + self.handshake_timeout() + self.lease(),
                     ending,
                 },
@@ -209,8 +219,10 @@ impl Engine {
     /// Tells `link`'s prefill that cancelled `request` is not wanted (its `ReleaseDone`, or the
     /// end of a push running, answers); a link that is gone writes nothing more.
     fn release_cancelled(&self, link: &Link, request: &str) {
+        let prompt = lock(&self.cancelled).get(request).and_then(|c| c.prompt.clone());
         if !link.send(&Message::Release {
             request: request.to_owned(),
+            prompt,
         }) {
             self.cancel_answered(&link.addr, request);
         }
@@ -571,6 +583,7 @@ impl Engine {
                 let message = if p.release {
                     Message::Release {
                         request: request.to_owned(),
+                        prompt: p.prompt.clone(),
                     }
                 } else {
                     self.open_window(link, request, &p.blocks);
@@ -1294,6 +1307,8 @@ pub(super) struct Cancelling {
     pub(super) waiting: Vec<String>,
     /// Pull: those of them whose blocks our own read copies: only its end answers for them.
     pub(super) reading: Vec<String>,
+    /// The request's prompt digest, carried by the `Release`s that tell them to stop.
+    pub(super) prompt: Option<crate::engine_api::PromptDigest>,
     /// What the engine hears when none is left (a `Cancel` meanwhile makes it `Cancelled`).
     pub(super) ending: Ending,
     /// By when they must have answered the cancel's `Release`: a full handshake and lease from

@@ -14,6 +14,7 @@ use pdpair_api::{ChecksumPolicy, Role, checksum::BlockSums};
 
 use super::*;
 use crate::{
+    engine_api::{PromptDigest, check_prompt},
     protocol::{self, Message, Reason, Registration, Session},
     transport::{OpError, PutOp, stream::Access},
     wire,
@@ -29,7 +30,7 @@ pub(super) struct Ready {
     num_tokens: u64,
     first_token: u64,
     /// The engine's prompt digest: a registration must bring the same.
-    prompt: Option<crate::engine_api::PromptDigest>,
+    prompt: Option<PromptDigest>,
     since: Instant,
 }
 
@@ -103,8 +104,9 @@ pub(super) struct Matching {
 }
 
 /// Releases of a request that came before its KvReady: the links that released (each counted
-/// against its bound), the decode ranks expected, when the first came.
-type EarlyRelease = (Vec<(u64, Held)>, u32, Instant);
+/// against its bound, with the prompt digest it gave), the decode ranks expected, when the
+/// first came.
+type EarlyRelease = (Vec<(u64, Held, Option<PromptDigest>)>, u32, Instant);
 
 /// A D registration waiting for P's KV: the link it came on, the registration, when, and its
 /// place in the link's bound.
@@ -162,6 +164,9 @@ impl Drop for Held {
 
 /// A registration being served: its link, the registration, and the ready KV.
 pub(super) type Consumer = (Arc<Link>, Registration, Ready);
+
+/// A registration prefill serves, or why it refuses it (told only to its link).
+type Begun = Result<Consumer, (Reason, String)>;
 
 /// One consumer's result: bytes and microseconds in flight, or failure reasons and a message.
 pub(super) type Served = Result<(u64, u64), (Vec<Reason>, String)>;
@@ -344,7 +349,7 @@ impl Engine {
                 Ok(
                     Message::Register(Registration { ref request, .. })
                     | Message::Released { ref request, .. }
-                    | Message::Release { ref request }
+                    | Message::Release { ref request, .. }
                     | Message::Renew { ref request },
                 ) if crate::engine_api::check_request_id(request).is_err() => {
                     self.shared.metrics.foreign_answer();
@@ -352,7 +357,7 @@ impl Engine {
                 }
                 Ok(Message::Register(reg)) => self.registration(&link, reg),
                 Ok(Message::Released { request, bytes }) => self.released(&link, request, bytes),
-                Ok(Message::Release { request }) => self.decode_released(&link, request),
+                Ok(Message::Release { request, prompt }) => self.decode_released(&link, request, prompt),
                 Ok(Message::Renew { request }) => self.renewed(&request),
                 Ok(Message::Ping { seq }) => {
                     link.send(&Message::Pong { seq });
@@ -411,16 +416,39 @@ impl Engine {
     /// `Some(Err)` when as many decode ranks as expected are served or being served (another
     /// decode given the same request id: serving it too would let the first to end conclude
     /// the request, and free its blocks, while the other still reads them).
-    fn begin(&self, matching: &mut Matching, link: &Arc<Link>, reg: Registration) -> Option<Result<Consumer, String>> {
+    ///
+    /// A registration that is not the request's (another prompt, token count or range) is
+    /// refused here, before it counts for anything: only its link hears it, and the request
+    /// stays ready for the decode it belongs to (which may be behind the same link: a request a
+    /// client paired wrongly and the right one can reach one decode engine). So whoever holds a
+    /// request id can neither take its KV for another prompt, nor take the place of the decode
+    /// it belongs to, nor end it for the engine.
+    fn begin(
+        &self,
+        matching: &mut Matching,
+        link: &Arc<Link>,
+        reg: Registration,
+    ) -> Option<Begun> {
         let serving = matching.ready.get_mut(&reg.request)?;
+        if let Err(refusal) = self.fits(&reg, &serving.ready) {
+            return Some(Err(refusal));
+        }
         let expected = *serving
             .expected
             .get_or_insert_with(|| protocol::decode_ranks_served(&self.local, &link.peer));
-        if serving.finished.saturating_add(serving.in_flight) >= expected {
-            return Some(Err(format!(
-                "request {} is served to as many decode ranks as expected ({expected}) already",
-                reg.request
-            )));
+        let why = if serving.cancelled {
+            Some("was cancelled by the prefill engine".to_owned())
+        } else if serving.released_by.contains(&link.id) {
+            Some("was released by this link".to_owned())
+        } else if serving.finished.saturating_add(serving.in_flight) >= expected {
+            Some(format!(
+                "is served to as many decode ranks as expected ({expected}) already"
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Some(Err((Reason::InvalidRequest, format!("request {} {why}", reg.request))));
         }
         serving.in_flight += 1;
         serving.links.push(link.id);
@@ -430,34 +458,26 @@ impl Engine {
         Some(Ok((link.clone(), reg, serving.ready.clone())))
     }
 
-    /// A registration refused before anything moved for it (decode's prompt, token count or
-    /// range is not the request's): only its link hears it. The request stays ready for the
-    /// decode it belongs to (which may be behind the same link: the request a client paired
-    /// wrongly and the right one can reach one decode engine): whoever holds its id cannot end
-    /// it, nor free its blocks under a transfer that runs. A cancelled request with nothing left
-    /// in flight is answered now.
-    fn refuse_registration(&self, link: &Link, request: &str, reason: Reason, message: String) {
-        link.send(&Message::Failed {
-            request: request.to_owned(),
-            reason,
-            message,
-        });
-        let concluded = {
-            let mut matching = lock(&self.matching);
-            let Some(serving) = matching.ready.get_mut(request) else {
-                return;
-            };
-            serving.in_flight = serving.in_flight.saturating_sub(1);
-            serving.links.retain(|id| *id != link.id);
-            if serving.cancelled && serving.in_flight == 0 {
-                matching.ready.remove(request)
-            } else {
-                None
-            }
-        };
-        if let Some(serving) = concluded {
-            self.conclude(request.to_owned(), serving);
+    /// Whether a registration is the ready request's: the same prompt (checked first, before
+    /// anything of the request is said), the same token count, and (push) blocks that pair
+    /// with prefill's.
+    fn fits(&self, reg: &Registration, ready: &Ready) -> Result<(), (Reason, String)> {
+        let request = &reg.request;
+        check_prompt(reg.prompt.as_ref(), ready.prompt.as_ref())
+            .map_err(|why| (Reason::PromptMismatch, format!("request {request}: {why}")))?;
+        if reg.num_tokens != ready.num_tokens {
+            return Err((
+                Reason::TokenCountMismatch,
+                format!(
+                    "decode expects {} tokens, prefill computed {}",
+                    reg.num_tokens, ready.num_tokens
+                ),
+            ));
         }
+        if self.settings.mode == pdpair_api::TransferMode::Push {
+            pair_blocks(self.layout.block_size, ready, reg).map_err(|e| (Reason::TokenRangeNotCovered, e))?;
+        }
+        Ok(())
     }
 
     /// One consumer of a ready request is done; when all expected are, tell the engine once:
@@ -527,7 +547,11 @@ impl Engine {
     /// of this link still waiting for the KvReady is dropped, so nothing will be written; a
     /// push to this link that is running is left to end, and its `Complete` or `Failed` is the
     /// answer; blocks lent to this link (pull) count as released.
-    fn decode_released(&self, link: &Link, request: String) {
+    ///
+    /// A release whose prompt digest is not the request's counts for nothing (a decode given
+    /// the request id with another prompt, winding down the registration prefill refused it):
+    /// it only withdraws that link's own waiting registration.
+    fn decode_released(&self, link: &Link, request: String, prompt: Option<PromptDigest>) {
         let expected = protocol::decode_ranks_served(&self.local, &link.peer);
         let concluded = {
             let mut matching = lock(&self.matching);
@@ -546,6 +570,7 @@ impl Engine {
             match (matching.ready.get_mut(&request), served_here) {
                 // Pushing to this link right now: the transfer's end answers.
                 (Some(_), Some(_)) if !pull => return,
+                (Some(serving), _) if check_prompt(prompt.as_ref(), serving.ready.prompt.as_ref()).is_err() => None,
                 (Some(serving), lent) => {
                     // Pull, lent to this link: decode will not read them.
                     if let Some(i) = lent {
@@ -576,10 +601,10 @@ impl Engine {
                         expected,
                         Instant::now(),
                     ));
-                    if !early.0.iter().any(|(id, _)| *id == link.id) && early.0.len() < early.1 as usize {
+                    if !early.0.iter().any(|(id, ..)| *id == link.id) && early.0.len() < early.1 as usize {
                         // Counted with the link's waiting registrations: kept for a lease.
                         match Held::take(link, 0) {
-                            Ok(held) => early.0.push((link.id, held)),
+                            Ok(held) => early.0.push((link.id, held, prompt)),
                             Err(why) => {
                                 if early.0.is_empty() {
                                     matching.released_early.remove(&request);
@@ -655,13 +680,14 @@ impl Engine {
 
     fn registration(self: &Arc<Self>, link: &Arc<Link>, reg: Registration) {
         let id = reg.request.clone();
-        let refuse = |message: String| {
+        let refuse_for = |reason: Reason, message: String| {
             link.send(&Message::Failed {
                 request: id.clone(),
-                reason: Reason::InvalidRequest,
+                reason,
                 message,
             });
         };
+        let refuse = |message: String| refuse_for(Reason::InvalidRequest, message);
         if let Err(e) = self
             .check_remote_blocks(link, &reg.blocks)
             .and_then(|()| crate::agent::check_tokens(reg.first_token, reg.num_tokens))
@@ -697,7 +723,7 @@ impl Engine {
             drop(matching);
             match consumer {
                 Some(Ok(consumer)) => self.spawn_transfer(consumer),
-                Some(Err(why)) => refuse(why),
+                Some(Err((reason, why))) => refuse_for(reason, why),
                 None => {}
             }
         } else {
@@ -738,7 +764,7 @@ impl Engine {
             prompt,
             since: Instant::now(),
         };
-        let consumers: Vec<(Arc<Link>, Result<Consumer, String>)> = {
+        let consumers: Vec<(Arc<Link>, Begun)> = {
             let mut matching = lock(&self.matching);
             if matching.ready.contains_key(&request) {
                 drop(matching);
@@ -750,10 +776,15 @@ impl Engine {
             }
             let mut serving = Serving::new(ready);
             if let Some((links, expected, _)) = matching.released_early.remove(&request) {
-                let count = u32::try_from(links.len()).unwrap_or(u32::MAX);
-                serving.released_by = links.into_iter().map(|(id, _)| id).collect();
+                // Only releases of this request's prompt count (the others let their link's
+                // registration go, nothing more).
+                serving.released_by = links
+                    .into_iter()
+                    .filter(|(.., prompt)| check_prompt(prompt.as_ref(), serving.ready.prompt.as_ref()).is_ok())
+                    .map(|(id, ..)| id)
+                    .collect();
                 serving.expected = Some(expected);
-                serving.finished = count;
+                serving.finished = u32::try_from(serving.released_by.len()).unwrap_or(u32::MAX);
             }
             if serving.expected.is_some_and(|e| serving.finished >= e) {
                 // Every decode rank released it before it was ready: free at once.
@@ -770,10 +801,10 @@ impl Engine {
         for (link, consumer) in consumers {
             match consumer {
                 Ok(consumer) => self.spawn_transfer(consumer),
-                Err(message) => {
+                Err((reason, message)) => {
                     link.send(&Message::Failed {
                         request: request.clone(),
-                        reason: Reason::InvalidRequest,
+                        reason,
                         message,
                     });
                 }
@@ -872,30 +903,13 @@ impl Engine {
             });
             self.finish(request.clone(), Err((vec![reason], message)));
         };
-        // Before any block is lent or written: a client that gave decode another prompt's
-        // request id gets nothing (decode would cache that KV under its own prompt), and the
-        // request is not ended for the decode it belongs to.
-        if let Err(why) = crate::engine_api::check_prompt(reg.prompt.as_ref(), ready.prompt.as_ref()) {
-            return self.refuse_registration(
-                link,
-                &request,
-                Reason::PromptMismatch,
-                format!("request {request}: {why}"),
-            );
-        }
-        if reg.num_tokens != ready.num_tokens {
-            let message = format!(
-                "decode expects {} tokens, prefill computed {}",
-                reg.num_tokens, ready.num_tokens
-            );
-            return self.refuse_registration(link, &request, Reason::TokenCountMismatch, message);
-        }
+        // The registration fits the request (`Engine::fits`, checked in `begin`).
         if self.settings.mode == pdpair_api::TransferMode::Pull {
             return self.lend(link, reg, ready);
         }
         let pairs = match pair_blocks(self.layout.block_size, &ready, &reg) {
             Ok(p) => p,
-            Err(message) => return self.refuse_registration(link, &request, Reason::TokenRangeNotCovered, message),
+            Err(message) => return refuse(Reason::TokenRangeNotCovered, message),
         };
         let Some(ucx_peer) = link.ucx_peer else {
             return refuse(Reason::TransportFailed, "no UCX endpoint".into());

@@ -143,6 +143,9 @@ class AgentClient:
         self.pools = pools
         #: The first region (a one-region pool's whole memory); ``None`` for a GPU pool.
         self.pool = pools[0] if pools else None
+        #: How long the agent's transfers of one request may run (its handshake timeout and
+        #: lease, from ``Registered``), in seconds; ``None`` when it did not say.
+        self.transfer_bound_s: Optional[float] = None
         self._lock = threading.Condition()
         self._events: Dict[str, Deque[Event]] = {}
         self._finished: Deque[Event] = deque()
@@ -239,7 +242,11 @@ class AgentClient:
             for fd in fds:
                 os.close(fd)
         sock.settimeout(None)
-        return AgentClient(sock, reg, layout, str(answer.get("address", "")), pools, capabilities)
+        client = AgentClient(sock, reg, layout, str(answer.get("address", "")), pools, capabilities)
+        bounds = [answer.get("handshake_timeout_ms"), answer.get("lease_ms")]
+        if all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= 1 << 40 for b in bounds):
+            client.transfer_bound_s = sum(bounds) / 1000
+        return client
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -274,9 +281,14 @@ class AgentClient:
             message["prompt"] = prompt
         self.send(message)
 
-    def release(self, request: str, prefill: str) -> None:
-        """Decode: nothing of ``request`` is needed from the prefill at ``prefill``."""
-        self.send({"type": "Release", "request": request, "prefill": prefill})
+    def release(self, request: str, prefill: str, prompt: Optional[str] = None) -> None:
+        """Decode: nothing of ``request`` is needed from the prefill at ``prefill``. ``prompt``:
+        the request's prompt digest (prefill counts the release only for the request of that
+        prompt)."""
+        message = {"type": "Release", "request": request, "prefill": prefill}
+        if prompt is not None:
+            message["prompt"] = prompt
+        self.send(message)
 
     def renew(self, request: str, prefill: str) -> None:
         """Decode: ``request`` is queued here; the prefill keeps its blocks one more lease."""

@@ -114,6 +114,8 @@ class Release:
 
     agent_request: str
     prefill_ranks: List[str]
+    #: D's prompt digest: P counts the release only for the request of that prompt.
+    prompt: Optional[str] = None
 
 
 @dataclass
@@ -246,19 +248,19 @@ class SchedulerState:
             return
         agent_request, ranks, tokens = remote
         params["do_remote_prefill"] = False  # one transfer per request
-        if num_external_tokens <= 0:
-            self._plan.releases.append(Release(agent_request, ranks))
-            return
         total = min(tokens, num_prompt_tokens)
+        digest = prompt.digest(total) if prompt is not None and not prompt.unbound else None
+        if num_external_tokens <= 0:
+            self._plan.releases.append(Release(agent_request, ranks, digest))
+            return
         local = total - num_external_tokens
         if local < 0 or local % self.block_size:
             log.warning("pdpair: request %s: a local prefix of %d tokens is not whole blocks of %d; P released",
                         request, local, self.block_size)
-            self._plan.releases.append(Release(agent_request, ranks))
+            self._plan.releases.append(Release(agent_request, ranks, digest))
             return
         held = local // self.block_size
         logical = list(block_ids[held:])
-        digest = prompt.digest(total) if prompt is not None else None
         self._plan.recvs.append(
             Recv(request, agent_request, ranks, logical, kernel_ids(logical, self.per_logical), local, total, digest)
         )
@@ -284,7 +286,10 @@ class SchedulerState:
             remote = _remote(params)
             params["do_remote_prefill"] = False
             if remote is not None:
-                self._plan.releases.append(Release(remote[0], remote[1]))
+                digest = None
+                if prompt is not None and not prompt.unbound:
+                    digest = prompt.digest(min(remote[2], len(prompt.tokens)))
+                self._plan.releases.append(Release(remote[0], remote[1], digest))
             return False, None
         if request in self.receiving and load_failed:
             self.receiving.pop(request)
@@ -364,11 +369,12 @@ class Results:
 #: Requests whose outcome and staging times a worker keeps (for logs and tests), at most.
 KEPT = 4096
 
-#: Seconds a worker whose KV cache is the agent's pool (:attr:`Stager.in_place`) waits, once its
-#: agent connection is gone, before it gives up the transfers in flight: copies the agent queued
-#: into or out of that memory may still run until its process is gone. A staged worker gives
-#: them up at once (the agent never touches its KV cache; its pool is read only on
-#: ``RequestDone``).
+#: Seconds, at least, a worker whose KV cache is the agent's pool (:attr:`Stager.in_place`) waits,
+#: once its agent connection is gone, before it gives up the transfers in flight: an agent that
+#: still runs ends a request's transfers within twice its handshake timeout and lease (its
+#: deadline, then the wind-down), so the wait is that where the agent said it
+#: (``AgentClient.transfer_bound_s``). A staged worker gives them up at once (the agent never
+#: touches its KV cache; its pool is read only on ``RequestDone``).
 LOST_GRACE_S = 5.0
 
 
@@ -418,6 +424,11 @@ class WorkerState:
                       "connect again", self.rank, why, len(self._open))
         return why is not None
 
+    def _grace(self) -> float:
+        """Seconds an in-place worker waits after losing its agent (:data:`LOST_GRACE_S`)."""
+        bound = getattr(self.client, "transfer_bound_s", None)
+        return max(LOST_GRACE_S, 2 * bound) if bound is not None else LOST_GRACE_S
+
     def _call(self, send, *args, **kw) -> None:
         """One message to the agent; a connection that fails is noted (:meth:`_gone`) and closed
         (a write cut short leaves the stream unusable; the agent then lets this engine go), not
@@ -460,7 +471,7 @@ class WorkerState:
             # One rank speaks for the engine to every prefill rank.
             for rel in plan.releases:
                 for prefill in rel.prefill_ranks:
-                    self._call(self.client.release, rel.agent_request, prefill)
+                    self._call(self.client.release, rel.agent_request, prefill, prompt=rel.prompt)
             for ren in plan.renews:
                 for prefill in ren.prefill_ranks:
                     self._call(self.client.renew, ren.agent_request, prefill)
@@ -498,7 +509,7 @@ class WorkerState:
         for event in self.client.take_finished():
             self._apply(event)
         if self._open and self._gone() and not (
-                self.stager.in_place and time.monotonic() - self._lost_at < LOST_GRACE_S):
+                self.stager.in_place and time.monotonic() - self._lost_at < self._grace()):
             for agent_request, (kind, _, _) in list(self._open.items()):
                 end = "Cancelled" if kind == "cancel" else "RequestFailed"
                 self._apply(Event(end, agent_request, {"type": end, "request": agent_request,
