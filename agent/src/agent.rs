@@ -697,7 +697,11 @@ impl Agent {
                     prefill,
                     prompt,
                 }) => engine.release(request, prefill, prompt),
-                Ok(EngineRequest::Renew { request, prefill }) => engine.renew(request, prefill),
+                Ok(EngineRequest::Renew {
+                    request,
+                    prefill,
+                    prompt,
+                }) => engine.renew(request, prefill, prompt),
                 Ok(EngineRequest::Cancel { request }) => match engine.reg.role {
                     Role::Decode => engine.cancel_decode(request),
                     Role::Prefill => engine.cancel_prefill(request),

@@ -95,6 +95,10 @@ pub enum EngineRequest {
         request: String,
         /// The prefill engine's side-channel address.
         prefill: String,
+        /// The request's prompt digest ([`PromptDigest`]): prefill renews only the request
+        /// whose prompt it is (absent: only one that has none).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prompt: Option<PromptDigest>,
     },
     /// Decode: like `ExpectKv`, naming every tensor-parallel rank of the prefill pool: the agent
     /// learns each one's rank in its handshake and asks those that hold this decode rank's KV

@@ -132,6 +132,9 @@ pub enum Message {
     Renew {
         /// Request id.
         request: String,
+        /// D's engine's prompt digest: only the request of that prompt is held longer.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prompt: Option<crate::engine_api::PromptDigest>,
     },
     /// P -> D: the released request's blocks are free (or will be at once when its KV is ready).
     ReleaseDone {

@@ -101,6 +101,7 @@ fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
         d.send(&EngineRequest::Renew {
             request: id.into(),
             prefill: prefill.clone(),
+            prompt: None,
         })
         .expect("Renew")
     };
@@ -134,6 +135,54 @@ fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
         started.elapsed() >= Duration::from_millis(4900),
         "{:?}",
         started.elapsed()
+    );
+}
+
+#[test]
+fn a_renewal_of_another_prompt_holds_nothing() {
+    // A decode given the request id with its own prompt (a client's pairing), queued, renews
+    // it: that held prefill's blocks up to MAX_HOLD_LEASES leases for a request no one of that
+    // prompt can take. Renewals of the right prompt still hold theirs ("held" here).
+    use pdpair_agent::synthetic::prompt;
+    let w = World::new("renew-prompt");
+    let ps = w.agent("p", Transport::Shm, false);
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut short = spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed);
+    short.lease_ms = 500;
+    let mut p = SyntheticEngine::register(&ps, &w.dir, &short).expect("P");
+    let mut d = w.engine(&ds, Role::Decode, "d0", b"k");
+    for (id, blocks) in [("theirs", [3, 4]), ("held", [7, 8])] {
+        p.send(&EngineRequest::KvReady {
+            request: id.into(),
+            blocks: blocks.to_vec(),
+            num_tokens: 100,
+            first_token: 0,
+            prompt: Some(prompt(1, 100)),
+        })
+        .expect("KvReady");
+    }
+    let started = Instant::now();
+    let event = loop {
+        for (id, seed) in [("theirs", 2), ("held", 1)] {
+            d.send(&EngineRequest::Renew {
+                request: id.into(),
+                prefill: p.address.clone(),
+                prompt: Some(prompt(seed, 100)),
+            })
+            .expect("Renew");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "renewals of another prompt held the request past its lease"
+        );
+        if let Some(e) = next_failure(&mut p) {
+            break e;
+        }
+    };
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { request, reasons, .. } if request == "theirs" && reasons == &vec!["LeaseExpired".to_owned()]),
+        "{event:?}"
     );
 }
 

@@ -57,10 +57,12 @@ def test_a_short_tail_is_recomputed_and_prefill_released():
 def test_a_queued_request_is_renewed_until_it_is_allocated():
     s = SchedulerState(16, 16, renew_interval_s=0.05)
     p = params()
-    assert s.matched_tokens("r", p, 50, 0) == (50, True)
+    prompt = Prompt(list(range(50)))
+    assert s.matched_tokens("r", p, 50, 0, prompt) == (50, True)
     assert not s.plan().renews, "not due yet"
     time.sleep(0.06)
-    assert [r.agent_request for r in s.plan().renews] == ["p-1"]
+    # Each renewal names the prompt (P holds only the request of that prompt).
+    assert [(r.agent_request, r.prompt) for r in s.plan().renews] == [("p-1", prompt.digest(50))]
     s.after_alloc("r", p, [1, 2, 3, 4], 50, 50)
     time.sleep(0.06)
     plan = s.plan()

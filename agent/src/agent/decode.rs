@@ -43,7 +43,12 @@ impl Engine {
     /// Decode's engine queues `request` (no blocks for it yet): ask `prefill` to hold its blocks
     /// one more lease. Best effort, no answer: sent when the link is up (it is dialled when not,
     /// for the next renewal), so an engine renews more often than the lease.
-    pub(super) fn renew(self: &Arc<Self>, request: String, prefill: String) {
+    pub(super) fn renew(
+        self: &Arc<Self>,
+        request: String,
+        prefill: String,
+        prompt: Option<crate::engine_api::PromptDigest>,
+    ) {
         if !self.role_is(Role::Decode, "Renew", &request) {
             return;
         }
@@ -52,7 +57,7 @@ impl Engine {
             Some(Slot::Connected(link)) => {
                 let link = link.clone();
                 drop(peers);
-                link.send(&Message::Renew { request });
+                link.send(&Message::Renew { request, prompt });
             }
             Some(Slot::Connecting(_)) => {}
             None => {

@@ -350,7 +350,7 @@ impl Engine {
                     Message::Register(Registration { ref request, .. })
                     | Message::Released { ref request, .. }
                     | Message::Release { ref request, .. }
-                    | Message::Renew { ref request },
+                    | Message::Renew { ref request, .. },
                 ) if crate::engine_api::check_request_id(request).is_err() => {
                     self.shared.metrics.foreign_answer();
                     tracing::warn!(engine = %self.reg.engine, peer = %link.addr, bytes = request.len(), "ignored a message whose request id is too long");
@@ -358,7 +358,7 @@ impl Engine {
                 Ok(Message::Register(reg)) => self.registration(&link, reg),
                 Ok(Message::Released { request, bytes }) => self.released(&link, request, bytes),
                 Ok(Message::Release { request, prompt }) => self.decode_released(&link, request, prompt),
-                Ok(Message::Renew { request }) => self.renewed(&request),
+                Ok(Message::Renew { request, prompt }) => self.renewed(&request, prompt),
                 Ok(Message::Ping { seq }) => {
                     link.send(&Message::Pong { seq });
                 }
@@ -423,12 +423,7 @@ impl Engine {
     /// client paired wrongly and the right one can reach one decode engine). So whoever holds a
     /// request id can neither take its KV for another prompt, nor take the place of the decode
     /// it belongs to, nor end it for the engine.
-    fn begin(
-        &self,
-        matching: &mut Matching,
-        link: &Arc<Link>,
-        reg: Registration,
-    ) -> Option<Begun> {
+    fn begin(&self, matching: &mut Matching, link: &Arc<Link>, reg: Registration) -> Option<Begun> {
         let serving = matching.ready.get_mut(&reg.request)?;
         if let Err(refusal) = self.fits(&reg, &serving.ready) {
             return Some(Err(refusal));
@@ -633,11 +628,13 @@ impl Engine {
 
     /// A decode agent renews its hold on a ready request (its engine queues it): the lease starts
     /// again, up to [`MAX_HOLD_LEASES`] leases after the KvReady in all, so no peer can pin a
-    /// pool's blocks forever.
-    fn renewed(&self, request: &str) {
+    /// pool's blocks forever. A renewal of another prompt (a decode given the request id with
+    /// its own prompt, queued) holds nothing.
+    fn renewed(&self, request: &str, prompt: Option<PromptDigest>) {
         let lease = self.lease();
         if let Some(s) = lock(&self.matching).ready.get_mut(request)
             && s.in_flight == 0
+            && check_prompt(prompt.as_ref(), s.ready.prompt.as_ref()).is_ok()
             && s.ready.since.elapsed() < lease * MAX_HOLD_LEASES
         {
             s.renewed = Some(Instant::now());

@@ -290,9 +290,13 @@ class AgentClient:
             message["prompt"] = prompt
         self.send(message)
 
-    def renew(self, request: str, prefill: str) -> None:
-        """Decode: ``request`` is queued here; the prefill keeps its blocks one more lease."""
-        self.send({"type": "Renew", "request": request, "prefill": prefill})
+    def renew(self, request: str, prefill: str, prompt: Optional[str] = None) -> None:
+        """Decode: ``request`` is queued here; the prefill keeps its blocks one more lease (only
+        the request of ``prompt``, its prompt digest)."""
+        message = {"type": "Renew", "request": request, "prefill": prefill}
+        if prompt is not None:
+            message["prompt"] = prompt
+        self.send(message)
 
     def cancel(self, request: str) -> None:
         """Either side: give up ``request``; answered by exactly one final event, after which

@@ -211,8 +211,9 @@ class SchedulerState:
         self._plan = Plan()
         #: D: requests whose KV is on its way (vLLM id -> agent request id).
         self.receiving: Dict[str, str] = {}
-        #: D: requests waiting for blocks (vLLM id -> (agent request, ranks, last renew)).
-        self.queued: Dict[str, Tuple[str, List[str], float]] = {}
+        #: D: requests waiting for blocks (vLLM id -> (agent request, ranks, last renew, prompt
+        #: digest)).
+        self.queued: Dict[str, Tuple[str, List[str], float, Optional[str]]] = {}
 
     def learn_ranks(self, ranks: Dict[int, str]) -> None:
         self.prefill_ranks.update(ranks)
@@ -233,7 +234,9 @@ class SchedulerState:
         count = min(tokens, num_prompt_tokens) - num_computed_tokens
         if count < self.min_transfer_tokens:
             return 0, False
-        self.queued.setdefault(request, (agent_request, ranks, time.monotonic()))
+        if request not in self.queued:
+            digest = prompt.digest(min(tokens, num_prompt_tokens)) if prompt is not None else None
+            self.queued[request] = (agent_request, ranks, time.monotonic(), digest)
         return count, True
 
     def after_alloc(self, request: str, params: Optional[dict], block_ids: Sequence[int],
@@ -331,10 +334,10 @@ class SchedulerState:
     def plan(self) -> Plan:
         """This step's work (and the renewals due), handed to the workers once."""
         now = time.monotonic()
-        for request, (agent_request, ranks, last) in list(self.queued.items()):
+        for request, (agent_request, ranks, last, digest) in list(self.queued.items()):
             if now - last >= self.renew_interval_s:
-                self._plan.renews.append(Release(agent_request, ranks))
-                self.queued[request] = (agent_request, ranks, now)
+                self._plan.renews.append(Release(agent_request, ranks, digest))
+                self.queued[request] = (agent_request, ranks, now, digest)
         plan, self._plan = self._plan, Plan()
         return plan
 
@@ -474,7 +477,7 @@ class WorkerState:
                     self._call(self.client.release, rel.agent_request, prefill, prompt=rel.prompt)
             for ren in plan.renews:
                 for prefill in ren.prefill_ranks:
-                    self._call(self.client.renew, ren.agent_request, prefill)
+                    self._call(self.client.renew, ren.agent_request, prefill, prompt=ren.prompt)
         for request in plan.cancels:
             agent_request = self._by_request.get(request)
             if agent_request is None or agent_request not in self._open:
