@@ -105,7 +105,9 @@ type Remembered = (Instant, Vec<Reason>, String);
 /// Connections accepted on a side-channel listener that have not authenticated yet, at most
 /// this many per agent...
 pub const MAX_UNAUTHENTICATED: usize = 64;
-/// ...and this many from one source address. More are closed at once, before reading a byte.
+/// ...and this many from one source address. More from that source are closed at once, before
+/// reading a byte; when all are taken, one from a source holding fewer takes the place of the
+/// oldest of the source holding the most ([`crate::unproven`]).
 pub const MAX_UNAUTHENTICATED_PER_SOURCE: usize = 8;
 
 #[derive(Debug)]
@@ -123,8 +125,8 @@ struct Shared {
     /// memory.
     locals: Mutex<Vec<(u64, LocalEngine)>>,
     metrics: Arc<Metrics>,
-    /// Unauthenticated side-channel connections by source address (the pre-auth budget).
-    unauthenticated: Mutex<HashMap<IpAddr, usize>>,
+    /// Unauthenticated side-channel connections (the pre-auth budget).
+    unauthenticated: Arc<crate::unproven::Budget>,
     /// The engine API socket is bound.
     listening: AtomicBool,
     /// GPU memory descriptors held for registrations not made yet (`ShareGpuMemory`), on all
@@ -267,42 +269,6 @@ impl Shared {
     }
 }
 
-/// One unauthenticated connection counted against the pre-auth budget until dropped.
-#[derive(Debug)]
-struct PreAuth {
-    shared: Arc<Shared>,
-    source: IpAddr,
-}
-
-impl PreAuth {
-    /// A slot for a connection from `source`, or `None` when the budget is spent.
-    fn take(shared: &Arc<Shared>, source: IpAddr) -> Option<PreAuth> {
-        let mut counts = lock(&shared.unauthenticated);
-        let total: usize = counts.values().sum();
-        let here = counts.get(&source).copied().unwrap_or(0);
-        if total >= MAX_UNAUTHENTICATED || here >= MAX_UNAUTHENTICATED_PER_SOURCE {
-            return None;
-        }
-        *counts.entry(source).or_default() += 1;
-        Some(PreAuth {
-            shared: shared.clone(),
-            source,
-        })
-    }
-}
-
-impl Drop for PreAuth {
-    fn drop(&mut self) {
-        let mut counts = lock(&self.shared.unauthenticated);
-        if let Some(n) = counts.get_mut(&self.source) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                counts.remove(&self.source);
-            }
-        }
-    }
-}
-
 impl Agent {
     /// Starts UCX. Fails when UCX cannot start on the configured transport.
     pub fn start(mut cfg: AgentConfig, metrics: Arc<Metrics>) -> Result<Agent, String> {
@@ -360,7 +326,7 @@ impl Agent {
                 locals: Mutex::new(Vec::new()),
                 ucx,
                 metrics,
-                unauthenticated: Mutex::new(HashMap::new()),
+                unauthenticated: crate::unproven::Budget::new(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_SOURCE),
                 listening: AtomicBool::new(false),
                 pending_gpu_fds: std::sync::atomic::AtomicUsize::new(0),
                 unregistered: std::sync::atomic::AtomicUsize::new(0),

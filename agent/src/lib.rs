@@ -30,4 +30,5 @@ pub mod synthetic;
 pub mod test_engine;
 pub mod transport;
 pub mod tuning;
+pub mod unproven;
 pub mod wire;

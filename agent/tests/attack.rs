@@ -1054,8 +1054,17 @@ fn greeted(mut c: &TcpStream) -> bool {
     c.read_exact(&mut hello).is_ok()
 }
 
+/// Whether the listener closed `c` (read at end of stream now), rather than still holding it.
+fn closed_by_listener(c: &TcpStream) -> bool {
+    c.set_nonblocking(true).expect("nonblocking");
+    let mut b = [0u8; 1];
+    let closed = matches!((&mut &*c).read(&mut b), Ok(0));
+    c.set_nonblocking(false).expect("blocking");
+    closed
+}
+
 #[test]
-fn the_kv_streams_unproven_connections_are_bounded_per_source_and_in_all() {
+fn the_kv_streams_unproven_connections_are_bounded_per_source_and_shared_fairly() {
     use pdpair_agent::transport::stream::{MAX_UNPROVEN, MAX_UNPROVEN_FROM, Stream, parse_address};
     let _serial = serial();
     let d = Stream::start(std::net::Ipv4Addr::LOCALHOST.into()).expect("stream");
@@ -1076,13 +1085,29 @@ fn the_kv_streams_unproven_connections_are_bounded_per_source_and_in_all() {
         idle[MAX_UNPROVEN_FROM..].iter().all(greeted),
         "served up to the cap in all"
     );
-    assert!(!greeted(&from(100)), "a new source finds no slot left");
+    // Every slot is taken, by eight sources: a new source is served all the same, in the place
+    // of the oldest connection of a source holding the most, which is closed.
+    let newcomer = from(100);
+    assert!(greeted(&newcomer), "a new source is served when the budget is full");
+    std::thread::sleep(Duration::from_millis(100));
+    let closed = idle.iter().filter(|c| closed_by_listener(c)).count();
+    assert_eq!(closed, 1, "one connection made room");
     // The slots come back when the connections end.
     drop(idle);
+    drop(newcomer);
     let until = Instant::now() + Duration::from_secs(5);
     while !greeted(&from(1)) {
         assert!(Instant::now() < until, "the slots came back");
     }
+    std::thread::sleep(Duration::from_millis(200));
+    // Held one per source, the budget gives way to no one: filling it takes as many addresses
+    // as it has slots.
+    let spread: Vec<TcpStream> = (1..=MAX_UNPROVEN as u8).map(from).collect();
+    assert!(
+        spread.iter().all(greeted),
+        "one from each of {MAX_UNPROVEN} sources is served"
+    );
+    assert!(!greeted(&from(200)), "a new source finds every source holding one");
 }
 
 fn vm_hwm_kib(pid: u32) -> u64 {
@@ -1135,6 +1160,31 @@ fn a_flood_of_unauthenticated_connections_is_capped_and_a_real_decode_gets_throu
     println!(
         "prefill agent peak RSS: {before} KiB before the flood of 400 connections, {after} KiB after, {open} held"
     );
+}
+
+#[test]
+fn a_pre_auth_budget_held_open_from_a_few_addresses_does_not_lock_a_decode_out() {
+    // Eight addresses, each holding as many idle connections as one source may, take every
+    // pre-auth slot until the handshake deadline: a decode agent found none left (Busy) and its
+    // requests failed for as long as they were held open. Now it takes the place of the oldest
+    // of a source holding the most.
+    use pdpair_agent::agent::{MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_SOURCE};
+    let _serial = serial();
+    let w = World::new("attack-held");
+    let mut p = prefill(&w);
+    let sources = MAX_UNAUTHENTICATED / MAX_UNAUTHENTICATED_PER_SOURCE;
+    let mut held = Vec::new();
+    for i in 0..sources {
+        for _ in 0..MAX_UNAUTHENTICATED_PER_SOURCE {
+            let mut s = connect_from([127, 0, 0, 2 + i as u8], addr(&p)).expect("connect");
+            s.write_all(&(4000u32).to_be_bytes()).expect("a frame begun");
+            held.push(s);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(held.iter().all(|s| !closed_by_listener(s)), "every slot is held");
+    still_serves(&w, &mut p, "d");
+    assert!(held.iter().any(closed_by_listener), "a held connection made room");
 }
 
 /// An insider prefill peer: accepts one decode agent, authenticates, handshakes, then runs

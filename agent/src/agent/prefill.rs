@@ -182,11 +182,20 @@ impl Engine {
                 continue;
             };
             // The pre-auth budget: a connection over it is closed before a byte is read or a
-            // thread started, so a flood costs a bounded number of threads and buffers.
-            let Some(slot) = PreAuth::take(&self.shared, source) else {
-                self.shared.metrics.handshake_refused(Reason::Busy);
-                drop(stream);
-                continue;
+            // thread started, so a flood costs a bounded number of threads and buffers; when it
+            // is full, a source holding fewer takes the place of the biggest one's oldest.
+            let slot = match self.shared.unauthenticated.admit(source, &stream) {
+                Ok((slot, evicted)) => {
+                    if evicted {
+                        self.shared.metrics.handshake_refused(Reason::Busy);
+                    }
+                    slot
+                }
+                Err(_) => {
+                    self.shared.metrics.handshake_refused(Reason::Busy);
+                    drop(stream);
+                    continue;
+                }
             };
             // Authenticated links are bounded per source too: an insider cannot multiply the
             // per-link bounds (outbox, waiting registrations, threads) by opening links.
@@ -212,7 +221,7 @@ impl Engine {
             .count()
     }
 
-    fn serve_decode(self: Arc<Self>, stream: TcpStream, slot: PreAuth) {
+    fn serve_decode(self: Arc<Self>, stream: TcpStream, slot: crate::unproven::Slot) {
         let peer_addr = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
         let _ = stream.set_nodelay(true);
         let key = self.key.clone();

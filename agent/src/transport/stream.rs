@@ -64,7 +64,7 @@ use std::{
     net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream},
     sync::{
         Arc, Mutex, Weak,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
     thread,
     time::{Duration, Instant},
@@ -91,9 +91,11 @@ pub const MAX_LANES: usize = 8;
 pub const DEFAULT_LANES: usize = 4;
 /// The least an op moves per lane: smaller ops use fewer lanes (one below twice this).
 pub const MIN_LANE_BYTES: u64 = 4 << 20;
-/// Unproven connections from one source address, at most.
+/// Unproven connections from one source address, at most (more from it are closed unread)...
 pub const MAX_UNPROVEN_FROM: usize = 8;
-/// Connections that have not proved an admission yet, at most...
+/// ...and connections that have not proved an admission yet, at most (when all are taken, one
+/// from a source holding fewer takes the place of the oldest of the source holding the most,
+/// [`crate::unproven`])...
 pub const MAX_UNPROVEN: usize = 64;
 /// ...each for at most this long.
 pub const PROOF_WITHIN: Duration = Duration::from_secs(5);
@@ -334,9 +336,6 @@ struct Inner {
     peers: Mutex<HashMap<u64, Arc<PeerConn>>>,
     next_peer: AtomicU64,
     next_conn: AtomicU64,
-    unproven: AtomicUsize,
-    /// Unproven connections per source address.
-    unproven_from: Mutex<HashMap<IpAddr, usize>>,
 }
 
 /// The stream backend: a listener and the connections this agent dialled.
@@ -580,9 +579,11 @@ impl Stream {
             .map_err(|e| format!("the KV stream's address: {e}"))?;
         let inner = Arc::new(Inner::default());
         let weak = Arc::downgrade(&inner);
+        // Connections that have not proved an admission yet.
+        let unproven = crate::unproven::Budget::new(MAX_UNPROVEN, MAX_UNPROVEN_FROM);
         thread::Builder::new()
             .name("kv-stream".into())
-            .spawn(move || accept_loop(listener, weak))
+            .spawn(move || accept_loop(listener, weak, &unproven))
             .map_err(|e| format!("starting the KV stream's thread: {e}"))?;
         Ok(Stream {
             inner,
@@ -1139,7 +1140,7 @@ fn io_error(e: io::Error) -> OpError {
     }
 }
 
-fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
+fn accept_loop(listener: TcpListener, inner: Weak<Inner>, unproven: &Arc<crate::unproven::Budget>) {
     for conn in listener.incoming() {
         let Some(strong) = inner.upgrade() else { return };
         let c = match conn {
@@ -1154,54 +1155,26 @@ fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
         let Some(from) = c.peer_addr().ok().map(|a| a.ip()) else {
             continue;
         };
-        if !strong.count_unproven(from) {
+        // Closed unread over the budget; when it is full, a source holding fewer takes the
+        // place of the biggest one's oldest.
+        let Ok((slot, _)) = unproven.admit(from, &c) else {
             drop(c);
             continue;
-        }
+        };
         let held = strong.clone();
         let spawned = thread::Builder::new()
             .name("kv-stream-conn".into())
-            .spawn(move || serve(c, held, from));
+            .spawn(move || serve(c, held, slot));
         if let Err(e) = spawned {
-            strong.proven_or_gone(from);
             tracing::warn!(error = %e, "cannot start a KV stream connection's thread");
         }
     }
 }
 
-impl Inner {
-    /// Counts one more unproven connection from `from`, if both caps allow it.
-    fn count_unproven(&self, from: IpAddr) -> bool {
-        let mut per = lock(&self.unproven_from);
-        let mine = per.entry(from).or_insert(0);
-        if *mine >= MAX_UNPROVEN_FROM || self.unproven.load(Ordering::SeqCst) >= MAX_UNPROVEN {
-            if *mine == 0 {
-                per.remove(&from);
-            }
-            return false;
-        }
-        *mine += 1;
-        self.unproven.fetch_add(1, Ordering::SeqCst);
-        true
-    }
-
-    /// An unproven connection from `from` proved itself, or ended.
-    fn proven_or_gone(&self, from: IpAddr) {
-        let mut per = lock(&self.unproven_from);
-        if let Some(n) = per.get_mut(&from) {
-            *n -= 1;
-            if *n == 0 {
-                per.remove(&from);
-            }
-        }
-        self.unproven.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 /// One dialled connection: proof, then ops until it ends.
-fn serve(mut c: TcpStream, inner: Arc<Inner>, from: IpAddr) {
+fn serve(mut c: TcpStream, inner: Arc<Inner>, slot: crate::unproven::Slot) {
     let proven = prove(&mut c, &inner);
-    inner.proven_or_gone(from);
+    drop(slot);
     let Some(p) = proven else {
         return;
     };

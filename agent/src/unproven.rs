@@ -1,0 +1,190 @@
+//! Connections that have not proved themselves yet: the side channel's before `AuthOk`, the KV
+//! stream's before its admission proof. Anyone who reaches a port can open them, so they hold a
+//! bounded budget, per source address and in all. A full budget does not lock peers out: a
+//! connection from a source holding fewer than the source that holds the most takes the place of
+//! that source's oldest one (which is shut down). So a few addresses holding slots open, slowly,
+//! cannot keep a peer from its handshake; it takes as many addresses as the budget has slots,
+//! each holding one.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    net::{IpAddr, Shutdown, TcpStream},
+    sync::{Arc, Mutex},
+};
+
+use crate::lock;
+
+/// The budget of one listener.
+#[derive(Debug)]
+pub struct Budget {
+    total: usize,
+    per_source: usize,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    next: u64,
+    /// By source, oldest first: each connection's id and a handle to shut it down.
+    held: HashMap<IpAddr, VecDeque<(u64, TcpStream)>>,
+    count: usize,
+}
+
+/// Why a connection got no slot.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// Its source holds as many as one source may.
+    Source,
+    /// Every slot is taken, and no source holds more than its source would.
+    Full,
+    /// The connection could not be kept (its handle could not be duplicated).
+    Handle,
+}
+
+/// One unproven connection's place in the budget, given back when dropped (proved, or ended).
+#[derive(Debug)]
+pub struct Slot {
+    budget: Arc<Budget>,
+    source: IpAddr,
+    id: u64,
+}
+
+impl Budget {
+    /// A budget of `total` connections, at most `per_source` from one address.
+    pub fn new(total: usize, per_source: usize) -> Arc<Budget> {
+        Arc::new(Budget {
+            total,
+            per_source,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    /// A slot for `conn` from `source`, taking the place of another source's oldest connection
+    /// when every slot is taken and that source holds more than `source` would with this one.
+    /// Returns the slot and whether a connection was shut down to make room.
+    pub fn admit(self: &Arc<Self>, source: IpAddr, conn: &TcpStream) -> Result<(Slot, bool), Refused> {
+        let mut s = lock(&self.state);
+        let here = s.held.get(&source).map_or(0, VecDeque::len);
+        if here >= self.per_source {
+            return Err(Refused::Source);
+        }
+        let mut evicted = false;
+        if s.count >= self.total {
+            let victim = s
+                .held
+                .iter()
+                .filter(|(_, q)| q.len() > here + 1)
+                .max_by_key(|(_, q)| q.len())
+                .map(|(ip, _)| *ip);
+            let Some(victim) = victim else {
+                return Err(Refused::Full);
+            };
+            let oldest = s.held.get_mut(&victim).and_then(VecDeque::pop_front);
+            if s.held.get(&victim).is_some_and(VecDeque::is_empty) {
+                s.held.remove(&victim);
+            }
+            if let Some((_, c)) = oldest {
+                // Its thread's reads and writes fail at once, and it ends; its slot is gone.
+                let _ = c.shutdown(Shutdown::Both);
+                s.count -= 1;
+                evicted = true;
+            }
+        }
+        let handle = conn.try_clone().map_err(|_| Refused::Handle)?;
+        let id = s.next;
+        s.next += 1;
+        s.held.entry(source).or_default().push_back((id, handle));
+        s.count += 1;
+        Ok((
+            Slot {
+                budget: self.clone(),
+                source,
+                id,
+            },
+            evicted,
+        ))
+    }
+
+    /// Connections holding a slot now.
+    pub fn held(&self) -> usize {
+        lock(&self.state).count
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut s = lock(&self.budget.state);
+        let Some(q) = s.held.get_mut(&self.source) else {
+            return;
+        };
+        let Some(i) = q.iter().position(|(id, _)| *id == self.id) else {
+            return; // shut down to make room: counted out then
+        };
+        q.remove(i);
+        if q.is_empty() {
+            s.held.remove(&self.source);
+        }
+        s.count -= 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        io::Read,
+        net::{Ipv4Addr, TcpListener},
+    };
+
+    use super::*;
+
+    fn conn(listener: &TcpListener) -> (TcpStream, TcpStream) {
+        let c = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (s, _) = listener.accept().expect("accept");
+        (c, s)
+    }
+
+    fn ip(i: u8) -> IpAddr {
+        Ipv4Addr::new(10, 0, 0, i).into()
+    }
+
+    #[test]
+    fn a_full_budget_makes_room_for_a_source_holding_fewer_by_shutting_the_biggest_oldest() {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind");
+        let b = Budget::new(4, 3);
+        let mut kept = Vec::new();
+        // Source 1 holds three (its cap), source 2 one: full.
+        for source in [1, 1, 1, 2] {
+            let (c, s) = conn(&listener);
+            kept.push((b.admit(ip(source), &s).expect("admitted"), c, s));
+        }
+        let (_c, s) = conn(&listener);
+        assert_eq!(b.admit(ip(1), &s).err(), Some(Refused::Source));
+        // Source 3 holds none: source 1's oldest makes room, and is shut down.
+        let (_c3, s3) = conn(&listener);
+        let (slot3, evicted) = b.admit(ip(3), &s3).expect("room made");
+        assert!(evicted);
+        let mut byte = [0u8; 1];
+        assert_eq!(
+            (&kept[0].1).read(&mut byte).expect("eof"),
+            0,
+            "the oldest of source 1 was shut down"
+        );
+        assert_eq!(b.held(), 4);
+        // Now sources hold 2, 1, 1: a fourth source finds no one holding more than it would.
+        let (_c4, s4) = conn(&listener);
+        let (slot4, evicted) = b.admit(ip(4), &s4).expect("source 1 still holds 2 > 1");
+        assert!(evicted);
+        let (_c5, s5) = conn(&listener);
+        assert_eq!(
+            b.admit(ip(5), &s5).err(),
+            Some(Refused::Full),
+            "everyone holds one: fair"
+        );
+        // Slots come back when dropped, the shut-down one counted once.
+        drop(kept);
+        drop(slot3);
+        assert_eq!(b.held(), 1);
+        drop(slot4);
+        assert_eq!(b.held(), 0);
+    }
+}
