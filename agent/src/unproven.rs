@@ -68,6 +68,8 @@ impl Budget {
         if here >= self.per_source {
             return Err(Refused::Source);
         }
+        // Duplicated first: a connection that cannot be kept makes no one else's room.
+        let handle = conn.try_clone().map_err(|_| Refused::Handle)?;
         let mut evicted = false;
         if s.count >= self.total {
             let victim = s
@@ -90,7 +92,6 @@ impl Budget {
                 evicted = true;
             }
         }
-        let handle = conn.try_clone().map_err(|_| Refused::Handle)?;
         let id = s.next;
         s.next += 1;
         s.held.entry(source).or_default().push_back((id, handle));

@@ -2633,3 +2633,90 @@ fn a_release_of_another_prompt_does_not_end_the_request_for_its_decode() {
     assert!(done(&event), "prefill's engine heard {event:?}");
     drop(s);
 }
+
+#[test]
+fn early_releases_of_another_prompt_neither_take_a_place_nor_say_how_many_ranks() {
+    // Releases that come before the KvReady are kept until it comes, and were kept per request
+    // whatever their prompt: one of another prompt took the only place, so the request's own
+    // decode's release was dropped (prefill held the blocks to the lease); and the first one
+    // said how many decode ranks to expect, so an insider claiming two ranks made the request's
+    // one decode rank too few (its KV moved, the engine heard LeaseExpired).
+    use pdpair_agent::synthetic::prompt;
+    let _serial = serial();
+    let w = World::new("attack-early");
+    let engine = |socket: &std::path::Path, role: Role, name: &str| {
+        let mut s = spec(role, name, kv(64, None), KEY, ChecksumPolicy::FailClosed);
+        s.mode = TransferMode::Pull;
+        let e = SyntheticEngine::register(socket, &w.dir, &s).expect("engine");
+        e.events()
+            .expect("events")
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .expect("timeout");
+        e
+    };
+    let mut p = engine(&w.agent("p", Transport::Shm, false), Role::Prefill, "p0");
+    let mut d = engine(&w.agent("d", Transport::Shm, false), Role::Decode, "d0");
+    p.fill(1, &[3, 4], 0, 100);
+    let ready = |p: &mut SyntheticEngine, id: &str| {
+        p.send(&EngineRequest::KvReady {
+            request: id.into(),
+            blocks: vec![3, 4],
+            num_tokens: 100,
+            first_token: 0,
+            prompt: Some(prompt(1, 100)),
+        })
+        .expect("KvReady");
+    };
+    let release_early = |s: &mut TcpStream, session: &mut protocol::Session, id: &str| {
+        let release = Message::Release {
+            request: id.into(),
+            prompt: Some(prompt(2, 100)),
+        };
+        session.send(s, &release).expect("release");
+        let answer = session.recv(s).expect("answer");
+        assert!(matches!(answer, Message::ReleaseDone { .. }), "{answer:?}");
+    };
+    // An insider of two tensor-parallel ranks (two decode ranks take this prefill rank's heads).
+    let mut two = insider(Role::Decode);
+    two.mode = TransferMode::Pull;
+    two.parallelism.tensor = 2;
+    let l = PoolLayout::new(&two.kv, &two.parallelism, 16, 0).expect("layout");
+    two.memory = MemoryDesc::of(&l, vec![(0x7000_0000, structured_rkey())]);
+    let mut s2 = TcpStream::connect(addr(&p)).expect("connect");
+    let mut session2 = protocol::authenticate_decode(&mut s2, PAIR, KEY).expect("auth");
+    protocol::handshake_decode(&mut s2, &mut session2, &two).expect("handshake");
+    release_early(&mut s2, &mut session2, "r1");
+    ready(&mut p, "r1");
+    d.clear(&[5, 6]);
+    d.send(&EngineRequest::ExpectKv {
+        request: "r1".into(),
+        prefill: p.address.clone(),
+        blocks: vec![5, 6],
+        num_tokens: 100,
+        first_token: 0,
+        prompt: Some(prompt(1, 100)),
+    })
+    .expect("ExpectKv");
+    let event = d.next_event().expect("event");
+    assert!(done(&event) && d.verify(1, &[5, 6], 0, 100) == 0, "{event:?}");
+    let event = final_event(&mut p);
+    assert!(
+        done(&event),
+        "the request's one decode rank was all it needed: {event:?}"
+    );
+    // A one-rank insider takes the only place first; the request's own decode needs nothing
+    // (a full prefix hit) and releases it too; at the KvReady the engine hears it released.
+    let (mut s1, mut session1) = pull_link(&p);
+    release_early(&mut s1, &mut session1, "r2");
+    d.send(&EngineRequest::Release {
+        request: "r2".into(),
+        prefill: p.address.clone(),
+        prompt: Some(prompt(1, 100)),
+    })
+    .expect("Release");
+    let event = d.next_event().expect("event");
+    assert!(matches!(event, AgentEvent::Released { .. }), "{event:?}");
+    ready(&mut p, "r2");
+    let event = final_event(&mut p);
+    assert!(matches!(event, AgentEvent::Released { .. }), "freed at once: {event:?}");
+}

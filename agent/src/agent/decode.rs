@@ -16,6 +16,7 @@ use pdpair_api::{
 
 use super::*;
 use crate::{
+    engine_api::PromptDigest,
     protocol::{self, HandshakeError, MemoryDesc, Message, Reason, Registration, Session},
     transport::{OpError, PutOp, stream::Access},
     wire::{self, Opener},
@@ -148,6 +149,7 @@ impl Engine {
             request: request.to_owned(),
             writers,
             reading: p.reading,
+            prompt: p.prompt,
             now,
         })
     }
@@ -160,6 +162,7 @@ impl Engine {
             request,
             writers,
             reading,
+            prompt,
             now,
         } = down;
         if let Some(ending) = now {
@@ -192,7 +195,7 @@ impl Engine {
             self.cancel_answered(addr, &request);
         }
         for link in notify {
-            self.release_cancelled(&link, &request);
+            self.release_cancelled(&link, &request, prompt.clone());
         }
     }
 
@@ -223,8 +226,7 @@ impl Engine {
 
     /// Tells `link`'s prefill that cancelled `request` is not wanted (its `ReleaseDone`, or the
     /// end of a push running, answers); a link that is gone writes nothing more.
-    fn release_cancelled(&self, link: &Link, request: &str) {
-        let prompt = lock(&self.cancelled).get(request).and_then(|c| c.prompt.clone());
+    fn release_cancelled(&self, link: &Link, request: &str, prompt: Option<PromptDigest>) {
         if !link.send(&Message::Release {
             request: request.to_owned(),
             prompt,
@@ -576,9 +578,10 @@ impl Engine {
     fn send_registration(&self, link: &Link, request: &str) {
         let cancelled = lock(&self.cancelled)
             .get(request)
-            .is_some_and(|c| c.waiting.contains(&link.addr));
-        if cancelled {
-            return self.release_cancelled(link, request);
+            .filter(|c| c.waiting.contains(&link.addr))
+            .map(|c| c.prompt.clone());
+        if let Some(prompt) = cancelled {
+            return self.release_cancelled(link, request, prompt);
         }
         // Sent under the pending lock (a send only queues): a request that winds down meanwhile
         // is either not sent, or sent before the wind-down's `Release`, never after it.
@@ -1297,6 +1300,8 @@ struct WindDown {
     writers: Vec<String>,
     /// Pull: the prefills whose blocks our own read copies (its end answers for them).
     reading: Vec<String>,
+    /// Its prompt digest, for the `Release`s.
+    prompt: Option<PromptDigest>,
     /// No prefill may write: how it ends, now.
     now: Option<Ending>,
 }

@@ -97,16 +97,18 @@ pub(super) struct Matching {
     ready: HashMap<String, Serving>,
     /// Registrations waiting for their KvReady (several decode ranks may wait for one request).
     registered: HashMap<String, Vec<Waiting>>,
-    /// Releases that came before the KvReady: (the links that released, ranks expected, when).
-    released_early: HashMap<String, EarlyRelease>,
+    /// Releases that came before the KvReady, and when the first came.
+    released_early: HashMap<String, (Vec<EarlyRelease>, Instant)>,
     /// Requests released lately (kept for a lease): a later registration is refused at once.
     gone: HashMap<String, Instant>,
 }
 
-/// Releases of a request that came before its KvReady: the links that released (each counted
-/// against its bound, with the prompt digest it gave), the decode ranks expected, when the
-/// first came.
-type EarlyRelease = (Vec<(u64, Held, Option<PromptDigest>)>, u32, Instant);
+/// A release of a request that came before its KvReady: the link that released (counted against
+/// its bound), the prompt digest it gave, and the decode ranks its geometry expects. Kept per
+/// prompt: at the KvReady only those of the request's prompt count, and set how many ranks are
+/// expected (a release of another prompt neither takes a place of the request's own decode
+/// ranks nor says how many there are).
+type EarlyRelease = (u64, Held, Option<PromptDigest>, u32);
 
 /// A D registration waiting for P's KV: the link it came on, the registration, when, and its
 /// place in the link's bound.
@@ -181,6 +183,15 @@ impl Engine {
             let Ok(source) = stream.peer_addr().map(|a| a.ip()) else {
                 continue;
             };
+            // Authenticated links are bounded per source too: an insider cannot multiply the
+            // per-link bounds (outbox, waiting registrations, threads) by opening links. (Checked
+            // first: a connection closed for it takes no one's pre-auth slot.)
+            if self.links_from(source) >= MAX_LINKS_PER_SOURCE {
+                self.shared.metrics.handshake_refused(Reason::Busy);
+                tracing::warn!(engine = %self.reg.engine, %source, "a source holds {MAX_LINKS_PER_SOURCE} links to this engine already; closed another");
+                drop(stream);
+                continue;
+            }
             // The pre-auth budget: a connection over it is closed before a byte is read or a
             // thread started, so a flood costs a bounded number of threads and buffers; when it
             // is full, a source holding fewer takes the place of the biggest one's oldest.
@@ -197,14 +208,6 @@ impl Engine {
                     continue;
                 }
             };
-            // Authenticated links are bounded per source too: an insider cannot multiply the
-            // per-link bounds (outbox, waiting registrations, threads) by opening links.
-            if self.links_from(source) >= MAX_LINKS_PER_SOURCE {
-                self.shared.metrics.handshake_refused(Reason::Busy);
-                tracing::warn!(engine = %self.reg.engine, %source, "a source holds {MAX_LINKS_PER_SOURCE} links to this engine already; closed another");
-                drop(stream);
-                continue;
-            }
             let e = self.clone();
             thread::spawn(move || e.serve_decode(stream, slot));
         }
@@ -600,15 +603,16 @@ impl Engine {
                 }
                 (None, _) if gone => None,
                 (None, _) => {
-                    let early = matching.released_early.entry(request.clone()).or_insert((
-                        Vec::new(),
-                        expected,
-                        Instant::now(),
-                    ));
-                    if !early.0.iter().any(|(id, ..)| *id == link.id) && early.0.len() < early.1 as usize {
+                    let early = matching
+                        .released_early
+                        .entry(request.clone())
+                        .or_insert((Vec::new(), Instant::now()));
+                    let of_prompt = early.0.iter().filter(|(_, _, p, _)| *p == prompt).count();
+                    let again = early.0.iter().any(|(id, _, p, _)| *id == link.id && *p == prompt);
+                    if !again && of_prompt < expected as usize {
                         // Counted with the link's waiting registrations: kept for a lease.
                         match Held::take(link, 0) {
-                            Ok(held) => early.0.push((link.id, held, prompt)),
+                            Ok(held) => early.0.push((link.id, held, prompt, expected)),
                             Err(why) => {
                                 if early.0.is_empty() {
                                     matching.released_early.remove(&request);
@@ -781,15 +785,17 @@ impl Engine {
                 );
             }
             let mut serving = Serving::new(ready);
-            if let Some((links, expected, _)) = matching.released_early.remove(&request) {
+            if let Some((early, _)) = matching.released_early.remove(&request) {
                 // Only releases of this request's prompt count (the others let their link's
-                // registration go, nothing more).
-                serving.released_by = links
+                // registration go, nothing more), and only they say how many ranks to expect.
+                let ours: Vec<EarlyRelease> = early
                     .into_iter()
-                    .filter(|(.., prompt)| check_prompt(prompt.as_ref(), serving.ready.prompt.as_ref()).is_ok())
-                    .map(|(id, ..)| id)
+                    .filter(|(_, _, prompt, _)| check_prompt(prompt.as_ref(), serving.ready.prompt.as_ref()).is_ok())
                     .collect();
-                serving.expected = Some(expected);
+                if let Some((_, _, _, expected)) = ours.first() {
+                    serving.expected = Some(*expected);
+                }
+                serving.released_by = ours.into_iter().map(|(id, ..)| id).collect();
                 serving.finished = u32::try_from(serving.released_by.len()).unwrap_or(u32::MAX);
             }
             if serving.expected.is_some_and(|e| serving.finished >= e) {
@@ -1084,7 +1090,7 @@ impl Engine {
         {
             let mut matching = lock(&self.matching);
             matching.gone.retain(|_, at| at.elapsed() < lease);
-            matching.released_early.retain(|_, (_, _, at)| at.elapsed() < lease);
+            matching.released_early.retain(|_, (_, at)| at.elapsed() < lease);
         }
         let stale: Vec<(Arc<Link>, String)> = {
             let registered = &mut lock(&self.matching).registered;
