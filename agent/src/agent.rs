@@ -661,8 +661,12 @@ impl Agent {
                 Ok(EngineRequest::Release {
                     request,
                     prefill,
+                    mut prefills,
                     prompt,
-                }) => engine.release(request, prefill, prompt),
+                }) => {
+                    prefills.push(prefill);
+                    engine.release(request, prefills, prompt);
+                }
                 Ok(EngineRequest::Renew {
                     request,
                     prefill,

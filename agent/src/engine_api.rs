@@ -81,6 +81,11 @@ pub enum EngineRequest {
         request: String,
         /// The prefill engine's side-channel address.
         prefill: String,
+        /// More prefill engines released at once (the other ranks of a prefill pool): one
+        /// request of the name may be expected at a time, so a release of each rank on its own
+        /// was refused after the first. Answered once, when all confirmed.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        prefills: Vec<String>,
         /// The request's prompt digest ([`PromptDigest`]): prefill counts the release only for
         /// the request whose prompt it is (absent: only for one that has none).
         #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -2711,6 +2711,7 @@ fn early_releases_of_another_prompt_neither_take_a_place_nor_say_how_many_ranks(
     d.send(&EngineRequest::Release {
         request: "r2".into(),
         prefill: p.address.clone(),
+        prefills: Vec::new(),
         prompt: Some(prompt(1, 100)),
     })
     .expect("Release");

@@ -32,6 +32,7 @@ fn release(d: &mut SyntheticEngine, p: &SyntheticEngine, request: &str) {
     d.send(&EngineRequest::Release {
         request: request.into(),
         prefill: p.address.clone(),
+        prefills: Vec::new(),
         prompt: None,
     })
     .expect("Release");
@@ -72,6 +73,59 @@ fn a_release_frees_prefills_blocks_at_once_and_counts_no_failure() {
     let event = d.next_event().expect("D");
     assert_eq!(reasons(&event), vec!["InvalidRequest".to_owned()], "{event:?}");
     assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+}
+
+#[test]
+fn one_release_frees_every_rank_of_a_prefill_pool() {
+    // One request of a name is expected at a time: releasing each rank on its own was refused
+    // after the first, and the other ranks held their blocks to the lease.
+    let w = World::new("release-ranks");
+    let (mut p, mut d) = pair(&w);
+    let mut q = w.engine(&w.agent("q", Transport::Shm, false), Role::Prefill, "q0", b"k");
+    q.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    // Decode is linked to p already, not to q: p confirms first, while q is still dialled.
+    release(&mut d, &p, "warm");
+    assert!(released(&d.next_event().expect("D"), "warm"));
+    kv_ready(&mut p, "r", &[3, 4], 100);
+    kv_ready(&mut q, "r", &[3, 4], 100);
+    let started = Instant::now();
+    d.send(&EngineRequest::Release {
+        request: "r".into(),
+        prefill: p.address.clone(),
+        prefills: vec![q.address.clone()],
+        prompt: None,
+    })
+    .expect("Release");
+    let event = d.next_event().expect("D");
+    assert!(released(&event, "r"), "one answer, once both confirmed: {event:?}");
+    for e in [&mut p, &mut q] {
+        let event = e.next_event().expect("P");
+        assert!(released(&event, "r"), "{event:?}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+}
+
+#[test]
+fn a_request_whose_registrations_were_all_refused_says_so_when_its_lease_ends() {
+    // A registration that is not the request's (another prompt, token count or range) is
+    // refused to its decode alone and the request waits for its own decode: if none comes, the
+    // engine hears why at the lease, not "no decode engine registered".
+    let w = World::new("release-refused");
+    let (mut p, mut d) = pair(&w);
+    kv_ready(&mut p, "r", &[3, 4], 100);
+    expect_kv(&mut d, "r", p.address.clone(), &[5, 6], 90);
+    let event = d.next_event().expect("D");
+    assert_eq!(reasons(&event), vec!["TokenCountMismatch".to_owned()], "{event:?}");
+    let event = p.next_event().expect("P");
+    assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{event:?}");
+    let text = format!("{event:?}");
+    assert!(
+        text.contains("1 refused, the first for TokenCountMismatch: decode expects 90 tokens"),
+        "{text}"
+    );
 }
 
 #[test]

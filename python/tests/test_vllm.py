@@ -147,6 +147,26 @@ def test_a_full_hit_on_decode_releases_prefill_without_a_failure(pair):
     assert not any(o.finished_recving for o in d.transfer_events), "nothing was received"
 
 
+def test_a_full_hit_releases_every_prefill_rank_for_every_decode_rank_it_serves(world):
+    # Decode with more tensor-parallel ranks than prefill: each prefill rank serves two decode
+    # ranks and waits for both; only decode's rank 0 released, so prefill held its blocks to
+    # the lease (LeaseExpired) on every full prefix hit.
+    pa, da = world.agent("p", "shm"), world.agent("d", "shm")
+    p = Engine(world, pa, "prefill", seed=P_SEED, tp=2, layout="HND")
+    d = Engine(world, da, "decode", seed=D_SEED, tp=4, layout="HND", min_transfer_tokens=16)
+    try:
+        prompt = list(range(800, 849))  # 49 tokens: D will hold 48 of them
+        d.add("local", prompt, max_tokens=1)
+        d.run_until(lambda: "local" in d.outputs, what="the local request")
+        params = prefill(p, "req", prompt)
+        d.add("req", prompt, params, max_tokens=2)
+        both(p, d, lambda: "req" in d.outputs and p.status("req") is None, timeout=20, what="D done, P freed")
+        assert p.outcome("req") == "Released", p.outcome("req")
+    finally:
+        p.close()
+        d.close()
+
+
 def test_an_abort_before_decode_allocated_releases_prefill(pair):
     p, d = pair()
     prompt = list(range(800, 840))

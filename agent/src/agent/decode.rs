@@ -26,18 +26,13 @@ impl Engine {
     /// Decode needs nothing of `request` from `prefill` (a full local prefix hit, or an abort
     /// before it asked): prefill frees the request's blocks at once, and neither side counts a
     /// failure. The engine hears `Released` once prefill confirmed it.
-    pub(super) fn release(
-        self: &Arc<Self>,
-        request: String,
-        prefill: String,
-        prompt: Option<crate::engine_api::PromptDigest>,
-    ) {
+    pub(super) fn release(self: &Arc<Self>, request: String, prefills: Vec<String>, prompt: Option<PromptDigest>) {
         if self.role_is(Role::Decode, "Release", &request) {
             let want = Want {
                 prompt,
                 ..Want::default()
             };
-            self.ask(request, vec![prefill], want, true);
+            self.ask(request, prefills, want, true);
         }
     }
 
@@ -841,7 +836,15 @@ impl Engine {
                     if self.owned_by(&link, &request, false)
                         && lock(&self.pending).get(&request).is_some_and(|p| p.release) =>
                 {
-                    if lock(&self.pending).remove(&request).is_some() {
+                    // A release of several prefill ranks is done when each has confirmed.
+                    let all = {
+                        let mut pending = lock(&self.pending);
+                        pending
+                            .get_mut(&request)
+                            .is_some_and(|p| p.arrived(&link.addr, None, 0))
+                            && pending.remove(&request).is_some()
+                    };
+                    if all {
                         self.event(AgentEvent::Released { request });
                     }
                 }

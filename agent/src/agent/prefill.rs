@@ -56,6 +56,9 @@ pub(super) struct Serving {
     lent_since: Option<Instant>,
     /// Links being served: only these may answer `Released` (once each).
     links: Vec<u64>,
+    /// Registrations refused as not this request's (`Engine::fits`): how many, and the first's
+    /// reason and message, for the engine when the lease ends with none served.
+    refused: Option<(u32, Reason, String)>,
     /// The links of decode ranks that released the request (needed nothing), each counted
     /// once, in `finished` too.
     released_by: Vec<u64>,
@@ -84,6 +87,7 @@ impl Serving {
             started: false,
             lent_since: None,
             links: Vec::new(),
+            refused: None,
             released_by: Vec::new(),
             renewed: None,
             cancelled: false,
@@ -438,6 +442,8 @@ impl Engine {
     fn begin(&self, matching: &mut Matching, link: &Arc<Link>, reg: Registration) -> Option<Begun> {
         let serving = matching.ready.get_mut(&reg.request)?;
         if let Err(refusal) = self.fits(&reg, &serving.ready) {
+            let (n, ..) = serving.refused.get_or_insert_with(|| (0, refusal.0, refusal.1.clone()));
+            *n = n.saturating_add(1);
             return Some(Err(refusal));
         }
         let expected = *serving
@@ -1076,6 +1082,10 @@ impl Engine {
             }
             let message = if serving.in_flight > 0 {
                 "decode did not read the request's blocks within the lease".to_owned()
+            } else if let (0, Some((n, reason, first))) = (serving.finished, &serving.refused) {
+                format!(
+                    "no decode engine's registration was this request's within the lease: {n} refused, the first for {reason}: {first}"
+                )
             } else if serving.finished == 0 {
                 "no decode engine registered for the request within the lease".to_owned()
             } else {

@@ -281,11 +281,15 @@ class AgentClient:
             message["prompt"] = prompt
         self.send(message)
 
-    def release(self, request: str, prefill: str, prompt: Optional[str] = None) -> None:
-        """Decode: nothing of ``request`` is needed from the prefill at ``prefill``. ``prompt``:
-        the request's prompt digest (prefill counts the release only for the request of that
+    def release(self, request: str, prefill: Union[str, List[str]], prompt: Optional[str] = None) -> None:
+        """Decode: nothing of ``request`` is needed from the prefill at ``prefill`` (an address,
+        or every rank's of a prefill pool: released at once, one answer). ``prompt``: the
+        request's prompt digest (prefill counts the release only for the request of that
         prompt)."""
-        message = {"type": "Release", "request": request, "prefill": prefill}
+        ranks = [prefill] if isinstance(prefill, str) else list(prefill)
+        message = {"type": "Release", "request": request, "prefill": ranks[0]}
+        if ranks[1:]:
+            message["prefills"] = ranks[1:]
         if prompt is not None:
             message["prompt"] = prompt
         self.send(message)

@@ -470,12 +470,14 @@ class WorkerState:
             self._by_request[recv.request] = recv.agent_request
             self._call(self.client.expect_kv, recv.agent_request, recv.prefill_ranks, recv.blocks, recv.num_tokens,
                        recv.first_token, prompt=recv.prompt)
-        if self.rank == 0 and not self._gone():
-            # One rank speaks for the engine to every prefill rank.
+        if not self._gone():
+            # Every rank releases every prefill rank, in one message (a second release of the
+            # name while the first is expected is refused); a prefill rank serving several
+            # decode ranks (more of them than prefill ranks) waits for each one's. One renews
+            # for all.
             for rel in plan.releases:
-                for prefill in rel.prefill_ranks:
-                    self._call(self.client.release, rel.agent_request, prefill, prompt=rel.prompt)
-            for ren in plan.renews:
+                self._call(self.client.release, rel.agent_request, list(rel.prefill_ranks), prompt=rel.prompt)
+            for ren in plan.renews if self.rank == 0 else ():
                 for prefill in ren.prefill_ranks:
                     self._call(self.client.renew, ren.agent_request, prefill, prompt=ren.prompt)
         for request in plan.cancels:
