@@ -37,7 +37,7 @@ use prefill::Matching;
 pub use publish::{Publisher, endpoint_name};
 
 use crate::{
-    engine_api::{AgentEvent, EngineRequest, PoolRegistration, Settings},
+    engine_api::{AgentEvent, EngineRequest, PoolRegistration, PromptDigest, Settings},
     layout::PoolLayout,
     lock,
     memory::pool::{self, Pool},
@@ -603,12 +603,7 @@ impl Agent {
                     first_token,
                     prompt,
                 }) => {
-                    let want = Want {
-                        blocks,
-                        num_tokens,
-                        first_token,
-                        prompt,
-                    };
+                    let want = Want::of(blocks, num_tokens, first_token, prompt);
                     engine.expect_kv(request, vec![prefill], want);
                 }
                 Ok(EngineRequest::ExpectKvFrom {
@@ -619,12 +614,7 @@ impl Agent {
                     first_token,
                     prompt,
                 }) => {
-                    let want = Want {
-                        blocks,
-                        num_tokens,
-                        first_token,
-                        prompt,
-                    };
+                    let want = Want::of(blocks, num_tokens, first_token, prompt);
                     engine.expect_kv(request, prefills, want);
                 }
                 Ok(EngineRequest::KvReady {
@@ -634,12 +624,7 @@ impl Agent {
                     first_token,
                     prompt,
                 }) => {
-                    let want = Want {
-                        blocks,
-                        num_tokens,
-                        first_token,
-                        prompt,
-                    };
+                    let want = Want::of(blocks, num_tokens, first_token, prompt);
                     engine.kv_ready(request, want);
                 }
                 Ok(EngineRequest::ExpectKvFromPool {
@@ -650,12 +635,7 @@ impl Agent {
                     first_token,
                     prompt,
                 }) => {
-                    let want = Want {
-                        blocks,
-                        num_tokens,
-                        first_token,
-                        prompt,
-                    };
+                    let want = Want::of(blocks, num_tokens, first_token, prompt);
                     engine.expect_kv_from_pool(request, prefill_ranks, want);
                 }
                 Ok(EngineRequest::Release {
@@ -757,7 +737,18 @@ pub(super) struct Want {
     /// Absolute position of the first token the first block holds.
     pub first_token: u64,
     /// The engine's prompt digest, when it gives one.
-    pub prompt: Option<crate::engine_api::PromptDigest>,
+    pub prompt: Option<PromptDigest>,
+}
+
+impl Want {
+    fn of(blocks: Vec<u32>, num_tokens: u64, first_token: u64, prompt: Option<PromptDigest>) -> Want {
+        Want {
+            blocks,
+            num_tokens,
+            first_token,
+            prompt,
+        }
+    }
 }
 
 /// A D request waiting for its KV.
@@ -774,7 +765,7 @@ struct Pending {
     num_tokens: u64,
     first_token: u64,
     /// The engine's prompt digest, sent in the registration.
-    prompt: Option<crate::engine_api::PromptDigest>,
+    prompt: Option<PromptDigest>,
     deadline: Instant,
     /// A `Release` (decode needs nothing), answered by `ReleaseDone`, not a registration.
     release: bool,

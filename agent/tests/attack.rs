@@ -10,7 +10,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{ProcessAgent, Req, World, done, expect_kv, kv, kv_ready, reasons, request, spec};
+use common::{
+    ProcessAgent, Req, World, done, engine_in_mode, expect_kv, expect_kv_of, kv, kv_ready, kv_ready_of, reasons,
+    request, spec,
+};
 use pdpair_agent::{
     engine_api::{AgentEvent, EngineRequest},
     layout::PoolLayout,
@@ -2453,16 +2456,8 @@ fn kv_moves_only_to_a_decode_whose_prompt_is_the_one_prefill_computed() {
     for mode in [TransferMode::Push, TransferMode::Pull] {
         let w = World::new("attack-prompt");
         let (ps, ds) = (w.agent("p", Transport::Shm, false), w.agent("d", Transport::Shm, false));
-        let engine = |socket: &std::path::Path, role: Role, name: &str| {
-            let mut s = spec(role, name, kv(64, None), KEY, ChecksumPolicy::FailClosed);
-            s.mode = mode;
-            let e = SyntheticEngine::register(socket, &w.dir, &s).expect("engine");
-            e.events()
-                .expect("events")
-                .set_read_timeout(Some(Duration::from_secs(20)))
-                .expect("timeout");
-            e
-        };
+        let engine =
+            |socket: &std::path::Path, role: Role, name: &str| engine_in_mode(&w, socket, role, name, KEY, mode);
         let mut p = engine(&ps, Role::Prefill, "p0");
         let (mut evil, mut good) = (engine(&ds, Role::Decode, "evil"), engine(&ds, Role::Decode, "good"));
         let cases = [
@@ -2588,14 +2583,7 @@ fn a_release_of_another_prompt_does_not_end_the_request_for_its_decode() {
     let _serial = serial();
     let w = World::new("attack-release-prompt");
     let engine = |socket: &std::path::Path, role: Role, name: &str| {
-        let mut s = spec(role, name, kv(64, None), KEY, ChecksumPolicy::FailClosed);
-        s.mode = TransferMode::Pull;
-        let e = SyntheticEngine::register(socket, &w.dir, &s).expect("engine");
-        e.events()
-            .expect("events")
-            .set_read_timeout(Some(Duration::from_secs(20)))
-            .expect("timeout");
-        e
+        engine_in_mode(&w, socket, role, name, KEY, TransferMode::Pull)
     };
     let mut p = engine(&w.agent("p", Transport::Shm, false), Role::Prefill, "p0");
     p.fill(1, &[3, 4], 0, 100);
@@ -2607,25 +2595,10 @@ fn a_release_of_another_prompt_does_not_end_the_request_for_its_decode() {
     session.send(&mut s, &release).expect("release");
     let answer = session.recv(&mut s).expect("answer");
     assert!(matches!(answer, Message::ReleaseDone { .. }), "{answer:?}");
-    p.send(&EngineRequest::KvReady {
-        request: "r".into(),
-        blocks: vec![3, 4],
-        num_tokens: 100,
-        first_token: 0,
-        prompt: Some(prompt(1, 100)),
-    })
-    .expect("KvReady");
+    kv_ready_of(&mut p, "r", &[3, 4], 100, Some(prompt(1, 100)));
     let mut d = engine(&w.agent("d", Transport::Shm, false), Role::Decode, "d0");
     d.clear(&[5, 6]);
-    d.send(&EngineRequest::ExpectKv {
-        request: "r".into(),
-        prefill: p.address.clone(),
-        blocks: vec![5, 6],
-        num_tokens: 100,
-        first_token: 0,
-        prompt: Some(prompt(1, 100)),
-    })
-    .expect("ExpectKv");
+    expect_kv_of(&mut d, "r", p.address.clone(), &[5, 6], 100, Some(prompt(1, 100)));
     let event = d.next_event().expect("event");
     let bad = d.verify(1, &[5, 6], 0, 100);
     assert!(done(&event) && bad == 0, "{event:?}, {bad} bad tokens");
@@ -2645,28 +2618,12 @@ fn early_releases_of_another_prompt_neither_take_a_place_nor_say_how_many_ranks(
     let _serial = serial();
     let w = World::new("attack-early");
     let engine = |socket: &std::path::Path, role: Role, name: &str| {
-        let mut s = spec(role, name, kv(64, None), KEY, ChecksumPolicy::FailClosed);
-        s.mode = TransferMode::Pull;
-        let e = SyntheticEngine::register(socket, &w.dir, &s).expect("engine");
-        e.events()
-            .expect("events")
-            .set_read_timeout(Some(Duration::from_secs(20)))
-            .expect("timeout");
-        e
+        engine_in_mode(&w, socket, role, name, KEY, TransferMode::Pull)
     };
     let mut p = engine(&w.agent("p", Transport::Shm, false), Role::Prefill, "p0");
     let mut d = engine(&w.agent("d", Transport::Shm, false), Role::Decode, "d0");
     p.fill(1, &[3, 4], 0, 100);
-    let ready = |p: &mut SyntheticEngine, id: &str| {
-        p.send(&EngineRequest::KvReady {
-            request: id.into(),
-            blocks: vec![3, 4],
-            num_tokens: 100,
-            first_token: 0,
-            prompt: Some(prompt(1, 100)),
-        })
-        .expect("KvReady");
-    };
+    let ready = |p: &mut SyntheticEngine, id: &str| kv_ready_of(p, id, &[3, 4], 100, Some(prompt(1, 100)));
     let release_early = |s: &mut TcpStream, session: &mut protocol::Session, id: &str| {
         let release = Message::Release {
             request: id.into(),
@@ -2688,15 +2645,7 @@ fn early_releases_of_another_prompt_neither_take_a_place_nor_say_how_many_ranks(
     release_early(&mut s2, &mut session2, "r1");
     ready(&mut p, "r1");
     d.clear(&[5, 6]);
-    d.send(&EngineRequest::ExpectKv {
-        request: "r1".into(),
-        prefill: p.address.clone(),
-        blocks: vec![5, 6],
-        num_tokens: 100,
-        first_token: 0,
-        prompt: Some(prompt(1, 100)),
-    })
-    .expect("ExpectKv");
+    expect_kv_of(&mut d, "r1", p.address.clone(), &[5, 6], 100, Some(prompt(1, 100)));
     let event = d.next_event().expect("event");
     assert!(done(&event) && d.verify(1, &[5, 6], 0, 100) == 0, "{event:?}");
     let event = final_event(&mut p);

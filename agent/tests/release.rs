@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{World, expect_kv, kv, kv_ready, reasons, spec};
+use common::{World, expect_kv, kv, kv_ready, kv_ready_of, reasons, spec};
 use pdpair_agent::{
     engine_api::{AgentEvent, EngineRequest},
     synthetic::SyntheticEngine,
@@ -19,13 +19,26 @@ fn pair(w: &World) -> (SyntheticEngine, SyntheticEngine) {
     let ds = w.agent("d", Transport::Shm, false);
     let p = w.engine(&ps, Role::Prefill, "p0", b"k");
     let d = w.engine(&ds, Role::Decode, "d0", b"k");
-    for e in [&p, &d] {
-        e.events()
-            .expect("events")
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .expect("timeout");
-    }
-    (p, d)
+    (awaited(p, 10), awaited(d, 10))
+}
+
+/// `e`, whose events are awaited up to `secs` seconds.
+fn awaited(e: SyntheticEngine, secs: u64) -> SyntheticEngine {
+    e.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(secs)))
+        .expect("timeout");
+    e
+}
+
+/// A prefill engine whose lease is 500 ms, and a decode engine, each behind its own agent.
+fn short_lease_pair(w: &World) -> (SyntheticEngine, SyntheticEngine) {
+    let ps = w.agent("p", Transport::Shm, false);
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut short = spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed);
+    short.lease_ms = 500;
+    let p = SyntheticEngine::register(&ps, &w.dir, &short).expect("P");
+    (awaited(p, 15), w.engine(&ds, Role::Decode, "d0", b"k"))
 }
 
 fn release(d: &mut SyntheticEngine, p: &SyntheticEngine, request: &str) {
@@ -81,11 +94,10 @@ fn one_release_frees_every_rank_of_a_prefill_pool() {
     // after the first, and the other ranks held their blocks to the lease.
     let w = World::new("release-ranks");
     let (mut p, mut d) = pair(&w);
-    let mut q = w.engine(&w.agent("q", Transport::Shm, false), Role::Prefill, "q0", b"k");
-    q.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
+    let mut q = awaited(
+        w.engine(&w.agent("q", Transport::Shm, false), Role::Prefill, "q0", b"k"),
+        10,
+    );
     // Decode is linked to p already, not to q: p confirms first, while q is still dialled.
     release(&mut d, &p, "warm");
     assert!(released(&d.next_event().expect("D"), "warm"));
@@ -140,16 +152,7 @@ fn release_is_for_decode_engines() {
 #[test]
 fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
     let w = World::new("renew");
-    let ps = w.agent("p", Transport::Shm, false);
-    let ds = w.agent("d", Transport::Shm, false);
-    let mut short = spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed);
-    short.lease_ms = 500;
-    let mut p = SyntheticEngine::register(&ps, &w.dir, &short).expect("P");
-    let mut d = w.engine(&ds, Role::Decode, "d0", b"k");
-    p.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(15)))
-        .expect("timeout");
+    let (mut p, mut d) = short_lease_pair(&w);
     let prefill = p.address.clone();
     let renew = |d: &mut SyntheticEngine, id: &str| {
         d.send(&EngineRequest::Renew {
@@ -199,21 +202,9 @@ fn a_renewal_of_another_prompt_holds_nothing() {
     // prompt can take. Renewals of the right prompt still hold theirs ("held" here).
     use pdpair_agent::synthetic::prompt;
     let w = World::new("renew-prompt");
-    let ps = w.agent("p", Transport::Shm, false);
-    let ds = w.agent("d", Transport::Shm, false);
-    let mut short = spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed);
-    short.lease_ms = 500;
-    let mut p = SyntheticEngine::register(&ps, &w.dir, &short).expect("P");
-    let mut d = w.engine(&ds, Role::Decode, "d0", b"k");
+    let (mut p, mut d) = short_lease_pair(&w);
     for (id, blocks) in [("theirs", [3, 4]), ("held", [7, 8])] {
-        p.send(&EngineRequest::KvReady {
-            request: id.into(),
-            blocks: blocks.to_vec(),
-            num_tokens: 100,
-            first_token: 0,
-            prompt: Some(prompt(1, 100)),
-        })
-        .expect("KvReady");
+        kv_ready_of(&mut p, id, &blocks, 100, Some(prompt(1, 100)));
     }
     let started = Instant::now();
     let event = loop {

@@ -39,12 +39,7 @@ impl Engine {
     /// Decode's engine queues `request` (no blocks for it yet): ask `prefill` to hold its blocks
     /// one more lease. Best effort, no answer: sent when the link is up (it is dialled when not,
     /// for the next renewal), so an engine renews more often than the lease.
-    pub(super) fn renew(
-        self: &Arc<Self>,
-        request: String,
-        prefill: String,
-        prompt: Option<crate::engine_api::PromptDigest>,
-    ) {
+    pub(super) fn renew(self: &Arc<Self>, request: String, prefill: String, prompt: Option<PromptDigest>) {
         if !self.role_is(Role::Decode, "Renew", &request) {
             return;
         }
@@ -1321,7 +1316,7 @@ pub(super) struct Cancelling {
     /// Pull: those of them whose blocks our own read copies: only its end answers for them.
     pub(super) reading: Vec<String>,
     /// The request's prompt digest, carried by the `Release`s that tell them to stop.
-    pub(super) prompt: Option<crate::engine_api::PromptDigest>,
+    pub(super) prompt: Option<PromptDigest>,
     /// What the engine hears when none is left (a `Cancel` meanwhile makes it `Cancelled`).
     pub(super) ending: Ending,
     /// By when they must have answered the cancel's `Release`: a full handshake and lease from

@@ -168,8 +168,12 @@ impl Drop for Held {
     }
 }
 
-/// A registration being served: its link, the registration, and the ready KV.
-pub(super) type Consumer = (Arc<Link>, Registration, Ready);
+/// A registration being served: its link, the registration, the ready KV, and (push) the
+/// blocks paired to write, (P block, D block, first token), from [`Engine::fits`].
+pub(super) type Consumer = (Arc<Link>, Registration, Ready, Pairs);
+
+/// Blocks paired by absolute token position: (P block, D block, first token).
+type Pairs = Vec<(u32, u32, u64)>;
 
 /// A registration prefill serves, or why it refuses it (told only to its link).
 type Begun = Result<Consumer, (Reason, String)>;
@@ -441,11 +445,14 @@ impl Engine {
     /// it belongs to, nor end it for the engine.
     fn begin(&self, matching: &mut Matching, link: &Arc<Link>, reg: Registration) -> Option<Begun> {
         let serving = matching.ready.get_mut(&reg.request)?;
-        if let Err(refusal) = self.fits(&reg, &serving.ready) {
-            let (n, ..) = serving.refused.get_or_insert_with(|| (0, refusal.0, refusal.1.clone()));
-            *n = n.saturating_add(1);
-            return Some(Err(refusal));
-        }
+        let pairs = match self.fits(&reg, &serving.ready) {
+            Ok(pairs) => pairs,
+            Err(refusal) => {
+                let (n, ..) = serving.refused.get_or_insert_with(|| (0, refusal.0, refusal.1.clone()));
+                *n = n.saturating_add(1);
+                return Some(Err(refusal));
+            }
+        };
         let expected = *serving
             .expected
             .get_or_insert_with(|| protocol::decode_ranks_served(&self.local, &link.peer));
@@ -468,13 +475,13 @@ impl Engine {
         if self.settings.mode == pdpair_api::TransferMode::Pull {
             serving.lent_since = Some(Instant::now());
         }
-        Some(Ok((link.clone(), reg, serving.ready.clone())))
+        Some(Ok((link.clone(), reg, serving.ready.clone(), pairs)))
     }
 
     /// Whether a registration is the ready request's: the same prompt (checked first, before
     /// anything of the request is said), the same token count, and (push) blocks that pair
-    /// with prefill's.
-    fn fits(&self, reg: &Registration, ready: &Ready) -> Result<(), (Reason, String)> {
+    /// with prefill's, which it returns (none in pull: decode pairs them as it reads).
+    fn fits(&self, reg: &Registration, ready: &Ready) -> Result<Pairs, (Reason, String)> {
         let request = &reg.request;
         check_prompt(reg.prompt.as_ref(), ready.prompt.as_ref())
             .map_err(|why| (Reason::PromptMismatch, format!("request {request}: {why}")))?;
@@ -487,10 +494,12 @@ impl Engine {
                 ),
             ));
         }
-        if self.settings.mode == pdpair_api::TransferMode::Push {
-            pair_blocks(self.layout.block_size, ready, reg).map_err(|e| (Reason::TokenRangeNotCovered, e))?;
+        match self.settings.mode {
+            pdpair_api::TransferMode::Push => {
+                pair_blocks(self.layout.block_size, ready, reg).map_err(|e| (Reason::TokenRangeNotCovered, e))
+            }
+            pdpair_api::TransferMode::Pull => Ok(Vec::new()),
         }
-        Ok(())
     }
 
     /// One consumer of a ready request is done; when all expected are, tell the engine once:
@@ -830,9 +839,9 @@ impl Engine {
         }
     }
 
-    fn spawn_transfer(self: &Arc<Self>, (link, reg, ready): Consumer) {
+    fn spawn_transfer(self: &Arc<Self>, (link, reg, ready, pairs): Consumer) {
         let e = self.clone();
-        thread::spawn(move || e.transfer(&link, reg, ready));
+        thread::spawn(move || e.transfer(&link, reg, ready, pairs));
     }
 
     /// Pull: tell decode where the request's KV is (with our checksums) and hold the blocks until
@@ -911,7 +920,7 @@ impl Engine {
         })
     }
 
-    fn transfer(&self, link: &Link, reg: Registration, ready: Ready) {
+    fn transfer(&self, link: &Link, reg: Registration, ready: Ready, pairs: Pairs) {
         let request = reg.request.clone();
         let refuse = |reason: Reason, message: String| {
             link.send(&Message::Failed {
@@ -921,14 +930,11 @@ impl Engine {
             });
             self.finish(request.clone(), Err((vec![reason], message)));
         };
-        // The registration fits the request (`Engine::fits`, checked in `begin`).
+        // The registration fits the request, and (push) its blocks are paired (`Engine::fits`,
+        // checked in `begin`).
         if self.settings.mode == pdpair_api::TransferMode::Pull {
             return self.lend(link, reg, ready);
         }
-        let pairs = match pair_blocks(self.layout.block_size, &ready, &reg) {
-            Ok(p) => p,
-            Err(message) => return refuse(Reason::TokenRangeNotCovered, message),
-        };
         let Some(ucx_peer) = link.ucx_peer else {
             return refuse(Reason::TransportFailed, "no UCX endpoint".into());
         };
@@ -1132,7 +1138,7 @@ impl Engine {
 /// holds tokens from `reg.first_token + i*B`; the P block holding that token must start exactly
 /// there. Blocks wholly past the request's tokens are skipped. Returns (P block, D block, first
 /// token) for each block to write.
-fn pair_blocks(block_size: u32, ready: &Ready, reg: &Registration) -> Result<Vec<(u32, u32, u64)>, String> {
+fn pair_blocks(block_size: u32, ready: &Ready, reg: &Registration) -> Result<Pairs, String> {
     let b = u64::from(block_size);
     let mut out = Vec::new();
     for (i, d) in reg.blocks.iter().enumerate() {

@@ -256,25 +256,68 @@ impl Drop for ProcessAgent {
 
 /// Prefill: the request's KV is ready in `blocks` (from token 0).
 pub fn kv_ready(p: &mut SyntheticEngine, request: &str, blocks: &[u32], num_tokens: u64) {
+    kv_ready_of(p, request, blocks, num_tokens, None);
+}
+
+/// [`kv_ready`], computed from the prompt of digest `prompt`.
+pub fn kv_ready_of(
+    p: &mut SyntheticEngine,
+    request: &str,
+    blocks: &[u32],
+    num_tokens: u64,
+    prompt: Option<pdpair_agent::engine_api::PromptDigest>,
+) {
     p.send(&EngineRequest::KvReady {
         request: request.into(),
         blocks: blocks.to_vec(),
         num_tokens,
         first_token: 0,
-        prompt: None,
+        prompt,
     })
     .expect("KvReady");
 }
 
 /// Decode: the request's KV comes from `prefill` into `blocks` (from token 0).
 pub fn expect_kv(d: &mut SyntheticEngine, request: &str, prefill: String, blocks: &[u32], num_tokens: u64) {
+    expect_kv_of(d, request, prefill, blocks, num_tokens, None);
+}
+
+/// [`expect_kv`], for the prompt of digest `prompt`.
+pub fn expect_kv_of(
+    d: &mut SyntheticEngine,
+    request: &str,
+    prefill: String,
+    blocks: &[u32],
+    num_tokens: u64,
+    prompt: Option<pdpair_agent::engine_api::PromptDigest>,
+) {
     d.send(&EngineRequest::ExpectKv {
         request: request.into(),
         prefill,
         blocks: blocks.to_vec(),
         num_tokens,
         first_token: 0,
-        prompt: None,
+        prompt,
     })
     .expect("ExpectKv");
+}
+
+/// An engine of `mode` on the agent at `socket` (64-token blocks, FailClosed), whose events
+/// are awaited up to 20 s.
+pub fn engine_in_mode(
+    w: &World,
+    socket: &std::path::Path,
+    role: Role,
+    name: &str,
+    key: &[u8],
+    mode: TransferMode,
+) -> SyntheticEngine {
+    let mut s = spec(role, name, kv(64, None), key, ChecksumPolicy::FailClosed);
+    s.mode = mode;
+    let e = SyntheticEngine::register(socket, &w.dir, &s).expect("engine");
+    e.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    e
 }

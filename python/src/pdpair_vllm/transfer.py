@@ -246,13 +246,16 @@ class SchedulerState:
         so it receives the tail, or releases P when it claimed none. ``prompt``: the request's,
         whose digest the agents check against P's."""
         remote = _remote(params)
-        self.queued.pop(request, None)
+        queued = self.queued.pop(request, None)
         if remote is None:
             return
         agent_request, ranks, tokens = remote
         params["do_remote_prefill"] = False  # one transfer per request
         total = min(tokens, num_prompt_tokens)
-        digest = prompt.digest(total) if prompt is not None and not prompt.unbound else None
+        if queued is not None:
+            digest = queued[3]  # of the same tokens, taken when it was queued
+        else:
+            digest = prompt.digest(total) if prompt is not None and not prompt.unbound else None
         if num_external_tokens <= 0:
             self._plan.releases.append(Release(agent_request, ranks, digest))
             return
