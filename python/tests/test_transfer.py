@@ -158,6 +158,7 @@ class _Client:
         self.finished = []
         self.closed = None
         self.refuse = False
+        self.address = "10.0.0.1:7000"
 
     def release(self, request, prefill, **kw):
         self.calls.append(("release", request))
@@ -360,3 +361,69 @@ def test_in_place_the_transfers_of_a_lost_agent_end_only_after_the_grace(monkeyp
     assert not w.poll().finished_recving, "within twice the agent's bound"
     time.sleep(0.45)
     assert w.poll().failed_recving == {"r"}
+
+
+def test_a_lost_agent_is_registered_with_again_once_its_transfers_ended_backing_off_meanwhile(monkeypatch, caplog):
+    # An agent restarted by a rollout: the rank registers again (a new pool, a new address),
+    # but only once the old connection's transfers ended (in place, the old agent may still
+    # write into the KV cache until the grace), on a thread, retrying with a growing wait.
+    from pdpair_vllm import transfer
+    from pdpair_vllm.client import AgentError
+
+    monkeypatch.setattr(transfer, "RECONNECT_FIRST_S", 0.01)
+    monkeypatch.setattr(transfer, "LOST_GRACE_S", 0.0)
+
+    class InPlace(_Saves):
+        in_place = True
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    old, new = _Client(), _Client()
+    new.address = "10.0.0.1:7001"
+    new_stager = InPlace()
+    tries = []
+
+    def reconnect():
+        tries.append(time.monotonic())
+        if len(tries) < 3:
+            raise AgentError("connecting to /run/pdpair/agent.sock: [Errno 111] Connection refused")
+        return new, new_stager
+
+    first = InPlace()
+    w = WorkerState(old, first, reconnect=reconnect)
+    old.transfer_bound_s = 0.15
+    w.start(Plan(recvs=[_recv("r", [1])]))
+    old.closed = "the agent closed the connection"
+    lost = time.monotonic()
+    while not w.poll().finished_recving:
+        assert not tries, "no registration while a transfer of the old agent may still write"
+        assert time.monotonic() < lost + 5
+        time.sleep(0.005)
+    assert time.monotonic() - lost >= 0.3, "twice the agent's bound"
+    deadline = time.monotonic() + 5
+    while not w.reconnections and time.monotonic() < deadline:
+        assert not w.poll().finished_recving
+        time.sleep(0.002)
+    assert w.reconnections == 1 and len(tries) == 3
+    assert tries[2] - tries[1] > tries[1] - tries[0] >= 0.01, "backs off"
+    assert w.client is new and w.stager is new_stager and w.lost is None
+    assert first.closed and ("close", None) in old.calls, "the old connection and pool are given up"
+    assert w.take_new_address() == "10.0.0.1:7001" and w.take_new_address() is None, "told once"
+    assert "cannot register with its agent again yet (try 1" in caplog.text and "registered with its agent again" \
+        in caplog.text
+    w.start(Plan(recvs=[_recv("r2", [2])]))
+    assert new.calls == [("expect_kv", "a-r2")] and ("expect_kv", "a-r2") not in old.calls
+
+
+def test_prefill_offers_no_kv_at_an_address_decode_was_not_told():
+    # The request ended while this rank's agent was at another address (it restarted since):
+    # decode dials that one, so offering the KV here would hold the blocks to the lease.
+    from pdpair_vllm.transfer import Send
+    client = _Client()
+    w = WorkerState(client, _Saves(), rank=1)
+    w.save(Plan(sends=[Send("stale", [4], 16, addresses={0: "10.0.0.2:7000", 1: "10.0.0.1:6999"}),
+                       Send("ok", [5], 16, addresses={0: "10.0.0.2:7000", 1: "10.0.0.1:7000"})]))
+    assert client.calls == [("kv_ready", "ok")]
+    assert w.poll().finished_sending == {"stale"}, "its blocks are free at once"

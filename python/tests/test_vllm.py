@@ -273,6 +273,37 @@ def test_lost_agents_end_the_transfers_in_flight_and_both_engines_go_on(world):
             e.close()
 
 
+def test_engines_register_again_with_restarted_agents_and_their_kv_moves_again(world):
+    # A DaemonSet rollout restarts every agent under running engines: each rank registers again
+    # once its transfers ended, and P's scheduler hands D the new agent's address (it listens at
+    # another port). Before, no KV moved on either engine until both were restarted.
+    p = Engine(world, world.agent("p"), "prefill", seed=P_SEED, tp=2)
+    d = Engine(world, world.agent("d"), "decode", seed=D_SEED, policy="recompute", tp=2)
+    try:
+        before = [w._client.address for w in p.workers]
+        prompt = list(range(3000, 3040))
+        assert decode_receives(p, d, "before", prompt, prefill(p, "before", prompt)) == [P_SEED] * 40
+        for a in world.agents:
+            a.kill()
+        # Requests meanwhile are computed locally, and nothing raises into the steps.
+        d.add("meanwhile", list(range(4000, 4040)), prefill(p, "meanwhile", list(range(4000, 4040))))
+        both(p, d, lambda: "meanwhile" in d.outputs, what="a request while the agents are down")
+        assert d.outcome("meanwhile") is None or d.outcome("meanwhile") == "RequestFailed"
+        world.agent("p")
+        world.agent("d")  # the same sockets
+        workers = p.workers + d.workers
+        both(p, d, lambda: all(w._worker.reconnections == 1 for w in workers), what="every rank registered again")
+        after = [w._client.address for w in p.workers]
+        assert all(a and a not in before for a in after), (before, after)
+        params = prefill(p, "after", list(range(5000, 5040)))
+        assert params["pdpair_prefill_ranks"] == after, "D is told the new addresses"
+        assert decode_receives(p, d, "after", list(range(5000, 5040)), params) == [P_SEED] * 40
+        assert d.outcome("after") == "RequestDone"
+    finally:
+        for e in (p, d):
+            e.close()
+
+
 def test_the_connector_binds_what_vllms_prefix_cache_keys_and_refuses_what_it_cannot_bind():
     import torch
     from vllm import SamplingParams

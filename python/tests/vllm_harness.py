@@ -186,6 +186,7 @@ class Engine:
             out = KVConnectorOutput(
                 finished_sending=results.finished_sending, finished_recving=results.finished_recving,
                 failed_recving=results.failed_recving, invalid_block_ids=w.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=w.build_connector_worker_meta(),
             )
             w.clear_connector_metadata()
             outputs.append(ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},

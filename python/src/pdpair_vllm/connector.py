@@ -26,7 +26,7 @@ import logging
 import os
 import re
 import socket
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -44,13 +44,17 @@ try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 except ImportError:  # pragma: no cover
     KVConnectorHandshakeMetadata = object
+try:  # vLLM >= 0.33: workers tell the scheduler things after a step
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover
+    KVConnectorWorkerMetadata = object
 
 from . import client as agent_client
 from .client import AgentClient
 from . import direct
 from .layout import ELEMENT_BYTES
 from .staging import TorchStager
-from .transfer import Plan, Prompt, Results, SchedulerState, WorkerState
+from .transfer import Plan, Prompt, Results, SchedulerState, Stager, WorkerState
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,6 +77,17 @@ class PdpairHandshakeMetadata(KVConnectorHandshakeMetadata):
 
     def __init__(self, address: str):
         self.address = address
+
+
+class PdpairWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler after a step: ranks whose agent address changed (a rank registered
+    with a restarted agent, which listens at a new address), which D must be told from now on."""
+
+    def __init__(self, addresses: Dict[int, str]):
+        self.addresses = dict(addresses)
+
+    def aggregate(self, other: "PdpairWorkerMetadata") -> "PdpairWorkerMetadata":
+        return PdpairWorkerMetadata({**self.addresses, **getattr(other, "addresses", {})})
 
 
 def _extra(vllm_config) -> dict:
@@ -151,7 +166,6 @@ class PdpairConnector(KVConnectorBase_V1):
         self._block_size = int(cache.block_size)
         self._sched: Optional[SchedulerState] = None
         self._worker: Optional[WorkerState] = None
-        self._client: Optional[AgentClient] = None
         self._results = Results()
         self._errors: set = set()
         if role == KVConnectorRole.SCHEDULER:
@@ -179,6 +193,11 @@ class PdpairConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         assert self._sched is not None
         self._sched.received(connector_output.finished_recving or ())
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, PdpairWorkerMetadata) and meta.addresses:
+            log.warning("pdpair: prefill ranks %s are at new agent addresses %s from now on",
+                        sorted(meta.addresses), [meta.addresses[r] for r in sorted(meta.addresses)])
+            self._sched.learn_ranks(meta.addresses)
 
     def set_xfer_handshake_metadata(self, metadata) -> None:
         assert self._sched is not None
@@ -214,8 +233,17 @@ class PdpairConnector(KVConnectorBase_V1):
             pod=os.environ.get("PDPAIR_POD_NAME"), **dict(self._extra.get("settings") or {}),
         )
         sock = self._extra.get("socket") or os.environ.get("PDPAIR_AGENT_SOCKET") or agent_client.DEFAULT_SOCKET
-        self._client, stager, why = direct.register(sock, reg, tensors, _direct_setting(self._extra.get("direct", "auto")))
-        caps = self._client.capabilities
+        client, stager = self._connect(sock, reg, tensors, rank)
+        self._worker = WorkerState(client, stager, rank, reconnect=lambda: self._connect(sock, reg, tensors, rank))
+
+    def _connect(self, sock: str, reg: dict, tensors: List[torch.Tensor], rank: int) -> Tuple[AgentClient, Stager]:
+        """Registers this rank's KV with its agent (at startup, and again after losing it, on
+        the worker's reconnect thread) and builds how it moves: the KV tensors as the agent's
+        GPU pool, or host staging."""
+        if tensors[0].is_cuda:
+            torch.cuda.set_device(tensors[0].device)  # a reconnect runs on its own thread
+        client, stager, why = direct.register(sock, reg, tensors, _direct_setting(self._extra.get("direct", "auto")))
+        caps = client.capabilities
         if stager is not None:
             log.info("pdpair: rank %d moves KV in GPU memory directly: its KV tensors are the agent's GPU pool, "
                      "no host staging (agent %s, GPU %s)", rank, caps.get("agent"), stager.uuid)
@@ -226,10 +254,19 @@ class PdpairConnector(KVConnectorBase_V1):
                 rank, caps.get("agent"), caps.get("ucx_version"), caps.get("ucx_memory_types"),
                 caps.get("pool_memory"), why,
             )
-            stager = TorchStager(tensors, self._client.pool, self._client.layout)
+            try:
+                stager = TorchStager(tensors, client.pool, client.layout)
+            except BaseException:
+                client.close()
+                raise
         #: Which path this rank's KV takes, ``direct`` or ``staged``, and why not direct.
         self.kv_path = ("staged", why) if why else ("direct", None)
-        self._worker = WorkerState(self._client, stager, rank)
+        return client, stager
+
+    @property
+    def _client(self) -> Optional[AgentClient]:
+        """This rank's agent connection (the current one, after a reconnection)."""
+        return self._worker.client if self._worker is not None else None
 
     def _rank(self) -> Tuple[int, int]:
         tp = int(self._vllm_config.parallel_config.tensor_parallel_size)
@@ -349,7 +386,13 @@ class PdpairConnector(KVConnectorBase_V1):
             return None
         return PdpairHandshakeMetadata(self._client.address)
 
+    def build_connector_worker_meta(self):
+        address = self._worker.take_new_address() if self._worker is not None else None
+        if not address:
+            return None
+        return PdpairWorkerMetadata({self._worker.rank: address})
+
     def shutdown(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        if self._worker is not None:
+            self._worker.client.close()
+            self._worker = None

@@ -56,6 +56,16 @@ class TorchStager(Stager):
             for layer, rows in enumerate(self.rows):
                 rows[:, first:end].copy_(self.pool[layer, :, first:end])
 
+    def close(self) -> None:
+        """Unpins the pool (a connection given up for a new one: the old pool is unmapped once
+        nothing refers to it)."""
+        if self.pinned:
+            self.pinned = False
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.pool.data_ptr())
+            except Exception as e:  # pragma: no cover - no GPU here
+                log.warning("pdpair: cudaHostUnregister of the old KV pool failed: %s", e)
+
 
 def _pin(ptr: int, size: int) -> bool:
     """Page-locks the agent's pool for the GPU (``cudaHostRegister``), so the staging copies are

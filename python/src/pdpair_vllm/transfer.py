@@ -26,10 +26,11 @@ import hashlib
 import json
 import logging
 import sys
+import threading
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .client import AgentClient, AgentError, Event
 
@@ -91,6 +92,10 @@ class Send:
     num_tokens: int
     #: The request's prompt digest (:meth:`Prompt.digest`), when the engine gave its prompt.
     prompt: Optional[str] = None
+    #: The agent address of each rank (tensor rank -> address) handed to D in the request's
+    #: params: a rank whose agent is at another address now (it reconnected to a restarted
+    #: agent) does not offer the KV there, where no decode would ask for it.
+    addresses: Optional[Dict[int, str]] = None
 
 
 @dataclass
@@ -216,6 +221,8 @@ class SchedulerState:
         self.queued: Dict[str, Tuple[str, List[str], float, Optional[str]]] = {}
 
     def learn_ranks(self, ranks: Dict[int, str]) -> None:
+        """P: worker ranks' agent addresses (at startup, and again when a rank reconnected to a
+        restarted agent, which listens at a new address)."""
         self.prefill_ranks.update(ranks)
 
     # --- D --------------------------------------------------------------------------------------
@@ -324,7 +331,8 @@ class SchedulerState:
             return False, None
         logical = list(block_ids[: -(-tokens // self.block_size)])
         digest = prompt.digest(tokens) if prompt is not None else None
-        self._plan.sends.append(Send(request, kernel_ids(logical, self.per_logical), tokens, digest))
+        self._plan.sends.append(Send(request, kernel_ids(logical, self.per_logical), tokens, digest,
+                                     dict(self.prefill_ranks)))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -361,6 +369,9 @@ class Stager:
     def load(self, blocks: List[int]) -> None:  # pool -> KV cache
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Gives up what it holds of the agent's pool (a connection given up for a new one)."""
+
 
 @dataclass
 class Results:
@@ -383,6 +394,34 @@ KEPT = 4096
 #: touches its KV cache; its pool is read only on ``RequestDone``).
 LOST_GRACE_S = 5.0
 
+#: Seconds before a worker that lost its agent connection first tries to register again (once
+#: its transfers in flight have ended), doubling after each failure up to :data:`RECONNECT_MAX_S`.
+RECONNECT_FIRST_S = 0.5
+RECONNECT_MAX_S = 10.0
+
+
+class _Attempt:
+    """One try at registering with the agent again, on its own thread: a connection or a
+    registration may take seconds (an agent starting up), which the engine's step must not
+    wait for."""
+
+    def __init__(self, connect: Callable[[], Tuple[AgentClient, "Stager"]]):
+        self.result: Optional[Tuple[AgentClient, Stager]] = None
+        self.error: Optional[str] = None
+        self._done = threading.Event()
+        self._connect = connect
+        threading.Thread(target=self._run, name="pdpair-agent-reconnect", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._connect()
+        except Exception as e:  # any failure is retried later
+            self.error = f"{type(e).__name__}: {e}"
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
 
 def _keep(table: dict, key: str, value):
     """``table[key]``, set to ``value`` when absent, keeping only the newest :data:`KEPT` keys."""
@@ -401,10 +440,23 @@ def _set(table: dict, key: str, value) -> None:
 class WorkerState:
     """One worker rank's side: its agent connection and its staging."""
 
-    def __init__(self, client: AgentClient, stager: Stager, rank: int = 0):
+    def __init__(self, client: AgentClient, stager: Stager, rank: int = 0,
+                 reconnect: Optional[Callable[[], Tuple[AgentClient, Stager]]] = None):
+        """``reconnect`` registers this rank with its agent again (a new client and stager), for
+        when the connection is lost (an agent restarted by a rollout); ``None``: never."""
         self.client = client
         self.stager = stager
         self.rank = rank
+        self._reconnect = reconnect
+        self._attempt: Optional[_Attempt] = None
+        self._retry_at = 0.0
+        self._backoff = RECONNECT_FIRST_S
+        self._failures = 0
+        #: Times this rank registered with its agent again after losing it.
+        self.reconnections = 0
+        #: P: this rank's new agent address after it reconnected (a restarted agent listens at
+        #: another one), until the scheduler is told (:meth:`take_new_address`).
+        self._new_address: Optional[str] = None
         # agent request id -> ("send" | "recv" | "cancel", vLLM id, Recv or None)
         self._open: Dict[str, Tuple[str, str, Optional[Recv]]] = {}
         self._by_request: Dict[str, str] = {}
@@ -426,8 +478,9 @@ class WorkerState:
         if why is not None and self._lost_at == 0.0:
             self.lost, self._lost_at = why, time.monotonic()
             log.error("pdpair: rank %d lost its agent connection (%s): its %d transfers in flight end as failed, and "
-                      "no KV moves on this rank any more (requests are computed locally); restart the engine to "
-                      "connect again", self.rank, why, len(self._open))
+                      "no KV moves on this rank (requests are computed locally) until it registers with its agent "
+                      "again%s", self.rank, why, len(self._open),
+                      "" if self._reconnect is not None else " (it does not try: restart the engine)")
         return why is not None
 
     def _grace(self) -> float:
@@ -504,6 +557,14 @@ class WorkerState:
             if self._gone():
                 self._results.finished_sending.add(send.request)  # no agent to offer it to
                 continue
+            if send.addresses is not None and send.addresses.get(self.rank) != self.client.address:
+                # D was told another address for this rank (its agent restarted between the
+                # request's end and now): no decode would ask this agent for it.
+                log.warning("pdpair: request %s was handed to decode with agent address %s for rank %d, which is at "
+                            "%s now; its KV is not offered", send.request, send.addresses.get(self.rank), self.rank,
+                            self.client.address)
+                self._results.finished_sending.add(send.request)
+                continue
             t = time.perf_counter()
             self.stager.save(send.blocks)
             _keep(self.staging_ms, send.request, {})["save"] = (time.perf_counter() - t) * 1e3
@@ -522,8 +583,55 @@ class WorkerState:
                 end = "Cancelled" if kind == "cancel" else "RequestFailed"
                 self._apply(Event(end, agent_request, {"type": end, "request": agent_request,
                                                         "reasons": ["AgentConnectionLost"], "message": self.lost}))
+        self._try_reconnect()
         results, self._results = self._results, Results()
         return results
+
+    def _try_reconnect(self) -> None:
+        """Once the connection is lost and every transfer of it has ended, registers again (on
+        a thread; tries after :data:`RECONNECT_FIRST_S`, backing off to :data:`RECONNECT_MAX_S`),
+        and takes the new connection at the step that sees it ready. Nothing of the old one
+        carries over: its requests ended as failed, and the new agent knows none of them."""
+        if self._reconnect is None or self._open or not self._gone():
+            return
+        now = time.monotonic()
+        attempt = self._attempt
+        if attempt is None:
+            if self._retry_at == 0.0:
+                self._retry_at = now + self._backoff
+            if now >= self._retry_at:
+                self._attempt = _Attempt(self._reconnect)
+            return
+        if not attempt.done():
+            return
+        self._attempt = None
+        if attempt.result is None:
+            self._failures += 1
+            self._retry_at = now + self._backoff
+            self._backoff = min(2 * self._backoff, RECONNECT_MAX_S)
+            (log.warning if self._failures in (1, 10) or self._failures % 100 == 0 else log.debug)(
+                "pdpair: rank %d cannot register with its agent again yet (try %d: %s); retrying within %.0f s",
+                self.rank, self._failures, attempt.error, self._backoff)
+            return
+        old_client, old_stager = self.client, self.stager
+        self.client, self.stager = attempt.result
+        self.lost, self._lost_at, self._retry_at = None, 0.0, 0.0
+        self._backoff, self._failures = RECONNECT_FIRST_S, 0
+        self.reconnections += 1
+        try:
+            old_client.close()
+        except OSError:
+            pass
+        old_stager.close()
+        if self.client.address != old_client.address:
+            self._new_address = self.client.address
+        log.warning("pdpair: rank %d registered with its agent again%s; its KV moves again", self.rank,
+                    f" (now at {self.client.address})" if self.client.address else "")
+
+    def take_new_address(self) -> Optional[str]:
+        """P: this rank's agent address, once after it changed (the scheduler hands it to D)."""
+        address, self._new_address = self._new_address, None
+        return address
 
     def _apply(self, event: Event) -> None:
         entry = self._open.pop(event.request, None)
