@@ -42,6 +42,7 @@ use crate::{
     lock,
     memory::pool::{self, Pool},
     metrics::Metrics,
+    outboxes::{Charge, Outboxes},
     protocol::{self, HandshakeError, MemoryDesc, Message, PeerInfo, Reason},
     reason,
     transport::ucx_thread::UcxHandle,
@@ -127,6 +128,8 @@ struct Shared {
     metrics: Arc<Metrics>,
     /// Unauthenticated side-channel connections (the pre-auth budget).
     unauthenticated: Arc<crate::unproven::Budget>,
+    /// What every side-channel link holds for its peer, in all.
+    outboxes: Arc<Outboxes>,
     /// The engine API socket is bound.
     listening: AtomicBool,
     /// GPU memory descriptors held for registrations not made yet (`ShareGpuMemory`), on all
@@ -327,6 +330,7 @@ impl Agent {
                 ucx,
                 metrics,
                 unauthenticated: crate::unproven::Budget::new(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_SOURCE),
+                outboxes: Outboxes::new(crate::outboxes::OUTBOX_BUDGET),
                 listening: AtomicBool::new(false),
                 pending_gpu_fds: std::sync::atomic::AtomicUsize::new(0),
                 unregistered: std::sync::atomic::AtomicUsize::new(0),
@@ -797,6 +801,9 @@ impl Pending {
     }
 }
 
+/// A sealed frame in a link's outbox and its bytes' charge; `None` closes the link.
+type Queued = Option<(Vec<u8>, Charge)>;
+
 /// An authenticated, handshaken side-channel connection.
 #[derive(Debug)]
 struct Link {
@@ -806,9 +813,11 @@ struct Link {
     /// What we send, sealed in order, to the link's writer thread, which writes it: no thread
     /// that sends (the engine's, the timer, another link's reader) waits on a peer that stopped
     /// reading. `None` closes the link once what was queued before it is written.
-    outbox: Mutex<(Sealer, std::sync::mpsc::Sender<Option<Vec<u8>>>)>,
-    /// Bytes in the outbox: at most [`LINK_OUTBOX`].
-    queued: Arc<std::sync::atomic::AtomicUsize>,
+    outbox: Mutex<(Sealer, std::sync::mpsc::Sender<Queued>)>,
+    /// The outbox's bytes (at most [`LINK_OUTBOX`], and the agent's [`Outboxes`] in all) and
+    /// whether the link is closing (nothing more is sent).
+    queue: Arc<crate::outboxes::Queue>,
+    outboxes: Arc<Outboxes>,
     /// A handle on the stream, to read it and to shut it down.
     stream: TcpStream,
     /// This link's id (unique in the process): requests are owned by the link they came on.
@@ -828,8 +837,6 @@ struct Link {
     /// P side: registrations of this link waiting for their KvReady, and their blocks
     /// (`prefill::Held`).
     waiting: Arc<(std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsize)>,
-    /// Closed, or closing once what is queued is written: nothing more is sent.
-    closing: AtomicBool,
 }
 
 /// Bytes a link holds for its peer, at most (two of the largest frames): a peer that lets more
@@ -838,8 +845,11 @@ pub const LINK_OUTBOX: usize = 2 * wire::MAX_FRAME;
 
 impl Link {
     /// A link over `stream` (its handshake done, its write timeout set: a write that takes
-    /// longer ends the link), with its writer thread started.
+    /// longer ends the link), with its writer thread started; its outbox counts against
+    /// `outboxes`.
+    #[allow(clippy::too_many_arguments)]
     fn new(
+        outboxes: &Arc<Outboxes>,
         stream: TcpStream,
         sealer: Sealer,
         admission: Option<crate::transport::Admission>,
@@ -849,14 +859,14 @@ impl Link {
         heads: protocol::HeadMap,
     ) -> std::io::Result<Link> {
         let handle = stream.try_clone()?;
-        let (outbox, queued_frames) = std::sync::mpsc::channel::<Option<Vec<u8>>>();
-        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counted = queued.clone();
+        let queue = outboxes.queue(stream.try_clone()?, addr.clone());
+        let (outbox, queued_frames) = std::sync::mpsc::channel::<Queued>();
         thread::Builder::new().name("link-writer".into()).spawn(move || {
             let mut stream = stream;
-            for frame in queued_frames.iter().map_while(|f| f) {
+            // A frame's charge is released once written; those still queued when this ends are
+            // released as the channel drops them.
+            for (frame, _charge) in queued_frames.iter().map_while(|f| f) {
                 let written = std::io::Write::write_all(&mut stream, &frame);
-                counted.fetch_sub(frame.len(), Ordering::SeqCst);
                 if let Err(e) = written {
                     tracing::debug!(error = %e, "a link's write failed; closing it");
                     break;
@@ -868,7 +878,8 @@ impl Link {
         Ok(Link {
             admission,
             outbox: Mutex::new((sealer, outbox)),
-            queued,
+            queue,
+            outboxes: outboxes.clone(),
             stream: handle,
             id: next_link_id(),
             alive: AtomicBool::new(true),
@@ -878,30 +889,35 @@ impl Link {
             addr,
             heads,
             waiting: Default::default(),
-            closing: AtomicBool::new(false),
         })
     }
 
     /// Queues `m` for the peer. False, and the link closed, when it cannot be: a write failed
-    /// (the peer stopped reading until the write timeout, or went away) or [`LINK_OUTBOX`]
-    /// bytes wait; its reader then ends it and fails its requests, and later sends fail at
-    /// once (docs/protocol.md).
+    /// (the peer stopped reading until the write timeout, or went away), [`LINK_OUTBOX`]
+    /// bytes wait, or the agent's outboxes are full and this link holds the most
+    /// ([`crate::outboxes`]); its reader then ends it and fails its requests, and later sends
+    /// fail at once (docs/protocol.md).
     fn send(&self, m: &Message) -> bool {
         let queued = {
             let mut outbox = lock(&self.outbox);
-            if self.closing.load(Ordering::SeqCst) {
+            if self.queue.closing() {
                 return false;
             }
             let (sealer, sender) = &mut *outbox;
             // Sealed only when it fits: a refused frame leaves no gap in the sequence.
-            let fits = |len: usize| self.queued.load(Ordering::SeqCst) + len <= LINK_OUTBOX;
+            let mut charged = Err(String::new());
+            let fits = |len: usize| {
+                charged = self.outboxes.charge(&self.queue, len, LINK_OUTBOX);
+                charged.is_ok()
+            };
             match wire::seal_if(sealer, m, fits) {
-                Ok(Some(frame)) => {
-                    self.queued.fetch_add(frame.len(), Ordering::SeqCst);
-                    sender.send(Some(frame)).is_ok()
-                }
+                Ok(Some(frame)) => match charged {
+                    Ok(charge) => sender.send(Some((frame, charge))).is_ok(),
+                    Err(_) => false,
+                },
                 Ok(None) => {
-                    tracing::warn!(peer = %self.addr, "a peer let {LINK_OUTBOX} bytes pile up; closing its link");
+                    let why = charged.err().unwrap_or_default();
+                    tracing::warn!(peer = %self.addr, "{why}; closing its link");
                     false
                 }
                 Err(e) => {
@@ -921,7 +937,7 @@ impl Link {
     fn close_after_sent(&self) {
         let outbox = lock(&self.outbox);
         // Under the outbox lock: no frame is queued behind the close.
-        self.closing.store(true, Ordering::SeqCst);
+        self.queue.stop();
         if outbox.1.send(None).is_err() {
             drop(outbox);
             self.close();
@@ -936,8 +952,7 @@ impl Link {
     }
 
     fn close(&self) {
-        self.closing.store(true, Ordering::SeqCst);
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.queue.close();
     }
 
     /// Ends the link as its engine goes: nothing more is read (its reader ends now), and it
@@ -1753,6 +1768,11 @@ mod tests {
 
     /// A link to a peer that never reads (a connected socket whose far end is left unread).
     fn link_to_a_mute_peer() -> (Link, TcpStream) {
+        link_to_a_mute_peer_in(&Outboxes::new(crate::outboxes::OUTBOX_BUDGET))
+    }
+
+    /// The same, its outbox counted in `outboxes`.
+    fn link_to_a_mute_peer_in(outboxes: &Arc<Outboxes>) -> (Link, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let ours = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
         let (theirs, _) = listener.accept().expect("accept");
@@ -1794,7 +1814,17 @@ mod tests {
             count: 2,
             d_first: 0,
         };
-        let link = Link::new(ours, Sealer::new([7; 32]), None, peer, None, "mute".into(), heads).expect("a link");
+        let link = Link::new(
+            outboxes,
+            ours,
+            Sealer::new([7; 32]),
+            None,
+            peer,
+            None,
+            "mute".into(),
+            heads,
+        )
+        .expect("a link");
         (link, theirs)
     }
 
@@ -1835,6 +1865,93 @@ mod tests {
                 Err(e) => panic!("the link was not closed: {e}"),
             }
         }
+    }
+
+    /// Holds of `links`' open (not closing) outboxes.
+    fn open_held(links: &[(Link, TcpStream)]) -> usize {
+        links
+            .iter()
+            .filter(|(l, _)| !l.queue.closing())
+            .map(|(l, _)| l.queue.queued())
+            .sum()
+    }
+
+    #[test]
+    fn links_that_stop_reading_hold_at_most_the_agents_budget_in_all() {
+        // An insider with many addresses holds many links (they are bounded per source only)
+        // and reads nothing: each link's outbox alone let it pile up 32 MiB per link.
+        const BUDGET: usize = 8 << 20;
+        let outboxes = Outboxes::new(BUDGET);
+        let mutes: Vec<(Link, TcpStream)> = (0..6).map(|_| link_to_a_mute_peer_in(&outboxes)).collect();
+        let big = mib_frame();
+        for _ in 0..20 {
+            for (l, _) in &mutes {
+                l.send(&big);
+                let held = open_held(&mutes);
+                assert!(held <= BUDGET + (2 << 20), "open links hold {held} bytes");
+            }
+        }
+        assert!(
+            mutes.iter().any(|(l, _)| l.queue.closing()),
+            "links over the budget were closed"
+        );
+        // Closed links' frames are released as their writers fail.
+        let settled = std::time::Instant::now() + Duration::from_secs(10);
+        while outboxes.total() > BUDGET + (2 << 20) {
+            assert!(
+                std::time::Instant::now() < settled,
+                "the total stays {}",
+                outboxes.total()
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    #[test]
+    fn a_link_that_reads_keeps_its_place_while_links_that_do_not_hold_the_agents_budget() {
+        const BUDGET: usize = 16 << 20;
+        let outboxes = Outboxes::new(BUDGET);
+        let mutes: Vec<(Link, TcpStream)> = (0..2).map(|_| link_to_a_mute_peer_in(&outboxes)).collect();
+        let big = mib_frame();
+        // Two links that read nothing fill the budget, half each.
+        while outboxes.total() + (2 << 20) <= BUDGET {
+            for (l, _) in &mutes {
+                assert!(l.send(&big), "filling");
+            }
+        }
+        // A peer that reads, late: its link holds a few frames while the budget is full.
+        let (reading, mut theirs) = link_to_a_mute_peer_in(&outboxes);
+        let mut sent = 0;
+        while reading.queue.queued() < 3 << 20 {
+            assert!(sent < 64, "the link never held 3 MiB");
+            assert!(reading.send(&big), "frame {sent} to a peer that reads was refused");
+            sent += 1;
+        }
+        assert!(
+            mutes.iter().any(|(l, _)| l.queue.closing()),
+            "the link holding the most made room"
+        );
+        let drained = thread::spawn(move || {
+            let mut sink = vec![0u8; 1 << 20];
+            let mut n = 0usize;
+            while let Ok(k @ 1..) = std::io::Read::read(&mut theirs, &mut sink) {
+                n += k;
+            }
+            n
+        });
+        for i in 0..20 {
+            assert!(
+                reading.send(&big),
+                "frame {} to a peer that reads was refused",
+                sent + i
+            );
+        }
+        reading.finish();
+        assert!(
+            drained.join().expect("reader") > (sent + 20) << 20,
+            "every frame reached it"
+        );
+        assert!(open_held(&mutes) <= BUDGET);
     }
 
     #[test]

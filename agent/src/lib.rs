@@ -24,6 +24,7 @@ pub mod layout;
 pub mod loopback;
 pub mod memory;
 pub mod metrics;
+pub mod outboxes;
 pub mod protocol;
 pub mod reason;
 pub mod synthetic;

@@ -727,7 +727,16 @@ impl Engine {
             d_first: 0,
         });
         let Session { sealer, opener, .. } = session;
-        match Link::new(stream, sealer, admission, peer, ucx_peer, addr.to_owned(), heads) {
+        match Link::new(
+            &self.shared.outboxes,
+            stream,
+            sealer,
+            admission,
+            peer,
+            ucx_peer,
+            addr.to_owned(),
+            heads,
+        ) {
             Ok(link) => Ok((link, opener)),
             Err(e) => {
                 if let Some(id) = ucx_peer {

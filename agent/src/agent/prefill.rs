@@ -347,7 +347,16 @@ impl Engine {
         let _ = stream.set_read_timeout(Some(PREFILL_SILENCE_LIMIT));
         let _ = stream.set_write_timeout(Some(PREFILL_SILENCE_LIMIT));
         let Session { sealer, mut opener, .. } = session;
-        let Ok(link) = Link::new(stream, sealer, admission, peer, ucx_peer, peer_addr, heads) else {
+        let Ok(link) = Link::new(
+            &self.shared.outboxes,
+            stream,
+            sealer,
+            admission,
+            peer,
+            ucx_peer,
+            peer_addr,
+            heads,
+        ) else {
             if let Some(id) = ucx_peer {
                 self.transport().disconnect(id);
             }
