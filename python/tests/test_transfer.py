@@ -166,6 +166,9 @@ class _Client:
     def close(self):
         self.calls.append(("close", None))
 
+    def release_pools(self):
+        self.calls.append(("release_pools", None))
+
     def expect_kv(self, request, *args, **kw):
         if self.refuse:
             from pdpair_vllm.client import AgentError
@@ -363,58 +366,100 @@ def test_in_place_the_transfers_of_a_lost_agent_end_only_after_the_grace(monkeyp
     assert w.poll().failed_recving == {"r"}
 
 
+class _Held(_Saves):
+    in_place = True
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def _until(cond, what, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
 def test_a_lost_agent_is_registered_with_again_once_its_transfers_ended_backing_off_meanwhile(monkeypatch, caplog):
     # An agent restarted by a rollout: the rank registers again (a new pool, a new address),
     # but only once the old connection's transfers ended (in place, the old agent may still
-    # write into the KV cache until the grace), on a thread, retrying with a growing wait.
+    # write into the KV cache until the grace), after giving up the old pool (as large as the
+    # KV cache: the new agent maps another), on a thread, waiting longer after each failure.
     from pdpair_vllm import transfer
     from pdpair_vllm.client import AgentError
 
-    monkeypatch.setattr(transfer, "RECONNECT_FIRST_S", 0.01)
+    monkeypatch.setattr(transfer, "RECONNECT_FIRST_S", 0.05)
     monkeypatch.setattr(transfer, "LOST_GRACE_S", 0.0)
-
-    class InPlace(_Saves):
-        in_place = True
-        closed = False
-
-        def close(self):
-            self.closed = True
-
     old, new = _Client(), _Client()
     new.address = "10.0.0.1:7001"
-    new_stager = InPlace()
+    first, new_stager = _Held(), _Held()
     tries = []
 
     def reconnect():
+        assert first.closed and ("release_pools", None) in old.calls, "the old pool is given up first"
         tries.append(time.monotonic())
         if len(tries) < 3:
             raise AgentError("connecting to /run/pdpair/agent.sock: [Errno 111] Connection refused")
         return new, new_stager
 
-    first = InPlace()
     w = WorkerState(old, first, reconnect=reconnect)
     old.transfer_bound_s = 0.15
     w.start(Plan(recvs=[_recv("r", [1])]))
     old.closed = "the agent closed the connection"
     lost = time.monotonic()
     while not w.poll().finished_recving:
-        assert not tries, "no registration while a transfer of the old agent may still write"
+        assert not tries and not first.closed, "nothing given up while the old agent may still write"
         assert time.monotonic() < lost + 5
         time.sleep(0.005)
     assert time.monotonic() - lost >= 0.3, "twice the agent's bound"
-    deadline = time.monotonic() + 5
-    while not w.reconnections and time.monotonic() < deadline:
-        assert not w.poll().finished_recving
-        time.sleep(0.002)
-    assert w.reconnections == 1 and len(tries) == 3
-    assert tries[2] - tries[1] > tries[1] - tries[0] >= 0.01, "backs off"
+    _until(lambda: w.reconnections, "registered again, without a step")
+    assert len(tries) == 3
+    assert tries[1] - tries[0] >= 0.09 and tries[2] - tries[1] >= 0.18, "waits twice as long after each failure"
     assert w.client is new and w.stager is new_stager and w.lost is None
-    assert first.closed and ("close", None) in old.calls, "the old connection and pool are given up"
+    assert ("close", None) in old.calls
     assert w.take_new_address() == "10.0.0.1:7001" and w.take_new_address() is None, "told once"
-    assert "cannot register with its agent again yet (try 1" in caplog.text and "registered with its agent again" \
-        in caplog.text
+    assert "cannot register with its agent again yet (try 1" in caplog.text
+    assert "registered with its agent again (now at 10.0.0.1:7001)" in caplog.text
     w.start(Plan(recvs=[_recv("r2", [2])]))
     assert new.calls == [("expect_kv", "a-r2")] and ("expect_kv", "a-r2") not in old.calls
+
+
+def test_an_idle_engine_registers_again_without_a_step_and_a_shut_one_takes_no_connection(monkeypatch):
+    # vLLM's engine core takes no step while it has no request: the event reader, which sees
+    # the connection end, starts the reconnection.
+    from pdpair_vllm import transfer
+
+    monkeypatch.setattr(transfer, "RECONNECT_FIRST_S", 0.01)
+    old, new = _Client(), _Client()
+    w = WorkerState(old, _Held(), reconnect=lambda: (new, _Held()))
+    old.closed = "the agent closed the connection"
+    old.on_close()  # what the event reader does
+    _until(lambda: w.reconnections == 1 and w.client is new, "registered again with no step")
+    # The engine shuts down while a registration is under way: its connection is not kept.
+    entered, gate, late, late_stager = transfer.threading.Event(), transfer.threading.Event(), _Client(), _Held()
+
+    def slow():
+        entered.set()
+        gate.wait(5)
+        return late, late_stager
+
+    w._reconnect = slow
+    new.closed = "the agent closed the connection"
+    new.on_close()
+    assert entered.wait(5)
+    w.close()
+    gate.set()
+    _until(lambda: ("close", None) in late.calls, "the late connection closed")
+    assert w.client is new and late_stager.closed
+
+
+def test_a_sends_addresses_are_those_handed_to_decode_then():
+    p = SchedulerState(16, 16)
+    p.learn_ranks({0: "10.0.0.1:7000"})
+    p.finished("p-1", {"do_remote_decode": True}, True, [1], 16, "e", prompt=Prompt(list(range(16))))
+    p.learn_ranks({0: "10.0.0.1:7001"})
+    assert p.plan().sends[0].addresses == {0: "10.0.0.1:7000"}
 
 
 def test_prefill_offers_no_kv_at_an_address_decode_was_not_told():

@@ -150,6 +150,8 @@ class AgentClient:
         self._events: Dict[str, Deque[Event]] = {}
         self._finished: Deque[Event] = deque()
         self._closed: Optional[str] = None
+        #: Called on the event reader's thread once the connection ended.
+        self.on_close: Optional[Callable[[], None]] = None
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="pdpair-agent-events", daemon=True)
         self._reader.start()
@@ -328,6 +330,18 @@ class AgentClient:
         with self._lock:
             self._closed = reason
             self._lock.notify_all()
+        if self.on_close is not None:
+            self.on_close()
+
+    def release_pools(self) -> None:
+        """Unmaps the pool (a lost connection's: the engine registers a new one); a region
+        still viewed (by a stager not yet collected) is unmapped once nothing views it."""
+        pools, self.pools, self.pool = self.pools, [], None
+        for m in pools:
+            try:
+                m.close()
+            except BufferError:
+                pass
 
     @property
     def closed(self) -> Optional[str]:

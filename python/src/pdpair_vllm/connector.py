@@ -234,7 +234,11 @@ class PdpairConnector(KVConnectorBase_V1):
         )
         sock = self._extra.get("socket") or os.environ.get("PDPAIR_AGENT_SOCKET") or agent_client.DEFAULT_SOCKET
         client, stager = self._connect(sock, reg, tensors, rank)
-        self._worker = WorkerState(client, stager, rank, reconnect=lambda: self._connect(sock, reg, tensors, rank))
+        # A restarted agent listens at a new address, which a prefill rank's scheduler learns
+        # through the workers' metadata: a vLLM without it would hand decode the old one.
+        again = role == "decode" or KVConnectorWorkerMetadata is not object
+        self._worker = WorkerState(client, stager, rank,
+                                   reconnect=(lambda: self._connect(sock, reg, tensors, rank)) if again else None)
 
     def _connect(self, sock: str, reg: dict, tensors: List[torch.Tensor], rank: int) -> Tuple[AgentClient, Stager]:
         """Registers this rank's KV with its agent (at startup, and again after losing it, on
@@ -394,5 +398,5 @@ class PdpairConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.client.close()
+            self._worker.close()
             self._worker = None

@@ -65,6 +65,8 @@ class TorchStager(Stager):
                 torch.cuda.cudart().cudaHostUnregister(self.pool.data_ptr())
             except Exception as e:  # pragma: no cover - no GPU here
                 log.warning("pdpair: cudaHostUnregister of the old KV pool failed: %s", e)
+        # Nothing here views the pool any more: it is unmapped once its client lets it go.
+        self.pool = self.rows = self._pool_buf = None
 
 
 def _pin(ptr: int, size: int) -> bool:

@@ -22,6 +22,7 @@ The flow (docs/vllm.md):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -400,27 +401,47 @@ RECONNECT_FIRST_S = 0.5
 RECONNECT_MAX_S = 10.0
 
 
-class _Attempt:
-    """One try at registering with the agent again, on its own thread: a connection or a
-    registration may take seconds (an agent starting up), which the engine's step must not
-    wait for."""
+class _Reconnector:
+    """Registers one rank with its agent again, on its own thread (a connection or a
+    registration may take seconds, an agent starting up, which the engine's step must not wait
+    for; and an idle engine takes no steps): tries after :data:`RECONNECT_FIRST_S`, doubling the
+    wait after each failure up to :data:`RECONNECT_MAX_S`, until one succeeds or it is stopped."""
 
-    def __init__(self, connect: Callable[[], Tuple[AgentClient, "Stager"]]):
-        self.result: Optional[Tuple[AgentClient, Stager]] = None
-        self.error: Optional[str] = None
-        self._done = threading.Event()
+    def __init__(self, worker: "WorkerState", connect: Callable[[], Tuple[AgentClient, "Stager"]]):
+        self._worker = worker
         self._connect = connect
+        self._stop = threading.Event()
         threading.Thread(target=self._run, name="pdpair-agent-reconnect", daemon=True).start()
 
-    def _run(self) -> None:
-        try:
-            self.result = self._connect()
-        except Exception as e:  # any failure is retried later
-            self.error = f"{type(e).__name__}: {e}"
-        self._done.set()
+    def stop(self) -> None:
+        self._stop.set()
 
-    def done(self) -> bool:
-        return self._done.is_set()
+    def _run(self) -> None:
+        wait, failures = RECONNECT_FIRST_S, 0
+        while not self._stop.wait(wait):
+            try:
+                client, stager = self._connect()
+            except Exception as e:  # any failure is retried
+                failures += 1
+                wait = min(2 * wait, RECONNECT_MAX_S)
+                (log.warning if failures in (1, 10) or failures % 100 == 0 else log.debug)(
+                    "pdpair: rank %d cannot register with its agent again yet (try %d: %s: %s); retrying in %.1f s",
+                    self._worker.rank, failures, type(e).__name__, e, wait)
+                continue
+            self._worker._reconnected(self, client, stager)
+            return
+
+
+def _locked(method):
+    """Runs a :class:`WorkerState` method under its lock (the reconnect thread swaps the
+    connection under it)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kw):
+        with self._lock:
+            return method(self, *args, **kw)
+
+    return run
 
 
 def _keep(table: dict, key: str, value):
@@ -448,10 +469,13 @@ class WorkerState:
         self.stager = stager
         self.rank = rank
         self._reconnect = reconnect
-        self._attempt: Optional[_Attempt] = None
-        self._retry_at = 0.0
-        self._backoff = RECONNECT_FIRST_S
-        self._failures = 0
+        self._reconnector: Optional[_Reconnector] = None
+        self._shut = False
+        # The engine's thread holds it for a step's calls; the reconnect thread to swap the
+        # connection; the event reader, when the connection ends, only if it is free.
+        self._lock = threading.RLock()
+        #: Agent addresses a send was refused for (each logged once).
+        self._stale: Set[str] = set()
         #: Times this rank registered with its agent again after losing it.
         self.reconnections = 0
         #: P: this rank's new agent address after it reconnected (a restarted agent listens at
@@ -471,6 +495,7 @@ class WorkerState:
         #: this worker noticed; ``None`` while it is up.
         self.lost: Optional[str] = None
         self._lost_at = 0.0
+        client.on_close = self._on_close
 
     def _gone(self) -> bool:
         """Whether the agent connection is gone (noticed, and logged, once)."""
@@ -506,6 +531,7 @@ class WorkerState:
         self._results.error_blocks.update(recv.logical_blocks)
         self._results.finished_recving.add(recv.request)
 
+    @_locked
     def start(self, plan: Plan) -> None:
         """Before the forward pass: ask for the KV of new receives, release, renew, cancel."""
         if plan.recvs:
@@ -545,6 +571,7 @@ class WorkerState:
             if not self._gone():
                 self._call(self.client.cancel, agent_request)
 
+    @_locked
     def save(self, plan: Plan) -> None:
         """After the forward pass: stage finished prefills into the pool and announce them."""
         for send in plan.sends:
@@ -557,12 +584,16 @@ class WorkerState:
             if self._gone():
                 self._results.finished_sending.add(send.request)  # no agent to offer it to
                 continue
-            if send.addresses is not None and send.addresses.get(self.rank) != self.client.address:
+            told = send.addresses.get(self.rank) if send.addresses is not None else self.client.address
+            if told != self.client.address:
                 # D was told another address for this rank (its agent restarted between the
                 # request's end and now): no decode would ask this agent for it.
-                log.warning("pdpair: request %s was handed to decode with agent address %s for rank %d, which is at "
-                            "%s now; its KV is not offered", send.request, send.addresses.get(self.rank), self.rank,
-                            self.client.address)
+                (log.debug if str(told) in self._stale else log.warning)(
+                    "pdpair: request %s was handed to decode with agent address %s for rank %d, which is at %s now; "
+                    "its KV is not offered (and no more requests handed out so are logged)", send.request, told,
+                    self.rank, self.client.address)
+                if len(self._stale) < KEPT:
+                    self._stale.add(str(told))
                 self._results.finished_sending.add(send.request)
                 continue
             t = time.perf_counter()
@@ -571,6 +602,7 @@ class WorkerState:
             self._open[send.request] = ("send", send.request, None)
             self._call(self.client.kv_ready, send.request, send.blocks, send.num_tokens, prompt=send.prompt)
 
+    @_locked
     def poll(self) -> Results:
         """Applies the agent's final events since the last call and returns what to report.
         Once the agent connection is gone the transfers still open end as failed (after
@@ -583,55 +615,65 @@ class WorkerState:
                 end = "Cancelled" if kind == "cancel" else "RequestFailed"
                 self._apply(Event(end, agent_request, {"type": end, "request": agent_request,
                                                         "reasons": ["AgentConnectionLost"], "message": self.lost}))
-        self._try_reconnect()
+        self._begin_reconnect()
         results, self._results = self._results, Results()
         return results
 
-    def _try_reconnect(self) -> None:
-        """Once the connection is lost and every transfer of it has ended, registers again (on
-        a thread; tries after :data:`RECONNECT_FIRST_S`, backing off to :data:`RECONNECT_MAX_S`),
-        and takes the new connection at the step that sees it ready. Nothing of the old one
-        carries over: its requests ended as failed, and the new agent knows none of them."""
-        if self._reconnect is None or self._open or not self._gone():
-            return
-        now = time.monotonic()
-        attempt = self._attempt
-        if attempt is None:
-            if self._retry_at == 0.0:
-                self._retry_at = now + self._backoff
-            if now >= self._retry_at:
-                self._attempt = _Attempt(self._reconnect)
-            return
-        if not attempt.done():
-            return
-        self._attempt = None
-        if attempt.result is None:
-            self._failures += 1
-            self._retry_at = now + self._backoff
-            self._backoff = min(2 * self._backoff, RECONNECT_MAX_S)
-            (log.warning if self._failures in (1, 10) or self._failures % 100 == 0 else log.debug)(
-                "pdpair: rank %d cannot register with its agent again yet (try %d: %s); retrying within %.0f s",
-                self.rank, self._failures, attempt.error, self._backoff)
-            return
-        old_client, old_stager = self.client, self.stager
-        self.client, self.stager = attempt.result
-        self.lost, self._lost_at, self._retry_at = None, 0.0, 0.0
-        self._backoff, self._failures = RECONNECT_FIRST_S, 0
-        self.reconnections += 1
-        try:
-            old_client.close()
-        except OSError:
-            pass
-        old_stager.close()
-        if self.client.address != old_client.address:
-            self._new_address = self.client.address
-        log.warning("pdpair: rank %d registered with its agent again%s; its KV moves again", self.rank,
-                    f" (now at {self.client.address})" if self.client.address else "")
+    def _on_close(self) -> None:
+        """The event reader saw the connection end: an idle engine takes no steps, so the
+        reconnection starts here when nothing is in flight (else the engine's next step starts
+        it; so does it when the engine's thread holds the lock now)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._begin_reconnect()
+            finally:
+                self._lock.release()
 
+    def _begin_reconnect(self) -> None:
+        """Once the connection is lost and every transfer of it has ended, gives up the old
+        pool (a rank's pool is as large as its KV cache, and the new agent maps another) and
+        registers again on a thread (:class:`_Reconnector`). Nothing of the old connection
+        carries over: its requests ended as failed, and the new agent knows none of them."""
+        if self._reconnect is None or self._reconnector is not None or self._shut or self._open or not self._gone():
+            return
+        self.stager.close()
+        self.stager = Stager()
+        self.client.release_pools()
+        self._reconnector = _Reconnector(self, self._reconnect)
+
+    def _reconnected(self, reconnector: _Reconnector, client: AgentClient, stager: Stager) -> None:
+        """The reconnect thread registered again: the new connection is this rank's from now on."""
+        with self._lock:
+            if self._shut or reconnector is not self._reconnector:
+                client.close()
+                stager.close()
+                return
+            old = self.client
+            self.client, self.stager, self._reconnector = client, stager, None
+            self.lost, self._lost_at = None, 0.0
+            self.reconnections += 1
+            old.close()
+            if client.address != old.address:
+                self._new_address = client.address
+            log.warning("pdpair: rank %d registered with its agent again%s; its KV moves again", self.rank,
+                        f" (now at {client.address})" if client.address else "")
+            client.on_close = self._on_close
+            if client.closed is not None:  # ended before it was watched
+                self._begin_reconnect()
+
+    @_locked
     def take_new_address(self) -> Optional[str]:
         """P: this rank's agent address, once after it changed (the scheduler hands it to D)."""
         address, self._new_address = self._new_address, None
         return address
+
+    def close(self) -> None:
+        """The engine shuts down: the connection is closed and no reconnection is taken."""
+        with self._lock:
+            self._shut = True
+            if self._reconnector is not None:
+                self._reconnector.stop()
+            self.client.close()
 
     def _apply(self, event: Event) -> None:
         entry = self._open.pop(event.request, None)
