@@ -29,7 +29,10 @@ use pdpair_api::{Role, checksum::BlockSums};
 
 mod decode;
 mod prefill;
-pub use prefill::{MAX_LINKS_PER_SOURCE, MAX_WAITING, MAX_WAITING_BLOCKS};
+pub use prefill::{
+    ENGINE_WAITING, ENGINE_WAITING_BLOCKS, FAIR_WAITING, FAIR_WAITING_BLOCKS, MAX_LINKS_PER_SOURCE, MAX_WAITING,
+    MAX_WAITING_BLOCKS,
+};
 mod publish;
 
 use prefill::Matching;

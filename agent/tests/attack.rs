@@ -2413,6 +2413,85 @@ fn a_decode_link_has_a_bounded_number_of_registrations_waiting() {
 }
 
 #[test]
+fn registrations_waiting_on_all_of_an_engines_links_are_bounded_and_every_link_keeps_a_share() {
+    let _serial = serial();
+    // Links are bounded per source, not across addresses: an insider holding links from many
+    // addresses filled each one's waiting registrations, and prefill kept 16 MiB of block ids
+    // per link. The engine bounds them in all; a link then gets a small share, no more, and a
+    // decode asking for its few requests is still served.
+    use pdpair_agent::agent::{ENGINE_WAITING, FAIR_WAITING, MAX_WAITING};
+    let w = World::new("attack-engine-waiting");
+    let mut p = pull_prefill_ready(&w);
+    let register = |s: &mut TcpStream, session: &mut protocol::Session, request: String| {
+        let reg = Registration {
+            request,
+            blocks: vec![1],
+            num_tokens: 10,
+            first_token: 0,
+            prompt: None,
+        };
+        session.send(s, &Message::Register(reg)).expect("register");
+    };
+    // Registrations are answered only when refused: the first refusal says every one before it
+    // on that link was counted.
+    let refused = |s: &mut TcpStream, session: &mut protocol::Session, want: &str| -> String {
+        match session.recv(s).expect("an answer") {
+            Message::Failed { request, message, .. } if request == want => message,
+            other => panic!("{want}: {other:?}"),
+        }
+    };
+    let mut full = Vec::new();
+    for l in 0..ENGINE_WAITING / MAX_WAITING {
+        let (mut s, mut session) = pull_link(&p);
+        s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+        for i in 0..=MAX_WAITING {
+            register(&mut s, &mut session, format!("l{l}-{i}"));
+        }
+        let why = refused(&mut s, &mut session, &format!("l{l}-{MAX_WAITING}"));
+        assert!(why.contains("this link has"), "{why}");
+        full.push((s, session));
+    }
+    let (mut s, mut session) = pull_link(&p);
+    s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    for i in 0..=FAIR_WAITING {
+        register(&mut s, &mut session, format!("share-{i}"));
+    }
+    let why = refused(&mut s, &mut session, &format!("share-{FAIR_WAITING}"));
+    assert!(
+        why.contains("this engine's links have") && why.contains(&format!("{ENGINE_WAITING} of")),
+        "{why}"
+    );
+    // A decode asking for its request: registered and served when the KV is ready.
+    let (mut d, mut session) = pull_link(&p);
+    d.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    register(&mut d, &mut session, "real".into());
+    std::thread::sleep(Duration::from_millis(200));
+    p.fill(2, &[5], 0, 10);
+    kv_ready(&mut p, "real", &[5], 10);
+    let answer = session.recv(&mut d).expect("an answer");
+    assert!(
+        matches!(&answer, Message::Ready { request, .. } if request == "real"),
+        "{answer:?}"
+    );
+    // Links that go give their places back to the engine.
+    drop(full);
+    std::thread::sleep(Duration::from_secs(1));
+    let (mut s, mut session) = pull_link(&p);
+    s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    for i in 0..=FAIR_WAITING {
+        register(&mut s, &mut session, format!("after-{i}"));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    p.fill(2, &[6], 0, 10);
+    kv_ready(&mut p, &format!("after-{FAIR_WAITING}"), &[6], 10);
+    let answer = session.recv(&mut s).expect("an answer");
+    assert!(
+        matches!(&answer, Message::Ready { request, .. } if *request == format!("after-{FAIR_WAITING}")),
+        "past the share once the engine has room: {answer:?}"
+    );
+}
+
+#[test]
 fn an_insider_keeps_a_bounded_number_of_links_to_one_engine() {
     let _serial = serial();
     // Each authenticated link has its own bounds (its outbox, its waiting registrations) and

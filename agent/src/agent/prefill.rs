@@ -105,7 +105,14 @@ pub(super) struct Matching {
     released_early: HashMap<String, (Vec<EarlyRelease>, Instant)>,
     /// Requests released lately (kept for a lease): a later registration is refused at once.
     gone: HashMap<String, Instant>,
+    /// Registrations (and early releases) waiting on every link of this engine, and their
+    /// blocks: beyond [`ENGINE_WAITING`] and [`ENGINE_WAITING_BLOCKS`] only links holding
+    /// less than [`FAIR_WAITING`] and [`FAIR_WAITING_BLOCKS`] get more.
+    waiting: Counts,
 }
+
+/// A count and a number of blocks, shared by what they count.
+type Counts = Arc<(std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsize)>;
 
 /// A release of a request that came before its KvReady: the link that released (counted against
 /// its bound), the prompt digest it gave, and the decode ranks its geometry expects. Kept per
@@ -131,31 +138,55 @@ pub const MAX_WAITING: usize = 4096;
 /// Block ids in one decode link's waiting registrations, at most (16 MiB of them).
 pub const MAX_WAITING_BLOCKS: usize = 1 << 22;
 
+/// Registrations, and block ids, waiting on all links of one prefill engine together, beyond
+/// which a link holding [`FAIR_WAITING`] or [`FAIR_WAITING_BLOCKS`] gets no more. Links are
+/// bounded per source, not across addresses: without it an insider holding links from many
+/// addresses made the engine keep 16 MiB of block ids per link.
+pub const ENGINE_WAITING: usize = 4 * MAX_WAITING;
+pub const ENGINE_WAITING_BLOCKS: usize = 4 * MAX_WAITING_BLOCKS;
+
+/// What every link may have waiting however full its engine is: far more than a decode
+/// engine's requests between allocation and prefill's KvReady.
+pub const FAIR_WAITING: usize = 64;
+pub const FAIR_WAITING_BLOCKS: usize = 1 << 16;
+
 /// One waiting registration counted against its link's [`MAX_WAITING`] and
 /// [`MAX_WAITING_BLOCKS`], for as long as it lives (however it leaves the waiting list).
 #[derive(Debug)]
 pub(super) struct Held {
     /// The link's counts (not the link: an early release outlives its link by up to a lease,
-    /// and must not keep the link's socket and writer thread).
-    counts: Arc<(std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsize)>,
+    /// and must not keep the link's socket and writer thread), and its engine's.
+    counts: Counts,
+    engine: Counts,
     blocks: usize,
 }
 
 impl Held {
-    /// A place for a registration of `blocks` blocks on `link`, or why there is none.
-    fn take(link: &Link, blocks: usize) -> Result<Held, String> {
-        let (count, held) = (&link.waiting.0, &link.waiting.1);
-        let now = count.load(Ordering::SeqCst);
-        let now_blocks = held.load(Ordering::SeqCst);
+    /// A place for a registration of `blocks` blocks on `link` of the engine counting
+    /// `engine` (taken under its matching lock), or why there is none.
+    fn take(link: &Link, engine: &Counts, blocks: usize) -> Result<Held, String> {
+        let now = link.waiting.0.load(Ordering::SeqCst);
+        let now_blocks = link.waiting.1.load(Ordering::SeqCst);
         if now >= MAX_WAITING || now_blocks + blocks > MAX_WAITING_BLOCKS {
             return Err(format!(
                 "this link has {now} registrations and releases of {now_blocks} blocks waiting for their KvReady; at most {MAX_WAITING} of {MAX_WAITING_BLOCKS}"
             ));
         }
-        count.fetch_add(1, Ordering::SeqCst);
-        held.fetch_add(blocks, Ordering::SeqCst);
+        let all = engine.0.load(Ordering::SeqCst);
+        let all_blocks = engine.1.load(Ordering::SeqCst);
+        let full = all >= ENGINE_WAITING || all_blocks + blocks > ENGINE_WAITING_BLOCKS;
+        if full && (now >= FAIR_WAITING || now_blocks + blocks > FAIR_WAITING_BLOCKS) {
+            return Err(format!(
+                "this engine's links have {all} registrations and releases of {all_blocks} blocks waiting for their KvReady (at most {ENGINE_WAITING} of {ENGINE_WAITING_BLOCKS}), and this link {now} of {now_blocks}, as many as every link may have ({FAIR_WAITING} of {FAIR_WAITING_BLOCKS}) then"
+            ));
+        }
+        for c in [&link.waiting, engine] {
+            c.0.fetch_add(1, Ordering::SeqCst);
+            c.1.fetch_add(blocks, Ordering::SeqCst);
+        }
         Ok(Held {
             counts: link.waiting.clone(),
+            engine: engine.clone(),
             blocks,
         })
     }
@@ -163,8 +194,10 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        self.counts.0.fetch_sub(1, Ordering::SeqCst);
-        self.counts.1.fetch_sub(self.blocks, Ordering::SeqCst);
+        for c in [&self.counts, &self.engine] {
+            c.0.fetch_sub(1, Ordering::SeqCst);
+            c.1.fetch_sub(self.blocks, Ordering::SeqCst);
+        }
     }
 }
 
@@ -627,6 +660,7 @@ impl Engine {
                 }
                 (None, _) if gone => None,
                 (None, _) => {
+                    let engine_waiting = matching.waiting.clone();
                     let early = matching
                         .released_early
                         .entry(request.clone())
@@ -635,7 +669,7 @@ impl Engine {
                     let again = early.0.iter().any(|(id, _, p, _)| *id == link.id && *p == prompt);
                     if !again && of_prompt < expected as usize {
                         // Counted with the link's waiting registrations: kept for a lease.
-                        match Held::take(link, 0) {
+                        match Held::take(link, &engine_waiting, 0) {
                             Ok(held) => early.0.push((link.id, held, prompt, expected)),
                             Err(why) => {
                                 if early.0.is_empty() {
@@ -762,7 +796,7 @@ impl Engine {
             }
         } else {
             // Under the matching lock: the check and the count are one step.
-            match Held::take(link, reg.blocks.len()) {
+            match Held::take(link, &matching.waiting, reg.blocks.len()) {
                 Ok(held) => matching.registered.entry(reg.request.clone()).or_default().push((
                     link.clone(),
                     reg,
