@@ -125,6 +125,11 @@ impl Metrics {
         self.handshakes.with_label_values(&[reason.as_str()]).inc();
     }
 
+    /// Handshakes refused or failed for `reason` so far.
+    pub fn handshakes_refused(&self, reason: Reason) -> u64 {
+        self.handshakes.with_label_values(&[reason.as_str()]).get()
+    }
+
     /// Counts an answer ignored because its link does not own the request.
     pub fn foreign_answer(&self) {
         self.foreign.with_label_values::<&str>(&[]).inc();

@@ -769,6 +769,17 @@ pub fn authenticate_prefill(
     stream: &mut (impl Read + Write),
     secret_for: impl Fn(&str) -> Option<Vec<u8>>,
 ) -> Result<(String, Session), HandshakeError> {
+    authenticate_prefill_then(stream, secret_for, || ())
+}
+
+/// [`authenticate_prefill`], calling `proven` once the peer's proof is checked and before
+/// `AuthOk` is sent: a listener gives back the connection's pre-auth slot there, so a
+/// connection told `AuthOk` can no longer be shut down to make room for another.
+pub fn authenticate_prefill_then(
+    stream: &mut (impl Read + Write),
+    secret_for: impl Fn(&str) -> Option<Vec<u8>>,
+    proven: impl FnOnce(),
+) -> Result<(String, Session), HandshakeError> {
     let (pdpair, d_nonce) = match read_preauth(stream)? {
         Message::Hello { version, pdpair, nonce } if version == PROTOCOL_VERSION => (pdpair, nonce),
         Message::Hello { version, .. } => {
@@ -800,6 +811,7 @@ pub fn authenticate_prefill(
     )?;
     match read_preauth(stream)? {
         Message::Proof { proof } if verify(&secret, Role::Decode, &pdpair, &d_nonce, &p_nonce, &proof) => {
+            proven();
             wire::write_frame(stream, &Message::AuthOk)?;
             let session = Session::derive(Role::Prefill, &secret, &pdpair, &d_nonce, &p_nonce);
             Ok((pdpair, session))

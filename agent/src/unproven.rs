@@ -112,6 +112,17 @@ impl Budget {
     }
 }
 
+impl Slot {
+    /// Whether its connection was shut down to make room for another (counted `Busy` then:
+    /// its own failure that follows is not another refusal).
+    pub fn evicted(&self) -> bool {
+        let s = lock(&self.budget.state);
+        !s.held
+            .get(&self.source)
+            .is_some_and(|q| q.iter().any(|(id, _)| *id == self.id))
+    }
+}
+
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut s = lock(&self.budget.state);

@@ -274,9 +274,11 @@ impl Engine {
         // runs out of time however it paces them.
         let mut timed = wire::Deadline::new(&stream, self.handshake_timeout());
         let handshake_until = timed.until();
-        let shaken = protocol::authenticate_prefill(&mut timed, |p| (p == pdpair).then(|| key.clone())).and_then(
-            |(_, mut session)| {
-                drop(slot); // authenticated: no longer counted against the pre-auth budget
+        // Proven: no longer counted against the pre-auth budget (given back before `AuthOk`).
+        let mut slot = Some(slot);
+        let proven = || drop(slot.take());
+        let shaken = protocol::authenticate_prefill_then(&mut timed, |p| (p == pdpair).then(|| key.clone()), proven)
+            .and_then(|(_, mut session)| {
                 // Pull: this decode reads our blocks, through our stream where we run one;
                 // admitted before our handshake names the stream.
                 let admission = match self.settings.mode {
@@ -300,10 +302,11 @@ impl Engine {
                 };
                 protocol::handshake_prefill_vetted(&mut timed, &mut session, &self.local, vet)
                     .map(|peer| (peer, session, admission))
-            },
-        );
+            });
         let (peer, mut session, admission) = match shaken {
             Ok(done) => done,
+            // Shut down to make room: counted `Busy` then.
+            Err(_) if slot.as_ref().is_some_and(crate::unproven::Slot::evicted) => return,
             Err(err) => {
                 for r in err.reasons() {
                     self.shared.metrics.handshake_refused(r);

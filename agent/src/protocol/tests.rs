@@ -567,3 +567,61 @@ fn gpu_pools_behind_two_agents_meet_over_both_agents_kv_streams() {
     let e = pr.expect_err("a bad stream address");
     assert!(e.to_string().contains("stream_address"), "{e}");
 }
+
+/// A stream that counts the bytes written to it.
+struct Counting<'a> {
+    inner: &'a mut TcpStream,
+    written: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl std::io::Read for Counting<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.inner.read(buf)
+    }
+}
+
+impl std::io::Write for Counting<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.written.fetch_add(n, std::sync::atomic::Ordering::SeqCst);
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+#[test]
+fn a_proven_peer_is_told_so_only_after_the_listener_was() {
+    // The listener gives back the connection's pre-auth slot when told it is proven: told
+    // after `AuthOk`, a connection accepted could still be shut down to make room for another.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let written = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut counting = Counting {
+            inner: &mut s,
+            written: written.clone(),
+        };
+        let mut at_proof = None;
+        authenticate_prefill_then(
+            &mut counting,
+            |_| Some(b"secret-1".to_vec()),
+            || {
+                at_proof = Some(written.load(std::sync::atomic::Ordering::SeqCst));
+            },
+        )
+        .expect("authenticated");
+        (at_proof, written.load(std::sync::atomic::Ordering::SeqCst))
+    });
+    let mut c = TcpStream::connect(addr).expect("connect");
+    authenticate_decode(&mut c, "team-a/llama", b"secret-1").expect("decode authenticated");
+    let (at_proof, total) = server.join().expect("server");
+    let at_proof = at_proof.expect("told the proof was checked");
+    assert!(
+        at_proof > 0 && total > at_proof,
+        "AuthOk ({} bytes) goes after: {at_proof} of {total}",
+        total - at_proof
+    );
+}

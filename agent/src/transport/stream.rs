@@ -1173,9 +1173,7 @@ fn accept_loop(listener: TcpListener, inner: Weak<Inner>, unproven: &Arc<crate::
 
 /// One dialled connection: proof, then ops until it ends.
 fn serve(mut c: TcpStream, inner: Arc<Inner>, slot: crate::unproven::Slot) {
-    let proven = prove(&mut c, &inner);
-    drop(slot);
-    let Some(p) = proven else {
+    let Some(p) = prove(&mut c, &inner, slot) else {
         return;
     };
     let mut conn = Conn::new(c, &p.key, &p.salt, Side::Listener);
@@ -1222,7 +1220,9 @@ struct Proven {
     salt: Vec<u8>,
 }
 
-fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
+/// The connection's proof, checked; its pre-auth `slot` is given back once it is, before the
+/// peer is told (a connection told it is accepted can no longer be shut down to make room).
+fn prove(c: &mut TcpStream, inner: &Inner, slot: crate::unproven::Slot) -> Option<Proven> {
     let _ = c.set_nodelay(true);
     let deadline = Instant::now() + PROOF_WITHIN;
     c.set_write_timeout(Some(PROOF_WITHIN)).ok()?;
@@ -1279,6 +1279,7 @@ fn prove(c: &mut TcpStream, inner: &Inner) -> Option<Proven> {
     drop(admitted);
     match verdict {
         Ok(p) => {
+            drop(slot);
             // Proven: ops may pause as long as the link lives (its admission closes this), and
             // an answer may wait as long as the side channel's silence limit.
             c.set_read_timeout(None).ok()?;
