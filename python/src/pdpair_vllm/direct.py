@@ -322,10 +322,16 @@ def share_vmm(tensors: Sequence[torch.Tensor], length: int) -> Tuple[List[dict],
     return [{"offset": o} for o in offsets], shared
 
 
+#: The open-file soft limit before :func:`room_for_fds` raised it, until :func:`restore_fds`.
+_soft_before: Optional[int] = None
+
+
 def room_for_fds(count: int, margin: int = 256) -> None:
     """Makes room for ``count`` more open descriptors (every VMM allocation is exported before
     any is sent: thousands for a large cache, past the usual soft limit of 1024), raising the soft
-    limit up to the hard one; refuses, saying so, where even the hard limit is too low."""
+    limit up to the hard one until :func:`restore_fds`; refuses, saying so, where even the hard
+    limit is too low."""
+    global _soft_before
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         open_now = len(os.listdir("/proc/self/fd"))
@@ -339,6 +345,24 @@ def room_for_fds(count: int, margin: int = 256) -> None:
                 f"{hard} with {open_now} open (raise its RLIMIT_NOFILE)"
             )
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        if _soft_before is None:
+            _soft_before = soft
+
+
+def restore_fds(margin: int = 64) -> None:
+    """Puts back the soft limit :func:`room_for_fds` raised, once the exported descriptors are
+    closed (code that still uses ``select`` breaks past 1024); kept raised where the engine
+    holds nearly that many open by then."""
+    global _soft_before
+    if _soft_before is None:
+        return
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return
+    if open_now + margin <= _soft_before:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (_soft_before, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        _soft_before = None
 
 
 def share(t: torch.Tensor, length: int, handles: Optional[dict] = None) -> dict:
@@ -487,6 +511,15 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
         chosen["direct"] = d
         return (gpu_reg, shared) if shared else gpu_reg
 
+    try:
+        return _register(socket_path, reg, pick, chosen, options, want)
+    finally:
+        restore_fds()  # the shared descriptors are closed by now
+
+
+def _register(socket_path: str, reg: dict, pick: Callable, chosen: dict, options: dict, want: Optional[bool]
+              ) -> Tuple[agent_client.AgentClient, Optional[DirectKv], Optional[str]]:
+    """:func:`register`'s tries: direct, direct without the event, staged."""
     try:
         try:
             client = agent_client.AgentClient.register(socket_path, pick)
