@@ -29,10 +29,7 @@ use pdpair_api::{Role, checksum::BlockSums};
 
 mod decode;
 mod prefill;
-pub use prefill::{
-    ENGINE_WAITING, ENGINE_WAITING_BLOCKS, FAIR_WAITING, FAIR_WAITING_BLOCKS, MAX_LINKS_PER_SOURCE, MAX_WAITING,
-    MAX_WAITING_BLOCKS,
-};
+pub use prefill::{ENGINE_WAITING, ENGINE_WAITING_BLOCKS, MAX_LINKS_PER_SOURCE, MAX_WAITING, MAX_WAITING_BLOCKS};
 mod publish;
 
 use prefill::Matching;
@@ -131,8 +128,8 @@ struct Shared {
     metrics: Arc<Metrics>,
     /// Unauthenticated side-channel connections (the pre-auth budget).
     unauthenticated: Arc<crate::unproven::Budget>,
-    /// What every side-channel link holds for its peer, in all.
-    outboxes: Arc<Outboxes>,
+    /// What the side-channel links of each PDPair hold for their peers, in all.
+    outboxes: crate::outboxes::Budgets,
     /// The engine API socket is bound.
     listening: AtomicBool,
     /// GPU memory descriptors held for registrations not made yet (`ShareGpuMemory`), on all
@@ -205,6 +202,11 @@ struct LocalEngine {
 }
 
 impl Shared {
+    /// The outbox budget of `pdpair`'s links.
+    fn outboxes_of(&self, pdpair: &str) -> Arc<Outboxes> {
+        self.outboxes.of(pdpair)
+    }
+
     /// Engine names are unique on the node (its agent): two engines of one name would share a
     /// PDEndpoint, and a peer naming one could not tell them apart.
     fn name_free(&self, locals: &[(u64, LocalEngine)], pdpair: &str, engine: &str) -> Result<(), String> {
@@ -333,7 +335,7 @@ impl Agent {
                 ucx,
                 metrics,
                 unauthenticated: crate::unproven::Budget::new(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_SOURCE),
-                outboxes: Outboxes::new(crate::outboxes::OUTBOX_BUDGET),
+                outboxes: crate::outboxes::Budgets::new(crate::outboxes::OUTBOX_BUDGET),
                 listening: AtomicBool::new(false),
                 pending_gpu_fds: std::sync::atomic::AtomicUsize::new(0),
                 unregistered: std::sync::atomic::AtomicUsize::new(0),
@@ -868,8 +870,11 @@ impl Link {
             let mut stream = stream;
             // A frame's charge is released once written; those still queued when this ends are
             // released as the channel drops them.
-            for (frame, _charge) in queued_frames.iter().map_while(|f| f) {
+            for (frame, charge) in queued_frames.iter().map_while(|f| f) {
                 let written = std::io::Write::write_all(&mut stream, &frame);
+                if written.is_ok() {
+                    charge.written();
+                }
                 if let Err(e) = written {
                     tracing::debug!(error = %e, "a link's write failed; closing it");
                     break;
@@ -903,7 +908,7 @@ impl Link {
     fn send(&self, m: &Message) -> bool {
         let queued = {
             let mut outbox = lock(&self.outbox);
-            if self.queue.closing() {
+            if self.queue.stopped() {
                 return false;
             }
             let (sealer, sender) = &mut *outbox;
@@ -1874,13 +1879,13 @@ mod tests {
     fn open_held(links: &[(Link, TcpStream)]) -> usize {
         links
             .iter()
-            .filter(|(l, _)| !l.queue.closing())
+            .filter(|(l, _)| !l.queue.shut())
             .map(|(l, _)| l.queue.queued())
             .sum()
     }
 
     #[test]
-    fn links_that_stop_reading_hold_at_most_the_agents_budget_in_all() {
+    fn links_that_stop_reading_hold_at_most_their_pairs_budget_in_all() {
         // An insider with many addresses holds many links (they are bounded per source only)
         // and reads nothing: each link's outbox alone let it pile up 32 MiB per link.
         const BUDGET: usize = 8 << 20;
@@ -1895,7 +1900,7 @@ mod tests {
             }
         }
         assert!(
-            mutes.iter().any(|(l, _)| l.queue.closing()),
+            mutes.iter().any(|(l, _)| l.queue.shut()),
             "links over the budget were closed"
         );
         // Closed links' frames are released as their writers fail.
@@ -1911,7 +1916,7 @@ mod tests {
     }
 
     #[test]
-    fn a_link_that_reads_keeps_its_place_while_links_that_do_not_hold_the_agents_budget() {
+    fn a_link_that_reads_keeps_its_place_while_links_that_do_not_hold_the_budget() {
         const BUDGET: usize = 16 << 20;
         let outboxes = Outboxes::new(BUDGET);
         let mutes: Vec<(Link, TcpStream)> = (0..2).map(|_| link_to_a_mute_peer_in(&outboxes)).collect();
@@ -1931,7 +1936,7 @@ mod tests {
             sent += 1;
         }
         assert!(
-            mutes.iter().any(|(l, _)| l.queue.closing()),
+            mutes.iter().any(|(l, _)| l.queue.shut()),
             "the link holding the most made room"
         );
         let drained = thread::spawn(move || {
@@ -1955,6 +1960,37 @@ mod tests {
             "every frame reached it"
         );
         assert!(open_held(&mutes) <= BUDGET);
+    }
+
+    #[test]
+    fn a_links_progress_is_when_its_writer_last_finished_a_frame() {
+        // What the budget closes first is the link longest without progress: a peer that reads,
+        // however slowly, makes some each time a frame is written to it.
+        let (link, mut theirs) = link_to_a_mute_peer();
+        let big = mib_frame();
+        let mut sent = 0;
+        while link.queue.queued() < 2 << 20 {
+            assert!(sent < 64 && link.send(&big), "queued behind a full socket");
+            sent += 1;
+        }
+        let before = link.queue.progress();
+        thread::sleep(Duration::from_millis(20));
+        assert_eq!(link.queue.progress(), before, "nothing written meanwhile");
+        let drained = thread::spawn(move || {
+            let mut sink = vec![0u8; 1 << 20];
+            while let Ok(1..) = std::io::Read::read(&mut theirs, &mut sink) {}
+        });
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while link.queue.progress() == before {
+            assert!(
+                std::time::Instant::now() < until,
+                "no progress recorded as frames were written"
+            );
+            thread::sleep(Duration::from_millis(1));
+        }
+        assert!(link.queue.progress() >= before + 20_000);
+        link.close();
+        drained.join().expect("reader");
     }
 
     #[test]

@@ -1,31 +1,64 @@
-//! What the agent holds for its peers, in all: every side-channel link queues its frames in an
-//! outbox its writer thread empties ([`crate::agent`]), bounded per link
-//! ([`crate::agent::LINK_OUTBOX`]) and, here, across every link of the agent. Links are bounded
+//! What the agent holds for the peers of one PDPair, in all: every side-channel link queues its
+//! frames in an outbox its writer thread empties ([`crate::agent`]), bounded per link
+//! ([`crate::agent::LINK_OUTBOX`]) and, here, across every link of the pair. Links are bounded
 //! per source address, not across addresses: without this budget, an insider holding the pair's
 //! key who opens links from many addresses and reads nothing would multiply the per-link bound
-//! (32 MiB) by the links it holds.
+//! (32 MiB) by the links it holds. One budget per pair: an insider of one pair cannot make
+//! another pair's links give up their place.
 //!
 //! A full budget does not shut out peers that read: a frame for a link holding nothing is always
-//! queued (its writer is about to write it), and otherwise the link holding the most is closed,
-//! unless that is the sending link, whose frame is then refused (and its link closed, as a full
-//! link outbox is). So the peers that let bytes pile up lose their links, biggest first, and a
-//! link that keeps up keeps its place however many addresses hold the rest.
+//! queued (its writer is about to write it), and otherwise the link whose writer has gone longest
+//! without finishing a frame is closed, unless that is the sending link, whose frame is then
+//! refused (and its link closed, as a full link outbox is). A peer that stopped reading (or
+//! trickles) makes no progress and loses its link first; a peer that keeps up finishes frames
+//! all the time and keeps its place, however many addresses hold the rest.
 
 use std::{
+    collections::HashMap,
     net::{Shutdown, TcpStream},
     sync::{
-        Arc, Mutex, Weak,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc, Mutex, OnceLock, Weak,
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
+    time::Instant,
 };
 
 use crate::lock;
 
-/// Bytes all of an agent's link outboxes hold, at most (give or take one frame per sender
-/// racing another): eight links' worth.
+/// Bytes all links of one PDPair's engines on this agent hold, at most (give or take one frame
+/// per sender racing another): eight links' worth.
 pub const OUTBOX_BUDGET: usize = 8 * crate::agent::LINK_OUTBOX;
 
-/// The agent's budget of queued bytes.
+/// Every pair's budget on this agent.
+#[derive(Debug)]
+pub struct Budgets {
+    budget: usize,
+    by_pair: Mutex<HashMap<String, Weak<Outboxes>>>,
+}
+
+impl Budgets {
+    /// `budget` bytes for each pair.
+    pub fn new(budget: usize) -> Budgets {
+        Budgets {
+            budget,
+            by_pair: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// `pdpair`'s budget (its links keep it).
+    pub fn of(&self, pdpair: &str) -> Arc<Outboxes> {
+        let mut all = lock(&self.by_pair);
+        if let Some(o) = all.get(pdpair).and_then(Weak::upgrade) {
+            return o;
+        }
+        all.retain(|_, o| o.strong_count() > 0);
+        let o = Outboxes::new(self.budget);
+        all.insert(pdpair.to_owned(), Arc::downgrade(&o));
+        o
+    }
+}
+
+/// One pair's budget of queued bytes.
 #[derive(Debug)]
 pub struct Outboxes {
     budget: usize,
@@ -37,7 +70,13 @@ pub struct Outboxes {
 #[derive(Debug)]
 pub struct Queue {
     queued: AtomicUsize,
-    closing: AtomicBool,
+    /// Nothing more is queued (the link is closing once what is queued is written, or closed).
+    stopped: AtomicBool,
+    /// Its socket is shut down: what it holds is being dropped.
+    shut: AtomicBool,
+    /// When its writer last finished a frame, or its outbox was last empty (microseconds since
+    /// [`epoch`]).
+    progress: AtomicU64,
     /// A handle on the link's stream, to shut it down when the link is closed.
     stream: TcpStream,
     peer: String,
@@ -52,11 +91,27 @@ pub struct Charge {
     len: usize,
 }
 
+impl Charge {
+    /// The frame was written: its link made progress.
+    pub fn written(self) {
+        self.queue.progress.store(now(), Ordering::SeqCst);
+    }
+}
+
 impl Drop for Charge {
     fn drop(&mut self) {
         self.queue.queued.fetch_sub(self.len, Ordering::SeqCst);
         self.outboxes.total.fetch_sub(self.len, Ordering::SeqCst);
     }
+}
+
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn now() -> u64 {
+    u64::try_from(epoch().elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
 impl Queue {
@@ -65,20 +120,31 @@ impl Queue {
         self.queued.load(Ordering::SeqCst)
     }
 
-    /// Whether the link is closed or closing (nothing more is queued on it).
-    pub fn closing(&self) -> bool {
-        self.closing.load(Ordering::SeqCst)
+    /// Whether nothing more is queued on the link (closing or closed).
+    pub fn stopped(&self) -> bool {
+        self.stopped.load(Ordering::SeqCst)
     }
 
-    /// Marks the link closing; it closes once what is queued is written.
+    /// Whether the link was shut down (closed now, not once its queue is written).
+    pub fn shut(&self) -> bool {
+        self.shut.load(Ordering::SeqCst)
+    }
+
+    /// Nothing more is queued; the link closes once what is queued is written.
     pub fn stop(&self) {
-        self.closing.store(true, Ordering::SeqCst);
+        self.stopped.store(true, Ordering::SeqCst);
     }
 
     /// Closes the link now: its writer's next write and its reader fail, and it ends.
     pub fn close(&self) {
         self.stop();
+        self.shut.store(true, Ordering::SeqCst);
         let _ = self.stream.shutdown(Shutdown::Both);
+    }
+
+    /// When its writer last finished a frame, or its outbox was last empty (microseconds).
+    pub fn progress(&self) -> u64 {
+        self.progress.load(Ordering::SeqCst)
     }
 }
 
@@ -100,7 +166,9 @@ impl Outboxes {
     pub fn queue(&self, stream: TcpStream, peer: String) -> Arc<Queue> {
         let q = Arc::new(Queue {
             queued: AtomicUsize::new(0),
-            closing: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+            shut: AtomicBool::new(false),
+            progress: AtomicU64::new(now()),
             stream,
             peer,
         });
@@ -112,14 +180,17 @@ impl Outboxes {
 
     /// Room for a frame of `len` bytes on `queue`, which may hold at most `per_link`: the
     /// charge, or why there is none (the caller closes the link). Over the budget, the link
-    /// holding the most is closed to make room, unless that is `queue`.
+    /// that has gone longest without progress is closed to make room, unless that is `queue`.
     pub fn charge(self: &Arc<Self>, queue: &Arc<Queue>, len: usize, per_link: usize) -> Result<Charge, String> {
         let mine = queue.queued();
         if mine + len > per_link {
             return Err(format!("a peer let {per_link} bytes pile up"));
         }
-        if mine > 0 && self.total() + len > self.budget {
-            self.make_room(queue, mine, len)?;
+        if mine == 0 {
+            // Nothing waits: its writer is keeping up.
+            queue.progress.store(now(), Ordering::SeqCst);
+        } else if self.total() + len > self.budget {
+            self.make_room(queue, len)?;
         }
         queue.queued.fetch_add(len, Ordering::SeqCst);
         self.total.fetch_add(len, Ordering::SeqCst);
@@ -130,36 +201,39 @@ impl Outboxes {
         })
     }
 
-    fn make_room(&self, queue: &Arc<Queue>, mine: usize, len: usize) -> Result<(), String> {
-        let open: Vec<Arc<Queue>> = {
+    fn make_room(&self, queue: &Arc<Queue>, len: usize) -> Result<(), String> {
+        let holding: Vec<Arc<Queue>> = {
             let mut queues = lock(&self.queues);
             queues.retain(|w| w.strong_count() > 0);
             queues
                 .iter()
                 .filter_map(Weak::upgrade)
-                .filter(|q| !q.closing())
+                .filter(|q| !q.shut() && q.queued() > 0)
                 .collect()
         };
-        // Closed links' frames are being dropped (their writers fail at once): not counted.
-        let held: usize = open.iter().map(|q| q.queued()).sum();
+        // Shut links' frames are being dropped (their writers fail at once): not counted. Links
+        // closing once written still hold theirs, and may be closed now.
+        let held: usize = holding.iter().map(|q| q.queued()).sum();
         if held + len <= self.budget {
             return Ok(());
         }
-        match open.iter().max_by_key(|q| q.queued()) {
-            Some(biggest) if !Arc::ptr_eq(biggest, queue) && biggest.queued() > mine + len => {
+        let stalest = holding.iter().min_by_key(|q| q.progress());
+        match stalest {
+            Some(q) if !Arc::ptr_eq(q, queue) && q.progress() < queue.progress() => {
+                let idle_ms = now().saturating_sub(q.progress()) / 1000;
                 tracing::warn!(
-                    peer = %biggest.peer,
-                    held = biggest.queued(),
-                    "the agent's outboxes hold {held} bytes, over its {} budget; closed the link holding the most",
+                    peer = %q.peer,
+                    held = q.queued(),
+                    idle_ms,
+                    "this pair's links hold {held} bytes for their peers, over the {} budget; closed the one that made no progress for longest",
                     self.budget
                 );
-                biggest.close();
+                q.close();
                 Ok(())
             }
             _ => Err(format!(
-                "the agent's outboxes hold {held} bytes, over its {} budget, and no other peer's holds more than this one's would ({})",
-                self.budget,
-                mine + len
+                "this pair's links hold {held} bytes for their peers, over the {} budget, and this peer's has made no progress for longest",
+                self.budget
             )),
         }
     }
@@ -176,34 +250,107 @@ mod tests {
         (ours, l.accept().expect("accept").0)
     }
 
+    fn tick() {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+
     #[test]
-    fn over_the_budget_the_biggest_holder_is_closed_and_a_link_holding_nothing_always_gets_its_frame() {
+    fn over_the_budget_the_link_longest_without_progress_is_closed_and_a_link_holding_nothing_gets_its_frame() {
         let o = Outboxes::new(100);
         let (a, _a) = stream();
         let (b, _b) = stream();
         let (c, _c) = stream();
         let (qa, qb, qc) = (o.queue(a, "a".into()), o.queue(b, "b".into()), o.queue(c, "c".into()));
-        let mut held = vec![o.charge(&qa, 60, 1000).expect("a"), o.charge(&qb, 30, 1000).expect("b")];
+        let a1 = o.charge(&qa, 60, 1000).expect("a");
+        tick();
+        let b1 = o.charge(&qb, 30, 1000).expect("b");
+        tick();
         // c holds nothing: its frame is queued even though the budget is full.
-        held.push(o.charge(&qc, 20, 1000).expect("a link holding nothing"));
+        let c1 = o.charge(&qc, 20, 1000).expect("a link holding nothing");
         assert_eq!(o.total(), 110);
-        // c again: now over, a holds the most and is closed; c's frame goes.
-        held.push(o.charge(&qc, 20, 1000).expect("c makes room"));
-        assert!(qa.closing() && !qb.closing() && !qc.closing());
-        // a's frames are counted until dropped (its writer failing), but not against others.
-        held.push(o.charge(&qc, 5, 1000).expect("a's bytes are not counted"));
-        // b would hold more than anyone else (c, 45): its frame is refused.
-        let err = o.charge(&qb, 50, 1000).expect_err("the biggest holder's frame");
-        assert!(err.contains("more than this one's would (80)"), "{err}");
-        drop(held);
+        // c again, over the budget: a has gone longest without progress and is closed.
+        let c2 = o.charge(&qc, 20, 1000).expect("c makes room");
+        assert!(qa.shut() && !qb.shut() && !qc.shut());
+        drop(a1); // a's writer fails: its frames are dropped
+        tick();
+        c1.written(); // c's writer keeps up; b's does not
+        assert_eq!(o.total(), 50);
+        let err = o.charge(&qb, 60, 1000).expect_err("b has made no progress for longest");
+        assert!(err.contains("this peer's has made no progress for longest"), "{err}");
+        let c3 = o.charge(&qc, 60, 1000).expect("c makes room again");
+        assert!(qb.shut(), "b closed for it");
+        drop((b1, c2, c3));
         assert_eq!(
             (o.total(), qa.queued(), qb.queued(), qc.queued()),
             (0, 0, 0, 0),
             "charges released"
         );
         assert!(
-            o.charge(&qb, 1001, 1000).expect_err("per link").contains("1000 bytes"),
+            o.charge(&qc, 1001, 1000).expect_err("per link").contains("1000 bytes"),
             "the per-link bound still holds"
         );
+    }
+
+    #[test]
+    fn a_link_that_keeps_up_keeps_its_place_however_much_it_holds() {
+        // A peer reading a large answer holds more than one that stopped reading a while ago:
+        // the one without progress goes.
+        let o = Outboxes::new(100);
+        let (x, _x) = stream();
+        let (y, _y) = stream();
+        let (z, _z) = stream();
+        let (qx, qy, qz) = (
+            o.queue(x, "stalled".into()),
+            o.queue(y, "reading".into()),
+            o.queue(z, "z".into()),
+        );
+        let _x1 = o.charge(&qx, 10, 1000).expect("x");
+        tick();
+        let y1 = o.charge(&qy, 30, 1000).expect("y");
+        let _y2 = o.charge(&qy, 30, 1000).expect("y");
+        let _y3 = o.charge(&qy, 30, 1000).expect("y");
+        tick();
+        y1.written();
+        let _z1 = o.charge(&qz, 20, 1000).expect("z");
+        let _z2 = o.charge(&qz, 20, 1000).expect("z makes room");
+        assert!(
+            qx.shut() && !qy.shut(),
+            "the stalled link went, not the one holding the most"
+        );
+    }
+
+    #[test]
+    fn one_pairs_links_do_not_take_another_pairs_place() {
+        // An insider of pair A holds A's whole budget with links that read nothing: pair B's
+        // links, holding bytes too, neither lose their place nor are refused.
+        let budgets = Budgets::new(100);
+        let (a, b) = (budgets.of("team-a/llama"), budgets.of("team-b/llama"));
+        assert!(Arc::ptr_eq(&a, &budgets.of("team-a/llama")), "one budget per pair");
+        let (s1, _s1) = stream();
+        let (s2, _s2) = stream();
+        let (qa, qb) = (a.queue(s1, "insider".into()), b.queue(s2, "b".into()));
+        let _a1 = a.charge(&qa, 100, 1000).expect("a fills its budget");
+        tick();
+        let _b1 = b.charge(&qb, 60, 1000).expect("b");
+        let _b2 = b.charge(&qb, 30, 1000).expect("b is within its own budget");
+        assert!(!qa.shut() && !qb.shut());
+        drop(a);
+        assert!(!Arc::ptr_eq(&b, &budgets.of("team-a/llama")));
+    }
+
+    #[test]
+    fn a_link_closing_once_written_still_counts_and_can_be_closed_now() {
+        // A link closing after its last frames (a failure sent before it goes) stops taking
+        // frames but still holds its bytes, as long as its peer lets them sit.
+        let o = Outboxes::new(100);
+        let (a, _a) = stream();
+        let (b, _b) = stream();
+        let (qa, qb) = (o.queue(a, "a".into()), o.queue(b, "b".into()));
+        let _a1 = o.charge(&qa, 90, 1000).expect("a");
+        qa.stop();
+        tick();
+        let _b1 = o.charge(&qb, 10, 1000).expect("b");
+        let _b2 = o.charge(&qb, 10, 1000).expect("b, a closed for it");
+        assert!(qa.shut(), "the stopped link was still counted, and closed");
     }
 }

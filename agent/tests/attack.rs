@@ -1657,9 +1657,18 @@ fn a_decode_engine_dials_a_bounded_number_of_prefill_agents_at_once() {
 
 /// A pull prefill engine in `w` with request "r" ready (blocks 3 and 4, 100 tokens).
 fn pull_prefill_ready(w: &World) -> SyntheticEngine {
+    pull_prefill_ready_leased(
+        w,
+        spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed).lease_ms,
+    )
+}
+
+/// [`pull_prefill_ready`] with a lease of `lease_ms`.
+fn pull_prefill_ready_leased(w: &World, lease_ms: u64) -> SyntheticEngine {
     let ps = w.agent("p", Transport::Shm, false);
     let mut pull = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
     pull.mode = TransferMode::Pull;
+    pull.lease_ms = lease_ms;
     let mut p = SyntheticEngine::register(&ps, &w.dir, &pull).expect("P");
     p.events()
         .expect("events")
@@ -2418,15 +2427,16 @@ fn a_decode_link_has_a_bounded_number_of_registrations_waiting() {
 }
 
 #[test]
-fn registrations_waiting_on_all_of_an_engines_links_are_bounded_and_every_link_keeps_a_share() {
+fn registrations_waiting_on_all_of_an_engines_links_are_bounded_and_the_heaviest_link_gives_way() {
     let _serial = serial();
     // Links are bounded per source, not across addresses: an insider holding links from many
     // addresses filled each one's waiting registrations, and prefill kept 16 MiB of block ids
-    // per link. The engine bounds them in all; a link then gets a small share, no more, and a
-    // decode asking for its few requests is still served.
-    use pdpair_agent::agent::{ENGINE_WAITING, FAIR_WAITING, MAX_WAITING};
+    // per link. The engine bounds them in all; past that the link holding the most loses its
+    // oldest, so a decode asking for a few keeps its place however many links hold the rest.
+    use pdpair_agent::agent::{ENGINE_WAITING, MAX_WAITING};
     let w = World::new("attack-engine-waiting");
-    let mut p = pull_prefill_ready(&w);
+    // A lease far longer than the test: nothing waiting expires while links fill.
+    let mut p = pull_prefill_ready_leased(&w, 600_000);
     let register = |s: &mut TcpStream, session: &mut protocol::Session, request: String| {
         let reg = Registration {
             request,
@@ -2437,40 +2447,63 @@ fn registrations_waiting_on_all_of_an_engines_links_are_bounded_and_every_link_k
         };
         session.send(s, &Message::Register(reg)).expect("register");
     };
-    // Registrations are answered only when refused: the first refusal says every one before it
-    // on that link was counted.
-    let refused = |s: &mut TcpStream, session: &mut protocol::Session, want: &str| -> String {
-        match session.recv(s).expect("an answer") {
-            Message::Failed { request, message, .. } if request == want => message,
-            other => panic!("{want}: {other:?}"),
+    // Registrations are answered only when refused or dropped: what a link heard until the
+    // Pong to a Ping sent after them (its frames are handled in order).
+    let heard = |s: &mut TcpStream, session: &mut protocol::Session| -> Vec<(String, Reason, String)> {
+        session.send(s, &Message::Ping { seq: 7 }).expect("ping");
+        let mut got = Vec::new();
+        loop {
+            match session.recv(s).expect("an answer") {
+                Message::Pong { seq: 7 } => return got,
+                Message::Failed {
+                    request,
+                    reason,
+                    message,
+                } => got.push((request, reason, message)),
+                other => panic!("{other:?}"),
+            }
         }
+    };
+    let link = |p: &SyntheticEngine| {
+        let (s, session) = pull_link(p);
+        s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+        (s, session)
     };
     let mut full = Vec::new();
     for l in 0..ENGINE_WAITING / MAX_WAITING {
-        let (mut s, mut session) = pull_link(&p);
-        s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+        let (mut s, mut session) = link(&p);
         for i in 0..=MAX_WAITING {
             register(&mut s, &mut session, format!("l{l}-{i}"));
         }
-        let why = refused(&mut s, &mut session, &format!("l{l}-{MAX_WAITING}"));
-        assert!(why.contains("this link has"), "{why}");
+        let got = heard(&mut s, &mut session);
+        assert_eq!(got.len(), 1, "only the one past the link's own bound: {got:?}");
+        assert!(got[0].2.contains("this link has"), "{got:?}");
         full.push((s, session));
     }
-    let (mut s, mut session) = pull_link(&p);
-    s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
-    for i in 0..=FAIR_WAITING {
-        register(&mut s, &mut session, format!("share-{i}"));
+    // The engine is full: a new link's registrations take the places of the heaviest links'
+    // oldest, which hear so.
+    let newcomer = 100;
+    let (mut s, mut session) = link(&p);
+    for i in 0..newcomer {
+        register(&mut s, &mut session, format!("new-{i}"));
     }
-    let why = refused(&mut s, &mut session, &format!("share-{FAIR_WAITING}"));
+    assert_eq!(heard(&mut s, &mut session), vec![], "none refused");
+    let mut dropped = Vec::new();
+    for (s, session) in &mut full {
+        dropped.extend(heard(s, session));
+    }
+    assert_eq!(dropped.len(), newcomer, "as many dropped as came");
     assert!(
-        why.contains("this engine's links have") && why.contains(&format!("{ENGINE_WAITING} of")),
-        "{why}"
+        dropped.iter().all(|(r, reason, m)| r.starts_with('l')
+            && *reason == Reason::Busy
+            && m.contains("its oldest was dropped")),
+        "{:?}",
+        &dropped[..3]
     );
     // A decode asking for its request: registered and served when the KV is ready.
-    let (mut d, mut session) = pull_link(&p);
-    d.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    let (mut d, mut session) = link(&p);
     register(&mut d, &mut session, "real".into());
-    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(heard(&mut d, &mut session), vec![]);
     p.fill(2, &[5], 0, 10);
     kv_ready(&mut p, "real", &[5], 10);
     let answer = session.recv(&mut d).expect("an answer");
@@ -2478,22 +2511,19 @@ fn registrations_waiting_on_all_of_an_engines_links_are_bounded_and_every_link_k
         matches!(&answer, Message::Ready { request, .. } if request == "real"),
         "{answer:?}"
     );
-    // Links that go give their places back to the engine.
+    // A link whose entries all went cannot hold more than the engine's bound either: the
+    // engine's count is given back as links go.
     drop(full);
-    std::thread::sleep(Duration::from_secs(1));
-    let (mut s, mut session) = pull_link(&p);
-    s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
-    for i in 0..=FAIR_WAITING {
-        register(&mut s, &mut session, format!("after-{i}"));
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let (mut s, mut session) = link(&p);
+    loop {
+        register(&mut s, &mut session, "after".into());
+        match heard(&mut s, &mut session).as_slice() {
+            [] => break,
+            got => assert!(std::time::Instant::now() < until, "the engine stays full: {got:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
-    std::thread::sleep(Duration::from_millis(200));
-    p.fill(2, &[6], 0, 10);
-    kv_ready(&mut p, &format!("after-{FAIR_WAITING}"), &[6], 10);
-    let answer = session.recv(&mut s).expect("an answer");
-    assert!(
-        matches!(&answer, Message::Ready { request, .. } if *request == format!("after-{FAIR_WAITING}")),
-        "past the share once the engine has room: {answer:?}"
-    );
 }
 
 #[test]

@@ -106,9 +106,91 @@ pub(super) struct Matching {
     /// Requests released lately (kept for a lease): a later registration is refused at once.
     gone: HashMap<String, Instant>,
     /// Registrations (and early releases) waiting on every link of this engine, and their
-    /// blocks: beyond [`ENGINE_WAITING`] and [`ENGINE_WAITING_BLOCKS`] only links holding
-    /// less than [`FAIR_WAITING`] and [`FAIR_WAITING_BLOCKS`] get more.
+    /// blocks: at most [`ENGINE_WAITING`] and [`ENGINE_WAITING_BLOCKS`].
     waiting: Counts,
+}
+
+/// Where a waiting entry is: a registration (request, place) or an early release (request,
+/// place).
+enum Entry {
+    Registered(String, usize),
+    Early(String, usize),
+}
+
+impl Matching {
+    /// Room, past the engine's bound, for one more entry of `blocks` blocks on the link counting
+    /// `mine`: the oldest entry of the link holding the most (registrations, or blocks where
+    /// those are over) goes, if that link holds more than `mine` would with it. An evicted
+    /// registration's link hears `Failed{Busy}`; an early release is dropped. So links that
+    /// pile up entries lose them, heaviest first, and a decode asking for a few keeps its place
+    /// however many links hold the rest.
+    fn make_room(&mut self, mine: &Counts, blocks: usize) {
+        let by_blocks = self.waiting.1.load(Ordering::SeqCst) + blocks > ENGINE_WAITING_BLOCKS;
+        if !by_blocks && self.waiting.0.load(Ordering::SeqCst) < ENGINE_WAITING {
+            return;
+        }
+        let weight = |c: &Counts| {
+            if by_blocks {
+                c.1.load(Ordering::SeqCst)
+            } else {
+                c.0.load(Ordering::SeqCst)
+            }
+        };
+        let after = weight(mine) + if by_blocks { blocks } else { 1 };
+        // The heaviest other link's oldest entry.
+        let mut victim: Option<(usize, Instant, Entry)> = None;
+        let mut consider = |held: &Held, at: Instant, entry: Entry| {
+            if Arc::ptr_eq(&held.counts, mine) {
+                return;
+            }
+            let w = weight(&held.counts);
+            if w > after
+                && victim
+                    .as_ref()
+                    .is_none_or(|(vw, vat, _)| w > *vw || (w == *vw && at < *vat))
+            {
+                victim = Some((w, at, entry));
+            }
+        };
+        for (request, list) in &self.registered {
+            for (i, (_, _, at, held)) in list.iter().enumerate() {
+                consider(held, *at, Entry::Registered(request.clone(), i));
+            }
+        }
+        for (request, (list, at)) in &self.released_early {
+            for (i, (_, held, _, _)) in list.iter().enumerate() {
+                consider(held, *at, Entry::Early(request.clone(), i));
+            }
+        }
+        match victim {
+            Some((_, _, Entry::Registered(request, i))) => {
+                let Some(list) = self.registered.get_mut(&request) else {
+                    return;
+                };
+                let (link, ..) = list.swap_remove(i);
+                if list.is_empty() {
+                    self.registered.remove(&request);
+                }
+                tracing::warn!(peer = %link.addr, %request, "this engine's waiting registrations are at their bound; dropped the oldest of the link holding the most");
+                link.send(&Message::Failed {
+                    request,
+                    reason: Reason::Busy,
+                    message: format!(
+                        "the prefill engine's links have {ENGINE_WAITING} registrations (or {ENGINE_WAITING_BLOCKS} blocks) waiting for their KvReady, and this link the most: its oldest was dropped"
+                    ),
+                });
+            }
+            Some((_, _, Entry::Early(request, i))) => {
+                if let Some((list, _)) = self.released_early.get_mut(&request) {
+                    list.swap_remove(i);
+                    if list.is_empty() {
+                        self.released_early.remove(&request);
+                    }
+                }
+            }
+            None => {}
+        }
+    }
 }
 
 /// A count and a number of blocks, shared by what they count.
@@ -138,17 +220,12 @@ pub const MAX_WAITING: usize = 4096;
 /// Block ids in one decode link's waiting registrations, at most (16 MiB of them).
 pub const MAX_WAITING_BLOCKS: usize = 1 << 22;
 
-/// Registrations, and block ids, waiting on all links of one prefill engine together, beyond
-/// which a link holding [`FAIR_WAITING`] or [`FAIR_WAITING_BLOCKS`] gets no more. Links are
-/// bounded per source, not across addresses: without it an insider holding links from many
+/// Registrations, and block ids, waiting on all links of one prefill engine together, at most:
+/// past them the link holding the most gives up its oldest ([`Matching::make_room`]). Links
+/// are bounded per source, not across addresses: without it an insider holding links from many
 /// addresses made the engine keep 16 MiB of block ids per link.
 pub const ENGINE_WAITING: usize = 4 * MAX_WAITING;
 pub const ENGINE_WAITING_BLOCKS: usize = 4 * MAX_WAITING_BLOCKS;
-
-/// What every link may have waiting however full its engine is: far more than a decode
-/// engine's requests between allocation and prefill's KvReady.
-pub const FAIR_WAITING: usize = 64;
-pub const FAIR_WAITING_BLOCKS: usize = 1 << 16;
 
 /// One waiting registration counted against its link's [`MAX_WAITING`] and
 /// [`MAX_WAITING_BLOCKS`], for as long as it lives (however it leaves the waiting list).
@@ -174,10 +251,10 @@ impl Held {
         }
         let all = engine.0.load(Ordering::SeqCst);
         let all_blocks = engine.1.load(Ordering::SeqCst);
-        let full = all >= ENGINE_WAITING || all_blocks + blocks > ENGINE_WAITING_BLOCKS;
-        if full && (now >= FAIR_WAITING || now_blocks + blocks > FAIR_WAITING_BLOCKS) {
+        if all >= ENGINE_WAITING || all_blocks + blocks > ENGINE_WAITING_BLOCKS {
+            // `Matching::make_room` found no link holding more than this one would.
             return Err(format!(
-                "this engine's links have {all} registrations and releases of {all_blocks} blocks waiting for their KvReady (at most {ENGINE_WAITING} of {ENGINE_WAITING_BLOCKS}), and this link {now} of {now_blocks}, as many as every link may have ({FAIR_WAITING} of {FAIR_WAITING_BLOCKS}) then"
+                "this engine's links have {all} registrations and releases of {all_blocks} blocks waiting for their KvReady (at most {ENGINE_WAITING} of {ENGINE_WAITING_BLOCKS}), and this link holds the most ({now} of {now_blocks})"
             ));
         }
         for c in [&link.waiting, engine] {
@@ -384,7 +461,7 @@ impl Engine {
         let _ = stream.set_write_timeout(Some(PREFILL_SILENCE_LIMIT));
         let Session { sealer, mut opener, .. } = session;
         let Ok(link) = Link::new(
-            &self.shared.outboxes,
+            &self.shared.outboxes_of(&self.reg.pdpair),
             stream,
             sealer,
             admission,
@@ -663,15 +740,21 @@ impl Engine {
                 }
                 (None, _) if gone => None,
                 (None, _) => {
-                    let engine_waiting = matching.waiting.clone();
-                    let early = matching
-                        .released_early
-                        .entry(request.clone())
-                        .or_insert((Vec::new(), Instant::now()));
-                    let of_prompt = early.0.iter().filter(|(_, _, p, _)| *p == prompt).count();
-                    let again = early.0.iter().any(|(id, _, p, _)| *id == link.id && *p == prompt);
+                    let (of_prompt, again) = matching.released_early.get(&request).map_or((0, false), |(e, _)| {
+                        let mine = |(_, _, p, _): &&EarlyRelease| *p == prompt;
+                        (
+                            e.iter().filter(mine).count(),
+                            e.iter().filter(mine).any(|(id, ..)| *id == link.id),
+                        )
+                    });
                     if !again && of_prompt < expected as usize {
                         // Counted with the link's waiting registrations: kept for a lease.
+                        matching.make_room(&link.waiting, 0);
+                        let engine_waiting = matching.waiting.clone();
+                        let early = matching
+                            .released_early
+                            .entry(request.clone())
+                            .or_insert((Vec::new(), Instant::now()));
                         match Held::take(link, &engine_waiting, 0) {
                             Ok(held) => early.0.push((link.id, held, prompt, expected)),
                             Err(why) => {
@@ -799,6 +882,7 @@ impl Engine {
             }
         } else {
             // Under the matching lock: the check and the count are one step.
+            matching.make_room(&link.waiting, reg.blocks.len());
             match Held::take(link, &matching.waiting, reg.blocks.len()) {
                 Ok(held) => matching.registered.entry(reg.request.clone()).or_default().push((
                     link.clone(),

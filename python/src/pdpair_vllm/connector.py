@@ -145,6 +145,12 @@ def _prompt(request: "Request") -> Prompt:
     return Prompt(request.all_token_ids, extras, media, unbound)
 
 
+def _prompt_if_remote(request: "Request") -> Optional[Prompt]:
+    """:func:`_prompt` for a request whose KV may move (it has ``kv_transfer_params``); ``None``
+    for the others, which the scheduler asks about every step they wait."""
+    return _prompt(request) if request.kv_transfer_params else None
+
+
 def _layer_index(name: str) -> Tuple[int, str]:
     m = re.search(r"(\d+)", name)
     return (int(m.group(1)) if m else -1, name)
@@ -178,13 +184,13 @@ class PdpairConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         assert self._sched is not None
         return self._sched.matched_tokens(request.request_id, request.kv_transfer_params,
-                                          request.num_prompt_tokens, num_computed_tokens, _prompt(request))
+                                          request.num_prompt_tokens, num_computed_tokens, _prompt_if_remote(request))
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         assert self._sched is not None
         ids = blocks.get_block_ids()[0] if blocks is not None else []
         self._sched.after_alloc(request.request_id, request.kv_transfer_params, list(ids),
-                                request.num_prompt_tokens, num_external_tokens, _prompt(request))
+                                request.num_prompt_tokens, num_external_tokens, _prompt_if_remote(request))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -210,7 +216,7 @@ class PdpairConnector(KVConnectorBase_V1):
         status = getattr(request.status, "name", str(request.status))
         return self._sched.finished(request.request_id, request.kv_transfer_params, status in COMPLETED,
                                     list(ids or []), request.num_computed_tokens, self._engine_id,
-                                    load_failed=status == "FINISHED_ERROR", prompt=_prompt(request))
+                                    load_failed=status == "FINISHED_ERROR", prompt=_prompt_if_remote(request))
 
     # ==== worker side ============================================================================
 
