@@ -973,6 +973,36 @@ impl Link {
     }
 }
 
+/// A prefill engine's side-channel listener: at `before` (the address it had before its agent
+/// restarted) where that is on `host`, a port of the kernel's ephemeral range (which the kernel
+/// hands out to anyone: an engine cannot take a service's port this way) and free; else at a new
+/// port.
+fn side_channel_listener(host: IpAddr, before: Option<SocketAddr>) -> io::Result<TcpListener> {
+    if let Some(at) = before {
+        if at.ip() == host && ephemeral_ports().contains(&at.port()) {
+            match TcpListener::bind(at) {
+                Ok(l) => return Ok(l),
+                Err(e) => tracing::info!(%at, error = %e, "cannot listen where the engine was before; at a new port"),
+            }
+        } else {
+            tracing::info!(%at, "the engine's address before is not this agent's host and ephemeral ports; at a new port");
+        }
+    }
+    TcpListener::bind(SocketAddr::new(host, 0))
+}
+
+/// The ports the kernel picks from for port 0 (`net.ipv4.ip_local_port_range`, which IPv6 uses
+/// too), or Linux's default range.
+fn ephemeral_ports() -> std::ops::RangeInclusive<u16> {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| {
+            let mut it = s.split_whitespace().map(str::parse::<u16>);
+            Some(it.next()?.ok()?..=it.next()?.ok()?)
+        })
+        .unwrap_or(32768..=60999)
+}
+
 fn next_link_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
@@ -1053,6 +1083,7 @@ impl Engine {
             .ok_or("pairing_key must be non-empty hex")?;
         let layout = reg.layout().map_err(|e| e.to_string())?;
         reg.check_staging()?;
+        reg.check_address()?;
         if reg.num_blocks == 0 {
             return Err("num_blocks must be at least 1".into());
         }
@@ -1115,7 +1146,7 @@ impl Engine {
         }
         let listener = match reg.role {
             Role::Prefill => Some(
-                TcpListener::bind(SocketAddr::new(shared.cfg.listen_host, 0))
+                side_channel_listener(shared.cfg.listen_host, reg.address)
                     .map_err(|e| format!("binding the side channel: {e}"))?,
             ),
             Role::Decode => None,

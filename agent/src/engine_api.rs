@@ -300,6 +300,12 @@ pub struct PoolRegistration {
     /// (`spec.staging`). At most [`MAX_STAGING`] bytes; not with `gpu`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staging: Option<String>,
+    /// Prefill: the side-channel address this engine had before, when it registers again with
+    /// its restarted agent: the agent listens there again where it can (its own host, a port of
+    /// the kernel's ephemeral range, free), so the addresses decode engines were handed stay
+    /// good; else at a new one (`Registered.address` says which).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<std::net::SocketAddr>,
 }
 
 /// Decodes a frame an engine sent before it registered, naming what is wrong: a `RegisterPool`
@@ -458,6 +464,16 @@ pub struct RegionRequest {
 }
 
 impl PoolRegistration {
+    /// Checks `address`: only a prefill engine has one.
+    pub fn check_address(&self) -> Result<(), String> {
+        match (self.address, self.role) {
+            (Some(a), Role::Decode) => Err(format!(
+                "address is {a}, but a decode engine has no side-channel address (prefill engines listen; decode engines dial)"
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Checks `staging`: short, and only for a host pool.
     pub fn check_staging(&self) -> Result<(), String> {
         match &self.staging {

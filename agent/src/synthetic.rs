@@ -232,6 +232,7 @@ impl SyntheticEngine {
             regions: spec.regions.clone(),
             gpu: None,
             staging: None,
+            address: None,
         }
     }
 

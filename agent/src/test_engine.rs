@@ -100,6 +100,7 @@ pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError>
         regions: Vec::new(),
         gpu: None,
         staging: None,
+        address: None,
     };
     let mut engine = SyntheticEngine::register_as(&socket, reg).map_err(UsageError)?;
     let say = |out: &mut dyn Write, v: serde_json::Value| {

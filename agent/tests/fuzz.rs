@@ -192,6 +192,9 @@ fn registration() -> impl Strategy<Value = PoolRegistration> {
                     },
                     // Now and then a staging reason, sometimes past its limit or beside a GPU pool.
                     staging: (layout % 5 == 0).then(|| "staged \u{7}".repeat(usize::from(layout) * 3)),
+                    // Now and then the address a prefill engine had before (refused for decode).
+                    address: (layout % 7 == 0)
+                        .then(|| std::net::SocketAddr::from(([127, 0, 0, 1], 40_000 + u16::from(layout)))),
                     gpu,
                 }
             },

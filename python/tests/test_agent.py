@@ -348,3 +348,44 @@ def test_a_send_to_an_agent_that_stops_reading_fails_instead_of_hanging(monkeypa
     assert time.monotonic() - started < 30, "failed at the send timeout, not at the end of the loop"
     client.close()
     theirs.close()
+
+
+def test_a_restarted_agent_listens_again_where_a_prefill_engine_was(world):
+    # Decode engines were handed this prefill rank's address; after its agent restarts (a
+    # rollout) the engine registers again naming it, and the agent listens there again where it
+    # can: its own host, an ephemeral port, free. Elsewhere it listens at a new port.
+    import socket
+
+    def register(agent, role="prefill", **extra):
+        reg = registration(pdpair="default/pair", role=role, engine="p-0", kv=kv(), num_blocks=4,
+                           pairing_key=world.key, mode="Push", checksum="Disabled", handshake_timeout_ms=5000,
+                           lease_ms=30000)
+        return AgentClient.register(agent.socket, dict(reg, **extra))
+
+    a = world.agent("p")
+    first = register(a)
+    before = first.address
+    first.close()
+    a.kill()
+    a = world.agent("p")  # the same socket
+    again = register(a, address=before)
+    assert again.address == before, (before, again.address)
+    again.close()
+    # The port is someone else's now: a new one.
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    with taken:
+        port = taken.getsockname()[1]
+        moved = register(a, address=f"127.0.0.1:{port}")
+        assert moved.address != f"127.0.0.1:{port}" and moved.address.startswith("127.0.0.1:")
+        moved.close()
+    # Not this agent's host, or not an ephemeral port (a service's): never bound there.
+    for elsewhere in ("10.9.9.9:40000", "127.0.0.1:22", "127.0.0.1:80"):
+        c = register(a, address=elsewhere)
+        assert c.address != elsewhere
+        c.close()
+    with pytest.raises(AgentError, match="address"):
+        register(a, address="somewhere")
+    with pytest.raises(AgentError, match="address is 127.0.0.1:40000, but a decode engine has no side-channel address"):
+        register(a, role="decode", address="127.0.0.1:40000")

@@ -275,8 +275,11 @@ def test_lost_agents_end_the_transfers_in_flight_and_both_engines_go_on(world):
 
 def test_engines_register_again_with_restarted_agents_and_their_kv_moves_again(world):
     # A DaemonSet rollout restarts every agent under running engines: each rank registers again
-    # once its transfers ended, and P's scheduler hands D the new agent's address (it listens at
-    # another port). Before, no KV moved on either engine until both were restarted.
+    # once its transfers ended, with no step (idle engines take none); a prefill rank's agent
+    # listens where it did where it can, and where its port was taken meanwhile, P's scheduler
+    # hands D the new address. Before, no KV moved on either engine until both were restarted.
+    import socket
+
     p = Engine(world, world.agent("p"), "prefill", seed=P_SEED, tp=2)
     d = Engine(world, world.agent("d"), "decode", seed=D_SEED, policy="recompute", tp=2)
     try:
@@ -289,6 +292,11 @@ def test_engines_register_again_with_restarted_agents_and_their_kv_moves_again(w
         d.add("meanwhile", list(range(4000, 4040)), prefill(p, "meanwhile", list(range(4000, 4040))))
         both(p, d, lambda: "meanwhile" in d.outputs, what="a request while the agents are down")
         assert d.outcome("meanwhile") is None or d.outcome("meanwhile") == "RequestFailed"
+        # Rank 1's port is someone else's by the time the agent is back.
+        taken = socket.socket()
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", int(before[1].rsplit(":", 1)[1])))
+        taken.listen()
         world.agent("p")
         world.agent("d")  # the same sockets
         workers = p.workers + d.workers
@@ -296,13 +304,14 @@ def test_engines_register_again_with_restarted_agents_and_their_kv_moves_again(w
         while not all(w._worker.reconnections == 1 for w in workers):  # idle engines: no steps
             assert time.monotonic() < deadline, "every rank registered again"
             time.sleep(0.01)
-        # The step that reports the new addresses to P's scheduler (a request ending in it is
-        # still handed out under the old ones, and computed on decode).
+        # The step that reports rank 1's new address to P's scheduler (a request ending in it is
+        # still handed out under the old one, and computed on decode).
         p.step()
         after = [w._client.address for w in p.workers]
-        assert all(a and a not in before for a in after), (before, after)
+        assert after[0] == before[0] and after[1] not in before, (before, after)
         params = prefill(p, "after", list(range(5000, 5040)))
-        assert params["pdpair_prefill_ranks"] == after, "D is told the new addresses"
+        assert params["pdpair_prefill_ranks"] == after, "D is told the new address"
+        taken.close()
         assert decode_receives(p, d, "after", list(range(5000, 5040)), params) == [P_SEED] * 40
         assert d.outcome("after") == "RequestDone"
     finally:

@@ -242,9 +242,15 @@ class PdpairConnector(KVConnectorBase_V1):
         client, stager = self._connect(sock, reg, tensors, rank)
         # A restarted agent listens at a new address, which a prefill rank's scheduler learns
         # through the workers' metadata: a vLLM without it would hand decode the old one.
-        again = role == "decode" or KVConnectorWorkerMetadata is not object
-        self._worker = WorkerState(client, stager, rank,
-                                   reconnect=(lambda: self._connect(sock, reg, tensors, rank)) if again else None)
+        self._worker = WorkerState(client, stager, rank, reconnect=lambda: self._connect(sock, self._again(reg), tensors, rank))
+
+    def _again(self, reg: dict) -> dict:
+        """The registration again after the agent connection was lost: a prefill rank names the
+        address decode engines were handed, where its restarted agent listens again when it can
+        (else at a new one, which reaches the scheduler through the workers' metadata)."""
+        if reg.get("role") != "prefill" or self._worker is None or not self._worker.client.address:
+            return reg
+        return dict(reg, address=self._worker.client.address)
 
     def _connect(self, sock: str, reg: dict, tensors: List[torch.Tensor], rank: int) -> Tuple[AgentClient, Stager]:
         """Registers this rank's KV with its agent (at startup, and again after losing it, on
