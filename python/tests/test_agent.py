@@ -356,8 +356,11 @@ def test_a_restarted_agent_listens_again_where_a_prefill_engine_was(world):
     # can: its own host, an ephemeral port, free. Elsewhere it listens at a new port.
     import socket
 
+    names = iter(range(100))
+
     def register(agent, role="prefill", **extra):
-        reg = registration(pdpair="default/pair", role=role, engine="p-0", kv=kv(), num_blocks=4,
+        # A name each: the agent lets a closed connection's engine go a moment later.
+        reg = registration(pdpair="default/pair", role=role, engine=f"p-{next(names)}", kv=kv(), num_blocks=4,
                            pairing_key=world.key, mode="Push", checksum="Disabled", handshake_timeout_ms=5000,
                            lease_ms=30000)
         return AgentClient.register(agent.socket, dict(reg, **extra))
