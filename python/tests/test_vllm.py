@@ -443,3 +443,37 @@ def decode_receives_queued(p: Engine, d: Engine, request: str, tokens: int):
 
     both(p, d, arrived, what="the queued request's KV received")
     return seen["seeds"]
+
+
+@pytest.mark.parametrize("setting", ["pipeline_parallel_size", "decode_context_parallel_size",
+                                     "prefill_context_parallel_size"])
+def test_parallelism_pdpair_does_not_move_kv_for_is_refused_at_startup_naming_it(setting):
+    # Each stage (pipeline) or rank (context parallel) holds only part of a block's KV: paired
+    # block for block with an engine that holds all of it, KV would move silently wrong.
+    from vllm.config import ParallelConfig
+
+    from pdpair_vllm.connector import check_parallelism
+
+    check_parallelism(ParallelConfig(tensor_parallel_size=2))
+    kw = {setting: 2, "tensor_parallel_size": 2}
+    with pytest.raises(ValueError, match=f"pdpair: {setting} is 2; pdpair moves KV with tensor parallelism only"):
+        check_parallelism(ParallelConfig(**kw))
+
+
+def test_the_connector_refuses_unsupported_parallelism_when_vllm_builds_it(world):
+    import copy
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from pdpair_vllm.connector import PdpairConnector
+
+    e = Engine(world, world.agent("p"), "prefill", seed=P_SEED)
+    try:
+        cfg = copy.copy(e.config)
+        cfg.parallel_config = copy.copy(cfg.parallel_config)
+        cfg.parallel_config.decode_context_parallel_size = 2
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ValueError, match="decode_context_parallel_size is 2"):
+                PdpairConnector(cfg, role, e.kv_cache_config)
+    finally:
+        e.close()

@@ -109,6 +109,25 @@ def _role(vllm_config, extra: dict) -> str:
     return role
 
 
+#: vLLM parallelism pdpair does not move KV for, and why: refused at startup, naming the
+#: setting, rather than pairing blocks that do not hold what the other side's do.
+UNSUPPORTED_PARALLELISM = {
+    "pipeline_parallel_size": "each pipeline stage holds only its layers' KV",
+    "decode_context_parallel_size": "each rank's blocks hold only its share of the tokens",
+    "prefill_context_parallel_size": "each rank computes only its share of the prompt",
+}
+
+
+def check_parallelism(parallel_config) -> None:
+    """Raises ``ValueError`` naming the first parallelism setting above 1 that pdpair does not
+    support (docs/vllm.md)."""
+    for name, why in UNSUPPORTED_PARALLELISM.items():
+        size = int(getattr(parallel_config, name, 1) or 1)
+        if size > 1:
+            raise ValueError(f"pdpair: {name} is {size}; pdpair moves KV with tensor parallelism only ({why}): "
+                             "run the pools with it at 1")
+
+
 def _direct_setting(value) -> Optional[bool]:
     """``kv_connector_extra_config.direct``: ``"auto"`` (the default: direct where it can be),
     ``true`` (direct or the registration fails, saying why), ``false`` (always stage)."""
@@ -166,6 +185,7 @@ class PdpairConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        check_parallelism(vllm_config.parallel_config)
         self._extra = _extra(vllm_config)
         self._engine_id = str(vllm_config.kv_transfer_config.engine_id or "vllm")
         cache = vllm_config.cache_config
