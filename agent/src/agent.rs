@@ -974,12 +974,19 @@ impl Link {
 }
 
 /// A prefill engine's side-channel listener: at `before` (the address it had before its agent
-/// restarted) where that is on `host`, a port of the kernel's ephemeral range (which the kernel
-/// hands out to anyone: an engine cannot take a service's port this way) and free; else at a new
-/// port.
+/// restarted) where that is on `host`, a port the kernel hands out to anyone (its ephemeral
+/// range, less the ports reserved from it for services: an engine cannot take a service's port
+/// this way) and free; else at a new port.
 fn side_channel_listener(host: IpAddr, before: Option<SocketAddr>) -> io::Result<TcpListener> {
     if let Some(at) = before {
-        if at.ip() == host && ephemeral_ports().contains(&at.port()) {
+        let read = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).unwrap_or_default();
+        if at.ip() == host
+            && ephemeral(
+                at.port(),
+                &read("ip_local_port_range"),
+                &read("ip_local_reserved_ports"),
+            )
+        {
             match TcpListener::bind(at) {
                 Ok(l) => return Ok(l),
                 Err(e) => tracing::info!(%at, error = %e, "cannot listen where the engine was before; at a new port"),
@@ -991,16 +998,25 @@ fn side_channel_listener(host: IpAddr, before: Option<SocketAddr>) -> io::Result
     TcpListener::bind(SocketAddr::new(host, 0))
 }
 
-/// The ports the kernel picks from for port 0 (`net.ipv4.ip_local_port_range`, which IPv6 uses
-/// too), or Linux's default range.
-fn ephemeral_ports() -> std::ops::RangeInclusive<u16> {
-    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| {
-            let mut it = s.split_whitespace().map(str::parse::<u16>);
-            Some(it.next()?.ok()?..=it.next()?.ok()?)
-        })
-        .unwrap_or(32768..=60999)
+/// Whether the kernel picks `port` for port 0: in `range` (`net.ipv4.ip_local_port_range`,
+/// which IPv6 uses too; Linux's default where unreadable) and not in `reserved`
+/// (`net.ipv4.ip_local_reserved_ports`: `8080,9000-9100`; unreadable: none).
+fn ephemeral(port: u16, range: &str, reserved: &str) -> bool {
+    let mut bounds = range.split_whitespace().map(str::parse::<u16>);
+    let (low, high) = match (bounds.next(), bounds.next()) {
+        (Some(Ok(l)), Some(Ok(h))) => (l, h),
+        _ => (32768, 60999),
+    };
+    let in_reserved = reserved.trim().split(',').filter(|s| !s.is_empty()).any(|part| {
+        let mut ends = part.trim().splitn(2, '-').map(str::parse::<u16>);
+        match (ends.next(), ends.next()) {
+            (Some(Ok(a)), None) => port == a,
+            (Some(Ok(a)), Some(Ok(b))) => (a..=b).contains(&port),
+            // Unreadable: taken as reserving everything, so nothing is bound by request.
+            _ => true,
+        }
+    });
+    (low..=high).contains(&port) && !in_reserved
 }
 
 fn next_link_id() -> u64 {
@@ -1806,7 +1822,7 @@ mod tests {
     }
 
     /// A link to a peer that never reads (a connected socket whose far end is left unread).
-    fn link_to_a_mute_peer() -> (Link, TcpStream) {
+    pub(super) fn link_to_a_mute_peer() -> (Link, TcpStream) {
         link_to_a_mute_peer_in(&Outboxes::new(crate::outboxes::OUTBOX_BUDGET))
     }
 
@@ -1991,6 +2007,24 @@ mod tests {
             "every frame reached it"
         );
         assert!(open_held(&mutes) <= BUDGET);
+    }
+
+    #[test]
+    fn an_engine_gets_back_only_a_port_the_kernel_hands_anyone() {
+        assert!(ephemeral(40000, "32768\t60999\n", "\n"));
+        assert!(!ephemeral(22, "32768\t60999\n", ""), "a service's port");
+        assert!(!ephemeral(61000, "32768\t60999\n", ""));
+        assert!(ephemeral(40000, "", ""), "Linux's default range where unreadable");
+        assert!(
+            !ephemeral(40000, "32768 60999", "8080,39000-41000"),
+            "reserved from the range"
+        );
+        assert!(!ephemeral(50000, "32768 60999", "50000"));
+        assert!(ephemeral(50001, "32768 60999", "50000,52000-53000"));
+        assert!(
+            !ephemeral(40000, "32768 60999", "bogus"),
+            "unreadable reservations reserve all"
+        );
     }
 
     #[test]

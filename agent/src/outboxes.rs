@@ -7,11 +7,11 @@
 //! another pair's links give up their place.
 //!
 //! A full budget does not shut out peers that read: a frame for a link holding nothing is always
-//! queued (its writer is about to write it), and otherwise the link whose writer has gone longest
-//! without finishing a frame is closed, unless that is the sending link, whose frame is then
-//! refused (and its link closed, as a full link outbox is). A peer that stopped reading (or
-//! trickles) makes no progress and loses its link first; a peer that keeps up finishes frames
-//! all the time and keeps its place, however many addresses hold the rest.
+//! queued (its writer is about to write it), and otherwise, among the links holding at least an
+//! equal share of what is held, the one whose writer has gone longest without finishing a frame
+//! is closed, unless that is the sending link, whose frame is then refused (and its link closed,
+//! as a full link outbox is). A link with a small backlog is never the one, however slowly its
+//! peer reads; of the links holding much, a peer that stopped reading goes before one that reads.
 
 use std::{
     collections::HashMap,
@@ -179,8 +179,9 @@ impl Outboxes {
     }
 
     /// Room for a frame of `len` bytes on `queue`, which may hold at most `per_link`: the
-    /// charge, or why there is none (the caller closes the link). Over the budget, the link
-    /// that has gone longest without progress is closed to make room, unless that is `queue`.
+    /// charge, or why there is none (the caller closes the link). Over the budget, of the links
+    /// holding at least an equal share, the one longest without progress is closed to make
+    /// room, unless that is `queue`.
     pub fn charge(self: &Arc<Self>, queue: &Arc<Queue>, len: usize, per_link: usize) -> Result<Charge, String> {
         let mine = queue.queued();
         if mine + len > per_link {
@@ -217,22 +218,29 @@ impl Outboxes {
         if held + len <= self.budget {
             return Ok(());
         }
-        let stalest = holding.iter().min_by_key(|q| q.progress());
+        // Among the links holding at least an equal share, the one longest without progress: a
+        // link with a small backlog is never the one (however slowly its peer reads), and a peer
+        // that reads just enough to look alive cannot keep much.
+        let share = held / holding.len().max(1);
+        let stalest = holding
+            .iter()
+            .filter(|q| q.queued() >= share)
+            .min_by_key(|q| q.progress());
         match stalest {
-            Some(q) if !Arc::ptr_eq(q, queue) && q.progress() < queue.progress() => {
+            Some(q) if !Arc::ptr_eq(q, queue) => {
                 let idle_ms = now().saturating_sub(q.progress()) / 1000;
                 tracing::warn!(
                     peer = %q.peer,
                     held = q.queued(),
                     idle_ms,
-                    "this pair's links hold {held} bytes for their peers, over the {} budget; closed the one that made no progress for longest",
+                    "this pair's links hold {held} bytes for their peers, over the {} budget; closed the one of those holding the most that made no progress for longest",
                     self.budget
                 );
                 q.close();
                 Ok(())
             }
             _ => Err(format!(
-                "this pair's links hold {held} bytes for their peers, over the {} budget, and this peer's has made no progress for longest",
+                "this pair's links hold {held} bytes for their peers, over the {} budget, and of those holding the most this peer's has made no progress for longest",
                 self.budget
             )),
         }
@@ -292,9 +300,9 @@ mod tests {
     }
 
     #[test]
-    fn a_link_that_keeps_up_keeps_its_place_however_much_it_holds() {
-        // A peer reading a large answer holds more than one that stopped reading a while ago:
-        // the one without progress goes.
+    fn of_the_links_holding_much_the_one_without_progress_goes() {
+        // Two links hold as much; one's peer reads (a frame was written lately), the other's
+        // stopped a while ago: the stalled one goes.
         let o = Outboxes::new(100);
         let (x, _x) = stream();
         let (y, _y) = stream();
@@ -304,19 +312,46 @@ mod tests {
             o.queue(y, "reading".into()),
             o.queue(z, "z".into()),
         );
-        let _x1 = o.charge(&qx, 10, 1000).expect("x");
+        let _x1 = o.charge(&qx, 40, 1000).expect("x");
         tick();
-        let y1 = o.charge(&qy, 30, 1000).expect("y");
-        let _y2 = o.charge(&qy, 30, 1000).expect("y");
-        let _y3 = o.charge(&qy, 30, 1000).expect("y");
+        let y1 = o.charge(&qy, 20, 1000).expect("y");
+        let _y2 = o.charge(&qy, 20, 1000).expect("y");
+        let _y3 = o.charge(&qy, 20, 1000).expect("y");
         tick();
         y1.written();
         let _z1 = o.charge(&qz, 20, 1000).expect("z");
         let _z2 = o.charge(&qz, 20, 1000).expect("z makes room");
         assert!(
             qx.shut() && !qy.shut(),
-            "the stalled link went, not the one holding the most"
+            "the stalled link went, not the one whose peer reads"
         );
+    }
+
+    #[test]
+    fn a_link_with_a_small_backlog_keeps_its_place_against_peers_that_look_alive_holding_much() {
+        // Insiders read a byte now and then (their links finish a frame lately) while holding
+        // most of the budget; a real peer's link holds a little, its last frame a while ago.
+        let o = Outboxes::new(100);
+        let (r, _r) = stream();
+        let (a, _a) = stream();
+        let (b, _b) = stream();
+        let (qr, qa, qb) = (
+            o.queue(r, "real".into()),
+            o.queue(a, "a".into()),
+            o.queue(b, "b".into()),
+        );
+        let _r1 = o.charge(&qr, 5, 1000).expect("r");
+        let _r2 = o.charge(&qr, 5, 1000).expect("r");
+        tick();
+        let mut insiders = Vec::new();
+        for q in [&qa, &qb] {
+            let first = o.charge(q, 1, 1000).expect("insider");
+            insiders.push(o.charge(q, 44, 1000).expect("insider"));
+            tick();
+            first.written(); // "alive"
+        }
+        let _r3 = o.charge(&qr, 5, 1000).expect("the real peer's frame");
+        assert!(!qr.shut() && (qa.shut() || qb.shut()), "an insider went");
     }
 
     #[test]

@@ -472,3 +472,22 @@ def test_prefill_offers_no_kv_at_an_address_decode_was_not_told():
                        Send("ok", [5], 16, addresses={0: "10.0.0.2:7000", 1: "10.0.0.1:7000"})]))
     assert client.calls == [("kv_ready", "ok")]
     assert w.poll().finished_sending == {"stale"}, "its blocks are free at once"
+
+
+def test_a_connection_lost_while_a_step_holds_the_lock_is_still_taken_up_when_the_step_ends(monkeypatch):
+    # The event reader saw the end while the engine's thread was in a step past its own check:
+    # an idle engine takes no further step, so the reader must not just give up.
+    from pdpair_vllm import transfer
+
+    monkeypatch.setattr(transfer, "RECONNECT_FIRST_S", 0.01)
+    old, new = _Client(), _Client()
+    w = WorkerState(old, _Held(), reconnect=lambda: (new, _Held()))
+    with w._lock:  # a step
+        old.closed = "the agent closed the connection"
+        reader = transfer.threading.Thread(target=old.on_close)  # what the event reader does
+        reader.start()
+        reader.join(5)
+        assert not reader.is_alive(), "the reader does not wait for the step"
+        time.sleep(0.05)
+        assert w.reconnections == 0
+    _until(lambda: w.reconnections == 1, "registered again after the step")

@@ -112,22 +112,46 @@ pub(super) struct Matching {
 
 /// Where a waiting entry is: a registration (request, place) or an early release (request,
 /// place).
-enum Entry {
-    Registered(String, usize),
-    Early(String, usize),
+enum Entry<'a> {
+    Registered(&'a str, usize),
+    Early(&'a str, usize),
 }
 
 impl Matching {
     /// Room, past the engine's bound, for one more entry of `blocks` blocks on the link counting
-    /// `mine`: the oldest entry of the link holding the most (registrations, or blocks where
-    /// those are over) goes, if that link holds more than `mine` would with it. An evicted
-    /// registration's link hears `Failed{Busy}`; an early release is dropped. So links that
-    /// pile up entries lose them, heaviest first, and a decode asking for a few keeps its place
-    /// however many links hold the rest.
+    /// `mine`: the oldest entries of the link holding the most (registrations, or blocks where
+    /// those are over: then only entries that hold blocks) go, as long as that link holds more
+    /// than `mine` would with the new one. An evicted registration's link hears `Failed{Busy}`;
+    /// an early release is dropped. So links that pile up entries lose them, heaviest first, and
+    /// a decode asking for a few keeps its place however many links hold the rest.
     fn make_room(&mut self, mine: &Counts, blocks: usize) {
+        // Each eviction frees an entry (or its blocks, the largest of the heaviest link's); at
+        // most [`MAX_EVICTIONS`] for one newcomer, each a scan of the waiting entries.
+        for _ in 0..MAX_EVICTIONS {
+            let Some(evicted) = self.evict_one(mine, blocks) else {
+                break;
+            };
+            if let Some((link, request)) = evicted {
+                tracing::debug!(peer = %link.addr, %request, "this engine's waiting registrations are at their bound; dropped the oldest of the link holding the most");
+                link.send(&Message::Failed {
+                    request,
+                    reason: Reason::Busy,
+                    message: format!(
+                        "the prefill engine's links have {ENGINE_WAITING} registrations (or {ENGINE_WAITING_BLOCKS} blocks) waiting for their KvReady, and this link the most: its oldest was dropped"
+                    ),
+                });
+            }
+        }
+    }
+
+    /// One eviction for [`Matching::make_room`]: `None` when the new entry fits or no other
+    /// link holds more than `mine` would; else the evicted registration's link and request
+    /// (`Some(None)` for an early release).
+    #[allow(clippy::option_option)]
+    fn evict_one(&mut self, mine: &Counts, blocks: usize) -> Option<Option<(Arc<Link>, String)>> {
         let by_blocks = self.waiting.1.load(Ordering::SeqCst) + blocks > ENGINE_WAITING_BLOCKS;
         if !by_blocks && self.waiting.0.load(Ordering::SeqCst) < ENGINE_WAITING {
-            return;
+            return None;
         }
         let weight = |c: &Counts| {
             if by_blocks {
@@ -137,61 +161,52 @@ impl Matching {
             }
         };
         let after = weight(mine) + if by_blocks { blocks } else { 1 };
-        // The heaviest other link's oldest entry.
-        let mut victim: Option<(usize, Instant, Entry)> = None;
-        let mut consider = |held: &Held, at: Instant, entry: Entry| {
-            if Arc::ptr_eq(&held.counts, mine) {
-                return;
-            }
-            let w = weight(&held.counts);
-            if w > after
-                && victim
-                    .as_ref()
-                    .is_none_or(|(vw, vat, _)| w > *vw || (w == *vw && at < *vat))
-            {
-                victim = Some((w, at, entry));
-            }
-        };
-        for (request, list) in &self.registered {
-            for (i, (_, _, at, held)) in list.iter().enumerate() {
-                consider(held, *at, Entry::Registered(request.clone(), i));
-            }
-        }
-        for (request, (list, at)) in &self.released_early {
-            for (i, (_, held, _, _)) in list.iter().enumerate() {
-                consider(held, *at, Entry::Early(request.clone(), i));
-            }
-        }
-        match victim {
-            Some((_, _, Entry::Registered(request, i))) => {
-                let Some(list) = self.registered.get_mut(&request) else {
-                    return;
-                };
-                let (link, ..) = list.swap_remove(i);
+        // The heaviest other link's oldest entry (that frees blocks, where blocks are over).
+        let registered = self.registered.iter().flat_map(|(request, list)| {
+            list.iter()
+                .enumerate()
+                .map(move |(i, (_, _, at, held))| (held, *at, Entry::Registered(request.as_str(), i)))
+        });
+        let early = self.released_early.iter().flat_map(|(request, (list, at))| {
+            list.iter()
+                .enumerate()
+                .map(move |(i, (_, held, _, _))| (held, *at, Entry::Early(request.as_str(), i)))
+        });
+        // Where blocks are over, its largest (so a few evictions make room), else its oldest.
+        let victim = registered
+            .chain(early)
+            .filter(|(held, ..)| !(Arc::ptr_eq(&held.counts, mine) || (by_blocks && held.blocks == 0)))
+            .map(|(held, at, entry)| (weight(&held.counts), if by_blocks { held.blocks } else { 0 }, at, entry))
+            .filter(|(w, ..)| *w > after)
+            .max_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)).then(b.2.cmp(&a.2)));
+        let (.., entry) = victim?;
+        Some(match entry {
+            Entry::Registered(request, i) => {
+                let request = request.to_owned();
+                let list = self.registered.get_mut(&request)?;
+                // In order: the request's registrations are served first come.
+                let (link, ..) = list.remove(i);
                 if list.is_empty() {
                     self.registered.remove(&request);
                 }
-                tracing::warn!(peer = %link.addr, %request, "this engine's waiting registrations are at their bound; dropped the oldest of the link holding the most");
-                link.send(&Message::Failed {
-                    request,
-                    reason: Reason::Busy,
-                    message: format!(
-                        "the prefill engine's links have {ENGINE_WAITING} registrations (or {ENGINE_WAITING_BLOCKS} blocks) waiting for their KvReady, and this link the most: its oldest was dropped"
-                    ),
-                });
+                Some((link, request))
             }
-            Some((_, _, Entry::Early(request, i))) => {
-                if let Some((list, _)) = self.released_early.get_mut(&request) {
-                    list.swap_remove(i);
-                    if list.is_empty() {
-                        self.released_early.remove(&request);
-                    }
+            Entry::Early(request, i) => {
+                let request = request.to_owned();
+                let list = &mut self.released_early.get_mut(&request)?.0;
+                list.remove(i);
+                if list.is_empty() {
+                    self.released_early.remove(&request);
                 }
+                None
             }
-            None => {}
-        }
+        })
     }
 }
+
+/// Entries one newcomer may evict past the engine's bound (see [`Matching::make_room`]); when
+/// they do not make room it is refused.
+const MAX_EVICTIONS: usize = 256;
 
 /// A count and a number of blocks, shared by what they count.
 type Counts = Arc<(std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsize)>;
@@ -241,20 +256,27 @@ pub(super) struct Held {
 impl Held {
     /// A place for a registration of `blocks` blocks on `link` of the engine counting
     /// `engine` (taken under its matching lock), or why there is none.
-    fn take(link: &Link, engine: &Counts, blocks: usize) -> Result<Held, String> {
+    fn take(link: &Link, engine: &Counts, blocks: usize) -> Result<Held, (Reason, String)> {
         let now = link.waiting.0.load(Ordering::SeqCst);
         let now_blocks = link.waiting.1.load(Ordering::SeqCst);
         if now >= MAX_WAITING || now_blocks + blocks > MAX_WAITING_BLOCKS {
-            return Err(format!(
-                "this link has {now} registrations and releases of {now_blocks} blocks waiting for their KvReady; at most {MAX_WAITING} of {MAX_WAITING_BLOCKS}"
+            return Err((
+                Reason::InvalidRequest,
+                format!(
+                    "this link has {now} registrations and releases of {now_blocks} blocks waiting for their KvReady; at most {MAX_WAITING} of {MAX_WAITING_BLOCKS}"
+                ),
             ));
         }
         let all = engine.0.load(Ordering::SeqCst);
         let all_blocks = engine.1.load(Ordering::SeqCst);
         if all >= ENGINE_WAITING || all_blocks + blocks > ENGINE_WAITING_BLOCKS {
-            // `Matching::make_room` found no link holding more than this one would.
-            return Err(format!(
-                "this engine's links have {all} registrations and releases of {all_blocks} blocks waiting for their KvReady (at most {ENGINE_WAITING} of {ENGINE_WAITING_BLOCKS}), and this link holds the most ({now} of {now_blocks})"
+            // `Matching::make_room` found no link holding more than this one would (or no room
+            // within its evictions).
+            return Err((
+                Reason::Busy,
+                format!(
+                    "this engine's links have {all} registrations and releases of {all_blocks} blocks waiting for their KvReady (at most {ENGINE_WAITING} of {ENGINE_WAITING_BLOCKS}), and no other link holds more than this one would ({now} of {now_blocks} now)"
+                ),
             ));
         }
         for c in [&link.waiting, engine] {
@@ -757,14 +779,14 @@ impl Engine {
                             .or_insert((Vec::new(), Instant::now()));
                         match Held::take(link, &engine_waiting, 0) {
                             Ok(held) => early.0.push((link.id, held, prompt, expected)),
-                            Err(why) => {
+                            Err((reason, why)) => {
                                 if early.0.is_empty() {
                                     matching.released_early.remove(&request);
                                 }
                                 drop(matching);
                                 link.send(&Message::Failed {
                                     request,
-                                    reason: Reason::InvalidRequest,
+                                    reason,
                                     message: format!("a release before the KvReady is not kept: {why}"),
                                 });
                                 return;
@@ -890,9 +912,9 @@ impl Engine {
                     Instant::now(),
                     held,
                 )),
-                Err(why) => {
+                Err((reason, why)) => {
                     drop(matching);
-                    refuse(why);
+                    refuse_for(reason, why);
                 }
             }
         }
@@ -1320,6 +1342,96 @@ mod tests {
             first_token: first,
             prompt: None,
         }
+    }
+
+    /// A registration of `blocks` blocks (counted; its ids are not kept) waiting on `link`.
+    fn wait(m: &mut Matching, link: &Arc<Link>, request: &str, blocks: usize) {
+        m.make_room(&link.waiting, blocks);
+        let held = Held::take(link, &m.waiting, blocks).expect("a place");
+        let reg = Registration {
+            request: request.into(),
+            ..reg(0, Vec::new())
+        };
+        m.registered
+            .entry(request.into())
+            .or_default()
+            .push((link.clone(), reg, Instant::now(), held));
+    }
+
+    /// An early release waiting on `link` (it holds no blocks).
+    fn release_early(m: &mut Matching, link: &Arc<Link>, request: &str) {
+        m.make_room(&link.waiting, 0);
+        let held = Held::take(link, &m.waiting, 0).expect("a place");
+        let at = Instant::now();
+        m.released_early
+            .entry(request.into())
+            .or_insert((Vec::new(), at))
+            .0
+            .push((link.id, held, None, 1));
+    }
+
+    fn mute() -> Arc<Link> {
+        Arc::new(crate::agent::tests::link_to_a_mute_peer().0)
+    }
+
+    #[test]
+    fn past_the_engines_blocks_the_heaviest_links_largest_registration_gives_way_not_its_early_releases() {
+        // Links filling the engine's blocks, each with early releases (no blocks) as its
+        // oldest entries: evicting those freed nothing, and every registration was refused.
+        let mut m = Matching::default();
+        let insiders: Vec<Arc<Link>> = (0..4).map(|_| mute()).collect();
+        for (l, link) in insiders.iter().enumerate() {
+            for i in 0..8 {
+                release_early(&mut m, link, &format!("e{l}-{i}"));
+            }
+            for i in 0..4 {
+                wait(&mut m, link, &format!("r{l}-{i}"), MAX_WAITING_BLOCKS / 4);
+            }
+        }
+        assert_eq!(m.waiting.1.load(Ordering::SeqCst), ENGINE_WAITING_BLOCKS, "full");
+        let decode = mute();
+        wait(&mut m, &decode, "real", 1000);
+        assert!(m.waiting.1.load(Ordering::SeqCst) <= ENGINE_WAITING_BLOCKS);
+        assert_eq!(m.released_early.len(), 32, "no early release went");
+        assert_eq!(
+            m.registered.values().map(Vec::len).sum::<usize>(),
+            16,
+            "one of 16 went, for one"
+        );
+        // A large one takes as many as it needs, heaviest links first.
+        wait(&mut m, &mute(), "large", MAX_WAITING_BLOCKS * 5 / 8);
+        assert!(m.waiting.1.load(Ordering::SeqCst) <= ENGINE_WAITING_BLOCKS);
+        assert_eq!(
+            m.registered.values().map(Vec::len).sum::<usize>(),
+            15,
+            "two more went for it"
+        );
+    }
+
+    #[test]
+    fn past_the_engines_registrations_the_oldest_of_the_heaviest_link_gives_way_and_the_heaviest_is_refused() {
+        let mut m = Matching::default();
+        let insiders: Vec<Arc<Link>> = (0..4).map(|_| mute()).collect();
+        for (l, link) in insiders.iter().enumerate() {
+            for i in 0..MAX_WAITING - l {
+                wait(&mut m, link, &format!("r{l}-{i}"), 1);
+            }
+        }
+        // Not quite full (the lighter links hold a few less): top it up from the heaviest.
+        let newcomer = mute();
+        for i in 0..10 {
+            wait(&mut m, &newcomer, &format!("new-{i}"), 1);
+        }
+        assert!(m.waiting.0.load(Ordering::SeqCst) <= ENGINE_WAITING);
+        assert!(
+            !m.registered.contains_key("r0-0"),
+            "the heaviest link's oldest went first"
+        );
+        assert!(m.registered.contains_key("r3-0"), "a lighter link's stays");
+        // A link that would hold the most is refused rather than take another's place.
+        m.make_room(&insiders[0].waiting, 1);
+        let refused = Held::take(&insiders[0], &m.waiting, 1);
+        assert!(matches!(&refused, Err((Reason::Busy, _))), "{refused:?}");
     }
 
     #[test]

@@ -37,8 +37,11 @@ class TorchStager(Stager):
         self.pool = flat.view(layout.layers, len(layout.arrays), layout.num_blocks, layout.block_len)
         self.rows = [block_rows(t, layout.num_blocks, layout.block_len) for t in tensors]
         self.pinned = False
-        if any(t.is_cuda for t in tensors):
-            self.pinned = _pin(flat.data_ptr(), layout.pool_len)
+        #: The GPU the pool is pinned for (unpinned under it, from whichever thread).
+        self.device = next((t.device for t in tensors if t.is_cuda), None)
+        if self.device is not None:
+            with torch.cuda.device(self.device):
+                self.pinned = _pin(flat.data_ptr(), layout.pool_len)
 
     # The pool mirrors the KV cache block for block (the same ids), so runs of consecutive blocks
     # are one slice copy per layer (K and V together): a gather by index tensors ran 18x slower
@@ -62,7 +65,8 @@ class TorchStager(Stager):
         if self.pinned:
             self.pinned = False
             try:
-                torch.cuda.cudart().cudaHostUnregister(self.pool.data_ptr())
+                with torch.cuda.device(self.device):
+                    torch.cuda.cudart().cudaHostUnregister(self.pool.data_ptr())
             except Exception as e:  # pragma: no cover - no GPU here
                 log.warning("pdpair: cudaHostUnregister of the old KV pool failed: %s", e)
         # Nothing here views the pool any more: it is unmapped once its client lets it go.

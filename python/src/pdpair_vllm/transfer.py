@@ -588,10 +588,11 @@ class WorkerState:
             if told != self.client.address:
                 # D was told another address for this rank (its agent restarted between the
                 # request's end and now): no decode would ask this agent for it.
-                (log.debug if str(told) in self._stale else log.warning)(
+                (log.debug if str(told) in self._stale else log.error)(
                     "pdpair: request %s was handed to decode with agent address %s for rank %d, which is at %s now; "
-                    "its KV is not offered (and no more requests handed out so are logged)", send.request, told,
-                    self.rank, self.client.address)
+                    "its KV is not offered (and no more requests handed out so are logged). If every request "
+                    "says so, this vLLM does not tell its scheduler a new address (worker metadata, vLLM 0.33 "
+                    "on): restart the engine", send.request, told, self.rank, self.client.address)
                 if len(self._stale) < KEPT:
                     self._stale.add(str(told))
                 self._results.finished_sending.add(send.request)
@@ -628,6 +629,14 @@ class WorkerState:
                 self._begin_reconnect()
             finally:
                 self._lock.release()
+            return
+        # Busy (a step, or a swap): wait for it on a thread of its own (this reader must not
+        # wait: the engine's thread may be closing this connection and waiting for it).
+        threading.Thread(target=self._begin_reconnect_locked, name="pdpair-agent-lost", daemon=True).start()
+
+    def _begin_reconnect_locked(self) -> None:
+        with self._lock:
+            self._begin_reconnect()
 
     def _begin_reconnect(self) -> None:
         """Once the connection is lost and every transfer of it has ended, gives up the old
