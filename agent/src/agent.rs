@@ -335,7 +335,10 @@ impl Agent {
                 ucx,
                 metrics,
                 unauthenticated: crate::unproven::Budget::new(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_SOURCE),
-                outboxes: crate::outboxes::Budgets::new(crate::outboxes::OUTBOX_BUDGET),
+                outboxes: crate::outboxes::Budgets::new(
+                    crate::outboxes::OUTBOX_BUDGET,
+                    crate::outboxes::AGENT_OUTBOX_BUDGET,
+                ),
                 listening: AtomicBool::new(false),
                 pending_gpu_fds: std::sync::atomic::AtomicUsize::new(0),
                 unregistered: std::sync::atomic::AtomicUsize::new(0),

@@ -29,19 +29,26 @@ use crate::lock;
 /// per sender racing another): eight links' worth.
 pub const OUTBOX_BUDGET: usize = 8 * crate::agent::LINK_OUTBOX;
 
-/// Every pair's budget on this agent.
+/// Bytes all links of every pair on this agent hold, at most: pairs are as many as engines
+/// registered with it claim (a tenant's pods may name pairs of their own), so past four pairs'
+/// worth the same rule runs across all of them.
+pub const AGENT_OUTBOX_BUDGET: usize = 4 * OUTBOX_BUDGET;
+
+/// Every pair's budget on this agent, and the agent's over them all.
 #[derive(Debug)]
 pub struct Budgets {
     budget: usize,
     by_pair: Mutex<HashMap<String, Weak<Outboxes>>>,
+    all: Arc<Outboxes>,
 }
 
 impl Budgets {
-    /// `budget` bytes for each pair.
-    pub fn new(budget: usize) -> Budgets {
+    /// `budget` bytes for each pair, `total` for all of them.
+    pub fn new(budget: usize, total: usize) -> Budgets {
         Budgets {
             budget,
             by_pair: Mutex::new(HashMap::new()),
+            all: Outboxes::new(total),
         }
     }
 
@@ -52,16 +59,21 @@ impl Budgets {
             return o;
         }
         all.retain(|_, o| o.strong_count() > 0);
-        let o = Outboxes::new(self.budget);
+        let o = Arc::new(Outboxes {
+            parent: Some(self.all.clone()),
+            ..Outboxes::unbound(self.budget)
+        });
         all.insert(pdpair.to_owned(), Arc::downgrade(&o));
         o
     }
 }
 
-/// One pair's budget of queued bytes.
+/// One pair's budget of queued bytes (or the agent's, over every pair's).
 #[derive(Debug)]
 pub struct Outboxes {
     budget: usize,
+    /// The agent's budget, which this one's bytes count against too.
+    parent: Option<Arc<Outboxes>>,
     total: AtomicUsize,
     queues: Mutex<Vec<Weak<Queue>>>,
 }
@@ -101,7 +113,9 @@ impl Charge {
 impl Drop for Charge {
     fn drop(&mut self) {
         self.queue.queued.fetch_sub(self.len, Ordering::SeqCst);
-        self.outboxes.total.fetch_sub(self.len, Ordering::SeqCst);
+        for o in std::iter::once(&*self.outboxes).chain(self.outboxes.parent.as_deref()) {
+            o.total.fetch_sub(self.len, Ordering::SeqCst);
+        }
     }
 }
 
@@ -150,11 +164,16 @@ impl Queue {
 
 impl Outboxes {
     pub fn new(budget: usize) -> Arc<Outboxes> {
-        Arc::new(Outboxes {
+        Arc::new(Outboxes::unbound(budget))
+    }
+
+    fn unbound(budget: usize) -> Outboxes {
+        Outboxes {
             budget,
+            parent: None,
             total: AtomicUsize::new(0),
             queues: Mutex::new(Vec::new()),
-        })
+        }
     }
 
     /// Bytes queued in every outbox.
@@ -172,9 +191,11 @@ impl Outboxes {
             stream,
             peer,
         });
-        let mut queues = lock(&self.queues);
-        queues.retain(|w| w.strong_count() > 0);
-        queues.push(Arc::downgrade(&q));
+        for o in std::iter::once(self).chain(self.parent.as_deref()) {
+            let mut queues = lock(&o.queues);
+            queues.retain(|w| w.strong_count() > 0);
+            queues.push(Arc::downgrade(&q));
+        }
         q
     }
 
@@ -190,16 +211,31 @@ impl Outboxes {
         if mine == 0 {
             // Nothing waits: its writer is keeping up.
             queue.progress.store(now(), Ordering::SeqCst);
-        } else if self.total() + len > self.budget {
-            self.make_room(queue, len)?;
+        } else {
+            for o in std::iter::once(&**self).chain(self.parent.as_deref()) {
+                if o.total() + len > o.budget {
+                    o.make_room(queue, len)?;
+                }
+            }
         }
         queue.queued.fetch_add(len, Ordering::SeqCst);
-        self.total.fetch_add(len, Ordering::SeqCst);
+        for o in std::iter::once(&**self).chain(self.parent.as_deref()) {
+            o.total.fetch_add(len, Ordering::SeqCst);
+        }
         Ok(Charge {
             queue: queue.clone(),
             outboxes: self.clone(),
             len,
         })
+    }
+
+    /// Whose links this budget counts, for messages.
+    fn whose(&self) -> &'static str {
+        if self.parent.is_some() {
+            "this pair's"
+        } else {
+            "all the agent's"
+        }
     }
 
     fn make_room(&self, queue: &Arc<Queue>, len: usize) -> Result<(), String> {
@@ -233,14 +269,16 @@ impl Outboxes {
                     peer = %q.peer,
                     held = q.queued(),
                     idle_ms,
-                    "this pair's links hold {held} bytes for their peers, over the {} budget; closed the one of those holding the most that made no progress for longest",
+                    "{} links hold {held} bytes for their peers, over the {} budget; closed the one of those holding the most that made no progress for longest",
+                    self.whose(),
                     self.budget
                 );
                 q.close();
                 Ok(())
             }
             _ => Err(format!(
-                "this pair's links hold {held} bytes for their peers, over the {} budget, and of those holding the most this peer's has made no progress for longest",
+                "{} links hold {held} bytes for their peers, over the {} budget, and of those holding the most this peer's has made no progress for longest",
+                self.whose(),
                 self.budget
             )),
         }
@@ -358,7 +396,7 @@ mod tests {
     fn one_pairs_links_do_not_take_another_pairs_place() {
         // An insider of pair A holds A's whole budget with links that read nothing: pair B's
         // links, holding bytes too, neither lose their place nor are refused.
-        let budgets = Budgets::new(100);
+        let budgets = Budgets::new(100, 1000);
         let (a, b) = (budgets.of("team-a/llama"), budgets.of("team-b/llama"));
         assert!(Arc::ptr_eq(&a, &budgets.of("team-a/llama")), "one budget per pair");
         let (s1, _s1) = stream();
@@ -371,6 +409,34 @@ mod tests {
         assert!(!qa.shut() && !qb.shut());
         drop(a);
         assert!(!Arc::ptr_eq(&b, &budgets.of("team-a/llama")));
+    }
+
+    #[test]
+    fn many_pairs_together_hold_at_most_the_agents_budget() {
+        // A tenant's pods may name pairs of their own, each with its budget: the agent's bounds
+        // them all, by the same rule across pairs.
+        let budgets = Budgets::new(100, 150);
+        let pairs: Vec<Arc<Outboxes>> = (0..3).map(|i| budgets.of(&format!("tenant/pair-{i}"))).collect();
+        let mut held = Vec::new();
+        let mut queues = Vec::new();
+        for (i, o) in pairs.iter().enumerate() {
+            let (s, peer) = stream();
+            let q = o.queue(s, format!("stalled-{i}"));
+            held.push(o.charge(&q, 1, 1000).expect("first"));
+            for _ in 0..6 {
+                // Each pair's own budget is not over: only the agent's can say no.
+                if let Ok(c) = o.charge(&q, 10, 1000) {
+                    held.push(c);
+                }
+            }
+            queues.push((q, peer));
+            tick();
+        }
+        let open: usize = queues.iter().filter(|(q, _)| !q.shut()).map(|(q, _)| q.queued()).sum();
+        assert!(open <= 150 + 10, "the pairs' open links hold {open}");
+        assert!(queues[0].0.shut(), "the first pair's stalled link gave way");
+        drop(held);
+        assert_eq!(budgets.all.total(), 0, "released in the agent's total too");
     }
 
     #[test]
