@@ -29,7 +29,9 @@ use pdpair_api::{Role, checksum::BlockSums};
 
 mod decode;
 mod prefill;
-pub use prefill::{ENGINE_WAITING, ENGINE_WAITING_BLOCKS, MAX_LINKS_PER_SOURCE, MAX_WAITING, MAX_WAITING_BLOCKS};
+pub use prefill::{
+    ENGINE_WAITING, ENGINE_WAITING_BLOCKS, MAX_LINKS_PER_ENGINE, MAX_LINKS_PER_SOURCE, MAX_WAITING, MAX_WAITING_BLOCKS,
+};
 mod publish;
 
 use prefill::Matching;
@@ -832,6 +834,9 @@ struct Link {
     id: u64,
     /// Cleared when the link's reader stops: nothing more is sent on it.
     alive: AtomicBool,
+    /// When its peer last asked something of it (not a ping): the least used link of a full
+    /// engine gives way ([`crate::agent::MAX_LINKS_PER_ENGINE`]).
+    used: std::sync::atomic::AtomicU64,
     peer: PeerInfo,
     /// UCX peer id, on the side that moves the bytes (push: prefill; pull: decode).
     ucx_peer: Option<u64>,
@@ -894,6 +899,7 @@ impl Link {
             stream: handle,
             id: next_link_id(),
             alive: AtomicBool::new(true),
+            used: std::sync::atomic::AtomicU64::new(crate::outboxes::now()),
             peer,
             ucx_peer,
             path: std::sync::OnceLock::new(),

@@ -124,7 +124,8 @@ fn epoch() -> Instant {
     *EPOCH.get_or_init(Instant::now)
 }
 
-fn now() -> u64 {
+/// Microseconds since the process's first call (a clock links compare).
+pub fn now() -> u64 {
     u64::try_from(epoch().elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 

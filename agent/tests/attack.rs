@@ -1681,9 +1681,14 @@ fn pull_prefill_ready_leased(w: &World, lease_ms: u64) -> SyntheticEngine {
 
 /// An insider's pull decode link to `p` (it holds the pair's key), handshaken.
 fn pull_link(p: &SyntheticEngine) -> (TcpStream, protocol::Session) {
+    pull_link_from(p, [127, 0, 0, 1])
+}
+
+/// [`pull_link`] from `source`.
+fn pull_link_from(p: &SyntheticEngine, source: [u8; 4]) -> (TcpStream, protocol::Session) {
     let mut me = insider(Role::Decode);
     me.mode = TransferMode::Pull;
-    let mut s = TcpStream::connect(addr(p)).expect("connect");
+    let mut s = connect_from(source, addr(p)).expect("connect");
     let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("auth");
     protocol::handshake_decode(&mut s, &mut session, &me).expect("handshake");
     (s, session)
@@ -2527,6 +2532,28 @@ fn registrations_waiting_on_all_of_an_engines_links_are_bounded_and_the_heaviest
 }
 
 #[test]
+fn an_engines_links_are_bounded_in_all_and_the_least_used_gives_way_to_a_decode_asking_for_work() {
+    let _serial = serial();
+    // Links are bounded per source, not across addresses: an insider holding many addresses
+    // opened links (two threads each) without end. Past the engine's bound, a decode that
+    // authenticated takes the place of the link whose peer asked least recently for anything.
+    use pdpair_agent::agent::{MAX_LINKS_PER_ENGINE, MAX_LINKS_PER_SOURCE};
+    pdpair_agent::tuning::raise_fd_limit().expect("descriptors for a thousand links");
+    let w = World::new("attack-engine-links");
+    let p = pull_prefill_ready(&w);
+    let idle: Vec<_> = (0..MAX_LINKS_PER_ENGINE)
+        .map(|i| pull_link_from(&p, [127, 0, 1, 2 + (i / MAX_LINKS_PER_SOURCE) as u8]))
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(idle.iter().all(|(s, _)| !closed_by_listener(s)), "every link is held");
+    // A decode asking for work gets in and is served; the first idle link gave way.
+    let _real = borrower_of_r(&p);
+    std::thread::sleep(Duration::from_millis(200));
+    let gone: Vec<usize> = (0..idle.len()).filter(|&i| closed_by_listener(&idle[i].0)).collect();
+    assert_eq!(gone, vec![0], "the least recently used link went, and only it");
+}
+
+#[test]
 fn an_insider_keeps_a_bounded_number_of_links_to_one_engine() {
     let _serial = serial();
     // Each authenticated link has its own bounds (its outbox, its waiting registrations) and
@@ -2546,6 +2573,9 @@ fn an_insider_keeps_a_bounded_number_of_links_to_one_engine() {
         protocol::handshake_decode(&mut s, &mut session, &me).map_err(|e| e.to_string())?;
         Ok(())
     };
+    // Each link is counted once prefill's thread for it finished its side of the handshake,
+    // a moment after ours returned.
+    std::thread::sleep(Duration::from_millis(300));
     assert!(one_more().is_err(), "a link past the bound is closed");
     // One goes; another may come.
     links.pop();

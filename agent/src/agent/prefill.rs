@@ -226,6 +226,13 @@ type Waiting = (Arc<Link>, Registration, Instant, Held);
 /// decode engine on its node): more are closed before authentication, like the pre-auth budget's.
 pub const MAX_LINKS_PER_SOURCE: usize = 128;
 
+/// Links one prefill engine keeps in all (two threads each): past it, a decode that has just
+/// authenticated and handshaken takes the place of the link whose peer asked least recently
+/// for anything. Links are bounded per source, not across addresses: an insider holding many
+/// addresses could otherwise open links (and threads) without end; a decode asking for work
+/// keeps its place, an idle one dials again when it has work.
+pub const MAX_LINKS_PER_ENGINE: usize = 1024;
+
 /// Registrations (and releases that came first) one decode link may have waiting for their
 /// KvReady, at most: more are refused (an insider could otherwise fill the agent's memory with
 /// registrations of requests that never come). A decode engine asks for far fewer at once (vLLM
@@ -501,6 +508,17 @@ impl Engine {
         {
             let mut accepted = lock(&self.accepted);
             accepted.retain(|l| l.strong_count() > 0);
+            let live: Vec<Arc<Link>> = accepted
+                .iter()
+                .filter_map(std::sync::Weak::upgrade)
+                .filter(|l| l.alive.load(Ordering::SeqCst))
+                .collect();
+            if live.len() >= MAX_LINKS_PER_ENGINE
+                && let Some(idle) = live.iter().min_by_key(|l| l.used.load(Ordering::SeqCst))
+            {
+                tracing::warn!(engine = %self.reg.engine, peer = %idle.addr, "this engine holds {MAX_LINKS_PER_ENGINE} links; closed the one whose peer asked least recently for anything");
+                idle.close();
+            }
             accepted.push(Arc::downgrade(&link));
         }
         // Checked after the push: a shutdown that ran before it did not see this link.
@@ -519,14 +537,20 @@ impl Engine {
                     self.shared.metrics.foreign_answer();
                     tracing::warn!(engine = %self.reg.engine, peer = %link.addr, bytes = request.len(), "ignored a message whose request id is too long");
                 }
-                Ok(Message::Register(reg)) => self.registration(&link, reg),
-                Ok(Message::Released { request, bytes }) => self.released(&link, request, bytes),
-                Ok(Message::Release { request, prompt }) => self.decode_released(&link, request, prompt),
-                Ok(Message::Renew { request, prompt }) => self.renewed(&request, prompt),
                 Ok(Message::Ping { seq }) => {
                     link.send(&Message::Pong { seq });
                 }
-                Ok(_) => {}
+                Ok(m) => {
+                    // Asked something: this link is in use (a full engine keeps it).
+                    link.used.store(crate::outboxes::now(), Ordering::SeqCst);
+                    match m {
+                        Message::Register(reg) => self.registration(&link, reg),
+                        Message::Released { request, bytes } => self.released(&link, request, bytes),
+                        Message::Release { request, prompt } => self.decode_released(&link, request, prompt),
+                        Message::Renew { request, prompt } => self.renewed(&request, prompt),
+                        _ => {}
+                    }
+                }
                 Err(e) => {
                     tracing::debug!(engine = %self.reg.engine, peer = %link.addr, error = %e, "decode link ended");
                     break;
