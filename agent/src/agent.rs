@@ -567,7 +567,12 @@ impl Agent {
             publisher.add(&engine);
         }
         let registered = AgentEvent::Registered {
-            address: engine.address.clone(),
+            // Decode engines dial out: they have none to hand anyone (an engine that offered
+            // its host as one would hand decode an address no prefill listens at).
+            address: match engine.reg.role {
+                Role::Prefill => engine.address.clone(),
+                Role::Decode => String::new(),
+            },
             agent: self.shared.cfg.name.clone(),
             memory_len: engine.layout.pool_len() as u64,
             region_lens: engine.layout.region_lens().into_iter().map(|l| l as u64).collect(),

@@ -541,7 +541,8 @@ pub enum AgentEvent {
     },
     /// The pool is registered; peers reach this engine at `address`.
     Registered {
-        /// Side-channel address (prefill engines listen; decode engines connect out).
+        /// Side-channel address (prefill engines listen); empty for decode engines, which
+        /// connect out.
         address: String,
         /// Agent identity.
         agent: String,

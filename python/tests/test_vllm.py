@@ -477,3 +477,15 @@ def test_the_connector_refuses_unsupported_parallelism_when_vllm_builds_it(world
                 PdpairConnector(cfg, role, e.kv_cache_config)
     finally:
         e.close()
+
+
+def test_a_decode_engine_hands_out_no_address_when_a_client_asks_it_for_remote_decode(pair, caplog):
+    # Decode engines dial out: their agent gave them their host as an "address", which vLLM's
+    # scheduler then handed to clients as a prefill rank no prefill listened at.
+    p, d = pair()
+    assert d.scheduler.connector._sched.prefill_ranks == {}, "a decode engine has no address"
+    assert p.scheduler.connector._sched.prefill_ranks, "a prefill engine has"
+    d.add("x", list(range(9000, 9040)), {"do_remote_decode": True})
+    d.run_until(lambda: "x" in d.outputs and d.status("x") is None, what="x done and its blocks free")
+    assert d.outputs["x"].kv_transfer_params is None
+    assert "no prefill rank registered" in caplog.text
