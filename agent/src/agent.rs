@@ -204,11 +204,6 @@ struct LocalEngine {
 }
 
 impl Shared {
-    /// The outbox budget of `pdpair`'s links.
-    fn outboxes_of(&self, pdpair: &str) -> Arc<Outboxes> {
-        self.outboxes.of(pdpair)
-    }
-
     /// Engine names are unique on the node (its agent): two engines of one name would share a
     /// PDEndpoint, and a peer naming one could not tell them apart.
     fn name_free(&self, locals: &[(u64, LocalEngine)], pdpair: &str, engine: &str) -> Result<(), String> {
@@ -1088,6 +1083,8 @@ struct Engine {
     /// The decode agents' links this P engine accepted: closed when the engine goes, so their
     /// threads end and the engine's pools are freed then, not when a silent peer times out.
     accepted: Mutex<Vec<std::sync::Weak<Link>>>,
+    /// Its PDPair's outbox budget, which its links' outboxes count against.
+    outboxes: Arc<Outboxes>,
     /// This registration's id in `Shared::locals`.
     local_id: u64,
 }
@@ -1235,6 +1232,7 @@ impl Engine {
             },
             memory,
         };
+        let outboxes = shared.outboxes.of(&reg.pdpair);
         let engine = Arc::new(Engine {
             shared,
             reg,
@@ -1257,6 +1255,7 @@ impl Engine {
             rejections: Mutex::new(HashMap::new()),
             matching: Mutex::new(Matching::default()),
             accepted: Mutex::new(Vec::new()),
+            outboxes,
             local_id: next_link_id(),
         });
         {

@@ -113,7 +113,7 @@ impl Charge {
 impl Drop for Charge {
     fn drop(&mut self) {
         self.queue.queued.fetch_sub(self.len, Ordering::SeqCst);
-        for o in std::iter::once(&*self.outboxes).chain(self.outboxes.parent.as_deref()) {
+        for o in self.outboxes.levels() {
             o.total.fetch_sub(self.len, Ordering::SeqCst);
         }
     }
@@ -168,6 +168,11 @@ impl Outboxes {
         Arc::new(Outboxes::unbound(budget))
     }
 
+    /// This budget and the agent's over it, which a link's bytes count against both.
+    fn levels(&self) -> impl Iterator<Item = &Outboxes> {
+        std::iter::once(self).chain(self.parent.as_deref())
+    }
+
     fn unbound(budget: usize) -> Outboxes {
         Outboxes {
             budget,
@@ -192,7 +197,7 @@ impl Outboxes {
             stream,
             peer,
         });
-        for o in std::iter::once(self).chain(self.parent.as_deref()) {
+        for o in self.levels() {
             let mut queues = lock(&o.queues);
             queues.retain(|w| w.strong_count() > 0);
             queues.push(Arc::downgrade(&q));
@@ -213,14 +218,14 @@ impl Outboxes {
             // Nothing waits: its writer is keeping up.
             queue.progress.store(now(), Ordering::SeqCst);
         } else {
-            for o in std::iter::once(&**self).chain(self.parent.as_deref()) {
+            for o in self.levels() {
                 if o.total() + len > o.budget {
                     o.make_room(queue, len)?;
                 }
             }
         }
         queue.queued.fetch_add(len, Ordering::SeqCst);
-        for o in std::iter::once(&**self).chain(self.parent.as_deref()) {
+        for o in self.levels() {
             o.total.fetch_add(len, Ordering::SeqCst);
         }
         Ok(Charge {

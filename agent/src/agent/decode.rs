@@ -728,7 +728,7 @@ impl Engine {
         });
         let Session { sealer, opener, .. } = session;
         match Link::new(
-            &self.shared.outboxes_of(&self.reg.pdpair),
+            &self.outboxes,
             stream,
             sealer,
             admission,

@@ -490,7 +490,7 @@ impl Engine {
         let _ = stream.set_write_timeout(Some(PREFILL_SILENCE_LIMIT));
         let Session { sealer, mut opener, .. } = session;
         let Ok(link) = Link::new(
-            &self.shared.outboxes_of(&self.reg.pdpair),
+            &self.outboxes,
             stream,
             sealer,
             admission,
