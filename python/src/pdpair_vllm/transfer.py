@@ -622,16 +622,8 @@ class WorkerState:
 
     def _on_close(self) -> None:
         """The event reader saw the connection end: an idle engine takes no steps, so the
-        reconnection starts here when nothing is in flight (else the engine's next step starts
-        it; so does it when the engine's thread holds the lock now)."""
-        if self._lock.acquire(blocking=False):
-            try:
-                self._begin_reconnect()
-            finally:
-                self._lock.release()
-            return
-        # Busy (a step, or a swap): wait for it on a thread of its own (this reader must not
-        # wait: the engine's thread may be closing this connection and waiting for it).
+        reconnection starts from here, on a thread of its own once the lock is free (a step, or
+        the engine closing this connection while it waits for this reader, may hold it)."""
         threading.Thread(target=self._begin_reconnect_locked, name="pdpair-agent-lost", daemon=True).start()
 
     def _begin_reconnect_locked(self) -> None:
