@@ -2554,6 +2554,52 @@ fn an_engines_links_are_bounded_in_all_and_the_least_used_gives_way_to_a_decode_
 }
 
 #[test]
+fn a_link_reading_lent_blocks_keeps_its_place_when_an_engines_links_are_full() {
+    let _serial = serial();
+    // Pull: a decode reading a request's blocks asks nothing on the side channel until it has
+    // read them, however long that takes, so it is the least recently used link. Past the
+    // engine's bound it must not be the one to give way (its read would fail, and the blocks
+    // stay lent to the lease): a link that is not being served goes instead.
+    use pdpair_agent::agent::{MAX_LINKS_PER_ENGINE, MAX_LINKS_PER_SOURCE};
+    pdpair_agent::tuning::raise_fd_limit().expect("descriptors for a thousand links");
+    let w = World::new("attack-engine-links-lent");
+    let mut p = pull_prefill_ready(&w);
+    let (mut borrower, mut borrowed) = borrower_of_r(&p);
+    std::thread::sleep(Duration::from_millis(20));
+    let idle: Vec<_> = (0..MAX_LINKS_PER_ENGINE - 1)
+        .map(|i| pull_link_from(&p, [127, 0, 1, 2 + (i / MAX_LINKS_PER_SOURCE) as u8]))
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!closed_by_listener(&borrower), "the borrower is held");
+    assert!(idle.iter().all(|(s, _)| !closed_by_listener(s)), "every link is held");
+    // One more decode: the oldest link not being served gives way, not the borrower.
+    let _newcomer = pull_link_from(&p, [127, 0, 2, 1]);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !closed_by_listener(&borrower),
+        "the link reading lent blocks kept its place"
+    );
+    let gone: Vec<usize> = (0..idle.len()).filter(|&i| closed_by_listener(&idle[i].0)).collect();
+    assert_eq!(
+        gone,
+        vec![0],
+        "the least recently used link not being served went, and only it"
+    );
+    // The borrower read them: the request ends as it should.
+    borrowed
+        .send(
+            &mut borrower,
+            &Message::Released {
+                request: "r".into(),
+                bytes: 64,
+            },
+        )
+        .expect("Released");
+    let event = final_event(&mut p);
+    assert!(matches!(&event, AgentEvent::RequestDone { .. }), "{event:?}");
+}
+
+#[test]
 fn an_insider_keeps_a_bounded_number_of_links_to_one_engine() {
     let _serial = serial();
     // Each authenticated link has its own bounds (its outbox, its waiting registrations) and

@@ -228,7 +228,8 @@ pub const MAX_LINKS_PER_SOURCE: usize = 128;
 
 /// Links one prefill engine keeps in all (two threads each): past it, a decode that has just
 /// authenticated and handshaken takes the place of the link whose peer asked least recently
-/// for anything. Links are bounded per source, not across addresses: an insider holding many
+/// for anything, of those not being served (a pull decode reading lent blocks asks nothing
+/// until it has read them). Links are bounded per source, not across addresses: an insider holding many
 /// addresses could otherwise open links (and threads) without end; a decode asking for work
 /// keeps its place, an idle one dials again when it has work.
 pub const MAX_LINKS_PER_ENGINE: usize = 1024;
@@ -513,11 +514,23 @@ impl Engine {
                 .filter_map(std::sync::Weak::upgrade)
                 .filter(|l| l.alive.load(Ordering::SeqCst))
                 .collect();
-            if live.len() >= MAX_LINKS_PER_ENGINE
-                && let Some(idle) = live.iter().min_by_key(|l| l.used.load(Ordering::SeqCst))
-            {
-                tracing::warn!(engine = %self.reg.engine, peer = %idle.addr, "this engine holds {MAX_LINKS_PER_ENGINE} links; closed the one whose peer asked least recently for anything");
-                idle.close();
+            if live.len() >= MAX_LINKS_PER_ENGINE {
+                // A link being served (pull: its peer reads lent blocks, and asks nothing until
+                // it has; push: being pushed to) is in use however long ago its peer last asked:
+                // the least recently used of the others goes first. (Lock order: `accepted`,
+                // then `matching`; nothing takes them the other way round.)
+                let serving: std::collections::HashSet<u64> = lock(&self.matching)
+                    .ready
+                    .values()
+                    .flat_map(|s| s.links.iter().copied())
+                    .collect();
+                if let Some(idle) = live
+                    .iter()
+                    .min_by_key(|l| (serving.contains(&l.id), l.used.load(Ordering::SeqCst)))
+                {
+                    tracing::warn!(engine = %self.reg.engine, peer = %idle.addr, "this engine holds {MAX_LINKS_PER_ENGINE} links; closed the one whose peer asked least recently for anything, of those not being served");
+                    idle.close();
+                }
             }
             accepted.push(Arc::downgrade(&link));
         }
