@@ -233,7 +233,9 @@ pub fn canonical(kv: &KvGeometry) -> KvGeometry {
 }
 
 /// Field-by-field differences between declared and observed geometry, as `field declared X,
-/// observed Y`; only differences in meaning (see [`canonical`]).
+/// observed Y`; only differences in meaning (see [`canonical`]). `engineVersion` counts only
+/// where both say one: a pool that declares none runs whichever version its image has (the
+/// vLLM connector always reports its own).
 pub fn differences(
     declared_par: &Parallelism,
     declared_kv: &KvGeometry,
@@ -241,6 +243,11 @@ pub fn differences(
     observed_kv: &KvGeometry,
 ) -> Vec<String> {
     let mut out = Vec::new();
+    let (mut declared_kv, mut observed_kv) = (declared_kv.clone(), observed_kv.clone());
+    if declared_kv.engine_version.is_none() || observed_kv.engine_version.is_none() {
+        (declared_kv.engine_version, observed_kv.engine_version) = (None, None);
+    }
+    let (declared_kv, observed_kv) = (&declared_kv, &observed_kv);
     for (prefix, declared, observed) in [
         (
             "parallelism",

@@ -113,6 +113,26 @@ def test_the_direct_setting_is_checked_and_direct_true_fails_where_the_kv_cache_
         staged.close()
 
 
+def test_the_registered_geometry_is_what_the_pool_declares_where_vllm_cannot_tell(world):
+    # The operator compares each PDEndpoint's geometry with its pool's declaration: fields the
+    # connector cannot read from vLLM are taken from the declaration (an unset hybrid or
+    # hostBuffer read false, a mismatch wherever a pool declares true), the rest from vLLM.
+    agent = world.agent("p", "tcp")
+    declared = {"model": "tiny-llama", "attentionBackend": "FLASH_ATTN", "hybrid": True, "hostBuffer": True}
+    e = Engine(world, agent, "prefill", seed=P_SEED, connector={"kv": declared})
+    try:
+        reg = e.worker.registration
+        kv = reg["kv"]
+        assert {k: kv[k] for k in declared} == declared, kv
+        import vllm
+
+        assert kv["engineVersion"] == vllm.__version__, kv
+        assert (kv["blockSize"], kv["kernelBlockSize"], kv["layout"]) == (16, 16, "NHD"), kv
+        assert reg["parallelism"] == {"tensor": 1, "pipeline": 1, "data": 1}, reg["parallelism"]
+    finally:
+        e.close()
+
+
 @pytest.mark.parametrize("mode,p_block,d_block", [("Push", 16, 16), ("Pull", 16, 32)])
 def test_a_prefix_hit_on_decode_receives_only_the_missing_tail(world, mode, p_block, d_block):
     pa, da = world.agent("p"), world.agent("d")

@@ -421,6 +421,31 @@ fn differences_name_every_field() {
     );
 }
 
+#[test]
+fn an_engine_version_counts_only_where_the_pool_declares_one() {
+    // The vLLM connector always reports its vLLM's version; a pool that declares none (as most
+    // examples) runs whichever its image has, and is not a mismatch for it.
+    let mut pair = pair();
+    pair.spec.prefill.kv.engine_version = None;
+    let mut p = endpoint("p-1", Role::Prefill, &pair);
+    p.spec.kv.engine_version = Some("0.33.0".into());
+    let d = endpoint("d-1", Role::Decode, &pair);
+    let (s, _) = compute(&pair, &observed_with(&p, &d), &t(0));
+    let c = cond(&s, ct::GEOMETRY_COMPATIBLE);
+    assert_eq!(c.status, "True", "{c:?}");
+    // Declared, another version is one.
+    pair.spec.prefill.kv.engine_version = Some("0.11.0".into());
+    let (s, _) = compute(&pair, &observed_with(&p, &d), &t(0));
+    let c = cond(&s, ct::GEOMETRY_COMPATIBLE);
+    assert_eq!(c.reason, reasons::OBSERVED_GEOMETRY_MISMATCH, "{c:?}");
+    assert!(
+        c.message
+            .contains("kv.engineVersion declared \"0.11.0\", observed \"0.33.0\""),
+        "{}",
+        c.message
+    );
+}
+
 fn all_ready(endpoints: Vec<&PDEndpoint>) -> Observed<'_> {
     Observed {
         prefill: ready(2, 2),

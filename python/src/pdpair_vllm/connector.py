@@ -253,11 +253,17 @@ class PdpairConnector(KVConnectorBase_V1):
         role = _role(self._vllm_config, self._extra)
         rank, tp = self._rank()
         kv = self._geometry(first, len(tensors))
+        # Pipeline parallelism is refused when vLLM builds the connector; data parallel ranks
+        # are engines of their own, each with its whole KV cache (the PDEndpoint says how many).
+        data = int(getattr(self._vllm_config.parallel_config, "data_parallel_size", 1) or 1)
         reg = agent_client.registration(
             pdpair=self._pdpair(), role=role, engine=f"{self._host()}-{self._engine_id}-r{rank}", kv=kv,
-            num_blocks=num_blocks, pairing_key=self._pairing_key(), tensor=tp, tensor_rank=rank,
+            num_blocks=num_blocks, pairing_key=self._pairing_key(), tensor=tp, tensor_rank=rank, data=data,
             pod=os.environ.get("PDPAIR_POD_NAME"), **dict(self._extra.get("settings") or {}),
         )
+        #: What this rank registered: the agent publishes its parallelism and geometry in the
+        #: PDEndpoint, which the operator compares with the pool's declaration.
+        self.registration = reg
         sock = self._extra.get("socket") or os.environ.get("PDPAIR_AGENT_SOCKET") or agent_client.DEFAULT_SOCKET
         client, stager = self._connect(sock, reg, tensors, rank)
         # A restarted agent listens at a new address, which a prefill rank's scheduler learns
@@ -336,8 +342,9 @@ class PdpairConnector(KVConnectorBase_V1):
     def _geometry(self, t: torch.Tensor, layers: int) -> dict:
         """The geometry this engine really has (read from vLLM's config and the KV tensors: five
         dimensions, K/V and blocks then block, heads, dim in logical order; or MLA's three, blocks,
-        block, latent dim), with the identity fields vLLM cannot tell from the PDPair's
-        declaration."""
+        block, latent dim), with the identity fields vLLM cannot tell (model name, attention
+        backend, hybrid, hostBuffer) from the PDPair's declaration. ``engineVersion`` is vLLM's
+        own: the operator compares it only where the pool declares one."""
         mc = self._vllm_config.model_config
         declared = json.loads(os.environ.get("PDPAIR_KV") or "{}")
         declared.update(self._extra.get("kv") or {})
@@ -368,6 +375,11 @@ class PdpairConnector(KVConnectorBase_V1):
             "blockSize": self._block_size,
             "kernelBlockSize": int(kernel),
             "mla": mla,
+            # As declared: whether vLLM runs its hybrid KV cache manager and stages KV in a host
+            # buffer are settings of the deployment that the rule table checks between the pools;
+            # reported unset they would read false, a mismatch where the pool declares true.
+            "hybrid": bool(declared.get("hybrid", False)),
+            "hostBuffer": bool(declared.get("hostBuffer", False)),
         }
         return kv
 
