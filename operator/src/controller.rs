@@ -120,6 +120,9 @@ pub struct Context {
     events: Publisher,
     /// Status this replica last wrote, by uid: the baseline for transitions.
     written: Mutex<HashMap<String, PDPairStatus>>,
+    /// The plan (a [`fingerprint`] of both Deployments) last applied, by uid: a changed plan is
+    /// dry-run first.
+    applied: Mutex<HashMap<String, u64>>,
     /// Consecutive failures by object, for per-object backoff.
     failures: Mutex<HashMap<ObjectRef<PDPair>, u32>>,
     /// What engine pods need to reach their node agent.
@@ -178,25 +181,70 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     // children: an incompatible pair must not run, so what it had goes. Status says why. A pool
     // whose template was removed (now brought by the user) loses its Deployment the same way.
     let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ns);
-    for role in [Role::Prefill, Role::Decode] {
-        let dname = names::deployment_name(&name, role);
-        match plan::planned_deployment(pair, role, &ctx.wiring) {
-            Some(d) => {
-                deployments
-                    .patch(&dname, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&d))
-                    .await
-                    .map_err(|source| Error::ApplyDeployment {
+    let uid = pair.uid().unwrap_or_default();
+    let planned: Vec<(Role, String, Option<Deployment>)> = [Role::Prefill, Role::Decode]
+        .into_iter()
+        .map(|role| {
+            let d = plan::planned_deployment(pair, role, &ctx.wiring);
+            (role, names::deployment_name(&name, role), d)
+        })
+        .collect();
+    // Both pools' Deployments are dry-run before either is applied (whenever the plan changed):
+    // one the API server refuses (a field of the template the webhook does not check) must not
+    // leave the other pool rolled to a new geometry beside the old one. Neither is applied, and
+    // status says why.
+    let fingerprint = fingerprint(&planned);
+    let checked = ctx.applied.lock().is_ok_and(|a| a.get(&uid) == Some(&fingerprint));
+    let mut apply_refused = None;
+    if !checked {
+        for (_, dname, d) in &planned {
+            let Some(d) = d else { continue };
+            let params = PatchParams::apply(MANAGER).force().dry_run();
+            match deployments.patch(dname, &params, &Patch::Apply(d)).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 400 || s.code == 422 => {
+                    apply_refused = Some(format!(
+                        "neither pool's Deployment was applied (the pools run what they ran before): Deployment {dname}: {}",
+                        s.message
+                    ));
+                    break;
+                }
+                Err(source) => {
+                    return Err(Error::ApplyDeployment {
                         name: dname.clone(),
                         source,
-                    })?;
+                    });
+                }
             }
+        }
+    }
+    for (role, dname, d) in &planned {
+        if apply_refused.is_some() {
+            break;
+        }
+        let (role, dname) = (*role, dname.clone());
+        match d {
+            Some(d) => match deployments
+                .patch(&dname, &PatchParams::apply(MANAGER).force(), &Patch::Apply(d))
+                .await
+            {
+                Ok(_) => {}
+                // Refused after its dry run passed (the world changed in between).
+                Err(kube::Error::Api(s)) if s.code == 400 || s.code == 422 => {
+                    apply_refused = Some(format!(
+                        "Deployment {dname} was refused after its dry run passed (a pool before it was applied): {}",
+                        s.message
+                    ));
+                }
+                Err(source) => return Err(Error::ApplyDeployment { name: dname, source }),
+            },
             None => {
                 let why = if verdict.allowed() {
                     format!("spec.{role}.template was removed")
                 } else {
                     "the pair is incompatible".to_owned()
                 };
-                if prune(&deployments, &dname, pair.uid().as_deref().unwrap_or_default()).await? {
+                if prune(&deployments, &dname, &uid).await? {
                     let note = format!("deleted Deployment {dname}: {why}");
                     ctx.events
                         .publish(&pair.object_ref(&()), Kind::Normal, "Pruned", "Reconcile", &note)
@@ -230,8 +278,8 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         prefill: PodCounts::of(prefill_pods.iter().map(AsRef::as_ref)),
         decode: PodCounts::of(decode_pods.iter().map(AsRef::as_ref)),
         endpoints: endpoint_refs,
+        apply_refused: apply_refused.clone(),
     };
-    let uid = pair.uid().unwrap_or_default();
     let mut baseline = pair.clone();
     if let Some(written) = ctx.written.lock().ok().and_then(|w| w.get(&uid).cloned()) {
         baseline.status = Some(written);
@@ -251,6 +299,13 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
                 source,
             })?;
     }
+    if let Ok(mut a) = ctx.applied.lock() {
+        if apply_refused.is_none() {
+            a.insert(uid.clone(), fingerprint);
+        } else {
+            a.remove(&uid);
+        }
+    }
     if let Ok(mut w) = ctx.written.lock() {
         w.insert(uid, new_status);
     }
@@ -261,11 +316,23 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         let note = format!("{} {from} -> {}: {}", t.type_, t.to_status, t.message);
         ctx.events.publish(&reference, kind, &t.reason, &t.type_, &note).await;
     }
-    Ok(if verdict.allowed() {
+    Ok(if verdict.allowed() && apply_refused.is_none() {
         Action::requeue(RESYNC)
     } else {
         Action::await_change()
     })
+}
+
+/// A digest of the planned Deployments (within this process: it only says whether the plan
+/// changed since it was last applied).
+fn fingerprint(planned: &[(Role, String, Option<Deployment>)]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for (_, name, d) in planned {
+        name.hash(&mut h);
+        serde_json::to_string(d).unwrap_or_default().hash(&mut h);
+    }
+    h.finish()
 }
 
 /// Deletes the Deployment `name` when this PDPair (`owner_uid`) controls it; a Deployment of that
@@ -435,6 +502,7 @@ pub fn controller(
         metrics: setup.metrics,
         events: setup.events,
         written: Mutex::new(HashMap::new()),
+        applied: Mutex::new(HashMap::new()),
         failures: Mutex::new(HashMap::new()),
         wiring: setup.wiring,
     });

@@ -53,6 +53,9 @@ pub mod conditions {
     /// The path the agents that moved KV report (RDMA, shared memory, TCP...), and whether
     /// `spec.transfer.requirePath` allows it.
     pub const TRANSFER_PATH: &str = "TransferPath";
+    /// The API server took the pools' Deployments as the spec plans them (checked with a dry
+    /// run of both before either is applied).
+    pub const POOLS_APPLIED: &str = "PoolsApplied";
     /// All of the above.
     pub const READY: &str = "Ready";
 }
@@ -91,6 +94,10 @@ pub mod reasons {
     pub const NO_TRANSFERS: &str = "NoTransfers";
     /// A transfer took a path `spec.transfer.requirePath` does not allow (also Ready's reason).
     pub const PATH_NOT_ALLOWED: &str = "PathNotAllowed";
+    /// The pools' Deployments are as the spec plans them.
+    pub const APPLIED: &str = "Applied";
+    /// The API server refused a pool's Deployment (also Ready's reason): neither was applied.
+    pub const APPLY_FAILED: &str = "ApplyFailed";
     // TransferPath True carries the worst path class seen as its reason (Rdma, SharedMemory,
     // Local, Tcp, Other: `pdpair_api::PathKind::as_str`).
 }

@@ -54,6 +54,9 @@ pub struct Observed<'a> {
     pub decode: PodCounts,
     /// The pair's PDEndpoints.
     pub endpoints: Vec<&'a PDEndpoint>,
+    /// The API server refused a pool's Deployment as planned: what was (not) applied, and its
+    /// message.
+    pub apply_refused: Option<String>,
 }
 
 /// A condition whose status changed, for an Event.
@@ -110,16 +113,25 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
     );
     let transfer = transfer_condition(&observed.endpoints, now);
     let path = path_condition(pair, &observed.endpoints);
-    let ready = ready_condition(&geometry, &prefill, &decode, &transfer, &path);
+    let applied = match &observed.apply_refused {
+        Some(why) => Cond::new(ct::POOLS_APPLIED, "False", reasons::APPLY_FAILED, why.clone()),
+        None => Cond::new(
+            ct::POOLS_APPLIED,
+            "True",
+            reasons::APPLIED,
+            "the pools' Deployments are as the spec plans them".to_owned(),
+        ),
+    };
+    let ready = ready_condition(&geometry, &applied, &prefill, &decode, &transfer, &path);
     let mut conditions = Vec::new();
     let mut transitions = Vec::new();
-    for c in [geometry, prefill, decode, transfer, path, ready] {
+    for c in [geometry, applied, prefill, decode, transfer, path, ready] {
         let previous = old.and_then(|s| s.conditions.iter().find(|p| p.type_ == c.type_));
         let changed = previous.is_none_or(|p| p.status != c.status);
         let warning = c.status == "False"
             && matches!(
                 c.type_,
-                ct::GEOMETRY_COMPATIBLE | ct::TRANSFER_READY | ct::TRANSFER_PATH
+                ct::GEOMETRY_COMPATIBLE | ct::POOLS_APPLIED | ct::TRANSFER_READY | ct::TRANSFER_PATH
             );
         // New conditions start quietly unless they bring bad news; changes always speak.
         if previous.is_some_and(|p| p.status != c.status) || (previous.is_none() && warning) {
@@ -430,9 +442,17 @@ fn path_condition_of_transfers(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond
     Cond::new(ct::TRANSFER_PATH, "True", worst.as_str(), msg)
 }
 
-fn ready_condition(geometry: &Cond, prefill: &Cond, decode: &Cond, transfer: &Cond, path: &Cond) -> Cond {
+fn ready_condition(
+    geometry: &Cond,
+    applied: &Cond,
+    prefill: &Cond,
+    decode: &Cond,
+    transfer: &Cond,
+    path: &Cond,
+) -> Cond {
     let blockers = [
         (geometry.status != "True", reasons::GEOMETRY_INCOMPATIBLE, geometry),
+        (applied.status != "True", reasons::APPLY_FAILED, applied),
         (prefill.status != "True", reasons::PREFILL_NOT_READY, prefill),
         (decode.status != "True", reasons::DECODE_NOT_READY, decode),
         (transfer.status == "False", reasons::TRANSFER_NOT_READY, transfer),

@@ -264,6 +264,80 @@ fn a_removed_template_prunes_its_deployment_and_only_ours() {
     assert!(byo["metadata"]["ownerReferences"].is_null(), "{byo}");
 }
 
+#[test]
+fn a_pool_the_api_server_refuses_leaves_both_pools_as_they_were_and_says_why() {
+    // The webhook checks geometry, not every field of a pod template: an edit that changes both
+    // pools and gives decode a field the API server refuses must not roll prefill alone (one
+    // pool on the new spec beside the other on the old: the mismatch pdpair exists to prevent),
+    // and status must say why instead of keeping the old Ready.
+    operator();
+    let ns = namespace("refused");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+    );
+    both_deployments(&ns);
+    let image = |role: &str| {
+        get_json("deployment", &ns, &format!("llama-8b-{role}")).map(|d| {
+            d["spec"]["template"]["spec"]["containers"][0]["image"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+    };
+    assert_eq!(image("prefill").as_deref(), Some("vllm/vllm-openai:v0.11.0"));
+    let edit = |port: i64| {
+        manifest("compatible-push.yaml", &ns, |v| {
+            for pool in ["prefill", "decode"] {
+                v["spec"][pool]["template"]["spec"]["containers"][0]["image"] = "vllm/vllm-openai:v0.12.0".into();
+            }
+            v["spec"]["decode"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = port.into();
+        })
+    };
+    kubectl_ok(&["apply", "-f", "-"], Some(&edit(70000)));
+    let condition = |type_: &str| {
+        let p = get_json("pdpair", &ns, "llama-8b")?;
+        p["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == type_)
+            .cloned()
+    };
+    let applied = eventually(WAIT, "PoolsApplied False", || {
+        condition("PoolsApplied").filter(|c| c["status"] == "False")
+    });
+    assert_eq!(applied["reason"], "ApplyFailed", "{applied}");
+    let message = applied["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("llama-8b-decode") && message.contains("70000"),
+        "{message}"
+    );
+    let ready = condition("Ready").expect("Ready");
+    assert_eq!(
+        (&ready["status"], &ready["reason"]),
+        (&"False".into(), &"ApplyFailed".into()),
+        "{ready}"
+    );
+    eventually(WAIT, "a Warning Event for it", || {
+        events_about(&ns, "llama-8b")
+            .into_iter()
+            .find(|e| e["reason"] == "ApplyFailed" && e["type"] == "Warning")
+    });
+    assert_eq!(
+        image("prefill").as_deref(),
+        Some("vllm/vllm-openai:v0.11.0"),
+        "prefill was not rolled alone"
+    );
+    // Put right, both roll.
+    kubectl_ok(&["apply", "-f", "-"], Some(&edit(8000)));
+    eventually(WAIT, "PoolsApplied True", || {
+        condition("PoolsApplied").filter(|c| c["status"] == "True")
+    });
+    for role in ["prefill", "decode"] {
+        assert_eq!(image(role).as_deref(), Some("vllm/vllm-openai:v0.12.0"), "{role}");
+    }
+}
+
 /// Waits for the compatible pair's two Deployments.
 fn both_deployments(ns: &str) {
     eventually(WAIT, "both Deployments", || {

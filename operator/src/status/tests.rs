@@ -79,6 +79,7 @@ fn pods_becoming_ready_flip_pool_and_ready_conditions_once() {
         prefill: ready(2, 2),
         decode: ready(4, 4),
         endpoints: vec![],
+        apply_refused: None,
     };
     let (s1, transitions) = compute(&pair, &observed, &t(10));
     let flipped: Vec<&str> = transitions.iter().map(|t| t.type_.as_str()).collect();
@@ -372,6 +373,7 @@ fn declared_incompatibility_blocks_ready() {
         prefill: ready(2, 2),
         decode: ready(4, 4),
         endpoints: vec![],
+        apply_refused: None,
     };
     let (s, transitions) = compute(&pair, &observed, &t(0));
     assert_eq!(cond(&s, ct::GEOMETRY_COMPATIBLE).reason, "KernelBlockSizeMismatch");
@@ -379,6 +381,46 @@ fn declared_incompatibility_blocks_ready() {
     // A new False GeometryCompatible is news even without a previous status.
     assert_eq!(transitions.len(), 1);
     assert!(transitions[0].warning);
+}
+
+#[test]
+fn a_pool_the_api_server_refused_turns_pools_applied_and_ready_false_with_a_warning_once() {
+    let mut pair = pair();
+    let refused = || Observed {
+        apply_refused: Some(
+            "Deployment llama-8b-decode: spec.template.spec.containers[0].ports[0].containerPort: Invalid value: 70000"
+                .into(),
+        ),
+        ..all_ready(vec![])
+    };
+    let (s, transitions) = compute(&pair, &refused(), &t(0));
+    let c = cond(&s, ct::POOLS_APPLIED);
+    assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", reasons::APPLY_FAILED));
+    assert!(
+        c.message.contains("containerPort: Invalid value: 70000"),
+        "{}",
+        c.message
+    );
+    let r = cond(&s, ct::READY);
+    assert_eq!((r.status.as_str(), r.reason.as_str()), ("False", reasons::APPLY_FAILED));
+    let warned: Vec<_> = transitions
+        .iter()
+        .filter(|t| t.warning)
+        .map(|t| t.type_.as_str())
+        .collect();
+    assert_eq!(warned, [ct::POOLS_APPLIED], "{transitions:?}");
+    // The same refusal again is no news; applied, the pair is ready.
+    pair.status = Some(s);
+    let (s, transitions) = compute(&pair, &refused(), &t(1));
+    assert!(transitions.is_empty(), "{transitions:?}");
+    pair.status = Some(s);
+    let (s, transitions) = compute(&pair, &all_ready(vec![]), &t(2));
+    assert_eq!(cond(&s, ct::POOLS_APPLIED).status, "True");
+    assert_eq!(cond(&s, ct::READY).status, "True");
+    assert!(
+        transitions.iter().any(|t| t.type_ == ct::POOLS_APPLIED && !t.warning),
+        "{transitions:?}"
+    );
 }
 
 #[test]
@@ -451,6 +493,7 @@ fn all_ready(endpoints: Vec<&PDEndpoint>) -> Observed<'_> {
         prefill: ready(2, 2),
         decode: ready(4, 4),
         endpoints,
+        apply_refused: None,
     }
 }
 
