@@ -470,6 +470,13 @@ impl Agent {
             }
         }
         let mut registering = Registering(Some(&self.shared.unregistered));
+        // Who connected, read now (not when it registers, seconds later).
+        let peer = self
+            .shared
+            .cfg
+            .attestor
+            .as_ref()
+            .map(|_| crate::attest::pod_of_peer(&stream));
         let mut reader = match stream.try_clone() {
             Ok(r) => r,
             Err(e) => {
@@ -545,7 +552,7 @@ impl Agent {
                 return;
             }
         };
-        let registered = Engine::register(self.shared.clone(), registration, fds, shared, writer.clone());
+        let registered = Engine::register(self.shared.clone(), registration, fds, shared, writer.clone(), peer);
         // The descriptors are mapped (or refused) and closed by now.
         drop(pending);
         let engine = match registered {
@@ -1096,6 +1103,7 @@ impl Engine {
         fds: Vec<std::os::fd::OwnedFd>,
         gpu_memory: Vec<(std::os::fd::OwnedFd, u64)>,
         writer: Arc<Mutex<UnixStream>>,
+        peer: Option<Result<crate::attest::PodIdentity, String>>,
     ) -> Result<Arc<Engine>, String> {
         if let Some(path) = &reg.memory_path {
             return Err(format!(
@@ -1134,10 +1142,11 @@ impl Engine {
             ));
         }
         if let Some(attestor) = &shared.cfg.attestor {
-            // Who is connected, as the kernel recorded it at connect (not what the engine says).
-            let pid = pool::peer_pid(&lock(&writer)).ok_or("cannot read the engine's process id (SO_PEERCRED)")?;
+            // Who connected, as the kernel recorded it at connect and its cgroup said as the
+            // connection was accepted (not what the engine says).
+            let peer = peer.unwrap_or_else(|| Err("the engine connection's peer was not read".into()));
             let pod = attestor
-                .check(&reg, pid)
+                .check(&reg, peer)
                 .map_err(|e| format!("engine attestation refused the registration: {e}"))?;
             tracing::info!(engine = %reg.engine, pod_uid = %pod.uid, container = ?pod.container, "engine attested");
         }

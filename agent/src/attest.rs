@@ -2,7 +2,7 @@
 //!
 //! An engine's registration names its PDPair, role and Pod; none of that is taken on trust. The
 //! agent reads the connecting process's id from the socket (`SO_PEERCRED`, taken by the kernel
-//! at connect), finds the Pod UID and container in that process's cgroup path as the kubelet lays
+//! at connect) as it accepts the connection, finds the Pod UID and container in that process's cgroup path as the kubelet lays
 //! it out (`/kubepods/<qos>/pod<uid>/<container>` with the cgroupfs driver,
 //! `kubepods-<qos>-pod<uid>.slice/cri-containerd-<container>.scope` with systemd), as node
 //! agents such as SPIRE's Kubernetes workload attestor do, then reads the Pod the registration
@@ -35,8 +35,18 @@ pub fn parse_cgroup(text: &str) -> Option<PodIdentity> {
     text.lines().find_map(|line| {
         // hierarchy-id:controllers:path (cgroup v2: "0::path").
         let path = line.splitn(3, ':').nth(2)?;
-        let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
-        if !segments.first().is_some_and(|s| s.starts_with("kubepods")) {
+        let mut segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+        // In a cgroup namespace of its own (cgroup v2's default for containers that are not
+        // privileged, as the agent's), another process's path is relative to the agent's own
+        // cgroup: `/../../kubepods-burstable-pod<uid>.slice/...`, or with cgroupfs under a
+        // common `kubepods`, `/../../burstable/pod<uid>/...`. No cgroup can be named `..`.
+        let relative = segments.first() == Some(&"..");
+        segments.retain(|s| *s != "..");
+        let kubelets = |s: &&str| {
+            s.starts_with("kubepods")
+                || (relative && (matches!(*s, "burstable" | "besteffort") || pod_uid(s).is_some()))
+        };
+        if !segments.first().is_some_and(kubelets) {
             return None;
         }
         segments.iter().enumerate().find_map(|(i, segment)| {
@@ -77,6 +87,38 @@ pub fn pod_of_pid(pid: i32) -> Result<PodIdentity, String> {
     parse_cgroup(&text).ok_or_else(|| format!("the engine process (pid {pid}) is not in a Pod's cgroup"))
 }
 
+/// The Pod identity of the process at the other end of an engine connection, read as it is
+/// accepted: the process id the kernel recorded at connect (`SO_PEERCRED`), and that process's
+/// cgroup now, not seconds later when it registers (a process that connected and exited could
+/// have its pid taken by another Pod's process by then). The process is held by a pidfd while
+/// its cgroup is read; one that has already exited is refused (its pid may be another's).
+#[allow(unsafe_code)]
+pub fn pod_of_peer(stream: &std::os::unix::net::UnixStream) -> Result<PodIdentity, String> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let pid = crate::memory::pool::peer_pid(stream).ok_or("cannot read the engine's process id (SO_PEERCRED)")?;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let pidfd = (raw >= 0).then(|| {
+        // SAFETY: a descriptor pidfd_open just returned, owned by nothing else.
+        unsafe { OwnedFd::from_raw_fd(raw as i32) }
+    });
+    let identity = pod_of_pid(pid)?;
+    if let Some(fd) = pidfd {
+        use std::os::fd::AsRawFd;
+        let mut poll = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no wait. A pidfd polls readable once its process exited.
+        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+        if ready != 0 {
+            return Err(format!("the engine process (pid {pid}) exited as it connected"));
+        }
+    }
+    Ok(identity)
+}
+
 /// Checks engine registrations against the Pods they run in.
 pub struct Attestor {
     runtime: tokio::runtime::Runtime,
@@ -106,10 +148,11 @@ impl Attestor {
         Ok(Attestor { runtime, client, node })
     }
 
-    /// Accepts `reg` from the process `pid` only when its Pod is the one the registration names,
-    /// on this node, labelled for the registration's PDPair and role. `Err` names what differs.
-    pub fn check(&self, reg: &PoolRegistration, pid: i32) -> Result<PodIdentity, String> {
-        let identity = pod_of_pid(pid)?;
+    /// Accepts `reg` from a process of Pod `identity` ([`pod_of_peer`], read when the
+    /// connection was accepted) only when that Pod is the one the registration names, on this
+    /// node, labelled for the registration's PDPair and role. `Err` names what differs.
+    pub fn check(&self, reg: &PoolRegistration, identity: Result<PodIdentity, String>) -> Result<PodIdentity, String> {
+        let identity = identity?;
         let Some(name) = reg.pod.as_deref().filter(|p| !p.is_empty()) else {
             return Err("engine attestation is on: the registration must name its Pod (pod)".into());
         };
@@ -234,6 +277,40 @@ mod tests {
         // A pod segment outside the kubelet's hierarchy, and a malformed UID.
         assert_eq!(parse_cgroup(&format!("12:pids:/mine/pod{UID}/x\n")), None);
         assert_eq!(parse_cgroup("12:pids:/kubepods/besteffort/podnot-a-uid/x\n"), None);
+        // Relative (a private cgroup namespace): still only the kubelet's hierarchy.
+        assert_eq!(parse_cgroup(&format!("0::/../../mine/pod{UID}/x\n")), None);
+        assert_eq!(parse_cgroup("0::/../../../system.slice/containerd.service\n"), None);
+        assert_eq!(parse_cgroup(&format!("0::/mine/../pod{UID}/x\n")), None);
+    }
+
+    #[test]
+    fn paths_relative_to_the_agents_own_cgroup_namespace_give_the_pod() {
+        // cgroup v2 gives a container that is not privileged a cgroup namespace of its own: the
+        // agent reads other processes' paths relative to its own cgroup.
+        let u = UID.replace('-', "_");
+        for (text, container) in [
+            (
+                format!("0::/../../kubepods-besteffort-pod{u}.slice/cri-containerd-77aa.scope\n"),
+                "77aa",
+            ),
+            (
+                format!(
+                    "0::/../../../kubepods-burstable.slice/kubepods-burstable-pod{u}.slice/cri-containerd-77aa.scope\n"
+                ),
+                "77aa",
+            ),
+            (format!("0::/../../pod{UID}/0123abcd\n"), "0123abcd"),
+            (format!("0::/../../burstable/pod{UID}/0123abcd\n"), "0123abcd"),
+        ] {
+            assert_eq!(
+                parse_cgroup(&text),
+                Some(PodIdentity {
+                    uid: UID.into(),
+                    container: Some(container.into())
+                }),
+                "{text}"
+            );
+        }
     }
 
     fn pod(uid: &str, node: &str, pair: &str, role: &str) -> Pod {

@@ -88,6 +88,47 @@ print(s.recv(n, socket.MSG_WAITALL).decode())
     serde_json::from_slice(&out.stdout).expect("the agent's answer")
 }
 
+/// An engine process that connects from `first`, asks the agent's `Capabilities` (so the agent
+/// has accepted the connection), then joins `then` and registers with `request`: as if, between
+/// connect and registration, its pid had come to name a process of another Pod (a process that
+/// connected, passed the socket on and exited, its pid reused). Prints the answer's JSON.
+fn engine_that_moves(first: &Path, then: &Path, socket: &Path, request: &EngineRequest) -> serde_json::Value {
+    const SCRIPT: &str = r#"
+import json, os, socket, struct, sys
+def join(cg):
+    with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+def send(s, body):
+    s.sendall(struct.pack(">I", len(body)) + body)
+def recv(s):
+    n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
+    return s.recv(n, socket.MSG_WAITALL).decode()
+join(sys.argv[1])
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[3])
+send(s, b'{"type": "Capabilities"}')
+recv(s)
+join(sys.argv[2])
+send(s, sys.stdin.buffer.read())
+print(recv(s))
+"#;
+    let mut child = Command::new("python3")
+        .arg("-c")
+        .arg(SCRIPT)
+        .arg(first)
+        .arg(then)
+        .arg(socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let body = serde_json::to_vec(request).expect("json");
+    child.stdin.take().expect("stdin").write_all(&body).expect("send");
+    let out = child.wait_with_output().expect("engine runs");
+    assert!(out.status.success(), "the engine process failed: {out:?}");
+    serde_json::from_slice(&out.stdout).expect("the agent's answer")
+}
+
 #[test]
 fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
     let _op = Operator::start("attest");
@@ -176,6 +217,18 @@ fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
     refused(
         engine(Some(&other_cg.leaf), &socket, &register(Role::Decode, "other-pair-pod")),
         "pdpair.dev/name",
+    );
+    // The Pod is the one the process was in when the agent accepted its connection: a process
+    // of another pair's Pod that is in the decode Pod's cgroup by the time it registers (its pid
+    // another's by then) is still the other Pod's.
+    refused(
+        engine_that_moves(
+            &other_cg.leaf,
+            &decode_cg.leaf,
+            &socket,
+            &register(Role::Decode, "decode-pod"),
+        ),
+        "UID",
     );
     // A process in no Pod at all.
     refused(
