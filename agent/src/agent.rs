@@ -496,10 +496,15 @@ impl Agent {
         let next_frame = || {
             let (frame, fds) = wire::read_frame_fds_by::<serde_json::Value>(
                 &reader,
-                wire::MAX_FRAME,
+                crate::engine_api::MAX_REGISTRATION_FRAME,
                 Some(register_by),
             )
             .map_err(|e| match e {
+                wire::FrameError::BadLength(n) => Unregistered::Refused(format!(
+                    "a frame of {n} bytes before registration; at most {} (1..={})",
+                    crate::engine_api::MAX_REGISTRATION_FRAME,
+                    crate::engine_api::MAX_REGISTRATION_FRAME
+                )),
                 wire::FrameError::Malformed(why) => {
                     Unregistered::Refused(crate::reason::peer_text(&format!("malformed frame: {why}")))
                 }
@@ -593,8 +598,9 @@ impl Agent {
             tracing::debug!(error = %e, "engine API: cannot send Registered");
         }
         engine.spawn_timer();
+        let max_frame = crate::engine_api::max_request_frame(engine.reg.num_blocks);
         loop {
-            let frame = match wire::read_frame::<serde_json::Value>(&mut reader) {
+            let frame = match wire::read_frame_max::<serde_json::Value>(&mut reader, max_frame) {
                 Ok(frame) => match crate::engine_api::decode_request(frame) {
                     Ok(request) => match request.request_id().map(crate::engine_api::check_request_id) {
                         Some(Err(why)) => {
@@ -685,6 +691,10 @@ impl Agent {
                     tracing::warn!(engine = %engine.reg.engine, "GPU memory shared after the registration; ignoring");
                 }
                 Ok(EngineRequest::Capabilities) => send(&writer, &self.capabilities()),
+                Err(wire::FrameError::BadLength(n)) if n > max_frame => {
+                    tracing::warn!(engine = %engine.reg.engine, bytes = n, "engine sent a frame over {max_frame} bytes (room for every block id of its pool); closed its connection");
+                    break;
+                }
                 Err(e) => {
                     tracing::debug!(engine = %engine.reg.engine, error = %e, "engine disconnected");
                     break;

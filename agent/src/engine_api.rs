@@ -308,6 +308,23 @@ pub struct PoolRegistration {
     pub address: Option<std::net::SocketAddr>,
 }
 
+/// Bytes of one frame an engine sends before it registers, at most (its `Capabilities`,
+/// `ShareGpuMemory` and `RegisterPool`: the largest registration, 128 GPU regions with their IPC
+/// handles and names at their Kubernetes bounds, is under 40 KiB). A longer one is refused from
+/// its length, before a byte of it is read: 64 unregistered connections may hold 4 MiB in all,
+/// not the 1 GiB of 16 MiB frames.
+pub const MAX_REGISTRATION_FRAME: usize = 64 << 10;
+
+/// Bytes of one frame a registered engine of `num_blocks` blocks may send, at most: every block
+/// id of its pool (a request's blocks are distinct and in the pool; 12 bytes each: ten digits and
+/// `, `), 1024 prefill addresses, its request id and the rest, and never over
+/// [`crate::wire::MAX_FRAME`]. A longer one ends the connection (it names no request to refuse).
+pub fn max_request_frame(num_blocks: u32) -> usize {
+    (128usize << 10)
+        .saturating_add(12usize.saturating_mul(num_blocks as usize))
+        .min(crate::wire::MAX_FRAME)
+}
+
 /// Decodes a frame an engine sent before it registered, naming what is wrong: a `RegisterPool`
 /// that does not decode is refused naming the field and why (`kv.dtype: unknown variant ...`),
 /// so `RegistrationFailed` tells the engine what to fix instead of the connection just closing.
@@ -682,6 +699,65 @@ pub fn resolve(reg: &PoolRegistration, pair: Option<(&str, &pdpair_api::Transfer
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_largest_frames_an_engine_needs_fit_their_bounds() {
+        // A registration at every bound: 128 regions, each a GPU allocation with its IPC
+        // handle, names as long as Kubernetes allows, a staging note at its bound.
+        let name = "n".repeat(253);
+        let mut r = reg();
+        r.pdpair = format!("{}/{name}", "s".repeat(63));
+        (r.engine, r.pod) = (name.clone(), Some(name.clone()));
+        r.kv.model = "m".repeat(1024);
+        r.pairing_key = "6b".repeat(64);
+        r.regions = (0..crate::layout::MAX_REGIONS)
+            .map(|_| RegionRequest {
+                layers: u32::MAX,
+                kv_arrangement: Some(crate::layout::KvArrangement::BlocksFirst),
+            })
+            .collect();
+        r.gpu = Some(GpuPool {
+            device_uuid: "GPU-5f1c2a3b-0d4e-4f60-8a9b-0c1d2e3f4a5b".into(),
+            regions: (0..crate::layout::MAX_REGIONS)
+                .map(|_| GpuRegion {
+                    ipc_handle: Some("ab".repeat(64)),
+                    offset: u64::MAX,
+                })
+                .collect(),
+            event: Some("cd".repeat(64)),
+        });
+        r.address = Some(
+            "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535"
+                .parse()
+                .expect("address"),
+        );
+        let frame = serde_json::to_vec(&EngineRequest::RegisterPool(Box::new(r))).expect("json");
+        assert!(frame.len() < 40 << 10, "{} bytes", frame.len());
+        assert!(frame.len() < MAX_REGISTRATION_FRAME);
+        // A request naming every block of a pool (the largest ids), 1024 prefill addresses,
+        // spaced as Python's json.dumps spaces them.
+        for num_blocks in [1u32, 64, 1 << 20] {
+            let request = serde_json::json!({
+                "type": "ExpectKvFromPool",
+                "request": "r".repeat(MAX_REQUEST_ID),
+                "prefill_ranks": vec!["[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535"; 1024],
+                "blocks": vec![num_blocks - 1; num_blocks as usize],
+                "num_tokens": u64::MAX,
+                "first_token": u64::MAX,
+                "prompt": "ab".repeat(32),
+            });
+            let text = serde_json::to_string(&request)
+                .expect("json")
+                .replace(',', ", ")
+                .replace(':', ": ");
+            assert!(
+                text.len() <= max_request_frame(num_blocks),
+                "{num_blocks}: {} bytes",
+                text.len()
+            );
+        }
+        assert_eq!(max_request_frame(u32::MAX), crate::wire::MAX_FRAME);
+    }
 
     fn reg() -> PoolRegistration {
         serde_json::from_value(serde_json::json!({

@@ -539,6 +539,55 @@ fn an_engine_name_is_registered_once_per_agent_until_its_engine_goes() {
 }
 
 #[test]
+fn frames_are_bounded_by_what_a_registration_and_a_pools_requests_need() {
+    use pdpair_agent::engine_api::{MAX_REGISTRATION_FRAME, max_request_frame};
+    use std::io::{Read, Write};
+    let w = World::new("caps-frames");
+    let socket = w.agent("a", Transport::Tcp, false);
+    // Before registration (before the engine is attested): a frame past the bound is refused from
+    // its length, naming it, before its body is read (64 connections could otherwise hold 16 MiB
+    // each, and more again as parsed JSON).
+    let mut s = connect(&socket);
+    let n = MAX_REGISTRATION_FRAME + 1;
+    s.write_all(&(n as u32).to_be_bytes()).expect("length");
+    let answer = wire::read_frame::<AgentEvent>(&mut s).expect("an answer");
+    assert!(
+        matches!(&answer, AgentEvent::RegistrationFailed { message }
+            if message.contains(&format!("a frame of {n} bytes before registration; at most {MAX_REGISTRATION_FRAME}"))),
+        "{answer:?}"
+    );
+    // A registered engine's frames: room for every block of its pool, no more.
+    let reg = host_registration();
+    let num_blocks = reg.num_blocks;
+    let mut s = connect(&socket);
+    let answer = ask(&mut s, &EngineRequest::RegisterPool(Box::new(reg)));
+    assert!(matches!(answer, AgentEvent::Registered { .. }), "{answer:?}");
+    let max = max_request_frame(num_blocks);
+    assert!(max < 1 << 20, "a small pool's bound is small: {max}");
+    // The largest request it needs is served (every block, padded to the bound with spaces)...
+    let mut every = serde_json::to_vec(&EngineRequest::KvReady {
+        request: "all".into(),
+        blocks: (0..num_blocks).collect(),
+        num_tokens: u64::from(num_blocks) * 64,
+        first_token: 0,
+        prompt: None,
+    })
+    .expect("json");
+    every.resize(max, b' ');
+    s.write_all(&(every.len() as u32).to_be_bytes()).expect("length");
+    s.write_all(&every).expect("body");
+    let again = ask(&mut s, &EngineRequest::Capabilities);
+    assert!(matches!(again, AgentEvent::Capabilities { .. }), "{again:?}");
+    // ...and one byte more ends the connection from its length.
+    s.write_all(&((max + 1) as u32).to_be_bytes()).expect("length");
+    let mut buf = [0u8; 1];
+    assert_eq!(s.read(&mut buf).expect("closed"), 0, "closed");
+    // The agent serves on.
+    let answer = ask(&mut connect(&socket), &EngineRequest::Capabilities);
+    assert!(matches!(answer, AgentEvent::Capabilities { .. }), "{answer:?}");
+}
+
+#[test]
 fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_registered() {
     use std::io::Read;
     let w = World::new("caps-malformed");
