@@ -139,6 +139,9 @@ struct Shared {
     pending_gpu_fds: std::sync::atomic::AtomicUsize,
     /// Engine connections that have not registered yet: at most [`MAX_UNREGISTERED`].
     unregistered: std::sync::atomic::AtomicUsize,
+    /// Held by a registration whose pool the agent allocates, from its room checks to the
+    /// allocation.
+    allocating: Mutex<()>,
 }
 
 /// Why an engine connection's frame before registration was not taken.
@@ -161,6 +164,10 @@ pub const MAX_UNREGISTERED: usize = 64;
 /// connections together (two engines' worth of [`crate::memory::cuda::MAX_VMM_CHUNKS`]): engines
 /// that share descriptors and never register cannot run the agent out of descriptors.
 pub const MAX_PENDING_GPU_FDS: usize = 2 * crate::memory::cuda::MAX_VMM_CHUNKS;
+
+/// Memory the agent keeps for itself when it allocates an engine's pool: a pool is refused when
+/// it would leave less than this under the agent's memory limit.
+pub const AGENT_OWN_MEMORY: u64 = 256 << 20;
 
 /// How long an engine connection may take to register (its `Capabilities`, `ShareGpuMemory`
 /// and `RegisterPool` frames); after that, no limit.
@@ -339,6 +346,7 @@ impl Agent {
                 listening: AtomicBool::new(false),
                 pending_gpu_fds: std::sync::atomic::AtomicUsize::new(0),
                 unregistered: std::sync::atomic::AtomicUsize::new(0),
+                allocating: Mutex::new(()),
             }),
         })
     }
@@ -1175,9 +1183,21 @@ impl Engine {
                 reg.num_blocks, layout.layers, layout.halves(), layout.local_heads, layout.block_size, layout.head_dim, layout.element_bytes
             )
         })?;
-        if fds.is_empty() && reg.gpu.is_none() {
-            // The agent allocates (and faults in) the whole pool: never more than its file
-            // system holds, or one registration could exhaust the node's memory.
+        // Registrations whose pools the agent allocates take turns from the checks below to the
+        // allocation: two at once would each see the room the other takes.
+        let allocating = (fds.is_empty() && reg.gpu.is_none()).then(|| lock(&shared.allocating));
+        if allocating.is_some() {
+            // The agent allocates (and faults in) the whole pool, and its memory cgroup is
+            // charged for it: never more than its limit leaves (it would be killed, and every
+            // engine on the node with it), nor than its file system holds.
+            if let Some((limit, used)) = pool::memory_limit() {
+                let room = limit.saturating_sub(used).saturating_sub(AGENT_OWN_MEMORY);
+                if need as u64 > room {
+                    return Err(format!(
+                        "the pool needs {need} bytes, which the agent allocates and its memory cgroup is charged for: its memory limit leaves {room} (limit {limit}, in use {used}, {AGENT_OWN_MEMORY} kept for the agent itself); raise the agent's memory limit (the chart's agent.resources.limits.memory) or register fewer blocks"
+                    ));
+                }
+            }
             let free = pool::available(&shared.cfg.pool_dir).unwrap_or(0);
             if need as u64 > free {
                 return Err(format!(
@@ -1220,6 +1240,7 @@ impl Engine {
             ),
             None => (Engine::pools(&shared, &layout, fds)?, None),
         };
+        drop(allocating);
         let (worker_address, memory) = match &device {
             Some(d) => (
                 crate::transport::Backend::address(&*shared.cuda),

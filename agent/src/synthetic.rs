@@ -156,7 +156,7 @@ impl SyntheticEngine {
         let lens = layout.region_lens();
         let own = if reg.memory_fd {
             lens.iter()
-                .map(|len| crate::memory::pool::sealed_memfd(*len))
+                .map(|len| crate::memory::pool::backed_memfd(*len))
                 .collect::<Result<Vec<_>, _>>()?
         } else {
             Vec::new()

@@ -442,6 +442,29 @@ fn an_engine_pool_is_taken_only_as_a_sealed_memfd_never_a_path() {
     unsealed.set_len(need as u64).expect("size");
     let message = register_raw(&s, &good, Some(unsealed), None);
     assert!(message.contains("F_SEAL_SHRINK"), "{message}");
+    // Sealed and long enough, but sparse: the agent would fault its pages in, charged to its own
+    // memory cgroup (a sparse memfd of any size got it killed at its limit). Refused; the same
+    // memfd allocated is taken.
+    let sparse = pdpair_agent::memory::pool::sealed_memfd(need).expect("memfd");
+    let message = register_raw(&s, &good, Some(sparse), None);
+    assert!(
+        message.contains(&format!(
+            "has 0 of the {need} bytes the geometry needs backed by memory"
+        )),
+        "{message}"
+    );
+    let backed = pdpair_agent::memory::pool::backed_memfd(need).expect("memfd");
+    let stream = std::os::unix::net::UnixStream::connect(&s).expect("connect");
+    let reg = SyntheticEngine::registration(&good, None, true);
+    pdpair_agent::wire::write_frame_fds(
+        &stream,
+        &EngineRequest::RegisterPool(Box::new(reg)),
+        &[std::os::fd::AsFd::as_fd(&backed)],
+    )
+    .expect("send");
+    let answer = pdpair_agent::wire::read_frame::<AgentEvent>(&mut &stream).expect("answer");
+    assert!(matches!(&answer, AgentEvent::Registered { .. }), "{answer:?}");
+    drop(stream);
     // memory_fd announced without a descriptor.
     let stream = std::os::unix::net::UnixStream::connect(&s).expect("connect");
     let reg = SyntheticEngine::registration(&good, None, true);

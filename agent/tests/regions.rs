@@ -193,7 +193,7 @@ fn refusal(event: AgentEvent) -> String {
 fn bad_region_registrations_are_refused_naming_the_field_and_the_agent_keeps_serving() {
     let w = World::new("regions-refused");
     let s = w.agent("a", Transport::Tcp, false);
-    let memfd = |len| pdpair_agent::memory::pool::sealed_memfd(len).expect("memfd");
+    let memfd = |len| pdpair_agent::memory::pool::backed_memfd(len).expect("memfd");
     let per_layer = engine(
         Role::Decode,
         false,

@@ -16,6 +16,7 @@ import tempfile
 import time
 
 import pytest
+from typing import Optional
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 AGENT_BIN = pathlib.Path(os.environ.get("PDPAIR_AGENT_BIN", ROOT / "target" / "debug" / "pdpair-agent"))
@@ -42,7 +43,8 @@ def kv(block=16, kernel=None, heads=4, layers=2, head_dim=8, layout="HND", dtype
 
 
 class Agent:
-    def __init__(self, directory: pathlib.Path, name: str, transport: str, *extra: str):
+    def __init__(self, directory: pathlib.Path, name: str, transport: str, *extra: str,
+                 cgroup: Optional[pathlib.Path] = None):
         self.socket = str(directory / f"{name}.sock")
         self.name = name
         pools = directory / "pools"
@@ -52,6 +54,8 @@ class Agent:
             [str(AGENT_BIN), "run", "--name", name, "--listen-host", "127.0.0.1", "--transport", transport,
              "--socket", self.socket, "--pool-dir", str(pools), "--heartbeat-ms", "200", *extra],
             stdout=self.log, stderr=self.log,
+            # In `cgroup` from its first instruction (its memory is charged there).
+            preexec_fn=(lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None,
         )
         deadline = time.monotonic() + 20
         while True:
@@ -89,8 +93,8 @@ class World:
         self.key_file.write_bytes(self.key)
         self.agents = []
 
-    def agent(self, name: str, transport: str = "tcp", *extra: str) -> Agent:
-        a = Agent(self.dir, name, transport, *extra)
+    def agent(self, name: str, transport: str = "tcp", *extra: str, cgroup: Optional[pathlib.Path] = None) -> Agent:
+        a = Agent(self.dir, name, transport, *extra, cgroup=cgroup)
         self.agents.append(a)
         return a
 
@@ -113,6 +117,47 @@ class World:
     def stop(self) -> None:
         for a in self.agents:
             a.stop()
+
+
+@pytest.fixture
+def memory_cgroup():
+    """A function making a memory cgroup of a limit (cgroup v2's ``memory.max`` or v1's
+    ``memory.limit_in_bytes``, whichever this machine has) for processes started in it; each is
+    removed after the test, its processes moved back to the root first. Needs root, as the
+    agent's attestation tests do."""
+    made = []
+
+    def make(limit: int) -> pathlib.Path:
+        unified = pathlib.Path("/sys/fs/cgroup")
+        controllers = unified / "cgroup.controllers"
+        if controllers.exists() and "memory" in controllers.read_text().split():
+            root, limit_file = unified, "memory.max"
+        elif (unified / "memory" / "memory.limit_in_bytes").exists():
+            root, limit_file = unified / "memory", "memory.limit_in_bytes"
+        else:
+            pytest.fail("no memory cgroup controller to make a limit with (cgroup v1 or v2 needed)")
+        path = root / f"pdpair-test-{os.getpid()}-{len(made)}"
+        path.mkdir()
+        made.append((root, path))
+        (path / limit_file).write_text(str(limit))
+        return path
+
+    yield make
+    for root, path in made:
+        deadline = time.monotonic() + 10
+        while True:
+            for pid in (path / "cgroup.procs").read_text().split():
+                try:
+                    (root / "cgroup.procs").write_text(pid)
+                except OSError:
+                    pass  # gone
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
 
 @pytest.fixture

@@ -392,3 +392,26 @@ def test_a_restarted_agent_listens_again_where_a_prefill_engine_was(world):
         register(a, address="somewhere")
     with pytest.raises(AgentError, match="address is 127.0.0.1:40000, but a decode engine has no side-channel address"):
         register(a, role="decode", address="127.0.0.1:40000")
+
+
+def test_a_pool_past_the_agents_memory_limit_is_refused_naming_it_and_the_agent_lives_on(world, memory_cgroup):
+    # The agent allocates a host pool and faults it in, so its memory cgroup is charged for it:
+    # one past its limit got the agent killed (and every engine on the node lost it). Now it is
+    # refused, naming the limit, and the agent serves on. A real kernel limit: the agent runs in
+    # a memory cgroup of 512 MiB.
+    agent = world.agent("a", "tcp", cgroup=memory_cgroup(512 << 20))
+    g = kv(heads=8, head_dim=128)  # 128 KiB a block (2 layers, K and V)
+    with pytest.raises(AgentError, match=r"its memory limit leaves \d+ \(limit 536870912, in use \d+, 268435456 kept"):
+        py_engine(world, agent, "prefill", g, num_blocks=8192)  # 1 GiB
+    assert agent.proc.poll() is None, "the agent lives"
+    # What fits is registered, and its memory is there to use.
+    small = py_engine(world, agent, "prefill", g, num_blocks=512)  # 64 MiB
+    synthetic.fill(small.pool, small.layout, 3, [0, 511], 0, 32)
+    assert synthetic.verify(small.pool, small.layout, 3, [0, 511], 0, 32) == 0
+    # The room shrinks with what the agent holds: 3 more of 64 MiB leave under 256 MiB.
+    more = [py_engine(world, agent, "prefill", g, num_blocks=512, engine=f"more-{i}") for i in range(2)]
+    with pytest.raises(AgentError, match="its memory limit leaves"):
+        py_engine(world, agent, "prefill", g, num_blocks=768, engine="over")
+    assert agent.proc.poll() is None
+    for e in [small, *more]:
+        e.close()

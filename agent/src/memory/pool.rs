@@ -86,6 +86,15 @@ impl Pool {
                 meta.len()
             ));
         }
+        // The engine's memory is the engine's to pay for: pages the agent faulted in would be
+        // charged to the agent's memory cgroup (a sparse memfd of any size would get the agent
+        // killed at its limit).
+        let backed = std::os::unix::fs::MetadataExt::blocks(&meta).saturating_mul(512);
+        if backed < need as u64 {
+            return Err(format!(
+                "the pool descriptor has {backed} of the {need} bytes the geometry needs backed by memory: allocate them (fallocate, or write every page) before registering; the agent does not fault in an engine's memory"
+            ));
+        }
         Pool::register_memfd(ucx, file, need, Origin::EngineMemfd)
     }
 
@@ -183,6 +192,24 @@ pub fn seals(fd: BorrowedFd<'_>) -> libc::c_int {
     // SAFETY: fcntl on a valid descriptor.
     let s = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
     s.max(0)
+}
+
+/// [`sealed_memfd`] with its pages allocated (`fallocate`), as an engine passes its own pool:
+/// charged to the process that makes it.
+#[allow(unsafe_code)]
+pub fn backed_memfd(len: usize) -> Result<File, String> {
+    use std::os::fd::AsRawFd;
+    let file = sealed_memfd(len)?;
+    let len = libc::off_t::try_from(len).map_err(|_| format!("a pool of {len} bytes"))?;
+    // SAFETY: fallocate on a valid memfd, within its size (it is sealed against growing).
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+    if rc != 0 {
+        return Err(format!(
+            "allocating the pool memfd: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(file)
 }
 
 /// A memfd of `len` bytes, sealed against shrinking, growing and further sealing.
@@ -304,6 +331,46 @@ pub fn available(dir: &Path) -> Option<u64> {
     // SAFETY: as above.
     let rc = unsafe { libc::statvfs(path.as_ptr(), &mut st) };
     (rc == 0).then(|| (st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// This process's memory cgroup's limit and what it is charged for now, or `None` where it has
+/// no limit (or none can be read). cgroup v2 (`memory.max`,
+/// `memory.current`) or v1 (`memory.limit_in_bytes`, `memory.usage_in_bytes`), at the path
+/// `/proc/self/cgroup` names or, in a cgroup namespace of the container's own, at the root.
+pub fn memory_limit() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    cgroup_memory(&text, |path| std::fs::read_to_string(path).ok())
+}
+
+/// [`memory_limit`] from a `/proc/self/cgroup` text, reading files with `read`: the limit and
+/// what is in use.
+pub fn cgroup_memory(cgroup: &str, read: impl Fn(&str) -> Option<String>) -> Option<(u64, u64)> {
+    let number = |path: String| read(&path).and_then(|t| t.trim().parse::<u64>().ok());
+    let mut places: Vec<(String, &str, &str)> = Vec::new();
+    for line in cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let path = path.trim_end_matches('/');
+        if controllers.is_empty() {
+            for at in [format!("/sys/fs/cgroup{path}"), "/sys/fs/cgroup".to_owned()] {
+                places.push((at, "memory.max", "memory.current"));
+            }
+        } else if controllers.split(',').any(|c| c == "memory") {
+            for at in [
+                format!("/sys/fs/cgroup/memory{path}"),
+                "/sys/fs/cgroup/memory".to_owned(),
+            ] {
+                places.push((at, "memory.limit_in_bytes", "memory.usage_in_bytes"));
+            }
+        }
+    }
+    places.into_iter().find_map(|(at, limit, usage)| {
+        let raw = read(&format!("{at}/{limit}"))?;
+        // v2 says `max`; v1 a number near 2^63 (rounded to a page).
+        let limit = raw.trim().parse::<u64>().ok().filter(|l| *l < 1 << 62);
+        let used = number(format!("{at}/{usage}"))?;
+        Some((limit?, used))
+    })
 }
 
 /// The process id at the other end of a Unix socket, as the kernel recorded it at connect

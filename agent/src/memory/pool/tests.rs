@@ -64,3 +64,49 @@ fn peer_owner_reads_the_other_ends_credentials() {
     let me = std::fs::metadata("/proc/self").expect("/proc/self");
     assert_eq!(peer_owner(&a), Some((me.uid(), me.gid())));
 }
+
+#[test]
+fn the_memory_limit_is_read_where_cgroup_v1_or_v2_keeps_it() {
+    let files = |entries: &[(&str, &str)]| {
+        let map: std::collections::HashMap<String, String> = entries
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        move |path: &str| map.get(path).cloned()
+    };
+    // cgroup v2, at the path the process's cgroup names.
+    let v2 = files(&[
+        ("/sys/fs/cgroup/kubepods/pod1/c1/memory.max", "1073741824\n"),
+        ("/sys/fs/cgroup/kubepods/pod1/c1/memory.current", "104857600\n"),
+    ]);
+    assert_eq!(cgroup_memory("0::/kubepods/pod1/c1\n", &v2), Some((1 << 30, 100 << 20)));
+    // In a cgroup namespace of its own the path is `/`, and the limit is at the root.
+    let ns = files(&[
+        ("/sys/fs/cgroup/memory.max", "536870912\n"),
+        ("/sys/fs/cgroup/memory.current", "1\n"),
+    ]);
+    assert_eq!(cgroup_memory("0::/\n", &ns), Some((512 << 20, 1)));
+    // No limit.
+    let unlimited = files(&[
+        ("/sys/fs/cgroup/memory.max", "max\n"),
+        ("/sys/fs/cgroup/memory.current", "1\n"),
+    ]);
+    assert_eq!(cgroup_memory("0::/\n", &unlimited), None);
+    // cgroup v1, the memory hierarchy's line (the unified line beside it has no memory files).
+    let v1 = files(&[
+        (
+            "/sys/fs/cgroup/memory/process_api/x/memory.limit_in_bytes",
+            "536870912\n",
+        ),
+        ("/sys/fs/cgroup/memory/process_api/x/memory.usage_in_bytes", "4096\n"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n"),
+    ]);
+    let text = "5:devices:/\n4:memory:/process_api/x\n0::/\n";
+    assert_eq!(cgroup_memory(text, &v1), Some((512 << 20, 4096)));
+    // v1's "no limit" is a number near 2^63.
+    let v1_unlimited = files(&[
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n"),
+        ("/sys/fs/cgroup/memory/memory.usage_in_bytes", "4096\n"),
+    ]);
+    assert_eq!(cgroup_memory("4:memory:/\n", &v1_unlimited), None);
+}
