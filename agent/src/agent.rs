@@ -165,6 +165,12 @@ pub const MAX_UNREGISTERED: usize = 64;
 /// that share descriptors and never register cannot run the agent out of descriptors.
 pub const MAX_PENDING_GPU_FDS: usize = 2 * crate::memory::cuda::MAX_VMM_CHUNKS;
 
+/// Engines registered at one agent, at most (each holds two threads or more, its pool's
+/// mappings and, for prefill, a listener: without a bound a local process registering small
+/// pools without end ran the agent out of threads and mappings for every engine on the node).
+/// A node's engines are one per GPU and tensor-parallel rank: far fewer.
+pub const MAX_ENGINES: usize = 256;
+
 /// Memory the agent keeps for itself when it allocates an engine's pool: a pool is refused when
 /// it would leave less than this under the agent's memory limit.
 pub const AGENT_OWN_MEMORY: u64 = 256 << 20;
@@ -213,7 +219,13 @@ struct LocalEngine {
 impl Shared {
     /// Engine names are unique on the node (its agent): two engines of one name would share a
     /// PDEndpoint, and a peer naming one could not tell them apart.
+    /// And an agent holds at most [`MAX_ENGINES`] (each holds threads, mappings, a listener).
     fn name_free(&self, locals: &[(u64, LocalEngine)], pdpair: &str, engine: &str) -> Result<(), String> {
+        if locals.len() >= MAX_ENGINES {
+            return Err(format!(
+                "this agent holds {MAX_ENGINES} registered engines, as many as it takes; one must go before another registers"
+            ));
+        }
         // Per pair: another tenant's engine cannot take a name to keep this pair's out.
         match locals.iter().find(|(_, l)| l.engine == engine && l.pdpair == pdpair) {
             // Which pair holds it is not said: it may be another tenant's.

@@ -588,6 +588,51 @@ fn frames_are_bounded_by_what_a_registration_and_a_pools_requests_need() {
 }
 
 #[test]
+fn an_agent_holds_a_bounded_number_of_engines_and_takes_another_once_one_goes() {
+    // Each registered engine holds threads, mappings and (prefill) a listener: a local process
+    // registering small pools without end ran the agent out of them for every engine.
+    use pdpair_agent::agent::MAX_ENGINES;
+    let w = World::new("caps-engines");
+    let socket = w.agent("a", Transport::Tcp, false);
+    let register = |i: usize| {
+        let mut reg = host_registration();
+        (reg.role, reg.engine, reg.num_blocks) = (Role::Decode, format!("e{i}"), 1);
+        let mut s = connect(&socket);
+        let answer = ask(&mut s, &EngineRequest::RegisterPool(Box::new(reg)));
+        (s, answer)
+    };
+    let mut held: Vec<UnixStream> = (0..MAX_ENGINES)
+        .map(|i| {
+            let (s, answer) = register(i);
+            assert!(
+                matches!(answer, AgentEvent::Registered { .. }),
+                "engine {i}: {answer:?}"
+            );
+            s
+        })
+        .collect();
+    let (_, answer) = register(MAX_ENGINES);
+    assert!(
+        matches!(&answer, AgentEvent::RegistrationFailed { message }
+            if message.contains(&format!("this agent holds {MAX_ENGINES} registered engines"))),
+        "{answer:?}"
+    );
+    // One goes: another registers (and only one: the rest still hold theirs).
+    drop(held.remove(0));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let newcomer = loop {
+        match register(MAX_ENGINES) {
+            (s, AgentEvent::Registered { .. }) => break s,
+            (_, other) if std::time::Instant::now() > deadline => panic!("no room after one went: {other:?}"),
+            _ => std::thread::sleep(std::time::Duration::from_millis(50)),
+        }
+    };
+    let (_, answer) = register(MAX_ENGINES + 1);
+    assert!(matches!(answer, AgentEvent::RegistrationFailed { .. }), "{answer:?}");
+    drop((held, newcomer));
+}
+
+#[test]
 fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_registered() {
     use std::io::Read;
     let w = World::new("caps-malformed");
