@@ -171,6 +171,34 @@ pub const MAX_PENDING_GPU_FDS: usize = 2 * crate::memory::cuda::MAX_VMM_CHUNKS;
 /// A node's engines are one per GPU and tensor-parallel rank: far fewer.
 pub const MAX_ENGINES: usize = 256;
 
+/// Requests one engine holds at once (prefill: ready, waiting for decode; decode: asked of
+/// prefill and not yet done), at most, and their block ids in all: past either a new one is
+/// refused (`Busy`). Without them an engine could make the agent keep requests, each with a
+/// pool's worth of block ids, for a lease (up to an hour) without end.
+pub const MAX_LIVE_REQUESTS: usize = 16384;
+
+/// Prefill agents' rejections one decode engine remembers at once, at most.
+pub const MAX_REMEMBERED: usize = 4096;
+
+/// See [`MAX_LIVE_REQUESTS`]: 64 MiB of block ids.
+pub const MAX_LIVE_BLOCKS: usize = 16 << 20;
+
+/// Whether an engine holding `requests` requests of `blocks` block ids in all may take one more
+/// of `more` blocks; `Err` says which bound it would pass.
+pub fn live_room(requests: usize, blocks: usize, more: usize) -> Result<(), String> {
+    if requests >= MAX_LIVE_REQUESTS {
+        return Err(format!(
+            "this engine holds {requests} requests at its agent already (at most {MAX_LIVE_REQUESTS})"
+        ));
+    }
+    if blocks.saturating_add(more) > MAX_LIVE_BLOCKS {
+        return Err(format!(
+            "this engine's requests hold {blocks} block ids at its agent; this one's {more} would pass {MAX_LIVE_BLOCKS}"
+        ));
+    }
+    Ok(())
+}
+
 /// Memory the agent keeps for itself when it allocates an engine's pool: a pool is refused when
 /// it would leave less than this under the agent's memory limit.
 pub const AGENT_OWN_MEMORY: u64 = 256 << 20;

@@ -2860,3 +2860,51 @@ fn early_releases_of_another_prompt_neither_take_a_place_nor_say_how_many_ranks(
     let event = final_event(&mut p);
     assert!(matches!(event, AgentEvent::Released { .. }), "freed at once: {event:?}");
 }
+
+#[test]
+fn an_engine_holds_a_bounded_number_of_requests_at_its_agent() {
+    // Requests an engine made ready (prefill) or asked for (decode) are kept for a lease, up to
+    // an hour, each with its block ids: an engine sending them without end made its agent keep
+    // them all. Past the bound a new one is refused (Busy); the ones held stand.
+    use pdpair_agent::agent::MAX_LIVE_REQUESTS;
+    let _serial = serial();
+    let w = World::new("attack-live");
+    let socket = w.agent("a", Transport::Tcp, false);
+    let busy = |e: &mut SyntheticEngine, request: &str| {
+        let event = e.next_event().expect("an answer");
+        assert!(
+            matches!(&event, AgentEvent::RequestFailed { request: r, reasons, message }
+                if r == request && reasons == &["Busy".to_owned()]
+                    && message.contains(&format!("holds {MAX_LIVE_REQUESTS} requests at its agent already"))),
+            "{event:?}"
+        );
+    };
+    // Leases and handshakes of a minute: nothing held ends while the test fills the bound.
+    let patient = |role: Role, name: &str| {
+        let mut s = spec(role, name, kv(64, None), KEY, ChecksumPolicy::FailClosed);
+        (s.handshake_timeout_ms, s.lease_ms) = (60_000, 60_000);
+        let e = SyntheticEngine::register(&socket, &w.dir, &s).expect("engine");
+        e.events()
+            .expect("events")
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("timeout");
+        e
+    };
+    let mut p = patient(Role::Prefill, "p0");
+    for i in 0..MAX_LIVE_REQUESTS {
+        kv_ready(&mut p, &format!("r{i}"), &[1, 2], 100);
+    }
+    kv_ready(&mut p, "one-more", &[1, 2], 100);
+    busy(&mut p, "one-more");
+    // Decode: requests asked of a prefill agent that accepts and never answers (they wait
+    // for its handshake).
+    let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
+    let at = silent.local_addr().expect("address").to_string();
+    let mut d = patient(Role::Decode, "d0");
+    for i in 0..MAX_LIVE_REQUESTS {
+        expect_kv(&mut d, &format!("r{i}"), at.clone(), &[1, 2], 100);
+    }
+    expect_kv(&mut d, "one-more", at.clone(), &[1, 2], 100);
+    busy(&mut d, "one-more");
+    drop(silent);
+}

@@ -342,12 +342,17 @@ impl Engine {
             }
         }
         let deadline = Instant::now() + self.handshake_timeout() + self.lease();
-        let taken = {
+        let (taken, full) = {
             // Checked again with the insert, under one lock: another thread (an
             // `ExpectKvFromPool` done linking) may have asked for the name since.
             let mut pending = lock(&self.pending);
             let taken = self.taken(&pending, &request);
-            if taken.is_none() {
+            let held = pending.values().map(|p| p.blocks.len()).sum();
+            let full = match taken {
+                None => super::live_room(pending.len(), held, want.blocks.len()).err(),
+                Some(_) => None,
+            };
+            if taken.is_none() && full.is_none() {
                 pending.insert(
                     request.clone(),
                     Pending {
@@ -363,10 +368,13 @@ impl Engine {
                     },
                 );
             }
-            taken
+            (taken, full)
         };
         if let Some(why) = taken {
             return self.refuse_taken(request, why);
+        }
+        if let Some(why) = full {
+            return self.refuse(request, vec![Reason::Busy], why);
         }
         for prefill in prefills {
             let mut peers = lock(&self.peers);
@@ -551,6 +559,22 @@ impl Engine {
         }
     }
 
+    /// Remembers a prefill agent's rejection for the rejection TTL, for at most
+    /// [`MAX_REMEMBERED`] addresses (those past their TTL are forgotten first; when all are
+    /// fresh this one is not remembered: an engine naming address after address would otherwise
+    /// add one each without end).
+    fn remember(&self, peer: String, reasons: Vec<Reason>, message: String) {
+        let ttl = self.shared.cfg.rejection_ttl;
+        let mut cache = lock(&self.rejections);
+        if cache.len() >= MAX_REMEMBERED && !cache.contains_key(&peer) {
+            cache.retain(|_, (at, ..)| at.elapsed() < ttl);
+            if cache.len() >= MAX_REMEMBERED {
+                return;
+            }
+        }
+        cache.insert(peer, (Instant::now(), reasons, message));
+    }
+
     fn remembered(&self, peer: &str) -> Option<(Vec<Reason>, String)> {
         let mut cache = lock(&self.rejections);
         match cache.get(peer) {
@@ -643,7 +667,7 @@ impl Engine {
                     err,
                     HandshakeError::Rejected { .. } | HandshakeError::Unauthenticated(_)
                 ) {
-                    lock(&self.rejections).insert(addr.clone(), (Instant::now(), reasons.clone(), err.to_string()));
+                    self.remember(addr.clone(), reasons.clone(), err.to_string());
                 }
                 let queued = match lock(&self.peers).remove(&addr) {
                     Some(Slot::Connecting(q)) => q,
@@ -898,7 +922,7 @@ impl Engine {
     /// ours): fail what waited on it with its reasons, and remember them.
     fn refused(&self, link: &Link, reasons: Vec<Reason>, message: String) {
         self.rejected(&link.addr, reasons.clone(), message.clone());
-        lock(&self.rejections).insert(link.addr.clone(), (Instant::now(), reasons.clone(), message.clone()));
+        self.remember(link.addr.clone(), reasons.clone(), message.clone());
         self.forget_peer(&link.addr, reasons, format!("prefill {} refused: {message}", link.addr));
     }
 

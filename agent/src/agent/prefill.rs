@@ -95,6 +95,52 @@ impl Serving {
     }
 }
 
+/// Requests that ended lately, for a lease, at most [`MAX_GONE`] of them (the oldest go first):
+/// an engine cancelling ids it never made ready would otherwise add one each without end.
+#[derive(Debug, Default)]
+pub(super) struct Gone {
+    at: HashMap<String, Instant>,
+    order: std::collections::VecDeque<(String, Instant)>,
+}
+
+/// Ended requests [`Gone`] remembers, at most.
+pub const MAX_GONE: usize = 65536;
+
+impl Gone {
+    pub(super) fn insert(&mut self, request: String) {
+        let now = Instant::now();
+        self.at.insert(request.clone(), now);
+        self.order.push_back((request, now));
+        while self.order.len() > MAX_GONE {
+            self.pop_oldest();
+        }
+    }
+
+    pub(super) fn contains_key(&self, request: &str) -> bool {
+        self.at.contains_key(request)
+    }
+
+    /// Forgets what ended a `lease` ago or more.
+    pub(super) fn expire(&mut self, lease: Duration) {
+        while self.order.front().is_some_and(|(_, at)| at.elapsed() >= lease) {
+            self.pop_oldest();
+        }
+    }
+
+    fn pop_oldest(&mut self) {
+        if let Some((request, at)) = self.order.pop_front()
+            && self.at.get(&request) == Some(&at)
+        {
+            self.at.remove(&request);
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.at.len()
+    }
+}
+
 /// Prefill-side matching of KvReady and Register, in either order.
 #[derive(Debug, Default)]
 pub(super) struct Matching {
@@ -104,7 +150,7 @@ pub(super) struct Matching {
     /// Releases that came before the KvReady, and when the first came.
     released_early: HashMap<String, (Vec<EarlyRelease>, Instant)>,
     /// Requests released lately (kept for a lease): a later registration is refused at once.
-    gone: HashMap<String, Instant>,
+    gone: Gone,
     /// Registrations (and early releases) waiting on every link of this engine, and their
     /// blocks: at most [`ENGINE_WAITING`] and [`ENGINE_WAITING_BLOCKS`].
     waiting: Counts,
@@ -731,7 +777,7 @@ impl Engine {
                     s
                 }),
                 None => {
-                    matching.gone.insert(request.clone(), Instant::now());
+                    matching.gone.insert(request.clone());
                     drop(matching);
                     return self.event(AgentEvent::Cancelled { request });
                 }
@@ -860,11 +906,11 @@ impl Engine {
     /// Tells the engine how a request every expected decode rank is done with ended.
     fn conclude(&self, request: String, serving: Serving) {
         if serving.cancelled {
-            lock(&self.matching).gone.insert(request.clone(), Instant::now());
+            lock(&self.matching).gone.insert(request.clone());
             return self.event(AgentEvent::Cancelled { request });
         }
         if serving.failure.is_none() && serving.released_by.len() == serving.finished as usize {
-            lock(&self.matching).gone.insert(request.clone(), Instant::now());
+            lock(&self.matching).gone.insert(request.clone());
             return self.event(AgentEvent::Released { request });
         }
         match serving.failure {
@@ -987,6 +1033,11 @@ impl Engine {
                     vec![Reason::InvalidRequest],
                     format!("request {request} is already ready (KvReady twice); the first stands"),
                 );
+            }
+            let held = matching.ready.values().map(|s| s.ready.blocks.len()).sum();
+            if let Err(why) = super::live_room(matching.ready.len(), held, ready.blocks.len()) {
+                drop(matching);
+                return self.refuse(request, vec![Reason::Busy], why);
             }
             let mut serving = Serving::new(ready);
             if let Some((early, _)) = matching.released_early.remove(&request) {
@@ -1294,7 +1345,7 @@ impl Engine {
         }
         {
             let mut matching = lock(&self.matching);
-            matching.gone.retain(|_, at| at.elapsed() < lease);
+            matching.gone.expire(lease);
             matching.released_early.retain(|_, (_, at)| at.elapsed() < lease);
         }
         let stale: Vec<(Arc<Link>, String)> = {
@@ -1360,6 +1411,40 @@ fn pair_blocks(block_size: u32, ready: &Ready, reg: &Registration) -> Result<Pai
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ended_requests_are_remembered_for_a_lease_and_at_most_max_gone_of_them() {
+        let mut gone = Gone::default();
+        for i in 0..MAX_GONE + 10 {
+            gone.insert(format!("r{i}"));
+        }
+        assert_eq!(gone.len(), MAX_GONE);
+        assert!(
+            !gone.contains_key("r0") && !gone.contains_key("r9"),
+            "the oldest went first"
+        );
+        assert!(gone.contains_key("r10") && gone.contains_key(&format!("r{}", MAX_GONE + 9)));
+        // One ended again is remembered from then (its older entry does not take it away).
+        gone.insert("r10".into());
+        for i in 0..MAX_GONE - 1 {
+            gone.insert(format!("s{i}"));
+        }
+        assert!(gone.contains_key("r10"), "remembered from its second end");
+        gone.expire(Duration::ZERO);
+        assert_eq!(gone.len(), 0);
+    }
+
+    #[test]
+    fn an_engines_live_requests_are_bounded_in_count_and_block_ids() {
+        use crate::agent::{MAX_LIVE_BLOCKS, MAX_LIVE_REQUESTS, live_room};
+        assert!(live_room(MAX_LIVE_REQUESTS - 1, 0, 1).is_ok());
+        let e = live_room(MAX_LIVE_REQUESTS, 0, 1).expect_err("full");
+        assert!(e.contains(&format!("holds {MAX_LIVE_REQUESTS} requests")), "{e}");
+        assert!(live_room(1, MAX_LIVE_BLOCKS - 5, 5).is_ok());
+        let e = live_room(1, MAX_LIVE_BLOCKS - 5, 6).expect_err("blocks");
+        assert!(e.contains(&format!("would pass {MAX_LIVE_BLOCKS}")), "{e}");
+        assert!(live_room(0, usize::MAX, usize::MAX).is_err(), "no overflow");
+    }
 
     fn ready(first: u64, blocks: Vec<u32>) -> Ready {
         Ready {
