@@ -1152,6 +1152,8 @@ struct Engine {
     outboxes: Arc<Outboxes>,
     /// This registration's id in `Shared::locals`.
     local_id: u64,
+    /// Where its blocks are, for windows ([`Engine::arrays`]).
+    arrays: std::sync::OnceLock<Option<Arc<crate::transport::stream::Arrays>>>,
 }
 
 impl Engine {
@@ -1334,6 +1336,7 @@ impl Engine {
             windows: Mutex::new(HashMap::new()),
             rejections: Mutex::new(HashMap::new()),
             matching: Mutex::new(Matching::default()),
+            arrays: std::sync::OnceLock::new(),
             accepted: Mutex::new(Vec::new()),
             outboxes,
             local_id: next_link_id(),
@@ -1392,16 +1395,24 @@ impl Engine {
         let Some(w) = link.admission.as_ref().and_then(|a| a.windows()) else {
             return;
         };
-        let len = self.layout.block_len() as u64;
-        let mut ranges = Vec::with_capacity(blocks.len() * self.layout.layers as usize * 2);
-        for &b in blocks.iter().filter(|b| **b < self.layout.num_blocks) {
-            for layer in 0..self.layout.layers {
-                for v in [false, true].into_iter().take(self.layout.halves() as usize) {
-                    ranges.push((self.block_addr(layer, v, b), len));
+        let blocks: Vec<u32> = blocks.iter().copied().filter(|b| *b < self.layout.num_blocks).collect();
+        match self.arrays() {
+            // The block ids only, however many layers.
+            Some(arrays) => w.allow_blocks(request, arrays, blocks),
+            // A pool of one block: a range per layer and half.
+            None => {
+                let len = self.layout.block_len() as u64;
+                let mut ranges = Vec::with_capacity(blocks.len() * self.layout.layers as usize * 2);
+                for &b in &blocks {
+                    for layer in 0..self.layout.layers {
+                        for v in [false, true].into_iter().take(self.layout.halves() as usize) {
+                            ranges.push((self.block_addr(layer, v, b), len));
+                        }
+                    }
                 }
+                w.allow(request, ranges);
             }
         }
-        w.allow(request, ranges);
         let mut open = lock(&self.windows);
         let list = open.entry(request.to_owned()).or_default();
         if !list.iter().any(|o| std::sync::Arc::ptr_eq(o, &w)) {
@@ -1516,6 +1527,33 @@ impl Engine {
     }
 
     /// The registered address of a block of a layer's K (`v = false`, or the latent) or V array.
+    /// Where this engine's blocks are, for windows ([`crate::transport::stream::Arrays`]),
+    /// worked out once; `None` where they do not make arrays (a pool of one block).
+    fn arrays(&self) -> Option<Arc<crate::transport::stream::Arrays>> {
+        self.arrays
+            .get_or_init(|| {
+                let len = self.layout.block_len() as u64;
+                let pieces: Vec<(u64, u64, u64)> = (0..self.layout.layers)
+                    .flat_map(|layer| {
+                        [false, true]
+                            .into_iter()
+                            .take(self.layout.halves() as usize)
+                            .map(move |v| (layer, v))
+                    })
+                    .map(|(layer, v)| {
+                        let second = if self.layout.num_blocks > 1 {
+                            self.block_addr(layer, v, 1)
+                        } else {
+                            0
+                        };
+                        (self.block_addr(layer, v, 0), second, len)
+                    })
+                    .collect();
+                crate::transport::stream::Arrays::of(&pieces, self.layout.num_blocks).map(Arc::new)
+            })
+            .clone()
+    }
+
     fn block_addr(&self, layer: u32, v: bool, block: u32) -> u64 {
         let (r, at) = self.layout.block_offset(layer, v, block);
         match &self.device {

@@ -30,10 +30,12 @@ use crate::checksum::block_checksum;
 /// The most memory regions one pool may have (descriptors in one `RegisterPool` frame, keys in
 /// one handshake).
 pub const MAX_REGIONS: usize = 128;
-/// The most layers a pool's geometry may have (the largest models have about 130).
-pub const MAX_LAYERS: u32 = 1024;
-/// The most tensor-parallel ranks an engine may have (peers' claims are walked rank by rank).
-pub const MAX_TENSOR_PARALLEL: u32 = 1024;
+/// The most layers a pool's geometry may have (the largest models have about 130); the
+/// webhook admits no more.
+pub const MAX_LAYERS: u32 = pdpair_api::rules::MAX_LAYERS as u32;
+/// The most tensor-parallel ranks an engine may have (peers' claims are walked rank by rank);
+/// the webhook admits no more.
+pub const MAX_TENSOR_PARALLEL: u32 = pdpair_api::rules::MAX_TENSOR as u32;
 
 /// A run of consecutive layers in one memory region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

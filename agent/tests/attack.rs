@@ -2540,7 +2540,8 @@ fn an_engines_links_are_bounded_in_all_and_the_least_used_gives_way_to_a_decode_
     use pdpair_agent::agent::{MAX_LINKS_PER_ENGINE, MAX_LINKS_PER_SOURCE};
     pdpair_agent::tuning::raise_fd_limit().expect("descriptors for a thousand links");
     let w = World::new("attack-engine-links");
-    let p = pull_prefill_ready(&w);
+    // A lease of a minute: "r" stays ready while a thousand links are opened.
+    let p = pull_prefill_ready_leased(&w, 60_000);
     let idle: Vec<_> = (0..MAX_LINKS_PER_ENGINE)
         .map(|i| pull_link_from(&p, [127, 0, 1, 2 + (i / MAX_LINKS_PER_SOURCE) as u8]))
         .collect();
@@ -2563,7 +2564,8 @@ fn a_link_reading_lent_blocks_keeps_its_place_when_an_engines_links_are_full() {
     use pdpair_agent::agent::{MAX_LINKS_PER_ENGINE, MAX_LINKS_PER_SOURCE};
     pdpair_agent::tuning::raise_fd_limit().expect("descriptors for a thousand links");
     let w = World::new("attack-engine-links-lent");
-    let mut p = pull_prefill_ready(&w);
+    // A lease of a minute: "r" stays lent while a thousand links are opened.
+    let mut p = pull_prefill_ready_leased(&w, 60_000);
     let (mut borrower, mut borrowed) = borrower_of_r(&p);
     std::thread::sleep(Duration::from_millis(20));
     let idle: Vec<_> = (0..MAX_LINKS_PER_ENGINE - 1)
@@ -2907,4 +2909,50 @@ fn an_engine_holds_a_bounded_number_of_requests_at_its_agent() {
     expect_kv(&mut d, "one-more", at.clone(), &[1, 2], 100);
     busy(&mut d, "one-more");
     drop(silent);
+}
+
+/// This process's resident memory, in bytes.
+fn resident() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS");
+    kib * 1024
+}
+
+#[test]
+fn a_requests_window_costs_its_block_ids_not_a_range_per_layer() {
+    // Over the KV stream, a request's blocks are opened to the link moving them. As ranges, that
+    // was one per block, layer and K/V: an engine choosing 1024 layers of 1-token blocks and
+    // asking for every other block of its pool (none merge) made its agent build gigabytes.
+    // Here 8192 blocks x 1024 layers x 2 took 256 MiB of ranges, twice over.
+    let _serial = serial();
+    let w = World::new("attack-window");
+    let (ps, ds) = (w.agent("p", Transport::Tcp, false), w.agent("d", Transport::Tcp, false));
+    let mut g = kv(1, None);
+    (g.layers, g.kv_heads, g.head_dim) = (1024, 1, 1);
+    let engine = |socket: &std::path::Path, role: Role, name: &str| {
+        let mut s = spec(role, name, g.clone(), KEY, ChecksumPolicy::Disabled);
+        (s.num_blocks, s.lease_ms, s.handshake_timeout_ms) = (16384, 60_000, 60_000);
+        let e = SyntheticEngine::register(socket, &w.dir, &s).expect("engine");
+        e.events()
+            .expect("events")
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("timeout");
+        e
+    };
+    let p = engine(&ps, Role::Prefill, "p0");
+    let mut d = engine(&ds, Role::Decode, "d0");
+    let every_other: Vec<u32> = (0..8192).map(|i| 2 * i).collect();
+    let before = resident();
+    // Decode opens its blocks to prefill's link as it registers the request (which prefill
+    // keeps waiting: it never says KvReady).
+    expect_kv(&mut d, "wide", p.address.clone(), &every_other, 8192);
+    std::thread::sleep(Duration::from_secs(3));
+    let grew = resident().saturating_sub(before);
+    assert!(grew < 64 << 20, "the window took {} MiB", grew >> 20);
+    drop((p, d));
 }

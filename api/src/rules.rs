@@ -12,6 +12,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::{ChecksumPolicy, KvGeometry, KvLayout, PDPairSpec, Parallelism, Role, TransferMode};
 
+/// Tensor-parallel ranks of a pool, at most (the node agent's bound on its own and its peers').
+pub const MAX_TENSOR: i32 = 1024;
+
+/// KV layers of a geometry, at most (the node agent's bound).
+pub const MAX_LAYERS: i32 = 1024;
+
 /// Stable reason codes, one per rule. The names are API: they appear in admission responses,
 /// Events, conditions, metrics and the agent's handshake rejections.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -246,7 +252,7 @@ impl Rules {
         }
     }
 
-    /// Rules about one pool alone.
+    /// Rules about one pool alone (bounds: [`MAX_TENSOR`], [`MAX_LAYERS`]).
     fn pool(&mut self, mode: TransferMode, checksum: ChecksumPolicy, role: Role, pool: Pool<'_>) {
         let kv = pool.kv;
         let at_least_one = |name: &str, value: i32| format!("{role} {name} is {value}; it must be at least 1");
@@ -280,6 +286,20 @@ impl Rules {
                 let field = format!("parallelism.{name}");
                 self.push(Reason::InvalidParallelism, role, &field, at_least_one(&field, value));
             }
+        }
+        if p.tensor > MAX_TENSOR {
+            let msg = format!(
+                "{role} parallelism.tensor is {}; at most {MAX_TENSOR} (the node agent refuses more)",
+                p.tensor
+            );
+            self.push(Reason::InvalidParallelism, role, "parallelism.tensor", msg);
+        }
+        if kv.layers > MAX_LAYERS {
+            let msg = format!(
+                "{role} kv.layers is {}; at most {MAX_LAYERS} (the node agent refuses more)",
+                kv.layers
+            );
+            self.push(Reason::InvalidShape, role, "kv.layers", msg);
         }
         let mut shape_ok = true;
         for (name, value) in [

@@ -224,10 +224,138 @@ struct Admitted {
 #[derive(Debug, Default)]
 pub struct Windows {
     /// Copies hold it shared (lanes copy side by side), opening and closing exclusively.
-    open: std::sync::RwLock<HashMap<String, Vec<(u64, u64)>>>,
+    open: std::sync::RwLock<HashMap<String, Window>>,
+}
+
+/// One request's window: byte ranges, or blocks of a pool's arrays (as many bytes as the
+/// request's block ids, however many layers: a request of many blocks over many layers as
+/// ranges took a range per block, layer and half, gigabytes for an engine's chosen geometry).
+#[derive(Debug)]
+enum Window {
+    Ranges(Vec<(u64, u64)>),
+    Blocks {
+        arrays: std::sync::Arc<Arrays>,
+        blocks: Vec<u32>,
+    },
+}
+
+/// Where a pool's blocks are: arrays of `num_blocks` periods of `stride` bytes from `base`,
+/// each period holding the block's pieces (`(offset, bytes)` in the period: K, V or both), in
+/// order of `base`, none overlapping another. One per layer and K/V (K and V of a layer in one
+/// when they alternate block by block).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Arrays(Vec<Array>);
+
+/// See [`Arrays`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Array {
+    base: u64,
+    stride: u64,
+    num_blocks: u32,
+    pieces: Vec<(u64, u64)>,
+}
+
+impl Arrays {
+    /// From pieces `(address of block 0's piece, address of block 1's piece, bytes)`, one per
+    /// layer and K/V, of a pool of `num_blocks` blocks; `None` where they do not make arrays
+    /// that stay apart (a block's piece past its period, arrays that overlap): open such a
+    /// window as ranges.
+    pub fn of(pieces: &[(u64, u64, u64)], num_blocks: u32) -> Option<Arrays> {
+        let mut arrays: Vec<Array> = Vec::new();
+        for &(first, second, len) in pieces {
+            let stride = second.checked_sub(first)?;
+            if len == 0 || len > stride || num_blocks < 2 {
+                return None;
+            }
+            // The other half of the same layer when they alternate in one period.
+            if let Some(a) = arrays
+                .iter_mut()
+                .find(|a| a.stride == stride && first.abs_diff(a.base) < stride)
+            {
+                let start = a.base.min(first);
+                let shift = a.base - start;
+                a.pieces.iter_mut().for_each(|p| p.0 += shift);
+                a.pieces.push((first - start, len));
+                a.base = start;
+                a.pieces.sort_unstable();
+                let ends_in_period = a.pieces.iter().all(|p| p.0 + p.1 <= stride);
+                let apart = a.pieces.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0);
+                if !ends_in_period || !apart {
+                    return None;
+                }
+            } else {
+                arrays.push(Array {
+                    base: first,
+                    stride,
+                    num_blocks,
+                    pieces: vec![(0, len)],
+                });
+            }
+        }
+        arrays.sort_unstable_by_key(|a| a.base);
+        let end = |a: &Array| {
+            a.stride
+                .checked_mul(u64::from(a.num_blocks))
+                .and_then(|n| a.base.checked_add(n))
+        };
+        for w in arrays.windows(2) {
+            if end(&w[0])? > w[1].base {
+                return None;
+            }
+        }
+        if let Some(last) = arrays.last() {
+            end(last)?;
+        }
+        Some(Arrays(arrays))
+    }
+
+    /// Whether `at..at+len` lies wholly in pieces of `blocks` (sorted).
+    fn covers(&self, blocks: &[u32], at: u64, len: u64) -> bool {
+        let Some(end) = at.checked_add(len) else { return false };
+        let mut cur = at;
+        while cur < end {
+            let i = self.0.partition_point(|a| a.base <= cur);
+            let Some(a) = i.checked_sub(1).map(|i| &self.0[i]) else {
+                return false;
+            };
+            let off = cur - a.base;
+            let block = off / a.stride;
+            let within = off % a.stride;
+            if block >= u64::from(a.num_blocks) || blocks.binary_search(&(block as u32)).is_err() {
+                return false;
+            }
+            // Pieces that touch within a period count as one.
+            let Some(mut piece_end) = a
+                .pieces
+                .iter()
+                .find(|p| p.0 <= within && within < p.0 + p.1)
+                .map(|p| p.0 + p.1)
+            else {
+                return false;
+            };
+            while let Some(next) = a.pieces.iter().find(|p| p.0 == piece_end) {
+                piece_end = next.0 + next.1;
+            }
+            let next = a.base + block * a.stride + piece_end;
+            if next <= cur {
+                return false;
+            }
+            cur = next;
+        }
+        true
+    }
 }
 
 impl Windows {
+    /// Opens `request`'s window over `blocks` of `arrays`, replacing one it had: it holds the
+    /// block ids, nothing per layer.
+    pub fn allow_blocks(&self, request: &str, arrays: std::sync::Arc<Arrays>, mut blocks: Vec<u32>) {
+        blocks.sort_unstable();
+        blocks.dedup();
+        blocks.shrink_to_fit();
+        write_lock(&self.open).insert(request.to_owned(), Window::Blocks { arrays, blocks });
+    }
+
     /// Opens `request`'s window over `ranges` (address, bytes; merged here), replacing one it
     /// had.
     pub fn allow(&self, request: &str, mut ranges: Vec<(u64, u64)>) {
@@ -243,7 +371,8 @@ impl Windows {
                 _ => merged.push((at, len)),
             }
         }
-        write_lock(&self.open).insert(request.to_owned(), merged);
+        merged.shrink_to_fit();
+        write_lock(&self.open).insert(request.to_owned(), Window::Ranges(merged));
     }
 
     /// Closes `request`'s window (nothing more of it is written).
@@ -283,11 +412,14 @@ impl Windows {
         region.read(at, into).map(|()| true)
     }
 
-    fn holds(open: &HashMap<String, Vec<(u64, u64)>>, at: u64, len: u64) -> bool {
-        open.values().any(|ranges| {
-            // The last range starting at or before `at`.
-            let i = ranges.partition_point(|r| r.0 <= at);
-            i > 0 && inside(at, len, ranges[i - 1].0, ranges[i - 1].1)
+    fn holds(open: &HashMap<String, Window>, at: u64, len: u64) -> bool {
+        open.values().any(|window| match window {
+            Window::Ranges(ranges) => {
+                // The last range starting at or before `at`.
+                let i = ranges.partition_point(|r| r.0 <= at);
+                i > 0 && inside(at, len, ranges[i - 1].0, ranges[i - 1].1)
+            }
+            Window::Blocks { arrays, blocks } => arrays.covers(blocks, at, len),
         })
     }
 

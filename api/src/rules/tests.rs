@@ -210,6 +210,31 @@ fn invalid_shape() {
 }
 
 #[test]
+fn more_tensor_ranks_or_layers_than_the_node_agent_takes_are_refused() {
+    // Admitted on paper, refused by every agent at registration.
+    let mut spec = push();
+    (spec.prefill.parallelism.tensor, spec.decode.parallelism.tensor) = (MAX_TENSOR, MAX_TENSOR);
+    (spec.prefill.kv.layers, spec.decode.kv.layers) = (MAX_LAYERS, MAX_LAYERS);
+    (spec.prefill.kv.kv_heads, spec.decode.kv.kv_heads) = (MAX_TENSOR, MAX_TENSOR);
+    admits(&spec);
+    spec.decode.parallelism.tensor = MAX_TENSOR + 1;
+    rejects(
+        &spec,
+        Reason::InvalidParallelism,
+        "spec.decode.parallelism.tensor",
+        &["is 1025; at most 1024"],
+    );
+    let mut spec = push();
+    spec.prefill.kv.layers = MAX_LAYERS + 1;
+    rejects(
+        &spec,
+        Reason::InvalidShape,
+        "spec.prefill.kv.layers",
+        &["is 1025; at most 1024"],
+    );
+}
+
+#[test]
 fn structural_violations_stop_the_pair_rules() {
     // Decode differs in model and block size, but prefill is structurally invalid: only the
     // structural violation is reported.

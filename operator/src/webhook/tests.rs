@@ -242,3 +242,39 @@ fn the_event_budget_bounds_events_per_second_whatever_the_denial_rate() {
         EventBudget::BURST as usize
     );
 }
+
+#[test]
+fn a_name_no_label_can_hold_is_denied_naming_the_field() {
+    let mut pair = manifest("vllm-push-64-64.yaml");
+    pair["metadata"]["name"] = "p".repeat(MAX_NAME).into();
+    assert!(
+        review(&request(review_json("CREATE", Some(pair.clone()), None, false)))
+            .response
+            .allowed
+    );
+    pair["metadata"]["name"] = "p".repeat(MAX_NAME + 1).into();
+    let out = review(&request(review_json("CREATE", Some(pair.clone()), None, false)));
+    assert!(!out.response.allowed);
+    assert!(
+        out.response
+            .result
+            .message
+            .contains("metadata.name makes a name of 64 characters; a PDPair's name is at most 63"),
+        "{}",
+        out.response.result.message
+    );
+    // generateName's five random characters count.
+    pair["metadata"]["name"] = serde_json::Value::Null;
+    pair["metadata"]["generateName"] = "g".repeat(MAX_NAME - 4).into();
+    let out = review(&request(review_json("CREATE", Some(pair), None, false)));
+    assert!(
+        !out.response.allowed
+            && out
+                .response
+                .result
+                .message
+                .contains("metadata.generateName makes a name of 64"),
+        "{}",
+        out.response.result.message
+    );
+}

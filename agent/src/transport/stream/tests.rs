@@ -1211,3 +1211,64 @@ fn a_disconnect_ends_an_op_stuck_on_a_silent_peer_at_once() {
     );
     drop(held);
 }
+
+#[test]
+fn block_windows_hold_the_block_ids_and_admit_exactly_their_pieces() {
+    // K then V arrays per layer (vLLM's FLASH_ATTN cache): 2 layers, 8 blocks of 16 bytes.
+    let (n, len) = (8u32, 16u64);
+    let k = |layer: u64| 1000 + layer * 2 * 8 * len;
+    let v = |layer: u64| k(layer) + 8 * len;
+    let pieces: Vec<(u64, u64, u64)> = (0..2)
+        .flat_map(|l| [(k(l), k(l) + len, len), (v(l), v(l) + len, len)])
+        .collect();
+    let arrays = std::sync::Arc::new(Arrays::of(&pieces, n).expect("arrays"));
+    let w = Windows::default();
+    w.allow_blocks("r", arrays.clone(), vec![5, 2, 3, 2]);
+    for l in 0..2 {
+        for base in [k(l), v(l)] {
+            assert!(w.contains(base + 2 * len, len), "block 2");
+            assert!(w.contains(base + 2 * len + 3, 4), "inside block 2");
+            assert!(w.contains(base + 2 * len, 2 * len), "blocks 2 and 3 together");
+            assert!(!w.contains(base + 2 * len, 3 * len), "2, 3 and 4 (not lent)");
+            assert!(!w.contains(base + 4 * len, 1), "block 4");
+            assert!(w.contains(base + 5 * len, len) && !w.contains(base + 5 * len, len + 1));
+            assert!(!w.contains(base, 1) && !w.contains(base + 7 * len, len));
+        }
+    }
+    assert!(!w.contains(k(0) - 1, 2), "before the arrays");
+    assert!(!w.contains(v(1) + 8 * len, 1), "past them");
+    assert!(!w.contains(u64::MAX - 2, 4), "no overflow");
+    // K and V of each block side by side (FlashInfer's [num_blocks, 2, ...]): one array per
+    // layer, a block's K and V together admitted as one piece.
+    let kv = |layer: u64| 50_000 + layer * 8 * 2 * len;
+    let pieces: Vec<(u64, u64, u64)> = (0..2)
+        .flat_map(|l| [(kv(l), kv(l) + 2 * len, len), (kv(l) + len, kv(l) + 3 * len, len)])
+        .collect();
+    let arrays = std::sync::Arc::new(Arrays::of(&pieces, n).expect("arrays"));
+    assert_eq!(arrays.0.len(), 2, "{arrays:?}");
+    w.allow_blocks("fi", arrays, vec![1, 6]);
+    assert!(w.contains(kv(1) + 2 * len, 2 * len), "block 1's K and V");
+    assert!(w.contains(kv(1) + 3 * len, len), "block 1's V");
+    assert!(!w.contains(kv(1) + 2 * len, 3 * len), "into block 2");
+    assert!(!w.contains(kv(0), len) && !w.contains(kv(0) + 12 * len, 4 * len));
+    assert!(w.contains(kv(0) + 12 * len, 2 * len), "block 6");
+    // Closed, nothing.
+    w.close("r");
+    w.close("fi");
+    assert!(!w.contains(k(0) + 2 * len, 1));
+    // What does not make arrays that stay apart is refused (windows then take ranges).
+    assert!(
+        Arrays::of(&[(100, 116, 16), (108, 124, 16)], 8).is_none(),
+        "pieces overlap"
+    );
+    assert!(Arrays::of(&[(100, 110, 16)], 8).is_none(), "a piece past its period");
+    assert!(
+        Arrays::of(&[(100, 116, 16), (150, 166, 16)], 8).is_none(),
+        "arrays overlap"
+    );
+    assert!(Arrays::of(&[(100, 116, 16)], 1).is_none(), "one block: no period");
+    assert!(
+        Arrays::of(&[(u64::MAX - 40, u64::MAX - 24, 16)], 8).is_none(),
+        "past the address space"
+    );
+}
