@@ -68,6 +68,10 @@ pub struct Wiring {
     /// `agent.socketGroup`): engine pods get it as their `fsGroup` when they set none (which also
     /// makes the pairing key readable to them), or as a supplemental group when they set another.
     pub socket_group: Option<i64>,
+    /// Where the agents' engine socket directory is on the node (the chart's `agent.socketDir`;
+    /// `None`: [`names::AGENT_SOCKET_DIR`]): engine pods mount it at
+    /// [`names::AGENT_SOCKET_DIR`] whatever it is, where `PDPAIR_AGENT_SOCKET` points.
+    pub socket_dir: Option<String>,
 }
 
 /// The Deployment for a pool with a template; `None` for a bring-your-own pool.
@@ -175,7 +179,10 @@ fn engine_template(
     volumes.push(Volume {
         name: "pdpair-agent".into(),
         host_path: Some(HostPathVolumeSource {
-            path: names::AGENT_SOCKET_DIR.into(),
+            path: wiring
+                .socket_dir
+                .clone()
+                .unwrap_or_else(|| names::AGENT_SOCKET_DIR.into()),
             type_: Some("DirectoryOrCreate".into()),
         }),
         ..Volume::default()

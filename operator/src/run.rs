@@ -84,6 +84,27 @@ pub struct RunOptions {
         value_name = "GID"
     )]
     pub agent_socket_group: u32,
+    /// The node agents' engine socket directory on the node (the chart's `agent.socketDir`):
+    /// engine pods mount it (at /var/run/pdpair, where `PDPAIR_AGENT_SOCKET` points).
+    #[arg(
+        long = "agent-socket-dir",
+        env = "PDPAIR_AGENT_SOCKET_DIR",
+        default_value = crate::names::AGENT_SOCKET_DIR,
+        value_name = "DIR",
+        value_parser = absolute_dir
+    )]
+    pub agent_socket_dir: String,
+}
+
+/// An absolute directory path, normalised without a trailing slash.
+fn absolute_dir(s: &str) -> Result<String, String> {
+    let trimmed = s.trim_end_matches('/');
+    if !s.starts_with('/') || trimmed.is_empty() || s.split('/').any(|p| p == "..") {
+        return Err(format!(
+            "{s:?} is not an absolute directory path (a host path engine pods mount)"
+        ));
+    }
+    Ok(trimmed.to_owned())
 }
 
 /// Sets up tracing: `RUST_LOG` filters (default info), text or JSON lines on stderr.
@@ -258,6 +279,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         events,
         wiring: crate::plan::Wiring {
             socket_group: (opts.agent_socket_group != 0).then_some(i64::from(opts.agent_socket_group)),
+            socket_dir: Some(opts.agent_socket_dir.clone()),
         },
     });
     let synced_health = Arc::clone(&health);

@@ -333,6 +333,11 @@ fn non_default_values_change_what_they_should() {
     let unprobed = render(&["agent.ucx.probe=false"]).expect("renders");
     assert!(args(&unprobed, "DaemonSet", "agent").contains(&"--no-ucx-probe".to_owned()));
     assert!(args(&objs, "Deployment", "operator").contains(&"--agent-socket-group=2000".to_owned()));
+    // Engine pods mount the directory the agent listens in.
+    assert!(args(&objs, "Deployment", "operator").contains(&"--agent-socket-dir=/var/run/pdpair".to_owned()));
+    let moved = render(&["agent.socketDir=/run/pdpair"]).expect("renders");
+    assert!(args(&moved, "Deployment", "operator").contains(&"--agent-socket-dir=/run/pdpair".to_owned()));
+    assert!(args(&moved, "DaemonSet", "agent").contains(&"--socket=/run/pdpair/agent.sock".to_owned()));
     let objs = render(&["agent.socketGroup=0", "agent.ucx.transport=tcp"]).expect("renders");
     assert!(args(&objs, "DaemonSet", "agent").contains(&"--transport=tcp".to_owned()));
     assert!(

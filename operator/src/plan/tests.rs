@@ -263,6 +263,7 @@ fn an_incompatible_pair_or_a_removed_template_plans_no_deployment() {
 fn engine_pods_join_the_agents_socket_group() {
     let wiring = Wiring {
         socket_group: Some(2000),
+        socket_dir: None,
     };
     let security = |pair: &PDPair| {
         let d = deployment(pair, Role::Decode, &wiring).expect("template");
@@ -297,4 +298,44 @@ fn engine_pods_join_the_agents_socket_group() {
     let d = deployment(&self::pair(), Role::Decode, &Wiring::default()).expect("template");
     let sc = d.spec.and_then(|s| s.template.spec).and_then(|s| s.security_context);
     assert!(sc.as_ref().is_none_or(|sc| sc.fs_group.is_none()), "{sc:?}");
+}
+
+#[test]
+fn engine_pods_mount_the_agents_socket_directory_where_the_chart_put_it() {
+    // The chart's agent.socketDir is where the agent listens on the node; engine pods mount that
+    // host directory at the path PDPAIR_AGENT_SOCKET names (before, always /var/run/pdpair on
+    // the node: with another socketDir no engine found its agent).
+    let host_path = |wiring: &Wiring| {
+        let d = deployment(&pair(), Role::Decode, wiring).expect("template");
+        let spec = d.spec.and_then(|s| s.template.spec).expect("pod spec");
+        let volume = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "pdpair-agent")
+            .cloned()
+            .expect("the agent's volume");
+        let mounted = spec.containers[0]
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "pdpair-agent")
+            .map(|m| m.mount_path.clone());
+        (volume.host_path.map(|h| h.path), mounted)
+    };
+    let moved = Wiring {
+        socket_group: None,
+        socket_dir: Some("/run/pdpair".into()),
+    };
+    assert_eq!(
+        host_path(&moved),
+        (Some("/run/pdpair".into()), Some(names::AGENT_SOCKET_DIR.into()))
+    );
+    assert_eq!(
+        host_path(&Wiring::default()),
+        (
+            Some(names::AGENT_SOCKET_DIR.into()),
+            Some(names::AGENT_SOCKET_DIR.into())
+        )
+    );
 }
