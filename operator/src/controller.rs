@@ -199,6 +199,23 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     if !checked {
         for (_, dname, d) in &planned {
             let Some(d) = d else { continue };
+            // A Deployment of that name someone else made is not taken over (a force-apply
+            // would merge our template into theirs, and a removed template would then prune it).
+            let existing = deployments
+                .get_metadata_opt(dname)
+                .await
+                .map_err(|source| Error::ApplyDeployment {
+                    name: dname.clone(),
+                    source,
+                })?;
+            if let Some(existing) = existing
+                && !controlled_by(&existing.metadata, &uid)
+            {
+                apply_refused = Some(format!(
+                    "neither pool's Deployment was applied: Deployment {dname} exists and is not this PDPair's (it has no controller reference to it); remove it, or rename the PDPair"
+                ));
+                break;
+            }
             let params = PatchParams::apply(MANAGER).force().dry_run();
             match deployments.patch(dname, &params, &Patch::Apply(d)).await {
                 Ok(_) => {}
@@ -316,11 +333,21 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         let note = format!("{} {from} -> {}: {}", t.type_, t.to_status, t.message);
         ctx.events.publish(&reference, kind, &t.reason, &t.type_, &note).await;
     }
-    Ok(if verdict.allowed() && apply_refused.is_none() {
+    // A refused apply is tried again at the resync too: what refused it (another's Deployment
+    // of that name) may go without this PDPair changing.
+    Ok(if verdict.allowed() {
         Action::requeue(RESYNC)
     } else {
         Action::await_change()
     })
+}
+
+/// Whether the PDPair `owner_uid` is the controller of an object.
+fn controlled_by(meta: &kube::api::ObjectMeta, owner_uid: &str) -> bool {
+    meta.owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.controller == Some(true) && o.kind == "PDPair" && o.uid == owner_uid)
 }
 
 /// A digest of the planned Deployments (within this process: it only says whether the plan
@@ -345,13 +372,7 @@ async fn prune(deployments: &Api<Deployment>, name: &str, owner_uid: &str) -> Re
     let Some(existing) = deployments.get_metadata_opt(name).await.map_err(err)? else {
         return Ok(false);
     };
-    let ours = existing
-        .metadata
-        .owner_references
-        .iter()
-        .flatten()
-        .any(|o| o.controller == Some(true) && o.kind == "PDPair" && o.uid == owner_uid);
-    if !ours || existing.metadata.deletion_timestamp.is_some() {
+    if !controlled_by(&existing.metadata, owner_uid) || existing.metadata.deletion_timestamp.is_some() {
         return Ok(false);
     }
     // Only the object we looked at (its uid), its ReplicaSets and pods after it.

@@ -338,6 +338,59 @@ fn a_pool_the_api_server_refuses_leaves_both_pools_as_they_were_and_says_why() {
     }
 }
 
+#[test]
+fn a_deployment_of_the_name_someone_else_made_is_not_taken_over() {
+    // A force-apply merged the pair's template into another's Deployment of that name (and a
+    // template removed later pruned it). Now neither pool is applied, status says why, and once
+    // that Deployment goes the pair's pools are made.
+    operator();
+    let ns = namespace("takeover");
+    // Labelled as a bring-your-own pool is (docs/install.md), so its selector is the one the
+    // operator's would have: an apply of the operator's Deployment onto it goes through.
+    let byo = format!(
+        r#"{{"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {{"name": "llama-8b-decode", "namespace": "{ns}"}},
+            "spec": {{"replicas": 0,
+              "selector": {{"matchLabels": {{"pdpair.dev/name": "llama-8b", "pdpair.dev/role": "decode"}}}},
+              "template": {{"metadata": {{"labels": {{"pdpair.dev/name": "llama-8b", "pdpair.dev/role": "decode"}}}},
+                "spec": {{"containers": [{{"name": "vllm", "image": "byo:1"}}]}}}}}}}}"#
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&byo));
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+    );
+    let applied = eventually(WAIT, "PoolsApplied False", || {
+        let p = get_json("pdpair", &ns, "llama-8b")?;
+        p["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "PoolsApplied" && c["status"] == "False")
+            .cloned()
+    });
+    let message = applied["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("Deployment llama-8b-decode exists and is not this PDPair's"),
+        "{message}"
+    );
+    let byo = get_json("deployment", &ns, "llama-8b-decode").expect("theirs stays");
+    assert!(byo["metadata"]["ownerReferences"].is_null(), "{byo}");
+    assert_eq!(byo["spec"]["template"]["spec"]["containers"][0]["image"], "byo:1");
+    assert!(
+        get_json("deployment", &ns, "llama-8b-prefill").is_none(),
+        "neither pool"
+    );
+    // Theirs goes: the pair's pools are made (at the next reconcile; a touch brings it now).
+    kubectl_ok(&["delete", "deployment", "llama-8b-decode", "-n", &ns], None);
+    kubectl_ok(
+        &["annotate", "pdpair", "llama-8b", "-n", &ns, "touch=1", "--overwrite"],
+        None,
+    );
+    both_deployments(&ns);
+    let ours = get_json("deployment", &ns, "llama-8b-decode").expect("ours");
+    assert_eq!(ours["metadata"]["ownerReferences"][0]["kind"], "PDPair", "{ours}");
+}
+
 /// Waits for the compatible pair's two Deployments.
 fn both_deployments(ns: &str) {
     eventually(WAIT, "both Deployments", || {
