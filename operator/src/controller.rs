@@ -393,13 +393,9 @@ async fn prune(deployments: &Api<Deployment>, name: &str, owner_uid: &str) -> Re
 async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> Result<(), Error> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
     let sname = names::secret_name(name);
-    let err = |source| Error::EnsureSecret {
-        name: sname.clone(),
-        source,
-    };
-    if secrets.get_metadata_opt(&sname).await.map_err(err)?.is_some() {
-        return Ok(()); // created once; never rotated behind the engines' backs
-    }
+    // Created once, never rotated behind the engines' backs: a create that finds one (409) is
+    // done. The operator may create Secrets but not read them (it needs nothing in them, and
+    // a `get` on every Secret of the cluster is more than it needs).
     let mut key = [0u8; names::PAIRING_KEY_LEN];
     getrandom::fill(&mut key).map_err(|e| Error::Random(e.to_string()))?;
     let Some(secret) = plan::pairing_secret(pair, &key) else {
@@ -407,7 +403,7 @@ async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> 
     };
     match secrets.create(&PostParams::default(), &secret).await {
         Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()), // a concurrent reconcile made it
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()), // made before, or by a concurrent reconcile
         Err(source) => Err(Error::EnsureSecret { name: sname, source }),
     }
 }

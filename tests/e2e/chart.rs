@@ -135,7 +135,7 @@ fn default_values_render_a_least_privilege_hardened_install() {
             set(&["get", "list", "watch", "create", "patch", "delete"]),
         ),
         ("", "pods", set(&["get", "list", "watch"])),
-        ("", "secrets", set(&["get", "create"])),
+        ("", "secrets", set(&["create"])),
         ("events.k8s.io", "events", set(&["create"])),
     ];
     assert_eq!(

@@ -77,7 +77,7 @@ fn least_privilege() {
         "pdendpoints.pdpair.dev names[] [get list watch]",
         "deployments.apps names[] [create delete get list patch watch]",
         "pods names[] [get list watch]",
-        "secrets names[] [create get]",
+        "secrets names[] [create]",
         "events.events.k8s.io names[] [create]",
     ]);
     let agent = set(&[
