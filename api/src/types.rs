@@ -169,7 +169,7 @@ pub enum ChecksumPolicy {
 
 /// One engine pool.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", from = "StoredPoolSpec")]
 pub struct PoolSpec {
     /// Number of engine instances in the pool.
     #[serde(default = "one")]
@@ -185,6 +185,66 @@ pub struct PoolSpec {
     pub template: Option<PodTemplateSpec>,
     /// The KV cache geometry the engine runs with.
     pub kv: KvGeometry,
+    /// Why the stored `template` is not a pod template (`template` is then `None`): the CRD
+    /// keeps templates whole and unchecked, so one stored past the webhook (a namespace opted
+    /// out, the webhook down with `failurePolicy: Ignore`) may not parse. Read as the object's
+    /// own fault, not one that fails a whole list of PDPairs. Never serialised.
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub template_error: Option<String>,
+}
+
+impl PDPairSpec {
+    /// Each pool whose stored `template` is not a pod template: the field
+    /// (`spec.prefill.template`) and what is wrong in it (see [`PoolSpec::template_error`]).
+    pub fn template_errors(&self) -> Vec<(String, String)> {
+        [(Role::Prefill, &self.prefill), (Role::Decode, &self.decode)]
+            .into_iter()
+            .filter_map(|(role, pool)| {
+                let why = pool.template_error.as_ref()?;
+                Some((format!("spec.{role}.template"), why.clone()))
+            })
+            .collect()
+    }
+}
+
+/// [`PoolSpec`] as stored: the template as any JSON, parsed after.
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+struct StoredPoolSpec {
+    /// Number of engine instances in the pool.
+    #[serde(default = "one")]
+    replicas: i32,
+    /// How each engine instance is parallelised.
+    #[serde(default)]
+    parallelism: Parallelism,
+    /// The engine's pod template. When set, the operator runs the pool as a Deployment; when absent
+    /// the pool is bring-your-own: pods labelled pdpair.dev/name and pdpair.dev/role join it. The
+    /// template is a core/v1 PodTemplateSpec; it is checked when the Deployment is applied.
+    #[serde(default)]
+    #[schemars(schema_with = "schema::pod_template")]
+    template: Option<serde_json::Value>,
+    /// The KV cache geometry the engine runs with.
+    kv: KvGeometry,
+}
+
+impl From<StoredPoolSpec> for PoolSpec {
+    fn from(s: StoredPoolSpec) -> PoolSpec {
+        let (template, template_error) = match s.template {
+            None | Some(serde_json::Value::Null) => (None, None),
+            Some(value) => match serde_path_to_error::deserialize::<_, PodTemplateSpec>(value) {
+                Ok(t) => (Some(t), None),
+                Err(e) => (None, Some(format!("{}: {}", e.path(), e.inner()))),
+            },
+        };
+        PoolSpec {
+            replicas: s.replicas,
+            parallelism: s.parallelism,
+            template,
+            kv: s.kv,
+            template_error,
+        }
+    }
 }
 
 fn one() -> i32 {
@@ -439,4 +499,55 @@ pub struct PoolStatus {
     /// Engine pods that are Ready.
     #[serde(default)]
     pub ready_replicas: i32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(name: &str, env_value: serde_json::Value) -> serde_json::Value {
+        let kv = serde_json::json!({"engine": "vllm", "model": "m", "dtype": "bfloat16", "layers": 2,
+            "kvHeads": 2, "headDim": 16, "attentionBackend": "FLASH_ATTN", "layout": "HND", "blockSize": 16});
+        let template = serde_json::json!({"spec": {"containers": [
+            {"name": "vllm", "image": "x", "env": [{"name": "PORT", "value": env_value}]}]}});
+        serde_json::json!({
+            "apiVersion": "pdpair.dev/v1alpha1", "kind": "PDPair",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"prefill": {"kv": kv, "template": template}, "decode": {"kv": kv}},
+        })
+    }
+
+    #[test]
+    fn a_stored_template_that_is_not_a_pod_template_is_the_objects_own_fault_not_the_lists() {
+        // The CRD keeps templates whole and unchecked: one that does not parse must not fail a
+        // list of PDPairs (the operator's watch reads them as one).
+        let list = serde_json::json!({
+            "apiVersion": "pdpair.dev/v1alpha1", "kind": "PDPairList", "metadata": {},
+            "items": [stored("good", "8000".into()), stored("bad", 8000.into())],
+        });
+        let list: kube_core::ObjectList<PDPair> = serde_json::from_value(list).expect("the list parses");
+        let [good, bad] = &list.items[..] else {
+            panic!("two items")
+        };
+        assert!(good.spec.prefill.template.is_some() && good.spec.template_errors().is_empty());
+        assert!(bad.spec.prefill.template.is_none(), "no template taken from it");
+        let errors = bad.spec.template_errors();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].0, "spec.prefill.template");
+        assert!(
+            errors[0]
+                .1
+                .starts_with("spec.containers[0].env[0].value: invalid type: integer `8000`"),
+            "{errors:?}"
+        );
+        // A pool without a template is bring-your-own, and no error.
+        assert!(bad.spec.decode.template.is_none() && bad.spec.decode.template_error.is_none());
+        // Serialised, the template is as parsed (the error is never written back).
+        let out = serde_json::to_value(&good.spec).expect("json");
+        assert_eq!(
+            out["prefill"]["template"]["spec"]["containers"][0]["env"][0]["value"],
+            "8000"
+        );
+        assert!(out["prefill"].get("templateError").is_none());
+    }
 }

@@ -196,6 +196,14 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     let fingerprint = fingerprint(&planned);
     let checked = ctx.applied.lock().is_ok_and(|a| a.get(&uid) == Some(&fingerprint));
     let mut apply_refused = None;
+    // A template stored past the webhook that is not a pod template: nothing is applied, or
+    // pruned (its pool is not bring-your-own), and status says what is wrong in it.
+    if let Some((field, why)) = pair.spec.template_errors().into_iter().next() {
+        apply_refused = Some(format!(
+            "neither pool's Deployment was applied (the pools run what they ran before): {field} is not a pod template: {why}"
+        ));
+    }
+    let checked = checked || apply_refused.is_some();
     if !checked {
         for (_, dname, d) in &planned {
             let Some(d) = d else { continue };

@@ -124,6 +124,9 @@ impl Report {
             return Err(format!("apiVersion {api_version:?} is not served; use {API_VERSION:?}"));
         }
         let pair = parse_pdpair(value)?;
+        if let Some((field, why)) = pair.spec.template_errors().into_iter().next() {
+            return Err(format!("{field} is not a pod template: {why}"));
+        }
         let name = pair
             .metadata
             .name
@@ -192,6 +195,13 @@ fn parse_pdpair(value: serde_yaml::Value) -> Result<PDPair, String> {
         }
     })?;
     let mut unknown = Vec::new();
+    let templates: Vec<(String, serde_yaml::Value)> = ["prefill", "decode"]
+        .into_iter()
+        .filter_map(|pool| {
+            let t = value.get("spec")?.get(pool)?.get("template")?;
+            Some((format!("spec.{pool}.template"), t.clone()))
+        })
+        .collect();
     let _: Result<PDPair, _> = serde_ignored::deserialize(value, |path| {
         // The generated type reads apiVersion and kind from its resource impl, not from fields.
         // serde_ignored writes `?` for an Option's Some; a manifest path has no such step.
@@ -200,6 +210,13 @@ fn parse_pdpair(value: serde_yaml::Value) -> Result<PDPair, String> {
             unknown.push(path);
         }
     });
+    // Templates are read whole as JSON first (a stored one that is not a pod template is its
+    // object's own fault): their unknown fields are looked for as pod templates.
+    for (at, template) in templates {
+        let _: Result<k8s_openapi::api::core::v1::PodTemplateSpec, _> = serde_ignored::deserialize(template, |path| {
+            unknown.push(format!("{at}.{}", path.to_string().replace(".?", "")));
+        });
+    }
     if !unknown.is_empty() {
         let plural = if unknown.len() == 1 { "" } else { "s" };
         return Err(format!(

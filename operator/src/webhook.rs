@@ -103,6 +103,12 @@ pub fn review(req: &AdmissionRequest<DynamicObject>) -> Outcome {
         Ok(pair) => pair,
         Err(e) => return malformed(AdmissionResponse::from(req), format!("not a valid PDPair: {e}")),
     };
+    if let Some((field, why)) = pair.spec.template_errors().into_iter().next() {
+        return malformed(
+            AdmissionResponse::from(req),
+            format!("not a valid PDPair: {field} is not a pod template: {why}"),
+        );
+    }
     // The name is a label value of the pair's Deployments, pods and Secret, and part of its
     // Events' names: a longer one is stored but never runs.
     let too_long = match pair.metadata.name.as_deref().filter(|n| !n.is_empty()) {

@@ -298,3 +298,21 @@ fn examples_have_the_documented_verdicts() {
         assert_eq!(reasons, reason.into_iter().collect::<Vec<_>>(), "{file}");
     }
 }
+
+#[test]
+fn a_template_that_is_not_a_pod_template_exits_2_naming_where() {
+    let dir = Dir::new("template");
+    let text = format!(
+        "{}    template:\n      spec:\n        containers:\n          - name: vllm\n            env: [{{name: PORT, value: 8000}}]\n",
+        pair("t", "Push", 64, 64)
+    );
+    let f = dir.file("t.yaml", &text);
+    let run = validate(&[&f], None);
+    assert_eq!(run.code, 2, "{}{}", run.stdout, run.stderr);
+    assert!(
+        run.stderr
+            .contains("spec.decode.template is not a pod template: spec.containers[0].env[0].value: invalid type"),
+        "{}",
+        run.stderr
+    );
+}

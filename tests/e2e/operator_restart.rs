@@ -134,3 +134,73 @@ fn with_the_webhook_down_creation_is_refused_and_works_again_when_it_is_back() {
     );
     assert!(get_json("pdpair", &ns, "vllm-push-64-64").is_some());
 }
+
+#[test]
+fn a_pdpair_stored_past_the_webhook_that_does_not_parse_stops_only_itself() {
+    // The CRD keeps pod templates whole and unchecked, so a template that is not a pod template
+    // is stored wherever the webhook is bypassed (here: down, under failurePolicy Ignore). The
+    // operator's watch read PDPairs as one typed list: one such object failed the list, so no
+    // pair was reconciled and the operator never turned ready (its webhook then refused every
+    // PDPair in the cluster). Now it is that object's own fault, in its own status.
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut op = Operator::start("bad-object-a");
+    let port = op.webhook_port;
+    op.stop();
+    kubectl_ok(
+        &[
+            "patch",
+            "validatingwebhookconfiguration",
+            "pdpair-validating-webhook",
+            "--type=json",
+            "-p",
+            r#"[{"op": "replace", "path": "/webhooks/0/failurePolicy", "value": "Ignore"}]"#,
+        ],
+        None,
+    );
+    let ns = namespace("bad-object");
+    let bad = manifest("compatible-push.yaml", &ns, |v| {
+        v["metadata"]["name"] = "bad".into();
+        v["spec"]["decode"]["template"]["spec"]["containers"][0]["env"][0]["value"] = 8000.into();
+    });
+    kubectl_ok(&["apply", "-f", "-"], Some(&bad));
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+    );
+    // Back up (it installs its webhook again, failurePolicy Fail): it turns ready, runs the good
+    // pair, and says what is wrong with the bad one.
+    let _back = Operator::start_on("bad-object-b", port);
+    eventually(Duration::from_secs(60), "the good pair's Deployments", || {
+        (get_json("deployment", &ns, "llama-8b-prefill").is_some()
+            && get_json("deployment", &ns, "llama-8b-decode").is_some())
+        .then_some(())
+    });
+    let applied = eventually(Duration::from_secs(60), "the bad pair's PoolsApplied", || {
+        let p = get_json("pdpair", &ns, "bad")?;
+        p["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "PoolsApplied" && c["status"] == "False")
+            .cloned()
+    });
+    let message = applied["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("spec.decode.template is not a pod template: spec.containers[0].env[0].value"),
+        "{message}"
+    );
+    assert!(
+        get_json("deployment", &ns, "bad-prefill").is_none(),
+        "neither pool of it"
+    );
+    // The webhook refuses such a template by name.
+    let out = kubectl(
+        &["apply", "-f", "-"],
+        Some(&bad.replace("name: bad", "name: bad-again")),
+    );
+    assert_ne!(out.code, 0);
+    assert!(
+        out.stderr.contains("spec.decode.template is not a pod template"),
+        "{}",
+        out.stderr
+    );
+}

@@ -31,6 +31,7 @@ fn pool(kv: KvGeometry) -> PoolSpec {
         parallelism: Parallelism::default(),
         template: None,
         kv,
+        template_error: None,
     }
 }
 
@@ -699,12 +700,14 @@ fn any_spec() -> impl Strategy<Value = PDPairSpec> {
                 parallelism: pp,
                 template: None,
                 kv: pk,
+                template_error: None,
             },
             decode: PoolSpec {
                 replicas: 1,
                 parallelism: dp,
                 template: None,
                 kv: dk,
+                template_error: None,
             },
         })
 }

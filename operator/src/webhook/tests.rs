@@ -278,3 +278,21 @@ fn a_name_no_label_can_hold_is_denied_naming_the_field() {
         out.response.result.message
     );
 }
+
+#[test]
+fn a_template_that_is_not_a_pod_template_is_denied_naming_where() {
+    let mut pair = manifest("compatible-push.yaml");
+    pair["spec"]["decode"]["template"]["spec"]["containers"][0]["env"] =
+        serde_json::json!([{"name": "PORT", "value": 8000}]);
+    let out = review(&request(review_json("CREATE", Some(pair), None, false)));
+    assert!(!out.response.allowed);
+    assert_eq!(out.reason, "Malformed");
+    assert!(
+        out.response
+            .result
+            .message
+            .contains("spec.decode.template is not a pod template: spec.containers[0].env[0].value"),
+        "{}",
+        out.response.result.message
+    );
+}
