@@ -88,6 +88,9 @@ pub mod reasons {
     pub const PREFILL_NOT_READY: &str = "PrefillNotReady";
     /// Ready is False because the decode pool is not ready.
     pub const DECODE_NOT_READY: &str = "DecodeNotReady";
+    /// Ready is False because, with pdpair's connector, a pool has no engine registered with a
+    /// node agent (or none heard of lately).
+    pub const NOT_REGISTERED: &str = "EnginesNotRegistered";
     /// Ready is False because transfers fail.
     pub const TRANSFER_NOT_READY: &str = "TransferNotReady";
     /// No agent has reported the path of a completed transfer.

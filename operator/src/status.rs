@@ -9,7 +9,7 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
 };
 use pdpair_api::{
-    KvGeometry, PDEndpoint, PDPair, PDPairStatus, Parallelism, PoolStatus, Role, TransferStatus, Verdict,
+    Connector, KvGeometry, PDEndpoint, PDPair, PDPairStatus, Parallelism, PoolStatus, Role, TransferStatus, Verdict,
 };
 
 use crate::names::{conditions as ct, reasons};
@@ -111,7 +111,10 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
         pair.spec.decode.replicas,
         observed.decode,
     );
-    let transfer = transfer_condition(&observed.endpoints, now);
+    let transfer = match missing_engines(pair, &observed.endpoints, now) {
+        Some(msg) => Cond::new(ct::TRANSFER_READY, "Unknown", reasons::NO_ENDPOINTS, msg),
+        None => transfer_condition(&observed.endpoints, now),
+    };
     let path = path_condition(pair, &observed.endpoints);
     let applied = match &observed.apply_refused {
         Some(why) => Cond::new(ct::POOLS_APPLIED, "False", reasons::APPLY_FAILED, why.clone()),
@@ -122,7 +125,10 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
             "the pools' Deployments are as the spec plans them".to_owned(),
         ),
     };
-    let ready = ready_condition(&geometry, &applied, &prefill, &decode, &transfer, &path);
+    // With pdpair's connector every engine registers with its node agent: pods Ready without
+    // any (a template that does not start vLLM with it, an agent gone) are not a ready pair.
+    let registered = pair.spec.transfer.connector != Connector::Pdpair || transfer.reason != reasons::NO_ENDPOINTS;
+    let ready = ready_condition(&geometry, &applied, &prefill, &decode, (&transfer, registered), &path);
     let mut conditions = Vec::new();
     let mut transitions = Vec::new();
     for c in [geometry, applied, prefill, decode, transfer, path, ready] {
@@ -332,6 +338,42 @@ fn current_news<'a, T>(
 /// on the path (transport, peer, checksum), True once a transfer completed after it or it is older
 /// than [`RECENT_SECONDS`]. Routine engine-side failures (an expired lease, a missed deadline)
 /// never count: the agent does not report them as failures of the path.
+/// A PDEndpoint its agent has not written for this long is stale (agents write every 30 s):
+/// the agent, or its engine, is gone.
+pub const STALE_SECONDS: i64 = 120;
+
+/// With pdpair's connector: which role has no live engine registered (its PDEndpoints missing,
+/// or stale), said as a `TransferReady` message; `None` when both have one, or the connector is
+/// not pdpair's (engines the operator does not wire may not register at all).
+fn missing_engines(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Option<String> {
+    if pair.spec.transfer.connector != Connector::Pdpair {
+        return None;
+    }
+    let stale = |e: &&&PDEndpoint| {
+        e.status
+            .as_ref()
+            .and_then(|s| s.last_heartbeat.as_ref())
+            .is_some_and(|t| now.0.as_second().saturating_sub(t.0.as_second()) > STALE_SECONDS)
+    };
+    let missing: Vec<String> = [Role::Prefill, Role::Decode]
+        .into_iter()
+        .filter_map(|role| {
+            let of_role: Vec<&&PDEndpoint> = endpoints.iter().filter(|e| e.spec.role == role).collect();
+            let silent = of_role.iter().filter(|e| stale(e)).count();
+            (silent == of_role.len()).then(|| match silent {
+                0 => format!("no {role} engine has registered with a node agent"),
+                n => format!("the {n} {role} engine(s) registered have not been heard of for over {STALE_SECONDS} s (their agent or engine is gone)"),
+            })
+        })
+        .collect();
+    (!missing.is_empty()).then(|| {
+        format!(
+            "connector Pdpair: {} (is the connector in the engine's image and its --kv-transfer-config the operator's, and the node agent running on the node?)",
+            missing.join("; ")
+        )
+    })
+}
+
 fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
     if endpoints.is_empty() {
         let msg = "no engine has registered with a node agent yet".to_owned();
@@ -447,7 +489,7 @@ fn ready_condition(
     applied: &Cond,
     prefill: &Cond,
     decode: &Cond,
-    transfer: &Cond,
+    (transfer, registered): (&Cond, bool),
     path: &Cond,
 ) -> Cond {
     let blockers = [
@@ -455,6 +497,7 @@ fn ready_condition(
         (applied.status != "True", reasons::APPLY_FAILED, applied),
         (prefill.status != "True", reasons::PREFILL_NOT_READY, prefill),
         (decode.status != "True", reasons::DECODE_NOT_READY, decode),
+        (!registered, reasons::NOT_REGISTERED, transfer),
         (transfer.status == "False", reasons::TRANSFER_NOT_READY, transfer),
         (path.status == "False", reasons::PATH_NOT_ALLOWED, path),
     ];

@@ -627,3 +627,57 @@ fn many_paths_are_counted_not_all_named() {
     assert!(c.message.starts_with("10 transfer path(s): "), "{}", c.message);
     assert!(c.message.ends_with("; and 7 more"), "{}", c.message);
 }
+
+#[test]
+fn with_pdpairs_connector_ready_needs_a_live_engine_of_each_role() {
+    // Pods Ready and no engine registered (a template whose command drops the operator's
+    // --kv-transfer-config, an agent gone) is not a ready pair when the operator wired the
+    // connector; without it, engines may not register at all, and Ready does not wait for them.
+    let mut pair = pair();
+    pair.spec.transfer.connector = pdpair_api::Connector::Pdpair;
+    let (s, _) = compute(&pair, &all_ready(vec![]), &t(0));
+    let r = cond(&s, ct::READY);
+    assert_eq!(
+        (r.status.as_str(), r.reason.as_str()),
+        ("False", reasons::NOT_REGISTERED),
+        "{r:?}"
+    );
+    assert!(
+        r.message.contains("no prefill engine has registered with a node agent"),
+        "{}",
+        r.message
+    );
+    // One role registered: the other is named.
+    let mut p = endpoint("p-1", Role::Prefill, &pair);
+    p.status = Some(PDEndpointStatus {
+        last_heartbeat: Some(t(0)),
+        ..PDEndpointStatus::default()
+    });
+    let (s, _) = compute(&pair, &all_ready(vec![&p]), &t(10));
+    let r = cond(&s, ct::READY);
+    assert_eq!(r.reason, reasons::NOT_REGISTERED);
+    assert!(
+        r.message.contains("no decode engine") && !r.message.contains("no prefill"),
+        "{}",
+        r.message
+    );
+    // Both: ready.
+    let mut d = endpoint("d-1", Role::Decode, &pair);
+    d.status = p.status.clone();
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(10));
+    assert_eq!(cond(&s, ct::READY).status, "True", "{:?}", cond(&s, ct::READY));
+    // Their agents silent for over STALE_SECONDS: not ready, saying so.
+    let late = t(STALE_SECONDS + 1);
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &late);
+    let r = cond(&s, ct::READY);
+    assert_eq!(r.reason, reasons::NOT_REGISTERED);
+    assert!(
+        r.message.contains("have not been heard of for over 120 s"),
+        "{}",
+        r.message
+    );
+    // Without pdpair's connector, Ready does not wait for engines to register.
+    pair.spec.transfer.connector = pdpair_api::Connector::None;
+    let (s, _) = compute(&pair, &all_ready(vec![]), &t(0));
+    assert_eq!(cond(&s, ct::READY).status, "True");
+}
