@@ -142,6 +142,9 @@ struct Shared {
     /// Held by a registration whose pool the agent allocates, from its room checks to the
     /// allocation.
     allocating: Mutex<()>,
+    /// With attestation: engine connections not registered yet, by Pod UID
+    /// ([`MAX_UNREGISTERED`] in all, [`MAX_UNREGISTERED_PER_POD`] from one Pod).
+    registering: Arc<crate::unproven::Budget<String, UnixStream>>,
 }
 
 /// Why an engine connection's frame before registration was not taken.
@@ -159,6 +162,11 @@ pub const MAX_DIALS: usize = 64;
 /// Engine connections that have not registered yet, at most: more are closed at once (each
 /// holds a thread and a descriptor until it registers or its [`REGISTER_WITHIN`] runs out).
 pub const MAX_UNREGISTERED: usize = 64;
+
+/// Engine connections from one Pod that have not registered yet, at most (with attestation):
+/// when [`MAX_UNREGISTERED`] are, a Pod holding fewer takes the place of the oldest of the Pod
+/// holding the most, so one Pod's processes cannot keep every other engine from registering.
+pub const MAX_UNREGISTERED_PER_POD: usize = 8;
 
 /// GPU memory descriptors the agent holds for registrations in progress, on all engine
 /// connections together (two engines' worth of [`crate::memory::cuda::MAX_VMM_CHUNKS`]): engines
@@ -387,6 +395,7 @@ impl Agent {
                 pending_gpu_fds: std::sync::atomic::AtomicUsize::new(0),
                 unregistered: std::sync::atomic::AtomicUsize::new(0),
                 allocating: Mutex::new(()),
+                registering: crate::unproven::Budget::new(MAX_UNREGISTERED, MAX_UNREGISTERED_PER_POD),
             }),
         })
     }
@@ -473,6 +482,32 @@ impl Agent {
     pub fn serve_on(&self, listener: UnixListener) -> io::Result<()> {
         for stream in listener.incoming() {
             match stream {
+                // With attestation, the budget is shared fairly by Pods (read now, as the
+                // connection is accepted): a Pod's processes holding connections open cannot
+                // keep other Pods' engines from registering.
+                Ok(stream) if self.shared.cfg.attestor.is_some() => {
+                    let peer = crate::attest::pod_of_peer(&stream);
+                    let source = peer.as_ref().map_or_else(|_| "(no pod)".to_owned(), |p| p.uid.clone());
+                    let slot = match self.shared.registering.admit(source.clone(), &stream) {
+                        Ok((slot, evicted)) => {
+                            if evicted {
+                                tracing::warn!(pod_uid = %source, "engine API: {MAX_UNREGISTERED} connections were registering; closed the oldest of the Pod holding the most for one of a Pod holding fewer");
+                            }
+                            slot
+                        }
+                        Err(why) => {
+                            tracing::warn!(pod_uid = %source, ?why, "engine API: closed a new connection (at most {MAX_UNREGISTERED_PER_POD} registering from one Pod, {MAX_UNREGISTERED} in all)");
+                            continue;
+                        }
+                    };
+                    let agent = self.clone();
+                    let started = thread::Builder::new()
+                        .name("engine".into())
+                        .spawn(move || agent.session(stream, Some(peer), Some(slot)));
+                    if let Err(e) = started {
+                        tracing::warn!(error = %e, "engine API: cannot start a thread for a connection; closed it");
+                    }
+                }
                 Ok(stream) => {
                     let unregistered = &self.shared.unregistered;
                     if unregistered.fetch_add(1, Ordering::SeqCst) >= MAX_UNREGISTERED {
@@ -504,6 +539,18 @@ impl Agent {
     /// Handles one engine connection: registration, then its requests. It was counted in
     /// [`Shared::unregistered`], which it leaves once registered or gone.
     pub fn engine_session(&self, stream: UnixStream) {
+        self.session(stream, None, None);
+    }
+
+    /// [`Agent::engine_session`] of a connection whose Pod was read as it was accepted and
+    /// that holds `slot` in the registration budget (attestation on), or (`None`) counted in
+    /// [`Shared::unregistered`].
+    fn session(
+        &self,
+        stream: UnixStream,
+        peer: Option<Result<crate::attest::PodIdentity, String>>,
+        mut slot: Option<crate::unproven::Slot<String, UnixStream>>,
+    ) {
         struct Registering<'a>(Option<&'a std::sync::atomic::AtomicUsize>);
         impl Registering<'_> {
             fn done(&mut self) {
@@ -517,14 +564,15 @@ impl Agent {
                 self.done();
             }
         }
-        let mut registering = Registering(Some(&self.shared.unregistered));
+        let mut registering = Registering(slot.is_none().then_some(&self.shared.unregistered));
         // Who connected, read now (not when it registers, seconds later).
-        let peer = self
-            .shared
-            .cfg
-            .attestor
-            .as_ref()
-            .map(|_| crate::attest::pod_of_peer(&stream));
+        let peer = peer.or_else(|| {
+            self.shared
+                .cfg
+                .attestor
+                .as_ref()
+                .map(|_| crate::attest::pod_of_peer(&stream))
+        });
         let mut reader = match stream.try_clone() {
             Ok(r) => r,
             Err(e) => {
@@ -616,6 +664,7 @@ impl Agent {
             }
         };
         registering.done();
+        drop(slot.take());
         let _ = reader.set_read_timeout(None);
         self.shared.metrics.registrations.inc();
         if let Some(publisher) = &self.shared.cfg.publisher {

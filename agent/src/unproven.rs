@@ -8,26 +8,65 @@
 
 use std::{
     collections::{HashMap, VecDeque},
+    hash::Hash,
     net::{IpAddr, Shutdown, TcpStream},
+    os::unix::net::UnixStream,
     sync::{Arc, Mutex},
 };
 
 use crate::lock;
 
-/// The budget of one listener.
-#[derive(Debug)]
-pub struct Budget {
-    total: usize,
-    per_source: usize,
-    state: Mutex<State>,
+/// A connection a budget can hold a handle to and shut down.
+pub trait Connection: Sized {
+    /// Another handle on the same connection.
+    fn handle(&self) -> std::io::Result<Self>;
+    /// Ends its reads and writes, on every handle.
+    fn shut(&self);
 }
 
-#[derive(Debug, Default)]
-struct State {
+impl Connection for TcpStream {
+    fn handle(&self) -> std::io::Result<Self> {
+        self.try_clone()
+    }
+    fn shut(&self) {
+        let _ = self.shutdown(Shutdown::Both);
+    }
+}
+
+impl Connection for UnixStream {
+    fn handle(&self) -> std::io::Result<Self> {
+        self.try_clone()
+    }
+    fn shut(&self) {
+        let _ = self.shutdown(Shutdown::Both);
+    }
+}
+
+/// The budget of one listener: connections by source (an address; for the engine socket, the
+/// Pod a process runs in).
+#[derive(Debug)]
+pub struct Budget<K = IpAddr, C = TcpStream> {
+    total: usize,
+    per_source: usize,
+    state: Mutex<State<K, C>>,
+}
+
+#[derive(Debug)]
+struct State<K, C> {
     next: u64,
     /// By source, oldest first: each connection's id and a handle to shut it down.
-    held: HashMap<IpAddr, VecDeque<(u64, TcpStream)>>,
+    held: HashMap<K, VecDeque<(u64, C)>>,
     count: usize,
+}
+
+impl<K, C> Default for State<K, C> {
+    fn default() -> Self {
+        State {
+            next: 0,
+            held: HashMap::new(),
+            count: 0,
+        }
+    }
 }
 
 /// Why a connection got no slot.
@@ -43,15 +82,15 @@ pub enum Refused {
 
 /// One unproven connection's place in the budget, given back when dropped (proved, or ended).
 #[derive(Debug)]
-pub struct Slot {
-    budget: Arc<Budget>,
-    source: IpAddr,
+pub struct Slot<K: Hash + Eq + Clone = IpAddr, C: Connection = TcpStream> {
+    budget: Arc<Budget<K, C>>,
+    source: K,
     id: u64,
 }
 
-impl Budget {
-    /// A budget of `total` connections, at most `per_source` from one address.
-    pub fn new(total: usize, per_source: usize) -> Arc<Budget> {
+impl<K: Hash + Eq + Clone, C: Connection> Budget<K, C> {
+    /// A budget of `total` connections, at most `per_source` from one source.
+    pub fn new(total: usize, per_source: usize) -> Arc<Budget<K, C>> {
         Arc::new(Budget {
             total,
             per_source,
@@ -62,14 +101,14 @@ impl Budget {
     /// A slot for `conn` from `source`, taking the place of another source's oldest connection
     /// when every slot is taken and that source holds more than `source` would with this one.
     /// Returns the slot and whether a connection was shut down to make room.
-    pub fn admit(self: &Arc<Self>, source: IpAddr, conn: &TcpStream) -> Result<(Slot, bool), Refused> {
+    pub fn admit(self: &Arc<Self>, source: K, conn: &C) -> Result<(Slot<K, C>, bool), Refused> {
         let mut s = lock(&self.state);
         let here = s.held.get(&source).map_or(0, VecDeque::len);
         if here >= self.per_source {
             return Err(Refused::Source);
         }
         // Duplicated first: a connection that cannot be kept makes no one else's room.
-        let handle = conn.try_clone().map_err(|_| Refused::Handle)?;
+        let handle = conn.handle().map_err(|_| Refused::Handle)?;
         let mut evicted = false;
         if s.count >= self.total {
             let victim = s
@@ -77,7 +116,7 @@ impl Budget {
                 .iter()
                 .filter(|(_, q)| q.len() > here + 1)
                 .max_by_key(|(_, q)| q.len())
-                .map(|(ip, _)| *ip);
+                .map(|(source, _)| source.clone());
             let Some(victim) = victim else {
                 return Err(Refused::Full);
             };
@@ -87,14 +126,14 @@ impl Budget {
             }
             if let Some((_, c)) = oldest {
                 // Its thread's reads and writes fail at once, and it ends; its slot is gone.
-                let _ = c.shutdown(Shutdown::Both);
+                c.shut();
                 s.count -= 1;
                 evicted = true;
             }
         }
         let id = s.next;
         s.next += 1;
-        s.held.entry(source).or_default().push_back((id, handle));
+        s.held.entry(source.clone()).or_default().push_back((id, handle));
         s.count += 1;
         Ok((
             Slot {
@@ -112,7 +151,7 @@ impl Budget {
     }
 }
 
-impl Slot {
+impl<K: Hash + Eq + Clone, C: Connection> Slot<K, C> {
     /// Whether its connection was shut down to make room for another (counted `Busy` then:
     /// its own failure that follows is not another refusal).
     pub fn evicted(&self) -> bool {
@@ -123,7 +162,7 @@ impl Slot {
     }
 }
 
-impl Drop for Slot {
+impl<K: Hash + Eq + Clone, C: Connection> Drop for Slot<K, C> {
     fn drop(&mut self) {
         let mut s = lock(&self.budget.state);
         let Some(q) = s.held.get_mut(&self.source) else {

@@ -129,6 +129,49 @@ print(recv(s))
     serde_json::from_slice(&out.stdout).expect("the agent's answer")
 }
 
+/// A process of the Pod of `cgroup` that opens `n` engine connections and asks each for the
+/// agent's `Capabilities` (so each is accepted and waits to register), keeping them open until
+/// its stdin closes. Returns it and, per connection, whether the agent answered.
+fn holding_connections(cgroup: &Path, socket: &Path, n: usize) -> (std::process::Child, Vec<bool>) {
+    const SCRIPT: &str = r#"
+import json, os, socket, struct, sys
+with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
+    f.write(str(os.getpid()))
+held, answered = [], []
+for _ in range(int(sys.argv[3])):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(5)
+    s.connect(sys.argv[2])
+    body = b'{"type": "Capabilities"}'
+    try:
+        s.sendall(struct.pack(">I", len(body)) + body)
+        answered.append(len(s.recv(4, socket.MSG_WAITALL)) == 4)
+    except OSError:
+        answered.append(False)
+    held.append(s)
+print(json.dumps(answered), flush=True)
+sys.stdin.read()
+"#;
+    let mut child = Command::new("python3")
+        .arg("-c")
+        .arg(SCRIPT)
+        .arg(cgroup)
+        .arg(socket)
+        .arg(n.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.as_mut().expect("stdout")),
+        &mut line,
+    )
+    .expect("its report");
+    let answered = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    (child, answered)
+}
+
 #[test]
 fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
     let _op = Operator::start("attest");
@@ -230,6 +273,17 @@ fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
         ),
         "UID",
     );
+    // Connections waiting to register are shared by Pods: one Pod's processes holding them
+    // open (64 of them locked every engine on the node out, before any attestation) hold at
+    // most 8, and another Pod's engine registers meanwhile.
+    let per_pod = pdpair_agent::agent::MAX_UNREGISTERED_PER_POD;
+    let (mut holder, answered) = holding_connections(&other_cg.leaf, &socket, per_pod + 1);
+    assert_eq!(answered.iter().filter(|a| **a).count(), per_pod, "{answered:?}");
+    assert!(!answered[per_pod], "the one past the Pod's share is closed unanswered");
+    let answer = engine(Some(&decode_cg.leaf), &socket, &register(Role::Decode, "decode-pod"));
+    assert_eq!(answer["type"], "Registered", "{answer}");
+    drop(holder.stdin.take());
+    let _ = holder.wait();
     // A process in no Pod at all.
     refused(
         engine(None, &socket, &register(Role::Decode, "decode-pod")),
