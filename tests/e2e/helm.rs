@@ -178,6 +178,24 @@ fn helm_install_upgrade_uninstall_with_the_operator_out_of_cluster() {
     );
     assert!(out.stderr.contains("KernelBlocksPerLogicalMismatch"), "{}", out.stderr);
 
+    // An upgrade that moves the webhook to another host makes a certificate for it (one kept
+    // for the old names fails every call's x509 check, and with failurePolicy Fail refuses
+    // every PDPair).
+    let moved = format!("webhook.url=https://127.0.0.2:{port}");
+    helm_ok(&["upgrade", "pdpair", &chart(), "--namespace", NS, "--set", &moved]);
+    let (cert_moved, _, ca_moved) = chart_certificate(&work);
+    assert_ne!(ca_moved, ca, "a certificate for the new host");
+    // The certificate's DER holds the SAN iPAddress 127.0.0.2 ([7], 4 bytes).
+    let pem = std::fs::read_to_string(&cert_moved).expect("cert");
+    let body: String = pem.lines().filter(|l| !l.starts_with("-----")).collect();
+    let der = base64_decode(&body);
+    assert!(
+        der.windows(6).any(|w| w == [0x87, 4, 127, 0, 0, 2]),
+        "no SAN for 127.0.0.2 in the regenerated certificate"
+    );
+    let hook = get_json("validatingwebhookconfiguration", "", "pdpair").expect("the webhook configuration");
+    assert_eq!(hook["webhooks"][0]["clientConfig"]["caBundle"], ca_moved.as_str());
+
     // Uninstall: nothing of the release is left but the CRDs (Helm keeps crds/).
     helm_ok(&["uninstall", "pdpair", "--namespace", NS]);
     op.stop();
