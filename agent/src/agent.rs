@@ -159,6 +159,13 @@ enum Unregistered {
 /// `ExpectKvFromPool`s it links at once, at most: requests past it are refused.
 pub const MAX_DIALS: usize = 64;
 
+/// Prefill agents one decode engine keeps links to (or dials), at most (three threads each):
+/// past it the link used least recently is closed for a new one (its requests fail as for a
+/// lost peer), or, when every one is still being dialled, the request is refused (`Busy`). An
+/// engine naming address after address of prefill listeners that answer (an insider's) made
+/// its agent keep links without end.
+pub const MAX_PREFILL_LINKS: usize = 1024;
+
 /// Engine connections that have not registered yet, at most: more are closed at once (each
 /// holds a thread and a descriptor until it registers or its [`REGISTER_WITHIN`] runs out).
 pub const MAX_UNREGISTERED: usize = 64;

@@ -2956,3 +2956,70 @@ fn a_requests_window_costs_its_block_ids_not_a_range_per_layer() {
     assert!(grew < 64 << 20, "the window took {} MiB", grew >> 20);
     drop((p, d));
 }
+
+#[test]
+fn a_decode_engine_keeps_a_bounded_number_of_prefill_links_and_the_least_used_gives_way() {
+    // Each prefill address a decode engine names gets a link (three threads) that stays while
+    // its prefill answers: an engine naming the listeners of an insider one after another made
+    // its agent keep links without end. Past the bound the link used least recently goes.
+    use pdpair_agent::agent::MAX_PREFILL_LINKS;
+    let _serial = serial();
+    pdpair_agent::tuning::raise_fd_limit().expect("descriptors for a thousand links");
+    let w = World::new("attack-prefill-links");
+    let ds = w.agent("d", Transport::Shm, false);
+    // Requests that outlast the test: none ends (and touches its link) meanwhile.
+    let mut s = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    (s.handshake_timeout_ms, s.lease_ms) = (60_000, 60_000);
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &s).expect("decode");
+    // An insider prefill agent at each address: it handshakes, and answers pings until its
+    // socket closes, reporting that it did.
+    let (closed_tx, closed) = std::sync::mpsc::channel::<usize>();
+    let prefill = |i: usize| {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let address = listener.local_addr().expect("addr").to_string();
+        let (registered_tx, registered) = std::sync::mpsc::channel::<()>();
+        let closed_tx = closed_tx.clone();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("accept");
+            let (_, mut session) = protocol::authenticate_prefill(&mut s, |_| Some(KEY.to_vec())).expect("auth");
+            protocol::handshake_prefill(&mut s, &mut session, &insider(Role::Prefill)).expect("handshake");
+            loop {
+                match session.recv(&mut s) {
+                    Ok(Message::Register(_)) => {
+                        let _ = registered_tx.send(());
+                    }
+                    Ok(Message::Ping { seq }) => {
+                        let _ = session.send(&mut s, &Message::Pong { seq });
+                    }
+                    Ok(_) => {}
+                    Err(_) => {
+                        let _ = closed_tx.send(i);
+                        return;
+                    }
+                }
+            }
+        });
+        (address, registered)
+    };
+    let mut addresses = Vec::new();
+    for i in 0..MAX_PREFILL_LINKS {
+        let (address, registered) = prefill(i);
+        expect_kv(&mut d, &format!("r{i}"), address.clone(), &[1, 2], 100);
+        registered
+            .recv_timeout(Duration::from_secs(20))
+            .expect("linked and registered");
+        addresses.push(address);
+    }
+    assert!(closed.try_recv().is_err(), "every link is held");
+    // One more: the link used least recently (the first) goes, and the new one is made.
+    let (address, registered) = prefill(MAX_PREFILL_LINKS);
+    expect_kv(&mut d, "one-more", address, &[1, 2], 100);
+    registered.recv_timeout(Duration::from_secs(20)).expect("the new link");
+    assert_eq!(
+        closed.recv_timeout(Duration::from_secs(10)),
+        Ok(0),
+        "the least used link went"
+    );
+    assert!(closed.recv_timeout(Duration::from_millis(500)).is_err(), "and only it");
+    drop(addresses);
+}

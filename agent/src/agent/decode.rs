@@ -48,12 +48,16 @@ impl Engine {
             Some(Slot::Connected(link)) => {
                 let link = link.clone();
                 drop(peers);
+                link.used.store(crate::outboxes::now(), Ordering::SeqCst);
                 link.send(&Message::Renew { request, prompt });
             }
             Some(Slot::Connecting(_)) => {}
             None => {
                 // Best effort: not while the engine's dials are at their bound.
-                if self.remembered(&prefill).is_none() && dialling(&peers) < super::MAX_DIALS {
+                if self.remembered(&prefill).is_none()
+                    && dialling(&peers) < super::MAX_DIALS
+                    && self.room_for_link(&mut peers).is_ok()
+                {
                     peers.insert(prefill.clone(), Slot::Connecting(Vec::new()));
                     drop(peers);
                     let e = self.clone();
@@ -386,6 +390,10 @@ impl Engine {
                 }
                 Some(Slot::Connecting(queue)) => queue.push(request.clone()),
                 None => {
+                    if let Err(why) = self.room_for_link(&mut peers) {
+                        drop(peers);
+                        return self.fail_pending(&request, vec![Reason::Busy], why, None);
+                    }
                     peers.insert(prefill.clone(), Slot::Connecting(vec![request.clone()]));
                     drop(peers);
                     let e = self.clone();
@@ -537,6 +545,9 @@ impl Engine {
                 Some(Slot::Connected(link)) => return Ok(link.clone()),
                 Some(Slot::Connecting(_)) => {}
                 None => {
+                    if let Err(why) = self.room_for_link(&mut peers) {
+                        return Err((vec![Reason::Busy], why));
+                    }
                     peers.insert(addr.to_owned(), Slot::Connecting(Vec::new()));
                     drop(peers);
                     self.clone().connect(addr.to_owned());
@@ -589,7 +600,35 @@ impl Engine {
         }
     }
 
+    /// Room for one more prefill link ([`super::MAX_PREFILL_LINKS`]): past the bound, the
+    /// connected link used least recently is closed (its reader then fails its requests as for
+    /// a lost peer); `Err` when every slot is a dial in progress.
+    fn room_for_link(&self, peers: &mut HashMap<String, Slot>) -> Result<(), String> {
+        if peers.len() < super::MAX_PREFILL_LINKS {
+            return Ok(());
+        }
+        let least = peers
+            .iter()
+            .filter_map(|(addr, slot)| match slot {
+                Slot::Connected(link) => Some((addr.clone(), link.clone())),
+                Slot::Connecting(_) => None,
+            })
+            .min_by_key(|(_, link)| link.used.load(Ordering::SeqCst));
+        let Some((addr, link)) = least else {
+            return Err(format!(
+                "this engine dials {} prefill agents; at most {} links",
+                peers.len(),
+                super::MAX_PREFILL_LINKS
+            ));
+        };
+        tracing::warn!(engine = %self.reg.engine, peer = %addr, "this engine links to {} prefill agents; closed the link used least recently", super::MAX_PREFILL_LINKS);
+        peers.remove(&addr);
+        link.close();
+        Ok(())
+    }
+
     fn send_registration(&self, link: &Link, request: &str) {
+        link.used.store(crate::outboxes::now(), Ordering::SeqCst);
         let cancelled = lock(&self.cancelled)
             .get(request)
             .filter(|c| c.waiting.contains(&link.addr))
@@ -820,6 +859,9 @@ impl Engine {
         };
         loop {
             let frame = wire::read_sealed::<Message>(&mut reader, &mut opener, wire::MAX_FRAME);
+            if matches!(&frame, Ok(m) if !matches!(m, Message::Ping { .. } | Message::Pong { .. })) {
+                link.used.store(crate::outboxes::now(), Ordering::SeqCst);
+            }
             match frame {
                 // The end of a cancelled request's writes from this prefill (its Ready, in pull,
                 // is answered by the Release the cancel sent).
