@@ -2198,6 +2198,10 @@ fn pull_decode_and_lender(w: &World) -> (SyntheticEngine, UcxInsider) {
     let mut dspec = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::Disabled);
     dspec.mode = TransferMode::Pull;
     dspec.num_blocks = BIG_BLOCKS;
+    // A deadline well past the 256 MiB read even on a loaded machine: these tests are about
+    // what ends a request while its read runs, not about the deadline (a read its deadline cut
+    // short can still land after the engine heard it failed: the note).
+    (dspec.handshake_timeout_ms, dspec.lease_ms) = (10_000, 30_000);
     let d = SyntheticEngine::register(&ds, &w.dir, &dspec).expect("decode registers");
     let lender = UcxInsider::new(w, Role::Prefill, TransferMode::Pull);
     lender.fill();
