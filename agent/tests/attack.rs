@@ -2970,7 +2970,9 @@ fn a_decode_engine_keeps_a_bounded_number_of_prefill_links_and_the_least_used_gi
     let _serial = serial();
     pdpair_agent::tuning::raise_fd_limit().expect("descriptors for a thousand links");
     let w = World::new("attack-prefill-links");
-    let ds = w.agent("d", Transport::Shm, false);
+    // Over tcp (the KV stream): the insiders' addresses are stream addresses, which no UCX
+    // probe has to try (a thousand probes of one refused address took minutes on UCX 1.22).
+    let ds = w.agent("d", Transport::Tcp, false);
     // Requests that outlast the test: none ends (and touches its link) meanwhile.
     let mut s = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
     (s.handshake_timeout_ms, s.lease_ms) = (60_000, 60_000);
@@ -2986,7 +2988,10 @@ fn a_decode_engine_keeps_a_bounded_number_of_prefill_links_and_the_least_used_gi
         std::thread::spawn(move || {
             let (mut s, _) = listener.accept().expect("accept");
             let (_, mut session) = protocol::authenticate_prefill(&mut s, |_| Some(KEY.to_vec())).expect("auth");
-            protocol::handshake_prefill(&mut s, &mut session, &insider(Role::Prefill)).expect("handshake");
+            let mut info = insider(Role::Prefill);
+            // A stream address, as a prefill agent without RDMA offers (never dialled in push).
+            info.worker_address = b"pdpair-tcp:127.0.0.1:9".to_vec();
+            protocol::handshake_prefill(&mut s, &mut session, &info).expect("handshake");
             loop {
                 match session.recv(&mut s) {
                     Ok(Message::Register(_)) => {
