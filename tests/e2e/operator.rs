@@ -295,14 +295,7 @@ fn a_pool_the_api_server_refuses_leaves_both_pools_as_they_were_and_says_why() {
         })
     };
     kubectl_ok(&["apply", "-f", "-"], Some(&edit(70000)));
-    let condition = |type_: &str| {
-        let p = get_json("pdpair", &ns, "llama-8b")?;
-        p["status"]["conditions"]
-            .as_array()?
-            .iter()
-            .find(|c| c["type"] == type_)
-            .cloned()
-    };
+    let condition = |type_: &str| condition_of(&get_json("pdpair", &ns, "llama-8b")?, type_);
     let applied = eventually(WAIT, "PoolsApplied False", || {
         condition("PoolsApplied").filter(|c| c["status"] == "False")
     });
@@ -361,12 +354,7 @@ fn a_deployment_of_the_name_someone_else_made_is_not_taken_over() {
         Some(&manifest("compatible-push.yaml", &ns, |_| {})),
     );
     let applied = eventually(WAIT, "PoolsApplied False", || {
-        let p = get_json("pdpair", &ns, "llama-8b")?;
-        p["status"]["conditions"]
-            .as_array()?
-            .iter()
-            .find(|c| c["type"] == "PoolsApplied" && c["status"] == "False")
-            .cloned()
+        condition_of(&get_json("pdpair", &ns, "llama-8b")?, "PoolsApplied").filter(|c| c["status"] == "False")
     });
     let message = applied["message"].as_str().unwrap_or_default();
     assert!(

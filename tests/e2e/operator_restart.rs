@@ -176,12 +176,7 @@ fn a_pdpair_stored_past_the_webhook_that_does_not_parse_stops_only_itself() {
         .then_some(())
     });
     let applied = eventually(Duration::from_secs(60), "the bad pair's PoolsApplied", || {
-        let p = get_json("pdpair", &ns, "bad")?;
-        p["status"]["conditions"]
-            .as_array()?
-            .iter()
-            .find(|c| c["type"] == "PoolsApplied" && c["status"] == "False")
-            .cloned()
+        condition_of(&get_json("pdpair", &ns, "bad")?, "PoolsApplied").filter(|c| c["status"] == "False")
     });
     let message = applied["message"].as_str().unwrap_or_default();
     assert!(

@@ -141,18 +141,23 @@ pub fn get_json(kind: &str, ns: &str, name: &str) -> Option<serde_json::Value> {
     serde_json::from_str(&out.stdout).ok()
 }
 
-/// A condition's status on a PDPair.
-pub fn condition(pair: &serde_json::Value, type_: &str) -> Option<(String, String)> {
+/// A condition of a PDPair, whole (status, reason, message...).
+pub fn condition_of(pair: &serde_json::Value, type_: &str) -> Option<serde_json::Value> {
     pair["status"]["conditions"]
         .as_array()?
         .iter()
         .find(|c| c["type"] == type_)
-        .map(|c| {
-            (
-                c["status"].as_str().unwrap_or("").to_owned(),
-                c["reason"].as_str().unwrap_or("").to_owned(),
-            )
-        })
+        .cloned()
+}
+
+/// A condition's status on a PDPair.
+pub fn condition(pair: &serde_json::Value, type_: &str) -> Option<(String, String)> {
+    condition_of(pair, type_).map(|c| {
+        (
+            c["status"].as_str().unwrap_or("").to_owned(),
+            c["reason"].as_str().unwrap_or("").to_owned(),
+        )
+    })
 }
 
 /// Events about an object, as `kubectl get events` shows them.
