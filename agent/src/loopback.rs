@@ -290,28 +290,50 @@ pub fn run_command(bin: &Path, name: &str, transport: &str, socket: &Path, pool_
 
 fn spawn_agent(opts: &Options, dir: &Path, name: &str, corrupt: bool) -> Result<(Spawned, PathBuf), String> {
     let socket = dir.join(format!("{name}.sock"));
-    let mut cmd = run_command(&opts.agent_bin, name, &opts.transport, &socket, &dir.join("pools"));
-    if let Some(lanes) = opts.stream_lanes {
-        cmd.arg("--stream-lanes").arg(lanes.to_string());
-    }
-    if corrupt {
-        cmd.arg("--corrupt-one-byte");
-    }
-    let admin = free_admin_addr()?;
-    cmd.arg("--admin-bind").arg(admin.to_string());
-    let child = Spawned(
-        cmd.spawn()
-            .map_err(|e| format!("starting {}: {e}", opts.agent_bin.display()))?,
-        admin,
-    );
-    let start = Instant::now();
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        if start.elapsed() > Duration::from_secs(10) {
-            return Err(format!("agent {name} did not open {}", socket.display()));
+    let command = || {
+        let mut cmd = run_command(&opts.agent_bin, name, &opts.transport, &socket, &dir.join("pools"));
+        if let Some(lanes) = opts.stream_lanes {
+            cmd.arg("--stream-lanes").arg(lanes.to_string());
         }
-        thread::sleep(Duration::from_millis(10));
+        if corrupt {
+            cmd.arg("--corrupt-one-byte");
+        }
+        cmd
+    };
+    // The admin port is picked free here and bound by the agent a moment later: anything on the
+    // host may take it between the two (an agent started beside this one), and then the agent
+    // exits. A few tries, each with a new port.
+    for attempt in 1..=3 {
+        let admin = free_admin_addr()?;
+        let mut child = Spawned(
+            command()
+                .arg("--admin-bind")
+                .arg(admin.to_string())
+                .spawn()
+                .map_err(|e| format!("starting {}: {e}", opts.agent_bin.display()))?,
+            admin,
+        );
+        let start = Instant::now();
+        loop {
+            if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+                return Ok((child, socket));
+            }
+            if let Ok(Some(status)) = child.0.try_wait() {
+                if attempt == 3 {
+                    return Err(format!(
+                        "agent {name} exited ({status}) before opening {}",
+                        socket.display()
+                    ));
+                }
+                break;
+            }
+            if start.elapsed() > Duration::from_secs(10) {
+                return Err(format!("agent {name} did not open {}", socket.display()));
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
     }
-    Ok((child, socket))
+    Err(format!("agent {name} did not start"))
 }
 
 fn blocks_for(tokens: u64, block: u32) -> u32 {

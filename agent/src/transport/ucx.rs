@@ -253,6 +253,71 @@ impl Drop for ContextInner {
     }
 }
 
+/// Settings that keep UCX out of the process's own memory management. UCX hooks `mmap` and
+/// `munmap` and, where a cache subscribes, takes that cache's lock in every call: its memory-type
+/// cache (active wherever a GPU memory module loads, as UCX 1.22's cuda module does) and its
+/// registration cache. With the thousands of threads an agent may run (three per link), the
+/// stacks those threads map and unmap queued on those locks: a decode engine holding 1024
+/// prefill links (within its bound) took its agent over 15 minutes instead of 3 s (measured with
+/// UCX 1.22). The agent needs neither cache: it maps every region it moves once, saying its
+/// memory type (`ucp_mem_map`), and names that mapping in every put and get.
+const QUIET_MEMORY_HOOKS: [(&str, &str); 2] = [("MEMTYPE_CACHE", "n"), ("RCACHE_ENABLE", "n")];
+
+/// A UCP configuration: the environment's, with the agent's settings over it.
+struct Config(*mut sys::ucp_config_t);
+
+impl Drop for Config {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from ucp_config_read and is released once.
+        unsafe { sys::ucp_config_release(self.0) };
+    }
+}
+
+impl Config {
+    /// The settings of a context on `tls` with its pool in `pool_dir` (see [`Context::new`]).
+    fn read(tls: String, pool_dir: Option<&std::path::Path>) -> Result<Config, UcxError> {
+        let mut config: *mut sys::ucp_config_t = ptr::null_mut();
+        // SAFETY: out-pointer to a config handle; null prefix and file mean defaults plus env.
+        check("ucp_config_read", unsafe {
+            sys::ucp_config_read(ptr::null(), ptr::null(), &mut config)
+        })?;
+        let config = Config(config);
+        let mut settings: Vec<(&str, String)> = vec![("TLS", tls)];
+        settings.extend(QUIET_MEMORY_HOOKS.iter().map(|(n, v)| (*n, (*v).to_owned())));
+        if let Some(dir) = pool_dir {
+            settings.extend([
+                ("ALLOC_PRIO", "md:posix".to_owned()),
+                ("DIR", dir.to_string_lossy().into_owned()),
+                // Keep the file's name while it is allocated (not an unlinked file reached
+                // through /proc/<pid>/fd), so the engine can open it. UCX derives a segment's
+                // path from its own setting, so every context on a host needs the same dir.
+                ("USE_PROC_LINK", "n".to_owned()),
+            ]);
+        }
+        let modify = |name: &str, value: &str| match (CString::new(name), CString::new(value)) {
+            // SAFETY: config is valid; both strings are NUL-terminated.
+            (Ok(n), Ok(v)) => check("ucp_config_modify", unsafe {
+                sys::ucp_config_modify(config.0, n.as_ptr(), v.as_ptr())
+            }),
+            _ => check("ucp_config_modify", sys::ucs_status_t_UCS_ERR_INVALID_PARAM),
+        };
+        for (name, value) in settings {
+            // UCX 1.13 takes a transport's setting by its bare name ("DIR") and ignores the
+            // prefixed one; later UCX refuses a bare name several components have ("DIR" is also
+            // PROTO_INFO_DIR in 1.22) and takes the POSIX_ one.
+            let modified = modify(name, &value).or_else(|e| match name {
+                "DIR" | "USE_PROC_LINK" => modify(&format!("POSIX_{name}"), &value),
+                _ => Err(e),
+            });
+            modified.map_err(|e| UcxError {
+                text: format!("{} ({name})", e.text),
+                ..e
+            })?;
+        }
+        Ok(config)
+    }
+}
+
 /// A UCP context with RMA.
 #[derive(Clone)]
 pub struct Context(Rc<ContextInner>);
@@ -289,46 +354,7 @@ impl Context {
 
     /// A context on the transports `tls` (`UCX_TLS`'s syntax).
     fn open(tls: String, pool_dir: Option<&std::path::Path>) -> Result<Context, UcxError> {
-        let mut config: *mut sys::ucp_config_t = ptr::null_mut();
-        // SAFETY: out-pointer to a config handle; null prefix and file mean defaults plus env.
-        check("ucp_config_read", unsafe {
-            sys::ucp_config_read(ptr::null(), ptr::null(), &mut config)
-        })?;
-        let mut settings: Vec<(&str, String)> = vec![("TLS", tls)];
-        if let Some(dir) = pool_dir {
-            settings.extend([
-                ("ALLOC_PRIO", "md:posix".to_owned()),
-                ("DIR", dir.to_string_lossy().into_owned()),
-                // Keep the file's name while it is allocated (not an unlinked file reached
-                // through /proc/<pid>/fd), so the engine can open it. UCX derives a segment's
-                // path from its own setting, so every context on a host needs the same dir.
-                ("USE_PROC_LINK", "n".to_owned()),
-            ]);
-        }
-        let modify = |name: &str, value: &str| match (CString::new(name), CString::new(value)) {
-            // SAFETY: config is valid; both strings are NUL-terminated.
-            (Ok(n), Ok(v)) => check("ucp_config_modify", unsafe {
-                sys::ucp_config_modify(config, n.as_ptr(), v.as_ptr())
-            }),
-            _ => check("ucp_config_modify", sys::ucs_status_t_UCS_ERR_INVALID_PARAM),
-        };
-        for (name, value) in settings {
-            // UCX 1.13 takes a transport's setting by its bare name ("DIR") and ignores the
-            // prefixed one; later UCX refuses a bare name several components have ("DIR" is also
-            // PROTO_INFO_DIR in 1.22) and takes the POSIX_ one.
-            let modified = modify(name, &value).or_else(|e| match name {
-                "DIR" | "USE_PROC_LINK" => modify(&format!("POSIX_{name}"), &value),
-                _ => Err(e),
-            });
-            if let Err(e) = modified {
-                // SAFETY: config came from ucp_config_read.
-                unsafe { sys::ucp_config_release(config) };
-                return Err(UcxError {
-                    text: format!("{} ({name})", e.text),
-                    ..e
-                });
-            }
-        }
+        let config = Config::read(tls, pool_dir)?;
         // SAFETY: zeroed params are valid; only the fields named in field_mask are read.
         let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
         params.field_mask = u64::from(sys::ucp_params_field_UCP_PARAM_FIELD_FEATURES);
@@ -336,9 +362,8 @@ impl Context {
         let mut context: sys::ucp_context_h = ptr::null_mut();
         // SAFETY: params and config are valid for the call; context is an out-pointer.
         let status =
-            unsafe { sys::ucp_init_version(sys::UCP_API_MAJOR, sys::UCP_API_MINOR, &params, config, &mut context) };
-        // SAFETY: config is no longer needed after ucp_init.
-        unsafe { sys::ucp_config_release(config) };
+            unsafe { sys::ucp_init_version(sys::UCP_API_MAJOR, sys::UCP_API_MINOR, &params, config.0, &mut context) };
+        drop(config);
         check("ucp_init", status)?;
         Ok(Context(Rc::new(ContextInner(context))))
     }

@@ -272,3 +272,56 @@ fn gpu_memory_is_refused_where_this_ucx_cannot_move_it() {
     let host = unsafe { c.map_typed(memory.as_mut_ptr(), memory.len(), MemoryType::Host) }.expect("host memory maps");
     drop(host);
 }
+
+/// Every setting of `config` as UCX prints it (`UCX_NAME=value` lines).
+fn printed(config: &Config) -> String {
+    let (mut buf, mut len): (*mut libc::c_char, libc::size_t) = (ptr::null_mut(), 0);
+    // SAFETY: open_memstream writes the buffer's address and length through these pointers; the
+    // stream is closed (which sets them) before they are read, and the buffer freed after.
+    #[allow(unsafe_code)]
+    unsafe {
+        let stream = libc::open_memstream(&mut buf, &mut len);
+        assert!(!stream.is_null(), "open_memstream");
+        sys::ucp_config_print(
+            config.0,
+            stream.cast(),
+            ptr::null(),
+            // Hidden ones too: UCX 1.13 hides MEMTYPE_CACHE.
+            sys::ucs_config_print_flags_t_UCS_CONFIG_PRINT_CONFIG
+                | sys::ucs_config_print_flags_t_UCS_CONFIG_PRINT_HIDDEN,
+        );
+        libc::fclose(stream);
+        let text = String::from_utf8_lossy(std::slice::from_raw_parts(buf.cast::<u8>(), len)).into_owned();
+        libc::free(buf.cast());
+        text
+    }
+}
+
+#[test]
+fn contexts_keep_ucx_memory_caches_off() {
+    // With these caches on (UCX's default is "try"), UCX's mmap/munmap hooks take their locks in
+    // every call the process makes: thousands of link threads' stacks queued there for minutes
+    // (UCX 1.22). Set over the environment's, so `UCX_MEMTYPE_CACHE=y` there changes nothing.
+    unsafe extern "C" {
+        // UCX's process-wide settings (libucs), where MEMTYPE_CACHE lives.
+        fn ucs_global_opts_get_value(name: *const libc::c_char, value: *mut libc::c_char, max: usize) -> i32;
+    }
+    for transport in [Transport::Shm, Transport::Auto] {
+        let text = printed(&Config::read(transport.tls(), None).expect("config"));
+        assert!(
+            text.lines().any(|l| l == "UCX_RCACHE_ENABLE=n"),
+            "{transport:?}: no UCX_RCACHE_ENABLE=n in\n{text}"
+        );
+        let mut value = [0 as libc::c_char; 32];
+        // SAFETY: a NUL-terminated name and a buffer of the length given.
+        #[allow(unsafe_code)]
+        let status = unsafe { ucs_global_opts_get_value(c"MEMTYPE_CACHE".as_ptr(), value.as_mut_ptr(), value.len()) };
+        assert_eq!(status, 0, "MEMTYPE_CACHE is one of UCX's global settings");
+        // SAFETY: UCX wrote a NUL-terminated string into the buffer.
+        #[allow(unsafe_code)]
+        let value = unsafe { CStr::from_ptr(value.as_ptr()) }.to_string_lossy().into_owned();
+        assert_eq!(value, "n", "{transport:?}: UCX_MEMTYPE_CACHE");
+    }
+    // And a context opens with them.
+    put_roundtrip(Transport::Shm, 1 << 20);
+}
