@@ -837,21 +837,25 @@ fn own_address_variants(transport: Transport) -> (Vec<usize>, Vec<String>) {
             Err(HandshakeError::Rejected { message, .. }) => message,
             Err(e) => panic!("byte {i:?} ({what}): {e}"),
             Ok(_) => {
-                // Longer than prefill's dial of a stream address may take: a changed byte can
-                // name another IP, which this machine's default route may black-hole (no quick
+                // Prefill connects to the address before it serves the link: a Pong to our
+                // Ping says it connected, a Reject that it could not. The deadline is longer than
+                // prefill's dial of a stream address may take: a changed byte can name another
+                // IP, which this machine's default route may black-hole (no quick
                 // "unreachable"), and the refusal comes when the dial gives up.
                 let dial = pdpair_agent::transport::stream::PROOF_WITHIN;
                 s.set_read_timeout(Some(dial + Duration::from_secs(3)))
                     .expect("timeout");
+                session.send(&mut s, &Message::Ping { seq: 1 }).expect("ping");
                 match session.recv(&mut s) {
                     Ok(Message::Reject { reasons, message }) => {
                         assert_eq!(reasons, vec![Reason::TransportFailed], "byte {i:?}: {message}");
                         message
                     }
-                    _ => {
+                    Ok(Message::Pong { seq: 1 }) => {
                         connected.push(i.map_or(what, |i| format!("byte {i}")));
                         continue;
                     }
+                    other => panic!("byte {i:?} ({what}): neither connected nor refused: {other:?}"),
                 }
             }
         };
