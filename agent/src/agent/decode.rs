@@ -944,8 +944,14 @@ impl Engine {
                 Ok(_) => {}
                 Err(e) => {
                     link.alive.store(false, Ordering::SeqCst);
-                    // Close it: a stuck prefill must not get our later frames.
-                    link.close();
+                    // Close it: a stuck prefill must not get our later frames. Unless it closes
+                    // once its queue is written (its engine went, and `finish` ended this
+                    // reader): what was queued before still reaches prefill, such as the
+                    // `Released` of a read whose end the engine heard just before it left
+                    // (closed now, prefill held those blocks until their lease).
+                    if !link.queue.stopped() || link.queue.shut() {
+                        link.close();
+                    }
                     let why = if e.timed_out() {
                         format!(
                             "silent for {:?} ({HEARTBEAT_MISSES} heartbeats unanswered)",

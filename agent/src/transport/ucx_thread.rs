@@ -376,12 +376,21 @@ struct Held {
 /// `tests::a_stalled_peer_that_resumes_after_its_deadline_reads_nothing_unmapped`). So they are
 /// polled until UCX completes them, and until then the regions they read or write stay
 /// registered and mapped, and the peer's keys stay unpacked, even after `Unmap`.
+///
+/// A get's orphans still write into local memory (an engine's blocks) until UCX completes them
+/// (measured with UCX 1.22 over shared memory: a read cut short by its deadline went on landing),
+/// so its failure is answered only then ([`Orphan::answer`]): an engine that heard its request
+/// failed may reuse those blocks at once. Gets need no progress of the peer on the transports
+/// that carry them (shared memory reads the peer's segment itself; RDMA flushes a closed queue
+/// pair's reads), so the answer comes soon.
 struct Orphan {
     requests: Vec<crate::transport::ucx::Request>,
     regions: Vec<u64>,
     /// The peer's keys (and shared-memory guards), shared by all of that peer's orphans.
     remotes: std::rc::Rc<Vec<Remote>>,
     scratch: Option<Vec<u8>>,
+    /// A get's failure, sent once its requests completed.
+    answer: Option<(OpReply, OpError)>,
 }
 
 /// See [`UcxHandle::orphans`].
@@ -500,27 +509,45 @@ fn drop_peer(
             _scratch,
             ..
         } = op;
+        let get = matches!(flush, Flush::None);
         if let Flush::Posted(r) = flush {
             requests.push(r);
         }
         requests.retain(|r| r.poll().is_none());
-        if !requests.is_empty() {
-            orphans.push(Orphan {
-                requests,
-                regions,
-                remotes: remotes.clone(),
-                scratch: _scratch,
-            });
+        if requests.is_empty() {
+            let _ = reply.send(Err(why.clone()));
+            continue;
         }
-        let _ = reply.send(Err(why.clone()));
+        // A put's failure is answered now (it reads local memory, which stays mapped);
+        // a get's once it no longer writes.
+        let answer = if get {
+            Some((reply, why.clone()))
+        } else {
+            let _ = reply.send(Err(why.clone()));
+            None
+        };
+        orphans.push(Orphan {
+            requests,
+            regions,
+            remotes: remotes.clone(),
+            scratch: _scratch,
+            answer,
+        });
     }
 }
 
-/// Drops the orphans UCX completed, then the unregistered regions no orphan names any more.
+/// Drops the orphans UCX completed (answering their gets), then the unregistered regions no
+/// orphan names any more.
 fn reap(orphans: &mut Vec<Orphan>, retired: &mut HashMap<u64, Held>) {
     orphans.retain_mut(|o| {
         o.requests.retain(|r| r.poll().is_none());
-        !o.requests.is_empty()
+        if !o.requests.is_empty() {
+            return true;
+        }
+        if let Some((reply, why)) = o.answer.take() {
+            let _ = reply.send(Err(why));
+        }
+        false
     });
     retired.retain(|id, _| orphans.iter().any(|o| o.regions.contains(id)));
 }
@@ -839,19 +866,26 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
         drop(flush);
         scratch.push(_scratch);
     }
+    let mut answers = Vec::new();
     for o in orphans.drain(..) {
         let Orphan {
             requests,
             remotes,
             scratch: s,
+            answer,
             ..
         } = o;
+        answers.extend(answer);
         drop(requests);
         keys.push(remotes);
         scratch.push(s);
     }
     drop(keys);
     drop(worker);
+    // No get writes once the worker is gone.
+    for (reply, why) in answers {
+        let _ = reply.send(Err(why));
+    }
     drop(scratch);
     drop(retired);
     drop(registered);
@@ -1467,6 +1501,52 @@ mod tests {
             "UCX completed the orphans and the memory went"
         );
         assert!(a.alive(Duration::from_secs(2)), "the UCX thread survived");
+        drop(peer);
+        drop(a);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_get_cut_short_by_its_deadline_is_answered_only_once_ucx_no_longer_writes() {
+        // 256 MiB of READs over shared memory with a deadline they cannot meet: the endpoint is
+        // closed, and UCX may still complete what it had started, writing into the engine's
+        // blocks. The engine must hear the failure only after that (it reuses the blocks).
+        let dir = std::env::temp_dir().join(format!("pdpair-ucx-get-deadline-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let len: usize = 256 << 20;
+        let peer = StallablePeer::start(len, dir.clone());
+        let a = UcxHandle::start(Transport::Shm, &dir).expect("A");
+        let blocks = memmap2::MmapMut::map_anon(len).expect("anonymous memory");
+        let base = blocks.as_ptr() as u64;
+        let (region, _) = a.map(base, len as u64, Box::new(blocks)).expect("map");
+        let chunk = 8u64 << 20;
+        let ops: Vec<PutOp> = (0..len as u64 / chunk)
+            .map(|i| PutOp {
+                local: base + i * chunk,
+                len: chunk,
+                remote: peer.target + i * chunk,
+            })
+            .collect();
+        let mut cut = 0;
+        for _ in 0..5 {
+            let id = a
+                .connect(
+                    peer.address.clone(),
+                    vec![(peer.rkey.clone(), (peer.target, len as u64))],
+                )
+                .expect("connect");
+            match a.get(id, vec![region], ops.clone(), Duration::from_micros(1)) {
+                Err(OpError::Timeout(_)) => cut += 1,
+                other => panic!("256 MiB read within 1 us: {other:?}"),
+            }
+            // Answered: nothing of that read is left with UCX.
+            assert_eq!(
+                a.orphans().expect("orphans").requests,
+                0,
+                "answered while UCX still reads"
+            );
+        }
+        assert_eq!(cut, 5);
         drop(peer);
         drop(a);
         let _ = std::fs::remove_dir_all(&dir);
