@@ -145,6 +145,11 @@ impl Queue {
         self.shut.load(Ordering::SeqCst)
     }
 
+    /// Whether the link closes once what is queued is written (stopped, not shut down).
+    pub fn draining(&self) -> bool {
+        self.stopped() && !self.shut()
+    }
+
     /// Nothing more is queued; the link closes once what is queued is written.
     pub fn stop(&self) {
         self.stopped.store(true, Ordering::SeqCst);

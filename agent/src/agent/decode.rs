@@ -949,7 +949,7 @@ impl Engine {
                     // reader): what was queued before still reaches prefill, such as the
                     // `Released` of a read whose end the engine heard just before it left
                     // (closed now, prefill held those blocks until their lease).
-                    if !link.queue.stopped() || link.queue.shut() {
+                    if !link.queue.draining() {
                         link.close();
                     }
                     let why = if e.timed_out() {
