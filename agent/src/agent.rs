@@ -1098,8 +1098,10 @@ impl Link {
     /// answers depended on still reaches the peer; a peer that does not read loses it at the
     /// write timeout).
     fn finish(&self) {
-        let _ = self.stream.shutdown(std::net::Shutdown::Read);
+        // Stopped before the reader ends: a reader that fails on a link still running closes
+        // it at once, dropping what was queued.
         self.close_after_sent();
+        let _ = self.stream.shutdown(std::net::Shutdown::Read);
     }
 }
 

@@ -54,7 +54,11 @@ fn structured_rkey() -> Vec<u8> {
 /// geometry, a memory description that fits it, and bytes for UCX that are never used unless
 /// the agent under attack goes too far.
 fn insider(role: Role) -> PeerInfo {
-    let kv = kv(64, None);
+    insider_of(role, kv(64, None))
+}
+
+/// [`insider`], of KV geometry `kv`.
+fn insider_of(role: Role, kv: pdpair_api::KvGeometry) -> PeerInfo {
     let parallelism = Parallelism::default();
     let l = PoolLayout::new(&kv, &parallelism, 16, 0).expect("layout");
     PeerInfo {
@@ -1212,7 +1216,15 @@ fn evil_prefill_as(
     info: PeerInfo,
     script: impl FnOnce(&mut TcpStream, &mut protocol::Session, Registration) + Send + 'static,
 ) -> (String, std::thread::JoinHandle<()>) {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    evil_prefill_on(TcpListener::bind("127.0.0.1:0").expect("bind"), info, script)
+}
+
+/// [`evil_prefill_as`], accepting on `listener`.
+fn evil_prefill_on(
+    listener: TcpListener,
+    info: PeerInfo,
+    script: impl FnOnce(&mut TcpStream, &mut protocol::Session, Registration) + Send + 'static,
+) -> (String, std::thread::JoinHandle<()>) {
     let address = listener.local_addr().expect("addr").to_string();
     let handle = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().expect("accept");
@@ -1865,6 +1877,79 @@ fn a_prefill_that_never_answers_a_cancel_loses_its_link_and_the_engine_hears_can
     assert!(took >= within, "not before the cancel's deadline: {took:?}");
     let released = saw.recv_timeout(Duration::from_secs(10)).expect("the link was closed");
     assert!(released, "the prefill was asked to release first");
+    let _ = handle.join();
+}
+
+#[test]
+fn a_release_queued_behind_a_backlog_reaches_prefill_after_the_decode_engine_leaves() {
+    let _serial = serial();
+    // A decode engine cancels a request and leaves at once while its link to prefill holds a
+    // backlog (here the registration of a request of a million blocks, to a prefill that reads
+    // nothing meanwhile). The Release its cancel queued must still reach prefill once prefill
+    // reads again: lost, prefill holds the request's blocks until their lease. (The engine's
+    // leaving ends the link's reader; that reader used to close the link, dropping what was
+    // still queued.)
+    let w = World::new("attack-release-backlog");
+    // One-token blocks (256 bytes), so a million of them is a small pool; a deadline far off.
+    let mut dspec = spec(Role::Decode, "d0", kv(1, None), KEY, ChecksumPolicy::FailClosed);
+    const BLOCKS: u32 = 1 << 20;
+    dspec.num_blocks = BLOCKS;
+    dspec.lease_ms = 120_000;
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &dspec).expect("decode registers");
+    // Prefill's receive buffer fixed (no autotuning): decode's writer blocks once both sockets'
+    // buffers are full (decode's send buffer is 4 MiB at most here, tcp_wmem; the registration
+    // is about 8 MiB), and what is queued behind it waits in the link's outbox.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let size: libc::c_int = 256 << 10;
+    // SAFETY: a valid socket and a c_int option of its size.
+    #[allow(unsafe_code)]
+    let set = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&listener),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&size as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(set, 0, "SO_RCVBUF");
+    let (linked_tx, linked) = std::sync::mpsc::channel::<()>();
+    let (gone_tx, gone) = std::sync::mpsc::channel::<()>();
+    let (seen_tx, seen) = std::sync::mpsc::channel();
+    let (evil, handle) = evil_prefill_on(
+        listener,
+        insider_of(Role::Prefill, kv(1, None)),
+        move |s, session, _r| {
+            let _ = linked_tx.send(());
+            gone.recv_timeout(Duration::from_secs(60)).expect("the engine left");
+            // What came after the first registration, in order.
+            let mut after = Vec::new();
+            while let Ok(m) = session.recv(s) {
+                match m {
+                    Message::Register(reg) => after.push(format!("Register {} of {}", reg.request, reg.blocks.len())),
+                    Message::Release { request, .. } => after.push(format!("Release {request}")),
+                    _ => {}
+                }
+            }
+            let _ = seen_tx.send(after);
+        },
+    );
+    expect_kv(&mut d, "r", evil.clone(), &[0], 1);
+    linked.recv_timeout(Duration::from_secs(10)).expect("linked");
+    let big: Vec<u32> = (1..BLOCKS).collect();
+    expect_kv(&mut d, "big", evil, &big, u64::from(BLOCKS - 1));
+    d.send(&EngineRequest::Cancel { request: "r".into() }).expect("Cancel");
+    drop(d);
+    gone_tx.send(()).expect("prefill waits");
+    let after = seen
+        .recv_timeout(Duration::from_secs(60))
+        .expect("prefill read to the end");
+    assert_eq!(
+        after,
+        [format!("Register big of {}", BLOCKS - 1), "Release r".into()],
+        "the cancel's Release after the registration queued before it"
+    );
     let _ = handle.join();
 }
 
