@@ -7,7 +7,7 @@
 //! stale cache never repeats them.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -118,6 +118,18 @@ pub struct Context {
     leader: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
     events: Publisher,
+    /// The controller's own store of PDPairs: what is remembered of one goes with it.
+    pairs: Store<PDPair>,
+    remembered: Remembered,
+    /// What engine pods need to reach their node agent.
+    wiring: plan::Wiring,
+}
+
+/// What this replica remembers of PDPairs between reconciles, at most as many of each as there
+/// are PDPairs: a PDPair's is forgotten once it is gone from the controller's store (a deleted
+/// PDPair is never reconciled again, so nothing else would drop it).
+#[derive(Debug, Default)]
+struct Remembered {
     /// Status this replica last wrote, by uid: the baseline for transitions.
     written: Mutex<HashMap<String, PDPairStatus>>,
     /// The plan (a [`fingerprint`] of both Deployments) last applied, by uid: a changed plan is
@@ -125,8 +137,32 @@ pub struct Context {
     applied: Mutex<HashMap<String, u64>>,
     /// Consecutive failures by object, for per-object backoff.
     failures: Mutex<HashMap<ObjectRef<PDPair>, u32>>,
-    /// What engine pods need to reach their node agent.
-    wiring: plan::Wiring,
+}
+
+impl Remembered {
+    /// Forgets the PDPairs no longer in `pairs` (by uid: one deleted and made again under its
+    /// name is another), once more are remembered than `pairs` holds: each map stays within
+    /// the PDPairs there are, and the check costs a reconcile nothing until then.
+    fn forget_gone(&self, pairs: &Store<PDPair>) {
+        let live = pairs.len();
+        let over = |n: Option<usize>| n.is_some_and(|n| n > live);
+        let written = self.written.lock().ok().map(|w| w.len());
+        let applied = self.applied.lock().ok().map(|a| a.len());
+        let failures = self.failures.lock().ok().map(|f| f.len());
+        if !(over(written) || over(applied) || over(failures)) {
+            return;
+        }
+        let uids: HashSet<String> = pairs.state().iter().filter_map(|p| p.uid()).collect();
+        if let Ok(mut w) = self.written.lock() {
+            w.retain(|uid, _| uids.contains(uid));
+        }
+        if let Ok(mut a) = self.applied.lock() {
+            a.retain(|uid, _| uids.contains(uid));
+        }
+        if let Ok(mut f) = self.failures.lock() {
+            f.retain(|pair, _| pairs.get(pair).is_some());
+        }
+    }
 }
 
 impl std::fmt::Debug for Context {
@@ -142,12 +178,13 @@ async fn reconcile(pair: Arc<PDPair>, ctx: Arc<Context>) -> Result<Action, Error
     if !*ctx.leader.borrow() {
         return Ok(Action::await_change());
     }
+    ctx.remembered.forget_gone(&ctx.pairs);
     let started = Instant::now();
     let result = reconcile_leader(&pair, &ctx).await;
     ctx.metrics.reconciled(started.elapsed().as_secs_f64());
     match &result {
         Ok(_) => {
-            if let Ok(mut f) = ctx.failures.lock() {
+            if let Ok(mut f) = ctx.remembered.failures.lock() {
                 f.remove(&ObjectRef::from(pair.as_ref()));
             }
         }
@@ -194,7 +231,11 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     // leave the other pool rolled to a new geometry beside the old one. Neither is applied, and
     // status says why.
     let fingerprint = fingerprint(&planned);
-    let checked = ctx.applied.lock().is_ok_and(|a| a.get(&uid) == Some(&fingerprint));
+    let checked = ctx
+        .remembered
+        .applied
+        .lock()
+        .is_ok_and(|a| a.get(&uid) == Some(&fingerprint));
     let mut apply_refused = None;
     // A template stored past the webhook that is not a pod template: nothing is applied, or
     // pruned (its pool is not bring-your-own), and status says what is wrong in it.
@@ -306,7 +347,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         apply_refused: apply_refused.clone(),
     };
     let mut baseline = pair.clone();
-    if let Some(written) = ctx.written.lock().ok().and_then(|w| w.get(&uid).cloned()) {
+    if let Some(written) = ctx.remembered.written.lock().ok().and_then(|w| w.get(&uid).cloned()) {
         baseline.status = Some(written);
     }
     let (new_status, transitions) = status::compute(&baseline, &observed, &Time(Timestamp::now()));
@@ -324,14 +365,14 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
                 source,
             })?;
     }
-    if let Ok(mut a) = ctx.applied.lock() {
+    if let Ok(mut a) = ctx.remembered.applied.lock() {
         if apply_refused.is_none() {
             a.insert(uid.clone(), fingerprint);
         } else {
             a.remove(&uid);
         }
     }
-    if let Ok(mut w) = ctx.written.lock() {
+    if let Ok(mut w) = ctx.remembered.written.lock() {
         w.insert(uid, new_status);
     }
     let reference = pair.object_ref(&());
@@ -419,6 +460,7 @@ async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> 
 fn error_policy(pair: Arc<PDPair>, error: &Error, ctx: Arc<Context>) -> Action {
     ctx.metrics.reconcile_error(error.category());
     let attempts = ctx
+        .remembered
         .failures
         .lock()
         .map(|mut f| {
@@ -519,18 +561,6 @@ pub fn controller(
     )
     .default_backoff()
     .touched_objects();
-    let ctx = Arc::new(Context {
-        client,
-        pods: pod_reader.clone(),
-        endpoints: endpoint_reader.clone(),
-        leader: setup.leader.clone(),
-        metrics: setup.metrics,
-        events: setup.events,
-        written: Mutex::new(HashMap::new()),
-        applied: Mutex::new(HashMap::new()),
-        failures: Mutex::new(HashMap::new()),
-        wiring: setup.wiring,
-    });
     let controller = Controller::new(pdpairs, watcher::Config::default())
         .owns(deployments, watcher::Config::default().labels(LABEL_NAME))
         .watches_stream(pods, |pod: Pod| {
@@ -540,8 +570,19 @@ pub fn controller(
         .watches_stream(endpoints, |e: PDEndpoint| {
             Some(ObjectRef::<PDPair>::new(&e.spec.pdpair).within(&e.namespace()?))
         })
-        .reconcile_all_on(on_leadership(setup.leader));
+        .reconcile_all_on(on_leadership(setup.leader.clone()));
     let pdpair_reader = controller.store();
+    let ctx = Arc::new(Context {
+        client,
+        pods: pod_reader.clone(),
+        endpoints: endpoint_reader.clone(),
+        leader: setup.leader,
+        metrics: setup.metrics,
+        events: setup.events,
+        pairs: pdpair_reader.clone(),
+        remembered: Remembered::default(),
+        wiring: setup.wiring,
+    });
     let synced = async move {
         wait_ready(&pdpair_reader).await;
         wait_ready(&pod_reader).await;
@@ -555,4 +596,93 @@ pub fn controller(
             }
         });
     (run, synced)
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::runtime::watcher::Event;
+
+    use super::*;
+
+    fn pair(name: &str, uid: &str) -> PDPair {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/compatible-push.yaml"))
+            .expect("example exists");
+        let mut pair: PDPair = serde_yaml::from_str(&text).expect("example parses");
+        pair.metadata.name = Some(name.into());
+        pair.metadata.namespace = Some("team-a".into());
+        pair.metadata.uid = Some(uid.into());
+        pair
+    }
+
+    fn remember(r: &Remembered, pair: &PDPair) {
+        let uid = pair.uid().expect("uid");
+        r.written
+            .lock()
+            .expect("lock")
+            .insert(uid.clone(), PDPairStatus::default());
+        r.applied.lock().expect("lock").insert(uid, 7);
+        r.failures.lock().expect("lock").insert(ObjectRef::from(pair), 1);
+    }
+
+    fn remembered(r: &Remembered) -> (Vec<String>, Vec<String>, Vec<String>) {
+        let sorted = |mut v: Vec<String>| {
+            v.sort();
+            v
+        };
+        (
+            sorted(r.written.lock().expect("lock").keys().cloned().collect()),
+            sorted(r.applied.lock().expect("lock").keys().cloned().collect()),
+            sorted(
+                r.failures
+                    .lock()
+                    .expect("lock")
+                    .keys()
+                    .map(|o| o.name.clone())
+                    .collect(),
+            ),
+        )
+    }
+
+    #[test]
+    fn what_is_remembered_of_a_pdpair_goes_once_it_is_gone_from_the_store() {
+        // Each reconcile remembers its PDPair's status, plan and failures; a deleted PDPair is
+        // never reconciled again, so without the store's word they stayed for the life of the
+        // operator, one set per PDPair ever made.
+        let (pairs, mut writer) = reflector::store::<PDPair>();
+        let (a, b) = (pair("a", "uid-a"), pair("b", "uid-b"));
+        for p in [&a, &b] {
+            writer.apply_watcher_event(&Event::Apply(p.clone()));
+        }
+        let r = Remembered::default();
+        remember(&r, &a);
+        remember(&r, &b);
+        r.forget_gone(&pairs);
+        let both = vec!["uid-a".to_string(), "uid-b".into()];
+        assert_eq!(
+            remembered(&r),
+            (both.clone(), both, vec!["a".into(), "b".into()]),
+            "both live: both kept"
+        );
+        writer.apply_watcher_event(&Event::Delete(b.clone()));
+        r.forget_gone(&pairs);
+        assert_eq!(
+            remembered(&r),
+            (vec!["uid-a".into()], vec!["uid-a".into()], vec!["a".into()]),
+            "b deleted: forgotten"
+        );
+        // Made again under its name: another object, whose old status is no baseline for it.
+        let b2 = pair("b", "uid-b2");
+        writer.apply_watcher_event(&Event::Apply(b2.clone()));
+        remember(&r, &b);
+        remember(&r, &b2);
+        r.forget_gone(&pairs);
+        assert_eq!(
+            remembered(&r),
+            (
+                vec!["uid-a".into(), "uid-b2".into()],
+                vec!["uid-a".into(), "uid-b2".into()],
+                vec!["a".into(), "b".into()]
+            ),
+        );
+    }
 }
