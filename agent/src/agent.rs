@@ -1151,6 +1151,68 @@ fn ephemeral(port: u16, range: &str, reserved: &str) -> bool {
     (low..=high).contains(&port) && !in_reserved
 }
 
+/// Where a decode agent dials, at its engine's word: only where a prefill engine's side channel
+/// can listen, which is at its agent's listen host on a port the kernel handed out
+/// ([`side_channel_listener`]). An engine naming anything else is refused before a connection
+/// is tried: the agent sits on the host's network, and would otherwise reach, or tell its
+/// engine whether it can reach, what the engine's own network may not: the node's loopback
+/// services, the cloud's metadata address (link-local), a service's port anywhere.
+#[derive(Debug)]
+pub(crate) struct Dialable {
+    /// This agent's listen host: loopback is dialled only when this agent listens there too
+    /// (one host's agents, as in tests and local runs).
+    own: IpAddr,
+    /// `net.ipv4.ip_local_port_range` and `ip_local_reserved_ports` here, taken to be the
+    /// prefill node's too (a cluster's nodes share them; where one differs, its engines' ports
+    /// may be refused, and the message names the range).
+    range: String,
+    reserved: String,
+}
+
+impl Dialable {
+    /// This host's policy for an agent listening at `own` (reads the port sysctls now).
+    pub(crate) fn here(own: IpAddr) -> Dialable {
+        let read = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).unwrap_or_default();
+        Dialable {
+            own,
+            range: read("ip_local_port_range"),
+            reserved: read("ip_local_reserved_ports"),
+        }
+    }
+
+    /// `Err` naming `addr` and why, when it is not dialled.
+    pub(crate) fn check(&self, addr: &str) -> Result<SocketAddr, String> {
+        let sock: SocketAddr = addr
+            .parse()
+            .map_err(|_| format!("prefill address {addr:?} is not an IP address and port"))?;
+        let ip = sock.ip().to_canonical();
+        let why = match ip {
+            _ if ip.is_unspecified() || ip.is_multicast() => Some("not a unicast address"),
+            IpAddr::V4(v4) if v4.is_broadcast() => Some("not a unicast address"),
+            IpAddr::V4(v4) if v4.is_link_local() => Some("link-local (where clouds serve instance metadata)"),
+            IpAddr::V6(v6) if v6.is_unicast_link_local() => Some("link-local"),
+            _ if ip.is_loopback() && !self.own.to_canonical().is_loopback() => {
+                Some("this node's loopback, and this agent does not listen there")
+            }
+            _ => None,
+        };
+        if let Some(why) = why {
+            return Err(format!(
+                "prefill address {addr:?} is {why}: prefill engines listen at their agents' hosts"
+            ));
+        }
+        if !ephemeral(sock.port(), &self.range, &self.reserved) {
+            return Err(format!(
+                "prefill address {addr:?}: port {} is not one the kernel hands out (net.ipv4.ip_local_port_range {:?}, less ip_local_reserved_ports {:?}), where every prefill engine's side channel listens",
+                sock.port(),
+                self.range.trim(),
+                self.reserved.trim()
+            ));
+        }
+        Ok(sock)
+    }
+}
+
 fn next_link_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
@@ -2196,6 +2258,50 @@ mod tests {
             "every frame reached it"
         );
         assert!(open_held(&mutes) <= BUDGET);
+    }
+
+    #[test]
+    fn decode_dials_only_where_a_prefill_engine_can_listen() {
+        let policy = |own: &str| Dialable {
+            own: own.parse().expect("ip"),
+            range: "32768\t60999\n".into(),
+            reserved: "50000\n".into(),
+        };
+        let node = policy("10.0.0.5");
+        assert_eq!(
+            node.check("10.0.0.7:40000").map(|a| a.to_string()),
+            Ok("10.0.0.7:40000".into()),
+            "another node's engine"
+        );
+        assert!(node.check("[2001:db8::7]:40000").is_ok(), "over IPv6");
+        for (addr, why) in [
+            ("10.0.0.7:22", "port 22 is not one the kernel hands out"),
+            ("10.0.0.7:2379", "port 2379"),
+            ("10.0.0.7:61000", "port 61000"),
+            ("10.0.0.7:50000", "port 50000"),
+            ("127.0.0.1:40000", "this node's loopback"),
+            ("[::1]:40000", "this node's loopback"),
+            ("[::ffff:127.0.0.1]:40000", "this node's loopback"),
+            ("169.254.169.254:40000", "link-local"),
+            ("[fe80::1]:40000", "link-local"),
+            ("0.0.0.0:40000", "not a unicast address"),
+            ("[::]:40000", "not a unicast address"),
+            ("224.0.0.1:40000", "not a unicast address"),
+            ("255.255.255.255:40000", "not a unicast address"),
+            ("metadata.internal:40000", "is not an IP address and port"),
+            ("10.0.0.7", "is not an IP address and port"),
+        ] {
+            let refused = node.check(addr).expect_err(addr);
+            assert!(
+                refused.contains(why) && refused.contains(&format!("{addr:?}")),
+                "{addr}: {refused}"
+            );
+        }
+        // One host's agents (tests, local runs) listen on loopback, and so do their engines.
+        let local = policy("127.0.0.1");
+        assert!(local.check("127.0.0.1:40000").is_ok());
+        assert!(local.check("127.0.0.2:40000").is_ok());
+        assert!(local.check("127.0.0.1:22").is_err(), "a service's port still");
     }
 
     #[test]

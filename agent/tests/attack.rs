@@ -1953,6 +1953,95 @@ fn a_release_queued_behind_a_backlog_reaches_prefill_after_the_decode_engine_lea
     let _ = handle.join();
 }
 
+#[test]
+fn a_decode_engine_cannot_make_its_agent_dial_where_no_prefill_engine_listens() {
+    let _serial = serial();
+    // The agent sits on the host's network: an engine naming a service's port on it (here one
+    // on loopback below the kernel's ephemeral range, where no prefill engine's side channel
+    // can be) must not get its agent to connect there, by any request that names a prefill,
+    // nor learn whether something listens. Refused before any connection, naming the address.
+    let w = World::new("attack-dial-policy");
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let low: u16 = range
+        .split_whitespace()
+        .next()
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(32768);
+    let service = (1024..low)
+        .rev()
+        .find_map(|port| TcpListener::bind(("127.0.0.1", port)).ok())
+        .expect("a free port below the ephemeral range");
+    service.set_nonblocking(true).expect("nonblocking");
+    let at = service.local_addr().expect("addr").to_string();
+    let asks = [
+        EngineRequest::ExpectKv {
+            request: "kv".into(),
+            prefill: at.clone(),
+            blocks: vec![1, 2],
+            num_tokens: 100,
+            first_token: 0,
+            prompt: None,
+        },
+        EngineRequest::ExpectKvFrom {
+            request: "from".into(),
+            prefills: vec![at.clone()],
+            blocks: vec![1, 2],
+            num_tokens: 100,
+            first_token: 0,
+            prompt: None,
+        },
+        EngineRequest::ExpectKvFromPool {
+            request: "pool".into(),
+            prefill_ranks: vec![at.clone()],
+            blocks: vec![1, 2],
+            num_tokens: 100,
+            first_token: 0,
+            prompt: None,
+        },
+        EngineRequest::Release {
+            request: "release".into(),
+            prefill: at.clone(),
+            prefills: Vec::new(),
+            prompt: None,
+        },
+    ];
+    for ask in asks {
+        d.send(&ask).expect("send");
+        let event = d.next_event().expect("an answer");
+        let AgentEvent::RequestFailed { reasons, message, .. } = &event else {
+            panic!("{ask:?}: {event:?}");
+        };
+        assert_eq!(reasons, &["InvalidRequest"], "{message}");
+        assert!(
+            message.contains(&format!("{at:?}")) && message.contains("not one the kernel hands out"),
+            "{message}"
+        );
+    }
+    // Renew is unanswered and best effort: it dials nothing either.
+    d.send(&EngineRequest::Renew {
+        request: "renew".into(),
+        prefill: at.clone(),
+        prompt: None,
+    })
+    .expect("Renew");
+    // An answer after the Renew: the agent has taken it by then (one engine's requests are
+    // taken in order), and a dial would have connected by then.
+    d.send(&EngineRequest::Cancel { request: "none".into() })
+        .expect("Cancel");
+    let event = d.next_event().expect("the cancel's answer");
+    assert!(
+        matches!(&event, AgentEvent::Cancelled { request } if request == "none"),
+        "{event:?}"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    match service.accept() {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+        other => panic!("the agent connected to the service at {at}: {other:?}"),
+    }
+}
+
 /// An insider prefill's script that waits for decode's `Release` of its registration, then, a
 /// moment later, answers with `Complete`, as a push that was running when decode let the
 /// request go ends; sends the time it answered (or nothing, when no Release came).

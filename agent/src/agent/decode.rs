@@ -3,7 +3,7 @@
 //! against the checksums, and (pull) reading prefill's blocks.
 
 use std::{
-    net::{SocketAddr, TcpStream},
+    net::TcpStream,
     sync::{Arc, atomic::Ordering},
     thread,
     time::{Duration, Instant},
@@ -53,8 +53,10 @@ impl Engine {
             }
             Some(Slot::Connecting(_)) => {}
             None => {
-                // Best effort: not while the engine's dials are at their bound.
+                // Best effort: not while the engine's dials are at their bound, nor where no
+                // prefill listens.
                 if self.remembered(&prefill).is_none()
+                    && self.dialable().check(&prefill).is_ok()
                     && dialling(&peers) < super::MAX_DIALS
                     && self.room_for_link(&mut peers).is_ok()
                 {
@@ -314,6 +316,9 @@ impl Engine {
                 format!("prefills names {} addresses; 1..=1024 are accepted", prefills.len()),
             );
         }
+        if let Err(why) = self.dialable_all(&prefills) {
+            return self.refuse(request, vec![Reason::InvalidRequest], why);
+        }
         // Before the checks below that fail (rather than refuse) a request: the first of the name
         // keeps its windows.
         let taken = self.taken(&lock(&self.pending), &request);
@@ -424,6 +429,9 @@ impl Engine {
                     prefill_ranks.len()
                 ),
             );
+        }
+        if let Err(why) = self.dialable_all(&prefill_ranks) {
+            return self.refuse(request, vec![Reason::InvalidRequest], format!("prefill_ranks: {why}"));
         }
         if self.picking.fetch_add(1, Ordering::SeqCst) >= super::MAX_DIALS {
             self.picking.fetch_sub(1, Ordering::SeqCst);
@@ -727,10 +735,20 @@ impl Engine {
         }
     }
 
+    /// Where this engine's agent dials ([`super::Dialable`]).
+    fn dialable(&self) -> super::Dialable {
+        super::Dialable::here(self.shared.cfg.listen_host)
+    }
+
+    /// `Err` naming the first of `addrs` this agent does not dial.
+    fn dialable_all(&self, addrs: &[String]) -> Result<(), String> {
+        let dialable = self.dialable();
+        addrs.iter().try_for_each(|a| dialable.check(a).map(drop))
+    }
+
     fn dial(&self, addr: &str) -> Result<(Link, Opener), HandshakeError> {
-        let sock: SocketAddr = addr
-            .parse()
-            .map_err(|_| HandshakeError::Protocol(format!("bad prefill address {addr:?}")))?;
+        // Checked where the engine named it too; here, whatever path led to the dial.
+        let sock = self.dialable().check(addr).map_err(HandshakeError::Protocol)?;
         let stream = TcpStream::connect_timeout(&sock, self.handshake_timeout()).map_err(wire::FrameError::from)?;
         stream.set_nodelay(true).map_err(wire::FrameError::from)?;
         // One deadline for authentication and handshake together, however the peer paces them.
