@@ -19,6 +19,8 @@ if [[ -d $bundle/lib ]]; then
   export LD_LIBRARY_PATH=$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export UCX_MODULE_DIR=$bundle/lib/ucx
 fi
+# As the chart runs agents: without UCX's memory hooks.
+export UCX_MEM_EVENTS=n
 ldconfig_p() { /sbin/ldconfig -p 2>/dev/null || ldconfig -p 2>/dev/null; }
 # No cluster here: an agent that saw these would try the API server (and attest engines).
 unset KUBERNETES_SERVICE_HOST KUBERNETES_SERVICE_PORT

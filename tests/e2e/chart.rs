@@ -282,6 +282,10 @@ fn non_default_values_change_what_they_should() {
         env.iter()
             .any(|e| e["name"] == "UCX_NET_DEVICES" && e["value"] == "mlx5_0:1")
     );
+    assert!(
+        env.iter().any(|e| e["name"] == "UCX_MEM_EVENTS" && e["value"] == "n"),
+        "no UCX memory hooks"
+    );
     // The system's UCX unless the image's 1.22 is asked for.
     assert!(
         !env.iter()
