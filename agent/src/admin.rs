@@ -31,12 +31,14 @@ pub fn serve(listener: TcpListener, metrics: Arc<Metrics>, agent: Agent) {
             open.fetch_sub(1, Ordering::SeqCst);
             continue; // dropped: closed
         }
-        let (open, metrics, agent) = (open.clone(), metrics.clone(), agent.clone());
+        let (held, metrics, agent) = (open.clone(), metrics.clone(), agent.clone());
         let spawned = std::thread::Builder::new().name("admin".into()).spawn(move || {
             answer(&stream, &metrics, &agent);
-            open.fetch_sub(1, Ordering::SeqCst);
+            held.fetch_sub(1, Ordering::SeqCst);
         });
         if spawned.is_err() {
+            // Its place too: else each failure kept one, and past the bound none was answered.
+            open.fetch_sub(1, Ordering::SeqCst);
             tracing::warn!("admin: cannot start a thread; connection dropped");
         }
     }

@@ -701,7 +701,6 @@ impl Agent {
         if let Err(e) = sent {
             tracing::debug!(error = %e, "engine API: cannot send Registered");
         }
-        engine.spawn_timer();
         let max_frame = crate::engine_api::max_request_frame(engine.reg.num_blocks);
         loop {
             let frame = match wire::read_frame_max::<serde_json::Value>(&mut reader, max_frame) {
@@ -1213,6 +1212,14 @@ impl Dialable {
     }
 }
 
+/// Starts `f` on a thread of its own named `name`. `Err` when the system gives none (a pids
+/// limit on the agent's cgroup, memory): the caller then refuses or fails what the thread was
+/// for. (`thread::spawn` panics there, ending the calling thread: a prefill engine's acceptor
+/// that met the limit once never accepted a link again.)
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> io::Result<()> {
+    thread::Builder::new().name(name.into()).spawn(f).map(drop)
+}
+
 fn next_link_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
@@ -1479,9 +1486,19 @@ impl Engine {
                 },
             ));
         }
-        if let Some(listener) = listener {
+        // Its deadlines and leases, and (prefill) its side channel: without a thread for
+        // either it does not register.
+        let mut started = engine
+            .spawn_timer()
+            .map_err(|e| format!("no thread for the engine's timer: {e}"));
+        if let (Ok(()), Some(listener)) = (&started, listener) {
             let e = engine.clone();
-            thread::spawn(move || e.accept(listener));
+            started = spawn("side-channel", move || e.accept(listener))
+                .map_err(|e| format!("no thread for the engine's side channel: {e}"));
+        }
+        if let Err(why) = started {
+            engine.shutdown();
+            return Err(why);
         }
         Ok(engine)
     }
@@ -1845,9 +1862,9 @@ impl Engine {
 
     // ---- timers and shutdown ----------------------------------------------------------------
 
-    fn spawn_timer(self: &Arc<Self>) {
+    fn spawn_timer(self: &Arc<Self>) -> io::Result<()> {
         let e = Arc::downgrade(self);
-        thread::spawn(move || {
+        spawn("timer", move || {
             loop {
                 thread::sleep(Duration::from_millis(20));
                 let Some(e) = e.upgrade() else { return };
@@ -1856,7 +1873,7 @@ impl Engine {
                 }
                 e.expire();
             }
-        });
+        })
     }
 
     /// Deadlines (decode) and leases (prefill).

@@ -2042,6 +2042,135 @@ fn a_decode_engine_cannot_make_its_agent_dial_where_no_prefill_engine_listens() 
     }
 }
 
+/// A pids cgroup (v1's `pids` hierarchy, or v2's) holding one process: its tasks (threads)
+/// bounded by `pids.max`. Removed, with the process moved out, when dropped.
+struct PidsCgroup(std::path::PathBuf);
+
+impl PidsCgroup {
+    fn holding(pid: u32) -> PidsCgroup {
+        let name = format!("pdpair-test-{}", std::process::id());
+        let (v1, v2) = (
+            std::path::PathBuf::from("/sys/fs/cgroup/pids"),
+            std::path::PathBuf::from("/sys/fs/cgroup"),
+        );
+        let v2_pids = std::fs::read_to_string(v2.join("cgroup.subtree_control"))
+            .is_ok_and(|c| c.split_whitespace().any(|x| x == "pids"));
+        let root = match (v1.join("cgroup.procs").exists(), v2_pids) {
+            (true, _) => v1,
+            (false, true) => v2,
+            (false, false) => panic!(
+                "no pids cgroup hierarchy to bound the agent's threads in: this test needs root and cgroup v1's pids, or v2 with pids enabled"
+            ),
+        };
+        let dir = root.join(name);
+        let _ = std::fs::create_dir(&dir);
+        std::fs::write(dir.join("cgroup.procs"), pid.to_string()).expect("the agent moved into the cgroup");
+        PidsCgroup(dir)
+    }
+
+    fn current(&self) -> u64 {
+        std::fs::read_to_string(self.0.join("pids.current"))
+            .expect("pids.current")
+            .trim()
+            .parse()
+            .expect("a count")
+    }
+
+    fn limit(&self, max: &str) {
+        std::fs::write(self.0.join("pids.max"), max).expect("pids.max");
+    }
+}
+
+impl Drop for PidsCgroup {
+    fn drop(&mut self) {
+        self.limit("max");
+        let parent = self.0.parent().map(|p| p.join("cgroup.procs"));
+        if let (Ok(procs), Some(parent)) = (std::fs::read_to_string(self.0.join("cgroup.procs")), parent) {
+            for pid in procs.split_whitespace() {
+                let _ = std::fs::write(&parent, pid);
+            }
+        }
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+#[test]
+fn an_agent_out_of_threads_refuses_what_it_cannot_start_and_serves_once_it_has_them_again() {
+    let _serial = serial();
+    // Every side-channel connection takes a thread. An agent whose pod meets its pids limit
+    // (here a cgroup's pids.max, as kubelet's podPidsLimit sets) must turn away what it has no
+    // thread for, not die of it: `thread::spawn` panicked in the prefill engine's acceptor,
+    // which then never accepted a link again, so that engine served no decode after.
+    let w = World::new("attack-threads");
+    let (agent, ps) = ProcessAgent::start(&w, "p");
+    let mut p = w.engine(&ps, Role::Prefill, "p0", KEY);
+    p.fill(1, &[3, 4], 0, 100);
+    let cgroup = PidsCgroup::holding(agent.0.id());
+    std::thread::sleep(Duration::from_millis(200));
+    let idle = cgroup.current();
+    // Room for two more threads: the third connection finds none.
+    cgroup.limit(&(idle + 2).to_string());
+    let mut flood = Vec::new();
+    for source in 2..=5u8 {
+        for _ in 0..2 {
+            if let Ok(s) = connect_from([127, 0, 0, source], addr(&p)) {
+                flood.push(s);
+            }
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(cgroup.current() <= idle + 2, "the limit holds");
+    // The limit was met: connections past it were turned away (closed).
+    let closed = flood.iter().filter(|s| closed_by_listener(s)).count();
+    assert!(closed >= 1, "none of {} closed", flood.len());
+    drop(flood);
+    let calm = Instant::now();
+    while cgroup.current() > idle && calm.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    cgroup.limit("max");
+    let mut agent = agent;
+    assert!(matches!(agent.0.try_wait(), Ok(None)), "the agent lives");
+    // Threads again: a real decode is served, every byte verified.
+    let ds = w.agent("d", Transport::Tcp, false);
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    let (event, bad) = request(&mut p, &mut d, Req::from_start("after-the-limit", 4, 100, 2));
+    assert!(done(&event) && bad == 0, "{event:?}");
+}
+
+#[test]
+fn a_decode_agent_out_of_threads_fails_the_request_it_cannot_dial_for_and_keeps_its_engine() {
+    let _serial = serial();
+    // A decode agent dials each new prefill on a thread of its own. Out of threads (its
+    // cgroup's pids.max), the request fails as a dial that failed; `thread::spawn` panicked
+    // in the engine's own connection thread instead, and the engine lost its agent.
+    let w = World::new("attack-threads-decode");
+    let mut p = prefill_on(&w, Transport::Tcp);
+    let (agent, ds) = ProcessAgent::start(&w, "d");
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    let cgroup = PidsCgroup::holding(agent.0.id());
+    std::thread::sleep(Duration::from_millis(200));
+    let idle = cgroup.current();
+    // A thread for the engine's connection, none for its timer: it does not register (an
+    // engine without its timer would wait past every deadline).
+    cgroup.limit(&(idle + 1).to_string());
+    let d1 = spec(Role::Decode, "d1", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    let Err(refused) = SyntheticEngine::register(&ds, &w.dir, &d1) else {
+        panic!("registered without a thread for its timer");
+    };
+    assert!(refused.contains("no thread for the engine's timer"), "{refused}");
+    let calm = Instant::now();
+    while cgroup.current() > idle && calm.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    cgroup.limit(&idle.to_string());
+    let (event, _) = request(&mut p, &mut d, Req::from_start("no-thread", 4, 100, 2));
+    assert_eq!(reasons(&event), ["HandshakeFailed"], "{event:?}");
+    cgroup.limit("max");
+    let (event, bad) = request(&mut p, &mut d, Req::from_start("threads-again", 5, 100, 2));
+    assert!(done(&event) && bad == 0, "{event:?}");
+}
+
 /// An insider prefill's script that waits for decode's `Release` of its registration, then, a
 /// moment later, answers with `Complete`, as a push that was running when decode let the
 /// request go ends; sends the time it answered (or nothing, when no Release came).

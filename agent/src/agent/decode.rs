@@ -62,8 +62,7 @@ impl Engine {
                 {
                     peers.insert(prefill.clone(), Slot::Connecting(Vec::new()));
                     drop(peers);
-                    let e = self.clone();
-                    thread::spawn(move || e.connect(prefill));
+                    self.spawn_connect(prefill);
                 }
             }
         }
@@ -401,8 +400,7 @@ impl Engine {
                     }
                     peers.insert(prefill.clone(), Slot::Connecting(vec![request.clone()]));
                     drop(peers);
-                    let e = self.clone();
-                    thread::spawn(move || e.connect(prefill));
+                    self.spawn_connect(prefill);
                 }
             }
         }
@@ -677,9 +675,24 @@ impl Engine {
         }
     }
 
+    /// Dials `addr` on a thread of its own (its slot is `Connecting`); without a thread, its
+    /// requests fail as for a dial that failed.
+    fn spawn_connect(self: &Arc<Self>, addr: String) {
+        let (e, to) = (self.clone(), addr.clone());
+        if let Err(err) = super::spawn("dial", move || e.connect(to)) {
+            let err = HandshakeError::from(wire::FrameError::from(err));
+            self.connected(addr, Instant::now(), Err(err));
+        }
+    }
+
     fn connect(self: Arc<Self>, addr: String) {
         let started = Instant::now();
         let result = self.dial(&addr);
+        self.connected(addr, started, result);
+    }
+
+    /// The end of a dial to `addr` begun at `started`.
+    fn connected(self: &Arc<Self>, addr: String, started: Instant, result: Result<(Link, Opener), HandshakeError>) {
         let metrics = &self.shared.metrics;
         match result {
             Ok((link, opener)) => {
@@ -693,9 +706,16 @@ impl Engine {
                 for request in queued {
                     self.send_registration(&link, &request);
                 }
-                self.spawn_heartbeat(&link);
-                let e = self.clone();
-                thread::spawn(move || e.read_prefill(link, opener));
+                let (e, reading) = (self.clone(), link.clone());
+                if let Err(err) = super::spawn("prefill-link", move || e.read_prefill(reading, opener)) {
+                    link.close();
+                    return self.lost(&link, format!("no thread to read the link: {err}"));
+                }
+                if let Err(err) = self.spawn_heartbeat(&link) {
+                    // Its reader ends it, failing what waited on it.
+                    tracing::warn!(engine = %self.reg.engine, peer = %addr, error = %err, "no thread for a link's heartbeat; closed it");
+                    link.close();
+                }
             }
             Err(err) => {
                 let reasons = err.reasons();
@@ -833,10 +853,10 @@ impl Engine {
     }
 
     /// Pings a prefill link every heartbeat while its reader runs.
-    fn spawn_heartbeat(self: &Arc<Self>, link: &Arc<Link>) {
+    fn spawn_heartbeat(self: &Arc<Self>, link: &Arc<Link>) -> std::io::Result<()> {
         let (engine, link) = (Arc::downgrade(self), Arc::downgrade(link));
         let every = self.shared.cfg.heartbeat.min(MAX_HEARTBEAT);
-        thread::spawn(move || {
+        super::spawn("heartbeat", move || {
             for seq in 1u64.. {
                 thread::sleep(every);
                 let (Some(engine), Some(link)) = (engine.upgrade(), link.upgrade()) else {
@@ -849,7 +869,7 @@ impl Engine {
                     return;
                 }
             }
-        });
+        })
     }
 
     /// Whether `request` waits on this prefill link (it is one of the request's prefills): a
@@ -903,8 +923,12 @@ impl Engine {
                     num_tokens,
                     sums,
                 }) if self.owned_by(&link, &request, true) => {
-                    let (e, link) = (self.clone(), link.clone());
-                    thread::spawn(move || e.read_kv(&link, request, blocks, first_token, num_tokens, sums));
+                    let (e, reading, id) = (self.clone(), link.clone(), request.clone());
+                    let read = move || e.read_kv(&reading, request, blocks, first_token, num_tokens, sums);
+                    if let Err(err) = super::spawn("read-kv", read) {
+                        let message = format!("no thread to read prefill {}'s blocks: {err}", link.addr);
+                        self.read_failed(&link, id, Reason::TransportFailed, message);
+                    }
                 }
                 Ok(Message::Failed {
                     request,
@@ -1195,20 +1219,24 @@ impl Engine {
                     self.complete(&link.addr, request, sums, bytes, Some(took.as_micros() as u64));
                 }
             }
-            Err((reason, message)) => {
-                link.send(&Message::Released {
-                    request: request.clone(),
-                    bytes: 0,
-                });
-                if reason == Reason::TransferTimeout {
-                    link.close_after_sent();
-                }
-                if self.read_ended(&link.addr, &request) {
-                    return;
-                }
-                self.fail_pending(&request, vec![reason], message, Some(&link.addr));
-            }
+            Err((reason, message)) => self.read_failed(link, request, reason, message),
         }
+    }
+
+    /// A read of `request`'s blocks from this link failed (or never started): prefill may free
+    /// them, and the request fails unless it already ended.
+    fn read_failed(&self, link: &Link, request: String, reason: Reason, message: String) {
+        link.send(&Message::Released {
+            request: request.clone(),
+            bytes: 0,
+        });
+        if reason == Reason::TransferTimeout {
+            link.close_after_sent();
+        }
+        if self.read_ended(&link.addr, &request) {
+            return;
+        }
+        self.fail_pending(&request, vec![reason], message, Some(&link.addr));
     }
 
     /// Pull READs: each of our blocks (starting at `d_first`, `B_d` tokens) gathers the prefill

@@ -403,7 +403,11 @@ impl Engine {
                 }
             };
             let e = self.clone();
-            thread::spawn(move || e.serve_decode(stream, slot));
+            if let Err(err) = super::spawn("side-channel", move || e.serve_decode(stream, slot)) {
+                // The connection (and its place) went with the closure.
+                self.shared.metrics.handshake_refused(Reason::Busy);
+                tracing::warn!(engine = %self.reg.engine, error = %err, "no thread for a decode agent's connection; closed it");
+            }
         }
     }
 
@@ -1080,8 +1084,17 @@ impl Engine {
     }
 
     fn spawn_transfer(self: &Arc<Self>, (link, reg, ready, pairs): Consumer) {
-        let e = self.clone();
-        thread::spawn(move || e.transfer(&link, reg, ready, pairs));
+        let (e, l, request) = (self.clone(), link.clone(), reg.request.clone());
+        if let Err(err) = super::spawn("transfer", move || e.transfer(&l, reg, ready, pairs)) {
+            // Nothing was written: failed as a transfer that could not start.
+            let message = format!("no thread for the transfer: {err}");
+            link.send(&Message::Failed {
+                request: request.clone(),
+                reason: Reason::TransportFailed,
+                message: message.clone(),
+            });
+            self.finish(request, Err((vec![Reason::TransportFailed], message)));
+        }
     }
 
     /// Pull: tell decode where the request's KV is (with our checksums) and hold the blocks until
@@ -1186,15 +1199,18 @@ impl Engine {
         // The checksums read the same (ready, unchanging) blocks the WRITEs read: compute them
         // while the WRITEs are in flight; they go in `Complete`, after the flush.
         let started = Instant::now();
+        let head_sums = || {
+            self.head_sums(
+                link,
+                reg.first_token,
+                ready.num_tokens,
+                pairs.iter().map(|(p, _, t)| (*p, *t)),
+            )
+        };
         let (sums, put) = thread::scope(|scope| {
-            let sums = scope.spawn(|| {
-                self.head_sums(
-                    link,
-                    reg.first_token,
-                    ready.num_tokens,
-                    pairs.iter().map(|(p, _, t)| (*p, *t)),
-                )
-            });
+            let sums = thread::Builder::new()
+                .name("sums".into())
+                .spawn_scoped(scope, head_sums);
             let put = self.transport().put(
                 ucx_peer,
                 self.regions(),
@@ -1203,8 +1219,13 @@ impl Engine {
                 self.lease(),
             );
             // A checksum thread that panicked sends no sums: decode counts the request
-            // Unverified (FailClosed fails it).
-            (sums.join().ok().flatten(), put)
+            // Unverified (FailClosed fails it). Without a thread they are computed after the
+            // WRITEs.
+            let sums = match sums {
+                Ok(t) => t.join().ok().flatten(),
+                Err(_) => head_sums(),
+            };
+            (sums, put)
         });
         match put {
             Ok(bytes) => {

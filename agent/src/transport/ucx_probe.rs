@@ -166,8 +166,9 @@ impl Prober {
         // The address fits a pipe's buffer (at most MAX_UCX_BLOB bytes), so this does not block.
         let wrote = child.stdin.take().map(|mut s| s.write_all(address));
         // Drained as it comes (UCX may log more than a pipe holds), keeping the tail.
+        // Without a thread for it (`Err`): the probe's message is lost, not the agent's thread.
         let drain = child.stderr.take().map(|mut s| {
-            std::thread::spawn(move || {
+            std::thread::Builder::new().name("ucx-probe-log".into()).spawn(move || {
                 let mut tail = Vec::new();
                 let mut chunk = [0u8; 4096];
                 while let Ok(n) = s.read(&mut chunk) {
@@ -206,7 +207,7 @@ impl Prober {
             return Ok(());
         }
         // The probe's own message (its last line), never UCX's text about the peer's bytes.
-        let text = drain.and_then(|d| d.join().ok()).unwrap_or_default();
+        let text = drain.and_then(|d| d.ok()?.join().ok()).unwrap_or_default();
         let line = text
             .lines()
             .rev()
