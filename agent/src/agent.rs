@@ -27,6 +27,7 @@ use std::{
 
 use pdpair_api::{Role, checksum::BlockSums};
 
+mod claims;
 mod decode;
 mod prefill;
 pub use prefill::{
@@ -145,6 +146,8 @@ struct Shared {
     /// With attestation: engine connections not registered yet, by Pod UID
     /// ([`MAX_UNREGISTERED`] in all, [`MAX_UNREGISTERED_PER_POD`] from one Pod).
     registering: Arc<crate::unproven::Budget<String, UnixStream>>,
+    /// Which prefill engine holds which side-channel address, kept across restarts.
+    claims: claims::Claims,
 }
 
 /// Why an engine connection's frame before registration was not taken.
@@ -387,6 +390,7 @@ impl Agent {
         }
         Ok(Agent {
             shared: Arc::new(Shared {
+                claims: claims::Claims::load(&cfg.pool_dir, &cfg.name),
                 cfg,
                 transport: Arc::new(crate::transport::host::Host::new(ucx.clone(), stream)),
                 cuda: Arc::new(cuda),
@@ -1379,9 +1383,17 @@ impl Engine {
                 ));
             }
         }
+        // An address another engine held when the agent stopped stays that engine's a while.
+        let before = reg.address.filter(|&at| {
+            let ours = shared.claims.allows(at, &reg.pdpair, &reg.engine);
+            if !ours {
+                tracing::info!(%at, "another engine held the address before the agent restarted; at a new port");
+            }
+            ours
+        });
         let listener = match reg.role {
             Role::Prefill => Some(
-                side_channel_listener(shared.cfg.listen_host, reg.address)
+                side_channel_listener(shared.cfg.listen_host, before)
                     .map_err(|e| format!("binding the side channel: {e}"))?,
             ),
             Role::Decode => None,
@@ -1500,7 +1512,17 @@ impl Engine {
             engine.shutdown();
             return Err(why);
         }
+        if let Some(at) = engine.side_channel() {
+            engine.shared.claims.hold(at, &engine.reg.pdpair, &engine.reg.engine);
+        }
         Ok(engine)
+    }
+
+    /// A prefill engine's side-channel address.
+    fn side_channel(&self) -> Option<SocketAddr> {
+        (self.reg.role == Role::Prefill)
+            .then(|| self.address.parse().ok())
+            .flatten()
     }
 
     fn event(&self, event: AgentEvent) {
@@ -1909,6 +1931,9 @@ impl Engine {
             d.release();
         }
         lock(&self.shared.locals).retain(|(id, _)| *id != self.local_id);
+        if let Some(at) = self.side_channel() {
+            self.shared.claims.release(at, &self.reg.pdpair, &self.reg.engine);
+        }
     }
 }
 

@@ -18,7 +18,7 @@ use pdpair_agent::{
     engine_api::{AgentEvent, EngineRequest},
     layout::PoolLayout,
     protocol::{self, HandshakeError, MemoryDesc, Message, PeerInfo, Reason, Registration},
-    synthetic::SyntheticEngine,
+    synthetic::{EngineSpec, SyntheticEngine},
     transport::{
         ucx::Transport,
         ucx_probe::{Prober, Verdict},
@@ -2169,6 +2169,34 @@ fn a_decode_agent_out_of_threads_fails_the_request_it_cannot_dial_for_and_keeps_
     cgroup.limit("max");
     let (event, bad) = request(&mut p, &mut d, Req::from_start("threads-again", 5, 100, 2));
     assert!(done(&event) && bad == 0, "{event:?}");
+}
+
+#[test]
+fn after_a_restart_an_address_goes_back_only_to_the_engine_that_held_it() {
+    let _serial = serial();
+    // A prefill engine of one pair listens at an address decode engines were handed. Its agent
+    // restarts (the engine lives on, and registers again naming that address). An engine of
+    // another pair that registers first naming the same address must not get it: that pair's
+    // decode engines would dial a stranger until the owner told them its new address.
+    let w = World::new("attack-address-squat");
+    let (agent, ps) = ProcessAgent::start(&w, "p");
+    let owner = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    let first = SyntheticEngine::register(&ps, &w.dir, &owner).expect("the owner registers");
+    let held = first.address.clone();
+    drop(agent);
+    drop(first);
+    let (_agent, ps) = ProcessAgent::start(&w, "p");
+    let named = |s: &EngineSpec| {
+        let mut reg = SyntheticEngine::registration(s, None, false);
+        reg.address = Some(held.parse().expect("an address"));
+        SyntheticEngine::register_as(&ps, reg).expect("registers")
+    };
+    let mut other = spec(Role::Prefill, "p0", kv(64, None), b"other", ChecksumPolicy::FailClosed);
+    other.pdpair = "team-b/other".into();
+    let squatter = named(&other);
+    assert_ne!(squatter.address, held, "another pair's engine took the address");
+    let back = named(&owner);
+    assert_eq!(back.address, held, "the engine that held it has it back");
 }
 
 /// An insider prefill's script that waits for decode's `Release` of its registration, then, a
