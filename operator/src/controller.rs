@@ -115,6 +115,8 @@ pub struct Context {
     client: Client,
     pods: Store<Pod>,
     endpoints: Store<PDEndpoint>,
+    /// The PDPairs' Deployments, as the controller's watch of them sees them.
+    deployments: Store<Deployment>,
     leader: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
     events: Publisher,
@@ -132,11 +134,19 @@ pub struct Context {
 struct Remembered {
     /// Status this replica last wrote, by uid: the baseline for transitions.
     written: Mutex<HashMap<String, PDPairStatus>>,
-    /// The plan (a [`fingerprint`] of both Deployments) last applied, by uid: a changed plan is
-    /// dry-run first.
-    applied: Mutex<HashMap<String, u64>>,
+    /// The plan last applied, by uid: a changed plan is dry-run first, and an unchanged one
+    /// is not applied again to a Deployment no one changed since.
+    applied: Mutex<HashMap<String, Applied>>,
     /// Consecutive failures by object, for per-object backoff.
     failures: Mutex<HashMap<ObjectRef<PDPair>, u32>>,
+}
+
+/// A plan applied: its [`fingerprint`], and the resourceVersion each Deployment had once
+/// applied (by name).
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Applied {
+    plan: u64,
+    versions: HashMap<String, String>,
 }
 
 impl Remembered {
@@ -231,11 +241,17 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     // leave the other pool rolled to a new geometry beside the old one. Neither is applied, and
     // status says why.
     let fingerprint = fingerprint(&planned);
-    let checked = ctx
+    let before: Option<Applied> = ctx
         .remembered
         .applied
         .lock()
-        .is_ok_and(|a| a.get(&uid) == Some(&fingerprint));
+        .ok()
+        .and_then(|a| a.get(&uid).cloned())
+        .filter(|a| a.plan == fingerprint);
+    let checked = before.is_some();
+    let mut versions = before.as_ref().map(|a| a.versions.clone()).unwrap_or_default();
+    // The Deployment `dname` as the watch last saw it.
+    let seen = |dname: &str| ctx.deployments.get(&ObjectRef::<Deployment>::new(dname).within(&ns));
     let mut apply_refused = None;
     // A template stored past the webhook that is not a pod template: nothing is applied, or
     // pruned (its pool is not bring-your-own), and status says what is wrong in it.
@@ -289,12 +305,28 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             break;
         }
         let (role, dname) = (*role, dname.clone());
+        let seen = seen(&dname);
         match d {
+            // The same plan, applied to the Deployment as it still is: nothing to send (the
+            // pair's reconciles come with every PDEndpoint heartbeat, and each one applied both
+            // Deployments again).
+            Some(_)
+                if checked
+                    && seen
+                        .as_ref()
+                        .and_then(|s| s.resource_version())
+                        .is_some_and(|v| versions.get(&dname) == Some(&v)) => {}
             Some(d) => match deployments
                 .patch(&dname, &PatchParams::apply(MANAGER).force(), &Patch::Apply(d))
                 .await
             {
-                Ok(_) => {}
+                Ok(applied) => {
+                    ctx.metrics.deployment_applied();
+                    match applied.resource_version() {
+                        Some(v) => versions.insert(dname.clone(), v),
+                        None => versions.remove(&dname),
+                    };
+                }
                 // Refused after its dry run passed (the world changed in between).
                 Err(kube::Error::Api(s)) if s.code == 400 || s.code == 422 => {
                     apply_refused = Some(format!(
@@ -310,7 +342,9 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
                 } else {
                     "the pair is incompatible".to_owned()
                 };
-                if prune(&deployments, &dname, &uid).await? {
+                // Nothing to prune where the watch sees no Deployment of the name (one made
+                // since brings its own reconcile).
+                if seen.is_some() && prune(&deployments, &dname, &uid).await? {
                     let note = format!("deleted Deployment {dname}: {why}");
                     ctx.events
                         .publish(&pair.object_ref(&()), Kind::Normal, "Pruned", "Reconcile", &note)
@@ -367,7 +401,13 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     }
     if let Ok(mut a) = ctx.remembered.applied.lock() {
         if apply_refused.is_none() {
-            a.insert(uid.clone(), fingerprint);
+            a.insert(
+                uid.clone(),
+                Applied {
+                    plan: fingerprint,
+                    versions,
+                },
+            );
         } else {
             a.remove(&uid);
         }
@@ -554,6 +594,13 @@ pub fn controller(
     )
     .default_backoff()
     .touched_objects();
+    let (deployment_reader, deployment_writer) = reflector::store::<Deployment>();
+    let owned = reflector::reflector(
+        deployment_writer,
+        watcher(deployments, watcher::Config::default().labels(LABEL_NAME)),
+    )
+    .default_backoff()
+    .touched_objects();
     let (endpoint_reader, endpoint_writer) = reflector::store::<PDEndpoint>();
     let endpoints = reflector::reflector(
         endpoint_writer,
@@ -562,7 +609,7 @@ pub fn controller(
     .default_backoff()
     .touched_objects();
     let controller = Controller::new(pdpairs, watcher::Config::default())
-        .owns(deployments, watcher::Config::default().labels(LABEL_NAME))
+        .owns_stream(owned)
         .watches_stream(pods, |pod: Pod| {
             let name = pod.labels().get(LABEL_NAME)?.clone();
             Some(ObjectRef::<PDPair>::new(&name).within(&pod.namespace()?))
@@ -576,6 +623,7 @@ pub fn controller(
         client,
         pods: pod_reader.clone(),
         endpoints: endpoint_reader.clone(),
+        deployments: deployment_reader.clone(),
         leader: setup.leader,
         metrics: setup.metrics,
         events: setup.events,
@@ -620,7 +668,7 @@ mod tests {
             .lock()
             .expect("lock")
             .insert(uid.clone(), PDPairStatus::default());
-        r.applied.lock().expect("lock").insert(uid, 7);
+        r.applied.lock().expect("lock").insert(uid, Applied::default());
         r.failures.lock().expect("lock").insert(ObjectRef::from(pair), 1);
     }
 

@@ -13,6 +13,7 @@ pub struct Metrics {
     admissions: IntCounterVec,
     leader: IntGauge,
     events_dropped: IntCounter,
+    deployment_applies: IntCounter,
 }
 
 impl Metrics {
@@ -20,6 +21,11 @@ impl Metrics {
     pub fn new() -> Metrics {
         let registry = Registry::new_custom(Some("pdpair_operator".into()), None).expect("valid prefix");
         let reconciles = IntCounter::new("reconciles_total", "Reconciles of PDPairs").expect("valid metric");
+        let deployment_applies = IntCounter::new(
+            "deployment_applies_total",
+            "Server-side applies of pools' Deployments (not counting dry runs)",
+        )
+        .expect("valid metric");
         let reconcile_errors = IntCounterVec::new(
             Opts::new("reconcile_errors_total", "Failed reconciles, by error category"),
             &["category"],
@@ -51,6 +57,7 @@ impl Metrics {
             Box::new(admissions.clone()),
             Box::new(leader.clone()),
             Box::new(events_dropped.clone()),
+            Box::new(deployment_applies.clone()),
         ] {
             registry.register(m).expect("metrics registered once");
         }
@@ -62,6 +69,7 @@ impl Metrics {
             admissions,
             leader,
             events_dropped,
+            deployment_applies,
         }
     }
 
@@ -74,6 +82,11 @@ impl Metrics {
     pub fn reconciled(&self, seconds: f64) {
         self.reconciles.inc();
         self.reconcile_duration.observe(seconds);
+    }
+
+    /// Counts a Deployment applied.
+    pub fn deployment_applied(&self) {
+        self.deployment_applies.inc();
     }
 
     /// Counts a failed reconcile.

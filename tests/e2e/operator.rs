@@ -8,7 +8,7 @@ use kube::{
     Api,
     api::{ListParams, Patch, PatchParams, PostParams},
 };
-use pdpair_api::{PDEndpoint, PDEndpointSpec, PDPair, Role};
+use pdpair_api::{PDEndpoint, PDPair, Role};
 use pdpair_e2e::*;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -386,30 +386,6 @@ fn both_deployments(ns: &str) {
             && get_json("deployment", ns, "llama-8b-decode").is_some())
         .then_some(())
     });
-}
-
-fn endpoint(ns: &str, name: &str, role: Role, pair: &PDPair) -> PDEndpoint {
-    let pool = if role == Role::Prefill {
-        &pair.spec.prefill
-    } else {
-        &pair.spec.decode
-    };
-    let mut e = PDEndpoint::new(
-        name,
-        PDEndpointSpec {
-            pdpair: pair.metadata.name.clone().unwrap_or_default(),
-            role,
-            pod: format!("{name}-pod"),
-            node: "node-a".into(),
-            address: "127.0.0.1:7000".into(),
-            parallelism: pool.parallelism.clone(),
-            kv: pool.kv.clone(),
-            pool_memory: Default::default(),
-            staging: None,
-        },
-    );
-    e.metadata.namespace = Some(ns.to_owned());
-    e
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

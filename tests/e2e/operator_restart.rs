@@ -199,3 +199,87 @@ fn a_pdpair_stored_past_the_webhook_that_does_not_parse_stops_only_itself() {
         out.stderr
     );
 }
+
+/// The value of the operator's counter `name`.
+fn counter(op: &Operator, name: &str) -> u64 {
+    op.metrics()
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} in the operator's metrics"))
+}
+
+#[test]
+fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back() {
+    use kube::{
+        Api,
+        api::{Patch, PatchParams, PostParams},
+    };
+    // Every PDEndpoint status write (each agent's heartbeat, and every second while KV moves)
+    // reconciles its pair. Each reconcile applied both Deployments again: two writes to the API
+    // server per heartbeat of every engine, for a plan that had not changed. Now an unchanged
+    // plan is applied only to a Deployment that changed since it was applied. Alone in this
+    // binary's operator, so its counters are this pair's.
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let op = Operator::start("applies");
+    let ns = namespace("applies");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+    );
+    eventually(WAIT, "children and status", || {
+        let p = get_json("pdpair", &ns, "llama-8b")?;
+        condition(&p, "Ready")?;
+        get_json("deployment", &ns, "llama-8b-decode")
+    });
+    settled(&ns);
+    let pair: pdpair_api::PDPair =
+        serde_json::from_value(get_json("pdpair", &ns, "llama-8b").expect("pair")).expect("a PDPair");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let endpoints: Api<pdpair_api::PDEndpoint> = Api::namespaced(rt.block_on(client()), &ns);
+    rt.block_on(endpoints.create(
+        &PostParams::default(),
+        &endpoint(&ns, "decode-0", pdpair_api::Role::Decode, &pair),
+    ))
+    .expect("create PDEndpoint");
+    eventually(WAIT, "the endpoint counted", || {
+        let p = get_json("pdpair", &ns, "llama-8b")?;
+        (p["status"]["transfer"]["endpoints"] == 1).then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let (applies, reconciles) = (
+        counter(&op, "pdpair_operator_deployment_applies_total"),
+        counter(&op, "pdpair_operator_reconciles_total"),
+    );
+    for i in 1..=5u64 {
+        let status = serde_json::json!({"status": {"transfersCompleted": i, "bytes": i * 4096}});
+        rt.block_on(endpoints.patch_status("decode-0", &PatchParams::default(), &Patch::Merge(&status)))
+            .expect("patch status");
+        eventually(WAIT, "the heartbeat in the pair's status", || {
+            let p = get_json("pdpair", &ns, "llama-8b")?;
+            (p["status"]["transfer"]["bytes"] == i * 4096).then_some(())
+        });
+    }
+    assert!(
+        counter(&op, "pdpair_operator_reconciles_total") >= reconciles + 5,
+        "each heartbeat reconciled the pair"
+    );
+    assert_eq!(
+        counter(&op, "pdpair_operator_deployment_applies_total"),
+        applies,
+        "no Deployment applied again for an unchanged plan"
+    );
+    // Someone changes a Deployment: the plan is applied to it again.
+    kubectl_ok(
+        &["scale", "deployment", "llama-8b-decode", "-n", &ns, "--replicas=7"],
+        None,
+    );
+    eventually(WAIT, "the decode pool's replicas put back", || {
+        let d = get_json("deployment", &ns, "llama-8b-decode")?;
+        (d["spec"]["replicas"] == 4).then_some(())
+    });
+    assert!(counter(&op, "pdpair_operator_deployment_applies_total") > applies);
+}

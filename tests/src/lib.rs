@@ -486,3 +486,29 @@ pub fn release_gone(ns: &str) -> bool {
             .trim()
             .is_empty()
 }
+
+/// What a node agent publishes for engine `name` of `pair` in `role`, its geometry the pool's
+/// (a stand-in: no agent runs here).
+pub fn endpoint(ns: &str, name: &str, role: pdpair_api::Role, pair: &pdpair_api::PDPair) -> pdpair_api::PDEndpoint {
+    let pool = if role == pdpair_api::Role::Prefill {
+        &pair.spec.prefill
+    } else {
+        &pair.spec.decode
+    };
+    let mut e = pdpair_api::PDEndpoint::new(
+        name,
+        pdpair_api::PDEndpointSpec {
+            pdpair: pair.metadata.name.clone().unwrap_or_default(),
+            role,
+            pod: format!("{name}-pod"),
+            node: "node-a".into(),
+            address: "127.0.0.1:7000".into(),
+            parallelism: pool.parallelism.clone(),
+            kv: pool.kv.clone(),
+            pool_memory: Default::default(),
+            staging: None,
+        },
+    );
+    e.metadata.namespace = Some(ns.to_owned());
+    e
+}
