@@ -711,15 +711,7 @@ fn an_insider_decode_reads_only_what_prefill_lent_its_link_through_the_stream() 
     // Rank 0 has read its part and releases the blocks; rank 1 has not yet. From then on rank
     // 0's link reads nothing of them, while rank 1's still may.
     let (s, session, _) = &mut ranks[0];
-    session
-        .send(
-            s,
-            &Message::Released {
-                request: "r".into(),
-                bytes: 64,
-            },
-        )
-        .expect("Released");
+    send_released(s, session, "r", 64);
     // Prefill hears it a moment later: until then the read may still pass.
     let soon_refused = |rank: usize, remote: u64, what: &str| {
         let until = Instant::now() + Duration::from_secs(3);
@@ -1201,6 +1193,15 @@ fn a_pre_auth_budget_held_open_from_a_few_addresses_does_not_lock_a_decode_out()
     let metrics = w.metrics.lock().expect("metrics")[0].clone();
     assert_eq!(metrics.handshakes_refused(Reason::Busy), evicted as u64);
     assert_eq!(metrics.handshakes_refused(Reason::HandshakeFailed), 0);
+}
+
+/// Sends `Released` of `request` (`bytes` read) on a decode link the test holds.
+fn send_released(s: &mut TcpStream, session: &mut protocol::Session, request: &str, bytes: u64) {
+    let released = Message::Released {
+        request: request.into(),
+        bytes,
+    };
+    session.send(s, &released).expect("Released");
 }
 
 /// An insider prefill peer: accepts one decode agent, authenticates, handshakes, then runs
@@ -1782,15 +1783,7 @@ fn a_release_from_another_link_does_not_end_a_request_lent_to_one() {
         assert!(matches!(done, Message::ReleaseDone { .. }), "{done:?}");
     }
     // The borrower read them: that is how the request ends.
-    borrowed
-        .send(
-            &mut borrower,
-            &Message::Released {
-                request: "r".into(),
-                bytes: 64,
-            },
-        )
-        .expect("Released");
+    send_released(&mut borrower, &mut borrowed, "r", 64);
     let event = final_event(&mut p);
     assert!(matches!(&event, AgentEvent::RequestDone { .. }), "{event:?}");
     drop((borrower, other));
@@ -1807,15 +1800,7 @@ fn a_released_from_a_link_the_blocks_were_not_lent_to_is_ignored() {
     let borrower = borrower_of_r(&p);
     // ...and another link releases them.
     let (mut other, mut session) = pull_link(&p);
-    session
-        .send(
-            &mut other,
-            &Message::Released {
-                request: "r".into(),
-                bytes: 999,
-            },
-        )
-        .expect("Released");
+    send_released(&mut other, &mut session, "r", 999);
     // The blocks stay lent to the borrower until the lease (3 s) ends: the engine hears
     // LeaseExpired, not a transfer of 999 bytes.
     let event = final_event(&mut p);
@@ -2579,15 +2564,7 @@ fn a_released_from_a_decode_being_pushed_to_does_not_end_the_push() {
     kv_ready(&mut p, "r", &blocks, tokens);
     let started = p.next_event().expect("event");
     assert!(matches!(started, AgentEvent::TransferStarted { .. }), "{started:?}");
-    session
-        .send(
-            &mut s,
-            &Message::Released {
-                request: "r".into(),
-                bytes: 12345,
-            },
-        )
-        .expect("Released");
+    send_released(&mut s, &mut session, "r", 12345);
     let event = final_event(&mut p);
     assert!(
         matches!(&event, AgentEvent::RequestDone { request, bytes, .. } if request == "r" && *bytes == tokens * 256),
@@ -2754,15 +2731,7 @@ fn a_decode_link_has_a_bounded_number_of_registrations_waiting() {
             matches!(&answer, Message::Ready { request: r, .. } if r == request),
             "{request}: {answer:?}"
         );
-        session
-            .send(
-                s,
-                &Message::Released {
-                    request: request.into(),
-                    bytes: 0,
-                },
-            )
-            .expect("released");
+        send_released(s, session, request, 0);
     };
     lent(&mut s, &mut session, &mut p, "w1");
     register(&mut s, &mut session, "x".into());
@@ -2927,15 +2896,7 @@ fn a_link_reading_lent_blocks_keeps_its_place_when_an_engines_links_are_full() {
         "the least recently used link not being served went, and only it"
     );
     // The borrower read them: the request ends as it should.
-    borrowed
-        .send(
-            &mut borrower,
-            &Message::Released {
-                request: "r".into(),
-                bytes: 64,
-            },
-        )
-        .expect("Released");
+    send_released(&mut borrower, &mut borrowed, "r", 64);
     let event = final_event(&mut p);
     assert!(matches!(&event, AgentEvent::RequestDone { .. }), "{event:?}");
 }
@@ -3090,15 +3051,7 @@ fn a_second_decode_given_the_same_request_is_not_served_while_the_first_reads() 
         "{answer:?}"
     );
     // The first reader ends its read: only then does the engine hear the request ended.
-    session
-        .send(
-            &mut s,
-            &Message::Released {
-                request: "r".into(),
-                bytes: 1,
-            },
-        )
-        .expect("released");
+    send_released(&mut s, &mut session, "r", 1);
     let event = final_event(&mut p);
     assert!(done(&event), "{event:?}");
 }

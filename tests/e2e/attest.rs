@@ -72,11 +72,17 @@ s.sendall(struct.pack(">I", len(body)) + body)
 n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
 print(s.recv(n, socket.MSG_WAITALL).decode())
 "#;
+    let cgroup = cgroup.map_or("-".into(), |c| c.display().to_string());
+    run_engine(SCRIPT, &[cgroup.as_ref(), socket.as_os_str()], request)
+}
+
+/// Runs the engine process `script` with `args`, `request` (as JSON) on its stdin; returns the
+/// JSON it prints (the agent's answer).
+fn run_engine(script: &str, args: &[&std::ffi::OsStr], request: &EngineRequest) -> serde_json::Value {
     let mut child = Command::new("python3")
         .arg("-c")
-        .arg(SCRIPT)
-        .arg(cgroup.map_or("-".into(), |c| c.display().to_string()))
-        .arg(socket)
+        .arg(script)
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -112,21 +118,11 @@ join(sys.argv[2])
 send(s, sys.stdin.buffer.read())
 print(recv(s))
 "#;
-    let mut child = Command::new("python3")
-        .arg("-c")
-        .arg(SCRIPT)
-        .arg(first)
-        .arg(then)
-        .arg(socket)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3");
-    let body = serde_json::to_vec(request).expect("json");
-    child.stdin.take().expect("stdin").write_all(&body).expect("send");
-    let out = child.wait_with_output().expect("engine runs");
-    assert!(out.status.success(), "the engine process failed: {out:?}");
-    serde_json::from_slice(&out.stdout).expect("the agent's answer")
+    run_engine(
+        SCRIPT,
+        &[first.as_os_str(), then.as_os_str(), socket.as_os_str()],
+        request,
+    )
 }
 
 /// A process of the Pod of `cgroup` that opens `n` engine connections and asks each for the
