@@ -79,7 +79,7 @@ gpu-bundle: deps
 gpu-check:
 	hack/gpu-check.sh
 
-## make crds: regenerate crds/ from the types.
+## make crds: regenerate crds/ and charts/pdpair/crds/ from the types.
 crds:
 	UPDATE_CRDS=1 $(CARGO) test -p pdpair-operator --test crds
 
