@@ -139,6 +139,9 @@ struct Remembered {
     applied: Mutex<HashMap<String, Applied>>,
     /// Consecutive failures by object, for per-object backoff.
     failures: Mutex<HashMap<ObjectRef<PDPair>, u32>>,
+    /// When the pairing Secret was last found or made, by uid: made again (if it went) at most
+    /// once a [`RESYNC`], not at every reconcile.
+    secrets: Mutex<HashMap<String, Instant>>,
 }
 
 /// A plan applied: its [`fingerprint`], and the resourceVersion each Deployment had once
@@ -159,7 +162,8 @@ impl Remembered {
         let written = self.written.lock().ok().map(|w| w.len());
         let applied = self.applied.lock().ok().map(|a| a.len());
         let failures = self.failures.lock().ok().map(|f| f.len());
-        if !(over(written) || over(applied) || over(failures)) {
+        let secrets = self.secrets.lock().ok().map(|s| s.len());
+        if !(over(written) || over(applied) || over(failures) || over(secrets)) {
             return;
         }
         let uids: HashSet<String> = pairs.state().iter().filter_map(|p| p.uid()).collect();
@@ -172,6 +176,18 @@ impl Remembered {
         if let Ok(mut f) = self.failures.lock() {
             f.retain(|pair, _| pairs.get(pair).is_some());
         }
+        if let Ok(mut s) = self.secrets.lock() {
+            s.retain(|uid, _| uids.contains(uid));
+        }
+    }
+
+    /// Whether `uid`'s pairing Secret was found or made within the last [`RESYNC`].
+    fn secret_fresh(&self, uid: &str) -> bool {
+        self.secrets
+            .lock()
+            .ok()
+            .and_then(|s| s.get(uid).copied())
+            .is_some_and(|at| at.elapsed() < RESYNC)
     }
 }
 
@@ -221,14 +237,20 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         return Ok(Action::await_change()); // owner references let the garbage collector finish
     }
     let verdict = pdpair_api::check(&pair.spec);
-    if verdict.allowed() {
+    let uid = pair.uid().unwrap_or_default();
+    // Every PDEndpoint heartbeat reconciles the pair: the Secret is asked for (a create, 409
+    // when it is there) at most once a resync, not at each.
+    if verdict.allowed() && !ctx.remembered.secret_fresh(&uid) {
         ensure_secret(pair, &ctx.client, &ns, &name).await?;
+        ctx.metrics.secret_ensured();
+        if let Ok(mut s) = ctx.remembered.secrets.lock() {
+            s.insert(uid.clone(), Instant::now());
+        }
     }
     // An incompatible spec (stored before the webhook was installed, or with it bypassed) gets no
     // children: an incompatible pair must not run, so what it had goes. Status says why. A pool
     // whose template was removed (now brought by the user) loses its Deployment the same way.
     let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ns);
-    let uid = pair.uid().unwrap_or_default();
     let planned: Vec<(Role, String, Option<Deployment>)> = [Role::Prefill, Role::Decode]
         .into_iter()
         .map(|role| {
@@ -670,6 +692,10 @@ mod tests {
             .insert(uid.clone(), PDPairStatus::default());
         r.applied.lock().expect("lock").insert(uid, Applied::default());
         r.failures.lock().expect("lock").insert(ObjectRef::from(pair), 1);
+        r.secrets
+            .lock()
+            .expect("lock")
+            .insert(pair.uid().expect("uid"), Instant::now());
     }
 
     fn remembered(r: &Remembered) -> (Vec<String>, Vec<String>, Vec<String>) {
@@ -677,6 +703,11 @@ mod tests {
             v.sort();
             v
         };
+        // The Secrets' times go with the statuses (both by uid).
+        assert_eq!(
+            sorted(r.secrets.lock().expect("lock").keys().cloned().collect()),
+            sorted(r.written.lock().expect("lock").keys().cloned().collect())
+        );
         (
             sorted(r.written.lock().expect("lock").keys().cloned().collect()),
             sorted(r.applied.lock().expect("lock").keys().cloned().collect()),

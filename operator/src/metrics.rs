@@ -14,6 +14,7 @@ pub struct Metrics {
     leader: IntGauge,
     events_dropped: IntCounter,
     deployment_applies: IntCounter,
+    secrets_ensured: IntCounter,
 }
 
 impl Metrics {
@@ -21,6 +22,11 @@ impl Metrics {
     pub fn new() -> Metrics {
         let registry = Registry::new_custom(Some("pdpair_operator".into()), None).expect("valid prefix");
         let reconciles = IntCounter::new("reconciles_total", "Reconciles of PDPairs").expect("valid metric");
+        let secrets_ensured = IntCounter::new(
+            "pairing_secret_checks_total",
+            "Creates of a pair's pairing Secret sent (answered 409 when it exists)",
+        )
+        .expect("valid metric");
         let deployment_applies = IntCounter::new(
             "deployment_applies_total",
             "Server-side applies of pools' Deployments (not counting dry runs)",
@@ -58,6 +64,7 @@ impl Metrics {
             Box::new(leader.clone()),
             Box::new(events_dropped.clone()),
             Box::new(deployment_applies.clone()),
+            Box::new(secrets_ensured.clone()),
         ] {
             registry.register(m).expect("metrics registered once");
         }
@@ -70,6 +77,7 @@ impl Metrics {
             leader,
             events_dropped,
             deployment_applies,
+            secrets_ensured,
         }
     }
 
@@ -87,6 +95,11 @@ impl Metrics {
     /// Counts a Deployment applied.
     pub fn deployment_applied(&self) {
         self.deployment_applies.inc();
+    }
+
+    /// Counts a create of a pairing Secret sent.
+    pub fn secret_ensured(&self) {
+        self.secrets_ensured.inc();
     }
 
     /// Counts a failed reconcile.

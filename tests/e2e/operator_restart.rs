@@ -215,8 +215,9 @@ fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back()
         api::{Patch, PatchParams, PostParams},
     };
     // Every PDEndpoint status write (each agent's heartbeat, and every second while KV moves)
-    // reconciles its pair. Each reconcile applied both Deployments again: two writes to the API
-    // server per heartbeat of every engine, for a plan that had not changed. Now an unchanged
+    // reconciles its pair. Each reconcile applied both Deployments again and created the pairing
+    // Secret again (409): three writes to the API server per heartbeat of every engine, for a
+    // plan that had not changed. Now an unchanged
     // plan is applied only to a Deployment that changed since it was applied. Alone in this
     // binary's operator, so its counters are this pair's.
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -250,9 +251,10 @@ fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back()
         (p["status"]["transfer"]["endpoints"] == 1).then_some(())
     });
     std::thread::sleep(Duration::from_secs(2));
-    let (applies, reconciles) = (
+    let (applies, reconciles, secrets) = (
         counter(&op, "pdpair_operator_deployment_applies_total"),
         counter(&op, "pdpair_operator_reconciles_total"),
+        counter(&op, "pdpair_operator_pairing_secret_checks_total"),
     );
     for i in 1..=5u64 {
         let status = serde_json::json!({"status": {"transfersCompleted": i, "bytes": i * 4096}});
@@ -271,6 +273,11 @@ fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back()
         counter(&op, "pdpair_operator_deployment_applies_total"),
         applies,
         "no Deployment applied again for an unchanged plan"
+    );
+    assert_eq!(
+        counter(&op, "pdpair_operator_pairing_secret_checks_total"),
+        secrets,
+        "the pairing Secret not asked for again within a resync"
     );
     // Someone changes a Deployment: the plan is applied to it again.
     kubectl_ok(
