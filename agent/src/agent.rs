@@ -162,7 +162,7 @@ enum Unregistered {
 /// `ExpectKvFromPool`s it links at once, at most: requests past it are refused.
 pub const MAX_DIALS: usize = 64;
 
-/// Prefill agents one decode engine keeps links to (or dials), at most (three threads each):
+/// Prefill agents one decode engine keeps links to (or dials), at most (two threads each):
 /// past it the link used least recently is closed for a new one (its requests fail as for a
 /// lost peer), or, when every one is still being dialled, the request is refused (`Busy`). An
 /// engine naming address after address of prefill listeners that answer (an insider's) made
@@ -961,6 +961,10 @@ struct Link {
     /// When its peer last asked something of it (not a ping): the least used link of a full
     /// engine gives way ([`crate::agent::MAX_LINKS_PER_ENGINE`]).
     used: std::sync::atomic::AtomicU64,
+    /// D side: how many heartbeats were sent, and when the last one was (when the link was
+    /// made, before the first).
+    pings: std::sync::atomic::AtomicU64,
+    pinged: std::sync::atomic::AtomicU64,
     peer: PeerInfo,
     /// UCX peer id, on the side that moves the bytes (push: prefill; pull: decode).
     ucx_peer: Option<u64>,
@@ -1024,6 +1028,8 @@ impl Link {
             id: next_link_id(),
             alive: AtomicBool::new(true),
             used: std::sync::atomic::AtomicU64::new(crate::outboxes::now()),
+            pings: std::sync::atomic::AtomicU64::new(0),
+            pinged: std::sync::atomic::AtomicU64::new(crate::outboxes::now()),
             peer,
             ucx_peer,
             path: std::sync::OnceLock::new(),
@@ -1898,10 +1904,11 @@ impl Engine {
         })
     }
 
-    /// Deadlines (decode) and leases (prefill).
+    /// Deadlines (decode) and leases (prefill); heartbeats on decode's links.
     fn expire(&self) {
         self.expire_pending();
         self.expire_ready();
+        self.ping_links();
     }
 
     fn shutdown(&self) {

@@ -2156,6 +2156,66 @@ fn a_decode_agent_out_of_threads_fails_the_request_it_cannot_dial_for_and_keeps_
     assert!(done(&event) && bad == 0, "{event:?}");
 }
 
+/// The threads of process `pid`, once their count held still for half a second.
+fn settled_threads(pid: u32) -> u64 {
+    let threads = || {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .expect("status")
+            .lines()
+            .find_map(|l| l.strip_prefix("Threads:")?.trim().parse::<u64>().ok())
+            .expect("Threads:")
+    };
+    let until = Instant::now() + Duration::from_secs(20);
+    let mut last = threads();
+    loop {
+        std::thread::sleep(Duration::from_millis(500));
+        let now = threads();
+        if now == last || Instant::now() > until {
+            return now;
+        }
+        last = now;
+    }
+}
+
+#[test]
+fn a_decode_engines_links_take_no_thread_for_their_heartbeats() {
+    let _serial = serial();
+    // A decode engine may keep 1024 prefill links. Each took a thread more than it needs, a
+    // heartbeat that slept between pings: 1024 tasks more against a pod's pids limit. The
+    // heartbeats now come from the engine's timer.
+    let w = World::new("attack-link-threads");
+    let ps = w.agent("p", Transport::Tcp, false);
+    let (agent, ds) = ProcessAgent::start(&w, "d");
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    const LINKS: u32 = 12;
+    let prefills: Vec<SyntheticEngine> = (0..LINKS)
+        .map(|i| w.engine(&ps, Role::Prefill, &format!("p{i}"), KEY))
+        .collect();
+    let before = settled_threads(agent.0.id());
+    for (i, p) in (0u32..).zip(&prefills) {
+        expect_kv(&mut d, &format!("r{i}"), p.address.clone(), &[i], 10);
+    }
+    let after = settled_threads(agent.0.id());
+    // Per link: its reader and its writer, and (push over tcp) the prefill's connection to
+    // this agent's KV stream, which the stream serves on a thread.
+    assert!(
+        after - before <= u64::from(3 * LINKS) + 2,
+        "{LINKS} links took {} threads",
+        after - before
+    );
+    // And the links live on: heartbeats answered for longer than the silence limit (five of
+    // them) after prefill's last word (its registrations' LeaseExpired, 3 s in): a link that
+    // missed them would have been lost, its reader gone.
+    std::thread::sleep(pdpair_agent::agent::DEFAULT_HEARTBEAT * 10);
+    let readers = std::fs::read_dir(format!("/proc/{}/task", agent.0.id()))
+        .expect("tasks")
+        .flatten()
+        .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "prefill-link"))
+        .count();
+    assert_eq!(readers, LINKS as usize, "every link's reader still runs");
+    drop(d);
+}
+
 #[test]
 fn after_a_restart_an_address_goes_back_only_to_the_engine_that_held_it() {
     let _serial = serial();

@@ -706,15 +706,11 @@ impl Engine {
                 for request in queued {
                     self.send_registration(&link, &request);
                 }
+                // Its heartbeats come from the engine's timer ([`Engine::ping_links`]).
                 let (e, reading) = (self.clone(), link.clone());
                 if let Err(err) = super::spawn("prefill-link", move || e.read_prefill(reading, opener)) {
                     link.close();
-                    return self.lost(&link, format!("no thread to read the link: {err}"));
-                }
-                if let Err(err) = self.spawn_heartbeat(&link) {
-                    // Its reader ends it, failing what waited on it.
-                    tracing::warn!(engine = %self.reg.engine, peer = %addr, error = %err, "no thread for a link's heartbeat; closed it");
-                    link.close();
+                    self.lost(&link, format!("no thread to read the link: {err}"));
                 }
             }
             Err(err) => {
@@ -852,24 +848,30 @@ impl Engine {
         self.shared.cfg.heartbeat.min(MAX_HEARTBEAT) * HEARTBEAT_MISSES
     }
 
-    /// Pings a prefill link every heartbeat while its reader runs.
-    fn spawn_heartbeat(self: &Arc<Self>, link: &Arc<Link>) -> std::io::Result<()> {
-        let (engine, link) = (Arc::downgrade(self), Arc::downgrade(link));
-        let every = self.shared.cfg.heartbeat.min(MAX_HEARTBEAT);
-        super::spawn("heartbeat", move || {
-            for seq in 1u64.. {
-                thread::sleep(every);
-                let (Some(engine), Some(link)) = (engine.upgrade(), link.upgrade()) else {
-                    return;
-                };
-                if engine.closed.load(Ordering::SeqCst)
-                    || !link.alive.load(Ordering::SeqCst)
-                    || !link.send(&Message::Ping { seq })
-                {
-                    return;
+    /// Pings each prefill link every heartbeat while its reader runs (from the engine's timer:
+    /// no thread of its own per link). Prefill answers each; a link whose reader hears nothing
+    /// for [`HEARTBEAT_MISSES`] of them is lost.
+    pub(super) fn ping_links(&self) {
+        let every = u64::try_from(self.shared.cfg.heartbeat.min(MAX_HEARTBEAT).as_micros()).unwrap_or(u64::MAX);
+        let now = crate::outboxes::now();
+        let due: Vec<Arc<Link>> = lock(&self.peers)
+            .values()
+            .filter_map(|slot| match slot {
+                Slot::Connected(link) if now.saturating_sub(link.pinged.load(Ordering::SeqCst)) >= every => {
+                    Some(link.clone())
                 }
+                _ => None,
+            })
+            .collect();
+        for link in due {
+            if !link.alive.load(Ordering::SeqCst) {
+                continue;
             }
-        })
+            link.pinged.store(now, Ordering::SeqCst);
+            let seq = link.pings.fetch_add(1, Ordering::SeqCst) + 1;
+            // A send that cannot queue closes the link; its reader then ends it.
+            link.send(&Message::Ping { seq });
+        }
     }
 
     /// Whether `request` waits on this prefill link (it is one of the request's prefills): a
