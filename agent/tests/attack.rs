@@ -2156,6 +2156,50 @@ fn a_decode_agent_out_of_threads_fails_the_request_it_cannot_dial_for_and_keeps_
     assert!(done(&event) && bad == 0, "{event:?}");
 }
 
+/// The status line of `GET path` on `127.0.0.1:port` (empty when the connection closes unanswered).
+fn admin_get(port: u16, path: &str) -> String {
+    let Ok(mut c) = TcpStream::connect(("127.0.0.1", port)) else {
+        return String::new();
+    };
+    c.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let _ = c.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes());
+    let mut answer = String::new();
+    let _ = c.read_to_string(&mut answer);
+    answer.lines().next().unwrap_or_default().to_owned()
+}
+
+#[test]
+fn an_admin_server_out_of_threads_answers_again_once_it_has_them() {
+    let _serial = serial();
+    // Each admin request is answered on a thread of its own, 32 at most at once. One it had
+    // no thread for kept its place: past 32 of those it answered nothing again, probes and
+    // metrics gone for good.
+    let w = World::new("attack-admin-threads");
+    let port = TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let at = format!("127.0.0.1:{port}");
+    let (agent, _) = ProcessAgent::start_with(&w, "a", &["--admin-bind", &at]);
+    let up = Instant::now();
+    while !admin_get(port, "/healthz").contains("200") {
+        assert!(
+            up.elapsed() < Duration::from_secs(10),
+            "the admin server never answered"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let cgroup = PidsCgroup::holding(agent.0.id());
+    std::thread::sleep(Duration::from_millis(200));
+    cgroup.limit(&cgroup.current().to_string());
+    for _ in 0..40 {
+        assert_eq!(admin_get(port, "/healthz"), "", "answered without a thread");
+    }
+    cgroup.limit("max");
+    assert!(admin_get(port, "/metrics").contains("200"), "metrics again");
+}
+
 /// The threads of process `pid`, once their count held still for half a second.
 fn settled_threads(pid: u32) -> u64 {
     let threads = || {

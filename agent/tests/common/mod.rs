@@ -213,6 +213,11 @@ pub struct ProcessAgent(pub std::process::Child);
 
 impl ProcessAgent {
     pub fn start(w: &World, name: &str) -> (ProcessAgent, PathBuf) {
+        ProcessAgent::start_with(w, name, &[])
+    }
+
+    /// [`ProcessAgent::start`], with more arguments to `pdpair-agent run`.
+    pub fn start_with(w: &World, name: &str, extra: &[&str]) -> (ProcessAgent, PathBuf) {
         let socket = w.dir.join(format!("{name}.sock"));
         // The GPU check runs these tests on another machine, with the agent carried beside them.
         let carried = std::env::var_os("PDPAIR_AGENT_BIN");
@@ -226,7 +231,7 @@ impl ProcessAgent {
             // comes back from that machine.
             cmd.stderr(std::process::Stdio::inherit()).env("RUST_LOG", "warn");
         }
-        let child = cmd.arg("--no-publish").spawn().expect("agent process");
+        let child = cmd.arg("--no-publish").args(extra).spawn().expect("agent process");
         let start = Instant::now();
         while std::os::unix::net::UnixStream::connect(&socket).is_err() {
             assert!(
