@@ -148,6 +148,8 @@ struct Shared {
     registering: Arc<crate::unproven::Budget<String, UnixStream>>,
     /// Which prefill engine holds which side-channel address, kept across restarts.
     claims: claims::Claims,
+    /// Where decode engines' links may go, and which ports prefill engines may have back.
+    dialable: Dialable,
 }
 
 /// Why an engine connection's frame before registration was not taken.
@@ -391,6 +393,7 @@ impl Agent {
         Ok(Agent {
             shared: Arc::new(Shared {
                 claims: claims::Claims::load(&cfg.pool_dir, &cfg.name),
+                dialable: Dialable::here(cfg.listen_host),
                 cfg,
                 transport: Arc::new(crate::transport::host::Host::new(ucx.clone(), stream)),
                 cuda: Arc::new(cuda),
@@ -1118,16 +1121,9 @@ impl Link {
 /// restarted) where that is on `host`, a port the kernel hands out to anyone (its ephemeral
 /// range, less the ports reserved from it for services: an engine cannot take a service's port
 /// this way) and free; else at a new port.
-fn side_channel_listener(host: IpAddr, before: Option<SocketAddr>) -> io::Result<TcpListener> {
+fn side_channel_listener(host: IpAddr, ports: &Dialable, before: Option<SocketAddr>) -> io::Result<TcpListener> {
     if let Some(at) = before {
-        let read = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).unwrap_or_default();
-        if at.ip() == host
-            && ephemeral(
-                at.port(),
-                &read("ip_local_port_range"),
-                &read("ip_local_reserved_ports"),
-            )
-        {
+        if at.ip() == host && ports.handed_out(at.port()) {
             match TcpListener::bind(at) {
                 Ok(l) => return Ok(l),
                 Err(e) => tracing::info!(%at, error = %e, "cannot listen where the engine was before; at a new port"),
@@ -1179,7 +1175,8 @@ pub(crate) struct Dialable {
 }
 
 impl Dialable {
-    /// This host's policy for an agent listening at `own` (reads the port sysctls now).
+    /// This host's policy for an agent listening at `own` (reads the port sysctls now: the
+    /// agent does so once, as it starts).
     pub(crate) fn here(own: IpAddr) -> Dialable {
         let read = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).unwrap_or_default();
         Dialable {
@@ -1187,6 +1184,11 @@ impl Dialable {
             range: read("ip_local_port_range"),
             reserved: read("ip_local_reserved_ports"),
         }
+    }
+
+    /// Whether the kernel hands out `port` for port 0 here ([`ephemeral`]).
+    fn handed_out(&self, port: u16) -> bool {
+        ephemeral(port, &self.range, &self.reserved)
     }
 
     /// `Err` naming `addr` and why, when it is not dialled.
@@ -1210,7 +1212,7 @@ impl Dialable {
                 "prefill address {addr:?} is {why}: prefill engines listen at their agents' hosts"
             ));
         }
-        if !ephemeral(sock.port(), &self.range, &self.reserved) {
+        if !self.handed_out(sock.port()) {
             return Err(format!(
                 "prefill address {addr:?}: port {} is not one the kernel hands out (net.ipv4.ip_local_port_range {:?}, less ip_local_reserved_ports {:?}), where every prefill engine's side channel listens",
                 sock.port(),
@@ -1399,7 +1401,7 @@ impl Engine {
         });
         let listener = match reg.role {
             Role::Prefill => Some(
-                side_channel_listener(shared.cfg.listen_host, before)
+                side_channel_listener(shared.cfg.listen_host, &shared.dialable, before)
                     .map_err(|e| format!("binding the side channel: {e}"))?,
             ),
             Role::Decode => None,

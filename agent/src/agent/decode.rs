@@ -752,8 +752,8 @@ impl Engine {
     }
 
     /// Where this engine's agent dials ([`super::Dialable`]).
-    fn dialable(&self) -> super::Dialable {
-        super::Dialable::here(self.shared.cfg.listen_host)
+    fn dialable(&self) -> &super::Dialable {
+        &self.shared.dialable
     }
 
     /// `Err` naming the first of `addrs` this agent does not dial.
