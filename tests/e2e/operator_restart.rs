@@ -45,11 +45,10 @@ fn settled(ns: &str) -> Vec<(String, String)> {
     }
 }
 
-#[test]
-fn a_restarted_operator_changes_nothing_that_is_already_right() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let mut first = Operator::start("restart-a");
-    let ns = namespace("restart");
+/// A namespace for `test` with the compatible push pair applied, once it has its children
+/// (Deployments, pairing Secret) and status; returns the namespace.
+fn compatible_pair(test: &str) -> String {
+    let ns = namespace(test);
     kubectl_ok(
         &["apply", "-f", "-"],
         Some(&manifest("compatible-push.yaml", &ns, |_| {})),
@@ -60,6 +59,14 @@ fn a_restarted_operator_changes_nothing_that_is_already_right() {
         get_json("deployment", &ns, "llama-8b-decode")?;
         get_json("secret", &ns, "llama-8b-pairing")
     });
+    ns
+}
+
+#[test]
+fn a_restarted_operator_changes_nothing_that_is_already_right() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut first = Operator::start("restart-a");
+    let ns = compatible_pair("restart");
     // Let the first operator settle (Deployment status updates trigger reconciles).
     let before = settled(&ns);
     let key_before = get_json("secret", &ns, "llama-8b-pairing").expect("secret")["data"]["key"].clone();
@@ -217,21 +224,12 @@ fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back()
     // Every PDEndpoint status write (each agent's heartbeat, and every second while KV moves)
     // reconciles its pair. Each reconcile applied both Deployments again and created the pairing
     // Secret again (409): three writes to the API server per heartbeat of every engine, for a
-    // plan that had not changed. Now an unchanged
-    // plan is applied only to a Deployment that changed since it was applied. Alone in this
-    // binary's operator, so its counters are this pair's.
+    // plan that had not changed. Now an unchanged plan is applied only to a Deployment that
+    // changed since it was applied. Alone in this binary's operator, so its counters are this
+    // pair's.
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let op = Operator::start("applies");
-    let ns = namespace("applies");
-    kubectl_ok(
-        &["apply", "-f", "-"],
-        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
-    );
-    eventually(WAIT, "children and status", || {
-        let p = get_json("pdpair", &ns, "llama-8b")?;
-        condition(&p, "Ready")?;
-        get_json("deployment", &ns, "llama-8b-decode")
-    });
+    let ns = compatible_pair("applies");
     settled(&ns);
     let pair: pdpair_api::PDPair =
         serde_json::from_value(get_json("pdpair", &ns, "llama-8b").expect("pair")).expect("a PDPair");
