@@ -29,12 +29,14 @@ use pdpair_api::{Role, checksum::BlockSums};
 
 mod claims;
 mod decode;
+mod dials;
 mod prefill;
 pub use prefill::{
     ENGINE_WAITING, ENGINE_WAITING_BLOCKS, MAX_LINKS_PER_ENGINE, MAX_LINKS_PER_SOURCE, MAX_WAITING, MAX_WAITING_BLOCKS,
 };
 mod publish;
 
+use dials::Dialable;
 use prefill::Matching;
 
 pub use publish::{Publisher, endpoint_name};
@@ -150,6 +152,8 @@ struct Shared {
     claims: claims::Claims,
     /// Where decode engines' links may go, and which ports prefill engines may have back.
     dialable: Dialable,
+    /// Dials in flight per prefill host, for all of this agent's decode engines.
+    dials: dials::DialGate,
 }
 
 /// Why an engine connection's frame before registration was not taken.
@@ -394,6 +398,7 @@ impl Agent {
             shared: Arc::new(Shared {
                 claims: claims::Claims::load(&cfg.pool_dir, &cfg.name),
                 dialable: Dialable::here(cfg.listen_host),
+                dials: dials::DialGate::default(),
                 cfg,
                 transport: Arc::new(crate::transport::host::Host::new(ucx.clone(), stream)),
                 cuda: Arc::new(cuda),
@@ -1133,95 +1138,6 @@ fn side_channel_listener(host: IpAddr, ports: &Dialable, before: Option<SocketAd
         }
     }
     TcpListener::bind(SocketAddr::new(host, 0))
-}
-
-/// Whether the kernel picks `port` for port 0: in `range` (`net.ipv4.ip_local_port_range`,
-/// which IPv6 uses too; Linux's default where unreadable) and not in `reserved`
-/// (`net.ipv4.ip_local_reserved_ports`: `8080,9000-9100`; unreadable: none).
-fn ephemeral(port: u16, range: &str, reserved: &str) -> bool {
-    let mut bounds = range.split_whitespace().map(str::parse::<u16>);
-    let (low, high) = match (bounds.next(), bounds.next()) {
-        (Some(Ok(l)), Some(Ok(h))) => (l, h),
-        _ => (32768, 60999),
-    };
-    let in_reserved = reserved.trim().split(',').filter(|s| !s.is_empty()).any(|part| {
-        let mut ends = part.trim().splitn(2, '-').map(str::parse::<u16>);
-        match (ends.next(), ends.next()) {
-            (Some(Ok(a)), None) => port == a,
-            (Some(Ok(a)), Some(Ok(b))) => (a..=b).contains(&port),
-            // Unreadable: taken as reserving everything, so nothing is bound by request.
-            _ => true,
-        }
-    });
-    (low..=high).contains(&port) && !in_reserved
-}
-
-/// Where a decode agent dials, at its engine's word: only where a prefill engine's side channel
-/// can listen, which is at its agent's listen host on a port the kernel handed out
-/// ([`side_channel_listener`]). An engine naming anything else is refused before a connection
-/// is tried: the agent sits on the host's network, and would otherwise reach, or tell its
-/// engine whether it can reach, what the engine's own network may not: the node's loopback
-/// services, the cloud's metadata address (link-local), a service's port anywhere.
-#[derive(Debug)]
-pub(crate) struct Dialable {
-    /// This agent's listen host: loopback is dialled only when this agent listens there too
-    /// (one host's agents, as in tests and local runs).
-    own: IpAddr,
-    /// `net.ipv4.ip_local_port_range` and `ip_local_reserved_ports` here, taken to be the
-    /// prefill node's too (a cluster's nodes share them; where one differs, its engines' ports
-    /// may be refused, and the message names the range).
-    range: String,
-    reserved: String,
-}
-
-impl Dialable {
-    /// This host's policy for an agent listening at `own` (reads the port sysctls now: the
-    /// agent does so once, as it starts).
-    pub(crate) fn here(own: IpAddr) -> Dialable {
-        let read = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).unwrap_or_default();
-        Dialable {
-            own,
-            range: read("ip_local_port_range"),
-            reserved: read("ip_local_reserved_ports"),
-        }
-    }
-
-    /// Whether the kernel hands out `port` for port 0 here ([`ephemeral`]).
-    fn handed_out(&self, port: u16) -> bool {
-        ephemeral(port, &self.range, &self.reserved)
-    }
-
-    /// `Err` naming `addr` and why, when it is not dialled.
-    pub(crate) fn check(&self, addr: &str) -> Result<SocketAddr, String> {
-        let sock: SocketAddr = addr
-            .parse()
-            .map_err(|_| format!("prefill address {addr:?} is not an IP address and port"))?;
-        let ip = sock.ip().to_canonical();
-        let why = match ip {
-            _ if ip.is_unspecified() || ip.is_multicast() => Some("not a unicast address"),
-            IpAddr::V4(v4) if v4.is_broadcast() => Some("not a unicast address"),
-            IpAddr::V4(v4) if v4.is_link_local() => Some("link-local (where clouds serve instance metadata)"),
-            IpAddr::V6(v6) if v6.is_unicast_link_local() => Some("link-local"),
-            _ if ip.is_loopback() && !self.own.to_canonical().is_loopback() => {
-                Some("this node's loopback, and this agent does not listen there")
-            }
-            _ => None,
-        };
-        if let Some(why) = why {
-            return Err(format!(
-                "prefill address {addr:?} is {why}: prefill engines listen at their agents' hosts"
-            ));
-        }
-        if !self.handed_out(sock.port()) {
-            return Err(format!(
-                "prefill address {addr:?}: port {} is not one the kernel hands out (net.ipv4.ip_local_port_range {:?}, less ip_local_reserved_ports {:?}), where every prefill engine's side channel listens",
-                sock.port(),
-                self.range.trim(),
-                self.reserved.trim()
-            ));
-        }
-        Ok(sock)
-    }
 }
 
 /// Starts `f` on a thread of its own named `name`. `Err` when the system gives none (a pids
@@ -2309,68 +2225,6 @@ mod tests {
             "every frame reached it"
         );
         assert!(open_held(&mutes) <= BUDGET);
-    }
-
-    #[test]
-    fn decode_dials_only_where_a_prefill_engine_can_listen() {
-        let policy = |own: &str| Dialable {
-            own: own.parse().expect("ip"),
-            range: "32768\t60999\n".into(),
-            reserved: "50000\n".into(),
-        };
-        let node = policy("10.0.0.5");
-        assert_eq!(
-            node.check("10.0.0.7:40000").map(|a| a.to_string()),
-            Ok("10.0.0.7:40000".into()),
-            "another node's engine"
-        );
-        assert!(node.check("[2001:db8::7]:40000").is_ok(), "over IPv6");
-        for (addr, why) in [
-            ("10.0.0.7:22", "port 22 is not one the kernel hands out"),
-            ("10.0.0.7:2379", "port 2379"),
-            ("10.0.0.7:61000", "port 61000"),
-            ("10.0.0.7:50000", "port 50000"),
-            ("127.0.0.1:40000", "this node's loopback"),
-            ("[::1]:40000", "this node's loopback"),
-            ("[::ffff:127.0.0.1]:40000", "this node's loopback"),
-            ("169.254.169.254:40000", "link-local"),
-            ("[fe80::1]:40000", "link-local"),
-            ("0.0.0.0:40000", "not a unicast address"),
-            ("[::]:40000", "not a unicast address"),
-            ("224.0.0.1:40000", "not a unicast address"),
-            ("255.255.255.255:40000", "not a unicast address"),
-            ("metadata.internal:40000", "is not an IP address and port"),
-            ("10.0.0.7", "is not an IP address and port"),
-        ] {
-            let refused = node.check(addr).expect_err(addr);
-            assert!(
-                refused.contains(why) && refused.contains(&format!("{addr:?}")),
-                "{addr}: {refused}"
-            );
-        }
-        // One host's agents (tests, local runs) listen on loopback, and so do their engines.
-        let local = policy("127.0.0.1");
-        assert!(local.check("127.0.0.1:40000").is_ok());
-        assert!(local.check("127.0.0.2:40000").is_ok());
-        assert!(local.check("127.0.0.1:22").is_err(), "a service's port still");
-    }
-
-    #[test]
-    fn an_engine_gets_back_only_a_port_the_kernel_hands_anyone() {
-        assert!(ephemeral(40000, "32768\t60999\n", "\n"));
-        assert!(!ephemeral(22, "32768\t60999\n", ""), "a service's port");
-        assert!(!ephemeral(61000, "32768\t60999\n", ""));
-        assert!(ephemeral(40000, "", ""), "Linux's default range where unreadable");
-        assert!(
-            !ephemeral(40000, "32768 60999", "8080,39000-41000"),
-            "reserved from the range"
-        );
-        assert!(!ephemeral(50000, "32768 60999", "50000"));
-        assert!(ephemeral(50001, "32768 60999", "50000,52000-53000"));
-        assert!(
-            !ephemeral(40000, "32768 60999", "bogus"),
-            "unreadable reservations reserve all"
-        );
     }
 
     #[test]

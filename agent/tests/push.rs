@@ -96,6 +96,53 @@ fn push_64_64_over(transport: Transport, memory: EngineMemory, kind: &str) {
 }
 
 #[test]
+fn a_burst_of_new_links_to_one_prefill_node_all_come_up_and_move_their_kv() {
+    // A prefill agent closes, before reading a byte, a source's connections past
+    // MAX_UNAUTHENTICATED_PER_SOURCE that have not authenticated yet. A decode engine asked for
+    // the KV of more prefill engines of one node than that at once dialled them all at once:
+    // the prefill agent reset those past its limit, and their requests failed with
+    // HandshakeFailed. Its agent now keeps its dials to one host within that limit.
+    let n = 3 * pdpair_agent::agent::MAX_UNAUTHENTICATED_PER_SOURCE as u32;
+    let w = World::new("dial-burst");
+    let (ps, ds) = (w.agent("p", Transport::Tcp, false), w.agent("d", Transport::Tcp, false));
+    let mut d_spec = spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed);
+    d_spec.num_blocks = n;
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &d_spec).expect("D");
+    let prompt = |i: u32| Some(pdpair_agent::synthetic::prompt(u64::from(i), 64));
+    let mut prefills = Vec::new();
+    for i in 0..n {
+        let p_spec = spec(
+            Role::Prefill,
+            &format!("p{i}"),
+            kv(64, None),
+            b"k",
+            ChecksumPolicy::FailClosed,
+        );
+        let mut p = SyntheticEngine::register(&ps, &w.dir, &p_spec).expect("P");
+        // One block of 64 tokens, ready before decode asks: a link that comes up is served.
+        p.fill(u64::from(i), &[1], 0, 64);
+        common::kv_ready_of(&mut p, &format!("r{i}"), &[1], 64, prompt(i));
+        prefills.push(p);
+    }
+    let blocks: Vec<u32> = (0..n).collect();
+    d.clear(&blocks);
+    // Asked at once, each into its own decode block: n new links to one prefill node.
+    for (i, p) in (0..n).zip(&prefills) {
+        common::expect_kv_of(&mut d, &format!("r{i}"), p.address.clone(), &[i], 64, prompt(i));
+    }
+    for _ in 0..n {
+        let event = d.next_event().expect("D event");
+        assert!(
+            matches!(&event, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
+            "every request of the burst is served: {event:?}"
+        );
+    }
+    for i in 0..n {
+        assert_eq!(d.verify(u64::from(i), &[i], 0, 64), 0, "r{i}: every byte arrived");
+    }
+}
+
+#[test]
 fn push_64_64_over_tcp_moves_every_byte_verified() {
     push_64_64(Transport::Tcp, EngineMemory::Agent);
 }

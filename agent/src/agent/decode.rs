@@ -765,6 +765,13 @@ impl Engine {
     fn dial(&self, addr: &str) -> Result<(Link, Opener), HandshakeError> {
         // Checked where the engine named it too; here, whatever path led to the dial.
         let sock = self.dialable().check(addr).map_err(HandshakeError::Protocol)?;
+        // Held until the handshake ends: the prefill agent counts a connection against this
+        // node's pre-auth places until it has authenticated ([`super::dials::DIALS_PER_HOST`]).
+        let _pass = self
+            .shared
+            .dials
+            .enter(sock.ip(), Instant::now() + self.handshake_timeout())
+            .map_err(|m| wire::FrameError::from(io::Error::new(io::ErrorKind::TimedOut, m)))?;
         let stream = TcpStream::connect_timeout(&sock, self.handshake_timeout()).map_err(wire::FrameError::from)?;
         stream.set_nodelay(true).map_err(wire::FrameError::from)?;
         // One deadline for authentication and handshake together, however the peer paces them.

@@ -1,0 +1,268 @@
+//! Where a decode agent dials, and how many dials it has in flight to one host: a decode
+//! engine names its prefill engines' addresses, and its agent, on the host's network, dials
+//! them. [`Dialable`] refuses what no prefill engine listens at; [`DialGate`] keeps a burst of
+//! new links within what a prefill agent accepts from one source before authentication.
+
+use std::{
+    collections::HashMap,
+    net::{IpAddr, SocketAddr},
+    sync::{Condvar, Mutex},
+    time::Instant,
+};
+
+use crate::lock;
+
+/// Whether the kernel picks `port` for port 0: in `range` (`net.ipv4.ip_local_port_range`,
+/// which IPv6 uses too; Linux's default where unreadable) and not in `reserved`
+/// (`net.ipv4.ip_local_reserved_ports`: `8080,9000-9100`; unreadable: none).
+fn ephemeral(port: u16, range: &str, reserved: &str) -> bool {
+    let mut bounds = range.split_whitespace().map(str::parse::<u16>);
+    let (low, high) = match (bounds.next(), bounds.next()) {
+        (Some(Ok(l)), Some(Ok(h))) => (l, h),
+        _ => (32768, 60999),
+    };
+    let in_reserved = reserved.trim().split(',').filter(|s| !s.is_empty()).any(|part| {
+        let mut ends = part.trim().splitn(2, '-').map(str::parse::<u16>);
+        match (ends.next(), ends.next()) {
+            (Some(Ok(a)), None) => port == a,
+            (Some(Ok(a)), Some(Ok(b))) => (a..=b).contains(&port),
+            // Unreadable: taken as reserving everything, so nothing is bound by request.
+            _ => true,
+        }
+    });
+    (low..=high).contains(&port) && !in_reserved
+}
+
+/// Where a decode agent dials, at its engine's word: only where a prefill engine's side channel
+/// can listen, which is at its agent's listen host on a port the kernel handed out
+/// ([`super::side_channel_listener`]). An engine naming anything else is refused before a connection
+/// is tried: the agent sits on the host's network, and would otherwise reach, or tell its
+/// engine whether it can reach, what the engine's own network may not: the node's loopback
+/// services, the cloud's metadata address (link-local), a service's port anywhere.
+#[derive(Debug)]
+pub(crate) struct Dialable {
+    /// This agent's listen host: loopback is dialled only when this agent listens there too
+    /// (one host's agents, as in tests and local runs).
+    own: IpAddr,
+    /// `net.ipv4.ip_local_port_range` and `ip_local_reserved_ports` here, taken to be the
+    /// prefill node's too (a cluster's nodes share them; where one differs, its engines' ports
+    /// may be refused, and the message names the range).
+    range: String,
+    reserved: String,
+}
+
+impl Dialable {
+    /// This host's policy for an agent listening at `own` (reads the port sysctls now: the
+    /// agent does so once, as it starts).
+    pub(crate) fn here(own: IpAddr) -> Dialable {
+        let read = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).unwrap_or_default();
+        Dialable {
+            own,
+            range: read("ip_local_port_range"),
+            reserved: read("ip_local_reserved_ports"),
+        }
+    }
+
+    /// Whether the kernel hands out `port` for port 0 here ([`ephemeral`]).
+    pub(super) fn handed_out(&self, port: u16) -> bool {
+        ephemeral(port, &self.range, &self.reserved)
+    }
+
+    /// `Err` naming `addr` and why, when it is not dialled.
+    pub(crate) fn check(&self, addr: &str) -> Result<SocketAddr, String> {
+        let sock: SocketAddr = addr
+            .parse()
+            .map_err(|_| format!("prefill address {addr:?} is not an IP address and port"))?;
+        let ip = sock.ip().to_canonical();
+        let why = match ip {
+            _ if ip.is_unspecified() || ip.is_multicast() => Some("not a unicast address"),
+            IpAddr::V4(v4) if v4.is_broadcast() => Some("not a unicast address"),
+            IpAddr::V4(v4) if v4.is_link_local() => Some("link-local (where clouds serve instance metadata)"),
+            IpAddr::V6(v6) if v6.is_unicast_link_local() => Some("link-local"),
+            _ if ip.is_loopback() && !self.own.to_canonical().is_loopback() => {
+                Some("this node's loopback, and this agent does not listen there")
+            }
+            _ => None,
+        };
+        if let Some(why) = why {
+            return Err(format!(
+                "prefill address {addr:?} is {why}: prefill engines listen at their agents' hosts"
+            ));
+        }
+        if !self.handed_out(sock.port()) {
+            return Err(format!(
+                "prefill address {addr:?}: port {} is not one the kernel hands out (net.ipv4.ip_local_port_range {:?}, less ip_local_reserved_ports {:?}), where every prefill engine's side channel listens",
+                sock.port(),
+                self.range.trim(),
+                self.reserved.trim()
+            ));
+        }
+        Ok(sock)
+    }
+}
+
+/// Dials from one agent in flight to one prefill host at once, at most: half the places a
+/// prefill agent keeps for connections from one source before they authenticate
+/// ([`super::MAX_UNAUTHENTICATED_PER_SOURCE`]; it closes more at once, before reading a byte).
+/// Without it a burst of new links from one node (a decode engine asked for the KV of twelve
+/// prefill engines on one node, or a node's engines starting together) had all past the
+/// eighth reset by the prefill agent, and their requests failed with `HandshakeFailed`. Half:
+/// the other half is left for this node's other agents and for a dial the prefill agent has
+/// not yet seen authenticate after this side finished.
+pub const DIALS_PER_HOST: usize = super::MAX_UNAUTHENTICATED_PER_SOURCE / 2;
+
+/// Dials in flight per prefill host, shared by all engines of an agent (a prefill agent counts
+/// them by source address, which is the node's).
+#[derive(Debug, Default)]
+pub(crate) struct DialGate {
+    in_flight: Mutex<HashMap<IpAddr, usize>>,
+    freed: Condvar,
+}
+
+/// A place to dial one host, given back when dropped.
+#[derive(Debug)]
+pub(crate) struct DialPass<'a> {
+    gate: &'a DialGate,
+    host: IpAddr,
+}
+
+impl DialGate {
+    /// A place to dial `host`, waiting for one until `until` at most; `Err` naming the host
+    /// when none was freed in time (the dials ahead of it each end within their handshake
+    /// timeout, so this waits that long only behind prefill agents that do not answer).
+    pub(crate) fn enter(&self, host: IpAddr, until: Instant) -> Result<DialPass<'_>, String> {
+        let host = host.to_canonical();
+        let mut in_flight = lock(&self.in_flight);
+        loop {
+            let n = in_flight.entry(host).or_insert(0);
+            if *n < DIALS_PER_HOST {
+                *n += 1;
+                return Ok(DialPass { gate: self, host });
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "{DIALS_PER_HOST} dials to prefill host {host} are in flight already and none ended in time"
+                ));
+            }
+            in_flight = match self.freed.wait_timeout(in_flight, left) {
+                Ok((guard, _)) => guard,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
+        }
+    }
+
+    #[cfg(test)]
+    fn in_flight(&self, host: IpAddr) -> usize {
+        lock(&self.in_flight).get(&host.to_canonical()).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for DialPass<'_> {
+    fn drop(&mut self) {
+        let mut in_flight = lock(&self.gate.in_flight);
+        if let Some(n) = in_flight.get_mut(&self.host) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                in_flight.remove(&self.host);
+            }
+        }
+        drop(in_flight);
+        self.gate.freed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn decode_dials_only_where_a_prefill_engine_can_listen() {
+        let policy = |own: &str| Dialable {
+            own: own.parse().expect("ip"),
+            range: "32768\t60999\n".into(),
+            reserved: "50000\n".into(),
+        };
+        let node = policy("10.0.0.5");
+        assert_eq!(
+            node.check("10.0.0.7:40000").map(|a| a.to_string()),
+            Ok("10.0.0.7:40000".into()),
+            "another node's engine"
+        );
+        assert!(node.check("[2001:db8::7]:40000").is_ok(), "over IPv6");
+        for (addr, why) in [
+            ("10.0.0.7:22", "port 22 is not one the kernel hands out"),
+            ("10.0.0.7:2379", "port 2379"),
+            ("10.0.0.7:61000", "port 61000"),
+            ("10.0.0.7:50000", "port 50000"),
+            ("127.0.0.1:40000", "this node's loopback"),
+            ("[::1]:40000", "this node's loopback"),
+            ("[::ffff:127.0.0.1]:40000", "this node's loopback"),
+            ("169.254.169.254:40000", "link-local"),
+            ("[fe80::1]:40000", "link-local"),
+            ("0.0.0.0:40000", "not a unicast address"),
+            ("[::]:40000", "not a unicast address"),
+            ("224.0.0.1:40000", "not a unicast address"),
+            ("255.255.255.255:40000", "not a unicast address"),
+            ("metadata.internal:40000", "is not an IP address and port"),
+            ("10.0.0.7", "is not an IP address and port"),
+        ] {
+            let refused = node.check(addr).expect_err(addr);
+            assert!(
+                refused.contains(why) && refused.contains(&format!("{addr:?}")),
+                "{addr}: {refused}"
+            );
+        }
+        // One host's agents (tests, local runs) listen on loopback, and so do their engines.
+        let local = policy("127.0.0.1");
+        assert!(local.check("127.0.0.1:40000").is_ok());
+        assert!(local.check("127.0.0.2:40000").is_ok());
+        assert!(local.check("127.0.0.1:22").is_err(), "a service's port still");
+    }
+
+    #[test]
+    fn an_engine_gets_back_only_a_port_the_kernel_hands_anyone() {
+        assert!(ephemeral(40000, "32768\t60999\n", "\n"));
+        assert!(!ephemeral(22, "32768\t60999\n", ""), "a service's port");
+        assert!(!ephemeral(61000, "32768\t60999\n", ""));
+        assert!(ephemeral(40000, "", ""), "Linux's default range where unreadable");
+        assert!(
+            !ephemeral(40000, "32768 60999", "8080,39000-41000"),
+            "reserved from the range"
+        );
+        assert!(!ephemeral(50000, "32768 60999", "50000"));
+        assert!(ephemeral(50001, "32768 60999", "50000,52000-53000"));
+        assert!(
+            !ephemeral(40000, "32768 60999", "bogus"),
+            "unreadable reservations reserve all"
+        );
+    }
+
+    #[test]
+    fn dials_to_one_host_wait_for_a_place_and_other_hosts_do_not() {
+        let gate = DialGate::default();
+        let (a, b): (IpAddr, IpAddr) = ("10.0.0.7".parse().expect("ip"), "10.0.0.8".parse().expect("ip"));
+        let soon = || Instant::now() + Duration::from_millis(50);
+        let held: Vec<DialPass<'_>> = (0..DIALS_PER_HOST)
+            .map(|_| gate.enter(a, soon()).expect("a place"))
+            .collect();
+        let refused = gate.enter(a, soon()).expect_err("no place left");
+        assert!(refused.contains("10.0.0.7"), "{refused}");
+        // The same host written as an IPv4-mapped IPv6 address is the same source there.
+        assert!(gate.enter("::ffff:10.0.0.7".parse().expect("ip"), soon()).is_err());
+        assert!(gate.enter(b, soon()).is_ok(), "another host has its own places");
+        std::thread::scope(|s| {
+            let waiting = s.spawn(|| gate.enter(a, Instant::now() + Duration::from_secs(10)).map(drop));
+            std::thread::sleep(Duration::from_millis(20));
+            drop(held);
+            assert_eq!(
+                waiting.join().expect("waiter"),
+                Ok(()),
+                "a freed place goes to a waiting dial"
+            );
+        });
+        assert_eq!(gate.in_flight(a), 0, "every pass given back");
+    }
+}
