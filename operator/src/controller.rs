@@ -132,16 +132,23 @@ pub struct Context {
 /// PDPair is never reconciled again, so nothing else would drop it).
 #[derive(Debug, Default)]
 struct Remembered {
-    /// Status this replica last wrote, by uid: the baseline for transitions.
-    written: Mutex<HashMap<String, PDPairStatus>>,
-    /// The plan last applied, by uid: a changed plan is dry-run first, and an unchanged one
-    /// is not applied again to a Deployment no one changed since.
-    applied: Mutex<HashMap<String, Applied>>,
+    /// What this replica did for each PDPair, by uid.
+    pairs: Mutex<HashMap<String, Memory>>,
     /// Consecutive failures by object, for per-object backoff.
     failures: Mutex<HashMap<ObjectRef<PDPair>, u32>>,
-    /// When the pairing Secret was last found or made, by uid: made again (if it went) at most
-    /// once a [`RESYNC`], not at every reconcile.
-    secrets: Mutex<HashMap<String, Instant>>,
+}
+
+/// What this replica did for one PDPair.
+#[derive(Debug, Default)]
+struct Memory {
+    /// The status it last wrote: the baseline for transitions.
+    written: Option<PDPairStatus>,
+    /// The plan it last applied: a changed plan is dry-run first, and an unchanged one is not
+    /// applied again to a Deployment no one changed since.
+    applied: Option<Applied>,
+    /// When it last found or made the pairing Secret: made again (if it went) at most once a
+    /// [`RESYNC`], not at every reconcile.
+    secret: Option<Instant>,
 }
 
 /// A plan applied: its [`fingerprint`], and the resourceVersion each Deployment had once
@@ -159,35 +166,35 @@ impl Remembered {
     fn forget_gone(&self, pairs: &Store<PDPair>) {
         let live = pairs.len();
         let over = |n: Option<usize>| n.is_some_and(|n| n > live);
-        let written = self.written.lock().ok().map(|w| w.len());
-        let applied = self.applied.lock().ok().map(|a| a.len());
+        let remembered = self.pairs.lock().ok().map(|m| m.len());
         let failures = self.failures.lock().ok().map(|f| f.len());
-        let secrets = self.secrets.lock().ok().map(|s| s.len());
-        if !(over(written) || over(applied) || over(failures) || over(secrets)) {
+        if !(over(remembered) || over(failures)) {
             return;
         }
         let uids: HashSet<String> = pairs.state().iter().filter_map(|p| p.uid()).collect();
-        if let Ok(mut w) = self.written.lock() {
-            w.retain(|uid, _| uids.contains(uid));
-        }
-        if let Ok(mut a) = self.applied.lock() {
-            a.retain(|uid, _| uids.contains(uid));
+        if let Ok(mut m) = self.pairs.lock() {
+            m.retain(|uid, _| uids.contains(uid));
         }
         if let Ok(mut f) = self.failures.lock() {
             f.retain(|pair, _| pairs.get(pair).is_some());
         }
-        if let Ok(mut s) = self.secrets.lock() {
-            s.retain(|uid, _| uids.contains(uid));
+    }
+
+    /// What `read` takes from `uid`'s memory (`None` when there is none).
+    fn recall<T>(&self, uid: &str, read: impl FnOnce(&Memory) -> Option<T>) -> Option<T> {
+        self.pairs.lock().ok().and_then(|m| m.get(uid).and_then(read))
+    }
+
+    /// Changes `uid`'s memory (made empty first where there is none).
+    fn note(&self, uid: &str, change: impl FnOnce(&mut Memory)) {
+        if let Ok(mut m) = self.pairs.lock() {
+            change(m.entry(uid.to_owned()).or_default());
         }
     }
 
     /// Whether `uid`'s pairing Secret was found or made within the last [`RESYNC`].
     fn secret_fresh(&self, uid: &str) -> bool {
-        self.secrets
-            .lock()
-            .ok()
-            .and_then(|s| s.get(uid).copied())
-            .is_some_and(|at| at.elapsed() < RESYNC)
+        self.recall(uid, |m| m.secret).is_some_and(|at| at.elapsed() < RESYNC)
     }
 }
 
@@ -243,9 +250,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     if verdict.allowed() && !ctx.remembered.secret_fresh(&uid) {
         ensure_secret(pair, &ctx.client, &ns, &name).await?;
         ctx.metrics.secret_ensured();
-        if let Ok(mut s) = ctx.remembered.secrets.lock() {
-            s.insert(uid.clone(), Instant::now());
-        }
+        ctx.remembered.note(&uid, |m| m.secret = Some(Instant::now()));
     }
     // An incompatible spec (stored before the webhook was installed, or with it bypassed) gets no
     // children: an incompatible pair must not run, so what it had goes. Status says why. A pool
@@ -265,10 +270,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     let fingerprint = fingerprint(&planned);
     let before: Option<Applied> = ctx
         .remembered
-        .applied
-        .lock()
-        .ok()
-        .and_then(|a| a.get(&uid).cloned())
+        .recall(&uid, |m| m.applied.clone())
         .filter(|a| a.plan == fingerprint);
     let checked = before.is_some();
     let mut versions = before.as_ref().map(|a| a.versions.clone()).unwrap_or_default();
@@ -403,7 +405,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         apply_refused: apply_refused.clone(),
     };
     let mut baseline = pair.clone();
-    if let Some(written) = ctx.remembered.written.lock().ok().and_then(|w| w.get(&uid).cloned()) {
+    if let Some(written) = ctx.remembered.recall(&uid, |m| m.written.clone()) {
         baseline.status = Some(written);
     }
     let (new_status, transitions) = status::compute(&baseline, &observed, &Time(Timestamp::now()));
@@ -421,22 +423,13 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
                 source,
             })?;
     }
-    if let Ok(mut a) = ctx.remembered.applied.lock() {
-        if apply_refused.is_none() {
-            a.insert(
-                uid.clone(),
-                Applied {
-                    plan: fingerprint,
-                    versions,
-                },
-            );
-        } else {
-            a.remove(&uid);
-        }
-    }
-    if let Ok(mut w) = ctx.remembered.written.lock() {
-        w.insert(uid, new_status);
-    }
+    ctx.remembered.note(&uid, |m| {
+        m.applied = apply_refused.is_none().then_some(Applied {
+            plan: fingerprint,
+            versions,
+        });
+        m.written = Some(new_status);
+    });
     let reference = pair.object_ref(&());
     for t in transitions {
         let kind = if t.warning { Kind::Warning } else { Kind::Normal };
@@ -685,32 +678,22 @@ mod tests {
     }
 
     fn remember(r: &Remembered, pair: &PDPair) {
-        let uid = pair.uid().expect("uid");
-        r.written
-            .lock()
-            .expect("lock")
-            .insert(uid.clone(), PDPairStatus::default());
-        r.applied.lock().expect("lock").insert(uid, Applied::default());
+        r.note(&pair.uid().expect("uid"), |m| {
+            m.written = Some(PDPairStatus::default());
+            m.applied = Some(Applied::default());
+            m.secret = Some(Instant::now());
+        });
         r.failures.lock().expect("lock").insert(ObjectRef::from(pair), 1);
-        r.secrets
-            .lock()
-            .expect("lock")
-            .insert(pair.uid().expect("uid"), Instant::now());
     }
 
-    fn remembered(r: &Remembered) -> (Vec<String>, Vec<String>, Vec<String>) {
+    /// The uids remembered, and the names with failures counted.
+    fn remembered(r: &Remembered) -> (Vec<String>, Vec<String>) {
         let sorted = |mut v: Vec<String>| {
             v.sort();
             v
         };
-        // The Secrets' times go with the statuses (both by uid).
-        assert_eq!(
-            sorted(r.secrets.lock().expect("lock").keys().cloned().collect()),
-            sorted(r.written.lock().expect("lock").keys().cloned().collect())
-        );
         (
-            sorted(r.written.lock().expect("lock").keys().cloned().collect()),
-            sorted(r.applied.lock().expect("lock").keys().cloned().collect()),
+            sorted(r.pairs.lock().expect("lock").keys().cloned().collect()),
             sorted(
                 r.failures
                     .lock()
@@ -739,14 +722,14 @@ mod tests {
         let both = vec!["uid-a".to_string(), "uid-b".into()];
         assert_eq!(
             remembered(&r),
-            (both.clone(), both, vec!["a".into(), "b".into()]),
+            (both, vec!["a".into(), "b".into()]),
             "both live: both kept"
         );
         writer.apply_watcher_event(&Event::Delete(b.clone()));
         r.forget_gone(&pairs);
         assert_eq!(
             remembered(&r),
-            (vec!["uid-a".into()], vec!["uid-a".into()], vec!["a".into()]),
+            (vec!["uid-a".into()], vec!["a".into()]),
             "b deleted: forgotten"
         );
         // Made again under its name: another object, whose old status is no baseline for it.
@@ -757,11 +740,7 @@ mod tests {
         r.forget_gone(&pairs);
         assert_eq!(
             remembered(&r),
-            (
-                vec!["uid-a".into(), "uid-b2".into()],
-                vec!["uid-a".into(), "uid-b2".into()],
-                vec!["a".into(), "b".into()]
-            ),
+            (vec!["uid-a".into(), "uid-b2".into()], vec!["a".into(), "b".into()]),
         );
     }
 }
