@@ -103,6 +103,37 @@ cmd_start() {
   openssl genrsa -out "$dir/pki/sa.key" 2048 2>/dev/null
   openssl rsa -in "$dir/pki/sa.key" -pubout -out "$dir/pki/sa.pub" 2>/dev/null
   echo "$token,admin,admin,system:masters" > "$dir/pki/tokens.csv"
+  # The apiserver authenticates to admission webhooks with a client certificate (its
+  # WebhookAdmissionConfiguration, for every webhook: user "*"), from a CA that signs nothing
+  # else; operators started with --webhook-client-ca pki/webhook-client-ca.crt refuse any caller
+  # without it (docs/security.md).
+  openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=pdpair-e2e webhook client CA" \
+    -keyout "$dir/pki/webhook-client-ca.key" -out "$dir/pki/webhook-client-ca.crt" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=kube-apiserver-webhook-client" \
+    -keyout "$dir/pki/webhook-client.key" -out "$dir/pki/webhook-client.csr" 2>/dev/null
+  printf 'extendedKeyUsage=clientAuth\n' > "$dir/pki/webhook-client.ext"
+  openssl x509 -req -in "$dir/pki/webhook-client.csr" -CA "$dir/pki/webhook-client-ca.crt" \
+    -CAkey "$dir/pki/webhook-client-ca.key" -CAcreateserial -days 2 \
+    -extfile "$dir/pki/webhook-client.ext" -out "$dir/pki/webhook-client.crt" 2>/dev/null
+  cat > "$dir/pki/webhook-kubeconfig" <<KC
+apiVersion: v1
+kind: Config
+users:
+- name: "*"
+  user:
+    client-certificate: $dir/pki/webhook-client.crt
+    client-key: $dir/pki/webhook-client.key
+KC
+  cat > "$dir/pki/admission.yaml" <<AC
+apiVersion: apiserver.config.k8s.io/v1
+kind: AdmissionConfiguration
+plugins:
+- name: ValidatingAdmissionWebhook
+  configuration:
+    apiVersion: apiserver.config.k8s.io/v1
+    kind: WebhookAdmissionConfiguration
+    kubeConfigFile: $dir/pki/webhook-kubeconfig
+AC
   : > "$dir/pids"
 
   etcd --name pdpair --data-dir "$dir/etcd" \
@@ -117,6 +148,7 @@ cmd_start() {
     --cert-dir "$dir/pki/apiserver" --token-auth-file "$dir/pki/tokens.csv" --authorization-mode RBAC \
     --service-account-key-file "$dir/pki/sa.pub" --service-account-signing-key-file "$dir/pki/sa.key" \
     --service-account-issuer https://kubernetes.default.svc --service-cluster-ip-range 10.0.0.0/24 \
+    --admission-control-config-file "$dir/pki/admission.yaml" \
     >"$dir/logs/kube-apiserver.log" 2>&1 &
   echo "kube-apiserver $!" >> "$dir/pids"
 

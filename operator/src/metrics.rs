@@ -15,6 +15,7 @@ pub struct Metrics {
     events_dropped: IntCounter,
     deployment_applies: IntCounter,
     secrets_ensured: IntCounter,
+    webhook_tls_failures: IntCounter,
 }
 
 impl Metrics {
@@ -30,6 +31,11 @@ impl Metrics {
         let deployment_applies = IntCounter::new(
             "deployment_applies_total",
             "Server-side applies of pools' Deployments (not counting dry runs)",
+        )
+        .expect("valid metric");
+        let webhook_tls_failures = IntCounter::new(
+            "webhook_tls_failures_total",
+            "Connections to the webhook port whose TLS handshake failed or timed out (with --webhook-client-ca: also every caller without a client certificate from that CA)",
         )
         .expect("valid metric");
         let reconcile_errors = IntCounterVec::new(
@@ -65,6 +71,7 @@ impl Metrics {
             Box::new(events_dropped.clone()),
             Box::new(deployment_applies.clone()),
             Box::new(secrets_ensured.clone()),
+            Box::new(webhook_tls_failures.clone()),
         ] {
             registry.register(m).expect("metrics registered once");
         }
@@ -78,7 +85,13 @@ impl Metrics {
             events_dropped,
             deployment_applies,
             secrets_ensured,
+            webhook_tls_failures,
         }
+    }
+
+    /// Counts a webhook connection whose TLS handshake failed.
+    pub fn webhook_tls_failed(&self) {
+        self.webhook_tls_failures.inc();
     }
 
     /// Counts a denial whose Event was not recorded (over the budget).

@@ -59,6 +59,11 @@ pub struct RunOptions {
     /// CA bundle for --install when --tls-cert is given.
     #[arg(long, value_name = "FILE")]
     pub webhook_ca: Option<PathBuf>,
+    /// Serve the webhook only to callers presenting a client certificate signed by a CA in this
+    /// file (PEM): the API server, configured to present one (docs/operations.md). Without it
+    /// anyone who reaches the port may send AdmissionReviews.
+    #[arg(long, value_name = "FILE")]
+    pub webhook_client_ca: Option<PathBuf>,
     /// Where generated certificates are written.
     #[arg(long, value_name = "DIR")]
     pub cert_dir: Option<PathBuf>,
@@ -220,8 +225,18 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     }
     let client = client(&opts).await?;
     let metrics = Arc::new(Metrics::new());
+    let tls_metrics = Arc::clone(&metrics);
     let health = Arc::new(Health::default());
 
+    let clients = match &opts.webhook_client_ca {
+        Some(file) => Some(tls::client_verifier(file).context("--webhook-client-ca")?),
+        None => {
+            tracing::warn!(
+                "the webhook serves any caller that reaches it (no --webhook-client-ca): forged reviews can record Rejected Events"
+            );
+            None
+        }
+    };
     let (cert, key, ca) = certificates(&opts, &identity)?;
     let reloader = tls::Reloader::new(cert, key).context("loading the webhook certificate")?;
     health.tls_loaded.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -293,7 +308,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
 
     let lease_task = lease::run(lease_api.clone(), lease_cfg.clone(), leader_tx);
     let result = tokio::select! {
-        r = tls::serve(webhook_listener, reloader, webhook_router) => r.map_err(anyhow::Error::from).context("the webhook server stopped"),
+        r = tls::serve(webhook_listener, reloader, clients, webhook_router, tls_metrics) => r.map_err(anyhow::Error::from).context("the webhook server stopped"),
         r = crate::server::serve_plain(admin_listener, admin_router) => r.map_err(anyhow::Error::from).context("the admin server stopped"),
         lost = lease_task => Err(anyhow::Error::from(lost)),
         () = controller => Err(anyhow::anyhow!("the controller stopped")),

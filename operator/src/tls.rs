@@ -10,9 +10,9 @@ use std::{
 
 use axum::Router;
 use rustls::{
-    ServerConfig,
+    RootCertStore, ServerConfig,
     crypto::ring as provider,
-    server::{ClientHello, ResolvesServerCert},
+    server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier, danger::ClientCertVerifier},
     sign::CertifiedKey,
 };
 use tokio::net::TcpListener;
@@ -222,12 +222,52 @@ impl ResolvesServerCert for Reloader {
     }
 }
 
-/// Serves `router` over TLS on `listener` until the process ends.
-pub async fn serve(listener: TcpListener, resolver: Arc<Reloader>, router: Router) -> Result<(), TlsError> {
-    let mut config = ServerConfig::builder_with_provider(Arc::new(provider::default_provider()))
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_cert_resolver(resolver);
+/// Who may call the webhook, from `--webhook-client-ca`: only callers presenting a certificate
+/// for client authentication signed by one of the file's CAs (the API server, given one in its
+/// `WebhookAdmissionConfiguration`). Anyone who can reach the port could otherwise send forged
+/// AdmissionReviews, each denial of which records a `Rejected` Event on whatever PDPair name
+/// and namespace it names. `Err` names the file when it holds no usable CA certificate.
+pub fn client_verifier(ca: &Path) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
+    let pem = std::fs::read(ca).map_err(|source| TlsError::Io {
+        action: "reading",
+        path: ca.to_path_buf(),
+        source,
+    })?;
+    let bad = |message: String| TlsError::Pem {
+        path: ca.to_path_buf(),
+        message,
+    };
+    let mut roots = RootCertStore::empty();
+    for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+        let cert = cert.map_err(|e| bad(e.to_string()))?;
+        roots
+            .add(cert)
+            .map_err(|e| bad(format!("not a usable CA certificate: {e}")))?;
+    }
+    if roots.is_empty() {
+        return Err(bad("no CERTIFICATE block: the webhook would accept no caller".into()));
+    }
+    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::new(provider::default_provider()))
+        .build()
+        .map_err(|e| bad(e.to_string()))
+}
+
+/// Serves `router` over TLS on `listener` until the process ends; with `clients`, only to
+/// callers it accepts ([`client_verifier`]). Each failed handshake is counted in `metrics`.
+pub async fn serve(
+    listener: TcpListener,
+    resolver: Arc<Reloader>,
+    clients: Option<Arc<dyn ClientCertVerifier>>,
+    router: Router,
+    metrics: Arc<crate::metrics::Metrics>,
+) -> Result<(), TlsError> {
+    let builder = ServerConfig::builder_with_provider(Arc::new(provider::default_provider()))
+        .with_safe_default_protocol_versions()?;
+    let builder = match clients {
+        Some(verifier) => builder.with_client_cert_verifier(verifier),
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_cert_resolver(resolver);
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let acceptor = TlsAcceptor::from(Arc::new(config));
     let limits = crate::server::Limits::default();
@@ -237,14 +277,19 @@ pub async fn serve(listener: TcpListener, resolver: Arc<Reloader>, router: Route
         let (tcp, peer, permit) = limits.accept(&listener, "webhook").await;
         let acceptor = acceptor.clone();
         let router = router.clone();
+        let metrics = Arc::clone(&metrics);
         tokio::spawn(async move {
             let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(e)) => {
+                    metrics.webhook_tls_failed();
                     tracing::debug!(%peer, error = %e, "TLS handshake failed");
                     return;
                 }
-                Err(_) => return,
+                Err(_) => {
+                    metrics.webhook_tls_failed();
+                    return;
+                }
             };
             crate::server::serve_connection(tls, router, permit).await;
         });
@@ -282,6 +327,26 @@ mod tests {
         std::fs::write(&files.cert, "not a certificate").expect("write");
         assert!(!r.reload_if_changed());
         assert_eq!(leaf_der(&r), second);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_client_ca_file_is_taken_only_with_a_ca_in_it_and_its_errors_name_it() {
+        let dir = std::env::temp_dir().join(format!("pdpair-tls-client-ca-{}", std::process::id()));
+        let files = generate(&dir, &["127.0.0.1".into()]).expect("generate");
+        let ca = dir.join("client-ca.crt");
+        std::fs::write(&ca, &files.ca_pem).expect("write");
+        assert!(client_verifier(&ca).is_ok(), "a CA certificate");
+        for (content, why) in [("", "no CERTIFICATE block"), ("not pem at all", "no CERTIFICATE block")] {
+            std::fs::write(&ca, content).expect("write");
+            let e = client_verifier(&ca).map(drop).expect_err(content).to_string();
+            assert!(e.contains(why) && e.contains("client-ca.crt"), "{e}");
+        }
+        let e = client_verifier(&dir.join("missing.crt"))
+            .map(drop)
+            .expect_err("missing")
+            .to_string();
+        assert!(e.contains("missing.crt"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -466,6 +466,74 @@ async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
     assert_eq!(list.items.len(), 1);
 }
 
+/// An AdmissionReview of creating `example` as `name` in `ns`, as the API server sends it.
+fn review_of(example: &str, ns: &str, name: &str) -> String {
+    let object: serde_json::Value = serde_yaml::from_str(&manifest(example, ns, |v| {
+        v["metadata"]["name"] = name.into();
+    }))
+    .expect("manifest");
+    serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": format!("review-{name}"),
+            "kind": {"group": "pdpair.dev", "version": "v1alpha1", "kind": "PDPair"},
+            "resource": {"group": "pdpair.dev", "version": "v1alpha1", "resource": "pdpairs"},
+            "name": name,
+            "namespace": ns,
+            "operation": "CREATE",
+            "userInfo": {"username": "someone"},
+            "object": object,
+            "dryRun": false,
+        }
+    })
+    .to_string()
+}
+
+#[test]
+fn a_review_without_the_api_servers_client_certificate_gets_no_answer_and_records_no_event() {
+    // The webhook port is reachable from any pod. Each denied review records a Rejected Event
+    // on the PDPair name and namespace it names: a forger could fill any namespace's events.
+    // With --webhook-client-ca only the API server (its WebhookAdmissionConfiguration presents
+    // a client certificate from that CA) gets through the TLS handshake.
+    let op = operator();
+    let ns = namespace("forged");
+    let failed_before = op.counter("pdpair_operator_webhook_tls_failures_total");
+    let (code, body) = post_webhook_as(
+        op.webhook_port,
+        &review_of("vllm-push-16-64.yaml", &ns, "forged"),
+        false,
+    );
+    assert_eq!(code, 0, "answered without a client certificate: {body}");
+    assert!(
+        op.counter("pdpair_operator_webhook_tls_failures_total") > failed_before,
+        "the refused handshake is counted"
+    );
+    // The same review with the API server's certificate is answered, and its Event recorded.
+    let (code, body) = post_webhook(op.webhook_port, &review_of("vllm-push-16-64.yaml", &ns, "certified"));
+    assert!(code == 200 && body.contains("\"allowed\":false"), "{code}: {body}");
+    eventually(WAIT, "the certified review's Rejected event", || {
+        events_about(&ns, "certified")
+            .into_iter()
+            .find(|e| e["reason"] == "Rejected")
+    });
+    assert!(
+        events_about(&ns, "forged").is_empty(),
+        "the forged review recorded an Event"
+    );
+    // And the real API server, through its client certificate, still has kubectl's apply refused
+    // with the rule's message.
+    let out = kubectl(
+        &["apply", "-f", "-"],
+        Some(&manifest("vllm-push-16-64.yaml", &ns, |_| {})),
+    );
+    assert!(
+        out.code != 0 && out.stderr.contains("KernelBlockSizeMismatch"),
+        "{}",
+        out.stderr
+    );
+}
+
 #[test]
 fn malformed_reviews_get_errors_over_tls_and_the_webhook_keeps_serving() {
     let op = operator();

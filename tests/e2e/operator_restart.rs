@@ -207,14 +207,6 @@ fn a_pdpair_stored_past_the_webhook_that_does_not_parse_stops_only_itself() {
     );
 }
 
-/// The value of the operator's counter `name`.
-fn counter(op: &Operator, name: &str) -> u64 {
-    op.metrics()
-        .lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{name} in the operator's metrics"))
-}
-
 #[test]
 fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back() {
     use kube::{
@@ -250,9 +242,9 @@ fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back()
     });
     std::thread::sleep(Duration::from_secs(2));
     let (applies, reconciles, secrets) = (
-        counter(&op, "pdpair_operator_deployment_applies_total"),
-        counter(&op, "pdpair_operator_reconciles_total"),
-        counter(&op, "pdpair_operator_pairing_secret_checks_total"),
+        op.counter("pdpair_operator_deployment_applies_total"),
+        op.counter("pdpair_operator_reconciles_total"),
+        op.counter("pdpair_operator_pairing_secret_checks_total"),
     );
     for i in 1..=5u64 {
         let status = serde_json::json!({"status": {"transfersCompleted": i, "bytes": i * 4096}});
@@ -264,16 +256,16 @@ fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back()
         });
     }
     assert!(
-        counter(&op, "pdpair_operator_reconciles_total") >= reconciles + 5,
+        op.counter("pdpair_operator_reconciles_total") >= reconciles + 5,
         "each heartbeat reconciled the pair"
     );
     assert_eq!(
-        counter(&op, "pdpair_operator_deployment_applies_total"),
+        op.counter("pdpair_operator_deployment_applies_total"),
         applies,
         "no Deployment applied again for an unchanged plan"
     );
     assert_eq!(
-        counter(&op, "pdpair_operator_pairing_secret_checks_total"),
+        op.counter("pdpair_operator_pairing_secret_checks_total"),
         secrets,
         "the pairing Secret not asked for again within a resync"
     );
@@ -286,5 +278,5 @@ fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back()
         let d = get_json("deployment", &ns, "llama-8b-decode")?;
         (d["spec"]["replicas"] == 4).then_some(())
     });
-    assert!(counter(&op, "pdpair_operator_deployment_applies_total") > applies);
+    assert!(op.counter("pdpair_operator_deployment_applies_total") > applies);
 }

@@ -239,7 +239,11 @@ impl Operator {
                 &format!("127.0.0.1:{admin_port}"),
                 "--identity",
                 identity,
-            ]);
+            ])
+            // Only the API server, with the client certificate hack/control-plane.sh gave it,
+            // reaches the webhook.
+            .arg("--webhook-client-ca")
+            .arg(dir().join("pki/webhook-client-ca.crt"));
         match &tls {
             Some((cert, key)) => {
                 cmd.arg("--tls-cert").arg(cert).arg("--tls-key").arg(key);
@@ -303,6 +307,14 @@ impl Operator {
             .unwrap_or_default()
     }
 
+    /// The value of its counter `name` (unlabelled).
+    pub fn counter(&self, name: &str) -> u64 {
+        self.metrics()
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} in the operator's metrics"))
+    }
+
     /// Whether it holds the leader Lease, per its metrics.
     pub fn is_leader(&self) -> bool {
         self.metrics().lines().any(|l| l == "pdpair_operator_leader 1")
@@ -346,10 +358,25 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     Some((code, body))
 }
 
-/// POSTs `body` to the webhook over real TLS with curl: (HTTP status, response body).
+/// POSTs `body` to the webhook over real TLS with curl, as the API server does (with its
+/// webhook client certificate): (HTTP status, response body).
 pub fn post_webhook(port: u16, body: &str) -> (u16, String) {
+    post_webhook_as(port, body, true)
+}
+
+/// [`post_webhook`], presenting the API server's client certificate or none: (HTTP status, or
+/// 0 when no HTTP answer came, response body).
+pub fn post_webhook_as(port: u16, body: &str, api_server: bool) -> (u16, String) {
     let url = format!("https://127.0.0.1:{port}/validate/pdpairs");
-    let out = Command::new("curl")
+    let mut curl = Command::new("curl");
+    if api_server {
+        let pki = dir().join("pki");
+        curl.arg("--cert")
+            .arg(pki.join("webhook-client.crt"))
+            .arg("--key")
+            .arg(pki.join("webhook-client.key"));
+    }
+    let out = curl
         .args([
             "-sk",
             "-o",
