@@ -16,13 +16,17 @@ fn chart() -> PathBuf {
 }
 
 fn render(sets: &[&str]) -> Result<Vec<Value>, String> {
+    let args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s]).collect();
+    render_with(&args)
+}
+
+/// `helm template` with these arguments after the chart.
+fn render_with(args: &[&str]) -> Result<Vec<Value>, String> {
     let mut cmd = Command::new(helm());
     cmd.args(["template", "rel"])
         .arg(chart())
-        .args(["--namespace", "pdpair-system"]);
-    for s in sets {
-        cmd.args(["--set", s]);
-    }
+        .args(["--namespace", "pdpair-system"])
+        .args(args);
     let out = cmd.output().expect("helm runs");
     if !out.status.success() {
         return Err(String::from_utf8_lossy(&out.stderr).into_owned());
@@ -391,6 +395,67 @@ fn certificate_modes() {
     );
 }
 
+/// The operator container's args.
+fn operator_args(objs: &[Value]) -> Vec<String> {
+    get(objs, "Deployment", "operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_sequence()
+        .expect("args")
+        .iter()
+        .filter_map(|a| a.as_str().map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn a_webhook_client_ca_makes_the_operator_serve_only_the_callers_it_signed() {
+    // Without one (the default: managed control planes cannot present a client certificate)
+    // the webhook serves any caller.
+    let objs = render(&[]).expect("renders");
+    assert!(
+        !operator_args(&objs)
+            .iter()
+            .any(|a| a.starts_with("--webhook-client-ca")),
+        "{:?}",
+        operator_args(&objs)
+    );
+    assert!(find(&objs, "ConfigMap", "webhook-client-ca").is_none());
+    let dir = std::env::temp_dir().join(format!("pdpair-chart-client-ca-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let ca = dir.join("ca.crt");
+    let pem = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n";
+    std::fs::write(&ca, pem).expect("write");
+    let file = format!("webhook.clientCA={}", ca.display());
+    let objs = render_with(&["--set-file", &file]).expect("renders");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        get(&objs, "ConfigMap", "webhook-client-ca")["data"]["ca.crt"].as_str(),
+        Some(pem),
+        "the CA, byte for byte"
+    );
+    assert!(operator_args(&objs).contains(&"--webhook-client-ca=/etc/pdpair/client-ca/ca.crt".to_owned()));
+    let pod = &get(&objs, "Deployment", "operator")["spec"]["template"];
+    let mounted = pod["spec"]["containers"][0]["volumeMounts"]
+        .as_sequence()
+        .expect("mounts")
+        .iter()
+        .find(|m| m["mountPath"] == "/etc/pdpair/client-ca")
+        .expect("the CA is mounted");
+    let volume = pod["spec"]["volumes"]
+        .as_sequence()
+        .expect("volumes")
+        .iter()
+        .find(|v| v["name"] == mounted["name"])
+        .expect("its volume");
+    assert_eq!(volume["configMap"]["name"], "rel-pdpair-webhook-client-ca");
+    // Read once at start: a new CA must roll the pods.
+    assert!(
+        pod["metadata"]["annotations"]["pdpair.dev/webhook-client-ca-sha256"]
+            .as_str()
+            .is_some_and(|h| h.len() == 64),
+        "{:?}",
+        pod["metadata"]
+    );
+}
+
 #[test]
 fn bad_values_fail_with_the_path_and_the_value() {
     for (set, want) in [
@@ -403,6 +468,7 @@ fn bad_values_fail_with_the_path_and_the_value() {
         ("agent.streamLanes=9", "/agent/streamLanes"),
         ("operator.leaseDuration=soon", "/operator/leaseDuration"),
         ("operator.typo=1", "typo"),
+        ("webhook.clientCA=not a certificate", "/webhook/clientCA"),
     ] {
         let e = render(&[set]).expect_err(set);
         assert!(e.contains(want), "{set}: {e}");
