@@ -907,6 +907,10 @@ struct Pending {
     parts: HashMap<String, (Option<BlockSums>, u64)>,
     /// Pull: the prefill addresses whose `Ready` is being read (a second one is refused).
     reading: Vec<String>,
+    /// The link each prefill's registration (or release) went on, by address: only that
+    /// link's loss fails the request (a link that gave way may end after a new one to the same
+    /// prefill took its slot, with requests of its own).
+    links: HashMap<String, u64>,
     blocks: Vec<u32>,
     num_tokens: u64,
     first_token: u64,
@@ -923,6 +927,11 @@ impl Pending {
     /// fails it (a rank whose KV is here already lost nothing by closing).
     fn waits_on(&self, prefill: &str) -> bool {
         self.prefills.iter().any(|a| a == prefill) && !self.parts.contains_key(prefill)
+    }
+
+    /// Whether this request's registration at `prefill` went on link `link`.
+    fn sent_on(&self, prefill: &str, link: u64) -> bool {
+        self.links.get(prefill) == Some(&link)
     }
 
     /// Pull: whether decode's own read of `prefill`'s blocks into this request's blocks runs or
@@ -1981,6 +1990,7 @@ mod tests {
             prefills: vec!["a".into(), "b".into()],
             parts: HashMap::new(),
             reading: Vec::new(),
+            links: HashMap::new(),
             blocks: vec![1],
             num_tokens: 16,
             first_token: 0,

@@ -3369,58 +3369,131 @@ fn a_decode_engine_keeps_a_bounded_number_of_prefill_links_and_the_least_used_gi
     let mut s = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
     (s.handshake_timeout_ms, s.lease_ms) = (60_000, 60_000);
     let mut d = SyntheticEngine::register(&ds, &w.dir, &s).expect("decode");
-    // An insider prefill agent at each address: it handshakes, and answers pings until its
-    // socket closes, reporting that it did.
+    let (registered_tx, registered) = std::sync::mpsc::channel();
     let (closed_tx, closed) = std::sync::mpsc::channel::<usize>();
-    let prefill = |i: usize| {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let address = listener.local_addr().expect("addr").to_string();
-        let (registered_tx, registered) = std::sync::mpsc::channel::<()>();
-        let closed_tx = closed_tx.clone();
-        std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().expect("accept");
-            let (_, mut session) = protocol::authenticate_prefill(&mut s, |_| Some(KEY.to_vec())).expect("auth");
-            let mut info = insider(Role::Prefill);
-            // A stream address, as a prefill agent without RDMA offers (never dialled in push).
-            info.worker_address = b"pdpair-tcp:127.0.0.1:9".to_vec();
-            protocol::handshake_prefill(&mut s, &mut session, &info).expect("handshake");
-            loop {
-                match session.recv(&mut s) {
-                    Ok(Message::Register(_)) => {
-                        let _ = registered_tx.send(());
-                    }
-                    Ok(Message::Ping { seq }) => {
-                        let _ = session.send(&mut s, &Message::Pong { seq });
-                    }
-                    Ok(_) => {}
-                    Err(_) => {
-                        let _ = closed_tx.send(i);
-                        return;
-                    }
-                }
-            }
-        });
-        (address, registered)
-    };
-    let mut addresses = Vec::new();
     for i in 0..MAX_PREFILL_LINKS {
-        let (address, registered) = prefill(i);
-        expect_kv(&mut d, &format!("r{i}"), address.clone(), &[1, 2], 100);
-        registered
+        let address = pinging_insider(i, registered_tx.clone(), closed_tx.clone());
+        expect_kv(&mut d, &format!("r{i}"), address, &[1, 2], 100);
+        let (at, _) = registered
             .recv_timeout(Duration::from_secs(20))
             .expect("linked and registered");
-        addresses.push(address);
+        assert_eq!(at, i);
     }
     assert!(closed.try_recv().is_err(), "every link is held");
     // One more: the link used least recently (the first) goes, and the new one is made.
-    let (address, registered) = prefill(MAX_PREFILL_LINKS);
+    let address = pinging_insider(MAX_PREFILL_LINKS, registered_tx.clone(), closed_tx.clone());
     expect_kv(&mut d, "one-more", address, &[1, 2], 100);
-    registered.recv_timeout(Duration::from_secs(20)).expect("the new link");
+    let (at, _) = registered.recv_timeout(Duration::from_secs(20)).expect("the new link");
+    assert_eq!(at, MAX_PREFILL_LINKS);
     assert_eq!(
         closed.recv_timeout(Duration::from_secs(10)),
         Ok(0),
         "the least used link went"
     );
     assert!(closed.recv_timeout(Duration::from_millis(500)).is_err(), "and only it");
-    drop(addresses);
+}
+
+/// An insider prefill agent `i` listening at a new loopback address (returned): each connection
+/// it accepts handshakes (offering a stream address, as a prefill agent without RDMA does, which
+/// push never dials), reports each `Register` to `registered` as (`i`, request), answers pings,
+/// and reports `i` to `closed` when the connection closes.
+fn pinging_insider(
+    i: usize,
+    registered: std::sync::mpsc::Sender<(usize, String)>,
+    closed: std::sync::mpsc::Sender<usize>,
+) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("addr").to_string();
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { return };
+            let (registered, closed) = (registered.clone(), closed.clone());
+            std::thread::spawn(move || {
+                let Ok((_, mut session)) = protocol::authenticate_prefill(&mut s, |_| Some(KEY.to_vec())) else {
+                    return;
+                };
+                let mut info = insider(Role::Prefill);
+                info.worker_address = b"pdpair-tcp:127.0.0.1:9".to_vec();
+                if protocol::handshake_prefill(&mut s, &mut session, &info).is_err() {
+                    return;
+                }
+                loop {
+                    match session.recv(&mut s) {
+                        Ok(Message::Register(r)) => {
+                            let _ = registered.send((i, r.request));
+                        }
+                        Ok(Message::Ping { seq }) => {
+                            let _ = session.send(&mut s, &Message::Pong { seq });
+                        }
+                        Ok(_) => {}
+                        Err(_) => {
+                            let _ = closed.send(i);
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    address
+}
+
+#[test]
+fn a_link_that_gave_way_takes_nothing_from_the_new_link_to_the_same_prefill() {
+    // Past the bound the least used link closes, and its engine may ask that prefill again at
+    // once, which dials a new link. The old link's reader, ending, dropped whatever slot the
+    // address had by then (the new dial's, whose queued registrations were then never sent)
+    // and failed every request waiting on the address: the new link's too.
+    use pdpair_agent::agent::MAX_PREFILL_LINKS;
+    let _serial = serial();
+    pdpair_agent::tuning::raise_fd_limit().expect("descriptors for a thousand links");
+    let w = World::new("attack-link-gave-way");
+    let ds = w.agent("d", Transport::Tcp, false);
+    let mut s = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    (s.handshake_timeout_ms, s.lease_ms) = (60_000, 60_000);
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &s).expect("decode");
+    let (registered_tx, registered) = std::sync::mpsc::channel();
+    let (closed_tx, _closed) = std::sync::mpsc::channel::<usize>();
+    let mut addresses = Vec::new();
+    for i in 0..MAX_PREFILL_LINKS {
+        let address = pinging_insider(i, registered_tx.clone(), closed_tx.clone());
+        expect_kv(&mut d, &format!("r{i}"), address.clone(), &[1, 2], 100);
+        registered
+            .recv_timeout(Duration::from_secs(20))
+            .expect("linked and registered");
+        addresses.push(address);
+    }
+    // Each round: a new prefill takes the place of the least used link (2r: links were used in
+    // order, and each round's two new ones are the most recent), and at once the engine asks
+    // that prefill again (its new link takes 2r+1's place).
+    const ROUNDS: usize = 12;
+    for round in 0..ROUNDS {
+        let gone = 2 * round;
+        let address = pinging_insider(MAX_PREFILL_LINKS + round, registered_tx.clone(), closed_tx.clone());
+        expect_kv(&mut d, &format!("more{round}"), address, &[1, 2], 100);
+        expect_kv(&mut d, &format!("again{round}"), addresses[gone].clone(), &[1, 2], 100);
+        let mut heard = Vec::new();
+        while !heard.contains(&(gone, format!("again{round}"))) {
+            heard.push(registered.recv_timeout(Duration::from_secs(10)).unwrap_or_else(|_| {
+                panic!("round {round}: the registration on the new link to prefill {gone} never came; heard {heard:?}")
+            }));
+        }
+    }
+    // The engine heard only of the requests on the links that gave way (PeerLost), none of the
+    // new links' (with the old reader failing every request waiting on the address, "again").
+    d.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+    let mut failed = Vec::new();
+    while let Ok(event) = d.next_event() {
+        match event {
+            AgentEvent::RequestFailed { request, reasons, .. } if reasons == ["PeerLost"] => failed.push(request),
+            other => panic!("{other:?}"),
+        }
+    }
+    failed.sort();
+    let mut gave_way: Vec<String> = (0..2 * ROUNDS).map(|i| format!("r{i}")).collect();
+    gave_way.sort();
+    assert_eq!(failed, gave_way, "only the requests of the links that gave way failed");
 }

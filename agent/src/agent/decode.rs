@@ -133,6 +133,7 @@ impl Engine {
                 Cancelling {
                     waiting: writers.clone(),
                     reading: p.reading.iter().filter(|a| writers.contains(a)).cloned().collect(),
+                    links: p.links.clone(),
                     prompt: p.prompt.clone(),
                     deadline: Instant::now() + self.handshake_timeout() + self.lease(),
                     ending,
@@ -222,6 +223,11 @@ impl Engine {
     /// Tells `link`'s prefill that cancelled `request` is not wanted (its `ReleaseDone`, or the
     /// end of a push running, answers); a link that is gone writes nothing more.
     fn release_cancelled(&self, link: &Link, request: &str, prompt: Option<PromptDigest>) {
+        // A registration that went out was on the link whose loss ends its writes; one that
+        // never did (queued while dialling) has only this link.
+        if let Some(c) = lock(&self.cancelled).get_mut(request) {
+            c.links.entry(link.addr.clone()).or_insert(link.id);
+        }
         if !link.send(&Message::Release {
             request: request.to_owned(),
             prompt,
@@ -367,6 +373,7 @@ impl Engine {
                         prefills: prefills.clone(),
                         parts: HashMap::new(),
                         reading: Vec::new(),
+                        links: HashMap::new(),
                         blocks: want.blocks,
                         num_tokens: want.num_tokens,
                         first_token: want.first_token,
@@ -645,8 +652,9 @@ impl Engine {
         // Sent under the pending lock (a send only queues): a request that winds down meanwhile
         // is either not sent, or sent before the wind-down's `Release`, never after it.
         let sent = {
-            let pending = lock(&self.pending);
-            pending.get(request).map(|p| {
+            let mut pending = lock(&self.pending);
+            pending.get_mut(request).map(|p| {
+                p.links.insert(link.addr.clone(), link.id);
                 let message = if p.release {
                     Message::Release {
                         request: request.to_owned(),
@@ -1022,17 +1030,25 @@ impl Engine {
     fn refused(&self, link: &Link, reasons: Vec<Reason>, message: String) {
         self.rejected(&link.addr, reasons.clone(), message.clone());
         self.remember(link.addr.clone(), reasons.clone(), message.clone());
-        self.forget_peer(&link.addr, reasons, format!("prefill {} refused: {message}", link.addr));
+        self.forget_link(link, reasons, format!("prefill {} refused: {message}", link.addr));
     }
 
-    /// Drops the connection slot of a prefill peer and fails the requests that waited on it
-    /// (each once no other prefill writes into its blocks).
-    fn forget_peer(&self, addr: &str, reasons: Vec<Reason>, message: String) {
-        lock(&self.peers).remove(addr);
-        // A prefill that is gone writes nothing more into requests that are ending.
+    /// Drops a prefill link (its slot, unless another link to the address holds it by now) and
+    /// fails the requests whose registrations went on it (each once no other prefill writes
+    /// into its blocks). A link that gave way ([`Engine::room_for_link`]) may end after its
+    /// engine asked that prefill again: the new link's slot and requests are not this one's.
+    fn forget_link(&self, link: &Link, reasons: Vec<Reason>, message: String) {
+        let addr = link.addr.as_str();
+        {
+            let mut peers = lock(&self.peers);
+            if matches!(peers.get(addr), Some(Slot::Connected(l)) if l.id == link.id) {
+                peers.remove(addr);
+            }
+        }
+        // A prefill whose link is gone writes nothing more into requests that are ending.
         let ending: Vec<String> = lock(&self.cancelled)
             .iter()
-            .filter(|(_, c)| c.waiting.iter().any(|a| a == addr))
+            .filter(|(_, c)| c.waiting.iter().any(|a| a == addr) && c.links.get(addr) == Some(&link.id))
             .map(|(r, _)| r.clone())
             .collect();
         for request in ending {
@@ -1044,7 +1060,7 @@ impl Engine {
                 .iter()
                 // A request whose read from it runs is answered by the read's end (its READs
                 // may still be writing the blocks until then).
-                .filter(|(_, p)| p.waits_on(addr) && !p.read_from(addr))
+                .filter(|(_, p)| p.waits_on(addr) && !p.read_from(addr) && p.sent_on(addr, link.id))
                 .map(|(id, _)| id.clone())
                 .collect();
             ids.into_iter()
@@ -1067,7 +1083,7 @@ impl Engine {
             link.addr,
             crate::reason::peer_text(&link.peer.agent)
         );
-        self.forget_peer(&link.addr, vec![Reason::PeerLost], message);
+        self.forget_link(link, vec![Reason::PeerLost], message);
     }
 
     /// A prefill rank's KV is in place (pushed to us, or read by us in `transfer_us`): verify
@@ -1355,7 +1371,7 @@ impl Engine {
     /// (a peer that answers heartbeats and never the `Release` would hold the engine's blocks
     /// for good); one not linked has sent nothing and writes nothing, and is answered now.
     fn expire_cancelled(&self, now: Instant) {
-        let late: Vec<(String, Vec<String>)> = {
+        let late: Vec<(String, Vec<String>, HashMap<String, u64>)> = {
             let mut cancelled = lock(&self.cancelled);
             cancelled
                 .iter_mut()
@@ -1363,14 +1379,16 @@ impl Engine {
                 .map(|(request, c)| {
                     // Looked at again only if still unanswered a handshake's time later.
                     c.deadline = now + self.handshake_timeout();
-                    (request.clone(), c.waiting.clone())
+                    (request.clone(), c.waiting.clone(), c.links.clone())
                 })
                 .collect()
         };
-        for (request, waiting) in late {
+        for (request, waiting, links) in late {
             for addr in waiting {
+                // The link the request went on, while it holds the slot (one no longer there
+                // was closed: its writes ended).
                 let link = match lock(&self.peers).get(&addr) {
-                    Some(Slot::Connected(link)) => Some(link.clone()),
+                    Some(Slot::Connected(link)) if links.get(&addr) == Some(&link.id) => Some(link.clone()),
                     _ => None,
                 };
                 match link {
@@ -1451,6 +1469,8 @@ pub(super) struct Cancelling {
     pub(super) waiting: Vec<String>,
     /// Pull: those of them whose blocks our own read copies: only its end answers for them.
     pub(super) reading: Vec<String>,
+    /// The link the request went on, by address: only its loss answers for that prefill.
+    pub(super) links: HashMap<String, u64>,
     /// The request's prompt digest, carried by the `Release`s that tell them to stop.
     pub(super) prompt: Option<PromptDigest>,
     /// What the engine hears when none is left (a `Cancel` meanwhile makes it `Cancelled`).
