@@ -350,6 +350,109 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// A client certificate (for client authentication) and its key, from a new CA; the CA's PEM.
+    fn client_identity() -> (
+        (
+            Vec<rustls::pki_types::CertificateDer<'static>>,
+            rustls::pki_types::PrivateKeyDer<'static>,
+        ),
+        String,
+    ) {
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = rcgen::CertifiedIssuer::self_signed(ca_params, rcgen::KeyPair::generate().expect("key")).expect("CA");
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(vec!["kube-apiserver".to_string()]).expect("params");
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = params.signed_by(&key, &ca).expect("signed");
+        let key = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).expect("key der");
+        ((vec![cert.der().clone()], key), ca.pem())
+    }
+
+    /// An HTTP GET of `/` at `at` over TLS (trusting `server_ca`), presenting `client` or no
+    /// certificate: the answer's status line, or `None` when the handshake or the exchange failed.
+    async fn get(
+        at: std::net::SocketAddr,
+        server_ca: &str,
+        client: Option<(
+            Vec<rustls::pki_types::CertificateDer<'static>>,
+            rustls::pki_types::PrivateKeyDer<'static>,
+        )>,
+    ) -> Option<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut roots = RootCertStore::empty();
+        for c in rustls_pemfile::certs(&mut server_ca.as_bytes()) {
+            roots.add(c.expect("CA")).expect("root");
+        }
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(provider::default_provider()))
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(roots);
+        let config = match client {
+            Some((chain, key)) => builder.with_client_auth_cert(chain, key).expect("client auth"),
+            None => builder.with_no_client_auth(),
+        };
+        let tcp = tokio::net::TcpStream::connect(at).await.ok()?;
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
+        let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(name, tcp)
+            .await
+            .ok()?;
+        tls.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut answer = Vec::new();
+        tls.read_to_end(&mut answer).await.ok()?;
+        String::from_utf8_lossy(&answer).lines().next().map(str::to_owned)
+    }
+
+    #[tokio::test]
+    async fn with_a_client_ca_only_callers_holding_its_certificate_are_served() {
+        let dir = std::env::temp_dir().join(format!("pdpair-tls-clients-{}", std::process::id()));
+        let files = generate(&dir, &["127.0.0.1".into()]).expect("generate");
+        let (api_server, ca) = client_identity();
+        let (stranger, _) = client_identity();
+        let ca_file = dir.join("client-ca.crt");
+        std::fs::write(&ca_file, ca).expect("write");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let at = listener.local_addr().expect("addr");
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let router = Router::new().route("/", axum::routing::get(|| async { "ok" }));
+        let server = tokio::spawn(serve(
+            listener,
+            Reloader::new(files.cert.clone(), files.key.clone()).expect("load"),
+            Some(client_verifier(&ca_file).expect("verifier")),
+            router,
+            Arc::clone(&metrics),
+        ));
+        assert_eq!(get(at, &files.ca_pem, None).await, None, "no certificate");
+        assert_eq!(
+            get(at, &files.ca_pem, Some(stranger)).await,
+            None,
+            "another CA's certificate"
+        );
+        assert_eq!(
+            get(at, &files.ca_pem, Some(api_server)).await.as_deref(),
+            Some("HTTP/1.1 200 OK"),
+            "the API server's"
+        );
+        // Counted once the server's side of each failed handshake ends (just after the client's).
+        let counted = || {
+            metrics
+                .render()
+                .contains("pdpair_operator_webhook_tls_failures_total 2")
+        };
+        for _ in 0..100 {
+            if counted() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(counted(), "{}", metrics.render());
+        server.abort();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn load_names_the_file_on_error() {
         let e = load(Path::new("/nonexistent/tls.crt"), Path::new("/nonexistent/tls.key")).expect_err("missing");
