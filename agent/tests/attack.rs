@@ -3393,6 +3393,41 @@ fn a_decode_engine_keeps_a_bounded_number_of_prefill_links_and_the_least_used_gi
     assert!(closed.recv_timeout(Duration::from_millis(500)).is_err(), "and only it");
 }
 
+#[test]
+fn a_decode_engine_naming_addresses_that_never_answer_does_not_keep_its_neighbours_from_linking() {
+    // A decode agent keeps at most DIALS_PER_HOST dials in flight to one host (a prefill agent
+    // resets a source's connections past its pre-auth places). An insider engine naming that
+    // many addresses on a prefill's host where nothing answers held every place for its own
+    // handshake timeout, and the node's other engines could not link to that host meanwhile.
+    let _serial = serial();
+    let w = World::new("attack-stuck-dials");
+    let (ps, ds) = (w.agent("p", Transport::Tcp, false), w.agent("d", Transport::Tcp, false));
+    let mut s = spec(Role::Decode, "insider", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    (s.handshake_timeout_ms, s.lease_ms) = (30_000, 30_000);
+    let mut insider = SyntheticEngine::register(&ds, &w.dir, &s).expect("insider");
+    // Listeners that never accept: the kernel completes each connection, and nothing answers.
+    let mute: Vec<TcpListener> = (0..pdpair_agent::agent::DIALS_PER_HOST)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect();
+    for (i, l) in (0u32..).zip(&mute) {
+        expect_kv(
+            &mut insider,
+            &format!("stuck{i}"),
+            l.local_addr().expect("addr").to_string(),
+            &[i],
+            64,
+        );
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    // A neighbour on the same agent, its handshake timeout 2 s, asks a real prefill engine on
+    // that host (loopback) meanwhile: served.
+    let mut p = w.engine(&ps, Role::Prefill, "p0", KEY);
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    let (event, bad) = request(&mut p, &mut d, Req::from_start("neighbour", 5, 100, 2));
+    assert!(done(&event) && bad == 0, "{event:?}, {bad} bad tokens");
+    drop(mute);
+}
+
 /// An insider prefill agent `i` listening at a new loopback address (returned): each connection
 /// it accepts handshakes (offering a stream address, as a prefill agent without RDMA does, which
 /// push never dials), reports each `Register` to `registered` as (`i`, request), answers pings,

@@ -7,7 +7,7 @@ use std::{
     collections::HashMap,
     net::{IpAddr, SocketAddr},
     sync::{Condvar, Mutex},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use crate::lock;
@@ -111,12 +111,30 @@ impl Dialable {
 /// not yet seen authenticate after this side finished.
 pub const DIALS_PER_HOST: usize = super::MAX_UNAUTHENTICATED_PER_SOURCE / 2;
 
+/// How long a dial holds its place at most: one still in its handshake after this no longer
+/// keeps another from dialling. A real prefill agent answers within milliseconds (and frees its
+/// pre-auth place once the proof is checked), so a dial past it is stuck at something that does
+/// not answer: an address a decode engine named on the prefill's host where no prefill agent
+/// listens, or a prefill agent that stopped. Without it one engine naming a few such addresses
+/// held every place to that host for its handshake timeout, and the node's other engines could
+/// not link to the host's prefill engines meanwhile.
+pub const DIAL_PLACE_HELD: Duration = Duration::from_secs(1);
+
 /// Dials in flight per prefill host, shared by all engines of an agent (a prefill agent counts
 /// them by source address, which is the node's).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct DialGate {
-    in_flight: Mutex<HashMap<IpAddr, usize>>,
+    /// When each dial in flight to a host took its place.
+    in_flight: Mutex<HashMap<IpAddr, Vec<Instant>>>,
     freed: Condvar,
+    /// [`DIAL_PLACE_HELD`] (shorter in unit tests).
+    held: Duration,
+}
+
+impl Default for DialGate {
+    fn default() -> DialGate {
+        DialGate::holding(DIAL_PLACE_HELD)
+    }
 }
 
 /// A place to dial one host, given back when dropped.
@@ -124,28 +142,45 @@ pub(crate) struct DialGate {
 pub(crate) struct DialPass<'a> {
     gate: &'a DialGate,
     host: IpAddr,
+    since: Instant,
 }
 
 impl DialGate {
-    /// A place to dial `host`, waiting for one until `until` at most; `Err` naming the host
-    /// when none was freed in time (the dials ahead of it each end within their handshake
-    /// timeout, so this waits that long only behind prefill agents that do not answer).
+    fn holding(held: Duration) -> DialGate {
+        DialGate {
+            in_flight: Mutex::new(HashMap::new()),
+            freed: Condvar::new(),
+            held,
+        }
+    }
+
+    /// A place to dial `host`, waiting until fewer than [`DIALS_PER_HOST`] dials to it took
+    /// theirs within the last [`DIAL_PLACE_HELD`], and until `until` at most; `Err` naming the
+    /// host when none was freed in time.
     pub(crate) fn enter(&self, host: IpAddr, until: Instant) -> Result<DialPass<'_>, String> {
         let host = host.to_canonical();
         let mut in_flight = lock(&self.in_flight);
         loop {
-            let n = in_flight.entry(host).or_insert(0);
-            if *n < DIALS_PER_HOST {
-                *n += 1;
-                return Ok(DialPass { gate: self, host });
+            let now = Instant::now();
+            let held = in_flight.entry(host).or_default();
+            let fresh = held.iter().filter(|at| now.duration_since(**at) < self.held);
+            if fresh.clone().count() < DIALS_PER_HOST {
+                held.push(now);
+                return Ok(DialPass {
+                    gate: self,
+                    host,
+                    since: now,
+                });
             }
-            let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            // Until a place is given back, or the most recent one goes stale.
+            let stale_at = fresh.max().map_or(now, |at| *at + self.held);
+            let wake = stale_at.min(until).saturating_duration_since(now);
+            if until <= now {
                 return Err(format!(
                     "{DIALS_PER_HOST} dials to prefill host {host} are in flight already and none ended in time"
                 ));
             }
-            in_flight = match self.freed.wait_timeout(in_flight, left) {
+            in_flight = match self.freed.wait_timeout(in_flight, wake) {
                 Ok((guard, _)) => guard,
                 Err(poisoned) => poisoned.into_inner().0,
             };
@@ -154,16 +189,18 @@ impl DialGate {
 
     #[cfg(test)]
     fn in_flight(&self, host: IpAddr) -> usize {
-        lock(&self.in_flight).get(&host.to_canonical()).copied().unwrap_or(0)
+        lock(&self.in_flight).get(&host.to_canonical()).map_or(0, Vec::len)
     }
 }
 
 impl Drop for DialPass<'_> {
     fn drop(&mut self) {
         let mut in_flight = lock(&self.gate.in_flight);
-        if let Some(n) = in_flight.get_mut(&self.host) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
+        if let Some(held) = in_flight.get_mut(&self.host) {
+            if let Some(i) = held.iter().position(|at| *at == self.since) {
+                held.swap_remove(i);
+            }
+            if held.is_empty() {
                 in_flight.remove(&self.host);
             }
         }
@@ -174,8 +211,6 @@ impl Drop for DialPass<'_> {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     #[test]
@@ -264,5 +299,27 @@ mod tests {
             );
         });
         assert_eq!(gate.in_flight(a), 0, "every pass given back");
+    }
+
+    #[test]
+    fn dials_stuck_past_the_hold_keep_no_one_waiting() {
+        let gate = DialGate::holding(Duration::from_millis(100));
+        let a: IpAddr = "10.0.0.7".parse().expect("ip");
+        let far = || Instant::now() + Duration::from_secs(10);
+        let stuck: Vec<DialPass<'_>> = (0..DIALS_PER_HOST)
+            .map(|_| gate.enter(a, far()).expect("a place"))
+            .collect();
+        let asked = Instant::now();
+        let next = gate.enter(a, far()).expect("a place once the others are stale");
+        let waited = asked.elapsed();
+        assert!(
+            waited >= Duration::from_millis(90) && waited < Duration::from_secs(5),
+            "waited {waited:?}"
+        );
+        // The stuck ones still count once they end; the new one is fresh.
+        assert_eq!(gate.in_flight(a), DIALS_PER_HOST + 1);
+        drop(stuck);
+        drop(next);
+        assert_eq!(gate.in_flight(a), 0);
     }
 }
