@@ -37,7 +37,7 @@ pub use prefill::{
 mod publish;
 
 use dials::Dialable;
-pub use dials::{DIAL_PLACE_HELD, DIALS_PER_HOST};
+pub use dials::{DIAL_PLACE_HELD, DIALS_PER_ENGINE_HOST, DIALS_PER_HOST};
 use prefill::Matching;
 
 pub use publish::{Publisher, endpoint_name};

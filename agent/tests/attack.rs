@@ -3396,9 +3396,11 @@ fn a_decode_engine_keeps_a_bounded_number_of_prefill_links_and_the_least_used_gi
 #[test]
 fn a_decode_engine_naming_addresses_that_never_answer_does_not_keep_its_neighbours_from_linking() {
     // A decode agent keeps at most DIALS_PER_HOST dials in flight to one host (a prefill agent
-    // resets a source's connections past its pre-auth places). An insider engine naming that
-    // many addresses on a prefill's host where nothing answers held every place for its own
-    // handshake timeout, and the node's other engines could not link to that host meanwhile.
+    // resets a source's connections past its pre-auth places). An insider engine naming
+    // addresses on a prefill's host where nothing answers held every place for its own
+    // handshake timeout (and, with places given up after DIAL_PLACE_HELD, took each again as it
+    // went stale), and the node's other engines could not link to that host meanwhile. It now
+    // holds half the places at most, each for DIAL_PLACE_HELD at most.
     let _serial = serial();
     let w = World::new("attack-stuck-dials");
     let (ps, ds) = (w.agent("p", Transport::Tcp, false), w.agent("d", Transport::Tcp, false));
@@ -3406,7 +3408,7 @@ fn a_decode_engine_naming_addresses_that_never_answer_does_not_keep_its_neighbou
     (s.handshake_timeout_ms, s.lease_ms) = (30_000, 30_000);
     let mut insider = SyntheticEngine::register(&ds, &w.dir, &s).expect("insider");
     // Listeners that never accept: the kernel completes each connection, and nothing answers.
-    let mute: Vec<TcpListener> = (0..pdpair_agent::agent::DIALS_PER_HOST)
+    let mute: Vec<TcpListener> = (0..60)
         .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
         .collect();
     for (i, l) in (0u32..).zip(&mute) {

@@ -120,12 +120,16 @@ pub const DIALS_PER_HOST: usize = super::MAX_UNAUTHENTICATED_PER_SOURCE / 2;
 /// not link to the host's prefill engines meanwhile.
 pub const DIAL_PLACE_HELD: Duration = Duration::from_secs(1);
 
+/// Of those places, one engine holds at most this many at once: an engine naming many
+/// addresses where nothing answers cannot take every place as each goes stale.
+pub const DIALS_PER_ENGINE_HOST: usize = DIALS_PER_HOST / 2;
+
 /// Dials in flight per prefill host, shared by all engines of an agent (a prefill agent counts
 /// them by source address, which is the node's).
 #[derive(Debug)]
 pub(crate) struct DialGate {
-    /// When each dial in flight to a host took its place.
-    in_flight: Mutex<HashMap<IpAddr, Vec<Instant>>>,
+    /// When each dial in flight to a host took its place, and for which engine.
+    in_flight: Mutex<HashMap<IpAddr, Vec<(Instant, u64)>>>,
     freed: Condvar,
     /// [`DIAL_PLACE_HELD`] (shorter in unit tests).
     held: Duration,
@@ -143,6 +147,7 @@ pub(crate) struct DialPass<'a> {
     gate: &'a DialGate,
     host: IpAddr,
     since: Instant,
+    engine: u64,
 }
 
 impl DialGate {
@@ -154,26 +159,35 @@ impl DialGate {
         }
     }
 
-    /// A place to dial `host`, waiting until fewer than [`DIALS_PER_HOST`] dials to it took
-    /// theirs within the last [`DIAL_PLACE_HELD`], and until `until` at most; `Err` naming the
-    /// host when none was freed in time.
-    pub(crate) fn enter(&self, host: IpAddr, until: Instant) -> Result<DialPass<'_>, String> {
+    /// A place for `engine` to dial `host`, waiting until fewer than [`DIALS_PER_HOST`] dials
+    /// to it (and fewer than [`DIALS_PER_ENGINE_HOST`] of the engine's) took theirs within the
+    /// last [`DIAL_PLACE_HELD`], and until `until` at most; `Err` naming the host when none was
+    /// freed in time.
+    pub(crate) fn enter(&self, host: IpAddr, engine: u64, until: Instant) -> Result<DialPass<'_>, String> {
         let host = host.to_canonical();
         let mut in_flight = lock(&self.in_flight);
         loop {
             let now = Instant::now();
             let held = in_flight.entry(host).or_default();
-            let fresh = held.iter().filter(|at| now.duration_since(**at) < self.held);
-            if fresh.clone().count() < DIALS_PER_HOST {
-                held.push(now);
+            let fresh: Vec<&(Instant, u64)> = held
+                .iter()
+                .filter(|(at, _)| now.duration_since(*at) < self.held)
+                .collect();
+            let own = fresh.iter().filter(|(_, e)| *e == engine).count();
+            if fresh.len() < DIALS_PER_HOST && own < DIALS_PER_ENGINE_HOST {
+                held.push((now, engine));
                 return Ok(DialPass {
                     gate: self,
                     host,
                     since: now,
+                    engine,
                 });
             }
-            // Until a place is given back, or the most recent one goes stale.
-            let stale_at = fresh.max().map_or(now, |at| *at + self.held);
+            // Until a place is given back, or the most recent of those in the way goes stale.
+            let in_the_way = fresh
+                .iter()
+                .filter(|(_, e)| fresh.len() >= DIALS_PER_HOST || *e == engine);
+            let stale_at = in_the_way.map(|(at, _)| *at).max().map_or(now, |at| at + self.held);
             let wake = stale_at.min(until).saturating_duration_since(now);
             if until <= now {
                 return Err(format!(
@@ -197,7 +211,7 @@ impl Drop for DialPass<'_> {
     fn drop(&mut self) {
         let mut in_flight = lock(&self.gate.in_flight);
         if let Some(held) = in_flight.get_mut(&self.host) {
-            if let Some(i) = held.iter().position(|at| *at == self.since) {
+            if let Some(i) = held.iter().position(|p| *p == (self.since, self.engine)) {
                 held.swap_remove(i);
             }
             if held.is_empty() {
@@ -280,16 +294,31 @@ mod tests {
         let gate = DialGate::default();
         let (a, b): (IpAddr, IpAddr) = ("10.0.0.7".parse().expect("ip"), "10.0.0.8".parse().expect("ip"));
         let soon = || Instant::now() + Duration::from_millis(50);
-        let held: Vec<DialPass<'_>> = (0..DIALS_PER_HOST)
-            .map(|_| gate.enter(a, soon()).expect("a place"))
-            .collect();
-        let refused = gate.enter(a, soon()).expect_err("no place left");
+        // One engine takes what it can: part of the host's places, not all.
+        let mut held = Vec::new();
+        let refused = loop {
+            match gate.enter(a, 1, soon()) {
+                Ok(pass) => held.push(pass),
+                Err(e) => break e,
+            }
+        };
         assert!(refused.contains("10.0.0.7"), "{refused}");
+        assert!(
+            !held.is_empty() && held.len() < DIALS_PER_HOST,
+            "one engine held {} of {DIALS_PER_HOST}",
+            held.len()
+        );
+        // Another engine takes the rest.
+        while let Ok(pass) = gate.enter(a, 2, soon()) {
+            held.push(pass);
+        }
+        assert_eq!(held.len(), DIALS_PER_HOST);
+        assert!(gate.enter(a, 3, soon()).is_err(), "no place left for anyone");
         // The same host written as an IPv4-mapped IPv6 address is the same source there.
-        assert!(gate.enter("::ffff:10.0.0.7".parse().expect("ip"), soon()).is_err());
-        assert!(gate.enter(b, soon()).is_ok(), "another host has its own places");
+        assert!(gate.enter("::ffff:10.0.0.7".parse().expect("ip"), 3, soon()).is_err());
+        assert!(gate.enter(b, 1, soon()).is_ok(), "another host has its own places");
         std::thread::scope(|s| {
-            let waiting = s.spawn(|| gate.enter(a, Instant::now() + Duration::from_secs(10)).map(drop));
+            let waiting = s.spawn(|| gate.enter(a, 3, Instant::now() + Duration::from_secs(10)).map(drop));
             std::thread::sleep(Duration::from_millis(20));
             drop(held);
             assert_eq!(
@@ -307,10 +336,10 @@ mod tests {
         let a: IpAddr = "10.0.0.7".parse().expect("ip");
         let far = || Instant::now() + Duration::from_secs(10);
         let stuck: Vec<DialPass<'_>> = (0..DIALS_PER_HOST)
-            .map(|_| gate.enter(a, far()).expect("a place"))
+            .map(|i| gate.enter(a, i as u64, far()).expect("a place"))
             .collect();
         let asked = Instant::now();
-        let next = gate.enter(a, far()).expect("a place once the others are stale");
+        let next = gate.enter(a, 9, far()).expect("a place once the others are stale");
         let waited = asked.elapsed();
         assert!(
             waited >= Duration::from_millis(90) && waited < Duration::from_secs(5),
