@@ -650,6 +650,9 @@ class WorkerState:
                 stager.close()
                 return
             old = self.client
+            # Watched before it is this rank's: whoever sees it as `self.client` (without the
+            # lock) finds it watched.
+            client.on_close = self._on_close
             self.client, self.stager, self._reconnector = client, stager, None
             self.lost, self._lost_at = None, 0.0
             self.reconnections += 1
@@ -658,7 +661,6 @@ class WorkerState:
                 self._new_address = client.address
             log.warning("pdpair: rank %d registered with its agent again%s; its KV moves again", self.rank,
                         f" (now at {client.address})" if client.address else "")
-            client.on_close = self._on_close
             if client.closed is not None:  # ended before it was watched
                 self._begin_reconnect()
 
