@@ -3360,25 +3360,15 @@ fn a_decode_engine_keeps_a_bounded_number_of_prefill_links_and_the_least_used_gi
     // its agent keep links without end. Past the bound the link used least recently goes.
     use pdpair_agent::agent::MAX_PREFILL_LINKS;
     let _serial = serial();
-    pdpair_agent::tuning::raise_fd_limit().expect("descriptors for a thousand links");
-    let w = World::new("attack-prefill-links");
-    // Over tcp (the KV stream): the insiders' addresses are stream addresses, which no UCX
-    // probe has to try (a thousand probes of one refused address took minutes on UCX 1.22).
-    let ds = w.agent("d", Transport::Tcp, false);
-    // Requests that outlast the test: none ends (and touches its link) meanwhile.
-    let mut s = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
-    (s.handshake_timeout_ms, s.lease_ms) = (60_000, 60_000);
-    let mut d = SyntheticEngine::register(&ds, &w.dir, &s).expect("decode");
-    let (registered_tx, registered) = std::sync::mpsc::channel();
-    let (closed_tx, closed) = std::sync::mpsc::channel::<usize>();
-    for i in 0..MAX_PREFILL_LINKS {
-        let address = pinging_insider(i, registered_tx.clone(), closed_tx.clone());
-        expect_kv(&mut d, &format!("r{i}"), address, &[1, 2], 100);
-        let (at, _) = registered
-            .recv_timeout(Duration::from_secs(20))
-            .expect("linked and registered");
-        assert_eq!(at, i);
-    }
+    let FullOfLinks {
+        w: _w,
+        mut d,
+        registered,
+        registered_tx,
+        closed,
+        closed_tx,
+        ..
+    } = full_of_links("attack-prefill-links");
     assert!(closed.try_recv().is_err(), "every link is held");
     // One more: the link used least recently (the first) goes, and the new one is made.
     let address = pinging_insider(MAX_PREFILL_LINKS, registered_tx.clone(), closed_tx.clone());
@@ -3428,6 +3418,52 @@ fn a_decode_engine_naming_addresses_that_never_answer_does_not_keep_its_neighbou
     let (event, bad) = request(&mut p, &mut d, Req::from_start("neighbour", 5, 100, 2));
     assert!(done(&event) && bad == 0, "{event:?}, {bad} bad tokens");
     drop(mute);
+}
+
+/// A decode engine linked to [`pdpair_agent::agent::MAX_PREFILL_LINKS`] insiders
+/// ([`pinging_insider`], `i` at `addresses[i]`), each holding its request `r{i}`, registered in
+/// that order.
+struct FullOfLinks {
+    w: World,
+    d: SyntheticEngine,
+    addresses: Vec<String>,
+    registered: std::sync::mpsc::Receiver<(usize, String)>,
+    registered_tx: std::sync::mpsc::Sender<(usize, String)>,
+    closed: std::sync::mpsc::Receiver<usize>,
+    closed_tx: std::sync::mpsc::Sender<usize>,
+}
+
+fn full_of_links(name: &str) -> FullOfLinks {
+    pdpair_agent::tuning::raise_fd_limit().expect("descriptors for a thousand links");
+    let w = World::new(name);
+    // Over tcp (the KV stream): the insiders' addresses are stream addresses, which no UCX
+    // probe has to try (a thousand probes of one refused address took minutes on UCX 1.22).
+    let ds = w.agent("d", Transport::Tcp, false);
+    // Requests that outlast the test: none ends (and touches its link) meanwhile.
+    let mut s = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    (s.handshake_timeout_ms, s.lease_ms) = (60_000, 60_000);
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &s).expect("decode");
+    let (registered_tx, registered) = std::sync::mpsc::channel();
+    let (closed_tx, closed) = std::sync::mpsc::channel::<usize>();
+    let mut addresses = Vec::new();
+    for i in 0..pdpair_agent::agent::MAX_PREFILL_LINKS {
+        let address = pinging_insider(i, registered_tx.clone(), closed_tx.clone());
+        expect_kv(&mut d, &format!("r{i}"), address.clone(), &[1, 2], 100);
+        let (at, _) = registered
+            .recv_timeout(Duration::from_secs(20))
+            .expect("linked and registered");
+        assert_eq!(at, i);
+        addresses.push(address);
+    }
+    FullOfLinks {
+        w,
+        d,
+        addresses,
+        registered,
+        registered_tx,
+        closed,
+        closed_tx,
+    }
 }
 
 /// An insider prefill agent `i` listening at a new loopback address (returned): each connection
@@ -3483,23 +3519,15 @@ fn a_link_that_gave_way_takes_nothing_from_the_new_link_to_the_same_prefill() {
     // and failed every request waiting on the address: the new link's too.
     use pdpair_agent::agent::MAX_PREFILL_LINKS;
     let _serial = serial();
-    pdpair_agent::tuning::raise_fd_limit().expect("descriptors for a thousand links");
-    let w = World::new("attack-link-gave-way");
-    let ds = w.agent("d", Transport::Tcp, false);
-    let mut s = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
-    (s.handshake_timeout_ms, s.lease_ms) = (60_000, 60_000);
-    let mut d = SyntheticEngine::register(&ds, &w.dir, &s).expect("decode");
-    let (registered_tx, registered) = std::sync::mpsc::channel();
-    let (closed_tx, _closed) = std::sync::mpsc::channel::<usize>();
-    let mut addresses = Vec::new();
-    for i in 0..MAX_PREFILL_LINKS {
-        let address = pinging_insider(i, registered_tx.clone(), closed_tx.clone());
-        expect_kv(&mut d, &format!("r{i}"), address.clone(), &[1, 2], 100);
-        registered
-            .recv_timeout(Duration::from_secs(20))
-            .expect("linked and registered");
-        addresses.push(address);
-    }
+    let FullOfLinks {
+        w: _w,
+        mut d,
+        addresses,
+        registered,
+        registered_tx,
+        closed_tx,
+        ..
+    } = full_of_links("attack-link-gave-way");
     // Each round: a new prefill takes the place of the least used link (2r: links were used in
     // order, and each round's two new ones are the most recent), and at once the engine asks
     // that prefill again (its new link takes 2r+1's place).
