@@ -37,7 +37,7 @@ pub use prefill::{
 mod publish;
 
 use dials::Dialable;
-pub use dials::{DIAL_PLACE_HELD, DIALS_PER_ENGINE_HOST, DIALS_PER_HOST};
+pub use dials::{DIAL_PLACE_HELD, DIALS_PER_HOST, DIALS_PER_OWNER_HOST};
 use prefill::Matching;
 
 pub use publish::{Publisher, endpoint_name};
@@ -1217,6 +1217,8 @@ struct Engine {
     outboxes: Arc<Outboxes>,
     /// This registration's id in `Shared::locals`.
     local_id: u64,
+    /// Whose share of the dial places to a prefill host its dials take: its Pod's where attested.
+    dial_owner: dials::DialOwner,
     /// Where its blocks are, for windows ([`Engine::arrays`]).
     arrays: std::sync::OnceLock<Option<Arc<crate::transport::stream::Arrays>>>,
 }
@@ -1266,6 +1268,7 @@ impl Engine {
                 layout.regions.len()
             ));
         }
+        let mut pod_uid = None;
         if let Some(attestor) = &shared.cfg.attestor {
             // Who connected, as the kernel recorded it at connect and its cgroup said as the
             // connection was accepted (not what the engine says).
@@ -1274,6 +1277,7 @@ impl Engine {
                 .check(&reg, peer)
                 .map_err(|e| format!("engine attestation refused the registration: {e}"))?;
             tracing::info!(engine = %reg.engine, pod_uid = %pod.uid, container = ?pod.container, "engine attested");
+            pod_uid = Some(pod.uid);
         }
         // What the engine cannot know comes from the PDPair; what it says must agree with it.
         let pair = match &shared.cfg.attestor {
@@ -1388,6 +1392,7 @@ impl Engine {
             memory,
         };
         let outboxes = shared.outboxes.of(&reg.pdpair);
+        let local_id = next_link_id();
         let engine = Arc::new(Engine {
             shared,
             reg,
@@ -1412,7 +1417,11 @@ impl Engine {
             arrays: std::sync::OnceLock::new(),
             accepted: Mutex::new(Vec::new()),
             outboxes,
-            local_id: next_link_id(),
+            local_id,
+            dial_owner: match pod_uid {
+                Some(uid) => dials::DialOwner::Pod(uid.into()),
+                None => dials::DialOwner::Engine(local_id),
+            },
         });
         {
             let mut locals = lock(&engine.shared.locals);

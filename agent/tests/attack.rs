@@ -3420,6 +3420,53 @@ fn a_decode_engine_naming_addresses_that_never_answer_does_not_keep_its_neighbou
     drop(mute);
 }
 
+#[test]
+fn decode_engines_of_one_insider_naming_addresses_that_never_answer_do_not_keep_a_neighbour_waiting() {
+    // One engine holds at most half the dial places to a host; an insider with several engines
+    // (several ranks, or several Pods) held every place between them, and as each went stale a
+    // neighbour's dial competed for it with every one of theirs waiting (up to MAX_DIALS an
+    // engine): it ran out its handshake timeout. A waiting dial of an owner holding fewer places
+    // now goes first, so the neighbour takes the first place that frees.
+    let _serial = serial();
+    let w = World::new("attack-stuck-dials-many");
+    let (ps, ds) = (w.agent("p", Transport::Tcp, false), w.agent("d", Transport::Tcp, false));
+    let mute: Vec<TcpListener> = (0..120)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect();
+    let mut insiders = Vec::new();
+    for (e, addrs) in mute.chunks(40).enumerate() {
+        let mut s = spec(
+            Role::Decode,
+            &format!("insider{e}"),
+            kv(64, None),
+            KEY,
+            ChecksumPolicy::FailClosed,
+        );
+        (s.handshake_timeout_ms, s.lease_ms) = (30_000, 30_000);
+        let mut insider = SyntheticEngine::register(&ds, &w.dir, &s).expect("insider");
+        for (i, l) in (0u32..).zip(addrs) {
+            expect_kv(
+                &mut insider,
+                &format!("stuck{i}"),
+                l.local_addr().expect("addr").to_string(),
+                &[i],
+                64,
+            );
+        }
+        insiders.push(insider);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    // Neighbours on the same agent, each its handshake timeout 2 s, ask a real prefill engine on
+    // that host in turn meanwhile: each is served.
+    let mut p = w.engine(&ps, Role::Prefill, "p0", KEY);
+    for n in 0..3 {
+        let mut d = w.engine(&ds, Role::Decode, &format!("d{n}"), KEY);
+        let (event, bad) = request(&mut p, &mut d, Req::from_start(&format!("neighbour{n}"), 5, 100, 2));
+        assert!(done(&event) && bad == 0, "neighbour {n}: {event:?}, {bad} bad tokens");
+    }
+    drop(mute);
+}
+
 /// A decode engine linked to [`pdpair_agent::agent::MAX_PREFILL_LINKS`] insiders
 /// ([`pinging_insider`], `i` at `addresses[i]`), each holding its request `r{i}`, registered in
 /// that order.

@@ -778,7 +778,11 @@ impl Engine {
         let _pass = self
             .shared
             .dials
-            .enter(sock.ip(), self.local_id, Instant::now() + self.handshake_timeout())
+            .enter(
+                sock.ip(),
+                self.dial_owner.clone(),
+                Instant::now() + self.handshake_timeout(),
+            )
             .map_err(|m| wire::FrameError::from(io::Error::new(io::ErrorKind::TimedOut, m)))?;
         let stream = TcpStream::connect_timeout(&sock, self.handshake_timeout()).map_err(wire::FrameError::from)?;
         stream.set_nodelay(true).map_err(wire::FrameError::from)?;

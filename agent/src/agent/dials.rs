@@ -120,19 +120,66 @@ pub const DIALS_PER_HOST: usize = super::MAX_UNAUTHENTICATED_PER_SOURCE / 2;
 /// not link to the host's prefill engines meanwhile.
 pub const DIAL_PLACE_HELD: Duration = Duration::from_secs(1);
 
-/// Of those places, one engine holds at most this many at once: an engine naming many
-/// addresses where nothing answers cannot take every place as each goes stale.
-pub const DIALS_PER_ENGINE_HOST: usize = DIALS_PER_HOST / 2;
+/// Of those places, one owner ([`DialOwner`]) holds at most this many at once: an engine
+/// naming many addresses where nothing answers cannot take every place as each goes stale.
+pub const DIALS_PER_OWNER_HOST: usize = DIALS_PER_HOST / 2;
+
+/// Whose dial it is, for the fair share of places: the engine's Pod where the agent attests its
+/// engines (the ranks of one Pod share one share, so a Pod with many engines gets no more than
+/// a Pod with one), otherwise the engine registration.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum DialOwner {
+    Pod(std::sync::Arc<str>),
+    Engine(u64),
+}
 
 /// Dials in flight per prefill host, shared by all engines of an agent (a prefill agent counts
-/// them by source address, which is the node's).
+/// them by source address, which is the node's). A free place goes to the waiting dial whose
+/// owner holds the fewest, the longest waiting among those: owners holding places (an insider's
+/// engines or Pods naming addresses where nothing answers, each taking a place again as one goes
+/// stale) cannot keep one holding none waiting past the next place to free, however many dials
+/// they have waiting.
 #[derive(Debug)]
 pub(crate) struct DialGate {
-    /// When each dial in flight to a host took its place, and for which engine.
-    in_flight: Mutex<HashMap<IpAddr, Vec<(Instant, u64)>>>,
+    hosts: Mutex<HashMap<IpAddr, Host>>,
     freed: Condvar,
     /// [`DIAL_PLACE_HELD`] (shorter in unit tests).
     held: Duration,
+    /// The next waiting dial's number (its place in line).
+    tickets: std::sync::atomic::AtomicU64,
+}
+
+/// One prefill host's places.
+#[derive(Debug, Default)]
+struct Host {
+    /// When each dial in flight took its place, and whose.
+    held: Vec<(Instant, DialOwner)>,
+    /// Dials waiting for a place, by owner, each owner's in the order they came (tickets
+    /// rise): the choice of the next looks at each owner's first only, however many wait.
+    waiting: HashMap<DialOwner, std::collections::VecDeque<u64>>,
+}
+
+impl Host {
+    /// `ticket` of `owner` waits no more.
+    fn leave(&mut self, owner: &DialOwner, ticket: u64) {
+        if let Some(line) = self.waiting.get_mut(owner) {
+            line.retain(|t| *t != ticket);
+            if line.is_empty() {
+                self.waiting.remove(owner);
+            }
+        }
+    }
+
+    /// Places taken within the last `held`, by owner.
+    fn fresh(&self, now: Instant, held: Duration) -> (usize, HashMap<&DialOwner, usize>) {
+        let mut by = HashMap::new();
+        let mut all = 0;
+        for (_, owner) in self.held.iter().filter(|(at, _)| now.duration_since(*at) < held) {
+            *by.entry(owner).or_insert(0) += 1;
+            all += 1;
+        }
+        (all, by)
+    }
 }
 
 impl Default for DialGate {
@@ -147,54 +194,83 @@ pub(crate) struct DialPass<'a> {
     gate: &'a DialGate,
     host: IpAddr,
     since: Instant,
-    engine: u64,
+    owner: DialOwner,
 }
 
 impl DialGate {
     fn holding(held: Duration) -> DialGate {
         DialGate {
-            in_flight: Mutex::new(HashMap::new()),
+            hosts: Mutex::new(HashMap::new()),
             freed: Condvar::new(),
             held,
+            tickets: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
-    /// A place for `engine` to dial `host`, waiting until fewer than [`DIALS_PER_HOST`] dials
-    /// to it (and fewer than [`DIALS_PER_ENGINE_HOST`] of the engine's) took theirs within the
-    /// last [`DIAL_PLACE_HELD`], and until `until` at most; `Err` naming the host when none was
-    /// freed in time.
-    pub(crate) fn enter(&self, host: IpAddr, engine: u64, until: Instant) -> Result<DialPass<'_>, String> {
+    /// A place for `owner` to dial `host`, waiting until fewer than [`DIALS_PER_HOST`] dials
+    /// to it (and fewer than [`DIALS_PER_OWNER_HOST`] of the owner's) took theirs within the
+    /// last [`DIAL_PLACE_HELD`], and no dial waiting for it goes first (its owner holding fewer,
+    /// or as many and waiting longer), and until `until` at most; `Err` naming the host when
+    /// none was had in time.
+    pub(crate) fn enter(&self, host: IpAddr, owner: DialOwner, until: Instant) -> Result<DialPass<'_>, String> {
         let host = host.to_canonical();
-        let mut in_flight = lock(&self.in_flight);
+        let ticket = self.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut hosts = lock(&self.hosts);
+        hosts
+            .entry(host)
+            .or_default()
+            .waiting
+            .entry(owner.clone())
+            .or_default()
+            .push_back(ticket);
         loop {
             let now = Instant::now();
-            let held = in_flight.entry(host).or_default();
-            let fresh: Vec<&(Instant, u64)> = held
+            let h = hosts.entry(host).or_default();
+            let (all, by) = h.fresh(now, self.held);
+            let holds = |o: &DialOwner| by.get(o).copied().unwrap_or(0);
+            // The first in line of the dials that may take a place now.
+            let first = h
+                .waiting
                 .iter()
-                .filter(|(at, _)| now.duration_since(*at) < self.held)
-                .collect();
-            let own = fresh.iter().filter(|(_, e)| *e == engine).count();
-            if fresh.len() < DIALS_PER_HOST && own < DIALS_PER_ENGINE_HOST {
-                held.push((now, engine));
+                .filter(|(o, _)| holds(o) < DIALS_PER_OWNER_HOST)
+                .filter_map(|(o, line)| Some((holds(o), *line.front()?)))
+                .min()
+                .map(|(_, t)| t);
+            if all < DIALS_PER_HOST && first == Some(ticket) {
+                h.leave(&owner, ticket);
+                h.held.push((now, owner.clone()));
+                drop(hosts);
+                // Another place may be free for the next in line.
+                self.freed.notify_all();
                 return Ok(DialPass {
                     gate: self,
                     host,
                     since: now,
-                    engine,
+                    owner,
                 });
             }
-            // Until a place is given back, or the most recent of those in the way goes stale.
-            let in_the_way = fresh
-                .iter()
-                .filter(|(_, e)| fresh.len() >= DIALS_PER_HOST || *e == engine);
-            let stale_at = in_the_way.map(|(at, _)| *at).max().map_or(now, |at| at + self.held);
-            let wake = stale_at.min(until).saturating_duration_since(now);
             if until <= now {
+                h.leave(&owner, ticket);
+                if h.held.is_empty() && h.waiting.is_empty() {
+                    hosts.remove(&host);
+                }
+                drop(hosts);
+                // Whoever was behind this one may go now.
+                self.freed.notify_all();
                 return Err(format!(
                     "{DIALS_PER_HOST} dials to prefill host {host} are in flight already and none ended in time"
                 ));
             }
-            in_flight = match self.freed.wait_timeout(in_flight, wake) {
+            // Until a place is given back or taken, or the first of those held goes stale.
+            let stale_at = h
+                .held
+                .iter()
+                .map(|(at, _)| *at + self.held)
+                .filter(|at| *at > now)
+                .min()
+                .unwrap_or(until);
+            let wake = stale_at.min(until).saturating_duration_since(now);
+            hosts = match self.freed.wait_timeout(hosts, wake) {
                 Ok((guard, _)) => guard,
                 Err(poisoned) => poisoned.into_inner().0,
             };
@@ -203,22 +279,22 @@ impl DialGate {
 
     #[cfg(test)]
     fn in_flight(&self, host: IpAddr) -> usize {
-        lock(&self.in_flight).get(&host.to_canonical()).map_or(0, Vec::len)
+        lock(&self.hosts).get(&host.to_canonical()).map_or(0, |h| h.held.len())
     }
 }
 
 impl Drop for DialPass<'_> {
     fn drop(&mut self) {
-        let mut in_flight = lock(&self.gate.in_flight);
-        if let Some(held) = in_flight.get_mut(&self.host) {
-            if let Some(i) = held.iter().position(|p| *p == (self.since, self.engine)) {
-                held.swap_remove(i);
+        let mut hosts = lock(&self.gate.hosts);
+        if let Some(h) = hosts.get_mut(&self.host) {
+            if let Some(i) = h.held.iter().position(|(at, o)| *at == self.since && *o == self.owner) {
+                h.held.swap_remove(i);
             }
-            if held.is_empty() {
-                in_flight.remove(&self.host);
+            if h.held.is_empty() && h.waiting.is_empty() {
+                hosts.remove(&self.host);
             }
         }
-        drop(in_flight);
+        drop(hosts);
         self.gate.freed.notify_all();
     }
 }
@@ -294,10 +370,10 @@ mod tests {
         let gate = DialGate::default();
         let (a, b): (IpAddr, IpAddr) = ("10.0.0.7".parse().expect("ip"), "10.0.0.8".parse().expect("ip"));
         let soon = || Instant::now() + Duration::from_millis(50);
-        // One engine takes what it can: part of the host's places, not all.
+        // One owner takes what it can: part of the host's places, not all.
         let mut held = Vec::new();
         let refused = loop {
-            match gate.enter(a, 1, soon()) {
+            match gate.enter(a, DialOwner::Engine(1), soon()) {
                 Ok(pass) => held.push(pass),
                 Err(e) => break e,
             }
@@ -305,20 +381,32 @@ mod tests {
         assert!(refused.contains("10.0.0.7"), "{refused}");
         assert!(
             !held.is_empty() && held.len() < DIALS_PER_HOST,
-            "one engine held {} of {DIALS_PER_HOST}",
+            "one owner held {} of {DIALS_PER_HOST}",
             held.len()
         );
-        // Another engine takes the rest.
-        while let Ok(pass) = gate.enter(a, 2, soon()) {
+        // Another owner takes the rest.
+        while let Ok(pass) = gate.enter(a, DialOwner::Engine(2), soon()) {
             held.push(pass);
         }
         assert_eq!(held.len(), DIALS_PER_HOST);
-        assert!(gate.enter(a, 3, soon()).is_err(), "no place left for anyone");
+        assert!(
+            gate.enter(a, DialOwner::Engine(3), soon()).is_err(),
+            "no place left for anyone"
+        );
         // The same host written as an IPv4-mapped IPv6 address is the same source there.
-        assert!(gate.enter("::ffff:10.0.0.7".parse().expect("ip"), 3, soon()).is_err());
-        assert!(gate.enter(b, 1, soon()).is_ok(), "another host has its own places");
+        assert!(
+            gate.enter("::ffff:10.0.0.7".parse().expect("ip"), DialOwner::Engine(3), soon())
+                .is_err()
+        );
+        assert!(
+            gate.enter(b, DialOwner::Engine(1), soon()).is_ok(),
+            "another host has its own places"
+        );
         std::thread::scope(|s| {
-            let waiting = s.spawn(|| gate.enter(a, 3, Instant::now() + Duration::from_secs(10)).map(drop));
+            let waiting = s.spawn(|| {
+                gate.enter(a, DialOwner::Engine(3), Instant::now() + Duration::from_secs(10))
+                    .map(drop)
+            });
             std::thread::sleep(Duration::from_millis(20));
             drop(held);
             assert_eq!(
@@ -331,15 +419,62 @@ mod tests {
     }
 
     #[test]
+    fn a_freed_place_goes_to_the_waiting_owner_holding_fewest_then_to_the_longest_waiting() {
+        let gate = DialGate::default();
+        let a: IpAddr = "10.0.0.7".parse().expect("ip");
+        let far = || Instant::now() + Duration::from_secs(10);
+        let (one, two, hog, neighbour) = (
+            DialOwner::Engine(1),
+            DialOwner::Engine(2),
+            DialOwner::Pod("insider".into()),
+            DialOwner::Pod("neighbour".into()),
+        );
+        let _one = gate.enter(a, one.clone(), far()).expect("a place");
+        let _two = gate.enter(a, two, far()).expect("a place");
+        let mut hogged: Vec<_> = (0..DIALS_PER_OWNER_HOST)
+            .map(|_| gate.enter(a, hog.clone(), far()).expect("a place"))
+            .collect();
+        assert_eq!(DIALS_PER_OWNER_HOST + 2, DIALS_PER_HOST, "every place taken");
+        let (got_tx, got) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            // Owner one, holding a place already, waits first; then the neighbour, holding none.
+            for (who, owner) in [("one", one), ("neighbour", neighbour)] {
+                let (gate, got_tx) = (&gate, got_tx.clone());
+                s.spawn(move || {
+                    let pass = gate.enter(a, owner, far());
+                    got_tx.send((who, pass.is_ok())).expect("send");
+                    // Held until the test ends.
+                    std::thread::sleep(Duration::from_millis(300));
+                });
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            hogged.pop();
+            assert_eq!(
+                got.recv_timeout(Duration::from_secs(5)),
+                Ok(("neighbour", true)),
+                "the owner holding none goes first"
+            );
+            assert!(
+                got.recv_timeout(Duration::from_millis(100)).is_err(),
+                "one place freed, one taken"
+            );
+            hogged.pop();
+            assert_eq!(got.recv_timeout(Duration::from_secs(5)), Ok(("one", true)));
+        });
+    }
+
+    #[test]
     fn dials_stuck_past_the_hold_keep_no_one_waiting() {
         let gate = DialGate::holding(Duration::from_millis(100));
         let a: IpAddr = "10.0.0.7".parse().expect("ip");
         let far = || Instant::now() + Duration::from_secs(10);
         let stuck: Vec<DialPass<'_>> = (0..DIALS_PER_HOST)
-            .map(|i| gate.enter(a, i as u64, far()).expect("a place"))
+            .map(|i| gate.enter(a, DialOwner::Engine(i as u64), far()).expect("a place"))
             .collect();
         let asked = Instant::now();
-        let next = gate.enter(a, 9, far()).expect("a place once the others are stale");
+        let next = gate
+            .enter(a, DialOwner::Engine(9), far())
+            .expect("a place once the others are stale");
         let waited = asked.elapsed();
         assert!(
             waited >= Duration::from_millis(90) && waited < Duration::from_secs(5),
