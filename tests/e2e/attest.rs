@@ -11,6 +11,7 @@ use std::{
     io::Write,
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    time::{Duration, Instant},
 };
 
 use pdpair_agent::{
@@ -168,6 +169,59 @@ sys.stdin.read()
     (child, answered)
 }
 
+/// A process of the Pod of `cgroup` that registers, each on a connection of its own, the engines
+/// whose frames `frames` holds (a JSON list per engine: its `RegisterPool`, then its requests),
+/// all of them first, then sends their requests, and keeps the connections open until its stdin
+/// closes. Returns it once every request is sent, and each registration's answer.
+fn engines_holding_requests(
+    cgroup: &Path,
+    socket: &Path,
+    frames: &Path,
+) -> (std::process::Child, Vec<serde_json::Value>) {
+    const SCRIPT: &str = r#"
+import json, os, socket, struct, sys
+with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
+    f.write(str(os.getpid()))
+def send(s, frame):
+    body = json.dumps(frame).encode()
+    s.sendall(struct.pack(">I", len(body)) + body)
+def recv(s):
+    n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
+    return json.loads(s.recv(n, socket.MSG_WAITALL))
+engines = json.load(open(sys.argv[3]))
+held, answers = [], []
+for frames in engines:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[2])
+    send(s, frames[0])
+    answers.append(recv(s))
+    held.append(s)
+for s, frames in zip(held, engines):
+    for frame in frames[1:]:
+        send(s, frame)
+print(json.dumps(answers), flush=True)
+sys.stdin.read()
+"#;
+    let mut child = Command::new("python3")
+        .arg("-c")
+        .arg(SCRIPT)
+        .arg(cgroup)
+        .arg(socket)
+        .arg(frames)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.as_mut().expect("stdout")),
+        &mut line,
+    )
+    .expect("its report");
+    let answers = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    (child, answers)
+}
+
 #[test]
 fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
     let _op = Operator::start("attest");
@@ -296,4 +350,57 @@ fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
         ),
         "must name its Pod",
     );
+    // The dial places to one prefill host are shared by Pods: two engines of one Pod naming
+    // addresses on that host where no agent answers (listeners that accept and never write) hold
+    // DIALS_PER_OWNER_HOST of them together, not each, until those go stale.
+    let mute: Vec<std::net::TcpListener> = (0..20)
+        .map(|_| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.set_nonblocking(true).expect("nonblocking");
+            l
+        })
+        .collect();
+    let engines: Vec<Vec<EngineRequest>> = (0..2)
+        .map(|e| {
+            let mut reg = SyntheticEngine::registration(&spec(Role::Decode), Some("decode-pod".into()), false);
+            reg.engine = format!("ranked{e}");
+            let mut frames = vec![EngineRequest::RegisterPool(Box::new(reg))];
+            for (i, l) in mute.iter().enumerate().skip(e * 10).take(10) {
+                frames.push(EngineRequest::ExpectKv {
+                    request: format!("stuck{i}"),
+                    prefill: l.local_addr().expect("addr").to_string(),
+                    blocks: vec![(i % 4) as u32],
+                    num_tokens: 64,
+                    first_token: 0,
+                    prompt: None,
+                });
+            }
+            frames
+        })
+        .collect();
+    let frames = work.join("ranked-engines.json");
+    std::fs::write(&frames, serde_json::to_vec(&engines).expect("json")).expect("frames");
+    let (mut holder, answers) = engines_holding_requests(&decode_cg.leaf, &socket, &frames);
+    assert!(answers.iter().all(|a| a["type"] == "Registered"), "{answers:?}");
+    // The dials that reached the listeners, counted from the first for half the time a place is
+    // held (so none has gone stale and been taken again meanwhile).
+    let mut dialled = Vec::new();
+    let waiting_until = Instant::now() + Duration::from_secs(20);
+    while dialled.is_empty() {
+        assert!(Instant::now() < waiting_until, "no dial reached the listeners");
+        dialled.extend(mute.iter().filter_map(|l| l.accept().ok()));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let counting_until = Instant::now() + pdpair_agent::agent::DIAL_PLACE_HELD / 2;
+    while Instant::now() < counting_until {
+        dialled.extend(mute.iter().filter_map(|l| l.accept().ok()));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        dialled.len(),
+        pdpair_agent::agent::DIALS_PER_OWNER_HOST,
+        "dials of one Pod's engines in flight to one host at once"
+    );
+    drop(holder.stdin.take());
+    let _ = holder.wait();
 }
