@@ -908,10 +908,9 @@ struct Pending {
     parts: HashMap<String, (Option<BlockSums>, u64)>,
     /// Pull: the prefill addresses whose `Ready` is being read (a second one is refused).
     reading: Vec<String>,
-    /// The link each prefill's registration (or release) went on, by address: only that
-    /// link's loss fails the request (a link that gave way may end after a new one to the same
-    /// prefill took its slot, with requests of its own).
-    links: HashMap<String, u64>,
+    /// The link each prefill's registration (or release) went on: only that link's loss fails
+    /// the request.
+    links: SentOn,
     blocks: Vec<u32>,
     num_tokens: u64,
     first_token: u64,
@@ -922,17 +921,36 @@ struct Pending {
     release: bool,
 }
 
+/// The link a decode request's registration (or release, or a cancel's `Release`) went on, by
+/// prefill address: only that link's loss ends what that prefill writes into the request's
+/// blocks. A link that gave way ([`Engine::room_for_link`]) may end after a new one to the same
+/// prefill took its slot, with requests of its own.
+#[derive(Debug, Clone, Default)]
+struct SentOn(HashMap<String, u64>);
+
+impl SentOn {
+    /// `prefill`'s registration goes on `link` (a later one replaces an earlier).
+    fn sent(&mut self, prefill: &str, link: u64) {
+        self.0.insert(prefill.to_owned(), link);
+    }
+
+    /// `prefill` is told on `link`, unless the request went to it on a link already.
+    fn sent_unless_known(&mut self, prefill: &str, link: u64) {
+        self.0.entry(prefill.to_owned()).or_insert(link);
+    }
+
+    /// Whether what went to `prefill` went on link `link`.
+    fn on(&self, prefill: &str, link: u64) -> bool {
+        self.0.get(prefill) == Some(&link)
+    }
+}
+
 impl Pending {
     /// Whether `prefill` still owes this request its part: it is one of the request's prefills
     /// and its part is not here yet. Only such a prefill may answer for it, and only its loss
     /// fails it (a rank whose KV is here already lost nothing by closing).
     fn waits_on(&self, prefill: &str) -> bool {
         self.prefills.iter().any(|a| a == prefill) && !self.parts.contains_key(prefill)
-    }
-
-    /// Whether this request's registration at `prefill` went on link `link`.
-    fn sent_on(&self, prefill: &str, link: u64) -> bool {
-        self.links.get(prefill) == Some(&link)
     }
 
     /// Pull: whether decode's own read of `prefill`'s blocks into this request's blocks runs or
@@ -2000,7 +2018,7 @@ mod tests {
             prefills: vec!["a".into(), "b".into()],
             parts: HashMap::new(),
             reading: Vec::new(),
-            links: HashMap::new(),
+            links: SentOn::default(),
             blocks: vec![1],
             num_tokens: 16,
             first_token: 0,

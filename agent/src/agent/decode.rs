@@ -226,7 +226,7 @@ impl Engine {
         // A registration that went out was on the link whose loss ends its writes; one that
         // never did (queued while dialling) has only this link.
         if let Some(c) = lock(&self.cancelled).get_mut(request) {
-            c.links.entry(link.addr.clone()).or_insert(link.id);
+            c.links.sent_unless_known(&link.addr, link.id);
         }
         if !link.send(&Message::Release {
             request: request.to_owned(),
@@ -373,7 +373,7 @@ impl Engine {
                         prefills: prefills.clone(),
                         parts: HashMap::new(),
                         reading: Vec::new(),
-                        links: HashMap::new(),
+                        links: super::SentOn::default(),
                         blocks: want.blocks,
                         num_tokens: want.num_tokens,
                         first_token: want.first_token,
@@ -654,7 +654,7 @@ impl Engine {
         let sent = {
             let mut pending = lock(&self.pending);
             pending.get_mut(request).map(|p| {
-                p.links.insert(link.addr.clone(), link.id);
+                p.links.sent(&link.addr, link.id);
                 let message = if p.release {
                     Message::Release {
                         request: request.to_owned(),
@@ -1052,7 +1052,7 @@ impl Engine {
         // A prefill whose link is gone writes nothing more into requests that are ending.
         let ending: Vec<String> = lock(&self.cancelled)
             .iter()
-            .filter(|(_, c)| c.waiting.iter().any(|a| a == addr) && c.links.get(addr) == Some(&link.id))
+            .filter(|(_, c)| c.waiting.iter().any(|a| a == addr) && c.links.on(addr, link.id))
             .map(|(r, _)| r.clone())
             .collect();
         for request in ending {
@@ -1064,7 +1064,7 @@ impl Engine {
                 .iter()
                 // A request whose read from it runs is answered by the read's end (its READs
                 // may still be writing the blocks until then).
-                .filter(|(_, p)| p.waits_on(addr) && !p.read_from(addr) && p.sent_on(addr, link.id))
+                .filter(|(_, p)| p.waits_on(addr) && !p.read_from(addr) && p.links.on(addr, link.id))
                 .map(|(id, _)| id.clone())
                 .collect();
             ids.into_iter()
@@ -1375,7 +1375,7 @@ impl Engine {
     /// (a peer that answers heartbeats and never the `Release` would hold the engine's blocks
     /// for good); one not linked has sent nothing and writes nothing, and is answered now.
     fn expire_cancelled(&self, now: Instant) {
-        let late: Vec<(String, Vec<String>, HashMap<String, u64>)> = {
+        let late: Vec<(String, Vec<String>, super::SentOn)> = {
             let mut cancelled = lock(&self.cancelled);
             cancelled
                 .iter_mut()
@@ -1392,7 +1392,7 @@ impl Engine {
                 // The link the request went on, while it holds the slot (one no longer there
                 // was closed: its writes ended).
                 let link = match lock(&self.peers).get(&addr) {
-                    Some(Slot::Connected(link)) if links.get(&addr) == Some(&link.id) => Some(link.clone()),
+                    Some(Slot::Connected(link)) if links.on(&addr, link.id) => Some(link.clone()),
                     _ => None,
                 };
                 match link {
@@ -1474,7 +1474,7 @@ pub(super) struct Cancelling {
     /// Pull: those of them whose blocks our own read copies: only its end answers for them.
     pub(super) reading: Vec<String>,
     /// The link the request went on, by address: only its loss answers for that prefill.
-    pub(super) links: HashMap<String, u64>,
+    pub(super) links: super::SentOn,
     /// The request's prompt digest, carried by the `Release`s that tell them to stop.
     pub(super) prompt: Option<PromptDigest>,
     /// What the engine hears when none is left (a `Cancel` meanwhile makes it `Cancelled`).
