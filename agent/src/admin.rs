@@ -116,6 +116,7 @@ mod tests {
             heartbeat: Duration::from_secs(1),
             attestor: None,
             ucx_probe: None,
+            side_channel_ports: None,
         };
         let metrics = Arc::new(Metrics::new());
         let agent = Agent::start(cfg, metrics.clone()).expect("agent");

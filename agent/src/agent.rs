@@ -37,7 +37,7 @@ pub use prefill::{
 mod publish;
 
 use dials::Dialable;
-pub use dials::{DIAL_PLACE_HELD, DIALS_PER_HOST, DIALS_PER_OWNER_HOST};
+pub use dials::{DIAL_PLACE_HELD, DIALS_PER_HOST, DIALS_PER_OWNER_HOST, parse_side_channel_ports};
 use prefill::Matching;
 
 pub use publish::{Publisher, endpoint_name};
@@ -88,6 +88,10 @@ pub struct AgentConfig {
     /// addresses to UCX unprobed (a hostile one can crash the agent), and the agent says so at
     /// start.
     pub ucx_probe: Option<PathBuf>,
+    /// Ports prefill engines' side channels listen at, the same on every node
+    /// (`--side-channel-ports`; [`dials::parse_side_channel_ports`]); `None`: those the kernel
+    /// hands out for port 0.
+    pub side_channel_ports: Option<std::ops::RangeInclusive<u16>>,
 }
 
 /// Default ping interval on decode's side-channel links.
@@ -398,7 +402,7 @@ impl Agent {
         Ok(Agent {
             shared: Arc::new(Shared {
                 claims: claims::Claims::load(&cfg.pool_dir, &cfg.name),
-                dialable: Dialable::here(cfg.listen_host),
+                dialable: Dialable::here(cfg.listen_host, cfg.side_channel_ports.clone()),
                 dials: dials::DialGate::default(),
                 cfg,
                 transport: Arc::new(crate::transport::host::Host::new(ucx.clone(), stream)),
@@ -1151,21 +1155,22 @@ impl Link {
 }
 
 /// A prefill engine's side-channel listener: at `before` (the address it had before its agent
-/// restarted) where that is on `host`, a port the kernel hands out to anyone (its ephemeral
-/// range, less the ports reserved from it for services: an engine cannot take a service's port
-/// this way) and free; else at a new port.
+/// restarted) where that is on `host`, a side-channel port (of the agents' range where set, else
+/// one the kernel hands out to anyone: its ephemeral range, less the ports reserved from it for
+/// services; either way an engine cannot take a service's port this way) and free; else at a
+/// new port.
 fn side_channel_listener(host: IpAddr, ports: &Dialable, before: Option<SocketAddr>) -> io::Result<TcpListener> {
     if let Some(at) = before {
-        if at.ip() == host && ports.handed_out(at.port()) {
+        if at.ip() == host && ports.side_channel_port(at.port()) {
             match TcpListener::bind(at) {
                 Ok(l) => return Ok(l),
                 Err(e) => tracing::info!(%at, error = %e, "cannot listen where the engine was before; at a new port"),
             }
         } else {
-            tracing::info!(%at, "the engine's address before is not this agent's host and ephemeral ports; at a new port");
+            tracing::info!(%at, "the engine's address before is not this agent's host and side-channel ports; at a new port");
         }
     }
-    TcpListener::bind(SocketAddr::new(host, 0))
+    ports.listen(host)
 }
 
 /// Starts `f` on a thread of its own named `name`. `Err` when the system gives none (a pids

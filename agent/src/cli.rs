@@ -164,6 +164,11 @@ pub struct RunArgs {
     /// then crash the agent (docs/security.md).
     #[arg(long = "no-ucx-probe", env = "PDPAIR_NO_UCX_PROBE")]
     pub no_ucx_probe: bool,
+    /// Ports prefill engines' side channels listen at, LOW-HIGH (from 1024), the same on every
+    /// node: a prefill agent binds a free one of them, a decode agent dials no other. Unset: any
+    /// port the kernel hands out (its ephemeral range), taken to be the same on every node.
+    #[arg(long = "side-channel-ports", value_parser = crate::agent::parse_side_channel_ports)]
+    pub side_channel_ports: Option<std::ops::RangeInclusive<u16>>,
 }
 
 /// Arguments of `pdpair-agent ucx-probe` (run by the agent itself, see
@@ -337,6 +342,7 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
                     .map_err(|e| UsageError(format!("the agent's own binary, for the UCX probe: {e}")))?,
             )
         },
+        side_channel_ports: args.side_channel_ports.clone(),
     };
     if args.clean_pool_dir {
         let removed = crate::memory::pool::clean_dir(&args.pool_dir);
@@ -670,5 +676,35 @@ pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Resu
             v["bad_tokens"] = engine.verify(args.seed, &args.blocks, first_token, num_tokens).into();
         }
         return say(out, v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RunArgs;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Run {
+        #[command(flatten)]
+        args: RunArgs,
+    }
+
+    #[test]
+    fn side_channel_ports_are_read_and_a_bad_range_is_refused_naming_the_flag() {
+        let run = Run::try_parse_from(["run", "--side-channel-ports", "40000-40999"]).expect("parses");
+        assert_eq!(run.args.side_channel_ports, Some(40000..=40999));
+        assert_eq!(
+            Run::try_parse_from(["run"]).expect("parses").args.side_channel_ports,
+            None
+        );
+        let refused = Run::try_parse_from(["run", "--side-channel-ports", "80-90"])
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            refused.contains("--side-channel-ports") && refused.contains("80-90") && refused.contains("below 1024"),
+            "{refused}"
+        );
     }
 }

@@ -903,6 +903,7 @@ fn an_agent_whose_probe_cannot_run_does_not_start() {
         heartbeat: Duration::from_secs(1),
         attestor: None,
         ucx_probe: Some("/bin/false".into()),
+        side_channel_ports: None,
     };
     let metrics = std::sync::Arc::new(pdpair_agent::metrics::Metrics::new());
     let e = pdpair_agent::agent::Agent::start(cfg, metrics).expect_err("the probe fails");
@@ -1936,6 +1937,54 @@ fn a_release_queued_behind_a_backlog_reaches_prefill_after_the_decode_engine_lea
         "the cancel's Release after the registration queued before it"
     );
     let _ = handle.join();
+}
+
+#[test]
+fn with_the_agents_side_channel_ports_prefill_listens_there_and_decode_dials_no_other() {
+    // `--side-channel-ports`, the same on every node (the chart's agent.sideChannelPorts), in
+    // place of the kernel's ephemeral range, which each node reads for itself: here a range
+    // below that, where the kernel never hands out a port.
+    let _serial = serial();
+    let w = World::new("attack-side-channel-ports");
+    let kernel = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let kernel_low: u16 = kernel
+        .split_whitespace()
+        .next()
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(32768);
+    let ports = kernel_low - 1000..=kernel_low - 1;
+    let (ps, ds) = (
+        w.agent_configured("p", Transport::Tcp, |c| c.side_channel_ports = Some(ports.clone())),
+        w.agent_configured("d", Transport::Tcp, |c| c.side_channel_ports = Some(ports.clone())),
+    );
+    let mut p = w.engine(&ps, Role::Prefill, "p0", KEY);
+    let at: std::net::SocketAddr = p.address.parse().expect("prefill's address");
+    assert!(ports.contains(&at.port()), "{at} is outside {ports:?}");
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    let (event, bad) = request(&mut p, &mut d, Req::from_start("in-range", 5, 100, 2));
+    assert!(done(&event) && bad == 0, "{event:?}, {bad} bad tokens");
+    // A port the kernel hands out, where no prefill engine listens with this setting: refused
+    // naming the range, never connected to.
+    let elsewhere = TcpListener::bind("127.0.0.1:0").expect("bind");
+    elsewhere.set_nonblocking(true).expect("nonblocking");
+    let addr = elsewhere.local_addr().expect("addr").to_string();
+    expect_kv(&mut d, "elsewhere", addr.clone(), &[1, 2], 100);
+    let event = d.next_event().expect("an answer");
+    let AgentEvent::RequestFailed { reasons, message, .. } = &event else {
+        panic!("{event:?}");
+    };
+    assert_eq!(reasons, &["InvalidRequest"], "{message}");
+    assert!(
+        message.contains(&format!("{addr:?}"))
+            && message.contains(&format!(
+                "side-channel port range {}-{} (--side-channel-ports)",
+                ports.start(),
+                ports.end()
+            )),
+        "{message}"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(elsewhere.accept().is_err(), "the agent connected to {addr}");
 }
 
 #[test]

@@ -207,7 +207,8 @@ fn default_values_render_a_least_privilege_hardened_install() {
     assert!(
         args.contains(&"--pool-dir=/dev/shm/pdpair")
             && args.contains(&"--clean-pool-dir")
-            && args.contains(&"--stream-lanes=4"),
+            && args.contains(&"--stream-lanes=4")
+            && !args.iter().any(|a| a.starts_with("--side-channel-ports")),
         "{args:?}"
     );
     assert!(
@@ -267,6 +268,7 @@ fn non_default_values_change_what_they_should() {
     let objs = render(&[
         "agent.hostNetwork=true",
         "agent.streamLanes=2",
+        "agent.sideChannelPorts=40000-40999",
         "agent.ucx.tls=rc\\,sm",
         "agent.ucx.netDevices=mlx5_0:1",
     ])
@@ -279,6 +281,13 @@ fn non_default_values_change_what_they_should() {
             .expect("args")
             .iter()
             .any(|a| a.as_str() == Some("--stream-lanes=2"))
+    );
+    assert!(
+        spec["containers"][0]["args"]
+            .as_sequence()
+            .expect("args")
+            .iter()
+            .any(|a| a.as_str() == Some("--side-channel-ports=40000-40999"))
     );
     let env = spec["containers"][0]["env"].as_sequence().expect("env");
     assert!(env.iter().any(|e| e["name"] == "UCX_TLS" && e["value"] == "rc,sm"));
@@ -466,6 +475,8 @@ fn bad_values_fail_with_the_path_and_the_value() {
         ("agent.ucx.library=1.23", "/agent/ucx/library"),
         ("agent.ucx.probe=maybe", "/agent/ucx/probe"),
         ("agent.streamLanes=9", "/agent/streamLanes"),
+        ("agent.sideChannelPorts=80-90", "/agent/sideChannelPorts"),
+        ("agent.sideChannelPorts=40000", "/agent/sideChannelPorts"),
         ("operator.leaseDuration=soon", "/operator/leaseDuration"),
         ("operator.typo=1", "typo"),
         ("webhook.clientCA=not a certificate", "/webhook/clientCA"),

@@ -193,8 +193,9 @@ fn helm_install_runs_pdpair_in_pods_and_a_pair_turns_ready_with_a_transfer() {
         (out.code == 0 && out.stdout.contains("\"bad_tokens\":0")).then_some(())
     });
 
-    // The image's UCX 1.22 (agent.ucx.library): the DaemonSet's pod is replaced, the engines
-    // register again, and transfers go through an agent that loaded 1.22, as its PDEndpoint says.
+    // The image's UCX 1.22 (agent.ucx.library) and the agents' own side-channel ports: the
+    // DaemonSet's pod is replaced, the engines register again (the prefill engine at a port of
+    // the range), and transfers go through an agent that loaded 1.22, as its PDEndpoint says.
     let agent = ready_pods(NS, "app.kubernetes.io/component=agent", 1).expect("the agent pod")[0].clone();
     let out = helm(&[
         "upgrade",
@@ -205,6 +206,8 @@ fn helm_install_runs_pdpair_in_pods_and_a_pair_turns_ready_with_a_transfer() {
         "--reuse-values",
         "--set",
         "agent.ucx.library=1.22",
+        "--set",
+        "agent.sideChannelPorts=40000-40999",
     ]);
     assert_eq!(out.code, 0, "{}{}", out.stdout, out.stderr);
     eventually(WAIT, "the agent pod on UCX 1.22 Ready", || {
@@ -212,6 +215,10 @@ fn helm_install_runs_pdpair_in_pods_and_a_pair_turns_ready_with_a_transfer() {
     });
     let version = eventually(Duration::from_secs(180), "a transfer through UCX 1.22", || {
         let address = prefill_address(&ns)?;
+        let port: u16 = address.rsplit_once(':')?.1.parse().ok()?;
+        if !(40000..=40999).contains(&port) {
+            return None;
+        }
         let out = transfer(&ns, &address);
         if out.code != 0 || !out.stdout.contains("\"bad_tokens\":0") {
             return None;

@@ -5,7 +5,9 @@
 
 use std::{
     collections::HashMap,
-    net::{IpAddr, SocketAddr},
+    io,
+    net::{IpAddr, SocketAddr, TcpListener},
+    ops::RangeInclusive,
     sync::{Condvar, Mutex},
     time::{Duration, Instant},
 };
@@ -33,9 +35,46 @@ fn ephemeral(port: u16, range: &str, reserved: &str) -> bool {
     (low..=high).contains(&port) && !in_reserved
 }
 
+/// `--side-channel-ports`: `LOW-HIGH`, from 1024 (ports below are services' by definition:
+/// a range holding them would let an engine make its agent dial one) to 65535.
+pub fn parse_side_channel_ports(text: &str) -> Result<RangeInclusive<u16>, String> {
+    let bad = |why: &str| format!("side-channel port range {text:?}: {why}");
+    let (low, high) = text
+        .trim()
+        .split_once('-')
+        .ok_or_else(|| bad("expected LOW-HIGH, as 40000-40999"))?;
+    let port = |s: &str| {
+        s.trim()
+            .parse::<u16>()
+            .map_err(|_| bad(&format!("{s:?} is not a port (1024-65535)")))
+    };
+    let (low, high) = (port(low)?, port(high)?);
+    if low < 1024 {
+        return Err(bad(&format!(
+            "starts at {low}, below 1024, where services listen (an engine could make its agent dial one)"
+        )));
+    }
+    if low > high {
+        return Err(bad(&format!("{low} is above {high}")));
+    }
+    Ok(low..=high)
+}
+
+/// The ports prefill engines' side channels listen at.
+#[derive(Debug)]
+enum Ports {
+    /// Any the kernel hands out for port 0: `net.ipv4.ip_local_port_range` and
+    /// `ip_local_reserved_ports` here, taken to be the prefill node's too (where one differs, its
+    /// engines' ports may be refused, and the message names the range).
+    Kernel { range: String, reserved: String },
+    /// The agents' own range (`--side-channel-ports`), the same on every node: a prefill agent
+    /// binds a free port of it, a decode agent dials no other.
+    Configured(RangeInclusive<u16>),
+}
+
 /// Where a decode agent dials, at its engine's word: only where a prefill engine's side channel
-/// can listen, which is at its agent's listen host on a port the kernel handed out
-/// ([`super::side_channel_listener`]). An engine naming anything else is refused before a connection
+/// can listen, which is at its agent's listen host on a port of the side-channel range: the
+/// agents' own where set, else one the kernel hands out ([`super::side_channel_listener`]). An engine naming anything else is refused before a connection
 /// is tried: the agent sits on the host's network, and would otherwise reach, or tell its
 /// engine whether it can reach, what the engine's own network may not: the node's loopback
 /// services, the cloud's metadata address (link-local), a service's port anywhere.
@@ -44,28 +83,67 @@ pub(crate) struct Dialable {
     /// This agent's listen host: loopback is dialled only when this agent listens there too
     /// (one host's agents, as in tests and local runs).
     own: IpAddr,
-    /// `net.ipv4.ip_local_port_range` and `ip_local_reserved_ports` here, taken to be the
-    /// prefill node's too (a cluster's nodes share them; where one differs, its engines' ports
-    /// may be refused, and the message names the range).
-    range: String,
-    reserved: String,
+    ports: Ports,
 }
 
 impl Dialable {
-    /// This host's policy for an agent listening at `own` (reads the port sysctls now: the
+    /// This host's policy for an agent listening at `own`, its side channels on `configured`
+    /// ports where given, else on those the kernel hands out (reads the port sysctls now: the
     /// agent does so once, as it starts).
-    pub(crate) fn here(own: IpAddr) -> Dialable {
+    pub(crate) fn here(own: IpAddr, configured: Option<RangeInclusive<u16>>) -> Dialable {
         let read = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).unwrap_or_default();
         Dialable {
             own,
-            range: read("ip_local_port_range"),
-            reserved: read("ip_local_reserved_ports"),
+            ports: match configured {
+                Some(range) => Ports::Configured(range),
+                None => Ports::Kernel {
+                    range: read("ip_local_port_range"),
+                    reserved: read("ip_local_reserved_ports"),
+                },
+            },
         }
     }
 
-    /// Whether the kernel hands out `port` for port 0 here ([`ephemeral`]).
-    pub(super) fn handed_out(&self, port: u16) -> bool {
-        ephemeral(port, &self.range, &self.reserved)
+    /// Whether a prefill engine's side channel may listen at `port`.
+    pub(super) fn side_channel_port(&self, port: u16) -> bool {
+        match &self.ports {
+            Ports::Kernel { range, reserved } => ephemeral(port, range, reserved),
+            Ports::Configured(range) => range.contains(&port),
+        }
+    }
+
+    /// A new listener for a prefill engine's side channel at `host`: port 0 (the kernel picks),
+    /// or a free port of the agents' range, tried from a random one on.
+    pub(super) fn listen(&self, host: IpAddr) -> io::Result<TcpListener> {
+        let Ports::Configured(range) = &self.ports else {
+            return TcpListener::bind(SocketAddr::new(host, 0));
+        };
+        let (low, count) = (*range.start(), u32::from(*range.end() - *range.start()) + 1);
+        let mut seed = [0u8; 4];
+        getrandom::fill(&mut seed).map_err(|e| io::Error::other(format!("no randomness: {e}")))?;
+        let first = u32::from_le_bytes(seed) % count;
+        for i in 0..count {
+            let port = u32::from(low) + (first + i) % count;
+            let port = u16::try_from(port).map_err(|_| io::Error::other("port past 65535"))?;
+            match TcpListener::bind(SocketAddr::new(host, port)) {
+                Ok(l) => return Ok(l),
+                Err(e) if e.kind() == io::ErrorKind::AddrInUse => continue,
+                Err(e) => {
+                    return Err(io::Error::new(
+                        e.kind(),
+                        format!("port {port} of the side-channel range: {e}"),
+                    ));
+                }
+            }
+        }
+        Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!(
+                "every port of the side-channel range {}-{} (--side-channel-ports) is in use",
+                range.start(),
+                range.end()
+            ),
+        ))
     }
 
     /// `Err` naming `addr` and why, when it is not dialled.
@@ -89,13 +167,21 @@ impl Dialable {
                 "prefill address {addr:?} is {why}: prefill engines listen at their agents' hosts"
             ));
         }
-        if !self.handed_out(sock.port()) {
-            return Err(format!(
-                "prefill address {addr:?}: port {} is not one the kernel hands out (net.ipv4.ip_local_port_range {:?}, less ip_local_reserved_ports {:?}), where every prefill engine's side channel listens",
-                sock.port(),
-                self.range.trim(),
-                self.reserved.trim()
-            ));
+        if !self.side_channel_port(sock.port()) {
+            return Err(match &self.ports {
+                Ports::Kernel { range, reserved } => format!(
+                    "prefill address {addr:?}: port {} is not one the kernel hands out (net.ipv4.ip_local_port_range {:?}, less ip_local_reserved_ports {:?}), where every prefill engine's side channel listens",
+                    sock.port(),
+                    range.trim(),
+                    reserved.trim()
+                ),
+                Ports::Configured(range) => format!(
+                    "prefill address {addr:?}: port {} is not in the agents' side-channel port range {}-{} (--side-channel-ports), where every prefill engine's side channel listens",
+                    sock.port(),
+                    range.start(),
+                    range.end()
+                ),
+            });
         }
         Ok(sock)
     }
@@ -307,8 +393,10 @@ mod tests {
     fn decode_dials_only_where_a_prefill_engine_can_listen() {
         let policy = |own: &str| Dialable {
             own: own.parse().expect("ip"),
-            range: "32768\t60999\n".into(),
-            reserved: "50000\n".into(),
+            ports: Ports::Kernel {
+                range: "32768\t60999\n".into(),
+                reserved: "50000\n".into(),
+            },
         };
         let node = policy("10.0.0.5");
         assert_eq!(
@@ -345,6 +433,68 @@ mod tests {
         assert!(local.check("127.0.0.1:40000").is_ok());
         assert!(local.check("127.0.0.2:40000").is_ok());
         assert!(local.check("127.0.0.1:22").is_err(), "a service's port still");
+    }
+
+    #[test]
+    fn a_side_channel_port_range_is_low_high_from_1024_and_errors_name_it() {
+        assert_eq!(parse_side_channel_ports("40000-40999"), Ok(40000..=40999));
+        assert_eq!(parse_side_channel_ports(" 1024 - 1024 "), Ok(1024..=1024));
+        for (text, why) in [
+            ("40000", "expected LOW-HIGH"),
+            ("", "expected LOW-HIGH"),
+            ("80-90", "below 1024"),
+            ("0-65535", "below 1024"),
+            ("41000-40000", "41000 is above 40000"),
+            ("x-40000", "\"x\" is not a port"),
+            ("40000-70000", "\"70000\" is not a port"),
+        ] {
+            let e = parse_side_channel_ports(text).expect_err(text);
+            assert!(e.contains(&format!("{text:?}")) && e.contains(why), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn with_the_agents_range_decode_dials_only_its_ports_and_prefill_listens_only_there() {
+        let host: IpAddr = "127.0.0.7".parse().expect("ip");
+        let held = TcpListener::bind((host, 0)).expect("bind");
+        let low = held.local_addr().expect("addr").port();
+        let ours = Dialable {
+            own: "10.0.0.5".parse().expect("ip"),
+            ports: Ports::Configured(low..=low + 3),
+        };
+        assert!(ours.check(&format!("10.0.0.7:{}", low + 3)).is_ok());
+        for port in [low - 1, low + 4, 22] {
+            let addr = format!("10.0.0.7:{port}");
+            let refused = ours.check(&addr).expect_err(&addr);
+            assert!(
+                refused.contains(&format!("{addr:?}"))
+                    && refused.contains(&format!("range {low}-{} (--side-channel-ports)", low + 3)),
+                "{refused}"
+            );
+        }
+        // Prefill listens at the range's free ports, each once, and at no other.
+        let local = Dialable {
+            own: host,
+            ports: Ports::Configured(low..=low + 3),
+        };
+        let mut bound: Vec<TcpListener> = Vec::new();
+        let full = loop {
+            match local.listen(host) {
+                Ok(l) => bound.push(l),
+                Err(e) => break e,
+            }
+        };
+        let mut ports: Vec<u16> = bound.iter().map(|l| l.local_addr().expect("addr").port()).collect();
+        ports.sort_unstable();
+        assert_eq!(ports, vec![low + 1, low + 2, low + 3], "the held one skipped");
+        assert_eq!(full.kind(), io::ErrorKind::AddrInUse);
+        assert!(
+            full.to_string().contains("every port of the side-channel range"),
+            "{full}"
+        );
+        drop(held);
+        let again = local.listen(host).expect("the freed one");
+        assert_eq!(again.local_addr().expect("addr").port(), low);
     }
 
     #[test]

@@ -99,12 +99,20 @@ impl World {
     /// [`World::agent`], its UCX probe run as `probe`.
     #[allow(dead_code)]
     pub fn agent_probing_with(&self, name: &str, transport: Transport, corrupt: bool, probe: PathBuf) -> PathBuf {
-        let cfg = AgentConfig {
+        self.agent_configured(name, transport, |cfg| {
+            cfg.corrupt_one_byte = corrupt;
+            cfg.ucx_probe = Some(probe);
+        })
+    }
+
+    /// [`World::agent`], its configuration changed by `change`.
+    pub fn agent_configured(&self, name: &str, transport: Transport, change: impl FnOnce(&mut AgentConfig)) -> PathBuf {
+        let mut cfg = AgentConfig {
             name: name.into(),
             listen_host: IpAddr::V4(Ipv4Addr::LOCALHOST),
             transport,
             stream_lanes: pdpair_agent::transport::stream::DEFAULT_LANES,
-            corrupt_one_byte: corrupt,
+            corrupt_one_byte: false,
             rejection_ttl: Duration::from_secs(30),
             publisher: None,
             // The agents of one host share their pool directory.
@@ -112,8 +120,10 @@ impl World {
             heartbeat: self.heartbeat,
             attestor: None,
             // Every test agent probes its peers' UCX addresses, as the DaemonSet's does.
-            ucx_probe: Some(probe),
+            ucx_probe: Some(env!("CARGO_BIN_EXE_pdpair-agent").into()),
+            side_channel_ports: None,
         };
+        change(&mut cfg);
         let metrics = Arc::new(Metrics::new());
         self.metrics.lock().expect("metrics").push(metrics.clone());
         let agent = Agent::start(cfg, metrics).expect("agent starts");
