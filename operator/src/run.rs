@@ -229,7 +229,11 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let health = Arc::new(Health::default());
 
     let clients = match &opts.webhook_client_ca {
-        Some(file) => Some(tls::client_verifier(file).context("--webhook-client-ca")?),
+        Some(file) => {
+            let ca = tls::ClientCa::new(file.clone()).context("--webhook-client-ca")?;
+            tokio::spawn(Arc::clone(&ca).watch(Duration::from_secs(1)));
+            Some(ca)
+        }
         None => {
             tracing::warn!(
                 "the webhook serves any caller that reaches it (no --webhook-client-ca): forged reviews can record Rejected Events"

@@ -252,29 +252,117 @@ pub fn client_verifier(ca: &Path) -> Result<Arc<dyn ClientCertVerifier>, TlsErro
         .map_err(|e| bad(e.to_string()))
 }
 
-/// Serves `router` over TLS on `listener` until the process ends; with `clients`, only to
-/// callers it accepts ([`client_verifier`]). Each failed handshake is counted in `metrics`.
-pub async fn serve(
-    listener: TcpListener,
-    resolver: Arc<Reloader>,
-    clients: Option<Arc<dyn ClientCertVerifier>>,
-    router: Router,
-    metrics: Arc<crate::metrics::Metrics>,
-) -> Result<(), TlsError> {
+/// The webhook callers' CAs, from `--webhook-client-ca`, read again when the file changes (a
+/// ConfigMap update, a rotation by hand): a CA added is trusted, and one removed no longer, for
+/// connections accepted from then on, without a restart. A changed file that holds no usable CA
+/// (half written, emptied) is logged and the last good CAs are kept.
+#[derive(Debug)]
+pub struct ClientCa {
+    path: PathBuf,
+    stamp: RwLock<Vec<u8>>,
+    current: RwLock<Arc<dyn ClientCertVerifier>>,
+}
+
+impl ClientCa {
+    /// Reads the file once; fails, naming it, when it holds no usable CA ([`client_verifier`]).
+    pub fn new(path: PathBuf) -> Result<Arc<ClientCa>, TlsError> {
+        let stamp = std::fs::read(&path).unwrap_or_default();
+        let verifier = client_verifier(&path)?;
+        Ok(Arc::new(ClientCa {
+            path,
+            stamp: RwLock::new(stamp),
+            current: RwLock::new(verifier),
+        }))
+    }
+
+    /// The verifier for the CAs read last.
+    pub fn current(&self) -> Arc<dyn ClientCertVerifier> {
+        match self.current.read() {
+            Ok(v) => Arc::clone(&v),
+            Err(poisoned) => Arc::clone(&poisoned.into_inner()),
+        }
+    }
+
+    /// Reads the file again when its bytes changed; returns whether the CAs changed.
+    pub fn reload_if_changed(&self) -> bool {
+        let now = std::fs::read(&self.path).unwrap_or_default();
+        if self.stamp.read().is_ok_and(|s| *s == now) {
+            return false;
+        }
+        // Seen once, whether usable or not: a broken file is warned about once, not every tick.
+        if let Ok(mut s) = self.stamp.write() {
+            *s = now;
+        }
+        match client_verifier(&self.path) {
+            Ok(verifier) => {
+                if let Ok(mut cur) = self.current.write() {
+                    *cur = verifier;
+                }
+                tracing::info!(ca = %self.path.display(), "reloaded the webhook's client CAs");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the webhook's client CA file changed but holds no usable CA; keeping the last good one");
+                false
+            }
+        }
+    }
+
+    /// Polls the file every `every`, forever.
+    pub async fn watch(self: Arc<Self>, every: Duration) {
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            self.reload_if_changed();
+        }
+    }
+}
+
+/// The webhook's TLS settings: `resolver`'s certificate; with `clients`, callers must present a
+/// certificate it accepts.
+fn acceptor(resolver: &Arc<Reloader>, clients: Option<Arc<dyn ClientCertVerifier>>) -> Result<TlsAcceptor, TlsError> {
     let builder = ServerConfig::builder_with_provider(Arc::new(provider::default_provider()))
         .with_safe_default_protocol_versions()?;
     let builder = match clients {
         Some(verifier) => builder.with_client_cert_verifier(verifier),
         None => builder.with_no_client_auth(),
     };
-    let mut config = builder.with_cert_resolver(resolver);
+    let mut config = builder.with_cert_resolver(Arc::clone(resolver) as Arc<dyn ResolvesServerCert>);
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let acceptor = TlsAcceptor::from(Arc::new(config));
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Serves `router` over TLS on `listener` until the process ends; with `clients`, only to
+/// callers holding a certificate of its CAs as they are when each connection is accepted
+/// ([`ClientCa`]). Each failed handshake is counted in `metrics`.
+pub async fn serve(
+    listener: TcpListener,
+    resolver: Arc<Reloader>,
+    clients: Option<Arc<ClientCa>>,
+    router: Router,
+    metrics: Arc<crate::metrics::Metrics>,
+) -> Result<(), TlsError> {
+    let mut built_with = clients.as_ref().map(|c| c.current());
+    let mut acceptor = acceptor(&resolver, built_with.clone())?;
     let limits = crate::server::Limits::default();
     loop {
         // The connection budget is taken before the TLS handshake: a flood of handshakes holds
         // at most MAX_CONNECTIONS slots, each for at most 10 s.
         let (tcp, peer, permit) = limits.accept(&listener, "webhook").await;
+        // The CAs as they are now: built again only when they changed.
+        let now = clients.as_ref().map(|c| c.current());
+        let changed = match (&now, &built_with) {
+            (Some(a), Some(b)) => !Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        if changed {
+            match self::acceptor(&resolver, now.clone()) {
+                Ok(a) => (acceptor, built_with) = (a, now),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot build the webhook's TLS settings for the new client CAs; keeping the last")
+                }
+            }
+        }
         let acceptor = acceptor.clone();
         let router = router.clone();
         let metrics = Arc::clone(&metrics);
@@ -421,7 +509,7 @@ mod tests {
         let server = tokio::spawn(serve(
             listener,
             Reloader::new(files.cert.clone(), files.key.clone()).expect("load"),
-            Some(client_verifier(&ca_file).expect("verifier")),
+            Some(ClientCa::new(ca_file.clone()).expect("client CA")),
             router,
             Arc::clone(&metrics),
         ));
@@ -449,6 +537,50 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert!(counted(), "{}", metrics.render());
+        server.abort();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_changed_client_ca_file_is_trusted_for_new_connections_and_a_broken_one_keeps_the_last() {
+        let dir = std::env::temp_dir().join(format!("pdpair-tls-client-rotation-{}", std::process::id()));
+        let files = generate(&dir, &["127.0.0.1".into()]).expect("generate");
+        let (old, old_ca) = client_identity();
+        let (new, new_ca) = client_identity();
+        let ca_file = dir.join("client-ca.crt");
+        std::fs::write(&ca_file, &old_ca).expect("write");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let at = listener.local_addr().expect("addr");
+        let router = Router::new().route("/", axum::routing::get(|| async { "ok" }));
+        let clients = ClientCa::new(ca_file.clone()).expect("client CA");
+        let server = tokio::spawn(serve(
+            listener,
+            Reloader::new(files.cert.clone(), files.key.clone()).expect("load"),
+            Some(Arc::clone(&clients)),
+            router,
+            Arc::new(crate::metrics::Metrics::new()),
+        ));
+        let ok = Some("HTTP/1.1 200 OK");
+        let copy = |(chain, key): &(
+            Vec<rustls::pki_types::CertificateDer<'static>>,
+            rustls::pki_types::PrivateKeyDer<'static>,
+        )| { (chain.clone(), key.clone_key()) };
+        assert_eq!(get(at, &files.ca_pem, Some(copy(&old))).await.as_deref(), ok);
+        assert!(!clients.reload_if_changed(), "nothing changed yet");
+        // The old CA replaced by the new one, as an edited ConfigMap or a rotation by hand.
+        std::fs::write(&ca_file, &new_ca).expect("write");
+        assert!(clients.reload_if_changed());
+        assert_eq!(
+            get(at, &files.ca_pem, Some(copy(&new))).await.as_deref(),
+            ok,
+            "the new CA's"
+        );
+        assert_eq!(get(at, &files.ca_pem, Some(copy(&old))).await, None, "the removed CA's");
+        // Half written or emptied: the last good CA stays.
+        std::fs::write(&ca_file, "").expect("write");
+        assert!(!clients.reload_if_changed());
+        assert_eq!(get(at, &files.ca_pem, Some(copy(&new))).await.as_deref(), ok);
+        assert_eq!(get(at, &files.ca_pem, Some(old)).await, None);
         server.abort();
         let _ = std::fs::remove_dir_all(&dir);
     }
