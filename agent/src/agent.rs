@@ -1024,6 +1024,14 @@ struct Link {
 /// pile up (it stopped reading) loses the link.
 pub const LINK_OUTBOX: usize = 2 * wire::MAX_FRAME;
 
+/// The kernel send buffer a side-channel link's socket asks for (`SO_SNDBUF`; Linux keeps twice
+/// this, for its own bookkeeping). Left to autotuning, a socket whose peer stops reading grows
+/// to `net.ipv4.tcp_wmem`'s maximum (4 MiB by default) of kernel memory, charged to the agent's
+/// memory cgroup and counted in no outbox: an insider's 1024 links from one decode engine held 4
+/// GiB that way. Side-channel frames are control messages (KV moves over UCX or the KV stream),
+/// so a small buffer costs nothing but a few more writes for a large registration.
+pub const LINK_SEND_BUFFER: usize = 64 << 10;
+
 impl Link {
     /// A link over `stream` (its handshake done, its write timeout set: a write that takes
     /// longer ends the link), with its writer thread started; its outbox counts against
@@ -1039,6 +1047,7 @@ impl Link {
         addr: String,
         heads: protocol::HeadMap,
     ) -> std::io::Result<Link> {
+        wire::set_send_buffer(&stream, LINK_SEND_BUFFER)?;
         let handle = stream.try_clone()?;
         let queue = outboxes.queue(stream.try_clone()?, addr.clone());
         let (outbox, queued_frames) = std::sync::mpsc::channel::<Queued>();
@@ -2181,6 +2190,35 @@ mod tests {
                 Err(e) => panic!("the link was not closed: {e}"),
             }
         }
+    }
+
+    #[test]
+    fn a_peer_that_stops_reading_holds_a_small_kernel_send_buffer_per_link() {
+        // What the kernel holds for a link whose peer reads nothing is the agent's memory too
+        // (its cgroup is charged), and no outbox counts it: left to autotuning it grew to 4 MiB
+        // a link.
+        let (link, _theirs) = link_to_a_mute_peer();
+        let big = mib_frame();
+        for _ in 0..8 {
+            assert!(link.send(&big), "within the outbox");
+        }
+        // The writer fills the socket until the kernel takes no more.
+        let mut queued = 0;
+        for _ in 0..50 {
+            thread::sleep(Duration::from_millis(20));
+            let now = wire::send_queued(&link.stream);
+            if now == queued && now > 0 {
+                break;
+            }
+            queued = now;
+        }
+        let sndbuf = wire::send_buffer(&link.stream);
+        assert!(sndbuf <= 2 * LINK_SEND_BUFFER, "SO_SNDBUF {sndbuf}");
+        // The kernel takes one more segment (up to 64 KiB) while under its buffer.
+        assert!(
+            queued > 0 && queued <= 2 * LINK_SEND_BUFFER + (64 << 10),
+            "the kernel holds {queued} bytes for the link"
+        );
     }
 
     /// Holds of `links`' open (not closing) outboxes.

@@ -257,6 +257,62 @@ impl Write for Deadline<'_> {
     }
 }
 
+/// Asks the kernel for a send buffer of `bytes` on `stream` (`SO_SNDBUF`: fixed, no autotuning
+/// past it; Linux keeps twice the value).
+#[allow(unsafe_code)]
+pub fn set_send_buffer(stream: &std::net::TcpStream, bytes: usize) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let value = libc::c_int::try_from(bytes).map_err(|_| io::Error::other("send buffer past c_int"))?;
+    // SAFETY: a valid socket descriptor, and a c_int of the size given.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            std::ptr::addr_of!(value).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// `stream`'s kernel send buffer (`SO_SNDBUF`), in bytes.
+#[cfg(test)]
+#[allow(unsafe_code)]
+pub fn send_buffer(stream: &std::net::TcpStream) -> usize {
+    use std::os::fd::AsRawFd;
+    let mut value: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: a valid socket, and a c_int of the size given.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            std::ptr::addr_of_mut!(value).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(rc, 0, "SO_SNDBUF: {}", io::Error::last_os_error());
+    usize::try_from(value).unwrap_or(0)
+}
+
+/// Bytes in `stream`'s kernel send queue: written, not yet acknowledged by the peer.
+#[cfg(test)]
+#[allow(unsafe_code)]
+pub fn send_queued(stream: &std::net::TcpStream) -> usize {
+    use std::os::fd::AsRawFd;
+    let mut value: libc::c_int = 0;
+    // SAFETY: a valid socket, and a c_int for the answer.
+    let rc = unsafe { libc::ioctl(stream.as_raw_fd(), libc::TIOCOUTQ, std::ptr::addr_of_mut!(value)) };
+    assert_eq!(rc, 0, "TIOCOUTQ: {}", io::Error::last_os_error());
+    usize::try_from(value).unwrap_or(0)
+}
+
 /// The most file descriptors one frame carries (a pool's regions).
 pub const MAX_FDS: usize = crate::layout::MAX_REGIONS;
 
