@@ -2170,8 +2170,9 @@ mod tests {
             .recv_timeout(Duration::from_secs(20))
             .expect("sends to a peer that reads nothing returned without waiting for it");
         let refused = refused.expect("the outbox is bounded");
+        // Sealed, each frame is a little over 1 MiB; the kernel holds about LINK_SEND_BUFFER more.
         assert!(
-            refused >= LINK_OUTBOX >> 20,
+            refused >= (LINK_OUTBOX >> 20) - 1,
             "refused only past the outbox's {LINK_OUTBOX} bytes: {refused}"
         );
         let link = sender.join().expect("sender");

@@ -162,6 +162,10 @@ fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
         })
         .expect("Renew")
     };
+    // The link up first, so each renewal goes over it at once: a first dial (with its UCX probe,
+    // a process of its own) took longer than the 500 ms lease on a loaded machine.
+    let (event, bad) = common::request(&mut p, &mut d, common::Req::from_start("warm", 1, 100, 2));
+    assert!(common::done(&event) && bad == 0, "{event:?}, {bad} bad tokens");
     p.fill(6, &[3, 4], 0, 100);
     kv_ready(&mut p, "queued", &[3, 4], 100);
     kv_ready(&mut p, "pinned", &[7, 8], 100);
