@@ -221,7 +221,8 @@ pub(crate) enum DialOwner {
 
 /// Dials in flight per prefill host, shared by all engines of an agent (a prefill agent counts
 /// them by source address, which is the node's). A free place goes to the waiting dial whose
-/// owner holds the fewest, the longest waiting among those: owners holding places (an insider's
+/// owner holds the fewest fresh places, of those with the fewest dials still going (stale ones
+/// too), the longest waiting among those: owners holding places (an insider's
 /// engines or Pods naming addresses where nothing answers, each taking a place again as one goes
 /// stale) cannot keep one holding none waiting past the next place to free, however many dials
 /// they have waiting.
@@ -256,13 +257,18 @@ impl Host {
         }
     }
 
-    /// Places taken within the last `held`, by owner.
-    fn fresh(&self, now: Instant, held: Duration) -> (usize, HashMap<&DialOwner, usize>) {
-        let mut by = HashMap::new();
+    /// Places taken within the last `held`, in all; and by owner, those and every dial of the
+    /// owner still going (stale ones too).
+    fn fresh(&self, now: Instant, held: Duration) -> (usize, HashMap<&DialOwner, (usize, usize)>) {
+        let mut by: HashMap<&DialOwner, (usize, usize)> = HashMap::new();
         let mut all = 0;
-        for (_, owner) in self.held.iter().filter(|(at, _)| now.duration_since(*at) < held) {
-            *by.entry(owner).or_insert(0) += 1;
-            all += 1;
+        for (at, owner) in &self.held {
+            let counts = by.entry(owner).or_default();
+            counts.1 += 1;
+            if now.duration_since(*at) < held {
+                counts.0 += 1;
+                all += 1;
+            }
         }
         (all, by)
     }
@@ -313,12 +319,15 @@ impl DialGate {
             let now = Instant::now();
             let h = hosts.entry(host).or_default();
             let (all, by) = h.fresh(now, self.held);
-            let holds = |o: &DialOwner| by.get(o).copied().unwrap_or(0);
-            // The first in line of the dials that may take a place now.
+            let holds = |o: &DialOwner| by.get(o).copied().unwrap_or((0, 0));
+            // The first in line of the dials that may take a place now: of the owners holding
+            // fewest places, those with fewest dials still going (a place that went stale leaves
+            // its owner holding one fewer, but its dial is still going: it does not win its
+            // place straight back from an owner that has none), then the longest waiting.
             let first = h
                 .waiting
                 .iter()
-                .filter(|(o, _)| holds(o) < DIALS_PER_OWNER_HOST)
+                .filter(|(o, _)| holds(o).0 < DIALS_PER_OWNER_HOST)
                 .filter_map(|(o, line)| Some((holds(o), *line.front()?)))
                 .min()
                 .map(|(_, t)| t);
@@ -366,6 +375,13 @@ impl DialGate {
     #[cfg(test)]
     fn in_flight(&self, host: IpAddr) -> usize {
         lock(&self.hosts).get(&host.to_canonical()).map_or(0, |h| h.held.len())
+    }
+
+    #[cfg(test)]
+    fn waiting(&self, host: IpAddr) -> usize {
+        lock(&self.hosts)
+            .get(&host.to_canonical())
+            .map_or(0, |h| h.waiting.values().map(|l| l.len()).sum())
     }
 }
 
@@ -517,7 +533,8 @@ mod tests {
 
     #[test]
     fn dials_to_one_host_wait_for_a_place_and_other_hosts_do_not() {
-        let gate = DialGate::default();
+        // Places that stay fresh however slowly the test runs.
+        let gate = DialGate::holding(Duration::from_secs(600));
         let (a, b): (IpAddr, IpAddr) = ("10.0.0.7".parse().expect("ip"), "10.0.0.8".parse().expect("ip"));
         let soon = || Instant::now() + Duration::from_millis(50);
         // One owner takes what it can: part of the host's places, not all.
@@ -557,7 +574,7 @@ mod tests {
                 gate.enter(a, DialOwner::Engine(3), Instant::now() + Duration::from_secs(10))
                     .map(drop)
             });
-            std::thread::sleep(Duration::from_millis(20));
+            wait_for(|| gate.waiting(a) == 1);
             drop(held);
             assert_eq!(
                 waiting.join().expect("waiter"),
@@ -570,7 +587,7 @@ mod tests {
 
     #[test]
     fn a_freed_place_goes_to_the_waiting_owner_holding_fewest_then_to_the_longest_waiting() {
-        let gate = DialGate::default();
+        let gate = DialGate::holding(Duration::from_secs(600));
         let a: IpAddr = "10.0.0.7".parse().expect("ip");
         let far = || Instant::now() + Duration::from_secs(10);
         let (one, two, hog, neighbour) = (
@@ -588,7 +605,7 @@ mod tests {
         let (got_tx, got) = std::sync::mpsc::channel();
         std::thread::scope(|s| {
             // Owner one, holding a place already, waits first; then the neighbour, holding none.
-            for (who, owner) in [("one", one), ("neighbour", neighbour)] {
+            for (n, (who, owner)) in [("one", one), ("neighbour", neighbour)].into_iter().enumerate() {
                 let (gate, got_tx) = (&gate, got_tx.clone());
                 s.spawn(move || {
                     let pass = gate.enter(a, owner, far());
@@ -596,7 +613,7 @@ mod tests {
                     // Held until the test ends.
                     std::thread::sleep(Duration::from_millis(300));
                 });
-                std::thread::sleep(Duration::from_millis(50));
+                wait_for(|| gate.waiting(a) == n + 1);
             }
             hogged.pop();
             assert_eq!(
@@ -613,15 +630,56 @@ mod tests {
         });
     }
 
+    /// Waits (up to 10 s) until `done`.
+    fn wait_for(done: impl Fn() -> bool) {
+        let until = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < until, "timed out");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    #[test]
+    fn a_place_gone_stale_does_not_go_straight_back_to_its_owner_past_one_holding_none() {
+        // Four owners hold a place each, one of them (the insider) with another dial waiting,
+        // then a neighbour's. The insider's place goes stale first: it now holds as few fresh
+        // places as the neighbour, and has waited longer, but its stale dial still goes: the
+        // neighbour takes the place. (Insiders of four owners or more otherwise took each place
+        // back as it went stale, and the neighbour waited out its handshake timeout.)
+        let hold = Duration::from_millis(400);
+        let gate = DialGate::holding(hold);
+        let a: IpAddr = "10.0.0.7".parse().expect("ip");
+        let start = Instant::now();
+        let _first = gate.enter(a, DialOwner::Engine(1), start + hold).expect("a place");
+        std::thread::sleep(hold / 2);
+        let _others: Vec<_> = (2..=4)
+            .map(|e| gate.enter(a, DialOwner::Engine(e), start + hold).expect("a place"))
+            .collect();
+        std::thread::scope(|s| {
+            // The insider gives up before the other three places go stale (at 1.5 holds).
+            let insider = s.spawn(|| gate.enter(a, DialOwner::Engine(1), start + hold * 5 / 4).map(drop));
+            wait_for(|| gate.waiting(a) == 1);
+            let neighbour =
+                s.spawn(|| gate.enter(a, DialOwner::Pod("neighbour".into()), start + Duration::from_secs(10)));
+            // Held until the insider has given up.
+            let _place = neighbour.join().expect("neighbour").expect("the neighbour's place");
+            assert!(
+                insider.join().expect("insider").is_err(),
+                "the insider got the place back"
+            );
+        });
+    }
+
     #[test]
     fn dials_stuck_past_the_hold_keep_no_one_waiting() {
         let gate = DialGate::holding(Duration::from_millis(100));
         let a: IpAddr = "10.0.0.7".parse().expect("ip");
         let far = || Instant::now() + Duration::from_secs(10);
+        // From before the first is taken: it goes stale 100 ms after that at the earliest.
+        let asked = Instant::now();
         let stuck: Vec<DialPass<'_>> = (0..DIALS_PER_HOST)
             .map(|i| gate.enter(a, DialOwner::Engine(i as u64), far()).expect("a place"))
             .collect();
-        let asked = Instant::now();
         let next = gate
             .enter(a, DialOwner::Engine(9), far())
             .expect("a place once the others are stale");
