@@ -125,6 +125,11 @@ impl Metrics {
         self.handshakes.with_label_values(&[reason.as_str()]).inc();
     }
 
+    /// Handshakes accepted so far.
+    pub fn handshakes_accepted(&self) -> u64 {
+        self.handshakes.with_label_values(&["accepted"]).get()
+    }
+
     /// Handshakes refused or failed for `reason` so far.
     pub fn handshakes_refused(&self, reason: Reason) -> u64 {
         self.handshakes.with_label_values(&[reason.as_str()]).get()

@@ -41,6 +41,24 @@ fn short_lease_pair(w: &World) -> (SyntheticEngine, SyntheticEngine) {
     (awaited(p, 15), w.engine(&ds, Role::Decode, "d0", b"k"))
 }
 
+/// Links `d` to `p` (of [`short_lease_pair`]) before a test's short lease starts: a first dial,
+/// with its UCX probe (a process of its own), outran the 500 ms lease on a loaded machine. A
+/// `Renew` of no request dials, and the decode agent's accepted handshake says the link is up.
+fn linked(w: &World, d: &mut SyntheticEngine, p: &SyntheticEngine) {
+    d.send(&EngineRequest::Renew {
+        request: "no-such-request".into(),
+        prefill: p.address.clone(),
+        prompt: None,
+    })
+    .expect("Renew");
+    let decode_agent = w.metrics.lock().expect("metrics")[1].clone();
+    let until = Instant::now() + Duration::from_secs(20);
+    while decode_agent.handshakes_accepted() == 0 {
+        assert!(Instant::now() < until, "decode never linked to prefill");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn release(d: &mut SyntheticEngine, p: &SyntheticEngine, request: &str) {
     d.send(&EngineRequest::Release {
         request: request.into(),
@@ -162,10 +180,7 @@ fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
         })
         .expect("Renew")
     };
-    // The link up first, so each renewal goes over it at once: a first dial (with its UCX probe,
-    // a process of its own) took longer than the 500 ms lease on a loaded machine.
-    let (event, bad) = common::request(&mut p, &mut d, common::Req::from_start("warm", 1, 100, 2));
-    assert!(common::done(&event) && bad == 0, "{event:?}, {bad} bad tokens");
+    linked(&w, &mut d, &p);
     p.fill(6, &[3, 4], 0, 100);
     kv_ready(&mut p, "queued", &[3, 4], 100);
     kv_ready(&mut p, "pinned", &[7, 8], 100);
@@ -207,6 +222,7 @@ fn a_renewal_of_another_prompt_holds_nothing() {
     use pdpair_agent::synthetic::prompt;
     let w = World::new("renew-prompt");
     let (mut p, mut d) = short_lease_pair(&w);
+    linked(&w, &mut d, &p);
     for (id, blocks) in [("theirs", [3, 4]), ("held", [7, 8])] {
         kv_ready_of(&mut p, id, &blocks, 100, Some(prompt(1, 100)));
     }
