@@ -353,6 +353,9 @@ impl Shared {
 impl Agent {
     /// Starts UCX. Fails when UCX cannot start on the configured transport.
     pub fn start(mut cfg: AgentConfig, metrics: Arc<Metrics>) -> Result<Agent, String> {
+        if let Some(range) = &cfg.side_channel_ports {
+            dials::check_side_channel_ports(range)?;
+        }
         std::fs::create_dir_all(&cfg.pool_dir)
             .map_err(|e| format!("pool directory {}: {e}", cfg.pool_dir.display()))?;
         // UCX names its segments from this path and /proc/self/maps shows the canonical one.

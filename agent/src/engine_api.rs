@@ -301,8 +301,9 @@ pub struct PoolRegistration {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staging: Option<String>,
     /// Prefill: the side-channel address this engine had before, when it registers again with
-    /// its restarted agent: the agent listens there again where it can (its own host, a port of
-    /// the kernel's ephemeral range, free), so the addresses decode engines were handed stay
+    /// its restarted agent: the agent listens there again where it can (its own host, a
+    /// side-channel port: of `--side-channel-ports` where set, else of the kernel's ephemeral
+    /// range; free), so the addresses decode engines were handed stay
     /// good; else at a new one (`Registered.address` says which).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<std::net::SocketAddr>,

@@ -1988,6 +1988,41 @@ fn with_the_agents_side_channel_ports_prefill_listens_there_and_decode_dials_no_
 }
 
 #[test]
+fn an_agent_does_not_start_with_a_side_channel_range_holding_a_node_service() {
+    // AgentConfig is the library's too: the range is checked as the agent starts, not only by
+    // the command line's parser.
+    let w = World::new("attack-side-channel-range");
+    for (range, why) in [
+        (10000..=11000, "holds 10249"),
+        (6000..=7000, "holds 6443, where the API server listens"),
+        (500..=2000, "below 1024"),
+    ] {
+        let cfg = pdpair_agent::agent::AgentConfig {
+            name: "a".into(),
+            listen_host: std::net::Ipv4Addr::LOCALHOST.into(),
+            transport: Transport::Tcp,
+            stream_lanes: pdpair_agent::transport::stream::DEFAULT_LANES,
+            corrupt_one_byte: false,
+            rejection_ttl: Duration::from_secs(30),
+            publisher: None,
+            pool_dir: w.pools(),
+            heartbeat: Duration::from_secs(1),
+            attestor: None,
+            ucx_probe: None,
+            side_channel_ports: Some(range.clone()),
+        };
+        let metrics = std::sync::Arc::new(pdpair_agent::metrics::Metrics::new());
+        let e = pdpair_agent::agent::Agent::start(cfg, metrics)
+            .map(drop)
+            .expect_err("refused");
+        assert!(
+            e.contains(&format!("side-channel port range {}-{}", range.start(), range.end())) && e.contains(why),
+            "{e}"
+        );
+    }
+}
+
+#[test]
 fn a_decode_engine_cannot_make_its_agent_dial_where_no_prefill_engine_listens() {
     let _serial = serial();
     // The agent sits on the host's network: an engine naming a service's port on it (here one

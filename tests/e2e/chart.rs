@@ -477,6 +477,8 @@ fn bad_values_fail_with_the_path_and_the_value() {
         ("agent.streamLanes=9", "/agent/streamLanes"),
         ("agent.sideChannelPorts=80-90", "/agent/sideChannelPorts"),
         ("agent.sideChannelPorts=40000", "/agent/sideChannelPorts"),
+        ("agent.sideChannelPorts=1000-2000", "/agent/sideChannelPorts"),
+        ("agent.sideChannelPorts=40000-65536", "/agent/sideChannelPorts"),
         ("operator.leaseDuration=soon", "/operator/leaseDuration"),
         ("operator.typo=1", "typo"),
         ("webhook.clientCA=not a certificate", "/webhook/clientCA"),

@@ -23,7 +23,12 @@ fn ephemeral(port: u16, range: &str, reserved: &str) -> bool {
         (Some(Ok(l)), Some(Ok(h))) => (l, h),
         _ => (32768, 60999),
     };
-    let in_reserved = reserved.trim().split(',').filter(|s| !s.is_empty()).any(|part| {
+    (low..=high).contains(&port) && !reserved_port(port, reserved)
+}
+
+/// Whether `reserved` (`net.ipv4.ip_local_reserved_ports`: `8080,9000-9100`) holds `port`.
+fn reserved_port(port: u16, reserved: &str) -> bool {
+    reserved.trim().split(',').filter(|s| !s.is_empty()).any(|part| {
         let mut ends = part.trim().splitn(2, '-').map(str::parse::<u16>);
         match (ends.next(), ends.next()) {
             (Some(Ok(a)), None) => port == a,
@@ -31,8 +36,49 @@ fn ephemeral(port: u16, range: &str, reserved: &str) -> bool {
             // Unreadable: taken as reserving everything, so nothing is bound by request.
             _ => true,
         }
-    });
-    (low..=high).contains(&port) && !in_reserved
+    })
+}
+
+/// Ports Kubernetes' own node and control-plane services listen at: a side-channel range may
+/// hold none (a decode agent would dial them at an engine's word, on any node).
+const NODE_SERVICE_PORTS: [(u16, &str); 8] = [
+    (2379, "etcd"),
+    (2380, "etcd's peers"),
+    (6443, "the API server"),
+    (10249, "kube-proxy's metrics"),
+    (10250, "the kubelet"),
+    (10256, "kube-proxy's health"),
+    (10257, "kube-controller-manager"),
+    (10259, "kube-scheduler"),
+];
+
+/// Whether `range` may be the side-channel ports: from 1024 (ports below are services' by
+/// definition), not reversed, holding none of [`NODE_SERVICE_PORTS`]. `Err` names the range and
+/// says why.
+pub fn check_side_channel_ports(range: &RangeInclusive<u16>) -> Result<(), String> {
+    let (low, high) = (*range.start(), *range.end());
+    side_channel_ports_refused(range).map_or(Ok(()), |why| {
+        Err(format!("side-channel port range {low}-{high}: {why}"))
+    })
+}
+
+/// Why `range` may not be the side-channel ports ([`check_side_channel_ports`]).
+fn side_channel_ports_refused(range: &RangeInclusive<u16>) -> Option<String> {
+    let (low, high) = (*range.start(), *range.end());
+    if low < 1024 {
+        return Some(format!(
+            "starts at {low}, below 1024, where services listen (an engine could make its agent dial one)"
+        ));
+    }
+    if low > high {
+        return Some(format!("{low} is above {high}"));
+    }
+    NODE_SERVICE_PORTS
+        .iter()
+        .find(|(p, _)| range.contains(p))
+        .map(|(port, what)| {
+            format!("holds {port}, where {what} listens (an engine could make its agent dial it on any node)")
+        })
 }
 
 /// `--side-channel-ports`: `LOW-HIGH`, from 1024 (ports below are services' by definition:
@@ -48,16 +94,11 @@ pub fn parse_side_channel_ports(text: &str) -> Result<RangeInclusive<u16>, Strin
             .parse::<u16>()
             .map_err(|_| bad(&format!("{s:?} is not a port (1024-65535)")))
     };
-    let (low, high) = (port(low)?, port(high)?);
-    if low < 1024 {
-        return Err(bad(&format!(
-            "starts at {low}, below 1024, where services listen (an engine could make its agent dial one)"
-        )));
+    let range = port(low)?..=port(high)?;
+    match side_channel_ports_refused(&range) {
+        Some(why) => Err(bad(&why)),
+        None => Ok(range),
     }
-    if low > high {
-        return Err(bad(&format!("{low} is above {high}")));
-    }
-    Ok(low..=high)
 }
 
 /// The ports prefill engines' side channels listen at.
@@ -67,9 +108,13 @@ enum Ports {
     /// `ip_local_reserved_ports` here, taken to be the prefill node's too (where one differs, its
     /// engines' ports may be refused, and the message names the range).
     Kernel { range: String, reserved: String },
-    /// The agents' own range (`--side-channel-ports`), the same on every node: a prefill agent
-    /// binds a free port of it, a decode agent dials no other.
-    Configured(RangeInclusive<u16>),
+    /// The agents' own range (`--side-channel-ports`), the same on every node, less this node's
+    /// `ip_local_reserved_ports`: a prefill agent binds a free port of it, a decode agent dials
+    /// no other.
+    Configured {
+        range: RangeInclusive<u16>,
+        reserved: String,
+    },
 }
 
 /// Where a decode agent dials, at its engine's word: only where a prefill engine's side channel
@@ -95,7 +140,10 @@ impl Dialable {
         Dialable {
             own,
             ports: match configured {
-                Some(range) => Ports::Configured(range),
+                Some(range) => Ports::Configured {
+                    range,
+                    reserved: read("ip_local_reserved_ports"),
+                },
                 None => Ports::Kernel {
                     range: read("ip_local_port_range"),
                     reserved: read("ip_local_reserved_ports"),
@@ -108,14 +156,14 @@ impl Dialable {
     pub(super) fn side_channel_port(&self, port: u16) -> bool {
         match &self.ports {
             Ports::Kernel { range, reserved } => ephemeral(port, range, reserved),
-            Ports::Configured(range) => range.contains(&port),
+            Ports::Configured { range, reserved } => range.contains(&port) && !reserved_port(port, reserved),
         }
     }
 
     /// A new listener for a prefill engine's side channel at `host`: port 0 (the kernel picks),
     /// or a free port of the agents' range, tried from a random one on.
     pub(super) fn listen(&self, host: IpAddr) -> io::Result<TcpListener> {
-        let Ports::Configured(range) = &self.ports else {
+        let Ports::Configured { range, reserved } = &self.ports else {
             return TcpListener::bind(SocketAddr::new(host, 0));
         };
         let (low, count) = (*range.start(), u32::from(*range.end() - *range.start()) + 1);
@@ -125,6 +173,9 @@ impl Dialable {
         for i in 0..count {
             let port = u32::from(low) + (first + i) % count;
             let port = u16::try_from(port).map_err(|_| io::Error::other("port past 65535"))?;
+            if reserved_port(port, reserved) {
+                continue;
+            }
             match TcpListener::bind(SocketAddr::new(host, port)) {
                 Ok(l) => return Ok(l),
                 Err(e) if e.kind() == io::ErrorKind::AddrInUse => continue,
@@ -175,11 +226,12 @@ impl Dialable {
                     range.trim(),
                     reserved.trim()
                 ),
-                Ports::Configured(range) => format!(
-                    "prefill address {addr:?}: port {} is not in the agents' side-channel port range {}-{} (--side-channel-ports), where every prefill engine's side channel listens",
+                Ports::Configured { range, reserved } => format!(
+                    "prefill address {addr:?}: port {} is not in the agents' side-channel port range {}-{} (--side-channel-ports) less ip_local_reserved_ports {:?}, where every prefill engine's side channel listens",
                     sock.port(),
                     range.start(),
-                    range.end()
+                    range.end(),
+                    reserved.trim()
                 ),
             });
         }
@@ -461,6 +513,9 @@ mod tests {
             ("80-90", "below 1024"),
             ("0-65535", "below 1024"),
             ("41000-40000", "41000 is above 40000"),
+            ("10000-10999", "holds 10249, where kube-proxy's metrics listens"),
+            ("10250-10250", "holds 10250, where the kubelet listens"),
+            ("2000-3000", "holds 2379, where etcd listens"),
             ("x-40000", "\"x\" is not a port"),
             ("40000-70000", "\"70000\" is not a port"),
         ] {
@@ -476,7 +531,10 @@ mod tests {
         let low = held.local_addr().expect("addr").port();
         let ours = Dialable {
             own: "10.0.0.5".parse().expect("ip"),
-            ports: Ports::Configured(low..=low + 3),
+            ports: Ports::Configured {
+                range: low..=low + 3,
+                reserved: String::new(),
+            },
         };
         assert!(ours.check(&format!("10.0.0.7:{}", low + 3)).is_ok());
         for port in [low - 1, low + 4, 22] {
@@ -489,9 +547,13 @@ mod tests {
             );
         }
         // Prefill listens at the range's free ports, each once, and at no other.
+        // One of the range's ports is reserved on this node (ip_local_reserved_ports).
         let local = Dialable {
             own: host,
-            ports: Ports::Configured(low..=low + 3),
+            ports: Ports::Configured {
+                range: low..=low + 4,
+                reserved: format!("{}\n", low + 2),
+            },
         };
         let mut bound: Vec<TcpListener> = Vec::new();
         let full = loop {
@@ -502,7 +564,15 @@ mod tests {
         };
         let mut ports: Vec<u16> = bound.iter().map(|l| l.local_addr().expect("addr").port()).collect();
         ports.sort_unstable();
-        assert_eq!(ports, vec![low + 1, low + 2, low + 3], "the held one skipped");
+        assert_eq!(
+            ports,
+            vec![low + 1, low + 3, low + 4],
+            "the held and the reserved ones skipped"
+        );
+        assert!(
+            local.check(&format!("{host}:{}", low + 2)).is_err(),
+            "a reserved port is not dialled"
+        );
         assert_eq!(full.kind(), io::ErrorKind::AddrInUse);
         assert!(
             full.to_string().contains("every port of the side-channel range"),
