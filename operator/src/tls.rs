@@ -233,12 +233,17 @@ pub fn client_verifier(ca: &Path) -> Result<Arc<dyn ClientCertVerifier>, TlsErro
         path: ca.to_path_buf(),
         source,
     })?;
+    verifier_of(ca, &pem)
+}
+
+/// [`client_verifier`] of `pem`, read from `ca`.
+fn verifier_of(ca: &Path, pem: &[u8]) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
     let bad = |message: String| TlsError::Pem {
         path: ca.to_path_buf(),
         message,
     };
     let mut roots = RootCertStore::empty();
-    for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+    for cert in rustls_pemfile::certs(&mut &*pem) {
         let cert = cert.map_err(|e| bad(e.to_string()))?;
         roots
             .add(cert)
@@ -266,8 +271,12 @@ pub struct ClientCa {
 impl ClientCa {
     /// Reads the file once; fails, naming it, when it holds no usable CA ([`client_verifier`]).
     pub fn new(path: PathBuf) -> Result<Arc<ClientCa>, TlsError> {
-        let stamp = std::fs::read(&path).unwrap_or_default();
-        let verifier = client_verifier(&path)?;
+        let stamp = std::fs::read(&path).map_err(|source| TlsError::Io {
+            action: "reading",
+            path: path.clone(),
+            source,
+        })?;
+        let verifier = verifier_of(&path, &stamp)?;
         Ok(Arc::new(ClientCa {
             path,
             stamp: RwLock::new(stamp),
@@ -289,11 +298,13 @@ impl ClientCa {
         if self.stamp.read().is_ok_and(|s| *s == now) {
             return false;
         }
-        // Seen once, whether usable or not: a broken file is warned about once, not every tick.
+        // The bytes compared are the bytes used (a file still being written is read whole next
+        // time it changes), and seen once, usable or not: a broken file is warned about once.
+        let verifier = verifier_of(&self.path, &now);
         if let Ok(mut s) = self.stamp.write() {
             *s = now;
         }
-        match client_verifier(&self.path) {
+        match verifier {
             Ok(verifier) => {
                 if let Ok(mut cur) = self.current.write() {
                     *cur = verifier;
