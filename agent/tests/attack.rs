@@ -1257,6 +1257,9 @@ fn in_pull_only_decodes_own_read_answers_not_a_forged_complete_nor_the_link_goin
     let mut dspec = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::Disabled);
     dspec.mode = TransferMode::Pull;
     dspec.num_blocks = BLOCKS;
+    // A deadline (handshake timeout and lease) the 128 MiB read meets on a loaded machine: with
+    // 5 s, one CI run's read under UCX 1.22 was cut short by it (DeadlineExceeded).
+    (dspec.handshake_timeout_ms, dspec.lease_ms) = (10_000, 10_000);
     let mut d = SyntheticEngine::register(&ds, &w.dir, &dspec).expect("decode registers");
     let mallory = UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
     let mut info = insider(Role::Prefill);
