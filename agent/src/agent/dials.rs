@@ -104,17 +104,13 @@ pub fn parse_side_channel_ports(text: &str) -> Result<RangeInclusive<u16>, Strin
 /// The ports prefill engines' side channels listen at.
 #[derive(Debug)]
 enum Ports {
-    /// Any the kernel hands out for port 0: `net.ipv4.ip_local_port_range` and
-    /// `ip_local_reserved_ports` here, taken to be the prefill node's too (where one differs, its
-    /// engines' ports may be refused, and the message names the range).
-    Kernel { range: String, reserved: String },
-    /// The agents' own range (`--side-channel-ports`), the same on every node, less this node's
-    /// `ip_local_reserved_ports`: a prefill agent binds a free port of it, a decode agent dials
-    /// no other.
-    Configured {
-        range: RangeInclusive<u16>,
-        reserved: String,
-    },
+    /// Any the kernel hands out for port 0: `net.ipv4.ip_local_port_range` here, taken to be the
+    /// prefill node's too (where one differs, its engines' ports may be refused, and the message
+    /// names the range).
+    Kernel(String),
+    /// The agents' own range (`--side-channel-ports`), the same on every node: a prefill agent
+    /// binds a free port of it, a decode agent dials no other.
+    Configured(RangeInclusive<u16>),
 }
 
 /// Where a decode agent dials, at its engine's word: only where a prefill engine's side channel
@@ -129,6 +125,8 @@ pub(crate) struct Dialable {
     /// (one host's agents, as in tests and local runs).
     own: IpAddr,
     ports: Ports,
+    /// `net.ipv4.ip_local_reserved_ports` here, left out of either range.
+    reserved: String,
 }
 
 impl Dialable {
@@ -140,30 +138,25 @@ impl Dialable {
         Dialable {
             own,
             ports: match configured {
-                Some(range) => Ports::Configured {
-                    range,
-                    reserved: read("ip_local_reserved_ports"),
-                },
-                None => Ports::Kernel {
-                    range: read("ip_local_port_range"),
-                    reserved: read("ip_local_reserved_ports"),
-                },
+                Some(range) => Ports::Configured(range),
+                None => Ports::Kernel(read("ip_local_port_range")),
             },
+            reserved: read("ip_local_reserved_ports"),
         }
     }
 
     /// Whether a prefill engine's side channel may listen at `port`.
     pub(super) fn side_channel_port(&self, port: u16) -> bool {
         match &self.ports {
-            Ports::Kernel { range, reserved } => ephemeral(port, range, reserved),
-            Ports::Configured { range, reserved } => range.contains(&port) && !reserved_port(port, reserved),
+            Ports::Kernel(range) => ephemeral(port, range, &self.reserved),
+            Ports::Configured(range) => range.contains(&port) && !reserved_port(port, &self.reserved),
         }
     }
 
     /// A new listener for a prefill engine's side channel at `host`: port 0 (the kernel picks),
     /// or a free port of the agents' range, tried from a random one on.
     pub(super) fn listen(&self, host: IpAddr) -> io::Result<TcpListener> {
-        let Ports::Configured { range, reserved } = &self.ports else {
+        let Ports::Configured(range) = &self.ports else {
             return TcpListener::bind(SocketAddr::new(host, 0));
         };
         let (low, count) = (*range.start(), u32::from(*range.end() - *range.start()) + 1);
@@ -173,7 +166,7 @@ impl Dialable {
         for i in 0..count {
             let port = u32::from(low) + (first + i) % count;
             let port = u16::try_from(port).map_err(|_| io::Error::other("port past 65535"))?;
-            if reserved_port(port, reserved) {
+            if reserved_port(port, &self.reserved) {
                 continue;
             }
             match TcpListener::bind(SocketAddr::new(host, port)) {
@@ -220,18 +213,18 @@ impl Dialable {
         }
         if !self.side_channel_port(sock.port()) {
             return Err(match &self.ports {
-                Ports::Kernel { range, reserved } => format!(
+                Ports::Kernel(range) => format!(
                     "prefill address {addr:?}: port {} is not one the kernel hands out (net.ipv4.ip_local_port_range {:?}, less ip_local_reserved_ports {:?}), where every prefill engine's side channel listens",
                     sock.port(),
                     range.trim(),
-                    reserved.trim()
+                    self.reserved.trim()
                 ),
-                Ports::Configured { range, reserved } => format!(
+                Ports::Configured(range) => format!(
                     "prefill address {addr:?}: port {} is not in the agents' side-channel port range {}-{} (--side-channel-ports) less ip_local_reserved_ports {:?}, where every prefill engine's side channel listens",
                     sock.port(),
                     range.start(),
                     range.end(),
-                    reserved.trim()
+                    self.reserved.trim()
                 ),
             });
         }
@@ -353,8 +346,8 @@ impl DialGate {
 
     /// A place for `owner` to dial `host`, waiting until fewer than [`DIALS_PER_HOST`] dials
     /// to it (and fewer than [`DIALS_PER_OWNER_HOST`] of the owner's) took theirs within the
-    /// last [`DIAL_PLACE_HELD`], and no dial waiting for it goes first (its owner holding fewer,
-    /// or as many and waiting longer), and until `until` at most; `Err` naming the host when
+    /// last [`DIAL_PLACE_HELD`], and no dial waiting for it goes first (the order is
+    /// [`DialGate`]'s), and until `until` at most; `Err` naming the host when
     /// none was had in time.
     pub(crate) fn enter(&self, host: IpAddr, owner: DialOwner, until: Instant) -> Result<DialPass<'_>, String> {
         let host = host.to_canonical();
@@ -461,10 +454,8 @@ mod tests {
     fn decode_dials_only_where_a_prefill_engine_can_listen() {
         let policy = |own: &str| Dialable {
             own: own.parse().expect("ip"),
-            ports: Ports::Kernel {
-                range: "32768\t60999\n".into(),
-                reserved: "50000\n".into(),
-            },
+            ports: Ports::Kernel("32768\t60999\n".into()),
+            reserved: "50000\n".into(),
         };
         let node = policy("10.0.0.5");
         assert_eq!(
@@ -531,10 +522,8 @@ mod tests {
         let low = held.local_addr().expect("addr").port();
         let ours = Dialable {
             own: "10.0.0.5".parse().expect("ip"),
-            ports: Ports::Configured {
-                range: low..=low + 3,
-                reserved: String::new(),
-            },
+            ports: Ports::Configured(low..=low + 3),
+            reserved: String::new(),
         };
         assert!(ours.check(&format!("10.0.0.7:{}", low + 3)).is_ok());
         for port in [low - 1, low + 4, 22] {
@@ -550,10 +539,8 @@ mod tests {
         // One of the range's ports is reserved on this node (ip_local_reserved_ports).
         let local = Dialable {
             own: host,
-            ports: Ports::Configured {
-                range: low..=low + 4,
-                reserved: format!("{}\n", low + 2),
-            },
+            ports: Ports::Configured(low..=low + 4),
+            reserved: format!("{}\n", low + 2),
         };
         let mut bound: Vec<TcpListener> = Vec::new();
         let full = loop {
