@@ -201,11 +201,16 @@ impl Reloader {
 
     /// Polls the files every `every`, forever.
     pub async fn watch(self: Arc<Self>, every: Duration) {
-        let mut tick = tokio::time::interval(every);
-        loop {
-            tick.tick().await;
-            self.reload_if_changed();
-        }
+        every_tick(every, || self.reload_if_changed()).await
+    }
+}
+
+/// Runs `reload` every `every`, forever (the certificate's and the client CAs' watches).
+async fn every_tick(every: Duration, reload: impl Fn() -> bool) {
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        reload();
     }
 }
 
@@ -321,11 +326,7 @@ impl ClientCa {
 
     /// Polls the file every `every`, forever.
     pub async fn watch(self: Arc<Self>, every: Duration) {
-        let mut tick = tokio::time::interval(every);
-        loop {
-            tick.tick().await;
-            self.reload_if_changed();
-        }
+        every_tick(every, || self.reload_if_changed()).await
     }
 }
 
