@@ -891,20 +891,8 @@ fn a_copy_of_the_agents_own_address_with_a_byte_changed_is_refused() {
 #[test]
 fn an_agent_whose_probe_cannot_run_does_not_start() {
     let w = World::new("attack-noprobe");
-    let cfg = pdpair_agent::agent::AgentConfig {
-        name: "a".into(),
-        listen_host: std::net::Ipv4Addr::LOCALHOST.into(),
-        transport: Transport::Tcp,
-        stream_lanes: pdpair_agent::transport::stream::DEFAULT_LANES,
-        corrupt_one_byte: false,
-        rejection_ttl: Duration::from_secs(30),
-        publisher: None,
-        pool_dir: w.pools(),
-        heartbeat: Duration::from_secs(1),
-        attestor: None,
-        ucx_probe: Some("/bin/false".into()),
-        side_channel_ports: None,
-    };
+    let mut cfg = w.config("a", Transport::Tcp);
+    cfg.ucx_probe = Some("/bin/false".into());
     let metrics = std::sync::Arc::new(pdpair_agent::metrics::Metrics::new());
     let e = pdpair_agent::agent::Agent::start(cfg, metrics).expect_err("the probe fails");
     assert!(
@@ -2000,20 +1988,8 @@ fn an_agent_does_not_start_with_a_side_channel_range_holding_a_node_service() {
         (6000..=7000, "holds 6443, where the API server listens"),
         (500..=2000, "below 1024"),
     ] {
-        let cfg = pdpair_agent::agent::AgentConfig {
-            name: "a".into(),
-            listen_host: std::net::Ipv4Addr::LOCALHOST.into(),
-            transport: Transport::Tcp,
-            stream_lanes: pdpair_agent::transport::stream::DEFAULT_LANES,
-            corrupt_one_byte: false,
-            rejection_ttl: Duration::from_secs(30),
-            publisher: None,
-            pool_dir: w.pools(),
-            heartbeat: Duration::from_secs(1),
-            attestor: None,
-            ucx_probe: None,
-            side_channel_ports: Some(range.clone()),
-        };
+        let mut cfg = w.config("a", Transport::Tcp);
+        cfg.side_channel_ports = Some(range.clone());
         let metrics = std::sync::Arc::new(pdpair_agent::metrics::Metrics::new());
         let e = pdpair_agent::agent::Agent::start(cfg, metrics)
             .map(drop)

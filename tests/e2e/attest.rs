@@ -149,12 +149,19 @@ for _ in range(int(sys.argv[3])):
 print(json.dumps(answered), flush=True)
 sys.stdin.read()
 "#;
+    reporting(
+        SCRIPT,
+        &[cgroup.as_os_str(), socket.as_os_str(), n.to_string().as_ref()],
+    )
+}
+
+/// Starts the Python program `script` with `args`, its stdin held open (it runs until that
+/// closes); returns it once it has printed its first line, and that line's JSON.
+fn reporting<T: serde::de::DeserializeOwned>(script: &str, args: &[&std::ffi::OsStr]) -> (std::process::Child, T) {
     let mut child = Command::new("python3")
         .arg("-c")
-        .arg(SCRIPT)
-        .arg(cgroup)
-        .arg(socket)
-        .arg(n.to_string())
+        .arg(script)
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -165,8 +172,8 @@ sys.stdin.read()
         &mut line,
     )
     .expect("its report");
-    let answered = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
-    (child, answered)
+    let report = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    (child, report)
 }
 
 /// A process of the Pod of `cgroup` that registers, each on a connection of its own, the engines
@@ -202,24 +209,7 @@ for s, frames in zip(held, engines):
 print(json.dumps(answers), flush=True)
 sys.stdin.read()
 "#;
-    let mut child = Command::new("python3")
-        .arg("-c")
-        .arg(SCRIPT)
-        .arg(cgroup)
-        .arg(socket)
-        .arg(frames)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3");
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.as_mut().expect("stdout")),
-        &mut line,
-    )
-    .expect("its report");
-    let answers = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
-    (child, answers)
+    reporting(SCRIPT, &[cgroup.as_os_str(), socket.as_os_str(), frames.as_os_str()])
 }
 
 #[test]

@@ -105,9 +105,9 @@ impl World {
         })
     }
 
-    /// [`World::agent`], its configuration changed by `change`.
-    pub fn agent_configured(&self, name: &str, transport: Transport, change: impl FnOnce(&mut AgentConfig)) -> PathBuf {
-        let mut cfg = AgentConfig {
+    /// The configuration of a test agent `name` on `transport` (what [`World::agent`] starts).
+    pub fn config(&self, name: &str, transport: Transport) -> AgentConfig {
+        AgentConfig {
             name: name.into(),
             listen_host: IpAddr::V4(Ipv4Addr::LOCALHOST),
             transport,
@@ -122,7 +122,12 @@ impl World {
             // Every test agent probes its peers' UCX addresses, as the DaemonSet's does.
             ucx_probe: Some(env!("CARGO_BIN_EXE_pdpair-agent").into()),
             side_channel_ports: None,
-        };
+        }
+    }
+
+    /// [`World::agent`], its configuration changed by `change`.
+    pub fn agent_configured(&self, name: &str, transport: Transport, change: impl FnOnce(&mut AgentConfig)) -> PathBuf {
+        let mut cfg = self.config(name, transport);
         change(&mut cfg);
         let metrics = Arc::new(Metrics::new());
         self.metrics.lock().expect("metrics").push(metrics.clone());
