@@ -151,7 +151,18 @@ pub fn load(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
         path: key.to_path_buf(),
         message: e.to_string(),
     })?;
-    Ok(CertifiedKey::new(chain, signing))
+    let certified = CertifiedKey::new(chain, signing);
+    // A key from another pair (a rotation caught between its two writes, or files copied by
+    // hand one at a time) would load and then fail every handshake: refuse it, so the last
+    // good pair stays.
+    // (A key whose public half rustls cannot tell is taken as before, as rustls itself does.)
+    match certified.keys_match() {
+        Ok(()) | Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => Ok(certified),
+        Err(e) => Err(TlsError::Pem {
+            path: key.to_path_buf(),
+            message: format!("not the key of the certificate in {}: {e}", cert.display()),
+        }),
+    }
 }
 
 /// Serves the certificate currently on disk; [`Reloader::watch`] swaps it when the files change.
@@ -427,6 +438,32 @@ mod tests {
         std::fs::write(&files.cert, "not a certificate").expect("write");
         assert!(!r.reload_if_changed());
         assert_eq!(leaf_der(&r), second);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_key_of_another_certificate_is_refused_and_the_last_good_pair_kept() {
+        let dir = std::env::temp_dir().join(format!("pdpair-tls-mismatch-{}", std::process::id()));
+        let other = dir.join("other");
+        let files = generate(&dir, &["127.0.0.1".into()]).expect("generate");
+        let r = Reloader::new(files.cert.clone(), files.key.clone()).expect("load");
+        let first = leaf_der(&r);
+        // A rotation caught between its key and its certificate: the new key, the old certificate.
+        let rotated = generate(&other, &["127.0.0.1".into()]).expect("generate another");
+        std::fs::copy(&rotated.key, &files.key).expect("copy the key");
+        assert!(!r.reload_if_changed(), "a key that is not the certificate's was taken");
+        assert_eq!(leaf_der(&r), first);
+        let e = load(&files.cert, &files.key).expect_err("mismatched pair");
+        let text = e.to_string();
+        assert!(
+            text.contains("tls.key") && text.contains("not the key of the certificate"),
+            "{e}"
+        );
+        assert!(Reloader::new(files.cert.clone(), files.key.clone()).is_err());
+        // The certificate follows: the pair is whole again and taken.
+        std::fs::copy(&rotated.cert, &files.cert).expect("copy the certificate");
+        assert!(r.reload_if_changed());
+        assert_ne!(leaf_der(&r), first);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
