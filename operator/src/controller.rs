@@ -90,6 +90,17 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether the API server refused the request for what it holds ([`refused`]).
+    fn refused(&self) -> bool {
+        match self {
+            Error::ApplyDeployment { source, .. }
+            | Error::PruneDeployment { source, .. }
+            | Error::EnsureSecret { source, .. }
+            | Error::PatchStatus { source, .. } => matches!(source, kube::Error::Api(s) if refused(s)),
+            Error::MissingMeta | Error::Random(_) => false,
+        }
+    }
+
     /// A bounded label for metrics and the retry decision.
     pub fn category(&self) -> &'static str {
         let source = match self {
@@ -207,6 +218,9 @@ impl std::fmt::Debug for Context {
 /// Resync period for healthy objects.
 const RESYNC: Duration = Duration::from_secs(300);
 
+/// How soon a pairing Secret the API server refused is asked for again.
+const SECRET_RETRY: Duration = Duration::from_secs(30);
+
 async fn reconcile(pair: Arc<PDPair>, ctx: Arc<Context>) -> Result<Action, Error> {
     if !*ctx.leader.borrow() {
         return Ok(Action::await_change());
@@ -247,10 +261,33 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     let uid = pair.uid().unwrap_or_default();
     // Every PDEndpoint heartbeat reconciles the pair: the Secret is asked for (a create, 409
     // when it is there) at most once a resync, not at each.
+    // A create the API server refuses (a quota on Secrets, a policy) is told in a Warning Event
+    // and tried again in [`SECRET_RETRY`]; the rest goes on, so status keeps telling what runs
+    // (the pods, which do not start without it).
+    let mut secret_refused = false;
     if verdict.allowed() && !ctx.remembered.secret_fresh(&uid) {
-        ensure_secret(pair, &ctx.client, &ns, &name).await?;
-        ctx.metrics.secret_ensured();
-        ctx.remembered.note(&uid, |m| m.secret = Some(Instant::now()));
+        match ensure_secret(pair, &ctx.client, &ns, &name).await {
+            Ok(()) => {
+                ctx.metrics.secret_ensured();
+                ctx.remembered.note(&uid, |m| m.secret = Some(Instant::now()));
+            }
+            Err(e) if e.refused() => {
+                ctx.metrics.reconcile_error(e.category());
+                tracing::warn!(error = %e, name = %name, "the pairing Secret was refused; trying again later");
+                let note = format!("{e}; the pools' pods do not start without it");
+                ctx.events
+                    .publish(
+                        &pair.object_ref(&()),
+                        Kind::Warning,
+                        "SecretRefused",
+                        "Reconcile",
+                        &note,
+                    )
+                    .await;
+                secret_refused = true;
+            }
+            Err(e) => return Err(e),
+        }
     }
     // An incompatible spec (stored before the webhook was installed, or with it bypassed) gets no
     // children: an incompatible pair must not run, so what it had goes. Status says why. A pool
@@ -308,7 +345,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             let params = PatchParams::apply(MANAGER).force().dry_run();
             match deployments.patch(dname, &params, &Patch::Apply(d)).await {
                 Ok(_) => {}
-                Err(kube::Error::Api(s)) if s.code == 400 || s.code == 422 => {
+                Err(kube::Error::Api(s)) if refused(&s) => {
                     apply_refused = Some(format!(
                         "neither pool's Deployment was applied (the pools run what they ran before): Deployment {dname}: {}",
                         s.message
@@ -352,7 +389,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
                     };
                 }
                 // Refused after its dry run passed (the world changed in between).
-                Err(kube::Error::Api(s)) if s.code == 400 || s.code == 422 => {
+                Err(kube::Error::Api(s)) if refused(&s) => {
                     apply_refused = Some(format!(
                         "Deployment {dname} was refused after its dry run passed (a pool before it was applied): {}",
                         s.message
@@ -439,11 +476,22 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     }
     // A refused apply is tried again at the resync too: what refused it (another's Deployment
     // of that name) may go without this PDPair changing.
-    Ok(if verdict.allowed() {
+    Ok(if secret_refused {
+        Action::requeue(SECRET_RETRY)
+    } else if verdict.allowed() {
         Action::requeue(RESYNC)
     } else {
         Action::await_change()
     })
+}
+
+/// Whether the API server refused a request for what it holds (invalid: 400, 422; forbidden by
+/// a quota, a policy webhook, RBAC or a namespace being deleted: 403; 404...), so that sending it
+/// again unchanged gets the same answer and status must say so. Not: a conflict (409), too many
+/// requests (429), a timeout (408), the operator's own credentials (401), or the server's
+/// trouble (5xx).
+fn refused(s: &kube::core::Status) -> bool {
+    (400..500).contains(&s.code) && ![401, 408, 409, 429].contains(&s.code)
 }
 
 /// Whether the PDPair `owner_uid` is the controller of an object.

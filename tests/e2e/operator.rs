@@ -379,6 +379,72 @@ fn a_deployment_of_the_name_someone_else_made_is_not_taken_over() {
     assert_eq!(ours["metadata"]["ownerReferences"][0]["kind"], "PDPair", "{ours}");
 }
 
+#[test]
+fn what_a_quota_forbids_is_told_in_events_and_status_and_made_once_it_is_lifted() {
+    // A Deployment or Secret the API server forbids (403: a ResourceQuota here; a policy
+    // webhook or a namespace being deleted answer the same) is not a passing error to back off
+    // from in silence: the pair's status and Events say what was refused, and once the quota is
+    // lifted the pools are made.
+    operator();
+    let ns = namespace("quota");
+    let quota = format!(
+        r#"{{"apiVersion": "v1", "kind": "ResourceQuota",
+            "metadata": {{"name": "none", "namespace": "{ns}"}},
+            "spec": {{"hard": {{"count/deployments.apps": "0", "secrets": "0"}}}}}}"#
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&quota));
+    // Counted by the quota controller first (until then the API server refuses for that).
+    eventually(WAIT, "the quota counted", || {
+        get_json("resourcequota", &ns, "none")?["status"]["used"]
+            .is_object()
+            .then_some(())
+    });
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+    );
+    let refused = eventually(WAIT, "a SecretRefused Warning Event", || {
+        events_about(&ns, "llama-8b")
+            .into_iter()
+            .find(|e| e["reason"] == "SecretRefused" && e["type"] == "Warning")
+    });
+    let message = refused["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("llama-8b-pairing") && message.contains("exceeded quota"),
+        "{refused}"
+    );
+    let condition = |type_: &str| condition_of(&get_json("pdpair", &ns, "llama-8b")?, type_);
+    let applied = eventually(WAIT, "PoolsApplied False", || {
+        condition("PoolsApplied").filter(|c| c["status"] == "False")
+    });
+    let message = applied["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("Deployment llama-8b-") && message.contains("exceeded quota"),
+        "{applied}"
+    );
+    let ready = condition("Ready").expect("Ready");
+    assert_eq!(
+        (&ready["status"], &ready["reason"]),
+        (&"False".into(), &"ApplyFailed".into()),
+        "{ready}"
+    );
+    assert!(get_json("deployment", &ns, "llama-8b-prefill").is_none());
+    // Lifted: the Secret comes at its next try, the pools at the next reconcile (a touch
+    // brings it now).
+    kubectl_ok(&["delete", "resourcequota", "none", "-n", &ns], None);
+    kubectl_ok(
+        &["annotate", "pdpair", "llama-8b", "-n", &ns, "touch=1", "--overwrite"],
+        None,
+    );
+    both_deployments(&ns);
+    eventually(WAIT, "PoolsApplied True", || {
+        condition("PoolsApplied").filter(|c| c["status"] == "True")
+    });
+    eventually(WAIT, "the pairing Secret", || {
+        get_json("secret", &ns, "llama-8b-pairing")
+    });
+}
+
 /// Waits for the compatible pair's two Deployments.
 fn both_deployments(ns: &str) {
     eventually(WAIT, "both Deployments", || {
