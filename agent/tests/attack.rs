@@ -2511,7 +2511,7 @@ fn pull_with_a_second_rank_saying(answer: impl FnOnce(String) -> Message + Send 
     let (mut d, lender) = pull_decode_and_lender(&w);
     d.events()
         .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(15)))
+        .set_read_timeout(Some(Duration::from_secs(40)))
         .expect("timeout");
     let (info, blocks, tokens) = (lender.info.clone(), lender.blocks.clone(), lender.tokens);
     let lent = blocks.clone();
