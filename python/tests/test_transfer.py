@@ -88,6 +88,7 @@ def test_kernel_ids():
 def test_a_failed_load_vllm_ends_is_not_cancelled_but_an_abort_in_flight_is():
     # vLLM ends a request whose load failed (policy fail) before it hands the connector the
     # worker's report, and frees its blocks whatever the connector says: no Cancel, no hold.
+    # An abort in flight is cancelled; vLLM holds its blocks itself until it is reported received.
     s = SchedulerState(16, 16)
     for rid in ("failed", "aborted"):
         p = params(**{PARAM_REQUEST: rid})
@@ -95,7 +96,7 @@ def test_a_failed_load_vllm_ends_is_not_cancelled_but_an_abort_in_flight_is():
         s.after_alloc(rid, p, [1, 2, 3, 4], 50, 50)
     s.plan()
     assert s.finished("failed", {}, False, [1, 2, 3, 4], 0, "e", load_failed=True) == (False, None)
-    assert s.finished("aborted", {}, False, [1, 2, 3, 4], 0, "e") == (True, None)
+    assert s.finished("aborted", {}, False, [1, 2, 3, 4], 0, "e") == (False, None)
     assert s.plan().cancels == ["aborted"]
 
 
@@ -323,8 +324,8 @@ def test_a_lost_agent_ends_every_transfer_in_flight_and_later_ones_never_reach_i
     assert w.poll() == Results(), "nothing ended while the agent is up"
     client.closed = "the agent closed the connection"
     got = w.poll()
-    assert got.failed_recving == {"r"} and got.error_blocks == {1, 2} and got.finished_recving == {"r"}
-    assert got.finished_sending == {"s", "c"}, "prefill's blocks and the cancelled receive's are free"
+    assert got.failed_recving == {"r"} and got.error_blocks == {1, 2} and got.finished_recving == {"r", "c"}
+    assert got.finished_sending == {"s"}, "prefill's blocks are free; the cancelled receive is reported received"
     assert w.outcomes == {"r": "RequestFailed", "s": "RequestFailed", "c": "Cancelled"}
     assert "lost its agent connection" in caplog.text
     calls = list(client.calls)

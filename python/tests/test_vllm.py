@@ -214,6 +214,43 @@ def test_an_abort_while_kv_is_on_its_way_holds_decodes_blocks_until_cancelled(pa
     both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
 
 
+def test_an_abort_in_the_step_its_kv_landed_frees_decodes_blocks_and_decode_goes_on(pair):
+    # vLLM's engine core takes the aborts that came during a step before it reads the step's
+    # output, so an abort can find the request still waiting for its KV while the workers have
+    # just reported it received. The connector must then report the request once (received),
+    # not also the cancel's end: vLLM's scheduler asserts on a request it no longer has.
+    p, d = pair()
+    prompt = list(range(1100, 1200))
+    params = prefill(p, "req", prompt)
+    d.add("req", prompt, params)
+    free = d.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    landed = []
+
+    def abort_as_it_lands(out):
+        if not landed and out is not None and "req" in (out.finished_recving or ()):
+            assert d.status("req") == "WAITING_FOR_REMOTE_KVS", d.status("req")
+            d.abort("req")
+            landed.append(True)
+
+    deadline = time.monotonic() + 30
+    while not landed:
+        assert time.monotonic() < deadline, "the KV did not land in 30 s"
+        p.step()
+        d.step(aborts_during=abort_as_it_lands)
+        time.sleep(0.002)
+    assert d.status("req") is None, "vLLM freed the request as its KV was reported in"
+    for _ in range(5):  # the cancel's answer, if any, comes in these steps
+        p.step()
+        d.step()
+        time.sleep(0.01)
+    assert d.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+    both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
+    # Decode still serves.
+    prompt = list(range(1200, 1300))
+    seeds = decode_receives(p, d, "next", prompt, prefill(p, "next", prompt))
+    assert seeds == [P_SEED] * len(prompt)
+
+
 def test_a_mismatched_prefill_is_refused_and_decode_recomputes_then_serves_a_good_one(world):
     pa, qa, da = world.agent("p"), world.agent("q"), world.agent("d")
     wrong = Engine(world, pa, "prefill", seed=P_SEED, layout="HND")

@@ -164,7 +164,10 @@ class Engine:
 
     # --- one engine step ---------------------------------------------------------------------------
 
-    def step(self) -> KVConnectorOutput:
+    def step(self, aborts_during=None) -> KVConnectorOutput:
+        """``aborts_during(output)``: what vLLM's engine core does with aborts that came while the
+        step ran (``EngineCore.step``: ``_process_aborts_queue`` before ``update_from_output``),
+        given the step's aggregated connector output."""
         so = self.scheduler.schedule()
         for w in self.workers:
             w.bind_connector_metadata(so.kv_connector_metadata)
@@ -194,6 +197,8 @@ class Engine:
                                              kv_connector_output=out))
         mro = self.aggregator.aggregate(outputs)
         out = mro.kv_connector_output
+        if aborts_during is not None:
+            aborts_during(out)
         for outs in self.scheduler.update_from_output(so, mro).values():
             for o in outs.outputs:
                 if o.finish_reason is not None:

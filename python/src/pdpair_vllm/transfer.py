@@ -309,10 +309,14 @@ class SchedulerState:
             self.receiving.pop(request)
             return False, None
         if request in self.receiving:
-            # D: aborted while its KV is on its way: hold the blocks until the agent confirms.
+            # D: aborted while its KV is on its way (WAITING_FOR_REMOTE_KVS): vLLM holds the
+            # blocks itself until the workers report the request received, which each rank does
+            # once: when the agent answers the Cancel, or already (its KV landed in the step the
+            # abort came in). Holding them here too would ask for a send's end as well, which
+            # vLLM takes for a request it may have freed already (and asserts on).
             self.receiving.pop(request)
             self._plan.cancels.append(request)
-            return True, None
+            return False, None
         if not params or not params.get("do_remote_decode") or not completed or not block_ids:
             return False, None
         if not self.prefill_ranks:
@@ -565,7 +569,8 @@ class WorkerState:
         for request in plan.cancels:
             agent_request = self._by_request.get(request)
             if agent_request is None or agent_request not in self._open:
-                self._results.finished_sending.add(request)  # nothing in flight here
+                # Nothing in flight here: this rank reported the request received (or failed)
+                # already, and vLLM frees its blocks once every rank has.
                 continue
             self._open[agent_request] = ("cancel", request, None)
             if not self._gone():
@@ -690,9 +695,15 @@ class WorkerState:
         self._by_request.pop(request, None)
         _set(self.outcomes, request, event.type)
         r = self._results
-        if kind == "send" or kind == "cancel":
-            # P: done, failed or released: the blocks are free. D: the cancel was answered.
+        if kind == "send":
+            # P: done, failed or released: the blocks are free.
             r.finished_sending.add(request)
+            return
+        if kind == "cancel":
+            # D: the cancel was answered; nothing writes into the blocks any more. Reported as
+            # received (the request's one report from this rank): vLLM frees an aborted
+            # request's blocks then.
+            r.finished_recving.add(request)
             return
         assert recv is not None
         if event.type == "RequestDone":
