@@ -25,7 +25,7 @@ def params(**over):
 def test_malformed_params_are_named_and_the_request_is_computed_locally(field, value, caplog):
     with pytest.raises(ValueError, match=field):
         check_params(params(**{field: value}))
-    s = SchedulerState(16, 16)
+    s = SchedulerState(16)
     bad = params(**{field: value})
     assert s.matched_tokens("r", bad, 50, 0) == (0, False)
     assert field in caplog.text
@@ -33,20 +33,32 @@ def test_malformed_params_are_named_and_the_request_is_computed_locally(field, v
     assert s.plan().empty(), "nothing is asked of any agent"
 
 
-def test_decode_asks_for_the_tail_after_its_prefix_hit_in_kernel_blocks():
-    s = SchedulerState(block_size=32, kernel_block_size=16)
+def test_decode_asks_for_the_tail_after_its_prefix_hit_and_the_worker_in_its_kernel_blocks():
+    s = SchedulerState(block_size=32)
     p = params()
     assert s.matched_tokens("r", p, 50, 32) == (18, True)
     s.after_alloc("r", p, [7, 3], 50, 18)
-    (recv,) = s.plan().recvs
+    plan = s.plan()
+    (recv,) = plan.recvs
     assert (recv.agent_request, recv.first_token, recv.num_tokens) == ("p-1", 32, 50)
-    assert recv.logical_blocks == [3] and recv.blocks == [6, 7]
+    assert recv.logical_blocks == [3]
     assert p["do_remote_prefill"] is False, "one transfer per request"
     assert s.plan().empty(), "handed to the workers once"
+    # The worker's KV cache has kernel blocks of 16 tokens (two a block): it asks for those.
+    asked = []
+
+    class Client:
+        closed = None
+
+        def expect_kv(self, request, prefills, blocks, *args, **kw):
+            asked.append(blocks)
+
+    WorkerState(Client(), Stager(), per_logical=2).start(plan)
+    assert asked == [[6, 7]]
 
 
 def test_a_short_tail_is_recomputed_and_prefill_released():
-    s = SchedulerState(16, 16, min_transfer_tokens=16)
+    s = SchedulerState(16, min_transfer_tokens=16)
     p = params(**{PARAM_TOKENS: 49})
     assert s.matched_tokens("r", p, 49, 48) == (0, False)
     s.after_alloc("r", p, [1, 2, 3, 4], 49, 0)
@@ -55,7 +67,7 @@ def test_a_short_tail_is_recomputed_and_prefill_released():
 
 
 def test_a_queued_request_is_renewed_until_it_is_allocated():
-    s = SchedulerState(16, 16, renew_interval_s=0.05)
+    s = SchedulerState(16, renew_interval_s=0.05)
     p = params()
     prompt = Prompt(list(range(50)))
     assert s.matched_tokens("r", p, 50, 0, prompt) == (50, True)
@@ -70,7 +82,7 @@ def test_a_queued_request_is_renewed_until_it_is_allocated():
 
 
 def test_prefill_holds_its_blocks_and_names_every_rank_in_order():
-    s = SchedulerState(16, 16)
+    s = SchedulerState(16)
     s.learn_ranks({1: "b:2", 0: "a:1"})
     hold, out = s.finished("r", {"do_remote_decode": True}, True, [4, 5, 6, 9], 50, "eng")
     assert hold is True
@@ -89,7 +101,7 @@ def test_a_failed_load_vllm_ends_is_not_cancelled_but_an_abort_in_flight_is():
     # vLLM ends a request whose load failed (policy fail) before it hands the connector the
     # worker's report, and frees its blocks whatever the connector says: no Cancel, no hold.
     # An abort in flight is cancelled; vLLM holds its blocks itself until it is reported received.
-    s = SchedulerState(16, 16)
+    s = SchedulerState(16)
     for rid in ("failed", "aborted"):
         p = params(**{PARAM_REQUEST: rid})
         s.matched_tokens(rid, p, 50, 0)
@@ -120,7 +132,7 @@ def test_the_stager_is_told_before_the_agent_is_asked_for_new_receives():
     w.start(Plan())
     assert calls == [], "no receives: nothing to wait for"
     recv = lambda r: Recv(request=r, agent_request=f"a-{r}", prefill_ranks=["10.0.0.1:7000"], logical_blocks=[1],
-                          blocks=[1], first_token=0, num_tokens=16)
+                          first_token=0, num_tokens=16)
     w.start(Plan(recvs=[recv("r1"), recv("r2")]))
     assert calls == ["before_receive", "expect_kv a-r1", "expect_kv a-r2"]
 
@@ -145,7 +157,7 @@ def test_ranks_named_twice_count_once():
 def test_remote_decode_asked_of_an_engine_with_no_prefill_rank_is_ignored_not_fatal(caplog):
     # A decode engine's workers offer no address; a client's do_remote_decode there raised inside
     # request_finished and took the engine core down.
-    s = SchedulerState(16, 16)
+    s = SchedulerState(16)
     assert s.finished("r", {"do_remote_decode": True}, True, [1, 2], 20, "e") == (False, None)
     assert "no prefill rank" in caplog.text
     assert s.plan().empty()
@@ -206,7 +218,7 @@ def test_a_receive_naming_a_transfer_in_flight_is_failed_locally_and_the_first_k
 
     w = WorkerState(client, Loads())
     recv = lambda r, blocks: Recv(request=r, agent_request="p-1", prefill_ranks=["10.0.0.1:7000"],
-                                  logical_blocks=blocks, blocks=blocks, first_token=0, num_tokens=16)
+                                  logical_blocks=blocks, first_token=0, num_tokens=16)
     w.start(Plan(recvs=[recv("a", [1])]))
     w.start(Plan(recvs=[recv("b", [2])]))
     assert client.calls == [("expect_kv", "p-1")], "the agent is asked once"
@@ -219,12 +231,12 @@ def test_a_receive_naming_a_transfer_in_flight_is_failed_locally_and_the_first_k
     # its answer. And a send whose id a receive holds is not offered.
     w.save(Plan(sends=[Send("own", [3], 16)]))
     w.start(Plan(recvs=[Recv(request="c", agent_request="own", prefill_ranks=["x:1"], logical_blocks=[4],
-                             blocks=[4], first_token=0, num_tokens=16)]))
+                             first_token=0, num_tokens=16)]))
     assert w.poll().failed_recving == {"c"}
     client.finished.append(Event("RequestDone", "own", {"type": "RequestDone", "request": "own"}))
     assert w.poll().finished_sending == {"own"}
     w.start(Plan(recvs=[Recv(request="d", agent_request="held", prefill_ranks=["x:1"], logical_blocks=[5],
-                             blocks=[5], first_token=0, num_tokens=16)]))
+                             first_token=0, num_tokens=16)]))
     w.save(Plan(sends=[Send("held", [6], 16)]))
     assert ("kv_ready", "held") not in client.calls
     assert w.poll().finished_sending == {"held"}
@@ -270,12 +282,12 @@ def test_a_prompt_digest_covers_the_tokens_and_what_else_the_kv_depends_on():
 def test_prefill_and_decode_bind_the_same_tokens_and_an_unbound_prompt_moves_no_kv(caplog):
     prompt = list(range(200, 250))
     # P computed the prompt and sampled one token; D holds 32 tokens and receives the tail.
-    p = SchedulerState(16, 16)
+    p = SchedulerState(16)
     p.learn_ranks({0: "10.0.0.1:7000"})
     hold, out = p.finished("p-1", {"do_remote_decode": True}, True, [1, 2, 3, 4], 50, "e",
                            prompt=Prompt(prompt + [9]))
     (send,) = p.plan().sends
-    d = SchedulerState(16, 16)
+    d = SchedulerState(16)
     d.after_alloc("r", out, [5, 6, 7, 8], 50, 18, Prompt(prompt))
     (recv,) = d.plan().recvs
     assert hold and send.prompt == recv.prompt == Prompt(prompt).digest(50)
@@ -308,7 +320,7 @@ class _Saves(Stager):
 
 def _recv(r, blocks):
     return Recv(request=r, agent_request=f"a-{r}", prefill_ranks=["10.0.0.1:7000"], logical_blocks=blocks,
-                blocks=blocks, first_token=0, num_tokens=16)
+                first_token=0, num_tokens=16)
 
 
 def test_a_lost_agent_ends_every_transfer_in_flight_and_later_ones_never_reach_it(caplog):
@@ -456,7 +468,7 @@ def test_an_idle_engine_registers_again_without_a_step_and_a_shut_one_takes_no_c
 
 
 def test_a_sends_addresses_are_those_handed_to_decode_then():
-    p = SchedulerState(16, 16)
+    p = SchedulerState(16)
     p.learn_ranks({0: "10.0.0.1:7000"})
     p.finished("p-1", {"do_remote_decode": True}, True, [1], 16, "e", prompt=Prompt(list(range(16))))
     p.learn_ranks({0: "10.0.0.1:7001"})

@@ -155,6 +155,29 @@ def test_a_prefix_hit_on_decode_receives_only_the_missing_tail(world, mode, p_bl
         d.close()
 
 
+@pytest.mark.parametrize("mode", ["Push", "Pull"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_kv_caches_of_smaller_kernel_blocks_than_vllms_move_the_right_blocks(pair, mode, layout):
+    # An attention backend may take a kernel block smaller than vLLM's block size (FlashInfer
+    # on most GPUs with --block-size 128, say): each of vLLM's blocks is then several kernel
+    # blocks in the KV tensors. Only the workers can tell (the scheduler never sees the
+    # tensors); logical ids taken for kernel ones moved other blocks, half the tokens, checksums
+    # and all, and wrote into other requests' KV on decode.
+    p, d = pair(mode=mode, layout=layout, block_size=32, kernel_block_size=16)
+    kv = d.workers[0].registration["kv"]
+    assert (kv["blockSize"], kv["kernelBlockSize"]) == (32, 16), kv
+    shared = list(range(2000, 2032))  # one block D computed itself for an earlier request
+    d.add("local", shared + [1, 2, 3], max_tokens=1)
+    d.run_until(lambda: "local" in d.outputs, what="the local request")
+    prompt = shared + list(range(2100, 2150))  # 82 tokens: 2 full blocks and a partial one
+    params = prefill(p, "req", prompt)
+    seeds = decode_receives(p, d, "req", prompt, params)
+    assert seeds == [D_SEED] * 32 + [P_SEED] * 50, seeds
+    d.run_until(lambda: "req" in d.outputs, what="decode finished")
+    both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
+    assert p.outcome("req") == "RequestDone"
+
+
 def test_a_full_hit_on_decode_releases_prefill_without_a_failure(pair):
     p, d = pair(min_transfer_tokens=16)
     prompt = list(range(700, 749))  # 49 tokens: D will hold 48 of them

@@ -63,10 +63,18 @@ class Engine:
     def __init__(self, world, agent, role: str, *, seed: int, block_size: int = 16, num_blocks: int = 64,
                  layout: str = "NHD", mode: str = "Push", checksum: str = "FailClosed", lease_ms: int = 30000,
                  handshake_ms: int = 5000, policy: str = "fail", min_transfer_tokens: int = 1, tp: int = 1,
-                 shape=(LAYERS, HEADS, HEAD_DIM), compute: bool = True, connector: Optional[dict] = None):
+                 shape=(LAYERS, HEADS, HEAD_DIM), compute: bool = True, connector: Optional[dict] = None,
+                 kernel_block_size: Optional[int] = None):
         """``shape`` is (layers, KV heads, head dim); ``compute`` false skips writing KV for the
         scheduled tokens (benchmarks: the transfer moves the same bytes either way); ``connector``
-        adds to the connector's ``kv_connector_extra_config``."""
+        adds to the connector's ``kv_connector_extra_config``; ``kernel_block_size``: the KV
+        tensors' block, where the attention backend takes a smaller one than vLLM's block size
+        (vLLM's model runner then splits each block into block_size / kernel_block_size kernel
+        blocks, in order)."""
+        kernel = kernel_block_size or block_size
+        assert block_size % kernel == 0
+        self.kernel, self.per_logical = kernel, block_size // kernel
+        kernel_blocks = num_blocks * self.per_logical
         self.role, self.seed, self.tp, self.compute = role, seed, tp, compute
         n_layers, n_heads, head_dim = shape
         self.shape = shape
@@ -119,12 +127,12 @@ class Engine:
             # backend's cache, [num_blocks, block_size, latent dim] (the scheduler's model config
             # stays Llama's: nothing here runs attention; the connector reads the tensors' shape).
             if layout == "MLA":
-                kv = {n: torch.zeros(num_blocks, block_size, head_dim, dtype=torch.float16) for n in layers}
+                kv = {n: torch.zeros(kernel_blocks, kernel, head_dim, dtype=torch.float16) for n in layers}
             elif layout == "NHD":
-                kv = {n: torch.zeros(2, num_blocks, block_size, local_heads, head_dim, dtype=torch.float16)
+                kv = {n: torch.zeros(2, kernel_blocks, kernel, local_heads, head_dim, dtype=torch.float16)
                       for n in layers}
             else:
-                kv = {n: torch.zeros(2, num_blocks, local_heads, block_size, head_dim, dtype=torch.float16)
+                kv = {n: torch.zeros(2, kernel_blocks, local_heads, kernel, head_dim, dtype=torch.float16)
                       .transpose(2, 3) for n in layers}
             for t in kv.values():
                 t.zero_()  # touched, as vLLM's KV cache is at startup (torch.zeros maps it lazily)
@@ -133,7 +141,7 @@ class Engine:
             lay = w._client.layout
             self.workers.append(w)
             self.layouts.append(lay)
-            self.rows.append([block_rows(kv[n], num_blocks, lay.block_len) for n in layers])
+            self.rows.append([block_rows(kv[n], kernel_blocks, lay.block_len) for n in layers])
         # What vLLM's engine core does once the workers registered their KV caches.
         self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(handshake)
         self.aggregator = KVOutputAggregator(tp)
@@ -223,7 +231,7 @@ class Engine:
         lay = self.layouts[rank]
         half = lay.half_token
         for t in range(start, end):
-            b, j = blocks[t // self.block_size], t % self.block_size
+            b, j = self._kernel_at(blocks, t)
             for layer in range(self.shape[0]):
                 for h in range(lay.local_heads):
                     for v in range(len(lay.arrays)):
@@ -231,13 +239,18 @@ class Engine:
                         data = synthetic.token_bytes(self.seed, layer, lay.head_offset + h, t, bool(v), half)
                         self.rows[rank][layer][v, b, at:at + half] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
+    def _kernel_at(self, blocks: List[int], t: int):
+        """Token ``t`` of a request holding (vLLM's) ``blocks``: its kernel block and place there."""
+        b, j = blocks[t // self.block_size], t % self.block_size
+        return b * self.per_logical + j // self.kernel, j % self.kernel
+
     def kv_seeds(self, request_id: str, start: int, end: int, seeds: List[int]) -> List[Optional[int]]:
         """For each position start..end, which of ``seeds`` wrote the KV every rank holds there (None:
         none of them: zeros, corrupt, or ranks that disagree)."""
         blocks = self.blocks(request_id)
         out = []
         for t in range(start, end):
-            b, j = blocks[t // self.block_size], t % self.block_size
+            b, j = self._kernel_at(blocks, t)
             found = None
             for seed in seeds:
                 if all(bytes(self.rows[rank][layer][v, b, lay.token_offset(h, j):][:lay.half_token].tolist())

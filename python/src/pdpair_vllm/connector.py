@@ -195,8 +195,7 @@ class PdpairConnector(KVConnectorBase_V1):
         self._results = Results()
         self._errors: set = set()
         if role == KVConnectorRole.SCHEDULER:
-            kernel = int(self._extra.get("kernel_block_size") or self._block_size)
-            self._sched = SchedulerState(self._block_size, kernel, float(self._extra.get("renew_interval_s", 1.0)),
+            self._sched = SchedulerState(self._block_size, float(self._extra.get("renew_interval_s", 1.0)),
                                          int(self._extra.get("min_transfer_tokens", 1)))
 
     # ==== scheduler side =========================================================================
@@ -253,6 +252,11 @@ class PdpairConnector(KVConnectorBase_V1):
         role = _role(self._vllm_config, self._extra)
         rank, tp = self._rank()
         kv = self._geometry(first, len(tensors))
+        if kv["kernelBlockSize"] < 1 or self._block_size % kv["kernelBlockSize"]:
+            raise ValueError(
+                f"pdpair: vLLM's block size {self._block_size} is not a whole number of the KV cache's kernel blocks "
+                f"of {kv['kernelBlockSize']} tokens (KV tensor shape {tuple(first.shape)})"
+            )
         # Pipeline parallelism is refused when vLLM builds the connector; data parallel ranks
         # are engines of their own, each with its whole KV cache (the PDEndpoint says how many).
         data = int(getattr(self._vllm_config.parallel_config, "data_parallel_size", 1) or 1)
@@ -268,7 +272,8 @@ class PdpairConnector(KVConnectorBase_V1):
         client, stager = self._connect(sock, reg, tensors, rank)
         # A restarted agent listens at a new address, which a prefill rank's scheduler learns
         # through the workers' metadata: a vLLM without it would hand decode the old one.
-        self._worker = WorkerState(client, stager, rank, reconnect=lambda: self._connect(sock, self._again(reg), tensors, rank))
+        self._worker = WorkerState(client, stager, rank, reconnect=lambda: self._connect(sock, self._again(reg), tensors, rank),
+                                   per_logical=self._block_size // int(kv["kernelBlockSize"]))
 
     def _again(self, reg: dict) -> dict:
         """The registration again after the agent connection was lost: a prefill rank names the

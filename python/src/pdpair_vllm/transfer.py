@@ -86,7 +86,9 @@ class Prompt:
 
 @dataclass
 class Send:
-    """P: stage ``blocks`` (kernel ids) of ``request`` and tell the agent they are ready."""
+    """P: stage ``blocks`` (vLLM's logical ids: the worker, which knows its KV cache's kernel
+    block size, moves the kernel blocks they hold) of ``request`` and tell the agent they are
+    ready."""
 
     request: str
     blocks: List[int]
@@ -101,13 +103,13 @@ class Send:
 
 @dataclass
 class Recv:
-    """D: receive the tail of ``agent_request`` (P's id) into ``blocks`` (kernel ids)."""
+    """D: receive the tail of ``agent_request`` (P's id) into ``logical_blocks`` (vLLM's ids; the
+    worker receives into the kernel blocks they hold)."""
 
     request: str
     agent_request: str
     prefill_ranks: List[str]
     logical_blocks: List[int]
-    blocks: List[int]
     first_token: int
     num_tokens: int
     #: D's prompt digest over ``num_tokens`` tokens, when the engine gave its prompt.
@@ -200,14 +202,13 @@ def _remote(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]:
 class SchedulerState:
     """The scheduler side, one per engine."""
 
-    def __init__(self, block_size: int, kernel_block_size: int, renew_interval_s: float = 1.0,
-                 min_transfer_tokens: int = 1):
-        if block_size < 1 or kernel_block_size < 1 or block_size % kernel_block_size:
-            raise ValueError(
-                f"block_size {block_size} is not a multiple of kernel_block_size {kernel_block_size}"
-            )
+    def __init__(self, block_size: int, renew_interval_s: float = 1.0, min_transfer_tokens: int = 1):
+        """``block_size``: vLLM's (logical) block size. The kernel block size is the workers'
+        to know (they read it from the KV tensors; the scheduler has no way to): plans name
+        logical blocks."""
+        if block_size < 1:
+            raise ValueError(f"block_size {block_size} is not a block size")
         self.block_size = block_size
-        self.per_logical = block_size // kernel_block_size
         self.renew_interval_s = renew_interval_s
         #: D: a missing tail shorter than this is recomputed locally and P released (vLLM never
         #: lets a prefix hit cover the whole prompt, so a full hit is "all but a few tokens").
@@ -276,7 +277,7 @@ class SchedulerState:
         held = local // self.block_size
         logical = list(block_ids[held:])
         self._plan.recvs.append(
-            Recv(request, agent_request, ranks, logical, kernel_ids(logical, self.per_logical), local, total, digest)
+            Recv(request, agent_request, ranks, logical, local, total, digest)
         )
         self.receiving[request] = agent_request
 
@@ -336,7 +337,7 @@ class SchedulerState:
             return False, None
         logical = list(block_ids[: -(-tokens // self.block_size)])
         digest = prompt.digest(tokens) if prompt is not None else None
-        self._plan.sends.append(Send(request, kernel_ids(logical, self.per_logical), tokens, digest,
+        self._plan.sends.append(Send(request, logical, tokens, digest,
                                      dict(self.prefill_ranks)))
         return True, {
             "do_remote_prefill": True,
@@ -466,12 +467,17 @@ class WorkerState:
     """One worker rank's side: its agent connection and its staging."""
 
     def __init__(self, client: AgentClient, stager: Stager, rank: int = 0,
-                 reconnect: Optional[Callable[[], Tuple[AgentClient, Stager]]] = None):
-        """``reconnect`` registers this rank with its agent again (a new client and stager), for
+                 reconnect: Optional[Callable[[], Tuple[AgentClient, Stager]]] = None, per_logical: int = 1):
+        """``per_logical``: kernel blocks per vLLM block in this rank's KV cache (vLLM's block
+        size over the kernel block size its attention backend took); plans name vLLM's blocks,
+        the pool and the agent kernel blocks. ``reconnect`` registers this rank with its agent again (a new client and stager), for
         when the connection is lost (an agent restarted by a rollout); ``None``: never."""
         self.client = client
         self.stager = stager
         self.rank = rank
+        if per_logical < 1:
+            raise ValueError(f"pdpair: {per_logical} kernel blocks per block")
+        self.per_logical = per_logical
         self._reconnect = reconnect
         self._reconnector: Optional[_Reconnector] = None
         self._shut = False
@@ -529,6 +535,10 @@ class WorkerState:
             self._gone()
             self.client.close()
 
+    def _kernel(self, logical: Sequence[int]) -> List[int]:
+        """vLLM's block ids as this rank's kernel blocks."""
+        return kernel_ids(logical, self.per_logical)
+
     def _fail_locally(self, recv: Recv) -> None:
         """A receive no agent was asked for: its blocks are load errors at once."""
         self._results.failed_recving.add(recv.request)
@@ -554,8 +564,8 @@ class WorkerState:
             # Open before it is sent: a send that fails leaves it to be given up like the rest.
             self._open[recv.agent_request] = ("recv", recv.request, recv)
             self._by_request[recv.request] = recv.agent_request
-            self._call(self.client.expect_kv, recv.agent_request, recv.prefill_ranks, recv.blocks, recv.num_tokens,
-                       recv.first_token, prompt=recv.prompt)
+            self._call(self.client.expect_kv, recv.agent_request, recv.prefill_ranks, self._kernel(recv.logical_blocks),
+                       recv.num_tokens, recv.first_token, prompt=recv.prompt)
         if not self._gone():
             # Every rank releases every prefill rank, in one message (a second release of the
             # name while the first is expected is refused); a prefill rank serving several
@@ -603,10 +613,11 @@ class WorkerState:
                 self._results.finished_sending.add(send.request)
                 continue
             t = time.perf_counter()
-            self.stager.save(send.blocks)
+            blocks = self._kernel(send.blocks)
+            self.stager.save(blocks)
             _keep(self.staging_ms, send.request, {})["save"] = (time.perf_counter() - t) * 1e3
             self._open[send.request] = ("send", send.request, None)
-            self._call(self.client.kv_ready, send.request, send.blocks, send.num_tokens, prompt=send.prompt)
+            self._call(self.client.kv_ready, send.request, blocks, send.num_tokens, prompt=send.prompt)
 
     @_locked
     def poll(self) -> Results:
@@ -708,7 +719,7 @@ class WorkerState:
         assert recv is not None
         if event.type == "RequestDone":
             t = time.perf_counter()
-            self.stager.load(recv.blocks)
+            self.stager.load(self._kernel(recv.logical_blocks))
             _keep(self.staging_ms, request, {})["load"] = (time.perf_counter() - t) * 1e3
         else:
             log.warning("pdpair: receiving request %s (%s) failed: %s: %s", request, event.request,
