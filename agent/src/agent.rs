@@ -1834,6 +1834,7 @@ impl Engine {
         match self
             .check_blocks(blocks)
             .and_then(|()| check_tokens(tokens.0, tokens.1))
+            .and_then(|()| check_covered(blocks.len(), self.layout.block_size, tokens))
         {
             Ok(()) => true,
             Err(message) => {
@@ -1936,6 +1937,25 @@ pub fn check_tokens(first_token: u64, num_tokens: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// A request's `blocks` (of `block_size` tokens each) hold its tokens `first_token..num_tokens`:
+/// fewer would have the request end done with the tokens past them never moved (blocks are
+/// paired by token position, and those past the last one named are none of the engine's).
+pub fn check_covered(blocks: usize, block_size: u32, (first_token, num_tokens): (u64, u64)) -> Result<(), String> {
+    if num_tokens <= first_token {
+        return Err(format!(
+            "num_tokens {num_tokens} is not past first_token {first_token}: no token to move"
+        ));
+    }
+    let held = (blocks as u64).saturating_mul(u64::from(block_size));
+    if held < num_tokens - first_token {
+        return Err(format!(
+            "blocks names {blocks} blocks of {block_size} tokens, which hold {held}; tokens {first_token}..{num_tokens} need {}",
+            (num_tokens - first_token).div_ceil(u64::from(block_size.max(1)))
+        ));
+    }
+    Ok(())
+}
+
 /// A request's `blocks`: at least one, each inside the pool's `num_blocks` and named once (a
 /// request's blocks are distinct; every one costs a range per layer in the windows and ops the
 /// agent builds for it).
@@ -1986,6 +2006,24 @@ mod tests {
             "block 0 is named twice in blocks"
         );
         assert_eq!(check_tokens(MAX_TOKENS, MAX_TOKENS), Ok(()));
+        // The blocks hold the tokens (from first_token, block by block), or the tokens past
+        // them never move and the request ends done.
+        assert_eq!(check_covered(2, 16, (0, 32)), Ok(()));
+        assert_eq!(check_covered(3, 16, (16, 50)), Ok(()));
+        assert_eq!(
+            check_covered(4, 16, (0, 33)),
+            Ok(()),
+            "blocks past the tokens are skipped"
+        );
+        assert_eq!(
+            check_covered(2, 16, (0, 33)).expect_err("refused"),
+            "blocks names 2 blocks of 16 tokens, which hold 32; tokens 0..33 need 3"
+        );
+        assert_eq!(
+            check_covered(1, 16, (32, 32)).expect_err("refused"),
+            "num_tokens 32 is not past first_token 32: no token to move"
+        );
+        assert!(check_covered(usize::MAX, u32::MAX, (0, MAX_TOKENS)).is_ok());
         assert_eq!(
             check_tokens(u64::MAX - 3, 100).expect_err("refused"),
             format!("first_token is {}; at most {MAX_TOKENS}", u64::MAX - 3)

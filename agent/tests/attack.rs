@@ -1404,6 +1404,11 @@ fn duplicate_expect_kv(transport: Transport) {
         (vec![10, 11], "already expected"),
         (vec![7, 7], "named twice"),
         (vec![1 << 30], "outside the pool"),
+        // One block of 64 tokens for 100: the last 36 would never move, and the request end done.
+        (
+            vec![8],
+            "blocks names 1 blocks of 64 tokens, which hold 64; tokens 0..100 need 2",
+        ),
     ] {
         d.send(&expect(again)).expect("ExpectKv again");
         let event = d.next_event().expect("event");
