@@ -140,7 +140,10 @@ def test_the_stager_is_told_before_the_agent_is_asked_for_new_receives():
 @pytest.mark.parametrize(
     "field,value",
     [(PARAM_REQUEST, "\ud800"), (PARAM_REQUEST, "r" * 513), (PARAM_RANKS, ["10.0.0.1:7000"] * 1025),
-     (PARAM_RANKS, ["\udfff"]), (PARAM_RANKS, ["a" * 257]), (PARAM_TOKENS, (1 << 40) + 1)],
+     (PARAM_RANKS, ["\udfff"]), (PARAM_RANKS, ["a" * 257]), (PARAM_RANKS, ["p.example:7000"]),
+     (PARAM_RANKS, ["10.0.0.1"]), (PARAM_RANKS, ["10.0.0.1:0"]), (PARAM_RANKS, ["10.0.0.1:65536"]),
+     (PARAM_RANKS, ["::1:7000"]), (PARAM_RANKS, ["[::1]:7000x"]), (PARAM_RANKS, ["[::1]:7000", "10.0.0.1:+1"]),
+     (PARAM_TOKENS, (1 << 40) + 1)],
 )
 def test_params_the_agent_could_not_take_are_refused_before_reaching_it(field, value):
     # A lone surrogate is escaped by json.dumps but cannot be decoded by the agent (it closed the
@@ -151,7 +154,8 @@ def test_params_the_agent_could_not_take_are_refused_before_reaching_it(field, v
 
 
 def test_ranks_named_twice_count_once():
-    assert check_params(params(**{PARAM_RANKS: ["a:1", "b:2", "a:1"]}))[1] == ["a:1", "b:2"]
+    ranks = ["10.0.0.1:1", "[fd00::2]:2", "10.0.0.1:1"]
+    assert check_params(params(**{PARAM_RANKS: ranks}))[1] == ["10.0.0.1:1", "[fd00::2]:2"]
 
 
 def test_remote_decode_asked_of_an_engine_with_no_prefill_rank_is_ignored_not_fatal(caplog):

@@ -569,3 +569,31 @@ def test_a_decode_engine_hands_out_no_address_when_a_client_asks_it_for_remote_d
     d.run_until(lambda: "x" in d.outputs and d.status("x") is None, what="x done and its blocks free")
     assert d.outputs["x"].kv_transfer_params is None
     assert "no prefill rank registered" in caplog.text
+
+
+def test_a_clients_ranks_cannot_make_decodes_frame_too_long_for_its_agent(pair):
+    # kv_transfer_params come from a client. 1024 ranks of 250 bytes made an ExpectKvFromPool
+    # over the agent's bound on a registered engine's frame (128 KiB and the pool's block ids):
+    # the agent ended the rank's connection, every transfer of the rank with it, at will.
+    # Ranks are ip:port now (the agent takes nothing else): 1024 of the longest fit.
+    p, d = pair(policy="recompute")
+    workers = [w._worker for w in d.workers]
+    junk = [f"{i:04d}" + "x" * 246 for i in range(1024)]
+    prompt = list(range(9100, 9150))
+    d.add("junk", prompt, {"do_remote_prefill": True, "pdpair_request": "p-junk", "pdpair_prefill_ranks": junk,
+                           "pdpair_num_tokens": 50})
+    d.run_until(lambda: "junk" in d.outputs, what="junk computed locally")
+    # The longest addresses the agent could take, all link-local (which it refuses): the frame
+    # reaches it whole, and it answers the request alone.
+    longest = [f"[fe80:1111:2222:3333:4444:5555:6666:{i:04x}]:65535" for i in range(1024)]
+    assert {len(a) for a in longest} == {47}
+    d.add("longest", prompt, {"do_remote_prefill": True, "pdpair_request": "p-longest",
+                              "pdpair_prefill_ranks": longest, "pdpair_num_tokens": 50})
+    d.run_until(lambda: "longest" in d.outputs, what="longest refused by the agent and computed locally")
+    assert d.worker._worker.outcomes.get("longest") == "RequestFailed", d.worker._worker.outcomes
+    assert all(w.lost is None and w.reconnections == 0 for w in workers), [(w.lost, w.reconnections) for w in workers]
+    # The rank's connection stood: KV still moves on it.
+    prompt = list(range(9200, 9250))
+    seeds = decode_receives(p, d, "next", prompt, prefill(p, "next", prompt))
+    assert seeds == [P_SEED] * len(prompt)
+    assert all(w.lost is None and w.reconnections == 0 for w in workers)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import ipaddress
 import json
 import logging
 import sys
@@ -143,9 +144,13 @@ class Plan:
 
 #: Bytes of a request id, at most (the agent's bound, ``engine_api::MAX_REQUEST_ID``).
 MAX_REQUEST_ID = 512
-#: Prefill ranks one request may name, at most (the agent's bound), and bytes of each address.
+#: Prefill ranks one request may name, at most (the agent's bound), and bytes of each address
+#: (``[IPv6]:port`` at its longest: the agent takes IP addresses and ports only). 1024 of them
+#: fit the agent's bound on a registered engine's frame (128 KiB and the pool's block ids), which
+#: addresses of any 256 bytes did not: the agent ended the rank's connection, and every
+#: transfer of the rank with it, for one client's params.
 MAX_RANKS = 1024
-MAX_ADDRESS = 256
+MAX_ADDRESS = 47
 #: Tokens one request may have, at most (the agent's bound, 2^40).
 MAX_TOKENS = 1 << 40
 
@@ -161,6 +166,23 @@ def _text(value: object, limit: int) -> bool:
         return False
 
 
+def _address(value: object) -> bool:
+    """``ip:port`` or ``[ipv6]:port``, as the agent parses a prefill address."""
+    if not _text(value, MAX_ADDRESS) or not value.isascii():
+        return False
+    host, _, port = value.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return False
+    try:
+        if host.startswith("[") and host.endswith("]"):
+            ipaddress.IPv6Address(host[1:-1])
+        else:
+            ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def check_params(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]:
     """P's request id, ranks and token count from D's ``kv_transfer_params``, or ``None`` when
     they ask for no remote prefill. They come from a client through the proxy: untrusted, so a
@@ -173,9 +195,9 @@ def check_params(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]
         raise ValueError(f"kv_transfer_params.{PARAM_REQUEST} is {_short(request)}, not a request id "
                          f"(UTF-8, 1 to {MAX_REQUEST_ID} bytes)")
     if (not isinstance(ranks, list) or not ranks or len(ranks) > MAX_RANKS
-            or not all(_text(r, MAX_ADDRESS) for r in ranks)):
+            or not all(_address(r) for r in ranks)):
         raise ValueError(f"kv_transfer_params.{PARAM_RANKS} is {_short(ranks)}, not a list of 1 to {MAX_RANKS} "
-                         f"addresses")
+                         f"addresses (ip:port or [ipv6]:port)")
     if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= MAX_TOKENS:
         raise ValueError(f"kv_transfer_params.{PARAM_TOKENS} is {_short(tokens)}, not a token count")
     return request, list(dict.fromkeys(ranks)), tokens
