@@ -198,9 +198,29 @@ class _Client:
     def cancel(self, request):
         self.calls.append(("cancel", request))
 
+    def renew(self, request, prefill, **kw):
+        self.calls.append(("renew", request))
+
     def take_finished(self):
         out, self.finished = self.finished, []
         return out
+
+
+def test_a_release_or_renewal_naming_a_transfer_in_flight_is_not_sent():
+    # The agent's answer to a Release or Renew names only the id: for one in flight here (a
+    # client's copy of another request's params, aborted or queued; or a prefill's own id) it
+    # ended that transfer, whose blocks vLLM then freed while the agent still wrote into them.
+    from pdpair_vllm.transfer import Release, Send
+    client = _Client()
+    w = WorkerState(client, _Saves())
+    w.start(Plan(recvs=[_recv("a", [1])]))
+    w.save(Plan(sends=[Send("own", [3], 16)]))
+    client.calls.clear()
+    w.start(Plan(releases=[Release("a-a", ["10.0.0.1:7000"]), Release("other", ["10.0.0.1:7000"])],
+                 renews=[Release("own", ["10.0.0.1:7000"]), Release("a-a", ["10.0.0.1:7000"]),
+                         Release("queued", ["10.0.0.1:7000"])]))
+    assert client.calls == [("release", "other"), ("renew", "queued")], client.calls
+    assert w.poll() == Results(), "nothing in flight ended"
 
 
 def test_a_receive_naming_a_transfer_in_flight_is_failed_locally_and_the_first_keeps_its_answer():

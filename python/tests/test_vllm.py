@@ -274,6 +274,27 @@ def test_an_abort_in_the_step_its_kv_landed_frees_decodes_blocks_and_decode_goes
     assert seeds == [P_SEED] * len(prompt)
 
 
+def test_a_copy_of_a_requests_params_aborted_while_queued_does_not_end_its_transfer(pair):
+    # A client (or a proxy retrying) sends D a second request with the same kv_transfer_params
+    # and aborts it before D allocates it: its Release of P's id went to the agent, whose
+    # refusal (that id is expected already) ended the first request's receive here; vLLM freed
+    # its blocks while its KV was still being written into them.
+    p, d = pair()
+    prompt = list(range(1300, 1350))
+    params = prefill(p, "req", prompt)
+    copy = dict(params)
+    d.add("req", prompt, params, max_tokens=2)
+    d.step()
+    assert d.status("req") == "WAITING_FOR_REMOTE_KVS"
+    d.add("again", prompt, copy)
+    d.abort("again")  # before D allocated it: a Release of P's id
+    both(p, d, lambda: received(d, "req"), what="KV received on decode")
+    assert d.outcome("req") == "RequestDone", d.outcome("req")
+    assert d.kv_seeds("req", 0, len(prompt), [P_SEED, D_SEED]) == [P_SEED] * len(prompt)
+    d.run_until(lambda: "req" in d.outputs, what="decode finished")
+    both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
+
+
 def test_a_mismatched_prefill_is_refused_and_decode_recomputes_then_serves_a_good_one(world):
     pa, qa, da = world.agent("p"), world.agent("q"), world.agent("d")
     wrong = Engine(world, pa, "prefill", seed=P_SEED, layout="HND")

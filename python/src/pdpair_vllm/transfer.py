@@ -557,6 +557,14 @@ class WorkerState:
             self._gone()
             self.client.close()
 
+    def _in_flight(self, agent_request: str, what: str) -> bool:
+        """Whether ``agent_request`` is in flight here (logged, as the ``what`` not sent)."""
+        if agent_request not in self._open:
+            return False
+        log.warning("pdpair: a %s of %s is not sent: that id is in flight here for request %s", what,
+                    _short(agent_request), self._open[agent_request][1])
+        return True
+
     def _kernel(self, logical: Sequence[int]) -> List[int]:
         """vLLM's block ids as this rank's kernel blocks."""
         return kernel_ids(logical, self.per_logical)
@@ -593,9 +601,16 @@ class WorkerState:
             # name while the first is expected is refused); a prefill rank serving several
             # decode ranks (more of them than prefill ranks) waits for each one's. One renews
             # for all.
+            # A release or renewal naming a transfer in flight here (a client's copy of another
+            # request's params, or of this engine's own prefill's id) is not sent: the agent's
+            # answer to it names only the id, and would end the transfer in flight (its blocks
+            # freed while the agent still writes into them, or a prefill's while decode reads).
             for rel in plan.releases:
-                self._call(self.client.release, rel.agent_request, list(rel.prefill_ranks), prompt=rel.prompt)
+                if not self._in_flight(rel.agent_request, "release"):
+                    self._call(self.client.release, rel.agent_request, list(rel.prefill_ranks), prompt=rel.prompt)
             for ren in plan.renews if self.rank == 0 else ():
+                if self._in_flight(ren.agent_request, "renewal"):
+                    continue
                 for prefill in ren.prefill_ranks:
                     self._call(self.client.renew, ren.agent_request, prefill, prompt=ren.prompt)
         for request in plan.cancels:
