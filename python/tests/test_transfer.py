@@ -491,6 +491,20 @@ def test_an_idle_engine_registers_again_without_a_step_and_a_shut_one_takes_no_c
     assert w.client is new and late_stager.closed
 
 
+def test_a_connection_that_ended_before_the_worker_watched_it_is_registered_again_while_idle(monkeypatch):
+    # The event reader starts as the client connects; the worker watches it only after the
+    # stager is made (which fills a pool as large as the KV cache): an agent gone in between
+    # left an idle engine unregistered until its next step.
+    from pdpair_vllm import transfer
+
+    monkeypatch.setattr(transfer, "RECONNECT_FIRST_S", 0.01)
+    old, new = _Client(), _Client()
+    old.closed = "the agent closed the connection"
+    old.on_close = None  # nobody watched it when it ended
+    w = WorkerState(old, _Held(), reconnect=lambda: (new, _Held()))
+    _until(lambda: w.reconnections == 1 and w.client is new, "registered again with no step")
+
+
 def test_a_sends_addresses_are_those_handed_to_decode_then():
     p = SchedulerState(16)
     p.learn_ranks({0: "10.0.0.1:7000"})

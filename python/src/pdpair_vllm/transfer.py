@@ -528,6 +528,10 @@ class WorkerState:
         self.lost: Optional[str] = None
         self._lost_at = 0.0
         client.on_close = self._on_close
+        if client.closed is not None:
+            # Ended before it was watched (the event reader starts as the client connects; the
+            # stager filled the pool since): an idle engine would take no step to notice.
+            self._on_close()
 
     def _gone(self) -> bool:
         """Whether the agent connection is gone (noticed, and logged, once)."""
