@@ -425,6 +425,14 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             })
             .collect()
     };
+    // A pool run from the pair's template counts the pods of its geometry; one the user brings
+    // (no template), every pod.
+    let templated = |role: Role| {
+        planned
+            .iter()
+            .any(|(r, _, d)| *r == role && d.is_some())
+            .then(|| plan::geometry_hash(pair, role))
+    };
     let prefill_pods = pods_of(Role::Prefill);
     let decode_pods = pods_of(Role::Decode);
     let endpoints: Vec<Arc<PDEndpoint>> = ctx
@@ -436,8 +444,14 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     let mut endpoint_refs: Vec<&PDEndpoint> = endpoints.iter().map(AsRef::as_ref).collect();
     endpoint_refs.sort_by_key(|e| e.metadata.name.clone());
     let observed = Observed {
-        prefill: PodCounts::of(prefill_pods.iter().map(AsRef::as_ref)),
-        decode: PodCounts::of(decode_pods.iter().map(AsRef::as_ref)),
+        prefill: PodCounts::of(
+            prefill_pods.iter().map(AsRef::as_ref),
+            templated(Role::Prefill).as_deref(),
+        ),
+        decode: PodCounts::of(
+            decode_pods.iter().map(AsRef::as_ref),
+            templated(Role::Decode).as_deref(),
+        ),
         endpoints: endpoint_refs,
         apply_refused: apply_refused.clone(),
     };

@@ -12,7 +12,7 @@ use pdpair_api::{
     Connector, KvGeometry, PDEndpoint, PDPair, PDPairStatus, Parallelism, PoolStatus, Role, TransferStatus, Verdict,
 };
 
-use crate::names::{conditions as ct, reasons};
+use crate::names::{ANNOTATION_GEOMETRY, conditions as ct, reasons};
 
 /// Pods of one pool as the controller counts them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -21,14 +21,32 @@ pub struct PodCounts {
     pub replicas: i32,
     /// Of those, the Ready ones.
     pub ready: i32,
+    /// Pods not counted above: of an earlier geometry, still running while their Deployment
+    /// rolls to the pair's new one.
+    pub earlier: i32,
 }
 
 impl PodCounts {
-    /// Counts pods, skipping terminating ones.
-    pub fn of<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> PodCounts {
+    /// Counts pods, skipping terminating ones; where the pool runs from the pair's template,
+    /// only those of its `geometry` ([`crate::plan::geometry_hash`], the pod template's
+    /// annotation): in a rollout to a new geometry the old pods, Ready as they may be, run the
+    /// geometry the pair no longer declares (and prefill and decode roll each on their own).
+    pub fn of<'a>(pods: impl IntoIterator<Item = &'a Pod>, geometry: Option<&str>) -> PodCounts {
         let mut counts = PodCounts::default();
         for pod in pods {
             if pod.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            if let Some(want) = geometry
+                && pod
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(ANNOTATION_GEOMETRY))
+                    .map(String::as_str)
+                    != Some(want)
+            {
+                counts.earlier += 1;
                 continue;
             }
             counts.replicas += 1;
@@ -294,7 +312,13 @@ pub fn differences(
 }
 
 fn pool_condition(type_: &'static str, role: Role, desired: i32, pods: PodCounts) -> Cond {
-    let message = format!("{}/{desired} {role} pods ready ({} exist)", pods.ready, pods.replicas);
+    let mut message = format!("{}/{desired} {role} pods ready ({} exist)", pods.ready, pods.replicas);
+    if pods.earlier > 0 {
+        message.push_str(&format!(
+            "; {} more of an earlier geometry, not counted, until the rollout replaces them",
+            pods.earlier
+        ));
+    }
     if pods.ready >= desired {
         Cond::new(type_, "True", reasons::PODS_READY, message)
     } else {

@@ -154,6 +154,94 @@ async fn compatible_pair_gets_children_and_turns_ready_when_pods_are_ready() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_of_an_earlier_geometry_do_not_keep_a_rolling_pool_ready() {
+    // A geometry changed on a running pair rolls each pool's Deployment; the old pods stay Ready
+    // until new ones are (a rolling update keeps them), and counted, the pair read Ready with
+    // pools on the old geometry (one pool rolled, the other not: the mismatch pdpair prevents).
+    operator();
+    let ns = namespace("rolling");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+    );
+    let pods: Api<Pod> = Api::namespaced(client().await, &ns);
+    let ready =
+        serde_json::json!({"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}});
+    // No kubelet here: the test marks the pods Ready, as a kubelet would.
+    let mark_ready = |names: Vec<String>| {
+        let pods = pods.clone();
+        let ready = ready.clone();
+        async move {
+            for name in &names {
+                let _ = pods
+                    .patch_status(name, &PatchParams::default(), &Patch::Strategic(&ready))
+                    .await;
+            }
+        }
+    };
+    let running = |ns: &str| -> Vec<(String, Option<String>)> {
+        let out = kubectl_ok(
+            &["get", "pods", "-n", ns, "-l", "pdpair.dev/name=llama-8b", "-o", "json"],
+            None,
+        );
+        let list: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+        list["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+            .map(|p| {
+                let name = p["metadata"]["name"].as_str().unwrap_or_default().to_owned();
+                let hash = p["metadata"]["annotations"]["pdpair.dev/geometry-hash"]
+                    .as_str()
+                    .map(str::to_owned);
+                (name, hash)
+            })
+            .collect()
+    };
+    let first = eventually(WAIT, "6 engine pods", || {
+        let pods = running(&ns);
+        (pods.len() == 6).then_some(pods)
+    });
+    mark_ready(first.iter().map(|p| p.0.clone()).collect()).await;
+    let condition = |type_: &str| condition_of(&get_json("pdpair", &ns, "llama-8b")?, type_);
+    eventually(WAIT, "Ready True", || {
+        condition("Ready").filter(|c| c["status"] == "True")
+    });
+    // Another geometry for both pools (the checksum policy is part of it).
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |v| {
+            v["spec"]["transfer"]["checksum"] = "FailOpen".into();
+        })),
+    );
+    let prefill = eventually(WAIT, "PrefillReady False while the pool rolls", || {
+        condition("PrefillReady").filter(|c| c["status"] == "False")
+    });
+    let message = prefill["message"].as_str().unwrap_or_default();
+    assert!(message.contains("of an earlier geometry"), "{prefill}");
+    let ready_now = condition("Ready").expect("Ready");
+    assert_eq!(ready_now["status"], "False", "{ready_now}");
+    // The new pods come Ready (and the rollout replaces the old ones): Ready again.
+    let old: Vec<Option<String>> = first.iter().map(|p| p.1.clone()).collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while condition("Ready").is_none_or(|c| c["status"] != "True") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "Ready True on the new geometry: {:?}",
+            running(&ns)
+        );
+        let fresh = running(&ns)
+            .into_iter()
+            .filter(|p| !old.contains(&p.1))
+            .map(|p| p.0)
+            .collect();
+        mark_ready(fresh).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 #[test]
 fn update_to_incompatible_geometry_is_rejected_and_the_stored_object_is_unchanged() {
     operator();

@@ -51,7 +51,11 @@ fn cond<'a>(s: &'a PDPairStatus, type_: &str) -> &'a k8s_openapi::apimachinery::
 }
 
 fn ready(ready: i32, of: i32) -> PodCounts {
-    PodCounts { replicas: of, ready }
+    PodCounts {
+        replicas: of,
+        ready,
+        earlier: 0,
+    }
 }
 
 #[test]
@@ -441,7 +445,56 @@ fn pod_counts_skip_terminating_and_count_ready() {
         spec: None,
     };
     let pods = [pod(true, false), pod(false, false), pod(true, true)];
-    assert_eq!(PodCounts::of(&pods), PodCounts { replicas: 2, ready: 1 });
+    let counts = PodCounts {
+        replicas: 2,
+        ready: 1,
+        earlier: 0,
+    };
+    assert_eq!(PodCounts::of(&pods, None), counts);
+}
+
+#[test]
+fn pods_of_an_earlier_geometry_are_not_counted_ready_while_their_pool_rolls() {
+    // A geometry changed on a running pair rolls each pool's Deployment on its own: a Ready pod
+    // of the old geometry (kept while the new one loads the model) counted, and a pool read
+    // "1/1 ready" on the old geometry beside the other on the new.
+    let pair = pair();
+    let now = crate::plan::geometry_hash(&pair, Role::Decode);
+    let pod = |geometry: Option<&str>| Pod {
+        metadata: ObjectMeta {
+            annotations: geometry.map(|g| [(ANNOTATION_GEOMETRY.to_owned(), g.to_owned())].into()),
+            ..ObjectMeta::default()
+        },
+        status: Some(PodStatus {
+            conditions: Some(vec![PodCondition {
+                type_: "Ready".into(),
+                status: "True".into(),
+                ..PodCondition::default()
+            }]),
+            ..PodStatus::default()
+        }),
+        spec: None,
+    };
+    let rolling = [pod(Some("0123456789abcdef")), pod(None)];
+    let counts = PodCounts::of(&rolling, Some(&now));
+    assert_eq!(
+        counts,
+        PodCounts {
+            replicas: 0,
+            ready: 0,
+            earlier: 2
+        }
+    );
+    let cond = pool_condition("DecodeReady", Role::Decode, 1, counts);
+    assert_eq!((cond.status, cond.reason.as_str()), ("False", reasons::PODS_NOT_READY));
+    assert!(
+        cond.message.contains("2 more of an earlier geometry"),
+        "{}",
+        cond.message
+    );
+    // Rolled: counted. A pool the user brings (no template) counts every pod.
+    assert_eq!(PodCounts::of(&[pod(Some(&now))], Some(&now)), ready(1, 1));
+    assert_eq!(PodCounts::of(&rolling, None), ready(2, 2));
 }
 
 #[test]
