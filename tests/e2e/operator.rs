@@ -243,6 +243,73 @@ async fn pods_of_an_earlier_geometry_do_not_keep_a_rolling_pool_ready() {
 }
 
 #[test]
+fn a_pair_deleted_and_made_again_gets_its_own_pairing_secret_soon() {
+    // `kubectl delete` then `apply`: the new PDPair's Secret create found the old one (409) while
+    // the garbage collector had yet to delete it, and was not asked for again until the resync
+    // (5 minutes): its pods could not start meanwhile. A finalizer holds the old Secret here, as
+    // a slow garbage collector would.
+    operator();
+    let ns = namespace("recreate");
+    let apply = || {
+        kubectl_ok(
+            &["apply", "-f", "-"],
+            Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+        )
+    };
+    let owner = |s: &serde_json::Value| s["metadata"]["ownerReferences"][0]["uid"].as_str().map(str::to_owned);
+    apply();
+    let first = get_json("pdpair", &ns, "llama-8b").expect("stored");
+    let old = eventually(WAIT, "the pairing Secret", || {
+        get_json("secret", &ns, "llama-8b-pairing")
+    });
+    assert_eq!(owner(&old).as_deref(), first["metadata"]["uid"].as_str());
+    let hold = r#"{"metadata": {"finalizers": ["pdpair.dev/test-hold"]}}"#;
+    kubectl_ok(
+        &[
+            "patch",
+            "secret",
+            "llama-8b-pairing",
+            "-n",
+            &ns,
+            "--type",
+            "merge",
+            "-p",
+            hold,
+        ],
+        None,
+    );
+    kubectl_ok(&["delete", "pdpair", "llama-8b", "-n", &ns], None);
+    eventually(WAIT, "the old Secret being deleted", || {
+        get_json("secret", &ns, "llama-8b-pairing")?["metadata"]["deletionTimestamp"]
+            .is_string()
+            .then_some(())
+    });
+    apply();
+    let second = get_json("pdpair", &ns, "llama-8b").expect("stored again");
+    let uid = second["metadata"]["uid"].as_str().expect("uid").to_owned();
+    std::thread::sleep(Duration::from_secs(2)); // the new pair's first create found the old one
+    let release = r#"{"metadata": {"finalizers": null}}"#;
+    kubectl_ok(
+        &[
+            "patch",
+            "secret",
+            "llama-8b-pairing",
+            "-n",
+            &ns,
+            "--type",
+            "merge",
+            "-p",
+            release,
+        ],
+        None,
+    );
+    eventually(Duration::from_secs(20), "the new PDPair's own Secret", || {
+        let s = get_json("secret", &ns, "llama-8b-pairing")?;
+        (owner(&s).as_deref() == Some(uid.as_str())).then_some(())
+    });
+}
+
+#[test]
 fn update_to_incompatible_geometry_is_rejected_and_the_stored_object_is_unchanged() {
     operator();
     let ns = namespace("update");
