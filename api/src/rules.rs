@@ -56,11 +56,14 @@ pub enum Reason {
     HeterogeneousBlockSizeWithPrefillTpGreater,
     /// `transfer.connector` names a connector the pool's engine cannot load.
     ConnectorUnsupported,
+    /// `transfer.handshakeTimeout` or `transfer.leaseDuration` outside what the node agent
+    /// takes (1 ms to 1 h): its engines could never register.
+    InvalidTransfer,
 }
 
 impl Reason {
     /// Every reason, in rule-table order.
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 18] = [
         Reason::InvalidReplicas,
         Reason::InvalidBlockSize,
         Reason::InvalidParallelism,
@@ -78,6 +81,7 @@ impl Reason {
         Reason::HeterogeneousBlockSizeWithHostBuffer,
         Reason::HeterogeneousBlockSizeWithPrefillTpGreater,
         Reason::ConnectorUnsupported,
+        Reason::InvalidTransfer,
     ];
 
     /// The PascalCase name.
@@ -100,6 +104,7 @@ impl Reason {
             Reason::HeterogeneousBlockSizeWithHostBuffer => "HeterogeneousBlockSizeWithHostBuffer",
             Reason::HeterogeneousBlockSizeWithPrefillTpGreater => "HeterogeneousBlockSizeWithPrefillTpGreater",
             Reason::ConnectorUnsupported => "ConnectorUnsupported",
+            Reason::InvalidTransfer => "InvalidTransfer",
         }
     }
 
@@ -189,9 +194,29 @@ pub struct Pool<'a> {
     pub kv: &'a KvGeometry,
 }
 
-/// Checks a whole PDPair spec: the pools' replicas, then [`check_pools`].
+/// The shortest and longest `transfer.handshakeTimeout` and `transfer.leaseDuration` (the node
+/// agent refuses an engine's registration outside them).
+pub const TRANSFER_DURATIONS: std::ops::RangeInclusive<std::time::Duration> =
+    std::time::Duration::from_millis(1)..=std::time::Duration::from_secs(3600);
+
+/// Checks a whole PDPair spec: its transfer durations, the pools' replicas, then [`check_pools`].
 pub fn check(spec: &PDPairSpec) -> Verdict {
     let mut out = Rules::default();
+    for (field, d) in [
+        ("handshakeTimeout", &spec.transfer.handshake_timeout),
+        ("leaseDuration", &spec.transfer.lease_duration),
+    ] {
+        if !TRANSFER_DURATIONS.contains(&d.get()) {
+            out.0.push(Violation {
+                reason: Reason::InvalidTransfer,
+                field: format!("spec.transfer.{field}"),
+                message: format!(
+                    "transfer.{field} is {}; it must be 1ms to 1h (the node agent refuses its engines' registrations otherwise)",
+                    d.as_str()
+                ),
+            });
+        }
+    }
     for (role, pool) in [(Role::Prefill, &spec.prefill), (Role::Decode, &spec.decode)] {
         if pool.replicas < 0 {
             let msg = format!("{role} replicas is {}; it must be 0 or more", pool.replicas);

@@ -139,6 +139,40 @@ fn vllm_pull_32_16_is_block_size_not_divisible() {
 // --- per-pool rules ----------------------------------------------------------------------------
 
 #[test]
+fn transfer_durations_the_node_agent_refuses_are_rejected() {
+    // The agent refuses an engine's registration with a handshake timeout or lease of 0 ms or
+    // over an hour: admitted, such a pair's engines could never register.
+    let mut spec = push();
+    for ok in ["1ms", "5s", "1h"] {
+        spec.transfer.handshake_timeout = ok.parse().expect("duration");
+        spec.transfer.lease_duration = ok.parse().expect("duration");
+        admits(&spec);
+    }
+    spec.transfer.handshake_timeout = "0s".parse().expect("duration");
+    rejects(
+        &spec,
+        Reason::InvalidTransfer,
+        "spec.transfer.handshakeTimeout",
+        &["0s", "1ms to 1h"],
+    );
+    spec.transfer.handshake_timeout = "0.5ms".parse().expect("duration");
+    rejects(
+        &spec,
+        Reason::InvalidTransfer,
+        "spec.transfer.handshakeTimeout",
+        &["0.5ms"],
+    );
+    spec.transfer.handshake_timeout = "5s".parse().expect("duration");
+    spec.transfer.lease_duration = "1h0.001s".parse().expect("duration");
+    rejects(
+        &spec,
+        Reason::InvalidTransfer,
+        "spec.transfer.leaseDuration",
+        &["1h0.001s"],
+    );
+}
+
+#[test]
 fn invalid_replicas() {
     let mut spec = push();
     spec.decode.replicas = 0;
