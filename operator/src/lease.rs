@@ -1,6 +1,9 @@
 //! Leader election with a coordination.k8s.io Lease: every replica serves the webhook; only the
 //! holder reconciles. Losing a held lease is fatal (the caller exits), so two replicas never
-//! reconcile at once for longer than one renew period.
+//! reconcile at once for longer than one renew period: a round that gets no answer within a
+//! renew period fails (a renewal stuck on a half-open connection kept the old holder leading
+//! until the client's read timeout, minutes after another replica took over), and the holder
+//! counts its lease from when its last successful renewal was sent.
 
 use std::time::Duration;
 
@@ -50,11 +53,15 @@ enum Round {
 pub async fn run(api: Api<Lease>, cfg: LeaseConfig, state: watch::Sender<bool>) -> LeaseError {
     let mut last_renewal: Option<std::time::Instant> = None;
     loop {
-        let round = try_acquire(&api, &cfg).await;
+        let sent = std::time::Instant::now();
+        let round = match tokio::time::timeout(cfg.renew_every, try_acquire(&api, &cfg)).await {
+            Ok(round) => round.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("no answer within {:?}", cfg.renew_every)),
+        };
         let was_leader = *state.borrow();
         match round {
             Ok(Round::Leader) => {
-                last_renewal = Some(std::time::Instant::now());
+                last_renewal = Some(sent);
                 if !was_leader {
                     tracing::info!(lease = %cfg.name, identity = %cfg.identity, "became leader");
                     let _ = state.send(true);
@@ -87,7 +94,10 @@ fn now() -> MicroTime {
 }
 
 async fn try_acquire(api: &Api<Lease>, cfg: &LeaseConfig) -> Result<Round, kube::Error> {
-    let duration_secs = i32::try_from(cfg.duration.as_secs()).unwrap_or(i32::MAX).max(1);
+    // Rounded up: others wait at least as long as this replica counts itself the holder.
+    let duration_secs = i32::try_from(cfg.duration.as_secs() + u64::from(cfg.duration.subsec_nanos() > 0))
+        .unwrap_or(i32::MAX)
+        .max(1);
     let Some(mut lease) = api.get_opt(&cfg.name).await? else {
         let lease = Lease {
             metadata: ObjectMeta {
@@ -152,5 +162,110 @@ pub async fn release(api: &Api<Lease>, cfg: &LeaseConfig) {
         tracing::warn!(error = %e, "could not release the leader lease");
     } else {
         tracing::info!(lease = %cfg.name, "released the leader lease");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{BufRead, BufReader, Read, Write};
+
+    use super::*;
+
+    /// An API server on loopback that answers the first `answered` requests (a lease GET: not
+    /// found; a create: the lease sent, taken) and then takes requests without ever answering,
+    /// as a half-open connection does. Also the bodies it was sent.
+    fn api_answering(answered: usize) -> (String, std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sent = bodies.clone();
+        std::thread::spawn(move || {
+            let mut seen = 0;
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { return };
+                let mut writer = stream.try_clone().expect("clone");
+                let mut reader = BufReader::new(stream);
+                loop {
+                    let mut head = Vec::new();
+                    let mut length = 0usize;
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            break;
+                        }
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap_or(0);
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                        head.push(line);
+                    }
+                    if head.is_empty() {
+                        break;
+                    }
+                    let mut body = vec![0u8; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        break;
+                    }
+                    seen += 1;
+                    sent.lock().expect("lock").push(body.clone());
+                    if seen > answered {
+                        std::thread::sleep(Duration::from_secs(600));
+                        return;
+                    }
+                    let (status, reply) = if head[0].starts_with("GET") {
+                        (
+                            "404 Not Found",
+                            br#"{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"NotFound","code":404}"#
+                                .to_vec(),
+                        )
+                    } else {
+                        ("201 Created", body)
+                    };
+                    let header = format!(
+                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                        reply.len()
+                    );
+                    if writer
+                        .write_all(header.as_bytes())
+                        .and_then(|()| writer.write_all(&reply))
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            }
+        });
+        (url, bodies)
+    }
+
+    #[tokio::test]
+    async fn a_renewal_that_gets_no_answer_ends_leadership_within_the_lease() {
+        let (url, bodies) = api_answering(2);
+        let url: hyper::Uri = url.parse().expect("url");
+        let client = kube::Client::try_from(kube::Config::new(url)).expect("client");
+        let api: Api<Lease> = Api::namespaced(client, "default");
+        let cfg = LeaseConfig {
+            name: "pdpair-test".into(),
+            identity: "me".into(),
+            duration: Duration::from_millis(1500),
+            renew_every: Duration::from_millis(500),
+        };
+        let (tx, rx) = watch::channel(false);
+        let started = std::time::Instant::now();
+        let lost = tokio::time::timeout(Duration::from_secs(20), run(api, cfg, tx))
+            .await
+            .expect("leadership ended while the renewal hung");
+        assert!(*rx.borrow(), "it led first");
+        assert!(
+            lost.to_string().contains("renewals failed for a whole lease duration"),
+            "{lost}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+        // The lease it took says 2 s, not 1: others wait at least as long as it counts itself
+        // the holder.
+        let created: Lease = serde_json::from_slice(&bodies.lock().expect("lock")[1]).expect("the lease created");
+        assert_eq!(created.spec.and_then(|s| s.lease_duration_seconds), Some(2));
     }
 }
