@@ -133,6 +133,9 @@ impl Report {
             .clone()
             .filter(|n| !n.is_empty())
             .ok_or("metadata.name is required")?;
+        if let Some(why) = crate::webhook::name_too_long(&pair.metadata) {
+            return Err(why);
+        }
         let verdict = pdpair_api::check(&pair.spec);
         self.checked.push(Checked {
             file: file.to_owned(),

@@ -82,6 +82,23 @@ fn malformed(response: AdmissionResponse, message: String) -> Outcome {
 /// A PDPair's name, at most: a label value's bound.
 pub const MAX_NAME: usize = 63;
 
+/// Why a PDPair's name (or the names its `generateName` makes) is too long, if it is: the name
+/// is a label value of the pair's Deployments, pods and Secret, and part of its Events' names,
+/// so a longer one is stored but never runs. The webhook and `validate` both refuse it.
+pub fn name_too_long(meta: &kube::api::ObjectMeta) -> Option<String> {
+    let (field, len) = match meta.name.as_deref().filter(|n| !n.is_empty()) {
+        Some(name) => (name.len() > MAX_NAME).then_some(("metadata.name", name.len())),
+        None => meta
+            .generate_name
+            .as_deref()
+            .filter(|g| g.len() + 5 > MAX_NAME)
+            .map(|g| ("metadata.generateName", g.len() + 5)),
+    }?;
+    Some(format!(
+        "{field} makes a name of {len} characters; a PDPair's name is at most {MAX_NAME} (it is the value of its pods' pdpair.dev/name label)"
+    ))
+}
+
 /// Parses an object of the review as a PDPair.
 fn as_pdpair(object: &DynamicObject) -> Result<PDPair, String> {
     let value = serde_json::to_value(object).map_err(|e| e.to_string())?;
@@ -109,26 +126,10 @@ pub fn review(req: &AdmissionRequest<DynamicObject>) -> Outcome {
             format!("not a valid PDPair: {field} is not a pod template: {why}"),
         );
     }
-    // The name is a label value of the pair's Deployments, pods and Secret, and part of its
-    // Events' names: a longer one is stored but never runs.
-    let too_long = match pair.metadata.name.as_deref().filter(|n| !n.is_empty()) {
-        Some(name) => (name.len() > MAX_NAME).then_some(("metadata.name", name.len())),
-        None => pair
-            .metadata
-            .generate_name
-            .as_deref()
-            .filter(|g| g.len() + 5 > MAX_NAME)
-            .map(|g| ("metadata.generateName", g.len() + 5)),
-    };
     if req.operation == Operation::Create
-        && let Some((field, len)) = too_long
+        && let Some(why) = name_too_long(&pair.metadata)
     {
-        return malformed(
-            AdmissionResponse::from(req),
-            format!(
-                "{field} makes a name of {len} characters; a PDPair's name is at most {MAX_NAME} (it is the value of its pods' pdpair.dev/name label)"
-            ),
-        );
+        return malformed(AdmissionResponse::from(req), why);
     }
     // An update that leaves the spec alone (labels, finalizers, owner references) is not a new
     // geometry decision: let it through even if the stored spec predates the webhook.

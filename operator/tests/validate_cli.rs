@@ -300,6 +300,25 @@ fn examples_have_the_documented_verdicts() {
 }
 
 #[test]
+fn a_name_the_webhook_refuses_as_too_long_exits_2_naming_it() {
+    // The webhook refuses a name over 63 characters (a label value of the pair's pods); the
+    // linter said "admitted".
+    let dir = Dir::new("long-name");
+    let name = "n".repeat(64);
+    let f = dir.file("long.yaml", &pair(&name, "Push", 64, 64));
+    let run = validate(&[&f], None);
+    assert_eq!(run.code, 2, "{}{}", run.stdout, run.stderr);
+    assert!(
+        run.stderr
+            .contains("metadata.name makes a name of 64 characters; a PDPair's name is at most 63"),
+        "{}",
+        run.stderr
+    );
+    let f = dir.file("ok.yaml", &pair(&"n".repeat(63), "Push", 64, 64));
+    assert_eq!(validate(&[&f], None).code, 0);
+}
+
+#[test]
 fn a_template_that_is_not_a_pod_template_exits_2_naming_where() {
     let dir = Dir::new("template");
     let text = format!(
