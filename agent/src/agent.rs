@@ -829,9 +829,19 @@ impl Agent {
     }
 }
 
+/// Sends an engine an event. One that cannot be written (the engine stopped reading its events
+/// for the socket's write timeout, or went) ends the connection: an event left out (a request's
+/// end) would have the engine wait for it forever, and one cut short leaves the stream
+/// unreadable; a connection's end the engine learns, and its requests end with it.
 fn send(writer: &Mutex<UnixStream>, event: &AgentEvent) {
-    if let Err(e) = wire::write_frame(&mut *lock(writer), event) {
-        tracing::debug!(error = %e, "engine API: cannot send an event");
+    let mut stream = lock(writer);
+    if let Err(e) = wire::write_frame(&mut *stream, event) {
+        if e.timed_out() {
+            tracing::warn!(error = %e, "engine API: the engine reads no events; closing its connection");
+        } else {
+            tracing::debug!(error = %e, "engine API: cannot send an event; closing the connection");
+        }
+        let _ = stream.shutdown(std::net::Shutdown::Both);
     }
 }
 

@@ -1373,6 +1373,55 @@ fn one_engines_bad_key_does_not_block_another_engine_on_the_same_agent() {
 }
 
 #[test]
+fn an_engine_that_stops_reading_its_events_loses_its_connection_not_an_event() {
+    // The agent gives up an event it cannot write in 10 s. Dropped with the connection kept,
+    // the engine never heard of that request's end (its blocks held, or its request waiting,
+    // for good) and the events after it came as if nothing was missing; one cut short left the
+    // stream unreadable. Now the connection ends, which the engine sees.
+    let _serial = serial();
+    let w = World::new("attack-deaf");
+    let ds = w.agent("d", Transport::Tcp, false);
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    let stream = d.events().expect("events");
+    stream.set_write_timeout(Some(Duration::from_secs(1))).expect("timeout");
+    // Requests the agent answers at once (a block outside the pool), their answers never read,
+    // until the agent, blocked on an answer, takes no more.
+    let mut sent = 0;
+    while sent < 100_000 {
+        let bad = EngineRequest::ExpectKv {
+            request: format!("r{sent}"),
+            prefill: "127.0.0.1:1".into(),
+            blocks: vec![1 << 30],
+            num_tokens: 16,
+            first_token: 0,
+            prompt: None,
+        };
+        if d.send(&bad).is_err() {
+            break;
+        }
+        sent += 1;
+    }
+    assert!(
+        sent < 100_000,
+        "the agent took every request with nothing reading its answers"
+    );
+    std::thread::sleep(Duration::from_secs(12));
+    stream.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+    let mut read = 0;
+    let end = loop {
+        match d.next_event() {
+            Ok(_) => read += 1,
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        !end.timed_out(),
+        "after {read} of {sent} answers the connection stayed open with answers left out: {end:?}"
+    );
+    assert!(read < sent, "{read} of {sent}");
+}
+
+#[test]
 fn a_duplicate_expect_kv_is_refused_and_the_first_keeps_its_promise() {
     // Over shared memory and over the KV stream, whose windows a refusal must not close: the
     // first request's blocks still take its KV.
