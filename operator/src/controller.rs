@@ -221,21 +221,6 @@ const RESYNC: Duration = Duration::from_secs(300);
 /// How soon a pairing Secret the API server refused is asked for again.
 const SECRET_RETRY: Duration = Duration::from_secs(30);
 
-/// How soon a pairing Secret found there already for a [`young`] PDPair is asked for again.
-const SECRET_RECHECK: Duration = Duration::from_secs(3);
-
-/// How long after its creation a PDPair is young: a Secret of its name found there then may be
-/// a deleted namesake's, on its way out.
-const YOUNG: Duration = Duration::from_secs(60);
-
-/// Whether `pair` was created within the last [`YOUNG`] (by the API server's clock).
-fn young(pair: &PDPair) -> bool {
-    pair.metadata
-        .creation_timestamp
-        .as_ref()
-        .is_some_and(|t| Timestamp::now().as_second().saturating_sub(t.0.as_second()) < YOUNG.as_secs() as i64)
-}
-
 async fn reconcile(pair: Arc<PDPair>, ctx: Arc<Context>) -> Result<Action, Error> {
     if !*ctx.leader.borrow() {
         return Ok(Action::await_change());
@@ -279,17 +264,10 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     // A create the API server refuses (a quota on Secrets, a policy) is told in a Warning Event
     // and tried again in [`SECRET_RETRY`]; the rest goes on, so status keeps telling what runs
     // (the pods, which do not start without it).
-    let mut secret_retry = None;
+    let mut secret_refused = false;
     if verdict.allowed() && !ctx.remembered.secret_fresh(&uid) {
         match ensure_secret(pair, &ctx.client, &ns, &name).await {
-            // One of the name there already, for a PDPair made moments ago: likely the Secret
-            // of a PDPair of that name just deleted, which the garbage collector is about to
-            // delete too (`kubectl delete` then `apply`). Asked for again soon, not at the
-            // resync: its pods do not start without it.
-            Ok(Ensured::Existed) if young(pair) => {
-                secret_retry = Some(SECRET_RECHECK);
-            }
-            Ok(_) => {
+            Ok(()) => {
                 ctx.metrics.secret_ensured();
                 ctx.remembered.note(&uid, |m| m.secret = Some(Instant::now()));
             }
@@ -306,7 +284,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
                         &note,
                     )
                     .await;
-                secret_retry = Some(SECRET_RETRY);
+                secret_refused = true;
             }
             Err(e) => return Err(e),
         }
@@ -512,8 +490,8 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     }
     // A refused apply is tried again at the resync too: what refused it (another's Deployment
     // of that name) may go without this PDPair changing.
-    Ok(if let Some(retry) = secret_retry {
-        Action::requeue(retry)
+    Ok(if secret_refused {
+        Action::requeue(SECRET_RETRY)
     } else if verdict.allowed() {
         Action::requeue(RESYNC)
     } else {
@@ -578,15 +556,7 @@ async fn prune(deployments: &Api<Deployment>, name: &str, owner_uid: &str) -> Re
     }
 }
 
-/// What [`ensure_secret`] found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Ensured {
-    Created,
-    /// One of the name was there (409).
-    Existed,
-}
-
-async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> Result<Ensured, Error> {
+async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> Result<(), Error> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
     let sname = names::secret_name(name);
     // Created once, never rotated behind the engines' backs: a create that finds one (409) is
@@ -598,8 +568,8 @@ async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> 
         return Err(Error::MissingMeta);
     };
     match secrets.create(&PostParams::default(), &secret).await {
-        Ok(_) => Ok(Ensured::Created),
-        Err(kube::Error::Api(s)) if s.code == 409 => Ok(Ensured::Existed), // made before, or by a concurrent reconcile
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()), // made before, or by a concurrent reconcile
         Err(source) => Err(Error::EnsureSecret { name: sname, source }),
     }
 }
