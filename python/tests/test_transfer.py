@@ -110,6 +110,39 @@ def test_a_failed_load_vllm_ends_is_not_cancelled_but_an_abort_in_flight_is():
     assert s.finished("failed", {}, False, [1, 2, 3, 4], 0, "e", load_failed=True) == (False, None)
     assert s.finished("aborted", {}, False, [1, 2, 3, 4], 0, "e") == (False, None)
     assert s.plan().cancels == ["aborted"]
+    # A vLLM that does not hold them (before its PR 32255): the connector holds them.
+    old = SchedulerState(16, vllm_holds=False)
+    p = params(**{PARAM_REQUEST: "aborted"})
+    old.matched_tokens("aborted", p, 50, 0)
+    old.after_alloc("aborted", p, [1, 2, 3, 4], 50, 50)
+    old.plan()
+    assert old.finished("aborted", {}, False, [1, 2, 3, 4], 0, "e") == (True, None)
+    assert old.plan().cancels == ["aborted"]
+
+
+@pytest.mark.parametrize("vllm_holds", [True, False])
+def test_an_aborted_receive_is_reported_once_each_rank_as_its_vllm_frees_it(vllm_holds):
+    # A vLLM that holds an aborted receive's blocks frees them when every rank reported it
+    # received (and asserts on a send's end for a request it freed); an older one frees them
+    # when the connector, which held them, reports them sent.
+    from pdpair_vllm.client import Event
+    client = _Client()
+    w = WorkerState(client, _Saves(), vllm_holds=vllm_holds)
+    w.start(Plan(recvs=[_recv("c", [3]), _recv("landed", [4])]))
+    client.finished.append(Event("RequestDone", "a-landed", {"type": "RequestDone", "request": "a-landed"}))
+    assert w.poll().finished_recving == {"landed"}
+    # Both aborted: "c" while in flight, "landed" in the step its KV was reported in.
+    w.start(Plan(cancels=["c", "landed"]))
+    got = w.poll()
+    client.finished.append(Event("Cancelled", "a-c", {"type": "Cancelled", "request": "a-c"}))
+    got2 = w.poll()
+    sent = got.finished_sending | got2.finished_sending
+    received = got.finished_recving | got2.finished_recving
+    if vllm_holds:
+        assert (sent, received) == (set(), {"c"})
+    else:
+        assert (sent, received) == ({"c", "landed"}, set())
+    assert w.poll() == Results()
 
 
 def test_the_stager_is_told_before_the_agent_is_asked_for_new_receives():

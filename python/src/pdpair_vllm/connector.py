@@ -21,6 +21,7 @@ handshake_timeout_ms, lease_ms: outside a cluster, where the agent cannot read t
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -58,6 +59,25 @@ from .transfer import Plan, Prompt, Results, SchedulerState, Stager, WorkerState
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+
+def vllm_holds_aborted_receives() -> bool:
+    """Whether this vLLM's scheduler holds the blocks of a request aborted while it waits for
+    remote KV until its workers report it received (vLLM PR 32255, early 2026; 0.33 does),
+    read from ``Scheduler.finish_requests`` (no release note says which version). Where that
+    cannot be read, ``False``: the connector then holds the blocks itself, which a newer vLLM
+    takes too, but for an abort in the very step the KV landed, where it stops the engine
+    (loudly); the other guess, on an older vLLM, would free the blocks while the agent still
+    writes into them."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        source = inspect.getsource(Scheduler.finish_requests)
+    except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
+        log.warning("pdpair: cannot tell whether vLLM holds an aborted request's blocks (%s); the connector "
+                    "holds them", e)
+        return False
+    return "WAITING_FOR_REMOTE_KVS" in source
     from vllm.v1.request import Request
 
 COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
@@ -196,7 +216,8 @@ class PdpairConnector(KVConnectorBase_V1):
         self._errors: set = set()
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerState(self._block_size, float(self._extra.get("renew_interval_s", 1.0)),
-                                         int(self._extra.get("min_transfer_tokens", 1)))
+                                         int(self._extra.get("min_transfer_tokens", 1)),
+                                         vllm_holds=vllm_holds_aborted_receives())
 
     # ==== scheduler side =========================================================================
 
@@ -273,7 +294,8 @@ class PdpairConnector(KVConnectorBase_V1):
         # A restarted agent listens at a new address, which a prefill rank's scheduler learns
         # through the workers' metadata: a vLLM without it would hand decode the old one.
         self._worker = WorkerState(client, stager, rank, reconnect=lambda: self._connect(sock, self._again(reg), tensors, rank),
-                                   per_logical=self._block_size // int(kv["kernelBlockSize"]))
+                                   per_logical=self._block_size // int(kv["kernelBlockSize"]),
+                                   vllm_holds=vllm_holds_aborted_receives())
 
     def _again(self, reg: dict) -> dict:
         """The registration again after the agent connection was lost: a prefill rank names the

@@ -16,8 +16,12 @@ The flow (docs/vllm.md):
   ``RequestDone`` it copies the blocks from its pool into the KV cache and reports the request
   received; on ``RequestFailed`` (FailClosed checksum, lease, peer lost, refused handshake) it
   reports the request's blocks as load errors, so the engine recomputes them or fails the request.
-- An abort on D while the KV is on its way keeps the request's blocks (``delay_free``) until the
-  agent answers ``Cancel``: after that answer nothing writes into the pool blocks that vLLM reuses.
+- An abort on D while the KV is on its way keeps the request's blocks until the agent answers
+  ``Cancel``: after that answer nothing writes into the pool blocks that vLLM reuses. Who holds
+  them depends on the vLLM (:data:`Plan.vllm_holds`): one that holds an aborted request waiting
+  for remote KV itself (vLLM PR 32255, early 2026; 0.33 does) frees its blocks once every rank
+  reports it received, which a rank does when the cancel is answered, or did already; an older
+  one frees them when the connector, which then holds them (``delay_free``), reports them sent.
 """
 
 from __future__ import annotations
@@ -224,13 +228,16 @@ def _remote(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]:
 class SchedulerState:
     """The scheduler side, one per engine."""
 
-    def __init__(self, block_size: int, renew_interval_s: float = 1.0, min_transfer_tokens: int = 1):
+    def __init__(self, block_size: int, renew_interval_s: float = 1.0, min_transfer_tokens: int = 1,
+                 vllm_holds: bool = True):
         """``block_size``: vLLM's (logical) block size. The kernel block size is the workers'
         to know (they read it from the KV tensors; the scheduler has no way to): plans name
-        logical blocks."""
+        logical blocks. ``vllm_holds``: whether vLLM holds the blocks of a request aborted while
+        it waits for remote KV until its workers report it received (the module's docstring)."""
         if block_size < 1:
             raise ValueError(f"block_size {block_size} is not a block size")
         self.block_size = block_size
+        self.vllm_holds = vllm_holds
         self.renew_interval_s = renew_interval_s
         #: D: a missing tail shorter than this is recomputed locally and P released (vLLM never
         #: lets a prefix hit cover the whole prompt, so a full hit is "all but a few tokens").
@@ -339,7 +346,7 @@ class SchedulerState:
             # vLLM takes for a request it may have freed already (and asserts on).
             self.receiving.pop(request)
             self._plan.cancels.append(request)
-            return False, None
+            return not self.vllm_holds, None
         if not params or not params.get("do_remote_decode") or not completed or not block_ids:
             return False, None
         if not self.prefill_ranks:
@@ -489,7 +496,8 @@ class WorkerState:
     """One worker rank's side: its agent connection and its staging."""
 
     def __init__(self, client: AgentClient, stager: Stager, rank: int = 0,
-                 reconnect: Optional[Callable[[], Tuple[AgentClient, Stager]]] = None, per_logical: int = 1):
+                 reconnect: Optional[Callable[[], Tuple[AgentClient, Stager]]] = None, per_logical: int = 1,
+                 vllm_holds: bool = True):
         """``per_logical``: kernel blocks per vLLM block in this rank's KV cache (vLLM's block
         size over the kernel block size its attention backend took); plans name vLLM's blocks,
         the pool and the agent kernel blocks. ``reconnect`` registers this rank with its agent again (a new client and stager), for
@@ -500,6 +508,9 @@ class WorkerState:
         if per_logical < 1:
             raise ValueError(f"pdpair: {per_logical} kernel blocks per block")
         self.per_logical = per_logical
+        #: How an aborted receive ends (:class:`SchedulerState`): reported received (vLLM holds
+        #: its blocks) or sent (the connector held them).
+        self.vllm_holds = vllm_holds
         self._reconnect = reconnect
         self._reconnector: Optional[_Reconnector] = None
         self._shut = False
@@ -621,7 +632,10 @@ class WorkerState:
             agent_request = self._by_request.get(request)
             if agent_request is None or agent_request not in self._open:
                 # Nothing in flight here: this rank reported the request received (or failed)
-                # already, and vLLM frees its blocks once every rank has.
+                # already. A vLLM that holds the blocks frees them once every rank has; for an
+                # older one the connector holds them, until reported sent.
+                if not self.vllm_holds:
+                    self._results.finished_sending.add(request)
                 continue
             self._open[agent_request] = ("cancel", request, None)
             if not self._gone():
@@ -753,9 +767,9 @@ class WorkerState:
             return
         if kind == "cancel":
             # D: the cancel was answered; nothing writes into the blocks any more. Reported as
-            # received (the request's one report from this rank): vLLM frees an aborted
-            # request's blocks then.
-            r.finished_recving.add(request)
+            # received (the request's one report from this rank) where vLLM holds them, as sent
+            # where the connector did.
+            (r.finished_recving if self.vllm_holds else r.finished_sending).add(request)
             return
         assert recv is not None
         if event.type == "RequestDone":
