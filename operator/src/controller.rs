@@ -157,9 +157,12 @@ struct Memory {
     /// The plan it last applied: a changed plan is dry-run first, and an unchanged one is not
     /// applied again to a Deployment no one changed since.
     applied: Option<Applied>,
-    /// When it last found or made the pairing Secret: made again (if it went) at most once a
-    /// [`RESYNC`], not at every reconcile.
+    /// When to ask for the pairing Secret again: a [`RESYNC`] after it was found or made (made
+    /// again, if it went, then; not at every reconcile), [`SECRET_RETRY`] after it was refused.
     secret: Option<Instant>,
+    /// The refusal last told in a `SecretRefused` Event: the same one again is not (a full
+    /// quota refuses a create of a Secret that exists, 403 rather than 409, at every try).
+    secret_refused: Option<String>,
 }
 
 /// A plan applied: its [`fingerprint`], and the resourceVersion each Deployment had once
@@ -203,9 +206,9 @@ impl Remembered {
         }
     }
 
-    /// Whether `uid`'s pairing Secret was found or made within the last [`RESYNC`].
+    /// Whether `uid`'s pairing Secret is not to be asked for yet ([`Memory::secret`]).
     fn secret_fresh(&self, uid: &str) -> bool {
-        self.recall(uid, |m| m.secret).is_some_and(|at| at.elapsed() < RESYNC)
+        self.recall(uid, |m| m.secret).is_some_and(|next| Instant::now() < next)
     }
 }
 
@@ -262,29 +265,41 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     // Every PDEndpoint heartbeat reconciles the pair: the Secret is asked for (a create, 409
     // when it is there) at most once a resync, not at each.
     // A create the API server refuses (a quota on Secrets, a policy) is told in a Warning Event
-    // and tried again in [`SECRET_RETRY`]; the rest goes on, so status keeps telling what runs
-    // (the pods, which do not start without it).
-    let mut secret_refused = false;
+    // (once per refusal, not per try) and tried again in [`SECRET_RETRY`]; the rest goes on, so
+    // status keeps telling what runs (the pods, which do not start where it does not exist: a
+    // full quota refuses the create of one that does, too).
     if verdict.allowed() && !ctx.remembered.secret_fresh(&uid) {
         match ensure_secret(pair, &ctx.client, &ns, &name).await {
             Ok(()) => {
                 ctx.metrics.secret_ensured();
-                ctx.remembered.note(&uid, |m| m.secret = Some(Instant::now()));
+                ctx.remembered.note(&uid, |m| {
+                    m.secret = Some(Instant::now() + RESYNC);
+                    m.secret_refused = None;
+                });
             }
             Err(e) if e.refused() => {
                 ctx.metrics.reconcile_error(e.category());
                 tracing::warn!(error = %e, name = %name, "the pairing Secret was refused; trying again later");
-                let note = format!("{e}; the pools' pods do not start without it");
-                ctx.events
-                    .publish(
-                        &pair.object_ref(&()),
-                        Kind::Warning,
-                        "SecretRefused",
-                        "Reconcile",
-                        &note,
-                    )
-                    .await;
-                secret_refused = true;
+                let note = format!(
+                    "{e}; where it does not exist yet, the pools' pods do not start until it does (asked again every {}s)",
+                    SECRET_RETRY.as_secs()
+                );
+                let told = ctx.remembered.recall(&uid, |m| m.secret_refused.clone());
+                if told.as_deref() != Some(note.as_str()) {
+                    ctx.events
+                        .publish(
+                            &pair.object_ref(&()),
+                            Kind::Warning,
+                            "SecretRefused",
+                            "Reconcile",
+                            &note,
+                        )
+                        .await;
+                }
+                ctx.remembered.note(&uid, |m| {
+                    m.secret = Some(Instant::now() + SECRET_RETRY);
+                    m.secret_refused = Some(note);
+                });
             }
             Err(e) => return Err(e),
         }
@@ -490,8 +505,17 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     }
     // A refused apply is tried again at the resync too: what refused it (another's Deployment
     // of that name) may go without this PDPair changing.
-    Ok(if secret_refused {
-        Action::requeue(SECRET_RETRY)
+    // A refused Secret's next try, whatever reconciled the pair since (a requeue replaces the
+    // one before it).
+    let secret_retry = ctx
+        .remembered
+        .recall(&uid, |m| m.secret_refused.as_ref().and(m.secret))
+        .filter(|_| verdict.allowed());
+    Ok(if let Some(next) = secret_retry {
+        Action::requeue(
+            next.saturating_duration_since(Instant::now())
+                .max(Duration::from_secs(1)),
+        )
     } else if verdict.allowed() {
         Action::requeue(RESYNC)
     } else {
@@ -743,7 +767,7 @@ mod tests {
         r.note(&pair.uid().expect("uid"), |m| {
             m.written = Some(PDPairStatus::default());
             m.applied = Some(Applied::default());
-            m.secret = Some(Instant::now());
+            m.secret = Some(Instant::now() + RESYNC);
         });
         r.failures.lock().expect("lock").insert(ObjectRef::from(pair), 1);
     }

@@ -501,6 +501,28 @@ fn what_a_quota_forbids_is_told_in_events_and_status_and_made_once_it_is_lifted(
         message.contains("llama-8b-pairing") && message.contains("exceeded quota"),
         "{refused}"
     );
+    // Told once, not at every reconcile (each PDEndpoint heartbeat reconciles the pair; a full
+    // quota refuses the create of a Secret that exists, too).
+    for touch in 1..=4 {
+        kubectl_ok(
+            &[
+                "annotate",
+                "pdpair",
+                "llama-8b",
+                "-n",
+                &ns,
+                &format!("touch={touch}"),
+                "--overwrite",
+            ],
+            None,
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let told = events_about(&ns, "llama-8b")
+        .into_iter()
+        .filter(|e| e["reason"] == "SecretRefused")
+        .count();
+    assert_eq!(told, 1, "{:#?}", events_about(&ns, "llama-8b"));
     let condition = |type_: &str| condition_of(&get_json("pdpair", &ns, "llama-8b")?, type_);
     let applied = eventually(WAIT, "PoolsApplied False", || {
         condition("PoolsApplied").filter(|c| c["status"] == "False")
@@ -517,11 +539,11 @@ fn what_a_quota_forbids_is_told_in_events_and_status_and_made_once_it_is_lifted(
         "{ready}"
     );
     assert!(get_json("deployment", &ns, "llama-8b-prefill").is_none());
-    // Lifted: the Secret comes at its next try, the pools at the next reconcile (a touch
-    // brings it now).
+    // Lifted: the Secret comes at its next try (every 30 s while refused, whatever reconciled
+    // the pair since), the pools at the next reconcile (a touch brings it now).
     kubectl_ok(&["delete", "resourcequota", "none", "-n", &ns], None);
     kubectl_ok(
-        &["annotate", "pdpair", "llama-8b", "-n", &ns, "touch=1", "--overwrite"],
+        &["annotate", "pdpair", "llama-8b", "-n", &ns, "touch=5", "--overwrite"],
         None,
     );
     both_deployments(&ns);
