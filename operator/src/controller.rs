@@ -376,6 +376,18 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             }
         }
     }
+    // The plan's check above runs when the plan changed; a Deployment the watch sees as no
+    // longer this PDPair's since (its controller reference removed, or another's made under the
+    // name) is not taken over either, and neither pool is applied.
+    if apply_refused.is_none()
+        && let Some((_, dname, _)) = planned
+            .iter()
+            .find(|(_, dname, d)| d.is_some() && seen(dname).is_some_and(|s| !controlled_by(&s.metadata, &uid)))
+    {
+        apply_refused = Some(format!(
+            "neither pool's Deployment was applied: Deployment {dname} exists and is not this PDPair's (it has no controller reference to it); remove it, or rename the PDPair"
+        ));
+    }
     for (role, dname, d) in &planned {
         if apply_refused.is_some() {
             break;

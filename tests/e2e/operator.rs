@@ -555,6 +555,53 @@ fn what_a_quota_forbids_is_told_in_events_and_status_and_made_once_it_is_lifted(
     });
 }
 
+#[test]
+fn a_deployment_that_stopped_being_the_pairs_is_not_taken_back() {
+    // The check for another's Deployment ran only when the plan changed: with the plan the same,
+    // a Deployment of the pair's whose controller reference someone removed (or another's made
+    // under the name after ours went) was force-applied, our template merged into it.
+    operator();
+    let ns = namespace("orphaned");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
+    );
+    both_deployments(&ns);
+    let condition = |type_: &str| condition_of(&get_json("pdpair", &ns, "llama-8b")?, type_);
+    eventually(WAIT, "PoolsApplied True", || {
+        condition("PoolsApplied").filter(|c| c["status"] == "True")
+    });
+    let orphan = r#"[{"op": "remove", "path": "/metadata/ownerReferences"}]"#;
+    kubectl_ok(
+        &[
+            "patch",
+            "deployment",
+            "llama-8b-decode",
+            "-n",
+            &ns,
+            "--type",
+            "json",
+            "-p",
+            orphan,
+        ],
+        None,
+    );
+    kubectl_ok(
+        &["annotate", "pdpair", "llama-8b", "-n", &ns, "touch=1", "--overwrite"],
+        None,
+    );
+    let applied = eventually(WAIT, "PoolsApplied False", || {
+        condition("PoolsApplied").filter(|c| c["status"] == "False")
+    });
+    let message = applied["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("Deployment llama-8b-decode exists and is not this PDPair's"),
+        "{message}"
+    );
+    let theirs = get_json("deployment", &ns, "llama-8b-decode").expect("stays");
+    assert!(theirs["metadata"]["ownerReferences"].is_null(), "{theirs}");
+}
+
 /// Waits for the compatible pair's two Deployments.
 fn both_deployments(ns: &str) {
     eventually(WAIT, "both Deployments", || {
