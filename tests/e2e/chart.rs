@@ -127,6 +127,10 @@ fn default_values_render_a_least_privilege_hardened_install() {
             .any(|a| a == "--tls-cert=/etc/pdpair/tls/tls.crt")
     );
     assert_eq!(get(&objs, "PodDisruptionBudget", "operator")["spec"]["minAvailable"], 1);
+    // One replica: a budget keeping one available would block every drain of its node.
+    let one = render(&["operator.replicas=1"]).expect("render");
+    assert!(find(&one, "PodDisruptionBudget", "operator").is_none());
+    assert_eq!(get(&one, "Deployment", "operator")["spec"]["replicas"], 1);
     // RBAC: exactly what the code calls.
     let operator = verbs(get(&objs, "ClusterRole", "operator"));
     let expect = [
@@ -152,12 +156,26 @@ fn default_values_render_a_least_privilege_hardened_install() {
     let lease = verbs(get(&objs, "Role", "operator-lease"));
     assert_eq!(
         lease,
-        vec![(
-            "coordination.k8s.io".to_owned(),
-            "leases".to_owned(),
-            set(&["get", "create", "update", "patch"])
-        )]
+        vec![
+            ("coordination.k8s.io".to_owned(), "leases".to_owned(), set(&["create"])),
+            (
+                "coordination.k8s.io".to_owned(),
+                "leases".to_owned(),
+                set(&["get", "update", "patch"])
+            )
+        ]
     );
+    // Only the operator's own Lease is read or written (a create cannot be limited by name).
+    let rules = get(&objs, "Role", "operator-lease")["rules"]
+        .as_sequence()
+        .expect("rules")
+        .clone();
+    assert_eq!(
+        rules[1]["resourceNames"][0].as_str(),
+        Some("pdpair-operator"),
+        "{rules:?}"
+    );
+    assert!(rules[0]["resourceNames"].is_null(), "{rules:?}");
     let agent = verbs(get(&objs, "ClusterRole", "agent"));
     assert!(
         agent
@@ -476,6 +494,14 @@ fn bad_values_fail_with_the_path_and_the_value() {
         ("agent.sideChannelPorts=1000-2000", "/agent/sideChannelPorts"),
         ("agent.sideChannelPorts=40000-65536", "/agent/sideChannelPorts"),
         ("operator.leaseDuration=soon", "/operator/leaseDuration"),
+        ("agent.socketDir=/", "/agent/socketDir"),
+        ("agent.socketDir=/var/run/../run", "/agent/socketDir"),
+        ("agent.poolDir=/dev/shm/", "/agent/poolDir"),
+        (
+            "operator.podDisruptionBudget.minAvailable=half",
+            "/operator/podDisruptionBudget/minAvailable",
+        ),
+        ("agent.ucx.extraEnv.UCX_A:B=1", "/agent/ucx/extraEnv"),
         ("operator.typo=1", "typo"),
         ("webhook.clientCA=not a certificate", "/webhook/clientCA"),
     ] {
