@@ -42,7 +42,7 @@ control-plane: deps
 	hack/control-plane.sh build
 
 ## make test: format check, clippy with warnings denied, unit tests, the connector's tests, end-to-end tests.
-test: fmt-check clippy unit ucx-compat python-test e2e
+test: fmt-check clippy unit lint-manifests ucx-compat python-test e2e
 
 ## make images: pdpair's image as an OCI archive, built here without Docker (hack/images.sh).
 images: deps

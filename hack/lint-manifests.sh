@@ -28,7 +28,8 @@ target/debug/pdpair-agent loopback --pair examples/vllm-push-64-64.yaml \
   --requests 9 --prompt-tokens 256
 echo
 tmp=$(mktemp -d)
-sed 's/mode: Push/mode: Push\n    checksum: FailClosed/' examples/vllm-push-64-64.yaml > "$tmp/failclosed.yaml"
+# FailClosed whatever the example says (it says so now; a second checksum key failed to parse).
+sed '/^    checksum:/d; s/mode: Push/mode: Push\n    checksum: FailClosed/' examples/vllm-push-64-64.yaml > "$tmp/failclosed.yaml"
 echo "   the 64/64 pair with FailClosed checksums, over shared memory, every byte checked by decode:"
 target/debug/pdpair-agent loopback --pair "$tmp/failclosed.yaml" --requests 4 --prompt-tokens 256 --transport shm
 echo
