@@ -224,6 +224,10 @@ const RESYNC: Duration = Duration::from_secs(300);
 /// How soon a pairing Secret the API server refused is asked for again.
 const SECRET_RETRY: Duration = Duration::from_secs(30);
 
+/// How soon pools' Deployments the API server refused (or another's of their name) are tried
+/// again, without a change to the PDPair.
+const APPLY_RETRY: Duration = Duration::from_secs(30);
+
 async fn reconcile(pair: Arc<PDPair>, ctx: Arc<Context>) -> Result<Action, Error> {
     if !*ctx.leader.borrow() {
         return Ok(Action::await_change());
@@ -515,23 +519,23 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         let note = format!("{} {from} -> {}: {}", t.type_, t.to_status, t.message);
         ctx.events.publish(&reference, kind, &t.reason, &t.type_, &note).await;
     }
-    // A refused apply is tried again at the resync too: what refused it (another's Deployment
-    // of that name) may go without this PDPair changing.
     // A refused Secret's next try, whatever reconciled the pair since (a requeue replaces the
     // one before it).
     let secret_retry = ctx
         .remembered
         .recall(&uid, |m| m.secret_refused.as_ref().and(m.secret))
         .filter(|_| verdict.allowed());
-    Ok(if let Some(next) = secret_retry {
-        Action::requeue(
-            next.saturating_duration_since(Instant::now())
-                .max(Duration::from_secs(1)),
-        )
-    } else if verdict.allowed() {
-        Action::requeue(RESYNC)
-    } else {
-        Action::await_change()
+    let secret_retry = secret_retry.map(|next| {
+        next.saturating_duration_since(Instant::now())
+            .max(Duration::from_secs(1))
+    });
+    // A refused apply is tried again in [`APPLY_RETRY`] (a quota raised, a policy changed, an
+    // RBAC rule restored during an upgrade), not at the resync.
+    let apply_retry = (apply_refused.is_some() && verdict.allowed()).then_some(APPLY_RETRY);
+    Ok(match secret_retry.into_iter().chain(apply_retry).min() {
+        Some(wait) => Action::requeue(wait),
+        None if verdict.allowed() => Action::requeue(RESYNC),
+        None => Action::await_change(),
     })
 }
 

@@ -539,14 +539,23 @@ fn what_a_quota_forbids_is_told_in_events_and_status_and_made_once_it_is_lifted(
         "{ready}"
     );
     assert!(get_json("deployment", &ns, "llama-8b-prefill").is_none());
-    // Lifted: the Secret comes at its next try (every 30 s while refused, whatever reconciled
-    // the pair since), the pools at the next reconcile (a touch brings it now).
+    // Secrets allowed: the Secret comes at its next try (every 30 s while refused, whatever
+    // reconciled the pair since), with nothing changed in the PDPair.
+    let deployments_only = quota.replace(r#", "secrets": "0""#, "");
+    assert_ne!(deployments_only, quota);
+    kubectl_ok(&["apply", "-f", "-"], Some(&deployments_only));
+    eventually(Duration::from_secs(90), "the pairing Secret", || {
+        get_json("secret", &ns, "llama-8b-pairing")
+    });
+    assert!(get_json("deployment", &ns, "llama-8b-prefill").is_none());
+    // Lifted: the pools come at their next try (every 30 s while refused; the resync is 5
+    // minutes), with nothing changed in the PDPair.
     kubectl_ok(&["delete", "resourcequota", "none", "-n", &ns], None);
-    kubectl_ok(
-        &["annotate", "pdpair", "llama-8b", "-n", &ns, "touch=5", "--overwrite"],
-        None,
-    );
-    both_deployments(&ns);
+    eventually(Duration::from_secs(90), "both Deployments", || {
+        (get_json("deployment", &ns, "llama-8b-prefill").is_some()
+            && get_json("deployment", &ns, "llama-8b-decode").is_some())
+        .then_some(())
+    });
     eventually(WAIT, "PoolsApplied True", || {
         condition("PoolsApplied").filter(|c| c["status"] == "True")
     });
