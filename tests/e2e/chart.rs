@@ -242,6 +242,7 @@ fn default_values_render_a_least_privilege_hardened_install() {
         serde_yaml::from_str::<serde_yaml::Value>("[IPC_LOCK]").expect("yaml")
     );
     assert!(find(&objs, "ServiceMonitor", "").is_none());
+    assert!(spec["priorityClassName"].is_null(), "none by default");
 }
 
 fn openssl_text(pem: &[u8]) -> String {
@@ -289,10 +290,12 @@ fn non_default_values_change_what_they_should() {
         "agent.sideChannelPorts=40000-40999",
         "agent.ucx.tls=rc\\,sm",
         "agent.ucx.netDevices=mlx5_0:1",
+        "agent.priorityClassName=system-node-critical",
     ])
     .expect("renders");
     let spec = &get(&objs, "DaemonSet", "agent")["spec"]["template"]["spec"];
     assert_eq!(spec["hostNetwork"], true);
+    assert_eq!(spec["priorityClassName"], "system-node-critical");
     let args: Vec<&str> = spec["containers"][0]["args"]
         .as_sequence()
         .expect("args")
@@ -495,6 +498,7 @@ fn bad_values_fail_with_the_path_and_the_value() {
         ("agent.sideChannelPorts=40000-65536", "/agent/sideChannelPorts"),
         ("operator.leaseDuration=soon", "/operator/leaseDuration"),
         ("agent.socketDir=/", "/agent/socketDir"),
+        ("agent.priorityClassName=Node_Critical", "/agent/priorityClassName"),
         ("agent.socketDir=/var/run/../run", "/agent/socketDir"),
         ("agent.poolDir=/dev/shm/", "/agent/poolDir"),
         (
