@@ -90,26 +90,29 @@ pub enum Error {
 }
 
 impl Error {
-    /// Whether the API server refused the request for what it holds ([`refused`]).
-    fn refused(&self) -> bool {
+    /// The API call that failed, where one did.
+    fn api_source(&self) -> Option<&kube::Error> {
         match self {
+            Error::MissingMeta | Error::Random(_) => None,
             Error::ApplyDeployment { source, .. }
             | Error::PruneDeployment { source, .. }
             | Error::EnsureSecret { source, .. }
-            | Error::PatchStatus { source, .. } => matches!(source, kube::Error::Api(s) if refused(s)),
-            Error::MissingMeta | Error::Random(_) => false,
+            | Error::PatchStatus { source, .. } => Some(source),
         }
+    }
+
+    /// Whether the API server refused the request for what it holds ([`refused`]).
+    fn refused(&self) -> bool {
+        matches!(self.api_source(), Some(kube::Error::Api(s)) if refused(s))
     }
 
     /// A bounded label for metrics and the retry decision.
     pub fn category(&self) -> &'static str {
-        let source = match self {
-            Error::MissingMeta => return "invalid",
-            Error::Random(_) => return "internal",
-            Error::ApplyDeployment { source, .. }
-            | Error::PruneDeployment { source, .. }
-            | Error::EnsureSecret { source, .. }
-            | Error::PatchStatus { source, .. } => source,
+        let Some(source) = self.api_source() else {
+            return match self {
+                Error::MissingMeta => "invalid",
+                _ => "internal",
+            };
         };
         match source {
             kube::Error::Api(s) if s.code == 409 => "conflict",
@@ -356,9 +359,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             if let Some(existing) = existing
                 && !controlled_by(&existing.metadata, &uid)
             {
-                apply_refused = Some(format!(
-                    "neither pool's Deployment was applied: Deployment {dname} exists and is not this PDPair's (it has no controller reference to it); remove it, or rename the PDPair"
-                ));
+                apply_refused = Some(not_ours(dname));
                 break;
             }
             let params = PatchParams::apply(MANAGER).force().dry_run();
@@ -388,9 +389,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             .iter()
             .find(|(_, dname, d)| d.is_some() && seen(dname).is_some_and(|s| !controlled_by(&s.metadata, &uid)))
     {
-        apply_refused = Some(format!(
-            "neither pool's Deployment was applied: Deployment {dname} exists and is not this PDPair's (it has no controller reference to it); remove it, or rename the PDPair"
-        ));
+        apply_refused = Some(not_ours(dname));
     }
     for (role, dname, d) in &planned {
         if apply_refused.is_some() {
@@ -524,11 +523,11 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     let secret_retry = ctx
         .remembered
         .recall(&uid, |m| m.secret_refused.as_ref().and(m.secret))
-        .filter(|_| verdict.allowed());
-    let secret_retry = secret_retry.map(|next| {
-        next.saturating_duration_since(Instant::now())
-            .max(Duration::from_secs(1))
-    });
+        .filter(|_| verdict.allowed())
+        .map(|next| {
+            next.saturating_duration_since(Instant::now())
+                .max(Duration::from_secs(1))
+        });
     // A refused apply is tried again in [`APPLY_RETRY`] (a quota raised, a policy changed, an
     // RBAC rule restored during an upgrade), not at the resync.
     let apply_retry = (apply_refused.is_some() && verdict.allowed()).then_some(APPLY_RETRY);
@@ -546,6 +545,13 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
 /// trouble (5xx).
 fn refused(s: &kube::core::Status) -> bool {
     (400..500).contains(&s.code) && ![401, 408, 409, 429].contains(&s.code)
+}
+
+/// Why neither pool was applied when Deployment `dname` is not this PDPair's.
+fn not_ours(dname: &str) -> String {
+    format!(
+        "neither pool's Deployment was applied: Deployment {dname} exists and is not this PDPair's (it has no controller reference to it); remove it, or rename the PDPair"
+    )
 }
 
 /// Whether the PDPair `owner_uid` is the controller of an object.
