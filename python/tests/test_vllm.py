@@ -58,6 +58,19 @@ def decode_receives(p: Engine, d: Engine, request: str, prompt, params):
     return seen["seeds"]
 
 
+def receive_after_a_local_prefix(p: Engine, d: Engine, shared, tail):
+    """D computes ``shared`` for a request of its own, then takes ``shared + tail`` from P; D's
+    KV seeds per position when it arrived, after decode finished and P freed the blocks."""
+    d.add("local", shared + [1, 2, 3], max_tokens=1)
+    d.run_until(lambda: "local" in d.outputs, what="the local request")
+    prompt = shared + tail
+    seeds = decode_receives(p, d, "req", prompt, prefill(p, "req", prompt))
+    d.run_until(lambda: "req" in d.outputs, what="decode finished")
+    both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
+    assert p.outcome("req") == "RequestDone"
+    return seeds
+
+
 @pytest.fixture
 def pair(world):
     engines = []
@@ -139,17 +152,10 @@ def test_a_prefix_hit_on_decode_receives_only_the_missing_tail(world, mode, p_bl
     p = Engine(world, pa, "prefill", seed=P_SEED, mode=mode, block_size=p_block)
     d = Engine(world, da, "decode", seed=D_SEED, mode=mode, block_size=d_block)
     try:
-        shared = list(range(500, 532))  # 32 tokens D computed itself for an earlier request
-        d.add("local", shared + [1, 2, 3], max_tokens=1)
-        d.run_until(lambda: "local" in d.outputs, what="the local request")
-        prompt = shared + list(range(600, 618))  # 50 tokens
-        params = prefill(p, "req", prompt)
-        seeds = decode_receives(p, d, "req", prompt, params)
+        # 32 tokens D computed itself for an earlier request, then 50 with them as a prefix:
         # vLLM's own prefix cache gave D the first 32; only 32.. came from P.
+        seeds = receive_after_a_local_prefix(p, d, list(range(500, 532)), list(range(600, 618)))
         assert seeds == [D_SEED] * 32 + [P_SEED] * 18, seeds
-        d.run_until(lambda: "req" in d.outputs, what="decode finished")
-        both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
-        assert p.outcome("req") == "RequestDone"
     finally:
         p.close()
         d.close()
@@ -166,16 +172,10 @@ def test_kv_caches_of_smaller_kernel_blocks_than_vllms_move_the_right_blocks(pai
     p, d = pair(mode=mode, layout=layout, block_size=32, kernel_block_size=16)
     kv = d.workers[0].registration["kv"]
     assert (kv["blockSize"], kv["kernelBlockSize"]) == (32, 16), kv
-    shared = list(range(2000, 2032))  # one block D computed itself for an earlier request
-    d.add("local", shared + [1, 2, 3], max_tokens=1)
-    d.run_until(lambda: "local" in d.outputs, what="the local request")
-    prompt = shared + list(range(2100, 2150))  # 82 tokens: 2 full blocks and a partial one
-    params = prefill(p, "req", prompt)
-    seeds = decode_receives(p, d, "req", prompt, params)
+    # One block D computed itself for an earlier request, then 82 tokens: 2 full blocks and a
+    # partial one.
+    seeds = receive_after_a_local_prefix(p, d, list(range(2000, 2032)), list(range(2100, 2150)))
     assert seeds == [D_SEED] * 32 + [P_SEED] * 50, seeds
-    d.run_until(lambda: "req" in d.outputs, what="decode finished")
-    both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
-    assert p.outcome("req") == "RequestDone"
 
 
 def test_a_full_hit_on_decode_releases_prefill_without_a_failure(pair):

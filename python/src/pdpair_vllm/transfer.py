@@ -18,7 +18,7 @@ The flow (docs/vllm.md):
   reports the request's blocks as load errors, so the engine recomputes them or fails the request.
 - An abort on D while the KV is on its way keeps the request's blocks until the agent answers
   ``Cancel``: after that answer nothing writes into the pool blocks that vLLM reuses. Who holds
-  them depends on the vLLM (:data:`Plan.vllm_holds`): one that holds an aborted request waiting
+  them depends on the vLLM (``vllm_holds`` of :class:`SchedulerState` and :class:`WorkerState`): one that holds an aborted request waiting
   for remote KV itself (vLLM PR 32255, early 2026; 0.33 does) frees its blocks once every rank
   reports it received, which a rank does when the cancel is answered, or did already; an older
   one frees them when the connector, which then holds them (``delay_free``), reports them sent.
@@ -339,11 +339,12 @@ class SchedulerState:
             self.receiving.pop(request)
             return False, None
         if request in self.receiving:
-            # D: aborted while its KV is on its way (WAITING_FOR_REMOTE_KVS): vLLM holds the
-            # blocks itself until the workers report the request received, which each rank does
-            # once: when the agent answers the Cancel, or already (its KV landed in the step the
-            # abort came in). Holding them here too would ask for a send's end as well, which
-            # vLLM takes for a request it may have freed already (and asserts on).
+            # D: aborted while its KV is on its way (WAITING_FOR_REMOTE_KVS). Where vLLM holds
+            # the blocks itself until the workers report the request received (each rank once:
+            # when the agent answers the Cancel, or already, its KV landed in the step the abort
+            # came in), holding them here too would ask for a send's end as well, which vLLM
+            # takes for a request it may have freed already (and asserts on). An older vLLM
+            # frees them at once: the connector holds them until the workers report them sent.
             self.receiving.pop(request)
             self._plan.cancels.append(request)
             return not self.vllm_holds, None
