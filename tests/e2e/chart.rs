@@ -279,6 +279,7 @@ fn non_default_values_change_what_they_should() {
     assert!(find(&objs, "PodDisruptionBudget", "operator").is_none());
     assert_eq!(get(&objs, "Deployment", "operator")["spec"]["replicas"], 3);
     assert!(find(&objs, "ServiceMonitor", "rel-pdpair").is_some());
+    assert!(find(&objs, "PodMonitor", "").is_none(), "no agents, no agent monitor");
     let dash = get(&objs, "ConfigMap", "dashboard");
     let json: serde_json::Value =
         serde_json::from_str(dash["data"]["pdpair.json"].as_str().expect("json")).expect("dashboard is JSON");
@@ -379,6 +380,36 @@ fn non_default_values_change_what_they_should() {
             .iter()
             .any(|a| a.starts_with("--agent-socket-group")),
         "no socket group, nothing for the operator to add"
+    );
+}
+
+#[test]
+fn a_pod_monitor_scrapes_every_agent_pod_for_the_dashboards_agent_panels() {
+    let objs = render(&[
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.serviceMonitor.labels.team=ml",
+    ])
+    .expect("renders");
+    let agents = &get(&objs, "DaemonSet", "agent")["spec"]["template"];
+    let monitor = get(&objs, "PodMonitor", "agent");
+    assert_eq!(monitor["metadata"]["labels"]["team"], "ml");
+    let selector = monitor["spec"]["selector"]["matchLabels"]
+        .as_mapping()
+        .expect("matchLabels");
+    assert!(!selector.is_empty());
+    for (k, v) in selector {
+        assert_eq!(&agents["metadata"]["labels"][k], v, "the agent Pods carry {k:?}");
+    }
+    let endpoint = &monitor["spec"]["podMetricsEndpoints"][0];
+    assert_eq!(endpoint["path"], "/metrics");
+    let port = endpoint["port"].as_str().expect("a named port");
+    assert!(
+        agents["spec"]["containers"][0]["ports"]
+            .as_sequence()
+            .expect("ports")
+            .iter()
+            .any(|p| p["name"] == port),
+        "the agent declares port {port}"
     );
 }
 
