@@ -175,11 +175,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         condition(&pair_json, "TransferPath").map(|c| c.1).as_deref(),
         Some("PathNotAllowed")
     );
-    let warning = eventually(WAIT, "the PathNotAllowed Warning Event", || {
-        events_about(&ns, "vllm-push-64-64")
-            .into_iter()
-            .find(|e| e["type"] == "Warning" && e["reason"] == "PathNotAllowed")
-    });
+    let warning = event_with_reason(WAIT, &ns, "vllm-push-64-64", "PathNotAllowed", Some("Warning"));
     let message = warning["message"].as_str().unwrap_or_default();
     assert!(
         message.contains("requirePath [Rdma, SharedMemory]")

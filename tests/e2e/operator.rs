@@ -13,6 +13,35 @@ use pdpair_e2e::*;
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// Applies examples/compatible-push.yaml (the pair `llama-8b`) in `ns`.
+fn apply_compatible(ns: &str) {
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", ns, |_| {})),
+    );
+}
+
+/// The condition `type_` of the pair `llama-8b` in `ns`.
+fn pair_condition(ns: &str, type_: &str) -> Option<serde_json::Value> {
+    condition_of(&get_json("pdpair", ns, "llama-8b")?, type_)
+}
+
+/// Annotates the pair `llama-8b` (`touch=n`), which has the operator reconcile it.
+fn touch(ns: &str, n: u32) {
+    kubectl_ok(
+        &[
+            "annotate",
+            "pdpair",
+            "llama-8b",
+            "-n",
+            ns,
+            &format!("touch={n}"),
+            "--overwrite",
+        ],
+        None,
+    );
+}
+
 fn operator() -> &'static Operator {
     static OP: OnceLock<Operator> = OnceLock::new();
     OP.get_or_init(|| Operator::start("shared"))
@@ -34,11 +63,7 @@ fn push_16_64_is_rejected_by_kubectl_apply_with_an_event_and_nothing_stored() {
             out.stderr
         );
     }
-    let event = eventually(WAIT, "the Rejected event", || {
-        events_about(&ns, "vllm-push-16-64")
-            .into_iter()
-            .find(|e| e["reason"] == "Rejected")
-    });
+    let event = event_with_reason(WAIT, &ns, "vllm-push-16-64", "Rejected", None);
     assert_eq!(event["type"], "Warning");
     assert_eq!(event["involvedObject"]["kind"], "PDPair");
     let message = event["message"].as_str().unwrap_or("");
@@ -56,10 +81,7 @@ fn push_16_64_is_rejected_by_kubectl_apply_with_an_event_and_nothing_stored() {
 async fn compatible_pair_gets_children_and_turns_ready_when_pods_are_ready() {
     operator();
     let ns = namespace("ready");
-    kubectl_ok(
-        &["apply", "-f", "-"],
-        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
-    );
+    apply_compatible(&ns);
     let pair = get_json("pdpair", &ns, "llama-8b").expect("stored");
     let uid = pair["metadata"]["uid"].as_str().expect("uid").to_owned();
     for (role, replicas) in [("prefill", 2), ("decode", 4)] {
@@ -161,10 +183,7 @@ async fn pods_of_an_earlier_geometry_do_not_keep_a_rolling_pool_ready() {
     // pools on the old geometry (one pool rolled, the other not: the mismatch pdpair prevents).
     operator();
     let ns = namespace("rolling");
-    kubectl_ok(
-        &["apply", "-f", "-"],
-        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
-    );
+    apply_compatible(&ns);
     let pods: Api<Pod> = Api::namespaced(client().await, &ns);
     let ready =
         serde_json::json!({"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}});
@@ -205,9 +224,8 @@ async fn pods_of_an_earlier_geometry_do_not_keep_a_rolling_pool_ready() {
         (pods.len() == 6).then_some(pods)
     });
     mark_ready(first.iter().map(|p| p.0.clone()).collect()).await;
-    let condition = |type_: &str| condition_of(&get_json("pdpair", &ns, "llama-8b")?, type_);
     eventually(WAIT, "Ready True", || {
-        condition("Ready").filter(|c| c["status"] == "True")
+        pair_condition(&ns, "Ready").filter(|c| c["status"] == "True")
     });
     // Another geometry for both pools (the checksum policy is part of it).
     kubectl_ok(
@@ -217,16 +235,16 @@ async fn pods_of_an_earlier_geometry_do_not_keep_a_rolling_pool_ready() {
         })),
     );
     let prefill = eventually(WAIT, "PrefillReady False while the pool rolls", || {
-        condition("PrefillReady").filter(|c| c["status"] == "False")
+        pair_condition(&ns, "PrefillReady").filter(|c| c["status"] == "False")
     });
     let message = prefill["message"].as_str().unwrap_or_default();
     assert!(message.contains("of an earlier geometry"), "{prefill}");
-    let ready_now = condition("Ready").expect("Ready");
+    let ready_now = pair_condition(&ns, "Ready").expect("Ready");
     assert_eq!(ready_now["status"], "False", "{ready_now}");
     // The new pods come Ready (and the rollout replaces the old ones): Ready again.
     let old: Vec<Option<String>> = first.iter().map(|p| p.1.clone()).collect();
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while condition("Ready").is_none_or(|c| c["status"] != "True") {
+    while pair_condition(&ns, "Ready").is_none_or(|c| c["status"] != "True") {
         assert!(
             std::time::Instant::now() < deadline,
             "Ready True on the new geometry: {:?}",
@@ -267,10 +285,7 @@ fn update_to_incompatible_geometry_is_rejected_and_the_stored_object_is_unchange
 fn deleting_the_pair_garbage_collects_its_children() {
     operator();
     let ns = namespace("gc");
-    kubectl_ok(
-        &["apply", "-f", "-"],
-        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
-    );
+    apply_compatible(&ns);
     both_deployments(&ns);
     eventually(WAIT, "the Secret", || get_json("secret", &ns, "llama-8b-pairing"));
     kubectl_ok(&["delete", "pdpair", "llama-8b", "-n", &ns, "--wait=false"], None);
@@ -296,10 +311,7 @@ fn deleting_the_pair_garbage_collects_its_children() {
 fn a_removed_template_prunes_its_deployment_and_only_ours() {
     operator();
     let ns = namespace("prune");
-    kubectl_ok(
-        &["apply", "-f", "-"],
-        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
-    );
+    apply_compatible(&ns);
     both_deployments(&ns);
     // Decode becomes a bring-your-own pool: its Deployment goes (with an Event), prefill's stays.
     kubectl_ok(
@@ -318,11 +330,7 @@ fn a_removed_template_prunes_its_deployment_and_only_ours() {
     eventually(WAIT, "the decode Deployment pruned", || {
         get_json("deployment", &ns, "llama-8b-decode").is_none().then_some(())
     });
-    let event = eventually(WAIT, "the Pruned event", || {
-        events_about(&ns, "llama-8b")
-            .into_iter()
-            .find(|e| e["reason"] == "Pruned")
-    });
+    let event = event_with_reason(WAIT, &ns, "llama-8b", "Pruned", None);
     assert!(
         event["note"]
             .as_str()
@@ -339,10 +347,7 @@ fn a_removed_template_prunes_its_deployment_and_only_ours() {
         &["create", "deployment", "llama-8b-decode", "--image=byo:1", "-n", &ns],
         None,
     );
-    kubectl_ok(
-        &["annotate", "pdpair", "llama-8b", "-n", &ns, "touch=1", "--overwrite"],
-        None,
-    );
+    touch(&ns, 1);
     eventually(WAIT, "a reconcile after the annotation", || {
         let p = get_json("pdpair", &ns, "llama-8b")?;
         (p["status"]["observedGeneration"].is_number()).then_some(())
@@ -360,10 +365,7 @@ fn a_pool_the_api_server_refuses_leaves_both_pools_as_they_were_and_says_why() {
     // and status must say why instead of keeping the old Ready.
     operator();
     let ns = namespace("refused");
-    kubectl_ok(
-        &["apply", "-f", "-"],
-        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
-    );
+    apply_compatible(&ns);
     both_deployments(&ns);
     let image = |role: &str| {
         get_json("deployment", &ns, &format!("llama-8b-{role}")).map(|d| {
@@ -383,9 +385,8 @@ fn a_pool_the_api_server_refuses_leaves_both_pools_as_they_were_and_says_why() {
         })
     };
     kubectl_ok(&["apply", "-f", "-"], Some(&edit(70000)));
-    let condition = |type_: &str| condition_of(&get_json("pdpair", &ns, "llama-8b")?, type_);
     let applied = eventually(WAIT, "PoolsApplied False", || {
-        condition("PoolsApplied").filter(|c| c["status"] == "False")
+        pair_condition(&ns, "PoolsApplied").filter(|c| c["status"] == "False")
     });
     assert_eq!(applied["reason"], "ApplyFailed", "{applied}");
     let message = applied["message"].as_str().unwrap_or_default();
@@ -393,17 +394,13 @@ fn a_pool_the_api_server_refuses_leaves_both_pools_as_they_were_and_says_why() {
         message.contains("llama-8b-decode") && message.contains("70000"),
         "{message}"
     );
-    let ready = condition("Ready").expect("Ready");
+    let ready = pair_condition(&ns, "Ready").expect("Ready");
     assert_eq!(
         (&ready["status"], &ready["reason"]),
         (&"False".into(), &"ApplyFailed".into()),
         "{ready}"
     );
-    eventually(WAIT, "a Warning Event for it", || {
-        events_about(&ns, "llama-8b")
-            .into_iter()
-            .find(|e| e["reason"] == "ApplyFailed" && e["type"] == "Warning")
-    });
+    event_with_reason(WAIT, &ns, "llama-8b", "ApplyFailed", Some("Warning"));
     assert_eq!(
         image("prefill").as_deref(),
         Some("vllm/vllm-openai:v0.11.0"),
@@ -412,7 +409,7 @@ fn a_pool_the_api_server_refuses_leaves_both_pools_as_they_were_and_says_why() {
     // Put right, both roll.
     kubectl_ok(&["apply", "-f", "-"], Some(&edit(8000)));
     eventually(WAIT, "PoolsApplied True", || {
-        condition("PoolsApplied").filter(|c| c["status"] == "True")
+        pair_condition(&ns, "PoolsApplied").filter(|c| c["status"] == "True")
     });
     for role in ["prefill", "decode"] {
         assert_eq!(image(role).as_deref(), Some("vllm/vllm-openai:v0.12.0"), "{role}");
@@ -437,10 +434,7 @@ fn a_deployment_of_the_name_someone_else_made_is_not_taken_over() {
                 "spec": {{"containers": [{{"name": "vllm", "image": "byo:1"}}]}}}}}}}}"#
     );
     kubectl_ok(&["apply", "-f", "-"], Some(&byo));
-    kubectl_ok(
-        &["apply", "-f", "-"],
-        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
-    );
+    apply_compatible(&ns);
     let applied = eventually(WAIT, "PoolsApplied False", || {
         condition_of(&get_json("pdpair", &ns, "llama-8b")?, "PoolsApplied").filter(|c| c["status"] == "False")
     });
@@ -458,10 +452,7 @@ fn a_deployment_of_the_name_someone_else_made_is_not_taken_over() {
     );
     // Theirs goes: the pair's pools are made (at the next reconcile; a touch brings it now).
     kubectl_ok(&["delete", "deployment", "llama-8b-decode", "-n", &ns], None);
-    kubectl_ok(
-        &["annotate", "pdpair", "llama-8b", "-n", &ns, "touch=1", "--overwrite"],
-        None,
-    );
+    touch(&ns, 1);
     both_deployments(&ns);
     let ours = get_json("deployment", &ns, "llama-8b-decode").expect("ours");
     assert_eq!(ours["metadata"]["ownerReferences"][0]["kind"], "PDPair", "{ours}");
@@ -487,15 +478,8 @@ fn what_a_quota_forbids_is_told_in_events_and_status_and_made_once_it_is_lifted(
             .is_object()
             .then_some(())
     });
-    kubectl_ok(
-        &["apply", "-f", "-"],
-        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
-    );
-    let refused = eventually(WAIT, "a SecretRefused Warning Event", || {
-        events_about(&ns, "llama-8b")
-            .into_iter()
-            .find(|e| e["reason"] == "SecretRefused" && e["type"] == "Warning")
-    });
+    apply_compatible(&ns);
+    let refused = event_with_reason(WAIT, &ns, "llama-8b", "SecretRefused", Some("Warning"));
     let message = refused["message"].as_str().unwrap_or_default();
     assert!(
         message.contains("llama-8b-pairing") && message.contains("exceeded quota"),
@@ -503,19 +487,8 @@ fn what_a_quota_forbids_is_told_in_events_and_status_and_made_once_it_is_lifted(
     );
     // Told once, not at every reconcile (each PDEndpoint heartbeat reconciles the pair; a full
     // quota refuses the create of a Secret that exists, too).
-    for touch in 1..=4 {
-        kubectl_ok(
-            &[
-                "annotate",
-                "pdpair",
-                "llama-8b",
-                "-n",
-                &ns,
-                &format!("touch={touch}"),
-                "--overwrite",
-            ],
-            None,
-        );
+    for n in 1..=4 {
+        touch(&ns, n);
         std::thread::sleep(Duration::from_millis(500));
     }
     let told = events_about(&ns, "llama-8b")
@@ -523,16 +496,15 @@ fn what_a_quota_forbids_is_told_in_events_and_status_and_made_once_it_is_lifted(
         .filter(|e| e["reason"] == "SecretRefused")
         .count();
     assert_eq!(told, 1, "{:#?}", events_about(&ns, "llama-8b"));
-    let condition = |type_: &str| condition_of(&get_json("pdpair", &ns, "llama-8b")?, type_);
     let applied = eventually(WAIT, "PoolsApplied False", || {
-        condition("PoolsApplied").filter(|c| c["status"] == "False")
+        pair_condition(&ns, "PoolsApplied").filter(|c| c["status"] == "False")
     });
     let message = applied["message"].as_str().unwrap_or_default();
     assert!(
         message.contains("Deployment llama-8b-") && message.contains("exceeded quota"),
         "{applied}"
     );
-    let ready = condition("Ready").expect("Ready");
+    let ready = pair_condition(&ns, "Ready").expect("Ready");
     assert_eq!(
         (&ready["status"], &ready["reason"]),
         (&"False".into(), &"ApplyFailed".into()),
@@ -557,7 +529,7 @@ fn what_a_quota_forbids_is_told_in_events_and_status_and_made_once_it_is_lifted(
         .then_some(())
     });
     eventually(WAIT, "PoolsApplied True", || {
-        condition("PoolsApplied").filter(|c| c["status"] == "True")
+        pair_condition(&ns, "PoolsApplied").filter(|c| c["status"] == "True")
     });
     eventually(WAIT, "the pairing Secret", || {
         get_json("secret", &ns, "llama-8b-pairing")
@@ -571,14 +543,10 @@ fn a_deployment_that_stopped_being_the_pairs_is_not_taken_back() {
     // under the name after ours went) was force-applied, our template merged into it.
     operator();
     let ns = namespace("orphaned");
-    kubectl_ok(
-        &["apply", "-f", "-"],
-        Some(&manifest("compatible-push.yaml", &ns, |_| {})),
-    );
+    apply_compatible(&ns);
     both_deployments(&ns);
-    let condition = |type_: &str| condition_of(&get_json("pdpair", &ns, "llama-8b")?, type_);
     eventually(WAIT, "PoolsApplied True", || {
-        condition("PoolsApplied").filter(|c| c["status"] == "True")
+        pair_condition(&ns, "PoolsApplied").filter(|c| c["status"] == "True")
     });
     let orphan = r#"[{"op": "remove", "path": "/metadata/ownerReferences"}]"#;
     kubectl_ok(
@@ -595,12 +563,9 @@ fn a_deployment_that_stopped_being_the_pairs_is_not_taken_back() {
         ],
         None,
     );
-    kubectl_ok(
-        &["annotate", "pdpair", "llama-8b", "-n", &ns, "touch=1", "--overwrite"],
-        None,
-    );
+    touch(&ns, 1);
     let applied = eventually(WAIT, "PoolsApplied False", || {
-        condition("PoolsApplied").filter(|c| c["status"] == "False")
+        pair_condition(&ns, "PoolsApplied").filter(|c| c["status"] == "False")
     });
     let message = applied["message"].as_str().unwrap_or_default();
     assert!(
@@ -650,11 +615,13 @@ async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
         (status == "False").then_some(reason)
     });
     assert_eq!(reason, "ObservedGeometryMismatch");
-    let warning = eventually(WAIT, "the Warning event", || {
-        events_about(&ns, "vllm-push-64-64")
-            .into_iter()
-            .find(|e| e["type"] == "Warning" && e["reason"] == "ObservedGeometryMismatch")
-    });
+    let warning = event_with_reason(
+        WAIT,
+        &ns,
+        "vllm-push-64-64",
+        "ObservedGeometryMismatch",
+        Some("Warning"),
+    );
     assert!(
         warning["message"]
             .as_str()
@@ -744,11 +711,7 @@ fn a_review_without_the_api_servers_client_certificate_gets_no_answer_and_record
     // The same review with the API server's certificate is answered, and its Event recorded.
     let (code, body) = post_webhook(op.webhook_port, &review_of("vllm-push-16-64.yaml", &ns, "certified"));
     assert!(code == 200 && body.contains("\"allowed\":false"), "{code}: {body}");
-    eventually(WAIT, "the certified review's Rejected event", || {
-        events_about(&ns, "certified")
-            .into_iter()
-            .find(|e| e["reason"] == "Rejected")
-    });
+    event_with_reason(WAIT, &ns, "certified", "Rejected", None);
     assert!(
         events_about(&ns, "forged").is_empty(),
         "the forged review recorded an Event"

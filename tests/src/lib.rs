@@ -171,6 +171,22 @@ pub fn events_about(ns: &str, name: &str) -> Vec<serde_json::Value> {
     v["items"].as_array().cloned().unwrap_or_default()
 }
 
+/// Waits up to `wait` for an Event with `reason` about `name` and returns it; with
+/// `Some(type_)`, the Event must be of that type (`Warning`, `Normal`).
+pub fn event_with_reason(
+    wait: std::time::Duration,
+    ns: &str,
+    name: &str,
+    reason: &str,
+    type_: Option<&str>,
+) -> serde_json::Value {
+    eventually(wait, &format!("the {reason} Event about {name}"), || {
+        events_about(ns, name)
+            .into_iter()
+            .find(|e| e["reason"] == reason && type_.is_none_or(|t| e["type"] == t))
+    })
+}
+
 /// A free port below the ephemeral range: a port the kernel hands out for outgoing connections
 /// (the API server makes many) could be taken between our check and the operator's bind.
 fn free_port() -> u16 {
