@@ -124,9 +124,10 @@ pub struct RunArgs {
     #[arg(long = "stream-lanes", default_value_t = crate::transport::stream::DEFAULT_LANES,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=8))]
     pub stream_lanes: usize,
-    /// Plain-HTTP address for /metrics and /healthz.
+    /// Plain-HTTP address for /metrics, /livez and /readyz: HOST:PORT, or :PORT for every address
+    /// (IPv6 and IPv4).
     #[arg(long = "admin-bind")]
-    pub admin_bind: Option<std::net::SocketAddr>,
+    pub admin_bind: Option<pdpair_api::ListenAddr>,
     /// Fault injection for tests: flip one byte of one block in flight per request.
     #[arg(long = "corrupt-one-byte", hide = true)]
     pub corrupt_one_byte: bool,
@@ -353,7 +354,7 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
     let agent =
         crate::agent::Agent::start(cfg, metrics.clone()).map_err(|e| UsageError(format!("starting UCX: {e}")))?;
     if let Some(addr) = args.admin_bind {
-        let listener = std::net::TcpListener::bind(addr).map_err(|e| UsageError(format!("binding {addr}: {e}")))?;
+        let listener = addr.bind().map_err(|e| UsageError(format!("binding {addr}: {e}")))?;
         let a = agent.clone();
         std::thread::spawn(move || crate::admin::serve(listener, metrics, a));
     }

@@ -1,12 +1,13 @@
 //! pdpair-api: the `PDPair` custom resource, KV geometry, and the compatibility rule table.
 //!
-//! Pure: no I/O and no async. The operator's admission webhook, its controller and the node
+//! Pure but for [`ListenAddr::bind`]: no other I/O and no async. The operator's admission webhook, its controller and the node
 //! agent's handshake all call [`check`] (or [`check_pools`]), so a pair admitted on paper is a
 //! pair the agents accept at run time.
 
 pub mod checksum;
 mod duration;
 mod endpoint;
+mod listen;
 mod path;
 pub mod rules;
 mod schema;
@@ -14,6 +15,7 @@ mod types;
 
 pub use duration::{DURATION_PATTERN, Duration, DurationError};
 pub use endpoint::*;
+pub use listen::ListenAddr;
 pub use path::{Backend, PathKind, TransferPath};
 pub use rules::{Reason, Verdict, Violation, check, check_pools};
 pub use types::*;

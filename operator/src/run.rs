@@ -1,7 +1,7 @@
 //! `pdpair-operator run`: the webhook on every replica, the controller on the Lease holder, and
 //! the admin port. This module only wires the parts together.
 
-use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context as _;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -9,6 +9,7 @@ use kube::{
     Api, Client, Config,
     config::{KubeConfigOptions, Kubeconfig},
 };
+use pdpair_api::ListenAddr;
 use tokio::{net::TcpListener, sync::watch};
 
 use crate::{
@@ -37,16 +38,17 @@ pub struct RunOptions {
     /// Kubeconfig to use (local mode); in a cluster the service account is used.
     #[arg(long, value_name = "PATH")]
     pub kubeconfig: Option<PathBuf>,
-    /// Address the HTTPS admission webhook listens on.
-    #[arg(long, default_value = "0.0.0.0:9443", value_name = "ADDR")]
-    pub webhook_bind: SocketAddr,
+    /// Address the HTTPS admission webhook listens on: HOST:PORT, or :PORT for every address
+    /// (IPv6 and IPv4).
+    #[arg(long, default_value = ":9443", value_name = "ADDR")]
+    pub webhook_bind: ListenAddr,
     /// Base URL at which the API server reaches the webhook, e.g. https://127.0.0.1:9443 (local
     /// mode); the operator appends its own paths.
     #[arg(long, value_name = "URL")]
     pub webhook_url: Option<String>,
-    /// Address of the plain-HTTP admin port (/metrics, /livez, /readyz).
-    #[arg(long, default_value = "0.0.0.0:8080", value_name = "ADDR")]
-    pub admin_bind: SocketAddr,
+    /// Address of the plain-HTTP admin port (/metrics, /livez, /readyz): HOST:PORT or :PORT.
+    #[arg(long, default_value = ":8080", value_name = "ADDR")]
+    pub admin_bind: ListenAddr,
     /// Apply the CRDs and a ValidatingWebhookConfiguration pointing at --webhook-url.
     #[arg(long, requires = "webhook_url")]
     pub install: bool,
@@ -252,12 +254,10 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         install::install(&client, &WebhookTarget::Url(url), &ca).await?;
     }
 
-    let webhook_listener = TcpListener::bind(opts.webhook_bind)
-        .await
-        .with_context(|| format!("binding the webhook to {}", opts.webhook_bind))?;
-    let admin_listener = TcpListener::bind(opts.admin_bind)
-        .await
-        .with_context(|| format!("binding the admin port to {}", opts.admin_bind))?;
+    let webhook_listener =
+        listen(opts.webhook_bind).with_context(|| format!("binding the webhook to {}", opts.webhook_bind))?;
+    let admin_listener =
+        listen(opts.admin_bind).with_context(|| format!("binding the admin port to {}", opts.admin_bind))?;
     tracing::info!(webhook = %opts.webhook_bind, admin = %opts.admin_bind, %identity, "serving");
 
     let events = Publisher::new(client.clone(), identity.clone());
@@ -343,6 +343,13 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+/// A tokio listener at `addr`.
+fn listen(addr: ListenAddr) -> std::io::Result<TcpListener> {
+    let listener = addr.bind()?;
+    listener.set_nonblocking(true)?;
+    TcpListener::from_std(listener)
 }
 
 #[cfg(test)]

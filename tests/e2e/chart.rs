@@ -110,6 +110,13 @@ fn default_values_render_a_least_privilege_hardened_install() {
     let c = &op["spec"]["template"]["spec"]["containers"][0];
     assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
     assert_eq!(c["livenessProbe"]["httpGet"]["port"], "admin");
+    // Every address of both families: the Pod IP the kubelet probes and the API server calls is
+    // IPv6 in an IPv6 cluster.
+    let args = operator_args(&objs);
+    assert!(
+        args.contains(&"--webhook-bind=:9443".to_owned()) && args.contains(&"--admin-bind=:8080".to_owned()),
+        "{args:?}"
+    );
     let sc = &c["securityContext"];
     assert_eq!(
         (
@@ -224,6 +231,7 @@ fn default_values_render_a_least_privilege_hardened_install() {
         .collect();
     assert!(
         args.contains(&"--pool-dir=/dev/shm/pdpair")
+            && args.contains(&"--admin-bind=:9090")
             && args.contains(&"--clean-pool-dir")
             && args.contains(&"--stream-lanes=4")
             && !args.iter().any(|a| a.starts_with("--side-channel-ports")),
