@@ -3728,3 +3728,46 @@ fn a_link_that_gave_way_takes_nothing_from_the_new_link_to_the_same_prefill() {
     gave_way.sort();
     assert_eq!(failed, gave_way, "only the requests of the links that gave way failed");
 }
+
+#[test]
+fn a_prefill_named_in_other_spellings_gets_one_link() {
+    // An engine named one prefill as 127.0.0.1:P, [::ffff:127.0.0.1]:P, [::ffff:7f00:1]:P and
+    // 127.0.0.1:0P: each spelling was a link of its own (a dial each, places at the dial gate
+    // as another host, a link each against the engine's bound), and a rejection remembered for
+    // one did not keep the others from dialling. One spelling now: one dial.
+    let _serial = serial();
+    let w = World::new("attack-spellings");
+    let ds = w.agent("d", Transport::Tcp, false);
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    // A prefill that accepts and never answers: every dial waits at its handshake.
+    let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
+    silent.set_nonblocking(true).expect("nonblocking");
+    let port = silent.local_addr().expect("address").port();
+    let spellings = [
+        format!("127.0.0.1:{port}"),
+        format!("[::ffff:127.0.0.1]:{port}"),
+        format!("[::ffff:7f00:1]:{port}"),
+        format!("127.0.0.1:0{port}"),
+    ];
+    d.send(&EngineRequest::ExpectKvFrom {
+        request: "from".into(),
+        prefills: spellings[..2].to_vec(),
+        blocks: vec![1, 2],
+        num_tokens: 100,
+        first_token: 0,
+        prompt: None,
+    })
+    .expect("send");
+    for (i, spelling) in spellings[2..].iter().enumerate() {
+        expect_kv(&mut d, &format!("kv{i}"), spelling.clone(), &[3 + i as u32], 16);
+    }
+    let mut accepted = Vec::new();
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        match silent.accept() {
+            Ok(c) => accepted.push(c),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    assert_eq!(accepted.len(), 1, "dials to one prefill");
+}

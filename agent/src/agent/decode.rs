@@ -43,6 +43,10 @@ impl Engine {
         if !self.role_is(Role::Decode, "Renew", &request) {
             return;
         }
+        // Where no prefill listens, nothing is sent nor dialled.
+        let Ok(prefill) = self.dialable().check(&prefill).map(one_spelling) else {
+            return;
+        };
         let mut peers = lock(&self.peers);
         match peers.get(&prefill) {
             Some(Slot::Connected(link)) => {
@@ -56,7 +60,6 @@ impl Engine {
                 // Best effort: not while the engine's dials are at their bound, nor where no
                 // prefill listens.
                 if self.remembered(&prefill).is_none()
-                    && self.dialable().check(&prefill).is_ok()
                     && dialling(&peers) < super::MAX_DIALS
                     && self.room_for_link(&mut peers).is_ok()
                 {
@@ -311,6 +314,9 @@ impl Engine {
     /// Registers `request` with its prefill engines (or, `release`, tells them decode needs
     /// nothing), connecting to them first when needed.
     fn ask(self: &Arc<Self>, request: String, mut prefills: Vec<String>, want: Want, release: bool) {
+        if let Err(why) = self.dialable_all(&mut prefills) {
+            return self.refuse(request, vec![Reason::InvalidRequest], why);
+        }
         prefills.sort();
         prefills.dedup();
         if prefills.is_empty() || prefills.len() > 1024 {
@@ -320,9 +326,6 @@ impl Engine {
                 vec![Reason::InvalidRequest],
                 format!("prefills names {} addresses; 1..=1024 are accepted", prefills.len()),
             );
-        }
-        if let Err(why) = self.dialable_all(&prefills) {
-            return self.refuse(request, vec![Reason::InvalidRequest], why);
         }
         // Before the checks below that fail (rather than refuse) a request: the first of the name
         // keeps its windows.
@@ -415,7 +418,7 @@ impl Engine {
 
     /// `ExpectKvFromPool`: links to every prefill rank named (in a thread of its own), then
     /// asks the ranks that hold this decode rank's heads.
-    pub(super) fn expect_kv_from_pool(self: &Arc<Self>, request: String, prefill_ranks: Vec<String>, want: Want) {
+    pub(super) fn expect_kv_from_pool(self: &Arc<Self>, request: String, mut prefill_ranks: Vec<String>, want: Want) {
         if !self.accept_request(
             Role::Decode,
             "ExpectKvFromPool",
@@ -435,7 +438,7 @@ impl Engine {
                 ),
             );
         }
-        if let Err(why) = self.dialable_all(&prefill_ranks) {
+        if let Err(why) = self.dialable_all(&mut prefill_ranks) {
             return self.refuse(request, vec![Reason::InvalidRequest], format!("prefill_ranks: {why}"));
         }
         if self.picking.fetch_add(1, Ordering::SeqCst) >= super::MAX_DIALS {
@@ -764,10 +767,13 @@ impl Engine {
         &self.shared.dialable
     }
 
-    /// `Err` naming the first of `addrs` this agent does not dial.
-    fn dialable_all(&self, addrs: &[String]) -> Result<(), String> {
+    /// Rewrites `addrs` in [`one_spelling`]; `Err` naming the first this agent does not dial.
+    fn dialable_all(&self, addrs: &mut [String]) -> Result<(), String> {
         let dialable = self.dialable();
-        addrs.iter().try_for_each(|a| dialable.check(a).map(drop))
+        for a in addrs {
+            *a = one_spelling(dialable.check(a)?);
+        }
+        Ok(())
     }
 
     fn dial(&self, addr: &str) -> Result<(Link, Opener), HandshakeError> {
@@ -1509,4 +1515,13 @@ fn combine<'a>(parts: impl Iterator<Item = Option<&'a BlockSums>>) -> Option<Blo
 /// Prefill agents being dialled now.
 fn dialling(peers: &HashMap<String, Slot>) -> usize {
     peers.values().filter(|s| matches!(s, Slot::Connecting(_))).count()
+}
+
+/// One spelling for each prefill address (an IPv4 address mapped into IPv6 is written as IPv4,
+/// a port without leading zeros), the key of its link, its remembered rejection and its places
+/// at the dial gate: an engine naming one prefill as `10.0.0.7:40000`, `[::ffff:10.0.0.7]:40000`
+/// and `10.0.0.7:040000` got a link for each, and a rejection remembered for one spelling did
+/// not keep the others from dialling again.
+fn one_spelling(addr: std::net::SocketAddr) -> String {
+    std::net::SocketAddr::new(addr.ip().to_canonical(), addr.port()).to_string()
 }
