@@ -209,7 +209,9 @@ pub const MAX_LIVE_REQUESTS: usize = 16384;
 /// Prefill agents' rejections one decode engine remembers at once, at most.
 pub const MAX_REMEMBERED: usize = 4096;
 
-/// See [`MAX_LIVE_REQUESTS`]: 64 MiB of block ids.
+/// See [`MAX_LIVE_REQUESTS`]: 64 MiB of block ids. A decode request's count once per prefill it
+/// names, as each link keeps a copy: an engine naming 1024 prefills for a pool's worth of blocks
+/// made its agent keep 1024 copies.
 pub const MAX_LIVE_BLOCKS: usize = 16 << 20;
 
 /// Whether an engine holding `requests` requests of `blocks` block ids in all may take one more

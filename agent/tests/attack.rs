@@ -3771,3 +3771,52 @@ fn a_prefill_named_in_other_spellings_gets_one_link() {
     }
     assert_eq!(accepted.len(), 1, "dials to one prefill");
 }
+
+#[test]
+fn a_requests_block_ids_count_once_for_each_prefill_it_names() {
+    // Each prefill link of a decode request keeps its own copy of the request's block ids (its
+    // window, its registration): an engine naming 1024 prefills for a pool's worth of blocks
+    // made its agent keep 1024 copies, gigabytes, while the bound counted one. Here 64 prefills
+    // of 262145 blocks (16M + 64 ids in all) are refused before any dial.
+    use pdpair_agent::agent::{MAX_DIALS, MAX_LIVE_BLOCKS};
+    let _serial = serial();
+    let w = World::new("attack-ids-per-link");
+    let ds = w.agent("d", Transport::Tcp, false);
+    let mut g = kv(1, None);
+    (g.layers, g.kv_heads, g.head_dim) = (1, 1, 1);
+    let blocks = MAX_LIVE_BLOCKS / MAX_DIALS + 1;
+    let mut s = spec(Role::Decode, "d0", g, KEY, ChecksumPolicy::Disabled);
+    (s.num_blocks, s.lease_ms, s.handshake_timeout_ms) = (blocks as u32, 60_000, 60_000);
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &s).expect("engine");
+    d.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let silent: Vec<TcpListener> = (0..MAX_DIALS)
+        .map(|_| {
+            let l = TcpListener::bind("127.0.0.1:0").expect("listener");
+            l.set_nonblocking(true).expect("nonblocking");
+            l
+        })
+        .collect();
+    d.send(&EngineRequest::ExpectKvFrom {
+        request: "wide".into(),
+        prefills: silent
+            .iter()
+            .map(|l| l.local_addr().expect("addr").to_string())
+            .collect(),
+        blocks: (0..blocks as u32).collect(),
+        num_tokens: blocks as u64,
+        first_token: 0,
+        prompt: None,
+    })
+    .expect("send");
+    let event = d.next_event().expect("an answer");
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { request, reasons, message }
+            if request == "wide" && reasons == &["Busy".to_owned()]
+                && message.contains(&format!("would pass {MAX_LIVE_BLOCKS}"))),
+        "{event:?}"
+    );
+    assert!(silent.iter().all(|l| l.accept().is_err()), "no prefill was dialled");
+}

@@ -364,9 +364,13 @@ impl Engine {
             // `ExpectKvFromPool` done linking) may have asked for the name since.
             let mut pending = lock(&self.pending);
             let taken = self.taken(&pending, &request);
-            let held = pending.values().map(|p| p.blocks.len()).sum();
+            // Each prefill's link keeps its own copy of a request's block ids (its window, its
+            // registration): counted once per prefill.
+            let held = pending.values().fold(0usize, |n, p| {
+                n.saturating_add(p.blocks.len().saturating_mul(p.prefills.len()))
+            });
             let full = match taken {
-                None => super::live_room(pending.len(), held, want.blocks.len()).err(),
+                None => super::live_room(pending.len(), held, want.blocks.len().saturating_mul(prefills.len())).err(),
                 Some(_) => None,
             };
             if taken.is_none() && full.is_none() {
