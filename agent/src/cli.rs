@@ -145,7 +145,8 @@ pub struct RunArgs {
     #[arg(long = "no-attest")]
     pub no_attest: bool,
     /// Where pools the agent allocates for engines live: a directory on a memory file system
-    /// that the node's engines mount at the same path. Every agent on a host must use the same.
+    /// shared by every agent on the host, which must all use the same (UCX finds a peer's
+    /// segments through it). Engines never see it: they get pools as descriptors.
     #[arg(long = "pool-dir", env = "PDPAIR_POOL_DIR", default_value = "/dev/shm/pdpair")]
     pub pool_dir: std::path::PathBuf,
     /// Decode side: ping each connected prefill agent this often (milliseconds, 1 to 5000); a

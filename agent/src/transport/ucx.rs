@@ -289,8 +289,9 @@ impl Config {
                 ("ALLOC_PRIO", "md:posix".to_owned()),
                 ("DIR", dir.to_string_lossy().into_owned()),
                 // Keep the file's name while it is allocated (not an unlinked file reached
-                // through /proc/<pid>/fd), so the engine can open it. UCX derives a segment's
-                // path from its own setting, so every context on a host needs the same dir.
+                // through /proc/<pid>/fd), so the agent can open it and hand the engine its
+                // descriptor (engines never see the directory). UCX derives a segment's path
+                // from its own setting, so every context on a host needs the same dir.
                 ("USE_PROC_LINK", "n".to_owned()),
             ]);
         }
@@ -336,7 +337,7 @@ pub const MAX_POOL_DIR: usize = 54;
 impl Context {
     /// A context limited to `transport`. With `pool_dir`, memory this context allocates
     /// ([`Context::allocate`]) comes from UCX's POSIX shared-memory allocator as a named file in
-    /// that directory, which an engine on the host can map by path.
+    /// that directory, which the agent opens to hand its engine a descriptor.
     pub fn new(transport: Transport, pool_dir: Option<&std::path::Path>) -> Result<Context, UcxError> {
         if let Some(dir) = pool_dir.filter(|d| transport.may_use_shm() && d.as_os_str().len() > MAX_POOL_DIR) {
             return Err(UcxError {
