@@ -156,10 +156,8 @@ impl Attestor {
         let Some(name) = reg.pod.as_deref().filter(|p| !p.is_empty()) else {
             return Err("engine attestation is on: the registration must name its Pod (pod)".into());
         };
-        let (namespace, pair) = match reg.pdpair.split_once('/') {
-            Some((ns, pair)) => (ns, pair),
-            None => ("default", reg.pdpair.as_str()),
-        };
+        let (namespace, pair) = pdpair_name(&reg.pdpair)?;
+        kubernetes_name("pod", name, 253, true)?;
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
         let found = self
             .runtime
@@ -171,14 +169,14 @@ impl Attestor {
                 "Pod {namespace}/{name} (the registration's pod) does not exist"
             ));
         };
-        check_pod(&pod, &identity, reg.role, pair, &self.node).map(|()| identity)
+        check_pod(&pod, &identity, (namespace, name), reg.role, pair, &self.node).map(|()| identity)
     }
 }
 
 impl Attestor {
     /// The PDPair `namespace/name` (its spec's transfer settings fill and check an engine's).
     pub fn pdpair(&self, pdpair: &str) -> Result<pdpair_api::PDPair, String> {
-        let (namespace, name) = pdpair.split_once('/').unwrap_or(("default", pdpair));
+        let (namespace, name) = pdpair_name(pdpair)?;
         let pairs: Api<pdpair_api::PDPair> = Api::namespaced(self.client.clone(), namespace);
         self.runtime
             .block_on(async { tokio::time::timeout(LOOKUP, pairs.get_opt(name)).await })
@@ -188,15 +186,50 @@ impl Attestor {
     }
 }
 
-/// The checks on the Pod found, pure (for tests).
+/// A registration's `pdpair` (`namespace/name`, or `name` in `default`) as the namespace and
+/// name, each a Kubernetes name: they go into the API server's URLs, where `..` or a `/` could
+/// name another object than the registration does.
+fn pdpair_name(pdpair: &str) -> Result<(&str, &str), String> {
+    let (namespace, name) = pdpair.split_once('/').unwrap_or(("default", pdpair));
+    kubernetes_name("pdpair's namespace", namespace, 63, false)?;
+    kubernetes_name("pdpair's name", name, 253, true)?;
+    Ok((namespace, name))
+}
+
+/// `Err` naming `field` and `value` unless it is a DNS-1123 label (`dots`: subdomain) of at most
+/// `max` bytes, as Kubernetes names its objects.
+fn kubernetes_name(field: &str, value: &str, max: usize, dots: bool) -> Result<(), String> {
+    let ok_char = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || (dots && c == '.');
+    let ends = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    if value.len() <= max && value.chars().all(ok_char) && ends(value.chars().next()) && ends(value.chars().last()) {
+        return Ok(());
+    }
+    let kind = if dots { "subdomain" } else { "label" };
+    Err(format!(
+        "{field} {value:?} is not a Kubernetes name (DNS-1123 {kind}: lowercase letters, digits, '-'{}, at most {max} bytes)",
+        if dots { ", '.'" } else { "" }
+    ))
+}
+
+/// The checks on the Pod found, pure (for tests): the one the registration names (`at`:
+/// namespace and name), in the engine process's Pod, on this node, labelled for its pair and
+/// role.
 pub fn check_pod(
     pod: &Pod,
     identity: &PodIdentity,
+    at: (&str, &str),
     role: pdpair_api::Role,
     pair: &str,
     node: &str,
 ) -> Result<(), String> {
     let name = pod.metadata.name.as_deref().unwrap_or_default();
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+    if (namespace, name) != at {
+        return Err(format!(
+            "the API server answered for Pod {}/{}: Pod {namespace}/{name}",
+            at.0, at.1
+        ));
+    }
     let uid = pod.metadata.uid.as_deref().unwrap_or_default();
     if uid != identity.uid {
         return Err(format!(
@@ -315,7 +348,7 @@ mod tests {
 
     fn pod(uid: &str, node: &str, pair: &str, role: &str) -> Pod {
         serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "p", "uid": uid, "labels": {"pdpair.dev/name": pair, "pdpair.dev/role": role}},
+            "metadata": {"name": "p", "namespace": "ns", "uid": uid, "labels": {"pdpair.dev/name": pair, "pdpair.dev/role": role}},
             "spec": {"nodeName": node, "containers": []}
         }))
         .expect("pod")
@@ -328,14 +361,70 @@ mod tests {
             container: None,
         };
         let decode = pdpair_api::Role::Decode;
-        assert_eq!(check_pod(&pod(UID, "n", "x", "decode"), &me, decode, "x", "n"), Ok(()));
-        let e = check_pod(&pod("other", "n", "x", "decode"), &me, decode, "x", "n").expect_err("uid");
+        assert_eq!(
+            check_pod(&pod(UID, "n", "x", "decode"), &me, AT, decode, "x", "n"),
+            Ok(())
+        );
+        let e = check_pod(&pod("other", "n", "x", "decode"), &me, AT, decode, "x", "n").expect_err("uid");
         assert!(e.contains("UID"), "{e}");
-        let e = check_pod(&pod(UID, "m", "x", "decode"), &me, decode, "x", "n").expect_err("node");
+        let e = check_pod(&pod(UID, "m", "x", "decode"), &me, AT, decode, "x", "n").expect_err("node");
         assert!(e.contains("node"), "{e}");
-        let e = check_pod(&pod(UID, "n", "y", "decode"), &me, decode, "x", "n").expect_err("pair");
+        let e = check_pod(&pod(UID, "n", "y", "decode"), &me, AT, decode, "x", "n").expect_err("pair");
         assert!(e.contains("pdpair.dev/name"), "{e}");
-        let e = check_pod(&pod(UID, "n", "x", "decode"), &me, pdpair_api::Role::Prefill, "x", "n").expect_err("role");
+        let e = check_pod(
+            &pod(UID, "n", "x", "decode"),
+            &me,
+            AT,
+            pdpair_api::Role::Prefill,
+            "x",
+            "n",
+        )
+        .expect_err("role");
         assert!(e.contains("pdpair.dev/role") && e.contains("prefill"), "{e}");
+        // Whatever the API server answered for: another namespace's Pod, or another name.
+        for at in [("other", "p"), ("ns", "q")] {
+            let e = check_pod(&pod(UID, "n", "x", "decode"), &me, at, decode, "x", "n").expect_err("elsewhere");
+            assert!(e.contains("answered for"), "{e}");
+        }
+    }
+
+    const AT: (&str, &str) = ("ns", "p");
+
+    #[test]
+    fn names_that_go_into_the_api_servers_urls_must_be_kubernetes_names() {
+        // A registration's pod and pdpair are the engine's: `..` or `/` in them could have the
+        // lookup name another object than the registration does.
+        assert_eq!(pdpair_name("team-a/llama.8b"), Ok(("team-a", "llama.8b")));
+        assert_eq!(pdpair_name("llama"), Ok(("default", "llama")));
+        for bad in [
+            "victim/../x",
+            "ns/a/b",
+            "../ns/x",
+            "Ns/x",
+            "ns/",
+            "/x",
+            "ns/-x",
+            "ns./x",
+            "",
+        ] {
+            let e = pdpair_name(bad).expect_err(bad);
+            assert!(e.contains("is not a Kubernetes name"), "{bad}: {e}");
+        }
+        let e = pdpair_name(&format!("{}/x", "n".repeat(64))).expect_err("long namespace");
+        assert!(e.contains("at most 63"), "{e}");
+        assert!(kubernetes_name("pod", "vllm-0.a", 253, true).is_ok());
+        for bad in [
+            "../../attacker/pods/p",
+            "p/q",
+            "p%2f",
+            "P",
+            "p ",
+            "-p",
+            "p-",
+            &"p".repeat(254),
+        ] {
+            let e = kubernetes_name("pod", bad, 253, true).expect_err(bad);
+            assert!(e.starts_with(&format!("pod {bad:?}")), "{e}");
+        }
     }
 }
