@@ -724,9 +724,10 @@ impl Agent {
             tracing::debug!(error = %e, "engine API: cannot send Registered");
         }
         let max_frame = crate::engine_api::max_request_frame(engine.reg.num_blocks);
+        let max_values = crate::engine_api::max_request_values(engine.reg.num_blocks);
         loop {
-            let frame = match wire::read_frame_max::<serde_json::Value>(&mut reader, max_frame) {
-                Ok(frame) => match crate::engine_api::decode_request(frame) {
+            let frame = match wire::read_frame_bytes(&mut reader, max_frame) {
+                Ok(frame) => match crate::engine_api::decode_request(&frame, max_values) {
                     Ok(request) => match request.request_id().map(crate::engine_api::check_request_id) {
                         Some(Err(why)) => {
                             let id = request.request_id().unwrap_or_default().to_owned();

@@ -344,19 +344,219 @@ pub fn decode_before_registration(frame: serde_json::Value) -> Result<EngineRequ
     serde_json::from_value(frame).map_err(|e| crate::reason::peer_text(&format!("malformed message: {e}")))
 }
 
-/// Decodes a registered engine's frame. Err: the request it names, when it names one as a
-/// string, and what is wrong (cut and escaped).
-pub fn decode_request(frame: serde_json::Value) -> Result<EngineRequest, (Option<String>, String)> {
-    let request = frame
-        .get("request")
-        .and_then(serde_json::Value::as_str)
-        .map(str::to_owned);
-    let kind = frame
-        .get("type")
-        .and_then(serde_json::Value::as_str)
-        .unwrap_or("message")
-        .to_owned();
-    serde_json::from_value(frame).map_err(|e| (request, crate::reason::peer_text(&format!("malformed {kind}: {e}"))))
+/// JSON values (numbers, strings, arrays, objects...) one frame of a registered engine of
+/// `num_blocks` blocks may hold, at most: every block id of its pool, and room for the rest (1024
+/// prefill addresses, a prompt digest, the fields). Decoding holds each value of a frame at once
+/// (32 bytes or so, serde's buffer for an internally tagged enum): a frame of 8M zeros in a
+/// field no message has, 16 MiB of text, took over 500 MiB of the agent's memory to decode.
+pub fn max_request_values(num_blocks: u32) -> usize {
+    (num_blocks as usize).saturating_add(16384)
+}
+
+/// Decodes a registered engine's frame of at most `max_values` JSON values
+/// ([`max_request_values`]), counted first in one pass that keeps none of them. Err: the
+/// request it names, when it names one as a string, and what is wrong (cut and escaped).
+pub fn decode_request(frame: &[u8], max_values: usize) -> Result<EngineRequest, (Option<String>, String)> {
+    let head = scan::head(frame).map_err(|e| (None, crate::reason::peer_text(&format!("malformed message: {e}"))))?;
+    let kind = head.kind.as_deref().unwrap_or("message");
+    if head.values > max_values {
+        let why = format!(
+            "{kind} holds {} JSON values; at most {max_values} (every block of the pool, and room for the rest)",
+            head.values
+        );
+        return Err((head.request, why));
+    }
+    serde_json::from_slice(frame).map_err(|e| {
+        (
+            head.request.clone(),
+            crate::reason::peer_text(&format!("malformed {kind}: {e}")),
+        )
+    })
+}
+
+/// One pass over a frame that keeps none of its values: its `type`, its `request` and how many
+/// values it holds.
+mod scan {
+    use std::{cell::Cell, fmt};
+
+    use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+    #[derive(Debug, Default)]
+    pub struct Head {
+        pub kind: Option<String>,
+        pub request: Option<String>,
+        pub values: usize,
+    }
+
+    pub fn head(frame: &[u8]) -> Result<Head, serde_json::Error> {
+        let values = Cell::new(0);
+        let mut d = serde_json::Deserializer::from_slice(frame);
+        let (kind, request) = d.deserialize_map(Top(&values))?;
+        d.end()?;
+        Ok(Head {
+            kind,
+            request,
+            values: values.get(),
+        })
+    }
+
+    /// Counts a value and everything in it.
+    #[derive(Clone, Copy)]
+    struct Count<'a>(&'a Cell<usize>);
+
+    impl Count<'_> {
+        fn one(self) {
+            self.0.set(self.0.get().saturating_add(1));
+        }
+    }
+
+    impl<'de> DeserializeSeed<'de> for Count<'_> {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Count<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+            self.one();
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+            self.one();
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+            self.one();
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+            self.one();
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> Result<(), E> {
+            self.one();
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> Result<(), E> {
+            self.one();
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            self.one();
+            while seq.next_element_seed(self)?.is_some() {}
+            Ok(())
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            self.one();
+            while map.next_key::<IgnoredAny>()?.is_some() {
+                map.next_value_seed(self)?;
+            }
+            Ok(())
+        }
+    }
+
+    /// A top-level key: the two read, or another.
+    enum Key {
+        Type,
+        Request,
+        Other,
+    }
+
+    impl<'de> de::Deserialize<'de> for Key {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
+            struct V;
+            impl Visitor<'_> for V {
+                type Value = Key;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a field name")
+                }
+                fn visit_str<E>(self, k: &str) -> Result<Key, E> {
+                    Ok(match k {
+                        "type" => Key::Type,
+                        "request" => Key::Request,
+                        _ => Key::Other,
+                    })
+                }
+            }
+            d.deserialize_identifier(V)
+        }
+    }
+
+    /// A string kept (and counted); any other value only counted.
+    struct Text<'a>(Count<'a>);
+
+    impl<'de> DeserializeSeed<'de> for Text<'_> {
+        type Value = Option<String>;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<String>, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Text<'_> {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_str<E>(self, s: &str) -> Result<Option<String>, E> {
+            self.0.one();
+            Ok(Some(s.to_owned()))
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<Option<String>, E> {
+            self.0.one();
+            Ok(None)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Option<String>, E> {
+            self.0.one();
+            Ok(None)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<Option<String>, E> {
+            self.0.one();
+            Ok(None)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Option<String>, E> {
+            self.0.one();
+            Ok(None)
+        }
+        fn visit_unit<E>(self) -> Result<Option<String>, E> {
+            self.0.one();
+            Ok(None)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Option<String>, A::Error> {
+            self.0.visit_seq(seq).map(|()| None)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Option<String>, A::Error> {
+            self.0.visit_map(map).map(|()| None)
+        }
+    }
+
+    /// The frame's object: its `type` and `request` where they are strings (the last of each,
+    /// as serde takes them), everything counted.
+    struct Top<'a>(&'a Cell<usize>);
+
+    impl<'de> Visitor<'de> for Top<'_> {
+        type Value = (Option<String>, Option<String>);
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let count = Count(self.0);
+            count.one();
+            let (mut kind, mut request) = (None, None);
+            while let Some(key) = map.next_key::<Key>()? {
+                match key {
+                    Key::Type => kind = map.next_value_seed(Text(count))?,
+                    Key::Request => request = map.next_value_seed(Text(count))?,
+                    Key::Other => map.next_value_seed(count)?,
+                }
+            }
+            Ok((kind, request))
+        }
+    }
 }
 
 /// Checks one `ShareGpuMemory` frame before its descriptors are kept: one size per descriptor,
@@ -855,18 +1055,57 @@ mod tests {
     }
 
     #[test]
+    fn a_frame_is_decoded_only_within_its_values_and_a_refusal_names_its_request() {
+        let cancel = |pad: usize, tail: &str| {
+            format!(r#"{{"type":"Cancel","pad":[{}]{tail}}}"#, vec!["0"; pad].join(",")).into_bytes()
+        };
+        // The object, type, request, pad and its elements: counted whatever the fields' order.
+        let within = cancel(6, r#","request":"r""#);
+        assert_eq!(
+            decode_request(&within, 10),
+            Ok(EngineRequest::Cancel { request: "r".into() })
+        );
+        let (request, e) = decode_request(&within, 9).expect_err("over");
+        assert_eq!(request.as_deref(), Some("r"), "found after the values it counted");
+        assert!(e.contains("Cancel holds 10 JSON values; at most 9"), "{e}");
+        let max = max_request_values(1000);
+        let (request, e) = decode_request(&cancel(max, r#","request":"big""#), max).expect_err("over");
+        assert_eq!(request.as_deref(), Some("big"));
+        assert!(e.contains(&format!("at most {max}")), "{e}");
+        // Every request of a pool of 1000 blocks naming each of them, with 1024 prefills.
+        let every = serde_json::to_vec(&EngineRequest::ExpectKvFrom {
+            request: "all".into(),
+            prefills: (0..1024)
+                .map(|i| format!("10.0.{}.{}:40000", i / 256, i % 256))
+                .collect(),
+            blocks: (0..1000).collect(),
+            num_tokens: 16000,
+            first_token: 0,
+            prompt: Some(PromptDigest([7; 32])),
+        })
+        .expect("json");
+        assert!(decode_request(&every, max).is_ok());
+        // Not JSON, not an object, trailing bytes: no request named.
+        for bad in [&b"{"[..], b"[1]", b"{\"type\":\"Cancel\",\"request\":\"r\"} x"] {
+            let (request, e) = decode_request(bad, max).expect_err("malformed");
+            assert!(request.is_none() && e.contains("malformed"), "{e}");
+        }
+    }
+
+    #[test]
     fn a_prompt_digest_is_32_bytes_of_hex_and_a_wrong_one_is_refused_naming_it() {
         let frame = |prompt: &str| {
             serde_json::json!({"type": "ExpectKv", "request": "r", "prefill": "a:1", "blocks": [1],
                 "num_tokens": 16, "first_token": 0, "prompt": prompt})
         };
         let good = "ab".repeat(32);
-        match decode_request(frame(&good)) {
+        let frame = |prompt: &str| serde_json::to_vec(&frame(prompt)).expect("json");
+        match decode_request(&frame(&good), 100) {
             Ok(EngineRequest::ExpectKv { prompt: Some(p), .. }) => assert_eq!(p, PromptDigest([0xab; 32])),
             other => panic!("{other:?}"),
         }
         for (bad, why) in [("ab".repeat(31), "32 bytes, not 31"), ("zz".repeat(32), "invalid hex")] {
-            let (request, e) = decode_request(frame(&bad)).expect_err("refused");
+            let (request, e) = decode_request(&frame(&bad), 100).expect_err("refused");
             assert_eq!(request.as_deref(), Some("r"));
             assert!(e.contains(why), "{e}");
         }

@@ -84,6 +84,12 @@ pub fn read_frame_max<T: DeserializeOwned>(r: &mut impl Read, max: usize) -> Res
     serde_json::from_slice(&body).map_err(|e| FrameError::Malformed(e.to_string()))
 }
 
+/// Reads one frame's bytes, of at most `max` (the length is checked before anything is
+/// allocated), for a caller that checks them before it decodes them.
+pub fn read_frame_bytes(r: &mut impl Read, max: usize) -> Result<Vec<u8>, FrameError> {
+    read_body(r, max)
+}
+
 fn read_body(r: &mut impl Read, max: usize) -> Result<Vec<u8>, FrameError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {

@@ -3820,3 +3820,54 @@ fn a_requests_block_ids_count_once_for_each_prefill_it_names() {
     );
     assert!(silent.iter().all(|l| l.accept().is_err()), "no prefill was dialled");
 }
+
+#[test]
+fn a_frame_of_many_small_values_costs_the_agent_about_its_length_not_many_times_it() {
+    // A registered engine's frames may be as long as every block id of its pool (16 MiB for a
+    // pool of 1.3M blocks, which tiny blocks make cheap). Parsed as a JSON tree and again into
+    // serde's buffer, 8M zeros in a field no message has took 495 MiB of the agent's memory
+    // (its limit in the chart is 1 GiB; 255 MiB with the buffer alone), and the engine could
+    // send it again and again. Now the values are counted in a pass that keeps none, and past
+    // the pool's bound refused.
+    use pdpair_agent::engine_api::{max_request_frame, max_request_values};
+    let _serial = serial();
+    let w = World::new("attack-values");
+    let (agent, socket) = ProcessAgent::start(&w, "a");
+    let mut g = kv(1, None);
+    (g.layers, g.kv_heads, g.head_dim) = (1, 1, 1);
+    let mut s = spec(Role::Decode, "d0", g, KEY, ChecksumPolicy::Disabled);
+    s.num_blocks = 1_300_000;
+    let mut d = SyntheticEngine::register(&socket, &w.dir, &s).expect("engine");
+    let max = max_request_frame(s.num_blocks);
+    let head = br#"{"type":"Cancel","request":"x","pad":[0"#;
+    let mut frame = head.to_vec();
+    while frame.len() + 4 <= max {
+        frame.extend_from_slice(b",0");
+    }
+    frame.extend_from_slice(b"]}");
+    let zeros = (frame.len() - head.len()) / 2;
+    let before = vm_hwm_kib(agent.0.id());
+    let mut raw = d.events().expect("stream");
+    raw.write_all(&(frame.len() as u32).to_be_bytes()).expect("length");
+    raw.write_all(&frame).expect("frame");
+    d.send(&EngineRequest::Capabilities).expect("send");
+    let mut events = Vec::new();
+    loop {
+        match d.next_event().expect("an answer") {
+            AgentEvent::Capabilities { .. } => break,
+            other => events.push(other),
+        }
+    }
+    let grew_mib = vm_hwm_kib(agent.0.id()).saturating_sub(before) >> 10;
+    println!(
+        "agent peak grew {grew_mib} MiB for a frame of {} bytes, {zeros} zeros",
+        frame.len()
+    );
+    assert!(grew_mib < 96, "the agent's peak memory grew {grew_mib} MiB");
+    assert!(
+        matches!(&events[..], [AgentEvent::RequestFailed { request, reasons, message }]
+            if request == "x" && reasons == &["InvalidRequest".to_owned()]
+                && message.contains(&format!("at most {}", max_request_values(s.num_blocks)))),
+        "{events:?}"
+    );
+}
