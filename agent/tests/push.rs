@@ -500,6 +500,25 @@ fn an_engine_pool_is_taken_only_as_a_sealed_memfd_never_a_path() {
         )),
         "{message}"
     );
+    // As many bytes allocated as the geometry needs, but past the ones it maps: the agent would
+    // fault in every page it maps. Refused, naming the hole.
+    let after = pdpair_agent::memory::pool::sealed_memfd(2 * need).expect("memfd");
+    // SAFETY: fallocate within the memfd's size.
+    #[allow(unsafe_code)]
+    let rc = unsafe {
+        libc::fallocate(
+            std::os::fd::AsRawFd::as_raw_fd(&after),
+            0,
+            need as libc::off_t,
+            need as libc::off_t,
+        )
+    };
+    assert_eq!(rc, 0, "fallocate");
+    let message = register_raw(&s, &good, Some(after), None);
+    assert!(
+        message.contains(&format!("first {need} bytes")) && message.contains("a hole at byte 0"),
+        "{message}"
+    );
     let backed = pdpair_agent::memory::pool::backed_memfd(need).expect("memfd");
     let stream = std::os::unix::net::UnixStream::connect(&s).expect("connect");
     let reg = SyntheticEngine::registration(&good, None, true);

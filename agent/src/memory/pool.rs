@@ -92,7 +92,15 @@ impl Pool {
         let backed = std::os::unix::fs::MetadataExt::blocks(&meta).saturating_mul(512);
         if backed < need as u64 {
             return Err(format!(
-                "the pool descriptor has {backed} of the {need} bytes the geometry needs backed by memory: allocate them (fallocate, or write every page) before registering; the agent does not fault in an engine's memory"
+                "the pool descriptor has {backed} of the {need} bytes the geometry needs backed by memory: write every page of them (or fallocate and then touch every page) before registering; the agent does not fault in an engine's memory"
+            ));
+        }
+        // The first `need` bytes, the ones mapped: a memfd twice as long, allocated only past
+        // them (or past its end, `FALLOC_FL_KEEP_SIZE`), passed the count above.
+        let hole = first_hole(&file).map_err(|e| format!("the pool descriptor: {e}"))?;
+        if hole < need as u64 {
+            return Err(format!(
+                "the pool descriptor's first {need} bytes (what the geometry needs) are not all backed by memory: a hole at byte {hole}; write every page of them (or fallocate and then touch every page) before registering"
             ));
         }
         Pool::register_memfd(ucx, file, need, Origin::EngineMemfd)
@@ -194,20 +202,19 @@ pub fn seals(fd: BorrowedFd<'_>) -> libc::c_int {
     s.max(0)
 }
 
-/// [`sealed_memfd`] with its pages allocated (`fallocate`), as an engine passes its own pool:
-/// charged to the process that makes it.
-#[allow(unsafe_code)]
+/// [`sealed_memfd`] with its pages written (zeros), as an engine passes its own pool: charged to
+/// the process that makes it. Written, not only allocated (`fallocate`): the agent takes pages
+/// that were never written nor faulted in for holes.
 pub fn backed_memfd(len: usize) -> Result<File, String> {
-    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
     let file = sealed_memfd(len)?;
-    let len = libc::off_t::try_from(len).map_err(|_| format!("a pool of {len} bytes"))?;
-    // SAFETY: fallocate on a valid memfd, within its size (it is sealed against growing).
-    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
-    if rc != 0 {
-        return Err(format!(
-            "allocating the pool memfd: {}",
-            std::io::Error::last_os_error()
-        ));
+    let zeros = vec![0u8; len.min(1 << 20)];
+    let mut at = 0;
+    while at < len {
+        let n = zeros.len().min(len - at);
+        file.write_all_at(&zeros[..n], at as u64)
+            .map_err(|e| format!("writing the pool memfd: {e}"))?;
+        at += n;
     }
     Ok(file)
 }
@@ -237,6 +244,17 @@ pub fn sealed_memfd(len: usize) -> Result<File, String> {
         return Err(format!("sealing the pool memfd: {}", std::io::Error::last_os_error()));
     }
     Ok(file)
+}
+
+/// Where `file`'s first hole starts (its length where it has none): a page no memory backs, or
+/// one allocated with `fallocate` and never written nor faulted in (the kernel counts that as a
+/// hole too, and st_blocks as allocated).
+#[allow(unsafe_code)]
+fn first_hole(file: &File) -> std::io::Result<u64> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: lseek on a valid descriptor; only its offset changes, which nothing here uses.
+    let at = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_HOLE) };
+    u64::try_from(at).map_err(|_| std::io::Error::last_os_error())
 }
 
 fn open_no_follow(path: &Path) -> Result<File, String> {
