@@ -6,8 +6,8 @@
 //! (32 MiB) by the links it holds. One budget per pair: an insider of one pair cannot make
 //! another pair's links give up their place.
 //!
-//! A full budget does not shut out peers that read: a frame for a link holding nothing is always
-//! queued (its writer is about to write it), and otherwise, among the links holding at least an
+//! A full budget does not shut out peers that read: a small frame for a link holding nothing is
+//! always queued (its writer is about to write it), and otherwise, among the links holding at least an
 //! equal share of what is held, the one whose writer has gone longest without finishing a frame
 //! is closed, unless that is the sending link, whose frame is then refused (and its link closed,
 //! as a full link outbox is). A link with a small backlog is never the one, however slowly its
@@ -26,13 +26,20 @@ use std::{
 use crate::lock;
 
 /// Bytes all links of one PDPair's engines on this agent hold, at most (give or take one frame
-/// per sender racing another): eight links' worth.
-pub const OUTBOX_BUDGET: usize = 8 * crate::agent::LINK_OUTBOX;
+/// per sender racing another): two links' worth, 64 MiB. Side-channel frames are control
+/// messages (registrations, block lists), not KV: links that read hold little.
+pub const OUTBOX_BUDGET: usize = 2 * crate::agent::LINK_OUTBOX;
 
 /// Bytes all links of every pair on this agent hold, at most: pairs are as many as engines
-/// registered with it claim (a tenant's pods may name pairs of their own), so past four pairs'
-/// worth the same rule runs across all of them.
-pub const AGENT_OUTBOX_BUDGET: usize = 4 * OUTBOX_BUDGET;
+/// registered with it claim (a tenant's pods may name pairs of their own), so past two pairs'
+/// worth (128 MiB) the same rule runs across all of them. Within the memory the agent keeps for
+/// itself under its limit ([`crate::agent::AGENT_OWN_MEMORY`], 256 MiB): at 1 GiB, as it was, the
+/// outboxes alone could take an agent of the chart's 1 GiB limit past it.
+pub const AGENT_OUTBOX_BUDGET: usize = 2 * OUTBOX_BUDGET;
+
+/// A frame of at most this many bytes for a link holding nothing is queued whatever the budgets
+/// hold (its writer is keeping up); a larger one makes room like any other.
+pub const FREE_FRAME: usize = 64 << 10;
 
 /// Every pair's budget on this agent, and the agent's over them all.
 #[derive(Debug)]
@@ -222,7 +229,11 @@ impl Outboxes {
         if mine == 0 {
             // Nothing waits: its writer is keeping up.
             queue.progress.store(now(), Ordering::SeqCst);
-        } else {
+        }
+        // A large frame makes room even for a link holding nothing: otherwise each of an
+        // insider's links, reading a few bytes per write timeout, held one 16 MiB frame past
+        // every budget.
+        if mine > 0 || len > FREE_FRAME {
             for o in self.levels() {
                 if o.total() + len > o.budget {
                     o.make_room(queue, len)?;
@@ -309,6 +320,33 @@ mod tests {
 
     fn tick() {
         std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+
+    #[test]
+    fn a_large_frame_for_a_link_holding_nothing_makes_room_too() {
+        // Links each holding one large frame their peers never finish reading: the budget
+        // bounds them all the same, however many links there are.
+        let mib = 1 << 20;
+        let o = Outboxes::new(4 * mib);
+        let streams: Vec<_> = (0..8).map(|_| stream()).collect();
+        let queues: Vec<_> = streams
+            .iter()
+            .enumerate()
+            .map(|(i, (s, _))| o.queue(s.try_clone().expect("clone"), format!("l{i}")))
+            .collect();
+        let mut held = Vec::new();
+        for q in &queues {
+            held.push(o.charge(q, mib, 32 * mib).expect("made room"));
+            tick();
+        }
+        let open = queues.iter().filter(|q| !q.shut()).count();
+        assert_eq!(open, 4, "the links longest without progress were closed");
+        assert!(queues[..4].iter().all(|q| q.shut()), "the oldest went first");
+        // A small frame for an idle link is queued whatever the budget holds.
+        let (s, _peer) = stream();
+        let idle = o.queue(s, "idle".into());
+        held.push(o.charge(&idle, FREE_FRAME, 32 * mib).expect("small"));
+        assert_eq!(queues.iter().filter(|q| !q.shut()).count(), 4, "nothing closed for it");
     }
 
     #[test]
