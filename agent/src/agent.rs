@@ -300,6 +300,16 @@ impl Shared {
     /// must be an engine registered here, of `pdpair`, with the role, name and exact memory it
     /// claims: otherwise an authenticated peer could hand a prefill engine's own memory (learned
     /// from its handshake), or another pair's, as its own, and have the agent copy into it.
+    /// Where this agent may connect for a peer's memory: a KV stream only where a peer agent's
+    /// stream can listen ([`Dialable::check_stream`]); UCX addresses are checked by the probe.
+    fn check_memory_address(&self, address: &[u8]) -> Result<(), String> {
+        if !crate::transport::stream::is_stream_address(address) {
+            return Ok(());
+        }
+        let sock = crate::transport::stream::parse_address(address)?;
+        self.dialable.check_stream(sock)
+    }
+
     fn check_local_peer(&self, pdpair: &str, peer: &PeerInfo) -> Result<(), String> {
         let at_ours = [
             self.transport.address(),

@@ -3871,3 +3871,37 @@ fn a_frame_of_many_small_values_costs_the_agent_about_its_length_not_many_times_
         "{events:?}"
     );
 }
+
+#[test]
+fn an_insider_cannot_make_an_agent_dial_its_stream_where_no_agent_listens() {
+    // A handshake's KV stream address (`pdpair-tcp:IP:PORT`) was dialled as given: an insider
+    // holding the pair's key named a node service on loopback, or the metadata address, and
+    // the prefill agent, on the host's network, connected there and said in its refusal
+    // whether something listened. Now only where a KV stream can listen (an agent's host, a
+    // port the kernel hands out), refused before any connection, naming the address.
+    let _serial = serial();
+    let w = World::new("attack-stream-dial");
+    let p = prefill_on(&w, Transport::Tcp);
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let low: u16 = range
+        .split_whitespace()
+        .next()
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(32768);
+    let service = (1024..low)
+        .rev()
+        .find_map(|port| TcpListener::bind(("127.0.0.1", port)).ok())
+        .expect("a free port below the ephemeral range");
+    service.set_nonblocking(true).expect("nonblocking");
+    let at = service.local_addr().expect("addr");
+    for (address, why) in [
+        (format!("pdpair-tcp:{at}"), "not one the kernel hands out"),
+        (format!("pdpair-tcp:169.254.169.254:{}", low + 1), "link-local"),
+    ] {
+        let mut claim = insider(Role::Decode);
+        claim.worker_address = address.clone().into_bytes();
+        let message = connect_refused(&p, &claim, &address);
+        assert!(message.contains(why), "{address}: {message}");
+    }
+    assert!(service.accept().is_err(), "the prefill agent connected to the service");
+}

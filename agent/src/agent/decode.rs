@@ -831,12 +831,10 @@ impl Engine {
                 self.shared
                     .check_local_peer(&self.reg.pdpair, &peer)
                     .and_then(|()| {
-                        self.transport().connect(
-                            peer.address_for(&self.local),
-                            peer.memory.keys(),
-                            &session.stream_key,
-                            handshake_until,
-                        )
+                        let address = peer.address_for(&self.local);
+                        self.shared.check_memory_address(&address)?;
+                        self.transport()
+                            .connect(address, peer.memory.keys(), &session.stream_key, handshake_until)
                     })
                     .map_err(|e| HandshakeError::Rejected {
                         reasons: vec![Reason::TransportFailed],

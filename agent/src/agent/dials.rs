@@ -125,6 +125,8 @@ pub(crate) struct Dialable {
     /// (one host's agents, as in tests and local runs).
     own: IpAddr,
     ports: Ports,
+    /// `net.ipv4.ip_local_port_range` here, where KV streams listen (port 0) whatever `ports`.
+    kernel: String,
     /// `net.ipv4.ip_local_reserved_ports` here, left out of either range.
     reserved: String,
 }
@@ -135,12 +137,14 @@ impl Dialable {
     /// agent does so once, as it starts).
     pub(crate) fn here(own: IpAddr, configured: Option<RangeInclusive<u16>>) -> Dialable {
         let read = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).unwrap_or_default();
+        let kernel = read("ip_local_port_range");
         Dialable {
             own,
             ports: match configured {
                 Some(range) => Ports::Configured(range),
-                None => Ports::Kernel(read("ip_local_port_range")),
+                None => Ports::Kernel(kernel.clone()),
             },
+            kernel,
             reserved: read("ip_local_reserved_ports"),
         }
     }
@@ -190,13 +194,11 @@ impl Dialable {
         ))
     }
 
-    /// `Err` naming `addr` and why, when it is not dialled.
-    pub(crate) fn check(&self, addr: &str) -> Result<SocketAddr, String> {
-        let sock: SocketAddr = addr
-            .parse()
-            .map_err(|_| format!("prefill address {addr:?} is not an IP address and port"))?;
-        let ip = sock.ip().to_canonical();
-        let why = match ip {
+    /// Why an agent never listens at `ip`, if it does not: not a unicast address, link-local,
+    /// or loopback where this agent does not listen.
+    fn not_an_agents(&self, ip: IpAddr) -> Option<&'static str> {
+        let ip = ip.to_canonical();
+        match ip {
             _ if ip.is_unspecified() || ip.is_multicast() => Some("not a unicast address"),
             IpAddr::V4(v4) if v4.is_broadcast() => Some("not a unicast address"),
             IpAddr::V4(v4) if v4.is_link_local() => Some("link-local (where clouds serve instance metadata)"),
@@ -205,8 +207,37 @@ impl Dialable {
                 Some("this node's loopback, and this agent does not listen there")
             }
             _ => None,
-        };
-        if let Some(why) = why {
+        }
+    }
+
+    /// `Err` naming `sock` and why, when a peer's KV stream (a handshake's `pdpair-tcp:` address)
+    /// cannot be there: at an agent's listen host, on a port the kernel hands out (a stream
+    /// listens at port 0). A peer holding the pair's key must not make this agent, on the host's
+    /// network, connect to a node service or the metadata address, and learn from the refusal
+    /// whether one listens.
+    pub(crate) fn check_stream(&self, sock: SocketAddr) -> Result<(), String> {
+        if let Some(why) = self.not_an_agents(sock.ip()) {
+            return Err(format!(
+                "the peer's KV stream {sock} is {why}: streams listen at their agents' hosts"
+            ));
+        }
+        if !ephemeral(sock.port(), &self.kernel, &self.reserved) {
+            return Err(format!(
+                "the peer's KV stream {sock}: port {} is not one the kernel hands out (net.ipv4.ip_local_port_range {:?}, less ip_local_reserved_ports {:?}), where every KV stream listens",
+                sock.port(),
+                self.kernel.trim(),
+                self.reserved.trim()
+            ));
+        }
+        Ok(())
+    }
+
+    /// `Err` naming `addr` and why, when it is not dialled.
+    pub(crate) fn check(&self, addr: &str) -> Result<SocketAddr, String> {
+        let sock: SocketAddr = addr
+            .parse()
+            .map_err(|_| format!("prefill address {addr:?} is not an IP address and port"))?;
+        if let Some(why) = self.not_an_agents(sock.ip()) {
             return Err(format!(
                 "prefill address {addr:?} is {why}: prefill engines listen at their agents' hosts"
             ));
