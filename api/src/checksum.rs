@@ -122,7 +122,8 @@ impl BlockSums {
         let mut out = Vec::new();
         let mut i = 0usize;
         while i < self.sums.len() {
-            let start = self.first_token + i as u64 * size;
+            // A peer's `first_token`: saturating, never overflowing (a panic in a debug build).
+            let start = self.first_token.saturating_add((i as u64).saturating_mul(size));
             if start < origin || !(start - origin).is_multiple_of(chunk) {
                 i += 1; // not on the grid: this block starts inside a chunk
                 continue;
@@ -225,11 +226,15 @@ pub fn compare(producer: &BlockSums, consumer: &BlockSums) -> Comparison {
 /// zero; they are filled in, so a consumer block covering the request's end compares whole.
 pub fn compare_request(producer: &BlockSums, consumer: &BlockSums, num_tokens: u64) -> Comparison {
     let size = u64::from(producer.block_size);
-    let end = consumer.first_token + consumer.sums.len() as u64 * u64::from(consumer.block_size);
+    let end = consumer
+        .first_token
+        .saturating_add((consumer.sums.len() as u64).saturating_mul(u64::from(consumer.block_size)));
     let mut padded = producer.clone();
     if size > 0 {
         loop {
-            let next = padded.first_token + padded.sums.len() as u64 * size;
+            let next = padded
+                .first_token
+                .saturating_add((padded.sums.len() as u64).saturating_mul(size));
             if next >= end || next < num_tokens {
                 break;
             }

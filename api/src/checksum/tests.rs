@@ -232,3 +232,19 @@ fn blocks_past_the_last_token_count_as_zero_in_a_request_comparison() {
     let short = sums(&SHAPE, 5, 16, 0, 5, 100);
     assert_eq!(compare_request(&short, &c, 100).outcome(), Outcome::Unverified);
 }
+
+#[test]
+fn a_peers_sums_at_any_position_compare_without_overflowing() {
+    // The producer's sums come from a peer, first_token and block size as it chose them: near
+    // u64::MAX the positions overflowed (a panic in a debug build, on decode's link reader).
+    let c = sums(&SHAPE, 5, 32, 0, 4, 100);
+    for (first_token, block_size) in [(u64::MAX - 1, 16), (u64::MAX - 40, 32), (1 << 63, u32::MAX)] {
+        let p = BlockSums {
+            block_size,
+            first_token,
+            sums: vec![1; 8],
+        };
+        assert_eq!(compare_request(&p, &c, 100).outcome(), Outcome::Unverified);
+        assert_eq!(compare(&c, &p).outcome(), Outcome::Unverified);
+    }
+}
