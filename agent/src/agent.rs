@@ -140,6 +140,8 @@ struct Shared {
     unauthenticated: Arc<crate::unproven::Budget>,
     /// What the side-channel links of each PDPair hold for their peers, in all.
     outboxes: crate::outboxes::Budgets,
+    /// What the side-channel links of each PDPair hold of frames their peers are sending, in all.
+    inboxes: crate::outboxes::Budgets,
     /// The engine API socket is bound.
     listening: AtomicBool,
     /// GPU memory descriptors held for registrations not made yet (`ShareGpuMemory`), on all
@@ -429,6 +431,10 @@ impl Agent {
                 outboxes: crate::outboxes::Budgets::new(
                     crate::outboxes::OUTBOX_BUDGET,
                     crate::outboxes::AGENT_OUTBOX_BUDGET,
+                ),
+                inboxes: crate::outboxes::Budgets::new(
+                    crate::outboxes::INBOX_BUDGET,
+                    crate::outboxes::AGENT_INBOX_BUDGET,
                 ),
                 listening: AtomicBool::new(false),
                 pending_gpu_fds: std::sync::atomic::AtomicUsize::new(0),
@@ -1018,6 +1024,12 @@ struct Link {
     /// whether the link is closing (nothing more is sent).
     queue: Arc<crate::outboxes::Queue>,
     outboxes: Arc<Outboxes>,
+    /// The frame its reader is reading, counted against its pair's and the agent's budgets for
+    /// frames being read before the frame's body is read or allocated (a peer sending the
+    /// largest frames on many links, holding back their last bytes, otherwise held 16 MiB of
+    /// the agent's memory per link).
+    inbox: Arc<crate::outboxes::Queue>,
+    inboxes: Arc<Outboxes>,
     /// A handle on the stream, to read it and to shut it down.
     stream: TcpStream,
     /// This link's id (unique in the process): requests are owned by the link they came on.
@@ -1059,12 +1071,23 @@ pub const LINK_OUTBOX: usize = 2 * wire::MAX_FRAME;
 pub const LINK_SEND_BUFFER: usize = 64 << 10;
 
 impl Link {
+    /// Reads the link's next frame with `opener`, its length charged to the link's inbox first
+    /// ([`Link::inbox`]): over the budgets, of the links holding the most of a frame, the one
+    /// longest without a frame read whole is closed (this one's read fails when that is itself).
+    fn read(&self, reader: &mut impl std::io::Read, opener: &mut wire::Opener) -> Result<Message, wire::FrameError> {
+        let (message, charge) = wire::read_sealed_by(reader, opener, wire::MAX_FRAME, |n| {
+            self.inboxes.charge(&self.inbox, n, wire::MAX_FRAME)
+        })?;
+        charge.written();
+        Ok(message)
+    }
+
     /// A link over `stream` (its handshake done, its write timeout set: a write that takes
     /// longer ends the link), with its writer thread started; its outbox counts against
     /// `outboxes`.
     #[allow(clippy::too_many_arguments)]
     fn new(
-        outboxes: &Arc<Outboxes>,
+        (outboxes, inboxes): (&Arc<Outboxes>, &Arc<Outboxes>),
         stream: TcpStream,
         sealer: Sealer,
         admission: Option<crate::transport::Admission>,
@@ -1076,6 +1099,7 @@ impl Link {
         wire::set_send_buffer(&stream, LINK_SEND_BUFFER)?;
         let handle = stream.try_clone()?;
         let queue = outboxes.queue(stream.try_clone()?, addr.clone());
+        let inbox = inboxes.queue(stream.try_clone()?, addr.clone());
         let (outbox, queued_frames) = std::sync::mpsc::channel::<Queued>();
         thread::Builder::new().name("link-writer".into()).spawn(move || {
             let mut stream = stream;
@@ -1099,6 +1123,8 @@ impl Link {
             outbox: Mutex::new((sealer, outbox)),
             queue,
             outboxes: outboxes.clone(),
+            inbox,
+            inboxes: inboxes.clone(),
             stream: handle,
             id: next_link_id(),
             alive: AtomicBool::new(true),
@@ -1273,6 +1299,8 @@ struct Engine {
     accepted: Mutex<Vec<std::sync::Weak<Link>>>,
     /// Its PDPair's outbox budget, which its links' outboxes count against.
     outboxes: Arc<Outboxes>,
+    /// Its PDPair's budget for frames its links are reading.
+    inboxes: Arc<Outboxes>,
     /// This registration's id in `Shared::locals`.
     local_id: u64,
     /// Whose share of the dial places to a prefill host its dials take: its Pod's where attested.
@@ -1450,6 +1478,7 @@ impl Engine {
             memory,
         };
         let outboxes = shared.outboxes.of(&reg.pdpair);
+        let inboxes = shared.inboxes.of(&reg.pdpair);
         let local_id = next_link_id();
         let engine = Arc::new(Engine {
             shared,
@@ -1475,6 +1504,7 @@ impl Engine {
             arrays: std::sync::OnceLock::new(),
             accepted: Mutex::new(Vec::new()),
             outboxes,
+            inboxes,
             local_id,
             dial_owner: match pod_uid {
                 Some(uid) => dials::DialOwner::Pod(uid.into()),
@@ -2204,7 +2234,7 @@ mod tests {
             d_first: 0,
         };
         let link = Link::new(
-            outboxes,
+            (outboxes, outboxes),
             ours,
             Sealer::new([7; 32]),
             None,

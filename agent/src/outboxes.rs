@@ -37,6 +37,13 @@ pub const OUTBOX_BUDGET: usize = 2 * crate::agent::LINK_OUTBOX;
 /// outboxes alone could take an agent of the chart's 1 GiB limit past it.
 pub const AGENT_OUTBOX_BUDGET: usize = 2 * OUTBOX_BUDGET;
 
+/// Bytes of frames being read on all links of one PDPair's engines on this agent, at most (a
+/// frame's length is charged before its body is read): four of the largest frames.
+pub const INBOX_BUDGET: usize = 4 * crate::wire::MAX_FRAME;
+
+/// Bytes of frames being read on all links of every pair on this agent, at most.
+pub const AGENT_INBOX_BUDGET: usize = 2 * INBOX_BUDGET;
+
 /// A frame of at most this many bytes for a link holding nothing is queued whatever the budgets
 /// hold (its writer is keeping up); a larger one makes room like any other.
 pub const FREE_FRAME: usize = 64 << 10;

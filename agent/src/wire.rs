@@ -91,6 +91,16 @@ pub fn read_frame_bytes(r: &mut impl Read, max: usize) -> Result<Vec<u8>, FrameE
 }
 
 fn read_body(r: &mut impl Read, max: usize) -> Result<Vec<u8>, FrameError> {
+    read_body_by(r, max, |_| Ok(())).map(|(body, ())| body)
+}
+
+/// [`read_body`], with `admit` asked for room for the frame's length before a byte of its body is
+/// read or allocated; what it returns (a charge) is held until the caller drops it.
+fn read_body_by<G>(
+    r: &mut impl Read,
+    max: usize,
+    admit: impl FnOnce(usize) -> Result<G, String>,
+) -> Result<(Vec<u8>, G), FrameError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Ok(()) => {}
@@ -101,9 +111,10 @@ fn read_body(r: &mut impl Read, max: usize) -> Result<Vec<u8>, FrameError> {
     if n == 0 || n > max.min(MAX_FRAME) {
         return Err(FrameError::BadLength(n));
     }
+    let admitted = admit(n).map_err(|e| FrameError::Io(io::Error::new(io::ErrorKind::OutOfMemory, e)))?;
     let mut body = vec![0u8; n];
     r.read_exact(&mut body)?;
-    Ok(body)
+    Ok((body, admitted))
 }
 
 type HmacSha256 = Hmac<Sha256>;
@@ -196,7 +207,18 @@ pub fn seal_if<T: Serialize>(
 /// Reads one sealed frame of at most `max` bytes; the tag is checked (in constant time) before
 /// the body is parsed.
 pub fn read_sealed<T: DeserializeOwned>(r: &mut impl Read, opener: &mut Opener, max: usize) -> Result<T, FrameError> {
-    let frame = read_body(r, max)?;
+    read_sealed_by(r, opener, max, |_| Ok(())).map(|(m, ())| m)
+}
+
+/// [`read_sealed`], with `admit` asked for room for the frame's length first ([`read_body_by`]);
+/// its charge comes back with the message, held while the caller wants.
+pub fn read_sealed_by<T: DeserializeOwned, G>(
+    r: &mut impl Read,
+    opener: &mut Opener,
+    max: usize,
+    admit: impl FnOnce(usize) -> Result<G, String>,
+) -> Result<(T, G), FrameError> {
+    let (frame, admitted) = read_body_by(r, max, admit)?;
     if frame.len() <= TAG_LEN {
         return Err(FrameError::BadLength(frame.len()));
     }
@@ -205,7 +227,9 @@ pub fn read_sealed<T: DeserializeOwned>(r: &mut impl Read, opener: &mut Opener, 
         .verify_slice(t)
         .map_err(|_| FrameError::BadTag(opener.seq))?;
     opener.seq += 1;
-    serde_json::from_slice(body).map_err(|e| FrameError::Malformed(e.to_string()))
+    serde_json::from_slice(body)
+        .map(|m| (m, admitted))
+        .map_err(|e| FrameError::Malformed(e.to_string()))
 }
 
 /// A TCP stream under one deadline for a whole exchange: every read and write gets only the

@@ -3905,3 +3905,36 @@ fn an_insider_cannot_make_an_agent_dial_its_stream_where_no_agent_listens() {
     }
     assert!(service.accept().is_err(), "the prefill agent connected to the service");
 }
+
+#[test]
+fn frames_an_insider_holds_back_on_many_links_are_bounded_and_the_oldest_link_goes() {
+    // A link's reader allocated a frame's length (up to 16 MiB) before its body and held it
+    // while the peer sent it, with 30 s for each read: an insider sending the largest frame on
+    // each of many links, holding back its last byte, held 16 MiB of the agent's memory per
+    // link (128 links per source and engine). Now a frame's length is charged to its pair's
+    // budget for frames being read (four of the largest) before its body is read, and over it
+    // the link longest without a frame read whole is closed.
+    use pdpair_agent::outboxes::INBOX_BUDGET;
+    let _serial = serial();
+    let w = World::new("attack-inbox");
+    let p = pull_prefill_ready(&w);
+    let max = pdpair_agent::wire::MAX_FRAME;
+    let held = INBOX_BUDGET / max;
+    let mut links: Vec<TcpStream> = Vec::new();
+    for _ in 0..2 * held {
+        let (mut s, _session) = pull_link(&p);
+        s.write_all(&(max as u32).to_be_bytes()).expect("length");
+        s.write_all(&vec![b' '; max - 1]).expect("all but the last byte");
+        links.push(s);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let closed = |s: &TcpStream| {
+        s.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
+        let mut b = [0u8; 1];
+        !matches!((&mut &*s).read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    };
+    let gone: Vec<bool> = links.iter().map(closed).collect();
+    let mut want = vec![true; held];
+    want.extend(vec![false; held]);
+    assert_eq!(gone, want, "the oldest links went, the budget's worth stayed");
+}

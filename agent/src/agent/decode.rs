@@ -852,7 +852,7 @@ impl Engine {
         });
         let Session { sealer, opener, .. } = session;
         match Link::new(
-            &self.outboxes,
+            (&self.outboxes, &self.inboxes),
             stream,
             sealer,
             admission,
@@ -925,7 +925,7 @@ impl Engine {
             Err(_) => return self.lost(&link, "cannot read the side channel".into()),
         };
         loop {
-            let frame = wire::read_sealed::<Message>(&mut reader, &mut opener, wire::MAX_FRAME);
+            let frame = link.read(&mut reader, &mut opener);
             if matches!(&frame, Ok(m) if !matches!(m, Message::Ping { .. } | Message::Pong { .. })) {
                 link.used.store(crate::outboxes::now(), Ordering::SeqCst);
             }

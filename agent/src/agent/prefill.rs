@@ -539,7 +539,7 @@ impl Engine {
         let _ = stream.set_write_timeout(Some(PREFILL_SILENCE_LIMIT));
         let Session { sealer, mut opener, .. } = session;
         let Ok(link) = Link::new(
-            &self.outboxes,
+            (&self.outboxes, &self.inboxes),
             stream,
             sealer,
             admission,
@@ -587,7 +587,7 @@ impl Engine {
             link.close();
         }
         loop {
-            match wire::read_sealed::<Message>(&mut reader, &mut opener, wire::MAX_FRAME) {
+            match link.read(&mut reader, &mut opener) {
                 // An id no engine of ours could have sent is kept nowhere (and not echoed back).
                 Ok(
                     Message::Register(Registration { ref request, .. })
