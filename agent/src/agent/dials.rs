@@ -486,9 +486,27 @@ mod tests {
         let policy = |own: &str| Dialable {
             own: own.parse().expect("ip"),
             ports: Ports::Kernel("32768\t60999\n".into()),
+            kernel: "32768\t60999\n".into(),
             reserved: "50000\n".into(),
         };
         let node = policy("10.0.0.5");
+        // A peer's KV stream: at an agent's host, a port the kernel hands out.
+        let stream = |a: &str| node.check_stream(a.parse().expect("addr"));
+        assert_eq!(stream("10.0.0.7:40000"), Ok(()));
+        for (bad, why) in [
+            ("169.254.169.254:40000", "link-local"),
+            ("127.0.0.1:40000", "loopback"),
+            ("0.0.0.0:40000", "not a unicast address"),
+            ("10.0.0.7:22", "not one the kernel hands out"),
+            ("10.0.0.7:50000", "not one the kernel hands out"),
+        ] {
+            let e = stream(bad).expect_err(bad);
+            assert!(e.contains(bad) && e.contains(why), "{bad}: {e}");
+        }
+        assert_eq!(
+            policy("127.0.0.1").check_stream("127.0.0.1:40000".parse().expect("addr")),
+            Ok(())
+        );
         assert_eq!(
             node.check("10.0.0.7:40000").map(|a| a.to_string()),
             Ok("10.0.0.7:40000".into()),
@@ -554,8 +572,11 @@ mod tests {
         let ours = Dialable {
             own: "10.0.0.5".parse().expect("ip"),
             ports: Ports::Configured(low..=low + 3),
+            kernel: "32768\t60999\n".into(),
             reserved: String::new(),
         };
+        // Streams listen at port 0 whatever the side channels' range.
+        assert_eq!(ours.check_stream("10.0.0.7:40000".parse().expect("addr")), Ok(()));
         assert!(ours.check(&format!("10.0.0.7:{}", low + 3)).is_ok());
         for port in [low - 1, low + 4, 22] {
             let addr = format!("10.0.0.7:{port}");
@@ -571,6 +592,7 @@ mod tests {
         let local = Dialable {
             own: host,
             ports: Ports::Configured(low..=low + 4),
+            kernel: String::new(),
             reserved: format!("{}\n", low + 2),
         };
         let mut bound: Vec<TcpListener> = Vec::new();
