@@ -16,6 +16,20 @@ use std::{
 
 use crate::lock;
 
+/// The source a connection from `ip` counts against: an IPv4 address (one mapped into IPv6
+/// too), or an IPv6 address's /64, the smallest block a network hands one host (SLAAC, and a
+/// cloud's per-interface prefixes): counted by whole address, one host holding a /64 took every
+/// slot of the budget from 64 of its addresses.
+pub fn source(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => {
+            let prefix = u128::from(v6) & !((1u128 << 64) - 1);
+            IpAddr::V6(std::net::Ipv6Addr::from(prefix))
+        }
+        v4 => v4,
+    }
+}
+
 /// A connection a budget can hold a handle to and shut down.
 pub trait Connection: Sized {
     /// Another handle on the same connection.
@@ -196,6 +210,17 @@ mod tests {
 
     fn ip(i: u8) -> IpAddr {
         Ipv4Addr::new(10, 0, 0, i).into()
+    }
+
+    #[test]
+    fn an_ipv6_hosts_addresses_are_one_source_and_a_mapped_ipv4_is_its_ipv4() {
+        let at = |a: &str| source(a.parse().expect("ip"));
+        assert_eq!(at("2001:db8:1:2::1"), at("2001:db8:1:2:ffff:ffff:ffff:ffff"));
+        assert_eq!(at("2001:db8:1:2::1"), at("2001:db8:1:2::"));
+        assert_ne!(at("2001:db8:1:2::1"), at("2001:db8:1:3::1"));
+        assert_eq!(at("::ffff:10.0.0.7"), at("10.0.0.7"));
+        assert_eq!(at("10.0.0.7"), "10.0.0.7".parse::<IpAddr>().expect("ip"));
+        assert_ne!(at("10.0.0.7"), at("10.0.0.8"));
     }
 
     #[test]

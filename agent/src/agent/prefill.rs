@@ -374,7 +374,7 @@ impl Engine {
                 break;
             }
             let Ok(stream) = stream else { continue };
-            let Ok(source) = stream.peer_addr().map(|a| a.ip()) else {
+            let Ok(source) = stream.peer_addr().map(|a| crate::unproven::source(a.ip())) else {
                 continue;
             };
             // Authenticated links are bounded per source too: an insider cannot multiply the
@@ -418,7 +418,12 @@ impl Engine {
         accepted
             .iter()
             .filter_map(std::sync::Weak::upgrade)
-            .filter(|l| l.alive.load(Ordering::SeqCst) && l.addr.parse::<SocketAddr>().is_ok_and(|a| a.ip() == source))
+            .filter(|l| {
+                l.alive.load(Ordering::SeqCst)
+                    && l.addr
+                        .parse::<SocketAddr>()
+                        .is_ok_and(|a| crate::unproven::source(a.ip()) == source)
+            })
             .count()
     }
 

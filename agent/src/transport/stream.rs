@@ -1284,7 +1284,7 @@ fn accept_loop(listener: TcpListener, inner: Weak<Inner>, unproven: &Arc<crate::
                 continue;
             }
         };
-        let Some(from) = c.peer_addr().ok().map(|a| a.ip()) else {
+        let Some(from) = c.peer_addr().ok().map(|a| crate::unproven::source(a.ip())) else {
             continue;
         };
         // Closed unread over the budget; when it is full, a source holding fewer takes the
