@@ -3062,18 +3062,50 @@ fn registrations_waiting_on_all_of_an_engines_links_are_bounded_and_the_heaviest
 
 #[test]
 fn an_engines_links_are_bounded_in_all_and_the_least_used_gives_way_to_a_decode_asking_for_work() {
-    let _serial = serial();
     // Links are bounded per source, not across addresses: an insider holding many addresses
     // opened links (two threads each) without end. Past the engine's bound, a decode that
     // authenticated takes the place of the link whose peer asked least recently for anything.
+    links_past_the_engines_bound(false);
+}
+
+#[test]
+fn renewals_and_reads_of_nothing_do_not_keep_a_link_in_use() {
+    // Any message but a ping counted as use: an insider's links sending renewals and read ends
+    // of requests that do not exist stayed fresh, and honest links gave way first.
+    links_past_the_engines_bound(true);
+}
+
+/// A prefill engine's links filled to its bound from several sources, the first of them (when
+/// `junk`) sending renewals and read ends of nothing; then a decode asking for work gets in, and
+/// the first link, the least used, gives way.
+fn links_past_the_engines_bound(junk: bool) {
+    let _serial = serial();
     use pdpair_agent::agent::{MAX_LINKS_PER_ENGINE, MAX_LINKS_PER_SOURCE};
     pdpair_agent::tuning::raise_fd_limit().expect("descriptors for a thousand links");
     let w = World::new("attack-engine-links");
     // A lease of a minute: "r" stays ready while a thousand links are opened.
     let p = pull_prefill_ready_leased(&w, 60_000);
-    let idle: Vec<_> = (0..MAX_LINKS_PER_ENGINE)
+    let mut idle: Vec<_> = (0..MAX_LINKS_PER_ENGINE)
         .map(|i| pull_link_from(&p, [127, 0, 1, 2 + (i / MAX_LINKS_PER_SOURCE) as u8]))
         .collect();
+    if junk {
+        let (s, session) = &mut idle[0];
+        for i in 0..3 {
+            let request = format!("nothing{i}");
+            session
+                .send(
+                    s,
+                    &Message::Renew {
+                        request: request.clone(),
+                        prompt: None,
+                    },
+                )
+                .expect("renew");
+            session
+                .send(s, &Message::Released { request, bytes: 1 })
+                .expect("released");
+        }
+    }
     std::thread::sleep(Duration::from_millis(200));
     assert!(idle.iter().all(|(s, _)| !closed_by_listener(s)), "every link is held");
     // A decode asking for work gets in and is served; the first idle link gave way.

@@ -607,14 +607,24 @@ impl Engine {
                     link.send(&Message::Pong { seq });
                 }
                 Ok(m) => {
-                    // Asked something: this link is in use (a full engine keeps it).
-                    link.used.store(crate::outboxes::now(), Ordering::SeqCst);
-                    match m {
-                        Message::Register(reg) => self.registration(&link, reg),
+                    // Asked something: this link is in use (a full engine keeps it). Not for a
+                    // renewal or a read's end of nothing this engine holds for it: an insider's
+                    // links kept fresh that way would make honest ones give way first.
+                    let used = match m {
+                        Message::Register(reg) => {
+                            self.registration(&link, reg);
+                            true
+                        }
                         Message::Released { request, bytes } => self.released(&link, request, bytes),
-                        Message::Release { request, prompt } => self.decode_released(&link, request, prompt),
+                        Message::Release { request, prompt } => {
+                            self.decode_released(&link, request, prompt);
+                            true
+                        }
                         Message::Renew { request, prompt } => self.renewed(&request, prompt),
-                        _ => {}
+                        _ => false,
+                    };
+                    if used {
+                        link.used.store(crate::outboxes::now(), Ordering::SeqCst);
                     }
                 }
                 Err(e) => {
@@ -637,7 +647,7 @@ impl Engine {
 
     /// Pull: a decode rank has read a request's blocks; once every decode rank has, the prefill
     /// engine may reuse them.
-    fn released(&self, link: &Link, request: String, bytes: u64) {
+    fn released(&self, link: &Link, request: String, bytes: u64) -> bool {
         // Only a link the blocks were lent to releases them, once: another decode agent of the
         // pair cannot end a request it was not served. Only in pull: in push the link is being
         // pushed to, and its Released would end the request under a running push.
@@ -663,6 +673,7 @@ impl Engine {
             self.transferred(bytes);
             self.finish(request, Ok((bytes, 0)));
         }
+        lent
     }
 
     /// Starts serving a ready request to one registration: counts it in flight and says how
@@ -899,7 +910,8 @@ impl Engine {
     /// again, up to [`MAX_HOLD_LEASES`] leases after the KvReady in all, so no peer can pin a
     /// pool's blocks forever. A renewal of another prompt (a decode given the request id with
     /// its own prompt, queued) holds nothing.
-    fn renewed(&self, request: &str, prompt: Option<PromptDigest>) {
+    /// Whether it renewed a request.
+    fn renewed(&self, request: &str, prompt: Option<PromptDigest>) -> bool {
         let lease = self.lease();
         if let Some(s) = lock(&self.matching).ready.get_mut(request)
             && s.in_flight == 0
@@ -907,7 +919,9 @@ impl Engine {
             && s.ready.since.elapsed() < lease * MAX_HOLD_LEASES
         {
             s.renewed = Some(Instant::now());
+            return true;
         }
+        false
     }
 
     /// Tells the engine how a request every expected decode rank is done with ended.
