@@ -1056,6 +1056,10 @@ struct Link {
     /// P side: registrations of this link waiting for their KvReady, and their blocks
     /// (`prefill::Held`).
     waiting: Arc<(std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsize)>,
+    /// P side: how many decode ranks take KV from this prefill rank, from the two handshakes
+    /// ([`protocol::decode_ranks_served`]), worked out once: a peer of tensor parallelism 1024
+    /// made it a thousand layouts per `Release` it sent.
+    decode_ranks: std::sync::OnceLock<u32>,
 }
 
 /// Bytes a link holds for its peer, at most (two of the largest frames): a peer that lets more
@@ -1137,6 +1141,7 @@ impl Link {
             addr,
             heads,
             waiting: Default::default(),
+            decode_ranks: std::sync::OnceLock::new(),
         })
     }
 

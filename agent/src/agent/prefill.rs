@@ -698,9 +698,7 @@ impl Engine {
                 return Some(Err(refusal));
             }
         };
-        let expected = *serving
-            .expected
-            .get_or_insert_with(|| protocol::decode_ranks_served(&self.local, &link.peer));
+        let expected = *serving.expected.get_or_insert_with(|| self.decode_ranks(link));
         let why = if serving.cancelled {
             Some("was cancelled by the prefill engine".to_owned())
         } else if serving.released_by.contains(&link.id) {
@@ -819,7 +817,7 @@ impl Engine {
     /// the request id with another prompt, winding down the registration prefill refused it):
     /// it only withdraws that link's own waiting registration.
     fn decode_released(&self, link: &Link, request: String, prompt: Option<PromptDigest>) {
-        let expected = protocol::decode_ranks_served(&self.local, &link.peer);
+        let expected = self.decode_ranks(link);
         let concluded = {
             let mut matching = lock(&self.matching);
             let gone = matching.gone.contains_key(&request);
@@ -910,6 +908,14 @@ impl Engine {
     /// again, up to [`MAX_HOLD_LEASES`] leases after the KvReady in all, so no peer can pin a
     /// pool's blocks forever. A renewal of another prompt (a decode given the request id with
     /// its own prompt, queued) holds nothing.
+    /// How many decode ranks take KV from this prefill rank, as `link`'s peer sees it (once per
+    /// link).
+    fn decode_ranks(&self, link: &Link) -> u32 {
+        *link
+            .decode_ranks
+            .get_or_init(|| protocol::decode_ranks_served(&self.local, &link.peer))
+    }
+
     /// Whether it renewed a request.
     fn renewed(&self, request: &str, prompt: Option<PromptDigest>) -> bool {
         let lease = self.lease();
