@@ -88,23 +88,34 @@ pub fn pod_of_pid(pid: i32) -> Result<PodIdentity, String> {
 }
 
 /// The Pod identity of the process at the other end of an engine connection, read as it is
-/// accepted: the process id the kernel recorded at connect (`SO_PEERCRED`), and that process's
-/// cgroup now, not seconds later when it registers (a process that connected and exited could
-/// have its pid taken by another Pod's process by then). The process is held by a pidfd while
-/// its cgroup is read; one that has already exited is refused (its pid may be another's).
+/// accepted: that process's cgroup now, not seconds later when it registers. The process is the
+/// one the kernel recorded at connect, held by a pidfd while its cgroup is read: `SO_PEERPIDFD`
+/// (Linux 6.5) names that very process, so one that connected and exited, its pid since taken by
+/// another Pod's process, is refused; only where the kernel has no `SO_PEERPIDFD` does the pid
+/// from `SO_PEERCRED` get opened (`pidfd_open`), which cannot tell the two apart.
 #[allow(unsafe_code)]
 pub fn pod_of_peer(stream: &std::os::unix::net::UnixStream) -> Result<PodIdentity, String> {
-    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let pid = crate::memory::pool::peer_pid(stream).ok_or("cannot read the engine's process id (SO_PEERCRED)")?;
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    let pidfd = (raw >= 0).then(|| {
-        // SAFETY: a descriptor pidfd_open just returned, owned by nothing else.
-        unsafe { OwnedFd::from_raw_fd(raw as i32) }
-    });
-    let identity = pod_of_pid(pid)?;
+    let exited = || format!("the engine process (pid {pid}) exited as it connected");
+    let pidfd = match peer_pidfd(stream) {
+        Ok(fd) => Some(fd),
+        // The kernel has no SO_PEERPIDFD: the pid, as it is now.
+        Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => {
+            // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+            let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+            (raw >= 0).then(|| {
+                // SAFETY: a descriptor pidfd_open just returned, owned by nothing else.
+                unsafe { OwnedFd::from_raw_fd(raw as i32) }
+            })
+        }
+        // The process that connected is gone (reaped): its pid may be another's.
+        Err(_) => return Err(exited()),
+    };
+    // Read, then checked: the process still running after the read is the one read. (And one
+    // that has exited is told as that, whatever the read found of the pid's new holder.)
+    let identity = pod_of_pid(pid);
     if let Some(fd) = pidfd {
-        use std::os::fd::AsRawFd;
         let mut poll = libc::pollfd {
             fd: fd.as_raw_fd(),
             events: libc::POLLIN,
@@ -113,10 +124,36 @@ pub fn pod_of_peer(stream: &std::os::unix::net::UnixStream) -> Result<PodIdentit
         // SAFETY: one valid pollfd, no wait. A pidfd polls readable once its process exited.
         let ready = unsafe { libc::poll(&mut poll, 1, 0) };
         if ready != 0 {
-            return Err(format!("the engine process (pid {pid}) exited as it connected"));
+            return Err(exited());
         }
     }
-    Ok(identity)
+    identity
+}
+
+/// Linux's `SO_PEERPIDFD` (6.5): a pidfd of the process that connected a Unix socket.
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// A pidfd of the process at the other end of `stream`, as the kernel recorded it at connect.
+#[allow(unsafe_code)]
+fn peer_pidfd(stream: &std::os::unix::net::UnixStream) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: a valid socket fd, an out-buffer of `len` bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&raw mut fd).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor the kernel just made for us, owned by nothing else.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }
 
 /// Checks engine registrations against the Pods they run in.

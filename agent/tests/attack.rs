@@ -3970,3 +3970,48 @@ fn frames_an_insider_holds_back_on_many_links_are_bounded_and_the_oldest_link_go
     want.extend(vec![false; held]);
     assert_eq!(gone, want, "the oldest links went, the budget's worth stayed");
 }
+
+#[test]
+fn a_process_that_connects_and_exits_is_not_taken_for_the_one_that_gets_its_pid() {
+    // The agent attests an engine by the process that connected: its pid from SO_PEERCRED, then
+    // its cgroup. A process that connected and exited before the agent read it could have its
+    // pid taken by another (another Pod's) process, whose cgroup was then read for it. The
+    // connecting process itself is held now (SO_PEERPIDFD). Here the pid is handed on at once
+    // (ns_last_pid, as root), and the connection must be refused as the first process's.
+    use std::os::unix::net::{UnixListener, UnixStream};
+    let _serial = serial();
+    let w = World::new("attack-pid-reuse");
+    let path = w.dir.join("engine.sock");
+    let listener = UnixListener::bind(&path).expect("listen");
+    let mut tries = Vec::new();
+    for _ in 0..20 {
+        // The first process connects and exits; the connection waits in the listener's backlog.
+        let mut first = std::process::Command::new("python3")
+            .args([
+                "-c",
+                "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])",
+            ])
+            .arg(&path)
+            .spawn()
+            .expect("python3");
+        let pid = first.id();
+        assert!(first.wait().expect("wait").success());
+        // Its pid goes to a second process, which stays.
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
+            .expect("ns_last_pid (the test runs as root)");
+        let mut second = std::process::Command::new("sleep").arg("5").spawn().expect("sleep");
+        let (stream, _) = listener.accept().expect("accept");
+        let took = second.id() == pid;
+        let attested = pdpair_agent::attest::pod_of_peer(&stream);
+        let _ = second.kill();
+        let _ = second.wait();
+        drop::<UnixStream>(stream);
+        if took {
+            let e = attested.expect_err("the first process is gone");
+            assert!(e.contains("exited as it connected"), "{e}");
+            return;
+        }
+        tries.push((pid, second.id()));
+    }
+    panic!("the pid never went to the second process: {tries:?}");
+}
