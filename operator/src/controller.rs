@@ -675,6 +675,7 @@ where
 }
 
 /// Everything the controller needs from `run`.
+#[derive(Clone)]
 pub struct Setup {
     /// The API client.
     pub client: Client,
@@ -686,6 +687,21 @@ pub struct Setup {
     pub events: Publisher,
     /// What engine pods need to reach their node agent.
     pub wiring: plan::Wiring,
+    /// The one namespace whose PDPairs (and their Deployments, Pods and PDEndpoints) it watches;
+    /// `None`: every namespace.
+    pub namespace: Option<String>,
+}
+
+/// `K`s of `namespace`, or of every namespace.
+fn api<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
 }
 
 impl std::fmt::Debug for Setup {
@@ -705,15 +721,13 @@ pub fn controller(
     impl std::future::Future<Output = ()> + Send,
 ) {
     let client = setup.client.clone();
-    let pdpairs: Api<PDPair> = Api::all(client.clone());
-    let deployments: Api<Deployment> = Api::all(client.clone());
+    let ns = setup.namespace.as_deref();
+    let pdpairs: Api<PDPair> = api(&client, ns);
+    let deployments: Api<Deployment> = api(&client, ns);
     let (pod_reader, pod_writer) = reflector::store::<Pod>();
     let pods = reflector::reflector(
         pod_writer,
-        watcher(
-            Api::<Pod>::all(client.clone()),
-            watcher::Config::default().labels(LABEL_NAME),
-        ),
+        watcher(api::<Pod>(&client, ns), watcher::Config::default().labels(LABEL_NAME)),
     )
     .default_backoff()
     .touched_objects();
@@ -727,7 +741,7 @@ pub fn controller(
     let (endpoint_reader, endpoint_writer) = reflector::store::<PDEndpoint>();
     let endpoints = reflector::reflector(
         endpoint_writer,
-        watcher(Api::<PDEndpoint>::all(client.clone()), watcher::Config::default()),
+        watcher(api::<PDEndpoint>(&client, ns), watcher::Config::default()),
     )
     .default_backoff()
     .touched_objects();

@@ -69,6 +69,12 @@ pub struct RunOptions {
     /// Where generated certificates are written.
     #[arg(long, value_name = "DIR")]
     pub cert_dir: Option<PathBuf>,
+    /// Watch and reconcile only the PDPairs of these namespaces (repeat the flag, or separate
+    /// with commas), each with watches of its own: the operator then needs its rights only
+    /// there (the chart's `operator.watchNamespaces` binds them by RoleBindings). Unset: every
+    /// namespace. The webhook validates PDPairs in every namespace either way.
+    #[arg(long = "namespace", value_name = "NS", value_delimiter = ',')]
+    pub namespaces: Vec<String>,
     /// Namespace of the leader Lease.
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub lease_namespace: String,
@@ -291,7 +297,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         }
     });
 
-    let (controller, synced) = controller::controller(Setup {
+    let setup = Setup {
         client,
         leader: leader_rx,
         metrics,
@@ -300,7 +306,24 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
             socket_group: (opts.agent_socket_group != 0).then_some(i64::from(opts.agent_socket_group)),
             socket_dir: Some(opts.agent_socket_dir.clone()),
         },
-    });
+        namespace: None,
+    };
+    let scopes: Vec<Option<String>> = match opts.namespaces.is_empty() {
+        true => vec![None],
+        false => opts.namespaces.iter().cloned().map(Some).collect(),
+    };
+    let (controllers, synced): (Vec<_>, Vec<_>) = scopes
+        .into_iter()
+        .map(|namespace| {
+            controller::controller(Setup {
+                namespace,
+                ..setup.clone()
+            })
+        })
+        .unzip();
+    // Any one stopping stops the operator, as the one controller's did.
+    let controller = futures::FutureExt::map(futures::future::select_all(controllers.into_iter().map(Box::pin)), drop);
+    let synced = futures::future::join_all(synced);
     let synced_health = Arc::clone(&health);
     tokio::spawn(async move {
         synced.await;

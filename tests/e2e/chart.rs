@@ -422,6 +422,54 @@ fn a_pod_monitor_scrapes_every_agent_pod_for_the_dashboards_agent_panels() {
 }
 
 #[test]
+fn watched_namespaces_are_the_only_ones_the_operator_and_agents_have_rights_in_and_the_webhook_reviews() {
+    let namespaces = ["team-a", "team-b"];
+    let objs = render(&["operator.watchNamespaces={team-a,team-b}"]).expect("renders");
+    assert!(
+        find(&objs, "ClusterRoleBinding", "").is_none(),
+        "no right anywhere but the watched namespaces"
+    );
+    for component in ["operator", "agent"] {
+        let role = get(&objs, "ClusterRole", component);
+        let mut bound: Vec<&str> = objs
+            .iter()
+            .filter(|o| o["kind"] == "RoleBinding" && o["roleRef"]["name"] == role["metadata"]["name"])
+            .map(|b| {
+                assert_eq!(b["roleRef"]["kind"], "ClusterRole");
+                assert_eq!(
+                    b["subjects"][0]["name"].as_str(),
+                    role["metadata"]["name"].as_str(),
+                    "its own ServiceAccount"
+                );
+                b["metadata"]["namespace"].as_str().expect("namespaced")
+            })
+            .collect();
+        bound.sort();
+        assert_eq!(bound, namespaces, "{component}'s rights");
+    }
+    assert!(operator_args(&objs).contains(&"--namespace=team-a,team-b".to_owned()));
+    let selector = &get(&objs, "ValidatingWebhookConfiguration", "rel-pdpair")["webhooks"][0]["namespaceSelector"];
+    let only = selector["matchExpressions"]
+        .as_sequence()
+        .expect("expressions")
+        .iter()
+        .find(|e| e["key"] == "kubernetes.io/metadata.name")
+        .expect("the watched namespaces");
+    assert_eq!(only["operator"], "In");
+    assert_eq!(
+        only["values"],
+        serde_yaml::from_str::<serde_yaml::Value>("[team-a, team-b]").expect("yaml")
+    );
+    // Unset: every namespace, by ClusterRoleBindings, and no --namespace.
+    let objs = render(&[]).expect("renders");
+    assert!(find(&objs, "RoleBinding", "pdpair-operator").is_none());
+    assert!(
+        find(&objs, "ClusterRoleBinding", "operator").is_some() && find(&objs, "ClusterRoleBinding", "agent").is_some()
+    );
+    assert!(!operator_args(&objs).iter().any(|a| a.starts_with("--namespace")));
+}
+
+#[test]
 fn certificate_modes() {
     let objs = render(&["webhook.certificates.mode=cert-manager"]).expect("renders");
     let hook = get(&objs, "ValidatingWebhookConfiguration", "rel-pdpair");
@@ -547,6 +595,8 @@ fn bad_values_fail_with_the_path_and_the_value() {
         ("agent.ucx.extraEnv.UCX_A:B=1", "/agent/ucx/extraEnv"),
         ("operator.typo=1", "typo"),
         ("webhook.clientCA=not a certificate", "/webhook/clientCA"),
+        ("operator.watchNamespaces={Team-A}", "/operator/watchNamespaces/0"),
+        ("operator.watchNamespaces={a,a}", "/operator/watchNamespaces"),
     ] {
         let e = render(&[set]).expect_err(set);
         assert!(e.contains(want), "{set}: {e}");

@@ -280,3 +280,33 @@ fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back()
     });
     assert!(op.counter("pdpair_operator_deployment_applies_total") > applies);
 }
+
+#[test]
+fn an_operator_of_some_namespaces_runs_their_pairs_and_leaves_the_others_alone() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (watched, also, other) = (namespace("watched"), namespace("also-watched"), namespace("unwatched"));
+    let scope = format!("{watched},{also}");
+    let _op = Operator::start_args("scoped", &["--namespace", &scope]);
+    for ns in [&watched, &also, &other] {
+        kubectl_ok(
+            &["apply", "-f", "-"],
+            Some(&manifest("compatible-push.yaml", ns, |_| {})),
+        );
+    }
+    for ns in [&watched, &also] {
+        eventually(WAIT, "the watched pair's children and status", || {
+            let p = get_json("pdpair", ns, "llama-8b")?;
+            condition(&p, "GeometryCompatible")?;
+            get_json("deployment", ns, "llama-8b-decode")?;
+            get_json("secret", ns, "llama-8b-pairing")
+        });
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    let pair = get_json("pdpair", &other, "llama-8b").expect("stored");
+    assert!(
+        pair["status"].is_null(),
+        "another namespace's pair got a status: {pair}"
+    );
+    assert!(get_json("deployment", &other, "llama-8b-decode").is_none());
+    assert!(get_json("secret", &other, "llama-8b-pairing").is_none());
+}

@@ -221,7 +221,12 @@ impl Operator {
 
     /// Like [`Operator::start`], on a given webhook port (to come back where a previous one was).
     pub fn start_on(identity: &str, webhook_port: u16) -> Operator {
-        Operator::start_with(identity, webhook_port, None)
+        Operator::start_with(identity, webhook_port, None, &[])
+    }
+
+    /// Like [`Operator::start`], with more arguments to `pdpair-operator run`.
+    pub fn start_args(identity: &str, extra: &[&str]) -> Operator {
+        Operator::start_with(identity, free_port(), None, extra)
     }
 
     /// A free port for a webhook the test configures itself (e.g. through the Helm chart).
@@ -232,10 +237,15 @@ impl Operator {
     /// Starts an operator serving the given certificate files, without `--install`: something
     /// else (the Helm chart) installed the CRDs and the webhook configuration.
     pub fn start_serving(identity: &str, webhook_port: u16, cert: &std::path::Path, key: &std::path::Path) -> Operator {
-        Operator::start_with(identity, webhook_port, Some((cert.to_path_buf(), key.to_path_buf())))
+        Operator::start_with(
+            identity,
+            webhook_port,
+            Some((cert.to_path_buf(), key.to_path_buf())),
+            &[],
+        )
     }
 
-    fn start_with(identity: &str, webhook_port: u16, tls: Option<(PathBuf, PathBuf)>) -> Operator {
+    fn start_with(identity: &str, webhook_port: u16, tls: Option<(PathBuf, PathBuf)>, extra: &[&str]) -> Operator {
         let admin_port = free_port();
         let bin = root().join("target/debug/pdpair-operator");
         assert!(
@@ -259,7 +269,8 @@ impl Operator {
             // Only the API server, with the client certificate hack/control-plane.sh gave it,
             // reaches the webhook.
             .arg("--webhook-client-ca")
-            .arg(dir().join("pki/webhook-client-ca.crt"));
+            .arg(dir().join("pki/webhook-client-ca.crt"))
+            .args(extra);
         match &tls {
             Some((cert, key)) => {
                 cmd.arg("--tls-cert").arg(cert).arg("--tls-key").arg(key);

@@ -59,3 +59,31 @@ capabilities:
 seccompProfile:
   type: RuntimeDefault
 {{- end -}}
+
+{{- /* A component's ClusterRole bound everywhere, or, with operator.watchNamespaces, by a
+RoleBinding in each of those namespaces only. */ -}}
+{{- define "pdpair.bindings" -}}
+{{- $root := .root -}}
+{{- $name := printf "%s-%s" (include "pdpair.fullname" $root) .component -}}
+{{- $scopes := $root.Values.operator.watchNamespaces | default (list "") -}}
+{{- range $scopes }}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: {{ if . }}RoleBinding{{ else }}ClusterRoleBinding{{ end }}
+metadata:
+  name: {{ $name }}
+  {{- if . }}
+  namespace: {{ . }}
+  {{- end }}
+  labels:
+    {{- include "pdpair.labels" $root | nindent 4 }}
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: ClusterRole
+  name: {{ $name }}
+subjects:
+  - kind: ServiceAccount
+    name: {{ $name }}
+    namespace: {{ $root.Release.Namespace }}
+{{- end }}
+{{- end -}}
