@@ -16,18 +16,12 @@ use std::{
 
 use crate::lock;
 
-/// The source a connection from `ip` counts against: an IPv4 address (one mapped into IPv6
-/// too), or an IPv6 address's /64, the smallest block a network hands one host (SLAAC, and a
-/// cloud's per-interface prefixes): counted by whole address, one host holding a /64 took every
-/// slot of the budget from 64 of its addresses.
+/// The source a connection from `ip` counts against: the address, an IPv4 address mapped into
+/// IPv6 as its IPv4 (one host, one source, however it connects). Not an IPv6 address's /64: that
+/// is one network segment (SLAAC hands every host on a link the same /64, and a cloud's IPv6
+/// subnet is one), so keyed by it every node of a subnet shared one source's places.
 pub fn source(ip: IpAddr) -> IpAddr {
-    match ip.to_canonical() {
-        IpAddr::V6(v6) => {
-            let prefix = u128::from(v6) & !((1u128 << 64) - 1);
-            IpAddr::V6(std::net::Ipv6Addr::from(prefix))
-        }
-        v4 => v4,
-    }
+    ip.to_canonical()
 }
 
 /// A connection a budget can hold a handle to and shut down.
@@ -213,14 +207,13 @@ mod tests {
     }
 
     #[test]
-    fn an_ipv6_hosts_addresses_are_one_source_and_a_mapped_ipv4_is_its_ipv4() {
+    fn a_mapped_ipv4_is_its_ipv4_and_ipv6_hosts_of_one_subnet_are_sources_of_their_own() {
         let at = |a: &str| source(a.parse().expect("ip"));
-        assert_eq!(at("2001:db8:1:2::1"), at("2001:db8:1:2:ffff:ffff:ffff:ffff"));
-        assert_eq!(at("2001:db8:1:2::1"), at("2001:db8:1:2::"));
-        assert_ne!(at("2001:db8:1:2::1"), at("2001:db8:1:3::1"));
         assert_eq!(at("::ffff:10.0.0.7"), at("10.0.0.7"));
         assert_eq!(at("10.0.0.7"), "10.0.0.7".parse::<IpAddr>().expect("ip"));
         assert_ne!(at("10.0.0.7"), at("10.0.0.8"));
+        // Two nodes of one /64 (SLAAC, a cloud subnet).
+        assert_ne!(at("2001:db8:1:2::1"), at("2001:db8:1:2::2"));
     }
 
     #[test]
