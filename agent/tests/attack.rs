@@ -3909,26 +3909,23 @@ fn an_insider_cannot_make_an_agent_dial_its_stream_where_no_agent_listens() {
     // A handshake's KV stream address (`pdpair-tcp:IP:PORT`) was dialled as given: an insider
     // holding the pair's key named a node service on loopback, or the metadata address, and
     // the prefill agent, on the host's network, connected there and said in its refusal
-    // whether something listened. Now only where a KV stream can listen (an agent's host, a
-    // port the kernel hands out), refused before any connection, naming the address.
+    // whether something listened. Now only where a KV stream can listen (an agent's host, not
+    // loopback unless the agent listens there, a port from 1024 no node service has), refused
+    // before any connection, naming the address. (The agents here listen on loopback: the
+    // service is below 1024, which needs root.)
     let _serial = serial();
     let w = World::new("attack-stream-dial");
     let p = prefill_on(&w, Transport::Tcp);
-    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
-    let low: u16 = range
-        .split_whitespace()
-        .next()
-        .and_then(|l| l.parse().ok())
-        .unwrap_or(32768);
-    let service = (1024..low)
+    let service = (900..1024)
         .rev()
         .find_map(|port| TcpListener::bind(("127.0.0.1", port)).ok())
-        .expect("a free port below the ephemeral range");
+        .expect("a free port below 1024 (the test runs as root)");
     service.set_nonblocking(true).expect("nonblocking");
     let at = service.local_addr().expect("addr");
     for (address, why) in [
-        (format!("pdpair-tcp:{at}"), "not one the kernel hands out"),
-        (format!("pdpair-tcp:169.254.169.254:{}", low + 1), "link-local"),
+        (format!("pdpair-tcp:{at}"), "below 1024"),
+        ("pdpair-tcp:169.254.169.254:40000".to_owned(), "link-local"),
+        ("pdpair-tcp:10.0.0.7:10250".to_owned(), "the kubelet's"),
     ] {
         let mut claim = insider(Role::Decode);
         claim.worker_address = address.clone().into_bytes();

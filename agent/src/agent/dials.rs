@@ -125,8 +125,6 @@ pub(crate) struct Dialable {
     /// (one host's agents, as in tests and local runs).
     own: IpAddr,
     ports: Ports,
-    /// `net.ipv4.ip_local_port_range` here, where KV streams listen (port 0) whatever `ports`.
-    kernel: String,
     /// `net.ipv4.ip_local_reserved_ports` here, left out of either range.
     reserved: String,
 }
@@ -137,14 +135,12 @@ impl Dialable {
     /// agent does so once, as it starts).
     pub(crate) fn here(own: IpAddr, configured: Option<RangeInclusive<u16>>) -> Dialable {
         let read = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).unwrap_or_default();
-        let kernel = read("ip_local_port_range");
         Dialable {
             own,
             ports: match configured {
                 Some(range) => Ports::Configured(range),
-                None => Ports::Kernel(kernel.clone()),
+                None => Ports::Kernel(read("ip_local_port_range")),
             },
-            kernel,
             reserved: read("ip_local_reserved_ports"),
         }
     }
@@ -211,22 +207,26 @@ impl Dialable {
     }
 
     /// `Err` naming `sock` and why, when a peer's KV stream (a handshake's `pdpair-tcp:` address)
-    /// cannot be there: at an agent's listen host, on a port the kernel hands out (a stream
-    /// listens at port 0). A peer holding the pair's key must not make this agent, on the host's
-    /// network, connect to a node service or the metadata address, and learn from the refusal
-    /// whether one listens.
+    /// cannot be there: at an agent's listen host, on a port from 1024 that is none of
+    /// Kubernetes' node services' (a stream listens at a port the kernel of its own node hands
+    /// out, whose range this node cannot know). A peer holding the pair's key must not make this
+    /// agent, on the host's network, connect to this node's loopback services, the metadata
+    /// address or a node service, and learn from the refusal whether one listens.
     pub(crate) fn check_stream(&self, sock: SocketAddr) -> Result<(), String> {
         if let Some(why) = self.not_an_agents(sock.ip()) {
             return Err(format!(
                 "the peer's KV stream {sock} is {why}: streams listen at their agents' hosts"
             ));
         }
-        if !ephemeral(sock.port(), &self.kernel, &self.reserved) {
+        let port = sock.port();
+        if port < 1024 {
             return Err(format!(
-                "the peer's KV stream {sock}: port {} is not one the kernel hands out (net.ipv4.ip_local_port_range {:?}, less ip_local_reserved_ports {:?}), where every KV stream listens",
-                sock.port(),
-                self.kernel.trim(),
-                self.reserved.trim()
+                "the peer's KV stream {sock}: port {port} is below 1024, where services listen"
+            ));
+        }
+        if let Some((_, what)) = NODE_SERVICE_PORTS.iter().find(|(p, _)| *p == port) {
+            return Err(format!(
+                "the peer's KV stream {sock}: port {port} is {what}'s, not a KV stream's"
             ));
         }
         Ok(())
@@ -486,19 +486,22 @@ mod tests {
         let policy = |own: &str| Dialable {
             own: own.parse().expect("ip"),
             ports: Ports::Kernel("32768\t60999\n".into()),
-            kernel: "32768\t60999\n".into(),
             reserved: "50000\n".into(),
         };
         let node = policy("10.0.0.5");
-        // A peer's KV stream: at an agent's host, a port the kernel hands out.
+        // A peer's KV stream: at an agent's host, a port from 1024 no node service has (its
+        // node's ephemeral range may not be this one's).
         let stream = |a: &str| node.check_stream(a.parse().expect("addr"));
-        assert_eq!(stream("10.0.0.7:40000"), Ok(()));
+        for good in ["10.0.0.7:40000", "10.0.0.7:1024", "10.0.0.7:20000"] {
+            assert_eq!(stream(good), Ok(()), "{good}");
+        }
         for (bad, why) in [
             ("169.254.169.254:40000", "link-local"),
             ("127.0.0.1:40000", "loopback"),
             ("0.0.0.0:40000", "not a unicast address"),
-            ("10.0.0.7:22", "not one the kernel hands out"),
-            ("10.0.0.7:50000", "not one the kernel hands out"),
+            ("10.0.0.7:22", "below 1024"),
+            ("10.0.0.7:10250", "the kubelet's"),
+            ("10.0.0.7:2379", "etcd's"),
         ] {
             let e = stream(bad).expect_err(bad);
             assert!(e.contains(bad) && e.contains(why), "{bad}: {e}");
@@ -572,7 +575,6 @@ mod tests {
         let ours = Dialable {
             own: "10.0.0.5".parse().expect("ip"),
             ports: Ports::Configured(low..=low + 3),
-            kernel: "32768\t60999\n".into(),
             reserved: String::new(),
         };
         // Streams listen at port 0 whatever the side channels' range.
@@ -592,7 +594,6 @@ mod tests {
         let local = Dialable {
             own: host,
             ports: Ports::Configured(low..=low + 4),
-            kernel: String::new(),
             reserved: format!("{}\n", low + 2),
         };
         let mut bound: Vec<TcpListener> = Vec::new();
