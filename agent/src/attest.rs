@@ -110,7 +110,8 @@ pub fn pod_of_peer(stream: &std::os::unix::net::UnixStream) -> Result<PodIdentit
             })
         }
         // The process that connected is gone (reaped): its pid may be another's.
-        Err(_) => return Err(exited()),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ESRCH)) => return Err(exited()),
+        Err(e) => return Err(format!("cannot hold the engine process (pid {pid}, SO_PEERPIDFD): {e}")),
     };
     // Read, then checked: the process still running after the read is the one read. (And one
     // that has exited is told as that, whatever the read found of the pid's new holder.)
@@ -149,8 +150,11 @@ fn peer_pidfd(stream: &std::os::unix::net::UnixStream) -> std::io::Result<std::o
             &mut len,
         )
     };
-    if rc != 0 || fd < 0 {
+    if rc != 0 {
         return Err(std::io::Error::last_os_error());
+    }
+    if fd < 0 {
+        return Err(std::io::Error::other(format!("SO_PEERPIDFD gave descriptor {fd}")));
     }
     // SAFETY: a descriptor the kernel just made for us, owned by nothing else.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
