@@ -3070,8 +3070,8 @@ fn an_engines_links_are_bounded_in_all_and_the_least_used_gives_way_to_a_decode_
 
 #[test]
 fn renewals_and_reads_of_nothing_do_not_keep_a_link_in_use() {
-    // Any message but a ping counted as use: an insider's links sending renewals and read ends
-    // of requests that do not exist stayed fresh, and honest links gave way first.
+    // Any message but a ping counted as use: an insider's links sending renewals, read ends and
+    // releases of requests that do not exist stayed fresh, and honest links gave way first.
     links_past_the_engines_bound(true);
 }
 
@@ -3102,8 +3102,22 @@ fn links_past_the_engines_bound(junk: bool) {
                 )
                 .expect("renew");
             session
-                .send(s, &Message::Released { request, bytes: 1 })
+                .send(
+                    s,
+                    &Message::Released {
+                        request: request.clone(),
+                        bytes: 1,
+                    },
+                )
                 .expect("released");
+            session
+                .send(s, &Message::Release { request, prompt: None })
+                .expect("release");
+        }
+        // Each release is answered (and kept, for a request that may yet be ready).
+        for _ in 0..3 {
+            let answer = session.recv(s).expect("an answer");
+            assert!(matches!(answer, Message::ReleaseDone { .. }), "{answer:?}");
         }
     }
     std::thread::sleep(Duration::from_millis(200));

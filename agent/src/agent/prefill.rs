@@ -616,10 +616,7 @@ impl Engine {
                             true
                         }
                         Message::Released { request, bytes } => self.released(&link, request, bytes),
-                        Message::Release { request, prompt } => {
-                            self.decode_released(&link, request, prompt);
-                            true
-                        }
+                        Message::Release { request, prompt } => self.decode_released(&link, request, prompt),
                         Message::Renew { request, prompt } => self.renewed(&request, prompt),
                         _ => false,
                     };
@@ -816,7 +813,26 @@ impl Engine {
     /// A release whose prompt digest is not the request's counts for nothing (a decode given
     /// the request id with another prompt, winding down the registration prefill refused it):
     /// it only withdraws that link's own waiting registration.
-    fn decode_released(&self, link: &Link, request: String, prompt: Option<PromptDigest>) {
+    /// Whether the release was of something this engine holds for the link: a ready request of
+    /// its prompt, or a registration the link has waiting (not a release kept for a request not
+    /// ready, which anyone may send of any id).
+    fn decode_released(&self, link: &Link, request: String, prompt: Option<PromptDigest>) -> bool {
+        let real = {
+            let matching = lock(&self.matching);
+            matching
+                .ready
+                .get(&request)
+                .is_some_and(|s| check_prompt(prompt.as_ref(), s.ready.prompt.as_ref()).is_ok())
+                || matching
+                    .registered
+                    .get(&request)
+                    .is_some_and(|w| w.iter().any(|(l, ..)| l.id == link.id))
+        };
+        self.release_for(link, request, prompt);
+        real
+    }
+
+    fn release_for(&self, link: &Link, request: String, prompt: Option<PromptDigest>) {
         let expected = self.decode_ranks(link);
         let concluded = {
             let mut matching = lock(&self.matching);
