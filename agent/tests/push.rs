@@ -501,7 +501,8 @@ fn an_engine_pool_is_taken_only_as_a_sealed_memfd_never_a_path() {
         "{message}"
     );
     // As many bytes allocated as the geometry needs, but past the ones it maps: the agent would
-    // fault in every page it maps. Refused, naming the hole.
+    // fault in every page it maps. Refused, naming what is backed of those it maps. (The memfd
+    // allocated with fallocate below, never written, is taken.)
     let after = pdpair_agent::memory::pool::sealed_memfd(2 * need).expect("memfd");
     // SAFETY: fallocate within the memfd's size.
     #[allow(unsafe_code)]
@@ -516,7 +517,7 @@ fn an_engine_pool_is_taken_only_as_a_sealed_memfd_never_a_path() {
     assert_eq!(rc, 0, "fallocate");
     let message = register_raw(&s, &good, Some(after), None);
     assert!(
-        message.contains(&format!("first {need} bytes")) && message.contains("a hole at byte 0"),
+        message.contains(&format!("has 0 of the {need} bytes the geometry needs (its first ones")),
         "{message}"
     );
     let backed = pdpair_agent::memory::pool::backed_memfd(need).expect("memfd");

@@ -96,12 +96,19 @@ impl Pool {
             ));
         }
         // The first `need` bytes, the ones mapped: a memfd twice as long, allocated only past
-        // them (or past its end, `FALLOC_FL_KEEP_SIZE`), passed the count above.
-        let hole = first_hole(&file).map_err(|e| format!("the pool descriptor: {e}"))?;
-        if hole < need as u64 {
-            return Err(format!(
-                "the pool descriptor's first {need} bytes (what the geometry needs) are not all backed by memory: a hole at byte {hole}; write every page of them (or fallocate and then touch every page) before registering"
-            ));
+        // them (or past its end, `FALLOC_FL_KEEP_SIZE`), passed the count above. The kernel
+        // counts the pages of that range it holds (cachestat, Linux 6.5; where it has none, the
+        // count above stands alone).
+        match pages_held(&file, need) {
+            Ok(held) if held < need.div_ceil(PAGE) as u64 => {
+                return Err(format!(
+                    "the pool descriptor has {} of the {need} bytes the geometry needs (its first ones, which the agent maps) backed by memory: allocate them (fallocate, or write every page) before registering; the agent does not fault in an engine's memory",
+                    held.saturating_mul(PAGE as u64)
+                ));
+            }
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {}
+            Err(e) => return Err(format!("the pool descriptor: counting its pages: {e}")),
         }
         Pool::register_memfd(ucx, file, need, Origin::EngineMemfd)
     }
@@ -202,19 +209,20 @@ pub fn seals(fd: BorrowedFd<'_>) -> libc::c_int {
     s.max(0)
 }
 
-/// [`sealed_memfd`] with its pages written (zeros), as an engine passes its own pool: charged to
-/// the process that makes it. Written, not only allocated (`fallocate`): the agent takes pages
-/// that were never written nor faulted in for holes.
+/// [`sealed_memfd`] with its pages allocated (`fallocate`), as an engine passes its own pool:
+/// charged to the process that makes it.
+#[allow(unsafe_code)]
 pub fn backed_memfd(len: usize) -> Result<File, String> {
-    use std::os::unix::fs::FileExt;
+    use std::os::fd::AsRawFd;
     let file = sealed_memfd(len)?;
-    let zeros = vec![0u8; len.min(1 << 20)];
-    let mut at = 0;
-    while at < len {
-        let n = zeros.len().min(len - at);
-        file.write_all_at(&zeros[..n], at as u64)
-            .map_err(|e| format!("writing the pool memfd: {e}"))?;
-        at += n;
+    let len = libc::off_t::try_from(len).map_err(|_| format!("a pool of {len} bytes"))?;
+    // SAFETY: fallocate on a valid memfd, within its size (it is sealed against growing).
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+    if rc != 0 {
+        return Err(format!(
+            "allocating the pool memfd: {}",
+            std::io::Error::last_os_error()
+        ));
     }
     Ok(file)
 }
@@ -246,15 +254,42 @@ pub fn sealed_memfd(len: usize) -> Result<File, String> {
     Ok(file)
 }
 
-/// Where `file`'s first hole starts (its length where it has none): a page no memory backs, or
-/// one allocated with `fallocate` and never written nor faulted in (the kernel counts that as a
-/// hole too, and st_blocks as allocated).
+/// Bytes per page, as the kernel counts a memory file's.
+const PAGE: usize = 4096;
+
+/// Pages of `file`'s first `len` bytes the kernel holds in memory (`cachestat`, Linux 6.5): a
+/// page allocated with `fallocate` counts, one never allocated (a hole) does not, nor one
+/// swapped out.
 #[allow(unsafe_code)]
-fn first_hole(file: &File) -> std::io::Result<u64> {
+fn pages_held(file: &File, len: usize) -> std::io::Result<u64> {
     use std::os::fd::AsRawFd;
-    // SAFETY: lseek on a valid descriptor; only its offset changes, which nothing here uses.
-    let at = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_HOLE) };
-    u64::try_from(at).map_err(|_| std::io::Error::last_os_error())
+    #[repr(C)]
+    struct Range {
+        off: u64,
+        len: u64,
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct CacheStat {
+        cache: u64,
+        dirty: u64,
+        writeback: u64,
+        evicted: u64,
+        recently_evicted: u64,
+    }
+    // cachestat's number on every architecture of the generic syscall table and on x86_64.
+    const SYS_CACHESTAT: libc::c_long = 451;
+    let range = Range {
+        off: 0,
+        len: len as u64,
+    };
+    let mut stat = CacheStat::default();
+    // SAFETY: a valid descriptor, a range and a result struct of the kernel's layout, no flags.
+    let rc = unsafe { libc::syscall(SYS_CACHESTAT, file.as_raw_fd(), &raw const range, &raw mut stat, 0u32) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(stat.cache)
 }
 
 fn open_no_follow(path: &Path) -> Result<File, String> {
