@@ -432,7 +432,7 @@ impl Agent {
                     crate::outboxes::OUTBOX_BUDGET,
                     crate::outboxes::AGENT_OUTBOX_BUDGET,
                 ),
-                inboxes: crate::outboxes::Budgets::new(
+                inboxes: crate::outboxes::Budgets::inbound(
                     crate::outboxes::INBOX_BUDGET,
                     crate::outboxes::AGENT_INBOX_BUDGET,
                 ),
@@ -1079,9 +1079,12 @@ impl Link {
     /// ([`Link::inbox`]): over the budgets, of the links holding the most of a frame, the one
     /// longest without a frame read whole is closed (this one's read fails when that is itself).
     fn read(&self, reader: &mut impl std::io::Read, opener: &mut wire::Opener) -> Result<Message, wire::FrameError> {
-        let (message, charge) = wire::read_sealed_by(reader, opener, wire::MAX_FRAME, |n| {
-            self.inboxes.charge(&self.inbox, n, wire::MAX_FRAME)
+        // Up to the frame's length and then what decoding its values holds past it, twice a
+        // frame's bound at most ([`wire::read_sealed_by`]).
+        let (message, (charge, more)) = wire::read_sealed_by(reader, opener, wire::MAX_FRAME, |n| {
+            self.inboxes.charge(&self.inbox, n, 2 * wire::MAX_FRAME)
         })?;
+        drop(more);
         charge.written();
         Ok(message)
     }

@@ -379,7 +379,9 @@ pub fn decode_request(frame: &[u8], max_values: usize) -> Result<EngineRequest, 
 mod scan {
     use std::{cell::Cell, fmt};
 
-    use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+
+    use crate::wire::Count;
 
     #[derive(Debug, Default)]
     pub struct Head {
@@ -398,66 +400,6 @@ mod scan {
             request,
             values: values.get(),
         })
-    }
-
-    /// Counts a value and everything in it.
-    #[derive(Clone, Copy)]
-    struct Count<'a>(&'a Cell<usize>);
-
-    impl Count<'_> {
-        fn one(self) {
-            self.0.set(self.0.get().saturating_add(1));
-        }
-    }
-
-    impl<'de> DeserializeSeed<'de> for Count<'_> {
-        type Value = ();
-        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-            d.deserialize_any(self)
-        }
-    }
-
-    impl<'de> Visitor<'de> for Count<'_> {
-        type Value = ();
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a JSON value")
-        }
-        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
-            self.one();
-            Ok(())
-        }
-        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
-            self.one();
-            Ok(())
-        }
-        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
-            self.one();
-            Ok(())
-        }
-        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
-            self.one();
-            Ok(())
-        }
-        fn visit_str<E>(self, _: &str) -> Result<(), E> {
-            self.one();
-            Ok(())
-        }
-        fn visit_unit<E>(self) -> Result<(), E> {
-            self.one();
-            Ok(())
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-            self.one();
-            while seq.next_element_seed(self)?.is_some() {}
-            Ok(())
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-            self.one();
-            while map.next_key::<IgnoredAny>()?.is_some() {
-                map.next_value_seed(self)?;
-            }
-            Ok(())
-        }
     }
 
     /// A top-level key: the two read, or another.

@@ -45,13 +45,16 @@ pub const INBOX_BUDGET: usize = 4 * crate::wire::MAX_FRAME;
 pub const AGENT_INBOX_BUDGET: usize = 2 * INBOX_BUDGET;
 
 /// A frame of at most this many bytes for a link holding nothing is queued whatever the budgets
-/// hold (its writer is keeping up); a larger one makes room like any other.
+/// hold (its writer is keeping up); a larger one makes room like any other. Frames being read
+/// have no such pass: a link's reader holds at most one, so links x this would be unbounded.
 pub const FREE_FRAME: usize = 64 << 10;
 
 /// Every pair's budget on this agent, and the agent's over them all.
 #[derive(Debug)]
 pub struct Budgets {
     budget: usize,
+    /// Of frames being read, not queued ([`Budgets::inbound`]).
+    inbound: bool,
     by_pair: Mutex<HashMap<String, Weak<Outboxes>>>,
     all: Arc<Outboxes>,
 }
@@ -61,8 +64,23 @@ impl Budgets {
     pub fn new(budget: usize, total: usize) -> Budgets {
         Budgets {
             budget,
+            inbound: false,
             by_pair: Mutex::new(HashMap::new()),
             all: Outboxes::new(total),
+        }
+    }
+
+    /// Budgets of frames being read (each link's reader charges the one it reads), not queued:
+    /// no frame goes free, and the messages say so.
+    pub fn inbound(budget: usize, total: usize) -> Budgets {
+        Budgets {
+            budget,
+            inbound: true,
+            by_pair: Mutex::new(HashMap::new()),
+            all: Arc::new(Outboxes {
+                inbound: true,
+                ..Outboxes::unbound(total)
+            }),
         }
     }
 
@@ -75,6 +93,7 @@ impl Budgets {
         all.retain(|_, o| o.strong_count() > 0);
         let o = Arc::new(Outboxes {
             parent: Some(self.all.clone()),
+            inbound: self.inbound,
             ..Outboxes::unbound(self.budget)
         });
         all.insert(pdpair.to_owned(), Arc::downgrade(&o));
@@ -86,6 +105,8 @@ impl Budgets {
 #[derive(Debug)]
 pub struct Outboxes {
     budget: usize,
+    /// Counts frames being read ([`Budgets::inbound`]).
+    inbound: bool,
     /// The agent's budget, which this one's bytes count against too.
     parent: Option<Arc<Outboxes>>,
     total: AtomicUsize,
@@ -195,6 +216,7 @@ impl Outboxes {
     fn unbound(budget: usize) -> Outboxes {
         Outboxes {
             budget,
+            inbound: false,
             parent: None,
             total: AtomicUsize::new(0),
             queues: Mutex::new(Vec::new()),
@@ -240,7 +262,7 @@ impl Outboxes {
         // A large frame makes room even for a link holding nothing: otherwise each of an
         // insider's links, reading a few bytes per write timeout, held one 16 MiB frame past
         // every budget.
-        if mine > 0 || len > FREE_FRAME {
+        if mine > 0 || len > FREE_FRAME || self.inbound {
             for o in self.levels() {
                 if o.total() + len > o.budget {
                     o.make_room(queue, len)?;
@@ -256,6 +278,14 @@ impl Outboxes {
             outboxes: self.clone(),
             len,
         })
+    }
+
+    /// What this budget's links hold, for messages.
+    fn what(&self, held: usize) -> String {
+        match self.inbound {
+            true => format!("are reading {held} bytes of frames from their peers"),
+            false => format!("hold {held} bytes for their peers"),
+        }
     }
 
     /// Whose links this budget counts, for messages.
@@ -298,16 +328,18 @@ impl Outboxes {
                     peer = %q.peer,
                     held = q.queued(),
                     idle_ms,
-                    "{} links hold {held} bytes for their peers, over the {} budget; closed the one of those holding the most that made no progress for longest",
+                    "{} links {}, over the {} budget; closed the one of those holding the most that made no progress for longest",
                     self.whose(),
+                    self.what(held),
                     self.budget
                 );
                 q.close();
                 Ok(())
             }
             _ => Err(format!(
-                "{} links hold {held} bytes for their peers, over the {} budget, and of those holding the most this peer's has made no progress for longest",
+                "{} links {}, over the {} budget, and of those holding the most this peer's has made no progress for longest",
                 self.whose(),
+                self.what(held),
                 self.budget
             )),
         }

@@ -44,6 +44,12 @@ pub const NONCE_LEN: usize = 32;
 /// The most bytes of a UCX worker address or packed remote key accepted from a peer.
 pub const MAX_UCX_BLOB: usize = 8 << 10;
 
+/// Bytes of a sealed `Handshake` frame, at most: the largest, 128 regions each with a UCX key
+/// of [`MAX_UCX_BLOB`] bytes in hex and a worker address as large, is under 2.2 MiB. (Read
+/// before the connection counts among its source's links, by as many connections as have
+/// authenticated: each holds one such frame until the handshake's deadline.)
+pub const MAX_HANDSHAKE_FRAME: usize = 4 << 20;
+
 /// One side-channel message.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type")]
@@ -588,6 +594,12 @@ impl Session {
     pub fn recv(&mut self, r: &mut impl Read) -> Result<Message, FrameError> {
         wire::read_sealed(r, &mut self.opener, wire::MAX_FRAME)
     }
+
+    /// [`Session::recv`] of a handshake, at most [`MAX_HANDSHAKE_FRAME`] bytes: it is read before
+    /// the connection counts as a link of its source, so it holds no more than a handshake needs.
+    pub fn recv_handshake(&mut self, r: &mut impl Read) -> Result<Message, FrameError> {
+        wire::read_sealed(r, &mut self.opener, MAX_HANDSHAKE_FRAME)
+    }
 }
 
 type HmacSha256 = Hmac<Sha256>;
@@ -1079,7 +1091,7 @@ pub fn handshake_decode(
     local: &PeerInfo,
 ) -> Result<PeerInfo, HandshakeError> {
     session.send(stream, &Message::Handshake(Box::new(local.clone())))?;
-    let peer = match session.recv(stream)? {
+    let peer = match session.recv_handshake(stream)? {
         Message::Handshake(peer) => *peer,
         other => return Err(unexpected("Handshake", &other)),
     };
@@ -1106,7 +1118,7 @@ pub fn handshake_prefill_vetted(
     local: &PeerInfo,
     vet: impl FnOnce(&PeerInfo) -> Option<(Vec<Reason>, String)>,
 ) -> Result<PeerInfo, HandshakeError> {
-    let peer = match session.recv(stream)? {
+    let peer = match session.recv_handshake(stream)? {
         Message::Handshake(peer) => *peer,
         other => return Err(unexpected("Handshake", &other)),
     };

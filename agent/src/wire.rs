@@ -207,7 +207,7 @@ pub fn seal_if<T: Serialize>(
 /// Reads one sealed frame of at most `max` bytes; the tag is checked (in constant time) before
 /// the body is parsed.
 pub fn read_sealed<T: DeserializeOwned>(r: &mut impl Read, opener: &mut Opener, max: usize) -> Result<T, FrameError> {
-    read_sealed_by(r, opener, max, |_| Ok(())).map(|(m, ())| m)
+    read_sealed_by(r, opener, max, |_| Ok(())).map(|(m, _)| m)
 }
 
 /// [`read_sealed`], with `admit` asked for room for the frame's length first ([`read_body_by`]);
@@ -216,9 +216,9 @@ pub fn read_sealed_by<T: DeserializeOwned, G>(
     r: &mut impl Read,
     opener: &mut Opener,
     max: usize,
-    admit: impl FnOnce(usize) -> Result<G, String>,
-) -> Result<(T, G), FrameError> {
-    let (frame, admitted) = read_body_by(r, max, admit)?;
+    mut admit: impl FnMut(usize) -> Result<G, String>,
+) -> Result<(T, (G, Option<G>)), FrameError> {
+    let (frame, admitted) = read_body_by(r, max, &mut admit)?;
     if frame.len() <= TAG_LEN {
         return Err(FrameError::BadLength(frame.len()));
     }
@@ -227,8 +227,24 @@ pub fn read_sealed_by<T: DeserializeOwned, G>(
         .verify_slice(t)
         .map_err(|_| FrameError::BadTag(opener.seq))?;
     opener.seq += 1;
+    // Decoding holds every value at once: counted first, keeping none, and charged where they
+    // cost more than the frame's length; at most twice the bound on a frame's length in all (a
+    // frame of 8M zeros took 16 times its length).
+    let values = json_values(body).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    let cost = values.saturating_mul(VALUE_COST);
+    let bound = 2 * max.min(MAX_FRAME);
+    if cost > bound {
+        return Err(FrameError::Malformed(format!(
+            "the frame holds {values} JSON values; at most {}",
+            bound / VALUE_COST
+        )));
+    }
+    let more = match cost.checked_sub(frame.len()).filter(|&n| n > 0) {
+        Some(n) => Some(admit(n).map_err(|e| FrameError::Io(io::Error::new(io::ErrorKind::OutOfMemory, e)))?),
+        None => None,
+    };
     serde_json::from_slice(body)
-        .map(|m| (m, admitted))
+        .map(|m| (m, (admitted, more)))
         .map_err(|e| FrameError::Malformed(e.to_string()))
 }
 
@@ -672,5 +688,80 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
         drop(conn);
         let _ = slow.join();
+    }
+}
+
+/// Bytes decoding holds per JSON value of a frame, about (serde's buffer for an internally
+/// tagged enum, or a tree): a frame is charged this per value where that is more than its length.
+pub const VALUE_COST: usize = 32;
+
+/// How many JSON values (numbers, strings, arrays, objects, each element counted) `bytes` hold,
+/// in one pass that keeps none of them.
+pub fn json_values(bytes: &[u8]) -> Result<usize, serde_json::Error> {
+    use serde::de::Deserializer as _;
+    let values = std::cell::Cell::new(0);
+    let mut d = serde_json::Deserializer::from_slice(bytes);
+    d.deserialize_any(Count(&values))?;
+    d.end()?;
+    Ok(values.get())
+}
+
+/// Counts a value and everything in it ([`json_values`]).
+#[derive(Clone, Copy)]
+pub(crate) struct Count<'a>(pub(crate) &'a std::cell::Cell<usize>);
+
+impl Count<'_> {
+    pub(crate) fn one(self) {
+        self.0.set(self.0.get().saturating_add(1));
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Count<'_> {
+    type Value = ();
+    fn deserialize<D: serde::de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Count<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        self.one();
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        self.one();
+        Ok(())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        self.one();
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        self.one();
+        Ok(())
+    }
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        self.one();
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        self.one();
+        Ok(())
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        self.one();
+        while seq.next_element_seed(self)?.is_some() {}
+        Ok(())
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        self.one();
+        while map.next_key::<serde::de::IgnoredAny>()?.is_some() {
+            map.next_value_seed(self)?;
+        }
+        Ok(())
     }
 }

@@ -4026,3 +4026,43 @@ fn a_process_that_connects_and_exits_is_not_taken_for_the_one_that_gets_its_pid(
     }
     panic!("the pid never went to the second process: {tries:?}");
 }
+
+#[test]
+fn a_side_channel_frame_of_many_small_values_costs_its_length_not_many_times_it() {
+    // Decoding a frame holds every value at once (serde's buffer, 32 bytes or so each): an
+    // insider's Register of 4M zero block ids, an 8 MiB frame, took the agent some 150 MiB,
+    // past what the budget for frames being read counted, on each of its links at once. Now
+    // the values are counted first, keeping none, and a frame whose decoding would pass twice
+    // a frame's bound is refused and its link closed.
+    let _serial = serial();
+    let w = World::new("attack-link-values");
+    let (agent, ps) = ProcessAgent::start(&w, "p");
+    let mut pull = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    pull.mode = TransferMode::Pull;
+    let p = SyntheticEngine::register(&ps, &w.dir, &pull).expect("P");
+    let mut me = insider(Role::Decode);
+    me.mode = TransferMode::Pull;
+    me.worker_address = b"pdpair-tcp:127.0.0.1:9".to_vec();
+    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("auth");
+    protocol::handshake_decode(&mut s, &mut session, &me).expect("handshake");
+    let before = vm_hwm_kib(agent.0.id());
+    session
+        .send(
+            &mut s,
+            &Message::Register(Registration {
+                request: "many".into(),
+                blocks: vec![0; 4 << 20],
+                num_tokens: 100,
+                first_token: 0,
+                prompt: None,
+            }),
+        )
+        .expect("register");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let mut b = [0u8; 1];
+    assert!(matches!((&mut &s).read(&mut b), Ok(0) | Err(_)), "the link stays open");
+    let grew_mib = vm_hwm_kib(agent.0.id()).saturating_sub(before) >> 10;
+    println!("prefill agent peak grew {grew_mib} MiB for an 8 MiB frame of 4M values");
+    assert!(grew_mib < 64, "the agent's peak memory grew {grew_mib} MiB");
+}

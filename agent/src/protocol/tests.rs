@@ -625,3 +625,54 @@ fn a_proven_peer_is_told_so_only_after_the_listener_was() {
         total - at_proof
     );
 }
+
+#[test]
+fn the_largest_handshake_fits_its_bound_and_a_frame_of_many_values_is_refused() {
+    // 128 regions with keys of the largest UCX blob, a worker address as large, 1024 layers,
+    // names at their bounds: read back whole within MAX_HANDSHAKE_FRAME.
+    let mut p = info(Role::Decode, 16);
+    p.worker_address = vec![0xab; MAX_UCX_BLOB];
+    p.kv.model = "m".repeat(1024);
+    p.stream_address = format!("pdpair-tcp:[{}]:65535", "f".repeat(39));
+    p.memory.regions = (0..crate::layout::MAX_REGIONS as u64)
+        .map(|i| RegionDesc {
+            base: u64::MAX - i,
+            len: u64::MAX,
+            rkey: vec![0xcd; MAX_UCX_BLOB],
+        })
+        .collect();
+    p.memory.layers = (0..crate::layout::MAX_LAYERS)
+        .map(|l| LayerAt {
+            region: l,
+            k: u64::MAX,
+            v: Some(u64::MAX),
+            block_stride: u64::MAX,
+        })
+        .collect();
+    let key = [7; 32];
+    let mut frame = Vec::new();
+    wire::write_sealed(
+        &mut frame,
+        &mut wire::Sealer::new(key),
+        &Message::Handshake(Box::new(p.clone())),
+    )
+    .expect("seal");
+    assert!(frame.len() < MAX_HANDSHAKE_FRAME, "{} bytes", frame.len());
+    let back = wire::read_sealed::<Message>(&mut frame.as_slice(), &mut wire::Opener::new(key), MAX_HANDSHAKE_FRAME);
+    assert_eq!(back.ok(), Some(Message::Handshake(Box::new(p))));
+    // A frame whose values would take decoding past twice its bound, however short its text
+    // (the object, its type, seq and pad, and pad's zeros).
+    let values = 2 * MAX_HANDSHAKE_FRAME / wire::VALUE_COST + 1;
+    let text = format!(r#"{{"type":"Ping","seq":1,"pad":[{}]}}"#, vec!["0"; values].join(","));
+    let mut many = Vec::new();
+    wire::write_sealed(
+        &mut many,
+        &mut wire::Sealer::new(key),
+        &serde_json::from_str::<serde_json::Value>(&text).expect("json"),
+    )
+    .expect("seal");
+    match wire::read_sealed::<Message>(&mut many.as_slice(), &mut wire::Opener::new(key), MAX_HANDSHAKE_FRAME) {
+        Err(wire::FrameError::Malformed(e)) => assert!(e.contains(&format!("holds {} JSON values", values + 4)), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}
