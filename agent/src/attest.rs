@@ -230,7 +230,7 @@ impl Attestor {
 /// A registration's `pdpair` (`namespace/name`, or `name` in `default`) as the namespace and
 /// name, each a Kubernetes name: they go into the API server's URLs, where `..` or a `/` could
 /// name another object than the registration does.
-fn pdpair_name(pdpair: &str) -> Result<(&str, &str), String> {
+pub(crate) fn pdpair_name(pdpair: &str) -> Result<(&str, &str), String> {
     let (namespace, name) = pdpair.split_once('/').unwrap_or(("default", pdpair));
     kubernetes_name("pdpair's namespace", namespace, 63, false)?;
     kubernetes_name("pdpair's name", name, 253, true)?;
@@ -239,7 +239,7 @@ fn pdpair_name(pdpair: &str) -> Result<(&str, &str), String> {
 
 /// `Err` naming `field` and `value` unless it is a DNS-1123 label (`dots`: subdomain) of at most
 /// `max` bytes, as Kubernetes names its objects.
-fn kubernetes_name(field: &str, value: &str, max: usize, dots: bool) -> Result<(), String> {
+pub(crate) fn kubernetes_name(field: &str, value: &str, max: usize, dots: bool) -> Result<(), String> {
     let ok_char = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || (dots && c == '.');
     let ends = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
     if value.len() <= max && value.chars().all(ok_char) && ends(value.chars().next()) && ends(value.chars().last()) {

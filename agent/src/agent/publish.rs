@@ -156,11 +156,13 @@ pub fn endpoint_name(pod: &str, engine: &str) -> String {
     }
 }
 
-fn split_pair(pdpair: &str) -> (String, String) {
-    match pdpair.split_once('/') {
-        Some((ns, name)) => (ns.to_owned(), name.to_owned()),
-        None => ("default".to_owned(), pdpair.to_owned()),
-    }
+/// The namespace and name of a registration's PDPair, and its Pod's name, each a Kubernetes
+/// name: they go into the API server's URLs. Checked here too, not only by attestation, which
+/// `--no-attest` leaves out while publishing goes on.
+fn where_published(pdpair: &str, pod: &str) -> Result<(String, String), String> {
+    let (namespace, name) = crate::attest::pdpair_name(pdpair)?;
+    crate::attest::kubernetes_name("pod", pod, 253, true)?;
+    Ok((namespace.to_owned(), name.to_owned()))
 }
 
 async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube::Error> {
@@ -170,7 +172,13 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
     let Some(pod_name) = engine.reg.pod.clone() else {
         return Ok(());
     };
-    let (namespace, pair) = split_pair(&engine.reg.pdpair);
+    let (namespace, pair) = match where_published(&engine.reg.pdpair, &pod_name) {
+        Ok(at) => at,
+        Err(why) => {
+            tracing::warn!(engine = %engine.reg.engine, "not publishing a PDEndpoint: {why}");
+            return Ok(());
+        }
+    };
     let name = endpoint_name(&pod_name, &engine.reg.engine);
     let api: Api<PDEndpoint> = Api::namespaced(client.clone(), &namespace);
     if !entry.created {
@@ -285,7 +293,17 @@ mod tests {
             assert!(name.starts_with(|c: char| c.is_ascii_alphanumeric()), "{name}");
             assert!(name.ends_with(|c: char| c.is_ascii_alphanumeric()), "{name}");
         }
-        assert_eq!(split_pair("team-a/llama"), ("team-a".to_owned(), "llama".to_owned()));
-        assert_eq!(split_pair("llama"), ("default".to_owned(), "llama".to_owned()));
+        assert_eq!(
+            where_published("team-a/llama", "vllm-0"),
+            Ok(("team-a".to_owned(), "llama".to_owned()))
+        );
+        assert_eq!(
+            where_published("llama", "vllm-0"),
+            Ok(("default".to_owned(), "llama".to_owned()))
+        );
+        // With --no-attest nothing else checks them before they go into a URL.
+        for (pdpair, pod) in [("victim/../x", "p"), ("team-a/llama", "../../x/pods/p"), ("a/b/c", "p")] {
+            assert!(where_published(pdpair, pod).is_err(), "{pdpair} {pod}");
+        }
     }
 }
