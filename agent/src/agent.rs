@@ -312,6 +312,18 @@ impl Shared {
         self.dialable.check_stream(sock)
     }
 
+    /// What a peer hears when this agent cannot connect to its memory at `address`: for a KV
+    /// stream, not why (refused, no greeting, not a stream), which would tell an insider naming
+    /// addresses whether something listens there; the agent logs it.
+    fn memory_unreachable(&self, address: &[u8], error: String) -> String {
+        if !crate::transport::stream::is_stream_address(address) {
+            return error;
+        }
+        let at = String::from_utf8_lossy(address);
+        tracing::info!(%at, %error, "cannot reach a peer's KV stream");
+        format!("cannot reach the peer's KV stream at {at} (this agent's log says why)")
+    }
+
     fn check_local_peer(&self, pdpair: &str, peer: &PeerInfo) -> Result<(), String> {
         let at_ours = [
             self.transport.address(),
@@ -1079,10 +1091,15 @@ impl Link {
     /// ([`Link::inbox`]): over the budgets, of the links holding the most of a frame, the one
     /// longest without a frame read whole is closed (this one's read fails when that is itself).
     fn read(&self, reader: &mut impl std::io::Read, opener: &mut wire::Opener) -> Result<Message, wire::FrameError> {
-        // Up to the frame's length and then what decoding its values holds past it, twice a
-        // frame's bound at most ([`wire::read_sealed_by`]).
+        // Up to the frame's length and then what decoding its values holds past it
+        // ([`wire::MAX_DECODE_COST`] at most). Once the frame is read whole the link has made
+        // progress: among links holding the most, it is not the one closed for the rest.
+        let mut read = false;
         let (message, (charge, more)) = wire::read_sealed_by(reader, opener, wire::MAX_FRAME, |n| {
-            self.inboxes.charge(&self.inbox, n, 2 * wire::MAX_FRAME)
+            if std::mem::replace(&mut read, true) {
+                self.inbox.touch();
+            }
+            self.inboxes.charge(&self.inbox, n, wire::MAX_DECODE_COST)
         })?;
         drop(more);
         charge.written();

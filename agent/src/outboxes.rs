@@ -197,6 +197,11 @@ impl Queue {
         let _ = self.stream.shutdown(Shutdown::Both);
     }
 
+    /// It made progress now (an inbox: a frame read whole).
+    pub fn touch(&self) {
+        self.progress.store(now(), Ordering::SeqCst);
+    }
+
     /// When its writer last finished a frame, or its outbox was last empty (microseconds).
     pub fn progress(&self) -> u64 {
         self.progress.load(Ordering::SeqCst)

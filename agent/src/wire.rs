@@ -228,11 +228,12 @@ pub fn read_sealed_by<T: DeserializeOwned, G>(
         .map_err(|_| FrameError::BadTag(opener.seq))?;
     opener.seq += 1;
     // Decoding holds every value at once: counted first, keeping none, and charged where they
-    // cost more than the frame's length; at most twice the bound on a frame's length in all (a
-    // frame of 8M zeros took 16 times its length).
+    // cost more than the frame's length; at most four times the bound on a frame's length in all
+    // (a frame of 8M zeros took 16 times its length; the largest a peer sends, every distinct
+    // block id of a pool in 16 MiB, about 2M values, fits).
     let values = json_values(body).map_err(|e| FrameError::Malformed(e.to_string()))?;
     let cost = values.saturating_mul(VALUE_COST);
-    let bound = 2 * max.min(MAX_FRAME);
+    let bound = MAX_DECODE_COST.min(4 * max);
     if cost > bound {
         return Err(FrameError::Malformed(format!(
             "the frame holds {values} JSON values; at most {}",
@@ -690,6 +691,9 @@ mod tests {
         let _ = slow.join();
     }
 }
+
+/// Bytes decoding one frame may hold, at most ([`read_sealed_by`]): four times the largest frame.
+pub const MAX_DECODE_COST: usize = 4 * MAX_FRAME;
 
 /// Bytes decoding holds per JSON value of a frame, about (serde's buffer for an internally
 /// tagged enum, or a tree): a frame is charged this per value where that is more than its length.

@@ -3119,6 +3119,21 @@ fn links_past_the_engines_bound(junk: bool) {
             let answer = session.recv(s).expect("an answer");
             assert!(matches!(answer, Message::ReleaseDone { .. }), "{answer:?}");
         }
+        // A registration prefill refuses (a block outside decode's pool) is no use either.
+        session
+            .send(
+                s,
+                &Message::Register(Registration {
+                    request: "refused".into(),
+                    blocks: vec![u32::MAX],
+                    num_tokens: 1,
+                    first_token: 0,
+                    prompt: None,
+                }),
+            )
+            .expect("register");
+        let answer = session.recv(s).expect("an answer");
+        assert!(matches!(answer, Message::Failed { .. }), "{answer:?}");
     }
     std::thread::sleep(Duration::from_millis(200));
     assert!(idle.iter().all(|(s, _)| !closed_by_listener(s)), "every link is held");
@@ -3947,6 +3962,18 @@ fn an_insider_cannot_make_an_agent_dial_its_stream_where_no_agent_listens() {
         assert!(message.contains(why), "{address}: {message}");
     }
     assert!(service.accept().is_err(), "the prefill agent connected to the service");
+    // Where a stream may be, the insider learns it could not be reached, not why (refused, no
+    // greeting, not a stream): that would say whether something listens there.
+    let nothing = TcpListener::bind("127.0.0.1:0").expect("a port");
+    let free = nothing.local_addr().expect("addr");
+    drop(nothing);
+    let mut claim = insider(Role::Decode);
+    claim.worker_address = format!("pdpair-tcp:{free}").into_bytes();
+    let message = connect_refused(&p, &claim, "a port where nothing listens");
+    assert!(
+        message.contains("cannot reach the peer's KV stream") && !message.to_lowercase().contains("refused"),
+        "{message}"
+    );
 }
 
 #[test]

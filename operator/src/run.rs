@@ -308,10 +308,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         },
         namespace: None,
     };
-    let scopes: Vec<Option<String>> = match opts.namespaces.is_empty() {
-        true => vec![None],
-        false => opts.namespaces.iter().cloned().map(Some).collect(),
-    };
+    let scopes = scopes(&opts.namespaces)?;
     let (controllers, synced): (Vec<_>, Vec<_>) = scopes
         .into_iter()
         .map(|namespace| {
@@ -368,6 +365,27 @@ async fn shutdown_signal() {
     let _ = ctrl_c.await;
 }
 
+/// The namespaces one controller each watches: every namespace (`None`) when none is given;
+/// each given one once, and each a namespace's name (an empty one would watch every namespace
+/// through a malformed URL, one named twice would be reconciled twice).
+fn scopes(namespaces: &[String]) -> anyhow::Result<Vec<Option<String>>> {
+    if namespaces.is_empty() {
+        return Ok(vec![None]);
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for ns in namespaces {
+        let label = ns.len() <= 63
+            && ns
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            && ns.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && ns.ends_with(|c: char| c.is_ascii_alphanumeric());
+        anyhow::ensure!(label, "--namespace {ns:?} is not a namespace's name (a DNS-1123 label)");
+        anyhow::ensure!(seen.insert(ns.clone()), "--namespace names {ns:?} twice");
+    }
+    Ok(seen.into_iter().map(Some).collect())
+}
+
 /// A tokio listener at `addr`.
 fn listen(addr: ListenAddr) -> std::io::Result<TcpListener> {
     let listener = addr.bind()?;
@@ -377,6 +395,26 @@ fn listen(addr: ListenAddr) -> std::io::Result<TcpListener> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn namespaces_are_each_watched_once_and_must_be_namespace_names() {
+        assert_eq!(super::scopes(&[]).expect("all"), vec![None]);
+        let two = ["b".to_owned(), "team-a".to_owned()];
+        assert_eq!(
+            super::scopes(&two).expect("two"),
+            vec![Some("b".to_owned()), Some("team-a".to_owned())]
+        );
+        for (bad, why) in [
+            (vec!["a", "a"], "names \"a\" twice"),
+            (vec![""], "\"\" is not a namespace's name"),
+            (vec!["Team"], "\"Team\" is not"),
+            (vec!["a/b"], "\"a/b\" is not"),
+        ] {
+            let names: Vec<String> = bad.iter().map(|s| (*s).to_owned()).collect();
+            let e = super::scopes(&names).expect_err(why).to_string();
+            assert!(e.contains(why), "{e}");
+        }
+    }
+
     use super::url_host;
 
     #[test]

@@ -460,6 +460,9 @@ fn watched_namespaces_are_the_only_ones_the_operator_and_agents_have_rights_in_a
         only["values"],
         serde_yaml::from_str::<serde_yaml::Value>("[team-a, team-b]").expect("yaml")
     );
+    // Before 1.21 no namespace carries the label the webhook's selector needs: refused.
+    let e = render_with(&["--kube-version", "1.20.2", "--set", "operator.watchNamespaces={team-a}"]).expect_err("1.20");
+    assert!(e.contains("needs Kubernetes 1.21"), "{e}");
     // Unset: every namespace, by ClusterRoleBindings, and no --namespace.
     let objs = render(&[]).expect("renders");
     assert!(find(&objs, "RoleBinding", "pdpair-operator").is_none());

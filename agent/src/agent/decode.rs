@@ -834,7 +834,13 @@ impl Engine {
                         let address = peer.address_for(&self.local);
                         self.shared.check_memory_address(&address)?;
                         self.transport()
-                            .connect(address, peer.memory.keys(), &session.stream_key, handshake_until)
+                            .connect(
+                                address.clone(),
+                                peer.memory.keys(),
+                                &session.stream_key,
+                                handshake_until,
+                            )
+                            .map_err(|e| self.shared.memory_unreachable(&address, e))
                     })
                     .map_err(|e| HandshakeError::Rejected {
                         reasons: vec![Reason::TransportFailed],

@@ -41,16 +41,22 @@ fn reserved_port(port: u16, reserved: &str) -> bool {
 
 /// Ports Kubernetes' own node and control-plane services listen at: a side-channel range may
 /// hold none (a decode agent would dial them at an engine's word, on any node).
-const NODE_SERVICE_PORTS: [(u16, &str); 8] = [
+const NODE_SERVICE_PORTS: [(u16, &str); 11] = [
     (2379, "etcd"),
     (2380, "etcd's peers"),
+    (2381, "etcd's metrics"),
     (6443, "the API server"),
+    (10248, "the kubelet's health"),
     (10249, "kube-proxy's metrics"),
     (10250, "the kubelet"),
+    (10255, "the kubelet's read-only port"),
     (10256, "kube-proxy's health"),
     (10257, "kube-controller-manager"),
     (10259, "kube-scheduler"),
 ];
+
+/// Kubernetes' default NodePort range: on a node's host network any Service is reached there.
+const NODE_PORTS: RangeInclusive<u16> = 30000..=32767;
 
 /// Whether `range` may be the side-channel ports: from 1024 (ports below are services' by
 /// definition), not reversed, holding none of [`NODE_SERVICE_PORTS`]. `Err` names the range and
@@ -227,6 +233,13 @@ impl Dialable {
         if let Some((_, what)) = NODE_SERVICE_PORTS.iter().find(|(p, _)| *p == port) {
             return Err(format!(
                 "the peer's KV stream {sock}: port {port} is {what}'s, not a KV stream's"
+            ));
+        }
+        if NODE_PORTS.contains(&port) {
+            return Err(format!(
+                "the peer's KV stream {sock}: port {port} is in Kubernetes' NodePort range {}-{}, where any Service is reached from the host's network",
+                NODE_PORTS.start(),
+                NODE_PORTS.end()
             ));
         }
         Ok(())
@@ -502,6 +515,8 @@ mod tests {
             ("10.0.0.7:22", "below 1024"),
             ("10.0.0.7:10250", "the kubelet's"),
             ("10.0.0.7:2379", "etcd's"),
+            ("10.0.0.7:10255", "read-only"),
+            ("10.0.0.7:31000", "NodePort range"),
         ] {
             let e = stream(bad).expect_err(bad);
             assert!(e.contains(bad) && e.contains(why), "{bad}: {e}");
@@ -556,7 +571,8 @@ mod tests {
             ("80-90", "below 1024"),
             ("0-65535", "below 1024"),
             ("41000-40000", "41000 is above 40000"),
-            ("10000-10999", "holds 10249, where kube-proxy's metrics listens"),
+            ("10000-10999", "holds 10248, where the kubelet's health listens"),
+            ("10249-10249", "holds 10249, where kube-proxy's metrics listens"),
             ("10250-10250", "holds 10250, where the kubelet listens"),
             ("2000-3000", "holds 2379, where etcd listens"),
             ("x-40000", "\"x\" is not a port"),

@@ -516,7 +516,13 @@ impl Engine {
                     let address = peer.address_for(&self.local);
                     self.shared.check_memory_address(&address)?;
                     self.transport()
-                        .connect(address, peer.memory.keys(), &session.stream_key, handshake_until)
+                        .connect(
+                            address.clone(),
+                            peer.memory.keys(),
+                            &session.stream_key,
+                            handshake_until,
+                        )
+                        .map_err(|e| self.shared.memory_unreachable(&address, e))
                 })
                 .map(Some)
         } else {
@@ -611,10 +617,7 @@ impl Engine {
                     // renewal or a read's end of nothing this engine holds for it: an insider's
                     // links kept fresh that way would make honest ones give way first.
                     let used = match m {
-                        Message::Register(reg) => {
-                            self.registration(&link, reg);
-                            true
-                        }
+                        Message::Register(reg) => self.registration(&link, reg),
                         Message::Released { request, bytes } => self.released(&link, request, bytes),
                         Message::Release { request, prompt } => self.decode_released(&link, request, prompt),
                         Message::Renew { request, prompt } => self.renewed(&request, prompt),
@@ -980,7 +983,9 @@ impl Engine {
         }
     }
 
-    fn registration(self: &Arc<Self>, link: &Arc<Link>, reg: Registration) {
+    /// Whether it was taken (served, or waiting for the KvReady): a refused one is not the
+    /// link's use.
+    fn registration(self: &Arc<Self>, link: &Arc<Link>, reg: Registration) -> bool {
         let id = reg.request.clone();
         let refuse_for = |reason: Reason, message: String| {
             link.send(&Message::Failed {
@@ -994,7 +999,8 @@ impl Engine {
             .check_remote_blocks(link, &reg.blocks)
             .and_then(|()| crate::agent::check_tokens(reg.first_token, reg.num_tokens))
         {
-            return refuse(e);
+            refuse(e);
+            return false;
         }
         let mut matching = lock(&self.matching);
         let twice = matching
@@ -1018,29 +1024,40 @@ impl Engine {
         };
         if let Some(message) = refusal {
             drop(matching);
-            return refuse(message);
+            refuse(message);
+            return false;
         }
         if matching.ready.contains_key(&reg.request) {
             let consumer = self.begin(&mut matching, link, reg);
             drop(matching);
             match consumer {
-                Some(Ok(consumer)) => self.spawn_transfer(consumer),
-                Some(Err((reason, why))) => refuse_for(reason, why),
-                None => {}
+                Some(Ok(consumer)) => {
+                    self.spawn_transfer(consumer);
+                    true
+                }
+                Some(Err((reason, why))) => {
+                    refuse_for(reason, why);
+                    false
+                }
+                None => false,
             }
         } else {
             // Under the matching lock: the check and the count are one step.
             matching.make_room(&link.waiting, reg.blocks.len());
             match Held::take(link, &matching.waiting, reg.blocks.len()) {
-                Ok(held) => matching.registered.entry(reg.request.clone()).or_default().push((
-                    link.clone(),
-                    reg,
-                    Instant::now(),
-                    held,
-                )),
+                Ok(held) => {
+                    matching.registered.entry(reg.request.clone()).or_default().push((
+                        link.clone(),
+                        reg,
+                        Instant::now(),
+                        held,
+                    ));
+                    true
+                }
                 Err((reason, why)) => {
                     drop(matching);
                     refuse_for(reason, why);
+                    false
                 }
             }
         }

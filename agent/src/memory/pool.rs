@@ -99,15 +99,20 @@ impl Pool {
         // them (or past its end, `FALLOC_FL_KEEP_SIZE`), passed the count above. The kernel
         // counts the pages of that range it holds (cachestat, Linux 6.5; where it has none, the
         // count above stands alone).
+        let page = page_size();
         match pages_held(&file, need) {
-            Ok(held) if held < need.div_ceil(PAGE) as u64 => {
+            Ok(held) if held < need.div_ceil(page) as u64 => {
                 return Err(format!(
                     "the pool descriptor has {} of the {need} bytes the geometry needs (its first ones, which the agent maps) backed by memory: allocate them (fallocate, or write every page) before registering; the agent does not fault in an engine's memory",
-                    held.saturating_mul(PAGE as u64)
+                    held.saturating_mul(page as u64)
                 ));
             }
             Ok(_) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {}
+            // No cachestat (before Linux 6.5, or a seccomp profile without it), or a file it does
+            // not count (hugetlbfs): the allocated size above stands alone.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM | libc::EOPNOTSUPP)) => {
+                tracing::debug!(error = %e, "cannot count an engine pool's pages (cachestat); took its allocated size");
+            }
             Err(e) => return Err(format!("the pool descriptor: counting its pages: {e}")),
         }
         Pool::register_memfd(ucx, file, need, Origin::EngineMemfd)
@@ -254,8 +259,14 @@ pub fn sealed_memfd(len: usize) -> Result<File, String> {
     Ok(file)
 }
 
-/// Bytes per page, as the kernel counts a memory file's.
-const PAGE: usize = 4096;
+/// Bytes per page, as the kernel counts a memory file's (4 KiB, or 16 or 64 KiB on some arm64
+/// kernels).
+#[allow(unsafe_code)]
+fn page_size() -> usize {
+    // SAFETY: sysconf takes a name and returns a value or -1.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
+}
 
 /// Pages of `file`'s first `len` bytes the kernel holds in memory (`cachestat`, Linux 6.5): a
 /// page allocated with `fallocate` counts, one never allocated (a hole) does not, nor one

@@ -660,9 +660,9 @@ fn the_largest_handshake_fits_its_bound_and_a_frame_of_many_values_is_refused() 
     assert!(frame.len() < MAX_HANDSHAKE_FRAME, "{} bytes", frame.len());
     let back = wire::read_sealed::<Message>(&mut frame.as_slice(), &mut wire::Opener::new(key), MAX_HANDSHAKE_FRAME);
     assert_eq!(back.ok(), Some(Message::Handshake(Box::new(p))));
-    // A frame whose values would take decoding past twice its bound, however short its text
+    // A frame whose values would take decoding past four times its bound, however short its text
     // (the object, its type, seq and pad, and pad's zeros).
-    let values = 2 * MAX_HANDSHAKE_FRAME / wire::VALUE_COST + 1;
+    let values = 4 * MAX_HANDSHAKE_FRAME / wire::VALUE_COST + 1;
     let text = format!(r#"{{"type":"Ping","seq":1,"pad":[{}]}}"#, vec!["0"; values].join(","));
     let mut many = Vec::new();
     wire::write_sealed(
