@@ -1122,8 +1122,11 @@ impl Link {
     ) -> std::io::Result<Link> {
         wire::set_send_buffer(&stream, LINK_SEND_BUFFER)?;
         let handle = stream.try_clone()?;
-        let queue = outboxes.queue(stream.try_clone()?, addr.clone());
-        let inbox = inboxes.queue(stream.try_clone()?, addr.clone());
+        // One handle for both budgets to shut the link down with (a descriptor per link more,
+        // on an agent holding thousands of links, counts).
+        let shut = Arc::new(stream.try_clone()?);
+        let queue = outboxes.queue(shut.clone(), addr.clone());
+        let inbox = inboxes.queue(shut, addr.clone());
         let (outbox, queued_frames) = std::sync::mpsc::channel::<Queued>();
         thread::Builder::new().name("link-writer".into()).spawn(move || {
             let mut stream = stream;

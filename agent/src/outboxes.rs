@@ -125,7 +125,7 @@ pub struct Queue {
     /// [`epoch`]).
     progress: AtomicU64,
     /// A handle on the link's stream, to shut it down when the link is closed.
-    stream: TcpStream,
+    stream: Arc<TcpStream>,
     peer: String,
 }
 
@@ -234,7 +234,8 @@ impl Outboxes {
     }
 
     /// The outbox of a link over `stream` (a handle the budget may shut down) to `peer`.
-    pub fn queue(&self, stream: TcpStream, peer: String) -> Arc<Queue> {
+    pub fn queue(&self, stream: impl Into<Arc<TcpStream>>, peer: String) -> Arc<Queue> {
+        let stream = stream.into();
         let q = Arc::new(Queue {
             queued: AtomicUsize::new(0),
             stopped: AtomicBool::new(false),

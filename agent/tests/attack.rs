@@ -2038,7 +2038,7 @@ fn an_agent_does_not_start_with_a_side_channel_range_holding_a_node_service() {
     // the command line's parser.
     let w = World::new("attack-side-channel-range");
     for (range, why) in [
-        (10000..=11000, "holds 10249"),
+        (10000..=11000, "holds 10248"),
         (6000..=7000, "holds 6443, where the API server listens"),
         (500..=2000, "below 1024"),
     ] {
