@@ -3003,7 +3003,7 @@ fn registrations_waiting_on_all_of_an_engines_links_are_bounded_and_the_heaviest
         s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
         (s, session)
     };
-    let mut full = Vec::new();
+    let mut full: Vec<(TcpStream, protocol::Session)> = Vec::new();
     for l in 0..ENGINE_WAITING / MAX_WAITING {
         let (mut s, mut session) = link(&p);
         for i in 0..=MAX_WAITING {
@@ -3012,6 +3012,11 @@ fn registrations_waiting_on_all_of_an_engines_links_are_bounded_and_the_heaviest
         let got = heard(&mut s, &mut session);
         assert_eq!(got.len(), 1, "only the one past the link's own bound: {got:?}");
         assert!(got[0].2.contains("this link has"), "{got:?}");
+        // The links filled before heard nothing more, and their pings keep them (prefill
+        // closes a decode link silent for 30 s: on a loaded machine filling four took 21 s).
+        for (s, session) in &mut full {
+            assert_eq!(heard(s, session), vec![], "an earlier link lost nothing yet");
+        }
         full.push((s, session));
     }
     // The engine is full: a new link's registrations take the places of the heaviest links'
