@@ -51,6 +51,13 @@ pub struct Allocated {
     pub len: u64,
 }
 
+/// Idle this long, the UCX thread waits [`IDLE_WAIT`] between progress calls (a command still
+/// wakes it at once).
+const IDLE_BACKOFF_AFTER: Duration = Duration::from_secs(1);
+
+/// How long an idle UCX thread waits between progress calls.
+const IDLE_WAIT: Duration = Duration::from_millis(5);
+
 /// Empty progress polls in a row before a spinning thread yields its CPU.
 pub const QUIET_POLLS_BEFORE_YIELD: u32 = 256;
 
@@ -599,10 +606,17 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
         if !orphans.is_empty() {
             reap(&mut orphans, &mut retired);
         }
-        let wait = if idle_since.elapsed() < Duration::from_millis(5) {
+        // A command wakes the thread at once whatever the wait; the wait paces only progress
+        // for what arrives without one (a peer's wireup). Idle for a second, 5 ms: at 200 us an
+        // idle agent woke 5000 times a second, and a node's (or a test process's) many idle
+        // agents took the cores their busy ones needed.
+        let idle = idle_since.elapsed();
+        let wait = if idle < Duration::from_millis(5) {
             Duration::ZERO
-        } else {
+        } else if idle < IDLE_BACKOFF_AFTER {
             Duration::from_micros(200)
+        } else {
+            IDLE_WAIT
         };
         let cmd = if wait.is_zero() {
             match rx.try_recv() {
