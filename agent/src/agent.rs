@@ -1780,6 +1780,19 @@ impl Engine {
         }
     }
 
+    /// Connects this engine's backend to `peer`'s memory, on the side that moves the bytes
+    /// (push: prefill; pull: decode): refused where the peer names this agent's own memory, or
+    /// a KV stream where none can listen; a stream not reached is told without why. The
+    /// backend's id for the peer.
+    fn connect_to_memory(&self, peer: &PeerInfo, stream_key: &[u8; 32], until: Instant) -> Result<u64, String> {
+        self.shared.check_local_peer(&self.reg.pdpair, peer)?;
+        let address = peer.address_for(&self.local);
+        self.shared.check_memory_address(&address)?;
+        self.transport()
+            .connect(address.clone(), peer.memory.keys(), stream_key, until)
+            .map_err(|e| self.shared.memory_unreachable(&address, e))
+    }
+
     /// What moves this engine's bytes: CUDA IPC for a GPU pool, UCX for a host pool.
     fn transport(&self) -> &dyn crate::transport::Backend {
         match &self.device {

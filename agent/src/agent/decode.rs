@@ -828,20 +828,7 @@ impl Engine {
         // Pull: decode reads from prefill's memory through its own endpoint.
         let ucx_peer = match self.settings.mode {
             pdpair_api::TransferMode::Pull => Some(
-                self.shared
-                    .check_local_peer(&self.reg.pdpair, &peer)
-                    .and_then(|()| {
-                        let address = peer.address_for(&self.local);
-                        self.shared.check_memory_address(&address)?;
-                        self.transport()
-                            .connect(
-                                address.clone(),
-                                peer.memory.keys(),
-                                &session.stream_key,
-                                handshake_until,
-                            )
-                            .map_err(|e| self.shared.memory_unreachable(&address, e))
-                    })
+                self.connect_to_memory(&peer, &session.stream_key, handshake_until)
                     .map_err(|e| HandshakeError::Rejected {
                         reasons: vec![Reason::TransportFailed],
                         message: e,

@@ -510,20 +510,7 @@ impl Engine {
         }
         // In pull mode decode reads from us: no endpoint of ours writes to it.
         let connected = if push {
-            self.shared
-                .check_local_peer(&self.reg.pdpair, &peer)
-                .and_then(|()| {
-                    let address = peer.address_for(&self.local);
-                    self.shared.check_memory_address(&address)?;
-                    self.transport()
-                        .connect(
-                            address.clone(),
-                            peer.memory.keys(),
-                            &session.stream_key,
-                            handshake_until,
-                        )
-                        .map_err(|e| self.shared.memory_unreachable(&address, e))
-                })
+            self.connect_to_memory(&peer, &session.stream_key, handshake_until)
                 .map(Some)
         } else {
             Ok(None)
