@@ -1086,21 +1086,32 @@ pub const LINK_OUTBOX: usize = 2 * wire::MAX_FRAME;
 /// so a small buffer costs nothing but a few more writes for a large registration.
 pub const LINK_SEND_BUFFER: usize = 64 << 10;
 
+/// The charges of one frame read on `inbox` ([`wire::read_sealed_by`]'s `admit`), against
+/// `inboxes`: first its length, then what decoding it holds past that. Once the frame is read
+/// whole (the second charge) its reader has made progress: among the readers holding the most,
+/// it is not the one closed for the rest.
+fn inbox_admit<'a>(
+    inboxes: &'a Arc<Outboxes>,
+    inbox: &'a Arc<crate::outboxes::Queue>,
+) -> impl FnMut(usize) -> Result<crate::outboxes::Charge, String> + 'a {
+    let mut read = false;
+    move |n| {
+        if std::mem::replace(&mut read, true) {
+            inbox.touch();
+        }
+        inboxes.charge(inbox, n, wire::MAX_DECODE_COST)
+    }
+}
+
 impl Link {
     /// Reads the link's next frame with `opener`, its length charged to the link's inbox first
     /// ([`Link::inbox`]): over the budgets, of the links holding the most of a frame, the one
     /// longest without a frame read whole is closed (this one's read fails when that is itself).
     fn read(&self, reader: &mut impl std::io::Read, opener: &mut wire::Opener) -> Result<Message, wire::FrameError> {
         // Up to the frame's length and then what decoding its values holds past it
-        // ([`wire::MAX_DECODE_COST`] at most). Once the frame is read whole the link has made
-        // progress: among links holding the most, it is not the one closed for the rest.
-        let mut read = false;
-        let (message, (charge, more)) = wire::read_sealed_by(reader, opener, wire::MAX_FRAME, |n| {
-            if std::mem::replace(&mut read, true) {
-                self.inbox.touch();
-            }
-            self.inboxes.charge(&self.inbox, n, wire::MAX_DECODE_COST)
-        })?;
+        // ([`wire::MAX_DECODE_COST`] at most).
+        let admit = inbox_admit(&self.inboxes, &self.inbox);
+        let (message, (charge, more)) = wire::read_sealed_by(reader, opener, wire::MAX_FRAME, admit)?;
         drop(more);
         charge.written();
         Ok(message)
@@ -1325,6 +1336,9 @@ struct Engine {
     /// The decode agents' links this P engine accepted: closed when the engine goes, so their
     /// threads end and the engine's pools are freed then, not when a silent peer times out.
     accepted: Mutex<Vec<std::sync::Weak<Link>>>,
+    /// Connections to this P engine that have authenticated and are still in their handshake,
+    /// by source: they count as links of it ([`MAX_LINKS_PER_SOURCE`]).
+    shaking: Mutex<HashMap<std::net::IpAddr, usize>>,
     /// Its PDPair's outbox budget, which its links' outboxes count against.
     outboxes: Arc<Outboxes>,
     /// Its PDPair's budget for frames its links are reading.
@@ -1531,6 +1545,7 @@ impl Engine {
             matching: Mutex::new(Matching::default()),
             arrays: std::sync::OnceLock::new(),
             accepted: Mutex::new(Vec::new()),
+            shaking: Mutex::new(HashMap::new()),
             outboxes,
             inboxes,
             local_id,

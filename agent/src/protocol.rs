@@ -598,7 +598,18 @@ impl Session {
     /// [`Session::recv`] of a handshake, at most [`MAX_HANDSHAKE_FRAME`] bytes: it is read before
     /// the connection counts as a link of its source, so it holds no more than a handshake needs.
     pub fn recv_handshake(&mut self, r: &mut impl Read) -> Result<Message, FrameError> {
-        wire::read_sealed(r, &mut self.opener, MAX_HANDSHAKE_FRAME)
+        self.recv_handshake_by(r, |_| Ok(())).map(|(m, _)| m)
+    }
+
+    /// [`Session::recv_handshake`], with `admit` asked for room for the frame's length before
+    /// its body is read and for what decoding it holds past that ([`wire::read_sealed_by`]);
+    /// the charges come back with the message.
+    pub fn recv_handshake_by<G>(
+        &mut self,
+        r: &mut impl Read,
+        admit: impl FnMut(usize) -> Result<G, String>,
+    ) -> Result<(Message, (G, Option<G>)), FrameError> {
+        wire::read_sealed_by(r, &mut self.opener, MAX_HANDSHAKE_FRAME, admit)
     }
 }
 
@@ -781,16 +792,18 @@ pub fn authenticate_prefill(
     stream: &mut (impl Read + Write),
     secret_for: impl Fn(&str) -> Option<Vec<u8>>,
 ) -> Result<(String, Session), HandshakeError> {
-    authenticate_prefill_then(stream, secret_for, || ())
+    authenticate_prefill_then(stream, secret_for, || true)
 }
 
 /// [`authenticate_prefill`], calling `proven` once the peer's proof is checked and before
 /// `AuthOk` is sent: a listener gives back the connection's pre-auth slot there, so a
-/// connection told `AuthOk` can no longer be shut down to make room for another.
+/// connection told `AuthOk` can no longer be shut down to make room for another, and counts
+/// it as a link of its source. When `proven` says no (the source holds its links already), the
+/// connection ends there, told nothing: a [`HandshakeError::Frame`] of kind `WouldBlock`.
 pub fn authenticate_prefill_then(
     stream: &mut (impl Read + Write),
     secret_for: impl Fn(&str) -> Option<Vec<u8>>,
-    proven: impl FnOnce(),
+    proven: impl FnOnce() -> bool,
 ) -> Result<(String, Session), HandshakeError> {
     let (pdpair, d_nonce) = match read_preauth(stream)? {
         Message::Hello { version, pdpair, nonce } if version == PROTOCOL_VERSION => (pdpair, nonce),
@@ -823,7 +836,13 @@ pub fn authenticate_prefill_then(
     )?;
     match read_preauth(stream)? {
         Message::Proof { proof } if verify(&secret, Role::Decode, &pdpair, &d_nonce, &p_nonce, &proof) => {
-            proven();
+            if !proven() {
+                return Err(FrameError::from(std::io::Error::new(
+                    std::io::ErrorKind::WouldBlock,
+                    "no place for another link of this source",
+                ))
+                .into());
+            }
             wire::write_frame(stream, &Message::AuthOk)?;
             let session = Session::derive(Role::Prefill, &secret, &pdpair, &d_nonce, &p_nonce);
             Ok((pdpair, session))
@@ -1107,20 +1126,23 @@ pub fn handshake_prefill(
     session: &mut Session,
     local: &PeerInfo,
 ) -> Result<PeerInfo, HandshakeError> {
-    handshake_prefill_vetted(stream, session, local, |_| None)
+    handshake_prefill_vetted(stream, session, local, |_| None, |_| Ok(()))
 }
 
 /// [`handshake_prefill`], with `vet` asked too before P answers (the agent tries D's UCX address
-/// in a probe there, so D's heartbeat clock does not start while P is still probing).
-pub fn handshake_prefill_vetted(
+/// in a probe there, so D's heartbeat clock does not start while P is still probing), and
+/// `admit` asked for room for D's handshake frame before its body is read
+/// ([`Session::recv_handshake_by`]; the room is given back once it is decoded).
+pub fn handshake_prefill_vetted<G>(
     stream: &mut (impl Read + Write),
     session: &mut Session,
     local: &PeerInfo,
     vet: impl FnOnce(&PeerInfo) -> Option<(Vec<Reason>, String)>,
+    admit: impl FnMut(usize) -> Result<G, String>,
 ) -> Result<PeerInfo, HandshakeError> {
-    let peer = match session.recv_handshake(stream)? {
-        Message::Handshake(peer) => *peer,
-        other => return Err(unexpected("Handshake", &other)),
+    let peer = match session.recv_handshake_by(stream, admit)? {
+        (Message::Handshake(peer), _) => *peer,
+        (other, _) => return Err(unexpected("Handshake", &other)),
     };
     if let Some((reasons, message)) = refuse(local, &peer).or_else(|| vet(&peer)) {
         return Err(reject_sealed(stream, session, reasons, message));

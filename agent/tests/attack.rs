@@ -1720,18 +1720,20 @@ fn a_decode_engine_dials_a_bounded_number_of_prefill_agents_at_once() {
 
 /// A pull prefill engine in `w` with request "r" ready (blocks 3 and 4, 100 tokens).
 fn pull_prefill_ready(w: &World) -> SyntheticEngine {
-    pull_prefill_ready_leased(
-        w,
-        spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed).lease_ms,
-    )
+    pull_prefill_ready_as(w, |_| ())
 }
 
 /// [`pull_prefill_ready`] with a lease of `lease_ms`.
 fn pull_prefill_ready_leased(w: &World, lease_ms: u64) -> SyntheticEngine {
+    pull_prefill_ready_as(w, |s| s.lease_ms = lease_ms)
+}
+
+/// [`pull_prefill_ready`], its spec changed by `with` first.
+fn pull_prefill_ready_as(w: &World, with: impl FnOnce(&mut EngineSpec)) -> SyntheticEngine {
     let ps = w.agent("p", Transport::Shm, false);
     let mut pull = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
     pull.mode = TransferMode::Pull;
-    pull.lease_ms = lease_ms;
+    with(&mut pull);
     let mut p = SyntheticEngine::register(&ps, &w.dir, &pull).expect("P");
     p.events()
         .expect("events")
@@ -4097,4 +4099,86 @@ fn a_side_channel_frame_of_many_small_values_costs_its_length_not_many_times_it(
     let grew_mib = vm_hwm_kib(agent.0.id()).saturating_sub(before) >> 10;
     println!("prefill agent peak grew {grew_mib} MiB for an 8 MiB frame of 4M values");
     assert!(grew_mib < 64, "the agent's peak memory grew {grew_mib} MiB");
+}
+
+#[test]
+fn connections_that_authenticated_count_as_links_of_their_source_through_their_handshake() {
+    // A connection counted as one of its source's links only once its handshake was done: an
+    // insider could authenticate any number of connections and leave each in its handshake,
+    // with a thread and a handshake frame of up to 4 MiB, until the deadline. Now it takes its
+    // place when it has authenticated, or is closed before `AuthOk`.
+    let _serial = serial();
+    let w = World::new("attack-shaking");
+    let p = pull_prefill_ready_as(&w, |s| s.handshake_timeout_ms = 120_000);
+    let bound = pdpair_agent::agent::MAX_LINKS_PER_SOURCE;
+    let authenticated = |s: &mut TcpStream| -> Result<(), String> {
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| e.to_string())?;
+        protocol::authenticate_decode(s, PAIR, KEY)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    };
+    let mut held: Vec<TcpStream> = (0..bound - 1)
+        .map(|i| {
+            let mut s = TcpStream::connect(addr(&p)).expect("connect");
+            authenticated(&mut s).unwrap_or_else(|e| panic!("connection {i}: {e}"));
+            s
+        })
+        .collect();
+    // Two more connect while the source holds one place fewer than its bound: both are let in
+    // and the first to authenticate takes the last place.
+    let mut a = TcpStream::connect(addr(&p)).expect("connect a");
+    let mut b = TcpStream::connect(addr(&p)).expect("connect b");
+    std::thread::sleep(Duration::from_millis(300));
+    authenticated(&mut a).expect("a takes the last place");
+    let refused = authenticated(&mut b).expect_err("b authenticated past its source's bound");
+    assert!(!refused.contains("rejected"), "closed, not told why: {refused}");
+    held.push(a);
+    // A place given back is taken again.
+    held.remove(0);
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut s = TcpStream::connect(addr(&p)).expect("connect");
+        match authenticated(&mut s) {
+            Ok(()) => break,
+            Err(e) => assert!(Instant::now() < until, "no place after one went: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(held);
+}
+
+#[test]
+fn handshake_frames_an_insider_holds_back_on_many_connections_are_bounded_and_the_oldest_goes() {
+    // A decode agent's handshake frame (up to 4 MiB) was read uncounted: an insider holding
+    // back the last byte of one on each of many authenticated connections held 4 MiB of the
+    // agent's memory per connection until the handshake deadline. Now it is charged to the
+    // pair's budget for frames being read, as a link's frames are, and over it the connection
+    // longest without a frame read whole is closed.
+    use pdpair_agent::{outboxes::INBOX_BUDGET, protocol::MAX_HANDSHAKE_FRAME};
+    let _serial = serial();
+    let w = World::new("attack-shaking-frames");
+    let p = pull_prefill_ready_as(&w, |s| s.handshake_timeout_ms = 120_000);
+    let held = INBOX_BUDGET / MAX_HANDSHAKE_FRAME;
+    let mut conns: Vec<TcpStream> = Vec::new();
+    for _ in 0..2 * held {
+        let mut s = TcpStream::connect(addr(&p)).expect("connect");
+        protocol::authenticate_decode(&mut s, PAIR, KEY).expect("auth");
+        s.write_all(&(MAX_HANDSHAKE_FRAME as u32).to_be_bytes())
+            .expect("length");
+        s.write_all(&vec![b' '; MAX_HANDSHAKE_FRAME - 1])
+            .expect("all but the last byte");
+        conns.push(s);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let closed = |s: &TcpStream| {
+        s.set_read_timeout(Some(Duration::from_millis(300))).expect("timeout");
+        let mut b = [0u8; 1];
+        !matches!((&mut &*s).read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    };
+    let gone: Vec<bool> = conns.iter().map(closed).collect();
+    let mut want = vec![true; held];
+    want.extend(vec![false; held]);
+    assert_eq!(gone, want, "the oldest connections went, the budget's worth stayed");
 }

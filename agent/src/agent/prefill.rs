@@ -367,6 +367,38 @@ type Begun = Result<Consumer, (Reason, String)>;
 /// One consumer's result: bytes and microseconds in flight, or failure reasons and a message.
 pub(super) type Served = Result<(u64, u64), (Vec<Reason>, String)>;
 
+/// An authenticated connection's place among its source's links while it is in its handshake
+/// ([`Engine::shaking_place`]); given back when dropped.
+pub(super) struct Shaking<'a> {
+    engine: &'a Engine,
+    source: std::net::IpAddr,
+}
+
+impl Shaking<'_> {
+    /// Its link is among the accepted ones now, which `shaking` (locked, with `accepted`) counts
+    /// no longer: counted once, never twice, so the source's next link finds its place.
+    fn into_link(self, shaking: &mut HashMap<std::net::IpAddr, usize>) {
+        Self::given_back(shaking, self.source);
+        // Given back above; it holds nothing else.
+        std::mem::forget(self);
+    }
+
+    fn given_back(shaking: &mut HashMap<std::net::IpAddr, usize>, source: std::net::IpAddr) {
+        if let Some(n) = shaking.get_mut(&source) {
+            *n -= 1;
+            if *n == 0 {
+                shaking.remove(&source);
+            }
+        }
+    }
+}
+
+impl Drop for Shaking<'_> {
+    fn drop(&mut self) {
+        Self::given_back(&mut lock(&self.engine.shaking), self.source);
+    }
+}
+
 impl Engine {
     pub(super) fn accept(self: Arc<Self>, listener: TcpListener) {
         for stream in listener.incoming() {
@@ -379,7 +411,8 @@ impl Engine {
             };
             // Authenticated links are bounded per source too: an insider cannot multiply the
             // per-link bounds (outbox, waiting registrations, threads) by opening links. (Checked
-            // first: a connection closed for it takes no one's pre-auth slot.)
+            // first: a connection closed for it takes no one's pre-auth slot; and again once it
+            // has authenticated, when it takes its place.)
             if self.links_from(source) >= MAX_LINKS_PER_SOURCE {
                 self.shared.metrics.handshake_refused(Reason::Busy);
                 tracing::warn!(engine = %self.reg.engine, %source, "a source holds {MAX_LINKS_PER_SOURCE} links to this engine already; closed another");
@@ -403,7 +436,7 @@ impl Engine {
                 }
             };
             let e = self.clone();
-            if let Err(err) = super::spawn("side-channel", move || e.serve_decode(stream, slot)) {
+            if let Err(err) = super::spawn("side-channel", move || e.serve_decode(stream, source, slot)) {
                 // The connection (and its place) went with the closure.
                 self.shared.metrics.handshake_refused(Reason::Busy);
                 tracing::warn!(engine = %self.reg.engine, error = %err, "no thread for a decode agent's connection; closed it");
@@ -411,11 +444,21 @@ impl Engine {
         }
     }
 
-    /// Links to this engine from `source` whose reader still runs.
+    /// Links to this engine from `source` whose reader still runs, and its connections that
+    /// have authenticated and are still in their handshake.
     fn links_from(&self, source: std::net::IpAddr) -> usize {
-        let mut accepted = lock(&self.accepted);
+        Self::links_from_locked(&self.accepted, &lock(&self.shaking), source)
+    }
+
+    /// [`Engine::links_from`], `shaking` locked (lock order: `shaking`, then `accepted`).
+    fn links_from_locked(
+        accepted: &Mutex<Vec<std::sync::Weak<Link>>>,
+        shaking: &HashMap<std::net::IpAddr, usize>,
+        source: std::net::IpAddr,
+    ) -> usize {
+        let mut accepted = lock(accepted);
         accepted.retain(|l| l.strong_count() > 0);
-        accepted
+        let links = accepted
             .iter()
             .filter_map(std::sync::Weak::upgrade)
             .filter(|l| {
@@ -424,10 +467,25 @@ impl Engine {
                         .parse::<SocketAddr>()
                         .is_ok_and(|a| crate::unproven::source(a.ip()) == source)
             })
-            .count()
+            .count();
+        links + shaking.get(&source).copied().unwrap_or(0)
     }
 
-    fn serve_decode(self: Arc<Self>, stream: TcpStream, slot: crate::unproven::Slot) {
+    /// A place among `source`'s links for a connection that has just authenticated, held
+    /// through its handshake until its link is among the accepted ones; `None` when the source
+    /// holds [`MAX_LINKS_PER_SOURCE`] already. Without it, a connection counted only once its
+    /// handshake was done: an insider could authenticate any number of connections, each with
+    /// a thread and a handshake frame of up to 4 MiB, until its deadline.
+    fn shaking_place(&self, source: std::net::IpAddr) -> Option<Shaking<'_>> {
+        let mut shaking = lock(&self.shaking);
+        if Self::links_from_locked(&self.accepted, &shaking, source) >= MAX_LINKS_PER_SOURCE {
+            return None;
+        }
+        *shaking.entry(source).or_default() += 1;
+        Some(Shaking { engine: self, source })
+    }
+
+    fn serve_decode(self: Arc<Self>, stream: TcpStream, source: std::net::IpAddr, slot: crate::unproven::Slot) {
         let peer_addr = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
         let _ = stream.set_nodelay(true);
         let key = self.key.clone();
@@ -436,9 +494,20 @@ impl Engine {
         // runs out of time however it paces them.
         let mut timed = wire::Deadline::new(&stream, self.handshake_timeout());
         let handshake_until = timed.until();
-        // Proven: no longer counted against the pre-auth budget (given back before `AuthOk`).
+        // Proven: no longer counted against the pre-auth budget (given back before `AuthOk`),
+        // but as one of its source's links, if it has room for one more.
         let mut slot = Some(slot);
-        let proven = || drop(slot.take());
+        let mut place = None;
+        let proven = || {
+            drop(slot.take());
+            place = self.shaking_place(source);
+            place.is_some()
+        };
+        // D's handshake frame, up to 4 MiB, is charged to the pair's budget for frames being
+        // read before its body is read, as a link's frames are: over it, of the connections
+        // holding the most, the one longest without a frame read whole is closed.
+        let Ok(shut) = stream.try_clone() else { return };
+        let inbox = self.inboxes.queue(shut, peer_addr.clone());
         let shaken = protocol::authenticate_prefill_then(&mut timed, |p| (p == pdpair).then(|| key.clone()), proven)
             .and_then(|(_, mut session)| {
                 // Pull: this decode reads our blocks, through our stream where we run one;
@@ -462,13 +531,21 @@ impl Engine {
                         .flatten()
                         .map(|e| (vec![Reason::TransportFailed], e))
                 };
-                protocol::handshake_prefill_vetted(&mut timed, &mut session, &self.local, vet)
+                let admit = super::inbox_admit(&self.inboxes, &inbox);
+                protocol::handshake_prefill_vetted(&mut timed, &mut session, &self.local, vet, admit)
                     .map(|peer| (peer, session, admission))
             });
+        drop(inbox);
         let (peer, mut session, admission) = match shaken {
             Ok(done) => done,
             // Shut down to make room: counted `Busy` then.
             Err(_) if slot.as_ref().is_some_and(crate::unproven::Slot::evicted) => return,
+            // Authenticated, with no place among its source's links.
+            Err(_) if slot.is_none() && place.is_none() => {
+                self.shared.metrics.handshake_refused(Reason::Busy);
+                tracing::warn!(engine = %self.reg.engine, %source, "a source holds {MAX_LINKS_PER_SOURCE} links to this engine already; closed another after it authenticated");
+                return;
+            }
             Err(err) => {
                 for r in err.reasons() {
                     self.shared.metrics.handshake_refused(r);
@@ -553,6 +630,8 @@ impl Engine {
         };
         let link = Arc::new(link);
         {
+            // Lock order: `shaking`, then `accepted` ([`Engine::links_from`]).
+            let mut shaking = lock(&self.shaking);
             let mut accepted = lock(&self.accepted);
             accepted.retain(|l| l.strong_count() > 0);
             let live: Vec<Arc<Link>> = accepted
@@ -579,6 +658,9 @@ impl Engine {
                 }
             }
             accepted.push(Arc::downgrade(&link));
+            if let Some(place) = place.take() {
+                place.into_link(&mut shaking);
+            }
         }
         // Checked after the push: a shutdown that ran before it did not see this link.
         if self.closed.load(Ordering::SeqCst) {

@@ -610,6 +610,7 @@ fn a_proven_peer_is_told_so_only_after_the_listener_was() {
             |_| Some(b"secret-1".to_vec()),
             || {
                 at_proof = Some(written.load(std::sync::atomic::Ordering::SeqCst));
+                true
             },
         )
         .expect("authenticated");
