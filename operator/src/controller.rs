@@ -161,7 +161,8 @@ struct Memory {
     /// applied again to a Deployment no one changed since.
     applied: Option<Applied>,
     /// When to ask for the pairing Secret again: a [`RESYNC`] after it was found or made (made
-    /// again, if it went, then; not at every reconcile), [`SECRET_RETRY`] after it was refused.
+    /// again, if it went, then; not at every reconcile), sooner after it was found for a young
+    /// pair ([`secret_found_again_in`]), [`SECRET_RETRY`] after it was refused.
     secret: Option<Instant>,
     /// The refusal last told in a `SecretRefused` Event: the same one again is not (a full
     /// quota refuses a create of a Secret that exists, 403 rather than 409, at every try).
@@ -277,10 +278,15 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     // full quota refuses the create of one that does, too).
     if verdict.allowed() && !ctx.remembered.secret_fresh(&uid) {
         match ensure_secret(pair, &ctx.client, &ns, &name).await {
-            Ok(()) => {
+            Ok(made) => {
                 ctx.metrics.secret_ensured();
+                let again = if made {
+                    RESYNC
+                } else {
+                    secret_found_again_in(pair, Timestamp::now())
+                };
                 ctx.remembered.note(&uid, |m| {
-                    m.secret = Some(Instant::now() + RESYNC);
+                    m.secret = Some(Instant::now() + again);
                     m.secret_refused = None;
                 });
             }
@@ -518,11 +524,12 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         let note = format!("{} {from} -> {}: {}", t.type_, t.to_status, t.message);
         ctx.events.publish(&reference, kind, &t.reason, &t.type_, &note).await;
     }
-    // A refused Secret's next try, whatever reconciled the pair since (a requeue replaces the
-    // one before it).
+    // The Secret's next check (sooner than a resync after a refusal, or for a young pair whose
+    // Secret was found), whatever reconciled the pair since (a requeue replaces the one before
+    // it).
     let secret_retry = ctx
         .remembered
-        .recall(&uid, |m| m.secret_refused.as_ref().and(m.secret))
+        .recall(&uid, |m| m.secret)
         .filter(|_| verdict.allowed())
         .map(|next| {
             next.saturating_duration_since(Instant::now())
@@ -602,7 +609,24 @@ async fn prune(deployments: &Api<Deployment>, name: &str, owner_uid: &str) -> Re
     }
 }
 
-async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> Result<(), Error> {
+/// How soon a pairing Secret that was found (a create answered 409) is asked for again: a
+/// [`RESYNC`] for a pair older than that, and for a younger one its age, 2 s at least. A pair
+/// deleted and made again at once under its name finds its predecessor's Secret, which the
+/// garbage collector is about to delete, and its pods wait for a Secret of that name: asked
+/// again only at the resync, they waited up to 5 minutes. Asked again at its age, a Secret that
+/// went g after the pair was made is made again by about 2g, for a dozen creates at most.
+fn secret_found_again_in(pair: &PDPair, now: Timestamp) -> Duration {
+    let age = pair
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map(|t| now.duration_since(t.0).unsigned_abs())
+        .unwrap_or(RESYNC);
+    age.clamp(Duration::from_secs(2), RESYNC)
+}
+
+/// Creates the pair's pairing Secret: whether it was made (`false`: one of its name was there).
+async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> Result<bool, Error> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
     let sname = names::secret_name(name);
     // Created once, never rotated behind the engines' backs: a create that finds one (409) is
@@ -614,8 +638,8 @@ async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> 
         return Err(Error::MissingMeta);
     };
     match secrets.create(&PostParams::default(), &secret).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()), // made before, or by a concurrent reconcile
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(false), // made before, or by a concurrent reconcile
         Err(source) => Err(Error::EnsureSecret { name: sname, source }),
     }
 }
@@ -797,6 +821,25 @@ mod tests {
         pair.metadata.namespace = Some("team-a".into());
         pair.metadata.uid = Some(uid.into());
         pair
+    }
+
+    #[test]
+    fn a_secret_found_for_a_young_pair_is_asked_for_again_at_its_age() {
+        let now = Timestamp::now();
+        let made = |ago: i64| {
+            let mut p = pair("llama", "u1");
+            p.metadata.creation_timestamp = Some(Time(now - k8s_openapi::jiff::SignedDuration::from_secs(ago)));
+            p
+        };
+        assert_eq!(secret_found_again_in(&made(0), now), Duration::from_secs(2));
+        assert_eq!(secret_found_again_in(&made(40), now), Duration::from_secs(40));
+        assert_eq!(secret_found_again_in(&made(299), now), Duration::from_secs(299));
+        assert_eq!(secret_found_again_in(&made(3600), now), RESYNC);
+        // A clock ahead of the operator's: still soon.
+        assert_eq!(secret_found_again_in(&made(-1), now), Duration::from_secs(2));
+        let mut unknown = made(0);
+        unknown.metadata.creation_timestamp = None;
+        assert_eq!(secret_found_again_in(&unknown, now), RESYNC);
     }
 
     fn remember(r: &Remembered, pair: &PDPair) {

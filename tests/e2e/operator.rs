@@ -308,6 +308,71 @@ fn deleting_the_pair_garbage_collects_its_children() {
 }
 
 #[test]
+fn a_pair_deleted_and_made_again_at_once_gets_its_own_secret_once_the_old_one_goes() {
+    // `kubectl delete` and `apply` again: the new pair's create of its Secret finds its
+    // predecessor's (409), which the garbage collector deletes a moment later, and the new
+    // pair's pods wait for a Secret of that name. Asked for again only at the resync, it came
+    // up to 5 minutes later. A finalizer here holds the old Secret until the new pair has found
+    // it, so the race goes the same way every run.
+    operator();
+    let ns = namespace("remade");
+    apply_compatible(&ns);
+    let uid_of = |v: &serde_json::Value| v["metadata"]["uid"].as_str().map(str::to_owned);
+    let old = eventually(WAIT, "the pair's uid", || uid_of(&get_json("pdpair", &ns, "llama-8b")?));
+    eventually(WAIT, "the Secret", || get_json("secret", &ns, "llama-8b-pairing"));
+    let hold = r#"{"metadata":{"finalizers":["pdpair.test/hold"]}}"#;
+    kubectl_ok(
+        &[
+            "patch",
+            "secret",
+            "llama-8b-pairing",
+            "-n",
+            &ns,
+            "--type=merge",
+            "-p",
+            hold,
+        ],
+        None,
+    );
+    kubectl_ok(&["delete", "pdpair", "llama-8b", "-n", &ns, "--wait=false"], None);
+    eventually(WAIT, "the pair gone", || {
+        get_json("pdpair", &ns, "llama-8b").is_none().then_some(())
+    });
+    apply_compatible(&ns);
+    let new = eventually(WAIT, "the new pair's uid", || {
+        uid_of(&get_json("pdpair", &ns, "llama-8b")?)
+    });
+    assert_ne!(old, new, "made again");
+    // The garbage collector rediscovers resource types every 30 s, so right after the CRD is
+    // installed it may need that long to see PDPairs at all.
+    eventually(Duration::from_secs(120), "the old Secret being deleted", || {
+        let s = get_json("secret", &ns, "llama-8b-pairing")?;
+        s["metadata"]["deletionTimestamp"].as_str().map(drop)
+    });
+    // By now the new pair has asked for its Secret and found the old one.
+    std::thread::sleep(Duration::from_secs(3));
+    let release = r#"{"metadata":{"finalizers":null}}"#;
+    kubectl_ok(
+        &[
+            "patch",
+            "secret",
+            "llama-8b-pairing",
+            "-n",
+            &ns,
+            "--type=merge",
+            "-p",
+            release,
+        ],
+        None,
+    );
+    let owner = eventually(Duration::from_secs(90), "the new pair's Secret", || {
+        let s = get_json("secret", &ns, "llama-8b-pairing")?;
+        s["metadata"]["ownerReferences"][0]["uid"].as_str().map(str::to_owned)
+    });
+    assert_eq!(owner.as_str(), new.as_str(), "the Secret is the new pair's");
+}
+
+#[test]
 fn a_removed_template_prunes_its_deployment_and_only_ours() {
     operator();
     let ns = namespace("prune");
