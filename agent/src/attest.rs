@@ -198,7 +198,7 @@ impl Attestor {
             return Err("engine attestation is on: the registration must name its Pod (pod)".into());
         };
         let (namespace, pair) = pdpair_name(&reg.pdpair)?;
-        kubernetes_name("pod", name, 253, true)?;
+        pdpair_api::check_dns1123_subdomain("pod", name)?;
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
         let found = self
             .runtime
@@ -232,24 +232,9 @@ impl Attestor {
 /// name another object than the registration does.
 pub(crate) fn pdpair_name(pdpair: &str) -> Result<(&str, &str), String> {
     let (namespace, name) = pdpair.split_once('/').unwrap_or(("default", pdpair));
-    kubernetes_name("pdpair's namespace", namespace, 63, false)?;
-    kubernetes_name("pdpair's name", name, 253, true)?;
+    pdpair_api::check_dns1123_label("pdpair's namespace", namespace)?;
+    pdpair_api::check_dns1123_subdomain("pdpair's name", name)?;
     Ok((namespace, name))
-}
-
-/// `Err` naming `field` and `value` unless it is a DNS-1123 label (`dots`: subdomain) of at most
-/// `max` bytes, as Kubernetes names its objects.
-pub(crate) fn kubernetes_name(field: &str, value: &str, max: usize, dots: bool) -> Result<(), String> {
-    let ok_char = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || (dots && c == '.');
-    let ends = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
-    if value.len() <= max && value.chars().all(ok_char) && ends(value.chars().next()) && ends(value.chars().last()) {
-        return Ok(());
-    }
-    let kind = if dots { "subdomain" } else { "label" };
-    Err(format!(
-        "{field} {value:?} is not a Kubernetes name (DNS-1123 {kind}: lowercase letters, digits, '-'{}, at most {max} bytes)",
-        if dots { ", '.'" } else { "" }
-    ))
 }
 
 /// The checks on the Pod found, pure (for tests): the one the registration names (`at`:
@@ -453,19 +438,5 @@ mod tests {
         }
         let e = pdpair_name(&format!("{}/x", "n".repeat(64))).expect_err("long namespace");
         assert!(e.contains("at most 63"), "{e}");
-        assert!(kubernetes_name("pod", "vllm-0.a", 253, true).is_ok());
-        for bad in [
-            "../../attacker/pods/p",
-            "p/q",
-            "p%2f",
-            "P",
-            "p ",
-            "-p",
-            "p-",
-            &"p".repeat(254),
-        ] {
-            let e = kubernetes_name("pod", bad, 253, true).expect_err(bad);
-            assert!(e.starts_with(&format!("pod {bad:?}")), "{e}");
-        }
     }
 }

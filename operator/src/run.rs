@@ -374,13 +374,7 @@ fn scopes(namespaces: &[String]) -> anyhow::Result<Vec<Option<String>>> {
     }
     let mut seen = std::collections::BTreeSet::new();
     for ns in namespaces {
-        let label = ns.len() <= 63
-            && ns
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-            && ns.starts_with(|c: char| c.is_ascii_alphanumeric())
-            && ns.ends_with(|c: char| c.is_ascii_alphanumeric());
-        anyhow::ensure!(label, "--namespace {ns:?} is not a namespace's name (a DNS-1123 label)");
+        pdpair_api::check_dns1123_label("--namespace", ns).map_err(anyhow::Error::msg)?;
         anyhow::ensure!(seen.insert(ns.clone()), "--namespace names {ns:?} twice");
     }
     Ok(seen.into_iter().map(Some).collect())
@@ -405,7 +399,7 @@ mod tests {
         );
         for (bad, why) in [
             (vec!["a", "a"], "names \"a\" twice"),
-            (vec![""], "\"\" is not a namespace's name"),
+            (vec![""], "--namespace \"\" is not a Kubernetes name (DNS-1123 label"),
             (vec!["Team"], "\"Team\" is not"),
             (vec!["a/b"], "\"a/b\" is not"),
         ] {

@@ -161,7 +161,7 @@ pub fn endpoint_name(pod: &str, engine: &str) -> String {
 /// `--no-attest` leaves out while publishing goes on.
 fn where_published(pdpair: &str, pod: &str) -> Result<(String, String), String> {
     let (namespace, name) = crate::attest::pdpair_name(pdpair)?;
-    crate::attest::kubernetes_name("pod", pod, 253, true)?;
+    pdpair_api::check_dns1123_subdomain("pod", pod)?;
     Ok((namespace.to_owned(), name.to_owned()))
 }
 
