@@ -286,7 +286,74 @@ fn an_operator_of_some_namespaces_runs_their_pairs_and_leaves_the_others_alone()
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (watched, also, other) = (namespace("watched"), namespace("also-watched"), namespace("unwatched"));
     let scope = format!("{watched},{also}");
-    let _op = Operator::start_args("scoped", &["--namespace", &scope]);
+    // With the chart's rights for `operator.watchNamespaces` and no more: its RBAC, rendered
+    // by Helm (for Kubernetes 1.21, which this 1.20 control plane is not: the chart refuses
+    // the setting before it, for its webhook's namespaceSelector), applied here, and the
+    // operator run as its service account, which the API server's authorizer then checks
+    // at every call.
+    let release = namespace("scoped-release");
+    let rbac = helm(&[
+        "template",
+        "pdpair-scoped",
+        &root().join("charts/pdpair").to_string_lossy(),
+        "--namespace",
+        &release,
+        "--kube-version",
+        "1.21.0",
+        "--set",
+        &format!("operator.watchNamespaces={{{scope}}}"),
+        "--show-only",
+        "templates/rbac.yaml",
+    ]);
+    assert_eq!(rbac.code, 0, "helm template: {}", rbac.stderr);
+    assert!(
+        !rbac.stdout.contains("kind: ClusterRoleBinding"),
+        "rights in the watched namespaces only"
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&rbac.stdout));
+    let crds = pipe(
+        &root().join("target/debug/pdpair-operator").to_string_lossy(),
+        &["crd"],
+        b"",
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&String::from_utf8_lossy(&crds)));
+    // Installing the webhook configuration takes rights over the cluster, so this operator does
+    // not: the one an earlier operator here installed points at a port nothing serves now.
+    kubectl_ok(
+        &[
+            "delete",
+            "validatingwebhookconfiguration",
+            "pdpair-validating-webhook",
+            "--ignore-not-found",
+        ],
+        None,
+    );
+    let account = format!("system:serviceaccount:{release}:pdpair-scoped-operator");
+    for (ns, may) in [(&watched, "yes"), (&also, "yes"), (&other, "no")] {
+        let out = kubectl(
+            &[
+                "auth",
+                "can-i",
+                "list",
+                "pdpairs.pdpair.dev",
+                "-n",
+                ns,
+                "--as",
+                &account,
+            ],
+            None,
+        );
+        assert_eq!(out.stdout.trim(), may, "list pdpairs in {ns}: {}", out.stderr);
+    }
+    let config = kubeconfig_as(
+        &account,
+        &[
+            "system:serviceaccounts",
+            &format!("system:serviceaccounts:{release}"),
+            "system:authenticated",
+        ],
+    );
+    let op = Operator::start_as("scoped", &config, &release, &["--namespace", &scope]);
     for ns in [&watched, &also, &other] {
         kubectl_ok(
             &["apply", "-f", "-"],
@@ -309,4 +376,29 @@ fn an_operator_of_some_namespaces_runs_their_pairs_and_leaves_the_others_alone()
     );
     assert!(get_json("deployment", &other, "llama-8b-decode").is_none());
     assert!(get_json("secret", &other, "llama-8b-pairing").is_none());
+    // A pool made bring-your-own: its Deployment is deleted, with an Event.
+    kubectl_ok(
+        &[
+            "patch",
+            "pdpair",
+            "llama-8b",
+            "-n",
+            &watched,
+            "--type=json",
+            "-p",
+            r#"[{"op": "remove", "path": "/spec/decode/template"}]"#,
+        ],
+        None,
+    );
+    eventually(WAIT, "the decode Deployment pruned", || {
+        get_json("deployment", &watched, "llama-8b-decode")
+            .is_none()
+            .then_some(())
+    });
+    event_with_reason(WAIT, &watched, "llama-8b", "Pruned", Some("Normal"));
+    // Its Lease went through too, and no call was refused.
+    assert!(op.is_leader(), "the operator leads with its Lease in {release}");
+    let log = std::fs::read_to_string(dir().join("operator-scoped.log")).expect("log");
+    assert!(!log.contains("forbidden"), "a call was refused: {log}");
+    kubectl_ok(&["delete", "-f", "-", "--wait=false"], Some(&rbac.stdout));
 }

@@ -221,12 +221,19 @@ impl Operator {
 
     /// Like [`Operator::start`], on a given webhook port (to come back where a previous one was).
     pub fn start_on(identity: &str, webhook_port: u16) -> Operator {
-        Operator::start_with(identity, webhook_port, None, &[])
+        Operator::start_with(identity, webhook_port, None, &[], None)
     }
 
     /// Like [`Operator::start`], with more arguments to `pdpair-operator run`.
     pub fn start_args(identity: &str, extra: &[&str]) -> Operator {
-        Operator::start_with(identity, free_port(), None, extra)
+        Operator::start_with(identity, free_port(), None, extra, None)
+    }
+
+    /// Like [`Operator::start_args`], with the rights of `kubeconfig` (a service account's, see
+    /// [`kubeconfig_as`]) and its Lease in `lease_namespace`: it installs nothing (that takes
+    /// rights over the cluster) and serves a certificate it generates.
+    pub fn start_as(identity: &str, kubeconfig: &std::path::Path, lease_namespace: &str, extra: &[&str]) -> Operator {
+        Operator::start_with(identity, free_port(), None, extra, Some((kubeconfig, lease_namespace)))
     }
 
     /// A free port for a webhook the test configures itself (e.g. through the Helm chart).
@@ -242,10 +249,18 @@ impl Operator {
             webhook_port,
             Some((cert.to_path_buf(), key.to_path_buf())),
             &[],
+            None,
         )
     }
 
-    fn start_with(identity: &str, webhook_port: u16, tls: Option<(PathBuf, PathBuf)>, extra: &[&str]) -> Operator {
+    /// `who`: another kubeconfig and the namespace of its Lease (nothing installed).
+    fn start_with(
+        identity: &str,
+        webhook_port: u16,
+        tls: Option<(PathBuf, PathBuf)>,
+        extra: &[&str],
+        who: Option<(&std::path::Path, &str)>,
+    ) -> Operator {
         let admin_port = free_port();
         let bin = root().join("target/debug/pdpair-operator");
         assert!(
@@ -256,9 +271,13 @@ impl Operator {
         let log = std::fs::File::create(dir().join(format!("operator-{identity}.log"))).expect("log file");
         let url = format!("https://127.0.0.1:{webhook_port}");
         let mut cmd = Command::new(bin);
-        cmd.args(["run", "--lease-duration", "6s", "--lease-namespace", "default"])
+        let (config, lease_namespace) = match who {
+            Some((config, lease_namespace)) => (config.to_path_buf(), lease_namespace),
+            None => (kubeconfig(), "default"),
+        };
+        cmd.args(["run", "--lease-duration", "6s", "--lease-namespace", lease_namespace])
             .arg("--kubeconfig")
-            .arg(kubeconfig())
+            .arg(config)
             .args(["--webhook-bind", &format!("127.0.0.1:{webhook_port}")])
             .args([
                 "--admin-bind",
@@ -274,6 +293,9 @@ impl Operator {
         match &tls {
             Some((cert, key)) => {
                 cmd.arg("--tls-cert").arg(cert).arg("--tls-key").arg(key);
+            }
+            None if who.is_some() => {
+                cmd.arg("--cert-dir").arg(dir().join(format!("certs-{identity}")));
             }
             None => {
                 cmd.args(["--install", "--webhook-url", &url])
@@ -504,6 +526,22 @@ pub fn engine_pod(ns: &str, name: &str, pair: &str, role: &str, node: Option<&st
     kubectl_ok(&["apply", "-f", "-"], Some(&manifest));
     let pod = eventually(Duration::from_secs(60), "the Pod", || get_json("pod", ns, name));
     pod["metadata"]["uid"].as_str().expect("uid").to_owned()
+}
+
+/// A copy of the control plane's kubeconfig that impersonates `user` in `groups` (the admin
+/// may): a process using it has that user's rights and no more, as the API server's authorizer
+/// decides them.
+pub fn kubeconfig_as(user: &str, groups: &[&str]) -> PathBuf {
+    let text = std::fs::read_to_string(kubeconfig()).expect("kubeconfig");
+    let mut config: serde_yaml::Value = serde_yaml::from_str(&text).expect("kubeconfig parses");
+    let users = config["users"].as_sequence_mut().expect("kubeconfig users");
+    for u in users {
+        u["user"]["as"] = user.into();
+        u["user"]["as-groups"] = groups.iter().map(|g| serde_yaml::Value::from(*g)).collect();
+    }
+    let path = dir().join(format!("kubeconfig-as-{}", user.replace(':', "-")));
+    std::fs::write(&path, serde_yaml::to_string(&config).expect("serialises")).expect("write kubeconfig");
+    path
 }
 
 /// Runs Helm (`$HELM`, from `hack/helm.sh`) against the control plane.
