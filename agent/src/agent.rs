@@ -121,6 +121,15 @@ pub const MAX_UNAUTHENTICATED: usize = 64;
 /// oldest of the source holding the most ([`crate::unproven`]).
 pub const MAX_UNAUTHENTICATED_PER_SOURCE: usize = 8;
 
+/// Side-channel connections that have authenticated and are still in their handshake (a
+/// thread each, until the handshake deadline), at most this many per agent...
+pub const MAX_HANDSHAKING: usize = 256;
+/// ...and this many from one source, under the pre-auth budget's rule ([`crate::unproven`]). A
+/// decode agent starts at most [`dials::DIALS_PER_HOST`] dials to one prefill host a second
+/// ([`dials::DIAL_PLACE_HELD`]), and a push handshake (a probe, a connection to decode's memory)
+/// can take a second or more on a loaded node: this leaves them eight seconds.
+pub const MAX_HANDSHAKING_PER_SOURCE: usize = 32;
+
 #[derive(Debug)]
 struct Shared {
     cfg: AgentConfig,
@@ -138,6 +147,8 @@ struct Shared {
     metrics: Arc<Metrics>,
     /// Unauthenticated side-channel connections (the pre-auth budget).
     unauthenticated: Arc<crate::unproven::Budget>,
+    /// Authenticated side-channel connections still in their handshake ([`MAX_HANDSHAKING`]).
+    handshaking: Arc<crate::unproven::Budget>,
     /// What the side-channel links of each PDPair hold for their peers, in all.
     outboxes: crate::outboxes::Budgets,
     /// What the side-channel links of each PDPair hold of frames their peers are sending, in all.
@@ -440,6 +451,7 @@ impl Agent {
                 ucx,
                 metrics,
                 unauthenticated: crate::unproven::Budget::new(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_SOURCE),
+                handshaking: crate::unproven::Budget::new(MAX_HANDSHAKING, MAX_HANDSHAKING_PER_SOURCE),
                 outboxes: crate::outboxes::Budgets::new(
                     crate::outboxes::OUTBOX_BUDGET,
                     crate::outboxes::AGENT_OUTBOX_BUDGET,

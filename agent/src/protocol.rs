@@ -45,9 +45,9 @@ pub const NONCE_LEN: usize = 32;
 pub const MAX_UCX_BLOB: usize = 8 << 10;
 
 /// Bytes of a sealed `Handshake` frame, at most: the largest, 128 regions each with a UCX key
-/// of [`MAX_UCX_BLOB`] bytes in hex and a worker address as large, is under 2.2 MiB. (Read
-/// before the connection counts among its source's links, by as many connections as have
-/// authenticated: each holds one such frame until the handshake's deadline.)
+/// of [`MAX_UCX_BLOB`] bytes in hex and a worker address as large, is under 2.2 MiB. (A prefill
+/// agent charges it to the pair's budget for frames being read, and holds a bounded number of
+/// connections in their handshake: `agent::MAX_HANDSHAKING`.)
 pub const MAX_HANDSHAKE_FRAME: usize = 4 << 20;
 
 /// One side-channel message.
@@ -595,8 +595,8 @@ impl Session {
         wire::read_sealed(r, &mut self.opener, wire::MAX_FRAME)
     }
 
-    /// [`Session::recv`] of a handshake, at most [`MAX_HANDSHAKE_FRAME`] bytes: it is read before
-    /// the connection counts as a link of its source, so it holds no more than a handshake needs.
+    /// [`Session::recv`] of a handshake, at most [`MAX_HANDSHAKE_FRAME`] bytes: no more than a
+    /// handshake needs.
     pub fn recv_handshake(&mut self, r: &mut impl Read) -> Result<Message, FrameError> {
         self.recv_handshake_by(r, |_| Ok(())).map(|(m, _)| m)
     }
@@ -1126,29 +1126,31 @@ pub fn handshake_prefill(
     session: &mut Session,
     local: &PeerInfo,
 ) -> Result<PeerInfo, HandshakeError> {
-    handshake_prefill_vetted(stream, session, local, |_| None, |_| Ok(()))
+    handshake_prefill_vetted(stream, session, local, |_| None, |_| Ok(())).map(|(peer, _)| peer)
 }
 
 /// [`handshake_prefill`], with `vet` asked too before P answers (the agent tries D's UCX address
 /// in a probe there, so D's heartbeat clock does not start while P is still probing), and
 /// `admit` asked for room for D's handshake frame before its body is read
-/// ([`Session::recv_handshake_by`]; the room is given back once it is decoded).
+/// ([`Session::recv_handshake_by`]; its charges come back with D's handshake, for the caller to
+/// hold while it holds that).
+#[allow(clippy::type_complexity)]
 pub fn handshake_prefill_vetted<G>(
     stream: &mut (impl Read + Write),
     session: &mut Session,
     local: &PeerInfo,
     vet: impl FnOnce(&PeerInfo) -> Option<(Vec<Reason>, String)>,
     admit: impl FnMut(usize) -> Result<G, String>,
-) -> Result<PeerInfo, HandshakeError> {
-    let peer = match session.recv_handshake_by(stream, admit)? {
-        (Message::Handshake(peer), _) => *peer,
+) -> Result<(PeerInfo, (G, Option<G>)), HandshakeError> {
+    let (peer, charged) = match session.recv_handshake_by(stream, admit)? {
+        (Message::Handshake(peer), charged) => (*peer, charged),
         (other, _) => return Err(unexpected("Handshake", &other)),
     };
     if let Some((reasons, message)) = refuse(local, &peer).or_else(|| vet(&peer)) {
         return Err(reject_sealed(stream, session, reasons, message));
     }
     session.send(stream, &Message::Handshake(Box::new(local.clone())))?;
-    Ok(peer)
+    Ok((peer, charged))
 }
 
 #[cfg(test)]

@@ -4102,50 +4102,60 @@ fn a_side_channel_frame_of_many_small_values_costs_its_length_not_many_times_it(
 }
 
 #[test]
-fn connections_that_authenticated_count_as_links_of_their_source_through_their_handshake() {
-    // A connection counted as one of its source's links only once its handshake was done: an
-    // insider could authenticate any number of connections and leave each in its handshake,
-    // with a thread and a handshake frame of up to 4 MiB, until the deadline. Now it takes its
-    // place when it has authenticated, or is closed before `AuthOk`.
+fn connections_in_their_handshake_are_bounded_per_source_and_count_as_links_of_it() {
+    // A connection counted as one of its source's links only once its handshake was done, and
+    // nothing else bounded connections that had authenticated: an insider could authenticate
+    // any number and leave each in its handshake, a thread and a handshake frame of up to 4 MiB
+    // each, until the deadline. Now, once it has authenticated, it takes a place in the agent's
+    // budget of connections in their handshake and among its source's links, or is closed
+    // before `AuthOk`.
+    use pdpair_agent::agent::{MAX_HANDSHAKING_PER_SOURCE, MAX_LINKS_PER_SOURCE};
     let _serial = serial();
     let w = World::new("attack-shaking");
     let p = pull_prefill_ready_as(&w, |s| s.handshake_timeout_ms = 120_000);
-    let bound = pdpair_agent::agent::MAX_LINKS_PER_SOURCE;
-    let authenticated = |s: &mut TcpStream| -> Result<(), String> {
+    let authenticated = |from: [u8; 4]| -> Result<TcpStream, String> {
+        let mut s = connect_from(from, addr(&p)).map_err(|e| e.to_string())?;
         s.set_read_timeout(Some(Duration::from_secs(5)))
             .map_err(|e| e.to_string())?;
-        protocol::authenticate_decode(s, PAIR, KEY)
-            .map(drop)
+        protocol::authenticate_decode(&mut s, PAIR, KEY)
+            .map(|_| s)
             .map_err(|e| e.to_string())
     };
-    let mut held: Vec<TcpStream> = (0..bound - 1)
-        .map(|i| {
-            let mut s = TcpStream::connect(addr(&p)).expect("connect");
-            authenticated(&mut s).unwrap_or_else(|e| panic!("connection {i}: {e}"));
-            s
-        })
+    // In their handshake: a bounded number from one source; another source still gets in.
+    let insider = [127, 0, 3, 1];
+    let mut shaking: Vec<TcpStream> = (0..MAX_HANDSHAKING_PER_SOURCE)
+        .map(|i| authenticated(insider).unwrap_or_else(|e| panic!("connection {i}: {e}")))
         .collect();
-    // Two more connect while the source holds one place fewer than its bound: both are let in
-    // and the first to authenticate takes the last place.
-    let mut a = TcpStream::connect(addr(&p)).expect("connect a");
-    let mut b = TcpStream::connect(addr(&p)).expect("connect b");
-    std::thread::sleep(Duration::from_millis(300));
-    authenticated(&mut a).expect("a takes the last place");
-    let refused = authenticated(&mut b).expect_err("b authenticated past its source's bound");
+    let refused = authenticated(insider).expect_err("authenticated past its source's handshakes");
     assert!(!refused.contains("rejected"), "closed, not told why: {refused}");
-    held.push(a);
+    shaking.push(authenticated([127, 0, 3, 2]).expect("another source"));
+    drop(shaking);
+    // Links and connections in their handshake together: two connect while the source holds
+    // one link fewer than its bound; the first to authenticate takes the last place.
+    let source = [127, 0, 3, 3];
+    let mut links: Vec<_> = (0..MAX_LINKS_PER_SOURCE - 1)
+        .map(|_| pull_link_from(&p, source))
+        .collect();
+    let mut a = connect_from(source, addr(&p)).expect("connect a");
+    let mut b = connect_from(source, addr(&p)).expect("connect b");
+    std::thread::sleep(Duration::from_millis(300));
+    protocol::authenticate_decode(&mut a, PAIR, KEY).expect("a takes the last place");
+    b.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let refused = protocol::authenticate_decode(&mut b, PAIR, KEY)
+        .map(drop)
+        .expect_err("b authenticated past its source's links");
+    assert!(
+        !refused.to_string().contains("rejected"),
+        "closed, not told why: {refused}"
+    );
     // A place given back is taken again.
-    held.remove(0);
+    links.remove(0);
     let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        let mut s = TcpStream::connect(addr(&p)).expect("connect");
-        match authenticated(&mut s) {
-            Ok(()) => break,
-            Err(e) => assert!(Instant::now() < until, "no place after one went: {e}"),
-        }
+    while let Err(e) = authenticated(source) {
+        assert!(Instant::now() < until, "no place after one went: {e}");
         std::thread::sleep(Duration::from_millis(50));
     }
-    drop(held);
+    drop((a, links));
 }
 
 #[test]

@@ -16,9 +16,17 @@ pub fn check_dns1123_subdomain(field: &str, value: &str) -> Result<(), String> {
 }
 
 fn check(field: &str, value: &str, max: usize, dots: bool) -> Result<(), String> {
-    let ok_char = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || (dots && c == '.');
+    let ok_char = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-';
     let ends = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
-    if value.len() <= max && value.chars().all(ok_char) && ends(value.chars().next()) && ends(value.chars().last()) {
+    // A subdomain is labels joined by '.', each starting and ending with a letter or digit (of
+    // any length within the whole's, as Kubernetes checks its names).
+    let label = |l: &str| l.chars().all(ok_char) && ends(l.chars().next()) && ends(l.chars().last());
+    let ok = if dots {
+        value.split('.').all(label)
+    } else {
+        label(value)
+    };
+    if value.len() <= max && ok {
         return Ok(());
     }
     let kind = if dots { "subdomain" } else { "label" };
@@ -35,6 +43,8 @@ mod tests {
     #[test]
     fn names_are_dns_1123_and_errors_name_the_field_and_value() {
         assert!(check_dns1123_subdomain("pod", "vllm-0.a").is_ok());
+        assert!(check_dns1123_subdomain("pdpair's name", "llama.8b.x-1").is_ok());
+        assert!(check_dns1123_subdomain("pod", &format!("{}.b", "a".repeat(100))).is_ok());
         assert!(check_dns1123_label("namespace", "team-a").is_ok());
         assert!(check_dns1123_label("namespace", &"n".repeat(63)).is_ok());
         for bad in [
@@ -46,6 +56,10 @@ mod tests {
             "-p",
             "p-",
             "",
+            "a..b",
+            "a.-b",
+            "a-.b",
+            ".a",
             &"p".repeat(254),
         ] {
             let e = check_dns1123_subdomain("pod", bad).expect_err(bad);

@@ -269,7 +269,8 @@ type EarlyRelease = (u64, Held, Option<PromptDigest>, u32);
 type Waiting = (Arc<Link>, Registration, Instant, Held);
 
 /// Links one prefill engine keeps with one source address at most (a decode agent holds one per
-/// decode engine on its node): more are closed before authentication, like the pre-auth budget's.
+/// decode engine on its node), a connection counting as one from its proof on, its handshake
+/// included: more are closed before authentication, or before `AuthOk`.
 pub const MAX_LINKS_PER_SOURCE: usize = 128;
 
 /// Links one prefill engine keeps in all (two threads each): past it, a decode that has just
@@ -277,7 +278,8 @@ pub const MAX_LINKS_PER_SOURCE: usize = 128;
 /// for anything, of those not being served (a pull decode reading lent blocks asks nothing
 /// until it has read them). Links are bounded per source, not across addresses: an insider holding many
 /// addresses could otherwise open links (and threads) without end; a decode asking for work
-/// keeps its place, an idle one dials again when it has work.
+/// keeps its place, an idle one dials again when it has work. (Connections still in their
+/// handshake are bounded per agent: `MAX_HANDSHAKING`.)
 pub const MAX_LINKS_PER_ENGINE: usize = 1024;
 
 /// Registrations (and releases that came first) one decode link may have waiting for their
@@ -495,19 +497,29 @@ impl Engine {
         let mut timed = wire::Deadline::new(&stream, self.handshake_timeout());
         let handshake_until = timed.until();
         // Proven: no longer counted against the pre-auth budget (given back before `AuthOk`),
-        // but as one of its source's links, if it has room for one more.
+        // but as one of its source's links, if it has room for one more, and against the
+        // agent's budget of connections in their handshake, which is shared as the pre-auth
+        // one is (a thread each, until the deadline: without it, an insider holding many
+        // addresses could hold 128 such threads per address).
         let mut slot = Some(slot);
         let mut place = None;
+        let mut shaking_slot = None;
         let proven = || {
             drop(slot.take());
             place = self.shaking_place(source);
+            if place.is_some() {
+                match self.shared.handshaking.admit(source, &stream) {
+                    Ok((taken, evicted)) => {
+                        if evicted {
+                            self.shared.metrics.handshake_refused(Reason::Busy);
+                        }
+                        shaking_slot = Some(taken);
+                    }
+                    Err(_) => place = None,
+                }
+            }
             place.is_some()
         };
-        // D's handshake frame, up to 4 MiB, is charged to the pair's budget for frames being
-        // read before its body is read, as a link's frames are: over it, of the connections
-        // holding the most, the one longest without a frame read whole is closed.
-        let Ok(shut) = stream.try_clone() else { return };
-        let inbox = self.inboxes.queue(shut, peer_addr.clone());
         let shaken = protocol::authenticate_prefill_then(&mut timed, |p| (p == pdpair).then(|| key.clone()), proven)
             .and_then(|(_, mut session)| {
                 // Pull: this decode reads our blocks, through our stream where we run one;
@@ -531,19 +543,27 @@ impl Engine {
                         .flatten()
                         .map(|e| (vec![Reason::TransportFailed], e))
                 };
+                // D's handshake frame, up to 4 MiB, is charged to the pair's budget for frames
+                // being read before its body is read, as a link's frames are (over it, of the
+                // connections holding the most, the one longest without a frame read whole is
+                // closed), and stays charged until the link is made: what it decodes to is held
+                // that long (through the probe and the connection to D's memory).
+                let shut = stream.try_clone().map_err(wire::FrameError::from)?;
+                let inbox = self.inboxes.queue(shut, peer_addr.clone());
                 let admit = super::inbox_admit(&self.inboxes, &inbox);
                 protocol::handshake_prefill_vetted(&mut timed, &mut session, &self.local, vet, admit)
-                    .map(|peer| (peer, session, admission))
+                    .map(|(peer, charged)| (peer, session, admission, charged))
             });
-        drop(inbox);
-        let (peer, mut session, admission) = match shaken {
+        let (peer, mut session, admission, charged) = match shaken {
             Ok(done) => done,
             // Shut down to make room: counted `Busy` then.
             Err(_) if slot.as_ref().is_some_and(crate::unproven::Slot::evicted) => return,
-            // Authenticated, with no place among its source's links.
+            Err(_) if shaking_slot.as_ref().is_some_and(crate::unproven::Slot::evicted) => return,
+            // Authenticated, with no place among its source's links or in the agent's budget
+            // of connections in their handshake.
             Err(_) if slot.is_none() && place.is_none() => {
                 self.shared.metrics.handshake_refused(Reason::Busy);
-                tracing::warn!(engine = %self.reg.engine, %source, "a source holds {MAX_LINKS_PER_SOURCE} links to this engine already; closed another after it authenticated");
+                tracing::warn!(engine = %self.reg.engine, %source, "a source holds {MAX_LINKS_PER_SOURCE} links to this engine, or the agent as many connections in their handshake as it takes; closed another after it authenticated");
                 return;
             }
             Err(err) => {
@@ -613,6 +633,8 @@ impl Engine {
         let _ = stream.set_read_timeout(Some(PREFILL_SILENCE_LIMIT));
         let _ = stream.set_write_timeout(Some(PREFILL_SILENCE_LIMIT));
         let Session { sealer, mut opener, .. } = session;
+        // The handshake is done with: from here the link's own reader charges what it reads.
+        drop(charged);
         let Ok(link) = Link::new(
             (&self.outboxes, &self.inboxes),
             stream,
@@ -662,6 +684,8 @@ impl Engine {
                 place.into_link(&mut shaking);
             }
         }
+        // Out of its handshake (the agent's budget of connections in theirs).
+        drop(shaking_slot);
         // Checked after the push: a shutdown that ran before it did not see this link.
         if self.closed.load(Ordering::SeqCst) {
             link.close();
