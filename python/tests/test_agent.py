@@ -332,6 +332,29 @@ def test_layout_matches_the_documented_formula():
     assert (more_ranks.local_heads, more_ranks.head_offset) == (1, 1)
 
 
+@pytest.mark.parametrize("frame", [b'{"type":"RequestDone","request":"r","x":' + b"[" * 100000 + b"]" * 100000 + b"}",
+                                   b"\xff\xfe not JSON"])
+def test_an_agent_frame_the_connector_cannot_read_ends_the_connection_not_its_reader_alone(frame):
+    # A frame nested past Python's recursion limit raised RecursionError in the event reader,
+    # which caught only OSError and FrameError: the reader died with the connection never
+    # marked closed, and every transfer waiting on it (and its blocks) waited for good.
+    import socket
+    import struct
+
+    ours, theirs = socket.socketpair()
+    client = AgentClient(ours, {}, None, "", [])
+    lost = []
+    client.on_close = lambda: lost.append(True)
+    theirs.sendall(struct.pack(">I", len(frame)) + frame)
+    deadline = time.monotonic() + 10
+    while client.closed is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.closed is not None, "the connection is given up as lost"
+    assert lost == [True], "and the engine told"
+    client.close()
+    theirs.close()
+
+
 def test_a_send_to_an_agent_that_stops_reading_fails_instead_of_hanging(monkeypatch):
     # An agent (here the other end of a socket pair, standing in for a stuck or hostile one) that
     # reads nothing: the engine's sends fill the socket and then fail within the send timeout,

@@ -66,6 +66,27 @@ def test_a_short_tail_is_recomputed_and_prefill_released():
     assert not plan.recvs and [r.agent_request for r in plan.releases] == ["p-1"]
 
 
+def test_a_local_prefix_of_a_partial_block_fails_the_receive_at_once_and_releases_prefill(caplog):
+    # vLLM said the KV would come (the request waits for remote KV); with a local prefix that is
+    # not whole blocks (vLLM trims the count itself for sliding-window replay) the connector
+    # only released P: no rank ever answered, and the request waited for good with its blocks.
+    s = SchedulerState(16)
+    p = params()
+    assert s.matched_tokens("r", p, 50, 0) == (50, True)
+    s.after_alloc("r", p, [1, 2, 3, 4], 50, 41)  # a local prefix of 9 tokens
+    plan = s.plan()
+    assert [r.agent_request for r in plan.releases] == ["p-1"], "P is released"
+    (recv,) = plan.recvs
+    assert recv.fail and "9 tokens" in recv.fail and "computed locally" in caplog.text
+    client = _Client()
+    w = WorkerState(client, Stager())
+    w.start(plan)
+    assert ("expect_kv", "p-1") not in client.calls, "no agent is asked"
+    got = w.poll()
+    assert got.finished_recving == {"r"} and got.failed_recving == {"r"}, "answered at once, failed"
+    assert got.error_blocks == {1, 2, 3, 4}, "from the partial block on, recomputed"
+
+
 def test_a_queued_request_is_renewed_until_it_is_allocated():
     s = SchedulerState(16, renew_interval_s=0.05)
     p = params()

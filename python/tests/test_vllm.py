@@ -13,6 +13,8 @@ pytest.importorskip("vllm", reason="the vLLM venv (hack/vllm-venv.sh) runs these
 
 import pdpair_vllm  # noqa: E402
 from pdpair_vllm.client import AgentError  # noqa: E402
+from pdpair_vllm.connector import PdpairConnector  # noqa: E402
+from pdpair_vllm.transfer import PARAM_TOKENS  # noqa: E402
 from vllm_harness import SAMPLED, Engine  # noqa: E402
 
 P_SEED, D_SEED = 1, 2
@@ -92,6 +94,40 @@ def test_the_connector_is_the_installed_wheel_not_the_source_tree():
     # make python-test installs the built wheel into the venv and runs these tests without the
     # source on sys.path: vLLM's factory imported what `pip install` put in site-packages.
     assert "site-packages" in pdpair_vllm.__file__, pdpair_vllm.__file__
+
+
+def test_a_prefill_that_ran_past_its_first_token_offers_its_prompts_kv_and_decode_takes_it(pair):
+    # P offered the KV of every token it had computed: a request that ran a step past its first
+    # token (max_tokens 2 here; async scheduling's step in flight, vLLM's default, counts one
+    # too) offered more tokens than its prompt, decode asked for its prompt's, and the transfer
+    # failed (TokenCountMismatch): decode computed every such prompt itself.
+    p, d = pair()
+    prompt = list(range(100, 150))
+    p.add("req", prompt, {"do_remote_decode": True}, max_tokens=2)
+    p.run_until(lambda: "req" in p.outputs, what="prefill finished")
+    params = p.outputs["req"].kv_transfer_params
+    assert params[PARAM_TOKENS] == 50, params
+    seeds = decode_receives(p, d, "req", prompt, params)
+    assert seeds == [P_SEED] * 50, seeds
+    both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
+    assert p.outcome("req") == "RequestDone"
+
+
+def test_sleep_mode_is_refused_unless_the_kv_is_always_staged():
+    # Sleep mode frees the KV cache and maps new memory at the same addresses on wake; on the
+    # direct path the agent keeps the old allocation as the pool, so KV would land where vLLM
+    # no longer reads it. vLLM asks the connector, and refuses enable_sleep_mode when it says no.
+    from vllm.config import KVTransferConfig
+
+    def config(**extra):
+        return KVTransferConfig(kv_connector="PdpairConnector", kv_connector_module_path="pdpair_vllm",
+                                kv_role="kv_both", kv_connector_extra_config=extra)
+
+    assert not PdpairConnector.supports_sleep_mode(config())
+    assert not PdpairConnector.supports_sleep_mode(config(direct="auto"))
+    assert not PdpairConnector.supports_sleep_mode(config(direct=True))
+    assert PdpairConnector.supports_sleep_mode(config(direct=False))
+    assert PdpairConnector.supports_sleep_mode(config(direct="false"))
 
 
 @pytest.mark.parametrize("mode", ["Push", "Pull"])

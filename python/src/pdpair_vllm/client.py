@@ -328,6 +328,10 @@ class AgentClient:
                     self._lock.notify_all()
         except (OSError, wire.FrameError) as e:
             reason = str(e)
+        except Exception as e:  # noqa: BLE001 - anything else the agent's bytes raise (a frame
+            # nested past Python's recursion limit, an event missing a field): the connection is
+            # given up as lost, so what waits on it ends, instead of the reader dying unseen.
+            reason = f"the agent sent what this connector cannot read: {type(e).__name__}: {e}"
         with self._lock:
             self._closed = reason
             self._lock.notify_all()

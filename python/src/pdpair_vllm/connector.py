@@ -203,6 +203,16 @@ def _dtype_name(dtype) -> str:
 class PdpairConnector(KVConnectorBase_V1):
     """pdpair's KV connector (docs/vllm.md)."""
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """Only where the KV is always staged (``direct: false``): sleep mode frees the KV cache
+        and maps new memory at the same addresses on wake, while on the direct path the agent
+        holds the old allocation as the pool, so KV would land where vLLM no longer reads it and
+        decode would run on whatever its cache held. vLLM refuses ``enable_sleep_mode`` then,
+        naming this connector."""
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+        return _direct_setting(extra.get("direct")) is False
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         check_parallelism(vllm_config.parallel_config)
@@ -254,8 +264,14 @@ class PdpairConnector(KVConnectorBase_V1):
         assert self._sched is not None
         ids = block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids
         status = getattr(request.status, "name", str(request.status))
+        # The prompt's KV, computed: not a token past the prompt (a request that ran more than
+        # its first step, or async scheduling's step in flight, whose KV may not be written
+        # yet), which decode does not ask for: it asks for its prompt's tokens, and a count
+        # that differs fails the transfer (TokenCountMismatch) and decode computes it all.
+        in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0)
+        computed = min(request.num_computed_tokens - in_flight, request.num_prompt_tokens)
         return self._sched.finished(request.request_id, request.kv_transfer_params, status in COMPLETED,
-                                    list(ids or []), request.num_computed_tokens, self._engine_id,
+                                    list(ids or []), computed, self._engine_id,
                                     load_failed=status == "FINISHED_ERROR", prompt=_prompt_if_remote(request))
 
     # ==== worker side ============================================================================

@@ -119,6 +119,9 @@ class Recv:
     num_tokens: int
     #: D's prompt digest over ``num_tokens`` tokens, when the engine gave its prompt.
     prompt: Optional[str] = None
+    #: Why no agent is asked: the worker fails the receive at once (its blocks load errors, which
+    #: vLLM recomputes), or ``None``.
+    fail: Optional[str] = None
 
 
 @dataclass
@@ -299,9 +302,14 @@ class SchedulerState:
             return
         local = total - num_external_tokens
         if local < 0 or local % self.block_size:
-            log.warning("pdpair: request %s: a local prefix of %d tokens is not whole blocks of %d; P released",
-                        request, local, self.block_size)
+            # vLLM waits for this request's KV (it said it would come): failed at once, so it
+            # is computed here, not left waiting for good with its blocks held.
+            why = f"a local prefix of {local} tokens is not whole blocks of {self.block_size}"
+            log.warning("pdpair: request %s: %s; P released, and the request is computed locally", request, why)
             self._plan.releases.append(Release(agent_request, ranks, digest))
+            held = max(local, 0) // self.block_size
+            self._plan.recvs.append(Recv(request, agent_request, ranks, list(block_ids[held:]), max(local, 0),
+                                         total, digest, fail=why))
             return
         held = local // self.block_size
         logical = list(block_ids[held:])
@@ -597,6 +605,9 @@ class WorkerState:
         if plan.recvs:
             self.stager.before_receive()
         for recv in plan.recvs:
+            if recv.fail is not None:
+                self._fail_locally(recv)
+                continue
             if recv.agent_request in self._open:
                 # The id names a transfer in flight here (another request's params, or this
                 # engine's own prefill): asking again would take its answer for this one.
