@@ -320,6 +320,31 @@ def test_a_receive_naming_a_transfer_in_flight_is_failed_locally_and_the_first_k
     assert w.poll().finished_sending == {"held"}
 
 
+def test_a_receive_asked_while_a_release_of_its_id_is_unanswered_is_failed_locally():
+    # A client's copy of a request's params, aborted while queued, sends a Release of P's id;
+    # the real request's receive, asked for before that release's answer came, was ended by it
+    # (the answer names only the id), and vLLM freed its blocks while P's KV was still on its
+    # way into them.
+    from pdpair_vllm.client import Event
+    from pdpair_vllm.transfer import Release
+    client = _Client()
+    w = WorkerState(client, Stager())
+    w.start(Plan(releases=[Release("p-1", ["10.0.0.1:7000"], "digest-y")]))
+    recv = Recv(request="real", agent_request="p-1", prefill_ranks=["10.0.0.1:7000"], logical_blocks=[1],
+                first_token=0, num_tokens=16, prompt="digest-x")
+    w.start(Plan(recvs=[recv]))
+    assert ("expect_kv", "p-1") not in client.calls, "not asked while the release is unanswered"
+    got = w.poll()
+    assert got.failed_recving == {"real"} and got.finished_recving == {"real"}, "failed locally, at once"
+    client.finished.append(Event("Released", "p-1", {"type": "Released", "request": "p-1"}))
+    got = w.poll()
+    assert not got.finished_recving and not got.failed_recving, "the release's answer ends nothing of vLLM's"
+    # Answered: the id may be asked for again.
+    w.start(Plan(recvs=[Recv(request="again", agent_request="p-1", prefill_ranks=["10.0.0.1:7000"],
+                             logical_blocks=[2], first_token=0, num_tokens=16)]))
+    assert ("expect_kv", "p-1") in client.calls
+
+
 def test_a_workers_outcomes_are_bounded():
     from pdpair_vllm import transfer
     from pdpair_vllm.client import Event

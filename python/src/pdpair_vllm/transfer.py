@@ -533,7 +533,7 @@ class WorkerState:
         #: P: this rank's new agent address after it reconnected (a restarted agent listens at
         #: another one), until the scheduler is told (:meth:`take_new_address`).
         self._new_address: Optional[str] = None
-        # agent request id -> ("send" | "recv" | "cancel", vLLM id, Recv or None)
+        # agent request id -> ("send" | "recv" | "cancel" | "release", vLLM id, Recv or None)
         self._open: Dict[str, Tuple[str, str, Optional[Recv]]] = {}
         self._by_request: Dict[str, str] = {}
         self._results = Results()
@@ -632,8 +632,13 @@ class WorkerState:
             # request's params, or of this engine's own prefill's id) is not sent: the agent's
             # answer to it names only the id, and would end the transfer in flight (its blocks
             # freed while the agent still writes into them, or a prefill's while decode reads).
+            # A release is open until answered: its answer names only the id, and would end a
+            # receive of that id asked for meanwhile (a client's copy of the params, aborted while
+            # queued, then the real request), whose blocks vLLM would then free while the agent
+            # still writes into them. Such a receive fails locally instead (above).
             for rel in plan.releases:
                 if not self._in_flight(rel.agent_request, "release"):
+                    self._open[rel.agent_request] = ("release", "(a release)", None)
                     self._call(self.client.release, rel.agent_request, list(rel.prefill_ranks), prompt=rel.prompt)
             for ren in plan.renews if self.rank == 0 else ():
                 if self._in_flight(ren.agent_request, "renewal"):
@@ -766,6 +771,9 @@ class WorkerState:
         if entry is None:
             return
         kind, request, recv = entry
+        if kind == "release":
+            # Answered: nothing of a vLLM request's was waiting on it.
+            return
         if kind == "cancel" and event.type != "Cancelled":
             # The request's own end crossed the Cancel: its answer is still to come.
             self._open[event.request] = entry
