@@ -3,7 +3,8 @@
 A thin adapter: the decisions are in :mod:`pdpair_vllm.transfer` (engine-agnostic), the agent
 protocol in :mod:`pdpair_vllm.client`. Load it with ``--kv-transfer-config
 '{"kv_connector":"PdpairConnector","kv_connector_module_path":"pdpair_vllm","kv_role":"kv_both"}'``
-(the operator renders this, docs/vllm.md). Where the agent accepts GPU pools, the KV tensors
+with ``PDPAIR_ROLE`` set (the operator renders both, docs/vllm.md), or ``kv_role`` ``kv_producer``
+(prefill) or ``kv_consumer`` (decode). Where the agent accepts GPU pools, the KV tensors
 themselves are its pool (:mod:`pdpair_vllm.direct`: nothing is copied by the engine); otherwise
 the KV moves through the agent's host pool: P's worker copies its blocks into the pool after the
 prefill, D's worker copies them from its pool into the KV cache when the agent reports them
@@ -59,6 +60,7 @@ from .transfer import Plan, Prompt, Results, SchedulerState, Stager, WorkerState
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.request import Request
 
 
 def vllm_holds_aborted_receives() -> bool:
@@ -78,7 +80,6 @@ def vllm_holds_aborted_receives() -> bool:
                     "holds them", e)
         return False
     return "WAITING_FOR_REMOTE_KVS" in source
-    from vllm.v1.request import Request
 
 COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 log = logging.getLogger("pdpair_vllm")

@@ -559,7 +559,7 @@ class WorkerState:
         if why is not None and self._lost_at == 0.0:
             self.lost, self._lost_at = why, time.monotonic()
             log.error("pdpair: rank %d lost its agent connection (%s): its %d transfers in flight end as failed, and "
-                      "no KV moves on this rank (requests are computed locally) until it registers with its agent "
+                      "no KV moves on this rank (its requests are computed locally, or fail, by kv_load_failure_policy) until it registers with its agent "
                       "again%s", self.rank, why, len(self._open),
                       "" if self._reconnect is not None else " (it does not try: restart the engine)")
         return why is not None
