@@ -1,7 +1,7 @@
 //! `pdpair-agent test-engine`: the synthetic engine as a Pod's engine, for clusters without a GPU.
 //! It takes everything from the environment the operator gives engine containers
 //! (`PDPAIR_NAME`, `PDPAIR_NAMESPACE`, `PDPAIR_ROLE`, `PDPAIR_AGENT_SOCKET`,
-//! `PDPAIR_PAIRING_KEY_FILE`, `PDPAIR_KV`, `PDPAIR_PARALLELISM`, `PDPAIR_POD_NAME`) and leaves the
+//! `PDPAIR_PAIRING_KEY_FILE`, `PDPAIR_UID`, `PDPAIR_KV`, `PDPAIR_PARALLELISM`, `PDPAIR_POD_NAME`) and leaves the
 //! transfer settings to the agent, which reads them from the PDPair.
 //!
 //! - prefill: registers and offers request `--request` (the synthetic pattern of `--tokens`
@@ -57,6 +57,43 @@ fn env(name: &str) -> Result<String, UsageError> {
 }
 
 /// Runs the test engine.
+/// How long an engine waits for its own PDPair's pairing Secret when the one mounted is an earlier
+/// PDPair's of the same name (the kubelet refreshes a mounted Secret within about 90 s).
+const PAIRING_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The pairing key at `path`; with `uid` (the engine's `PDPAIR_UID`) and a `pdpair-uid` file beside
+/// the key (the operator writes both into the Secret), only once that file names `uid`, waiting up
+/// to `wait` for the kubelet to bring it (as the vLLM connector does: a PDPair deleted and made
+/// again can have its pods mount the predecessor's Secret). A Secret without the file is taken as
+/// it is.
+fn pairing_key(path: &std::path::Path, uid: Option<&str>, wait: std::time::Duration) -> Result<Vec<u8>, String> {
+    let uid_path = path.with_file_name("pdpair-uid");
+    let read_uid = || {
+        uid.and_then(|_| std::fs::read_to_string(&uid_path).ok())
+            .map(|s| s.trim().to_owned())
+    };
+    let until = std::time::Instant::now() + wait;
+    loop {
+        let before = read_uid();
+        let key = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let after = read_uid();
+        match (&before, &after) {
+            (None, None) => return Ok(key),
+            (Some(b), Some(a)) if b == a && Some(a.as_str()) == uid => return Ok(key),
+            _ if std::time::Instant::now() >= until => {
+                return Err(format!(
+                    "the pairing key at {} is PDPair uid {}'s, not this pod's PDPair's ({}): a PDPair of this name was deleted and made again, and its new pairing Secret has not reached this pod in {} s",
+                    path.display(),
+                    after.as_deref().unwrap_or("(being replaced)"),
+                    uid.unwrap_or_default(),
+                    wait.as_secs()
+                ));
+            }
+            _ => std::thread::sleep(std::time::Duration::from_millis(500)),
+        }
+    }
+}
+
 pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError> {
     let role = match env("PDPAIR_ROLE")?.as_str() {
         "prefill" => Role::Prefill,
@@ -70,7 +107,8 @@ pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError>
         Err(_) => Parallelism::default(),
     };
     let key_file = PathBuf::from(env("PDPAIR_PAIRING_KEY_FILE")?);
-    let key = std::fs::read(&key_file).map_err(|e| UsageError(format!("{}: {e}", key_file.display())))?;
+    let uid = std::env::var("PDPAIR_UID").ok().filter(|u| !u.is_empty());
+    let key = pairing_key(&key_file, uid.as_deref(), PAIRING_WAIT).map_err(UsageError)?;
     let pod = env("PDPAIR_POD_NAME")?;
     let socket = PathBuf::from(env("PDPAIR_AGENT_SOCKET")?);
     let one_shot = args.prefill.is_some();
@@ -173,5 +211,43 @@ pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError>
                 )))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::pairing_key;
+
+    #[test]
+    fn a_pairing_key_of_an_earlier_pdpair_of_the_name_is_waited_out_and_then_refused() {
+        let dir = std::env::temp_dir().join(format!("pdpair-pairing-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let (key, uid) = (dir.join("key"), dir.join("pdpair-uid"));
+        std::fs::write(&key, b"old-key").expect("key");
+        std::fs::write(&uid, "uid-old").expect("uid");
+        // The kubelet brings the new PDPair's Secret a moment later.
+        let (k, u) = (key.clone(), uid.clone());
+        let kubelet = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            std::fs::write(&k, b"new-key").expect("key");
+            std::fs::write(&u, "uid-new").expect("uid");
+        });
+        let got = pairing_key(&key, Some("uid-new"), Duration::from_secs(20)).expect("the new key");
+        assert_eq!(got, b"new-key");
+        kubelet.join().expect("kubelet");
+        // Never brought: refused, naming both.
+        std::fs::write(&uid, "uid-old").expect("uid");
+        let e = pairing_key(&key, Some("uid-new"), Duration::from_millis(300)).expect_err("an earlier pair's");
+        assert!(e.contains("uid uid-old's") && e.contains("(uid-new)"), "{e}");
+        // No uid asked for, or none beside the key: the key as it is.
+        assert_eq!(pairing_key(&key, None, Duration::ZERO).expect("key"), b"new-key");
+        std::fs::remove_file(&uid).expect("rm");
+        assert_eq!(
+            pairing_key(&key, Some("uid-new"), Duration::ZERO).expect("key"),
+            b"new-key"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

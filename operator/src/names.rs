@@ -17,6 +17,9 @@ pub const AGENT_SOCKET: &str = "/var/run/pdpair/agent.sock";
 pub const PAIRING_DIR: &str = "/var/run/pdpair-pairing";
 /// The key inside the pairing Secret.
 pub const PAIRING_KEY: &str = "key";
+/// The PDPair's UID inside the pairing Secret, beside its key: an engine whose `PDPAIR_UID`
+/// differs holds a key of an earlier PDPair of the same name.
+pub const PAIRING_UID: &str = "pdpair-uid";
 /// Path of the pairing key file in the engine.
 pub const PAIRING_KEY_FILE: &str = "/var/run/pdpair-pairing/key";
 /// Length of the pairing key, in bytes.

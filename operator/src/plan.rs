@@ -130,6 +130,11 @@ fn engine_template(
         ("PDPAIR_ROLE", role.as_str().to_owned()),
         ("PDPAIR_AGENT_SOCKET", names::AGENT_SOCKET.to_owned()),
         ("PDPAIR_PAIRING_KEY_FILE", names::PAIRING_KEY_FILE.to_owned()),
+        // Whose key the engine must find beside it (`pdpair-uid`): a PDPair deleted and made
+        // again under its name can have its pods start while the predecessor's Secret, which
+        // the garbage collector is about to delete, is still there to mount; the engine waits
+        // for the kubelet to bring the new one rather than pair with that key.
+        ("PDPAIR_UID", pair.metadata.uid.clone().unwrap_or_default()),
         // The declared geometry: a connector reports what it observes and takes from this only
         // what the engine cannot tell (the model's name as the PDPair spells it, the backend).
         ("PDPAIR_KV", serde_json::to_string(&pool.kv).unwrap_or_default()),
@@ -272,10 +277,13 @@ pub fn pairing_secret(pair: &PDPair, key: &[u8]) -> Option<Secret> {
             ..ObjectMeta::default()
         },
         type_: Some("Opaque".into()),
-        data: Some(BTreeMap::from([(
-            names::PAIRING_KEY.to_owned(),
-            k8s_openapi::ByteString(key.to_vec()),
-        )])),
+        data: Some(BTreeMap::from([
+            (names::PAIRING_KEY.to_owned(), k8s_openapi::ByteString(key.to_vec())),
+            (
+                names::PAIRING_UID.to_owned(),
+                k8s_openapi::ByteString(pair.metadata.uid.clone().unwrap_or_default().into_bytes()),
+            ),
+        ])),
         ..Secret::default()
     })
 }

@@ -332,6 +332,40 @@ def test_layout_matches_the_documented_formula():
     assert (more_ranks.local_heads, more_ranks.head_offset) == (1, 1)
 
 
+def test_a_pairing_key_of_an_earlier_pdpair_of_the_name_is_waited_out_and_then_refused(tmp_path, caplog):
+    # A PDPair deleted and made again at once: its pods can mount the predecessor's Secret,
+    # which the garbage collector is about to delete. An engine that paired with that key was
+    # refused by every peer holding the new one for as long as it ran; now it waits for the
+    # kubelet to bring its own PDPair's Secret (the operator writes its uid beside the key).
+    import threading
+
+    from pdpair_vllm.client import read_pairing_key
+
+    key, uid = tmp_path / "key", tmp_path / "pdpair-uid"
+    key.write_bytes(b"old-key")
+    uid.write_text("uid-old")
+
+    def kubelet():
+        time.sleep(0.5)
+        key.write_bytes(b"new-key")
+        uid.write_text("uid-new")
+
+    t = threading.Thread(target=kubelet)
+    t.start()
+    assert read_pairing_key(str(key), "uid-new", wait_s=20) == b"new-key"
+    t.join()
+    assert "earlier PDPair of this name" in caplog.text
+    # Never brought: refused, naming both.
+    uid.write_text("uid-old")
+    with pytest.raises(AgentError, match="uid 'uid-old'.*uid-new"):
+        read_pairing_key(str(key), "uid-new", wait_s=0.3)
+    # A Secret without the uid (made before it was written, or the user's), or an engine not told
+    # its PDPair's uid: the key as it is.
+    assert read_pairing_key(str(key), None, wait_s=0) == b"new-key"
+    uid.unlink()
+    assert read_pairing_key(str(key), "uid-new", wait_s=0) == b"new-key"
+
+
 @pytest.mark.parametrize("frame", [b'{"type":"RequestDone","request":"r","x":' + b"[" * 100000 + b"]" * 100000 + b"}",
                                    b"\xff\xfe not JSON"])
 def test_an_agent_frame_the_connector_cannot_read_ends_the_connection_not_its_reader_alone(frame):

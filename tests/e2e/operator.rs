@@ -370,6 +370,20 @@ fn a_pair_deleted_and_made_again_at_once_gets_its_own_secret_once_the_old_one_go
         s["metadata"]["ownerReferences"][0]["uid"].as_str().map(str::to_owned)
     });
     assert_eq!(owner.as_str(), new.as_str(), "the Secret is the new pair's");
+    // Its engines can tell it from the old one: the Secret names its pair's uid beside the key,
+    // and their pods are told which uid to wait for (the old Secret was there to mount).
+    let secret = get_json("secret", &ns, "llama-8b-pairing").expect("secret");
+    let said = base64_decode(secret["data"]["pdpair-uid"].as_str().expect("pdpair-uid"));
+    assert_eq!(String::from_utf8_lossy(&said), new.as_str());
+    eventually(WAIT, "the new pair's pods told its uid", || {
+        let d = get_json("deployment", &ns, "llama-8b-decode")?;
+        let env = d["spec"]["template"]["spec"]["containers"][0]["env"]
+            .as_array()?
+            .clone();
+        env.iter()
+            .any(|e| e["name"] == "PDPAIR_UID" && e["value"] == new.as_str())
+            .then_some(())
+    });
 }
 
 #[test]

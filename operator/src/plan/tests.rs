@@ -55,6 +55,7 @@ fn deployment_is_owned_labelled_and_wired() {
         ("PDPAIR_ROLE", "decode"),
         ("PDPAIR_AGENT_SOCKET", "/var/run/pdpair/agent.sock"),
         ("PDPAIR_PAIRING_KEY_FILE", "/var/run/pdpair-pairing/key"),
+        ("PDPAIR_UID", "uid-1"),
     ] {
         assert!(env.contains(&want), "{want:?} missing from {env:?}");
     }
@@ -155,7 +156,10 @@ fn pairing_secret_is_owned_and_holds_the_key() {
     let s = pairing_secret(&pair, &[7u8; 32]).expect("named pair");
     assert_eq!(s.metadata.name.as_deref(), Some("llama-8b-pairing"));
     assert_eq!(s.metadata.owner_references.expect("owner")[0].uid, "uid-1");
-    assert_eq!(s.data.expect("data").get("key").map(|b| b.0.len()), Some(32));
+    let data = s.data.expect("data");
+    assert_eq!(data.get("key").map(|b| b.0.len()), Some(32));
+    // Whose key it is, beside it: the engine compares it with its PDPAIR_UID.
+    assert_eq!(data.get("pdpair-uid").map(|b| b.0.as_slice()), Some(&b"uid-1"[..]));
 }
 
 fn connector_pair() -> PDPair {

@@ -5,11 +5,13 @@ thread so the engine never blocks on them (the agent drops an event it cannot wr
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
@@ -111,12 +113,65 @@ def registration(
 
 
 def pairing_key_from_env(env=os.environ) -> bytes:
-    """The pair's secret from the file at ``PDPAIR_PAIRING_KEY_FILE`` (the operator mounts it)."""
+    """The pair's secret from the file at ``PDPAIR_PAIRING_KEY_FILE`` (the operator mounts it),
+    once it is the key of the PDPair ``PDPAIR_UID`` names (:func:`read_pairing_key`)."""
     path = env.get("PDPAIR_PAIRING_KEY_FILE")
     if not path:
         raise AgentError("PDPAIR_PAIRING_KEY_FILE is not set: the engine does not run under pdpair")
-    with open(path, "rb") as f:
-        return f.read()
+    return read_pairing_key(path, env.get("PDPAIR_UID") or None)
+
+
+#: How long an engine waits for the kubelet to bring its own PDPair's pairing Secret when the one
+#: mounted is an earlier PDPair's of the same name (the kubelet refreshes a mounted Secret within
+#: about a minute and a half by default).
+PAIRING_WAIT_S = 300.0
+
+_log = logging.getLogger("pdpair_vllm")
+
+
+def _read_text(path: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def read_pairing_key(path: str, uid: Optional[str], wait_s: Optional[float] = None) -> bytes:
+    """The pairing key at ``path``. With ``uid`` (the engine's ``PDPAIR_UID``: the PDPair its
+    pod was made for) and a ``pdpair-uid`` file beside the key (the operator writes both into the
+    Secret), only once that file names ``uid``: a PDPair deleted and made again under its name can
+    have its pods mount the predecessor's Secret, which the garbage collector is about to delete,
+    and an engine that paired with that key would be refused by every peer holding the new one
+    for as long as it runs. Waits up to ``wait_s`` (:data:`PAIRING_WAIT_S`) for the kubelet to
+    bring the new Secret, then fails naming both. A Secret without the file (made before it was
+    written, or brought by the user) is taken as it is."""
+    uid_path = os.path.join(os.path.dirname(path), "pdpair-uid")
+    deadline = time.monotonic() + (PAIRING_WAIT_S if wait_s is None else wait_s)
+    warned = False
+    while True:
+        before = _read_text(uid_path) if uid else None
+        with open(path, "rb") as f:
+            key = f.read()
+        after = _read_text(uid_path) if uid else None
+        # The kubelet swaps a Secret's files together: the same uid before and after the key
+        # was read means the key is that uid's.
+        if before is None and after is None:
+            return key
+        if before == after == uid:
+            if warned:
+                _log.warning("pdpair: the pairing key at %s is this PDPair's (%s) now", path, uid)
+            return key
+        if time.monotonic() >= deadline:
+            raise AgentError(f"the pairing key at {path} is PDPair uid {after!r}'s, not this pod's PDPair's ({uid}): "
+                             "a PDPair of this name was deleted and made again, and its new pairing Secret has not "
+                             f"reached this pod in {wait_s if wait_s is not None else PAIRING_WAIT_S:.0f} s; "
+                             "restart the pod")
+        if not warned and before == after:
+            warned = True
+            _log.warning("pdpair: the pairing key at %s is PDPair uid %s's, an earlier PDPair of this name; waiting "
+                         "for the kubelet to bring this PDPair's (%s)", path, after, uid)
+        time.sleep(0.5)
 
 
 class AgentClient:

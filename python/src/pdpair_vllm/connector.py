@@ -379,8 +379,7 @@ class PdpairConnector(KVConnectorBase_V1):
     def _pairing_key(self) -> bytes:
         path = self._extra.get("pairing_key_file")
         if path:
-            with open(path, "rb") as f:
-                return f.read()
+            return agent_client.read_pairing_key(path, os.environ.get("PDPAIR_UID") or None)
         return agent_client.pairing_key_from_env()
 
     def _geometry(self, t: torch.Tensor, layers: int) -> dict:
