@@ -56,7 +56,6 @@ fn env(name: &str) -> Result<String, UsageError> {
     })
 }
 
-/// Runs the test engine.
 /// How long an engine waits for its own PDPair's pairing Secret when the one mounted is an earlier
 /// PDPair's of the same name (the kubelet refreshes a mounted Secret within about 90 s).
 const PAIRING_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
@@ -68,15 +67,21 @@ const PAIRING_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
 /// it is.
 fn pairing_key(path: &std::path::Path, uid: Option<&str>, wait: std::time::Duration) -> Result<Vec<u8>, String> {
     let uid_path = path.with_file_name("pdpair-uid");
-    let read_uid = || {
-        uid.and_then(|_| std::fs::read_to_string(&uid_path).ok())
-            .map(|s| s.trim().to_owned())
+    let read_uid = || -> Result<Option<String>, String> {
+        if uid.is_none() {
+            return Ok(None);
+        }
+        match std::fs::read_to_string(&uid_path) {
+            Ok(s) => Ok(Some(s.trim().to_owned())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(format!("{}: {e}", uid_path.display())),
+        }
     };
     let until = std::time::Instant::now() + wait;
     loop {
-        let before = read_uid();
+        let before = read_uid()?;
         let key = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let after = read_uid();
+        let after = read_uid()?;
         match (&before, &after) {
             (None, None) => return Ok(key),
             (Some(b), Some(a)) if b == a && Some(a.as_str()) == uid => return Ok(key),
@@ -94,6 +99,7 @@ fn pairing_key(path: &std::path::Path, uid: Option<&str>, wait: std::time::Durat
     }
 }
 
+/// Runs the test engine.
 pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError> {
     let role = match env("PDPAIR_ROLE")?.as_str() {
         "prefill" => Role::Prefill,

@@ -385,6 +385,9 @@ def test_an_agent_frame_the_connector_cannot_read_ends_the_connection_not_its_re
         time.sleep(0.01)
     assert client.closed is not None, "the connection is given up as lost"
     assert lost == [True], "and the engine told"
+    # And ended, so the agent frees the registration the rank makes again under its name.
+    theirs.settimeout(5)
+    assert theirs.recv(1) == b"", "the agent's end sees the connection close"
     client.close()
     theirs.close()
 

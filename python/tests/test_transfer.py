@@ -77,7 +77,7 @@ def test_a_local_prefix_of_a_partial_block_fails_the_receive_at_once_and_release
     plan = s.plan()
     assert [r.agent_request for r in plan.releases] == ["p-1"], "P is released"
     (recv,) = plan.recvs
-    assert recv.fail and "9 tokens" in recv.fail and "computed locally" in caplog.text
+    assert recv.fail and "9 tokens" in recv.fail and "load errors" in caplog.text
     client = _Client()
     w = WorkerState(client, Stager())
     w.start(plan)
@@ -85,6 +85,19 @@ def test_a_local_prefix_of_a_partial_block_fails_the_receive_at_once_and_release
     got = w.poll()
     assert got.finished_recving == {"r"} and got.failed_recving == {"r"}, "answered at once, failed"
     assert got.error_blocks == {1, 2, 3, 4}, "from the partial block on, recomputed"
+
+
+def test_a_decode_holding_a_partial_block_of_its_own_asks_for_nothing_and_releases_prefill(caplog):
+    # Known before allocation: nothing is claimed, so vLLM computes the rest itself (rather than
+    # a receive failed at allocation, which vLLM's default kv_load_failure_policy, fail, ends
+    # with an error).
+    s = SchedulerState(16)
+    p = params()
+    assert s.matched_tokens("r", p, 50, 9) == (0, False)
+    assert "not whole blocks" in caplog.text
+    s.after_alloc("r", p, [1, 2, 3, 4], 50, 0)
+    plan = s.plan()
+    assert not plan.recvs and [r.agent_request for r in plan.releases] == ["p-1"]
 
 
 def test_a_queued_request_is_renewed_until_it_is_allocated():

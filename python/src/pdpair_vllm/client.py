@@ -387,6 +387,12 @@ class AgentClient:
             # nested past Python's recursion limit, an event missing a field): the connection is
             # given up as lost, so what waits on it ends, instead of the reader dying unseen.
             reason = f"the agent sent what this connector cannot read: {type(e).__name__}: {e}"
+        # Shut down, not only given up: the agent frees this engine's registration only when
+        # the connection ends, and the rank registers again under the same name.
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         with self._lock:
             self._closed = reason
             self._lock.notify_all()

@@ -270,7 +270,7 @@ class PdpairConnector(KVConnectorBase_V1):
         # yet), which decode does not ask for: it asks for its prompt's tokens, and a count
         # that differs fails the transfer (TokenCountMismatch) and decode computes it all.
         in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0)
-        computed = min(request.num_computed_tokens - in_flight, request.num_prompt_tokens)
+        computed = max(0, min(request.num_computed_tokens - in_flight, request.num_prompt_tokens))
         return self._sched.finished(request.request_id, request.kv_transfer_params, status in COMPLETED,
                                     list(ids or []), computed, self._engine_id,
                                     load_failed=status == "FINISHED_ERROR", prompt=_prompt_if_remote(request))

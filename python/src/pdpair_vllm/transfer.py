@@ -275,6 +275,12 @@ class SchedulerState:
         count = min(tokens, num_prompt_tokens) - num_computed_tokens
         if count < self.min_transfer_tokens:
             return 0, False
+        if num_computed_tokens % self.block_size:
+            # KV is received into whole blocks after D's own: with a partial one held here,
+            # nothing is asked (P is released after allocation) and D computes the rest.
+            log.warning("pdpair: request %s holds %d tokens of its own, not whole blocks of %d; computed locally",
+                        request, num_computed_tokens, self.block_size)
+            return 0, False
         if request not in self.queued:
             digest = prompt.digest(min(tokens, num_prompt_tokens)) if prompt is not None else None
             self.queued[request] = (agent_request, ranks, time.monotonic(), digest)
@@ -305,7 +311,8 @@ class SchedulerState:
             # vLLM waits for this request's KV (it said it would come): failed at once, so it
             # is computed here, not left waiting for good with its blocks held.
             why = f"a local prefix of {local} tokens is not whole blocks of {self.block_size}"
-            log.warning("pdpair: request %s: %s; P released, and the request is computed locally", request, why)
+            log.warning("pdpair: request %s: %s; P released, and its blocks from there on are load errors "
+                        "(recomputed or failed by kv_load_failure_policy)", request, why)
             self._plan.releases.append(Release(agent_request, ranks, digest))
             held = max(local, 0) // self.block_size
             self._plan.recvs.append(Recv(request, agent_request, ranks, list(block_ids[held:]), max(local, 0),
