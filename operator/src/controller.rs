@@ -236,6 +236,12 @@ async fn reconcile(pair: Arc<PDPair>, ctx: Arc<Context>) -> Result<Action, Error
     if !*ctx.leader.borrow() {
         return Ok(Action::await_change());
     }
+    // Until every watch has delivered its first list, its store holds nothing, not what
+    // exists: a new leader (a restart, a failover) that reconciled then wrote every healthy
+    // pair not ready (no pods, no engines), with a Warning Event each, and back a moment later.
+    if !caches_ready(&ctx).await {
+        return Ok(Action::requeue(CACHES_RETRY));
+    }
     ctx.remembered.forget_gone(&ctx.pairs);
     let started = Instant::now();
     let result = reconcile_leader(&pair, &ctx).await;
@@ -489,6 +495,17 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             templated(Role::Decode).as_deref(),
         ),
         endpoints: endpoint_refs,
+        earlier_pods: [
+            (&prefill_pods, templated(Role::Prefill)),
+            (&decode_pods, templated(Role::Decode)),
+        ]
+        .into_iter()
+        .flat_map(|(pods, geometry)| {
+            pods.iter()
+                .filter(move |p| status::of_earlier_geometry(p, geometry.as_deref()))
+                .filter_map(|p| p.metadata.name.clone())
+        })
+        .collect(),
         apply_refused: apply_refused.clone(),
     };
     let mut baseline = pair.clone();
@@ -683,6 +700,21 @@ fn on_leadership(leader: watch::Receiver<bool>) -> impl Stream<Item = ()> + Send
 /// A store's readiness is a one-shot channel that remembers only the last waker: the controller
 /// waits on the PDPair store too, and whichever of us polled first is never woken. Polling again
 /// every 250 ms sidesteps that.
+/// How soon a reconcile that found the watches' caches not yet filled is tried again.
+const CACHES_RETRY: Duration = Duration::from_secs(1);
+
+/// Whether the pod, PDEndpoint and Deployment caches have had their first list (waiting a
+/// moment for them: a new leader's first reconciles come while they load).
+async fn caches_ready(ctx: &Context) -> bool {
+    let all = async {
+        // A store whose writer went answers at once (`Err`): nothing more will come to it.
+        let _ = ctx.pods.wait_until_ready().await;
+        let _ = ctx.endpoints.wait_until_ready().await;
+        let _ = ctx.deployments.wait_until_ready().await;
+    };
+    tokio::time::timeout(Duration::from_secs(2), all).await.is_ok()
+}
+
 async fn wait_ready<K>(store: &Store<K>)
 where
     K: Resource + Clone + 'static,
@@ -796,6 +828,7 @@ pub fn controller(
         wait_ready(&pdpair_reader).await;
         wait_ready(&pod_reader).await;
         wait_ready(&endpoint_reader).await;
+        wait_ready(&deployment_reader).await;
     };
     let run = controller
         .run(reconcile, error_policy, ctx)
@@ -840,6 +873,48 @@ mod tests {
         let mut unknown = made(0);
         unknown.metadata.creation_timestamp = None;
         assert_eq!(secret_found_again_in(&unknown, now), RESYNC);
+    }
+
+    #[tokio::test]
+    async fn a_leader_reconciles_nothing_until_its_caches_have_had_their_first_list() {
+        // A new leader's first reconciles came before the pod and PDEndpoint watches had
+        // listed: on empty caches every healthy pair was written not ready, with Warning
+        // Events, and back a moment later. Nothing answers at this address: any call fails.
+        let url: hyper::Uri = "http://127.0.0.1:9".parse().expect("url");
+        let client = kube::Client::try_from(kube::Config::new(url)).expect("client");
+        let (pods, mut pod_writer) = reflector::store::<Pod>();
+        let (endpoints, mut endpoint_writer) = reflector::store::<PDEndpoint>();
+        let (deployments, mut deployment_writer) = reflector::store::<Deployment>();
+        let (pairs, _pair_writer) = reflector::store::<PDPair>();
+        let (_leading, leader) = watch::channel(true);
+        let ctx = Arc::new(Context {
+            client: client.clone(),
+            pods,
+            endpoints,
+            deployments,
+            leader,
+            metrics: Arc::new(Metrics::new()),
+            events: Publisher::new(client, "test".into()),
+            pairs,
+            remembered: Remembered::default(),
+            wiring: plan::Wiring::default(),
+        });
+        let pair = Arc::new(pair("llama", "u1"));
+        let action = reconcile(pair.clone(), ctx.clone()).await.expect("no call made");
+        assert_eq!(action, Action::requeue(CACHES_RETRY));
+        // Listed (here, empty): it goes on to the API server.
+        pod_writer.apply_watcher_event(&Event::Init);
+        pod_writer.apply_watcher_event(&Event::InitDone);
+        endpoint_writer.apply_watcher_event(&Event::Init);
+        endpoint_writer.apply_watcher_event(&Event::InitDone);
+        assert_eq!(
+            reconcile(pair.clone(), ctx.clone()).await.expect("no call made"),
+            Action::requeue(CACHES_RETRY),
+            "the Deployments' cache counts too"
+        );
+        deployment_writer.apply_watcher_event(&Event::Init);
+        deployment_writer.apply_watcher_event(&Event::InitDone);
+        assert!(reconcile(pair, ctx).await.is_err(), "the API server was called");
     }
 
     fn remember(r: &Remembered, pair: &PDPair) {

@@ -37,15 +37,7 @@ impl PodCounts {
             if pod.metadata.deletion_timestamp.is_some() {
                 continue;
             }
-            if let Some(want) = geometry
-                && pod
-                    .metadata
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.get(ANNOTATION_GEOMETRY))
-                    .map(String::as_str)
-                    != Some(want)
-            {
+            if of_earlier_geometry(pod, geometry) {
                 counts.earlier += 1;
                 continue;
             }
@@ -63,6 +55,19 @@ impl PodCounts {
     }
 }
 
+/// Whether `pod` runs from a template of another geometry than `geometry` (the pool's current
+/// [`crate::plan::geometry_hash`]; `None`: a pool the user brings, whose pods all count).
+pub fn of_earlier_geometry(pod: &Pod, geometry: Option<&str>) -> bool {
+    geometry.is_some_and(|want| {
+        pod.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_GEOMETRY))
+            .map(String::as_str)
+            != Some(want)
+    })
+}
+
 /// What the controller observed about a PDPair's world.
 #[derive(Clone, Debug, Default)]
 pub struct Observed<'a> {
@@ -72,6 +77,10 @@ pub struct Observed<'a> {
     pub decode: PodCounts,
     /// The pair's PDEndpoints.
     pub endpoints: Vec<&'a PDEndpoint>,
+    /// Pods (by name) of an earlier geometry, still running while their Deployment rolls to the
+    /// pair's new one: their engines run the geometry the pair declared before, which is not a
+    /// mismatch.
+    pub earlier_pods: std::collections::BTreeSet<String>,
     /// The API server refused a pool's Deployment as planned: what was (not) applied, and its
     /// message.
     pub apply_refused: Option<String>,
@@ -116,7 +125,7 @@ impl Cond {
 pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairStatus, Vec<Transition>) {
     let old = pair.status.as_ref();
     let generation = pair.metadata.generation;
-    let geometry = geometry_condition(pair, &observed.endpoints);
+    let geometry = geometry_condition(pair, &observed.endpoints, &observed.earlier_pods);
     let prefill = pool_condition(
         ct::PREFILL_READY,
         Role::Prefill,
@@ -216,12 +225,19 @@ fn verdict_condition(verdict: &Verdict, context: &str) -> Option<Cond> {
     ))
 }
 
-fn geometry_condition(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond {
+fn geometry_condition(
+    pair: &PDPair,
+    endpoints: &[&PDEndpoint],
+    earlier_pods: &std::collections::BTreeSet<String>,
+) -> Cond {
     let declared = pdpair_api::check(&pair.spec);
     if let Some(c) = verdict_condition(&declared, "declared geometry: ") {
         return c;
     }
-    for e in endpoints {
+    // Engines of pods a rollout to a new geometry is replacing run the one declared before.
+    let (earlier, endpoints): (Vec<&PDEndpoint>, Vec<&PDEndpoint>) =
+        endpoints.iter().partition(|e| earlier_pods.contains(&e.spec.pod));
+    for e in &endpoints {
         let pool = match e.spec.role {
             Role::Prefill => &pair.spec.prefill,
             Role::Decode => &pair.spec.decode,
@@ -246,7 +262,7 @@ fn geometry_condition(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond {
     }
     // Every engine runs what its pool declares (up to spelling), so the observed pairs pass the
     // rule table exactly when the declared pair does: checked above.
-    let message = if endpoints.is_empty() {
+    let mut message = if endpoints.is_empty() {
         "declared geometry passes the rule table; no engine has reported its geometry yet".to_owned()
     } else {
         format!(
@@ -254,6 +270,12 @@ fn geometry_condition(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond {
             endpoints.len()
         )
     };
+    if !earlier.is_empty() {
+        message.push_str(&format!(
+            "; {} more of an earlier geometry not compared, until the rollout replaces them",
+            earlier.len()
+        ));
+    }
     Cond::new(ct::GEOMETRY_COMPATIBLE, "True", reasons::COMPATIBLE, message)
 }
 

@@ -120,24 +120,25 @@ pub fn review(req: &AdmissionRequest<DynamicObject>) -> Outcome {
         Ok(pair) => pair,
         Err(e) => return malformed(AdmissionResponse::from(req), format!("not a valid PDPair: {e}")),
     };
-    if let Some((field, why)) = pair.spec.template_errors().into_iter().next() {
-        return malformed(
-            AdmissionResponse::from(req),
-            format!("not a valid PDPair: {field} is not a pod template: {why}"),
-        );
-    }
     if req.operation == Operation::Create
         && let Some(why) = name_too_long(&pair.metadata)
     {
         return malformed(AdmissionResponse::from(req), why);
     }
     // An update that leaves the spec alone (labels, finalizers, owner references) is not a new
-    // geometry decision: let it through even if the stored spec predates the webhook.
+    // geometry decision: let it through even if the stored spec predates the webhook (its
+    // templates included: a finalizer the garbage collector removes must not be refused).
     if req.operation == Operation::Update
         && let Some(old) = req.old_object.as_ref().and_then(|o| as_pdpair(o).ok())
         && old.spec == pair.spec
     {
         return allow(req);
+    }
+    if let Some((field, why)) = pair.spec.template_errors().into_iter().next() {
+        return malformed(
+            AdmissionResponse::from(req),
+            format!("not a valid PDPair: {field} is not a pod template: {why}"),
+        );
     }
     let verdict = pdpair_api::check(&pair.spec);
     let Some(first) = verdict.violations.first() else {

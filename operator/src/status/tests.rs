@@ -83,6 +83,7 @@ fn pods_becoming_ready_flip_pool_and_ready_conditions_once() {
         prefill: ready(2, 2),
         decode: ready(4, 4),
         endpoints: vec![],
+        earlier_pods: Default::default(),
         apply_refused: None,
     };
     let (s1, transitions) = compute(&pair, &observed, &t(10));
@@ -151,6 +152,44 @@ fn observed_geometry_mismatch_turns_compatible_false_with_a_warning_and_back() {
     );
     assert_eq!(cond(&s2, ct::GEOMETRY_COMPATIBLE).status, "True");
     assert_eq!(transitions[0].to_status, "True");
+}
+
+#[test]
+fn engines_of_pods_a_geometry_rollout_is_replacing_are_not_a_mismatch() {
+    // The pair's geometry changed: its Deployments roll, and until the old pods are gone their
+    // engines run the geometry declared before. Compared with the new one, every such rollout
+    // turned GeometryCompatible False with a Warning (and Ready with it).
+    let mut pair = pair();
+    let old = endpoint("d-old", Role::Decode, &pair);
+    pair.spec.decode.kv.block_size = 32;
+    pair.spec.decode.kv.kernel_block_size = Some(32);
+    pair.spec.prefill.kv.block_size = 32;
+    pair.spec.prefill.kv.kernel_block_size = Some(32);
+    let new = endpoint("d-new", Role::Decode, &pair);
+    let observed = Observed {
+        endpoints: vec![&old, &new],
+        earlier_pods: ["d-old-pod".to_owned()].into(),
+        ..Observed::default()
+    };
+    let (s, _) = compute(&pair, &observed, &t(5));
+    let c = cond(&s, ct::GEOMETRY_COMPATIBLE);
+    assert_eq!(c.status, "True", "{}", c.message);
+    assert!(
+        c.message.contains("1 more of an earlier geometry not compared"),
+        "{}",
+        c.message
+    );
+    // A pod of the current template running another geometry is still one.
+    let observed = Observed {
+        endpoints: vec![&old, &new],
+        ..Observed::default()
+    };
+    let (s, _) = compute(&pair, &observed, &t(5));
+    let c = cond(&s, ct::GEOMETRY_COMPATIBLE);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", reasons::OBSERVED_GEOMETRY_MISMATCH)
+    );
 }
 
 #[test]
@@ -377,6 +416,7 @@ fn declared_incompatibility_blocks_ready() {
         prefill: ready(2, 2),
         decode: ready(4, 4),
         endpoints: vec![],
+        earlier_pods: Default::default(),
         apply_refused: None,
     };
     let (s, transitions) = compute(&pair, &observed, &t(0));
@@ -546,6 +586,7 @@ fn all_ready(endpoints: Vec<&PDEndpoint>) -> Observed<'_> {
         prefill: ready(2, 2),
         decode: ready(4, 4),
         endpoints,
+        earlier_pods: Default::default(),
         apply_refused: None,
     }
 }

@@ -284,7 +284,7 @@ fn a_template_that_is_not_a_pod_template_is_denied_naming_where() {
     let mut pair = manifest("compatible-push.yaml");
     pair["spec"]["decode"]["template"]["spec"]["containers"][0]["env"] =
         serde_json::json!([{"name": "PORT", "value": 8000}]);
-    let out = review(&request(review_json("CREATE", Some(pair), None, false)));
+    let out = review(&request(review_json("CREATE", Some(pair.clone()), None, false)));
     assert!(!out.response.allowed);
     assert_eq!(out.reason, "Malformed");
     assert!(
@@ -295,4 +295,19 @@ fn a_template_that_is_not_a_pod_template_is_denied_naming_where() {
         "{}",
         out.response.result.message
     );
+    // Stored like that (the webhook was down): a metadata-only update goes through (a label, the
+    // garbage collector removing its foregroundDeletion finalizer); a spec change does not.
+    let mut finalized = pair.clone();
+    finalized["metadata"]["finalizers"] = serde_json::json!(["foregroundDeletion"]);
+    let out = review(&request(review_json(
+        "UPDATE",
+        Some(pair.clone()),
+        Some(finalized),
+        false,
+    )));
+    assert!(out.response.allowed, "{}", out.response.result.message);
+    let mut changed = pair.clone();
+    changed["spec"]["decode"]["replicas"] = 3.into();
+    let out = review(&request(review_json("UPDATE", Some(changed), Some(pair), false)));
+    assert!(!out.response.allowed);
 }
