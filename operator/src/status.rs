@@ -17,7 +17,8 @@ use crate::names::{ANNOTATION_GEOMETRY, conditions as ct, reasons};
 /// Pods of one pool as the controller counts them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PodCounts {
-    /// Pods that are not terminating.
+    /// Pods that are not terminating nor ended (phase Failed or Succeeded: an evicted pod stays
+    /// until it is collected, and runs nothing).
     pub replicas: i32,
     /// Of those, the Ready ones.
     pub ready: i32,
@@ -34,7 +35,12 @@ impl PodCounts {
     pub fn of<'a>(pods: impl IntoIterator<Item = &'a Pod>, geometry: Option<&str>) -> PodCounts {
         let mut counts = PodCounts::default();
         for pod in pods {
-            if pod.metadata.deletion_timestamp.is_some() {
+            let ended = pod
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.as_deref())
+                .is_some_and(|p| p == "Failed" || p == "Succeeded");
+            if pod.metadata.deletion_timestamp.is_some() || ended {
                 continue;
             }
             if of_earlier_geometry(pod, geometry) {

@@ -491,6 +491,15 @@ fn pod_counts_skip_terminating_and_count_ready() {
         earlier: 0,
     };
     assert_eq!(PodCounts::of(&pods, None), counts);
+    // Evicted (phase Failed, kept until collected) or completed pods run nothing: not counted
+    // (they made a pool of 2 read "(3 exist)").
+    let ended = |phase: &str| {
+        let mut p = pod(false, false);
+        p.status.as_mut().expect("status").phase = Some(phase.into());
+        p
+    };
+    let pods = [pod(true, false), pod(false, false), ended("Failed"), ended("Succeeded")];
+    assert_eq!(PodCounts::of(&pods, None), counts);
 }
 
 #[test]
