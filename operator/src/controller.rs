@@ -157,6 +157,8 @@ struct Remembered {
 struct Memory {
     /// The status it last wrote: the baseline for transitions.
     written: Option<PDPairStatus>,
+    /// When it last sent a status patch ([`COUNTERS_EVERY`]).
+    written_at: Option<Instant>,
     /// The plan it last applied: a changed plan is dry-run first, and an unchanged one is not
     /// applied again to a Deployment no one changed since.
     applied: Option<Applied>,
@@ -167,6 +169,10 @@ struct Memory {
     /// The refusal last told in a `SecretRefused` Event: the same one again is not (a full
     /// quota refuses a create of a Secret that exists, 403 rather than 409, at every try).
     secret_refused: Option<String>,
+    /// Whether a Secret of its name that this process found (409) may be a predecessor's,
+    /// decided at the first one: not where the pair's own Deployments were there already (an
+    /// operator made the Secret before them: this process restarted, or another replica led).
+    secret_unsure: Option<bool>,
 }
 
 /// A plan applied: its [`fingerprint`], and the resourceVersion each Deployment had once
@@ -224,6 +230,9 @@ impl std::fmt::Debug for Context {
 
 /// Resync period for healthy objects.
 const RESYNC: Duration = Duration::from_secs(300);
+
+/// How often a PDPair's status is written at most when only its transfer counters changed.
+const COUNTERS_EVERY: Duration = Duration::from_secs(5);
 
 /// How soon a pairing Secret the API server refused is asked for again.
 const SECRET_RETRY: Duration = Duration::from_secs(30);
@@ -286,12 +295,22 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         match ensure_secret(pair, &ctx.client, &ns, &name).await {
             Ok(made) => {
                 ctx.metrics.secret_ensured();
-                let again = if made {
-                    RESYNC
-                } else {
-                    secret_found_again_in(pair, Timestamp::now())
-                };
+                let running = [Role::Prefill, Role::Decode].into_iter().any(|role| {
+                    let dname = names::deployment_name(&name, role);
+                    ctx.deployments
+                        .get(&ObjectRef::new(&dname).within(&ns))
+                        .is_some_and(|d| controlled_by(&d.metadata, &uid))
+                });
                 ctx.remembered.note(&uid, |m| {
+                    let unsure = !made && *m.secret_unsure.get_or_insert(!running);
+                    let again = if unsure {
+                        secret_found_again_in(pair, Timestamp::now())
+                    } else {
+                        RESYNC
+                    };
+                    if made {
+                        m.secret_unsure = Some(false);
+                    }
                     m.secret = Some(Instant::now() + again);
                     m.secret_refused = None;
                 });
@@ -513,7 +532,18 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         baseline.status = Some(written);
     }
     let (new_status, transitions) = status::compute(&baseline, &observed, &Time(Timestamp::now()));
-    if pair.status.as_ref() != Some(&new_status) {
+    // Every PDEndpoint write reconciles its pair, and a busy engine's counters change with each:
+    // a change of counters alone is written at most every COUNTERS_EVERY (the rest at once), or
+    // forty busy engines made forty status patches a second, each sent to every watcher.
+    let counters_due = ctx.remembered.recall(&uid, |m| {
+        let (last, at) = (m.written.as_ref()?, m.written_at?);
+        status::only_counters_differ(last, &new_status)
+            .then(|| COUNTERS_EVERY.checked_sub(at.elapsed()))
+            .flatten()
+    });
+    let write = pair.status.as_ref() != Some(&new_status) && counters_due.is_none();
+    if write {
+        ctx.metrics.status_written();
         let api: Api<PDPair> = Api::namespaced(ctx.client.clone(), pair.namespace().as_deref().unwrap_or_default());
         let body = serde_json::json!({
             "apiVersion": "pdpair.dev/v1alpha1",
@@ -532,7 +562,13 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             plan: fingerprint,
             versions,
         });
-        m.written = Some(new_status);
+        // Held back: the last written stays the baseline until the write.
+        if counters_due.is_none() {
+            m.written = Some(new_status);
+        }
+        if write {
+            m.written_at = Some(Instant::now());
+        }
     });
     let reference = pair.object_ref(&());
     for t in transitions {
@@ -555,11 +591,14 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     // A refused apply is tried again in [`APPLY_RETRY`] (a quota raised, a policy changed, an
     // RBAC rule restored during an upgrade), not at the resync.
     let apply_retry = (apply_refused.is_some() && verdict.allowed()).then_some(APPLY_RETRY);
-    Ok(match secret_retry.into_iter().chain(apply_retry).min() {
-        Some(wait) => Action::requeue(wait),
-        None if verdict.allowed() => Action::requeue(RESYNC),
-        None => Action::await_change(),
-    })
+    let counters_due = counters_due.map(|d| d.max(Duration::from_millis(100)));
+    Ok(
+        match secret_retry.into_iter().chain(apply_retry).chain(counters_due).min() {
+            Some(wait) => Action::requeue(wait),
+            None if verdict.allowed() => Action::requeue(RESYNC),
+            None => Action::await_change(),
+        },
+    )
 }
 
 /// Whether the API server refused a request for what it holds (invalid: 400, 422; forbidden by
@@ -626,8 +665,9 @@ async fn prune(deployments: &Api<Deployment>, name: &str, owner_uid: &str) -> Re
     }
 }
 
-/// How soon a pairing Secret that was found (a create answered 409) is asked for again: a
-/// [`RESYNC`] for a pair older than that, and for a younger one its age, 2 s at least. A pair
+/// How soon a pairing Secret that was found (a create answered 409), and may be a predecessor's
+/// ([`Memory::secret_unsure`]), is asked for again: a [`RESYNC`] for a pair older than that, and
+/// for a younger one its age, 2 s at least. A pair
 /// deleted and made again at once under its name finds its predecessor's Secret, which the
 /// garbage collector is about to delete, and its pods wait for a Secret of that name: asked
 /// again only at the resync, they waited up to 5 minutes. Asked again at its age, a Secret that

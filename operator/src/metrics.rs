@@ -16,6 +16,7 @@ pub struct Metrics {
     deployment_applies: IntCounter,
     secrets_ensured: IntCounter,
     webhook_tls_failures: IntCounter,
+    status_writes: IntCounter,
 }
 
 impl Metrics {
@@ -31,6 +32,11 @@ impl Metrics {
         let deployment_applies = IntCounter::new(
             "deployment_applies_total",
             "Server-side applies of pools' Deployments (not counting dry runs)",
+        )
+        .expect("valid metric");
+        let status_writes = IntCounter::new(
+            "status_writes_total",
+            "Patches of a PDPair's status sent (a change of counters alone at most every 5 s per pair)",
         )
         .expect("valid metric");
         let webhook_tls_failures = IntCounter::new(
@@ -72,6 +78,7 @@ impl Metrics {
             Box::new(deployment_applies.clone()),
             Box::new(secrets_ensured.clone()),
             Box::new(webhook_tls_failures.clone()),
+            Box::new(status_writes.clone()),
         ] {
             registry.register(m).expect("metrics registered once");
         }
@@ -86,7 +93,13 @@ impl Metrics {
             deployment_applies,
             secrets_ensured,
             webhook_tls_failures,
+            status_writes,
         }
+    }
+
+    /// Counts a PDPair status patch sent.
+    pub fn status_written(&self) {
+        self.status_writes.inc();
     }
 
     /// Counts a webhook connection whose TLS handshake failed.

@@ -74,6 +74,17 @@ pub fn of_earlier_geometry(pod: &Pod, geometry: Option<&str>) -> bool {
     })
 }
 
+/// Whether `a` and `b` differ in the transfer counters alone (the sums of the engines'
+/// counters, which change with every transfer), not in a condition, a count of pods or of
+/// engines.
+pub fn only_counters_differ(a: &PDPairStatus, b: &PDPairStatus) -> bool {
+    let mut same = a.clone();
+    if let (Some(t), Some(theirs)) = (same.transfer.as_mut(), b.transfer.as_ref()) {
+        t.counters = theirs.counters.clone();
+    }
+    a != b && same == *b
+}
+
 /// What the controller observed about a PDPair's world.
 #[derive(Clone, Debug, Default)]
 pub struct Observed<'a> {

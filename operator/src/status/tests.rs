@@ -193,6 +193,24 @@ fn engines_of_pods_a_geometry_rollout_is_replacing_are_not_a_mismatch() {
 }
 
 #[test]
+fn a_change_of_counters_alone_is_told_apart_from_one_of_conditions_or_counts() {
+    let mut pair = pair();
+    let e = endpoint("d-1", Role::Decode, &pair);
+    let (a, _) = compute(&pair, &all_ready(vec![&e]), &t(5));
+    pair.status = Some(a.clone());
+    let mut busier = e.clone();
+    busier.status.get_or_insert_with(Default::default).counters.bytes += 4096;
+    let (b, _) = compute(&pair, &all_ready(vec![&busier]), &t(6));
+    assert!(only_counters_differ(&a, &b), "{a:?}\n{b:?}");
+    assert!(!only_counters_differ(&a, &a), "no change is no change of counters");
+    let (c, _) = compute(&pair, &all_ready(vec![]), &t(6));
+    assert!(!only_counters_differ(&a, &c), "an engine fewer");
+    let mut d = b.clone();
+    d.conditions[0].message.push_str(" (changed)");
+    assert!(!only_counters_differ(&a, &d), "a condition changed");
+}
+
+#[test]
 fn observed_pair_rejected_by_the_rules_names_the_rule() {
     // Both pools declare 64; the engines run 16 and 64 but say so in a way that also differs from
     // the declared spec; the declared mismatch is reported first. Here the pools declare nothing
