@@ -169,6 +169,10 @@ struct Memory {
     /// The refusal last told in a `SecretRefused` Event: the same one again is not (a full
     /// quota refuses a create of a Secret that exists, 403 rather than 409, at every try).
     secret_refused: Option<String>,
+    /// Pods of an earlier geometry seen lately (by name), and when last: their PDEndpoints
+    /// outlive them a moment (the garbage collector removes them after the pod), and compared
+    /// with the new geometry then, the end of every rollout read as a mismatch.
+    earlier: HashMap<String, Instant>,
     /// Whether a Secret of its name that this process found (409) may be a predecessor's,
     /// decided at the first one: not where the pair's own Deployments were there already (an
     /// operator made the Secret before them: this process restarted, or another replica led).
@@ -514,17 +518,14 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             templated(Role::Decode).as_deref(),
         ),
         endpoints: endpoint_refs,
-        earlier_pods: [
-            (&prefill_pods, templated(Role::Prefill)),
-            (&decode_pods, templated(Role::Decode)),
-        ]
-        .into_iter()
-        .flat_map(|(pods, geometry)| {
-            pods.iter()
-                .filter(move |p| status::of_earlier_geometry(p, geometry.as_deref()))
-                .filter_map(|p| p.metadata.name.clone())
-        })
-        .collect(),
+        earlier_pods: earlier_pods(
+            &ctx.remembered,
+            &uid,
+            [
+                (prefill_pods.as_slice(), templated(Role::Prefill)),
+                (decode_pods.as_slice(), templated(Role::Decode)),
+            ],
+        ),
         apply_refused: apply_refused.clone(),
     };
     let mut baseline = pair.clone();
@@ -735,26 +736,67 @@ fn on_leadership(leader: watch::Receiver<bool>) -> impl Stream<Item = ()> + Send
     })
 }
 
+/// How long a pod of an earlier geometry is remembered after it was last seen
+/// ([`Memory::earlier`]).
+const EARLIER_KEPT: Duration = Duration::from_secs(120);
+
+/// The pods of `pools` (each with its current geometry hash; `None` for a pool the user brings)
+/// that run an earlier template's geometry (their annotation names another hash: a pod without
+/// one is not a rollout's and is compared), and those remembered from the last
+/// [`EARLIER_KEPT`]; remembered for `uid` from now.
+fn earlier_pods<'a>(
+    remembered: &Remembered,
+    uid: &str,
+    pools: impl IntoIterator<Item = (&'a [Arc<Pod>], Option<String>)>,
+) -> std::collections::BTreeSet<String> {
+    let now = Instant::now();
+    let seen: Vec<String> = pools
+        .into_iter()
+        .flat_map(|(pods, geometry)| {
+            pods.iter()
+                .filter(move |p| {
+                    p.annotations().contains_key(crate::names::ANNOTATION_GEOMETRY)
+                        && status::of_earlier_geometry(p, geometry.as_deref())
+                })
+                .filter_map(|p| p.metadata.name.clone())
+        })
+        .collect();
+    let mut all = std::collections::BTreeSet::new();
+    remembered.note(uid, |m| {
+        for name in seen {
+            m.earlier.insert(name, now);
+        }
+        m.earlier.retain(|_, at| now.duration_since(*at) < EARLIER_KEPT);
+        all.extend(m.earlier.keys().cloned());
+    });
+    all
+}
+
+/// How soon a reconcile that found the watches' caches not yet filled is tried again.
+const CACHES_RETRY: Duration = Duration::from_secs(1);
+
+/// Whether the pod, PDEndpoint and Deployment caches have had their first list. Asked, not
+/// waited for: a store's readiness wakes only its last waiter ([`wait_ready`]), and a new
+/// leader's reconciles of every pair ask at once.
+async fn caches_ready(ctx: &Context) -> bool {
+    async fn listed<K>(store: &Store<K>) -> bool
+    where
+        K: Resource + Clone + 'static,
+        K::DynamicType: Eq + std::hash::Hash + Clone,
+    {
+        // A store whose writer went answers at once (`Err`): nothing more will come to it.
+        tokio::time::timeout(Duration::from_millis(10), store.wait_until_ready())
+            .await
+            .is_ok()
+    }
+    listed(&ctx.pods).await && listed(&ctx.endpoints).await && listed(&ctx.deployments).await
+}
+
 /// Waits until a store has had its first list.
 ///
 /// A store's readiness is a one-shot channel that remembers only the last waker: the controller
 /// waits on the PDPair store too, and whichever of us polled first is never woken. Polling again
 /// every 250 ms sidesteps that.
-/// How soon a reconcile that found the watches' caches not yet filled is tried again.
-const CACHES_RETRY: Duration = Duration::from_secs(1);
-
-/// Whether the pod, PDEndpoint and Deployment caches have had their first list (waiting a
-/// moment for them: a new leader's first reconciles come while they load).
-async fn caches_ready(ctx: &Context) -> bool {
-    let all = async {
-        // A store whose writer went answers at once (`Err`): nothing more will come to it.
-        let _ = ctx.pods.wait_until_ready().await;
-        let _ = ctx.endpoints.wait_until_ready().await;
-        let _ = ctx.deployments.wait_until_ready().await;
-    };
-    tokio::time::timeout(Duration::from_secs(2), all).await.is_ok()
-}
-
 async fn wait_ready<K>(store: &Store<K>)
 where
     K: Resource + Clone + 'static,
@@ -955,6 +997,34 @@ mod tests {
         deployment_writer.apply_watcher_event(&Event::Init);
         deployment_writer.apply_watcher_event(&Event::InitDone);
         assert!(reconcile(pair, ctx).await.is_err(), "the API server was called");
+    }
+
+    #[test]
+    fn pods_of_an_earlier_geometry_are_those_a_rollout_replaces_and_are_remembered_a_while() {
+        let pod = |name: &str, hash: Option<&str>| {
+            let mut p = Pod::default();
+            p.metadata.name = Some(name.into());
+            if let Some(h) = hash {
+                p.metadata.annotations = Some([(crate::names::ANNOTATION_GEOMETRY.to_owned(), h.to_owned())].into());
+            }
+            Arc::new(p)
+        };
+        let r = Remembered::default();
+        let pods = [pod("new", Some("h2")), pod("old", Some("h1")), pod("stray", None)];
+        let got = earlier_pods(&r, "u1", [(&pods[..], Some("h2".to_owned()))]);
+        // A pod without the annotation is no rollout's: its engine is compared.
+        assert_eq!(got, ["old".to_owned()].into());
+        // Gone from the pods (its PDEndpoint lingers until collected): still earlier a while.
+        let got = earlier_pods(&r, "u1", [(&pods[..1], Some("h2".to_owned()))]);
+        assert_eq!(got, ["old".to_owned()].into());
+        r.note("u1", |m| {
+            let long_ago = Instant::now().checked_sub(EARLIER_KEPT + Duration::from_secs(1));
+            m.earlier
+                .insert("old".into(), long_ago.expect("an instant that long ago"));
+        });
+        assert!(earlier_pods(&r, "u1", [(&pods[..1], Some("h2".to_owned()))]).is_empty());
+        // A pool the user brings has no earlier geometry.
+        assert!(earlier_pods(&r, "u2", [(&pods[..], None)]).is_empty());
     }
 
     fn remember(r: &Remembered, pair: &PDPair) {
