@@ -1047,6 +1047,13 @@ fn greeted(mut c: &TcpStream) -> bool {
 }
 
 /// Whether the listener closed `c` (read at end of stream now), rather than still holding it.
+/// Whether the listener's side closed `c` (or ends it within `wait`): nothing to read otherwise.
+fn closed_within(c: &TcpStream, wait: Duration) -> bool {
+    c.set_read_timeout(Some(wait)).expect("timeout");
+    let mut b = [0u8; 1];
+    !matches!((&mut &*c).read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+}
+
 fn closed_by_listener(c: &TcpStream) -> bool {
     c.set_nonblocking(true).expect("nonblocking");
     let mut b = [0u8; 1];
@@ -4005,12 +4012,7 @@ fn frames_an_insider_holds_back_on_many_links_are_bounded_and_the_oldest_link_go
         links.push(s);
         std::thread::sleep(Duration::from_millis(20));
     }
-    let closed = |s: &TcpStream| {
-        s.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
-        let mut b = [0u8; 1];
-        !matches!((&mut &*s).read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
-    };
-    let gone: Vec<bool> = links.iter().map(closed).collect();
+    let gone: Vec<bool> = links.iter().map(|s| closed_within(s, Duration::from_secs(1))).collect();
     let mut want = vec![true; held];
     want.extend(vec![false; held]);
     assert_eq!(gone, want, "the oldest links went, the budget's worth stayed");
@@ -4182,12 +4184,10 @@ fn handshake_frames_an_insider_holds_back_on_many_connections_are_bounded_and_th
         std::thread::sleep(Duration::from_millis(20));
     }
     std::thread::sleep(Duration::from_millis(300));
-    let closed = |s: &TcpStream| {
-        s.set_read_timeout(Some(Duration::from_millis(300))).expect("timeout");
-        let mut b = [0u8; 1];
-        !matches!((&mut &*s).read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
-    };
-    let gone: Vec<bool> = conns.iter().map(closed).collect();
+    let gone: Vec<bool> = conns
+        .iter()
+        .map(|s| closed_within(s, Duration::from_millis(300)))
+        .collect();
     let mut want = vec![true; held];
     want.extend(vec![false; held]);
     assert_eq!(gone, want, "the oldest connections went, the budget's worth stayed");

@@ -107,15 +107,7 @@ fn least_privilege() {
 #[test]
 fn helm_install_upgrade_uninstall_with_the_operator_out_of_cluster() {
     // Webhook configurations left by earlier local-mode runs would point at stopped operators.
-    kubectl_ok(
-        &[
-            "delete",
-            "validatingwebhookconfiguration",
-            "pdpair-validating-webhook",
-            "--ignore-not-found",
-        ],
-        None,
-    );
+    delete_webhook_configuration();
     let port = Operator::free_port();
     let url = format!("https://127.0.0.1:{port}");
     let url_set = format!("webhook.url={url}");

@@ -320,20 +320,22 @@ fn a_pair_deleted_and_made_again_at_once_gets_its_own_secret_once_the_old_one_go
     let uid_of = |v: &serde_json::Value| v["metadata"]["uid"].as_str().map(str::to_owned);
     let old = eventually(WAIT, "the pair's uid", || uid_of(&get_json("pdpair", &ns, "llama-8b")?));
     eventually(WAIT, "the Secret", || get_json("secret", &ns, "llama-8b-pairing"));
-    let hold = r#"{"metadata":{"finalizers":["pdpair.test/hold"]}}"#;
-    kubectl_ok(
-        &[
-            "patch",
-            "secret",
-            "llama-8b-pairing",
-            "-n",
-            &ns,
-            "--type=merge",
-            "-p",
-            hold,
-        ],
-        None,
-    );
+    let finalizers = |patch: &str| {
+        kubectl_ok(
+            &[
+                "patch",
+                "secret",
+                "llama-8b-pairing",
+                "-n",
+                &ns,
+                "--type=merge",
+                "-p",
+                patch,
+            ],
+            None,
+        );
+    };
+    finalizers(r#"{"metadata":{"finalizers":["pdpair.test/hold"]}}"#);
     kubectl_ok(&["delete", "pdpair", "llama-8b", "-n", &ns, "--wait=false"], None);
     eventually(WAIT, "the pair gone", || {
         get_json("pdpair", &ns, "llama-8b").is_none().then_some(())
@@ -351,20 +353,7 @@ fn a_pair_deleted_and_made_again_at_once_gets_its_own_secret_once_the_old_one_go
     });
     // By now the new pair has asked for its Secret and found the old one.
     std::thread::sleep(Duration::from_secs(3));
-    let release = r#"{"metadata":{"finalizers":null}}"#;
-    kubectl_ok(
-        &[
-            "patch",
-            "secret",
-            "llama-8b-pairing",
-            "-n",
-            &ns,
-            "--type=merge",
-            "-p",
-            release,
-        ],
-        None,
-    );
+    finalizers(r#"{"metadata":{"finalizers":null}}"#);
     let owner = eventually(Duration::from_secs(90), "the new pair's Secret", || {
         let s = get_json("secret", &ns, "llama-8b-pairing")?;
         s["metadata"]["ownerReferences"][0]["uid"].as_str().map(str::to_owned)
@@ -393,19 +382,7 @@ fn a_removed_template_prunes_its_deployment_and_only_ours() {
     apply_compatible(&ns);
     both_deployments(&ns);
     // Decode becomes a bring-your-own pool: its Deployment goes (with an Event), prefill's stays.
-    kubectl_ok(
-        &[
-            "patch",
-            "pdpair",
-            "llama-8b",
-            "-n",
-            &ns,
-            "--type=json",
-            "-p",
-            r#"[{"op": "remove", "path": "/spec/decode/template"}]"#,
-        ],
-        None,
-    );
+    remove_pool_template(&ns, "llama-8b", "decode");
     eventually(WAIT, "the decode Deployment pruned", || {
         get_json("deployment", &ns, "llama-8b-decode").is_none().then_some(())
     });

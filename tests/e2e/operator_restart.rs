@@ -328,15 +328,7 @@ fn an_operator_of_some_namespaces_runs_their_pairs_and_leaves_the_others_alone()
     kubectl_ok(&["apply", "-f", "-"], Some(&String::from_utf8_lossy(&crds)));
     // Installing the webhook configuration takes rights over the cluster, so this operator does
     // not: the one an earlier operator here installed points at a port nothing serves now.
-    kubectl_ok(
-        &[
-            "delete",
-            "validatingwebhookconfiguration",
-            "pdpair-validating-webhook",
-            "--ignore-not-found",
-        ],
-        None,
-    );
+    delete_webhook_configuration();
     let account = format!("system:serviceaccount:{release}:pdpair-scoped-operator");
     for (ns, may) in [(&watched, "yes"), (&also, "yes"), (&other, "no")] {
         let out = kubectl(
@@ -386,19 +378,7 @@ fn an_operator_of_some_namespaces_runs_their_pairs_and_leaves_the_others_alone()
     assert!(get_json("deployment", &other, "llama-8b-decode").is_none());
     assert!(get_json("secret", &other, "llama-8b-pairing").is_none());
     // A pool made bring-your-own: its Deployment is deleted, with an Event.
-    kubectl_ok(
-        &[
-            "patch",
-            "pdpair",
-            "llama-8b",
-            "-n",
-            &watched,
-            "--type=json",
-            "-p",
-            r#"[{"op": "remove", "path": "/spec/decode/template"}]"#,
-        ],
-        None,
-    );
+    remove_pool_template(&watched, "llama-8b", "decode");
     eventually(WAIT, "the decode Deployment pruned", || {
         get_json("deployment", &watched, "llama-8b-decode")
             .is_none()

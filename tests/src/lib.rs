@@ -528,6 +528,27 @@ pub fn engine_pod(ns: &str, name: &str, pair: &str, role: &str, node: Option<&st
     pod["metadata"]["uid"].as_str().expect("uid").to_owned()
 }
 
+/// Deletes the webhook configuration a local-mode operator (`--install`) made: one left by an
+/// operator that stopped points at a port nothing serves, and refuses every PDPair.
+pub fn delete_webhook_configuration() {
+    kubectl_ok(
+        &[
+            "delete",
+            "validatingwebhookconfiguration",
+            "pdpair-validating-webhook",
+            "--ignore-not-found",
+        ],
+        None,
+    );
+}
+
+/// Removes the `role` pool's template from PDPair `pair` in `ns`: the pool becomes
+/// bring-your-own, and the operator prunes its Deployment.
+pub fn remove_pool_template(ns: &str, pair: &str, role: &str) {
+    let patch = format!(r#"[{{"op": "remove", "path": "/spec/{role}/template"}}]"#);
+    kubectl_ok(&["patch", "pdpair", pair, "-n", ns, "--type=json", "-p", &patch], None);
+}
+
 /// A copy of the control plane's kubeconfig that impersonates `user` in `groups` (the admin
 /// may): a process using it has that user's rights and no more, as the API server's authorizer
 /// decides them.
