@@ -299,14 +299,16 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         match ensure_secret(pair, &ctx.client, &ns, &name).await {
             Ok(made) => {
                 ctx.metrics.secret_ensured();
-                let running = [Role::Prefill, Role::Decode].into_iter().any(|role| {
-                    let dname = names::deployment_name(&name, role);
-                    ctx.deployments
-                        .get(&ObjectRef::new(&dname).within(&ns))
-                        .is_some_and(|d| controlled_by(&d.metadata, &uid))
-                });
+                let running = || {
+                    [Role::Prefill, Role::Decode].into_iter().any(|role| {
+                        let dname = names::deployment_name(&name, role);
+                        ctx.deployments
+                            .get(&ObjectRef::new(&dname).within(&ns))
+                            .is_some_and(|d| controlled_by(&d.metadata, &uid))
+                    })
+                };
                 ctx.remembered.note(&uid, |m| {
-                    let unsure = !made && *m.secret_unsure.get_or_insert(!running);
+                    let unsure = !made && *m.secret_unsure.get_or_insert_with(|| !running());
                     let again = if unsure {
                         secret_found_again_in(pair, Timestamp::now())
                     } else {
@@ -508,22 +510,17 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         .collect();
     let mut endpoint_refs: Vec<&PDEndpoint> = endpoints.iter().map(AsRef::as_ref).collect();
     endpoint_refs.sort_by_key(|e| e.metadata.name.clone());
+    let (prefill_geometry, decode_geometry) = (templated(Role::Prefill), templated(Role::Decode));
     let observed = Observed {
-        prefill: PodCounts::of(
-            prefill_pods.iter().map(AsRef::as_ref),
-            templated(Role::Prefill).as_deref(),
-        ),
-        decode: PodCounts::of(
-            decode_pods.iter().map(AsRef::as_ref),
-            templated(Role::Decode).as_deref(),
-        ),
+        prefill: PodCounts::of(prefill_pods.iter().map(AsRef::as_ref), prefill_geometry.as_deref()),
+        decode: PodCounts::of(decode_pods.iter().map(AsRef::as_ref), decode_geometry.as_deref()),
         endpoints: endpoint_refs,
         earlier_pods: earlier_pods(
             &ctx.remembered,
             &uid,
             [
-                (prefill_pods.as_slice(), templated(Role::Prefill)),
-                (decode_pods.as_slice(), templated(Role::Decode)),
+                (prefill_pods.as_slice(), prefill_geometry.as_deref()),
+                (decode_pods.as_slice(), decode_geometry.as_deref()),
             ],
         ),
         apply_refused: apply_refused.clone(),
@@ -747,7 +744,7 @@ const EARLIER_KEPT: Duration = Duration::from_secs(120);
 fn earlier_pods<'a>(
     remembered: &Remembered,
     uid: &str,
-    pools: impl IntoIterator<Item = (&'a [Arc<Pod>], Option<String>)>,
+    pools: impl IntoIterator<Item = (&'a [Arc<Pod>], Option<&'a str>)>,
 ) -> std::collections::BTreeSet<String> {
     let now = Instant::now();
     let seen: Vec<String> = pools
@@ -756,7 +753,7 @@ fn earlier_pods<'a>(
             pods.iter()
                 .filter(move |p| {
                     p.annotations().contains_key(crate::names::ANNOTATION_GEOMETRY)
-                        && status::of_earlier_geometry(p, geometry.as_deref())
+                        && status::of_earlier_geometry(p, geometry)
                 })
                 .filter_map(|p| p.metadata.name.clone())
         })
@@ -1011,18 +1008,18 @@ mod tests {
         };
         let r = Remembered::default();
         let pods = [pod("new", Some("h2")), pod("old", Some("h1")), pod("stray", None)];
-        let got = earlier_pods(&r, "u1", [(&pods[..], Some("h2".to_owned()))]);
+        let got = earlier_pods(&r, "u1", [(&pods[..], Some("h2"))]);
         // A pod without the annotation is no rollout's: its engine is compared.
         assert_eq!(got, ["old".to_owned()].into());
         // Gone from the pods (its PDEndpoint lingers until collected): still earlier a while.
-        let got = earlier_pods(&r, "u1", [(&pods[..1], Some("h2".to_owned()))]);
+        let got = earlier_pods(&r, "u1", [(&pods[..1], Some("h2"))]);
         assert_eq!(got, ["old".to_owned()].into());
         r.note("u1", |m| {
             let long_ago = Instant::now().checked_sub(EARLIER_KEPT + Duration::from_secs(1));
             m.earlier
                 .insert("old".into(), long_ago.expect("an instant that long ago"));
         });
-        assert!(earlier_pods(&r, "u1", [(&pods[..1], Some("h2".to_owned()))]).is_empty());
+        assert!(earlier_pods(&r, "u1", [(&pods[..1], Some("h2"))]).is_empty());
         // A pool the user brings has no earlier geometry.
         assert!(earlier_pods(&r, "u2", [(&pods[..], None)]).is_empty());
     }

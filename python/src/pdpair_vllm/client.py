@@ -147,7 +147,8 @@ def read_pairing_key(path: str, uid: Optional[str], wait_s: Optional[float] = No
     bring the new Secret, then fails naming both. A Secret without the file (made before it was
     written, or brought by the user) is taken as it is."""
     uid_path = os.path.join(os.path.dirname(path), "pdpair-uid")
-    deadline = time.monotonic() + (PAIRING_WAIT_S if wait_s is None else wait_s)
+    wait = PAIRING_WAIT_S if wait_s is None else wait_s
+    deadline = time.monotonic() + wait
     warned = False
     while True:
         before = _read_text(uid_path) if uid else None
@@ -165,7 +166,7 @@ def read_pairing_key(path: str, uid: Optional[str], wait_s: Optional[float] = No
         if time.monotonic() >= deadline:
             raise AgentError(f"the pairing key at {path} is PDPair uid {after!r}'s, not this pod's PDPair's ({uid}): "
                              "a PDPair of this name was deleted and made again, and its new pairing Secret has not "
-                             f"reached this pod in {wait_s if wait_s is not None else PAIRING_WAIT_S:.0f} s; "
+                             f"reached this pod in {wait:.0f} s; "
                              "restart the pod")
         if not warned and before == after:
             warned = True

@@ -120,7 +120,7 @@ class Recv:
     #: D's prompt digest over ``num_tokens`` tokens, when the engine gave its prompt.
     prompt: Optional[str] = None
     #: Why no agent is asked: the worker fails the receive at once (its blocks load errors, which
-    #: vLLM recomputes), or ``None``.
+    #: vLLM recomputes or fails by ``kv_load_failure_policy``), or ``None``.
     fail: Optional[str] = None
 
 
