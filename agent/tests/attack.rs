@@ -3709,8 +3709,9 @@ fn full_of_links(name: &str) -> FullOfLinks {
 
 /// An insider prefill agent `i` listening at a new loopback address (returned): each connection
 /// it accepts handshakes (offering a stream address, as a prefill agent without RDMA does, which
-/// push never dials), reports each `Register` to `registered` as (`i`, request), answers pings,
-/// and reports `i` to `closed` when the connection closes.
+/// push never dials), reports each `Register` to `registered` as (`i`, request) and each
+/// `Release` as (`i`, "release " + request), never answers one, answers pings, and reports `i`
+/// to `closed` when the connection closes.
 fn pinging_insider(
     i: usize,
     registered: std::sync::mpsc::Sender<(usize, String)>,
@@ -3735,6 +3736,9 @@ fn pinging_insider(
                     match session.recv(&mut s) {
                         Ok(Message::Register(r)) => {
                             let _ = registered.send((i, r.request));
+                        }
+                        Ok(Message::Release { request, .. }) => {
+                            let _ = registered.send((i, format!("release {request}")));
                         }
                         Ok(Message::Ping { seq }) => {
                             let _ = session.send(&mut s, &Message::Pong { seq });
@@ -3771,22 +3775,32 @@ fn a_link_that_gave_way_takes_nothing_from_the_new_link_to_the_same_prefill() {
     } = full_of_links("attack-link-gave-way");
     // Each round: a new prefill takes the place of the least used link (2r: links were used in
     // order, and each round's two new ones are the most recent), and at once the engine asks
-    // that prefill again (its new link takes 2r+1's place).
-    const ROUNDS: usize = 12;
+    // that prefill again (its new link takes 2r+1's place), and asks and cancels another request
+    // of it ("bye": its cancel waits for that prefill's answer on the new link; with the old
+    // reader answering it, the engine heard `Cancelled` while the new link still went on, and
+    // the `Release` never went out, prefill's blocks held to its lease).
+    const ROUNDS: usize = 48;
     for round in 0..ROUNDS {
         let gone = 2 * round;
         let address = pinging_insider(MAX_PREFILL_LINKS + round, registered_tx.clone(), closed_tx.clone());
         expect_kv(&mut d, &format!("more{round}"), address, &[1, 2], 100);
         expect_kv(&mut d, &format!("again{round}"), addresses[gone].clone(), &[1, 2], 100);
+        expect_kv(&mut d, &format!("bye{round}"), addresses[gone].clone(), &[3, 4], 100);
+        d.send(&EngineRequest::Cancel {
+            request: format!("bye{round}"),
+        })
+        .expect("Cancel");
         let mut heard = Vec::new();
-        while !heard.contains(&(gone, format!("again{round}"))) {
+        let wanted = [(gone, format!("again{round}")), (gone, format!("release bye{round}"))];
+        while !wanted.iter().all(|w| heard.contains(w)) {
             heard.push(registered.recv_timeout(Duration::from_secs(10)).unwrap_or_else(|_| {
-                panic!("round {round}: the registration on the new link to prefill {gone} never came; heard {heard:?}")
+                panic!("round {round}: the registration and the release on the new link to prefill {gone} never came; heard {heard:?}")
             }));
         }
     }
     // The engine heard only of the requests on the links that gave way (PeerLost), none of the
-    // new links' (with the old reader failing every request waiting on the address, "again").
+    // new links' (with the old reader failing every request waiting on the address, "again"),
+    // and no `Cancelled` (the new links' prefills never answer the releases).
     d.events()
         .expect("events")
         .set_read_timeout(Some(Duration::from_secs(2)))
