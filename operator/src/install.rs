@@ -89,7 +89,8 @@ pub fn webhook_configuration(target: &WebhookTarget, ca_pem: &str) -> Validating
             admission_review_versions: vec!["v1".into()],
             client_config,
             failure_policy: Some("Fail".into()),
-            side_effects: "None".into(),
+            // A refusal records a Rejected Event, except for a dry run.
+            side_effects: "NoneOnDryRun".into(),
             timeout_seconds: Some(5),
             match_policy: Some("Equivalent".into()),
             rules: Some(vec![RuleWithOperations {

@@ -81,7 +81,7 @@ fn default_values_render_a_least_privilege_hardened_install() {
     let hook = get(&objs, "ValidatingWebhookConfiguration", "rel-pdpair");
     let w = &hook["webhooks"][0];
     assert_eq!(w["failurePolicy"], "Fail");
-    assert_eq!(w["sideEffects"], "None");
+    assert_eq!(w["sideEffects"], "NoneOnDryRun");
     assert_eq!(w["timeoutSeconds"], 5);
     let rule = &w["rules"][0];
     assert_eq!(rule["apiGroups"][0], "pdpair.dev");
@@ -141,15 +141,15 @@ fn default_values_render_a_least_privilege_hardened_install() {
     // RBAC: exactly what the code calls.
     let operator = verbs(get(&objs, "ClusterRole", "operator"));
     let expect = [
-        ("pdpair.dev", "pdpairs", set(&["get", "list", "watch"])),
-        ("pdpair.dev", "pdpairs/status", set(&["get", "patch"])),
-        ("pdpair.dev", "pdendpoints", set(&["get", "list", "watch"])),
+        ("pdpair.dev", "pdpairs", set(&["list", "watch"])),
+        ("pdpair.dev", "pdpairs/status", set(&["patch"])),
+        ("pdpair.dev", "pdendpoints", set(&["list", "watch"])),
         (
             "apps",
             "deployments",
             set(&["get", "list", "watch", "create", "patch", "delete"]),
         ),
-        ("", "pods", set(&["get", "list", "watch"])),
+        ("", "pods", set(&["list", "watch"])),
         ("", "secrets", set(&["create"])),
         ("events.k8s.io", "events", set(&["create"])),
     ];
@@ -375,6 +375,35 @@ fn non_default_values_change_what_they_should() {
     assert!(!args(&objs, "DaemonSet", "agent").contains(&"--no-ucx-probe".to_owned()));
     let unprobed = render(&["agent.ucx.probe=false"]).expect("renders");
     assert!(args(&unprobed, "DaemonSet", "agent").contains(&"--no-ucx-probe".to_owned()));
+    // The probe mounts in namespaces of its own: the runtime's default seccomp and AppArmor
+    // profiles would refuse it (the agent then does not start), so they are lifted for it: by
+    // the pod annotation before Kubernetes 1.30, by the container's field from it.
+    let template = |objs: &[Value]| get(objs, "DaemonSet", "agent")["spec"]["template"].clone();
+    let apparmor = "container.apparmor.security.beta.kubernetes.io/agent";
+    let old = template(&render_with(&["--kube-version", "1.29.0"]).expect("renders"));
+    let new = template(&render_with(&["--kube-version", "1.30.0"]).expect("renders"));
+    for t in [&old, &new] {
+        assert_eq!(
+            t["spec"]["containers"][0]["securityContext"]["seccompProfile"]["type"],
+            "Unconfined"
+        );
+    }
+    assert_eq!(old["metadata"]["annotations"][apparmor], "unconfined");
+    assert!(old["spec"]["containers"][0]["securityContext"]["appArmorProfile"].is_null());
+    assert_eq!(
+        new["spec"]["containers"][0]["securityContext"]["appArmorProfile"]["type"],
+        "Unconfined"
+    );
+    assert!(new["metadata"]["annotations"][apparmor].is_null());
+    for version in ["1.29.0", "1.30.0"] {
+        let t =
+            template(&render_with(&["--kube-version", version, "--set", "agent.ucx.probe=false"]).expect("renders"));
+        let sc = &t["spec"]["containers"][0]["securityContext"];
+        assert!(
+            sc["seccompProfile"].is_null() && sc["appArmorProfile"].is_null() && t["metadata"]["annotations"].is_null(),
+            "no probe, the runtime's profiles: {t:?}"
+        );
+    }
     assert!(args(&objs, "Deployment", "operator").contains(&"--agent-socket-group=2000".to_owned()));
     // Engine pods mount the directory the agent listens in.
     assert!(args(&objs, "Deployment", "operator").contains(&"--agent-socket-dir=/var/run/pdpair".to_owned()));
@@ -677,4 +706,39 @@ fn helm_lint_is_clean() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(!text.contains("[WARNING]") && !text.contains("[ERROR]"), "{text}");
+}
+
+#[test]
+fn the_out_of_cluster_command_in_the_notes_runs_as_the_charts_replicas_do() {
+    // The chart's operator replicas still run with webhook.url: the command the NOTES print must
+    // take their Lease, their engine wiring and their namespaces, or it leads beside them (its
+    // Lease in `default`) and reconciles every namespace.
+    let notes = |sets: &[&str]| {
+        let mut cmd = Command::new(helm());
+        cmd.args(["install", "rel"])
+            .arg(chart())
+            .args(["--dry-run=client", "--namespace", "pdpair-system"]);
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let out = cmd.output().expect("helm runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.lines()
+            .find(|l| l.trim_start().starts_with("pdpair-operator run"))
+            .map(str::to_owned)
+            .unwrap_or_else(|| panic!("no operator command in the notes: {text}"))
+    };
+    let url = "webhook.url=https://127.0.0.1:19443";
+    let plain = notes(&[url]);
+    for want in [
+        "--lease-namespace pdpair-system",
+        "--agent-socket-dir /var/run/pdpair",
+        "--agent-socket-group 2000",
+    ] {
+        assert!(plain.contains(want), "{want:?} in {plain}");
+    }
+    assert!(!plain.contains("--namespace "), "{plain}");
+    let scoped = notes(&[url, "operator.watchNamespaces={team-a,team-b}"]);
+    assert!(scoped.contains("--namespace team-a,team-b"), "{scoped}");
 }

@@ -72,17 +72,17 @@ fn least_privilege() {
             .collect::<std::collections::BTreeSet<_>>()
     };
     let operator = set(&[
-        "pdpairs.pdpair.dev names[] [get list watch]",
-        "pdpairs.pdpair.dev/status names[] [get patch]",
-        "pdendpoints.pdpair.dev names[] [get list watch]",
+        "pdpairs.pdpair.dev names[] [list watch]",
+        "pdpairs.pdpair.dev/status names[] [patch]",
+        "pdendpoints.pdpair.dev names[] [list watch]",
         "deployments.apps names[] [create delete get list patch watch]",
-        "pods names[] [get list watch]",
+        "pods names[] [list watch]",
         "secrets names[] [create]",
         "events.events.k8s.io names[] [create]",
     ]);
     let agent = set(&[
-        "pdendpoints.pdpair.dev names[] [create get patch]",
-        "pdendpoints.pdpair.dev/status names[] [get patch]",
+        "pdendpoints.pdpair.dev names[] [create patch]",
+        "pdendpoints.pdpair.dev/status names[] [patch]",
         "pods names[] [get]",
         "pdpairs.pdpair.dev names[] [get]",
     ]);

@@ -51,6 +51,16 @@ fn operator() -> &'static Operator {
 fn push_16_64_is_rejected_by_kubectl_apply_with_an_event_and_nothing_stored() {
     operator();
     let ns = namespace("reject");
+    // A dry run is refused the same way and records nothing (the webhook declares
+    // sideEffects: NoneOnDryRun).
+    let dry = kubectl(
+        &["apply", "--dry-run=server", "-f", "-"],
+        Some(&manifest("vllm-push-16-64.yaml", &ns, |v| {
+            v["metadata"]["name"] = "dry-16-64".into();
+        })),
+    );
+    assert_ne!(dry.code, 0, "a dry run must be refused: {}", dry.stdout);
+    assert!(dry.stderr.contains("KernelBlockSizeMismatch"), "{}", dry.stderr);
     let out = kubectl(
         &["apply", "-f", "-"],
         Some(&manifest("vllm-push-16-64.yaml", &ns, |_| {})),
@@ -74,6 +84,13 @@ fn push_16_64_is_rejected_by_kubectl_apply_with_an_event_and_nothing_stored() {
     assert!(
         get_json("pdpair", &ns, "vllm-push-16-64").is_none(),
         "a rejected PDPair must not be stored"
+    );
+    // The dry run came first; its Event, had one been recorded, would be there by now.
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    assert_eq!(
+        events_about(&ns, "dry-16-64"),
+        Vec::<serde_json::Value>::new(),
+        "a dry run records no Event"
     );
 }
 
