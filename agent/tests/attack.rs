@@ -4206,3 +4206,49 @@ fn handshake_frames_an_insider_holds_back_on_many_connections_are_bounded_and_th
     want.extend(vec![false; held]);
     assert_eq!(gone, want, "the oldest connections went, the budget's worth stayed");
 }
+
+/// Descriptors the process `pid` holds.
+fn descriptors(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the agent's descriptors")
+        .count()
+}
+
+#[test]
+fn a_decode_agent_keeps_no_connection_to_a_prefills_memory_once_their_link_ended() {
+    // In pull a decode link connects to prefill's memory (the KV stream here, a UCX endpoint
+    // over RDMA). Its end never let that connection go: every decode engine that linked to a
+    // prefill and left (or a link given way, or lost) kept its sockets at the decode agent, so
+    // an engine registering, reading and leaving again and again used its agent's descriptors up.
+    let _serial = serial();
+    let w = World::new("attack-pull-peers");
+    let ps = w.agent("p", Transport::Tcp, false);
+    let (agent, ds) = ProcessAgent::start(&w, "d");
+    let pid = agent.0.id();
+    let mut p = engine_in_mode(&w, &ps, Role::Prefill, "p0", KEY, TransferMode::Pull);
+    const ROUNDS: usize = 24;
+    let mut baseline = 0;
+    for round in 0..ROUNDS {
+        let mut d = engine_in_mode(&w, &ds, Role::Decode, &format!("d{round}"), KEY, TransferMode::Pull);
+        let id = format!("r{round}");
+        let (event, bad) = request(&mut p, &mut d, Req::from_start(&id, round as u64, 128, 2));
+        assert!(done(&event) && bad == 0, "round {round}: {event:?}, {bad} wrong tokens");
+        drop(d);
+        if round == 1 {
+            // After a round of each kind of thread and buffer the agent keeps.
+            std::thread::sleep(Duration::from_millis(500));
+            baseline = descriptors(pid);
+        }
+    }
+    // Each round's link ends as its engine goes: what it held goes with it.
+    let until = Instant::now() + Duration::from_secs(10);
+    let mut held = descriptors(pid);
+    while held > baseline + 4 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(100));
+        held = descriptors(pid);
+    }
+    assert!(
+        held <= baseline + 4,
+        "the decode agent holds {held} descriptors after {ROUNDS} engines came and went, {baseline} after 2"
+    );
+}

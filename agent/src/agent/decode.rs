@@ -1038,8 +1038,8 @@ impl Engine {
         self.forget_link(link, reasons, format!("prefill {} refused: {message}", link.addr));
     }
 
-    /// Drops a prefill link (its slot, unless another link to the address holds it by now) and
-    /// fails the requests whose registrations went on it (each once no other prefill writes
+    /// Drops a prefill link (its slot, unless another link to the address holds it by now, and
+    /// its connection to prefill's memory) and fails the requests whose registrations went on it (each once no other prefill writes
     /// into its blocks). A link that gave way ([`Engine::room_for_link`]) may end after its
     /// engine asked that prefill again: the new link's slot and requests are not this one's.
     fn forget_link(&self, link: &Link, reasons: Vec<Reason>, message: String) {
@@ -1049,6 +1049,11 @@ impl Engine {
             if matches!(peers.get(addr), Some(Slot::Connected(l)) if l.id == link.id) {
                 peers.remove(addr);
             }
+        }
+        // Pull: our connection to its memory goes with it (a read still running on it fails,
+        // and is answered by its end as ever; prefill's admission of it ended with the link).
+        if let Some(id) = link.ucx_peer {
+            self.transport().disconnect(id);
         }
         // A prefill whose link is gone writes nothing more into requests that are ending.
         let ending: Vec<String> = lock(&self.cancelled)

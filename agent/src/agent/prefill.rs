@@ -628,7 +628,12 @@ impl Engine {
         };
         self.shared.metrics.handshake_accepted();
         lock(&self.stats).counters.handshakes_accepted += 1;
-        let Ok(mut reader) = stream.try_clone() else { return };
+        let Ok(mut reader) = stream.try_clone() else {
+            if let Some(id) = ucx_peer {
+                self.transport().disconnect(id);
+            }
+            return;
+        };
         // Decode pings at least every MAX_HEARTBEAT: a decode agent silent much longer is gone.
         let _ = stream.set_read_timeout(Some(PREFILL_SILENCE_LIMIT));
         let _ = stream.set_write_timeout(Some(PREFILL_SILENCE_LIMIT));
