@@ -3496,6 +3496,17 @@ fn an_engine_holds_a_bounded_number_of_requests_at_its_agent() {
     }
     expect_kv(&mut d, "one-more", at.clone(), &[1, 2], 100);
     busy(&mut d, "one-more");
+    // A cancelled request waits for that prefill's answer (its `Release` goes out once the link
+    // is up), holding its place meanwhile: asking and cancelling again and again while the dial
+    // waited made its agent keep every one (each in the dial's queue and among the cancels).
+    let mut c = patient(Role::Decode, "d1");
+    for i in 0..MAX_LIVE_REQUESTS {
+        let id = format!("c{i}");
+        expect_kv(&mut c, &id, at.clone(), &[1, 2], 100);
+        c.send(&EngineRequest::Cancel { request: id }).expect("Cancel");
+    }
+    expect_kv(&mut c, "one-more", at.clone(), &[1, 2], 100);
+    busy(&mut c, "one-more");
     drop(silent);
 }
 

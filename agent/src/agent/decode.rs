@@ -134,6 +134,7 @@ impl Engine {
             lock(&self.cancelled).insert(
                 request.to_owned(),
                 Cancelling {
+                    held: p.blocks.len().saturating_mul(p.prefills.len()),
                     waiting: writers.clone(),
                     reading: p.reading.iter().filter(|a| writers.contains(a)).cloned().collect(),
                     links: p.links.clone(),
@@ -365,12 +366,20 @@ impl Engine {
             let mut pending = lock(&self.pending);
             let taken = self.taken(&pending, &request);
             // Each prefill's link keeps its own copy of a request's block ids (its window, its
-            // registration): counted once per prefill.
-            let held = pending.values().fold(0usize, |n, p| {
-                n.saturating_add(p.blocks.len().saturating_mul(p.prefills.len()))
-            });
+            // registration): counted once per prefill. A request that is ending still holds
+            // them, and its place until its prefills answer: counted too (an engine asking and
+            // cancelling again and again while a dial waits held more without end).
+            let (requests, held) = {
+                let cancelled = lock(&self.cancelled);
+                let held = pending
+                    .values()
+                    .map(|p| p.blocks.len().saturating_mul(p.prefills.len()))
+                    .chain(cancelled.values().map(|c| c.held))
+                    .fold(0usize, usize::saturating_add);
+                (pending.len().saturating_add(cancelled.len()), held)
+            };
             let full = match taken {
-                None => super::live_room(pending.len(), held, want.blocks.len().saturating_mul(prefills.len())).err(),
+                None => super::live_room(requests, held, want.blocks.len().saturating_mul(prefills.len())).err(),
                 Some(_) => None,
             };
             if taken.is_none() && full.is_none() {
@@ -1410,6 +1419,10 @@ impl Engine {
                         link.close();
                     }
                     None => {
+                        // Still dialling: the request is not sent when the link comes up.
+                        if let Some(Slot::Connecting(queue)) = lock(&self.peers).get_mut(&addr) {
+                            queue.retain(|r| r != &request);
+                        }
                         self.cancel_answered(&addr, &request);
                     }
                 }
@@ -1475,6 +1488,8 @@ const LINKING: &str = "is already expected (ExpectKvFromPool, linking)";
 /// still write into its blocks before its engine hears how.
 #[derive(Debug)]
 pub(super) struct Cancelling {
+    /// Block ids it holds at its links (their windows), counted as a pending request's.
+    pub(super) held: usize,
     /// Their addresses; each leaves when it answers (or its link goes).
     pub(super) waiting: Vec<String>,
     /// Pull: those of them whose blocks our own read copies: only its end answers for them.
