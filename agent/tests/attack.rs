@@ -4263,3 +4263,69 @@ fn a_decode_agent_keeps_no_connection_to_a_prefills_memory_once_their_link_ended
         "the decode agent holds {held} descriptors after {ROUNDS} engines came and went, {baseline} after 2"
     );
 }
+
+#[test]
+fn a_prefill_answering_a_release_as_a_transfer_is_not_taken() {
+    // A release asks a prefill for no KV, only to let its blocks go. An insider prefill answered
+    // one with a `Complete` (push), and its engine heard `RequestDone` with the byte count the
+    // insider chose; a `Ready` in push started a read over a link that has none. Only
+    // `ReleaseDone` (or `Failed`) answers a release now.
+    let _serial = serial();
+    let w = World::new("attack-release-as-transfer");
+    let ds = w.agent("d", Transport::Tcp, false);
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    d.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("addr").to_string();
+    let insider = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("the decode agent dials");
+        let (_, mut session) = protocol::authenticate_prefill(&mut s, |_| Some(KEY.to_vec())).expect("auth");
+        let mut info = insider(Role::Prefill);
+        info.worker_address = b"pdpair-tcp:127.0.0.1:9".to_vec();
+        protocol::handshake_prefill(&mut s, &mut session, &info).expect("handshake");
+        loop {
+            match session.recv(&mut s).expect("a frame") {
+                Message::Release { request, .. } => {
+                    for forged in [
+                        Message::Complete {
+                            request: request.clone(),
+                            sums: None,
+                            bytes: 1 << 62,
+                        },
+                        Message::Ready {
+                            request: request.clone(),
+                            blocks: vec![1, 2],
+                            first_token: 0,
+                            num_tokens: 100,
+                            sums: None,
+                        },
+                    ] {
+                        session.send(&mut s, &forged).expect("forged");
+                    }
+                    // Then the real answer, after a moment for the forgeries to be taken.
+                    std::thread::sleep(Duration::from_millis(300));
+                    session.send(&mut s, &Message::ReleaseDone { request }).expect("done");
+                    return s;
+                }
+                Message::Ping { seq } => session.send(&mut s, &Message::Pong { seq }).expect("pong"),
+                _ => {}
+            }
+        }
+    });
+    d.send(&EngineRequest::Release {
+        request: "gone".into(),
+        prefill: address,
+        prefills: Vec::new(),
+        prompt: None,
+    })
+    .expect("Release");
+    let event = d.next_event().expect("the release's answer");
+    assert!(
+        matches!(&event, AgentEvent::Released { request } if request == "gone"),
+        "{event:?}"
+    );
+    let _s = insider.join().expect("insider");
+}

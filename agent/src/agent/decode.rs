@@ -904,13 +904,19 @@ impl Engine {
     }
 
     /// Whether `request` waits on this prefill link (it is one of the request's prefills): a
-    /// link may only answer for requests it was asked about. `reading` also claims the pull
-    /// read, once per link.
-    fn owned_by(&self, link: &Link, request: &str, reading: bool) -> bool {
+    /// link may only answer for requests it was asked about, and only a request for KV with KV
+    /// (`Answer::Kv`: a release asked for none, and a prefill answering one with a `Complete`
+    /// made its engine hear `RequestDone`). `Answer::Read` also claims the pull read, once per
+    /// link.
+    fn owned_by(&self, link: &Link, request: &str, answer: Answer) -> bool {
         let mut pending = lock(&self.pending);
         let Some(p) = pending.get_mut(request) else {
             return false;
         };
+        if p.release && answer != Answer::Other {
+            return false;
+        }
+        let reading = answer == Answer::Read;
         // Once we read (or are reading) this prefill's blocks, only that read answers.
         if !p.waits_on(&link.addr) || p.read_from(&link.addr) {
             return false;
@@ -943,7 +949,7 @@ impl Engine {
                 // Push only: in pull our own read of its blocks completes a request.
                 Ok(Message::Complete { request, sums, bytes })
                     if self.settings.mode == pdpair_api::TransferMode::Push
-                        && self.owned_by(&link, &request, false) =>
+                        && self.owned_by(&link, &request, Answer::Kv) =>
                 {
                     self.complete(&link.addr, request, sums, bytes, None)
                 }
@@ -953,7 +959,9 @@ impl Engine {
                     first_token,
                     num_tokens,
                     sums,
-                }) if self.owned_by(&link, &request, true) => {
+                }) if self.settings.mode == pdpair_api::TransferMode::Pull
+                    && self.owned_by(&link, &request, Answer::Read) =>
+                {
                     let (e, reading, id) = (self.clone(), link.clone(), request.clone());
                     let read = move || e.read_kv(&reading, request, blocks, first_token, num_tokens, sums);
                     if let Err(err) = super::spawn("read-kv", read) {
@@ -965,7 +973,7 @@ impl Engine {
                     request,
                     reason,
                     message,
-                }) if self.owned_by(&link, &request, false) => {
+                }) if self.owned_by(&link, &request, Answer::Other) => {
                     self.fail_pending(
                         &request,
                         vec![reason],
@@ -976,7 +984,7 @@ impl Engine {
                 // Only a request that asked for nothing (a release) ends with it: a registered
                 // request's ReleaseDone (stale, or forged) would end it while others may write.
                 Ok(Message::ReleaseDone { request })
-                    if self.owned_by(&link, &request, false)
+                    if self.owned_by(&link, &request, Answer::Other)
                         && lock(&self.pending).get(&request).is_some_and(|p| p.release) =>
                 {
                     // A release of several prefill ranks is done when each has confirmed.
@@ -1479,6 +1487,17 @@ struct WindDown {
     prompt: Option<PromptDigest>,
     /// No prefill may write: how it ends, now.
     now: Option<Ending>,
+}
+
+/// What a prefill's message answers ([`Engine::owned_by`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// A request for KV, with its KV (push: `Complete`).
+    Kv,
+    /// Pull: a request for KV, its blocks lent to our read (`Ready`), which this claims.
+    Read,
+    /// Any request, not with KV (`Failed`, `ReleaseDone`).
+    Other,
 }
 
 /// Why [`Engine::taken`] would say a request of the name is taken while it links its ranks.
