@@ -4329,3 +4329,45 @@ fn a_prefill_answering_a_release_as_a_transfer_is_not_taken() {
     );
     let _s = insider.join().expect("insider");
 }
+
+#[test]
+fn a_release_of_a_request_still_linking_its_ranks_is_refused_and_the_first_stands() {
+    // An `ExpectKv` of a name whose `ExpectKvFromPool` still links its ranks is refused; a
+    // `Release` of it was taken, and the pool request then failed as "already expected".
+    let _serial = serial();
+    let w = World::new("attack-release-linking");
+    let ds = w.agent("d", Transport::Tcp, false);
+    let mut s = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    (s.handshake_timeout_ms, s.lease_ms) = (60_000, 60_000);
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &s).expect("decode");
+    d.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    // A prefill rank that accepts and never answers: the pool request links for a minute.
+    let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
+    let at = silent.local_addr().expect("address").to_string();
+    d.send(&EngineRequest::ExpectKvFromPool {
+        request: "x".into(),
+        prefill_ranks: vec![at.clone()],
+        blocks: vec![1, 2],
+        num_tokens: 100,
+        first_token: 0,
+        prompt: None,
+    })
+    .expect("ExpectKvFromPool");
+    d.send(&EngineRequest::Release {
+        request: "x".into(),
+        prefill: at,
+        prefills: Vec::new(),
+        prompt: None,
+    })
+    .expect("Release");
+    let event = d.next_event().expect("the release is refused at once");
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { request, reasons, message }
+            if request == "x" && reasons == &["InvalidRequest".to_owned()] && message.contains("linking")),
+        "{event:?}"
+    );
+    drop(silent);
+}

@@ -28,6 +28,10 @@ impl Engine {
     /// failure. The engine hears `Released` once prefill confirmed it.
     pub(super) fn release(self: &Arc<Self>, request: String, prefills: Vec<String>, prompt: Option<PromptDigest>) {
         if self.role_is(Role::Decode, "Release", &request) {
+            // One of the name still linking its ranks stands, as for an `ExpectKv`.
+            if lock(&self.linking).contains_key(&request) {
+                return self.refuse_taken(request, LINKING);
+            }
             let want = Want {
                 prompt,
                 ..Want::default()
