@@ -1247,8 +1247,22 @@ impl Engine {
                 reason: Reason::TransportFailed,
                 message: message.clone(),
             });
-            self.finish(request, Err((vec![Reason::TransportFailed], message)));
+            self.consumer_failed(&link, request, Err((vec![Reason::TransportFailed], message)));
         }
+    }
+
+    /// A consumer on `link` failed before or while it was served: it is served no more (a
+    /// later `Released` or `Release` of it counts for nothing; with its link still among the
+    /// request's, it took another decode rank's place, ending the request under that rank's
+    /// read), then counted as finished.
+    fn consumer_failed(&self, link: &Link, request: String, outcome: Served) {
+        if let Some(serving) = lock(&self.matching).ready.get_mut(&request)
+            && let Some(i) = serving.links.iter().position(|id| *id == link.id)
+        {
+            serving.links.swap_remove(i);
+        }
+        link.close_window(&request);
+        self.finish(request, outcome);
     }
 
     /// Pull: tell decode where the request's KV is (with our checksums) and hold the blocks until
@@ -1264,7 +1278,13 @@ impl Engine {
                 .cuda
                 .wait_engine(&self.regions(), Instant::now() + self.lease())
         {
-            return self.finish(reg.request, Err((vec![Reason::TransferTimeout], e)));
+            // Decode hears it now, not at its deadline.
+            link.send(&Message::Failed {
+                request: reg.request.clone(),
+                reason: Reason::TransferTimeout,
+                message: e.clone(),
+            });
+            return self.consumer_failed(link, reg.request, Err((vec![Reason::TransferTimeout], e)));
         }
         self.started(&reg.request);
         // The link may read these blocks now (the stream refuses others), until it releases
@@ -1290,7 +1310,8 @@ impl Engine {
             sums,
         });
         if !sent {
-            self.finish(
+            self.consumer_failed(
+                link,
                 reg.request,
                 Err((vec![Reason::PeerLost], "decode went away before reading".into())),
             );
