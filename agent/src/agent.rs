@@ -213,6 +213,11 @@ pub const MAX_PENDING_GPU_FDS: usize = 2 * crate::memory::cuda::MAX_VMM_CHUNKS;
 /// A node's engines are one per GPU and tensor-parallel rank: far fewer.
 pub const MAX_ENGINES: usize = 256;
 
+/// Engines one Pod registers at its node's agent, at most, where engines are attested: one Pod
+/// registering [`MAX_ENGINES`] tiny pools kept every other Pod's engines on the node from
+/// registering. A Pod's engines are one per GPU and rank it runs: far fewer.
+pub const MAX_ENGINES_PER_POD: usize = 32;
+
 /// Requests one engine holds at once (prefill: ready, waiting for decode; decode: asked of
 /// prefill and not yet done), at most, and their block ids in all: past either a new one is
 /// refused (`Busy`). Without them an engine could make the agent keep requests, each with a
@@ -282,6 +287,8 @@ impl Drop for PendingFds<'_> {
 /// An engine registered with this agent, as its peers see it.
 #[derive(Debug)]
 struct LocalEngine {
+    /// Its Pod's uid, where engines are attested.
+    pod: Option<String>,
     pdpair: String,
     role: Role,
     engine: String,
@@ -291,11 +298,25 @@ struct LocalEngine {
 impl Shared {
     /// Engine names are unique on the node (its agent): two engines of one name would share a
     /// PDEndpoint, and a peer naming one could not tell them apart.
-    /// And an agent holds at most [`MAX_ENGINES`] (each holds threads, mappings, a listener).
-    fn name_free(&self, locals: &[(u64, LocalEngine)], pdpair: &str, engine: &str) -> Result<(), String> {
+    /// And an agent holds at most [`MAX_ENGINES`] (each holds threads, mappings, a listener),
+    /// [`MAX_ENGINES_PER_POD`] of one Pod (`pod`, where attested).
+    fn name_free(
+        &self,
+        locals: &[(u64, LocalEngine)],
+        pod: Option<&str>,
+        pdpair: &str,
+        engine: &str,
+    ) -> Result<(), String> {
         if locals.len() >= MAX_ENGINES {
             return Err(format!(
                 "this agent holds {MAX_ENGINES} registered engines, as many as it takes; one must go before another registers"
+            ));
+        }
+        if let Some(pod) = pod
+            && locals.iter().filter(|(_, l)| l.pod.as_deref() == Some(pod)).count() >= MAX_ENGINES_PER_POD
+        {
+            return Err(format!(
+                "this engine's Pod has {MAX_ENGINES_PER_POD} engines registered at this agent, as many as one Pod may; one must go before another registers"
             ));
         }
         // Per pair: another tenant's engine cannot take a name to keep this pair's out.
@@ -1427,7 +1448,7 @@ impl Engine {
         let settings =
             crate::engine_api::resolve(&reg, pair.as_ref().map(|p| (reg.pdpair.as_str(), &p.spec.transfer)))?;
         // Before the pool is allocated (checked again, under the lock, as it is recorded).
-        shared.name_free(&lock(&shared.locals), &reg.pdpair, &reg.engine)?;
+        shared.name_free(&lock(&shared.locals), pod_uid.as_deref(), &reg.pdpair, &reg.engine)?;
         let need = layout.pool_len_checked().ok_or_else(|| {
             format!(
                 "num_blocks {} with this geometry ({} layers x {} arrays x {} heads x {} tokens x {} x {} bytes) overflows the address space",
@@ -1561,7 +1582,7 @@ impl Engine {
             outboxes,
             inboxes,
             local_id,
-            dial_owner: match pod_uid {
+            dial_owner: match pod_uid.clone() {
                 Some(uid) => dials::DialOwner::Pod(uid.into()),
                 None => dials::DialOwner::Engine(local_id),
             },
@@ -1569,7 +1590,11 @@ impl Engine {
         {
             let mut locals = lock(&engine.shared.locals);
             // Another registration of the name may have got here first.
-            if let Err(taken) = engine.shared.name_free(&locals, &engine.reg.pdpair, &engine.reg.engine) {
+            if let Err(taken) =
+                engine
+                    .shared
+                    .name_free(&locals, pod_uid.as_deref(), &engine.reg.pdpair, &engine.reg.engine)
+            {
                 drop(locals);
                 engine.shutdown();
                 return Err(taken);
@@ -1577,6 +1602,7 @@ impl Engine {
             locals.push((
                 engine.local_id,
                 LocalEngine {
+                    pod: pod_uid,
                     pdpair: engine.reg.pdpair.clone(),
                     role: engine.reg.role,
                     engine: engine.reg.engine.clone(),

@@ -340,6 +340,38 @@ fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
         ),
         "must name its Pod",
     );
+    // Registered engines are shared by Pods too: one Pod registering as many small pools as
+    // the agent takes (256) kept every other Pod's engines on the node out. One Pod registers
+    // MAX_ENGINES_PER_POD and no more, and another Pod's engine registers meanwhile.
+    let per_pod = pdpair_agent::agent::MAX_ENGINES_PER_POD;
+    let engines: Vec<Vec<EngineRequest>> = (0..=per_pod)
+        .map(|e| {
+            let mut s = spec(Role::Decode);
+            s.num_blocks = 1;
+            let mut reg = SyntheticEngine::registration(&s, Some("decode-pod".into()), false);
+            reg.engine = format!("many{e}");
+            vec![EngineRequest::RegisterPool(Box::new(reg))]
+        })
+        .collect();
+    let frames = work.join("many-engines.json");
+    std::fs::write(&frames, serde_json::to_vec(&engines).expect("json")).expect("frames");
+    let (mut holder, answers) = engines_holding_requests(&decode_cg.leaf, &socket, &frames);
+    let registered = answers.iter().filter(|a| a["type"] == "Registered").count();
+    assert_eq!(registered, per_pod, "{answers:?}");
+    refused(
+        answers[per_pod].clone(),
+        &format!("Pod has {per_pod} engines registered"),
+    );
+    let neighbour_uid = engine_pod(&ns, "decode-pod-2", "vllm-push-64-64", "decode", Some(NODE));
+    let neighbour_cg = PodCgroup::new(&neighbour_uid, "c0ffee03");
+    let answer = engine(
+        Some(&neighbour_cg.leaf),
+        &socket,
+        &register(Role::Decode, "decode-pod-2"),
+    );
+    assert_eq!(answer["type"], "Registered", "{answer}");
+    drop(holder.stdin.take());
+    let _ = holder.wait();
     // The dial places to one prefill host are shared by Pods: two engines of one Pod naming
     // addresses on that host where no agent answers (listeners that accept and never write) hold
     // DIALS_PER_OWNER_HOST of them together, not each, until those go stale.
