@@ -172,6 +172,19 @@ pub struct Reloader {
     key: PathBuf,
     current: RwLock<Arc<CertifiedKey>>,
     stamp: RwLock<Vec<u8>>,
+    /// The files' bytes last found unusable: tried and warned about once, not every poll.
+    broken: RwLock<Vec<u8>>,
+}
+
+/// What [`Reloader::reload_if_changed`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reload {
+    /// The files are the ones served, or the broken ones already warned about.
+    Unchanged,
+    /// New files, loaded and served from now.
+    Reloaded,
+    /// New files that cannot be loaded (warned about): the last good pair is kept.
+    Broken,
 }
 
 impl Reloader {
@@ -184,15 +197,17 @@ impl Reloader {
             key,
             current: RwLock::new(Arc::new(loaded)),
             stamp: RwLock::new(stamp),
+            broken: RwLock::new(Vec::new()),
         }))
     }
 
-    /// Reloads when the files' contents changed. A broken new pair is logged and the old one is
-    /// kept, so a half-written rotation never takes the webhook down. Returns whether it reloaded.
-    pub fn reload_if_changed(&self) -> bool {
+    /// Reloads when the files' contents changed. A broken new pair is logged once (it was
+    /// warned about every poll, every second, until fixed) and the old one is kept, so a
+    /// half-written rotation never takes the webhook down.
+    pub fn reload_if_changed(&self) -> Reload {
         let now = stamp(&self.cert, &self.key);
-        if self.stamp.read().is_ok_and(|s| *s == now) {
-            return false;
+        if self.stamp.read().is_ok_and(|s| *s == now) || self.broken.read().is_ok_and(|b| *b == now) {
+            return Reload::Unchanged;
         }
         match load(&self.cert, &self.key) {
             Ok(loaded) => {
@@ -201,23 +216,29 @@ impl Reloader {
                     *st = now;
                 }
                 tracing::info!(cert = %self.cert.display(), "reloaded the webhook certificate");
-                true
+                Reload::Reloaded
             }
             Err(e) => {
+                if let Ok(mut b) = self.broken.write() {
+                    *b = now;
+                }
                 tracing::warn!(error = %e, "the webhook certificate changed but cannot be loaded; keeping the old one");
-                false
+                Reload::Broken
             }
         }
     }
 
     /// Polls the files every `every`, forever.
     pub async fn watch(self: Arc<Self>, every: Duration) {
-        every_tick(every, || self.reload_if_changed()).await
+        every_tick(every, || {
+            self.reload_if_changed();
+        })
+        .await
     }
 }
 
 /// Runs `reload` every `every`, forever (the certificate's and the client CAs' watches).
-async fn every_tick(every: Duration, reload: impl Fn() -> bool) {
+async fn every_tick(every: Duration, reload: impl Fn()) {
     let mut tick = tokio::time::interval(every);
     loop {
         tick.tick().await;
@@ -337,7 +358,10 @@ impl ClientCa {
 
     /// Polls the file every `every`, forever.
     pub async fn watch(self: Arc<Self>, every: Duration) {
-        every_tick(every, || self.reload_if_changed()).await
+        every_tick(every, || {
+            self.reload_if_changed();
+        })
+        .await
     }
 }
 
@@ -427,17 +451,26 @@ mod tests {
         let files = generate(&dir, &["127.0.0.1".into(), "localhost".into()]).expect("generate");
         let r = Reloader::new(files.cert.clone(), files.key.clone()).expect("load");
         let first = leaf_der(&r);
-        assert!(!r.reload_if_changed(), "nothing changed yet");
+        assert_eq!(r.reload_if_changed(), Reload::Unchanged, "nothing changed yet");
         // Rotate in place, as cert-manager does.
         let rotated = generate(&dir, &["127.0.0.1".into()]).expect("regenerate");
-        assert!(r.reload_if_changed());
+        assert_eq!(r.reload_if_changed(), Reload::Reloaded);
         let second = leaf_der(&r);
         assert_ne!(first, second);
         assert_ne!(files.ca_pem, rotated.ca_pem);
-        // A broken certificate file: keep serving the last good one.
+        // A broken certificate file: keep serving the last good one, and say so once, not at
+        // every poll.
         std::fs::write(&files.cert, "not a certificate").expect("write");
-        assert!(!r.reload_if_changed());
+        assert_eq!(r.reload_if_changed(), Reload::Broken);
+        assert_eq!(r.reload_if_changed(), Reload::Unchanged, "warned about once");
         assert_eq!(leaf_der(&r), second);
+        // Broken another way: said again.
+        std::fs::write(&files.cert, "still not a certificate").expect("write");
+        assert_eq!(r.reload_if_changed(), Reload::Broken);
+        // A whole new pair: taken.
+        generate(&dir, &["127.0.0.1".into()]).expect("regenerate");
+        assert_eq!(r.reload_if_changed(), Reload::Reloaded);
+        assert_ne!(leaf_der(&r), second);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -451,7 +484,11 @@ mod tests {
         // A rotation caught between its key and its certificate: the new key, the old certificate.
         let rotated = generate(&other, &["127.0.0.1".into()]).expect("generate another");
         std::fs::copy(&rotated.key, &files.key).expect("copy the key");
-        assert!(!r.reload_if_changed(), "a key that is not the certificate's was taken");
+        assert_eq!(
+            r.reload_if_changed(),
+            Reload::Broken,
+            "a key that is not the certificate's was taken"
+        );
         assert_eq!(leaf_der(&r), first);
         let e = load(&files.cert, &files.key).expect_err("mismatched pair");
         let text = e.to_string();
@@ -462,7 +499,7 @@ mod tests {
         assert!(Reloader::new(files.cert.clone(), files.key.clone()).is_err());
         // The certificate follows: the pair is whole again and taken.
         std::fs::copy(&rotated.cert, &files.cert).expect("copy the certificate");
-        assert!(r.reload_if_changed());
+        assert_eq!(r.reload_if_changed(), Reload::Reloaded);
         assert_ne!(leaf_der(&r), first);
         let _ = std::fs::remove_dir_all(&dir);
     }
