@@ -3499,7 +3499,18 @@ fn an_engine_holds_a_bounded_number_of_requests_at_its_agent() {
     // A cancelled request waits for that prefill's answer (its `Release` goes out once the link
     // is up), holding its place meanwhile: asking and cancelling again and again while the dial
     // waited made its agent keep every one (each in the dial's queue and among the cancels).
-    let mut c = patient(Role::Decode, "d1");
+    // Its dial waits ten minutes: the asks and cancels (each counting what the engine holds)
+    // all come before it fails, however slow the machine.
+    let mut c = {
+        let mut s = spec(Role::Decode, "d1", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+        (s.handshake_timeout_ms, s.lease_ms) = (600_000, 600_000);
+        let e = SyntheticEngine::register(&socket, &w.dir, &s).expect("engine");
+        e.events()
+            .expect("events")
+            .set_read_timeout(Some(Duration::from_secs(120)))
+            .expect("timeout");
+        e
+    };
     for i in 0..MAX_LIVE_REQUESTS {
         let id = format!("c{i}");
         expect_kv(&mut c, &id, at.clone(), &[1, 2], 100);

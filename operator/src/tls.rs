@@ -117,6 +117,12 @@ fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
 
 /// Reads a certificate chain and key into a rustls CertifiedKey.
 pub fn load(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
+    let (cert_pem, key_pem) = read_pair(cert, key)?;
+    parse(cert, key, &cert_pem, &key_pem)
+}
+
+/// The bytes of the certificate and key files.
+fn read_pair(cert: &Path, key: &Path) -> Result<(Vec<u8>, Vec<u8>), TlsError> {
     let read = |path: &Path| {
         std::fs::read(path).map_err(|source| TlsError::Io {
             action: "reading",
@@ -124,9 +130,13 @@ pub fn load(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
             source,
         })
     };
-    let cert_pem = read(cert)?;
-    let key_pem = read(key)?;
-    let chain: Vec<_> = rustls_pemfile::certs(&mut cert_pem.as_slice())
+    Ok((read(cert)?, read(key)?))
+}
+
+/// A certificate chain and key (the PEM bytes of the files `cert` and `key`, named in errors)
+/// into a rustls CertifiedKey.
+fn parse(cert: &Path, key: &Path, cert_pem: &[u8], key_pem: &[u8]) -> Result<CertifiedKey, TlsError> {
+    let chain: Vec<_> = rustls_pemfile::certs(&mut &cert_pem[..])
         .collect::<Result<_, _>>()
         .map_err(|e| TlsError::Pem {
             path: cert.to_path_buf(),
@@ -138,7 +148,7 @@ pub fn load(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
             message: "no CERTIFICATE block".into(),
         });
     }
-    let private = rustls_pemfile::private_key(&mut key_pem.as_slice())
+    let private = rustls_pemfile::private_key(&mut &key_pem[..])
         .map_err(|e| TlsError::Pem {
             path: key.to_path_buf(),
             message: e.to_string(),
@@ -171,6 +181,8 @@ pub struct Reloader {
     cert: PathBuf,
     key: PathBuf,
     current: RwLock<Arc<CertifiedKey>>,
+    /// The files' bytes served (compared, not their mtimes: a rotation that keeps mtimes, as
+    /// some volume mounts do, is still seen).
     stamp: RwLock<Vec<u8>>,
     /// The files' bytes last found unusable: tried and warned about once, not every poll.
     broken: RwLock<Vec<u8>>,
@@ -190,8 +202,9 @@ pub enum Reload {
 impl Reloader {
     /// Loads the files once; fails when they are not usable.
     pub fn new(cert: PathBuf, key: PathBuf) -> Result<Arc<Reloader>, TlsError> {
-        let loaded = load(&cert, &key)?;
-        let stamp = stamp(&cert, &key);
+        let (cert_pem, key_pem) = read_pair(&cert, &key)?;
+        let loaded = parse(&cert, &key, &cert_pem, &key_pem)?;
+        let stamp = [cert_pem, key_pem].concat();
         Ok(Arc::new(Reloader {
             cert,
             key,
@@ -204,12 +217,19 @@ impl Reloader {
     /// Reloads when the files' contents changed. A broken new pair is logged once (it was
     /// warned about every poll, every second, until fixed) and the old one is kept, so a
     /// half-written rotation never takes the webhook down.
+    /// The bytes compared are the bytes parsed (a good pair read once and failing to read
+    /// again was taken for a broken one, and never tried again until the files changed).
     pub fn reload_if_changed(&self) -> Reload {
-        let now = stamp(&self.cert, &self.key);
+        let files = read_pair(&self.cert, &self.key);
+        // Files that cannot be read are one broken content, warned about once until readable.
+        let now = files
+            .as_ref()
+            .map(|(c, k)| [c.as_slice(), k].concat())
+            .unwrap_or_default();
         if self.stamp.read().is_ok_and(|s| *s == now) || self.broken.read().is_ok_and(|b| *b == now) {
             return Reload::Unchanged;
         }
-        match load(&self.cert, &self.key) {
+        match files.and_then(|(c, k)| parse(&self.cert, &self.key, &c, &k)) {
             Ok(loaded) => {
                 if let (Ok(mut cur), Ok(mut st)) = (self.current.write(), self.stamp.write()) {
                     *cur = Arc::new(loaded);
@@ -244,13 +264,6 @@ async fn every_tick(every: Duration, reload: impl Fn()) {
         tick.tick().await;
         reload();
     }
-}
-
-/// The files' bytes: a rotation that keeps mtimes (some volume mounts do) is still seen.
-fn stamp(cert: &Path, key: &Path) -> Vec<u8> {
-    let mut out = std::fs::read(cert).unwrap_or_default();
-    out.extend(std::fs::read(key).unwrap_or_default());
-    out
 }
 
 impl ResolvesServerCert for Reloader {

@@ -62,6 +62,9 @@ pub(super) struct Serving {
     /// The links of decode ranks that released the request (needed nothing), each counted
     /// once, in `finished` too.
     released_by: Vec<u64>,
+    /// Pull: the links whose serving failed before their read ([`Engine::consumer_failed`]),
+    /// counted in `finished`: not served again.
+    failed_on: Vec<u64>,
     /// When a decode agent last renewed the hold (decode's engine queues the request).
     renewed: Option<Instant>,
     /// The engine cancelled the request: it hears `Cancelled` once no transfer of it runs.
@@ -89,6 +92,7 @@ impl Serving {
             links: Vec::new(),
             refused: None,
             released_by: Vec::new(),
+            failed_on: Vec::new(),
             renewed: None,
             cancelled: false,
         }
@@ -801,6 +805,8 @@ impl Engine {
             Some("was cancelled by the prefill engine".to_owned())
         } else if serving.released_by.contains(&link.id) {
             Some("was released by this link".to_owned())
+        } else if serving.failed_on.contains(&link.id) {
+            Some("failed on this link already".to_owned())
         } else if serving.finished.saturating_add(serving.in_flight) >= expected {
             Some(format!(
                 "is served to as many decode ranks as expected ({expected}) already"
@@ -1251,18 +1257,26 @@ impl Engine {
         }
     }
 
-    /// A consumer on `link` failed before or while it was served: it is served no more (a
-    /// later `Released` or `Release` of it counts for nothing; with its link still among the
+    /// A consumer on `link` failed before it was served: it is served no more (a later
+    /// `Released` or `Release` of it counts for nothing; with its link still among the
     /// request's, it took another decode rank's place, ending the request under that rank's
-    /// read), then counted as finished.
+    /// read), then counted as finished, unless its link's `Release` or `Released` counted it
+    /// meanwhile (counted twice, it ended the request under another rank's read too).
     fn consumer_failed(&self, link: &Link, request: String, outcome: Served) {
-        if let Some(serving) = lock(&self.matching).ready.get_mut(&request)
-            && let Some(i) = serving.links.iter().position(|id| *id == link.id)
-        {
-            serving.links.swap_remove(i);
-        }
+        let serving_it = lock(&self.matching).ready.get_mut(&request).is_some_and(|serving| {
+            match serving.links.iter().position(|id| *id == link.id) {
+                Some(i) => {
+                    serving.links.swap_remove(i);
+                    serving.failed_on.push(link.id);
+                    true
+                }
+                None => false,
+            }
+        });
         link.close_window(&request);
-        self.finish(request, outcome);
+        if serving_it {
+            self.finish(request, outcome);
+        }
     }
 
     /// Pull: tell decode where the request's KV is (with our checksums) and hold the blocks until
