@@ -330,10 +330,6 @@ impl Shared {
         }
     }
 
-    /// A peer whose memory is this agent's (it names one of this agent's backend addresses)
-    /// must be an engine registered here, of `pdpair`, with the role, name and exact memory it
-    /// claims: otherwise an authenticated peer could hand a prefill engine's own memory (learned
-    /// from its handshake), or another pair's, as its own, and have the agent copy into it.
     /// Where this agent may connect for a peer's memory: a KV stream only where a peer agent's
     /// stream can listen ([`Dialable::check_stream`]); UCX addresses are checked by the probe.
     fn check_memory_address(&self, address: &[u8]) -> Result<(), String> {
@@ -356,12 +352,21 @@ impl Shared {
         format!("cannot reach the peer's KV stream at {at} (this agent's log says why)")
     }
 
-    fn check_local_peer(&self, pdpair: &str, peer: &PeerInfo) -> Result<(), String> {
-        let at_ours = [
+    /// A peer whose memory is this agent's (it names one of this agent's backend addresses)
+    /// must be an engine registered here, of `pdpair`, with the role, name and exact memory it
+    /// claims: otherwise an authenticated peer could hand a prefill engine's own memory (learned
+    /// from its handshake), or another pair's, as its own, and have the agent copy into it.
+    /// `address` is where this agent would connect for the peer's memory
+    /// ([`PeerInfo::address_for`]): a GPU pool behind another agent is reached at its
+    /// `stream_address`, not its worker address, and an insider naming this agent's own stream
+    /// there (with a worker address of nothing here) had the agent connect to itself with the
+    /// insider's ranges.
+    fn check_local_peer(&self, pdpair: &str, peer: &PeerInfo, address: &[u8]) -> Result<(), String> {
+        let ours = [
             self.transport.address(),
             crate::transport::Backend::address(&*self.cuda),
-        ]
-        .contains(&peer.worker_address);
+        ];
+        let at_ours = ours.iter().any(|a| *a == peer.worker_address || a == address);
         let locals = lock(&self.locals);
         // This agent's memory: its own address, or one of its engines' regions, key, base and
         // length (a peer may dress our keys in another address that still reaches this process;
@@ -1838,8 +1843,8 @@ impl Engine {
     /// a KV stream where none can listen; a stream not reached is told without why. The
     /// backend's id for the peer.
     fn connect_to_memory(&self, peer: &PeerInfo, stream_key: &[u8; 32], until: Instant) -> Result<u64, String> {
-        self.shared.check_local_peer(&self.reg.pdpair, peer)?;
         let address = peer.address_for(&self.local);
+        self.shared.check_local_peer(&self.reg.pdpair, peer, &address)?;
         self.shared.check_memory_address(&address)?;
         self.transport()
             .connect(address.clone(), peer.memory.keys(), stream_key, until)

@@ -4382,3 +4382,47 @@ fn a_release_of_a_request_still_linking_its_ranks_is_refused_and_the_first_stand
     );
     drop(silent);
 }
+
+#[test]
+fn a_peer_that_points_its_gpu_pool_at_the_agents_own_stream_is_refused() {
+    // A GPU pool behind another agent is reached over that agent's KV stream, named in the
+    // handshake's `stream_address`; the check for "this agent's own memory" looked only at the
+    // worker address. An insider naming this agent's own stream there (learned from its
+    // handshake), with a worker address of nothing here, made the agent connect to itself (UCX's
+    // self: a copy within this process) with the insider's ranges: a write into the agent's own
+    // memory.
+    use pdpair_agent::protocol::{CUDA_TOKEN_LEN, MemoryKind};
+    let _serial = serial();
+    let w = World::new("attack-own-stream");
+    let mut p = prefill_on(&w, Transport::Tcp);
+    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+    let mut honest = insider(Role::Decode);
+    honest.worker_address = b"pdpair-tcp:127.0.0.1:9".to_vec();
+    let prefills = protocol::handshake_decode(&mut s, &mut session, &honest).expect("a handshake");
+    drop(s);
+    let own = String::from_utf8(prefills.worker_address.clone()).expect("a stream address");
+    assert!(own.starts_with("pdpair-tcp:"), "{own}");
+    // Ranges inside prefill's own pool, but not its regions as registered.
+    let l = PoolLayout::new(&honest.kv, &honest.parallelism, 16, 0).expect("layout");
+    let base = prefills.memory.regions[0].base + 4096;
+    let mut claim = honest.clone();
+    claim.worker_address = [vec![0x10], vec![9; 63]].concat();
+    claim.stream_address = own;
+    claim.memory = MemoryDesc {
+        kind: MemoryKind::Cuda,
+        ..MemoryDesc::of(&l, vec![(base, [vec![1], vec![0; 7], vec![0, 6], vec![0; 6]].concat())])
+    };
+    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+    protocol::handshake_decode(&mut s, &mut session, &claim).expect("the geometry passes");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    match wire::read_sealed::<Message>(&mut s, &mut session.opener, wire::MAX_FRAME) {
+        Ok(Message::Reject { reasons, message }) => {
+            assert_eq!(reasons, vec![Reason::TransportFailed], "{message}");
+            assert!(message.contains("names this agent's own memory"), "{message}");
+        }
+        other => panic!("prefill connected to its own stream for a decode's memory: {other:?}"),
+    }
+    still_serves_on(&w, &mut p, "d", Transport::Tcp);
+}
