@@ -4406,12 +4406,16 @@ fn a_peer_that_points_its_gpu_pool_at_the_agents_own_stream_is_refused() {
     // Ranges inside prefill's own pool, but not its regions as registered.
     let l = PoolLayout::new(&honest.kv, &honest.parallelism, 16, 0).expect("layout");
     let base = prefills.memory.regions[0].base + 4096;
+    // A GPU region's token, shaped as UCX's self takes a key (with another shape the connect
+    // failed on the key, and the insider had only to find this one).
+    let token = [vec![1], vec![0; 7], vec![0, 6], vec![0; 6]].concat();
+    assert_eq!(token.len(), CUDA_TOKEN_LEN);
     let mut claim = honest.clone();
     claim.worker_address = [vec![0x10], vec![9; 63]].concat();
     claim.stream_address = own;
     claim.memory = MemoryDesc {
         kind: MemoryKind::Cuda,
-        ..MemoryDesc::of(&l, vec![(base, [vec![1], vec![0; 7], vec![0, 6], vec![0; 6]].concat())])
+        ..MemoryDesc::of(&l, vec![(base, token)])
     };
     let mut s = TcpStream::connect(addr(&p)).expect("connect");
     let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
