@@ -566,7 +566,7 @@ fn an_insider_prefill_reaches_only_its_links_blocks_through_the_stream() {
     let e = mallory
         .connect(&decode, everything.clone(), &[7; 32])
         .expect_err("a stranger");
-    assert!(e.contains("no admission has that id"), "{e}");
+    assert!(e.contains("no admission has that id and proof"), "{e}");
     // The request ends for the engine (nothing completes it: its deadline passes), and its
     // blocks may go to another request at once: a late write of them is dropped too (or, when
     // decode already dropped the silent link, refused with its admission).
@@ -582,7 +582,8 @@ fn an_insider_prefill_reaches_only_its_links_blocks_through_the_stream() {
         })
         .expect_err("a late write");
     assert!(
-        late.contains("outside every block this link was asked for") || late.contains("no admission has that id"),
+        late.contains("outside every block this link was asked for")
+            || late.contains("no admission has that id and proof"),
         "{late}"
     );
     assert!(d0.region(0)[at..at + 64].iter().all(|b| *b == 0), "block 0 untouched");

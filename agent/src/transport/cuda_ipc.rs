@@ -735,7 +735,7 @@ mod tests {
         let e = b
             .connect(theirs.address(), remotes.clone(), &[9; 32], soon())
             .expect_err("a wrong key");
-        assert!(e.contains("no admission has that id"), "{e}");
+        assert!(e.contains("no admission has that id and proof"), "{e}");
         let peer = b.connect(theirs.address(), remotes, &key, soon()).expect("connected");
         let seen = b.observe(peer).expect("observed");
         assert_eq!(

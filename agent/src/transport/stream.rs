@@ -1374,14 +1374,17 @@ fn prove(c: &mut TcpStream, inner: &Inner, slot: crate::unproven::Slot) -> Optio
     let lane = answer[32];
     let theirs = &answer[33..65];
     let mut admitted = lock(&inner.admitted);
+    // One refusal for an unknown id and a wrong proof: ids cross in the clear, and a caller
+    // without the key learns nothing from replaying one (not whether its admission still holds).
+    const NOT_PROVEN: &str = "no admission has that id and proof";
     let verdict = match admitted.get_mut(&id) {
-        None => Err("no admission has that id"),
+        None => Err(NOT_PROVEN),
         Some(a) => {
             if proof_mac(&a.key, &nonce, theirs, lane)
                 .verify_slice(&answer[65..97])
                 .is_err()
             {
-                Err("the proof is wrong")
+                Err(NOT_PROVEN)
             } else if usize::from(lane) >= MAX_LANES {
                 Err("the lane is past the ones an admission holds")
             } else {

@@ -115,7 +115,7 @@ fn a_dialler_without_the_key_is_refused_and_writes_nothing() {
     let e =
         t.p.connect(&t.d.address(), vec![(t.d_mem.0, 4096)], &key(9))
             .expect_err("a wrong key");
-    assert!(e.contains("no admission has that id"), "{e}");
+    assert!(e.contains("no admission has that id and proof"), "{e}");
 
     // The right id with a wrong proof (a recorded id, no key).
     let mut c = TcpStream::connect(parse_address(&t.d.address()).expect("address")).expect("dialled");
@@ -126,7 +126,7 @@ fn a_dialler_without_the_key_is_refused_and_writes_nothing() {
     let refused = read_plain_status(&mut c, Instant::now() + SECOND)
         .expect("answered")
         .expect_err("refused");
-    assert!(refused.contains("the proof is wrong"), "{refused}");
+    assert!(refused.contains("no admission has that id and proof"), "{refused}");
     let _ = c.write_all(&header(OP_PUT, t.d_mem.0, 8));
     let _ = c.write_all(&[0xee; 8]);
     thread::sleep(Duration::from_millis(100));
@@ -1089,7 +1089,7 @@ fn a_lane_is_bound_by_the_proof_and_an_admission_holds_a_bounded_number() {
     };
     // A lane changed on the way (a proof for lane 0 sent as lane 1) is refused.
     let e = dial(1, 0).expect_err("refused");
-    assert!(e.contains("the proof is wrong"), "{e}");
+    assert!(e.contains("no admission has that id and proof"), "{e}");
     // No lane past the ones an admission holds, even proved.
     let e = dial(MAX_LANES as u8, MAX_LANES as u8).expect_err("refused");
     assert!(e.contains("the lane is past"), "{e}");
