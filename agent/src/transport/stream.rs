@@ -1315,7 +1315,12 @@ fn serve(mut c: TcpStream, inner: Arc<Inner>, slot: crate::unproven::Slot) {
         linger(&mut conn.sock);
     }
     let _ = conn.sock.shutdown(Shutdown::Both);
-    // The connection is over (unless a newer one replaced it on its lane already).
+    forget_conn(&inner, &p);
+}
+
+/// The proven connection `p` is over: its lane's entry goes (unless a newer one replaced it on
+/// its lane already).
+fn forget_conn(inner: &Inner, p: &Proven) {
     if let Some(a) = lock(&inner.admitted).get_mut(&p.id)
         && a.conns.get(&p.lane).is_some_and(|(s, _)| *s == p.serial)
     {
@@ -1417,13 +1422,18 @@ fn prove(c: &mut TcpStream, inner: &Inner, slot: crate::unproven::Slot) -> Optio
             drop(slot);
             // Proven: ops may pause as long as the link lives (its admission closes this), and
             // an answer may wait as long as the side channel's silence limit.
-            c.set_read_timeout(None).ok()?;
-            c.set_write_timeout(Some(ANSWER_WITHIN)).ok()?;
-            let accepted: [u8; 32] = accept_mac(&p.key, &nonce, &answer[33..65])
-                .finalize()
-                .into_bytes()
-                .into();
-            c.write_all(&[&[OK][..], &accepted].concat()).ok()?;
+            let told = c.set_read_timeout(None).is_ok() && c.set_write_timeout(Some(ANSWER_WITHIN)).is_ok() && {
+                let accepted: [u8; 32] = accept_mac(&p.key, &nonce, &answer[33..65])
+                    .finalize()
+                    .into_bytes()
+                    .into();
+                c.write_all(&[&[OK][..], &accepted].concat()).is_ok()
+            };
+            if !told {
+                // Gone before it heard it was proven: its lane's entry (and socket) go too.
+                forget_conn(inner, &p);
+                return None;
+            }
             Some(p)
         }
         Err(why) => {
