@@ -654,6 +654,11 @@ fn header(op: u8, addr: u64, len: u64) -> [u8; 24] {
 }
 
 /// Dials the stream at `at` and proves `key`'s admission there on `lane`, by `deadline`.
+/// What a dial says when the listener closed the connection before greeting it: the listener
+/// turns away a source's connections past its places for unproven ones
+/// ([`MAX_UNPROVEN_FROM`]), which many links between two agents dialling at once can take.
+const TURNED_AWAY: &str = "closed this connection before its greeting";
+
 fn dial(at: SocketAddr, key: &[u8; 32], lane: u8, deadline: Instant) -> Result<Conn, String> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
@@ -662,8 +667,12 @@ fn dial(at: SocketAddr, key: &[u8; 32], lane: u8, deadline: Instant) -> Result<C
     let mut c = TcpStream::connect_timeout(&at, left).map_err(|e| format!("dialling the KV stream at {at}: {e}"))?;
     let _ = c.set_nodelay(true);
     let mut hello = [0u8; 48];
-    seal::read_full(&mut c, &mut hello, Some(deadline))
-        .map_err(|e| format!("the KV stream at {at} sent no greeting: {e}"))?;
+    seal::read_full(&mut c, &mut hello, Some(deadline)).map_err(|e| match e.kind() {
+        io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => {
+            format!("the KV stream at {at} {TURNED_AWAY}: {e}")
+        }
+        _ => format!("the KV stream at {at} sent no greeting: {e}"),
+    })?;
     if &hello[..16] != MAGIC {
         return Err(format!("the KV stream at {at} is not a pdpair stream"));
     }
@@ -823,7 +832,22 @@ impl Stream {
             lane: format!("tcp-stream/{}", self.local.ip()),
         };
         // Lane 0 now (the peer is checked at connect); the others when an op first uses them.
-        let c = peer.dial_lane(0, by)?;
+        // The listener may turn it away while its places for unproven connections from this
+        // address are taken (other links dialling at once): dialled again, a little later each
+        // time, until `by` (the others fall back to lane 0; lane 0 has nothing to fall back to).
+        let mut wait = Duration::from_millis(20);
+        let c = loop {
+            match peer.dial_lane(0, by) {
+                Err(e) if e.contains(TURNED_AWAY) && Instant::now() + 2 * wait < by => {
+                    let mut jitter = [0u8; 2];
+                    let _ = getrandom::fill(&mut jitter);
+                    let spread = u64::from(u16::from_le_bytes(jitter)) % (wait.as_millis() as u64 + 1);
+                    std::thread::sleep(wait + Duration::from_millis(spread));
+                    wait = (wait * 2).min(Duration::from_millis(500));
+                }
+                dialled => break dialled?,
+            }
+        };
         *lock(&peer.lanes[0].conn) = Some(c);
         let id = self.inner.next_peer.fetch_add(1, Ordering::Relaxed) + 1;
         lock(&self.inner.peers).insert(id, Arc::new(peer));

@@ -1156,6 +1156,31 @@ fn a_lane_that_cannot_be_dialled_has_its_share_go_over_lane_0() {
 }
 
 #[test]
+fn a_link_turned_away_while_its_sources_unproven_places_are_taken_dials_again_within_its_time() {
+    // Many links between two agents dialling at once can take the listener's places for
+    // connections from one address waiting for their proof; one past them is closed before its
+    // greeting. Lanes past 0 fall back to lane 0, which had nothing to fall back to: the link's
+    // handshake failed. It is dialled again, a little later each time, within its time.
+    let d = Stream::start(LOOPBACK).expect("decode's stream");
+    let p = Stream::start(LOOPBACK).expect("prefill's stream");
+    let d_mem = region(&d, 1, 4096, 0);
+    let _admission = d.admit(&key(1), &[1], Access::Write).expect("admitted");
+    let at = parse_address(&d.address()).expect("address");
+    let hogs: Vec<TcpStream> = (0..MAX_UNPROVEN_FROM)
+        .map(|_| TcpStream::connect(at).expect("a hog"))
+        .collect();
+    thread::sleep(Duration::from_millis(100));
+    // The places free a moment later (other links' proofs done).
+    let freed = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(300));
+        drop(hogs);
+    });
+    let connected = p.connect(&d.address(), vec![(d_mem.0, 4096)], &key(1));
+    freed.join().expect("hogs");
+    assert!(connected.is_ok(), "{connected:?}");
+}
+
+#[test]
 fn a_piece_written_into_device_memory_has_landed_before_its_window_can_close() {
     // The stand-in device lands writes only at `settle` (as a copy from pageable memory may land
     // after it returns): a piece the windows let through must have landed before their lock
