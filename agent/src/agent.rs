@@ -1096,6 +1096,13 @@ struct Link {
     peer: PeerInfo,
     /// UCX peer id, on the side that moves the bytes (push: prefill; pull: decode).
     ucx_peer: Option<u64>,
+    /// Decode, pull: reads of prefill's blocks running over `ucx_peer`; once the link has ended
+    /// (`ended`) and none runs, the connection to prefill's memory goes (`let_go`, once): a read
+    /// still running when the link ends finishes over it (over UCX prefill's memory stays
+    /// registered until its lease).
+    reads: std::sync::atomic::AtomicUsize,
+    ended: AtomicBool,
+    let_go: AtomicBool,
     /// The path UCX chose for `ucx_peer`, read after the first transfer completed (UCX may
     /// reconfigure an endpoint's lanes while it wires up).
     path: std::sync::OnceLock<pdpair_api::TransferPath>,
@@ -1209,6 +1216,9 @@ impl Link {
             pinged: std::sync::atomic::AtomicU64::new(crate::outboxes::now()),
             peer,
             ucx_peer,
+            reads: std::sync::atomic::AtomicUsize::new(0),
+            ended: AtomicBool::new(false),
+            let_go: AtomicBool::new(false),
             path: std::sync::OnceLock::new(),
             addr,
             heads,

@@ -967,8 +967,15 @@ impl Engine {
                     && self.owned_by(&link, &request, Answer::Read) =>
                 {
                     let (e, reading, id) = (self.clone(), link.clone(), request.clone());
-                    let read = move || e.read_kv(&reading, request, blocks, first_token, num_tokens, sums);
+                    // Counted before the link can end (this reader ends it), uncounted when the
+                    // read ends, or here when it never starts.
+                    link.reads.fetch_add(1, Ordering::SeqCst);
+                    let read = move || {
+                        e.read_kv(&reading, request, blocks, first_token, num_tokens, sums);
+                        e.read_done(&reading);
+                    };
                     if let Err(err) = super::spawn("read-kv", read) {
+                        self.read_done(&link);
                         let message = format!("no thread to read prefill {}'s blocks: {err}", link.addr);
                         self.read_failed(&link, id, Reason::TransportFailed, message);
                     }
@@ -1059,8 +1066,18 @@ impl Engine {
         self.forget_link(link, reasons, format!("prefill {} refused: {message}", link.addr));
     }
 
+    /// Pull: `link`'s connection to prefill's memory goes (once): its link ended and no read
+    /// runs over it. Every decode engine that linked and left kept it before.
+    fn let_go_of_memory(&self, link: &Link) {
+        if let Some(id) = link.ucx_peer
+            && !link.let_go.swap(true, Ordering::SeqCst)
+        {
+            self.transport().disconnect(id);
+        }
+    }
+
     /// Drops a prefill link (its slot, unless another link to the address holds it by now, and
-    /// its connection to prefill's memory) and fails the requests whose registrations went on it (each once no other prefill writes
+    /// its connection to prefill's memory once no read runs over it) and fails the requests whose registrations went on it (each once no other prefill writes
     /// into its blocks). A link that gave way ([`Engine::room_for_link`]) may end after its
     /// engine asked that prefill again: the new link's slot and requests are not this one's.
     fn forget_link(&self, link: &Link, reasons: Vec<Reason>, message: String) {
@@ -1071,10 +1088,10 @@ impl Engine {
                 peers.remove(addr);
             }
         }
-        // Pull: our connection to its memory goes with it (a read still running on it fails,
-        // and is answered by its end as ever; prefill's admission of it ended with the link).
-        if let Some(id) = link.ucx_peer {
-            self.transport().disconnect(id);
+        // Pull: our connection to its memory goes with it, once no read runs over it.
+        link.ended.store(true, Ordering::SeqCst);
+        if link.reads.load(Ordering::SeqCst) == 0 {
+            self.let_go_of_memory(link);
         }
         // A prefill whose link is gone writes nothing more into requests that are ending.
         let ending: Vec<String> = lock(&self.cancelled)
@@ -1276,6 +1293,13 @@ impl Engine {
                 }
             }
             Err((reason, message)) => self.read_failed(link, request, reason, message),
+        }
+    }
+
+    /// A read over `link` ended: the last one of a link that ended lets go of prefill's memory.
+    fn read_done(&self, link: &Link) {
+        if link.reads.fetch_sub(1, Ordering::SeqCst) == 1 && link.ended.load(Ordering::SeqCst) {
+            self.let_go_of_memory(link);
         }
     }
 
