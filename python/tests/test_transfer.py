@@ -131,10 +131,11 @@ def test_kernel_ids():
     assert kernel_ids([0, 3], 2) == [0, 1, 6, 7]
 
 
-def test_a_failed_load_vllm_ends_is_not_cancelled_but_an_abort_in_flight_is():
-    # vLLM ends a request whose load failed (policy fail) before it hands the connector the
-    # worker's report, and frees its blocks whatever the connector says: no Cancel, no hold.
-    # An abort in flight is cancelled; vLLM holds its blocks itself until it is reported received.
+def test_a_failed_load_vllm_ends_is_cancelled_at_the_other_ranks_and_an_abort_in_flight_too():
+    # vLLM ends a request whose load failed at one rank (policy fail) and holds its blocks until
+    # every rank reported it received: the other ranks' receives are cancelled (they ran to
+    # their end or the lease), and the connector holds nothing. An abort in flight is cancelled;
+    # vLLM holds its blocks itself until it is reported received.
     s = SchedulerState(16)
     for rid in ("failed", "aborted"):
         p = params(**{PARAM_REQUEST: rid})
@@ -143,15 +144,43 @@ def test_a_failed_load_vllm_ends_is_not_cancelled_but_an_abort_in_flight_is():
     s.plan()
     assert s.finished("failed", {}, False, [1, 2, 3, 4], 0, "e", load_failed=True) == (False, None)
     assert s.finished("aborted", {}, False, [1, 2, 3, 4], 0, "e") == (False, None)
-    assert s.plan().cancels == ["aborted"]
-    # A vLLM that does not hold them (before its PR 32255): the connector holds them.
+    assert s.plan().cancels == ["failed", "aborted"]
+    # A vLLM that does not hold them (before its PR 32255): the connector holds an abort's, and
+    # a failed load's are freed at once (a rank's later report would name a request vLLM freed).
     old = SchedulerState(16, vllm_holds=False)
-    p = params(**{PARAM_REQUEST: "aborted"})
-    old.matched_tokens("aborted", p, 50, 0)
-    old.after_alloc("aborted", p, [1, 2, 3, 4], 50, 50)
+    for rid in ("failed", "aborted"):
+        p = params(**{PARAM_REQUEST: rid})
+        old.matched_tokens(rid, p, 50, 0)
+        old.after_alloc(rid, p, [1, 2, 3, 4], 50, 50)
     old.plan()
+    assert old.finished("failed", {}, False, [1, 2, 3, 4], 0, "e", load_failed=True) == (False, None)
     assert old.finished("aborted", {}, False, [1, 2, 3, 4], 0, "e") == (True, None)
     assert old.plan().cancels == ["aborted"]
+
+
+def test_a_load_that_failed_at_one_rank_is_cancelled_at_the_other_and_each_reports_once():
+    # Tensor parallel 2, policy fail: rank 0's load failed (reported received, with errors);
+    # rank 1's still runs. The cancel vLLM's end of the request brings reaches both: rank 0
+    # has nothing in flight and reports nothing more; rank 1 cancels and reports the request
+    # received once the agent answers, so vLLM frees the blocks then (not at rank 1's lease).
+    from pdpair_vllm.client import Event
+    clients = [_Client(), _Client()]
+    ranks = [WorkerState(c, _Saves()) for c in clients]
+    for w in ranks:
+        w.start(Plan(recvs=[_recv("r", [3])]))
+    clients[0].finished.append(Event("RequestFailed", "a-r", {"type": "RequestFailed", "request": "a-r",
+                                                               "reasons": ["ChecksumMismatch"], "message": "x"}))
+    first = ranks[0].poll()
+    assert (first.finished_recving, first.failed_recving) == ({"r"}, {"r"})
+    assert ranks[1].poll() == Results()
+    for w in ranks:
+        w.start(Plan(cancels=["r"]))
+    cancels = [[r for kind, r in c.calls if kind == "cancel"] for c in clients]
+    assert cancels == [[], ["a-r"]]
+    assert ranks[0].poll() == Results()
+    clients[1].finished.append(Event("Cancelled", "a-r", {"type": "Cancelled", "request": "a-r"}))
+    assert ranks[1].poll().finished_recving == {"r"}
+    assert ranks[1].poll() == Results()
 
 
 @pytest.mark.parametrize("vllm_holds", [True, False])

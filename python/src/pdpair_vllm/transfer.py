@@ -351,7 +351,14 @@ class SchedulerState:
                 self._plan.releases.append(Release(remote[0], remote[1], digest))
             return False, None
         if request in self.receiving and load_failed:
+            # One rank's load failed (kv_load_failure_policy fail) and vLLM ended the request.
+            # Where vLLM holds the blocks until every rank reported the request received, the
+            # other ranks' receives still run (to their end or the lease): they are cancelled,
+            # so the blocks free once the agents answer. A rank that reported already has
+            # nothing in flight and sends nothing. An older vLLM freed the blocks at once.
             self.receiving.pop(request)
+            if self.vllm_holds:
+                self._plan.cancels.append(request)
             return False, None
         if request in self.receiving:
             # D: aborted while its KV is on its way (WAITING_FOR_REMOTE_KVS). Where vLLM holds
