@@ -1,16 +1,17 @@
 //! The agent's admin port: `/metrics`, `/livez`, `/readyz` over plain HTTP/1.0.
 //!
-//! Each connection is served on its own thread, at most [`MAX_CONNECTIONS`] at once (more are
-//! closed at once), and a client has [`HEAD_TIMEOUT`] for its whole request head: an idle or
-//! slow client never delays the kubelet's probes.
+//! Each connection is served on its own thread, at most [`MAX_CONNECTIONS`] at once and
+//! [`MAX_PER_SOURCE`] from one address (more from it are closed at once; when all are taken, a
+//! connection from an address holding fewer takes the place of the oldest of the address holding
+//! the most: `crate::unproven`), and a client has [`HEAD_TIMEOUT`] for its whole request head: an
+//! idle or slow client, or a few addresses reopening connections as fast as they close, never
+//! keep the kubelet's probes out (32 idle connections reopened at once, from anywhere the chart's
+//! NetworkPolicy leaves the port open to, failed the liveness probe and restarted the agent).
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::{TcpListener, TcpStream},
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
+    sync::Arc,
     time::Duration,
 };
 
@@ -18,6 +19,8 @@ use crate::{agent::Agent, metrics::Metrics, wire::Deadline};
 
 /// Connections served at once.
 pub const MAX_CONNECTIONS: usize = 32;
+/// Connections served at once from one address.
+pub const MAX_PER_SOURCE: usize = 4;
 /// Time a client has to send its request line and headers.
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 /// The most bytes of request head read.
@@ -25,20 +28,29 @@ const MAX_HEAD: u64 = 8 << 10;
 
 /// Serves the admin port until the process ends.
 pub fn serve(listener: TcpListener, metrics: Arc<Metrics>, agent: Agent) {
-    let open = Arc::new(AtomicUsize::new(0));
-    for stream in listener.incoming().flatten() {
-        if open.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
-            open.fetch_sub(1, Ordering::SeqCst);
-            continue; // dropped: closed
-        }
-        let (held, metrics, agent) = (open.clone(), metrics.clone(), agent.clone());
+    let places = crate::unproven::Budget::new(MAX_CONNECTIONS, MAX_PER_SOURCE);
+    loop {
+        let (stream, from) = match listener.accept() {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Out of descriptors, say: retried after a moment, not in a loop at full speed.
+                tracing::debug!(error = %e, "admin: accept failed");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        // Dropped (closed) without a place.
+        let Ok((place, _)) = places.admit(crate::unproven::source(from.ip()), &stream) else {
+            continue;
+        };
+        let (metrics, agent) = (metrics.clone(), agent.clone());
+        // The place goes back when the thread ends, or with the closure when it never starts
+        // (else each failure kept one, and past the bound none was answered).
         let spawned = std::thread::Builder::new().name("admin".into()).spawn(move || {
             answer(&stream, &metrics, &agent);
-            held.fetch_sub(1, Ordering::SeqCst);
+            drop(place);
         });
         if spawned.is_err() {
-            // Its place too: else each failure kept one, and past the bound none was answered.
-            open.fetch_sub(1, Ordering::SeqCst);
             tracing::warn!("admin: cannot start a thread; connection dropped");
         }
     }

@@ -566,7 +566,7 @@ impl Agent {
 
     /// Sets the gauges read from the UCX thread (orphaned requests and the memory they hold).
     pub fn refresh_gauges(&self) {
-        if let Ok(o) = self.shared.ucx.orphans() {
+        if let Ok(o) = self.shared.ucx.orphans(crate::admin::HEAD_TIMEOUT) {
             let m = &self.shared.metrics;
             m.orphaned_requests.set(i64::try_from(o.requests).unwrap_or(i64::MAX));
             m.orphaned_bytes.set(i64::try_from(o.retired_bytes).unwrap_or(i64::MAX));

@@ -2296,6 +2296,75 @@ fn admin_get(port: u16, path: &str) -> String {
 }
 
 #[test]
+fn addresses_reopening_idle_admin_connections_do_not_keep_the_probes_out() {
+    // The admin port is open to every pod (the chart's NetworkPolicy leaves it so, for
+    // scrapers). It served 32 connections at once, first come first served, each idle one for
+    // the head timeout: a few pods holding 32 idle connections and reopening each as it closed
+    // kept the kubelet's probes out, and the agent was restarted for failing them. Now one
+    // address holds 4 at most, and one holding fewer takes the place of the oldest of the
+    // address holding the most.
+    use pdpair_agent::admin::{MAX_CONNECTIONS, MAX_PER_SOURCE};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let _serial = serial();
+    let w = World::new("attack-admin-idle");
+    let port = TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let at = format!("127.0.0.1:{port}");
+    let (_agent, _) = ProcessAgent::start_with(&w, "a", &["--admin-bind", &at]);
+    let up = Instant::now();
+    while !admin_get(port, "/livez").contains("200") {
+        assert!(
+            up.elapsed() < Duration::from_secs(10),
+            "the admin server never answered"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let to: SocketAddr = at.parse().expect("address");
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    // Enough addresses to hold every place, each trying for more than its share, each
+    // reopening a connection as soon as it closes.
+    let sources = MAX_CONNECTIONS / MAX_PER_SOURCE;
+    let hogs: Vec<_> = (0..sources)
+        .map(|i| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut held: Vec<Option<TcpStream>> = (0..MAX_PER_SOURCE + 2).map(|_| None).collect();
+                while !stop.load(Ordering::SeqCst) {
+                    for c in &mut held {
+                        let open = c.as_ref().is_some_and(|s| {
+                            let mut b = [0u8; 1];
+                            matches!(s.peek(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+                        });
+                        if !open {
+                            *c = connect_from([127, 0, 0, 10 + i as u8], to).ok();
+                            if let Some(s) = c {
+                                let _ = s.set_nonblocking(true);
+                            }
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    for attempt in 0..3 {
+        assert!(
+            admin_get(port, "/livez").contains("200"),
+            "probe {attempt}: the liveness probe was kept out"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    stop.store(true, Ordering::SeqCst);
+    for h in hogs {
+        h.join().expect("hog");
+    }
+}
+
+#[test]
 fn an_admin_server_out_of_threads_answers_again_once_it_has_them() {
     let _serial = serial();
     // Each admin request is answered on a thread of its own, 32 at most at once. One it had

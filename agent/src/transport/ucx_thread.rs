@@ -229,15 +229,29 @@ impl UcxHandle {
         rx.recv().map_err(|_| "the UCX thread dropped a request".to_owned())?
     }
 
+    /// [`UcxHandle::call`], given up after `within` (the UCX thread busy or stuck).
+    fn call_within<T>(&self, within: Duration, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, String> {
+        let (reply, rx) = mpsc::channel();
+        self.tx
+            .send(make(reply))
+            .map_err(|_| "the UCX thread is gone".to_owned())?;
+        match rx.recv_timeout(within) {
+            Ok(answer) => answer,
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(format!("the UCX thread did not answer within {within:?}")),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err("the UCX thread dropped a request".to_owned()),
+        }
+    }
+
     /// See [`Command::Map`].
     pub fn map(&self, addr: u64, len: u64, keep: Keep) -> Result<(u64, Vec<u8>), String> {
         self.call(|reply| Command::Map { addr, len, keep, reply })
     }
 
     /// How many requests of force-closed endpoints UCX still holds, and the bytes of the regions
-    /// kept mapped for them after their engines closed (see [`Orphan`]).
-    pub fn orphans(&self) -> Result<Orphans, String> {
-        self.call(|reply| Command::Orphans { reply })
+    /// kept mapped for them after their engines closed (see [`Orphan`]); an error when the UCX
+    /// thread does not answer within `within` (a metrics scrape does not wait on a stuck one).
+    pub fn orphans(&self, within: Duration) -> Result<Orphans, String> {
+        self.call_within(within, |reply| Command::Orphans { reply })
     }
 
     /// See [`Command::Allocate`].
@@ -1442,7 +1456,7 @@ mod tests {
     fn orphans_until(a: &UcxHandle, within: Duration, done: impl Fn(&Orphans) -> bool) -> Orphans {
         let start = Instant::now();
         loop {
-            let o = a.orphans().expect("orphans");
+            let o = a.orphans(Duration::from_secs(10)).expect("orphans");
             if done(&o) || start.elapsed() > within {
                 return o;
             }
@@ -1500,7 +1514,7 @@ mod tests {
             now.iter().all(|b| *b == 0),
             "the retired region still holds the engine's bytes"
         );
-        let held = a.orphans().expect("orphans");
+        let held = a.orphans(Duration::from_secs(10)).expect("orphans");
         assert!(
             held.requests > 0 && held.retired_bytes == len as u64,
             "UCX still holds the queued WRITEs and their region stays mapped: {held:?}"
@@ -1555,7 +1569,7 @@ mod tests {
             }
             // Answered: nothing of that read is left with UCX.
             assert_eq!(
-                a.orphans().expect("orphans").requests,
+                a.orphans(Duration::from_secs(10)).expect("orphans").requests,
                 0,
                 "answered while UCX still reads"
             );
