@@ -49,11 +49,17 @@ pub fn parse_cgroup(text: &str) -> Option<PodIdentity> {
         if !segments.first().is_some_and(kubelets) {
             return None;
         }
-        segments.iter().enumerate().find_map(|(i, segment)| {
-            let uid = pod_uid(segment)?;
-            let container = segments.get(i + 1).map(|c| container_id(c));
-            Some(PodIdentity { uid, container })
-        })
+        // The Pod's segment is where the kubelet puts it: right after its own (`kubepods`, a QoS
+        // class, their systemd slices), not anywhere below. A Pod that may make cgroups of its
+        // own (privileged) could otherwise nest one named as another Pod's under its container
+        // and be taken for that Pod (its own segment, a static Pod's uid without dashes, did not
+        // parse, and the search went on down).
+        let kubelet_own =
+            |s: &str| pod_uid(s).is_none() && (s.starts_with("kubepods") || matches!(s, "burstable" | "besteffort"));
+        let at = segments.iter().position(|s| !kubelet_own(s))?;
+        let uid = pod_uid(segments[at])?;
+        let container = segments.get(at + 1).map(|c| container_id(c));
+        Some(PodIdentity { uid, container })
     })
 }
 
@@ -104,10 +110,19 @@ pub fn pod_of_peer(stream: &std::os::unix::net::UnixStream) -> Result<PodIdentit
         Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => {
             // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
             let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-            (raw >= 0).then(|| {
+            if raw >= 0 {
                 // SAFETY: a descriptor pidfd_open just returned, owned by nothing else.
-                unsafe { OwnedFd::from_raw_fd(raw as i32) }
-            })
+                Some(unsafe { OwnedFd::from_raw_fd(raw as i32) })
+            } else {
+                let e = std::io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::ESRCH) => return Err(exited()),
+                    // A kernel without pidfd_open (before 5.3): the pid, unchecked.
+                    Some(libc::ENOSYS) => None,
+                    // Out of descriptors or memory, say: refused, not taken unchecked.
+                    _ => return Err(format!("cannot hold the engine process (pid {pid}, pidfd_open): {e}")),
+                }
+            }
         }
         // The process that connected is gone (reaped): its pid may be another's.
         Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ESRCH)) => return Err(exited()),
@@ -263,6 +278,10 @@ pub fn check_pod(
             identity.uid
         ));
     }
+    // A Pod being deleted takes no new engines (its labels, read now, may be gone any moment).
+    if pod.metadata.deletion_timestamp.is_some() {
+        return Err(format!("Pod {name} is being deleted: no engine of it registers"));
+    }
     let on = pod
         .spec
         .as_ref()
@@ -340,6 +359,21 @@ mod tests {
         assert_eq!(parse_cgroup(&format!("0::/../../mine/pod{UID}/x\n")), None);
         assert_eq!(parse_cgroup("0::/../../../system.slice/containerd.service\n"), None);
         assert_eq!(parse_cgroup(&format!("0::/mine/../pod{UID}/x\n")), None);
+        // A Pod segment below where the kubelet puts it: under a static Pod's own (its uid has
+        // no dashes, so it does not parse), or under a container, made by a Pod that may make
+        // cgroups. It named another Pod's uid and was taken for that Pod.
+        let static_pod = "0123456789abcdef0123456789abcdef";
+        assert_eq!(
+            parse_cgroup(&format!("0::/kubepods/besteffort/pod{static_pod}/c0/pod{UID}/x\n")),
+            None
+        );
+        assert_eq!(
+            parse_cgroup(&format!(
+                "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{static_pod}.slice/c0/pod{UID}/x\n"
+            )),
+            None
+        );
+        assert_eq!(parse_cgroup(&format!("0::/kubepods/besteffort/c0/pod{UID}/x\n")), None);
     }
 
     #[test]
@@ -407,6 +441,12 @@ mod tests {
         )
         .expect_err("role");
         assert!(e.contains("pdpair.dev/role") && e.contains("prefill"), "{e}");
+        let mut going = pod(UID, "n", "x", "decode");
+        going.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+        ));
+        let e = check_pod(&going, &me, AT, decode, "x", "n").expect_err("deleted");
+        assert!(e.contains("being deleted"), "{e}");
         // Whatever the API server answered for: another namespace's Pod, or another name.
         for at in [("other", "p"), ("ns", "q")] {
             let e = check_pod(&pod(UID, "n", "x", "decode"), &me, at, decode, "x", "n").expect_err("elsewhere");
