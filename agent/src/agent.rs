@@ -413,6 +413,33 @@ impl Shared {
     }
 }
 
+/// The pool directory holds the pools the agent allocates, UCX's segments and the record of
+/// engines' addresses: it must be the agent's own and not writable by others (`/dev/shm` is
+/// anyone's, so a host user could make `/dev/shm/pdpair`, or a link there, before the agent
+/// starts, and own what the agent keeps in it).
+fn check_pool_dir_owner(dir: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir).map_err(|e| format!("pool directory {}: {e}", dir.display()))?;
+    // SAFETY: geteuid has no preconditions.
+    #[allow(unsafe_code)]
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return Err(format!(
+            "pool directory {} belongs to uid {}, not to this agent's ({me}): whoever owns it could replace what the agent keeps there",
+            dir.display(),
+            meta.uid()
+        ));
+    }
+    if meta.mode() & 0o002 != 0 {
+        return Err(format!(
+            "pool directory {} is writable by anyone (mode {:o}): make it the agent's alone (chmod o-w)",
+            dir.display(),
+            meta.mode() & 0o7777
+        ));
+    }
+    Ok(())
+}
+
 impl Agent {
     /// Starts UCX. Fails when UCX cannot start on the configured transport.
     pub fn start(mut cfg: AgentConfig, metrics: Arc<Metrics>) -> Result<Agent, String> {
@@ -426,6 +453,7 @@ impl Agent {
             .pool_dir
             .canonicalize()
             .map_err(|e| format!("pool directory {}: {e}", cfg.pool_dir.display()))?;
+        check_pool_dir_owner(&cfg.pool_dir)?;
         let mut ucx = UcxHandle::start(cfg.transport, &cfg.pool_dir)?;
         match &cfg.ucx_probe {
             Some(exe) => {
@@ -2145,6 +2173,21 @@ pub fn check_blocks(blocks: &[u32], num_blocks: u32) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pool_directory_anyone_may_write_is_refused() {
+        // /dev/shm is anyone's: a host user could make the pool directory before the agent
+        // does, and own what the agent keeps there.
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("pdpair-pool-dir-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        assert_eq!(check_pool_dir_owner(&dir), Ok(()));
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let e = check_pool_dir_owner(&dir).expect_err("anyone may write it");
+        assert!(e.contains("writable by anyone") && e.contains("777"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn a_requests_blocks_are_distinct_inside_the_pool_and_at_least_one() {

@@ -140,9 +140,22 @@ impl Claims {
             })
             .collect();
         let tmp = self.path.with_extension("json.tmp");
+        // A new file of its own (a link left there is removed, not written through).
+        let _ = std::fs::remove_file(&tmp);
+        let write = |bytes: Vec<u8>| {
+            use std::{io::Write, os::unix::fs::OpenOptionsExt};
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .mode(0o600)
+                .open(&tmp)
+                .and_then(|mut f| f.write_all(&bytes))
+                .map_err(|e| e.to_string())
+        };
         let written = serde_json::to_vec(&claims)
             .map_err(|e| e.to_string())
-            .and_then(|bytes| std::fs::write(&tmp, bytes).map_err(|e| e.to_string()))
+            .and_then(write)
             .and_then(|()| std::fs::rename(&tmp, &self.path).map_err(|e| e.to_string()));
         if let Err(e) = written {
             tracing::warn!(path = %self.path.display(), error = %e, "cannot write the record of the engines' side-channel addresses; after a restart another engine may take one");
@@ -191,6 +204,26 @@ mod tests {
         // And a record that is not one is ignored (the agent starts without it).
         std::fs::write(&path, b"{not json").expect("write");
         assert!(Claims::load(&dir, "node/1").allows(addr(40000), "team-b/q", "q0"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_record_is_written_as_a_file_of_its_own_not_through_a_link_left_in_its_place() {
+        // The agent runs as root: a link at the record's temporary name, left by whoever could
+        // write the directory, had the agent write the record over any file it points to.
+        let dir = std::env::temp_dir().join(format!("pdpair-claims-link-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"precious").expect("victim");
+        std::os::unix::fs::symlink(&victim, dir.join("side-channels-node_1.json.tmp")).expect("link");
+        let claims = Claims::load(&dir, "node/1");
+        claims.hold(addr(40000), "team-a/p", "p0");
+        assert_eq!(std::fs::read(&victim).expect("victim"), b"precious");
+        assert!(
+            !Claims::load(&dir, "node/1").allows(addr(40000), "team-b/q", "q0"),
+            "recorded"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
