@@ -446,7 +446,9 @@ impl Agent {
         if let Some(range) = &cfg.side_channel_ports {
             dials::check_side_channel_ports(range)?;
         }
-        std::fs::create_dir_all(&cfg.pool_dir)
+        // Made the agent's alone whatever the umask (a directory others may write is refused).
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o755)
+            .create(&cfg.pool_dir)
             .map_err(|e| format!("pool directory {}: {e}", cfg.pool_dir.display()))?;
         // UCX names its segments from this path and /proc/self/maps shows the canonical one.
         cfg.pool_dir = cfg
