@@ -1,10 +1,18 @@
 //! How the operator's HTTP servers (the TLS webhook and the plain admin port) take connections:
-//! at most [`MAX_CONNECTIONS`] at once per server (more are closed at once), [`HEADER_TIMEOUT`] for a
-//! request's headers, [`REQUEST_TIMEOUT`] for its body and answer, and [`CONNECTION_LIFETIME`]
-//! for a connection in all. A slow or idle client holds one connection slot for a bounded time
-//! and never delays another.
+//! at most [`MAX_CONNECTIONS`] at once per server and [`MAX_PER_SOURCE`] from one address (more
+//! from it are closed at once; when all are taken, a connection from an address holding fewer
+//! takes the place of the oldest of the address holding the most, which is closed),
+//! [`HEADER_TIMEOUT`] for a request's headers, [`REQUEST_TIMEOUT`] for its body and answer, and
+//! [`CONNECTION_LIFETIME`] for a connection in all. A slow or idle client holds one connection
+//! slot for a bounded time and never delays another, and pods holding idle connections, however
+//! many, do not keep the API server from the webhook nor the kubelet from the probes.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    collections::{HashMap, VecDeque},
+    net::IpAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use axum::{Router, extract::Request, http::StatusCode, middleware::Next, response::IntoResponse};
 use hyper_util::{
@@ -15,11 +23,13 @@ use hyper_util::{
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::TcpListener,
-    sync::{OwnedSemaphorePermit, Semaphore},
+    sync::Notify,
 };
 
 /// Connections served at once, per server.
 pub const MAX_CONNECTIONS: usize = 256;
+/// Connections served at once from one address, per server.
+pub const MAX_PER_SOURCE: usize = 64;
 /// Time a client has to send a request's headers.
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time a request's body and answer may take once its headers are in.
@@ -28,19 +38,95 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(300);
 
 /// The connection budget of one server.
-#[derive(Debug, Clone)]
-pub struct Limits(Arc<Semaphore>);
+#[derive(Debug, Clone, Default)]
+pub struct Limits(Arc<Mutex<Held>>);
 
-impl Default for Limits {
-    fn default() -> Self {
-        Limits(Arc::new(Semaphore::new(MAX_CONNECTIONS)))
+#[derive(Debug, Default)]
+struct Held {
+    next: u64,
+    count: usize,
+    /// By address, oldest first: each connection's id and what tells it to close.
+    by_source: HashMap<IpAddr, VecDeque<(u64, Arc<Notify>)>>,
+}
+
+/// One connection's slot, given back when dropped.
+#[derive(Debug)]
+pub struct Permit {
+    limits: Limits,
+    source: IpAddr,
+    id: u64,
+    closed: Arc<Notify>,
+}
+
+impl Permit {
+    /// Completes when the connection was told to close to make room for another address's.
+    pub async fn evicted(&self) {
+        self.closed.notified().await;
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let mut held = self.limits.held();
+        let held = &mut *held;
+        let Some(queue) = held.by_source.get_mut(&self.source) else {
+            return;
+        };
+        if let Some(i) = queue.iter().position(|(id, _)| *id == self.id) {
+            queue.remove(i);
+            held.count -= 1;
+        }
+        if queue.is_empty() {
+            held.by_source.remove(&self.source);
+        }
     }
 }
 
 impl Limits {
-    /// A slot for one more connection, or `None` when the server is full.
-    pub fn admit(&self) -> Option<OwnedSemaphorePermit> {
-        Arc::clone(&self.0).try_acquire_owned().ok()
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A slot for one more connection from `source`, or `None` when that address holds
+    /// [`MAX_PER_SOURCE`], or the server is full and no address holds more than `source` would
+    /// with this one. When full, the oldest connection of the address holding the most is told
+    /// to close ([`Permit::evicted`]) and its slot is this one's.
+    pub fn admit(&self, source: IpAddr) -> Option<Permit> {
+        let source = source.to_canonical();
+        let mut held = self.held();
+        let here = held.by_source.get(&source).map_or(0, VecDeque::len);
+        if here >= MAX_PER_SOURCE {
+            return None;
+        }
+        if held.count >= MAX_CONNECTIONS {
+            let victim = held
+                .by_source
+                .iter()
+                .filter(|(_, q)| q.len() > here + 1)
+                .max_by_key(|(_, q)| q.len())
+                .map(|(s, _)| *s)?;
+            let held = &mut *held;
+            if let Some(queue) = held.by_source.get_mut(&victim)
+                && let Some((_, closed)) = queue.pop_front()
+            {
+                closed.notify_one();
+                held.count -= 1;
+            }
+        }
+        let id = held.next;
+        held.next += 1;
+        let closed = Arc::new(Notify::new());
+        held.by_source
+            .entry(source)
+            .or_default()
+            .push_back((id, closed.clone()));
+        held.count += 1;
+        Some(Permit {
+            limits: self.clone(),
+            source,
+            id,
+            closed,
+        })
     }
 
     /// The next connection `listener` accepts within the budget, with its slot: a connection
@@ -49,12 +135,12 @@ impl Limits {
         &self,
         listener: &TcpListener,
         what: &str,
-    ) -> (tokio::net::TcpStream, std::net::SocketAddr, OwnedSemaphorePermit) {
+    ) -> (tokio::net::TcpStream, std::net::SocketAddr, Permit) {
         loop {
             match listener.accept().await {
-                Ok((tcp, peer)) => match self.admit() {
+                Ok((tcp, peer)) => match self.admit(peer.ip()) {
                     Some(permit) => return (tcp, peer, permit),
-                    None => drop(tcp), // full: closed
+                    None => drop(tcp), // its address's share is taken, or the server full: closed
                 },
                 Err(e) => {
                     tracing::warn!(error = %e, "{what} accept failed");
@@ -77,8 +163,8 @@ pub fn bounded(router: Router) -> Router {
 }
 
 /// Serves HTTP/1.1 on one accepted connection under the limits (the permit is held until it
-/// ends).
-pub async fn serve_connection<I>(io: I, router: Router, permit: OwnedSemaphorePermit)
+/// ends, or until it is told to close for another address's connection).
+pub async fn serve_connection<I>(io: I, router: Router, permit: Permit)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -88,9 +174,14 @@ where
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT);
     let service = TowerToHyperService::new(bounded(router));
-    let served = tokio::time::timeout(CONNECTION_LIFETIME, builder.serve_connection(TokioIo::new(io), service)).await;
-    if let Ok(Err(e)) = served {
-        tracing::debug!(error = %e, "connection ended with an error");
+    let served = tokio::time::timeout(CONNECTION_LIFETIME, builder.serve_connection(TokioIo::new(io), service));
+    tokio::select! {
+        served = served => {
+            if let Ok(Err(e)) = served {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        }
+        () = permit.evicted() => tracing::debug!("closed a connection for another address's"),
     }
     drop(permit);
 }
@@ -152,23 +243,62 @@ mod tests {
         assert!(answer.contains("408"), "{answer:?}");
     }
 
-    #[tokio::test]
-    async fn connections_past_the_cap_are_closed_at_once() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        tokio::spawn(serve_plain(listener, Router::new()));
-        let mut conns = Vec::new();
-        for _ in 0..MAX_CONNECTIONS + 20 {
-            conns.push(tokio::net::TcpStream::connect(addr).await.expect("connect"));
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
+    /// A connection to `addr` from the loopback address `127.0.0.<host>`.
+    async fn connect_from(host: u8, addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.bind(([127, 0, 0, host], 0).into()).expect("bind");
+        socket.connect(addr).await.expect("connect")
+    }
+
+    /// How many of `conns` the server closed.
+    async fn closed(conns: &mut [tokio::net::TcpStream]) -> usize {
         let mut closed = 0;
-        for c in &mut conns {
+        for c in conns {
             let mut b = [0u8; 1];
             if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_millis(5), c.read(&mut b)).await {
                 closed += 1;
             }
         }
-        assert_eq!(closed, 20, "exactly the connections past the cap are closed");
+        closed
+    }
+
+    #[tokio::test]
+    async fn connections_past_an_addresss_share_are_closed_at_once() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(serve_plain(listener, Router::new()));
+        let mut conns = Vec::new();
+        for _ in 0..MAX_PER_SOURCE + 20 {
+            conns.push(connect_from(7, addr).await);
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(closed(&mut conns).await, 20, "exactly the connections past its share");
+    }
+
+    #[tokio::test]
+    async fn addresses_holding_every_slot_do_not_keep_another_address_out() {
+        // Pods holding idle connections filled the 256 slots, first come first served: the API
+        // server could not reach the webhook (every PDPair write refused) nor the kubelet the
+        // probes. A connection from an address holding fewer takes the place of the oldest of
+        // the address holding the most.
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let router = Router::new().route("/livez", axum::routing::get(|| async { "ok" }));
+        tokio::spawn(serve_plain(listener, router));
+        let mut hogs = Vec::new();
+        for host in 0..(MAX_CONNECTIONS / MAX_PER_SOURCE) as u8 {
+            for _ in 0..MAX_PER_SOURCE {
+                hogs.push(connect_from(10 + host, addr).await);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(closed(&mut hogs).await, 0, "every slot held");
+        assert!(get(addr).await.contains("200 OK"), "another address is answered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            closed(&mut hogs).await,
+            1,
+            "the oldest of an address holding the most gave way"
+        );
     }
 }

@@ -427,7 +427,13 @@ pub async fn serve(
         let router = router.clone();
         let metrics = Arc::clone(&metrics);
         tokio::spawn(async move {
-            let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
+            let handshake = tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp));
+            let handshake = tokio::select! {
+                done = handshake => done,
+                // Closed for another address's connection before its handshake ended.
+                () = permit.evicted() => return,
+            };
+            let tls = match handshake {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(e)) => {
                     metrics.webhook_tls_failed();
