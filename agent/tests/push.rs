@@ -489,6 +489,34 @@ fn an_engine_pool_is_taken_only_as_a_sealed_memfd_never_a_path() {
     unsealed.set_len(need as u64).expect("size");
     let message = register_raw(&s, &good, Some(unsealed), None);
     assert!(message.contains("F_SEAL_SHRINK"), "{message}");
+    // A huge-page memfd: a hole the engine punches after registering would fault in a huge page
+    // when the agent touches it, and with none free the agent dies of SIGBUS. Refused (checked
+    // before its pages are counted: no huge pages need be free here).
+    #[allow(unsafe_code)]
+    // SAFETY: memfd_create with a static name; the descriptor is owned by the File.
+    let huge = unsafe {
+        use std::os::fd::FromRawFd;
+        let fd = libc::memfd_create(c"x".as_ptr(), libc::MFD_HUGETLB | libc::MFD_ALLOW_SEALING);
+        assert!(
+            fd >= 0,
+            "memfd_create(MFD_HUGETLB): {}",
+            std::io::Error::last_os_error()
+        );
+        std::fs::File::from_raw_fd(fd)
+    };
+    huge.set_len((need as u64).next_multiple_of(2 << 20)).expect("size");
+    #[allow(unsafe_code)]
+    // SAFETY: a memfd made with MFD_ALLOW_SEALING.
+    let sealed = unsafe {
+        libc::fcntl(
+            std::os::fd::AsRawFd::as_raw_fd(&huge),
+            libc::F_ADD_SEALS,
+            libc::F_SEAL_SHRINK,
+        )
+    };
+    assert_eq!(sealed, 0, "seal");
+    let message = register_raw(&s, &good, Some(huge), None);
+    assert!(message.contains("huge-page memfd"), "{message}");
     // Sealed and long enough, but sparse: the agent would fault its pages in, charged to its own
     // memory cgroup (a sparse memfd of any size got it killed at its limit). Refused; the same
     // memfd allocated is taken.

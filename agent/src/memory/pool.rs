@@ -62,6 +62,17 @@ pub struct Pool {
     _guards: Vec<Guard>,
 }
 
+/// Whether `file` lives on hugetlbfs (a memfd made with `MFD_HUGETLB`).
+#[allow(unsafe_code)]
+fn on_hugetlbfs(file: &File) -> bool {
+    const HUGETLBFS_MAGIC: libc::c_long = 0x9584_58f6;
+    let mut fs = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: a valid descriptor and a buffer of the size fstatfs writes; read only on success.
+    let got = unsafe { libc::fstatfs(std::os::fd::AsRawFd::as_raw_fd(file), fs.as_mut_ptr()) };
+    // SAFETY: fstatfs filled it (it returned 0).
+    got == 0 && unsafe { fs.assume_init() }.f_type as libc::c_long == HUGETLBFS_MAGIC
+}
+
 /// Seals a pool memfd carries, or must carry when an engine made it.
 pub const REQUIRED_SEALS: libc::c_int = libc::F_SEAL_SHRINK;
 
@@ -79,6 +90,15 @@ impl Pool {
         let meta = file.metadata().map_err(|e| format!("the pool descriptor: {e}"))?;
         if !meta.is_file() {
             return Err("the pool descriptor is not a regular memory file".into());
+        }
+        // A huge-page memfd (MFD_HUGETLB): a hole the engine punches after registering (sealing
+        // against shrinking does not forbid it) faults in a new huge page when the agent touches
+        // it, and with none free the agent dies of SIGBUS (a shared-memory memfd gives a page of
+        // zeros instead).
+        if on_hugetlbfs(&file) {
+            return Err(
+                "the pool descriptor is a huge-page memfd (MFD_HUGETLB), which the agent does not map: pass a memfd without MFD_HUGETLB".into(),
+            );
         }
         if meta.len() < need as u64 {
             return Err(format!(
