@@ -27,6 +27,9 @@ static STARTS: [AtomicU64; SLOTS] = [const { AtomicU64::new(0) }; SLOTS];
 static ENDS: [AtomicU64; SLOTS] = [const { AtomicU64::new(0) }; SLOTS];
 static FAULTS: AtomicU64 = AtomicU64::new(0);
 static INSTALL: Once = Once::new();
+/// The kernel's page size (read before the handler is installed: 16 or 64 KiB on some arm64
+/// kernels, where a 4 KiB `MAP_FIXED` fails and the fault killed the agent after all).
+static PAGE: AtomicU64 = AtomicU64::new(4096);
 
 /// A guarded range; unguarded when dropped (before the mapping goes).
 #[derive(Debug)]
@@ -73,6 +76,13 @@ pub fn faults() -> u64 {
 
 #[allow(unsafe_code)]
 fn install() {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if let Ok(page) = u64::try_from(page)
+        && page.is_power_of_two()
+    {
+        PAGE.store(page, Ordering::SeqCst);
+    }
     // SAFETY: a zeroed sigaction with our handler, SA_SIGINFO, and an empty mask is valid;
     // sigaction only reads it.
     unsafe {
@@ -96,13 +106,14 @@ extern "C" fn on_sigbus(_signal: libc::c_int, info: *mut libc::siginfo_t, _conte
             // Just the faulting page: it certainly belongs to the truncated file's mapping (the
             // kernel raised SIGBUS for it), while a guarded range's end may not be where that
             // mapping ends. Later pages fault (and are replaced) one by one.
-            let page = addr & !4095;
+            let size = PAGE.load(Ordering::Relaxed);
+            let page = addr & !(size - 1);
             // SAFETY: replaces one page of a file mapping this process registered as guarded
             // with a private zero page; mmap is async-signal-safe.
             let replaced = unsafe {
                 libc::mmap(
                     page as *mut libc::c_void,
-                    4096,
+                    size as usize,
                     libc::PROT_READ | libc::PROT_WRITE,
                     libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                     -1,
