@@ -534,8 +534,23 @@ impl Agent {
     /// Binds the engine API socket, mode 0660 (the agent's user and group: engines reach it
     /// through the group or by running as that user), replacing a stale one.
     pub fn bind(&self, socket: &Path) -> io::Result<UnixListener> {
-        use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::remove_file(socket);
+        use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+        // Only a socket left there is replaced: a `--socket` naming any other file (the agent
+        // runs as root) is an error, not a file removed.
+        match std::fs::symlink_metadata(socket) {
+            Ok(m) if m.file_type().is_socket() => std::fs::remove_file(socket)?,
+            Ok(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!(
+                        "{} exists and is not a socket; the agent replaces only a socket",
+                        socket.display()
+                    ),
+                ));
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
         let listener = UnixListener::bind(socket)?;
         std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o660))?;
         self.shared.listening.store(true, Ordering::SeqCst);
@@ -2175,6 +2190,39 @@ pub fn check_blocks(blocks: &[u32], num_blocks: u32) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_engine_socket_replaces_only_a_socket_left_in_its_place() {
+        let dir = std::env::temp_dir().join(format!("pdpair-bind-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let cfg = AgentConfig {
+            name: "a".into(),
+            listen_host: std::net::Ipv4Addr::LOCALHOST.into(),
+            transport: crate::transport::ucx::Transport::Tcp,
+            stream_lanes: crate::transport::stream::DEFAULT_LANES,
+            corrupt_one_byte: false,
+            rejection_ttl: Duration::from_secs(30),
+            publisher: None,
+            pool_dir: dir.join("pools"),
+            heartbeat: Duration::from_secs(1),
+            attestor: None,
+            ucx_probe: None,
+            side_channel_ports: None,
+        };
+        let agent = Agent::start(cfg, Arc::new(Metrics::new())).expect("agent");
+        // A file where the socket goes: left alone, the bind refused naming it.
+        let precious = dir.join("precious");
+        std::fs::write(&precious, b"keep").expect("file");
+        let e = agent.bind(&precious).expect_err("not a socket");
+        assert!(e.to_string().contains("is not a socket"), "{e}");
+        assert_eq!(std::fs::read(&precious).expect("still there"), b"keep");
+        // A socket left by an earlier run: replaced.
+        let socket = dir.join("agent.sock");
+        drop(UnixListener::bind(&socket).expect("stale"));
+        agent.bind(&socket).expect("a stale socket is replaced");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn a_pool_directory_anyone_may_write_is_refused() {
