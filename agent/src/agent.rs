@@ -413,6 +413,28 @@ impl Shared {
     }
 }
 
+/// Makes the pool directory (the agent's alone whatever the umask) where there is none, checks it
+/// ([`check_pool_dir_owner`]; not a link) and returns its canonical path (UCX names its segments
+/// from it, and /proc/self/maps shows the canonical one). Called before anything in it is
+/// touched (`--clean-pool-dir` removes what a previous run left).
+pub fn prepare_pool_dir(dir: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o755)
+        .create(dir)
+        .map_err(|e| format!("pool directory {}: {e}", dir.display()))?;
+    let own = std::fs::symlink_metadata(dir).map_err(|e| format!("pool directory {}: {e}", dir.display()))?;
+    if own.file_type().is_symlink() {
+        return Err(format!(
+            "pool directory {} is a link: name the directory itself (a link there could be anyone's)",
+            dir.display()
+        ));
+    }
+    let canonical = dir
+        .canonicalize()
+        .map_err(|e| format!("pool directory {}: {e}", dir.display()))?;
+    check_pool_dir_owner(&canonical)?;
+    Ok(canonical)
+}
+
 /// The pool directory holds the pools the agent allocates, UCX's segments and the record of
 /// engines' addresses: it must be the agent's own and not writable by others (`/dev/shm` is
 /// anyone's, so a host user could make `/dev/shm/pdpair`, or a link there, before the agent
@@ -446,16 +468,7 @@ impl Agent {
         if let Some(range) = &cfg.side_channel_ports {
             dials::check_side_channel_ports(range)?;
         }
-        // Made the agent's alone whatever the umask (a directory others may write is refused).
-        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o755)
-            .create(&cfg.pool_dir)
-            .map_err(|e| format!("pool directory {}: {e}", cfg.pool_dir.display()))?;
-        // UCX names its segments from this path and /proc/self/maps shows the canonical one.
-        cfg.pool_dir = cfg
-            .pool_dir
-            .canonicalize()
-            .map_err(|e| format!("pool directory {}: {e}", cfg.pool_dir.display()))?;
-        check_pool_dir_owner(&cfg.pool_dir)?;
+        cfg.pool_dir = prepare_pool_dir(&cfg.pool_dir)?;
         let mut ucx = UcxHandle::start(cfg.transport, &cfg.pool_dir)?;
         match &cfg.ucx_probe {
             Some(exe) => {
@@ -2232,9 +2245,16 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pdpair-pool-dir-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("dir");
-        assert_eq!(check_pool_dir_owner(&dir), Ok(()));
+        assert_eq!(prepare_pool_dir(&dir), dir.canonicalize().map_err(|e| e.to_string()));
+        // A link to it: refused (a link there could be anyone's, to anywhere).
+        let link = dir.with_extension("link");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&dir, &link).expect("link");
+        let e = prepare_pool_dir(&link).expect_err("a link");
+        assert!(e.contains("is a link"), "{e}");
+        let _ = std::fs::remove_file(&link);
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
-        let e = check_pool_dir_owner(&dir).expect_err("anyone may write it");
+        let e = prepare_pool_dir(&dir).expect_err("anyone may write it");
         assert!(e.contains("writable by anyone") && e.contains("777"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }

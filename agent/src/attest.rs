@@ -117,8 +117,9 @@ pub fn pod_of_peer(stream: &std::os::unix::net::UnixStream) -> Result<PodIdentit
                 let e = std::io::Error::last_os_error();
                 match e.raw_os_error() {
                     Some(libc::ESRCH) => return Err(exited()),
-                    // A kernel without pidfd_open (before 5.3): the pid, unchecked.
-                    Some(libc::ENOSYS) => None,
+                    // A kernel without pidfd_open (before 5.3), or a seccomp profile without
+                    // it: the pid, unchecked.
+                    Some(libc::ENOSYS | libc::EPERM) => None,
                     // Out of descriptors or memory, say: refused, not taken unchecked.
                     _ => return Err(format!("cannot hold the engine process (pid {pid}, pidfd_open): {e}")),
                 }

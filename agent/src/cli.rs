@@ -346,6 +346,8 @@ pub fn run(args: &RunArgs) -> Result<(), UsageError> {
         },
         side_channel_ports: args.side_channel_ports.clone(),
     };
+    // Checked before anything in it is removed (and again as the agent starts).
+    crate::agent::prepare_pool_dir(&args.pool_dir).map_err(UsageError)?;
     if args.clean_pool_dir {
         let removed = crate::memory::pool::clean_dir(&args.pool_dir);
         if removed > 0 {

@@ -968,14 +968,15 @@ impl Engine {
                 {
                     let (e, reading, id) = (self.clone(), link.clone(), request.clone());
                     // Counted before the link can end (this reader ends it), uncounted when the
-                    // read ends, or here when it never starts.
+                    // read ends however it ends (a panic included), or when it never starts (the
+                    // closure dropped unrun).
                     link.reads.fetch_add(1, Ordering::SeqCst);
+                    let running = ReadRunning(self.clone(), link.clone());
                     let read = move || {
+                        let _running = running;
                         e.read_kv(&reading, request, blocks, first_token, num_tokens, sums);
-                        e.read_done(&reading);
                     };
                     if let Err(err) = super::spawn("read-kv", read) {
-                        self.read_done(&link);
                         let message = format!("no thread to read prefill {}'s blocks: {err}", link.addr);
                         self.read_failed(&link, id, Reason::TransportFailed, message);
                     }
@@ -1515,6 +1516,15 @@ struct WindDown {
     prompt: Option<PromptDigest>,
     /// No prefill may write: how it ends, now.
     now: Option<Ending>,
+}
+
+/// A pull read over a link, counted in [`Link::reads`] until dropped ([`Engine::read_done`]).
+struct ReadRunning(Arc<Engine>, Arc<Link>);
+
+impl Drop for ReadRunning {
+    fn drop(&mut self) {
+        self.0.read_done(&self.1);
+    }
 }
 
 /// What a prefill's message answers ([`Engine::owned_by`]).

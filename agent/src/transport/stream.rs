@@ -653,12 +653,12 @@ fn header(op: u8, addr: u64, len: u64) -> [u8; 24] {
     h
 }
 
-/// Dials the stream at `at` and proves `key`'s admission there on `lane`, by `deadline`.
 /// What a dial says when the listener closed the connection before greeting it: the listener
 /// turns away a source's connections past its places for unproven ones
 /// ([`MAX_UNPROVEN_FROM`]), which many links between two agents dialling at once can take.
 const TURNED_AWAY: &str = "closed this connection before its greeting";
 
+/// Dials the stream at `at` and proves `key`'s admission there on `lane`, by `deadline`.
 fn dial(at: SocketAddr, key: &[u8; 32], lane: u8, deadline: Instant) -> Result<Conn, String> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
