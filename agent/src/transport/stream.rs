@@ -653,10 +653,11 @@ fn header(op: u8, addr: u64, len: u64) -> [u8; 24] {
     h
 }
 
-/// What a dial says when the listener closed the connection before greeting it: the listener
-/// turns away a source's connections past its places for unproven ones
-/// ([`MAX_UNPROVEN_FROM`]), which many links between two agents dialling at once can take.
-const TURNED_AWAY: &str = "closed this connection before its greeting";
+/// What a dial says when the listener closed the connection before greeting it or answering
+/// its proof: the listener turns away a source's connections past its places for unproven ones
+/// ([`MAX_UNPROVEN_FROM`]), and closes the oldest of the source holding the most when all are
+/// taken, which many links between two agents dialling at once can fill.
+const TURNED_AWAY: &str = "turned this connection away";
 
 /// Dials the stream at `at` and proves `key`'s admission there on `lane`, by `deadline`.
 fn dial(at: SocketAddr, key: &[u8; 32], lane: u8, deadline: Instant) -> Result<Conn, String> {
@@ -669,7 +670,7 @@ fn dial(at: SocketAddr, key: &[u8; 32], lane: u8, deadline: Instant) -> Result<C
     let mut hello = [0u8; 48];
     seal::read_full(&mut c, &mut hello, Some(deadline)).map_err(|e| match e.kind() {
         io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => {
-            format!("the KV stream at {at} {TURNED_AWAY}: {e}")
+            format!("the KV stream at {at} {TURNED_AWAY} before its greeting: {e}")
         }
         _ => format!("the KV stream at {at} sent no greeting: {e}"),
     })?;
@@ -688,6 +689,13 @@ fn dial(at: SocketAddr, key: &[u8; 32], lane: u8, deadline: Instant) -> Result<C
     match read_plain_status(&mut c, deadline) {
         Ok(Ok(())) => {}
         Ok(Err(why)) => return Err(format!("the KV stream at {at} refused this agent: {why}")),
+        // Closed while its proof was looked at: the listener made room for another source's
+        // connection (its unproven places all taken), as when turned away before its greeting.
+        Err(e) if matches!(e.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset) => {
+            return Err(format!(
+                "the KV stream at {at} {TURNED_AWAY} before answering its proof: {e}"
+            ));
+        }
         Err(e) => return Err(format!("the KV stream at {at} closed: {e}")),
     }
     // The listener proves the key too: someone on the path who answers in its place (with a
@@ -1407,7 +1415,11 @@ fn prove(c: &mut TcpStream, inner: &Inner, slot: crate::unproven::Slot) -> Optio
     // without the key learns nothing from replaying one (not whether its admission still holds).
     const NOT_PROVEN: &str = "no admission has that id and proof";
     let verdict = match admitted.get_mut(&id) {
-        None => Err(NOT_PROVEN),
+        None => {
+            // The same work as a wrong proof: how long the refusal takes says nothing either.
+            let _ = proof_mac(&[0; 32], &nonce, theirs, lane).verify_slice(&answer[65..97]);
+            Err(NOT_PROVEN)
+        }
         Some(a) => {
             if proof_mac(&a.key, &nonce, theirs, lane)
                 .verify_slice(&answer[65..97])
