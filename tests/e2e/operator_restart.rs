@@ -273,10 +273,13 @@ fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back()
         applies,
         "no Deployment applied again for an unchanged plan"
     );
-    assert_eq!(
-        op.counter("pdpair_operator_pairing_secret_checks_total"),
-        secrets,
-        "the pairing Secret not asked for again within a resync"
+    // Not asked again per heartbeat (5 more without the fix). Once more at most: a pair younger
+    // than a resync whose Secret a create found before its Deployments were seen is asked again
+    // after its age, however its heartbeats come (seen once in a CI run: 22 for 21).
+    let asked = op.counter("pdpair_operator_pairing_secret_checks_total") - secrets;
+    assert!(
+        asked <= 1,
+        "the pairing Secret asked for {asked} times more in 5 heartbeats, not once a resync"
     );
     // Someone changes a Deployment: the plan is applied to it again.
     kubectl_ok(
