@@ -95,10 +95,10 @@ fn answer(stream: &TcpStream, metrics: &Metrics, agent: &Agent) {
 
 #[cfg(test)]
 mod tests {
-    use std::{net::Ipv4Addr, time::Instant};
+    use std::time::Instant;
 
     use super::*;
-    use crate::{agent::AgentConfig, transport::ucx::Transport};
+    use crate::agent::AgentConfig;
 
     fn get(addr: std::net::SocketAddr, path: &str) -> String {
         let mut s = TcpStream::connect(addr).expect("connect");
@@ -116,20 +116,7 @@ mod tests {
     fn idle_clients_do_not_block_probes_and_readyz_waits_for_the_socket() {
         let dir = std::env::temp_dir().join(format!("pdpair-admin-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
-        let cfg = AgentConfig {
-            name: "a".into(),
-            listen_host: Ipv4Addr::LOCALHOST.into(),
-            transport: Transport::Tcp,
-            stream_lanes: crate::transport::stream::DEFAULT_LANES,
-            corrupt_one_byte: false,
-            rejection_ttl: Duration::from_secs(30),
-            publisher: None,
-            pool_dir: dir.join("pools"),
-            heartbeat: Duration::from_secs(1),
-            attestor: None,
-            ucx_probe: None,
-            side_channel_ports: None,
-        };
+        let cfg = AgentConfig::for_tests(dir.join("pools"));
         let metrics = Arc::new(Metrics::new());
         let agent = Agent::start(cfg, metrics.clone()).expect("agent");
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");

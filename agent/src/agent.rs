@@ -2201,6 +2201,28 @@ pub fn check_blocks(blocks: &[u32], num_blocks: u32) -> Result<(), String> {
 }
 
 #[cfg(test)]
+impl AgentConfig {
+    /// An agent on loopback over tcp, its pools in `pool_dir`, without attestation, publishing
+    /// or the UCX probe (the crate's own tests).
+    pub(crate) fn for_tests(pool_dir: PathBuf) -> AgentConfig {
+        AgentConfig {
+            name: "a".into(),
+            listen_host: std::net::Ipv4Addr::LOCALHOST.into(),
+            transport: crate::transport::ucx::Transport::Tcp,
+            stream_lanes: crate::transport::stream::DEFAULT_LANES,
+            corrupt_one_byte: false,
+            rejection_ttl: Duration::from_secs(30),
+            publisher: None,
+            pool_dir,
+            heartbeat: Duration::from_secs(1),
+            attestor: None,
+            ucx_probe: None,
+            side_channel_ports: None,
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -2209,21 +2231,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pdpair-bind-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("dir");
-        let cfg = AgentConfig {
-            name: "a".into(),
-            listen_host: std::net::Ipv4Addr::LOCALHOST.into(),
-            transport: crate::transport::ucx::Transport::Tcp,
-            stream_lanes: crate::transport::stream::DEFAULT_LANES,
-            corrupt_one_byte: false,
-            rejection_ttl: Duration::from_secs(30),
-            publisher: None,
-            pool_dir: dir.join("pools"),
-            heartbeat: Duration::from_secs(1),
-            attestor: None,
-            ucx_probe: None,
-            side_channel_ports: None,
-        };
-        let agent = Agent::start(cfg, Arc::new(Metrics::new())).expect("agent");
+        let agent = Agent::start(AgentConfig::for_tests(dir.join("pools")), Arc::new(Metrics::new())).expect("agent");
         // A file where the socket goes: left alone, the bind refused naming it.
         let precious = dir.join("precious");
         std::fs::write(&precious, b"keep").expect("file");

@@ -2295,6 +2295,27 @@ fn admin_get(port: u16, path: &str) -> String {
     answer.lines().next().unwrap_or_default().to_owned()
 }
 
+/// An agent process of `w` whose admin server listens on a loopback port (returned), once it
+/// answers.
+fn admin_agent(w: &World) -> (ProcessAgent, u16) {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let at = format!("127.0.0.1:{port}");
+    let (agent, _) = ProcessAgent::start_with(w, "a", &["--admin-bind", &at]);
+    let up = Instant::now();
+    while !admin_get(port, "/healthz").contains("200") {
+        assert!(
+            up.elapsed() < Duration::from_secs(10),
+            "the admin server never answered"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (agent, port)
+}
+
 #[test]
 fn addresses_reopening_idle_admin_connections_do_not_keep_the_probes_out() {
     // The admin port is open to every pod (the chart's NetworkPolicy leaves it so, for
@@ -2307,22 +2328,8 @@ fn addresses_reopening_idle_admin_connections_do_not_keep_the_probes_out() {
     use std::sync::atomic::{AtomicBool, Ordering};
     let _serial = serial();
     let w = World::new("attack-admin-idle");
-    let port = TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
-    let at = format!("127.0.0.1:{port}");
-    let (_agent, _) = ProcessAgent::start_with(&w, "a", &["--admin-bind", &at]);
-    let up = Instant::now();
-    while !admin_get(port, "/livez").contains("200") {
-        assert!(
-            up.elapsed() < Duration::from_secs(10),
-            "the admin server never answered"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let to: SocketAddr = at.parse().expect("address");
+    let (_agent, port) = admin_agent(&w);
+    let to = SocketAddr::from(([127, 0, 0, 1], port));
     let stop = std::sync::Arc::new(AtomicBool::new(false));
     // Enough addresses to hold every place, each trying for more than its share, each
     // reopening a connection as soon as it closes.
@@ -2371,21 +2378,7 @@ fn an_admin_server_out_of_threads_answers_again_once_it_has_them() {
     // no thread for kept its place: past 32 of those it answered nothing again, probes and
     // metrics gone for good.
     let w = World::new("attack-admin-threads");
-    let port = TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
-    let at = format!("127.0.0.1:{port}");
-    let (agent, _) = ProcessAgent::start_with(&w, "a", &["--admin-bind", &at]);
-    let up = Instant::now();
-    while !admin_get(port, "/healthz").contains("200") {
-        assert!(
-            up.elapsed() < Duration::from_secs(10),
-            "the admin server never answered"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (agent, port) = admin_agent(&w);
     let cgroup = PidsCgroup::holding(agent.0.id());
     std::thread::sleep(Duration::from_millis(200));
     cgroup.limit(&cgroup.current().to_string());
