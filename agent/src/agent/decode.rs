@@ -910,14 +910,19 @@ impl Engine {
     /// Whether `request` waits on this prefill link (it is one of the request's prefills): a
     /// link may only answer for requests it was asked about, and only a request for KV with KV
     /// (`Answer::Kv`: a release asked for none, and a prefill answering one with a `Complete`
-    /// made its engine hear `RequestDone`). `Answer::Read` also claims the pull read, once per
-    /// link.
+    /// made its engine hear `RequestDone`), and a release only with its `ReleaseDone`.
+    /// `Answer::Read` also claims the pull read, once per link.
     fn owned_by(&self, link: &Link, request: &str, answer: Answer) -> bool {
         let mut pending = lock(&self.pending);
         let Some(p) = pending.get_mut(request) else {
             return false;
         };
-        if p.release && answer != Answer::Other {
+        let fits = match answer {
+            Answer::Kv | Answer::Read => !p.release,
+            Answer::Release => p.release,
+            Answer::Other => true,
+        };
+        if !fits {
             return false;
         }
         let reading = answer == Answer::Read;
@@ -993,12 +998,7 @@ impl Engine {
                         Some(&link.addr),
                     );
                 }
-                // Only a request that asked for nothing (a release) ends with it: a registered
-                // request's ReleaseDone (stale, or forged) would end it while others may write.
-                Ok(Message::ReleaseDone { request })
-                    if self.owned_by(&link, &request, Answer::Other)
-                        && lock(&self.pending).get(&request).is_some_and(|p| p.release) =>
-                {
+                Ok(Message::ReleaseDone { request }) if self.owned_by(&link, &request, Answer::Release) => {
                     // A release of several prefill ranks is done when each has confirmed.
                     let all = {
                         let mut pending = lock(&self.pending);
@@ -1078,8 +1078,8 @@ impl Engine {
     }
 
     /// Drops a prefill link (its slot, unless another link to the address holds it by now, and
-    /// its connection to prefill's memory once no read runs over it) and fails the requests whose registrations went on it (each once no other prefill writes
-    /// into its blocks). A link that gave way ([`Engine::room_for_link`]) may end after its
+    /// its connection to prefill's memory once no read runs over it) and fails the requests
+    /// whose registrations went on it (each once no other prefill writes into its blocks). A link that gave way ([`Engine::room_for_link`]) may end after its
     /// engine asked that prefill again: the new link's slot and requests are not this one's.
     fn forget_link(&self, link: &Link, reasons: Vec<Reason>, message: String) {
         let addr = link.addr.as_str();
@@ -1534,7 +1534,10 @@ enum Answer {
     Kv,
     /// Pull: a request for KV, its blocks lent to our read (`Ready`), which this claims.
     Read,
-    /// Any request, not with KV (`Failed`, `ReleaseDone`).
+    /// A release (a request that asked for nothing), confirmed (`ReleaseDone`): a registered
+    /// request's `ReleaseDone` (stale, or forged) would end it while others may write.
+    Release,
+    /// Any request, not with KV (`Failed`).
     Other,
 }
 
