@@ -1,9 +1,11 @@
 //! pdpair-api: the `PDPair` custom resource, KV geometry, and the compatibility rule table.
 //!
-//! Pure but for [`ListenAddr::bind`]: no other I/O and no async. The operator's admission webhook, its controller and the node
+//! Pure but for [`ListenAddr::bind`] and [`budget`]'s shutting down of connections: no other
+//! I/O and no async. The operator's admission webhook, its controller and the node
 //! agent's handshake all call [`check`] (or [`check_pools`]), so a pair admitted on paper is a
 //! pair the agents accept at run time.
 
+pub mod budget;
 pub mod checksum;
 mod duration;
 mod endpoint;

@@ -7,12 +7,7 @@
 //! slot for a bounded time and never delays another, and pods holding idle connections, however
 //! many, do not keep the API server from the webhook nor the kubelet from the probes.
 
-use std::{
-    collections::{HashMap, VecDeque},
-    net::IpAddr,
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::{net::IpAddr, sync::Arc, time::Duration};
 
 use axum::{Router, extract::Request, http::StatusCode, middleware::Next, response::IntoResponse};
 use hyper_util::{
@@ -20,6 +15,7 @@ use hyper_util::{
     server::conn::auto,
     service::TowerToHyperService,
 };
+use pdpair_api::budget::{self, Budget, Connection, Slot};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::TcpListener,
@@ -37,96 +33,52 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest one connection is kept (the API server reconnects).
 pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(300);
 
-/// The connection budget of one server.
-#[derive(Debug, Clone, Default)]
-pub struct Limits(Arc<Mutex<Held>>);
+/// The connection budget of one server ([`pdpair_api::budget`]: the node agent's rule).
+#[derive(Debug, Clone)]
+pub struct Limits(Arc<Budget<IpAddr, Closer>>);
 
-#[derive(Debug, Default)]
-struct Held {
-    next: u64,
-    count: usize,
-    /// By address, oldest first: each connection's id and what tells it to close.
-    by_source: HashMap<IpAddr, VecDeque<(u64, Arc<Notify>)>>,
+impl Default for Limits {
+    fn default() -> Self {
+        Limits(Budget::new(MAX_CONNECTIONS, MAX_PER_SOURCE))
+    }
+}
+
+/// What tells a served connection to close: it ends when notified ([`Permit::evicted`]).
+#[derive(Debug, Clone)]
+struct Closer(Arc<Notify>);
+
+impl Connection for Closer {
+    fn handle(&self) -> std::io::Result<Self> {
+        Ok(self.clone())
+    }
+    fn shut(&self) {
+        self.0.notify_one();
+    }
 }
 
 /// One connection's slot, given back when dropped.
 #[derive(Debug)]
 pub struct Permit {
-    limits: Limits,
-    source: IpAddr,
-    id: u64,
-    closed: Arc<Notify>,
+    _slot: Slot<IpAddr, Closer>,
+    closed: Closer,
 }
 
 impl Permit {
     /// Completes when the connection was told to close to make room for another address's.
     pub async fn evicted(&self) {
-        self.closed.notified().await;
-    }
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        let mut held = self.limits.held();
-        let held = &mut *held;
-        let Some(queue) = held.by_source.get_mut(&self.source) else {
-            return;
-        };
-        if let Some(i) = queue.iter().position(|(id, _)| *id == self.id) {
-            queue.remove(i);
-            held.count -= 1;
-        }
-        if queue.is_empty() {
-            held.by_source.remove(&self.source);
-        }
+        self.closed.0.notified().await;
     }
 }
 
 impl Limits {
-    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
     /// A slot for one more connection from `source`, or `None` when that address holds
     /// [`MAX_PER_SOURCE`], or the server is full and no address holds more than `source` would
     /// with this one. When full, the oldest connection of the address holding the most is told
     /// to close ([`Permit::evicted`]) and its slot is this one's.
     pub fn admit(&self, source: IpAddr) -> Option<Permit> {
-        let source = source.to_canonical();
-        let mut held = self.held();
-        let here = held.by_source.get(&source).map_or(0, VecDeque::len);
-        if here >= MAX_PER_SOURCE {
-            return None;
-        }
-        if held.count >= MAX_CONNECTIONS {
-            let victim = held
-                .by_source
-                .iter()
-                .filter(|(_, q)| q.len() > here + 1)
-                .max_by_key(|(_, q)| q.len())
-                .map(|(s, _)| *s)?;
-            let held = &mut *held;
-            if let Some(queue) = held.by_source.get_mut(&victim)
-                && let Some((_, closed)) = queue.pop_front()
-            {
-                closed.notify_one();
-                held.count -= 1;
-            }
-        }
-        let id = held.next;
-        held.next += 1;
-        let closed = Arc::new(Notify::new());
-        held.by_source
-            .entry(source)
-            .or_default()
-            .push_back((id, closed.clone()));
-        held.count += 1;
-        Some(Permit {
-            limits: self.clone(),
-            source,
-            id,
-            closed,
-        })
+        let closed = Closer(Arc::new(Notify::new()));
+        let (slot, _) = self.0.admit(budget::source(source), &closed).ok()?;
+        Some(Permit { _slot: slot, closed })
     }
 
     /// The next connection `listener` accepts within the budget, with its slot: a connection
