@@ -105,6 +105,9 @@ def test_tensors_whose_bytes_are_not_the_agents_layout_are_refused_naming_what_d
     # One layer's tensor for a two-layer geometry.
     with pytest.raises(direct.DirectRefused, match="1 KV tensors for 2 layers"):
         direct.regions(vllm_tensors(g, 6, "flash"), PoolLayout.new(dict(g, layers=2), 1, 6, 0))
+    # vLLM 0.33's [blocks, heads, tokens, K|V]: K and V side by side, which no GPU pool takes.
+    with pytest.raises(direct.DirectRefused, match=r"\(6, 2, 4, 16\) is vLLM 0.33's \[blocks, heads, tokens, K\|V\]"):
+        direct.arrangement_of(torch.zeros(6, 2, 4, 16, dtype=torch.float16), host)
     # The layout that fits is taken.
     assert direct.arrangement_of(vllm_tensors(g, 6, "flash")[0], host) == "KvFirst"
 

@@ -131,8 +131,11 @@ def test_sleep_mode_is_refused_unless_the_kv_is_always_staged():
 
 
 @pytest.mark.parametrize("mode", ["Push", "Pull"])
-@pytest.mark.parametrize("layout", ["NHD", "HND", "MLA"])
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC", "LHBNC", "NHD", "HND", "MLA"])
 def test_a_request_moves_prefill_to_decode_through_vllm_byte_exact(pair, mode, layout):
+    """vLLM 0.33's own KV tensors in its layouts (``[blocks, heads, tokens, K|V]`` views of one
+    allocation: tokens outside heads or inside, layers, blocks or heads outermost), and an older
+    vLLM's shapes."""
     p, d = pair(mode=mode, layout=layout)
     for w in p.workers + d.workers:  # CPU tensors: staged through the agents' host pools, saying why
         assert w.kv_path == ("staged", "the KV cache is in cpu memory, not on a GPU"), w.kv_path
@@ -147,6 +150,27 @@ def test_a_request_moves_prefill_to_decode_through_vllm_byte_exact(pair, mode, l
     assert d.outputs["req"].new_token_ids[-1] == SAMPLED
     both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
     assert "req" not in p.scheduler.requests
+
+
+@pytest.mark.parametrize("mode", ["Push", "Pull"])
+@pytest.mark.parametrize("p_layout,d_layout", [("LBNHC", "NHD"), ("HND", "LBHNC"), ("BLNHC", "NHD"),
+                                               ("LHBNC", "HND")])
+def test_vllms_own_kv_cache_and_an_older_vllms_shape_agree_on_every_byte(world, mode, p_layout, d_layout):
+    """The staging view of vLLM 0.33's [blocks, heads, tokens, K|V] puts a block in the agent's
+    pool exactly as an older vLLM's K and V arrays do: each side's KV is written and read at its
+    own tensors' logical places, so a view that put a head's bytes elsewhere, or V in K's place,
+    would arrive elsewhere."""
+    pa, da = world.agent("p", "tcp"), world.agent("d", "tcp")
+    p = Engine(world, pa, "prefill", seed=P_SEED, mode=mode, layout=p_layout)
+    d = Engine(world, da, "decode", seed=D_SEED, mode=mode, layout=d_layout)
+    try:
+        assert p.layout.layout == d.layout.layout
+        prompt = list(range(300, 350))
+        params = prefill(p, "req", prompt)
+        assert decode_receives(p, d, "req", prompt, params) == [P_SEED] * 50
+    finally:
+        p.close()
+        d.close()
 
 
 def test_the_direct_setting_is_checked_and_direct_true_fails_where_the_kv_cache_cannot_be_the_pool(world):
@@ -523,12 +547,13 @@ def test_an_expired_lease_frees_prefill_and_decode_recomputes(world):
         d.close()
 
 
+@pytest.mark.parametrize("layout", ["HND", "LBHNC"])
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2)])
-def test_tensor_parallel_ranks_each_gather_their_heads_and_vllm_aggregates_them(world, p_tp, d_tp):
+def test_tensor_parallel_ranks_each_gather_their_heads_and_vllm_aggregates_them(world, p_tp, d_tp, layout):
     # HND on prefill (the rule table's requirement for unequal TP); 4 KV heads.
     pa, da = world.agent("p", "shm"), world.agent("d", "shm")
-    p = Engine(world, pa, "prefill", seed=P_SEED, tp=p_tp, layout="HND")
-    d = Engine(world, da, "decode", seed=D_SEED, tp=d_tp, layout="HND")
+    p = Engine(world, pa, "prefill", seed=P_SEED, tp=p_tp, layout=layout)
+    d = Engine(world, da, "decode", seed=D_SEED, tp=d_tp, layout=layout)
     try:
         prompt = list(range(3000, 3050))
         params = prefill(p, "req", prompt)

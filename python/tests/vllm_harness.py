@@ -26,7 +26,10 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
+                                        compute_layout_strides)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -81,10 +84,19 @@ class Engine:
         self.block_size = block_size
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(n_layers)]
         local_heads = max(1, n_heads // tp)
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=local_heads, head_size=head_dim,
+                                 dtype=torch.float16)
+        # A vLLM KV cache layout's name (LBNHC, ...): the KV tensors are vLLM 0.33's own, from its
+        # allocator (``allocate_kv_cache``, as its model runner calls it), placed as vLLM's planner
+        # places them (``compute_layout_strides``).
+        vllm_layout = KVCacheLayout[layout] if layout in KVCacheLayout.__members__ else None
+        tensors = []
+        if vllm_layout is not None:
+            layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, n_layers, vllm_layout)
+            tensors = [KVCacheTensor(size=n_layers * num_blocks * spec.page_size_bytes, layers=layers,
+                                     layer_stride=layer_stride, block_stride=block_stride)]
         self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(layers, FullAttentionSpec(block_size=block_size, num_kv_heads=local_heads,
-                                                                         head_size=head_dim, dtype=torch.float16))],
+            num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
         )
 
         def config(rank: int) -> VllmConfig:
@@ -118,7 +130,8 @@ class Engine:
         self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.config),
                                    block_size=block_size)
-        self.workers, self.rows, self.layouts = [], [], []
+        self.workers, self.rows, self.layouts, self.kv = [], [], [], []
+        self.vllm_layout = vllm_layout
         handshake = {}
         for rank in range(tp):
             w = KVConnectorFactory.create_connector(config(rank), KVConnectorRole.WORKER, self.kv_cache_config)
@@ -126,7 +139,9 @@ class Engine:
             # with heads outside tokens in memory (the backend's stride order). "MLA": an MLA
             # backend's cache, [num_blocks, block_size, latent dim] (the scheduler's model config
             # stays Llama's: nothing here runs attention; the connector reads the tensors' shape).
-            if layout == "MLA":
+            if vllm_layout is not None:
+                kv = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), vllm_layout, [kernel])
+            elif layout == "MLA":
                 kv = {n: torch.zeros(kernel_blocks, kernel, head_dim, dtype=torch.float16) for n in layers}
             elif layout == "NHD":
                 kv = {n: torch.zeros(2, kernel_blocks, kernel, local_heads, head_dim, dtype=torch.float16)
@@ -142,6 +157,7 @@ class Engine:
             self.workers.append(w)
             self.layouts.append(lay)
             self.rows.append([block_rows(kv[n], kernel_blocks, lay.block_len) for n in layers])
+            self.kv.append([kv[n] for n in layers])
         # What vLLM's engine core does once the workers registered their KV caches.
         self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(handshake)
         self.aggregator = KVOutputAggregator(tp)
@@ -235,9 +251,20 @@ class Engine:
             for layer in range(self.shape[0]):
                 for h in range(lay.local_heads):
                     for v in range(len(lay.arrays)):
-                        at = lay.token_offset(h, j)
                         data = synthetic.token_bytes(self.seed, layer, lay.head_offset + h, t, bool(v), half)
-                        self.rows[rank][layer][v, b, at:at + half] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                        self._cell(rank, layer, v, b, h, j)[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def _cell(self, rank: int, layer: int, v: int, b: int, h: int, j: int) -> torch.Tensor:
+        """The bytes of head ``h``'s K (``v`` 0) or V of token ``j`` of kernel block ``b`` in rank
+        ``rank``'s KV tensor of ``layer`` (a view: writing it writes the KV cache)."""
+        rows, lay = self.rows[rank][layer], self.layouts[rank]
+        if self.vllm_layout is not None:
+            # vLLM 0.33's logical [blocks, heads, tokens, C], C a head's K then V for the token,
+            # read from the tensor itself (not through the staging's view of it).
+            half = lay.half_token
+            return self.kv[rank][layer].view(torch.uint8)[b, h, j, v * half:(v + 1) * half]
+        at = lay.token_offset(h, j)
+        return rows[v, b, at:at + lay.half_token]
 
     def _kernel_at(self, blocks: List[int], t: int):
         """Token ``t`` of a request holding (vLLM's) ``blocks``: its kernel block and place there."""
@@ -253,7 +280,7 @@ class Engine:
             b, j = self._kernel_at(blocks, t)
             found = None
             for seed in seeds:
-                if all(bytes(self.rows[rank][layer][v, b, lay.token_offset(h, j):][:lay.half_token].tolist())
+                if all(bytes(self._cell(rank, layer, v, b, h, j).tolist())
                        == synthetic.token_bytes(seed, layer, lay.head_offset + h, t, bool(v), lay.half_token)
                        for rank, lay in enumerate(self.layouts) for layer in range(self.shape[0])
                        for h in range(lay.local_heads) for v in range(len(lay.arrays))):

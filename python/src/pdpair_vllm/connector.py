@@ -55,7 +55,7 @@ from . import client as agent_client
 from .client import AgentClient
 from . import direct
 from .layout import ELEMENT_BYTES
-from .staging import TorchStager
+from .staging import TorchStager, token_layout
 from .transfer import Plan, Prompt, Results, SchedulerState, Stager, WorkerState
 
 if TYPE_CHECKING:
@@ -281,10 +281,11 @@ class PdpairConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=_layer_index)
         tensors = [kv_caches[n] for n in names]
         first = tensors[0]
-        if first.dim() not in (3, 5):
+        if first.dim() not in (3, 4, 5):
             raise ValueError(
-                f"pdpair: KV tensors of shape {tuple(first.shape)} are not supported: this version moves K and V "
-                "blocks of [2, blocks, ...] or [blocks, 2, ...] caches and MLA's [blocks, block, dim] latent arrays"
+                f"pdpair: KV tensors of shape {tuple(first.shape)} are not supported: this version moves vLLM 0.33's "
+                "[blocks, heads, tokens, K|V] caches, an older vLLM's [2, blocks, ...] or [blocks, 2, ...], and MLA's "
+                "[blocks, block, dim] latent arrays"
             )
         num_blocks = first.shape[1] if first.dim() == 5 and first.shape[0] == 2 else first.shape[0]
         role = _role(self._vllm_config, self._extra)
@@ -391,17 +392,32 @@ class PdpairConnector(KVConnectorBase_V1):
         mc = self._vllm_config.model_config
         declared = json.loads(os.environ.get("PDPAIR_KV") or "{}")
         declared.update(self._extra.get("kv") or {})
-        mla = t.dim() == 3
-        if mla:
-            # One latent vector per token: one "head" of the latent's width.
-            kernel, heads, head_dim, layout = int(t.shape[1]), 1, int(t.shape[2]), "NHD"
-        else:
-            (kernel, block_stride), (_, head_stride) = zip(t.shape[2:4], t.stride()[2:4])
-            layout = "HND" if head_stride > block_stride else "NHD"
-            heads, head_dim = int(mc.get_total_num_kv_heads()), int(mc.get_head_size())
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
         if cache_dtype not in ELEMENT_BYTES and cache_dtype != "auto":
             raise ValueError(f"pdpair: cache_dtype {cache_dtype!r} is not one pdpair moves")
+        if t.dim() == 4:
+            # vLLM 0.33: [blocks, heads, tokens, C], C one head's K then V for a token (MLA: one
+            # head, its latent vector), in bytes C * element size.
+            mla = bool(getattr(mc, "use_mla", False))
+            kernel, cell = int(t.shape[2]), int(t.shape[3]) * t.element_size()
+            if mla:
+                heads, head_dim, layout = 1, int(t.shape[3]), "NHD"
+            else:
+                heads, head_dim, layout = int(mc.get_total_num_kv_heads()), int(mc.get_head_size()), token_layout(t)
+                if cell != 2 * head_dim * t.element_size():
+                    raise ValueError(
+                        f"pdpair: a KV tensor of shape {tuple(t.shape)} holds {cell} bytes a head and token; K and V "
+                        f"of head size {head_dim} in {t.dtype} are {2 * head_dim * t.element_size()} (a V head size "
+                        "other than K's is not one pdpair moves)"
+                    )
+        elif t.dim() == 3:
+            # MLA: one latent vector per token: one "head" of the latent's width.
+            mla = True
+            kernel, heads, head_dim, layout = int(t.shape[1]), 1, int(t.shape[2]), "NHD"
+        else:
+            mla = False
+            kernel, layout = int(t.shape[2]), token_layout(t)
+            heads, head_dim = int(mc.get_total_num_kv_heads()), int(mc.get_head_size())
         import vllm
 
         kv = {

@@ -49,6 +49,12 @@ def arrangement_of(t: torch.Tensor, layout: PoolLayout) -> str:
     shape, stride = tuple(t.shape), tuple(t.stride())
     elems = layout.block_len // t.element_size() if layout.block_len % t.element_size() == 0 else -1
     nb = layout.num_blocks
+    if t.dim() == 4:
+        raise DirectRefused(
+            f"a KV tensor of shape {shape} is vLLM 0.33's [blocks, heads, tokens, K|V] (K and V side by side for "
+            "each head and token, every layer a view of one allocation); the agent's GPU pools take K and V arrays "
+            "of a tensor each (KvFirst, BlocksFirst, Latent), so it is staged"
+        )
     if t.dim() == 3:  # MLA: [blocks, block, dim]
         if not layout.latent:
             raise DirectRefused(f"a KV tensor of shape {shape} is MLA's [blocks, block, dim], the geometry's is not MLA")

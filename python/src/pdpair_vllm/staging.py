@@ -18,7 +18,8 @@ log = logging.getLogger("pdpair_vllm")
 
 class TorchStager(Stager):
     """Host staging between vLLM's per-layer KV tensors and the agent's pool. Each layer's tensor
-    is ``[2, num_blocks, ...]`` (K and V first), ``[num_blocks, 2, ...]`` (blocks first, as
+    is vLLM 0.33's ``[num_blocks, heads, tokens, K|V]`` view (:func:`block_rows`), or an older
+    vLLM's ``[2, num_blocks, ...]`` (K and V first), ``[num_blocks, 2, ...]`` (blocks first, as
     FlashInfer has it) or MLA's ``[num_blocks, block, dim]``; inside a block, any dense order (NHD
     or HND) is copied byte for byte. The pool is one region, K and V arrays first (``KvFirst``),
     or latent arrays (``Latent``)."""
@@ -36,6 +37,9 @@ class TorchStager(Stager):
         flat.zero_()
         self.pool = flat.view(layout.layers, len(layout.arrays), layout.num_blocks, layout.block_len)
         self.rows = [block_rows(t, layout.num_blocks, layout.block_len) for t in tensors]
+        if any(r.shape[0] != len(layout.arrays) for r in self.rows):
+            raise ValueError(f"pdpair: the KV tensors hold {self.rows[0].shape[0]} arrays a layer, the pool "
+                             f"{len(layout.arrays)}")
         self.pinned = False
         #: The GPU the pool is pinned for (unpinned under it, from whichever thread).
         self.device = next((t.device for t in tensors if t.is_cuda), None)
@@ -51,13 +55,19 @@ class TorchStager(Stager):
         for first, count in runs(blocks):
             end = first + count
             for layer, rows in enumerate(self.rows):
-                self.pool[layer, :, first:end].copy_(rows[:, first:end])
+                self._pool_rows(layer, first, end, rows).copy_(rows[:, first:end])
 
     def load(self, blocks: List[int]) -> None:
         for first, count in runs(blocks):
             end = first + count
             for layer, rows in enumerate(self.rows):
-                rows[:, first:end].copy_(self.pool[layer, :, first:end])
+                rows[:, first:end].copy_(self._pool_rows(layer, first, end, rows))
+
+    def _pool_rows(self, layer: int, first: int, end: int, rows: torch.Tensor) -> torch.Tensor:
+        """Blocks first..end of one layer of the pool, shaped as ``rows`` (a block's bytes split
+        into (tokens, heads, bytes) or (heads, tokens, bytes) where vLLM's tensor interleaves K
+        and V, so the copy gathers them)."""
+        return self.pool[layer, :, first:end].view(rows.shape[0], end - first, *rows.shape[2:])
 
     def close(self) -> None:
         """Unpins the pool (a connection given up for a new one: the old pool is unmapped once
@@ -88,9 +98,32 @@ def _pin(ptr: int, size: int) -> bool:
     return True
 
 
+def token_layout(t: torch.Tensor) -> str:
+    """``HND`` where one layer's KV tensor keeps each head's tokens together in memory, else
+    ``NHD``: vLLM 0.33's ``[blocks, heads, tokens, K|V]`` (its ``LBHNC`` and ``LBNHC`` layouts,
+    and the block-outermost and head-outermost ones) or an older vLLM's ``[2, blocks, tokens,
+    heads, dim]``."""
+    if t.dim() == 3:
+        return "NHD"  # MLA: one latent vector a token
+    if t.dim() == 4:
+        heads, tokens = 1, 2
+    else:
+        tokens, heads = t.dim() - 3, t.dim() - 2
+    return "HND" if t.stride(heads) > t.stride(tokens) else "NHD"
+
+
 def block_rows(t: torch.Tensor, num_blocks: int, block_len: int) -> torch.Tensor:
-    """A ``[2, num_blocks, block_len]`` byte view of one layer's KV tensor (no copy); of an MLA
-    cache (``[num_blocks, block, dim]``), ``[1, num_blocks, block_len]``."""
+    """A byte view of one layer's KV tensor (no copy), ``[arrays, num_blocks, ...]``: its K and V
+    arrays (or an MLA cache's one latent array), each block's bytes in the agent pool's order.
+
+    vLLM 0.33 hands each layer as ``[num_blocks, heads, tokens, C]``, C a head's K then V for one
+    token (an MLA cache: one head, its latent vector), in whatever memory order its KV cache
+    layout gives (tokens outside heads, or inside; layers or blocks outermost): the view is
+    ``[2, num_blocks, tokens, heads, dim bytes]`` (NHD) or ``[2, num_blocks, heads, tokens, dim
+    bytes]`` (HND). An older vLLM's ``[2, num_blocks, ...]`` or ``[num_blocks, 2, ...]`` with dense
+    blocks, and MLA's ``[num_blocks, block, dim]``: ``[arrays, num_blocks, block_len]``."""
+    if t.dim() == 4:
+        return _interleaved_rows(t, num_blocks, block_len)
     if t.dim() == 3:
         if t.shape[0] != num_blocks:
             raise ValueError(f"pdpair: MLA KV tensor shape {tuple(t.shape)} is not [{num_blocks}, block, dim]")
@@ -117,3 +150,28 @@ def block_rows(t: torch.Tensor, num_blocks: int, block_len: int) -> torch.Tensor
     kv_stride = t.stride(kv_dim) if kv_dim is not None else 0
     view = torch.as_strided(t, (arrays, num_blocks, elems), (kv_stride, t.stride(block_dim), 1), t.storage_offset())
     return view.view(torch.uint8)
+
+
+def _interleaved_rows(t: torch.Tensor, num_blocks: int, block_len: int) -> torch.Tensor:
+    """:func:`block_rows` of vLLM 0.33's ``[num_blocks, heads, tokens, K|V]``."""
+    shape = tuple(t.shape)
+    if shape[0] != num_blocks:
+        raise ValueError(f"pdpair: KV tensor shape {shape} is not [{num_blocks}, heads, tokens, K|V]")
+    if t.stride(3) != 1:
+        raise ValueError(f"pdpair: KV tensor {shape} / strides {t.stride()} does not hold a head's K|V contiguously")
+    b = t.view(torch.uint8)
+    _, heads, tokens, cell = b.shape
+    if heads * tokens * cell == block_len:
+        arrays = 1  # MLA: one latent vector a token
+    elif heads * tokens * cell == 2 * block_len:
+        arrays = 2  # a head's K, then its V
+    else:
+        raise ValueError(
+            f"pdpair: a KV block of tensor {shape} holds {heads * tokens * cell} bytes, the agent's layout "
+            f"{block_len} a K (or latent) array's block"
+        )
+    half = cell // arrays
+    s_block, s_head, s_token, _ = b.stride()
+    view = torch.as_strided(b, (arrays, num_blocks, heads, tokens, half), (half, s_block, s_head, s_token, 1),
+                            b.storage_offset())
+    return view if token_layout(t) == "HND" else view.transpose(2, 3)
