@@ -20,13 +20,42 @@ pub fn all() -> Vec<CrdFile> {
     vec![
         CrdFile {
             file: "pdpair.dev_pdpairs.yaml",
-            yaml: to_yaml(&PDPair::crd()),
+            yaml: to_yaml(&int32_bounded(&PDPair::crd())),
         },
         CrdFile {
             file: "pdpair.dev_pdendpoints.yaml",
-            yaml: to_yaml(&PDEndpoint::crd()),
+            yaml: to_yaml(&int32_bounded(&PDEndpoint::crd())),
         },
     ]
+}
+
+/// The CRD as JSON with every `format: int32` integer bounded to i32 (`minimum`, `maximum`, where
+/// the type sets none). An object the operator cannot read (2147483648 in an i32) would fail its
+/// watch's list, read whole, for every object of the kind in every namespace, and such objects
+/// can be written past the webhook (an opted-out namespace, `failurePolicy: Ignore`, any
+/// PDEndpoint, which no webhook sees). The 1.20 API server here checks the format itself (it
+/// refused 3000000000 for `spec.kv.layers` with the bounds left out); the bounds keep that on an
+/// API server that does not (kubernetes#136091 reports one).
+pub fn int32_bounded<T: serde::Serialize>(crd: &T) -> serde_json::Value {
+    fn walk(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(o) => {
+                let int32 = o.get("type").and_then(|t| t.as_str()) == Some("integer")
+                    && o.get("format").and_then(|f| f.as_str()) == Some("int32");
+                if int32 {
+                    o.entry("minimum").or_insert(i32::MIN.into());
+                    o.entry("maximum").or_insert(i32::MAX.into());
+                }
+                o.values_mut().for_each(walk);
+            }
+            serde_json::Value::Array(a) => a.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    // Serialising a CRD built from our own types cannot fail: it is plain data with string keys.
+    let mut v = serde_json::to_value(crd).expect("a CRD serialises to JSON");
+    walk(&mut v);
+    v
 }
 
 fn to_yaml<T: serde::Serialize>(crd: &T) -> String {
@@ -37,4 +66,39 @@ fn to_yaml<T: serde::Serialize>(crd: &T) -> String {
 /// All CRDs as one multi-document YAML stream, as `pdpair-operator crd` prints it.
 pub fn stream() -> String {
     all().iter().map(|c| c.yaml.as_str()).collect::<Vec<_>>().join("---\n")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_int32_field_of_the_crds_is_bounded_to_i32() {
+        let mut checked = 0;
+        for crd in super::all() {
+            let yaml: serde_yaml::Value = serde_yaml::from_str(&crd.yaml).expect("yaml");
+            let mut stack = vec![&yaml];
+            while let Some(v) = stack.pop() {
+                match v {
+                    serde_yaml::Value::Mapping(m) => {
+                        if m.get("format").and_then(|f| f.as_str()) == Some("int32") {
+                            assert_eq!(
+                                m.get("minimum").and_then(|x| x.as_i64()),
+                                Some(i64::from(i32::MIN)),
+                                "{m:?}"
+                            );
+                            assert_eq!(
+                                m.get("maximum").and_then(|x| x.as_i64()),
+                                Some(i64::from(i32::MAX)),
+                                "{m:?}"
+                            );
+                            checked += 1;
+                        }
+                        stack.extend(m.values());
+                    }
+                    serde_yaml::Value::Sequence(s) => stack.extend(s.iter()),
+                    _ => {}
+                }
+            }
+        }
+        assert!(checked >= 20, "{checked} int32 fields");
+    }
 }
