@@ -172,6 +172,23 @@ async fn post(app: Router, body: impl Into<Body>) -> (StatusCode, serde_json::Va
 }
 
 #[tokio::test]
+async fn an_update_of_a_large_pair_is_reviewed_not_refused_for_its_size() {
+    // An UPDATE carries the object twice: a PDPair of 1.25 MiB made a 2.5 MB review, past axum's
+    // default body limit (413, and the API server refused the write).
+    let recorded = Arc::new(Recorded::default());
+    let metrics = Arc::new(Metrics::new());
+    let mut pair = manifest("vllm-push-64-64.yaml");
+    pair["metadata"]["annotations"] = serde_json::json!({"example.com/big": "x".repeat(1_250_000)});
+    let mut changed = pair.clone();
+    changed["metadata"]["labels"] = serde_json::json!({"team": "a"});
+    let review = review_json("UPDATE", Some(changed), Some(pair), false).to_string();
+    assert!(review.len() > 2_500_000, "{}", review.len());
+    let (status, body) = post(app(&recorded, &metrics), review).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body["response"]["allowed"], true, "{body}");
+}
+
+#[tokio::test]
 async fn router_answers_reviews_records_denials_and_survives_garbage() {
     let recorded = Arc::new(Recorded::default());
     let metrics = Arc::new(Metrics::new());
