@@ -179,6 +179,16 @@ fn engine_template(
             }),
         });
     }
+    // An init container (a native sidecar included) may mount the two volumes, but read-only as
+    // the engines do: one writing the agent's socket directory could put its own socket in the
+    // agent's place for every engine on the node.
+    for container in spec.init_containers.iter_mut().flatten() {
+        for mount in container.volume_mounts.iter_mut().flatten() {
+            if mount.name == "pdpair-agent" || mount.name == "pdpair-pairing" {
+                mount.read_only = Some(true);
+            }
+        }
+    }
     let volumes = spec.volumes.get_or_insert_with(Vec::new);
     volumes.retain(|v| v.name != "pdpair-agent" && v.name != "pdpair-pairing");
     volumes.push(Volume {

@@ -343,3 +343,29 @@ fn engine_pods_mount_the_agents_socket_directory_where_the_chart_put_it() {
         )
     );
 }
+
+#[test]
+fn init_containers_mount_the_agents_socket_directory_and_the_pairing_key_read_only() {
+    // The engines' containers get both read-only; an init container of the template mounting the
+    // agent's volume read-write could replace the agent's socket on the node.
+    let mut v = serde_json::to_value(pair()).expect("json");
+    v["spec"]["decode"]["template"]["spec"]["initContainers"] = serde_json::json!([{
+        "name": "setup", "image": "busybox", "restartPolicy": "Always",
+        "volumeMounts": [
+            {"name": "pdpair-agent", "mountPath": "/sock"},
+            {"name": "pdpair-pairing", "mountPath": "/key", "readOnly": false},
+            {"name": "scratch", "mountPath": "/scratch"},
+        ],
+    }]);
+    let pair: PDPair = serde_json::from_value(v).expect("pair");
+    let d = deployment(&pair, Role::Decode, &Wiring::default()).expect("template");
+    let spec = d.spec.and_then(|s| s.template.spec).expect("pod spec");
+    let mounts = spec.init_containers.expect("init")[0]
+        .volume_mounts
+        .clone()
+        .expect("mounts");
+    let read_only = |name: &str| mounts.iter().find(|m| m.name == name).map(|m| m.read_only);
+    assert_eq!(read_only("pdpair-agent"), Some(Some(true)));
+    assert_eq!(read_only("pdpair-pairing"), Some(Some(true)));
+    assert_eq!(read_only("scratch"), Some(None), "other mounts as they were");
+}
