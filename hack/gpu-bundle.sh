@@ -17,6 +17,10 @@ for line in sys.stdin:
         print(m["executable"])')
 cp "$exe" "$out/gpu-tests"
 cp hack/gpu-check.sh "$out/gpu-check.sh"
+# What it was built from, printed first in the GPU machine's report: a bundle older than the tree
+# it is carried with says so there.
+{ echo "bundle: built $(date -u +%FT%TZ) from $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+    "$(git status --porcelain 2>/dev/null | grep -q . && echo '(with uncommitted changes)')"; } >"$out/VERSION"
 # The UCX the agent was built and tested against (Debian's 1.13), so the GPU machine runs the
 # agent as CI does whatever UCX it has (the one measured had 1.16): the libraries, libnuma, and
 # the one transport module without further dependencies (cma; tcp and shared memory are built in).

@@ -26,7 +26,9 @@ ldconfig_p() { /sbin/ldconfig -p 2>/dev/null || ldconfig -p 2>/dev/null; }
 unset KUBERNETES_SERVICE_HOST KUBERNETES_SERVICE_PORT
 # NVRTC (the checksum kernel) where the loader cannot find it: the CUDA wheels of the machine's
 # torch carry one (cudarc tries libnvrtc.so, .so.13, .so.12, ...).
-if ! ldconfig_p | grep -q 'libnvrtc\.so'; then
+# grep -c reads it all: -q stopping early made ldconfig die of SIGPIPE, which pipefail reads as
+# not found.
+if ! ldconfig_p | grep -c 'libnvrtc\.so' >/dev/null; then
   nvrtc=$(LD_LIBRARY_PATH=$machine_ld timeout 30 python3 -c '
 import glob, os, site
 dirs = site.getsitepackages() + [site.getusersitepackages()]
@@ -42,8 +44,9 @@ fi
 out=${OUT:-$(mktemp -d)}
 # At most 8 files come back from the device tool's $OUT: machine.txt, gpu-tests.txt,
 # connector.txt, gpu-check.txt, gpu-check.json, ucx-1.22.txt.
-(nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,compute_mode --format=csv,noheader
- ldd "$bundle/pdpair-agent" | grep -E 'libuc|libnuma|not found'
+(cat "$bundle/VERSION" 2>/dev/null || echo "bundle: no VERSION (built before it was stamped)"
+ timeout 20 nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,compute_mode --format=csv,noheader
+ timeout 10 ldd "$bundle/pdpair-agent" | grep -E 'libuc|libnuma|not found'
  ldconfig_p | grep -E 'libcuda\.so|libnvrtc\.so' || echo "ldconfig: no libcuda/libnvrtc"
  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
  LD_LIBRARY_PATH=$machine_ld timeout 30 python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
@@ -74,13 +77,15 @@ reap() {
     fi
   done
 }
-# Each phase's limit keeps the whole script under about 520 s (the device tool allows 600).
+# Each phase's limit keeps the whole script under 500 s however it goes (the limits add up to
+# 30+20+10+30 before, 120+120+30+90+60 for the phases, 20 for UCX 1.22), which leaves a device
+# session room to look at the reports; a phase that hangs loses its own rows only.
 echo "== GPU tests"
-PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 150 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |
+PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 120 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |
   tee "$out/gpu-tests.txt" || rc=1
 reap
 echo "== gpu-check"
-timeout 150 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 --json-file "$out/gpu-check.json" 2>&1 |
+timeout 120 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 --json-file "$out/gpu-check.json" 2>&1 |
   tee "$out/gpu-check.txt" || rc=1
 reap
 echo "== the vLLM connector's direct path (python/tests/test_direct.py -m gpu: torch CUDA tensors, real agents)"
@@ -94,10 +99,10 @@ if LD_LIBRARY_PATH=$machine_ld timeout 30 python3 -c 'import torch, pytest; asse
     (cd "$here/../python/tests" && env -u UCX_MODULE_DIR LD_LIBRARY_PATH="$machine_ld" PYTHONPATH="$here/../python/src" \
        PDPAIR_AGENT_BIN="$wrap" PYTHONUNBUFFERED=1 "$@")
   }
-  py timeout 100 python3 -m pytest -q -rs -p no:cacheprovider -m gpu test_direct.py 2>&1 | tee "$out/connector.txt" || rc=1
+  py timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -m gpu test_direct.py 2>&1 | tee "$out/connector.txt" || rc=1
   reap
   echo "== the connector's paths, measured (python/tests/bench_gpu.py)" | tee -a "$out/connector.txt"
-  py timeout 80 python3 bench_gpu.py 5 2>&1 | tee -a "$out/connector.txt" || rc=1
+  py timeout 60 python3 bench_gpu.py 5 2>&1 | tee -a "$out/connector.txt" || rc=1
   reap
 else
   echo "gpu-check: no python3 with CUDA torch and pytest here: the connector's GPU tests did not run" | tee "$out/connector.txt"
@@ -106,8 +111,10 @@ fi
 if [[ -x $bundle/ucx-1.22/bin/ucx_info ]]; then
   echo "== UCX 1.22 (agent.ucx.library=1.22): does its CUDA module load here"
   u=$bundle/ucx-1.22/lib
-  (LD_LIBRARY_PATH=$u UCX_MODULE_DIR=$u/ucx timeout 10 "$bundle/ucx-1.22/bin/ucx_info" -v
-   LD_LIBRARY_PATH=$u UCX_MODULE_DIR=$u/ucx timeout 10 "$bundle/ucx-1.22/bin/ucx_info" -d |
+  # The machine's own path after it: libcuda may be found only through it.
+  u_ld=$u${machine_ld:+:$machine_ld}
+  (LD_LIBRARY_PATH=$u_ld UCX_MODULE_DIR=$u/ucx timeout 10 "$bundle/ucx-1.22/bin/ucx_info" -v
+   LD_LIBRARY_PATH=$u_ld UCX_MODULE_DIR=$u/ucx timeout 10 "$bundle/ucx-1.22/bin/ucx_info" -d |
      grep -E 'Memory domain|Component|Transport|memory types|Device') 2>&1 | tee "$out/ucx-1.22.txt"
 fi
 echo "gpu-check: exit $rc; reports in $out"
