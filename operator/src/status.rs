@@ -242,9 +242,9 @@ fn verdict_condition(verdict: &Verdict, context: &str) -> Option<Cond> {
     ))
 }
 
-fn geometry_condition(
+fn geometry_condition<'a>(
     pair: &PDPair,
-    endpoints: &[&PDEndpoint],
+    endpoints: &[&'a PDEndpoint],
     earlier_pods: &std::collections::BTreeSet<String>,
 ) -> Cond {
     let declared = pdpair_api::check(&pair.spec);
@@ -277,8 +277,41 @@ fn geometry_condition(
             );
         }
     }
-    // Every engine runs what its pool declares (up to spelling), so the observed pairs pass the
-    // rule table exactly when the declared pair does: checked above.
+    // Every engine runs what its pool declares (up to spelling), but for what a pool leaves
+    // undeclared (`engineVersion`): the agents check the engines' own geometries with the rule
+    // table at every handshake, so a prefill and a decode of other vLLM versions refuse each
+    // other though each matches its pool. Each distinct prefill and decode geometry is checked
+    // as the agents check them.
+    let geometries = |role: Role| {
+        let mut seen = BTreeSet::new();
+        endpoints
+            .iter()
+            .filter(move |e| e.spec.role == role)
+            .filter(move |e| seen.insert(serde_json::to_string(&(&e.spec.parallelism, &e.spec.kv)).unwrap_or_default()))
+            .copied()
+            .collect::<Vec<&PDEndpoint>>()
+    };
+    let (prefills, decodes) = (geometries(Role::Prefill), geometries(Role::Decode));
+    for p in &prefills {
+        for d in &decodes {
+            let pool = |e: &'a PDEndpoint| pdpair_api::rules::Pool {
+                parallelism: &e.spec.parallelism,
+                kv: &e.spec.kv,
+            };
+            let verdict =
+                pdpair_api::check_pools(pair.spec.transfer.mode, pair.spec.transfer.checksum, pool(p), pool(d));
+            let context = format!(
+                "the engines of PDEndpoints {} (prefill, pod {}) and {} (decode, pod {}) refuse each other: ",
+                p.metadata.name.as_deref().unwrap_or("?"),
+                p.spec.pod,
+                d.metadata.name.as_deref().unwrap_or("?"),
+                d.spec.pod
+            );
+            if let Some(c) = verdict_condition(&verdict, &context) {
+                return c;
+            }
+        }
+    }
     let mut message = if endpoints.is_empty() {
         "declared geometry passes the rule table; no engine has reported its geometry yet".to_owned()
     } else {

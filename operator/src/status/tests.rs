@@ -589,12 +589,30 @@ fn an_engine_version_counts_only_where_the_pool_declares_one() {
     // examples) runs whichever its image has, and is not a mismatch for it.
     let mut pair = pair();
     pair.spec.prefill.kv.engine_version = None;
+    pair.spec.decode.kv.engine_version = None;
     let mut p = endpoint("p-1", Role::Prefill, &pair);
     p.spec.kv.engine_version = Some("0.33.0".into());
-    let d = endpoint("d-1", Role::Decode, &pair);
+    let mut d = endpoint("d-1", Role::Decode, &pair);
+    d.spec.kv.engine_version = Some("0.33.0".into());
     let (s, _) = compute(&pair, &observed_with(&p, &d), &t(0));
     let c = cond(&s, ct::GEOMETRY_COMPATIBLE);
     assert_eq!(c.status, "True", "{c:?}");
+    // Undeclared on both pools, the engines' versions still differ: their agents refuse each
+    // other at every handshake (the rule table's identity), and so does the condition.
+    d.spec.kv.engine_version = Some("0.11.0".into());
+    let (s, _) = compute(&pair, &observed_with(&p, &d), &t(0));
+    let c = cond(&s, ct::GEOMETRY_COMPATIBLE);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", "IdentityMismatch"),
+        "{c:?}"
+    );
+    assert!(
+        c.message.contains("PDEndpoints p-1 (prefill") && c.message.contains("0.11.0"),
+        "{}",
+        c.message
+    );
+    d.spec.kv.engine_version = Some("0.33.0".into());
     // Declared, another version is one.
     pair.spec.prefill.kv.engine_version = Some("0.11.0".into());
     let (s, _) = compute(&pair, &observed_with(&p, &d), &t(0));
