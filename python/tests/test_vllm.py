@@ -437,6 +437,25 @@ def test_lost_agents_end_the_transfers_in_flight_and_both_engines_go_on(world):
             e.close()
 
 
+def test_an_engine_whose_agent_is_not_up_yet_starts_and_registers_once_it_answers(world, caplog):
+    # An agent restarting in a rollout, or not ready yet on a new node, when an engine reaches
+    # register_kv_caches (its model loaded): the engine raised there and crash-looped, loading
+    # its model again each time. It starts, and registers once the agent answers.
+    import types
+
+    p = Engine(world, world.agent("p"), "prefill", seed=P_SEED)
+    later = types.SimpleNamespace(socket=str(world.dir / "d.sock"))
+    with caplog.at_level("WARNING", logger="pdpair_vllm"):
+        d = Engine(world, later, "decode", seed=D_SEED, start_agent=lambda: world.agent("d"))
+    try:
+        assert "cannot reach its agent" in caplog.text, caplog.text
+        prompt = list(range(9000, 9050))
+        assert decode_receives(p, d, "req", prompt, prefill(p, "req", prompt)) == [P_SEED] * 50
+    finally:
+        p.close()
+        d.close()
+
+
 def test_engines_register_again_with_restarted_agents_and_their_kv_moves_again(world):
     # A DaemonSet rollout restarts every agent under running engines: each rank registers again
     # once its transfers ended, with no step (idle engines take none); a prefill rank's agent

@@ -67,13 +67,15 @@ class Engine:
                  layout: str = "NHD", mode: str = "Push", checksum: str = "FailClosed", lease_ms: int = 30000,
                  handshake_ms: int = 5000, policy: str = "fail", min_transfer_tokens: int = 1, tp: int = 1,
                  shape=(LAYERS, HEADS, HEAD_DIM), compute: bool = True, connector: Optional[dict] = None,
-                 kernel_block_size: Optional[int] = None):
+                 kernel_block_size: Optional[int] = None, start_agent=None):
         """``shape`` is (layers, KV heads, head dim); ``compute`` false skips writing KV for the
         scheduled tokens (benchmarks: the transfer moves the same bytes either way); ``connector``
         adds to the connector's ``kv_connector_extra_config``; ``kernel_block_size``: the KV
         tensors' block, where the attention backend takes a smaller one than vLLM's block size
         (vLLM's model runner then splits each block into block_size / kernel_block_size kernel
-        blocks, in order)."""
+        blocks, in order); ``start_agent``: starts ``agent`` once rank 0 found none at its socket
+        (an engine starting before its node's agent), and the harness waits for the rank to
+        register with it."""
         kernel = kernel_block_size or block_size
         assert block_size % kernel == 0
         self.kernel, self.per_logical = kernel, block_size // kernel
@@ -152,6 +154,13 @@ class Engine:
             for t in kv.values():
                 t.zero_()  # touched, as vLLM's KV cache is at startup (torch.zeros maps it lazily)
             w.register_kv_caches(kv)
+            if start_agent is not None and rank == 0:
+                assert w._worker.client.closed is not None, "no agent yet"
+                start_agent()
+                deadline = time.monotonic() + 30
+                while w._worker.reconnections < 1:  # no steps: the engine is still starting
+                    assert time.monotonic() < deadline, "the rank registered once its agent answered"
+                    time.sleep(0.01)
             handshake[(0, rank)] = w.get_handshake_metadata()
             lay = w._client.layout
             self.workers.append(w)

@@ -31,6 +31,34 @@ class AgentError(Exception):
     """The agent refused the registration, or the connection failed."""
 
 
+class AgentUnreachable(AgentError):
+    """No agent answered at the socket (none listens there yet: the node's agent is starting, or
+    restarting in a rollout)."""
+
+
+class Unreachable:
+    """In an :class:`AgentClient`'s place while a rank's agent could not be reached at startup:
+    a connection already lost, so the rank starts without its agent and registers once it
+    answers, as after losing one (:class:`~pdpair_vllm.transfer.WorkerState`)."""
+
+    address: Optional[str] = None
+    capabilities: dict = {}
+    transfer_bound_s: Optional[float] = None
+
+    def __init__(self, why: str):
+        self.closed: Optional[str] = why
+        self.on_close = None
+
+    def take_finished(self) -> list:
+        return []
+
+    def release_pools(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class Event:
     """One agent event about a request."""
@@ -228,6 +256,9 @@ class AgentClient:
         try:
             try:
                 sock.connect(socket_path)
+            except OSError as e:
+                raise AgentUnreachable(f"connecting to the agent at {socket_path}: {e}") from None
+            try:
                 # What the agent can do, before registering: which pool memory it accepts.
                 wire.send(sock, {"type": "Capabilities"})
                 capabilities, stray = wire.recv_with_fds(sock)

@@ -308,7 +308,17 @@ class PdpairConnector(KVConnectorBase_V1):
         #: PDEndpoint, which the operator compares with the pool's declaration.
         self.registration = reg
         sock = self._extra.get("socket") or os.environ.get("PDPAIR_AGENT_SOCKET") or agent_client.DEFAULT_SOCKET
-        client, stager = self._connect(sock, reg, tensors, rank)
+        try:
+            client, stager = self._connect(sock, reg, tensors, rank)
+        except agent_client.AgentUnreachable as e:
+            # The node's agent is starting, or restarting in a rollout: the engine (its model
+            # loaded by now) starts without it rather than crash-looping, and registers once the
+            # agent answers, as after losing it. Until then its KV moves nowhere (decode computes
+            # its requests' KV; prefill offers none).
+            log.warning("pdpair: rank %d cannot reach its agent (%s); the engine starts without it and registers once "
+                        "it answers", rank, e)
+            client, stager = agent_client.Unreachable(str(e)), Stager()
+            self.kv_path = ("unregistered", str(e))
         # A restarted agent listens at a new address, which a prefill rank's scheduler learns
         # through the workers' metadata: a vLLM without it would hand decode the old one.
         self._worker = WorkerState(client, stager, rank, reconnect=lambda: self._connect(sock, self._again(reg), tensors, rank),
