@@ -214,8 +214,15 @@ fn engine_template(
     template
 }
 
-/// vLLM's flag that loads pdpair's connector, for a pool of `role`.
-pub fn kv_transfer_config(role: Role) -> String {
+/// What vLLM does with a request whose KV did not arrive (`kv_load_failure_policy`) where the
+/// template's `--kv-transfer-config` names none: `recompute`, decode computes the prompt itself.
+/// vLLM's own default, `fail`, answers the client with an error, and every agent rollout, lease
+/// expiry or refused handshake would fail the requests in flight.
+pub const LOAD_FAILURE_POLICY: &str = "recompute";
+
+/// vLLM's flag that loads pdpair's connector, for a pool of `role`, with `policy` as its
+/// `kv_load_failure_policy`.
+pub fn kv_transfer_config(role: Role, policy: &str) -> String {
     let kv_role = match role {
         Role::Prefill => "kv_producer",
         Role::Decode => "kv_consumer",
@@ -224,28 +231,47 @@ pub fn kv_transfer_config(role: Role) -> String {
         "kv_connector": "PdpairConnector",
         "kv_connector_module_path": "pdpair_vllm",
         "kv_role": kv_role,
+        "kv_load_failure_policy": policy,
     });
     format!("--kv-transfer-config={config}")
 }
 
 /// Puts [`kv_transfer_config`] in the engine container's args, in place of any
-/// `--kv-transfer-config` the template has (`--flag=value` or `--flag value`).
+/// `--kv-transfer-config` the template has (`--flag=value` or `--flag value`), keeping the
+/// template's `kv_load_failure_policy` (`fail` or `recompute`; otherwise
+/// [`LOAD_FAILURE_POLICY`]).
 fn set_kv_transfer_config(container: &mut Container, role: Role) {
     const FLAG: &str = "--kv-transfer-config";
     let args = container.args.get_or_insert_with(Vec::new);
     let mut kept = Vec::with_capacity(args.len() + 1);
+    let mut policy = LOAD_FAILURE_POLICY;
     let mut skip_value = false;
     for arg in args.drain(..) {
-        if std::mem::take(&mut skip_value) {
-            continue;
-        }
-        if arg == FLAG {
+        let value = if std::mem::take(&mut skip_value) {
+            Some(arg.as_str())
+        } else if arg == FLAG {
             skip_value = true;
-        } else if !arg.starts_with(&format!("{FLAG}=")) {
+            None
+        } else if let Some(value) = arg.strip_prefix(&format!("{FLAG}=")) {
+            Some(value)
+        } else {
             kept.push(arg);
+            continue;
+        };
+        let named = value
+            .and_then(|v| serde_json::from_str::<serde_json::Value>(v).ok())
+            .and_then(|c| {
+                c.get("kv_load_failure_policy")
+                    .and_then(|p| p.as_str())
+                    .map(str::to_owned)
+            });
+        match named.as_deref() {
+            Some("fail") => policy = "fail",
+            Some("recompute") => policy = "recompute",
+            _ => {}
         }
     }
-    kept.push(kv_transfer_config(role));
+    kept.push(kv_transfer_config(role, policy));
     *args = kept;
 }
 

@@ -209,7 +209,8 @@ fn the_pdpair_connector_is_rendered_into_each_pools_vllm_args_replacing_the_temp
             serde_json::from_str(flags[0].strip_prefix("--kv-transfer-config=").expect("flag=value")).expect("JSON");
         assert_eq!(
             config,
-            serde_json::json!({"kv_connector": "PdpairConnector", "kv_connector_module_path": "pdpair_vllm", "kv_role": kv_role})
+            serde_json::json!({"kv_connector": "PdpairConnector", "kv_connector_module_path": "pdpair_vllm",
+                               "kv_role": kv_role, "kv_load_failure_policy": "recompute"})
         );
         assert!(
             args.contains(&"--block-size=16".to_string()),
@@ -237,6 +238,36 @@ fn the_pdpair_connector_is_rendered_into_each_pools_vllm_args_replacing_the_temp
             Some(c)
         );
     }
+    // The template's own load failure policy stays (vLLM's `fail` answers the client with an
+    // error for a request whose KV did not arrive; pdpair's default recomputes it).
+    let policy_of = |pair: &PDPair| {
+        let d = deployment(pair, Role::Decode, &Wiring::default()).expect("template");
+        let args = engine_container(&d).args.clone().expect("args");
+        let flag = args
+            .iter()
+            .find_map(|a| a.strip_prefix("--kv-transfer-config="))
+            .expect("the flag")
+            .to_owned();
+        let config: serde_json::Value = serde_json::from_str(&flag).expect("JSON");
+        config["kv_load_failure_policy"].as_str().map(str::to_owned)
+    };
+    let mut failing = pair.clone();
+    let args = failing
+        .spec
+        .decode
+        .template
+        .as_mut()
+        .expect("template")
+        .spec
+        .as_mut()
+        .expect("pod")
+        .containers[0]
+        .args
+        .get_or_insert_with(Vec::new);
+    args.push("--kv-transfer-config".into());
+    args.push(r#"{"kv_connector":"NixlConnector","kv_load_failure_policy":"fail"}"#.into());
+    assert_eq!(policy_of(&failing).as_deref(), Some("fail"));
+    assert_eq!(policy_of(&pair).as_deref(), Some("recompute"));
     // Without the connector the template's args are left alone.
     pair.spec.transfer.connector = pdpair_api::Connector::None;
     let d = deployment(&pair, Role::Prefill, &Wiring::default()).expect("template");
