@@ -612,6 +612,23 @@ def test_an_idle_engine_registers_again_without_a_step_and_a_shut_one_takes_no_c
     assert w.client is new and late_stager.closed
 
 
+def test_an_idle_engine_whose_release_was_not_answered_registers_again_without_a_step(monkeypatch):
+    # A decode engine's last request sent a Release (a full prefix hit), then its agent went
+    # before answering: the open release kept the reconnection waiting for a step's poll, which an
+    # idle engine never takes.
+    from pdpair_vllm import transfer
+    from pdpair_vllm.transfer import Release
+
+    monkeypatch.setattr(transfer, "RECONNECT_FIRST_S", 0.01)
+    old, new = _Client(), _Client()
+    w = WorkerState(old, _Held(), reconnect=lambda: (new, _Held()))
+    w.start(Plan(releases=[Release("p-9", ["10.0.0.1:7000"])]))
+    assert "p-9" in w._open
+    old.closed = "the agent closed the connection"
+    old.on_close()
+    _until(lambda: w.reconnections == 1 and w.client is new, "registered again with no step")
+
+
 def test_a_connection_that_ended_before_the_worker_watched_it_is_registered_again_while_idle(monkeypatch):
     # The event reader starts as the client connects; the worker watches it only after the
     # stager is made (which fills a pool as large as the KV cache): an agent gone in between

@@ -737,6 +737,12 @@ class WorkerState:
         pool (a rank's pool is as large as its KV cache, and the new agent maps another) and
         registers again on a thread (:class:`_Reconnector`). Nothing of the old connection
         carries over: its requests ended as failed, and the new agent knows none of them."""
+        if self._gone():
+            # A release waits for nothing of vLLM's (its request ended): unanswered, it is given
+            # up with the connection. Left open, only a step's poll ended it, and an idle engine
+            # (vLLM takes no step without requests) never registered again.
+            for agent_request in [r for r, (kind, _, _) in self._open.items() if kind == "release"]:
+                del self._open[agent_request]
         if self._reconnect is None or self._reconnector is not None or self._shut or self._open or not self._gone():
             return
         self.stager.close()
