@@ -77,15 +77,16 @@ reap() {
     fi
   done
 }
-# Each phase's limit keeps the whole script under 500 s however it goes (the limits add up to
-# 30+20+10+30 before, 120+120+30+90+60 for the phases, 20 for UCX 1.22), which leaves a device
-# session room to look at the reports; a phase that hangs loses its own rows only.
+# Each phase's limit keeps the whole script under about 500 s however it goes (the limits add up
+# to 30+20+10+30 = 90 before, 100+110+30+90+60 = 390 for the phases, 20 for UCX 1.22; ldconfig,
+# unshare and the reaping take seconds), which leaves a device session room to look at the
+# reports; a phase that hangs loses its own rows only.
 echo "== GPU tests"
-PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 120 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |
+PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 100 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |
   tee "$out/gpu-tests.txt" || rc=1
 reap
 echo "== gpu-check"
-timeout 120 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 --json-file "$out/gpu-check.json" 2>&1 |
+timeout 110 "$bundle/pdpair-agent" gpu-check --mib 1024 --repeat 5 --json-file "$out/gpu-check.json" 2>&1 |
   tee "$out/gpu-check.txt" || rc=1
 reap
 echo "== the vLLM connector's direct path (python/tests/test_direct.py -m gpu: torch CUDA tensors, real agents)"

@@ -844,6 +844,35 @@ fn decode_rank_gathers(mode: TransferMode) {
     .expect("ExpectKvFrom");
     let event = d.next_event().expect("event");
     assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{mode:?}: {event:?}");
+    // A request naming one of the two ranks (a prefill's params made before its other rank
+    // registered, or a client's): it ended done with heads 0..4 never written, and its
+    // checksums verified (untouched heads add nothing). Refused, naming both counts.
+    p1.fill(11, &[0, 1, 2], 0, 40);
+    p1.send(&EngineRequest::KvReady {
+        request: "half".into(),
+        blocks: vec![0, 1, 2],
+        num_tokens: 40,
+        first_token: 0,
+        prompt: None,
+    })
+    .expect("KvReady");
+    d.clear(&[5, 6, 7]);
+    d.send(&EngineRequest::ExpectKv {
+        request: "half".into(),
+        prefill: p1.address.clone(),
+        blocks: vec![5, 6, 7],
+        num_tokens: 40,
+        first_token: 0,
+        prompt: None,
+    })
+    .expect("ExpectKv");
+    let event = d.next_event().expect("event");
+    assert_eq!(
+        reasons(&event),
+        vec!["InvalidRequest".to_owned()],
+        "{mode:?}: {event:?}"
+    );
+    assert!(format!("{event:?}").contains("names 1 prefill rank(s)"), "{event:?}");
 }
 
 #[test]

@@ -237,34 +237,45 @@ pub fn kv_transfer_config(role: Role, policy: &str) -> String {
 }
 
 /// Puts [`kv_transfer_config`] in the engine container's args, in place of any
-/// `--kv-transfer-config` the template has (`--flag=value` or `--flag value`), keeping the
-/// template's `kv_load_failure_policy` (`fail` or `recompute`; otherwise
+/// `--kv-transfer-config` the template has (`--flag=value` or `--flag value`, `_` for `-` in its
+/// name, and vLLM's dotted `--kv-transfer-config.FIELD value` too, which vLLM would merge over
+/// ours), keeping the template's `kv_load_failure_policy` (`fail` or `recompute`; otherwise
 /// [`LOAD_FAILURE_POLICY`]).
 fn set_kv_transfer_config(container: &mut Container, role: Role) {
     const FLAG: &str = "--kv-transfer-config";
     let args = container.args.get_or_insert_with(Vec::new);
     let mut kept = Vec::with_capacity(args.len() + 1);
     let mut policy = LOAD_FAILURE_POLICY;
-    let mut skip_value = false;
+    // The flag (or dotted field, normalised) whose value is the next argument.
+    let mut value_of: Option<String> = None;
     for arg in args.drain(..) {
-        let value = if std::mem::take(&mut skip_value) {
-            Some(arg.as_str())
-        } else if arg == FLAG {
-            skip_value = true;
-            None
-        } else if let Some(value) = arg.strip_prefix(&format!("{FLAG}=")) {
-            Some(value)
-        } else {
-            kept.push(arg);
-            continue;
+        let (name, value) = match value_of.take() {
+            Some(name) => (name, arg),
+            None => {
+                let (name, inline) = arg.split_once('=').map_or((arg.as_str(), None), |(n, v)| (n, Some(v)));
+                let name = name.replace('_', "-");
+                if name != FLAG && !name.starts_with(&format!("{FLAG}.")) {
+                    kept.push(arg);
+                    continue;
+                }
+                match inline {
+                    Some(v) => (name, v.to_owned()),
+                    None => {
+                        value_of = Some(name);
+                        continue;
+                    }
+                }
+            }
         };
-        let named = value
-            .and_then(|v| serde_json::from_str::<serde_json::Value>(v).ok())
-            .and_then(|c| {
+        let named = if name == FLAG {
+            serde_json::from_str::<serde_json::Value>(&value).ok().and_then(|c| {
                 c.get("kv_load_failure_policy")
                     .and_then(|p| p.as_str())
                     .map(str::to_owned)
-            });
+            })
+        } else {
+            (name == format!("{FLAG}.kv-load-failure-policy")).then_some(value)
+        };
         match named.as_deref() {
             Some("fail") => policy = "fail",
             Some("recompute") => policy = "recompute",

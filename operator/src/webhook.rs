@@ -263,9 +263,10 @@ impl std::fmt::Debug for WebhookState {
 /// The largest AdmissionReview the webhook reads: an UPDATE carries the object twice (`object`
 /// and `oldObject`, managed fields included), each up to etcd's 1.5 MiB; axum's default of 2 MB
 /// refused every update of a PDPair past about 1 MiB with 413, which the API server's
-/// `failurePolicy: Fail` turned into a refused write. Only the API server reaches it (its client
-/// certificate is required), with at most [`crate::server::MAX_CONNECTIONS`] requests at once.
-pub const MAX_REVIEW_BYTES: usize = 8 << 20;
+/// `failurePolicy: Fail` turned into a refused write. No more: without `webhook.clientCA` (the
+/// chart's default) any pod may post one, and a body of small JSON values costs many times its
+/// length parsed, against the operator's 256 MiB.
+pub const MAX_REVIEW_BYTES: usize = 4 << 20;
 
 /// The webhook router: `POST /validate/pdpairs`.
 pub fn router(state: WebhookState) -> Router {

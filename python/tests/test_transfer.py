@@ -116,8 +116,13 @@ def test_a_queued_request_is_renewed_until_it_is_allocated():
 
 
 def test_prefill_holds_its_blocks_and_names_every_rank_in_order():
-    s = SchedulerState(16)
-    s.learn_ranks({1: "b:2", 0: "a:1"})
+    s = SchedulerState(16, tensor=2)
+    # Rank 1 registered, rank 0 not yet (it started before its agent answered): params naming
+    # rank 1 alone would have decode take its heads only. Nothing is offered.
+    s.learn_ranks({1: "b:2"})
+    assert s.finished("early", {"do_remote_decode": True}, True, [4], 10, "eng") == (False, None)
+    assert s.plan().empty()
+    s.learn_ranks({0: "a:1"})
     hold, out = s.finished("r", {"do_remote_decode": True}, True, [4, 5, 6, 9], 50, "eng")
     assert hold is True
     assert out[PARAM_RANKS] == ["a:1", "b:2"] and out[PARAM_TOKENS] == 50 and out[PARAM_REQUEST] == "r"
@@ -259,7 +264,7 @@ def test_remote_decode_asked_of_an_engine_with_no_prefill_rank_is_ignored_not_fa
     # request_finished and took the engine core down.
     s = SchedulerState(16)
     assert s.finished("r", {"do_remote_decode": True}, True, [1, 2], 20, "e") == (False, None)
-    assert "no prefill rank" in caplog.text
+    assert "0 of this engine's 1 prefill ranks are registered" in caplog.text
     assert s.plan().empty()
 
 

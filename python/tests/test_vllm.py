@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="the vLLM venv (hack/vllm-venv.sh) runs these")  # noqa: E402
 
@@ -171,6 +172,18 @@ def test_vllms_own_kv_cache_and_an_older_vllms_shape_agree_on_every_byte(world, 
     finally:
         p.close()
         d.close()
+
+
+def test_a_kv_tensor_whose_heads_are_not_the_ranks_kv_heads_is_refused_naming_both(pair):
+    # A backend packing K and V as two head slots ([blocks, 2, tokens, heads * dim]) passed the
+    # cell-size check where heads * dim is 2 * head size, and staging filed one head's K and V
+    # as K and the next one's as V.
+    p, _ = pair(layout="LBNHC")
+    w = p.workers[0]
+    assert w._geometry(p.kv[0][0], 2)["kvHeads"] == 4
+    packed = torch.zeros(64, 2, 16, 2 * 16, dtype=torch.float16)  # K, V as 2 head slots: a cell of K|V's size
+    with pytest.raises(ValueError, match=r"holds 2 heads; this rank has 4 KV heads"):
+        w._geometry(packed, 2)
 
 
 def test_the_direct_setting_is_checked_and_direct_true_fails_where_the_kv_cache_cannot_be_the_pool(world):
@@ -672,7 +685,7 @@ def test_a_decode_engine_hands_out_no_address_when_a_client_asks_it_for_remote_d
     d.add("x", list(range(9000, 9040)), {"do_remote_decode": True})
     d.run_until(lambda: "x" in d.outputs and d.status("x") is None, what="x done and its blocks free")
     assert d.outputs["x"].kv_transfer_params is None
-    assert "no prefill rank registered" in caplog.text
+    assert "0 of this engine's 1 prefill ranks are registered" in caplog.text
 
 
 def test_a_clients_ranks_cannot_make_decodes_frame_too_long_for_its_agent(pair):

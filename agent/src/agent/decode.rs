@@ -669,6 +669,29 @@ impl Engine {
         if let Some(prompt) = cancelled {
             return self.release_cancelled(link, request, prompt);
         }
+        // A request for KV must name every prefill rank holding part of this rank's heads (the
+        // link's handshake told the prefill pool's parallelism): one naming fewer (a prefill
+        // engine's params before all its ranks registered, or a client's crafted ones) would end
+        // done with the other ranks' heads never written, and checksums do not see heads left
+        // as they were (zeros add nothing).
+        let short = lock(&self.pending).get(request).filter(|p| !p.release).and_then(|p| {
+            let wanted = protocol::prefill_sources(
+                &link.peer.kv,
+                &link.peer.parallelism,
+                &self.local.kv,
+                &self.local.parallelism,
+                self.local.tensor_rank,
+            );
+            (p.prefills.len() < wanted.len()).then_some((p.prefills.len(), wanted))
+        });
+        if let Some((named, wanted)) = short {
+            let message = format!(
+                "the request names {named} prefill rank(s); this decode rank's KV heads are held by {} (prefill ranks {wanted:?} of {}): name every one (ExpectKvFromPool)",
+                wanted.len(),
+                link.peer.parallelism.tensor
+            );
+            return self.fail_pending(request, vec![Reason::InvalidRequest], message, Some(&link.addr));
+        }
         // Sent under the pending lock (a send only queues): a request that winds down meanwhile
         // is either not sent, or sent before the wind-down's `Release`, never after it.
         let sent = {

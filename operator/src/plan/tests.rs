@@ -267,6 +267,38 @@ fn the_pdpair_connector_is_rendered_into_each_pools_vllm_args_replacing_the_temp
     args.push("--kv-transfer-config".into());
     args.push(r#"{"kv_connector":"NixlConnector","kv_load_failure_policy":"fail"}"#.into());
     assert_eq!(policy_of(&failing).as_deref(), Some("fail"));
+    // vLLM's other spellings: `_` in the flag's name, and a dotted field (which vLLM merges over
+    // the whole flag: dropped, its policy kept).
+    for spelling in [
+        vec![r#"--kv_transfer_config={"kv_load_failure_policy":"fail"}"#],
+        vec!["--kv-transfer-config.kv_load_failure_policy", "fail"],
+        vec!["--kv_transfer_config.kv_load_failure_policy=fail"],
+    ] {
+        let mut spelled = pair.clone();
+        let args = spelled
+            .spec
+            .decode
+            .template
+            .as_mut()
+            .expect("template")
+            .spec
+            .as_mut()
+            .expect("pod")
+            .containers[0]
+            .args
+            .get_or_insert_with(Vec::new);
+        args.extend(spelling.iter().map(|a| (*a).to_owned()));
+        assert_eq!(policy_of(&spelled).as_deref(), Some("fail"), "{spelling:?}");
+        let d = deployment(&spelled, Role::Decode, &Wiring::default()).expect("template");
+        let args = engine_container(&d).args.clone().expect("args");
+        assert_eq!(
+            args.iter()
+                .filter(|a| a.replace('_', "-").starts_with("--kv-transfer-config") || *a == "fail")
+                .count(),
+            1,
+            "{args:?}"
+        );
+    }
     assert_eq!(policy_of(&pair).as_deref(), Some("recompute"));
     // Without the connector the template's args are left alone.
     pair.spec.transfer.connector = pdpair_api::Connector::None;

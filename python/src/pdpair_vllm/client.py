@@ -32,8 +32,9 @@ class AgentError(Exception):
 
 
 class AgentUnreachable(AgentError):
-    """No agent answered at the socket (none listens there yet: the node's agent is starting, or
-    restarting in a rollout)."""
+    """No agent listens at the socket yet (no socket, or a connection refused: the node's agent
+    is starting, or restarting in a rollout). Other failures to connect (no permission on the
+    socket) are :class:`AgentError`: a misconfiguration, which waiting does not mend."""
 
 
 class Unreachable:
@@ -256,8 +257,11 @@ class AgentClient:
         try:
             try:
                 sock.connect(socket_path)
-            except OSError as e:
+            except (ConnectionRefusedError, FileNotFoundError) as e:
+                # Nobody listens there (yet): the agent is starting, or restarting.
                 raise AgentUnreachable(f"connecting to the agent at {socket_path}: {e}") from None
+            except OSError as e:  # no permission on the socket, a path that is not one, ...
+                raise AgentError(f"connecting to the agent at {socket_path}: {e}") from None
             try:
                 # What the agent can do, before registering: which pool memory it accepts.
                 wire.send(sock, {"type": "Capabilities"})

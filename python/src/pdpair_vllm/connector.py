@@ -228,7 +228,8 @@ class PdpairConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerState(self._block_size, float(self._extra.get("renew_interval_s", 1.0)),
                                          int(self._extra.get("min_transfer_tokens", 1)),
-                                         vllm_holds=vllm_holds_aborted_receives())
+                                         vllm_holds=vllm_holds_aborted_receives(),
+                                         tensor=int(vllm_config.parallel_config.tensor_parallel_size))
 
     # ==== scheduler side =========================================================================
 
@@ -414,6 +415,15 @@ class PdpairConnector(KVConnectorBase_V1):
                 heads, head_dim, layout = 1, int(t.shape[3]), "NHD"
             else:
                 heads, head_dim, layout = int(mc.get_total_num_kv_heads()), int(mc.get_head_size()), token_layout(t)
+                local = int(mc.get_num_kv_heads(self._vllm_config.parallel_config))
+                if int(t.shape[1]) != local:
+                    # A backend packing K and V as two head slots ([blocks, 2, tokens, heads * dim])
+                    # would pass the size check below with two heads and file one head's K and V
+                    # as K and the next one's as V.
+                    raise ValueError(
+                        f"pdpair: a KV tensor of shape {tuple(t.shape)} holds {int(t.shape[1])} heads; this rank has "
+                        f"{local} KV heads (an attention backend whose cache is not [blocks, heads, tokens, K|V])"
+                    )
                 if cell != 2 * head_dim * t.element_size():
                     raise ValueError(
                         f"pdpair: a KV tensor of shape {tuple(t.shape)} holds {cell} bytes a head and token; K and V "

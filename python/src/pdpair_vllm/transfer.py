@@ -232,14 +232,16 @@ class SchedulerState:
     """The scheduler side, one per engine."""
 
     def __init__(self, block_size: int, renew_interval_s: float = 1.0, min_transfer_tokens: int = 1,
-                 vllm_holds: bool = True):
-        """``block_size``: vLLM's (logical) block size. The kernel block size is the workers'
+                 vllm_holds: bool = True, tensor: int = 1):
+        """``tensor``: the engine's tensor-parallel ranks, each of which must have told its agent
+        address before a prefill offers KV. ``block_size``: vLLM's (logical) block size. The kernel block size is the workers'
         to know (they read it from the KV tensors; the scheduler has no way to): plans name
         logical blocks. ``vllm_holds``: whether vLLM holds the blocks of a request aborted while
         it waits for remote KV until its workers report it received (the module's docstring)."""
         if block_size < 1:
             raise ValueError(f"block_size {block_size} is not a block size")
         self.block_size = block_size
+        self.tensor = max(1, tensor)
         self.vllm_holds = vllm_holds
         self.renew_interval_s = renew_interval_s
         #: D: a missing tail shorter than this is recomputed locally and P released (vLLM never
@@ -372,12 +374,14 @@ class SchedulerState:
             return not self.vllm_holds, None
         if not params or not params.get("do_remote_decode") or not completed or not block_ids:
             return False, None
-        if not self.prefill_ranks:
+        if len(self.prefill_ranks) < self.tensor:
             # A decode engine (its workers have no address to offer), or a prefill engine whose
-            # workers have not registered: nothing to send. The flag comes from a client, so
-            # this must not take the engine down.
-            log.warning("pdpair: request %s asks for remote decode, but this engine has no prefill rank "
-                        "registered with its agent; its KV is not offered", request)
+            # workers have not all registered (a rank that started before its agent answered):
+            # nothing to send. Params naming some ranks only would have decode take those ranks'
+            # heads alone. The flag comes from a client, so this must not take the engine down.
+            log.warning("pdpair: request %s asks for remote decode, but %d of this engine's %d prefill ranks are "
+                        "registered with their agent; its KV is not offered", request, len(self.prefill_ranks),
+                        self.tensor)
             return False, None
         if prompt is not None and prompt.unbound:
             log.warning("pdpair: request %s asks for remote decode; its KV is not offered: %s", request, prompt.unbound)
