@@ -146,20 +146,40 @@ pub fn run(args: &GpuCheckArgs, out: &mut dyn Write) -> Result<bool, CudaError> 
     let bytes = args.mib << 20;
     let mut rows = Vec::new();
     let mut ok = true;
-    let mut push = |r: Result<Row, CudaError>, what: &str| match r {
-        Ok(row) => {
-            ok &= !row.check.starts_with("FAILED");
-            rows.push(row);
-        }
-        Err(e) => {
-            ok = false;
-            rows.push(Row {
+    let (name, uuid) = (gpu.name(), gpu.uuid());
+    // Each row is told (stderr) and the JSON file rewritten as it is made: a run cut short (the
+    // script's time limit on a phase that hangs) keeps the rows measured before.
+    let mut push = |r: Result<Row, CudaError>, what: &str| {
+        let row = match r {
+            Ok(row) => row,
+            Err(e) => Row {
                 what: what.into(),
                 gbps: None,
                 ms: None,
                 check: format!("FAILED: {e}"),
                 path: String::new(),
-            });
+            },
+        };
+        ok &= !row.check.starts_with("FAILED");
+        eprintln!(
+            "gpu-check row: {} | {} GB/s | {} ms | {} | {}",
+            row.what,
+            row.gbps.map_or("-".into(), |g| format!("{g:.0}")),
+            row.ms.map_or("-".into(), |m| format!("{m:.3}")),
+            row.check,
+            row.path
+        );
+        rows.push(row);
+        if let Some(path) = &args.json_file {
+            let so_far = Report {
+                gpu: name.clone(),
+                uuid: uuid.clone(),
+                rows: rows.clone(),
+                ok: false, // not done yet
+            };
+            if let Ok(json) = serde_json::to_vec_pretty(&so_far) {
+                let _ = std::fs::write(path, json);
+            }
         }
     };
     push(copy_ceiling(&gpu, bytes, args.repeat), "device-to-device copy");
@@ -181,8 +201,8 @@ pub fn run(args: &GpuCheckArgs, out: &mut dyn Write) -> Result<bool, CudaError> 
         push(row, "through the agent");
     }
     let report = Report {
-        gpu: gpu.name(),
-        uuid: gpu.uuid(),
+        gpu: name,
+        uuid,
         rows,
         ok,
     };
