@@ -792,26 +792,11 @@ fn decode_rank_gathers(mode: TransferMode) {
     d_spec.mode = mode;
     let mut d = SyntheticEngine::register(&ds, &w.dir, &d_spec).expect("D");
     for p in [&mut p0, &mut p1] {
-        p.fill(9, &[0, 1, 2], 0, 40);
-        p.send(&EngineRequest::KvReady {
-            request: "g".into(),
-            blocks: vec![0, 1, 2],
-            num_tokens: 40,
-            first_token: 0,
-            prompt: None,
-        })
-        .expect("KvReady");
+        ready(p, "g", 9);
     }
     d.clear(&[5, 6, 7]);
-    d.send(&EngineRequest::ExpectKvFrom {
-        request: "g".into(),
-        prefills: vec![p0.address.clone(), p1.address.clone()],
-        blocks: vec![5, 6, 7],
-        num_tokens: 40,
-        first_token: 0,
-        prompt: None,
-    })
-    .expect("ExpectKvFrom");
+    let both = vec![p0.address.clone(), p1.address.clone()];
+    expect_from(&mut d, "g", &both);
     let event = d.next_event().expect("event");
     assert!(
         matches!(&event, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
@@ -824,38 +809,14 @@ fn decode_rank_gathers(mode: TransferMode) {
     );
     // One prefill rank never finishes its part: its lease ends and it says so, so the request
     // fails with the reason instead of hanging.
-    p0.fill(10, &[0, 1, 2], 0, 40);
-    p0.send(&EngineRequest::KvReady {
-        request: "h".into(),
-        blocks: vec![0, 1, 2],
-        num_tokens: 40,
-        first_token: 0,
-        prompt: None,
-    })
-    .expect("KvReady");
-    d.send(&EngineRequest::ExpectKvFrom {
-        request: "h".into(),
-        prefills: vec![p0.address.clone(), p1.address.clone()],
-        blocks: vec![5, 6, 7],
-        num_tokens: 40,
-        first_token: 0,
-        prompt: None,
-    })
-    .expect("ExpectKvFrom");
+    ready(&mut p0, "h", 10);
+    expect_from(&mut d, "h", &both);
     let event = d.next_event().expect("event");
     assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{mode:?}: {event:?}");
     // A request naming one of the two ranks (a prefill's params made before its other rank
     // registered, or a client's): it ended done with heads 0..4 never written, and its
     // checksums verified (untouched heads add nothing). Refused, naming both counts.
-    p1.fill(11, &[0, 1, 2], 0, 40);
-    p1.send(&EngineRequest::KvReady {
-        request: "half".into(),
-        blocks: vec![0, 1, 2],
-        num_tokens: 40,
-        first_token: 0,
-        prompt: None,
-    })
-    .expect("KvReady");
+    ready(&mut p1, "half", 11);
     d.clear(&[5, 6, 7]);
     d.send(&EngineRequest::ExpectKv {
         request: "half".into(),
@@ -873,6 +834,33 @@ fn decode_rank_gathers(mode: TransferMode) {
         "{mode:?}: {event:?}"
     );
     assert!(format!("{event:?}").contains("names 1 prefill rank(s)"), "{event:?}");
+}
+
+/// A prefill rank of [`decode_rank_gathers`] fills blocks 0..3 (40 tokens of `seed`) and
+/// offers them as `request`.
+fn ready(p: &mut SyntheticEngine, request: &str, seed: u64) {
+    p.fill(seed, &[0, 1, 2], 0, 40);
+    p.send(&EngineRequest::KvReady {
+        request: request.into(),
+        blocks: vec![0, 1, 2],
+        num_tokens: 40,
+        first_token: 0,
+        prompt: None,
+    })
+    .expect("KvReady");
+}
+
+/// Decode of [`decode_rank_gathers`] asks `prefills` for `request` into its blocks 5..8.
+fn expect_from(d: &mut SyntheticEngine, request: &str, prefills: &[String]) {
+    d.send(&EngineRequest::ExpectKvFrom {
+        request: request.into(),
+        prefills: prefills.to_vec(),
+        blocks: vec![5, 6, 7],
+        num_tokens: 40,
+        first_token: 0,
+        prompt: None,
+    })
+    .expect("ExpectKvFrom");
 }
 
 #[test]

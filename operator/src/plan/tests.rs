@@ -251,25 +251,13 @@ fn the_pdpair_connector_is_rendered_into_each_pools_vllm_args_replacing_the_temp
         let config: serde_json::Value = serde_json::from_str(&flag).expect("JSON");
         config["kv_load_failure_policy"].as_str().map(str::to_owned)
     };
-    let mut failing = pair.clone();
-    let args = failing
-        .spec
-        .decode
-        .template
-        .as_mut()
-        .expect("template")
-        .spec
-        .as_mut()
-        .expect("pod")
-        .containers[0]
-        .args
-        .get_or_insert_with(Vec::new);
-    args.push("--kv-transfer-config".into());
-    args.push(r#"{"kv_connector":"NixlConnector","kv_load_failure_policy":"fail"}"#.into());
-    assert_eq!(policy_of(&failing).as_deref(), Some("fail"));
-    // vLLM's other spellings: `_` in the flag's name, and a dotted field (which vLLM merges over
-    // the whole flag: dropped, its policy kept).
+    // In each of vLLM's spellings: `--flag value`, `_` in the flag's name, and a dotted field
+    // (which vLLM merges over the whole flag: dropped, its policy kept).
     for spelling in [
+        vec![
+            "--kv-transfer-config",
+            r#"{"kv_connector":"NixlConnector","kv_load_failure_policy":"fail"}"#,
+        ],
         vec![r#"--kv_transfer_config={"kv_load_failure_policy":"fail"}"#],
         vec!["--kv-transfer-config.kv_load_failure_policy", "fail"],
         vec!["--kv_transfer_config.kv_load_failure_policy=fail"],
