@@ -62,9 +62,9 @@ const PAIRING_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// The pairing key at `path`; with `uid` (the engine's `PDPAIR_UID`) and a `pdpair-uid` file beside
 /// the key (the operator writes both into the Secret), only once that file names `uid`, waiting up
-/// to `wait` for the kubelet to bring it (as the vLLM connector does: a PDPair deleted and made
-/// again can have its pods mount the predecessor's Secret). A Secret without the file is taken as
-/// it is.
+/// to `wait` for the kubelet to bring it (as the vLLM connector does: a pod rendered before the
+/// Secret's name held its PDPair's uid could mount a predecessor's). A Secret without the file is
+/// taken as it is.
 fn pairing_key(path: &std::path::Path, uid: Option<&str>, wait: std::time::Duration) -> Result<Vec<u8>, String> {
     let uid_path = path.with_file_name("pdpair-uid");
     let read_uid = || -> Result<Option<String>, String> {

@@ -163,8 +163,7 @@ struct Memory {
     /// applied again to a Deployment no one changed since.
     applied: Option<Applied>,
     /// When to ask for the pairing Secret again: a [`RESYNC`] after it was found or made (made
-    /// again, if it went, then; not at every reconcile), sooner after it was found for a young
-    /// pair ([`secret_found_again_in`]), [`SECRET_RETRY`] after it was refused.
+    /// again, if it went, then; not at every reconcile), [`SECRET_RETRY`] after it was refused.
     secret: Option<Instant>,
     /// The refusal last told in a `SecretRefused` Event: the same one again is not (a full
     /// quota refuses a create of a Secret that exists, 403 rather than 409, at every try).
@@ -173,10 +172,6 @@ struct Memory {
     /// outlive them a moment (the garbage collector removes them after the pod), and compared
     /// with the new geometry then, the end of every rollout read as a mismatch.
     earlier: HashMap<String, Instant>,
-    /// Whether a Secret of its name that this process found (409) may be a predecessor's,
-    /// decided at the first one: not where the pair's own Deployments were there already (an
-    /// operator made the Secret before them: this process restarted, or another replica led).
-    secret_unsure: Option<bool>,
 }
 
 /// A plan applied: its [`fingerprint`], and the resourceVersion each Deployment had once
@@ -288,7 +283,11 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         return Ok(Action::await_change()); // owner references let the garbage collector finish
     }
     let verdict = pdpair_api::check(&pair.spec);
-    let uid = pair.uid().unwrap_or_default();
+    // Without a uid nothing is planned (the Secret's name holds it), and a pool not planned
+    // would read as a removed template: its Deployment would be pruned.
+    let Some(uid) = pair.uid() else {
+        return Err(Error::MissingMeta);
+    };
     // Every PDEndpoint heartbeat reconciles the pair: the Secret is asked for (a create, 409
     // when it is there) at most once a resync, not at each.
     // A create the API server refuses (a quota on Secrets, a policy) is told in a Warning Event
@@ -297,27 +296,11 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     // full quota refuses the create of one that does, too).
     if verdict.allowed() && !ctx.remembered.secret_fresh(&uid) {
         match ensure_secret(pair, &ctx.client, &ns, &name).await {
-            Ok(made) => {
+            // Made, or there (409): its name holds this PDPair's uid, so it is this PDPair's.
+            Ok(()) => {
                 ctx.metrics.secret_ensured();
-                let running = || {
-                    [Role::Prefill, Role::Decode].into_iter().any(|role| {
-                        let dname = names::deployment_name(&name, role);
-                        ctx.deployments
-                            .get(&ObjectRef::new(&dname).within(&ns))
-                            .is_some_and(|d| controlled_by(&d.metadata, &uid))
-                    })
-                };
                 ctx.remembered.note(&uid, |m| {
-                    let unsure = !made && *m.secret_unsure.get_or_insert_with(|| !running());
-                    let again = if unsure {
-                        secret_found_again_in(pair, Timestamp::now())
-                    } else {
-                        RESYNC
-                    };
-                    if made {
-                        m.secret_unsure = Some(false);
-                    }
-                    m.secret = Some(Instant::now() + again);
+                    m.secret = Some(Instant::now() + RESYNC);
                     m.secret_refused = None;
                 });
             }
@@ -663,27 +646,10 @@ async fn prune(deployments: &Api<Deployment>, name: &str, owner_uid: &str) -> Re
     }
 }
 
-/// How soon a pairing Secret that was found (a create answered 409), and may be a predecessor's
-/// ([`Memory::secret_unsure`]), is asked for again: a [`RESYNC`] for a pair older than that, and
-/// for a younger one its age, 2 s at least. A pair
-/// deleted and made again at once under its name finds its predecessor's Secret, which the
-/// garbage collector is about to delete, and its pods wait for a Secret of that name: asked
-/// again only at the resync, they waited up to 5 minutes. Asked again at its age, a Secret that
-/// went g after the pair was made is made again by about 2g, for a dozen creates at most.
-fn secret_found_again_in(pair: &PDPair, now: Timestamp) -> Duration {
-    let age = pair
-        .metadata
-        .creation_timestamp
-        .as_ref()
-        .map(|t| now.duration_since(t.0).unsigned_abs())
-        .unwrap_or(RESYNC);
-    age.clamp(Duration::from_secs(2), RESYNC)
-}
-
-/// Creates the pair's pairing Secret: whether it was made (`false`: one of its name was there).
-async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> Result<bool, Error> {
+/// Creates the pair's pairing Secret, unless it is there (409).
+async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> Result<(), Error> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
-    let sname = names::secret_name(name);
+    let sname = names::secret_name(name, pair.uid().as_deref().unwrap_or_default());
     // Created once, never rotated behind the engines' backs: a create that finds one (409) is
     // done. The operator may create Secrets but not read them (it needs nothing in them, and
     // a `get` on every Secret of the cluster is more than it needs).
@@ -693,8 +659,8 @@ async fn ensure_secret(pair: &PDPair, client: &Client, ns: &str, name: &str) -> 
         return Err(Error::MissingMeta);
     };
     match secrets.create(&PostParams::default(), &secret).await {
-        Ok(_) => Ok(true),
-        Err(kube::Error::Api(s)) if s.code == 409 => Ok(false), // made before, or by a concurrent reconcile
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()), // made before, or by a concurrent reconcile
         Err(source) => Err(Error::EnsureSecret { name: sname, source }),
     }
 }
@@ -933,25 +899,6 @@ mod tests {
         pair.metadata.namespace = Some("team-a".into());
         pair.metadata.uid = Some(uid.into());
         pair
-    }
-
-    #[test]
-    fn a_secret_found_for_a_young_pair_is_asked_for_again_at_its_age() {
-        let now = Timestamp::now();
-        let made = |ago: i64| {
-            let mut p = pair("llama", "u1");
-            p.metadata.creation_timestamp = Some(Time(now - k8s_openapi::jiff::SignedDuration::from_secs(ago)));
-            p
-        };
-        assert_eq!(secret_found_again_in(&made(0), now), Duration::from_secs(2));
-        assert_eq!(secret_found_again_in(&made(40), now), Duration::from_secs(40));
-        assert_eq!(secret_found_again_in(&made(299), now), Duration::from_secs(299));
-        assert_eq!(secret_found_again_in(&made(3600), now), RESYNC);
-        // A clock ahead of the operator's: still soon.
-        assert_eq!(secret_found_again_in(&made(-1), now), Duration::from_secs(2));
-        let mut unknown = made(0);
-        unknown.metadata.creation_timestamp = None;
-        assert_eq!(secret_found_again_in(&unknown, now), RESYNC);
     }
 
     #[tokio::test]

@@ -38,9 +38,11 @@ pub fn deployment_name(pair: &str, role: pdpair_api::Role) -> String {
     format!("{pair}-{role}")
 }
 
-/// Name of a pair's pairing Secret.
-pub fn secret_name(pair: &str) -> String {
-    format!("{pair}-pairing")
+/// Name of a pair's pairing Secret: its name and its uid, so a PDPair deleted and made again
+/// under its name never finds its predecessor's Secret (one the garbage collector has not
+/// deleted yet, or one `kubectl delete --cascade=orphan` left for good) in place of its own.
+pub fn secret_name(pair: &str, uid: &str) -> String {
+    format!("{pair}-pairing-{uid}")
 }
 
 /// Condition types on a PDPair.

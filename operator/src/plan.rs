@@ -74,9 +74,11 @@ pub struct Wiring {
     pub socket_dir: Option<String>,
 }
 
-/// The Deployment for a pool with a template; `None` for a bring-your-own pool.
+/// The Deployment for a pool with a template; `None` for a bring-your-own pool (and for a
+/// PDPair without a name or uid, which one the API server stored always has).
 pub fn deployment(pair: &PDPair, role: Role, wiring: &Wiring) -> Option<Deployment> {
     let name = pair.metadata.name.as_deref()?;
+    let uid = pair.metadata.uid.as_deref()?;
     let pool = match role {
         Role::Prefill => &pair.spec.prefill,
         Role::Decode => &pair.spec.decode,
@@ -97,7 +99,7 @@ pub fn deployment(pair: &PDPair, role: Role, wiring: &Wiring) -> Option<Deployme
                 match_labels: Some(labels.clone()),
                 ..LabelSelector::default()
             },
-            template: engine_template(pair, name, role, template, labels, wiring),
+            template: engine_template(pair, (name, uid), role, template, labels, wiring),
             ..DeploymentSpec::default()
         }),
         status: None,
@@ -107,7 +109,7 @@ pub fn deployment(pair: &PDPair, role: Role, wiring: &Wiring) -> Option<Deployme
 /// The user's template with what the engine needs to reach its node agent added.
 fn engine_template(
     pair: &PDPair,
-    name: &str,
+    (name, uid): (&str, &str),
     role: Role,
     template: &PodTemplateSpec,
     labels: BTreeMap<String, String>,
@@ -130,11 +132,10 @@ fn engine_template(
         ("PDPAIR_ROLE", role.as_str().to_owned()),
         ("PDPAIR_AGENT_SOCKET", names::AGENT_SOCKET.to_owned()),
         ("PDPAIR_PAIRING_KEY_FILE", names::PAIRING_KEY_FILE.to_owned()),
-        // Whose key the engine must find beside it (`pdpair-uid`): a PDPair deleted and made
-        // again under its name can have its pods start while the predecessor's Secret, which
-        // the garbage collector is about to delete, is still there to mount; the engine waits
-        // for the kubelet to bring the new one rather than pair with that key.
-        ("PDPAIR_UID", pair.metadata.uid.clone().unwrap_or_default()),
+        // Whose key the engine must find beside it (`pdpair-uid`). The Secret's name holds the
+        // uid too, so the one mounted is this PDPair's; the engine checks it all the same, and
+        // waits for the kubelet to bring the right one rather than pair with another key.
+        ("PDPAIR_UID", uid.to_owned()),
         // The declared geometry: a connector reports what it observes and takes from this only
         // what the engine cannot tell (the model's name as the PDPair spells it, the backend).
         ("PDPAIR_KV", serde_json::to_string(&pool.kv).unwrap_or_default()),
@@ -205,7 +206,7 @@ fn engine_template(
     volumes.push(Volume {
         name: "pdpair-pairing".into(),
         secret: Some(SecretVolumeSource {
-            secret_name: Some(names::secret_name(name)),
+            secret_name: Some(names::secret_name(name, uid)),
             default_mode: Some(0o400),
             ..SecretVolumeSource::default()
         }),
@@ -315,9 +316,10 @@ fn add_engine_wiring(container: &mut Container, env: &[(&str, String)]) {
 /// The pairing Secret, holding `key` (fresh random bytes, made once by the caller).
 pub fn pairing_secret(pair: &PDPair, key: &[u8]) -> Option<Secret> {
     let name = pair.metadata.name.as_deref()?;
+    let uid = pair.metadata.uid.as_deref()?;
     Some(Secret {
         metadata: ObjectMeta {
-            name: Some(names::secret_name(name)),
+            name: Some(names::secret_name(name, uid)),
             namespace: pair.metadata.namespace.clone(),
             labels: Some(BTreeMap::from([(LABEL_NAME.to_owned(), name.to_owned())])),
             owner_references: owner(pair).map(|o| vec![o]),
@@ -328,7 +330,7 @@ pub fn pairing_secret(pair: &PDPair, key: &[u8]) -> Option<Secret> {
             (names::PAIRING_KEY.to_owned(), k8s_openapi::ByteString(key.to_vec())),
             (
                 names::PAIRING_UID.to_owned(),
-                k8s_openapi::ByteString(pair.metadata.uid.clone().unwrap_or_default().into_bytes()),
+                k8s_openapi::ByteString(uid.as_bytes().to_vec()),
             ),
         ])),
         ..Secret::default()

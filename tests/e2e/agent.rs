@@ -15,9 +15,7 @@ use pdpair_e2e::*;
 const WAIT: Duration = Duration::from_secs(60);
 
 fn secret_key(ns: &str, pair: &str) -> Vec<u8> {
-    let s = eventually(WAIT, "the pairing Secret", || {
-        get_json("secret", ns, &format!("{pair}-pairing"))
-    });
+    let s = eventually(WAIT, "the pairing Secret", || pairing_secret(ns, pair));
     base64_decode(s["data"]["key"].as_str().expect("key"))
 }
 

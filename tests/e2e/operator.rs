@@ -128,11 +128,10 @@ async fn compatible_pair_gets_children_and_turns_ready_when_pods_are_ready() {
         assert!(mounts.iter().any(|m| m["mountPath"] == "/var/run/pdpair"));
         let volumes = tmpl["spec"]["volumes"].as_array().expect("volumes");
         assert!(volumes.iter().any(|v| v["hostPath"]["path"] == "/var/run/pdpair"));
-        assert!(volumes.iter().any(|v| v["secret"]["secretName"] == "llama-8b-pairing"));
+        let secret = format!("llama-8b-pairing-{uid}");
+        assert!(volumes.iter().any(|v| v["secret"]["secretName"] == secret.as_str()));
     }
-    let secret = eventually(WAIT, "the pairing Secret", || {
-        get_json("secret", &ns, "llama-8b-pairing")
-    });
+    let secret = eventually(WAIT, "the pairing Secret", || pairing_secret(&ns, "llama-8b"));
     assert_eq!(secret["metadata"]["ownerReferences"][0]["uid"], uid.as_str());
     let key = secret["data"]["key"].as_str().expect("key");
     assert_eq!(key.len(), 44, "32 bytes in base64");
@@ -304,7 +303,8 @@ fn deleting_the_pair_garbage_collects_its_children() {
     let ns = namespace("gc");
     apply_compatible(&ns);
     both_deployments(&ns);
-    eventually(WAIT, "the Secret", || get_json("secret", &ns, "llama-8b-pairing"));
+    let secret = eventually(WAIT, "the Secret", || pairing_secret(&ns, "llama-8b"));
+    let secret = format!("secret/{}", secret["metadata"]["name"].as_str().expect("name"));
     kubectl_ok(&["delete", "pdpair", "llama-8b", "-n", &ns, "--wait=false"], None);
     // The garbage collector rediscovers resource types every 30 s, so right after the CRD is
     // installed it may need that long to see PDPairs at all.
@@ -312,7 +312,7 @@ fn deleting_the_pair_garbage_collects_its_children() {
         let left = [
             "deployment/llama-8b-prefill",
             "deployment/llama-8b-decode",
-            "secret/llama-8b-pairing",
+            secret.as_str(),
         ]
         .iter()
         .filter(|r| {
@@ -325,71 +325,79 @@ fn deleting_the_pair_garbage_collects_its_children() {
 }
 
 #[test]
-fn a_pair_deleted_and_made_again_at_once_gets_its_own_secret_once_the_old_one_goes() {
-    // `kubectl delete` and `apply` again: the new pair's create of its Secret finds its
-    // predecessor's (409), which the garbage collector deletes a moment later, and the new
-    // pair's pods wait for a Secret of that name. Asked for again only at the resync, it came
-    // up to 5 minutes later. A finalizer here holds the old Secret until the new pair has found
-    // it, so the race goes the same way every run.
+fn a_pair_made_again_under_its_name_gets_its_own_secret_while_the_old_one_stays() {
+    // The Secret was named after the pair alone. A pair made again under its name found its
+    // predecessor's (409): for a moment after `kubectl delete` (until the garbage collector
+    // deleted it), and for good after `kubectl delete --cascade=orphan`, which leaves it with
+    // no owner. Its engines then waited for a Secret holding their pair's uid, restarted, and
+    // waited again, without end. Its name now holds the pair's uid.
     operator();
     let ns = namespace("remade");
     apply_compatible(&ns);
+    both_deployments(&ns);
     let uid_of = |v: &serde_json::Value| v["metadata"]["uid"].as_str().map(str::to_owned);
     let old = eventually(WAIT, "the pair's uid", || uid_of(&get_json("pdpair", &ns, "llama-8b")?));
-    eventually(WAIT, "the Secret", || get_json("secret", &ns, "llama-8b-pairing"));
-    let finalizers = |patch: &str| {
-        kubectl_ok(
-            &[
-                "patch",
-                "secret",
-                "llama-8b-pairing",
-                "-n",
-                &ns,
-                "--type=merge",
-                "-p",
-                patch,
-            ],
-            None,
-        );
+    // The Secret a pool's pods mount, as its Deployment names it, once it exists.
+    let mounted = |role: &str| {
+        let d = get_json("deployment", &ns, &format!("llama-8b-{role}"))?;
+        let volumes = d["spec"]["template"]["spec"]["volumes"].as_array()?.clone();
+        let name = volumes.iter().find(|v| v["name"] == "pdpair-pairing")?["secret"]["secretName"]
+            .as_str()?
+            .to_owned();
+        get_json("secret", &ns, &name)
     };
-    finalizers(r#"{"metadata":{"finalizers":["pdpair.test/hold"]}}"#);
-    kubectl_ok(&["delete", "pdpair", "llama-8b", "-n", &ns, "--wait=false"], None);
-    eventually(WAIT, "the pair gone", || {
-        get_json("pdpair", &ns, "llama-8b").is_none().then_some(())
+    let old_secret = eventually(WAIT, "the Secret", || mounted("decode"));
+    let old_name = old_secret["metadata"]["name"].as_str().expect("name").to_owned();
+    kubectl_ok(
+        &[
+            "delete",
+            "pdpair",
+            "llama-8b",
+            "-n",
+            &ns,
+            "--cascade=orphan",
+            "--wait=false",
+        ],
+        None,
+    );
+    eventually(Duration::from_secs(120), "the pair gone, its children orphaned", || {
+        let gone = get_json("pdpair", &ns, "llama-8b").is_none();
+        let s = get_json("secret", &ns, &old_name)?;
+        (gone && s["metadata"]["ownerReferences"].as_array().is_none_or(|o| o.is_empty())).then_some(())
     });
+    // The orphaned Deployments are not taken over (the PDPair's status says to remove them).
+    for role in ["prefill", "decode"] {
+        kubectl_ok(&["delete", "deployment", &format!("llama-8b-{role}"), "-n", &ns], None);
+    }
     apply_compatible(&ns);
     let new = eventually(WAIT, "the new pair's uid", || {
         uid_of(&get_json("pdpair", &ns, "llama-8b")?)
     });
     assert_ne!(old, new, "made again");
-    // The garbage collector rediscovers resource types every 30 s, so right after the CRD is
-    // installed it may need that long to see PDPairs at all.
-    eventually(Duration::from_secs(120), "the old Secret being deleted", || {
-        let s = get_json("secret", &ns, "llama-8b-pairing")?;
-        s["metadata"]["deletionTimestamp"].as_str().map(drop)
-    });
-    // By now the new pair has asked for its Secret and found the old one.
-    std::thread::sleep(Duration::from_secs(3));
-    finalizers(r#"{"metadata":{"finalizers":null}}"#);
-    let owner = eventually(Duration::from_secs(90), "the new pair's Secret", || {
-        let s = get_json("secret", &ns, "llama-8b-pairing")?;
-        s["metadata"]["ownerReferences"][0]["uid"].as_str().map(str::to_owned)
-    });
-    assert_eq!(owner.as_str(), new.as_str(), "the Secret is the new pair's");
-    // Its engines can tell it from the old one: the Secret names its pair's uid beside the key,
-    // and their pods are told which uid to wait for (the old Secret was there to mount).
-    let secret = get_json("secret", &ns, "llama-8b-pairing").expect("secret");
-    let said = base64_decode(secret["data"]["pdpair-uid"].as_str().expect("pdpair-uid"));
-    assert_eq!(String::from_utf8_lossy(&said), new.as_str());
-    eventually(WAIT, "the new pair's pods told its uid", || {
-        let d = get_json("deployment", &ns, "llama-8b-decode")?;
+    // Both pools' pods mount a Secret of the new pair's, holding its uid and a new key, and are
+    // told that uid.
+    for role in ["prefill", "decode"] {
+        let secret = eventually(Duration::from_secs(90), "the new pair's Secret, mounted", || {
+            mounted(role).filter(|s| s["metadata"]["ownerReferences"][0]["uid"] == new.as_str())
+        });
+        let said = base64_decode(secret["data"]["pdpair-uid"].as_str().expect("pdpair-uid"));
+        assert_eq!(String::from_utf8_lossy(&said), new.as_str());
+        assert_ne!(secret["data"]["key"], old_secret["data"]["key"], "a new key");
+        let d = get_json("deployment", &ns, &format!("llama-8b-{role}")).expect("Deployment");
         let env = d["spec"]["template"]["spec"]["containers"][0]["env"]
-            .as_array()?
+            .as_array()
+            .expect("env")
             .clone();
-        env.iter()
-            .any(|e| e["name"] == "PDPAIR_UID" && e["value"] == new.as_str())
-            .then_some(())
-    });
+        assert!(
+            env.iter()
+                .any(|e| e["name"] == "PDPAIR_UID" && e["value"] == new.as_str())
+        );
+    }
+    // The orphan is left as it was.
+    assert_eq!(
+        get_json("secret", &ns, &old_name).expect("the orphan stays")["data"],
+        old_secret["data"]
+    );
 }
 
 #[test]
@@ -590,7 +598,7 @@ fn what_a_quota_forbids_is_told_in_events_and_status_and_made_once_it_is_lifted(
     assert_ne!(deployments_only, quota);
     kubectl_ok(&["apply", "-f", "-"], Some(&deployments_only));
     eventually(Duration::from_secs(90), "the pairing Secret", || {
-        get_json("secret", &ns, "llama-8b-pairing")
+        pairing_secret(&ns, "llama-8b")
     });
     assert!(get_json("deployment", &ns, "llama-8b-prefill").is_none());
     // Lifted: the pools come at their next try (every 30 s while refused; the resync is 5
@@ -604,9 +612,7 @@ fn what_a_quota_forbids_is_told_in_events_and_status_and_made_once_it_is_lifted(
     eventually(WAIT, "PoolsApplied True", || {
         pair_condition(&ns, "PoolsApplied").filter(|c| c["status"] == "True")
     });
-    eventually(WAIT, "the pairing Secret", || {
-        get_json("secret", &ns, "llama-8b-pairing")
-    });
+    eventually(WAIT, "the pairing Secret", || pairing_secret(&ns, "llama-8b"));
 }
 
 #[test]

@@ -14,9 +14,13 @@ fn resource_versions(ns: &str) -> Vec<(String, String)> {
         ("pdpair", "llama-8b"),
         ("deployment", "llama-8b-prefill"),
         ("deployment", "llama-8b-decode"),
-        ("secret", "llama-8b-pairing"),
+        ("secret", "llama-8b"),
     ] {
-        let v = get_json(kind, ns, name).unwrap_or_else(|| panic!("{kind}/{name} exists"));
+        let v = match kind {
+            "secret" => pairing_secret(ns, name),
+            _ => get_json(kind, ns, name),
+        };
+        let v = v.unwrap_or_else(|| panic!("{kind}/{name} exists"));
         out.push((
             format!("{kind}/{name}"),
             v["metadata"]["resourceVersion"].as_str().unwrap_or("").to_owned(),
@@ -57,7 +61,7 @@ fn compatible_pair(test: &str) -> String {
         let p = get_json("pdpair", &ns, "llama-8b")?;
         condition(&p, "Ready")?;
         get_json("deployment", &ns, "llama-8b-decode")?;
-        get_json("secret", &ns, "llama-8b-pairing")
+        pairing_secret(&ns, "llama-8b")
     });
     ns
 }
@@ -69,7 +73,7 @@ fn a_restarted_operator_changes_nothing_that_is_already_right() {
     let ns = compatible_pair("restart");
     // Let the first operator settle (Deployment status updates trigger reconciles).
     let before = settled(&ns);
-    let key_before = get_json("secret", &ns, "llama-8b-pairing").expect("secret")["data"]["key"].clone();
+    let key_before = pairing_secret(&ns, "llama-8b").expect("secret")["data"]["key"].clone();
     first.stop();
 
     let second = Operator::start("restart-b");
@@ -84,7 +88,7 @@ fn a_restarted_operator_changes_nothing_that_is_already_right() {
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(resource_versions(&ns), before, "a restart must not rewrite anything");
     assert_eq!(
-        get_json("secret", &ns, "llama-8b-pairing").expect("secret")["data"]["key"],
+        pairing_secret(&ns, "llama-8b").expect("secret")["data"]["key"],
         key_before
     );
     let deployments = kubectl_ok(
@@ -369,7 +373,7 @@ fn an_operator_of_some_namespaces_runs_their_pairs_and_leaves_the_others_alone()
             let p = get_json("pdpair", ns, "llama-8b")?;
             condition(&p, "GeometryCompatible")?;
             get_json("deployment", ns, "llama-8b-decode")?;
-            get_json("secret", ns, "llama-8b-pairing")
+            pairing_secret(ns, "llama-8b")
         });
     }
     std::thread::sleep(Duration::from_secs(3));
@@ -379,7 +383,7 @@ fn an_operator_of_some_namespaces_runs_their_pairs_and_leaves_the_others_alone()
         "another namespace's pair got a status: {pair}"
     );
     assert!(get_json("deployment", &other, "llama-8b-decode").is_none());
-    assert!(get_json("secret", &other, "llama-8b-pairing").is_none());
+    assert!(pairing_secret(&other, "llama-8b").is_none());
     // A pool made bring-your-own: its Deployment is deleted, with an Event.
     remove_pool_template(&watched, "llama-8b", "decode");
     eventually(WAIT, "the decode Deployment pruned", || {

@@ -141,6 +141,13 @@ pub fn get_json(kind: &str, ns: &str, name: &str) -> Option<serde_json::Value> {
     serde_json::from_str(&out.stdout).ok()
 }
 
+/// The pairing Secret of the PDPair `pair` as it is now (its name holds the pair's uid), or None
+/// when either does not exist.
+pub fn pairing_secret(ns: &str, pair: &str) -> Option<serde_json::Value> {
+    let uid = get_json("pdpair", ns, pair)?["metadata"]["uid"].as_str()?.to_owned();
+    get_json("secret", ns, &format!("{pair}-pairing-{uid}"))
+}
+
 /// A condition of a PDPair, whole (status, reason, message...).
 pub fn condition_of(pair: &serde_json::Value, type_: &str) -> Option<serde_json::Value> {
     pair["status"]["conditions"]

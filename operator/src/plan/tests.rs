@@ -95,7 +95,17 @@ fn deployment_is_owned_labelled_and_wired() {
         .find(|v| v.name == "pdpair-pairing")
         .and_then(|v| v.secret.as_ref())
         .expect("secret");
-    assert_eq!(secret.secret_name.as_deref(), Some("llama-8b-pairing"));
+    assert_eq!(secret.secret_name.as_deref(), Some("llama-8b-pairing-uid-1"));
+}
+
+#[test]
+fn a_pair_without_a_uid_plans_nothing() {
+    // The Secret's name holds the uid: without one there is no name for it, and the controller
+    // refuses such a pair before planning (a pool not planned reads as a removed template).
+    let mut pair = pair();
+    pair.metadata.uid = None;
+    assert!(deployment(&pair, Role::Decode, &Wiring::default()).is_none());
+    assert!(pairing_secret(&pair, &[7u8; 32]).is_none());
 }
 
 #[test]
@@ -154,7 +164,7 @@ fn geometry_hash_changes_with_geometry_only() {
 fn pairing_secret_is_owned_and_holds_the_key() {
     let pair = pair();
     let s = pairing_secret(&pair, &[7u8; 32]).expect("named pair");
-    assert_eq!(s.metadata.name.as_deref(), Some("llama-8b-pairing"));
+    assert_eq!(s.metadata.name.as_deref(), Some("llama-8b-pairing-uid-1"));
     assert_eq!(s.metadata.owner_references.expect("owner")[0].uid, "uid-1");
     let data = s.data.expect("data");
     assert_eq!(data.get("key").map(|b| b.0.len()), Some(32));
@@ -170,7 +180,9 @@ fn connector_pair() -> PDPair {
     .expect("example exists");
     let mut v: serde_yaml::Value = serde_yaml::from_str(&text).expect("yaml");
     v.apply_merge().expect("merge keys");
-    serde_yaml::from_value(v).expect("example parses")
+    let mut pair: PDPair = serde_yaml::from_value(v).expect("example parses");
+    pair.metadata.uid = Some("uid-2".into());
+    pair
 }
 
 fn engine_container(d: &Deployment) -> &k8s_openapi::api::core::v1::Container {

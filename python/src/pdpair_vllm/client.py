@@ -169,10 +169,10 @@ def _read_text(path: str) -> Optional[str]:
 def read_pairing_key(path: str, uid: Optional[str], wait_s: Optional[float] = None) -> bytes:
     """The pairing key at ``path``. With ``uid`` (the engine's ``PDPAIR_UID``: the PDPair its
     pod was made for) and a ``pdpair-uid`` file beside the key (the operator writes both into the
-    Secret), only once that file names ``uid``: a PDPair deleted and made again under its name can
-    have its pods mount the predecessor's Secret, which the garbage collector is about to delete,
-    and an engine that paired with that key would be refused by every peer holding the new one
-    for as long as it runs. Waits up to ``wait_s`` (:data:`PAIRING_WAIT_S`) for the kubelet to
+    Secret), only once that file names ``uid``: the Secret's name holds its PDPair's uid, but a
+    pod rendered by an operator from before that (or a Secret mounted by hand) can hold another
+    PDPair's key, and an engine that paired with that key would be refused by every peer holding
+    its own for as long as it runs. Waits up to ``wait_s`` (:data:`PAIRING_WAIT_S`) for the kubelet to
     bring the new Secret, then fails naming both. A Secret without the file (made before it was
     written, or brought by the user) is taken as it is."""
     uid_path = os.path.join(os.path.dirname(path), "pdpair-uid")
