@@ -12,6 +12,7 @@ pub struct Metrics {
     reconcile_duration: Histogram,
     admissions: IntCounterVec,
     leader: IntGauge,
+    unsynced_scopes: IntGauge,
     events_dropped: IntCounter,
     deployment_applies: IntCounter,
     secrets_ensured: IntCounter,
@@ -63,6 +64,11 @@ impl Metrics {
         )
         .expect("valid metric");
         let leader = IntGauge::new("leader", "1 while this replica holds the leader Lease").expect("valid metric");
+        let unsynced_scopes = IntGauge::new(
+            "watch_scopes_unsynced",
+            "Namespaces watched (1 for the whole cluster) whose watches have not delivered their first list yet",
+        )
+        .expect("valid metric");
         let events_dropped = IntCounter::new(
             "admission_events_dropped_total",
             "Rejected Events not recorded because denials came faster than the Event budget",
@@ -74,6 +80,7 @@ impl Metrics {
             Box::new(reconcile_duration.clone()),
             Box::new(admissions.clone()),
             Box::new(leader.clone()),
+            Box::new(unsynced_scopes.clone()),
             Box::new(events_dropped.clone()),
             Box::new(deployment_applies.clone()),
             Box::new(secrets_ensured.clone()),
@@ -89,6 +96,7 @@ impl Metrics {
             reconcile_duration,
             admissions,
             leader,
+            unsynced_scopes,
             events_dropped,
             deployment_applies,
             secrets_ensured,
@@ -136,6 +144,11 @@ impl Metrics {
     /// Counts an admission decision.
     pub fn admission(&self, outcome: &str, reason: &str) {
         self.admissions.with_label_values(&[outcome, reason]).inc();
+    }
+
+    /// Sets how many watch scopes have not had their first list.
+    pub fn set_unsynced_scopes(&self, n: usize) {
+        self.unsynced_scopes.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// Sets the leader gauge.

@@ -309,26 +309,47 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         namespace: None,
     };
     let scopes = scopes(&opts.namespaces)?;
+    let unsynced = Arc::new(std::sync::atomic::AtomicUsize::new(scopes.len()));
+    setup.metrics.set_unsynced_scopes(scopes.len());
     let (controllers, synced): (Vec<_>, Vec<_>) = scopes
         .into_iter()
         .map(|namespace| {
-            controller::controller(Setup {
+            let scope = namespace.clone();
+            let (run, synced) = controller::controller(Setup {
                 namespace,
                 ..setup.clone()
-            })
+            });
+            (run, (scope, synced))
         })
         .unzip();
     // Any one stopping stops the operator, as the one controller's did.
     let controller = futures::FutureExt::map(futures::future::select_all(controllers.into_iter().map(Box::pin)), drop);
-    let synced = futures::future::join_all(synced);
-    let synced_health = Arc::clone(&health);
-    tokio::spawn(async move {
-        synced.await;
-        synced_health
-            .watches_synced
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        tracing::info!("watches synced; ready");
-    });
+    // Each scope's first lists, told (not waited for: the webhook is ready without them, and
+    // a leader reconciles a scope only once its own caches have listed).
+    for (scope, synced) in synced {
+        let (health, metrics, unsynced) = (Arc::clone(&health), Arc::clone(&setup.metrics), Arc::clone(&unsynced));
+        let scope = scope.unwrap_or_else(|| "(all namespaces)".into());
+        tokio::spawn(async move {
+            tokio::pin!(synced);
+            let late = tokio::time::sleep(SYNC_WARNING);
+            tokio::select! {
+                () = &mut synced => {}
+                () = late => {
+                    tracing::warn!(namespace = %scope, after = ?SYNC_WARNING, "this namespace's watches have not listed yet: its PDPairs are not reconciled (does it exist, and may the operator list there?)");
+                    synced.await;
+                }
+            }
+            let left = unsynced
+                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+                .saturating_sub(1);
+            metrics.set_unsynced_scopes(left);
+            tracing::info!(namespace = %scope, "watches synced");
+            if left == 0 {
+                health.watches_synced.store(true, std::sync::atomic::Ordering::SeqCst);
+                tracing::info!("every watch synced");
+            }
+        });
+    }
 
     let lease_task = lease::run(lease_api.clone(), lease_cfg.clone(), leader_tx);
     let result = tokio::select! {
@@ -379,6 +400,9 @@ fn scopes(namespaces: &[String]) -> anyhow::Result<Vec<Option<String>>> {
     }
     Ok(seen.into_iter().map(Some).collect())
 }
+
+/// How long a scope's watches may take to list before a warning names its namespace.
+const SYNC_WARNING: Duration = Duration::from_secs(60);
 
 /// A tokio listener at `addr`.
 fn listen(addr: ListenAddr) -> std::io::Result<TcpListener> {

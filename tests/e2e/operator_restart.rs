@@ -396,5 +396,58 @@ fn an_operator_of_some_namespaces_runs_their_pairs_and_leaves_the_others_alone()
     assert!(op.is_leader(), "the operator leads with its Lease in {release}");
     let log = std::fs::read_to_string(dir().join("operator-scoped.log")).expect("log");
     assert!(!log.contains("forbidden"), "a call was refused: {log}");
-    kubectl_ok(&["delete", "-f", "-", "--wait=false"], Some(&rbac.stdout));
+    // A watched namespace deleted, its RoleBinding with it: its watches cannot list, for good.
+    // Readiness waited for every watch, so a restarted operator was never ready, the webhook
+    // Service had no endpoints, and `failurePolicy: Fail` refused every PDPair write. Now it is
+    // ready (`start_as` waits for `/readyz`), answers reviews, runs the namespace it may list,
+    // and tells the one it cannot.
+    drop(op);
+    kubectl_ok(&["delete", "namespace", &also, "--wait=false"], None);
+    eventually(Duration::from_secs(120), "the namespace deleted", || {
+        get_json("namespace", "", &also).is_none().then_some(())
+    });
+    let op = Operator::start_as("scoped-again", &config, &release, &["--namespace", &scope]);
+    let object: serde_json::Value =
+        serde_yaml::from_str(&manifest("compatible-push.yaml", &watched, |_| {})).expect("manifest");
+    let review = serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "review-scoped", "name": "llama-8b", "namespace": &watched, "operation": "CREATE",
+            "kind": {"group": "pdpair.dev", "version": "v1alpha1", "kind": "PDPair"},
+            "resource": {"group": "pdpair.dev", "version": "v1alpha1", "resource": "pdpairs"},
+            "userInfo": {"username": "someone"}, "object": object, "dryRun": true,
+        }
+    });
+    let (code, body) = post_webhook(op.webhook_port, &review.to_string());
+    assert!(code == 200 && body.contains("\"allowed\":true"), "{code}: {body}");
+    assert!(
+        op.metrics()
+            .lines()
+            .any(|l| l == "pdpair_operator_watch_scopes_unsynced 1"),
+        "{}",
+        op.metrics()
+    );
+    let (_, ready) = http_get(op.admin_port, "/readyz").expect("readyz");
+    assert_eq!(ready, "ready (watches_synced=false)\n");
+    eventually(WAIT, "the new operator to lead", || op.is_leader().then_some(()));
+    kubectl_ok(
+        &[
+            "scale",
+            "deployment",
+            "llama-8b-prefill",
+            "-n",
+            &watched,
+            "--replicas=5",
+        ],
+        None,
+    );
+    eventually(WAIT, "the watched namespace's pool put back", || {
+        let d = get_json("deployment", &watched, "llama-8b-prefill")?;
+        (d["spec"]["replicas"] == 2).then_some(())
+    });
+    kubectl_ok(
+        &["delete", "-f", "-", "--wait=false", "--ignore-not-found"],
+        Some(&rbac.stdout),
+    );
 }
