@@ -18,11 +18,12 @@ SETTINGS = {"handshake_timeout_ms": 5000, "lease_ms": 30000}
 
 
 def py_engine(world, agent, role, geometry, *, mode="Push", checksum="FailClosed", tp=1, rank=0,
-              num_blocks=16, lease_ms=30000, engine=None, key=None, arrangement=None, regions=None) -> AgentClient:
+              num_blocks=16, lease_ms=30000, engine=None, key=None, arrangement=None, regions=None,
+              handshake_timeout_ms=5000) -> AgentClient:
     reg = registration(
         pdpair="default/pair", role=role, engine=engine or f"py-{role}-{rank}", kv=geometry,
         num_blocks=num_blocks, pairing_key=key or world.key, tensor=tp, tensor_rank=rank, mode=mode,
-        checksum=checksum, handshake_timeout_ms=5000, lease_ms=lease_ms, kv_arrangement=arrangement,
+        checksum=checksum, handshake_timeout_ms=handshake_timeout_ms, lease_ms=lease_ms, kv_arrangement=arrangement,
         regions=[{"layers": n, "kv_arrangement": a} if a else {"layers": n} for n, a in regions] if regions else None,
     )
     return AgentClient.register(agent.socket, reg)
@@ -204,6 +205,42 @@ def test_a_killed_prefill_agent_fails_decodes_request_with_peer_lost(world):
     assert "PeerLost" in event.reasons or (
         event.reasons == ["HandshakeFailed"] and "Connection refused" in event.raw["message"]
     ), event.raw
+
+
+def test_a_receive_a_stopped_agent_never_answers_ends_the_connection_after_twice_its_bound(world, monkeypatch):
+    # An agent whose task for a request died without answering, or a stopped process, keeps the
+    # connection up: nothing ended the receive, and vLLM held its request and blocks for good
+    # (and prefill its, while decode's queue renewed them). Here the agent is stopped (SIGSTOP).
+    import signal
+
+    from pdpair_vllm import transfer
+    from pdpair_vllm.transfer import Plan, Recv, Stager, WorkerState
+
+    monkeypatch.setattr(transfer, "UNANSWERED_SLACK_S", 0.5)
+    g = kv()
+    pa, da = world.agent("p"), world.agent("d")
+    p = py_engine(world, pa, "prefill", g)
+    d = py_engine(world, da, "decode", g, handshake_timeout_ms=200, lease_ms=300)
+    assert d.transfer_bound_s == 0.5, "the agent's handshake timeout and lease, as it said them"
+    w = WorkerState(d, Stager())
+    da.proc.send_signal(signal.SIGSTOP)
+    try:
+        asked = time.monotonic()
+        w.start(Plan(recvs=[Recv(request="r", agent_request="never", prefill_ranks=[p.address],
+                                 logical_blocks=[1, 2], first_token=0, num_tokens=20)]))
+        got = w.poll()
+        assert not got.finished_recving and w.lost is None, "not before twice the bound"
+        while not got.finished_recving:
+            assert time.monotonic() - asked < 10, "the receive is still open"
+            time.sleep(0.05)
+            got = w.poll()
+        assert time.monotonic() - asked >= 1.5, "twice the bound and the slack"
+        assert got.failed_recving == {"r"} and got.error_blocks == {1, 2}
+        assert "did not answer the recv 'never'" in w.lost, w.lost
+        assert w.outcomes == {"r": "RequestFailed"}
+    finally:
+        da.proc.send_signal(signal.SIGCONT)
+    w.close()
 
 
 @pytest.mark.parametrize("mode", ["Push", "Pull"])

@@ -685,3 +685,26 @@ def test_a_connection_lost_while_a_step_holds_the_lock_is_still_taken_up_when_th
         time.sleep(0.05)
         assert w.reconnections == 0
     _until(lambda: w.reconnections == 1, "registered again after the step")
+
+
+def test_an_unanswered_release_ends_the_connection_and_a_long_held_send_does_not(monkeypatch):
+    # Prefill's held blocks wait for decode for as long as its queue renews them: no bound. A
+    # release (or a receive, test_agent.py) the agent leaves unanswered past twice its bound
+    # and the slack: the agent is taken for broken.
+    from pdpair_vllm import transfer
+    from pdpair_vllm.transfer import Release, Send
+
+    monkeypatch.setattr(transfer, "UNANSWERED_SLACK_S", 0.1)
+    client = _Client()
+    client.transfer_bound_s = 0.05
+    w = WorkerState(client, _Saves())
+    w.save(Plan(sends=[Send("s", [4], 16)]))
+    time.sleep(0.3)
+    assert w.poll() == Results() and w.lost is None, "a send waits as long as it is renewed"
+    w.start(Plan(releases=[Release("p-9", ["x:1"])]))
+    assert w.poll() == Results() and w.lost is None
+    time.sleep(0.25)
+    got = w.poll()
+    assert "did not answer the release 'p-9'" in w.lost, w.lost
+    assert ("close", None) in client.calls
+    assert got.finished_sending == {"s"}, "the connection's transfers end with it"

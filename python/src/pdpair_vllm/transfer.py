@@ -456,6 +456,14 @@ KEPT = 4096
 #: touches its KV cache; its pool is read only on ``RequestDone``).
 LOST_GRACE_S = 5.0
 
+#: Seconds past twice the agent's bound (``AgentClient.transfer_bound_s``: a running agent ends a
+#: request's transfers within that) a receive, its cancel or a release may go unanswered before
+#: the worker takes its agent for broken (a task of the agent's that died without answering, a
+#: stopped process: the connection stays up and nothing else would end the request, whose blocks
+#: both sides hold) and ends the connection, as if it were lost. Not for sends: decode renews a
+#: prefill's lease while its request waits in vLLM's queue, for as long as that takes.
+UNANSWERED_SLACK_S = 10.0
+
 #: Seconds before a worker that lost its agent connection first tries to register again (once
 #: its transfers in flight have ended), doubling after each failure up to :data:`RECONNECT_MAX_S`.
 RECONNECT_FIRST_S = 0.5
@@ -553,6 +561,9 @@ class WorkerState:
         self._new_address: Optional[str] = None
         # agent request id -> ("send" | "recv" | "cancel" | "release", vLLM id, Recv or None)
         self._open: Dict[str, Tuple[str, str, Optional[Recv]]] = {}
+        #: When each receive or release now open was sent (agent request id -> monotonic time;
+        #: a cancel keeps its receive's): see :data:`UNANSWERED_SLACK_S`.
+        self._asked: Dict[str, float] = {}
         self._by_request: Dict[str, str] = {}
         self._results = Results()
         #: How each request ended with the agent (vLLM id -> final event type), for logs and tests:
@@ -638,6 +649,7 @@ class WorkerState:
                 continue
             # Open before it is sent: a send that fails leaves it to be given up like the rest.
             self._open[recv.agent_request] = ("recv", recv.request, recv)
+            self._asked[recv.agent_request] = time.monotonic()
             self._by_request[recv.request] = recv.agent_request
             self._call(self.client.expect_kv, recv.agent_request, recv.prefill_ranks, self._kernel(recv.logical_blocks),
                        recv.num_tokens, recv.first_token, prompt=recv.prompt)
@@ -657,6 +669,7 @@ class WorkerState:
             for rel in plan.releases:
                 if not self._in_flight(rel.agent_request, "release"):
                     self._open[rel.agent_request] = ("release", "(a release)", None)
+                    self._asked[rel.agent_request] = time.monotonic()
                     self._call(self.client.release, rel.agent_request, list(rel.prefill_ranks), prompt=rel.prompt)
             for ren in plan.renews if self.rank == 0 else ():
                 if self._in_flight(ren.agent_request, "renewal"):
@@ -716,6 +729,7 @@ class WorkerState:
         :data:`LOST_GRACE_S` where the agent works in the KV cache itself)."""
         for event in self.client.take_finished():
             self._apply(event)
+        self._check_answered()
         if self._open and self._gone() and not (
                 self.stager.in_place and time.monotonic() - self._lost_at < self._grace()):
             for agent_request, (kind, _, _) in list(self._open.items()):
@@ -725,6 +739,26 @@ class WorkerState:
         self._begin_reconnect()
         results, self._results = self._results, Results()
         return results
+
+    def _check_answered(self) -> None:
+        """Ends the connection, as lost, once a receive, cancel or release has gone unanswered
+        for twice the agent's bound and :data:`UNANSWERED_SLACK_S` (an agent that did not say
+        its bound is not timed)."""
+        for agent_request in [r for r in self._asked if self._open.get(r, ("send",))[0] == "send"]:
+            del self._asked[agent_request]  # answered (or given up)
+        bound = getattr(self.client, "transfer_bound_s", None)
+        if bound is None or not self._asked or self._gone():
+            return
+        limit = 2 * bound + UNANSWERED_SLACK_S
+        now = time.monotonic()
+        late = next((r for r, t in self._asked.items() if now - t > limit), None)
+        if late is None:
+            return
+        kind, request, _ = self._open[late]
+        self.lost = (f"the agent did not answer the {kind} {_short(late)} (request {request}) within {limit:.1f} s, "
+                     f"twice its handshake timeout and lease and {UNANSWERED_SLACK_S:g} s: it is taken as broken")
+        self._gone()
+        self.client.close()
 
     def _on_close(self) -> None:
         """The event reader saw the connection end: an idle engine takes no steps, so the
