@@ -87,7 +87,7 @@ fn pairing_key(path: &std::path::Path, uid: Option<&str>, wait: std::time::Durat
             (Some(b), Some(a)) if b == a && Some(a.as_str()) == uid => return Ok(key),
             _ if std::time::Instant::now() >= until => {
                 return Err(format!(
-                    "the pairing key at {} is PDPair uid {}'s, not this pod's PDPair's ({}): a PDPair of this name was deleted and made again, and its new pairing Secret has not reached this pod in {} s",
+                    "the pairing key at {} is PDPair uid {}'s, not this pod's PDPair's ({}): this pod mounts another PDPair's pairing Secret (one of a PDPair of this name deleted before, mounted by a pod rendered before the Secret's name held the uid), and its own has not reached it in {} s",
                     path.display(),
                     after.as_deref().unwrap_or("(being replaced)"),
                     uid.unwrap_or_default(),

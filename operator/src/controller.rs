@@ -1,7 +1,7 @@
 //! The PDPair controller: observe -> plan -> apply -> status.
 //!
-//! Every replica runs the watches (so `/readyz` means the caches are warm); only the Lease holder
-//! reconciles. Reconcile is idempotent: server-side apply of the planned children under one field
+//! Every replica runs the watches (a successor's caches are warm where they had time to list);
+//! only the Lease holder reconciles, once its caches have listed. Reconcile is idempotent: server-side apply of the planned children under one field
 //! manager, the pairing Secret created once, and status written only when it changed. Events are
 //! published on condition transitions, computed against the status this replica last wrote, so a
 //! stale cache never repeats them.
@@ -46,7 +46,7 @@ use crate::{
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The PDPair lacks a namespace or name.
-    #[error("PDPair without namespace or name")]
+    #[error("PDPair without namespace, name or uid")]
     MissingMeta,
     /// Server-side apply of a Deployment failed.
     #[error("applying Deployment {name}: {source}")]
@@ -335,11 +335,28 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     // children: an incompatible pair must not run, so what it had goes. Status says why. A pool
     // whose template was removed (now brought by the user) loses its Deployment the same way.
     let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ns);
+    // The Deployment `dname` as the watch last saw it.
+    let seen = |dname: &str| ctx.deployments.get(&ObjectRef::<Deployment>::new(dname).within(&ns));
+    // While the create of the pairing Secret is refused (a quota on Secrets), a pool that runs
+    // keeps the Secret its pods mount: one an earlier operator named otherwise (`<name>-pairing`)
+    // was rolled to pods mounting one that does not exist, which never started.
+    let secret_refused = ctx
+        .remembered
+        .recall(&uid, |m| m.secret_refused.as_ref().map(drop))
+        .is_some();
     let planned: Vec<(Role, String, Option<Deployment>)> = [Role::Prefill, Role::Decode]
         .into_iter()
         .map(|role| {
-            let d = plan::planned_deployment(pair, role, &ctx.wiring);
-            (role, names::deployment_name(&name, role), d)
+            let dname = names::deployment_name(&name, role);
+            let mut d = plan::planned_deployment(pair, role, &ctx.wiring);
+            if secret_refused
+                && let Some(d) = d.as_mut()
+                && let Some(live) = seen(&dname).filter(|l| controlled_by(&l.metadata, &uid))
+                && let Some(kept) = plan::keep_pairing_secret(d, &live)
+            {
+                tracing::info!(deployment = %dname, secret = %kept, "the pairing Secret is refused: the pool keeps the one it mounts");
+            }
+            (role, dname, d)
         })
         .collect();
     // Both pools' Deployments are dry-run before either is applied (whenever the plan changed):
@@ -353,8 +370,6 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         .filter(|a| a.plan == fingerprint);
     let checked = before.is_some();
     let mut versions = before.as_ref().map(|a| a.versions.clone()).unwrap_or_default();
-    // The Deployment `dname` as the watch last saw it.
-    let seen = |dname: &str| ctx.deployments.get(&ObjectRef::<Deployment>::new(dname).within(&ns));
     let mut apply_refused = None;
     // A template stored past the webhook that is not a pod template: nothing is applied, or
     // pruned (its pool is not bring-your-own), and status says what is wrong in it.

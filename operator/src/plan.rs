@@ -313,6 +313,48 @@ fn add_engine_wiring(container: &mut Container, env: &[(&str, String)]) {
     });
 }
 
+/// The pairing Secret a pod template mounts.
+fn mounted_secret(d: &Deployment) -> Option<&str> {
+    d.spec
+        .as_ref()?
+        .template
+        .spec
+        .as_ref()?
+        .volumes
+        .as_ref()?
+        .iter()
+        .find(|v| v.name == "pdpair-pairing")?
+        .secret
+        .as_ref()?
+        .secret_name
+        .as_deref()
+}
+
+/// Makes `planned` mount the pairing Secret that `live` (the pool's Deployment as it runs)
+/// mounts, where that is another: the name it kept, if it changed anything. For a pool whose
+/// pairing Secret cannot be made yet (a quota): pods rolled to mount one that does not exist
+/// would never start.
+pub fn keep_pairing_secret(planned: &mut Deployment, live: &Deployment) -> Option<String> {
+    let kept = mounted_secret(live)?.to_owned();
+    let volume = planned
+        .spec
+        .as_mut()?
+        .template
+        .spec
+        .as_mut()?
+        .volumes
+        .as_mut()?
+        .iter_mut()
+        .find(|v| v.name == "pdpair-pairing")?
+        .secret
+        .as_mut()?;
+    if volume.secret_name.as_deref() == Some(kept.as_str()) {
+        return None;
+    }
+    volume.secret_name = Some(kept.clone());
+    Some(kept)
+}
+
 /// The pairing Secret, holding `key` (fresh random bytes, made once by the caller).
 pub fn pairing_secret(pair: &PDPair, key: &[u8]) -> Option<Secret> {
     let name = pair.metadata.name.as_deref()?;

@@ -109,6 +109,48 @@ fn a_pair_without_a_uid_plans_nothing() {
 }
 
 #[test]
+fn a_pool_keeps_the_pairing_secret_it_mounts_only_where_asked_to() {
+    let pair = pair();
+    let planned = deployment(&pair, Role::Decode, &Wiring::default()).expect("template");
+    let mounted = |d: &Deployment| {
+        d.spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .and_then(|p| p.volumes.as_ref())
+            .and_then(|v| v.iter().find(|v| v.name == "pdpair-pairing").cloned())
+            .and_then(|v| v.secret)
+            .and_then(|s| s.secret_name)
+    };
+    // What an earlier operator rendered: the Secret named after the pair alone.
+    let mut live = planned.clone();
+    let mut to_old = planned.clone();
+    live.spec
+        .as_mut()
+        .and_then(|s| s.template.spec.as_mut())
+        .and_then(|p| p.volumes.as_mut())
+        .and_then(|v| v.iter_mut().find(|v| v.name == "pdpair-pairing"))
+        .and_then(|v| v.secret.as_mut())
+        .expect("volume")
+        .secret_name = Some("llama-8b-pairing".into());
+    assert_eq!(
+        keep_pairing_secret(&mut to_old, &live).as_deref(),
+        Some("llama-8b-pairing")
+    );
+    assert_eq!(mounted(&to_old).as_deref(), Some("llama-8b-pairing"));
+    // Everything else as planned.
+    let mut rest = to_old.clone();
+    assert_eq!(
+        keep_pairing_secret(&mut rest, &planned).as_deref(),
+        Some("llama-8b-pairing-uid-1")
+    );
+    assert_eq!(rest, planned);
+    // The same one: nothing to keep.
+    let mut same = planned.clone();
+    assert_eq!(keep_pairing_secret(&mut same, &planned), None);
+    assert_eq!(same, planned);
+}
+
+#[test]
 fn planning_twice_is_identical_and_wiring_is_not_duplicated() {
     let mut pair = pair();
     let first = deployment(&pair, Role::Prefill, &Wiring::default()).expect("template");

@@ -194,7 +194,8 @@ def read_pairing_key(path: str, uid: Optional[str], wait_s: Optional[float] = No
             return key
         if time.monotonic() >= deadline:
             raise AgentError(f"the pairing key at {path} is PDPair uid {after!r}'s, not this pod's PDPair's ({uid}): "
-                             "a PDPair of this name was deleted and made again, and its new pairing Secret has not "
+                             "this pod mounts another PDPair's pairing Secret (one of a PDPair of this name deleted before, mounted by "
+                             "a pod rendered before the Secret's name held the uid), and its own has not "
                              f"reached this pod in {wait:.0f} s; "
                              "restart the pod")
         if not warned and before == after:
