@@ -74,6 +74,15 @@ def receive_after_a_local_prefix(p: Engine, d: Engine, shared, tail):
     return seeds
 
 
+@pytest.fixture(autouse=True, params=["sync", "async"])
+def scheduling(request, monkeypatch):
+    """Every test here runs under vLLM's synchronous scheduler and under async scheduling
+    (``AsyncScheduler`` with two batches in flight, vLLM 0.33's default on GPUs): the harness's
+    ``Engine`` takes it from ``PDPAIR_HARNESS_ASYNC``."""
+    monkeypatch.setenv("PDPAIR_HARNESS_ASYNC", "1" if request.param == "async" else "0")
+    return request.param
+
+
 @pytest.fixture
 def pair(world):
     engines = []
@@ -88,6 +97,15 @@ def pair(world):
 
     yield make
     for e in engines:
+        e.close()
+
+
+def test_the_harness_runs_the_scheduler_it_is_asked_for(world, scheduling):
+    e = Engine(world, world.agent("p"), "prefill", seed=P_SEED)
+    try:
+        assert type(e.scheduler).__name__ == ("AsyncScheduler" if scheduling == "async" else "Scheduler")
+        assert e.config.max_concurrent_batches == (2 if scheduling == "async" else 1)
+    finally:
         e.close()
 
 
@@ -500,11 +518,18 @@ def test_engines_register_again_with_restarted_agents_and_their_kv_moves_again(w
         while not all(w._worker.reconnections == 1 for w in workers):  # idle engines: no steps
             assert time.monotonic() < deadline, "every rank registered again"
             time.sleep(0.01)
-        # The step that reports rank 1's new address to P's scheduler (a request ending in it is
-        # still handed out under the old one, and computed on decode).
-        p.step()
         after = [w._client.address for w in p.workers]
         assert after[0] == before[0] and after[1] not in before, (before, after)
+        # An idle engine takes no step: the first request's own output brings rank 1's new
+        # address to P's scheduler, which vLLM reads after it ended the request (its
+        # update_from_output frees finished requests first). That one is handed out under the
+        # old address, not offered, and computed on decode.
+        bridge = list(range(4500, 4540))
+        params = prefill(p, "bridge", bridge)
+        assert params["pdpair_prefill_ranks"] == before, "handed out before the new address was read"
+        d.add("bridge", bridge, params)
+        both(p, d, lambda: "bridge" in d.outputs, what="the request handed out under the old address")
+        assert d.outcome("bridge") == "RequestFailed", d.outcome("bridge")
         params = prefill(p, "after", list(range(5000, 5040)))
         assert params["pdpair_prefill_ranks"] == after, "D is told the new address"
         taken.close()

@@ -1,4 +1,5 @@
-"""vLLM 0.33's own v1 ``Scheduler`` with ``PdpairConnector`` loaded by module path, and the worker
+"""vLLM 0.33's own v1 ``Scheduler`` (or ``AsyncScheduler``, with the engine core's batch queue) with
+``PdpairConnector`` loaded by module path, and the worker
 half built by ``KVConnectorFactory``, on CPU tensors. The harness plays the model runner exactly as
 vLLM's ``KVConnectorModelRunnerMixin`` drives a connector (bind metadata, ``start_load_kv``,
 ``wait_for_save``, ``get_transfer_results``, ``get_block_ids_with_load_errors``,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
 import tempfile
 import time
 from typing import Dict, List, Optional
@@ -25,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
                                         compute_layout_strides)
@@ -67,7 +70,8 @@ class Engine:
                  layout: str = "NHD", mode: str = "Push", checksum: str = "FailClosed", lease_ms: int = 30000,
                  handshake_ms: int = 5000, policy: str = "fail", min_transfer_tokens: int = 1, tp: int = 1,
                  shape=(LAYERS, HEADS, HEAD_DIM), compute: bool = True, connector: Optional[dict] = None,
-                 kernel_block_size: Optional[int] = None, start_agent=None):
+                 kernel_block_size: Optional[int] = None, start_agent=None,
+                 async_scheduling: Optional[bool] = None):
         """``shape`` is (layers, KV heads, head dim); ``compute`` false skips writing KV for the
         scheduled tokens (benchmarks: the transfer moves the same bytes either way); ``connector``
         adds to the connector's ``kv_connector_extra_config``; ``kernel_block_size``: the KV
@@ -75,7 +79,12 @@ class Engine:
         (vLLM's model runner then splits each block into block_size / kernel_block_size kernel
         blocks, in order); ``start_agent``: starts ``agent`` once rank 0 found none at its socket
         (an engine starting before its node's agent), and the harness waits for the rank to
-        register with it."""
+        register with it; ``async_scheduling``: vLLM's ``AsyncScheduler`` and its engine core's
+        queue of two batches in flight (``EngineCore.step_with_batch_queue``), vLLM 0.33's default
+        on GPUs (``None``: ``PDPAIR_HARNESS_ASYNC`` set to 1, else the synchronous scheduler)."""
+        if async_scheduling is None:
+            async_scheduling = os.environ.get("PDPAIR_HARNESS_ASYNC") == "1"
+        self.async_scheduling = async_scheduling
         kernel = kernel_block_size or block_size
         assert block_size % kernel == 0
         self.kernel, self.per_logical = kernel, block_size // kernel
@@ -102,8 +111,10 @@ class Engine:
         )
 
         def config(rank: int) -> VllmConfig:
+            # The role from vLLM's kv_role, as the operator renders it (kv_producer on prefill,
+            # kv_consumer on decode: vLLM's scheduler and KV cache manager act on it).
             extra = {
-                "role": role, "socket": agent.socket, "pdpair": "default/pair",
+                "socket": agent.socket, "pdpair": "default/pair",
                 "pairing_key_file": str(world.key_file),
                 "kv": {"model": "tiny-llama", "attentionBackend": "FLASH_ATTN"},
                 "settings": {"mode": mode, "checksum": checksum, "handshake_timeout_ms": handshake_ms,
@@ -114,14 +125,15 @@ class Engine:
             mc = ModelConfig(model=model_dir(*shape), tokenizer=model_dir(*shape), skip_tokenizer_init=True,
                              dtype="float16", max_model_len=8192)
             kvt = KVTransferConfig(kv_connector="PdpairConnector", kv_connector_module_path="pdpair_vllm",
-                                   kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy=policy,
+                                   kv_role={"prefill": "kv_producer", "decode": "kv_consumer"}[role],
+                                   kv_connector_extra_config=extra, kv_load_failure_policy=policy,
                                    engine_id=f"{role}-{seed}")
             cfg = VllmConfig(
                 model_config=mc,
                 cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
                 parallel_config=ParallelConfig(tensor_parallel_size=tp),
                 scheduler_config=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=16, max_model_len=8192,
-                                                 is_encoder_decoder=False),
+                                                 is_encoder_decoder=False, async_scheduling=async_scheduling),
                 device_config=DeviceConfig("cpu"),
                 kv_transfer_config=kvt,
             )
@@ -129,7 +141,8 @@ class Engine:
             return cfg
 
         self.config = config(0)
-        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config,
+        assert self.config.scheduler_config.async_scheduling == async_scheduling
+        self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(vllm_config=self.config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.config),
                                    block_size=block_size)
         self.workers, self.rows, self.layouts, self.kv = [], [], [], []
@@ -174,6 +187,8 @@ class Engine:
         self.layout = self.layouts[0]
         self.hasher = get_request_block_hasher(block_size, _hash)
         self.outputs: Dict[str, object] = {}
+        #: Batches run and not yet read back (async scheduling), newest first.
+        self._queue: deque = deque()
         self.transfer_events: List[KVConnectorOutput] = []
 
     # --- requests --------------------------------------------------------------------------------
@@ -197,11 +212,30 @@ class Engine:
 
     # --- one engine step ---------------------------------------------------------------------------
 
-    def step(self, aborts_during=None) -> KVConnectorOutput:
+    def step(self, aborts_during=None) -> Optional[KVConnectorOutput]:
         """``aborts_during(output)``: what vLLM's engine core does with aborts that came while the
         step ran (``EngineCore.step``: ``_process_aborts_queue`` before ``update_from_output``),
-        given the step's aggregated connector output."""
-        so = self.scheduler.schedule()
+        given the step's aggregated connector output. With async scheduling, as
+        ``EngineCore.step_with_batch_queue``: a batch is scheduled and run while the one before
+        it is not yet read back, and a step that only fills the queue reads nothing (``None``)."""
+        if not self.async_scheduling:
+            if not self.scheduler.has_requests():
+                return None  # an idle engine core takes no step (``EngineCore.step``)
+            so = self.scheduler.schedule()
+            return self._update(so, self._execute(so), aborts_during)
+        if self.scheduler.has_requests():
+            so = self.scheduler.schedule()
+            self._queue.appendleft((so, self._execute(so)))
+            if len(self._queue) < 2 and (so.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()):
+                return None
+        elif not self._queue:
+            return None
+        so, mro = self._queue.pop()
+        return self._update(so, mro, aborts_during)
+
+    def _execute(self, so) -> ModelRunnerOutput:
+        """What the workers do with one scheduled batch: the connector's calls around the forward
+        pass, the stand-in model, and vLLM's aggregation of the ranks' outputs."""
         for w in self.workers:
             w.bind_connector_metadata(so.kv_connector_metadata)
             w.start_load_kv(None)
@@ -228,7 +262,10 @@ class Engine:
             outputs.append(ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                              sampled_token_ids=[sampled.get(r, []) for r in ids],
                                              kv_connector_output=out))
-        mro = self.aggregator.aggregate(outputs)
+        return self.aggregator.aggregate(outputs)
+
+    def _update(self, so, mro: ModelRunnerOutput, aborts_during) -> Optional[KVConnectorOutput]:
+        """The engine core reads a batch's output back into the scheduler."""
         out = mro.kv_connector_output
         if aborts_during is not None:
             aborts_during(out)
