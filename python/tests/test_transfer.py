@@ -708,3 +708,24 @@ def test_an_unanswered_release_ends_the_connection_and_a_long_held_send_does_not
     assert "did not answer the release 'p-9'" in w.lost, w.lost
     assert ("close", None) in client.calls
     assert got.finished_sending == {"s"}, "the connection's transfers end with it"
+
+
+def test_a_receive_from_several_prefill_ranks_and_its_cancel_wait_their_linking_too(monkeypatch):
+    # The agent links the ranks of an ExpectKvFromPool in turn (a dial slot, the connect, the
+    # handshake: three handshake timeouts each at most) before its deadline starts: a healthy
+    # agent linking cold ranks was taken for broken.
+    from pdpair_vllm import transfer
+
+    monkeypatch.setattr(transfer, "UNANSWERED_SLACK_S", 0.1)
+    client = _Client()
+    client.transfer_bound_s, client.handshake_timeout_s = 0.05, 0.05  # 0.2 s for one rank
+    w = WorkerState(client, _Saves())
+    pool = Recv(request="r", agent_request="a-r", prefill_ranks=[f"10.0.0.{i}:7000" for i in range(4)],
+                logical_blocks=[1], first_token=0, num_tokens=16)
+    w.start(Plan(recvs=[pool]))
+    w.start(Plan(cancels=["r"]))  # the cancel keeps the receive's ranks and start
+    time.sleep(0.4)
+    assert w.poll() == Results() and w.lost is None, "four ranks: 0.2 s and 0.6 s of linking"
+    time.sleep(0.5)
+    w.poll()
+    assert "did not answer the cancel 'a-r'" in w.lost, w.lost

@@ -45,6 +45,7 @@ class Unreachable:
     address: Optional[str] = None
     capabilities: dict = {}
     transfer_bound_s: Optional[float] = None
+    handshake_timeout_s: Optional[float] = None
 
     def __init__(self, why: str):
         self.closed: Optional[str] = why
@@ -233,6 +234,9 @@ class AgentClient:
         #: How long the agent's transfers of one request may run (its handshake timeout and
         #: lease, from ``Registered``), in seconds; ``None`` when it did not say.
         self.transfer_bound_s: Optional[float] = None
+        #: The agent's handshake timeout (from ``Registered``), in seconds; ``None`` when it did
+        #: not say.
+        self.handshake_timeout_s: Optional[float] = None
         self._lock = threading.Condition()
         self._events: Dict[str, Deque[Event]] = {}
         self._finished: Deque[Event] = deque()
@@ -341,6 +345,7 @@ class AgentClient:
         bounds = [answer.get("handshake_timeout_ms"), answer.get("lease_ms")]
         if all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= 1 << 40 for b in bounds):
             client.transfer_bound_s = sum(bounds) / 1000
+            client.handshake_timeout_s = bounds[0] / 1000
         return client
 
     # --- requests -------------------------------------------------------------------------------

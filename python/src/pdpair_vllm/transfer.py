@@ -461,8 +461,14 @@ LOST_GRACE_S = 5.0
 #: the worker takes its agent for broken (a task of the agent's that died without answering, a
 #: stopped process: the connection stays up and nothing else would end the request, whose blocks
 #: both sides hold) and ends the connection, as if it were lost. Not for sends: decode renews a
-#: prefill's lease while its request waits in vLLM's queue, for as long as that takes.
+#: prefill's lease while its request waits in vLLM's queue, for as long as that takes. A receive
+#: naming several prefill ranks (``ExpectKvFromPool``) gets :data:`LINK_HANDSHAKES` handshake
+#: timeouts more per rank: the agent links the ranks in turn before its deadline starts.
 UNANSWERED_SLACK_S = 10.0
+
+#: Handshake timeouts the agent may take to link one prefill rank: waiting for a dial slot,
+#: the connect, and the handshake.
+LINK_HANDSHAKES = 3
 
 #: Seconds before a worker that lost its agent connection first tries to register again (once
 #: its transfers in flight have ended), doubling after each failure up to :data:`RECONNECT_MAX_S`.
@@ -685,7 +691,8 @@ class WorkerState:
                 if not self.vllm_holds:
                     self._results.finished_sending.add(request)
                 continue
-            self._open[agent_request] = ("cancel", request, None)
+            # Keeps the receive (its ranks: how long the agent may take, _check_answered).
+            self._open[agent_request] = ("cancel", request, self._open[agent_request][2])
             if not self._gone():
                 self._call(self.client.cancel, agent_request)
 
@@ -742,21 +749,31 @@ class WorkerState:
 
     def _check_answered(self) -> None:
         """Ends the connection, as lost, once a receive, cancel or release has gone unanswered
-        for twice the agent's bound and :data:`UNANSWERED_SLACK_S` (an agent that did not say
-        its bound is not timed)."""
+        for twice the agent's bound and :data:`UNANSWERED_SLACK_S`, and a receive from several
+        prefill ranks their linking (:data:`LINK_HANDSHAKES`); an agent that did not say its
+        bound is not timed."""
         for agent_request in [r for r in self._asked if self._open.get(r, ("send",))[0] == "send"]:
             del self._asked[agent_request]  # answered (or given up)
         bound = getattr(self.client, "transfer_bound_s", None)
         if bound is None or not self._asked or self._gone():
             return
-        limit = 2 * bound + UNANSWERED_SLACK_S
+        handshake = getattr(self.client, "handshake_timeout_s", None) or 0.0
+
+        def limit(agent_request: str) -> float:
+            _, _, recv = self._open[agent_request]
+            ranks = len(recv.prefill_ranks) if recv is not None else 1
+            linking = LINK_HANDSHAKES * handshake * ranks if ranks > 1 else 0.0
+            return 2 * bound + linking + UNANSWERED_SLACK_S
+
         now = time.monotonic()
-        late = next((r for r, t in self._asked.items() if now - t > limit), None)
+        late = next((r for r, t in self._asked.items() if now - t > limit(r)), None)
         if late is None:
             return
         kind, request, _ = self._open[late]
-        self.lost = (f"the agent did not answer the {kind} {_short(late)} (request {request}) within {limit:.1f} s, "
-                     f"twice its handshake timeout and lease and {UNANSWERED_SLACK_S:g} s: it is taken as broken")
+        waited = limit(late)
+        self.lost = (f"the agent did not answer the {kind} {_short(late)} (request {request}) within {waited:.1f} s "
+                     f"(twice its handshake timeout and lease, its prefill ranks' linking, and {UNANSWERED_SLACK_S:g} s): "
+                     "it is taken as broken")
         self._gone()
         self.client.close()
 
