@@ -1478,6 +1478,7 @@ impl Engine {
             .filter(|k| !k.is_empty())
             .ok_or("pairing_key must be non-empty hex")?;
         let layout = reg.layout().map_err(|e| e.to_string())?;
+        reg.check_names()?;
         reg.check_staging()?;
         reg.check_address()?;
         if reg.num_blocks == 0 {

@@ -524,6 +524,13 @@ pub fn check_share(sizes: &[u64], fds: usize, before: usize) -> Result<(), Strin
 /// The longest `staging` a registration may give.
 pub const MAX_STAGING: usize = 1024;
 
+/// The longest `engine` a registration may give (a Kubernetes object name's bound): names are
+/// kept in the side-channel claims record, whose size is bounded, and in every log line.
+pub const MAX_ENGINE_NAME: usize = 253;
+
+/// The longest `pdpair` a registration may give: `namespace/name`, each a DNS label.
+pub const MAX_PDPAIR_NAME: usize = 63 + 1 + 63;
+
 /// A pool in GPU memory: each region lies in a CUDA allocation the engine shares by IPC handle,
 /// or in the VMM allocations it shared with `ShareGpuMemory`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -632,6 +639,19 @@ impl PoolRegistration {
             )),
             _ => Ok(()),
         }
+    }
+
+    /// Checks `engine` and `pdpair`: not empty, and no longer than their bounds.
+    pub fn check_names(&self) -> Result<(), String> {
+        for (field, value, max) in [
+            ("engine", &self.engine, MAX_ENGINE_NAME),
+            ("pdpair", &self.pdpair, MAX_PDPAIR_NAME),
+        ] {
+            if value.is_empty() || value.len() > max {
+                return Err(format!("{field} is {} bytes; 1..={max} are accepted", value.len()));
+            }
+        }
+        Ok(())
     }
 
     /// Checks `staging`: short, and only for a host pool.
@@ -916,6 +936,21 @@ mod tests {
     fn transfer() -> pdpair_api::TransferSpec {
         serde_json::from_value(serde_json::json!({"mode": "Push", "checksum": "FailClosed", "handshakeTimeout": "5s", "leaseDuration": "30s"}))
             .expect("transfer")
+    }
+
+    #[test]
+    fn engine_and_pdpair_names_are_bounded() {
+        let mut r = reg();
+        assert_eq!(r.check_names(), Ok(()));
+        r.engine = "e".repeat(MAX_ENGINE_NAME);
+        assert_eq!(r.check_names(), Ok(()));
+        r.engine = "e".repeat(MAX_ENGINE_NAME + 1);
+        assert_eq!(r.check_names(), Err("engine is 254 bytes; 1..=253 are accepted".into()));
+        r.engine = String::new();
+        assert_eq!(r.check_names(), Err("engine is 0 bytes; 1..=253 are accepted".into()));
+        r.engine = "e".into();
+        r.pdpair = format!("{}/{}", "n".repeat(63), "p".repeat(64));
+        assert_eq!(r.check_names(), Err("pdpair is 128 bytes; 1..=127 are accepted".into()));
     }
 
     #[test]

@@ -418,6 +418,17 @@ fn registration_with_too_little_memory_is_refused_with_the_sizes() {
     bad.pairing_key = Vec::new();
     let e = SyntheticEngine::register(&s, &w.dir, &bad).expect_err("refused");
     assert!(e.contains("pairing_key"), "{e}");
+    // An engine name past a Kubernetes name's bound: names are kept in the agent's side-channel
+    // claims record (bounded: 17 names of 60 KiB made it unreadable at restart) and logs.
+    let long = spec(
+        Role::Decode,
+        &"e".repeat(254),
+        kv(64, None),
+        b"k",
+        ChecksumPolicy::Disabled,
+    );
+    let e = SyntheticEngine::register(&s, &w.dir, &long).expect_err("refused");
+    assert!(e.contains("engine is 254 bytes; 1..=253 are accepted"), "{e}");
     // An engine memfd smaller than the layout: refused, naming both sizes.
     let good = spec(Role::Decode, "d1", kv(64, None), b"k", ChecksumPolicy::Disabled);
     let message = register_raw(
