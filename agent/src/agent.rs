@@ -160,6 +160,8 @@ struct Shared {
     pending_gpu_fds: std::sync::atomic::AtomicUsize,
     /// Engine connections that have not registered yet: at most [`MAX_UNREGISTERED`].
     unregistered: std::sync::atomic::AtomicUsize,
+    /// Room for registered engines' large frames being read and decoded, over all of them.
+    engine_frames: Arc<crate::frame_budget::FrameBudget>,
     /// Held by a registration whose pool the agent allocates, from its room checks to the
     /// allocation.
     allocating: Mutex<()>,
@@ -532,6 +534,10 @@ impl Agent {
                 listening: AtomicBool::new(false),
                 pending_gpu_fds: std::sync::atomic::AtomicUsize::new(0),
                 unregistered: std::sync::atomic::AtomicUsize::new(0),
+                engine_frames: crate::frame_budget::FrameBudget::new(
+                    crate::frame_budget::ENGINE_FRAMES,
+                    crate::frame_budget::WAIT,
+                ),
                 allocating: Mutex::new(()),
                 registering: crate::unproven::Budget::new(MAX_UNREGISTERED, MAX_UNREGISTERED_PER_POD),
             }),
@@ -726,7 +732,7 @@ impl Agent {
                 .as_ref()
                 .map(|_| crate::attest::pod_of_peer(&stream))
         });
-        let mut reader = match stream.try_clone() {
+        let reader = match stream.try_clone() {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "engine API: cannot clone the socket");
@@ -850,8 +856,16 @@ impl Agent {
         let max_frame = crate::engine_api::max_request_frame(engine.reg.num_blocks);
         let max_values = crate::engine_api::max_request_values(engine.reg.num_blocks);
         loop {
-            let frame = match wire::read_frame_bytes(&mut reader, max_frame) {
-                Ok(frame) => match crate::engine_api::decode_request(&frame, max_values) {
+            // Large frames take room from the agent's, over every engine (`frame_budget`).
+            let budget = &self.shared.engine_frames;
+            let read = wire::read_engine_frame(&reader, max_frame, crate::frame_budget::BODY_WITHIN, |n| {
+                budget.for_frame(n, max_values)
+            });
+            let frame = match read {
+                Ok((frame, mut room)) => match crate::engine_api::decode_request(&frame, max_values, |cost| {
+                    room.shrink_to(frame.len().max(cost));
+                    Ok::<(), String>(())
+                }) {
                     Ok(request) => match request.request_id().map(crate::engine_api::check_request_id) {
                         Some(Err(why)) => {
                             let id = request.request_id().unwrap_or_default().to_owned();

@@ -348,15 +348,25 @@ pub fn decode_before_registration(frame: serde_json::Value) -> Result<EngineRequ
 /// `num_blocks` blocks may hold, at most: every block id of its pool, and room for the rest (1024
 /// prefill addresses, a prompt digest, the fields). Decoding holds each value of a frame at once
 /// (32 bytes or so, serde's buffer for an internally tagged enum): a frame of 8M zeros in a
-/// field no message has, 16 MiB of text, took over 500 MiB of the agent's memory to decode.
+/// field no message has, 16 MiB of text, took over 500 MiB of the agent's memory to decode. And
+/// never more than the agent's room for engines' frames holds
+/// ([`crate::frame_budget::ENGINE_FRAMES`], 4M values): `num_blocks` is the engine's to choose.
 pub fn max_request_values(num_blocks: u32) -> usize {
-    (num_blocks as usize).saturating_add(16384)
+    (num_blocks as usize)
+        .saturating_add(16384)
+        .min(crate::frame_budget::ENGINE_FRAMES / crate::wire::VALUE_COST)
 }
 
 /// Decodes a registered engine's frame of at most `max_values` JSON values
-/// ([`max_request_values`]), counted first in one pass that keeps none of them. Err: the
-/// request it names, when it names one as a string, and what is wrong (cut and escaped).
-pub fn decode_request(frame: &[u8], max_values: usize) -> Result<EngineRequest, (Option<String>, String)> {
+/// ([`max_request_values`]), counted first in one pass that keeps none of them; `room` is given
+/// the bytes decoding will hold ([`crate::wire::VALUE_COST`] per value) and what it returns (a
+/// [`crate::frame_budget::Charge`]) is held while the frame decodes. Err: the request it names,
+/// when it names one as a string, and what is wrong (cut and escaped).
+pub fn decode_request<G>(
+    frame: &[u8],
+    max_values: usize,
+    room: impl FnOnce(usize) -> Result<G, String>,
+) -> Result<EngineRequest, (Option<String>, String)> {
     let head = scan::head(frame).map_err(|e| (None, crate::reason::peer_text(&format!("malformed message: {e}"))))?;
     let kind = head.kind.as_deref().unwrap_or("message");
     if head.values > max_values {
@@ -366,6 +376,7 @@ pub fn decode_request(frame: &[u8], max_values: usize) -> Result<EngineRequest, 
         );
         return Err((head.request, why));
     }
+    let _room = room(head.values.saturating_mul(crate::wire::VALUE_COST)).map_err(|why| (head.request.clone(), why))?;
     serde_json::from_slice(frame).map_err(|e| {
         (
             head.request.clone(),
@@ -1031,6 +1042,11 @@ mod tests {
         assert!(resolve(&r, None).expect_err("none").contains("names none"));
     }
 
+    /// Decoding with no room asked for (the budget's own tests are in `frame_budget`).
+    fn free(_cost: usize) -> Result<(), String> {
+        Ok(())
+    }
+
     #[test]
     fn a_frame_is_decoded_only_within_its_values_and_a_refusal_names_its_request() {
         let cancel = |pad: usize, tail: &str| {
@@ -1039,14 +1055,14 @@ mod tests {
         // The object, type, request, pad and its elements: counted whatever the fields' order.
         let within = cancel(6, r#","request":"r""#);
         assert_eq!(
-            decode_request(&within, 10),
+            decode_request(&within, 10, free),
             Ok(EngineRequest::Cancel { request: "r".into() })
         );
-        let (request, e) = decode_request(&within, 9).expect_err("over");
+        let (request, e) = decode_request(&within, 9, free).expect_err("over");
         assert_eq!(request.as_deref(), Some("r"), "found after the values it counted");
         assert!(e.contains("Cancel holds 10 JSON values; at most 9"), "{e}");
         let max = max_request_values(1000);
-        let (request, e) = decode_request(&cancel(max, r#","request":"big""#), max).expect_err("over");
+        let (request, e) = decode_request(&cancel(max, r#","request":"big""#), max, free).expect_err("over");
         assert_eq!(request.as_deref(), Some("big"));
         assert!(e.contains(&format!("at most {max}")), "{e}");
         // Every request of a pool of 1000 blocks naming each of them, with 1024 prefills.
@@ -1061,10 +1077,10 @@ mod tests {
             prompt: Some(PromptDigest([7; 32])),
         })
         .expect("json");
-        assert!(decode_request(&every, max).is_ok());
+        assert!(decode_request(&every, max, free).is_ok());
         // Not JSON, not an object, trailing bytes: no request named.
         for bad in [&b"{"[..], b"[1]", b"{\"type\":\"Cancel\",\"request\":\"r\"} x"] {
-            let (request, e) = decode_request(bad, max).expect_err("malformed");
+            let (request, e) = decode_request(bad, max, free).expect_err("malformed");
             assert!(request.is_none() && e.contains("malformed"), "{e}");
         }
     }
@@ -1077,12 +1093,12 @@ mod tests {
         };
         let good = "ab".repeat(32);
         let frame = |prompt: &str| serde_json::to_vec(&frame(prompt)).expect("json");
-        match decode_request(&frame(&good), 100) {
+        match decode_request(&frame(&good), 100, free) {
             Ok(EngineRequest::ExpectKv { prompt: Some(p), .. }) => assert_eq!(p, PromptDigest([0xab; 32])),
             other => panic!("{other:?}"),
         }
         for (bad, why) in [("ab".repeat(31), "32 bytes, not 31"), ("zz".repeat(32), "invalid hex")] {
-            let (request, e) = decode_request(&frame(&bad), 100).expect_err("refused");
+            let (request, e) = decode_request(&frame(&bad), 100, free).expect_err("refused");
             assert_eq!(request.as_deref(), Some("r"));
             assert!(e.contains(why), "{e}");
         }

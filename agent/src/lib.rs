@@ -19,6 +19,7 @@ pub mod bench;
 pub mod checksum;
 pub mod cli;
 pub mod engine_api;
+pub mod frame_budget;
 pub mod gpu_check;
 pub mod layout;
 pub mod loopback;

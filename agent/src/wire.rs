@@ -84,12 +84,6 @@ pub fn read_frame_max<T: DeserializeOwned>(r: &mut impl Read, max: usize) -> Res
     serde_json::from_slice(&body).map_err(|e| FrameError::Malformed(e.to_string()))
 }
 
-/// Reads one frame's bytes, of at most `max` (the length is checked before anything is
-/// allocated), for a caller that checks them before it decodes them.
-pub fn read_frame_bytes(r: &mut impl Read, max: usize) -> Result<Vec<u8>, FrameError> {
-    read_body(r, max)
-}
-
 fn read_body(r: &mut impl Read, max: usize) -> Result<Vec<u8>, FrameError> {
     read_body_by(r, max, |_| Ok(())).map(|(body, ())| body)
 }
@@ -466,6 +460,38 @@ impl Read for UnixDeadline<'_> {
     }
 }
 
+/// A registered engine's frame of at most `max` bytes: its length waited for as long as the
+/// engine likes (it may be idle), then `admit` asked for room for that length, then its body read
+/// within `body_within` (an engine that sends a length and trickles the rest holds that room only
+/// so long). What `admit` returned comes back with the body.
+pub fn read_engine_frame<G>(
+    stream: &std::os::unix::net::UnixStream,
+    max: usize,
+    body_within: std::time::Duration,
+    admit: impl FnOnce(usize) -> Result<G, String>,
+) -> Result<(Vec<u8>, G), FrameError> {
+    stream.set_read_timeout(None)?;
+    let mut len = [0u8; 4];
+    match (&mut &*stream).read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
+        Err(e) => return Err(e.into()),
+    }
+    let n = u32::from_be_bytes(len) as usize;
+    if n == 0 || n > max.min(MAX_FRAME) {
+        return Err(FrameError::BadLength(n));
+    }
+    let admitted = admit(n).map_err(|e| FrameError::Io(io::Error::new(io::ErrorKind::OutOfMemory, e)))?;
+    let mut timed = UnixDeadline {
+        stream,
+        until: Some(Instant::now() + body_within),
+    };
+    let mut body = vec![0u8; n];
+    timed.read_exact(&mut body)?;
+    stream.set_read_timeout(None)?;
+    Ok((body, admitted))
+}
+
 /// [`read_frame_fds`], every read done by `until` when set (a sender that trickles bytes runs out
 /// of time however it paces them).
 #[allow(unsafe_code)]
@@ -557,6 +583,41 @@ mod tests {
         a: u32,
         #[serde(with = "hex_bytes")]
         b: Vec<u8>,
+    }
+
+    #[test]
+    fn an_engine_frames_length_waits_as_long_as_the_engine_likes_and_its_body_only_so_long() {
+        use std::os::unix::net::UnixStream;
+        let (ours, mut theirs) = UnixStream::pair().expect("pair");
+        // Idle past the body's time, then a whole frame: read.
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            theirs.write_all(&3u32.to_be_bytes()).expect("length");
+            theirs.write_all(b"{}x").expect("body");
+            // A length, then a body that never comes: the room it was given is held so long.
+            theirs.write_all(&100u32.to_be_bytes()).expect("length");
+            theirs.write_all(b"{").expect("a byte");
+            theirs
+        });
+        let within = std::time::Duration::from_millis(200);
+        let (body, admitted) = read_engine_frame(&ours, 16, within, Ok::<usize, String>).expect("a frame");
+        assert_eq!((body.as_slice(), admitted), (&b"{}x"[..], 3));
+        // On a thread: without the body's deadline the read never ends.
+        let (done, stalled) = std::sync::mpsc::channel();
+        let reader = ours.try_clone().expect("clone");
+        std::thread::spawn(move || {
+            let _ = done.send(read_engine_frame(&reader, 1000, within, Ok::<usize, String>).map(drop));
+        });
+        let e = stalled
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("the stalled body ended within its time")
+            .expect_err("the body stalls");
+        assert!(e.timed_out(), "{e}");
+        // Refused from its length, before its room is asked for.
+        let mut theirs = sender.join().expect("sender");
+        theirs.write_all(&17u32.to_be_bytes()).expect("length");
+        let e = read_engine_frame(&ours, 16, within, |_| -> Result<(), String> { panic!("asked") });
+        assert!(matches!(e, Err(FrameError::BadLength(17))), "{e:?}");
     }
 
     #[test]

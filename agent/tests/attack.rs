@@ -4047,6 +4047,67 @@ fn a_frame_of_many_small_values_costs_the_agent_about_its_length_not_many_times_
 }
 
 #[test]
+fn engines_sending_their_costliest_frames_at_once_are_decoded_one_after_another() {
+    // Each engine's frames were bounded by its own pool, which the engine chooses, and each
+    // engine's session reads on its own thread: four engines of one Pod (it may run 32) sending
+    // frames of 4M values at once decoded them together, each holding its values in serde's
+    // buffer, and took the agent's memory far past its limit in the chart (1 GiB): its kill ends
+    // every engine's transfers on the node. Now large frames take room from one budget over all
+    // engines (`frame_budget`), the most a frame can cost before its body is read.
+    use pdpair_agent::engine_api::max_request_values;
+    let _serial = serial();
+    let w = World::new("attack-frames-at-once");
+    let (agent, socket) = ProcessAgent::start(&w, "a");
+    let mut g = kv(1, None);
+    (g.layers, g.kv_heads, g.head_dim) = (1, 1, 1);
+    let engines: Vec<SyntheticEngine> = (0..4)
+        .map(|i| {
+            let mut s = spec(Role::Decode, &format!("d{i}"), g.clone(), KEY, ChecksumPolicy::Disabled);
+            s.num_blocks = 4_200_000;
+            SyntheticEngine::register(&socket, &w.dir, &s).expect("engine")
+        })
+        .collect();
+    let values = max_request_values(4_200_000);
+    assert_eq!(values, 4 << 20, "the room's bound, under the pools'");
+    let head = br#"{"type":"Cancel","request":"x","pad":[0"#;
+    let mut frame = head.to_vec();
+    while frame.len() < head.len() + 2 * (values - 8) {
+        frame.extend_from_slice(b",0");
+    }
+    frame.extend_from_slice(b"]}");
+    let before = vm_hwm_kib(agent.0.id());
+    let senders: Vec<_> = engines
+        .iter()
+        .map(|d| {
+            let mut raw = d.events().expect("stream").try_clone().expect("clone");
+            let frame = frame.clone();
+            std::thread::spawn(move || {
+                raw.write_all(&(frame.len() as u32).to_be_bytes()).expect("length");
+                raw.write_all(&frame).expect("frame");
+            })
+        })
+        .collect();
+    for s in senders {
+        s.join().expect("sent");
+    }
+    for mut d in engines {
+        d.send(&EngineRequest::Capabilities).expect("send");
+        loop {
+            // Other events: the Cancel's answer (the frame was read, and the engine stays).
+            if let AgentEvent::Capabilities { .. } = d.next_event().expect("an answer") {
+                break;
+            }
+        }
+    }
+    let grew_mib = vm_hwm_kib(agent.0.id()).saturating_sub(before) >> 10;
+    println!(
+        "agent peak grew {grew_mib} MiB for 4 frames of {} bytes, {values} values each, at once",
+        frame.len()
+    );
+    assert!(grew_mib < 300, "the agent's peak memory grew {grew_mib} MiB");
+}
+
+#[test]
 fn an_insider_cannot_make_an_agent_dial_its_stream_where_no_agent_listens() {
     // A handshake's KV stream address (`pdpair-tcp:IP:PORT`) was dialled as given: an insider
     // holding the pair's key named a node service on loopback, or the metadata address, and

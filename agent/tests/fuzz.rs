@@ -90,16 +90,16 @@ proptest! {
         let _ = wire::read_frame::<EngineRequest>(&mut input.as_slice());
         let _ = wire::read_frame_max::<Message>(&mut input.as_slice(), wire::MAX_PREAUTH_FRAME);
         let _ = wire::read_sealed::<Message>(&mut input.as_slice(), &mut Opener::new(key), wire::MAX_FRAME);
-        let _ = pdpair_agent::engine_api::decode_request(&input, 64);
+        let _ = pdpair_agent::engine_api::decode_request(&input, 64, |_| Ok::<(), String>(()));
     }
 
     /// A registered engine's decoder counts the values of JSON of any shape without panicking,
     /// and takes what serde takes within the bound.
     #[test]
     fn an_engines_frames_decode_as_serde_decodes_them(json in "[\\[\\]{}\",:0-9a-z ]{0,200}", max in 0usize..64) {
-        let ours = pdpair_agent::engine_api::decode_request(json.as_bytes(), usize::MAX).ok();
+        let ours = pdpair_agent::engine_api::decode_request(json.as_bytes(), usize::MAX, |_| Ok::<(), String>(())).ok();
         prop_assert_eq!(ours, serde_json::from_str::<EngineRequest>(&json).ok());
-        let _ = pdpair_agent::engine_api::decode_request(json.as_bytes(), max);
+        let _ = pdpair_agent::engine_api::decode_request(json.as_bytes(), max, |_| Ok::<(), String>(()));
     }
 
     /// A frame sealed with one key opens with it, in order, and with no other key.
