@@ -4108,6 +4108,42 @@ fn engines_sending_their_costliest_frames_at_once_are_decoded_one_after_another(
 }
 
 #[test]
+fn a_prefill_engine_cancelling_ids_it_never_made_ready_costs_its_agent_little() {
+    // The agent remembers ended requests for a lease, 65536 of them per engine, to refuse late
+    // registrations. It kept each id twice, as given (up to 512 bytes): 75 MB an engine that
+    // cancels ids it never made, and one Pod may run 32. Now a keyed hash of each.
+    use pdpair_agent::agent::MAX_GONE;
+    let _serial = serial();
+    let w = World::new("attack-gone");
+    let (agent, socket) = ProcessAgent::start(&w, "a");
+    let s = spec(Role::Prefill, "p0", kv(16, None), KEY, ChecksumPolicy::Disabled);
+    let mut p = SyntheticEngine::register(&socket, &w.dir, &s).expect("engine");
+    let mut events = p.events().expect("stream").try_clone().expect("clone");
+    let drained = std::thread::spawn(move || {
+        let mut cancelled = 0;
+        while cancelled < MAX_GONE {
+            match pdpair_agent::wire::read_frame::<AgentEvent>(&mut events) {
+                Ok(AgentEvent::Cancelled { .. }) => cancelled += 1,
+                Ok(other) => panic!("{other:?}"),
+                Err(e) => panic!("{e}"),
+            }
+        }
+    });
+    let before = vm_hwm_kib(agent.0.id());
+    let pad = "x".repeat(500);
+    for i in 0..MAX_GONE {
+        p.send(&EngineRequest::Cancel {
+            request: format!("{pad}{i:08}"),
+        })
+        .expect("send");
+    }
+    drained.join().expect("every cancel answered");
+    let grew_mib = vm_hwm_kib(agent.0.id()).saturating_sub(before) >> 10;
+    println!("agent peak grew {grew_mib} MiB for {MAX_GONE} cancels of 508-byte ids");
+    assert!(grew_mib < 24, "the agent's peak memory grew {grew_mib} MiB");
+}
+
+#[test]
 fn an_insider_cannot_make_an_agent_dial_its_stream_where_no_agent_listens() {
     // A handshake's KV stream address (`pdpair-tcp:IP:PORT`) was dialled as given: an insider
     // holding the pair's key named a node service on loopback, or the metadata address, and
