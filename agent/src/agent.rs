@@ -235,6 +235,18 @@ pub const MAX_REMEMBERED: usize = 4096;
 /// made its agent keep 1024 copies.
 pub const MAX_LIVE_BLOCKS: usize = 16 << 20;
 
+/// What a decode request costs its agent for each prefill it names besides its block ids, in
+/// block ids (4 bytes each): the prefill's address, its link's window and registration, the
+/// request's entry on that link (about 150-260 bytes). Counted as 64 block ids: a request of 1
+/// block naming 1024 prefills counted 1024, and 16384 of them held 2-4 GB.
+pub const PER_PREFILL: usize = 64;
+
+/// The block ids a decode request of `blocks` blocks naming `prefills` prefills counts for
+/// ([`MAX_LIVE_BLOCKS`]): each prefill's link keeps a copy, and [`PER_PREFILL`] more.
+pub fn decode_held(blocks: usize, prefills: usize) -> usize {
+    blocks.saturating_add(PER_PREFILL).saturating_mul(prefills)
+}
+
 /// Whether an engine holding `requests` requests of `blocks` block ids in all may take one more
 /// of `more` blocks; `Err` says which bound it would pass.
 pub fn live_room(requests: usize, blocks: usize, more: usize) -> Result<(), String> {

@@ -3996,6 +3996,55 @@ fn a_requests_block_ids_count_once_for_each_prefill_it_names() {
 }
 
 #[test]
+fn a_request_naming_many_prefills_counts_what_each_costs_besides_its_blocks() {
+    // Each prefill a decode request names costs its agent an address, a link window, a
+    // registration and an entry (150-260 bytes) besides the block ids: requests of 1 block
+    // naming many prefills counted 1 id each, and 16384 of them naming 1024 held 2-4 GB. Now
+    // each prefill counts PER_PREFILL ids more: requests of 1 block naming 64 prefills are
+    // refused `Busy` past MAX_LIVE_BLOCKS, long before MAX_LIVE_REQUESTS.
+    use pdpair_agent::agent::{MAX_DIALS, MAX_LIVE_BLOCKS, MAX_LIVE_REQUESTS, PER_PREFILL};
+    let _serial = serial();
+    let w = World::new("attack-per-prefill");
+    let ds = w.agent("d", Transport::Tcp, false);
+    let mut s = spec(Role::Decode, "d0", kv(16, None), KEY, ChecksumPolicy::Disabled);
+    (s.lease_ms, s.handshake_timeout_ms) = (60_000, 60_000);
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &s).expect("engine");
+    d.events()
+        .expect("events")
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    // Listeners that never answer: every request waits on its dials for the handshake timeout.
+    let silent: Vec<TcpListener> = (0..MAX_DIALS)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("listener"))
+        .collect();
+    let prefills: Vec<String> = silent
+        .iter()
+        .map(|l| l.local_addr().expect("addr").to_string())
+        .collect();
+    let fit = MAX_LIVE_BLOCKS / ((1 + PER_PREFILL) * MAX_DIALS);
+    assert!(fit < MAX_LIVE_REQUESTS / 2, "the ids' bound comes first");
+    for i in 0..=fit {
+        d.send(&EngineRequest::ExpectKvFrom {
+            request: format!("r{i}"),
+            prefills: prefills.clone(),
+            blocks: vec![0],
+            num_tokens: 1,
+            first_token: 0,
+            prompt: None,
+        })
+        .expect("send");
+    }
+    let event = d.next_event().expect("an answer");
+    let want = format!("r{fit}");
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { request, reasons, message }
+            if *request == want && reasons == &["Busy".to_owned()]
+                && message.contains(&format!("would pass {MAX_LIVE_BLOCKS}"))),
+        "{event:?}"
+    );
+}
+
+#[test]
 fn a_frame_of_many_small_values_costs_the_agent_about_its_length_not_many_times_it() {
     // A registered engine's frames may be as long as every block id of its pool (16 MiB for a
     // pool of 1.3M blocks, which tiny blocks make cheap). Parsed as a JSON tree and again into

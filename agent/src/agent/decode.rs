@@ -138,7 +138,7 @@ impl Engine {
             lock(&self.cancelled).insert(
                 request.to_owned(),
                 Cancelling {
-                    held: p.blocks.len().saturating_mul(p.prefills.len()),
+                    held: super::decode_held(p.blocks.len(), p.prefills.len()),
                     waiting: writers.clone(),
                     reading: p.reading.iter().filter(|a| writers.contains(a)).cloned().collect(),
                     links: p.links.clone(),
@@ -377,13 +377,13 @@ impl Engine {
                 let cancelled = lock(&self.cancelled);
                 let held = pending
                     .values()
-                    .map(|p| p.blocks.len().saturating_mul(p.prefills.len()))
+                    .map(|p| super::decode_held(p.blocks.len(), p.prefills.len()))
                     .chain(cancelled.values().map(|c| c.held))
                     .fold(0usize, usize::saturating_add);
                 (pending.len().saturating_add(cancelled.len()), held)
             };
             let full = match taken {
-                None => super::live_room(requests, held, want.blocks.len().saturating_mul(prefills.len())).err(),
+                None => super::live_room(requests, held, super::decode_held(want.blocks.len(), prefills.len())).err(),
                 Some(_) => None,
             };
             if taken.is_none() && full.is_none() {
