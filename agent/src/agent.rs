@@ -868,34 +868,45 @@ impl Agent {
         }
         let max_frame = crate::engine_api::max_request_frame(engine.reg.num_blocks);
         let max_values = crate::engine_api::max_request_values(engine.reg.num_blocks);
+        // Whose frames these are, for the room's turns: the engine's Pod where it is attested.
+        let frame_owner = match &engine.dial_owner {
+            dials::DialOwner::Pod(uid) => format!("pod {uid}"),
+            dials::DialOwner::Engine(id) => format!("engine {id}"),
+        };
         loop {
             // Large frames take room from the agent's, over every engine (`frame_budget`).
             let budget = &self.shared.engine_frames;
             let read = wire::read_engine_frame(&reader, max_frame, crate::frame_budget::BODY_WITHIN, |n| {
-                budget.for_frame(n, max_values)
+                budget.for_frame(&frame_owner, n, max_values)
             });
             let frame = match read {
-                Ok((frame, mut room)) => match crate::engine_api::decode_request(&frame, max_values, |cost| {
-                    room.shrink_to(frame.len().max(cost));
-                    Ok::<(), String>(())
-                }) {
-                    Ok(request) => match request.request_id().map(crate::engine_api::check_request_id) {
-                        Some(Err(why)) => {
-                            let id = request.request_id().unwrap_or_default().to_owned();
-                            engine.refuse(id, vec![Reason::InvalidRequest], why);
+                Ok((bytes, mut room)) => {
+                    let decoded = crate::engine_api::decode_request(&bytes, max_values, |cost| {
+                        room.shrink_to(cost);
+                        Ok::<(), String>(())
+                    });
+                    // The room goes before anything is sent back: an engine that does not read
+                    // its events holds none while the agent waits to write to it.
+                    drop((room, bytes));
+                    match decoded {
+                        Ok(request) => match request.request_id().map(crate::engine_api::check_request_id) {
+                            Some(Err(why)) => {
+                                let id = request.request_id().unwrap_or_default().to_owned();
+                                engine.refuse(id, vec![Reason::InvalidRequest], why);
+                                continue;
+                            }
+                            _ => Ok(request),
+                        },
+                        // A request that does not decode is refused on its own (the engine's
+                        // other requests go on); one that does not even name its request ends
+                        // the connection, the only way left to tell the engine.
+                        Err((Some(request), why)) => {
+                            engine.refuse(request, vec![Reason::InvalidRequest], why);
                             continue;
                         }
-                        _ => Ok(request),
-                    },
-                    // A request that does not decode is refused on its own (the engine's other
-                    // requests go on); one that does not even name its request ends the
-                    // connection, the only way left to tell the engine.
-                    Err((Some(request), why)) => {
-                        engine.refuse(request, vec![Reason::InvalidRequest], why);
-                        continue;
+                        Err((None, why)) => Err(wire::FrameError::Malformed(why)),
                     }
-                    Err((None, why)) => Err(wire::FrameError::Malformed(why)),
-                },
+                }
                 Err(e) => Err(e),
             };
             match frame {
@@ -970,6 +981,17 @@ impl Agent {
                 Ok(EngineRequest::Capabilities) => send(&writer, &self.capabilities()),
                 Err(wire::FrameError::BadLength(n)) if n > max_frame => {
                     tracing::warn!(engine = %engine.reg.engine, bytes = n, "engine sent a frame over {max_frame} bytes (room for every block id of its pool); closed its connection");
+                    break;
+                }
+                // No room for its frame in time, or its body did not come: the frame cannot be
+                // skipped unread, so the connection goes (the connector registers again).
+                Err(wire::FrameError::Io(e))
+                    if e.kind() == std::io::ErrorKind::OutOfMemory
+                        || e.kind() == std::io::ErrorKind::WouldBlock
+                        || e.kind() == std::io::ErrorKind::TimedOut =>
+                {
+                    self.shared.metrics.engine_frames_refused();
+                    tracing::warn!(engine = %engine.reg.engine, error = %e, "closed an engine's connection: its frame got no room in time, or its body did not come within {:?}", crate::frame_budget::BODY_WITHIN);
                     break;
                 }
                 Err(e) => {

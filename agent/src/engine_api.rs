@@ -349,18 +349,18 @@ pub fn decode_before_registration(frame: serde_json::Value) -> Result<EngineRequ
 /// prefill addresses, a prompt digest, the fields). Decoding holds each value of a frame at once
 /// (32 bytes or so, serde's buffer for an internally tagged enum): a frame of 8M zeros in a
 /// field no message has, 16 MiB of text, took over 500 MiB of the agent's memory to decode. And
-/// never more than the agent's room for engines' frames holds
-/// ([`crate::frame_budget::ENGINE_FRAMES`], 4M values): `num_blocks` is the engine's to choose.
+/// never more than [`crate::frame_budget::MAX_VALUES`] (786432), what the agent's room for
+/// engines' frames holds: `num_blocks` is the engine's to choose.
 pub fn max_request_values(num_blocks: u32) -> usize {
     (num_blocks as usize)
         .saturating_add(16384)
-        .min(crate::frame_budget::ENGINE_FRAMES / crate::wire::VALUE_COST)
+        .min(crate::frame_budget::MAX_VALUES)
 }
 
 /// Decodes a registered engine's frame of at most `max_values` JSON values
 /// ([`max_request_values`]), counted first in one pass that keeps none of them; `room` is given
-/// the bytes decoding will hold ([`crate::wire::VALUE_COST`] per value) and what it returns (a
-/// [`crate::frame_budget::Charge`]) is held while the frame decodes. Err: the request it names,
+/// the bytes decoding will hold at most ([`crate::frame_budget::cost`]) and what it returns is
+/// held while the frame decodes. Err: the request it names,
 /// when it names one as a string, and what is wrong (cut and escaped).
 pub fn decode_request<G>(
     frame: &[u8],
@@ -376,7 +376,7 @@ pub fn decode_request<G>(
         );
         return Err((head.request, why));
     }
-    let _room = room(head.values.saturating_mul(crate::wire::VALUE_COST)).map_err(|why| (head.request.clone(), why))?;
+    let _room = room(crate::frame_budget::cost(frame.len(), head.values)).map_err(|why| (head.request.clone(), why))?;
     serde_json::from_slice(frame).map_err(|e| {
         (
             head.request.clone(),

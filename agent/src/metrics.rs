@@ -20,6 +20,7 @@ pub struct Metrics {
     checksums: IntCounterVec,
     leases: IntCounterVec,
     foreign: IntCounterVec,
+    frames_refused: IntCounterVec,
     transfer_seconds: Histogram,
     reject_seconds: Histogram,
     /// Engines registered now.
@@ -66,6 +67,11 @@ impl Metrics {
                 &["outcome"],
             ),
             leases: counter("lease_expiries_total", "Prefill holds that expired", &[]),
+            frames_refused: counter(
+                "engine_frames_refused_total",
+                "Engine connections closed because a large frame got no room in time (frame_budget), or its body did not come in time",
+                &[],
+            ),
             foreign: counter(
                 "foreign_answers_total",
                 "Answers (Complete, Ready, Failed, Released) ignored because the link does not own the request",
@@ -104,6 +110,7 @@ impl Metrics {
             Box::new(m.checksums.clone()),
             Box::new(m.leases.clone()),
             Box::new(m.foreign.clone()),
+            Box::new(m.frames_refused.clone()),
             Box::new(m.transfer_seconds.clone()),
             Box::new(m.reject_seconds.clone()),
             Box::new(m.registrations.clone()),
@@ -161,6 +168,11 @@ impl Metrics {
     /// Counts a checksum outcome.
     pub fn checksum(&self, outcome: Outcome) {
         self.checksums.with_label_values(&[&format!("{outcome:?}")]).inc();
+    }
+
+    /// Counts an engine connection closed for a frame with no room, or whose body did not come.
+    pub fn engine_frames_refused(&self) {
+        self.frames_refused.with_label_values::<&str>(&[]).inc();
     }
 
     /// Counts an expired lease.

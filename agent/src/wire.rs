@@ -599,8 +599,9 @@ mod tests {
             theirs.write_all(b"{").expect("a byte");
             theirs
         });
-        let within = std::time::Duration::from_millis(200);
-        let (body, admitted) = read_engine_frame(&ours, 16, within, Ok::<usize, String>).expect("a frame");
+        // Seconds for a body that comes at once; a moment for the one that never does.
+        let (whole, within) = (std::time::Duration::from_secs(5), std::time::Duration::from_millis(200));
+        let (body, admitted) = read_engine_frame(&ours, 16, whole, Ok::<usize, String>).expect("a frame");
         assert_eq!((body.as_slice(), admitted), (&b"{}x"[..], 3));
         // On a thread: without the body's deadline the read never ends.
         let (done, stalled) = std::sync::mpsc::channel();
