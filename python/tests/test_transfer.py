@@ -729,3 +729,15 @@ def test_a_receive_from_several_prefill_ranks_and_its_cancel_wait_their_linking_
     time.sleep(0.5)
     w.poll()
     assert "did not answer the cancel 'a-r'" in w.lost, w.lost
+
+
+def test_an_engine_name_too_long_for_the_agent_is_cut_with_a_hash_of_the_whole():
+    from pdpair_vllm.connector import MAX_ENGINE_NAME, engine_name
+
+    assert engine_name("pod-abc", "9f1c", 3) == "pod-abc-9f1c-r3"
+    long_id = "e" * 300
+    a, b = engine_name("pod", long_id, 0), engine_name("pod", long_id + "x", 0)
+    assert len(a.encode()) <= MAX_ENGINE_NAME and a.endswith("-r0") and a.startswith("pod-eee")
+    assert a != b, "names that differ past the cut stay apart"
+    assert engine_name("pod", long_id, 1) != a
+    assert len(engine_name("p" * 100, "é" * 200, 7).encode()) <= MAX_ENGINE_NAME

@@ -22,6 +22,7 @@ handshake_timeout_ms, lease_ms: outside a cluster, where the agent cannot read t
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import logging
@@ -115,6 +116,23 @@ def _extra(vllm_config) -> dict:
     cfg = vllm_config.kv_transfer_config
     extra = getattr(cfg, "kv_connector_extra_config", None) or {}
     return dict(extra)
+
+
+#: The longest engine name the agent takes (``MAX_ENGINE_NAME`` in its engine API).
+MAX_ENGINE_NAME = 253
+
+
+def engine_name(host: str, engine_id: str, rank: int) -> str:
+    """The name this rank registers under: ``<host>-<engine_id>-r<rank>``; where that is longer
+    than the agent takes (a long ``engine_id``, a long bare pod name), its start and a hash of
+    the whole, so names stay apart and fit."""
+    name = f"{host}-{engine_id}-r{rank}"
+    if len(name.encode()) <= MAX_ENGINE_NAME:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    tail = f"-{digest}-r{rank}"
+    head = name.encode()[:MAX_ENGINE_NAME - len(tail)].decode(errors="ignore")
+    return head + tail
 
 
 def _role(vllm_config, extra: dict) -> str:
@@ -301,7 +319,7 @@ class PdpairConnector(KVConnectorBase_V1):
         # are engines of their own, each with its whole KV cache (the PDEndpoint says how many).
         data = int(getattr(self._vllm_config.parallel_config, "data_parallel_size", 1) or 1)
         reg = agent_client.registration(
-            pdpair=self._pdpair(), role=role, engine=f"{self._host()}-{self._engine_id}-r{rank}", kv=kv,
+            pdpair=self._pdpair(), role=role, engine=engine_name(self._host(), self._engine_id, rank), kv=kv,
             num_blocks=num_blocks, pairing_key=self._pairing_key(), tensor=tp, tensor_rank=rank, data=data,
             pod=os.environ.get("PDPAIR_POD_NAME"), **dict(self._extra.get("settings") or {}),
         )
