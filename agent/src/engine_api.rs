@@ -539,6 +539,22 @@ pub const MAX_STAGING: usize = 1024;
 /// kept in the side-channel claims record, whose size is bounded, and in every log line.
 pub const MAX_ENGINE_NAME: usize = 253;
 
+/// `name` where it is within [`MAX_ENGINE_NAME`] bytes, else its start and a hash of the whole
+/// (names that differ past the cut stay apart), as the vLLM connector names its ranks.
+pub fn engine_name_within(name: String) -> String {
+    use sha2::Digest;
+    if name.len() <= MAX_ENGINE_NAME {
+        return name;
+    }
+    let digest = sha2::Sha256::digest(name.as_bytes());
+    let tail: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let mut cut = MAX_ENGINE_NAME - tail.len() - 1;
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}-{tail}", &name[..cut])
+}
+
 /// The longest `pdpair` a registration may give: `namespace/name`, each a DNS label.
 pub const MAX_PDPAIR_NAME: usize = 63 + 1 + 63;
 
@@ -947,6 +963,15 @@ mod tests {
     fn transfer() -> pdpair_api::TransferSpec {
         serde_json::from_value(serde_json::json!({"mode": "Push", "checksum": "FailClosed", "handshakeTimeout": "5s", "leaseDuration": "30s"}))
             .expect("transfer")
+    }
+
+    #[test]
+    fn a_long_engine_name_is_cut_with_a_hash_of_the_whole() {
+        assert_eq!(engine_name_within("pod-12".into()), "pod-12");
+        let long = format!("{}-1", "p".repeat(253));
+        let (a, b) = (engine_name_within(long.clone()), engine_name_within(format!("{long}2")));
+        assert!(a.len() <= MAX_ENGINE_NAME && a.starts_with("ppp") && a != b, "{a} {b}");
+        assert!(engine_name_within("é".repeat(200)).len() <= MAX_ENGINE_NAME);
     }
 
     #[test]

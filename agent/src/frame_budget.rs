@@ -10,8 +10,9 @@
 //! what it does cost once its values are counted, until it is decoded. Its body must arrive
 //! within [`BODY_WITHIN`] of its length, so an engine that sends a length and trickles the rest
 //! holds room only that long. Room goes to the waiting frame whose owner (the engine's Pod, or
-//! the engine) holds least, then to the one waiting longest: an insider's engines cannot keep
-//! another Pod's frame waiting past the next frame to end. A frame that waits [`WAIT`] for room
+//! the engine) holds least, then to the one waiting longest: one Pod's engines, however many
+//! frames they send, cannot keep another Pod's frame waiting past the next frame to end (frames
+//! of many Pods that came first each take their turn). A frame that waits [`WAIT`] for room
 //! ends its engine's connection (its body cannot be skipped unread).
 
 use std::{
@@ -33,8 +34,10 @@ pub const ENGINE_FRAMES: usize = 128 << 20;
 /// and the typed message's element with its own allocation (64).
 pub const VALUE_COST: usize = 128;
 
-/// How long a frame waits for room before its engine's connection is closed.
-pub const WAIT: Duration = Duration::from_secs(60);
+/// How long a frame waits for room before its engine's connection is closed: within the vLLM
+/// connector's 30 s for a send (its step waits on a frame the agent does not read), so the agent
+/// closes first and says why.
+pub const WAIT: Duration = Duration::from_secs(20);
 
 /// How long a frame's body may take to arrive once its length did.
 pub const BODY_WITHIN: Duration = Duration::from_secs(10);

@@ -123,11 +123,11 @@ pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError>
         pdpair: format!("{}/{}", env("PDPAIR_NAMESPACE")?, env("PDPAIR_NAME")?),
         role,
         // Unique on the node: the Pod's name (and a second engine of a one-shot request).
-        engine: if one_shot {
+        engine: crate::engine_api::engine_name_within(if one_shot {
             format!("{pod}-{}", std::process::id())
         } else {
             pod.clone()
-        },
+        }),
         pod: Some(pod),
         mode: None,
         checksum: None,

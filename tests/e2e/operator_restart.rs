@@ -277,10 +277,11 @@ fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back()
         applies,
         "no Deployment applied again for an unchanged plan"
     );
-    // Not asked again per heartbeat (5 more without the fix): once a resync.
+    // Not asked again per heartbeat (5 more without the fix): once a resync, which may fall in
+    // these seconds on a slow run.
     let asked = op.counter("pdpair_operator_pairing_secret_checks_total") - secrets;
-    assert_eq!(
-        asked, 0,
+    assert!(
+        asked <= 1,
         "the pairing Secret asked for {asked} times more in 5 heartbeats, not once a resync"
     );
     // Someone changes a Deployment: the plan is applied to it again.
