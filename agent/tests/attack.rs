@@ -1925,7 +1925,7 @@ fn a_prefill_that_never_answers_a_cancel_loses_its_link_and_the_engine_hears_can
 fn a_release_queued_behind_a_backlog_reaches_prefill_after_the_decode_engine_leaves() {
     let _serial = serial();
     // A decode engine cancels a request and leaves at once while its link to prefill holds a
-    // backlog (here the registration of a request of a million blocks, to a prefill that reads
+    // backlog (here the registration of a request of 786368 blocks, to a prefill that reads
     // nothing meanwhile). The Release its cancel queued must still reach prefill once prefill
     // reads again: lost, prefill holds the request's blocks until their lease. (The engine's
     // leaving ends the link's reader; that reader used to close the link, dropping what was
@@ -1940,7 +1940,7 @@ fn a_release_queued_behind_a_backlog_reaches_prefill_after_the_decode_engine_lea
     let mut d = SyntheticEngine::register(&ds, &w.dir, &dspec).expect("decode registers");
     // Prefill's receive buffer fixed (no autotuning): decode's writer blocks once both sockets'
     // buffers are full (decode's send buffer is 4 MiB at most here, tcp_wmem; the registration
-    // is about 8 MiB), and what is queued behind it waits in the link's outbox.
+    // is about 5.6 MB), and what is queued behind it waits in the link's outbox.
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let size: libc::c_int = 256 << 10;
     // SAFETY: a valid socket and a c_int option of its size.
@@ -1978,8 +1978,10 @@ fn a_release_queued_behind_a_backlog_reaches_prefill_after_the_decode_engine_lea
     );
     expect_kv(&mut d, "r", evil.clone(), &[0], 1);
     linked.recv_timeout(Duration::from_secs(10)).expect("linked");
-    let big: Vec<u32> = (1..BLOCKS).collect();
-    expect_kv(&mut d, "big", evil, &big, u64::from(BLOCKS - 1));
+    // As many blocks as a frame may name (the highest ids: the longest numbers), about 5.6 MB.
+    let n = (pdpair_agent::frame_budget::MAX_VALUES - 64) as u32;
+    let big: Vec<u32> = (BLOCKS - n..BLOCKS).collect();
+    expect_kv(&mut d, "big", evil, &big, u64::from(n));
     d.send(&EngineRequest::Cancel { request: "r".into() }).expect("Cancel");
     drop(d);
     gone_tx.send(()).expect("prefill waits");
@@ -1988,7 +1990,7 @@ fn a_release_queued_behind_a_backlog_reaches_prefill_after_the_decode_engine_lea
         .expect("prefill read to the end");
     assert_eq!(
         after,
-        [format!("Register big of {}", BLOCKS - 1), "Release r".into()],
+        [format!("Register big of {n}"), "Release r".into()],
         "the cancel's Release after the registration queued before it"
     );
     let _ = handle.join();
