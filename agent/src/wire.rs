@@ -95,6 +95,19 @@ fn read_body_by<G>(
     max: usize,
     admit: impl FnOnce(usize) -> Result<G, String>,
 ) -> Result<(Vec<u8>, G), FrameError> {
+    let (n, admitted) = read_length(r, max, admit)?;
+    let mut body = vec![0u8; n];
+    r.read_exact(&mut body)?;
+    Ok((body, admitted))
+}
+
+/// A frame's length prefix, checked against `max` (and [`MAX_FRAME`]), then `admit` asked for
+/// room for it: before a byte of the body is read or allocated.
+fn read_length<G>(
+    r: &mut impl Read,
+    max: usize,
+    admit: impl FnOnce(usize) -> Result<G, String>,
+) -> Result<(usize, G), FrameError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Ok(()) => {}
@@ -106,9 +119,7 @@ fn read_body_by<G>(
         return Err(FrameError::BadLength(n));
     }
     let admitted = admit(n).map_err(|e| FrameError::Io(io::Error::new(io::ErrorKind::OutOfMemory, e)))?;
-    let mut body = vec![0u8; n];
-    r.read_exact(&mut body)?;
-    Ok((body, admitted))
+    Ok((n, admitted))
 }
 
 type HmacSha256 = Hmac<Sha256>;
@@ -471,17 +482,7 @@ pub fn read_engine_frame<G>(
     admit: impl FnOnce(usize) -> Result<G, String>,
 ) -> Result<(Vec<u8>, G), FrameError> {
     stream.set_read_timeout(None)?;
-    let mut len = [0u8; 4];
-    match (&mut &*stream).read_exact(&mut len) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
-        Err(e) => return Err(e.into()),
-    }
-    let n = u32::from_be_bytes(len) as usize;
-    if n == 0 || n > max.min(MAX_FRAME) {
-        return Err(FrameError::BadLength(n));
-    }
-    let admitted = admit(n).map_err(|e| FrameError::Io(io::Error::new(io::ErrorKind::OutOfMemory, e)))?;
+    let (n, admitted) = read_length(&mut &*stream, max, admit)?;
     let mut timed = UnixDeadline {
         stream,
         until: Some(Instant::now() + body_within),
