@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 pub mod cuda_ipc;
 pub mod host;
 pub mod lanes;
+pub mod plan;
 pub mod stream;
 pub mod ucx;
 pub mod ucx_probe;

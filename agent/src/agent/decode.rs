@@ -18,7 +18,11 @@ use super::*;
 use crate::{
     engine_api::PromptDigest,
     protocol::{self, HandshakeError, MemoryDesc, Message, Reason, Registration, Session},
-    transport::{OpError, PutOp, stream::Access},
+    transport::{
+        OpError,
+        plan::{Item, Piece, Place, Plan, in_batches},
+        stream::Access,
+    },
     wire::{self, Opener},
 };
 
@@ -1270,7 +1274,7 @@ impl Engine {
             Err((Reason::InvalidRequest, format!("prefill's {e}")))
         } else {
             let p_block = u32::try_from(link.peer.kv.kernel_block_size()).unwrap_or(0);
-            self.pull_ops(
+            self.pull_plan(
                 &link.peer.memory,
                 link.heads,
                 p_block,
@@ -1281,21 +1285,16 @@ impl Engine {
                 num_tokens,
             )
             .map_err(|m| (Reason::TokenRangeNotCovered, m))
-            .and_then(|ops| match link.ucx_peer {
-                Some(peer) => self
-                    .transport()
-                    .get(
-                        peer,
-                        self.regions(),
-                        ops,
-                        deadline.saturating_duration_since(Instant::now()),
-                    )
-                    .map_err(|e| match e {
-                        // The READs were cancelled and the endpoint closed: the link goes too
-                        // (below, once prefill was told).
-                        OpError::Timeout(_) => (Reason::TransferTimeout, format!("reading prefill's blocks: {e}")),
-                        OpError::Failed(_) => (Reason::ReadFailed, format!("reading prefill's blocks failed: {e}")),
-                    }),
+            .and_then(|plan| match link.ucx_peer {
+                Some(peer) => in_batches(plan.ops(), deadline, |ops, within, _| {
+                    self.transport().get(peer, self.regions(), ops, within)
+                })
+                .map_err(|e| match e {
+                    // The READs were cancelled and the endpoint closed: the link goes too
+                    // (below, once prefill was told).
+                    OpError::Timeout(_) => (Reason::TransferTimeout, format!("reading prefill's blocks: {e}")),
+                    OpError::Failed(_) => (Reason::ReadFailed, format!("reading prefill's blocks failed: {e}")),
+                }),
                 None => Err((Reason::TransportFailed, "no UCX endpoint to prefill".into())),
             })
         };
@@ -1343,12 +1342,12 @@ impl Engine {
         self.fail_pending(&request, vec![reason], message, Some(&link.addr));
     }
 
-    /// Pull READs: each of our blocks (starting at `d_first`, `B_d` tokens) gathers the prefill
-    /// blocks (`B_p` tokens, `B_d` a multiple) that start at its tokens, paired by absolute
-    /// position. NHD blocks take each prefill block whole at its token offset; HND blocks take it
-    /// head by head; adjacent reads are merged.
+    /// Pull READs, as a plan: each of our blocks (starting at `d_first`, `B_d` tokens) gathers
+    /// the prefill blocks (`B_p` tokens, `B_d` a multiple) that start at its tokens, paired by
+    /// absolute position. NHD blocks take each prefill block whole at its token offset; HND
+    /// blocks take it head by head; adjacent reads of one layer's array are merged.
     #[allow(clippy::too_many_arguments)]
-    fn pull_ops(
+    fn pull_plan(
         &self,
         remote: &MemoryDesc,
         map: protocol::HeadMap,
@@ -1358,27 +1357,14 @@ impl Engine {
         d_blocks: &[u32],
         d_first: u64,
         num_tokens: u64,
-    ) -> Result<Vec<PutOp>, String> {
+    ) -> Result<Plan, String> {
         let (bd, bp) = (u64::from(self.layout.block_size), u64::from(p_block));
         if bp == 0 || bd % bp != 0 {
             return Err(format!("decode's block size {bd} is not a multiple of prefill's {bp}"));
         }
-        let half = self.layout.half_token() as u64;
-        let heads = u64::from(self.layout.local_heads);
-        // Adjacent reads are merged within one layer's array only: two layers' arrays in
-        // separate regions may happen to sit back to back on both sides.
-        let mut ops: Vec<(u32, bool, PutOp)> = Vec::new();
-        let mut push = |layer: u32, v: bool, op: PutOp| match ops.last_mut() {
-            Some((l, w, last))
-                if *l == layer
-                    && *w == v
-                    && last.local + last.len == op.local
-                    && last.remote + last.len == op.remote =>
-            {
-                last.len += op.len
-            }
-            _ => ops.push((layer, v, op)),
-        };
+        // Which prefill block fills which part of which of ours: each takes a prefill block of
+        // its own, so there are no more of them than prefill named.
+        let mut items = Vec::new();
         for (i, d) in d_blocks.iter().enumerate() {
             let t = d_first + i as u64 * bd;
             if t >= num_tokens {
@@ -1403,47 +1389,62 @@ impl Engine {
                         remote.num_blocks
                     ));
                 }
-                for layer in 0..self.layout.layers {
-                    for v in self.layout.arrays() {
-                        let dst = self.block_addr(layer, *v, *d);
-                        let src = remote.block(layer, *v, *pb).ok_or_else(|| {
-                            format!(
-                                "prefill's memory has no {} array for layer {layer}",
-                                if *v { "V" } else { "K" }
-                            )
-                        })?;
-                        match self.layout.layout {
-                            pdpair_api::KvLayout::Nhd => push(
-                                layer,
-                                *v,
-                                PutOp {
-                                    local: dst + j * bp * heads * half,
-                                    remote: src,
-                                    len: bp * heads * half,
-                                },
-                            ),
-                            pdpair_api::KvLayout::Hnd => {
-                                // Our heads d_first.. come from prefill's p_first.. (all of
-                                // them when tensor parallelism is equal).
-                                for h in 0..u64::from(map.count) {
-                                    let (dh, ph) = (u64::from(map.d_first) + h, u64::from(map.p_first) + h);
-                                    push(
-                                        layer,
-                                        *v,
-                                        PutOp {
-                                            local: dst + (dh * bd + j * bp) * half,
-                                            remote: src + ph * bp * half,
-                                            len: bp * half,
-                                        },
-                                    );
-                                }
-                            }
-                        }
-                    }
-                }
+                items.push(Item {
+                    local: *d,
+                    at: j as u32,
+                    remote: *pb,
+                });
             }
         }
-        Ok(ops.into_iter().map(|(_, _, op)| op).collect())
+        let mut arrays = Vec::new();
+        for layer in 0..self.layout.layers {
+            for v in self.layout.arrays() {
+                let (Some(far), Some(l)) = (remote.block(layer, *v, 0), remote.layers.get(layer as usize)) else {
+                    return Err(format!(
+                        "prefill's memory has no {} array for layer {layer}",
+                        if *v { "V" } else { "K" }
+                    ));
+                };
+                arrays.push(Place {
+                    local: self.block_addr(layer, *v, 0),
+                    local_stride: self.layout.block_stride(layer) as u64,
+                    remote: far,
+                    remote_stride: l.block_stride,
+                });
+            }
+        }
+        let half = self.layout.half_token() as u64;
+        let (part_len, pieces) = match self.layout.layout {
+            pdpair_api::KvLayout::Nhd => {
+                let len = bp * u64::from(self.layout.local_heads) * half;
+                (
+                    len,
+                    vec![Piece {
+                        local: 0,
+                        remote: 0,
+                        len,
+                    }],
+                )
+            }
+            // Our heads d_first.. come from prefill's p_first.. (all of them when tensor
+            // parallelism is equal).
+            pdpair_api::KvLayout::Hnd => (
+                bp * half,
+                (0..u64::from(map.count))
+                    .map(|h| Piece {
+                        local: (u64::from(map.d_first) + h) * bd * half,
+                        remote: (u64::from(map.p_first) + h) * bp * half,
+                        len: bp * half,
+                    })
+                    .collect(),
+            ),
+        };
+        Ok(Plan {
+            arrays,
+            items,
+            part_len,
+            pieces,
+        })
     }
 
     /// Cancels past their deadline: a prefill still linked that has not answered loses its link

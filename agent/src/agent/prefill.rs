@@ -16,7 +16,11 @@ use super::*;
 use crate::{
     engine_api::{PromptDigest, check_prompt},
     protocol::{self, Message, Reason, Registration, Session},
-    transport::{OpError, PutOp, stream::Access},
+    transport::{
+        OpError,
+        plan::{Item, Piece, Place, Plan, in_batches},
+        stream::Access,
+    },
     wire,
 };
 
@@ -1388,8 +1392,8 @@ impl Engine {
         let Some(ucx_peer) = link.ucx_peer else {
             return refuse(Reason::TransportFailed, "no UCX endpoint".into());
         };
-        let ops = match self.put_ops(&link.peer.memory, &pairs, link.heads) {
-            Ok(ops) => ops,
+        let plan = match self.put_plan(&link.peer.memory, &pairs, link.heads) {
+            Ok(plan) => plan,
             Err(message) => return refuse(Reason::MemoryLayoutMismatch, message),
         };
         self.started(&request);
@@ -1408,13 +1412,15 @@ impl Engine {
             let sums = thread::Builder::new()
                 .name("sums".into())
                 .spawn_scoped(scope, head_sums);
-            let put = self.transport().put(
-                ucx_peer,
-                self.regions(),
-                ops,
-                self.shared.cfg.corrupt_one_byte,
-                self.lease(),
-            );
+            let put = in_batches(plan.ops(), started + self.lease(), |ops, within, first| {
+                self.transport().put(
+                    ucx_peer,
+                    self.regions(),
+                    ops,
+                    first && self.shared.cfg.corrupt_one_byte,
+                    within,
+                )
+            });
             // A checksum thread that panicked sends no sums: decode counts the request
             // Unverified (FailClosed fails it). Without a thread they are computed after the
             // WRITEs.
@@ -1454,71 +1460,65 @@ impl Engine {
         }
     }
 
-    /// WRITEs for block pairs (P block, D block, first token), one per layer and array, with
-    /// runs of consecutive blocks on both sides coalesced into one put. `Err` when decode's
-    /// description lacks an array of ours (defence only: the rule table refuses MLA beside
-    /// non-MLA, and each side's description has a V array exactly when it is not MLA).
-    fn put_ops(
+    /// The WRITEs for block pairs (P block, D block, first token), as a plan: per layer and
+    /// array, each block (or its head range of decode's blocks, HND: head-major inside a block,
+    /// so each range is contiguous), runs of blocks consecutive on both sides merged where both
+    /// sides keep a layer's K (or V) blocks back to back (K and V interleaved per block,
+    /// FlashInfer, are a put per block). `Err` when decode's description lacks an array of ours
+    /// (defence only: the rule table refuses MLA beside non-MLA, and each side's description has
+    /// a V array exactly when it is not MLA).
+    fn put_plan(
         &self,
         remote: &MemoryDesc,
         pairs: &[(u32, u32, u64)],
         heads: protocol::HeadMap,
-    ) -> Result<Vec<PutOp>, String> {
-        let block_len = self.layout.block_len() as u64;
-        let remote_block = |layer: u32, v: bool, d: u32| {
-            remote.block(layer, v, d).ok_or_else(|| {
-                format!(
-                    "decode's memory has no {} array for layer {layer}",
-                    if v { "V" } else { "K" }
-                )
-            })
-        };
-        let mut ops = Vec::new();
-        if heads.count != self.layout.local_heads || remote.block_len != block_len {
-            // A head range of our blocks into a head range of decode's (HND: head-major inside a
-            // block, so each range is contiguous): one put per block, layer and array.
-            let head_bytes = u64::from(self.layout.block_size) * self.layout.half_token() as u64;
-            for layer in 0..self.layout.layers {
-                for v in self.layout.arrays() {
-                    for (p, d, _) in pairs {
-                        ops.push(PutOp {
-                            local: self.block_addr(layer, *v, *p) + u64::from(heads.p_first) * head_bytes,
-                            len: u64::from(heads.count) * head_bytes,
-                            remote: remote_block(layer, *v, *d)? + u64::from(heads.d_first) * head_bytes,
-                        });
-                    }
-                }
-            }
-            return Ok(ops);
-        }
-        // Consecutive blocks on both sides are one put where both sides keep a layer's K (or V)
-        // blocks back to back; K and V interleaved per block (FlashInfer) are a put per block.
-        let mut runs: Vec<(u32, u32, u32)> = Vec::new(); // (p start, d start, count)
-        for (p, d, _) in pairs {
-            match runs.last_mut() {
-                Some((ps, ds, n)) if *ps + *n == *p && *ds + *n == *d => *n += 1,
-                _ => runs.push((*p, *d, 1)),
-            }
-        }
-        let singles: Vec<(u32, u32, u32)> = pairs.iter().map(|(p, d, _)| (*p, *d, 1)).collect();
+    ) -> Result<Plan, String> {
+        let mut arrays = Vec::new();
         for layer in 0..self.layout.layers {
-            let contiguous = self.layout.block_stride(layer) as u64 == block_len
-                && remote
-                    .layers
-                    .get(layer as usize)
-                    .is_some_and(|l| l.block_stride == block_len);
-            let runs = if contiguous { &runs } else { &singles };
             for v in self.layout.arrays() {
-                for (ps, ds, n) in runs {
-                    ops.push(PutOp {
-                        local: self.block_addr(layer, *v, *ps),
-                        len: u64::from(*n) * block_len,
-                        remote: remote_block(layer, *v, *ds)?,
-                    });
-                }
+                let (Some(far), Some(l)) = (remote.block(layer, *v, 0), remote.layers.get(layer as usize)) else {
+                    return Err(format!(
+                        "decode's memory has no {} array for layer {layer}",
+                        if *v { "V" } else { "K" }
+                    ));
+                };
+                arrays.push(Place {
+                    local: self.block_addr(layer, *v, 0),
+                    local_stride: self.layout.block_stride(layer) as u64,
+                    remote: far,
+                    remote_stride: l.block_stride,
+                });
             }
         }
-        Ok(ops)
+        let block_len = self.layout.block_len() as u64;
+        let piece = if heads.count != self.layout.local_heads || remote.block_len != block_len {
+            // A head range of our blocks into a head range of decode's.
+            let head_bytes = u64::from(self.layout.block_size) * self.layout.half_token() as u64;
+            Piece {
+                local: u64::from(heads.p_first) * head_bytes,
+                remote: u64::from(heads.d_first) * head_bytes,
+                len: u64::from(heads.count) * head_bytes,
+            }
+        } else {
+            Piece {
+                local: 0,
+                remote: 0,
+                len: block_len,
+            }
+        };
+        Ok(Plan {
+            arrays,
+            items: pairs
+                .iter()
+                .map(|(p, d, _)| Item {
+                    local: *p,
+                    at: 0,
+                    remote: *d,
+                })
+                .collect(),
+            part_len: 0,
+            pieces: vec![piece],
+        })
     }
 
     /// Frees ready KV past its lease and fails registrations that waited past it.

@@ -1,0 +1,373 @@
+//! A transfer's ops, planned as arithmetic and made as they are sent.
+//!
+//! A request's KV is one op per layer, array (K, V), block and head range; nothing bounds that
+//! product by itself (an engine may declare 1024 layers and 1-token blocks), and built whole it
+//! was a list of 24 bytes an op, copied again by the backends: about 1 GB for one insider's
+//! request. A [`Plan`] holds only what the product is made of: each array's placement on both
+//! sides, the request's blocks, and the pieces of a block that move. Its ops are made lazily
+//! ([`Plan::ops`]), adjacent ones merged, and handed to the backend [`BATCH`] at a time
+//! ([`in_batches`]), so a transfer's memory grows with its blocks, not with its ops.
+
+use std::time::{Duration, Instant};
+
+use super::{OpError, PutOp};
+
+/// The most ops handed to a backend at once: 6 MiB of them (a backend keeps a few words more
+/// per op while they are in flight). A backend's pipeline drains at the end of each batch (it
+/// waits for the batch to land), so batches are long: with 65536 ops of 16 bytes over the tcp
+/// stream, about what the socket buffers hold, a transfer took twice as long as one batch.
+pub const BATCH: usize = 262144;
+
+/// Where one layer's K (or V) array lies on both sides: its block 0 and the bytes from one
+/// block to the next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Place {
+    /// Our block 0.
+    pub local: u64,
+    /// Bytes between our blocks.
+    pub local_stride: u64,
+    /// The peer's block 0.
+    pub remote: u64,
+    /// Bytes between the peer's blocks.
+    pub remote_stride: u64,
+}
+
+/// One block's move: our block, the part of it (`at` × the plan's part length, for a block
+/// gathering several smaller peer blocks), and the peer's block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Item {
+    /// Our block.
+    pub local: u32,
+    /// Which part of our block.
+    pub at: u32,
+    /// The peer's block.
+    pub remote: u32,
+}
+
+/// A range that moves in every item: offsets into our part and the peer's block, and bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Offset into our part of the block.
+    pub local: u64,
+    /// Offset into the peer's block.
+    pub remote: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Every array × item × piece, as arithmetic.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Each layer's arrays, in order.
+    pub arrays: Vec<Place>,
+    /// The blocks that move.
+    pub items: Vec<Item>,
+    /// Bytes from one part of our block to the next.
+    pub part_len: u64,
+    /// What moves of each item.
+    pub pieces: Vec<Piece>,
+}
+
+impl Plan {
+    /// The ops, array by array (adjacent ops of one array merged: never two arrays', which may
+    /// lie in different regions that happen to touch).
+    pub fn ops(&self) -> Ops<'_> {
+        Ops {
+            plan: self,
+            array: 0,
+            item: 0,
+            piece: 0,
+            pending: None,
+        }
+    }
+
+    /// The op at (array, item, piece); addresses saturate (a range that cannot be is refused by
+    /// the backend's check of every op against the regions).
+    fn op(&self, array: usize, item: usize, piece: usize) -> PutOp {
+        let (a, i, p) = (self.arrays[array], self.items[item], self.pieces[piece]);
+        PutOp {
+            local: a
+                .local
+                .saturating_add(u64::from(i.local).saturating_mul(a.local_stride))
+                .saturating_add(u64::from(i.at).saturating_mul(self.part_len))
+                .saturating_add(p.local),
+            len: p.len,
+            remote: a
+                .remote
+                .saturating_add(u64::from(i.remote).saturating_mul(a.remote_stride))
+                .saturating_add(p.remote),
+        }
+    }
+}
+
+/// [`Plan::ops`].
+#[derive(Debug)]
+pub struct Ops<'a> {
+    plan: &'a Plan,
+    array: usize,
+    item: usize,
+    piece: usize,
+    /// The op being grown, and its array.
+    pending: Option<(usize, PutOp)>,
+}
+
+impl Ops<'_> {
+    /// The next op as planned, unmerged, with its array.
+    fn raw(&mut self) -> Option<(usize, PutOp)> {
+        let plan = self.plan;
+        if plan.items.is_empty() || plan.pieces.is_empty() || self.array >= plan.arrays.len() {
+            return None;
+        }
+        let at = (self.array, plan.op(self.array, self.item, self.piece));
+        self.piece += 1;
+        if self.piece == plan.pieces.len() {
+            self.piece = 0;
+            self.item += 1;
+            if self.item == plan.items.len() {
+                self.item = 0;
+                self.array += 1;
+            }
+        }
+        Some(at)
+    }
+}
+
+impl Iterator for Ops<'_> {
+    type Item = PutOp;
+
+    fn next(&mut self) -> Option<PutOp> {
+        loop {
+            let Some((array, op)) = self.raw() else {
+                return self.pending.take().map(|(_, op)| op);
+            };
+            match &mut self.pending {
+                Some((a, last))
+                    if *a == array
+                        && last.local.checked_add(last.len) == Some(op.local)
+                        && last.remote.checked_add(last.len) == Some(op.remote) =>
+                {
+                    last.len += op.len;
+                }
+                pending => {
+                    if let Some((_, done)) = pending.replace((array, op)) {
+                        return Some(done);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Hands `ops` to `send` at most [`BATCH`] at a time, each with what is left until `deadline`
+/// (and whether it is the first batch); the bytes of all. A transfer with no ops sends one
+/// empty batch; one whose deadline passes between batches fails as timed out.
+pub fn in_batches(
+    ops: impl Iterator<Item = PutOp>,
+    deadline: Instant,
+    mut send: impl FnMut(Vec<PutOp>, Duration, bool) -> Result<u64, OpError>,
+) -> Result<u64, OpError> {
+    let mut ops = ops.peekable();
+    let mut bytes = 0u64;
+    let mut first = true;
+    loop {
+        let batch: Vec<PutOp> = ops.by_ref().take(BATCH).collect();
+        let left = deadline.saturating_duration_since(Instant::now());
+        if !first && left.is_zero() {
+            return Err(OpError::Timeout(format!(
+                "{bytes} bytes moved when the deadline passed between batches"
+            )));
+        }
+        bytes += send(batch, left, first)?;
+        first = false;
+        if ops.peek().is_none() {
+            return Ok(bytes);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn place(local: u64, remote: u64, stride: u64) -> Place {
+        Place {
+            local,
+            local_stride: stride,
+            remote,
+            remote_stride: stride,
+        }
+    }
+
+    fn items(pairs: &[(u32, u32)]) -> Vec<Item> {
+        pairs
+            .iter()
+            .map(|(l, r)| Item {
+                local: *l,
+                at: 0,
+                remote: *r,
+            })
+            .collect()
+    }
+
+    fn whole(len: u64) -> Vec<Piece> {
+        vec![Piece {
+            local: 0,
+            remote: 0,
+            len,
+        }]
+    }
+
+    #[test]
+    fn consecutive_blocks_on_both_sides_are_one_op_per_array_and_a_gap_starts_another() {
+        let plan = Plan {
+            arrays: vec![place(0x1000, 0x9000, 64), place(0x1000 + 64 * 8, 0x9000 + 64 * 8, 64)],
+            items: items(&[(0, 2), (1, 3), (2, 4), (5, 5), (6, 7)]),
+            part_len: 0,
+            pieces: whole(64),
+        };
+        let ops: Vec<PutOp> = plan.ops().collect();
+        let op = |local, remote, len| PutOp { local, len, remote };
+        assert_eq!(
+            ops,
+            vec![
+                op(0x1000, 0x9000 + 128, 192),
+                op(0x1000 + 5 * 64, 0x9000 + 5 * 64, 64),
+                op(0x1000 + 6 * 64, 0x9000 + 7 * 64, 64),
+                op(0x1200, 0x9200 + 128, 192),
+                op(0x1200 + 5 * 64, 0x9200 + 5 * 64, 64),
+                op(0x1200 + 6 * 64, 0x9200 + 7 * 64, 64),
+            ]
+        );
+        // Two arrays that touch on both sides stay two ops.
+        let touching = Plan {
+            arrays: vec![place(0x1000, 0x9000, 64), place(0x1040, 0x9040, 64)],
+            items: items(&[(0, 0)]),
+            part_len: 0,
+            pieces: whole(64),
+        };
+        assert_eq!(
+            touching.ops().collect::<Vec<_>>(),
+            vec![op(0x1000, 0x9000, 64), op(0x1040, 0x9040, 64)]
+        );
+    }
+
+    #[test]
+    fn blocks_with_gaps_between_them_are_an_op_each_and_pieces_land_at_their_offsets() {
+        // Blocks 128 bytes apart (K and V interleaved), of which 2 heads of 16 bytes move from
+        // heads 1.. of ours into heads 0.. of the peer's; our blocks gather two parts.
+        let plan = Plan {
+            arrays: vec![place(0, 1 << 20, 128)],
+            items: vec![
+                Item {
+                    local: 0,
+                    at: 0,
+                    remote: 0,
+                },
+                Item {
+                    local: 0,
+                    at: 1,
+                    remote: 1,
+                },
+            ],
+            part_len: 8,
+            pieces: vec![
+                Piece {
+                    local: 16,
+                    remote: 0,
+                    len: 8,
+                },
+                Piece {
+                    local: 32,
+                    remote: 8,
+                    len: 8,
+                },
+            ],
+        };
+        let got: Vec<(u64, u64, u64)> = plan.ops().map(|o| (o.local, o.remote, o.len)).collect();
+        let r = 1 << 20;
+        assert_eq!(
+            got,
+            vec![
+                (16, r, 8),
+                (32, r + 8, 8),
+                // Part 1 of our block 0, from the peer's block 1: its first piece starts
+                // where part 0's first piece ended on our side, not on the peer's.
+                (24, r + 128, 8),
+                (40, r + 136, 8)
+            ]
+        );
+    }
+
+    #[test]
+    fn a_plan_of_millions_of_ops_holds_only_its_blocks_and_makes_them_as_asked() {
+        // 1024 layers × 2 arrays × 8192 scattered blocks: 16.8M ops, none held.
+        let plan = Plan {
+            arrays: (0..2048u64).map(|a| place(a << 32, a << 32, 16)).collect(),
+            items: items(&(0..8192u32).map(|b| (2 * b, 2 * b)).collect::<Vec<_>>()),
+            part_len: 0,
+            pieces: whole(8),
+        };
+        let mut ops = plan.ops();
+        let first: Vec<PutOp> = ops.by_ref().take(3).collect();
+        assert_eq!(first[2].local, 64);
+        assert_eq!(ops.count(), 2048 * 8192 - 3);
+    }
+
+    #[test]
+    fn batches_are_bounded_and_carry_every_op_in_order() {
+        let plan = Plan {
+            arrays: vec![place(0, 0, 16)],
+            items: items(&(0..(2 * BATCH as u32 + 5)).map(|b| (2 * b, 2 * b)).collect::<Vec<_>>()),
+            part_len: 0,
+            pieces: whole(8),
+        };
+        let mut seen = Vec::new();
+        let mut sizes = Vec::new();
+        let bytes = in_batches(
+            plan.ops(),
+            Instant::now() + Duration::from_secs(60),
+            |batch, left, first| {
+                assert_eq!(first, sizes.is_empty());
+                assert!(left > Duration::from_secs(50));
+                sizes.push(batch.len());
+                seen.extend(batch.iter().map(|o| o.local));
+                Ok(batch.iter().map(|o| o.len).sum())
+            },
+        )
+        .expect("sent");
+        assert_eq!(sizes, vec![BATCH, BATCH, 5]);
+        assert_eq!(bytes, 8 * (2 * BATCH as u64 + 5));
+        assert!(seen.iter().zip(seen.iter().skip(1)).all(|(a, b)| b - a == 32));
+    }
+
+    #[test]
+    fn a_failed_batch_ends_the_transfer_and_an_empty_one_is_still_sent_once() {
+        let plan = Plan {
+            arrays: vec![place(0, 0, 16)],
+            items: items(&(0..(BATCH as u32 + 1)).map(|b| (2 * b, 2 * b)).collect::<Vec<_>>()),
+            part_len: 0,
+            pieces: whole(8),
+        };
+        let mut calls = 0;
+        let failed = in_batches(plan.ops(), Instant::now() + Duration::from_secs(60), |_, _, _| {
+            calls += 1;
+            Err(OpError::Failed("no".into()))
+        });
+        assert_eq!((failed, calls), (Err(OpError::Failed("no".into())), 1));
+        let mut empties = 0;
+        let none = in_batches(Plan::default().ops(), Instant::now(), |batch, _, first| {
+            assert!(batch.is_empty() && first);
+            empties += 1;
+            Ok(0)
+        });
+        assert_eq!((none, empties), (Ok(0), 1));
+        // A deadline passed after the first batch: the second is not sent.
+        let mut sent = 0;
+        let late = in_batches(plan.ops(), Instant::now(), |_, _, _| {
+            sent += 1;
+            Ok(1)
+        });
+        assert!(matches!(late, Err(OpError::Timeout(_))), "{late:?}");
+        assert_eq!(sent, 1);
+    }
+}
