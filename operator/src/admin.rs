@@ -10,26 +10,54 @@
 
 use std::sync::{
     Arc,
-    atomic::{AtomicBool, Ordering},
+    atomic::{AtomicBool, AtomicUsize, Ordering},
 };
 
 use axum::{Router, extract::State, http::StatusCode, routing::get};
 
 use crate::metrics::Metrics;
 
-/// Readiness flags, set by the parts that own them.
-#[derive(Debug, Default)]
+/// Readiness, set by the parts that own it.
+#[derive(Debug)]
 pub struct Health {
     /// The webhook's certificate is loaded.
     pub tls_loaded: AtomicBool,
-    /// Every watch delivered its first events (told, not waited for).
-    pub watches_synced: AtomicBool,
+    /// Watch scopes (namespaces, or all) whose watches have not delivered their first events
+    /// (told, not waited for); the gauge `pdpair_operator_watch_scopes_unsynced` shows it.
+    unsynced_scopes: AtomicUsize,
+    metrics: Arc<Metrics>,
 }
 
 impl Health {
+    /// Health of an operator watching `scopes` scopes, none listed yet.
+    pub fn new(scopes: usize, metrics: Arc<Metrics>) -> Health {
+        metrics.set_unsynced_scopes(scopes);
+        Health {
+            tls_loaded: AtomicBool::new(false),
+            unsynced_scopes: AtomicUsize::new(scopes),
+            metrics,
+        }
+    }
+
     /// Whether the replica may receive admission reviews.
     pub fn ready(&self) -> bool {
         self.tls_loaded.load(Ordering::SeqCst)
+    }
+
+    /// Whether every scope's watches have listed.
+    pub fn watches_synced(&self) -> bool {
+        self.unsynced_scopes.load(Ordering::SeqCst) == 0
+    }
+
+    /// One scope's watches listed: the scopes left.
+    pub fn scope_synced(&self) -> usize {
+        let before = self
+            .unsynced_scopes
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| Some(n.saturating_sub(1)))
+            .unwrap_or(0);
+        let left = before.saturating_sub(1);
+        self.metrics.set_unsynced_scopes(left);
+        left
     }
 }
 
@@ -50,7 +78,7 @@ pub fn router(health: Arc<Health>, metrics: Arc<Metrics>) -> Router {
 
 async fn readyz(State(s): State<AdminState>) -> (StatusCode, String) {
     let h = &s.health;
-    let synced = h.watches_synced.load(Ordering::SeqCst);
+    let synced = h.watches_synced();
     if h.ready() {
         (StatusCode::OK, format!("ready (watches_synced={synced})\n"))
     } else {
@@ -86,8 +114,8 @@ mod tests {
 
     #[tokio::test]
     async fn readyz_needs_tls_and_tells_the_watches() {
-        let health = Arc::new(Health::default());
         let metrics = Arc::new(Metrics::new());
+        let health = Arc::new(Health::new(2, Arc::clone(&metrics)));
         let app = || router(Arc::clone(&health), Arc::clone(&metrics));
         assert_eq!(get(app(), "/livez").await.0, StatusCode::OK);
         assert_eq!(get(app(), "/readyz").await.0, StatusCode::SERVICE_UNAVAILABLE);
@@ -98,7 +126,24 @@ mod tests {
             get(app(), "/readyz").await,
             (StatusCode::OK, "ready (watches_synced=false)\n".into())
         );
-        health.watches_synced.store(true, Ordering::SeqCst);
+        assert_eq!(health.scope_synced(), 1);
+        assert_eq!(
+            get(app(), "/readyz").await,
+            (StatusCode::OK, "ready (watches_synced=false)\n".into())
+        );
+        assert!(
+            get(app(), "/metrics")
+                .await
+                .1
+                .contains("pdpair_operator_watch_scopes_unsynced 1")
+        );
+        assert_eq!(health.scope_synced(), 0);
+        assert!(
+            get(app(), "/metrics")
+                .await
+                .1
+                .contains("pdpair_operator_watch_scopes_unsynced 0")
+        );
         assert_eq!(
             get(app(), "/readyz").await,
             (StatusCode::OK, "ready (watches_synced=true)\n".into())

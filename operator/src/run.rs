@@ -234,7 +234,8 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let client = client(&opts).await?;
     let metrics = Arc::new(Metrics::new());
     let tls_metrics = Arc::clone(&metrics);
-    let health = Arc::new(Health::default());
+    let scopes = scopes(&opts.namespaces)?;
+    let health = Arc::new(Health::new(scopes.len(), Arc::clone(&metrics)));
 
     let clients = match &opts.webhook_client_ca {
         Some(file) => {
@@ -308,9 +309,6 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         },
         namespace: None,
     };
-    let scopes = scopes(&opts.namespaces)?;
-    let unsynced = Arc::new(std::sync::atomic::AtomicUsize::new(scopes.len()));
-    setup.metrics.set_unsynced_scopes(scopes.len());
     let (controllers, synced): (Vec<_>, Vec<_>) = scopes
         .into_iter()
         .map(|namespace| {
@@ -327,7 +325,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     // Each scope's first lists, told (not waited for: the webhook is ready without them, and
     // a leader reconciles a scope only once its own caches have listed).
     for (scope, synced) in synced {
-        let (health, metrics, unsynced) = (Arc::clone(&health), Arc::clone(&setup.metrics), Arc::clone(&unsynced));
+        let health = Arc::clone(&health);
         let scope = scope.unwrap_or_else(|| "(all namespaces)".into());
         tokio::spawn(async move {
             tokio::pin!(synced);
@@ -339,13 +337,8 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                     synced.await;
                 }
             }
-            let left = unsynced
-                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
-                .saturating_sub(1);
-            metrics.set_unsynced_scopes(left);
             tracing::info!(namespace = %scope, "watches synced");
-            if left == 0 {
-                health.watches_synced.store(true, std::sync::atomic::Ordering::SeqCst);
+            if health.scope_synced() == 0 {
                 tracing::info!("every watch synced");
             }
         });

@@ -766,11 +766,13 @@ class WorkerState:
             return 2 * bound + linking + UNANSWERED_SLACK_S
 
         now = time.monotonic()
-        late = next((r for r, t in self._asked.items() if now - t > limit(r)), None)
-        if late is None:
+        for late, asked in self._asked.items():
+            waited = limit(late)
+            if now - asked > waited:
+                break
+        else:
             return
         kind, request, _ = self._open[late]
-        waited = limit(late)
         self.lost = (f"the agent did not answer the {kind} {_short(late)} (request {request}) within {waited:.1f} s "
                      f"(twice its handshake timeout and lease, its prefill ranks' linking, and {UNANSWERED_SLACK_S:g} s): "
                      "it is taken as broken")
