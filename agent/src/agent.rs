@@ -1948,6 +1948,31 @@ impl Engine {
             .clone()
     }
 
+    /// Where each of our layers' arrays lies here and in `remote` (the memory of `peer`, named
+    /// in the error), in order, for a transfer's plan. `Err` when the peer's description lacks an
+    /// array of ours (defence only: the rule table refuses MLA beside non-MLA, and each side's
+    /// description has a V array exactly when it is not MLA).
+    fn places(&self, remote: &MemoryDesc, peer: &str) -> Result<Vec<crate::transport::plan::Place>, String> {
+        let mut arrays = Vec::new();
+        for layer in 0..self.layout.layers {
+            for v in self.layout.arrays() {
+                let (Some(far), Some(l)) = (remote.block(layer, *v, 0), remote.layers.get(layer as usize)) else {
+                    return Err(format!(
+                        "{peer} memory has no {} array for layer {layer}",
+                        if *v { "V" } else { "K" }
+                    ));
+                };
+                arrays.push(crate::transport::plan::Place {
+                    local: self.block_addr(layer, *v, 0),
+                    local_stride: self.layout.block_stride(layer) as u64,
+                    remote: far,
+                    remote_stride: l.block_stride,
+                });
+            }
+        }
+        Ok(arrays)
+    }
+
     fn block_addr(&self, layer: u32, v: bool, block: u32) -> u64 {
         let (r, at) = self.layout.block_offset(layer, v, block);
         match &self.device {

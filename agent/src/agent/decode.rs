@@ -20,7 +20,7 @@ use crate::{
     protocol::{self, HandshakeError, MemoryDesc, Message, Reason, Registration, Session},
     transport::{
         OpError,
-        plan::{Item, Piece, Place, Plan, in_batches},
+        plan::{Item, Piece, Plan, in_batches},
         stream::Access,
     },
     wire::{self, Opener},
@@ -1396,23 +1396,7 @@ impl Engine {
                 });
             }
         }
-        let mut arrays = Vec::new();
-        for layer in 0..self.layout.layers {
-            for v in self.layout.arrays() {
-                let (Some(far), Some(l)) = (remote.block(layer, *v, 0), remote.layers.get(layer as usize)) else {
-                    return Err(format!(
-                        "prefill's memory has no {} array for layer {layer}",
-                        if *v { "V" } else { "K" }
-                    ));
-                };
-                arrays.push(Place {
-                    local: self.block_addr(layer, *v, 0),
-                    local_stride: self.layout.block_stride(layer) as u64,
-                    remote: far,
-                    remote_stride: l.block_stride,
-                });
-            }
-        }
+        let arrays = self.places(remote, "prefill's")?;
         let half = self.layout.half_token() as u64;
         let (part_len, pieces) = match self.layout.layout {
             pdpair_api::KvLayout::Nhd => {

@@ -18,7 +18,7 @@ use crate::{
     protocol::{self, Message, Reason, Registration, Session},
     transport::{
         OpError,
-        plan::{Item, Piece, Place, Plan, in_batches},
+        plan::{Item, Piece, Plan, in_batches},
         stream::Access,
     },
     wire,
@@ -1465,31 +1465,14 @@ impl Engine {
     /// so each range is contiguous), runs of blocks consecutive on both sides merged where both
     /// sides keep a layer's K (or V) blocks back to back (K and V interleaved per block,
     /// FlashInfer, are a put per block). `Err` when decode's description lacks an array of ours
-    /// (defence only: the rule table refuses MLA beside non-MLA, and each side's description has
-    /// a V array exactly when it is not MLA).
+    /// (`places`).
     fn put_plan(
         &self,
         remote: &MemoryDesc,
         pairs: &[(u32, u32, u64)],
         heads: protocol::HeadMap,
     ) -> Result<Plan, String> {
-        let mut arrays = Vec::new();
-        for layer in 0..self.layout.layers {
-            for v in self.layout.arrays() {
-                let (Some(far), Some(l)) = (remote.block(layer, *v, 0), remote.layers.get(layer as usize)) else {
-                    return Err(format!(
-                        "decode's memory has no {} array for layer {layer}",
-                        if *v { "V" } else { "K" }
-                    ));
-                };
-                arrays.push(Place {
-                    local: self.block_addr(layer, *v, 0),
-                    local_stride: self.layout.block_stride(layer) as u64,
-                    remote: far,
-                    remote_stride: l.block_stride,
-                });
-            }
-        }
+        let arrays = self.places(remote, "decode's")?;
         let block_len = self.layout.block_len() as u64;
         let piece = if heads.count != self.layout.local_heads || remote.block_len != block_len {
             // A head range of our blocks into a head range of decode's.
