@@ -634,9 +634,8 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, Cu
             sharing,
         )
         .map_err(|e| invalid(format!("decode registers: {e}")))?;
-        for e in [p.events().map_err(invalid)?, d.events().map_err(invalid)?] {
-            e.set_read_timeout(Some(std::time::Duration::from_secs(60)))
-                .map_err(invalid)?;
+        for e in [&p, &d] {
+            e.wait_events_for(std::time::Duration::from_secs(60)).map_err(invalid)?;
         }
         let all: Vec<u32> = (0..blocks).collect();
         let tokens = u64::from(blocks) * 16;

@@ -261,6 +261,12 @@ impl SyntheticEngine {
         wire::read_frame(&mut self.stream)
     }
 
+    /// Waits at most `within` for each event from now on ([`SyntheticEngine::next_event`] then
+    /// fails), on this handle and every other of the socket.
+    pub fn wait_events_for(&self, within: std::time::Duration) -> std::io::Result<()> {
+        self.stream.set_read_timeout(Some(within))
+    }
+
     /// A second handle on the socket for a reader thread.
     pub fn events(&self) -> std::io::Result<UnixStream> {
         self.stream.try_clone()

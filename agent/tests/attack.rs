@@ -1595,10 +1595,7 @@ fn a_stuck_decode_agent_does_not_stall_another_pairs_transfers_and_times_out() {
     let mut d1 = SyntheticEngine::register(&d1s, &w.dir, &big(Role::Decode, "d1")).expect("D1");
     let mut d2 = SyntheticEngine::register(&d2s, &w.dir, &big(Role::Decode, "d2")).expect("D2");
     for e in [&d2, &p] {
-        e.events()
-            .expect("events")
-            .set_read_timeout(Some(Duration::from_secs(15)))
-            .expect("timeout");
+        e.wait_events_for(Duration::from_secs(15)).expect("timeout");
     }
     let small = |id| Req::from_start(id, 7, 128, 2);
     let (event, bad) = request(&mut p, &mut d1, small("warm"));
@@ -1679,10 +1676,7 @@ fn a_decode_engine_dials_a_bounded_number_of_prefill_agents_at_once() {
     let w = World::new("attack-dials");
     let ds = w.agent("d", Transport::Shm, false);
     let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
-    d.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .expect("timeout");
+    d.wait_events_for(Duration::from_secs(30)).expect("timeout");
     let max = pdpair_agent::agent::MAX_DIALS;
     let mute: Vec<TcpListener> = (0..=max)
         .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
@@ -1743,10 +1737,7 @@ fn pull_prefill_ready_as(w: &World, with: impl FnOnce(&mut EngineSpec)) -> Synth
     pull.mode = TransferMode::Pull;
     with(&mut pull);
     let mut p = SyntheticEngine::register(&ps, &w.dir, &pull).expect("P");
-    p.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(15)))
-        .expect("timeout");
+    p.wait_events_for(Duration::from_secs(15)).expect("timeout");
     p.fill(1, &[3, 4], 0, 100);
     kv_ready(&mut p, "r", &[3, 4], 100);
     p
@@ -1871,10 +1862,7 @@ fn decode_and_its_deadline(w: &World) -> (SyntheticEngine, Duration) {
     let dspec = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
     let within = Duration::from_millis(dspec.handshake_timeout_ms + dspec.lease_ms);
     let d = w.engine(&ds, Role::Decode, "d0", KEY);
-    d.events()
-        .expect("events")
-        .set_read_timeout(Some(within * 3))
-        .expect("timeout");
+    d.wait_events_for(within * 3).expect("timeout");
     (d, within)
 }
 
@@ -2637,10 +2625,7 @@ fn a_release_done_for_a_request_that_asked_for_kv_does_not_end_it() {
 fn pull_with_a_second_rank_saying(answer: impl FnOnce(String) -> Message + Send + 'static) -> (AgentEvent, usize) {
     let w = World::new("attack-pull-two-ranks");
     let (mut d, lender) = pull_decode_and_lender(&w);
-    d.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(40)))
-        .expect("timeout");
+    d.wait_events_for(Duration::from_secs(40)).expect("timeout");
     let (info, blocks, tokens) = (lender.info.clone(), lender.blocks.clone(), lender.tokens);
     let lent = blocks.clone();
     // The second rank speaks once the lender's Ready is out (decode's read then starts at once).
@@ -2739,10 +2724,7 @@ fn a_cancel_while_an_expect_kv_from_pool_still_links_is_answered_once_and_after_
         "the engine heard Cancelled before the prefill let the request go"
     );
     // And nothing more about it (the lease and deadline are 3 and 5 s).
-    d.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(7)))
-        .expect("timeout");
+    d.wait_events_for(Duration::from_secs(7)).expect("timeout");
     assert!(d.next_event().is_err(), "a second answer");
     drop(d);
     let _ = handle.join();
@@ -2834,10 +2816,7 @@ fn a_released_from_a_decode_being_pushed_to_does_not_end_the_push() {
     let mut pspec = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::Disabled);
     pspec.num_blocks = BIG_BLOCKS;
     let mut p = SyntheticEngine::register(&ps, &w.dir, &pspec).expect("P");
-    p.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(15)))
-        .expect("timeout");
+    p.wait_events_for(Duration::from_secs(15)).expect("timeout");
     let me = UcxInsider::new(&w, Role::Decode, TransferMode::Push);
     let (blocks, tokens) = (me.blocks.clone(), me.tokens);
     let mut s = TcpStream::connect(addr(&p)).expect("connect");
@@ -3539,10 +3518,7 @@ fn an_engine_holds_a_bounded_number_of_requests_at_its_agent() {
         let mut s = spec(role, name, kv(64, None), KEY, ChecksumPolicy::FailClosed);
         (s.handshake_timeout_ms, s.lease_ms) = (60_000, 60_000);
         let e = SyntheticEngine::register(&socket, &w.dir, &s).expect("engine");
-        e.events()
-            .expect("events")
-            .set_read_timeout(Some(Duration::from_secs(30)))
-            .expect("timeout");
+        e.wait_events_for(Duration::from_secs(30)).expect("timeout");
         e
     };
     let mut p = patient(Role::Prefill, "p0");
@@ -3570,10 +3546,7 @@ fn an_engine_holds_a_bounded_number_of_requests_at_its_agent() {
         let mut s = spec(Role::Decode, "d1", kv(64, None), KEY, ChecksumPolicy::FailClosed);
         (s.handshake_timeout_ms, s.lease_ms) = (600_000, 600_000);
         let e = SyntheticEngine::register(&socket, &w.dir, &s).expect("engine");
-        e.events()
-            .expect("events")
-            .set_read_timeout(Some(Duration::from_secs(120)))
-            .expect("timeout");
+        e.wait_events_for(Duration::from_secs(120)).expect("timeout");
         e
     };
     for i in 0..MAX_LIVE_REQUESTS {
@@ -3613,10 +3586,7 @@ fn a_requests_window_costs_its_block_ids_not_a_range_per_layer() {
         let mut s = spec(role, name, g.clone(), KEY, ChecksumPolicy::Disabled);
         (s.num_blocks, s.lease_ms, s.handshake_timeout_ms) = (16384, 60_000, 60_000);
         let e = SyntheticEngine::register(socket, &w.dir, &s).expect("engine");
-        e.events()
-            .expect("events")
-            .set_read_timeout(Some(Duration::from_secs(30)))
-            .expect("timeout");
+        e.wait_events_for(Duration::from_secs(30)).expect("timeout");
         e
     };
     let p = engine(&ps, Role::Prefill, "p0");
@@ -3888,10 +3858,7 @@ fn a_link_that_gave_way_takes_nothing_from_the_new_link_to_the_same_prefill() {
     // The engine heard only of the requests on the links that gave way (PeerLost), none of the
     // new links' (with the old reader failing every request waiting on the address, "again"),
     // and no `Cancelled` (the new links' prefills never answer the releases).
-    d.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(2)))
-        .expect("timeout");
+    d.wait_events_for(Duration::from_secs(2)).expect("timeout");
     let mut failed = Vec::new();
     while let Ok(event) = d.next_event() {
         match event {
@@ -3964,10 +3931,7 @@ fn a_requests_block_ids_count_once_for_each_prefill_it_names() {
     let mut s = spec(Role::Decode, "d0", g, KEY, ChecksumPolicy::Disabled);
     (s.num_blocks, s.lease_ms, s.handshake_timeout_ms) = (blocks as u32, 60_000, 60_000);
     let mut d = SyntheticEngine::register(&ds, &w.dir, &s).expect("engine");
-    d.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .expect("timeout");
+    d.wait_events_for(Duration::from_secs(20)).expect("timeout");
     let silent: Vec<TcpListener> = (0..MAX_DIALS)
         .map(|_| {
             let l = TcpListener::bind("127.0.0.1:0").expect("listener");
@@ -4011,10 +3975,7 @@ fn a_request_naming_many_prefills_counts_what_each_costs_besides_its_blocks() {
     let mut s = spec(Role::Decode, "d0", kv(16, None), KEY, ChecksumPolicy::Disabled);
     (s.lease_ms, s.handshake_timeout_ms) = (60_000, 60_000);
     let mut d = SyntheticEngine::register(&ds, &w.dir, &s).expect("engine");
-    d.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .expect("timeout");
+    d.wait_events_for(Duration::from_secs(20)).expect("timeout");
     // Listeners that never answer: every request waits on its dials for the handshake timeout.
     let silent: Vec<TcpListener> = (0..MAX_DIALS)
         .map(|_| TcpListener::bind("127.0.0.1:0").expect("listener"))
@@ -4497,10 +4458,7 @@ fn a_prefill_answering_a_release_as_a_transfer_is_not_taken() {
     let w = World::new("attack-release-as-transfer");
     let ds = w.agent("d", Transport::Tcp, false);
     let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
-    d.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .expect("timeout");
+    d.wait_events_for(Duration::from_secs(20)).expect("timeout");
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = listener.local_addr().expect("addr").to_string();
     let insider = std::thread::spawn(move || {
@@ -4563,10 +4521,7 @@ fn a_release_of_a_request_still_linking_its_ranks_is_refused_and_the_first_stand
     let mut s = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
     (s.handshake_timeout_ms, s.lease_ms) = (60_000, 60_000);
     let mut d = SyntheticEngine::register(&ds, &w.dir, &s).expect("decode");
-    d.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
+    d.wait_events_for(Duration::from_secs(10)).expect("timeout");
     // A prefill rank that accepts and never answers: the pool request links for a minute.
     let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
     let at = silent.local_addr().expect("address").to_string();
@@ -4675,10 +4630,7 @@ fn peak_growth_moving_scattered_blocks(mode: TransferMode) -> u64 {
     };
     let mut p = SyntheticEngine::register(&ps, &w.dir, &engine(Role::Prefill, "p0")).expect("P");
     let mut d = SyntheticEngine::register(&ds, &w.dir, &engine(Role::Decode, "d0")).expect("D");
-    d.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(280)))
-        .expect("timeout");
+    d.wait_events_for(Duration::from_secs(280)).expect("timeout");
     // Every block once, in runs (1024 ops): the pools' pages are in both agents' peaks before
     // the scattered request is measured.
     let all: Vec<u32> = (0..2048).collect();

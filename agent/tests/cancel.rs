@@ -89,10 +89,7 @@ fn no_write_after_the_answer(mode: TransferMode) {
         "bytes landed in decode's blocks after Cancelled (answered after {answered:?})"
     );
     // Exactly one answer: nothing more about the request reaches decode's engine.
-    d.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_millis(500)))
-        .expect("timeout");
+    d.wait_events_for(Duration::from_millis(500)).expect("timeout");
     assert!(d.next_event().is_err(), "a second event after Cancelled");
 }
 

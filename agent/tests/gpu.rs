@@ -241,9 +241,8 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
     };
     let mut p = GpuEngine::register(&socket, &spec(Role::Prefill, "p0"), &g).expect("GPU prefill registers");
     let mut d = GpuEngine::register(&socket, &spec(Role::Decode, "d0"), &g).expect("GPU decode registers");
-    for e in [p.events().expect("events"), d.events().expect("events")] {
-        e.set_read_timeout(Some(std::time::Duration::from_secs(30)))
-            .expect("timeout");
+    for e in [&p, &d] {
+        e.wait_events_for(std::time::Duration::from_secs(30)).expect("timeout");
     }
     // Decode's blocks in another order than prefill's: some copies coalesce, some do not.
     let p_blocks: Vec<u32> = (0..32).collect();
@@ -252,10 +251,7 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
     // A host decode engine of the same pair: the GPU prefill's KV reaches it over the agent's own
     // KV stream (staged through host memory), every byte checked.
     let mut h = SyntheticEngine::register(&socket, &w.dir, &spec(Role::Decode, "h0")).expect("host decode");
-    h.events()
-        .expect("events")
-        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
-        .expect("timeout");
+    h.wait_events_for(std::time::Duration::from_secs(30)).expect("timeout");
     h.clear(&[0, 1]);
     p.fill(12, &[33, 34], 0, 20).expect("fill");
     h.send(&EngineRequest::ExpectKv {
@@ -363,10 +359,7 @@ fn gpu_pools_shared_as_vmm_descriptors_move_byte_for_byte_and_false_claims_are_r
     let mut d_ipc = GpuEngine::register(&socket, &spec(Role::Decode, "d0"), &g).expect("IPC decode");
     let mut d_vmm = GpuEngine::register_sharing(&socket, &spec(Role::Decode, "d1"), &g, vmm).expect("VMM decode");
     for (n, d) in [&mut d_ipc, &mut d_vmm].into_iter().enumerate() {
-        d.events()
-            .expect("events")
-            .set_read_timeout(Some(std::time::Duration::from_secs(30)))
-            .expect("timeout");
+        d.wait_events_for(std::time::Duration::from_secs(30)).expect("timeout");
         let p_blocks: Vec<u32> = (0..32).collect();
         let d_blocks: Vec<u32> = (8..40).rev().collect();
         gpu_to_gpu(

@@ -17,6 +17,14 @@ mod common;
 
 use common::{ProcessAgent, Req, World, done, kv, reasons, request, spec};
 
+/// Prefill engine "p0" at the agent `ps` and decode engine "d0" at `ds`, of `block`-token
+/// blocks, checksums `checksum`.
+fn p0_d0(w: &World, ps: &Path, ds: &Path, block: i32, checksum: ChecksumPolicy) -> (SyntheticEngine, SyntheticEngine) {
+    let p = SyntheticEngine::register(ps, &w.dir, &spec(Role::Prefill, "p0", kv(block, None), b"k", checksum));
+    let d = SyntheticEngine::register(ds, &w.dir, &spec(Role::Decode, "d0", kv(block, None), b"k", checksum));
+    (p.expect("P"), d.expect("D"))
+}
+
 /// Completed transfers the `agent`th agent of `w` counted on a path of `kind` (UCX's host
 /// backend, or the tcp stream for `Tcp`).
 fn transfers_over(w: &World, agent: usize, kind: &str) -> u64 {
@@ -610,18 +618,7 @@ fn malformed_and_truncated_frames_close_the_connection_and_the_agent_keeps_servi
     use std::io::{Read, Write};
     let w = World::new("garbage");
     let (ps, ds) = (w.agent("p", Transport::Tcp, false), w.agent("d", Transport::Tcp, false));
-    let mut p = SyntheticEngine::register(
-        &ps,
-        &w.dir,
-        &spec(Role::Prefill, "p0", kv(16, None), b"k", ChecksumPolicy::FailClosed),
-    )
-    .expect("P");
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(16, None), b"k", ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
+    let (mut p, mut d) = p0_d0(&w, &ps, &ds, 16, ChecksumPolicy::FailClosed);
     let garbage: Vec<Vec<u8>> = vec![
         b"GET / HTTP/1.1\r\n\r\n".to_vec(),
         vec![0, 0, 0, 0],
@@ -672,18 +669,7 @@ fn kv_ready_and_registration_arriving_together_always_match() {
     // DeadlineExceeded).
     let w = World::new("race");
     let (ps, ds) = (w.agent("p", Transport::Shm, false), w.agent("d", Transport::Shm, false));
-    let mut p = SyntheticEngine::register(
-        &ps,
-        &w.dir,
-        &spec(Role::Prefill, "p0", kv(16, None), b"k", ChecksumPolicy::Disabled),
-    )
-    .expect("P");
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(16, None), b"k", ChecksumPolicy::Disabled),
-    )
-    .expect("D");
+    let (mut p, mut d) = p0_d0(&w, &ps, &ds, 16, ChecksumPolicy::Disabled);
     // Prefill's own events are read as a real engine would (unread, they would fill its socket).
     let mut events = p.events().expect("events");
     std::thread::spawn(move || while pdpair_agent::wire::read_frame::<AgentEvent>(&mut events).is_ok() {});
@@ -882,18 +868,7 @@ fn a_stuck_prefill_is_lost_after_missed_heartbeats_not_at_the_deadline() {
     w.heartbeat = Duration::from_millis(200);
     let (p_agent, ps) = ProcessAgent::start(&w, "p");
     let ds = w.agent("d", Transport::Tcp, false);
-    let mut p = SyntheticEngine::register(
-        &ps,
-        &w.dir,
-        &spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
-    )
-    .expect("P");
-    let mut d = SyntheticEngine::register(
-        &ds,
-        &w.dir,
-        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
-    )
-    .expect("D");
+    let (mut p, mut d) = p0_d0(&w, &ps, &ds, 64, ChecksumPolicy::FailClosed);
     let req = |id| Req {
         id,
         seed: 1,

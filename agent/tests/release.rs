@@ -24,10 +24,7 @@ fn pair(w: &World) -> (SyntheticEngine, SyntheticEngine) {
 
 /// `e`, whose events are awaited up to `secs` seconds.
 fn awaited(e: SyntheticEngine, secs: u64) -> SyntheticEngine {
-    e.events()
-        .expect("events")
-        .set_read_timeout(Some(Duration::from_secs(secs)))
-        .expect("timeout");
+    e.wait_events_for(Duration::from_secs(secs)).expect("timeout");
     e
 }
 

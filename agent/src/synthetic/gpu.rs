@@ -251,8 +251,8 @@ impl GpuEngine {
         wire::read_frame(&mut self.stream)
     }
 
-    /// A second handle on the socket (for a read timeout).
-    pub fn events(&self) -> std::io::Result<UnixStream> {
-        self.stream.try_clone()
+    /// Waits at most `within` for each event from now on.
+    pub fn wait_events_for(&self, within: std::time::Duration) -> std::io::Result<()> {
+        self.stream.set_read_timeout(Some(within))
     }
 }
