@@ -173,8 +173,10 @@ pub fn in_batches(
         let batch: Vec<PutOp> = ops.by_ref().take(BATCH).collect();
         let left = deadline.saturating_duration_since(Instant::now());
         if !first && left.is_zero() {
+            // Nothing is in flight: the caller closes the link on a timeout, as after one inside a
+            // batch.
             return Err(OpError::Timeout(format!(
-                "{bytes} bytes moved when the deadline passed between batches"
+                "it passed between batches of ops, {bytes} bytes moved"
             )));
         }
         bytes += send(batch, left, first)?;
@@ -299,7 +301,7 @@ mod tests {
     }
 
     #[test]
-    fn a_plan_of_millions_of_ops_holds_only_its_blocks_and_makes_them_as_asked() {
+    fn a_plan_of_millions_of_ops_makes_each_in_turn_from_its_arrays_and_blocks() {
         // 1024 layers × 2 arrays × 8192 scattered blocks: 16.8M ops, none held.
         let plan = Plan {
             arrays: (0..2048u64).map(|a| place(a << 32, a << 32, 16)).collect(),
