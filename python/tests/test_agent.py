@@ -243,6 +243,50 @@ def test_a_receive_a_stopped_agent_never_answers_ends_the_connection_after_twice
     w.close()
 
 
+def test_an_offer_a_stopped_agent_holds_ends_the_connection_once_it_leaves_a_ping_unanswered(world, monkeypatch):
+    # Prefill's offered KV waits on decode for as long as decode renews it, so no bound ends it:
+    # a stopped prefill agent held the engine's blocks for good. A silent agent is asked its
+    # Capabilities while an offer is open; a live one answers, a stopped one does not.
+    import signal
+
+    from pdpair_vllm import transfer
+    from pdpair_vllm.transfer import Plan, Send, Stager, WorkerState
+
+    class Saves(Stager):
+        def save(self, blocks):
+            pass
+
+    monkeypatch.setattr(transfer, "PING_AFTER_S", 0.2)
+    monkeypatch.setattr(transfer, "UNANSWERED_SLACK_S", 0.5)
+    g = kv()
+    pa = world.agent("p")
+    p = py_engine(world, pa, "prefill", g, handshake_timeout_ms=100, lease_ms=2000)
+    assert p.transfer_bound_s == 2.1
+    w = WorkerState(p, Saves())
+    w.save(Plan(sends=[Send("s", [3], 16, addresses={0: p.address})]))
+    # Live: asked and answering, for longer than it would take a stopped agent to be given up
+    # were it not answering.
+    heard, until = p.heard_at, time.monotonic() + 1.2
+    while time.monotonic() < until:
+        assert w.poll() == transfer.Results() and w.lost is None, w.lost
+        time.sleep(0.05)
+    assert p.heard_at > heard, "the agent was asked and answered"
+    pa.proc.send_signal(signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        got = w.poll()
+        while not got.finished_sending:
+            assert time.monotonic() - stopped < 15, "the offer is still open"
+            time.sleep(0.05)
+            got = w.poll()
+        assert time.monotonic() - stopped >= 2 * 2.1 + 0.5, "not before twice the bound and the slack"
+        assert got.finished_sending == {"s"}
+        assert "did not answer a Capabilities" in w.lost, w.lost
+    finally:
+        pa.proc.send_signal(signal.SIGCONT)
+    w.close()
+
+
 @pytest.mark.parametrize("mode", ["Push", "Pull"])
 def test_pools_in_several_regions_move_byte_exact_between_python_and_rust(world, mode):
     # vLLM's KV tensors are one per layer: each side describes its pool as it has it, and the two

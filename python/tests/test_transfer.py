@@ -710,6 +710,36 @@ def test_an_unanswered_release_ends_the_connection_and_a_long_held_send_does_not
     assert got.finished_sending == {"s"}, "the connection's transfers end with it"
 
 
+def test_a_silent_agent_is_asked_whether_it_lives_only_while_kv_is_offered(monkeypatch):
+    from pdpair_vllm import transfer
+    from pdpair_vllm.transfer import Send
+
+    monkeypatch.setattr(transfer, "PING_AFTER_S", 0.3)
+    monkeypatch.setattr(transfer, "UNANSWERED_SLACK_S", 0.2)
+    client = _Client()
+    client.transfer_bound_s = 0.2  # 0.6 s to answer
+    client.heard_at = time.monotonic()
+    client.ping = lambda: client.calls.append(("ping", None))
+    w = WorkerState(client, _Saves())
+    time.sleep(0.4)
+    w.poll()
+    assert ("ping", None) not in client.calls, "nothing offered: not asked"
+    w.save(Plan(sends=[Send("s", [4], 16)]))
+    w.poll()
+    assert client.calls.count(("ping", None)) == 1
+    w.poll()
+    assert client.calls.count(("ping", None)) == 1, "one question at a time"
+    client.heard_at = time.monotonic()  # answered
+    time.sleep(0.4)
+    w.poll()
+    assert client.calls.count(("ping", None)) == 2 and w.lost is None, "silent again: asked again"
+    time.sleep(0.7)
+    got = w.poll()
+    assert "did not answer a Capabilities within 0.6 s" in w.lost, w.lost
+    assert ("close", None) in client.calls
+    assert got.finished_sending == {"s"}
+
+
 def test_a_receive_from_several_prefill_ranks_and_its_cancel_wait_their_linking_too(monkeypatch):
     # The agent links the ranks of an ExpectKvFromPool in turn (a dial slot, the connect, the
     # handshake: three handshake timeouts each at most) before its deadline starts: a healthy

@@ -237,6 +237,8 @@ class AgentClient:
         #: The agent's handshake timeout (from ``Registered``), in seconds; ``None`` when it did
         #: not say.
         self.handshake_timeout_s: Optional[float] = None
+        #: When the agent was last heard from (any frame; registering counts), ``time.monotonic()``.
+        self.heard_at = time.monotonic()
         self._lock = threading.Condition()
         self._events: Dict[str, Deque[Event]] = {}
         self._finished: Deque[Event] = deque()
@@ -407,6 +409,11 @@ class AgentClient:
         nothing writes into its blocks."""
         self.send({"type": "Cancel", "request": request})
 
+    def ping(self) -> None:
+        """Asks the agent its ``Capabilities``, which it answers at once: the answer moves
+        :attr:`heard_at` (and is otherwise dropped)."""
+        self.send({"type": "Capabilities"})
+
     # --- events ---------------------------------------------------------------------------------
 
     def _read(self) -> None:
@@ -414,6 +421,7 @@ class AgentClient:
         try:
             while True:
                 raw = wire.recv(self._sock)
+                self.heard_at = time.monotonic()
                 request = raw.get("request")
                 if not isinstance(request, str):
                     continue

@@ -461,10 +461,17 @@ LOST_GRACE_S = 5.0
 #: the worker takes its agent for broken (a task of the agent's that died without answering, a
 #: stopped process: the connection stays up and nothing else would end the request, whose blocks
 #: both sides hold) and ends the connection, as if it were lost. Not for sends: decode renews a
-#: prefill's lease while its request waits in vLLM's queue, for as long as that takes. A receive
+#: prefill's lease while its request waits in vLLM's queue, for as long as that takes (a silent
+#: agent is asked whether it lives instead, :data:`PING_AFTER_S`). A receive
 #: naming several prefill ranks (``ExpectKvFromPool``) gets :data:`LINK_HANDSHAKES` handshake
 #: timeouts more per rank: the agent links the ranks in turn before its deadline starts.
 UNANSWERED_SLACK_S = 10.0
+
+#: Seconds an agent may be silent while this worker offers KV (a send, which nothing else times)
+#: before it is asked its ``Capabilities``; unanswered past twice its bound and
+#: :data:`UNANSWERED_SLACK_S`, it is taken for broken like an unanswered receive. A stopped prefill
+#: agent held the engine's blocks for good.
+PING_AFTER_S = 10.0
 
 #: Handshake timeouts the agent may take to link one prefill rank: waiting for a dial slot,
 #: the connect, and the handshake.
@@ -570,6 +577,9 @@ class WorkerState:
         #: When each receive or release now open was sent (agent request id -> monotonic time;
         #: a cancel keeps its receive's): see :data:`UNANSWERED_SLACK_S`.
         self._asked: Dict[str, float] = {}
+        #: When the agent was asked its ``Capabilities`` for want of news (:data:`PING_AFTER_S`),
+        #: while that is unanswered.
+        self._pinged: Optional[float] = None
         self._by_request: Dict[str, str] = {}
         self._results = Results()
         #: How each request ended with the agent (vLLM id -> final event type), for logs and tests:
@@ -737,6 +747,7 @@ class WorkerState:
         for event in self.client.take_finished():
             self._apply(event)
         self._check_answered()
+        self._check_alive()
         if self._open and self._gone() and not (
                 self.stager.in_place and time.monotonic() - self._lost_at < self._grace()):
             for agent_request, (kind, _, _) in list(self._open.items()):
@@ -778,6 +789,31 @@ class WorkerState:
                      "it is taken as broken")
         self._gone()
         self.client.close()
+
+    def _check_alive(self) -> None:
+        """While KV is offered, asks a silent agent whether it lives (:data:`PING_AFTER_S`), and
+        ends the connection, as lost, when it does not answer within twice its bound and
+        :data:`UNANSWERED_SLACK_S`; an agent that did not say its bound is not asked."""
+        bound = getattr(self.client, "transfer_bound_s", None)
+        heard = getattr(self.client, "heard_at", None)
+        if self._pinged is not None and (heard is None or heard >= self._pinged):
+            self._pinged = None  # answered (or a new connection)
+        offering = any(kind == "send" for kind, _, _ in self._open.values())
+        if bound is None or heard is None or not offering or self._gone():
+            return
+        now = time.monotonic()
+        if self._pinged is None:
+            if now - heard > PING_AFTER_S:
+                self._pinged = now
+                self._call(self.client.ping)
+            return
+        waited = 2 * bound + UNANSWERED_SLACK_S
+        if now - self._pinged > waited:
+            self.lost = (f"the agent, silent for {now - heard:.1f} s while this rank offered KV, did not answer a "
+                         f"Capabilities within {waited:.1f} s (twice its handshake timeout and lease, and "
+                         f"{UNANSWERED_SLACK_S:g} s): it is taken as broken")
+            self._gone()
+            self.client.close()
 
     def _on_close(self) -> None:
         """The event reader saw the connection end: an idle engine takes no steps, so the
