@@ -352,7 +352,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             if secret_refused
                 && let Some(d) = d.as_mut()
                 && let Some(live) = seen(&dname).filter(|l| controlled_by(&l.metadata, &uid))
-                && let Some(kept) = plan::keep_pairing_secret(d, &live)
+                && let Some(kept) = plan::keep_pairing_secret(d, &live, &name)
             {
                 tracing::info!(deployment = %dname, secret = %kept, "the pairing Secret is refused: the pool keeps the one it mounts");
             }

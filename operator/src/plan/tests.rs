@@ -133,21 +133,46 @@ fn a_pool_keeps_the_pairing_secret_it_mounts_only_where_asked_to() {
         .expect("volume")
         .secret_name = Some("llama-8b-pairing".into());
     assert_eq!(
-        keep_pairing_secret(&mut to_old, &live).as_deref(),
+        keep_pairing_secret(&mut to_old, &live, "llama-8b").as_deref(),
         Some("llama-8b-pairing")
     );
     assert_eq!(mounted(&to_old).as_deref(), Some("llama-8b-pairing"));
     // Everything else as planned.
     let mut rest = to_old.clone();
     assert_eq!(
-        keep_pairing_secret(&mut rest, &planned).as_deref(),
+        keep_pairing_secret(&mut rest, &planned, "llama-8b").as_deref(),
         Some("llama-8b-pairing-uid-1")
     );
     assert_eq!(rest, planned);
     // The same one: nothing to keep.
     let mut same = planned.clone();
-    assert_eq!(keep_pairing_secret(&mut same, &planned), None);
+    assert_eq!(keep_pairing_secret(&mut same, &planned, "llama-8b"), None);
     assert_eq!(same, planned);
+    // A Secret this operator would not name for the pair (patched into the live Deployment by
+    // hand, or another pair's): not kept.
+    for other in [
+        "someone-elses",
+        "llama-8b-pairing-",
+        "llama-8b-pairingx",
+        "llama-8b-2-pairing",
+        // Pair `llama-8b-pairing-x`'s, before and after uids were in the name.
+        "llama-8b-pairing-x-pairing",
+        "llama-8b-pairing-x-pairing-uid-2",
+    ] {
+        let mut patched = live.clone();
+        patched
+            .spec
+            .as_mut()
+            .and_then(|s| s.template.spec.as_mut())
+            .and_then(|p| p.volumes.as_mut())
+            .and_then(|v| v.iter_mut().find(|v| v.name == "pdpair-pairing"))
+            .and_then(|v| v.secret.as_mut())
+            .expect("volume")
+            .secret_name = Some(other.into());
+        let mut kept = planned.clone();
+        assert_eq!(keep_pairing_secret(&mut kept, &patched, "llama-8b"), None, "{other}");
+        assert_eq!(kept, planned, "{other}");
+    }
 }
 
 #[test]
