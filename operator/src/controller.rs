@@ -527,7 +527,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     if let Some(written) = ctx.remembered.recall(&uid, |m| m.written.clone()) {
         baseline.status = Some(written);
     }
-    let (new_status, transitions) = status::compute(&baseline, &observed, &Time(Timestamp::now()));
+    let (new_status, transitions) = status::compute(&baseline, &observed, &status_now());
     // Every PDEndpoint write reconciles its pair, and a busy engine's counters change with each:
     // a change of counters alone is written at most every COUNTERS_EVERY (the rest at once), or
     // forty busy engines made forty status patches a second, each sent to every watcher.
@@ -900,11 +900,26 @@ pub fn controller(
     (run, synced)
 }
 
+/// Now, as status stores it (`Time` is written in whole seconds): a condition's
+/// `lastTransitionTime` kept with its nanoseconds in the remembered baseline never equalled the
+/// status read back, so every reconcile patched the status again.
+fn status_now() -> Time {
+    let now = Timestamp::now();
+    Time(Timestamp::from_second(now.as_second()).unwrap_or(now))
+}
+
 #[cfg(test)]
 mod tests {
     use kube::runtime::watcher::Event;
 
     use super::*;
+
+    #[test]
+    fn status_time_is_what_the_api_server_gives_back() {
+        let now = status_now();
+        let back: Time = serde_json::from_value(serde_json::to_value(&now).expect("json")).expect("time");
+        assert_eq!(back, now);
+    }
 
     fn pair(name: &str, uid: &str) -> PDPair {
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/compatible-push.yaml"))
