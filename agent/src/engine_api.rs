@@ -668,7 +668,9 @@ impl PoolRegistration {
         }
     }
 
-    /// Checks `engine` and `pdpair`: not empty, and no longer than their bounds.
+    /// Checks `engine` and `pdpair`: not empty, and no longer than their bounds; and the
+    /// geometry's names no longer than the PDEndpoint the agent publishes for the engine takes
+    /// (the API server refuses more).
     pub fn check_names(&self) -> Result<(), String> {
         for (field, value, max) in [
             ("engine", &self.engine, MAX_ENGINE_NAME),
@@ -676,6 +678,22 @@ impl PoolRegistration {
         ] {
             if value.is_empty() || value.len() > max {
                 return Err(format!("{field} is {} bytes; 1..={max} are accepted", value.len()));
+            }
+        }
+        let kv = &self.kv;
+        for (field, value, max) in [
+            ("kv.engine", Some(&kv.engine), pdpair_api::MAX_KV_NAME),
+            ("kv.engineVersion", kv.engine_version.as_ref(), pdpair_api::MAX_KV_NAME),
+            ("kv.model", Some(&kv.model), pdpair_api::MAX_MODEL),
+            (
+                "kv.attentionBackend",
+                Some(&kv.attention_backend),
+                pdpair_api::MAX_KV_NAME,
+            ),
+        ] {
+            let chars = value.map_or(0, |v| v.chars().count());
+            if chars > max {
+                return Err(format!("{field} is {chars} characters; at most {max}"));
             }
         }
         Ok(())
@@ -987,6 +1005,17 @@ mod tests {
         r.engine = "e".into();
         r.pdpair = format!("{}/{}", "n".repeat(63), "p".repeat(64));
         assert_eq!(r.check_names(), Err("pdpair is 128 bytes; 1..=127 are accepted".into()));
+        r.pdpair = "team-a/tiny".into();
+        r.kv.model = "m".repeat(pdpair_api::MAX_MODEL);
+        assert_eq!(r.check_names(), Ok(()));
+        r.kv.model.push('m');
+        assert_eq!(r.check_names(), Err("kv.model is 1025 characters; at most 1024".into()));
+        r.kv.model = "m".into();
+        r.kv.engine_version = Some("v".repeat(254));
+        assert_eq!(
+            r.check_names(),
+            Err("kv.engineVersion is 254 characters; at most 253".into())
+        );
     }
 
     #[test]

@@ -57,14 +57,18 @@ use crate::{KvGeometry, Parallelism, Role, schema};
 #[serde(rename_all = "camelCase")]
 pub struct PDEndpointSpec {
     /// Name of the PDPair (same namespace) the engine serves.
+    #[schemars(length(max = 253))]
     pub pdpair: String,
     /// Which pool the engine belongs to.
     pub role: Role,
     /// The engine's Pod.
+    #[schemars(length(max = 253))]
     pub pod: String,
     /// The node the engine runs on.
+    #[schemars(length(max = 253))]
     pub node: String,
     /// The node agent's side-channel address (host:port) for this engine.
+    #[schemars(length(max = 256))]
     pub address: String,
     /// The parallelism the engine actually runs with.
     pub parallelism: Parallelism,
@@ -77,6 +81,7 @@ pub struct PDEndpointSpec {
     /// Why the engine stages its KV through a host pool, in its own words, where it said
     /// (the vLLM connector says why it did not take the direct path).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_TEXT))]
     pub staging: Option<String>,
 }
 
@@ -113,6 +118,7 @@ pub struct PDEndpointStatus {
     /// The path transfers with each peer took (the most recent peers, at most
     /// [`MAX_PATHS`]), in the order they were first used.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_PATHS))]
     pub paths: Vec<crate::TransferPath>,
     /// When the agent last refreshed this status.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -122,6 +128,72 @@ pub struct PDEndpointStatus {
 
 /// The most peers whose paths an endpoint's status lists.
 pub const MAX_PATHS: usize = 16;
+
+/// The most characters of a message or other free text in a PDEndpoint (the CRD's `maxLength`:
+/// the API server refuses more). PDEndpoints are written by node agents, whose credentials may
+/// be a compromised node's, and the operator folds their text into PDPair status: unbounded, two
+/// endpoints of 700 KB each pushed a PDPair's status past what etcd stores.
+pub const MAX_TEXT: usize = 4096;
+/// The most characters of a peer's name in a PDEndpoint (`engine@agent`).
+pub const MAX_PEER: usize = 1024;
+/// The most reasons a rejection or failure lists, and characters of each.
+pub const MAX_REASONS: usize = 64;
+/// Characters of one reason.
+pub const MAX_REASON: usize = 64;
+
+impl PDEndpointSpec {
+    /// The spec cut to what the CRD takes (an engine's words are cut; names a node agent took
+    /// from the API server or checked at registration are within it already).
+    pub fn bounded(mut self) -> Self {
+        self.address = clamp_text(&self.address, 256);
+        self.staging = self.staging.map(|s| clamp_text(&s, MAX_TEXT));
+        self
+    }
+}
+
+impl PDEndpointStatus {
+    /// The status cut to what the CRD takes: an agent's status that the API server refused
+    /// would leave the endpoint's last one standing.
+    pub fn bounded(mut self) -> Self {
+        let reasons = |r: Vec<String>| {
+            r.into_iter()
+                .take(MAX_REASONS)
+                .map(|r| clamp_text(&r, MAX_REASON))
+                .collect()
+        };
+        self.last_rejection = self.last_rejection.map(|r| Rejection {
+            peer: clamp_text(&r.peer, MAX_PEER),
+            reasons: reasons(r.reasons),
+            message: clamp_text(&r.message, MAX_TEXT),
+            ..r
+        });
+        self.last_failure = self.last_failure.map(|f| Failure {
+            reasons: reasons(f.reasons),
+            message: clamp_text(&f.message, MAX_TEXT),
+            ..f
+        });
+        self.paths.truncate(MAX_PATHS);
+        for p in &mut self.paths {
+            p.peer = clamp_text(&p.peer, MAX_PEER);
+            p.lanes.truncate(crate::path::MAX_LANES);
+            for lane in &mut p.lanes {
+                *lane = clamp_text(lane, crate::path::MAX_LANE);
+            }
+            p.ucx_version = clamp_text(&p.ucx_version, crate::path::MAX_LANE);
+        }
+        self
+    }
+}
+
+/// `text` cut to at most `max` characters (the last three `...` where it was cut).
+pub fn clamp_text(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        return text.to_owned();
+    }
+    let mut out: String = text.chars().take(max.saturating_sub(3)).collect();
+    out.push_str(&"..."[..max.min(3)]);
+    out
+}
 
 /// Counters an agent reports per endpoint, and the operator sums per PDPair.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -180,10 +252,13 @@ pub struct Rejection {
     #[schemars(schema_with = "schema::time_required")]
     pub time: Time,
     /// The peer (its agent address or pod).
+    #[schemars(length(max = MAX_PEER))]
     pub peer: String,
     /// The rule-table reasons, or Unauthenticated.
+    #[schemars(length(max = MAX_REASONS), inner(length(max = MAX_REASON)))]
     pub reasons: Vec<String>,
     /// The message.
+    #[schemars(length(max = MAX_TEXT))]
     pub message: String,
 }
 
@@ -195,7 +270,74 @@ pub struct Failure {
     #[schemars(schema_with = "schema::time_required")]
     pub time: Time,
     /// Its reasons (TransportFailed, WriteFailed, PeerLost, ChecksumMismatch, ...).
+    #[schemars(length(max = MAX_REASONS), inner(length(max = MAX_REASON)))]
     pub reasons: Vec<String>,
     /// The message.
+    #[schemars(length(max = MAX_TEXT))]
     pub message: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_is_cut_to_its_bound_in_characters() {
+        assert_eq!(clamp_text("short", 10), "short");
+        assert_eq!(clamp_text("0123456789abc", 10), "0123456...");
+        assert_eq!(clamp_text(&"é".repeat(20), 10).chars().count(), 10);
+        assert_eq!(clamp_text("abcdef", 2), "..");
+    }
+
+    #[test]
+    fn a_status_past_the_crds_bounds_is_cut_to_them() {
+        let time = Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
+        let long = "x".repeat(100_000);
+        let path = crate::TransferPath {
+            peer: long.clone(),
+            kind: crate::PathKind::Tcp,
+            backend: crate::Backend::TcpStream,
+            lanes: vec![long.clone(); 100],
+            emulated: false,
+            ucx_version: long.clone(),
+            since: time.clone(),
+        };
+        let status = PDEndpointStatus {
+            last_rejection: Some(Rejection {
+                time: time.clone(),
+                peer: long.clone(),
+                reasons: vec![long.clone(); 100],
+                message: long.clone(),
+            }),
+            last_failure: Some(Failure {
+                time,
+                reasons: vec![long.clone(); 100],
+                message: long.clone(),
+            }),
+            paths: vec![path; 40],
+            ..PDEndpointStatus::default()
+        }
+        .bounded();
+        let r = status.last_rejection.expect("rejection");
+        assert!(r.peer.len() == MAX_PEER && r.message.len() == MAX_TEXT);
+        assert!(r.reasons.len() == MAX_REASONS && r.reasons.iter().all(|x| x.len() == MAX_REASON));
+        let f = status.last_failure.expect("failure");
+        assert!(f.message.len() == MAX_TEXT && f.reasons.len() == MAX_REASONS);
+        assert_eq!(status.paths.len(), MAX_PATHS);
+        for p in &status.paths {
+            assert!(p.peer.len() == MAX_PEER && p.ucx_version.len() == crate::path::MAX_LANE);
+            assert_eq!(p.lanes.len(), crate::path::MAX_LANES);
+            assert!(p.lanes.iter().all(|l| l.len() == crate::path::MAX_LANE));
+        }
+        // Within the bounds: kept as it is.
+        let small = PDEndpointStatus {
+            last_failure: Some(Failure {
+                time: Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
+                reasons: vec!["PeerLost".into()],
+                message: "gone".into(),
+            }),
+            ..PDEndpointStatus::default()
+        };
+        assert_eq!(small.clone().bounded(), small);
+    }
 }

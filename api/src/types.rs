@@ -276,16 +276,25 @@ impl Default for Parallelism {
     }
 }
 
+/// The most characters of a geometry's engine, engine version and attention backend (the CRDs'
+/// `maxLength`; the agent refuses an engine's registration past them, naming the field).
+pub const MAX_KV_NAME: usize = 253;
+/// The most characters of a geometry's model (a name, or a path).
+pub const MAX_MODEL: usize = 1024;
+
 /// The KV cache geometry an engine runs with. Both pools must agree on it, as the rule table says.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct KvGeometry {
     /// Serving engine, for example vllm.
+    #[schemars(length(max = MAX_KV_NAME))]
     pub engine: String,
     /// Engine version; compared only when both pools set it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_KV_NAME))]
     pub engine_version: Option<String>,
     /// Model name, for example meta-llama/Llama-3.1-8B-Instruct.
+    #[schemars(length(max = MAX_MODEL))]
     pub model: String,
     /// Model (activation) dtype.
     pub dtype: ModelDtype,
@@ -299,6 +308,7 @@ pub struct KvGeometry {
     /// Size of one attention head, in elements.
     pub head_dim: i32,
     /// Attention backend, for example FLASH_ATTN or FLASHINFER; it chooses the kernel block size.
+    #[schemars(length(max = MAX_KV_NAME))]
     pub attention_backend: String,
     /// Memory layout of a KV block: HND (heads, tokens, dim: block-contiguous per head) or NHD.
     pub layout: KvLayout,

@@ -505,6 +505,13 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         .state()
         .into_iter()
         .filter(|e| e.namespace().as_deref() == pair.namespace().as_deref() && e.spec.pdpair == name)
+        .filter(|e| {
+            let pods = match e.spec.role {
+                Role::Prefill => &prefill_pods,
+                Role::Decode => &decode_pods,
+            };
+            speaks_for_a_pod(e, pods)
+        })
         .collect();
     let mut endpoint_refs: Vec<&PDEndpoint> = endpoints.iter().map(AsRef::as_ref).collect();
     endpoint_refs.sort_by_key(|e| e.metadata.name.clone());
@@ -900,6 +907,28 @@ pub fn controller(
     (run, synced)
 }
 
+/// Whether PDEndpoint `e` speaks for one of `pods` (the pair's pods of the endpoint's role, from
+/// the operator's own watch): the Pod it names, with the uid its owner reference gives, on the
+/// node it names. Node agents write PDEndpoints, and one node's credentials may write them in
+/// any namespace: an endpoint naming no such pod (forged, or left by a pod that is gone) is not
+/// folded into the pair's status.
+fn speaks_for_a_pod(e: &PDEndpoint, pods: &[Arc<Pod>]) -> bool {
+    let Some(owner) = e
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.kind == "Pod" && o.api_version == "v1")
+    else {
+        return false;
+    };
+    pods.iter().any(|p| {
+        p.metadata.name.as_deref() == Some(e.spec.pod.as_str())
+            && p.metadata.uid.as_deref() == Some(owner.uid.as_str())
+            && p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(e.spec.node.as_str())
+    })
+}
+
 /// Now, as status stores it (`Time` is written in whole seconds): a condition's
 /// `lastTransitionTime` kept with its nanoseconds in the remembered baseline never equalled the
 /// status read back, so every reconcile patched the status again.
@@ -919,6 +948,57 @@ mod tests {
         let now = status_now();
         let back: Time = serde_json::from_value(serde_json::to_value(&now).expect("json")).expect("time");
         assert_eq!(back, now);
+    }
+
+    #[test]
+    fn only_an_endpoint_naming_a_pod_of_the_pair_on_its_node_is_folded() {
+        let pod = |name: &str, uid: &str, node: &str| {
+            let mut p = Pod::default();
+            p.metadata.name = Some(name.into());
+            p.metadata.uid = Some(uid.into());
+            p.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+                node_name: Some(node.into()),
+                ..Default::default()
+            });
+            Arc::new(p)
+        };
+        let pods = vec![pod("decode-a", "uid-a", "node-a"), pod("decode-b", "uid-b", "node-b")];
+        let pair = pair("llama", "uid-pair");
+        let endpoint = |pod: &str, node: &str, owner: Option<&str>| {
+            let mut e = PDEndpoint::new(
+                "e",
+                pdpair_api::PDEndpointSpec {
+                    pdpair: "llama".into(),
+                    role: Role::Decode,
+                    pod: pod.into(),
+                    node: node.into(),
+                    address: String::new(),
+                    parallelism: pair.spec.decode.parallelism.clone(),
+                    kv: pair.spec.decode.kv.clone(),
+                    pool_memory: Default::default(),
+                    staging: None,
+                },
+            );
+            e.metadata.owner_references = owner.map(|uid| {
+                vec![k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                    api_version: "v1".into(),
+                    kind: "Pod".into(),
+                    name: pod.into(),
+                    uid: uid.into(),
+                    ..Default::default()
+                }]
+            });
+            e
+        };
+        assert!(speaks_for_a_pod(&endpoint("decode-a", "node-a", Some("uid-a")), &pods));
+        for (pod, node, owner, why) in [
+            ("decode-a", "node-b", Some("uid-a"), "another node's"),
+            ("decode-a", "node-a", Some("uid-b"), "another pod's uid"),
+            ("decode-a", "node-a", None, "no owner"),
+            ("decode-c", "node-a", Some("uid-a"), "no such pod"),
+        ] {
+            assert!(!speaks_for_a_pod(&endpoint(pod, node, owner), &pods), "{why}");
+        }
     }
 
     fn pair(name: &str, uid: &str) -> PDPair {

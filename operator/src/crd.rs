@@ -101,4 +101,41 @@ mod tests {
         }
         assert!(checked >= 20, "{checked} int32 fields");
     }
+
+    #[test]
+    fn every_string_and_list_of_a_pdendpoint_is_bounded() {
+        // Node agents write PDEndpoints (a compromised node's credentials can, in any
+        // namespace), and the operator caches every one and folds their text into PDPair status:
+        // the API server must refuse what is too long. Times, enums and patterns bound themselves.
+        let crd = super::all()
+            .into_iter()
+            .find(|c| c.file == "pdpair.dev_pdendpoints.yaml");
+        let yaml: serde_yaml::Value = serde_yaml::from_str(&crd.expect("pdendpoints").yaml).expect("yaml");
+        let (mut strings, mut lists) = (0, 0);
+        let mut stack = vec![&yaml];
+        while let Some(v) = stack.pop() {
+            match v {
+                serde_yaml::Value::Mapping(m) => {
+                    let has = |k: &str| m.contains_key(k);
+                    match m.get("type").and_then(|t| t.as_str()) {
+                        // (A printer column's type is not a schema.)
+                        _ if has("jsonPath") => {}
+                        Some("string") if !(has("enum") || has("format") || has("pattern")) => {
+                            assert!(has("maxLength"), "a string without maxLength: {m:?}");
+                            strings += 1;
+                        }
+                        Some("array") => {
+                            assert!(has("maxItems"), "a list without maxItems: {m:?}");
+                            lists += 1;
+                        }
+                        _ => {}
+                    }
+                    stack.extend(m.values());
+                }
+                serde_yaml::Value::Sequence(s) => stack.extend(s.iter()),
+                _ => {}
+            }
+        }
+        assert!(strings >= 15 && lists >= 4, "{strings} strings, {lists} lists");
+    }
 }

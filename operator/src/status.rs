@@ -127,13 +127,34 @@ struct Cond {
     message: String,
 }
 
+/// The most characters of a condition's message. Endpoints' text folds into them (each field
+/// bounded by the PDEndpoint CRD), and a status past what etcd stores was never written.
+pub const MAX_MESSAGE: usize = 4096;
+
 impl Cond {
+    /// A condition; its message with control characters escaped (endpoints' text is whoever
+    /// wrote them) and cut to [`MAX_MESSAGE`].
     fn new(type_: &'static str, status: &'static str, reason: &str, message: String) -> Cond {
+        let message = if message.chars().any(char::is_control) {
+            message
+                .chars()
+                .flat_map(|c| {
+                    let escaped: Vec<char> = if c.is_control() {
+                        c.escape_default().collect()
+                    } else {
+                        vec![c]
+                    };
+                    escaped
+                })
+                .collect()
+        } else {
+            message
+        };
         Cond {
             type_,
             status,
             reason: reason.to_owned(),
-            message,
+            message: pdpair_api::clamp_text(&message, MAX_MESSAGE),
         }
     }
 }
@@ -407,8 +428,14 @@ pub const RECENT_SECONDS: i64 = 15 * 60;
 /// seconds).
 fn current(at: &Time, last_success: Option<&Time>, now: &Time) -> bool {
     let at = at.0.as_second();
-    now.0.as_second().saturating_sub(at) < RECENT_SECONDS && last_success.is_none_or(|s| s.0.as_second() <= at)
+    // (News from the future, past clocks' skew, is not news: it counted until then.)
+    let age = now.0.as_second().saturating_sub(at);
+    (-SKEW_SECONDS..RECENT_SECONDS).contains(&age) && last_success.is_none_or(|s| s.0.as_second() <= at)
 }
+
+/// How far ahead of the operator's clock an agent's may be: a time further ahead is not taken
+/// (one in the future kept a rejection, or an endpoint's heartbeat, current until then).
+pub const SKEW_SECONDS: i64 = 300;
 
 /// The endpoints (by name) whose `news` (a rejection, a failure) at `time` still counts
 /// ([`current`]), with that news.
@@ -449,7 +476,10 @@ fn missing_engines(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Opti
         e.status
             .as_ref()
             .and_then(|s| s.last_heartbeat.as_ref())
-            .is_some_and(|t| now.0.as_second().saturating_sub(t.0.as_second()) > STALE_SECONDS)
+            .is_some_and(|t| {
+                let age = now.0.as_second().saturating_sub(t.0.as_second());
+                !(-SKEW_SECONDS..=STALE_SECONDS).contains(&age)
+            })
     };
     let missing: Vec<String> = [Role::Prefill, Role::Decode]
         .into_iter()

@@ -6,7 +6,7 @@ use std::{sync::OnceLock, time::Duration};
 use k8s_openapi::api::core::v1::Pod;
 use kube::{
     Api,
-    api::{ListParams, Patch, PatchParams, PostParams},
+    api::{ListParams, Patch, PatchParams},
 };
 use pdpair_api::{PDEndpoint, PDPair, Role};
 use pdpair_e2e::*;
@@ -684,10 +684,7 @@ async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
     let mut wrong = endpoint(&ns, "decode-0", Role::Decode, &pair);
     wrong.spec.kv.block_size = 16;
     wrong.spec.kv.kernel_block_size = Some(16);
-    endpoints
-        .create(&PostParams::default(), &wrong)
-        .await
-        .expect("create PDEndpoint");
+    create_endpoint(&client, wrong).await;
     let reason = eventually(WAIT, "GeometryCompatible=False", || {
         let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
         let (status, reason) = condition(&p, "GeometryCompatible")?;
@@ -718,6 +715,24 @@ async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
         let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
         (condition(&p, "GeometryCompatible")?.0 == "True").then_some(())
     });
+    // A PDEndpoint that does not speak for a pod of the pair where it says (one node agent's
+    // credentials may write PDEndpoints anywhere): here the real stand-in pod, owned by its
+    // uid, but on another node. Not folded: the pair stays compatible.
+    let stored = endpoints.get("decode-0").await.expect("decode-0");
+    let mut forged = endpoint(&ns, "decode-forged", Role::Decode, &pair);
+    forged.spec.pod = stored.spec.pod.clone();
+    forged.spec.node = "node-b".into();
+    forged.spec.kv.block_size = 16;
+    forged.spec.kv.kernel_block_size = Some(16);
+    forged.metadata.owner_references = stored.metadata.owner_references.clone();
+    endpoints
+        .create(&kube::api::PostParams::default(), &forged)
+        .await
+        .expect("create the forged PDEndpoint");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let p = get_json("pdpair", &ns, "vllm-push-64-64").expect("pair");
+    assert_eq!(condition(&p, "GeometryCompatible").expect("condition").0, "True", "{p}");
+    assert_eq!(p["status"]["transfer"]["endpoints"], 1, "{p}");
     // And an agent's rejected handshake turns TransferReady False, with totals in status.
     // (A recent one, after the endpoint's last completed transfer: older news does not count.)
     let now = k8s_openapi::jiff::Timestamp::now();
@@ -741,7 +756,11 @@ async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
     assert_eq!(pair["status"]["transfer"]["bytes"], 4096);
     assert_eq!(pair["status"]["transfer"]["endpoints"], 1);
     let list = endpoints.list(&ListParams::default()).await.expect("list");
-    assert_eq!(list.items.len(), 1);
+    assert_eq!(
+        list.items.len(),
+        2,
+        "decode-0, and the forged one (stored, not counted)"
+    );
 }
 
 /// An AdmissionReview of creating `example` as `name` in `ns`, as the API server sends it.

@@ -215,7 +215,7 @@ fn a_pdpair_stored_past_the_webhook_that_does_not_parse_stops_only_itself() {
 fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back() {
     use kube::{
         Api,
-        api::{Patch, PatchParams, PostParams},
+        api::{Patch, PatchParams},
     };
     // Every PDEndpoint status write (each agent's heartbeat, and every second while KV moves)
     // reconciles its pair. Each reconcile applied both Deployments again and created the pairing
@@ -234,12 +234,12 @@ fn endpoint_heartbeats_apply_no_deployment_again_and_a_changed_one_is_put_back()
         .enable_all()
         .build()
         .expect("runtime");
-    let endpoints: Api<pdpair_api::PDEndpoint> = Api::namespaced(rt.block_on(client()), &ns);
-    rt.block_on(endpoints.create(
-        &PostParams::default(),
-        &endpoint(&ns, "decode-0", pdpair_api::Role::Decode, &pair),
-    ))
-    .expect("create PDEndpoint");
+    let kube = rt.block_on(client());
+    let endpoints: Api<pdpair_api::PDEndpoint> = Api::namespaced(kube.clone(), &ns);
+    rt.block_on(create_endpoint(
+        &kube,
+        endpoint(&ns, "decode-0", pdpair_api::Role::Decode, &pair),
+    ));
     eventually(WAIT, "the endpoint counted", || {
         let p = get_json("pdpair", &ns, "llama-8b")?;
         (p["status"]["transfer"]["endpoints"] == 1).then_some(())

@@ -607,8 +607,77 @@ pub fn release_gone(ns: &str) -> bool {
             .is_empty()
 }
 
+/// Creates `endpoint` as a node agent would (a stand-in: no agent runs here), with the Pod it
+/// speaks for: named `spec.pod`, labelled for its pair and role, on `spec.node`, with the pool's
+/// geometry annotation where the pool has a Deployment, and owning the endpoint. The operator
+/// folds only endpoints whose Pod it sees so. Returns the endpoint as stored.
+pub async fn create_endpoint(client: &Client, mut endpoint: pdpair_api::PDEndpoint) -> pdpair_api::PDEndpoint {
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::{Api, api::PostParams};
+    let ns = endpoint.metadata.namespace.clone().expect("a namespace");
+    let (pair, role) = (endpoint.spec.pdpair.clone(), endpoint.spec.role.as_str());
+    let geometry = get_json("deployment", &ns, &format!("{pair}-{role}")).and_then(|d| {
+        d["spec"]["template"]["metadata"]["annotations"]["pdpair.dev/geometry-hash"]
+            .as_str()
+            .map(str::to_owned)
+    });
+    let mut annotations = serde_json::Map::new();
+    if let Some(g) = geometry {
+        annotations.insert("pdpair.dev/geometry-hash".into(), g.into());
+    }
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": endpoint.spec.pod,
+            "namespace": ns,
+            "labels": {"pdpair.dev/name": pair, "pdpair.dev/role": role},
+            "annotations": annotations,
+        },
+        "spec": {
+            "nodeName": endpoint.spec.node,
+            "containers": [{"name": "engine", "image": "stand-in:never-pulled"}],
+            "tolerations": [{"operator": "Exists"}],
+        },
+    }))
+    .expect("a pod");
+    // The node, as an object (no kubelet runs here): without it the pod garbage collector deletes
+    // a pod bound to it. Tainted so the scheduler places nothing there; the pod tolerates that,
+    // and the taints the node lifecycle controller adds to a node that never reports.
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let node: k8s_openapi::api::core::v1::Node = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": endpoint.spec.node},
+        "spec": {"taints": [{"key": "pdpair.dev/stand-in", "value": "true", "effect": "NoSchedule"}]},
+    }))
+    .expect("a node");
+    match nodes.create(&PostParams::default(), &node).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("create node {}: {e}", endpoint.spec.node),
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let pod = pods
+        .create(&PostParams::default(), &pod)
+        .await
+        .expect("create the endpoint's Pod");
+    endpoint.metadata.owner_references = Some(vec![k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+        api_version: "v1".into(),
+        kind: "Pod".into(),
+        name: endpoint.spec.pod.clone(),
+        uid: pod.metadata.uid.clone().expect("a uid"),
+        ..Default::default()
+    }]);
+    let endpoints: Api<pdpair_api::PDEndpoint> = Api::namespaced(client.clone(), &ns);
+    endpoints
+        .create(&PostParams::default(), &endpoint)
+        .await
+        .expect("create PDEndpoint")
+}
+
 /// What a node agent publishes for engine `name` of `pair` in `role`, its geometry the pool's
-/// (a stand-in: no agent runs here).
+/// (a stand-in: no agent runs here; [`create_endpoint`] makes it with its Pod).
 pub fn endpoint(ns: &str, name: &str, role: pdpair_api::Role, pair: &pdpair_api::PDPair) -> pdpair_api::PDEndpoint {
     let pool = if role == pdpair_api::Role::Prefill {
         &pair.spec.prefill

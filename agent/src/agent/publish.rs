@@ -219,7 +219,8 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
                 },
                 // The engine's words, shown to whoever reads the PDEndpoint: printable and short.
                 staging: engine.reg.staging.as_deref().map(crate::reason::peer_text),
-            },
+            }
+            .bounded(),
             status: None,
         };
         api.patch(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&endpoint))
@@ -250,7 +251,8 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
         }),
         paths: stats.paths.clone(),
         last_heartbeat: Some(Time(Timestamp::now())),
-    };
+    }
+    .bounded();
     let body = serde_json::json!({ "apiVersion": "pdpair.dev/v1alpha1", "kind": "PDEndpoint", "status": status });
     api.patch_status(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&body))
         .await?;

@@ -820,3 +820,53 @@ fn with_pdpairs_connector_ready_needs_a_live_engine_of_each_role() {
     let (s, _) = compute(&pair, &all_ready(vec![]), &t(0));
     assert_eq!(cond(&s, ct::READY).status, "True");
 }
+
+#[test]
+fn times_from_the_future_and_hostile_text_are_not_taken_as_written() {
+    // PDEndpoints are written by node agents, whose credentials may be a compromised node's.
+    let mut pair = pair();
+    pair.spec.transfer.connector = pdpair_api::Connector::Pdpair;
+    let mut p = endpoint("p-1", Role::Prefill, &pair);
+    let mut d = endpoint("d-1", Role::Decode, &pair);
+    // A heartbeat far ahead of the operator's clock kept an engine live until then.
+    let ahead = PDEndpointStatus {
+        last_heartbeat: Some(t(SKEW_SECONDS + 10_000)),
+        ..PDEndpointStatus::default()
+    };
+    (p.status, d.status) = (Some(ahead.clone()), Some(ahead));
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(0));
+    assert_eq!(cond(&s, ct::READY).reason, reasons::NOT_REGISTERED);
+    // Within the skew: live.
+    let near = PDEndpointStatus {
+        last_heartbeat: Some(t(SKEW_SECONDS)),
+        ..PDEndpointStatus::default()
+    };
+    (p.status, d.status) = (Some(near.clone()), Some(near));
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(0));
+    assert_eq!(cond(&s, ct::READY).status, "True");
+    // A rejection from far in the future counted until then; a near one counts.
+    let rejected = |at: i64, message: &str| Rejection {
+        time: t(at),
+        peer: "10.0.0.9:7000".into(),
+        reasons: vec!["Unauthenticated".into()],
+        message: message.into(),
+    };
+    if let Some(s) = d.status.as_mut() {
+        s.last_rejection = Some(rejected(RECENT_SECONDS * 100, "later"));
+    }
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(0));
+    assert_eq!(cond(&s, ct::TRANSFER_READY).status, "True");
+    // Control characters are escaped and a message is cut to MAX_MESSAGE.
+    let hostile = format!("line\nnext\u{1b}[31m{}", "x".repeat(20_000));
+    if let Some(s) = d.status.as_mut() {
+        s.last_rejection = Some(rejected(1, &hostile));
+    }
+    let (s, transitions) = compute(&pair, &all_ready(vec![&p, &d]), &t(2));
+    let c = cond(&s, ct::TRANSFER_READY);
+    assert_eq!(c.status, "False");
+    assert!(c.message.contains("line\\nnext\\u{1b}[31m"), "{}", &c.message[..200]);
+    assert!(!c.message.chars().any(char::is_control));
+    assert_eq!(c.message.chars().count(), MAX_MESSAGE);
+    assert!(cond(&s, ct::READY).message.chars().count() <= MAX_MESSAGE);
+    assert!(transitions.iter().all(|t| t.message.chars().count() <= MAX_MESSAGE));
+}
