@@ -172,6 +172,20 @@ struct Memory {
     /// outlive them a moment (the garbage collector removes them after the pod), and compared
     /// with the new geometry then, the end of every rollout read as a mismatch.
     earlier: HashMap<String, Instant>,
+    /// The Events its conditions' changes may still make ([`PAIR_EVENTS_BURST`]).
+    events: Option<crate::webhook::EventBudget>,
+}
+
+/// Events a pair's condition changes make at once after a quiet spell; then one each
+/// [`PAIR_EVENT_EVERY`]. Conditions read PDEndpoints, which node agents write: one flipping an
+/// endpoint's news made two Events a write (the condition's and Ready's), in that namespace.
+const PAIR_EVENTS_BURST: f64 = 16.0;
+/// See [`PAIR_EVENTS_BURST`].
+const PAIR_EVENT_EVERY: Duration = Duration::from_secs(15);
+
+/// A pair's budget of Events for its conditions' changes, full.
+fn pair_event_budget(now: Instant) -> crate::webhook::EventBudget {
+    crate::webhook::EventBudget::of(PAIR_EVENTS_BURST, 1.0 / PAIR_EVENT_EVERY.as_secs_f64(), now)
 }
 
 /// A plan applied: its [`fingerprint`], and the resourceVersion each Deployment had once
@@ -574,7 +588,16 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         }
     });
     let reference = pair.object_ref(&());
-    for t in transitions {
+    let now = Instant::now();
+    let mut told = 0;
+    ctx.remembered.note(&uid, |m| {
+        let budget = m.events.get_or_insert_with(|| pair_event_budget(now));
+        told = transitions.iter().take_while(|_| budget.take(now)).count();
+    });
+    for _ in told..transitions.len() {
+        ctx.metrics.condition_event_dropped();
+    }
+    for t in transitions.into_iter().take(told) {
         let kind = if t.warning { Kind::Warning } else { Kind::Normal };
         let from = t.from.as_deref().unwrap_or("unset");
         let note = format!("{} {from} -> {}: {}", t.type_, t.to_status, t.message);
@@ -942,6 +965,21 @@ mod tests {
     use kube::runtime::watcher::Event;
 
     use super::*;
+
+    #[test]
+    fn a_pairs_condition_changes_make_a_bounded_number_of_events() {
+        let start = Instant::now();
+        let mut budget = pair_event_budget(start);
+        assert_eq!(
+            (0..1000).filter(|_| budget.take(start)).count(),
+            PAIR_EVENTS_BURST as usize
+        );
+        // A minute of flips, ten a second: one Event each PAIR_EVENT_EVERY.
+        let told = (1..=600u64)
+            .filter(|i| budget.take(start + Duration::from_millis(100 * i)))
+            .count();
+        assert_eq!(told, 4);
+    }
 
     #[test]
     fn status_time_is_what_the_api_server_gives_back() {

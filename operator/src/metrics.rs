@@ -14,6 +14,7 @@ pub struct Metrics {
     leader: IntGauge,
     unsynced_scopes: IntGauge,
     events_dropped: IntCounter,
+    condition_events_dropped: IntCounter,
     deployment_applies: IntCounter,
     secrets_ensured: IntCounter,
     webhook_tls_failures: IntCounter,
@@ -74,6 +75,11 @@ impl Metrics {
             "Rejected Events not recorded because denials came faster than the Event budget",
         )
         .expect("valid metric");
+        let condition_events_dropped = IntCounter::new(
+            "condition_events_dropped_total",
+            "Events of PDPair condition changes not recorded because one pair's conditions changed faster than its Event budget",
+        )
+        .expect("valid metric");
         for m in [
             Box::new(reconciles.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(reconcile_errors.clone()),
@@ -82,6 +88,7 @@ impl Metrics {
             Box::new(leader.clone()),
             Box::new(unsynced_scopes.clone()),
             Box::new(events_dropped.clone()),
+            Box::new(condition_events_dropped.clone()),
             Box::new(deployment_applies.clone()),
             Box::new(secrets_ensured.clone()),
             Box::new(webhook_tls_failures.clone()),
@@ -98,6 +105,7 @@ impl Metrics {
             leader,
             unsynced_scopes,
             events_dropped,
+            condition_events_dropped,
             deployment_applies,
             secrets_ensured,
             webhook_tls_failures,
@@ -118,6 +126,11 @@ impl Metrics {
     /// Counts a denial whose Event was not recorded (over the budget).
     pub fn event_dropped(&self) {
         self.events_dropped.inc();
+    }
+
+    /// Counts a condition change whose Event was not recorded (over its pair's budget).
+    pub fn condition_event_dropped(&self) {
+        self.condition_events_dropped.inc();
     }
 
     /// Counts a reconcile and its duration.

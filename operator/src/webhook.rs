@@ -209,6 +209,8 @@ pub fn denial_message(name: &str, violations: &[Violation]) -> String {
 pub struct EventBudget {
     tokens: f64,
     at: std::time::Instant,
+    burst: f64,
+    per_second: f64,
 }
 
 impl EventBudget {
@@ -219,16 +221,23 @@ impl EventBudget {
 
     /// A full budget.
     pub fn new(now: std::time::Instant) -> EventBudget {
+        EventBudget::of(Self::BURST, Self::PER_SECOND, now)
+    }
+
+    /// A full budget of `burst` Events, refilled at `per_second`.
+    pub fn of(burst: f64, per_second: f64, now: std::time::Instant) -> EventBudget {
         EventBudget {
-            tokens: Self::BURST,
+            tokens: burst,
             at: now,
+            burst,
+            per_second,
         }
     }
 
     /// Whether one more Event may be recorded at `now` (and spends it).
     pub fn take(&mut self, now: std::time::Instant) -> bool {
-        let refill = now.saturating_duration_since(self.at).as_secs_f64() * Self::PER_SECOND;
-        self.tokens = (self.tokens + refill).min(Self::BURST);
+        let refill = now.saturating_duration_since(self.at).as_secs_f64() * self.per_second;
+        self.tokens = (self.tokens + refill).min(self.burst);
         self.at = now;
         if self.tokens >= 1.0 {
             self.tokens -= 1.0;

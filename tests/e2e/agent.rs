@@ -61,7 +61,10 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         ("prefill-pod", "prefill"),
         ("prefill16-pod", "prefill"),
     ] {
-        engine_pod(&ns, name, "vllm-push-64-64", role, None);
+        // On the node of the agent its engine registers with: the operator counts an endpoint
+        // only for a Pod on the node it names.
+        let node = if role == "decode" { "node-d" } else { "node-p" };
+        engine_pod(&ns, name, "vllm-push-64-64", role, Some(node));
     }
     let work = dir().join(format!("agents-{ns}"));
     std::fs::create_dir_all(&work).expect("dir");

@@ -523,12 +523,25 @@ impl AgentProcess {
     }
 }
 
+/// A Node object `name`, no kubelet behind it: the pod garbage collector deletes pods bound to a
+/// node that does not exist. Tainted so that the scheduler places nothing there (stand-in pods
+/// tolerate every taint, the node lifecycle controller's for a node that never reports too).
+pub fn stand_in_node(name: &str) {
+    let manifest = format!(
+        "apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\nspec:\n  taints:\n  - {{key: pdpair.dev/stand-in, value: \"true\", effect: NoSchedule}}\n"
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&manifest));
+}
+
 /// An engine Pod in `ns` labelled for PDPair `pair` and `role` (on `node` when given: bound
-/// without a scheduler; no kubelet runs it); returns its UID.
+/// without a scheduler, to a [`stand_in_node`]; no kubelet runs it); returns its UID.
 pub fn engine_pod(ns: &str, name: &str, pair: &str, role: &str, node: Option<&str>) -> String {
+    if let Some(node) = node {
+        stand_in_node(node);
+    }
     let node = node.map(|n| format!("  nodeName: {n}\n")).unwrap_or_default();
     let manifest = format!(
-        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {ns}\n  labels: {{pdpair.dev/name: {pair}, pdpair.dev/role: {role}}}\nspec:\n{node}  containers:\n  - name: engine\n    image: vllm/vllm-openai:v0.11.0\n"
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {ns}\n  labels: {{pdpair.dev/name: {pair}, pdpair.dev/role: {role}}}\nspec:\n{node}  tolerations:\n  - operator: Exists\n  containers:\n  - name: engine\n    image: vllm/vllm-openai:v0.11.0\n"
     );
     kubectl_ok(&["apply", "-f", "-"], Some(&manifest));
     let pod = eventually(Duration::from_secs(60), "the Pod", || get_json("pod", ns, name));
@@ -641,22 +654,7 @@ pub async fn create_endpoint(client: &Client, mut endpoint: pdpair_api::PDEndpoi
         },
     }))
     .expect("a pod");
-    // The node, as an object (no kubelet runs here): without it the pod garbage collector deletes
-    // a pod bound to it. Tainted so the scheduler places nothing there; the pod tolerates that,
-    // and the taints the node lifecycle controller adds to a node that never reports.
-    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
-    let node: k8s_openapi::api::core::v1::Node = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": endpoint.spec.node},
-        "spec": {"taints": [{"key": "pdpair.dev/stand-in", "value": "true", "effect": "NoSchedule"}]},
-    }))
-    .expect("a node");
-    match nodes.create(&PostParams::default(), &node).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("create node {}: {e}", endpoint.spec.node),
-    }
+    stand_in_node(&endpoint.spec.node);
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let pod = pods
         .create(&PostParams::default(), &pod)
