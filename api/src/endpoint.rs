@@ -68,7 +68,7 @@ pub struct PDEndpointSpec {
     #[schemars(length(max = 253))]
     pub node: String,
     /// The node agent's side-channel address (host:port) for this engine.
-    #[schemars(length(max = 256))]
+    #[schemars(length(max = MAX_ADDRESS))]
     pub address: String,
     /// The parallelism the engine actually runs with.
     pub parallelism: Parallelism,
@@ -134,6 +134,8 @@ pub const MAX_PATHS: usize = 16;
 /// be a compromised node's, and the operator folds their text into PDPair status: unbounded, two
 /// endpoints of 700 KB each pushed a PDPair's status past what etcd stores.
 pub const MAX_TEXT: usize = 4096;
+/// The most characters of an engine's side-channel address in a PDEndpoint.
+pub const MAX_ADDRESS: usize = 256;
 /// The most characters of a peer's name in a PDEndpoint (`engine@agent`).
 pub const MAX_PEER: usize = 1024;
 /// The most reasons a rejection or failure lists, and characters of each.
@@ -145,7 +147,7 @@ impl PDEndpointSpec {
     /// The spec cut to what the CRD takes (an engine's words are cut; names a node agent took
     /// from the API server or checked at registration are within it already).
     pub fn bounded(mut self) -> Self {
-        self.address = clamp_text(&self.address, 256);
+        self.address = clamp_text(&self.address, MAX_ADDRESS);
         self.staging = self.staging.map(|s| clamp_text(&s, MAX_TEXT));
         self
     }
@@ -175,11 +177,11 @@ impl PDEndpointStatus {
         self.paths.truncate(MAX_PATHS);
         for p in &mut self.paths {
             p.peer = clamp_text(&p.peer, MAX_PEER);
-            p.lanes.truncate(crate::path::MAX_LANES);
+            p.lanes.truncate(crate::path::MAX_PATH_LANES);
             for lane in &mut p.lanes {
-                *lane = clamp_text(lane, crate::path::MAX_LANE);
+                *lane = clamp_text(lane, crate::path::MAX_LANE_NAME);
             }
-            p.ucx_version = clamp_text(&p.ucx_version, crate::path::MAX_LANE);
+            p.ucx_version = clamp_text(&p.ucx_version, crate::path::MAX_LANE_NAME);
         }
         self
     }
@@ -325,9 +327,9 @@ mod tests {
         assert!(f.message.len() == MAX_TEXT && f.reasons.len() == MAX_REASONS);
         assert_eq!(status.paths.len(), MAX_PATHS);
         for p in &status.paths {
-            assert!(p.peer.len() == MAX_PEER && p.ucx_version.len() == crate::path::MAX_LANE);
-            assert_eq!(p.lanes.len(), crate::path::MAX_LANES);
-            assert!(p.lanes.iter().all(|l| l.len() == crate::path::MAX_LANE));
+            assert!(p.peer.len() == MAX_PEER && p.ucx_version.len() == crate::path::MAX_LANE_NAME);
+            assert_eq!(p.lanes.len(), crate::path::MAX_PATH_LANES);
+            assert!(p.lanes.iter().all(|l| l.len() == crate::path::MAX_LANE_NAME));
         }
         // Within the bounds: kept as it is.
         let small = PDEndpointStatus {

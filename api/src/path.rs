@@ -98,7 +98,7 @@ pub struct TransferPath {
     pub backend: Backend,
     /// The transports and devices that carried the WRITEs or READs, as UCX chose them
     /// (`transport/device`, for example `rc_mlx5/mlx5_0:1`, `posix/memory`, `tcp/eth0`).
-    #[schemars(length(max = MAX_LANES), inner(length(max = MAX_LANE)))]
+    #[schemars(length(max = MAX_PATH_LANES), inner(length(max = MAX_LANE_NAME)))]
     pub lanes: Vec<String>,
     /// Whether UCX had no transport with native remote memory access for this peer and emulated
     /// the WRITEs or READs with messages (as over TCP).
@@ -106,7 +106,7 @@ pub struct TransferPath {
     pub emulated: bool,
     /// The UCX library version the agent loaded (absent when UCX did not move the bytes).
     #[serde(default, skip_serializing_if = "String::is_empty")]
-    #[schemars(length(max = MAX_LANE))]
+    #[schemars(length(max = MAX_LANE_NAME))]
     pub ucx_version: String,
     /// When the first transfer over this path completed.
     #[schemars(schema_with = "schema::time_required")]
@@ -114,9 +114,9 @@ pub struct TransferPath {
 }
 
 /// The most lanes a path lists.
-pub const MAX_LANES: usize = 32;
+pub const MAX_PATH_LANES: usize = 32;
 /// The most characters of a lane's name (and of a UCX version).
-pub const MAX_LANE: usize = 256;
+pub const MAX_LANE_NAME: usize = 256;
 
 impl TransferPath {
     /// One line for messages: `Tcp (tcp/lo, emulated RMA) with d0@node-b`.

@@ -10,7 +10,7 @@
 
 use std::sync::{
     Arc,
-    atomic::{AtomicBool, AtomicUsize, Ordering},
+    atomic::{AtomicBool, Ordering},
 };
 
 use axum::{Router, extract::State, http::StatusCode, routing::get};
@@ -24,7 +24,7 @@ pub struct Health {
     pub tls_loaded: AtomicBool,
     /// Watch scopes (namespaces, or all) whose watches have not delivered their first events
     /// (told, not waited for); the gauge `pdpair_operator_watch_scopes_unsynced` shows it.
-    unsynced_scopes: AtomicUsize,
+    unsynced_scopes: std::sync::Mutex<usize>,
     metrics: Arc<Metrics>,
 }
 
@@ -34,7 +34,7 @@ impl Health {
         metrics.set_unsynced_scopes(scopes);
         Health {
             tls_loaded: AtomicBool::new(false),
-            unsynced_scopes: AtomicUsize::new(scopes),
+            unsynced_scopes: std::sync::Mutex::new(scopes),
             metrics,
         }
     }
@@ -46,18 +46,18 @@ impl Health {
 
     /// Whether every scope's watches have listed.
     pub fn watches_synced(&self) -> bool {
-        self.unsynced_scopes.load(Ordering::SeqCst) == 0
+        self.unsynced_scopes.lock().is_ok_and(|n| *n == 0)
     }
 
-    /// One scope's watches listed: the scopes left.
+    /// One scope's watches listed: the scopes left (the gauge set under the same lock, so two
+    /// scopes listing at once cannot leave it behind the count).
     pub fn scope_synced(&self) -> usize {
-        let before = self
-            .unsynced_scopes
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| Some(n.saturating_sub(1)))
-            .unwrap_or(0);
-        let left = before.saturating_sub(1);
-        self.metrics.set_unsynced_scopes(left);
-        left
+        let Ok(mut n) = self.unsynced_scopes.lock() else {
+            return usize::MAX;
+        };
+        *n = n.saturating_sub(1);
+        self.metrics.set_unsynced_scopes(*n);
+        *n
     }
 }
 

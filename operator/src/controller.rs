@@ -974,8 +974,8 @@ mod tests {
             (0..1000).filter(|_| budget.take(start)).count(),
             PAIR_EVENTS_BURST as usize
         );
-        // A minute of flips, ten a second: one Event each PAIR_EVENT_EVERY.
-        let told = (1..=600u64)
+        // A minute and a bit of flips, ten a second: one Event each PAIR_EVENT_EVERY.
+        let told = (1..=610u64)
             .filter(|i| budget.take(start + Duration::from_millis(100 * i)))
             .count();
         assert_eq!(told, 4);

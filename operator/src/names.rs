@@ -45,6 +45,11 @@ pub fn secret_name(pair: &str, uid: &str) -> String {
     format!("{pair}-pairing-{uid}")
 }
 
+/// The name operators before [`secret_name`] gave a pair's pairing Secret.
+pub fn legacy_secret_name(pair: &str) -> String {
+    format!("{pair}-pairing")
+}
+
 /// Condition types on a PDPair.
 pub mod conditions {
     /// The declared geometry passes the rule table, and so do the engines' observed geometries.

@@ -330,17 +330,15 @@ fn mounted_secret(d: &Deployment) -> Option<&str> {
         .as_deref()
 }
 
-/// Makes `planned` mount the pairing Secret that `live` (the pool's Deployment as it runs)
-/// mounts, where that is another that this operator names for pair `pair` (`<pair>-pairing`, as
-/// before uids were in the name, or `<pair>-pairing-<uid>`; never one patched in by hand): the
-/// name it kept, if it changed anything. For a pool whose pairing Secret cannot be made yet (a
-/// quota): pods rolled to mount one that does not exist would never start.
+/// Makes `planned` mount the pairing Secret that `live` (the pool's Deployment as it runs, one
+/// this pair controls) mounts, where that is the one an earlier operator named for pair `pair`
+/// (`<pair>-pairing`, before uids were in the name; the only other name it gives this pair's
+/// Secret is the planned one, and never one patched in by hand): the name it kept, if it
+/// changed anything. For a pool whose pairing Secret cannot be made yet (a quota): pods rolled
+/// to mount one that does not exist would never start.
 pub fn keep_pairing_secret(planned: &mut Deployment, live: &Deployment, pair: &str) -> Option<String> {
     let kept = mounted_secret(live)?.to_owned();
-    let legacy = format!("{pair}-pairing");
-    // A uid after `-`; never another pair's (`<pair>-pairing-x`'s `...-pairing-x-pairing[-uid]`).
-    let ours = |uid: &str| uid.len() > 1 && uid.starts_with('-') && !uid.contains("-pairing");
-    if kept != legacy && !kept.strip_prefix(&legacy).is_some_and(ours) {
+    if kept != names::legacy_secret_name(pair) {
         return None;
     }
     let volume = planned

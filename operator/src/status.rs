@@ -132,31 +132,32 @@ struct Cond {
 pub const MAX_MESSAGE: usize = 4096;
 
 impl Cond {
-    /// A condition; its message with control characters escaped (endpoints' text is whoever
-    /// wrote them) and cut to [`MAX_MESSAGE`].
     fn new(type_: &'static str, status: &'static str, reason: &str, message: String) -> Cond {
-        let message = if message.chars().any(char::is_control) {
-            message
-                .chars()
-                .flat_map(|c| {
-                    let escaped: Vec<char> = if c.is_control() {
-                        c.escape_default().collect()
-                    } else {
-                        vec![c]
-                    };
-                    escaped
-                })
-                .collect()
-        } else {
-            message
-        };
         Cond {
             type_,
             status,
             reason: reason.to_owned(),
-            message: pdpair_api::clamp_text(&message, MAX_MESSAGE),
+            message,
         }
     }
+}
+
+/// A condition's message as status keeps it: control characters escaped (endpoints' text is
+/// whoever wrote them) and cut to [`MAX_MESSAGE`]. Every condition goes through it as it is
+/// written (some messages are added to after they are made).
+fn tidy(message: &str) -> String {
+    let escaped: String = message
+        .chars()
+        .flat_map(|c| {
+            let escaped: Vec<char> = if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            };
+            escaped
+        })
+        .collect();
+    pdpair_api::clamp_text(&escaped, MAX_MESSAGE)
 }
 
 /// The status the PDPair should have, and the transitions from `old`.
@@ -196,7 +197,8 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
     let ready = ready_condition(&geometry, &applied, &prefill, &decode, (&transfer, registered), &path);
     let mut conditions = Vec::new();
     let mut transitions = Vec::new();
-    for c in [geometry, applied, prefill, decode, transfer, path, ready] {
+    for mut c in [geometry, applied, prefill, decode, transfer, path, ready] {
+        c.message = tidy(&c.message);
         let previous = old.and_then(|s| s.conditions.iter().find(|p| p.type_ == c.type_));
         let changed = previous.is_none_or(|p| p.status != c.status);
         let warning = c.status == "False"

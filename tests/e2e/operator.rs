@@ -729,8 +729,17 @@ async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
         .create(&kube::api::PostParams::default(), &forged)
         .await
         .expect("create the forged PDEndpoint");
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let p = get_json("pdpair", &ns, "vllm-push-64-64").expect("pair");
+    // Then news of decode-0, which the operator reconciles after the forged endpoint: once the
+    // pair shows it, the forged one was looked at too.
+    let counters = serde_json::json!({"status": {"transfersCompleted": 1, "bytes": 1234}});
+    endpoints
+        .patch_status("decode-0", &PatchParams::default(), &Patch::Merge(&counters))
+        .await
+        .expect("patch PDEndpoint status");
+    let p = eventually(WAIT, "decode-0's news in the pair", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (p["status"]["transfer"]["bytes"] == 1234).then_some(p)
+    });
     assert_eq!(condition(&p, "GeometryCompatible").expect("condition").0, "True", "{p}");
     assert_eq!(p["status"]["transfer"]["endpoints"], 1, "{p}");
     // And an agent's rejected handshake turns TransferReady False, with totals in status.

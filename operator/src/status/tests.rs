@@ -869,4 +869,27 @@ fn times_from_the_future_and_hostile_text_are_not_taken_as_written() {
     assert_eq!(c.message.chars().count(), MAX_MESSAGE);
     assert!(cond(&s, ct::READY).message.chars().count() <= MAX_MESSAGE);
     assert!(transitions.iter().all(|t| t.message.chars().count() <= MAX_MESSAGE));
+    // Every condition, also one added to after it was made (TransferPath names engines that
+    // stage): a path of many long lanes, and staging engines with long names.
+    let lanes: Vec<String> = (0..32).map(|i| format!("tcp/{i}{}", "l".repeat(250))).collect();
+    let lanes: Vec<&str> = lanes.iter().map(String::as_str).collect();
+    let mut staged: Vec<PDEndpoint> = (0..3)
+        .map(|i| endpoint(&format!("{i}{}", "e".repeat(250)), Role::Decode, &pair))
+        .collect();
+    for e in &mut staged {
+        e.spec.staging = Some("cpu".into());
+        e.status = Some(PDEndpointStatus {
+            paths: vec![path("x@y", pdpair_api::PathKind::Tcp, &lanes)],
+            ..PDEndpointStatus::default()
+        });
+    }
+    let (s, _) = compute(&pair, &all_ready(staged.iter().collect()), &t(2));
+    assert!(
+        s.conditions.iter().all(|c| c.message.chars().count() <= MAX_MESSAGE),
+        "{:?}",
+        s.conditions
+            .iter()
+            .map(|c| c.message.chars().count())
+            .collect::<Vec<_>>()
+    );
 }

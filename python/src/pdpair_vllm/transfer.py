@@ -784,11 +784,9 @@ class WorkerState:
         else:
             return
         kind, request, _ = self._open[late]
-        self.lost = (f"the agent did not answer the {kind} {_short(late)} (request {request}) within {waited:.1f} s "
-                     f"(twice its handshake timeout and lease, its prefill ranks' linking, and {UNANSWERED_SLACK_S:g} s): "
-                     "it is taken as broken")
-        self._gone()
-        self.client.close()
+        self._give_up(f"the agent did not answer the {kind} {_short(late)} (request {request}) within {waited:.1f} s "
+                      f"(twice its handshake timeout and lease, its prefill ranks' linking, and {UNANSWERED_SLACK_S:g} s): "
+                      "it is taken as broken")
 
     def _check_alive(self) -> None:
         """While KV is offered, asks a silent agent whether it lives (:data:`PING_AFTER_S`), and
@@ -809,11 +807,15 @@ class WorkerState:
             return
         waited = 2 * bound + UNANSWERED_SLACK_S
         if now - self._pinged > waited:
-            self.lost = (f"the agent, silent for {now - heard:.1f} s while this rank offered KV, did not answer a "
-                         f"Capabilities within {waited:.1f} s (twice its handshake timeout and lease, and "
-                         f"{UNANSWERED_SLACK_S:g} s): it is taken as broken")
-            self._gone()
-            self.client.close()
+            self._give_up(f"the agent, silent for {now - heard:.1f} s while this rank offered KV, did not answer a "
+                          f"Capabilities within {waited:.1f} s (twice its handshake timeout and lease, and "
+                          f"{UNANSWERED_SLACK_S:g} s): it is taken as broken")
+
+    def _give_up(self, why: str) -> None:
+        """Takes a connected agent for broken: the connection ends as if it were lost."""
+        self.lost = why
+        self._gone()
+        self.client.close()
 
     def _on_close(self) -> None:
         """The event reader saw the connection end: an idle engine takes no steps, so the
