@@ -625,46 +625,25 @@ pub fn release_gone(ns: &str) -> bool {
 /// geometry annotation where the pool has a Deployment, and owning the endpoint. The operator
 /// folds only endpoints whose Pod it sees so. Returns the endpoint as stored.
 pub async fn create_endpoint(client: &Client, mut endpoint: pdpair_api::PDEndpoint) -> pdpair_api::PDEndpoint {
-    use k8s_openapi::api::core::v1::Pod;
     use kube::{Api, api::PostParams};
     let ns = endpoint.metadata.namespace.clone().expect("a namespace");
     let (pair, role) = (endpoint.spec.pdpair.clone(), endpoint.spec.role.as_str());
+    let (pod, node) = (endpoint.spec.pod.clone(), endpoint.spec.node.clone());
+    let uid = engine_pod(&ns, &pod, &pair, role, Some(&node));
     let geometry = get_json("deployment", &ns, &format!("{pair}-{role}")).and_then(|d| {
         d["spec"]["template"]["metadata"]["annotations"]["pdpair.dev/geometry-hash"]
             .as_str()
             .map(str::to_owned)
     });
-    let mut annotations = serde_json::Map::new();
     if let Some(g) = geometry {
-        annotations.insert("pdpair.dev/geometry-hash".into(), g.into());
+        let annotation = format!("pdpair.dev/geometry-hash={g}");
+        kubectl_ok(&["annotate", "pod", &pod, "-n", &ns, &annotation], None);
     }
-    let pod: Pod = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": endpoint.spec.pod,
-            "namespace": ns,
-            "labels": {"pdpair.dev/name": pair, "pdpair.dev/role": role},
-            "annotations": annotations,
-        },
-        "spec": {
-            "nodeName": endpoint.spec.node,
-            "containers": [{"name": "engine", "image": "stand-in:never-pulled"}],
-            "tolerations": [{"operator": "Exists"}],
-        },
-    }))
-    .expect("a pod");
-    stand_in_node(&endpoint.spec.node);
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let pod = pods
-        .create(&PostParams::default(), &pod)
-        .await
-        .expect("create the endpoint's Pod");
     endpoint.metadata.owner_references = Some(vec![k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
         api_version: "v1".into(),
         kind: "Pod".into(),
-        name: endpoint.spec.pod.clone(),
-        uid: pod.metadata.uid.clone().expect("a uid"),
+        name: pod,
+        uid,
         ..Default::default()
     }]);
     let endpoints: Api<pdpair_api::PDEndpoint> = Api::namespaced(client.clone(), &ns);
