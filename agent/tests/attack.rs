@@ -1111,12 +1111,17 @@ fn the_kv_streams_unproven_connections_are_bounded_per_source_and_shared_fairly(
 }
 
 fn vm_hwm_kib(pid: u32) -> u64 {
+    proc_status_kib(pid, "VmHWM")
+}
+
+/// A memory figure of `/proc/<pid>/status` (`VmHWM`, `RssAnon`...), in KiB.
+fn proc_status_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmHWM")
+        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"))
 }
 
 #[test]
@@ -4613,12 +4618,7 @@ fn moved_one_token_blocks(p: &mut SyntheticEngine, d: &mut SyntheticEngine, id: 
 
 /// The process's anonymous memory (its heap: not the engines' pools it maps), in KiB.
 fn rss_anon_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("RssAnon:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("RssAnon")
+    proc_status_kib(pid, "RssAnon")
 }
 
 /// A transfer of 512 layers of 1-token blocks, every other block: 1M ops, each apart from the

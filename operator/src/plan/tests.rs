@@ -122,22 +122,26 @@ fn a_pool_keeps_the_pairing_secret_it_mounts_only_where_asked_to() {
             .and_then(|s| s.secret_name)
     };
     // What an earlier operator rendered: the Secret named after the pair alone.
-    let mut live = planned.clone();
+    // `planned`, its pods mounting the Secret `name`.
+    let mounting = |name: &str| {
+        let mut d = planned.clone();
+        d.spec
+            .as_mut()
+            .and_then(|s| s.template.spec.as_mut())
+            .and_then(|p| p.volumes.as_mut())
+            .and_then(|v| v.iter_mut().find(|v| v.name == "pdpair-pairing"))
+            .and_then(|v| v.secret.as_mut())
+            .expect("volume")
+            .secret_name = Some(name.into());
+        d
+    };
+    let live = mounting("llama-8b-pairing");
     let mut to_old = planned.clone();
-    live.spec
-        .as_mut()
-        .and_then(|s| s.template.spec.as_mut())
-        .and_then(|p| p.volumes.as_mut())
-        .and_then(|v| v.iter_mut().find(|v| v.name == "pdpair-pairing"))
-        .and_then(|v| v.secret.as_mut())
-        .expect("volume")
-        .secret_name = Some("llama-8b-pairing".into());
     assert_eq!(
         keep_pairing_secret(&mut to_old, &live, "llama-8b").as_deref(),
         Some("llama-8b-pairing")
     );
     assert_eq!(mounted(&to_old).as_deref(), Some("llama-8b-pairing"));
-    // Everything else as planned.
     // The same one: nothing to keep.
     let mut same = planned.clone();
     assert_eq!(keep_pairing_secret(&mut same, &planned, "llama-8b"), None);
@@ -154,16 +158,7 @@ fn a_pool_keeps_the_pairing_secret_it_mounts_only_where_asked_to() {
         "llama-8b-pairing-x-pairing",
         "llama-8b-pairing-x-pairing-uid-2",
     ] {
-        let mut patched = live.clone();
-        patched
-            .spec
-            .as_mut()
-            .and_then(|s| s.template.spec.as_mut())
-            .and_then(|p| p.volumes.as_mut())
-            .and_then(|v| v.iter_mut().find(|v| v.name == "pdpair-pairing"))
-            .and_then(|v| v.secret.as_mut())
-            .expect("volume")
-            .secret_name = Some(other.into());
+        let patched = mounting(other);
         let mut kept = planned.clone();
         assert_eq!(keep_pairing_secret(&mut kept, &patched, "llama-8b"), None, "{other}");
         assert_eq!(kept, planned, "{other}");
