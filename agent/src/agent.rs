@@ -1795,12 +1795,11 @@ impl Engine {
             Some(arrays) => w.allow_blocks(request, arrays, blocks),
             // A pool of one block: a range per layer and half.
             None => {
-                let len = self.layout.block_len() as u64;
                 let mut ranges = Vec::with_capacity(blocks.len() * self.layout.layers as usize * 2);
                 for &b in &blocks {
                     for layer in 0..self.layout.layers {
-                        for v in [false, true].into_iter().take(self.layout.halves() as usize) {
-                            ranges.push((self.block_addr(layer, v, b), len));
+                        for (r, at, len) in self.layout.block_extents(layer, b) {
+                            ranges.push((self.region_addr(r, at), len as u64));
                         }
                     }
                 }
@@ -1926,21 +1925,24 @@ impl Engine {
     fn arrays(&self) -> Option<Arc<crate::transport::stream::Arrays>> {
         self.arrays
             .get_or_init(|| {
-                let len = self.layout.block_len() as u64;
+                // Each layer's block 0's extents beside block 1's (an `Interleaved` layer's K and
+                // V are one).
                 let pieces: Vec<(u64, u64, u64)> = (0..self.layout.layers)
                     .flat_map(|layer| {
-                        [false, true]
-                            .into_iter()
-                            .take(self.layout.halves() as usize)
-                            .map(move |v| (layer, v))
-                    })
-                    .map(|(layer, v)| {
                         let second = if self.layout.num_blocks > 1 {
-                            self.block_addr(layer, v, 1)
+                            self.layout.block_extents(layer, 1)
                         } else {
-                            0
+                            Vec::new()
                         };
-                        (self.block_addr(layer, v, 0), second, len)
+                        self.layout
+                            .block_extents(layer, 0)
+                            .into_iter()
+                            .enumerate()
+                            .map(|(i, (r, at, len))| {
+                                let next = second.get(i).map_or(0, |(r, at, _)| self.region_addr(*r, *at));
+                                (self.region_addr(r, at), next, len as u64)
+                            })
+                            .collect::<Vec<_>>()
                     })
                     .collect();
                 crate::transport::stream::Arrays::of(&pieces, self.layout.num_blocks).map(Arc::new)
@@ -1949,14 +1951,48 @@ impl Engine {
     }
 
     /// Where each of our layers' arrays lies here and in `remote` (the memory of `peer`, named
-    /// in the error), in order, for a transfer's plan. `Err` when the peer's description lacks an
-    /// array of ours (defence only: the rule table refuses MLA beside non-MLA, and each side's
-    /// description has a V array exactly when it is not MLA).
-    fn places(&self, remote: &MemoryDesc, peer: &str) -> Result<Vec<crate::transport::plan::Place>, String> {
+    /// in the error), in order, with the pieces that move of each of their blocks, for a
+    /// transfer's plan: `pieces(local unit, remote unit, bytes)` makes the pieces of the blocks
+    /// of arrays whose (head, token)s are `unit`s apart on each side, `bytes` each. A layer whose
+    /// K and V lie side by side on both sides (`Interleaved`) moves as one array, a head's
+    /// token's K and V together. `Err` when the peer's description lacks an array of ours
+    /// (defence only: the rule table refuses MLA beside non-MLA, and each side's description has
+    /// a V array exactly when it is not MLA), or from `pieces`.
+    fn places(
+        &self,
+        remote: &MemoryDesc,
+        peer: &str,
+        pieces: impl Fn(u64, u64, u64) -> Result<Vec<crate::transport::plan::Piece>, String>,
+        part_len: impl Fn(u64) -> u64,
+    ) -> Result<(Vec<crate::transport::plan::Place>, Vec<crate::transport::plan::Pieces>), String> {
+        let half = self.layout.half_token() as u64;
         let mut arrays = Vec::new();
+        let mut keys: Vec<(u64, u64, u64)> = Vec::new();
+        let mut sets = Vec::new();
+        let mut set_of = |key: (u64, u64, u64)| -> Result<usize, String> {
+            if let Some(i) = keys.iter().position(|k| *k == key) {
+                return Ok(i);
+            }
+            sets.push(crate::transport::plan::Pieces {
+                part_len: part_len(key.0),
+                pieces: pieces(key.0, key.1, key.2)?,
+            });
+            keys.push(key);
+            Ok(keys.len() - 1)
+        };
         for layer in 0..self.layout.layers {
-            for v in self.layout.arrays() {
-                let (Some(far), Some(l)) = (remote.block(layer, *v, 0), remote.layers.get(layer as usize)) else {
+            let Some(l) = remote.layers.get(layer as usize) else {
+                return Err(format!("{peer} memory has no layer {layer}"));
+            };
+            let (ours, theirs) = (self.layout.unit(layer) as u64, l.unit.unwrap_or(half));
+            let side_by_side = ours == 2 * half && theirs == 2 * half && l.v == l.k.checked_add(half);
+            let (halves, len): (&[bool], u64) = if side_by_side {
+                (&[false], 2 * half)
+            } else {
+                (self.layout.arrays(), half)
+            };
+            for v in halves {
+                let Some(far) = remote.block(layer, *v, 0) else {
                     return Err(format!(
                         "{peer} memory has no {} array for layer {layer}",
                         if *v { "V" } else { "K" }
@@ -1967,14 +2003,20 @@ impl Engine {
                     local_stride: self.layout.block_stride(layer) as u64,
                     remote: far,
                     remote_stride: l.block_stride,
+                    set: set_of((ours, theirs, len))?,
                 });
             }
         }
-        Ok(arrays)
+        Ok((arrays, sets))
     }
 
     fn block_addr(&self, layer: u32, v: bool, block: u32) -> u64 {
         let (r, at) = self.layout.block_offset(layer, v, block);
+        self.region_addr(r, at)
+    }
+
+    /// The registered address of offset `at` of region `r`.
+    fn region_addr(&self, r: usize, at: usize) -> u64 {
         match &self.device {
             Some(d) => d.regions[r].base + at as u64,
             None => self.pools[r].base + at as u64,

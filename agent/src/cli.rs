@@ -565,8 +565,8 @@ pub struct SyntheticEngineArgs {
     /// (MLA) Latent; absent: the geometry's default.
     #[arg(long = "kv-arrangement", value_parser = parse_arrangement)]
     pub kv_arrangement: Option<crate::layout::KvArrangement>,
-    /// The pool's regions, in layer order: comma-separated `LAYERS[:ARRANGEMENT]` (absent: one
-    /// region).
+    /// The pool's regions, in layer order: comma-separated `LAYERS[:ARRANGEMENT[:LAYER_STRIDE:BLOCK_STRIDE]]`
+    /// (strides in bytes, `Interleaved` only; absent: one region).
     #[arg(long, value_delimiter = ',', value_parser = parse_region)]
     pub regions: Vec<crate::engine_api::RegionRequest>,
 }
@@ -577,7 +577,8 @@ fn parse_arrangement(s: &str) -> Result<crate::layout::KvArrangement, String> {
         "KvFirst" => Ok(KvFirst),
         "BlocksFirst" => Ok(BlocksFirst),
         "Latent" => Ok(Latent),
-        other => Err(format!("{other:?} is not KvFirst, BlocksFirst or Latent")),
+        "Interleaved" => Ok(Interleaved),
+        other => Err(format!("{other:?} is not KvFirst, BlocksFirst, Latent or Interleaved")),
     }
 }
 
@@ -586,15 +587,27 @@ fn parse_prompt(s: &str) -> Result<crate::engine_api::PromptDigest, String> {
 }
 
 fn parse_region(s: &str) -> Result<crate::engine_api::RegionRequest, String> {
-    let (layers, arrangement) = match s.split_once(':') {
-        Some((l, a)) => (l, Some(parse_arrangement(a)?)),
-        None => (s, None),
+    let mut parts = s.split(':');
+    let layers = parts.next().unwrap_or_default();
+    let arrangement = parts.next().map(parse_arrangement).transpose()?;
+    let stride = |what: &str, v: Option<&str>| {
+        v.map(|v| v.parse::<u64>().map_err(|e| format!("region {s:?}: {what} {v:?}: {e}")))
+            .transpose()
     };
+    let layer_stride = stride("layer stride", parts.next())?;
+    let block_stride = stride("block stride", parts.next())?;
+    if parts.next().is_some() {
+        return Err(format!(
+            "region {s:?}: LAYERS[:ARRANGEMENT[:LAYER_STRIDE:BLOCK_STRIDE]]"
+        ));
+    }
     Ok(crate::engine_api::RegionRequest {
         layers: layers
             .parse()
             .map_err(|e| format!("region {s:?}: layers {layers:?}: {e}"))?,
         kv_arrangement: arrangement,
+        layer_stride,
+        block_stride,
     })
 }
 

@@ -648,13 +648,20 @@ pub struct GpuInfo {
 }
 
 /// One memory region of a pool: the next `layers` layers, arranged as `kv_arrangement`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegionRequest {
     /// Layers the region holds (the layers after the previous region's).
     pub layers: u32,
     /// How they are arranged (absent: `KvFirst`, or `Latent` for an MLA cache).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_arrangement: Option<crate::layout::KvArrangement>,
+    /// `Interleaved` only: bytes from one layer's block 0 to the next layer's (absent:
+    /// `num_blocks x block_stride`, layers outermost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_stride: Option<u64>,
+    /// `Interleaved` only: bytes from one block to the next (absent: a block's K and V, dense).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_stride: Option<u64>,
 }
 
 impl PoolRegistration {
@@ -725,8 +732,17 @@ impl PoolRegistration {
                 "kv_arrangement and regions are both set: with regions, each region names its kv_arrangement".into(),
             ));
         }
-        let spec: Vec<_> = self.regions.iter().map(|r| (r.layers, r.kv_arrangement)).collect();
-        layout.with_regions(&spec)
+        let spec: Vec<_> = self
+            .regions
+            .iter()
+            .map(|r| crate::layout::RegionSpec {
+                layers: r.layers,
+                arrangement: r.kv_arrangement,
+                strides: (r.layer_stride.is_some() || r.block_stride.is_some())
+                    .then_some((r.layer_stride, r.block_stride)),
+            })
+            .collect();
+        layout.with_region_specs(&spec)
     }
 }
 
@@ -922,6 +938,8 @@ mod tests {
             .map(|_| RegionRequest {
                 layers: u32::MAX,
                 kv_arrangement: Some(crate::layout::KvArrangement::BlocksFirst),
+                layer_stride: Some(u64::MAX),
+                block_stride: Some(u64::MAX),
             })
             .collect();
         r.gpu = Some(GpuPool {
@@ -940,7 +958,7 @@ mod tests {
                 .expect("address"),
         );
         let frame = serde_json::to_vec(&EngineRequest::RegisterPool(Box::new(r))).expect("json");
-        assert!(frame.len() < 40 << 10, "{} bytes", frame.len());
+        assert!(frame.len() < 48 << 10, "{} bytes", frame.len());
         assert!(frame.len() < MAX_REGISTRATION_FRAME);
         // A request naming every block of a pool (the largest ids), 1024 prefill addresses,
         // spaced as Python's json.dumps spaces them.

@@ -6,7 +6,10 @@
 //! `num_blocks` blocks each (vLLM's FlashAttention `[2, num_blocks, ...]`),
 //! [`KvArrangement::BlocksFirst`]: block after block, each its K then its V (FlashInfer's
 //! `[num_blocks, 2, ...]`), or [`KvArrangement::Latent`]: an MLA cache's one array of latent
-//! vectors (`[num_blocks, block_size, head_dim]`, no V). A block holds `kernel_block_size` tokens
+//! vectors (`[num_blocks, block_size, head_dim]`, no V), or [`KvArrangement::Interleaved`]: each
+//! head's each token's K then its V side by side (vLLM 0.33's `[blocks, heads, tokens, K|V]` views
+//! of one allocation), with the distances from one layer and one block to the next as the engine
+//! names them (layers outermost or blocks outermost). A block holds `kernel_block_size` tokens
 //! of the engine's local KV heads, `HND` (head, token, dim) or `NHD` (token, head, dim).
 
 use pdpair_api::{KvGeometry, KvLayout, Parallelism, checksum::Shape};
@@ -23,6 +26,21 @@ pub enum KvArrangement {
     BlocksFirst,
     /// MLA: one array of blocks of latent vectors, no V (`[num_blocks, block_size, head_dim]`).
     Latent,
+    /// Each head's each token's K then its V, side by side (vLLM 0.33's `[blocks, heads, tokens,
+    /// K|V]`), blocks and layers [`Strides`] apart.
+    Interleaved,
+}
+
+/// Where an [`KvArrangement::Interleaved`] region's blocks are: bytes from a layer's block 0 to
+/// the next layer's, and from one block to the next. Both at least a block of K and V apart, one
+/// grid inside the other (layers outermost: `layer >= num_blocks x block`; blocks outermost:
+/// `block >= layers x layer`), so no two blocks overlap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Strides {
+    /// Bytes from one layer's block 0 to the next layer's.
+    pub layer: u64,
+    /// Bytes from one block to the next.
+    pub block: u64,
 }
 
 use crate::checksum::block_checksum;
@@ -46,6 +64,9 @@ pub struct Region {
     pub layers: u32,
     /// How each of its layers is arranged.
     pub arrangement: KvArrangement,
+    /// An `Interleaved` region's strides (`None` for the others, whose follow from the
+    /// arrangement).
+    pub strides: Option<Strides>,
 }
 
 /// Where one layer's blocks are: its region, the offsets of its K (or latent) array's and its V
@@ -61,6 +82,10 @@ pub struct LayerAt {
     pub v: Option<u64>,
     /// Bytes from one block to the next.
     pub block_stride: u64,
+    /// Bytes from one head's one token's K (or V) to the next one's (absent: adjacent, a half
+    /// token; `Interleaved`: twice that, K and V side by side).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unit: Option<u64>,
 }
 
 /// The geometry of one engine's pool, in bytes.
@@ -158,20 +183,34 @@ impl PoolLayout {
                 first_layer: 0,
                 layers,
                 arrangement: default_arrangement(kv.mla),
+                strides: None,
             }],
         })
     }
 
-    /// The same layout in one region with K and V arranged as `arrangement`.
+    /// The same layout in one region with K and V arranged as `arrangement` (`Interleaved`:
+    /// dense, layers outermost).
     pub fn arranged(self, arrangement: KvArrangement) -> PoolLayout {
         let layers = self.layers;
+        let strides = (arrangement == KvArrangement::Interleaved).then(|| self.dense_strides());
         PoolLayout {
             regions: vec![Region {
                 first_layer: 0,
                 layers,
                 arrangement,
+                strides,
             }],
             ..self
+        }
+    }
+
+    /// An `Interleaved` region's strides where nothing lies between blocks, layers outermost
+    /// (saturating: a geometry that overflows is refused by [`PoolLayout::pool_len_checked`]).
+    fn dense_strides(&self) -> Strides {
+        let block = self.block_len_checked().unwrap_or(u64::MAX).saturating_mul(2);
+        Strides {
+            layer: block.saturating_mul(u64::from(self.num_blocks)),
+            block,
         }
     }
 
@@ -179,6 +218,21 @@ impl PoolLayout {
     /// engine API's `regions`; an absent arrangement is `KvFirst`, or `Latent` for MLA). The
     /// counts must add up to the layers; MLA caches are `Latent`, others not.
     pub fn with_regions(self, spec: &[(u32, Option<KvArrangement>)]) -> Result<PoolLayout, LayoutError> {
+        let spec: Vec<RegionSpec> = spec
+            .iter()
+            .map(|(layers, arrangement)| RegionSpec {
+                layers: *layers,
+                arrangement: *arrangement,
+                strides: None,
+            })
+            .collect();
+        self.with_region_specs(&spec)
+    }
+
+    /// [`PoolLayout::with_regions`] with each region's strides where it names them (only
+    /// `Interleaved` regions take them; absent: dense, layers outermost): they must keep every
+    /// block apart and the region inside the address space.
+    pub fn with_region_specs(self, spec: &[RegionSpec]) -> Result<PoolLayout, LayoutError> {
         if spec.is_empty() || spec.len() > MAX_REGIONS {
             return Err(LayoutError(format!(
                 "regions has {} entries; a pool has 1..={MAX_REGIONS}",
@@ -187,20 +241,41 @@ impl PoolLayout {
         }
         let mut regions = Vec::with_capacity(spec.len());
         let mut next = 0u32;
-        for (i, (layers, arrangement)) in spec.iter().enumerate() {
-            if *layers == 0 {
+        for (i, r) in spec.iter().enumerate() {
+            let layers = r.layers;
+            if layers == 0 {
                 return Err(LayoutError(format!(
                     "regions[{i}].layers is 0; a region holds at least 1"
                 )));
             }
-            let arrangement = arrangement.unwrap_or(default_arrangement(self.latent));
+            let arrangement = r.arrangement.unwrap_or(default_arrangement(self.latent));
             check_arrangement(self.latent, arrangement, &format!("regions[{i}].kv_arrangement"))?;
+            let strides = match (arrangement, r.strides) {
+                (KvArrangement::Interleaved, given) => {
+                    let dense = self.dense_strides();
+                    let (layer, block) = given.unwrap_or((None, None));
+                    let block = block.unwrap_or(dense.block);
+                    let strides = Strides {
+                        layer: layer.unwrap_or(block.saturating_mul(u64::from(self.num_blocks))),
+                        block,
+                    };
+                    self.check_strides(strides, layers, &format!("regions[{i}]"))?;
+                    Some(strides)
+                }
+                (_, None | Some((None, None))) => None,
+                (other, Some(_)) => {
+                    return Err(LayoutError(format!(
+                        "regions[{i}] names strides for a {other:?} region; only Interleaved regions take them"
+                    )));
+                }
+            };
             regions.push(Region {
                 first_layer: next,
-                layers: *layers,
+                layers,
                 arrangement,
+                strides,
             });
-            next = next.saturating_add(*layers);
+            next = next.saturating_add(layers);
         }
         if next != self.layers {
             return Err(LayoutError(format!(
@@ -209,6 +284,46 @@ impl PoolLayout {
             )));
         }
         Ok(PoolLayout { regions, ..self })
+    }
+
+    /// Checks an `Interleaved` region's strides: every block (its K and V, twice a block's
+    /// length) apart from every other, one grid inside the other, and the region's length
+    /// computable.
+    fn check_strides(&self, s: Strides, layers: u32, field: &str) -> Result<(), LayoutError> {
+        let chunk = self
+            .block_len_checked()
+            .and_then(|b| b.checked_mul(2))
+            .ok_or_else(|| LayoutError("the geometry's block length overflows".into()))?;
+        let (blocks, layers64) = (u64::from(self.num_blocks), u64::from(layers));
+        let apart = |inner: u64, n: u64, outer: u64, m: u64| {
+            inner >= chunk && (m <= 1 || inner.checked_mul(n).is_some_and(|span| outer >= span))
+        };
+        // Layers outermost, blocks outermost, or one layer (its layer stride unused).
+        if !(apart(s.block, blocks, s.layer, layers64) || apart(s.layer, layers64, s.block, blocks)) {
+            return Err(LayoutError(format!(
+                "{field}.layer_stride {} and {field}.block_stride {} make blocks of {chunk} bytes (K and V) overlap: \
+                 one stride must be at least {chunk} and the other at least that times its count \
+                 ({} layers, {} blocks)",
+                s.layer, s.block, layers, self.num_blocks
+            )));
+        }
+        Self::interleaved_len(s, layers, self.num_blocks, chunk)
+            .filter(|l| *l <= isize::MAX as u64)
+            .map(|_| ())
+            .ok_or_else(|| {
+                LayoutError(format!(
+                    "{field}.layer_stride {} and {field}.block_stride {} over {layers} layers and {} blocks overflow the address space",
+                    s.layer, s.block, self.num_blocks
+                ))
+            })
+    }
+
+    /// The bytes of an `Interleaved` region: its last layer's last block's end.
+    fn interleaved_len(s: Strides, layers: u32, num_blocks: u32, chunk: u64) -> Option<u64> {
+        u64::from(layers.checked_sub(1)?)
+            .checked_mul(s.layer)?
+            .checked_add(u64::from(num_blocks.checked_sub(1)?).checked_mul(s.block)?)?
+            .checked_add(chunk)
     }
 
     /// K and V (2), or MLA's latent (1): the arrays per layer.
@@ -232,10 +347,27 @@ impl PoolLayout {
 
     /// Bytes from one block of a layer's K (or V) to the next.
     pub fn block_stride(&self, layer: u32) -> usize {
-        match self.regions[self.region_of(layer).0].arrangement {
-            KvArrangement::KvFirst | KvArrangement::Latent => self.block_len(),
-            KvArrangement::BlocksFirst => 2 * self.block_len(),
+        let region = &self.regions[self.region_of(layer).0];
+        match (region.arrangement, region.strides) {
+            (KvArrangement::Interleaved, Some(s)) => s.block as usize,
+            (KvArrangement::BlocksFirst | KvArrangement::Interleaved, _) => 2 * self.block_len(),
+            (KvArrangement::KvFirst | KvArrangement::Latent, _) => self.block_len(),
         }
+    }
+
+    /// Bytes from one head's one token's K (or V) in a layer's block to the next's: a half
+    /// token, or (`Interleaved`, K and V side by side) two.
+    pub fn unit(&self, layer: u32) -> usize {
+        match self.regions[self.region_of(layer).0].arrangement {
+            KvArrangement::Interleaved => 2 * self.half_token(),
+            _ => self.half_token(),
+        }
+    }
+
+    /// Bytes from the start of a layer's K (or V) block to its end: a block, or (`Interleaved`)
+    /// a block and the other half's tokens between its own.
+    pub fn block_span(&self, layer: u32) -> usize {
+        (self.block_len() / self.half_token().max(1)).saturating_sub(1) * self.unit(layer) + self.half_token()
     }
 
     /// Bytes of one head's one token's K (or V, or latent).
@@ -260,12 +392,31 @@ impl PoolLayout {
     /// space): such a geometry is refused at registration, before anything is sliced. Every
     /// region is smaller than the whole.
     pub fn pool_len_checked(&self) -> Option<usize> {
-        let len = self
+        let dense = self
             .block_len_checked()?
             .checked_mul(u64::from(self.num_blocks))?
             .checked_mul(u64::from(self.halves()))?
             .checked_mul(u64::from(self.layers))?;
+        usize::try_from(dense).ok().filter(|l| *l <= isize::MAX as usize)?;
+        let mut len = 0u64;
+        for r in &self.regions {
+            len = len.checked_add(self.region_len_checked(r)?)?;
+        }
         usize::try_from(len).ok().filter(|l| *l <= isize::MAX as usize)
+    }
+
+    /// A region's bytes, or `None` when they overflow.
+    fn region_len_checked(&self, r: &Region) -> Option<u64> {
+        let block = self.block_len_checked()?;
+        match (r.arrangement, r.strides) {
+            (KvArrangement::Interleaved, Some(s)) => {
+                Self::interleaved_len(s, r.layers, self.num_blocks, block.checked_mul(2)?)
+            }
+            _ => block
+                .checked_mul(u64::from(self.num_blocks))?
+                .checked_mul(u64::from(self.halves()))?
+                .checked_mul(u64::from(r.layers)),
+        }
     }
 
     /// Bytes of one K (or V) array.
@@ -280,14 +431,14 @@ impl PoolLayout {
 
     /// Bytes of the whole pool, all regions (callers check [`PoolLayout::pool_len_checked`] first).
     pub fn pool_len(&self) -> usize {
-        self.layers as usize * self.layer_len()
+        self.region_lens().iter().sum()
     }
 
-    /// Bytes of each region, in order.
+    /// Bytes of each region, in order (callers check [`PoolLayout::pool_len_checked`] first).
     pub fn region_lens(&self) -> Vec<usize> {
         self.regions
             .iter()
-            .map(|r| r.layers as usize * self.layer_len())
+            .map(|r| self.region_len_checked(r).unwrap_or(u64::MAX) as usize)
             .collect()
     }
 
@@ -301,6 +452,7 @@ impl PoolLayout {
                     k: k as u64,
                     v: (!self.latent).then(|| self.block_offset(l, true, 0).1 as u64),
                     block_stride: self.block_stride(l) as u64,
+                    unit: (self.unit(l) != self.half_token()).then(|| self.unit(l) as u64),
                 }
             })
             .collect()
@@ -310,6 +462,10 @@ impl PoolLayout {
     /// or V array.
     pub fn block_offset(&self, layer: u32, v: bool, block: u32) -> (usize, usize) {
         let (r, local) = self.region_of(layer);
+        if let (KvArrangement::Interleaved, Some(s)) = (self.regions[r].arrangement, self.regions[r].strides) {
+            let at = u64::from(local) * s.layer + u64::from(block) * s.block + u64::from(v) * self.half_token() as u64;
+            return (r, at as usize);
+        }
         let layer_start = local as usize * self.layer_len();
         let at = match self.regions[r].arrangement {
             KvArrangement::KvFirst => {
@@ -319,16 +475,37 @@ impl PoolLayout {
                 layer_start + block as usize * 2 * self.block_len() + usize::from(v) * self.block_len()
             }
             KvArrangement::Latent => layer_start + block as usize * self.block_len(),
+            // Without strides (not made by `arranged` or `with_region_specs`): dense.
+            KvArrangement::Interleaved => {
+                layer_start + block as usize * 2 * self.block_len() + usize::from(v) * self.half_token()
+            }
         };
         (r, at)
     }
 
-    /// Offset of a token's K (or V) for a local head inside a block.
-    pub fn token_offset(&self, head: u32, token: u32) -> usize {
+    /// The bytes a layer's block occupies, as (region, offset, bytes): each array's block, or
+    /// (`Interleaved`) its K and V together, one range.
+    pub fn block_extents(&self, layer: u32, block: u32) -> Vec<(usize, usize, usize)> {
+        if self.unit(layer) != self.half_token() {
+            let (r, at) = self.block_offset(layer, false, block);
+            return vec![(r, at, 2 * self.block_len())];
+        }
+        self.arrays()
+            .iter()
+            .map(|v| {
+                let (r, at) = self.block_offset(layer, *v, block);
+                (r, at, self.block_len())
+            })
+            .collect()
+    }
+
+    /// Offset of a token's K (or V) for a local head inside a layer's block.
+    pub fn token_offset(&self, layer: u32, head: u32, token: u32) -> usize {
         let (h, t) = (head as usize, token as usize);
+        let unit = self.unit(layer);
         match self.layout {
-            KvLayout::Hnd => (h * self.block_size as usize + t) * self.half_token(),
-            KvLayout::Nhd => (t * self.local_heads as usize + h) * self.half_token(),
+            KvLayout::Hnd => (h * self.block_size as usize + t) * unit,
+            KvLayout::Nhd => (t * self.local_heads as usize + h) * unit,
         }
     }
 
@@ -380,7 +557,7 @@ impl PoolLayout {
             first_token,
             num_tokens,
             |l, h, i| {
-                let token = self.token_offset(first + h, i);
+                let token = self.token_offset(l, first + h, i);
                 let (r, k) = self.block_offset(l, false, block);
                 let k = &memory[r][k + token..k + token + half];
                 if self.latent {
@@ -391,6 +568,18 @@ impl PoolLayout {
             },
         )
     }
+}
+
+/// One region as an engine names it: its layers, arrangement and (`Interleaved`) the layer and
+/// block strides it gives (absent: dense, layers outermost).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegionSpec {
+    /// Layers it holds.
+    pub layers: u32,
+    /// Its arrangement (absent: the geometry's default).
+    pub arrangement: Option<KvArrangement>,
+    /// (layer stride, block stride) in bytes, either absent.
+    pub strides: Option<(Option<u64>, Option<u64>)>,
 }
 
 /// `KvFirst`, or `Latent` for an MLA cache.
@@ -405,12 +594,13 @@ pub fn default_arrangement(latent: bool) -> KvArrangement {
 /// An MLA cache is `Latent`; any other is not.
 pub fn check_arrangement(latent: bool, arrangement: KvArrangement, field: &str) -> Result<(), LayoutError> {
     match (latent, arrangement) {
-        (true, KvArrangement::Latent) | (false, KvArrangement::KvFirst | KvArrangement::BlocksFirst) => Ok(()),
+        (true, KvArrangement::Latent)
+        | (false, KvArrangement::KvFirst | KvArrangement::BlocksFirst | KvArrangement::Interleaved) => Ok(()),
         (true, other) => Err(LayoutError(format!(
             "{field} is {other:?}; kv.mla is true, so the cache is one latent array per layer: Latent"
         ))),
         (false, KvArrangement::Latent) => Err(LayoutError(format!(
-            "{field} is Latent, but kv.mla is false: K and V are KvFirst or BlocksFirst"
+            "{field} is Latent, but kv.mla is false: K and V are KvFirst, BlocksFirst or Interleaved"
         ))),
     }
 }
@@ -490,6 +680,7 @@ mod tests {
                 first_layer: 0,
                 layers: 3,
                 arrangement: default_arrangement(latent),
+                strides: None,
             }],
         }
     }
@@ -558,6 +749,103 @@ mod tests {
         assert_eq!(mla.block_offset(1, false, 2), (0, 5 * 64 + 2 * 64));
     }
 
+    /// K and V side by side (vLLM 0.33): each head's each token's K then its V, at the strides
+    /// the engine names, blocks outermost or layers outermost, every byte of the region one
+    /// block's at most.
+    #[test]
+    fn side_by_side_regions_place_each_heads_token_k_then_v() {
+        use KvArrangement::*;
+        let chunk = 128u64; // 4 tokens x 2 heads x 8 bytes, K and V
+        let spec = |layer, block| RegionSpec {
+            layers: 3,
+            arrangement: Some(Interleaved),
+            strides: Some((layer, block)),
+        };
+        for (nhd, layer, block) in [
+            (false, chunk, 3 * chunk + 32), // blocks outermost, 32 bytes between
+            (true, 5 * chunk, chunk),       // layers outermost, dense
+            (false, 6 * chunk, chunk + 16), // layers outermost, gaps
+        ] {
+            let layout = PoolLayout {
+                layout: if nhd { KvLayout::Nhd } else { KvLayout::Hnd },
+                ..small(false)
+            }
+            .with_region_specs(&[spec(Some(layer), Some(block))])
+            .expect("valid strides");
+            let len = layout.region_lens()[0];
+            assert_eq!(
+                len as u64,
+                2 * layer + 4 * block + chunk,
+                "ends at the last block's end"
+            );
+            assert_eq!(layout.pool_len(), len);
+            let mut seen = vec![false; len];
+            for l in 0..3u32 {
+                assert_eq!(layout.unit(l), 16);
+                assert_eq!(layout.block_span(l), 7 * 16 + 8);
+                for b in 0..5u32 {
+                    for h in 0..2u32 {
+                        for t in 0..4u32 {
+                            let i = if nhd { t * 2 + h } else { h * 4 + t };
+                            let want = u64::from(l) * layer + u64::from(b) * block + u64::from(i) * 16;
+                            for (v, off) in [(false, 0), (true, 8)] {
+                                let (r, at) = layout.block_offset(l, v, b);
+                                let at = at + layout.token_offset(l, h, t);
+                                assert_eq!(
+                                    (r, at as u64),
+                                    (0, want + off),
+                                    "layer {l} block {b} head {h} token {t}"
+                                );
+                                for byte in &mut seen[at..at + 8] {
+                                    assert!(!*byte, "blocks overlap");
+                                    *byte = true;
+                                }
+                            }
+                        }
+                    }
+                }
+                let at = layout.layer_offsets()[l as usize];
+                assert_eq!(
+                    (at.k, at.v, at.block_stride, at.unit),
+                    (u64::from(l) * layer, Some(u64::from(l) * layer + 8), block, Some(16))
+                );
+            }
+        }
+        // Dense, as one kv_arrangement names it: the pool's size is K and V's.
+        let dense = small(false).arranged(Interleaved);
+        assert_eq!(dense.pool_len(), small(false).pool_len());
+        assert_eq!(dense.block_offset(2, true, 3), (0, 2 * 5 * 128 + 3 * 128 + 8));
+        // Strides that overlap blocks, or overflow, or on another arrangement: refused by name.
+        let refused = |s: RegionSpec| small(false).with_region_specs(&[s]).expect_err("refused").0;
+        let e = refused(spec(Some(2 * chunk), Some(chunk)));
+        assert!(
+            e.contains("regions[0].layer_stride 256 and regions[0].block_stride 128 make blocks of 128 bytes"),
+            "{e}"
+        );
+        assert!(refused(spec(Some(chunk), Some(chunk - 8))).contains("overlap"));
+        assert!(refused(spec(Some(u64::MAX / 2), Some(chunk))).contains("overflow the address space"));
+        let e = refused(RegionSpec {
+            arrangement: Some(KvFirst),
+            strides: Some((None, Some(chunk))),
+            ..spec(None, None)
+        });
+        assert!(
+            e.contains("regions[0] names strides for a KvFirst region; only Interleaved"),
+            "{e}"
+        );
+        // One layer: its layer stride is never used.
+        let one = PoolLayout {
+            layers: 1,
+            ..small(false)
+        }
+        .with_region_specs(&[RegionSpec {
+            layers: 1,
+            ..spec(Some(0), Some(chunk))
+        }])
+        .expect("one layer");
+        assert_eq!(one.region_lens(), vec![5 * 128]);
+    }
+
     #[test]
     fn bad_regions_are_refused_naming_the_field() {
         use KvArrangement::*;
@@ -584,6 +872,8 @@ mod tests {
             (false, KvLayout::Nhd, vec![(2, Some(KvFirst))]),
             (false, KvLayout::Hnd, vec![(2, Some(BlocksFirst))]),
             (false, KvLayout::Nhd, vec![(1, Some(BlocksFirst)), (1, Some(KvFirst))]),
+            (false, KvLayout::Hnd, vec![(2, Some(Interleaved))]),
+            (false, KvLayout::Nhd, vec![(1, Some(Interleaved)), (1, Some(KvFirst))]),
             (true, KvLayout::Nhd, vec![(2, None)]),
             (true, KvLayout::Hnd, vec![(1, None), (1, None)]),
         ] {
@@ -612,7 +902,7 @@ mod tests {
                     for i in 0..4 {
                         for v in pool.arrays() {
                             let (r, at) = pool.block_offset(l, *v, 1);
-                            let at = at + pool.token_offset(h, i);
+                            let at = at + pool.token_offset(l, h, i);
                             canonical.extend_from_slice(&memory[r][at..at + half]);
                         }
                     }

@@ -368,7 +368,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
         |role: Role, engine: String, pool: &pdpair_api::PoolSpec, key: &[u8], num_blocks: u32, tensor_rank: u32| {
             let layer = crate::engine_api::RegionRequest {
                 layers: 1,
-                kv_arrangement: None,
+                ..Default::default()
             };
             EngineSpec {
                 memory: opts.engine_memory,

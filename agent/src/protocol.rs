@@ -37,8 +37,9 @@ use crate::{
 
 /// The protocol version this agent speaks (2: sealed frames after authentication; 3: `Release`
 /// also cancels; 4: memory in several regions, MLA's latent arrays; 5: KV stream addresses; 6:
-/// the KV stream sealed; 9: prompt digests in `Register`; see `docs/protocol.md`).
-pub const PROTOCOL_VERSION: u16 = 9;
+/// the KV stream sealed; 9: prompt digests in `Register`; 10: `memory.layers[].unit`, K and V
+/// side by side; see `docs/protocol.md`).
+pub const PROTOCOL_VERSION: u16 = 10;
 /// Bytes of a nonce.
 pub const NONCE_LEN: usize = 32;
 /// The most bytes of a UCX worker address or packed remote key accepted from a peer.
@@ -387,10 +388,21 @@ impl MemoryDesc {
                     l.block_stride, self.block_len
                 ));
             }
+            // A block's span: its (head, token) pieces `unit` apart (K and V side by side:
+            // twice a half token), each a half token.
+            let half = layout.half_token() as u64;
+            let unit = l.unit.unwrap_or(half);
+            if unit != half && unit != 2 * half {
+                return Err(format!(
+                    "memory.layers[{i}].unit is {unit}; a head's token is {half} bytes apart from the next, or {} with K and V side by side",
+                    2 * half
+                ));
+            }
+            let span = (self.block_len / half.max(1) - 1) * unit + half;
             // The end of an array's last block, from the array's offset.
             let array_end = u64::from(self.num_blocks - 1)
                 .checked_mul(l.block_stride)
-                .and_then(|o| o.checked_add(self.block_len))
+                .and_then(|o| o.checked_add(span))
                 .ok_or_else(|| format!("memory.num_blocks x memory.layers[{i}].block_stride overflows"))?;
             let v = match (l.v, layout.latent) {
                 (Some(v), false) => Some(v),

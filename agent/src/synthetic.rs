@@ -280,11 +280,9 @@ impl SyntheticEngine {
 
     /// Decode: zeroes blocks before a request, so stale bytes cannot pass verification.
     pub fn clear(&mut self, blocks: &[u32]) {
-        let len = self.layout.block_len();
         for block in blocks {
             for l in 0..self.layout.layers {
-                for v in self.layout.arrays() {
-                    let (r, at) = self.layout.block_offset(l, *v, *block);
+                for (r, at, len) in self.layout.block_extents(l, *block) {
                     self.maps[r][at..at + len].fill(0);
                 }
             }
@@ -373,7 +371,7 @@ fn for_each_token(
                 for h in 0..layout.local_heads {
                     for v in layout.arrays() {
                         let (r, at) = layout.block_offset(l, *v, *block);
-                        f((r, at + layout.token_offset(h, j)), l, layout.head_offset + h, t, *v);
+                        f((r, at + layout.token_offset(l, h, j)), l, layout.head_offset + h, t, *v);
                     }
                 }
             }

@@ -193,11 +193,14 @@ fn registration() -> impl Strategy<Value = PoolRegistration> {
                             .map(|l| RegionRequest {
                                 layers: 1,
                                 kv_arrangement: arrangement(l),
+                                // Strides of every size, for any arrangement.
+                                layer_stride: (l % 4 == 2).then(|| u64::MAX - u64::from(l)),
+                                block_stride: (l % 3 == 1).then(|| u64::from(layout) * 97),
                             })
                             .collect(),
                         _ => vec![RegionRequest {
                             layers: (layers.max(0) as u32).saturating_sub(u32::from(layout / 24 % 2)),
-                            kv_arrangement: None,
+                            ..RegionRequest::default()
                         }],
                     },
                     // Now and then a staging reason, sometimes past its limit or beside a GPU pool.
@@ -241,7 +244,7 @@ fn gpu_pool() -> impl Strategy<Value = GpuPool> {
 /// Absent, or one of the arrangements, by `n`.
 fn arrangement(n: u32) -> Option<pdpair_agent::layout::KvArrangement> {
     use pdpair_agent::layout::KvArrangement::*;
-    [None, Some(KvFirst), Some(BlocksFirst), Some(Latent)][n as usize % 4]
+    [None, Some(KvFirst), Some(BlocksFirst), Some(Latent), Some(Interleaved)][n as usize % 5]
 }
 
 /// Arbitrary registrations against a live agent: each is answered (`Registered` or
@@ -317,12 +320,14 @@ proptest! {
             ),
         ],
         mla in any::<bool>(),
+        // Each layer's (head, token)s apart by: absent (a half token), one or two half tokens
+        // (K and V side by side), or anything.
+        units in prop::collection::vec(prop_oneof![Just(None), Just(Some(1u64)), Just(Some(2u64)), any::<u64>().prop_map(|u| Some(u | 1 << 63))], 4),
     ) {
         let mut geometry = kv(64, None);
         geometry.mla = mla;
-        let block_len = pdpair_agent::layout::PoolLayout::new(&geometry, &Parallelism::default(), 1, 0)
-            .expect("layout")
-            .block_len() as u64;
+        let one = pdpair_agent::layout::PoolLayout::new(&geometry, &Parallelism::default(), 1, 0).expect("layout");
+        let (block_len, half) = (one.block_len() as u64, one.half_token() as u64);
         let desc = protocol::MemoryDesc {
             // A GPU pool's keys are 16-byte tokens (every other length refused), a host pool's
             // UCX keys.
@@ -335,11 +340,14 @@ proptest! {
             block_len,
             layers: layers
                 .into_iter()
-                .map(|(region, k, v, extra)| LayerAt {
+                .zip(units.iter().cycle())
+                .map(|((region, k, v, extra), unit)| LayerAt {
                     region,
                     k,
                     v,
                     block_stride: block_len.saturating_add(extra),
+                    // Units past 2 are raw bytes, the rest half tokens.
+                    unit: unit.map(|u| if u <= 2 { u * half } else { u }),
                 })
                 .collect(),
         };
@@ -351,11 +359,13 @@ proptest! {
                 let region = &desc.regions[layer.region as usize];
                 prop_assert!(region.base.checked_add(region.len).is_some());
                 prop_assert_eq!(layer.v.is_none(), mla, "a V array exactly when not MLA");
+                // A block's last (head, token) ends inside the region.
+                let span = (desc.block_len / half - 1) * layer.unit.unwrap_or(half) + half;
                 for v in [false, true] {
                     for b in [0, desc.num_blocks - 1] {
                         let Some(at) = desc.block(l as u32, v, b) else { continue };
                         prop_assert!(at >= region.base);
-                        prop_assert!(at.checked_add(desc.block_len).is_some_and(|e| e <= region.base + region.len));
+                        prop_assert!(at.checked_add(span).is_some_and(|e| e <= region.base + region.len));
                     }
                 }
             }
@@ -386,6 +396,7 @@ fn the_memory_description_property_sees_descriptions_that_pass() {
                 k,
                 v: Some(v),
                 block_stride: stride,
+                unit: None,
             };
             let desc = protocol::MemoryDesc {
                 kind: protocol::MemoryKind::Host,

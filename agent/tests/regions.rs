@@ -1,13 +1,14 @@
 //! Pools of several memory regions (vLLM's per-layer KV tensors) and MLA's latent arrays, end to
 //! end: two agents in one process, real UCX over tcp and shared memory, synthetic engines whose
-//! regions differ on the two sides. Every received byte is compared with what prefill wrote, and
+//! regions differ on the two sides (vLLM 0.33's one allocation with K and V side by side, layers
+//! or blocks outermost, among them). Every received byte is compared with what prefill wrote, and
 //! the checksum (FailClosed) reads every region.
 
 use std::os::fd::AsFd;
 
 use pdpair_agent::{
     engine_api::{AgentEvent, EngineRequest, RegionRequest},
-    layout::KvArrangement::{self, BlocksFirst, KvFirst, Latent},
+    layout::KvArrangement::{self, BlocksFirst, Interleaved, KvFirst, Latent},
     synthetic::{EngineMemory, EngineSpec, SyntheticEngine},
     transport::ucx::Transport,
 };
@@ -34,6 +35,7 @@ fn regions(spec: &[(u32, Option<KvArrangement>)]) -> Vec<RegionRequest> {
         .map(|(layers, kv_arrangement)| RegionRequest {
             layers: *layers,
             kv_arrangement: *kv_arrangement,
+            ..RegionRequest::default()
         })
         .collect()
 }
@@ -45,11 +47,21 @@ fn engine(
     memory: EngineMemory,
     split: &[(u32, Option<KvArrangement>)],
 ) -> EngineSpec {
+    engine_with(role, mla, mode, memory, regions(split))
+}
+
+fn engine_with(
+    role: Role,
+    mla: bool,
+    mode: TransferMode,
+    memory: EngineMemory,
+    regions: Vec<RegionRequest>,
+) -> EngineSpec {
     let name = if role == Role::Prefill { "p0" } else { "d0" };
     EngineSpec {
         mode,
         memory,
-        regions: regions(split),
+        regions,
         ..spec(role, name, geometry(mla), b"k", ChecksumPolicy::FailClosed)
     }
 }
@@ -65,12 +77,26 @@ fn transfer(
     p: &[(u32, Option<KvArrangement>)],
     d: &[(u32, Option<KvArrangement>)],
 ) {
+    transfer_with(name, transport, mode, mla, memory, regions(p), regions(d));
+}
+
+/// [`transfer`] between regions as the engines name them.
+fn transfer_with(
+    name: &str,
+    transport: Transport,
+    mode: TransferMode,
+    mla: bool,
+    memory: EngineMemory,
+    p: Vec<RegionRequest>,
+    d: Vec<RegionRequest>,
+) {
     let w = World::new(name);
     let (ps, ds) = (w.agent("p", transport, false), w.agent("d", transport, false));
-    let mut pe = SyntheticEngine::register(&ps, &w.dir, &engine(Role::Prefill, mla, mode, memory, p)).expect("P");
-    let mut de = SyntheticEngine::register(&ds, &w.dir, &engine(Role::Decode, mla, mode, memory, d)).expect("D");
-    assert_eq!(pe.layout.regions.len(), p.len().max(1), "{name}: prefill's regions");
-    assert_eq!(de.layout.regions.len(), d.len().max(1), "{name}: decode's regions");
+    let (pn, dn) = (p.len(), d.len());
+    let mut pe = SyntheticEngine::register(&ps, &w.dir, &engine_with(Role::Prefill, mla, mode, memory, p)).expect("P");
+    let mut de = SyntheticEngine::register(&ds, &w.dir, &engine_with(Role::Decode, mla, mode, memory, d)).expect("D");
+    assert_eq!(pe.layout.regions.len(), pn.max(1), "{name}: prefill's regions");
+    assert_eq!(de.layout.regions.len(), dn.max(1), "{name}: decode's regions");
     for (i, d_first) in [0u64, 64].into_iter().enumerate() {
         let (event, bad) = request(
             &mut pe,
@@ -137,6 +163,59 @@ fn per_layer_regions_over_shared_memory_in_the_engines_own_memfds() {
             EngineMemory::Agent,
             &[(1, None); 4],
             &[(1, None); 4],
+        );
+    }
+}
+
+/// One block's K and V, side by side (64 tokens x 2 heads x 16 elements x 2 bytes, twice).
+const CHUNK: u64 = 2 * 64 * 2 * 16 * 2;
+
+/// One `Interleaved` region of all four layers, `layer_stride` and `block_stride` apart.
+fn interleaved(layer_stride: u64, block_stride: u64) -> Vec<RegionRequest> {
+    vec![RegionRequest {
+        layers: 4,
+        kv_arrangement: Some(Interleaved),
+        layer_stride: Some(layer_stride),
+        block_stride: Some(block_stride),
+    }]
+}
+
+#[test]
+fn kv_side_by_side_moves_to_and_from_every_arrangement() {
+    // vLLM 0.33's one allocation with blocks outermost ([blocks, layers, heads, tokens, K|V]),
+    // here with 512 bytes between blocks, and with layers outermost, dense.
+    let blocks_outer = interleaved(CHUNK, 4 * CHUNK + 512);
+    let layers_outer = interleaved(16 * CHUNK, CHUNK);
+    let per_layer = regions(&[(1, None), (1, Some(BlocksFirst)), (2, None)]);
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        // Side by side on both sides: a block moves whole, K and V together.
+        transfer_with(
+            &format!("interleaved-both-{mode:?}"),
+            Transport::Tcp,
+            mode,
+            false,
+            EngineMemory::Agent,
+            blocks_outer.clone(),
+            layers_outer.clone(),
+        );
+        // Side by side into K and V arrays and back: a head's token at a time.
+        transfer_with(
+            &format!("interleaved-to-arrays-{mode:?}"),
+            Transport::Tcp,
+            mode,
+            false,
+            EngineMemory::Agent,
+            blocks_outer.clone(),
+            per_layer.clone(),
+        );
+        transfer_with(
+            &format!("sbs-shm-{mode:?}"),
+            Transport::Shm,
+            mode,
+            false,
+            EngineMemory::Engine,
+            Vec::new(),
+            blocks_outer.clone(),
         );
     }
 }

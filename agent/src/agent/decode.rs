@@ -20,7 +20,7 @@ use crate::{
     protocol::{self, HandshakeError, MemoryDesc, Message, Reason, Registration, Session},
     transport::{
         OpError,
-        plan::{Item, Piece, Plan, in_batches},
+        plan::{BlockShape, Item, Plan, in_batches, pieces},
         stream::Access,
     },
     wire::{self, Opener},
@@ -1396,39 +1396,33 @@ impl Engine {
                 });
             }
         }
-        let arrays = self.places(remote, "prefill's")?;
         let half = self.layout.half_token() as u64;
-        let (part_len, pieces) = match self.layout.layout {
-            pdpair_api::KvLayout::Nhd => {
-                let len = bp * u64::from(self.layout.local_heads) * half;
-                (
-                    len,
-                    vec![Piece {
-                        local: 0,
-                        remote: 0,
-                        len,
-                    }],
-                )
-            }
-            // Our heads d_first.. come from prefill's p_first.. (all of them when tensor
-            // parallelism is equal).
-            pdpair_api::KvLayout::Hnd => (
-                bp * half,
-                (0..u64::from(map.count))
-                    .map(|h| Piece {
-                        local: (u64::from(map.d_first) + h) * bd * half,
-                        remote: (u64::from(map.p_first) + h) * bp * half,
-                        len: bp * half,
-                    })
-                    .collect(),
-            ),
+        let nhd = self.layout.layout == pdpair_api::KvLayout::Nhd;
+        let remote_heads = u32::try_from(remote.block_len / (bp * half).max(1))
+            .map_err(|_| format!("prefill's block_len {} is not a block of {bp} tokens", remote.block_len))?;
+        // Our heads d_first.. come from prefill's p_first.. (all of them when tensor parallelism
+        // is equal); each prefill block fills the part of ours from its first token.
+        let ours = |unit| BlockShape {
+            tokens: self.layout.block_size,
+            heads: self.layout.local_heads,
+            nhd,
+            unit,
         };
-        Ok(Plan {
-            arrays,
-            items,
-            part_len,
-            pieces,
-        })
+        let (arrays, sets) = self.places(
+            remote,
+            "prefill's",
+            |local, far, len| {
+                let theirs = BlockShape {
+                    tokens: p_block,
+                    heads: remote_heads,
+                    nhd,
+                    unit: far,
+                };
+                pieces(&ours(local), map.d_first, &theirs, map.p_first, map.count, p_block, len)
+            },
+            |local| bp * ours(local).token_step(),
+        )?;
+        Ok(Plan { arrays, items, sets })
     }
 
     /// Cancels past their deadline: a prefill still linked that has not answered loses its link

@@ -18,7 +18,7 @@ use crate::{
     protocol::{self, Message, Reason, Registration, Session},
     transport::{
         OpError,
-        plan::{Item, Piece, Plan, in_batches},
+        plan::{BlockShape, Item, Plan, in_batches, pieces},
         stream::Access,
     },
     wire,
@@ -1462,33 +1462,45 @@ impl Engine {
 
     /// The WRITEs for block pairs (P block, D block, first token), as a plan: per layer and
     /// array, each block (or its head range of decode's blocks, HND: head-major inside a block,
-    /// so each range is contiguous), runs of blocks consecutive on both sides merged where both
+    /// so each range is contiguous; or, where one side holds K and V side by side and the other
+    /// apart, each head's token), runs of blocks consecutive on both sides merged where both
     /// sides keep a layer's K (or V) blocks back to back (K and V interleaved per block,
     /// FlashInfer, are a put per block). `Err` when decode's description lacks an array of ours
-    /// (`places`).
+    /// (`places`) or its blocks cannot be pieced (`plan::pieces`).
     fn put_plan(
         &self,
         remote: &MemoryDesc,
         pairs: &[(u32, u32, u64)],
         heads: protocol::HeadMap,
     ) -> Result<Plan, String> {
-        let arrays = self.places(remote, "decode's")?;
-        let block_len = self.layout.block_len() as u64;
-        let piece = if heads.count != self.layout.local_heads || remote.block_len != block_len {
-            // A head range of our blocks into a head range of decode's.
-            let head_bytes = u64::from(self.layout.block_size) * self.layout.half_token() as u64;
-            Piece {
-                local: u64::from(heads.p_first) * head_bytes,
-                remote: u64::from(heads.d_first) * head_bytes,
-                len: u64::from(heads.count) * head_bytes,
-            }
-        } else {
-            Piece {
-                local: 0,
-                remote: 0,
-                len: block_len,
-            }
-        };
+        let half = self.layout.half_token() as u64;
+        let tokens = self.layout.block_size;
+        // Push writes blocks of the same tokens (checked at the handshake): decode's heads follow.
+        let remote_heads = u32::try_from(remote.block_len / (u64::from(tokens) * half).max(1))
+            .map_err(|_| format!("decode's block_len {} is not a block of our tokens", remote.block_len))?;
+        let nhd = self.layout.layout == pdpair_api::KvLayout::Nhd;
+        let (arrays, sets) = self.places(
+            remote,
+            "decode's",
+            |ours, theirs, len| {
+                let shape = |heads, unit| BlockShape {
+                    tokens,
+                    heads,
+                    nhd,
+                    unit,
+                };
+                pieces(
+                    &shape(self.layout.local_heads, ours),
+                    heads.p_first,
+                    &shape(remote_heads, theirs),
+                    heads.d_first,
+                    heads.count,
+                    tokens,
+                    len,
+                )
+            },
+            |_| 0,
+        )?;
         Ok(Plan {
             arrays,
             items: pairs
@@ -1499,8 +1511,7 @@ impl Engine {
                     remote: *d,
                 })
                 .collect(),
-            part_len: 0,
-            pieces: vec![piece],
+            sets,
         })
     }
 

@@ -37,7 +37,8 @@ __device__ __forceinline__ u64 block_sum(u64 acc, u64* warp_sums) {
     return acc; // meaningful in thread 0
 }
 
-// ptrs: per (job, layer) the device addresses of the block's K (or latent) and V arrays.
+// ptrs: per (job, layer) the device addresses of the block's K (or latent) and V arrays, and the
+// bytes from one head's token to the next (a half token; twice that with K and V side by side).
 extern "C" __global__ void kv_checksum(
     const u64* __restrict__ ptrs, const u64* __restrict__ first_tokens, u64* __restrict__ out,
     unsigned layers, unsigned local_heads, unsigned first_head, unsigned global_first_head,
@@ -51,8 +52,9 @@ extern "C" __global__ void kv_checksum(
     const u64 live = num_tokens > t0 ? (num_tokens - t0 < block_size ? num_tokens - t0 : block_size) : 0;
     const u64 ph = half_bytes / 8;
     const u64 P = latent ? ph : 2 * ph;
-    const char* k = (const char*)ptrs[((u64)job * layers + l) * 2];
-    const char* v = (const char*)ptrs[((u64)job * layers + l) * 2 + 1];
+    const char* k = (const char*)ptrs[((u64)job * layers + l) * 3];
+    const char* v = (const char*)ptrs[((u64)job * layers + l) * 3 + 1];
+    const u64 unit = ptrs[((u64)job * layers + l) * 3 + 2];
     u64 acc = 0;
     // 32-bit index math (the host checks block_size * pieces fits): 64-bit division is slow.
     const unsigned per = vec16 ? (unsigned)(ph / 2) : (unsigned)ph;
@@ -62,7 +64,7 @@ extern "C" __global__ void kv_checksum(
         const u64 token = nhd ? (i * local_heads + h) : (h * block_size + i);
         const u64 t = t0 + i;
         if (vec16) {
-            const u64 off = token * half_bytes + 16 * q;
+            const u64 off = token * unit + 16 * q;
             const u64 j = t * P + 2 * q;
             const ulonglong2 x = *(const ulonglong2*)(k + off);
             acc += x.x * (2 * j + 1) + x.y * (2 * j + 3);
@@ -72,7 +74,7 @@ extern "C" __global__ void kv_checksum(
                 acc += y.x * (2 * jv + 1) + y.y * (2 * jv + 3);
             }
         } else {
-            const u64 off = token * half_bytes + 8 * q;
+            const u64 off = token * unit + 8 * q;
             const u64 j = t * P + q;
             acc += *(const u64*)(k + off) * (2 * j + 1);
             if (!latent) acc += *(const u64*)(v + off) * (2 * (j + ph) + 1);
@@ -365,8 +367,9 @@ impl GpuChecksum {
 }
 
 /// The launch's tables, checked on the host before any address reaches the kernel: per (block,
-/// layer) the K and V array addresses (each array inside its region), per block its first token,
-/// and whether 16-byte loads are aligned everywhere.
+/// layer) the K and V array addresses (each array's block inside its region) and the bytes from
+/// one head's token to the next, per block its first token, and whether 16-byte loads are
+/// aligned everywhere.
 pub fn plan(layout: &PoolLayout, bases: &[u64], which: &Blocks<'_>) -> Result<(Vec<u64>, Vec<u64>, u32), CudaError> {
     let half = layout.half_token();
     if half == 0 || !half.is_multiple_of(8) {
@@ -406,8 +409,7 @@ pub fn plan(layout: &PoolLayout, bases: &[u64], which: &Blocks<'_>) -> Result<(V
             layout.block_size
         )));
     }
-    let block_len = layout.block_len() as u64;
-    let mut ptrs = Vec::with_capacity(which.blocks.len() * layout.layers as usize * 2);
+    let mut ptrs = Vec::with_capacity(which.blocks.len() * layout.layers as usize * 3);
     let mut first_tokens = Vec::with_capacity(which.blocks.len());
     let mut aligned = half.is_multiple_of(16);
     for (j, &block) in which.blocks.iter().enumerate() {
@@ -419,13 +421,14 @@ pub fn plan(layout: &PoolLayout, bases: &[u64], which: &Blocks<'_>) -> Result<(V
         }
         first_tokens.push(which.first_token + j as u64 * u64::from(layout.block_size));
         for l in 0..layout.layers {
+            let span = layout.block_span(l) as u64;
             for v in [false, true] {
                 if v && layout.latent {
                     ptrs.push(0);
                     continue;
                 }
                 let (r, at) = layout.block_offset(l, v, block);
-                if at as u64 + block_len > lens[r] as u64 {
+                if at as u64 + span > lens[r] as u64 {
                     return Err(CudaError::Invalid(format!(
                         "layer {l} block {block} runs past region {r}"
                     )));
@@ -442,6 +445,7 @@ pub fn plan(layout: &PoolLayout, bases: &[u64], which: &Blocks<'_>) -> Result<(V
                 aligned &= ptr.is_multiple_of(16);
                 ptrs.push(ptr);
             }
+            ptrs.push(layout.unit(l) as u64);
         }
     }
     Ok((ptrs, first_tokens, u32::from(aligned)))

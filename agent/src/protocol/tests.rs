@@ -450,7 +450,9 @@ fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
     // seals the stream: a version 5 peer would read records as headers. Version 7 offers a GPU
     // pool's KV stream: a version 6 peer would take a GPU pool behind another agent for one
     // behind its own. Version 9 carries decode's prompt digest in `Register`: a version 8
-    // prefill would drop it and serve KV of another prompt. So the versions must not meet.
+    // prefill would drop it and serve KV of another prompt. Version 10 describes layers whose K
+    // and V lie side by side (`unit`): a version 9 peer would write their blocks as dense arrays.
+    // So the versions must not meet.
     let (mut c, server) = prefill_with_secret_1();
     wire::write_frame(
         &mut c,
@@ -466,7 +468,7 @@ fn a_decode_speaking_an_older_version_is_refused_before_anything_else() {
         matches!(&answer, Message::Reject { reasons, .. } if reasons == &vec![Reason::VersionMismatch]),
         "{answer:?}"
     );
-    assert_eq!(PROTOCOL_VERSION, 9);
+    assert_eq!(PROTOCOL_VERSION, 10);
     assert!(server.join().expect("thread").is_err());
 }
 
@@ -648,6 +650,7 @@ fn the_largest_handshake_fits_its_bound_and_a_frame_of_many_values_is_refused() 
             k: u64::MAX,
             v: Some(u64::MAX),
             block_stride: u64::MAX,
+            unit: Some(u64::MAX),
         })
         .collect();
     let key = [7; 32];

@@ -4,7 +4,9 @@
 //! product by itself (an engine may declare 1024 layers and 1-token blocks), and built whole it
 //! was a list of 24 bytes an op, copied again by the backends: about 1 GB for one insider's
 //! request. A [`Plan`] holds only what the product is made of: each array's placement on both
-//! sides, the request's blocks, and the pieces of a block that move. Its ops are made lazily
+//! sides, the request's blocks, and the pieces of a block that move ([`pieces`]: where the two
+//! sides lay a block out alike, a piece is a block or a head range; where one side holds K and V
+//! side by side and the other apart, a head's token). Its ops are made lazily
 //! ([`Plan::ops`]), adjacent ones merged, and handed to the backend [`BATCH`] at a time
 //! ([`in_batches`]), so a transfer's memory grows with its blocks, not with its ops.
 
@@ -30,6 +32,18 @@ pub struct Place {
     pub remote: u64,
     /// Bytes between the peer's blocks.
     pub remote_stride: u64,
+    /// Which of the plan's [`Pieces`] move of each of its blocks.
+    pub set: usize,
+}
+
+/// What moves of each block of the arrays naming it, and how far apart the parts of our block
+/// are.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pieces {
+    /// Bytes from one part of our block to the next.
+    pub part_len: u64,
+    /// What moves of each item.
+    pub pieces: Vec<Piece>,
 }
 
 /// One block's move: our block, the part of it (`at` × the plan's part length, for a block
@@ -62,10 +76,95 @@ pub struct Plan {
     pub arrays: Vec<Place>,
     /// The blocks that move.
     pub items: Vec<Item>,
-    /// Bytes from one part of our block to the next.
-    pub part_len: u64,
-    /// What moves of each item.
-    pub pieces: Vec<Piece>,
+    /// The pieces the arrays name (one set where both sides lay out every layer alike).
+    pub sets: Vec<Pieces>,
+}
+
+/// The most pieces of one block a plan takes (6 MiB of them): only two sides laying out a block
+/// differently come near it (a piece per head and token), and an engine may declare huge blocks.
+pub const MAX_PIECES: usize = 1 << 18;
+
+/// One side's block as a plan sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockShape {
+    /// Tokens in a block.
+    pub tokens: u32,
+    /// Heads in a block.
+    pub heads: u32,
+    /// Tokens outside heads (`NHD`), or heads outside tokens (`HND`).
+    pub nhd: bool,
+    /// Bytes from one head's one token to the next one's.
+    pub unit: u64,
+}
+
+impl BlockShape {
+    /// The offset of a head's token in the block.
+    fn at(&self, head: u32, token: u32) -> u64 {
+        let (h, t) = (u64::from(head), u64::from(token));
+        if self.nhd {
+            (t * u64::from(self.heads) + h) * self.unit
+        } else {
+            (h * u64::from(self.tokens) + t) * self.unit
+        }
+    }
+
+    /// Bytes from one token to the next (the part length of a block gathering smaller ones).
+    pub fn token_step(&self) -> u64 {
+        if self.nhd {
+            u64::from(self.heads) * self.unit
+        } else {
+            self.unit
+        }
+    }
+}
+
+/// The pieces moving the first `tokens` tokens of `count` heads, ours from `local_first` and the
+/// peer's from `remote_first`, `len` bytes of each head's token, in our memory's order, adjacent
+/// ones merged (two sides laid out alike: one piece, or one per head range). `Err` past
+/// [`MAX_PIECES`] or outside either block.
+pub fn pieces(
+    local: &BlockShape,
+    local_first: u32,
+    remote: &BlockShape,
+    remote_first: u32,
+    count: u32,
+    tokens: u32,
+    len: u64,
+) -> Result<Vec<Piece>, String> {
+    let inside =
+        |s: &BlockShape, first: u32| first.checked_add(count).is_some_and(|e| e <= s.heads) && tokens <= s.tokens;
+    if !inside(local, local_first) || !inside(remote, remote_first) {
+        return Err(format!(
+            "heads {local_first}..+{count} and {tokens} tokens against blocks of {} heads x {} tokens here and {} x {} at the peer",
+            local.heads, local.tokens, remote.heads, remote.tokens
+        ));
+    }
+    let mut out: Vec<Piece> = Vec::new();
+    let (outer, inner) = if local.nhd { (tokens, count) } else { (count, tokens) };
+    for o in 0..outer {
+        for i in 0..inner {
+            let (h, t) = if local.nhd { (i, o) } else { (o, i) };
+            let piece = Piece {
+                local: local.at(local_first + h, t),
+                remote: remote.at(remote_first + h, t),
+                len,
+            };
+            if let Some(last) = out.last_mut()
+                && last.local + last.len == piece.local
+                && last.remote + last.len == piece.remote
+            {
+                last.len += len;
+                continue;
+            }
+            if out.len() == MAX_PIECES {
+                return Err(format!(
+                    "a block moves in more than {MAX_PIECES} pieces (the two sides lay it out differently)"
+                ));
+            }
+            out.push(piece);
+        }
+    }
+    Ok(out)
 }
 
 impl Plan {
@@ -84,12 +183,14 @@ impl Plan {
     /// The op at (array, item, piece); addresses saturate (a range that cannot be is refused by
     /// the backend's check of every op against the regions).
     fn op(&self, array: usize, item: usize, piece: usize) -> PutOp {
-        let (a, i, p) = (self.arrays[array], self.items[item], self.pieces[piece]);
+        let (a, i) = (self.arrays[array], self.items[item]);
+        let set = &self.sets[a.set];
+        let p = set.pieces[piece];
         PutOp {
             local: a
                 .local
                 .saturating_add(u64::from(i.local).saturating_mul(a.local_stride))
-                .saturating_add(u64::from(i.at).saturating_mul(self.part_len))
+                .saturating_add(u64::from(i.at).saturating_mul(set.part_len))
                 .saturating_add(p.local),
             len: p.len,
             remote: a
@@ -115,20 +216,29 @@ impl Ops<'_> {
     /// The next op as planned, unmerged, with its array.
     fn raw(&mut self) -> Option<(usize, PutOp)> {
         let plan = self.plan;
-        if plan.items.is_empty() || plan.pieces.is_empty() || self.array >= plan.arrays.len() {
+        if plan.items.is_empty() {
             return None;
         }
-        let at = (self.array, plan.op(self.array, self.item, self.piece));
-        self.piece += 1;
-        if self.piece == plan.pieces.len() {
-            self.piece = 0;
-            self.item += 1;
-            if self.item == plan.items.len() {
-                self.item = 0;
+        loop {
+            let place = plan.arrays.get(self.array)?;
+            let n = plan.sets.get(place.set).map_or(0, |s| s.pieces.len());
+            if n == 0 {
+                // An array with nothing to move (or naming no set).
                 self.array += 1;
+                continue;
             }
+            let at = (self.array, plan.op(self.array, self.item, self.piece));
+            self.piece += 1;
+            if self.piece == n {
+                self.piece = 0;
+                self.item += 1;
+                if self.item == plan.items.len() {
+                    self.item = 0;
+                    self.array += 1;
+                }
+            }
+            return Some(at);
         }
-        Some(at)
     }
 }
 
@@ -197,6 +307,7 @@ mod tests {
             local_stride: stride,
             remote,
             remote_stride: stride,
+            set: 0,
         }
     }
 
@@ -224,8 +335,10 @@ mod tests {
         let plan = Plan {
             arrays: vec![place(0x1000, 0x9000, 64), place(0x1000 + 64 * 8, 0x9000 + 64 * 8, 64)],
             items: items(&[(0, 2), (1, 3), (2, 4), (5, 5), (6, 7)]),
-            part_len: 0,
-            pieces: whole(64),
+            sets: vec![Pieces {
+                part_len: 0,
+                pieces: whole(64),
+            }],
         };
         let ops: Vec<PutOp> = plan.ops().collect();
         let op = |local, remote, len| PutOp { local, len, remote };
@@ -244,8 +357,10 @@ mod tests {
         let touching = Plan {
             arrays: vec![place(0x1000, 0x9000, 64), place(0x1040, 0x9040, 64)],
             items: items(&[(0, 0)]),
-            part_len: 0,
-            pieces: whole(64),
+            sets: vec![Pieces {
+                part_len: 0,
+                pieces: whole(64),
+            }],
         };
         assert_eq!(
             touching.ops().collect::<Vec<_>>(),
@@ -271,19 +386,21 @@ mod tests {
                     remote: 1,
                 },
             ],
-            part_len: 8,
-            pieces: vec![
-                Piece {
-                    local: 16,
-                    remote: 0,
-                    len: 8,
-                },
-                Piece {
-                    local: 32,
-                    remote: 8,
-                    len: 8,
-                },
-            ],
+            sets: vec![Pieces {
+                part_len: 8,
+                pieces: vec![
+                    Piece {
+                        local: 16,
+                        remote: 0,
+                        len: 8,
+                    },
+                    Piece {
+                        local: 32,
+                        remote: 8,
+                        len: 8,
+                    },
+                ],
+            }],
         };
         let got: Vec<(u64, u64, u64)> = plan.ops().map(|o| (o.local, o.remote, o.len)).collect();
         let r = 1 << 20;
@@ -301,13 +418,58 @@ mod tests {
     }
 
     #[test]
+    fn pieces_follow_each_sides_layout_and_merge_where_they_agree() {
+        let shape = |tokens, heads, nhd, unit| BlockShape {
+            tokens,
+            heads,
+            nhd,
+            unit,
+        };
+        let piece = |local, remote, len| Piece { local, remote, len };
+        // Laid out alike (HND, 8-byte halves): one piece of the block.
+        let dense = shape(4, 2, false, 8);
+        assert_eq!(pieces(&dense, 0, &dense, 0, 2, 4, 8), Ok(vec![piece(0, 0, 64)]));
+        // A head range of ours into another range of theirs (HND): one piece per range.
+        let wide = shape(4, 4, false, 8);
+        assert_eq!(pieces(&wide, 1, &dense, 0, 2, 4, 8), Ok(vec![piece(32, 0, 64)]));
+        // NHD, a head range: a piece per token.
+        let (wide_n, dense_n) = (shape(4, 4, true, 8), shape(4, 2, true, 8));
+        assert_eq!(
+            pieces(&wide_n, 2, &dense_n, 0, 2, 2, 8),
+            Ok(vec![piece(16, 0, 16), piece(48, 16, 16)])
+        );
+        // K and V side by side here (16 bytes apart), apart there: a piece per head's token, in
+        // our order, each landing at its dense place.
+        let sbs = shape(4, 2, false, 16);
+        let got = pieces(&sbs, 0, &dense, 0, 2, 4, 8).expect("pieces");
+        assert_eq!(got.len(), 8);
+        assert_eq!(got[5], piece(5 * 16, 5 * 8, 8), "head 1, token 1");
+        // Both side by side, K and V together: one piece.
+        assert_eq!(pieces(&sbs, 0, &sbs, 0, 2, 4, 16), Ok(vec![piece(0, 0, 128)]));
+        // The first two tokens of a block gathering smaller ones (decode's 4, prefill's 2).
+        let small = shape(2, 2, false, 8);
+        assert_eq!(
+            pieces(&dense, 0, &small, 0, 2, 2, 8),
+            Ok(vec![piece(0, 0, 16), piece(32, 16, 16)])
+        );
+        // Outside either block, or past the bound: refused.
+        assert!(pieces(&dense, 1, &dense, 0, 2, 4, 8).is_err());
+        assert!(pieces(&dense, 0, &small, 0, 2, 4, 8).is_err());
+        let huge = shape(1 << 20, 1, false, 16);
+        let e = pieces(&huge, 0, &shape(1 << 20, 1, false, 8), 0, 1, 1 << 20, 8).expect_err("too many");
+        assert!(e.contains(&format!("more than {MAX_PIECES} pieces")), "{e}");
+    }
+
+    #[test]
     fn a_plan_of_millions_of_ops_makes_each_in_turn_from_its_arrays_and_blocks() {
         // 1024 layers × 2 arrays × 8192 scattered blocks: 16.8M ops, none held.
         let plan = Plan {
             arrays: (0..2048u64).map(|a| place(a << 32, a << 32, 16)).collect(),
             items: items(&(0..8192u32).map(|b| (2 * b, 2 * b)).collect::<Vec<_>>()),
-            part_len: 0,
-            pieces: whole(8),
+            sets: vec![Pieces {
+                part_len: 0,
+                pieces: whole(8),
+            }],
         };
         let mut ops = plan.ops();
         let first: Vec<PutOp> = ops.by_ref().take(3).collect();
@@ -320,8 +482,10 @@ mod tests {
         let plan = Plan {
             arrays: vec![place(0, 0, 16)],
             items: items(&(0..(2 * BATCH as u32 + 5)).map(|b| (2 * b, 2 * b)).collect::<Vec<_>>()),
-            part_len: 0,
-            pieces: whole(8),
+            sets: vec![Pieces {
+                part_len: 0,
+                pieces: whole(8),
+            }],
         };
         let mut seen = Vec::new();
         let mut sizes = Vec::new();
@@ -347,8 +511,10 @@ mod tests {
         let plan = Plan {
             arrays: vec![place(0, 0, 16)],
             items: items(&(0..(BATCH as u32 + 1)).map(|b| (2 * b, 2 * b)).collect::<Vec<_>>()),
-            part_len: 0,
-            pieces: whole(8),
+            sets: vec![Pieces {
+                part_len: 0,
+                pieces: whole(8),
+            }],
         };
         let mut calls = 0;
         let failed = in_batches(plan.ops(), Instant::now() + Duration::from_secs(60), |_, _, _| {

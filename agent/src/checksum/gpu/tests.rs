@@ -35,8 +35,9 @@ fn model(layout: &PoolLayout, memory: &[Vec<u8>], which: &Blocks<'_>) -> Vec<u64
                 let h = u64::from(which.first) + hh;
                 let t0 = first_tokens[job];
                 let live = which.num_tokens.saturating_sub(t0).min(u64::from(layout.block_size));
-                let k = ptrs[(job * layout.layers as usize + l as usize) * 2];
-                let v = ptrs[(job * layout.layers as usize + l as usize) * 2 + 1];
+                let k = ptrs[(job * layout.layers as usize + l as usize) * 3];
+                let v = ptrs[(job * layout.layers as usize + l as usize) * 3 + 1];
+                let unit = ptrs[(job * layout.layers as usize + l as usize) * 3 + 2];
                 let mut acc = 0u64;
                 for idx in 0..live * per {
                     let (i, q) = (idx / per, idx % per);
@@ -48,7 +49,7 @@ fn model(layout: &PoolLayout, memory: &[Vec<u8>], which: &Blocks<'_>) -> Vec<u64
                     let t = t0 + i;
                     let w = |j: u64| j.wrapping_mul(2).wrapping_add(1);
                     if vec16 == 1 {
-                        let off = token * half + 16 * q;
+                        let off = token * unit + 16 * q;
                         let j = t * p_tok + 2 * q;
                         let (x0, x1) = (read_u64(memory, k + off), read_u64(memory, k + off + 8));
                         acc = acc
@@ -62,7 +63,7 @@ fn model(layout: &PoolLayout, memory: &[Vec<u8>], which: &Blocks<'_>) -> Vec<u64
                                 .wrapping_add(y1.wrapping_mul(w(jv + 1)));
                         }
                     } else {
-                        let off = token * half + 8 * q;
+                        let off = token * unit + 8 * q;
                         let j = t * p_tok + q;
                         acc = acc.wrapping_add(read_u64(memory, k + off).wrapping_mul(w(j)));
                         if !layout.latent {
@@ -102,8 +103,9 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
     /// The kernel's walk equals the CPU checksum on the same blocks: HND and NHD, 16- and
-    /// 8-byte steps, MLA, KV-first and blocks-first, one region or one per layer, a rank's heads
-    /// and a head subset, any first token and token count.
+    /// 8-byte steps, MLA, KV-first, blocks-first and K|V side by side (layers or blocks
+    /// outermost), one region or one per layer, a rank's heads and a head subset, any first
+    /// token and token count.
     #[test]
     fn the_kernels_walk_equals_the_cpu_checksum(
         seed in any::<u64>(),
@@ -113,7 +115,7 @@ proptest! {
         ]),
         nhd in any::<bool>(),
         mla in any::<bool>(),
-        blocks_first in any::<bool>(),
+        arrangement in 0u8..4,
         per_layer in any::<bool>(),
         first_token in 0u64..12,
         extra in 0u64..20,
@@ -122,10 +124,24 @@ proptest! {
         let geometry = kv(heads, head_dim, dtype, nhd, mla);
         let parallelism = Parallelism { tensor: tp, ..Parallelism::default() };
         let mut layout = PoolLayout::new(&geometry, &parallelism, 6, rank).expect("layout");
-        if !mla && blocks_first {
-            layout = layout.arranged(KvArrangement::BlocksFirst);
+        match arrangement {
+            _ if mla => {}
+            1 => layout = layout.arranged(KvArrangement::BlocksFirst),
+            2 => layout = layout.arranged(KvArrangement::Interleaved),
+            3 => {
+                // vLLM 0.33's blocks-outermost [blocks, layers, heads, tokens, K|V].
+                let chunk = 2 * layout.block_len() as u64;
+                layout = layout
+                    .with_region_specs(&[crate::layout::RegionSpec {
+                        layers: 3,
+                        arrangement: Some(KvArrangement::Interleaved),
+                        strides: Some((Some(chunk), Some(3 * chunk))),
+                    }])
+                    .expect("blocks outermost");
+            }
+            _ => {}
         }
-        if per_layer {
+        if per_layer && !matches!(arrangement, 2 | 3) {
             layout = layout.with_regions(&[(1, None), (1, None), (1, None)]).expect("regions");
         }
         prop_assume!(layout.half_token().is_multiple_of(8));
@@ -168,9 +184,14 @@ fn the_tables_point_inside_each_region_and_16_byte_steps_need_alignment() {
     let base = bases(1);
     let (ptrs, firsts, vec16) = plan(&layout, &base, &which).expect("plan");
     assert_eq!(firsts, [32, 36]);
-    assert_eq!(ptrs.len(), 2 * 3 * 2);
+    assert_eq!(ptrs.len(), 2 * 3 * 3);
     let (_, v_at) = layout.block_offset(2, true, 5);
-    assert_eq!(ptrs[(3 + 2) * 2 + 1], base[0] + v_at as u64, "block 5, layer 2, V");
+    assert_eq!(ptrs[(3 + 2) * 3 + 1], base[0] + v_at as u64, "block 5, layer 2, V");
+    assert_eq!(
+        ptrs[(3 + 2) * 3 + 2],
+        layout.half_token() as u64,
+        "dense arrays: a half token apart"
+    );
     assert_eq!(vec16, 1, "16-byte halves at aligned addresses");
     let (_, _, vec16) = plan(&layout, &[base[0] + 8], &which).expect("plan");
     assert_eq!(vec16, 0, "an 8-byte-aligned region steps by 8 bytes");
