@@ -407,9 +407,9 @@ def test_layout_matches_the_documented_formula():
     ]:
         with pytest.raises(LayoutError, match=message):
             PoolLayout.new(kv(layers=32), 1, 10, 0, **bad)
-    assert lay.token_offset(1, 3) == (16 + 3) * 256
+    assert lay.token_offset(1, 3, 0) == (16 + 3) * 256
     nhd = PoolLayout.new(kv(layout="NHD", heads=8, head_dim=128, dtype="bfloat16"), 4, 100, 3)
-    assert nhd.token_offset(1, 3) == (3 * 2 + 1) * 256
+    assert nhd.token_offset(1, 3, 0) == (3 * 2 + 1) * 256
     more_ranks = PoolLayout.new(kv(heads=2), 4, 10, 3)
     assert (more_ranks.local_heads, more_ranks.head_offset) == (1, 1)
 

@@ -39,6 +39,17 @@ def vllm_tensors(g: dict, num_blocks: int, shape: str, layers=None, device="cpu"
     return out
 
 
+def vllm033_tensors(g: dict, num_blocks: int, outer: str, device="cpu", dtype=torch.float16):
+    """vLLM 0.33's per-layer ``[blocks, heads, tokens, K|V]`` views of one allocation, layers or
+    blocks outermost, tokens inside heads in memory (HND) or outside (NHD)."""
+    bs, h, d, n = g.get("kernelBlockSize", g["blockSize"]), g["kvHeads"], g["headDim"], g["layers"]
+    inner = (h, bs, 2 * d) if g["layout"] == "HND" else (bs, h, 2 * d)
+    physical = (n, num_blocks, *inner) if outer == "layers" else (num_blocks, n, *inner)
+    alloc = torch.zeros(physical, dtype=dtype, device=device)
+    views = [alloc[layer] if outer == "layers" else alloc[:, layer] for layer in range(n)]
+    return [v if g["layout"] == "HND" else v.permute(0, 2, 1, 3) for v in views]
+
+
 def raw(t: torch.Tensor, n: int) -> torch.Tensor:
     """The ``n`` bytes of ``t``'s memory from its first element, in memory order."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
@@ -105,11 +116,45 @@ def test_tensors_whose_bytes_are_not_the_agents_layout_are_refused_naming_what_d
     # One layer's tensor for a two-layer geometry.
     with pytest.raises(direct.DirectRefused, match="1 KV tensors for 2 layers"):
         direct.regions(vllm_tensors(g, 6, "flash"), PoolLayout.new(dict(g, layers=2), 1, 6, 0))
-    # vLLM 0.33's [blocks, heads, tokens, K|V]: K and V side by side, which no GPU pool takes.
-    with pytest.raises(direct.DirectRefused, match=r"\(6, 2, 4, 16\) is vLLM 0.33's \[blocks, heads, tokens, K\|V\]"):
-        direct.arrangement_of(torch.zeros(6, 2, 4, 16, dtype=torch.float16), host)
+    # vLLM 0.33's [blocks, heads, tokens, K|V] of the wrong token layout, or another head count.
+    with pytest.raises(direct.DirectRefused, match="not a dense NHD block of each head's token's K then V"):
+        direct.arrangement_of(vllm033_tensors(dict(g, layout="HND"), 6, "layers")[0], host)
+    with pytest.raises(direct.DirectRefused, match=r"\(tokens, heads, K\|V\) = \(4, 3, 16\); the geometry's is \(4, 2, 16\)"):
+        direct.arrangement_of(vllm033_tensors(dict(g, kvHeads=3), 6, "layers")[0], host)
+    # Layers that are not one allocation a stride apart.
+    two = dict(g, layers=2)
+    apart = [vllm033_tensors(g, 6, "layers")[0], vllm033_tensors(g, 6, "layers")[0]]
+    with pytest.raises(direct.DirectRefused, match="one stride apart|views of 2 allocations"):
+        direct.regions(apart, PoolLayout.new(two, 1, 6, 0))
+    backwards = list(reversed(vllm033_tensors(two, 6, "blocks")))
+    with pytest.raises(direct.DirectRefused, match="one stride apart in layer order"):
+        direct.regions(backwards, PoolLayout.new(two, 1, 6, 0))
     # The layout that fits is taken.
     assert direct.arrangement_of(vllm_tensors(g, 6, "flash")[0], host) == "KvFirst"
+
+
+@pytest.mark.parametrize("outer", ["layers", "blocks"])
+@pytest.mark.parametrize("token_layout", ["HND", "NHD"])
+def test_vllm_033s_one_allocation_is_one_region_of_k_and_v_side_by_side(outer, token_layout):
+    g = kv(block=4, heads=3, layers=3, head_dim=8, layout=token_layout)
+    tensors = vllm033_tensors(g, 5, outer)
+    alloc = raw(tensors[0], tensors[0].untyped_storage().nbytes())
+    alloc.copy_(torch.randint(0, 256, alloc.shape, dtype=torch.uint8))  # distinct bytes everywhere
+    host = PoolLayout.new(g, 1, 5, 0)
+    (region,) = direct.regions(tensors, host)
+    chunk = 2 * host.block_len
+    strides = (chunk, 3 * chunk) if outer == "blocks" else (5 * chunk, chunk)
+    assert (region["kv_arrangement"], region["layer_stride"], region["block_stride"]) == ("Interleaved", *strides)
+    layout = PoolLayout.new(g, 1, 5, 0, regions=[region])
+    assert layout.region_lens == [tensors[0].untyped_storage().nbytes()], "the whole allocation"
+    # Every token's K and V where the agent's layout says is what vLLM's logical indexing reads.
+    memory, half, checked = raw(tensors[0], layout.region_lens[0]), layout.half_token, 0
+    for (r, at), layer, head, token, v in layout.tokens(list(range(5)), 0, 5 * 4):
+        block, j = token // 4, token % 4
+        logical = tensors[layer][block, head, j, int(v) * 8:(int(v) + 1) * 8]
+        assert torch.equal(memory[at:at + half], logical.contiguous().view(torch.uint8)), (layer, head, token, v)
+        checked += 1
+    assert checked == 5 * 4 * 3 * 3 * 2
 
 
 def test_the_agents_capabilities_decide_whether_it_takes_a_gpu_pool():
@@ -341,7 +386,10 @@ def test_without_a_gpu_the_registration_stages_saying_why_and_a_gpu_pool_is_refu
 
 
 def gpu_engine(world, agent, role: str, g: dict, num_blocks: int, shape: str):
-    tensors = vllm_tensors(g, num_blocks, shape, device="cuda", dtype=torch.bfloat16)
+    if shape.startswith("v033-"):  # vLLM 0.33's one allocation, layers or blocks outermost
+        tensors = vllm033_tensors(g, num_blocks, shape[5:], device="cuda", dtype=torch.bfloat16)
+    else:
+        tensors = vllm_tensors(g, num_blocks, shape, device="cuda", dtype=torch.bfloat16)
     client, pool, why = direct.register(agent.socket, reg(world, role, g, num_blocks), tensors, want=True)
     assert pool is not None and why is None
     assert client.pool is None  # nothing mapped: the tensors are the pool
@@ -385,7 +433,11 @@ def direct_to_direct(p, p_kv, d, d_kv, request: str, seed: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("agents", ["one", "two"])
-@pytest.mark.parametrize("p_shape,d_shape,token_layout", [("flash", "flash", "HND"), ("flash", "flashinfer", "NHD")])
+@pytest.mark.parametrize("p_shape,d_shape,token_layout", [
+    ("flash", "flash", "HND"), ("flash", "flashinfer", "NHD"),
+    # vLLM 0.33's K and V side by side, as one region: into the same and into K and V arrays.
+    ("v033-blocks", "v033-layers", "HND"), ("v033-layers", "flash", "NHD"),
+])
 def test_vllm_shaped_gpu_kv_moves_between_engines_without_host_staging(world, agents, p_shape, d_shape, token_layout):
     # One agent: both engines on its node, the agent copies GPU to GPU (CudaIpc). Two agents over
     # their KV streams (StagedStream). Every byte checked on the host after the move.

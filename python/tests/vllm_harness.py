@@ -309,7 +309,7 @@ class Engine:
             # read from the tensor itself (not through the staging's view of it).
             half = lay.half_token
             return self.kv[rank][layer].view(torch.uint8)[b, h, j, v * half:(v + 1) * half]
-        at = lay.token_offset(h, j)
+        at = lay.token_offset(h, j, layer)
         return rows[v, b, at:at + lay.half_token]
 
     def _kernel_at(self, blocks: List[int], t: int):

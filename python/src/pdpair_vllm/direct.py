@@ -50,11 +50,8 @@ def arrangement_of(t: torch.Tensor, layout: PoolLayout) -> str:
     elems = layout.block_len // t.element_size() if layout.block_len % t.element_size() == 0 else -1
     nb = layout.num_blocks
     if t.dim() == 4:
-        raise DirectRefused(
-            f"a KV tensor of shape {shape} is vLLM 0.33's [blocks, heads, tokens, K|V] (K and V side by side for "
-            "each head and token, every layer a view of one allocation); the agent's GPU pools take K and V arrays "
-            "of a tensor each (KvFirst, BlocksFirst, Latent), so it is staged"
-        )
+        _side_by_side(t, layout)
+        return "Interleaved"
     if t.dim() == 3:  # MLA: [blocks, block, dim]
         if not layout.latent:
             raise DirectRefused(f"a KV tensor of shape {shape} is MLA's [blocks, block, dim], the geometry's is not MLA")
@@ -95,10 +92,62 @@ def arrangement_of(t: torch.Tensor, layout: PoolLayout) -> str:
     return arrangement
 
 
+def _side_by_side(t: torch.Tensor, layout: PoolLayout) -> int:
+    """Checks one layer's vLLM 0.33 ``[blocks, heads, tokens, K|V]`` tensor (each head's each
+    token's K then its V) against the geometry: its blocks dense in the geometry's token layout.
+    The bytes from one block to the next; raises :class:`DirectRefused` naming what differs."""
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    if layout.latent:
+        raise DirectRefused(
+            f"a KV tensor of shape {shape} is vLLM 0.33's MLA [blocks, 1, tokens, latent]; the direct path takes an "
+            "MLA cache as [blocks, block, dim] tensors only, so it is staged"
+        )
+    nb, heads, tokens, cell = shape
+    if nb != layout.num_blocks:
+        raise DirectRefused(f"a KV tensor of shape {shape} has {nb} blocks; the pool has {layout.num_blocks}")
+    if (tokens, heads, cell) != (layout.block_size, layout.local_heads, 2 * layout.head_dim):
+        raise DirectRefused(
+            f"a KV block of tensor {shape} holds (tokens, heads, K|V) = ({tokens}, {heads}, {cell}); the geometry's is "
+            f"({layout.block_size}, {layout.local_heads}, {2 * layout.head_dim})"
+        )
+    want_token, want_head = (cell, tokens * cell) if layout.layout == "HND" else (heads * cell, cell)
+    if stride[3] != 1 or (tokens > 1 and stride[2] != want_token) or (heads > 1 and stride[1] != want_head):
+        raise DirectRefused(
+            f"a KV block of tensor {shape} / strides {stride} is not a dense {layout.layout} block of each head's "
+            "token's K then V"
+        )
+    return stride[0] * t.element_size()
+
+
+def _one_allocation(tensors: Sequence[torch.Tensor], layout: PoolLayout) -> List[dict]:
+    """vLLM 0.33's layers, views of one allocation: one ``Interleaved`` region of all of them, at
+    the layer and block strides their addresses show (layers or blocks outermost)."""
+    block = {_side_by_side(t, layout) for t in tensors}
+    if len(block) != 1:
+        raise DirectRefused(f"the layers' KV tensors keep their blocks {sorted(block)} bytes apart, not one stride")
+    starts = [t.data_ptr() for t in tensors]
+    steps = {b - a for a, b in zip(starts, starts[1:])}
+    if len(tensors) > 1 and (len(steps) != 1 or min(steps) <= 0):
+        raise DirectRefused(
+            "the layers' KV tensors do not lie one stride apart in layer order (the agent takes them as one region of "
+            f"layers a stride apart): steps {sorted(steps)[:4]} bytes"
+        )
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    if len(storages) != 1:
+        raise DirectRefused(f"the layers' KV tensors are views of {len(storages)} allocations, not one")
+    (block_stride,) = block
+    layer_stride = steps.pop() if len(tensors) > 1 else block_stride * layout.num_blocks
+    return [{"layers": len(tensors), "kv_arrangement": "Interleaved", "layer_stride": layer_stride,
+             "block_stride": block_stride}]
+
+
 def regions(tensors: Sequence[torch.Tensor], layout: PoolLayout) -> List[dict]:
-    """The registration's ``regions`` for one region per layer, each its tensor's arrangement."""
+    """The registration's ``regions``: one per layer, each its tensor's arrangement, or (vLLM
+    0.33, every layer a view of one allocation) one ``Interleaved`` region of all layers."""
     if len(tensors) != layout.layers:
         raise DirectRefused(f"{len(tensors)} KV tensors for {layout.layers} layers")
+    if any(t.dim() == 4 for t in tensors):
+        return _one_allocation(tensors, layout)
     if len(tensors) > MAX_REGIONS:
         raise DirectRefused(f"{len(tensors)} layers, each its own tensor; a pool has at most {MAX_REGIONS} regions")
     return [{"layers": 1, "kv_arrangement": arrangement_of(t, layout)} for t in tensors]
@@ -421,6 +470,14 @@ class DirectKv(Stager):
         if self.event is not None:
             self.event.record(torch.cuda.current_stream(device))
         self.regions = regions(self.tensors, layout)
+        # The memory of each region: its first layer's tensor, and the region's bytes from there.
+        if len(self.regions) == 1 and self.regions[0]["kv_arrangement"] == "Interleaved":
+            r = self.regions[0]
+            length = (r["layers"] - 1) * r["layer_stride"] + (layout.num_blocks - 1) * r["block_stride"] \
+                + 2 * layout.block_len
+            self.shares = [(self.tensors[0], length, self.by_ipc[0])]
+        else:
+            self.shares = [(t, layout.layer_len, ipc) for t, ipc in zip(self.tensors, self.by_ipc)]
 
     def gpu_pool(self) -> Tuple[dict, List[Tuple[int, int]]]:
         """The registration's ``gpu`` field, and the VMM allocations to share before it
@@ -431,12 +488,12 @@ class DirectKv(Stager):
             pool["event"] = bytes(self.event.ipc_handle()).hex()
         handles: dict = {}
         with torch.cuda.device(self.device):
-            gpu_regions: List[Optional[dict]] = [share(t, self.layout.layer_len, handles) if ipc else None
-                                                 for t, ipc in zip(self.tensors, self.by_ipc)]
+            gpu_regions: List[Optional[dict]] = [share(t, length, handles) if ipc else None
+                                                 for t, length, ipc in self.shares]
             shared: List[Tuple[int, int]] = []
-            rest = [t for t, ipc in zip(self.tensors, self.by_ipc) if not ipc]
+            rest = [t for t, _, ipc in self.shares if not ipc]
             if rest:
-                vmm_regions, shared = share_vmm(rest, self.layout.layer_len)
+                vmm_regions, shared = share_vmm(rest, self.shares[0][1])
                 it = iter(vmm_regions)
                 gpu_regions = [r if r is not None else next(it) for r in gpu_regions]
         pool["regions"] = gpu_regions

@@ -5,14 +5,16 @@ inputs through real transfers with the agent's own synthetic engine.
 A pool is one or more regions (one memory each), each holding a run of consecutive layers, layer
 after layer; inside a layer either a K array then a V array of ``num_blocks`` blocks (``KvFirst``,
 FlashAttention's ``[2, num_blocks, ...]``), each block's K then its V (``BlocksFirst``, FlashInfer's
-``[num_blocks, 2, ...]``), or an MLA cache's one latent array (``Latent``, ``[num_blocks, block,
-dim]``); a block holds ``kernelBlockSize`` tokens of this rank's KV heads, HND (head, token, dim) or
+``[num_blocks, 2, ...]``), an MLA cache's one latent array (``Latent``, ``[num_blocks, block,
+dim]``), or each head's each token's K then its V side by side (``Interleaved``, vLLM 0.33's
+``[blocks, heads, tokens, K|V]`` views of one allocation, layers and blocks the strides the engine
+names apart); a block holds ``kernelBlockSize`` tokens of this rank's KV heads, HND (head, token, dim) or
 NHD (token, head, dim).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 ELEMENT_BYTES = {
@@ -25,7 +27,7 @@ ELEMENT_BYTES = {
 }
 
 
-ARRANGEMENTS = ("KvFirst", "BlocksFirst", "Latent")
+ARRANGEMENTS = ("KvFirst", "BlocksFirst", "Latent", "Interleaved")
 #: The most regions one pool may have (the agent's ``layout::MAX_REGIONS``).
 MAX_REGIONS = 128
 
@@ -61,7 +63,7 @@ def _arrangement(latent: bool, arrangement: Optional[str], field: str) -> str:
     if latent and arrangement != "Latent":
         raise LayoutError(f"{field} is {arrangement}; kv.mla is true, so the cache is one latent array per layer: Latent")
     if not latent and arrangement == "Latent":
-        raise LayoutError(f"{field} is Latent, but kv.mla is false: K and V are KvFirst or BlocksFirst")
+        raise LayoutError(f"{field} is Latent, but kv.mla is false: K and V are KvFirst, BlocksFirst or Interleaved")
     return arrangement
 
 
@@ -78,6 +80,9 @@ class PoolLayout:
     latent: bool = False
     #: (first layer, layers, arrangement) per region, in layer order; empty: one KvFirst region.
     regions: Tuple[Tuple[int, int, str], ...] = ()
+    #: Per region, an ``Interleaved`` one's (layer stride, block stride) in bytes, else ``None``;
+    #: empty: none named (dense, layers outermost).
+    strides: Tuple[Optional[Tuple[int, int]], ...] = ()
 
     @staticmethod
     def new(kv: Mapping, tensor: int, num_blocks: int, rank: int, arrangement: Optional[str] = None,
@@ -110,18 +115,24 @@ class PoolLayout:
                                   "kv_arrangement")
             if len(regions) > MAX_REGIONS:
                 raise LayoutError(f"regions has {len(regions)} entries; a pool has 1..={MAX_REGIONS}")
-            spans, first = [], 0
+            spans, strides, first = [], [], 0
             for i, r in enumerate(regions):
                 n = r.get("layers")
                 if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                     raise LayoutError(f"regions[{i}].layers is {n!r}; a region holds at least 1")
-                spans.append((first, n, _arrangement(latent, r.get("kv_arrangement"), f"regions[{i}].kv_arrangement")))
+                arranged = _arrangement(latent, r.get("kv_arrangement"), f"regions[{i}].kv_arrangement")
+                spans.append((first, n, arranged))
+                given = (r.get("layer_stride"), r.get("block_stride"))
+                if arranged != "Interleaved" and given != (None, None):
+                    raise LayoutError(f"regions[{i}] names strides for a {arranged} region; only Interleaved regions take them")
+                strides.append(given if arranged == "Interleaved" else None)
                 first += n
             if first != layers:
                 raise LayoutError(f"regions hold {first} layers in all; the geometry has kv.layers {layers}")
         else:
             spans = [(0, layers, _arrangement(latent, arrangement, "kv_arrangement"))]
-        return PoolLayout(
+            strides = [(None, None) if spans[0][2] == "Interleaved" else None]
+        out = PoolLayout(
             layers=layers,
             local_heads=local,
             head_offset=offset,
@@ -133,6 +144,26 @@ class PoolLayout:
             latent=latent,
             regions=tuple(spans),
         )
+        chunk = 2 * out.block_len
+        named = []
+        for i, ((_, n, _), given) in enumerate(zip(spans, strides)):
+            if given is None:
+                named.append(None)
+                continue
+            block = given[1] if given[1] is not None else chunk
+            layer = given[0] if given[0] is not None else block * num_blocks
+            for what, v in (("layer_stride", layer), ("block_stride", block)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise LayoutError(f"regions[{i}].{what} is {v!r}; a stride is a count of bytes")
+            apart = (block >= chunk and (n <= 1 or layer >= num_blocks * block)) or \
+                (layer >= chunk and (num_blocks <= 1 or block >= n * layer))
+            if not apart:
+                raise LayoutError(
+                    f"regions[{i}].layer_stride {layer} and regions[{i}].block_stride {block} make blocks of {chunk} bytes "
+                    f"(K and V) overlap: one stride must be at least {chunk} and the other at least that times its count "
+                    f"({n} layers, {num_blocks} blocks)")
+            named.append((layer, block))
+        return replace(out, strides=tuple(named))
 
     @property
     def _regions(self) -> Tuple[Tuple[int, int, str], ...]:
@@ -166,15 +197,39 @@ class PoolLayout:
     def layer_len(self) -> int:
         return len(self.arrays) * self.array_len
 
+    def _strides(self, r: int) -> Optional[Tuple[int, int]]:
+        """Region ``r``'s (layer stride, block stride) where it is ``Interleaved``."""
+        if self._regions[r][2] != "Interleaved":
+            return None
+        named = self.strides[r] if r < len(self.strides) else None
+        return named or (2 * self.block_len * self.num_blocks, 2 * self.block_len)
+
     @property
     def region_lens(self) -> List[int]:
         """Bytes of each region, in order."""
-        return [n * self.layer_len for _, n, _ in self._regions]
+        out = []
+        for r, (_, n, _) in enumerate(self._regions):
+            s = self._strides(r)
+            out.append(n * self.layer_len if s is None else (n - 1) * s[0] + (self.num_blocks - 1) * s[1] + 2 * self.block_len)
+        return out
 
     @property
     def pool_len(self) -> int:
         """Bytes of the whole pool, all regions."""
-        return self.layers * self.layer_len
+        return sum(self.region_lens)
+
+    def unit(self, layer: int) -> int:
+        """Bytes from one head's token's K (or V) to the next one's: a half token, or two where K
+        and V lie side by side."""
+        return self.half_token * (2 if self._regions[self.region_of(layer)[0]][2] == "Interleaved" else 1)
+
+    def block_extents(self, layer: int, block: int) -> List[Tuple[int, int, int]]:
+        """The bytes a layer's block occupies, ``(region, offset, bytes)``: each array's block, or
+        (``Interleaved``) its K and V together."""
+        if self.unit(layer) != self.half_token:
+            r, at = self.block_offset(layer, False, block)
+            return [(r, at, 2 * self.block_len)]
+        return [(*self.block_offset(layer, v, block), self.block_len) for v in self.arrays]
 
     def region_of(self, layer: int) -> Tuple[int, int]:
         """The region holding ``layer``, and the layer's index inside it."""
@@ -185,13 +240,19 @@ class PoolLayout:
 
     def block_stride(self, layer: int) -> int:
         """Bytes from one block of a layer's K (or V) to the next."""
-        arrangement = self._regions[self.region_of(layer)[0]][2]
-        return 2 * self.block_len if arrangement == "BlocksFirst" else self.block_len
+        r = self.region_of(layer)[0]
+        s = self._strides(r)
+        if s is not None:
+            return s[1]
+        return 2 * self.block_len if self._regions[r][2] == "BlocksFirst" else self.block_len
 
     def block_offset(self, layer: int, v: bool, block: int) -> Tuple[int, int]:
         """The region, and the offset in it, of a block of a layer's K (``v`` false, or the
         latent) or V array."""
         r, local = self.region_of(layer)
+        s = self._strides(r)
+        if s is not None:
+            return r, local * s[0] + block * s[1] + int(v) * self.half_token
         start = local * self.layer_len
         arrangement = self._regions[r][2]
         if arrangement == "KvFirst":
@@ -200,11 +261,12 @@ class PoolLayout:
             return r, start + block * 2 * self.block_len + int(v) * self.block_len
         return r, start + block * self.block_len
 
-    def token_offset(self, head: int, token: int) -> int:
-        """Offset of a local head's token inside a block."""
+    def token_offset(self, head: int, token: int, layer: int) -> int:
+        """Offset of a local head's token inside a layer's block."""
+        unit = self.unit(layer)
         if self.layout == "HND":
-            return (head * self.block_size + token) * self.half_token
-        return (token * self.local_heads + head) * self.half_token
+            return (head * self.block_size + token) * unit
+        return (token * self.local_heads + head) * unit
 
     def blocks_for(self, num_tokens: int, first_token: int = 0) -> int:
         """Blocks that hold tokens ``first_token..num_tokens``."""
@@ -223,7 +285,7 @@ class PoolLayout:
                     for h in range(self.local_heads):
                         for v in self.arrays:
                             r, at = self.block_offset(layer, v, block)
-                            yield (r, at + self.token_offset(h, j)), layer, self.head_offset + h, t, v
+                            yield (r, at + self.token_offset(h, j, layer)), layer, self.head_offset + h, t, v
 
 
 def runs(blocks: List[int]) -> List[Tuple[int, int]]:

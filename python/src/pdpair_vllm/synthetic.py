@@ -43,12 +43,11 @@ def fill(mem, layout: PoolLayout, seed: int, blocks: List[int], first_token: int
 
 def clear(mem, layout: PoolLayout, blocks: List[int]) -> None:
     """Decode: zeroes blocks, so stale bytes cannot pass verification."""
-    mems, zero = _regions(mem), bytes(layout.block_len)
+    mems = _regions(mem)
     for block in blocks:
         for layer in range(layout.layers):
-            for v in layout.arrays:
-                r, at = layout.block_offset(layer, v, block)
-                mems[r][at : at + layout.block_len] = zero
+            for r, at, n in layout.block_extents(layer, block):
+                mems[r][at : at + n] = bytes(n)
 
 
 def verify(mem, layout: PoolLayout, seed: int, blocks: List[int], first_token: int, num_tokens: int) -> int:
