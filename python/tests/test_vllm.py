@@ -192,6 +192,40 @@ def test_vllms_own_kv_cache_and_an_older_vllms_shape_agree_on_every_byte(world, 
         d.close()
 
 
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC", "LHBNC"])
+def test_vllms_own_kv_cache_is_one_region_for_the_direct_path_where_its_blocks_are_dense(pair, layout):
+    """vLLM 0.33's allocator's tensors (``allocate_kv_cache``, placed as its planner places them)
+    as the direct path registers them: one ``Interleaved`` region of the allocation, every
+    token's K and V where the agent's layout says, byte for byte against vLLM's logical indexing
+    of its views; its heads-outermost layout (``LHBNC``: a block's heads lie apart) staged, saying
+    why. Here on CPU tensors (the direct path itself needs a GPU: ``make gpu-check``)."""
+    import dataclasses
+
+    from pdpair_vllm import direct
+
+    p, _ = pair(layout=layout)
+    tensors, host = p.kv[0], p.layouts[0]
+    if layout == "LHBNC":
+        with pytest.raises(direct.DirectRefused, match="is not a dense HND block of each head's token's K then V"):
+            direct.regions(tensors, host)
+        return
+    (region,) = direct.regions(tensors, host)
+    assert region["kv_arrangement"] == "Interleaved" and region["layers"] == len(tensors)
+    layout_ = dataclasses.replace(host, regions=((0, host.layers, "Interleaved"),),
+                                  strides=((region["layer_stride"], region["block_stride"]),))
+    storage = tensors[0].untyped_storage()
+    assert tensors[0].data_ptr() == storage.data_ptr(), "layer 0's block 0 starts the allocation"
+    assert layout_.region_lens == [storage.nbytes()], "the region is the allocation"
+    memory = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    memory.copy_(torch.randint(0, 256, memory.shape, dtype=torch.uint8))
+    half, d = layout_.half_token, layout_.head_dim
+    blocks = [0, 1, host.num_blocks - 1]
+    for (r, at), layer, head, token, v in layout_.tokens(blocks, 0, len(blocks) * host.block_size):
+        block, j = blocks[token // host.block_size], token % host.block_size
+        logical = tensors[layer][block, head - host.head_offset, j, int(v) * d:(int(v) + 1) * d]
+        assert torch.equal(memory[at:at + half], logical.contiguous().view(torch.uint8)), (layer, head, token, v)
+
+
 def test_a_kv_tensor_whose_heads_are_not_the_ranks_kv_heads_is_refused_naming_both(pair):
     # A backend packing K and V as two head slots ([blocks, 2, tokens, heads * dim]) passed the
     # cell-size check where heads * dim is 2 * head size, and staging filed one head's K and V
