@@ -304,6 +304,10 @@ pub struct LoopbackArgs {
     /// per-layer KV tensors) instead of one region.
     #[arg(long = "region-per-layer")]
     pub region_per_layer: bool,
+    /// Each decode engine registers its pool as vLLM 0.33 lays out its KV cache: one region, each
+    /// head's token's K and V side by side (`Interleaved`), blocks outermost.
+    #[arg(long = "decode-side-by-side")]
+    pub decode_side_by_side: bool,
     /// Skip the decode engine's byte-by-byte check (for large benchmarks; checksums still run).
     #[arg(long = "no-verify-bytes")]
     pub no_verify_bytes: bool,
@@ -409,6 +413,7 @@ pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageErr
         all_ranks: args.all_ranks,
         decode_prefix_hit: args.decode_prefix_hit,
         region_per_layer: args.region_per_layer,
+        decode_side_by_side: args.decode_side_by_side,
         external: crate::loopback::External {
             decode_agent: args.decode_agent.clone(),
             prefill_agent: args.prefill_agent.clone(),

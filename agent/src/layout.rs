@@ -295,16 +295,18 @@ impl PoolLayout {
             .and_then(|b| b.checked_mul(2))
             .ok_or_else(|| LayoutError("the geometry's block length overflows".into()))?;
         let (blocks, layers64) = (u64::from(self.num_blocks), u64::from(layers));
-        let apart = |inner: u64, n: u64, outer: u64, m: u64| {
-            inner >= chunk && (m <= 1 || inner.checked_mul(n).is_some_and(|span| outer >= span))
-        };
-        // Layers outermost, blocks outermost, or one layer (its layer stride unused).
-        if !(apart(s.block, blocks, s.layer, layers64) || apart(s.layer, layers64, s.block, blocks)) {
+        // Layers outermost (or one layer, its layer stride unused), or blocks outermost. The
+        // block stride is at least a block's either way, also where there is one block (peers
+        // take no stride shorter than a block).
+        let layers_outer =
+            s.block >= chunk && (layers <= 1 || s.block.checked_mul(blocks).is_some_and(|n| s.layer >= n));
+        let blocks_outer = s.layer >= chunk && s.layer.checked_mul(layers64).is_some_and(|n| s.block >= n);
+        if !(layers_outer || blocks_outer) {
             return Err(LayoutError(format!(
                 "{field}.layer_stride {} and {field}.block_stride {} make blocks of {chunk} bytes (K and V) overlap: \
-                 one stride must be at least {chunk} and the other at least that times its count \
-                 ({} layers, {} blocks)",
-                s.layer, s.block, layers, self.num_blocks
+                 layers outermost needs block_stride >= {chunk} and layer_stride >= num_blocks ({}) x block_stride; \
+                 blocks outermost needs layer_stride >= {chunk} and block_stride >= layers ({layers}) x layer_stride",
+                s.layer, s.block, self.num_blocks
             )));
         }
         Self::interleaved_len(s, layers, self.num_blocks, chunk)
@@ -844,6 +846,16 @@ mod tests {
         }])
         .expect("one layer");
         assert_eq!(one.region_lens(), vec![5 * 128]);
+        // One block: its stride still at least a block's (peers take none shorter).
+        let one_block = PoolLayout {
+            num_blocks: 1,
+            ..small(false)
+        };
+        let e = one_block
+            .with_region_specs(&[spec(Some(chunk), Some(0))])
+            .expect_err("refused")
+            .0;
+        assert!(e.contains("block_stride 0"), "{e}");
     }
 
     #[test]

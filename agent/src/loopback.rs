@@ -56,6 +56,8 @@ pub struct Options {
     pub decode_prefix_hit: u64,
     /// Every engine's pool is one region per layer.
     pub region_per_layer: bool,
+    /// Every decode engine's pool is one `Interleaved` region, blocks outermost (vLLM 0.33).
+    pub decode_side_by_side: bool,
     /// The agent binary (this executable).
     pub agent_bin: PathBuf,
     /// Agents and pods that already run (the demo); by default the scenario starts its own.
@@ -370,9 +372,24 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                 layers: 1,
                 ..Default::default()
             };
+            // vLLM 0.33's [blocks, layers, heads, tokens, K|V]: a layer's block, K and V, after
+            // the previous layer's.
+            let side_by_side = || {
+                let chunk = crate::layout::PoolLayout::new(&pool.kv, &pool.parallelism, num_blocks, tensor_rank)
+                    .map_or(0, |l| 2 * l.block_len() as u64);
+                let layers = u32::try_from(pool.kv.layers).unwrap_or(0);
+                crate::engine_api::RegionRequest {
+                    layers,
+                    kv_arrangement: Some(crate::layout::KvArrangement::Interleaved),
+                    layer_stride: Some(chunk),
+                    block_stride: Some(chunk * u64::from(layers)),
+                }
+            };
             EngineSpec {
                 memory: opts.engine_memory,
-                regions: if opts.region_per_layer {
+                regions: if opts.decode_side_by_side && role == Role::Decode {
+                    vec![side_by_side()]
+                } else if opts.region_per_layer {
                     vec![layer; usize::try_from(pool.kv.layers).unwrap_or(0)]
                 } else {
                     Vec::new()

@@ -398,7 +398,10 @@ impl MemoryDesc {
                     2 * half
                 ));
             }
-            let span = (self.block_len / half.max(1) - 1) * unit + half;
+            let span = (self.block_len / half.max(1) - 1)
+                .checked_mul(unit)
+                .and_then(|s| s.checked_add(half))
+                .ok_or_else(|| format!("memory.layers[{i}]'s block span overflows"))?;
             // The end of an array's last block, from the array's offset.
             let array_end = u64::from(self.num_blocks - 1)
                 .checked_mul(l.block_stride)

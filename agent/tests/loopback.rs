@@ -337,6 +337,57 @@ fn all_ranks_of_both_pools_move_every_head_verified() {
 }
 
 #[test]
+fn decode_pools_with_k_and_v_side_by_side_take_head_ranges_and_larger_blocks_verified() {
+    // vLLM 0.33's layout on decode (one region, each head's token's K and V side by side,
+    // blocks outermost) against prefill's K and V arrays, so each head's token moves on its own:
+    // every rank of TP 2 -> 4 and 4 -> 2 (head ranges of blocks) in push and pull, and pull of
+    // 16-token prefill blocks into 32-token decode blocks, HND and NHD. Every byte checked.
+    let dir = tmp("side-by-side");
+    let text = std::fs::read_to_string(examples("compatible-push.yaml")).expect("example");
+    let swapped = text
+        .replace("parallelism: { tensor: 2 }", "parallelism: { tensor: X }")
+        .replace("parallelism: { tensor: 4 }", "parallelism: { tensor: 2 }")
+        .replace("parallelism: { tensor: X }", "parallelism: { tensor: 4 }");
+    for (name, manifest) in [("2-to-4", text.clone()), ("4-to-2", swapped)] {
+        for mode in ["Push", "Pull"] {
+            let path = dir.join(format!("{name}-{mode}.yaml"));
+            std::fs::write(&path, manifest.replace("mode: Push", &format!("mode: {mode}"))).expect("write");
+            let v = run(&[
+                "--pair",
+                &path.to_string_lossy(),
+                "--requests",
+                "1",
+                "--prompt-tokens",
+                "128",
+                "--transport",
+                "shm",
+                "--all-ranks",
+                "--decode-side-by-side",
+            ]);
+            assert_all_verified(&v, 1, &format!("{name} {mode}"));
+            assert_eq!(v["byte_errors"], 0, "{v}");
+            // All 8 heads of every token: 128 tokens x 32 layers x 8 heads x 128 x 2 bytes x K,V.
+            assert_eq!(count(&v, "bytes"), 128 * 32 * 8 * 128 * 2 * 2, "{name} {mode}");
+        }
+    }
+    for layout in ["HND", "NHD"] {
+        let pair = pull_manifest(&dir, &format!("larger-{layout}"), 16, 32, layout);
+        let v = run(&[
+            "--pair",
+            &pair,
+            "--requests",
+            "2",
+            "--prompt-tokens",
+            "100",
+            "--decode-side-by-side",
+        ]);
+        assert_all_verified(&v, 2, layout);
+        assert_eq!(v["byte_errors"], 0, "{v}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn pools_of_one_region_per_layer_move_the_same_bytes_verified() {
     // vLLM's per-layer KV tensors as the engines' pools: every layer its own region on both
     // sides, push and pull; the bytes moved and verified equal the one-region run's.

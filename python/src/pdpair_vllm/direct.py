@@ -51,7 +51,7 @@ def arrangement_of(t: torch.Tensor, layout: PoolLayout) -> str:
     nb = layout.num_blocks
     if t.dim() == 4:
         _side_by_side(t, layout)
-        return "Interleaved"
+        return "Interleaved"  # at the strides `regions` reads from all layers' tensors
     if t.dim() == 3:  # MLA: [blocks, block, dim]
         if not layout.latent:
             raise DirectRefused(f"a KV tensor of shape {shape} is MLA's [blocks, block, dim], the geometry's is not MLA")
@@ -97,6 +97,8 @@ def _side_by_side(t: torch.Tensor, layout: PoolLayout) -> int:
     token's K then its V) against the geometry: its blocks dense in the geometry's token layout.
     The bytes from one block to the next; raises :class:`DirectRefused` naming what differs."""
     shape, stride = tuple(t.shape), tuple(t.stride())
+    if t.dim() != 4:
+        raise DirectRefused(f"a KV tensor of shape {shape} beside vLLM 0.33's [blocks, heads, tokens, K|V] ones")
     if layout.latent:
         raise DirectRefused(
             f"a KV tensor of shape {shape} is vLLM 0.33's MLA [blocks, 1, tokens, latent]; the direct path takes an "
@@ -136,6 +138,8 @@ def _one_allocation(tensors: Sequence[torch.Tensor], layout: PoolLayout) -> List
     if len(storages) != 1:
         raise DirectRefused(f"the layers' KV tensors are views of {len(storages)} allocations, not one")
     (block_stride,) = block
+    if layout.num_blocks == 1:
+        block_stride = 2 * layout.block_len  # one block: its stride is unused (torch may say anything)
     layer_stride = steps.pop() if len(tensors) > 1 else block_stride * layout.num_blocks
     return [{"layers": len(tensors), "kv_arrangement": "Interleaved", "layer_stride": layer_stride,
              "block_stride": block_stride}]

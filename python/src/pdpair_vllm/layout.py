@@ -156,12 +156,13 @@ class PoolLayout:
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise LayoutError(f"regions[{i}].{what} is {v!r}; a stride is a count of bytes")
             apart = (block >= chunk and (n <= 1 or layer >= num_blocks * block)) or \
-                (layer >= chunk and (num_blocks <= 1 or block >= n * layer))
+                (layer >= chunk and block >= n * layer)
             if not apart:
                 raise LayoutError(
                     f"regions[{i}].layer_stride {layer} and regions[{i}].block_stride {block} make blocks of {chunk} bytes "
-                    f"(K and V) overlap: one stride must be at least {chunk} and the other at least that times its count "
-                    f"({n} layers, {num_blocks} blocks)")
+                    f"(K and V) overlap: layers outermost needs block_stride >= {chunk} and layer_stride >= num_blocks "
+                    f"({num_blocks}) x block_stride; blocks outermost needs layer_stride >= {chunk} and block_stride >= "
+                    f"layers ({n}) x layer_stride")
             named.append((layer, block))
         return replace(out, strides=tuple(named))
 
