@@ -304,10 +304,14 @@ pub struct LoopbackArgs {
     /// per-layer KV tensors) instead of one region.
     #[arg(long = "region-per-layer")]
     pub region_per_layer: bool,
-    /// Each decode engine registers its pool as vLLM 0.33 lays out its KV cache: one region, each
-    /// head's token's K and V side by side (`Interleaved`), blocks outermost.
-    #[arg(long = "decode-side-by-side")]
-    pub decode_side_by_side: bool,
+    /// Engines of these roles (`decode`, `prefill` or `both`) register their pools as vLLM 0.33
+    /// lays out its KV cache: one region, each head's token's K and V side by side
+    /// (`Interleaved`), layers outermost (its default `LB..` layouts).
+    #[arg(long = "side-by-side", value_parser = parse_side_by_side)]
+    pub side_by_side: Option<(bool, bool)>,
+    /// With `--side-by-side`: blocks outermost (vLLM 0.33's `BL..` layouts).
+    #[arg(long = "blocks-outermost", requires = "side_by_side")]
+    pub blocks_outermost: bool,
     /// Skip the decode engine's byte-by-byte check (for large benchmarks; checksums still run).
     #[arg(long = "no-verify-bytes")]
     pub no_verify_bytes: bool,
@@ -413,7 +417,8 @@ pub fn loopback(args: &LoopbackArgs, out: &mut dyn Write) -> Result<(), UsageErr
         all_ranks: args.all_ranks,
         decode_prefix_hit: args.decode_prefix_hit,
         region_per_layer: args.region_per_layer,
-        decode_side_by_side: args.decode_side_by_side,
+        side_by_side: args.side_by_side.unwrap_or_default(),
+        blocks_outermost: args.blocks_outermost,
         external: crate::loopback::External {
             decode_agent: args.decode_agent.clone(),
             prefill_agent: args.prefill_agent.clone(),
@@ -584,6 +589,16 @@ fn parse_arrangement(s: &str) -> Result<crate::layout::KvArrangement, String> {
         "Latent" => Ok(Latent),
         "Interleaved" => Ok(Interleaved),
         other => Err(format!("{other:?} is not KvFirst, BlocksFirst, Latent or Interleaved")),
+    }
+}
+
+/// (prefill, decode).
+fn parse_side_by_side(s: &str) -> Result<(bool, bool), String> {
+    match s {
+        "prefill" => Ok((true, false)),
+        "decode" => Ok((false, true)),
+        "both" => Ok((true, true)),
+        other => Err(format!("{other:?} is not prefill, decode or both")),
     }
 }
 

@@ -56,8 +56,11 @@ pub struct Options {
     pub decode_prefix_hit: u64,
     /// Every engine's pool is one region per layer.
     pub region_per_layer: bool,
-    /// Every decode engine's pool is one `Interleaved` region, blocks outermost (vLLM 0.33).
-    pub decode_side_by_side: bool,
+    /// (prefill, decode): engines of that role register one `Interleaved` region, blocks
+    /// outermost (vLLM 0.33).
+    pub side_by_side: (bool, bool),
+    /// Side-by-side pools have blocks outermost (else layers).
+    pub blocks_outermost: bool,
     /// The agent binary (this executable).
     pub agent_bin: PathBuf,
     /// Agents and pods that already run (the demo); by default the scenario starts its own.
@@ -372,22 +375,29 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                 layers: 1,
                 ..Default::default()
             };
-            // vLLM 0.33's [blocks, layers, heads, tokens, K|V]: a layer's block, K and V, after
-            // the previous layer's.
+            // vLLM 0.33's [layers, blocks, ...] (its default) or [blocks, layers, ...], each block
+            // a (head, token)'s K and V side by side.
             let side_by_side = || {
                 let chunk = crate::layout::PoolLayout::new(&pool.kv, &pool.parallelism, num_blocks, tensor_rank)
                     .map_or(0, |l| 2 * l.block_len() as u64);
                 let layers = u32::try_from(pool.kv.layers).unwrap_or(0);
+                let (layer_stride, block_stride) = if opts.blocks_outermost {
+                    (chunk, chunk * u64::from(layers))
+                } else {
+                    (chunk * u64::from(num_blocks), chunk)
+                };
                 crate::engine_api::RegionRequest {
                     layers,
                     kv_arrangement: Some(crate::layout::KvArrangement::Interleaved),
-                    layer_stride: Some(chunk),
-                    block_stride: Some(chunk * u64::from(layers)),
+                    layer_stride: Some(layer_stride),
+                    block_stride: Some(block_stride),
                 }
             };
             EngineSpec {
                 memory: opts.engine_memory,
-                regions: if opts.decode_side_by_side && role == Role::Decode {
+                regions: if (role == Role::Prefill && opts.side_by_side.0)
+                    || (role == Role::Decode && opts.side_by_side.1)
+                {
                     vec![side_by_side()]
                 } else if opts.region_per_layer {
                     vec![layer; usize::try_from(pool.kv.layers).unwrap_or(0)]

@@ -338,10 +338,11 @@ fn all_ranks_of_both_pools_move_every_head_verified() {
 
 #[test]
 fn decode_pools_with_k_and_v_side_by_side_take_head_ranges_and_larger_blocks_verified() {
-    // vLLM 0.33's layout on decode (one region, each head's token's K and V side by side,
-    // blocks outermost) against prefill's K and V arrays, so each head's token moves on its own:
-    // every rank of TP 2 -> 4 and 4 -> 2 (head ranges of blocks) in push and pull, and pull of
-    // 16-token prefill blocks into 32-token decode blocks, HND and NHD. Every byte checked.
+    // vLLM 0.33's layout on decode (one region, each head's token's K and V side by side)
+    // against prefill's K and V arrays, so each head's token moves on its own: every rank of TP
+    // 2 -> 4 and 4 -> 2 (head ranges of blocks) in push and pull, blocks outermost, and pull of
+    // 16-token prefill blocks into 32-token decode blocks, HND and NHD, layers outermost. Every
+    // byte checked.
     let dir = tmp("side-by-side");
     let text = std::fs::read_to_string(examples("compatible-push.yaml")).expect("example");
     let swapped = text
@@ -362,7 +363,9 @@ fn decode_pools_with_k_and_v_side_by_side_take_head_ranges_and_larger_blocks_ver
                 "--transport",
                 "shm",
                 "--all-ranks",
-                "--decode-side-by-side",
+                "--side-by-side",
+                "decode",
+                "--blocks-outermost",
             ]);
             assert_all_verified(&v, 1, &format!("{name} {mode}"));
             assert_eq!(v["byte_errors"], 0, "{v}");
@@ -379,7 +382,8 @@ fn decode_pools_with_k_and_v_side_by_side_take_head_ranges_and_larger_blocks_ver
             "2",
             "--prompt-tokens",
             "100",
-            "--decode-side-by-side",
+            "--side-by-side",
+            "decode",
         ]);
         assert_all_verified(&v, 2, layout);
         assert_eq!(v["byte_errors"], 0, "{v}");
