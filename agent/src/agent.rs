@@ -1957,14 +1957,16 @@ impl Engine {
     /// K and V lie side by side on both sides (`Interleaved`) moves as one array, a head's
     /// token's K and V together. `Err` when the peer's description lacks an array of ours
     /// (defence only: the rule table refuses MLA beside non-MLA, and each side's description has
-    /// a V array exactly when it is not MLA), or from `pieces`.
+    /// a V array exactly when it is not MLA), or from `pieces`. The plan goes block by block
+    /// where that merges more ([`block_major`]).
     fn places(
         &self,
         remote: &MemoryDesc,
         peer: &str,
         pieces: impl Fn(u64, u64, u64) -> Result<Vec<crate::transport::plan::Piece>, String>,
         part_len: impl Fn(u64) -> u64,
-    ) -> Result<(Vec<crate::transport::plan::Place>, Vec<crate::transport::plan::Pieces>), String> {
+        items: Vec<crate::transport::plan::Item>,
+    ) -> Result<crate::transport::plan::Plan, String> {
         let half = self.layout.half_token() as u64;
         let mut arrays = Vec::new();
         let mut keys: Vec<(u64, u64, u64)> = Vec::new();
@@ -2007,7 +2009,13 @@ impl Engine {
                 });
             }
         }
-        Ok((arrays, sets))
+        let one_region = self.layout.regions.len() == 1 && remote.layers.windows(2).all(|w| w[0].region == w[1].region);
+        Ok(crate::transport::plan::Plan {
+            block_major: one_region && block_major(&arrays),
+            arrays,
+            items,
+            sets,
+        })
     }
 
     fn block_addr(&self, layer: u32, v: bool, block: u32) -> u64 {
@@ -2339,9 +2347,52 @@ impl AgentConfig {
     }
 }
 
+/// Whether a plan of `arrays` (in one region on each side) merges more block by block: several
+/// arrays of one stride on each side, each array's block 0 after the one before and all of
+/// them within one block's stride (a block's arrays nearer each other than one block to the
+/// next: vLLM 0.33's blocks-outermost layouts, a block's layers back to back).
+fn block_major(arrays: &[crate::transport::plan::Place]) -> bool {
+    let (Some(first), Some(last)) = (arrays.first(), arrays.last()) else {
+        return false;
+    };
+    arrays.len() > 1
+        && arrays
+            .iter()
+            .all(|a| a.local_stride == first.local_stride && a.remote_stride == first.remote_stride)
+        && arrays
+            .windows(2)
+            .all(|w| w[0].local < w[1].local && w[0].remote < w[1].remote)
+        && last.local - first.local < first.local_stride
+        && last.remote - first.remote < first.remote_stride
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_plan_goes_block_by_block_only_where_a_blocks_arrays_lie_within_one_block_stride() {
+        let place = |local, remote, stride| crate::transport::plan::Place {
+            local,
+            local_stride: stride,
+            remote,
+            remote_stride: stride,
+            set: 0,
+        };
+        // Blocks outermost on both sides (layers 64 bytes apart, blocks 192).
+        let blocks_outer: Vec<_> = (0..3).map(|l| place(64 * l, 4096 + 64 * l, 192)).collect();
+        assert!(super::block_major(&blocks_outer));
+        // Layers outermost (a layer's blocks back to back): array by array.
+        let layers_outer: Vec<_> = (0..3).map(|l| place(640 * l, 640 * l, 64)).collect();
+        assert!(!super::block_major(&layers_outer));
+        // One side blocks outermost, the other not; strides that differ; one array.
+        let mixed: Vec<_> = (0..3).map(|l| place(64 * l, 640 * l, 192)).collect();
+        assert!(!super::block_major(&mixed));
+        let mut uneven = blocks_outer.clone();
+        uneven[1].remote_stride = 200;
+        assert!(!super::block_major(&uneven));
+        assert!(!super::block_major(&blocks_outer[..1]));
+    }
 
     #[test]
     fn the_engine_socket_replaces_only_a_socket_left_in_its_place() {

@@ -1408,7 +1408,7 @@ impl Engine {
             nhd,
             unit,
         };
-        let (arrays, sets) = self.places(
+        self.places(
             remote,
             "prefill's",
             |local, far, len| {
@@ -1421,8 +1421,8 @@ impl Engine {
                 pieces(&ours(local), map.d_first, &theirs, map.p_first, map.count, p_block, len)
             },
             |local| bp * ours(local).token_step(),
-        )?;
-        Ok(Plan { arrays, items, sets })
+            items,
+        )
     }
 
     /// Cancels past their deadline: a prefill still linked that has not answered loses its link

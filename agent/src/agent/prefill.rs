@@ -1479,7 +1479,15 @@ impl Engine {
         let remote_heads = u32::try_from(remote.block_len / (u64::from(tokens) * half).max(1))
             .map_err(|_| format!("decode's block_len {} is not a block of our tokens", remote.block_len))?;
         let nhd = self.layout.layout == pdpair_api::KvLayout::Nhd;
-        let (arrays, sets) = self.places(
+        let items = pairs
+            .iter()
+            .map(|(p, d, _)| Item {
+                local: *p,
+                at: 0,
+                remote: *d,
+            })
+            .collect();
+        self.places(
             remote,
             "decode's",
             |ours, theirs, len| {
@@ -1500,19 +1508,8 @@ impl Engine {
                 )
             },
             |_| 0,
-        )?;
-        Ok(Plan {
-            arrays,
-            items: pairs
-                .iter()
-                .map(|(p, d, _)| Item {
-                    local: *p,
-                    at: 0,
-                    remote: *d,
-                })
-                .collect(),
-            sets,
-        })
+            items,
+        )
     }
 
     /// Frees ready KV past its lease and fails registrations that waited past it.

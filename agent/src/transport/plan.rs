@@ -78,6 +78,10 @@ pub struct Plan {
     pub items: Vec<Item>,
     /// The pieces the arrays name (one set where both sides lay out every layer alike).
     pub sets: Vec<Pieces>,
+    /// Ops block by block, each block's arrays in turn, adjacent ones merged across arrays
+    /// (where each side keeps its arrays in one region, a block's arrays nearer each other
+    /// than one block to the next: vLLM 0.33's blocks-outermost layouts); else array by array.
+    pub block_major: bool,
 }
 
 /// The most pieces of one block a plan takes (6 MiB of them): only two sides laying out a block
@@ -169,7 +173,7 @@ pub fn pieces(
 
 impl Plan {
     /// The ops, array by array (adjacent ops of one array merged: never two arrays', which may
-    /// lie in different regions that happen to touch).
+    /// lie in different regions that happen to touch), or block by block ([`Plan::block_major`]).
     pub fn ops(&self) -> Ops<'_> {
         Ops {
             plan: self,
@@ -219,6 +223,9 @@ impl Ops<'_> {
         if plan.items.is_empty() {
             return None;
         }
+        if plan.block_major {
+            return self.raw_by_block();
+        }
         loop {
             let place = plan.arrays.get(self.array)?;
             let n = plan.sets.get(place.set).map_or(0, |s| s.pieces.len());
@@ -242,6 +249,35 @@ impl Ops<'_> {
     }
 }
 
+impl Ops<'_> {
+    /// [`Ops::raw`] block by block: each item's arrays in turn.
+    fn raw_by_block(&mut self) -> Option<(usize, PutOp)> {
+        let plan = self.plan;
+        loop {
+            if self.item >= plan.items.len() {
+                return None;
+            }
+            let Some(place) = plan.arrays.get(self.array) else {
+                self.array = 0;
+                self.item += 1;
+                continue;
+            };
+            let n = plan.sets.get(place.set).map_or(0, |s| s.pieces.len());
+            if n == 0 {
+                self.array += 1;
+                continue;
+            }
+            let at = (self.array, plan.op(self.array, self.item, self.piece));
+            self.piece += 1;
+            if self.piece == n {
+                self.piece = 0;
+                self.array += 1;
+            }
+            return Some(at);
+        }
+    }
+}
+
 impl Iterator for Ops<'_> {
     type Item = PutOp;
 
@@ -252,7 +288,7 @@ impl Iterator for Ops<'_> {
             };
             match &mut self.pending {
                 Some((a, last))
-                    if *a == array
+                    if (*a == array || self.plan.block_major)
                         && last.local.checked_add(last.len) == Some(op.local)
                         && last.remote.checked_add(last.len) == Some(op.remote) =>
                 {
@@ -339,6 +375,7 @@ mod tests {
                 part_len: 0,
                 pieces: whole(64),
             }],
+            block_major: false,
         };
         let ops: Vec<PutOp> = plan.ops().collect();
         let op = |local, remote, len| PutOp { local, len, remote };
@@ -361,6 +398,7 @@ mod tests {
                 part_len: 0,
                 pieces: whole(64),
             }],
+            block_major: false,
         };
         assert_eq!(
             touching.ops().collect::<Vec<_>>(),
@@ -401,6 +439,7 @@ mod tests {
                     },
                 ],
             }],
+            block_major: false,
         };
         let got: Vec<(u64, u64, u64)> = plan.ops().map(|o| (o.local, o.remote, o.len)).collect();
         let r = 1 << 20;
@@ -414,6 +453,48 @@ mod tests {
                 (24, r + 128, 8),
                 (40, r + 136, 8)
             ]
+        );
+    }
+
+    #[test]
+    fn block_by_block_a_blocks_arrays_back_to_back_are_one_op() {
+        // Blocks outermost: 3 arrays (layers) 64 bytes apart, blocks 192 bytes apart, both sides.
+        let arrays: Vec<Place> = (0..3u64)
+            .map(|a| place(0x1000 + 64 * a, 0x9000 + 64 * a, 192))
+            .collect();
+        let plan = |block_major| Plan {
+            arrays: arrays.clone(),
+            items: items(&[(0, 1), (1, 2), (4, 3)]),
+            sets: vec![Pieces {
+                part_len: 0,
+                pieces: whole(64),
+            }],
+            block_major,
+        };
+        let op = |local, remote, len| PutOp { local, len, remote };
+        // Block by block: blocks 0 and 1 (1 and 2 at the peer) are one run of all three layers.
+        assert_eq!(
+            plan(true).ops().collect::<Vec<_>>(),
+            vec![
+                op(0x1000, 0x9000 + 192, 384),
+                op(0x1000 + 4 * 192, 0x9000 + 3 * 192, 192)
+            ]
+        );
+        // Array by array: an op per block and layer (a layer's blocks are 192 bytes apart).
+        let by_array: Vec<PutOp> = plan(false).ops().collect();
+        assert_eq!(by_array.len(), 9);
+        let bytes = |ops: &[PutOp]| {
+            let mut b: Vec<(u64, u64)> = ops
+                .iter()
+                .flat_map(|o| (0..o.len / 64).map(move |i| (o.local + 64 * i, o.remote + 64 * i)))
+                .collect();
+            b.sort_unstable();
+            b
+        };
+        assert_eq!(
+            bytes(&plan(true).ops().collect::<Vec<_>>()),
+            bytes(&by_array),
+            "the same bytes move"
         );
     }
 
@@ -470,6 +551,7 @@ mod tests {
                 part_len: 0,
                 pieces: whole(8),
             }],
+            block_major: false,
         };
         let mut ops = plan.ops();
         let first: Vec<PutOp> = ops.by_ref().take(3).collect();
@@ -486,6 +568,7 @@ mod tests {
                 part_len: 0,
                 pieces: whole(8),
             }],
+            block_major: false,
         };
         let mut seen = Vec::new();
         let mut sizes = Vec::new();
@@ -515,6 +598,7 @@ mod tests {
                 part_len: 0,
                 pieces: whole(8),
             }],
+            block_major: false,
         };
         let mut calls = 0;
         let failed = in_batches(plan.ops(), Instant::now() + Duration::from_secs(60), |_, _, _| {
