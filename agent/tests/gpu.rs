@@ -39,17 +39,21 @@ fn kv(heads: i32, head_dim: i32, nhd: bool, mla: bool, dtype: CacheDtype) -> KvG
 fn the_checksum_kernel_equals_the_cpu_checksum_on_the_same_blocks() {
     let g = gpu();
     let k = GpuChecksum::new(&g).expect("the kernel compiles and loads");
-    // (kv heads, head dim, NHD, MLA, dtype, tensor (rank), blocks-first, a region per layer,
-    // misaligned by 8 bytes: the 8-byte path)
+    // (kv heads, head dim, NHD, MLA, dtype, tensor (rank), arrangement (0 K and V arrays,
+    // 1 blocks-first, 2 K and V side by side layers outermost, 3 side by side blocks outermost),
+    // a region per layer, misaligned by 8 bytes: the 8-byte path)
     let cases = [
-        (8, 128, false, false, CacheDtype::Auto, (1, 0), false, false, false),
-        (8, 128, true, false, CacheDtype::Auto, (2, 1), true, false, false),
-        (8, 64, false, false, CacheDtype::Fp8, (4, 3), false, true, false),
-        (1, 576, false, true, CacheDtype::Auto, (1, 0), false, true, false),
-        (4, 4, false, false, CacheDtype::Auto, (1, 0), false, false, true),
-        (4, 128, true, false, CacheDtype::Auto, (1, 0), false, false, true),
+        (8, 128, false, false, CacheDtype::Auto, (1, 0), 0, false, false),
+        (8, 128, true, false, CacheDtype::Auto, (2, 1), 1, false, false),
+        (8, 64, false, false, CacheDtype::Fp8, (4, 3), 0, true, false),
+        (1, 576, false, true, CacheDtype::Auto, (1, 0), 0, true, false),
+        (4, 4, false, false, CacheDtype::Auto, (1, 0), 0, false, true),
+        (4, 128, true, false, CacheDtype::Auto, (1, 0), 0, false, true),
+        (8, 128, false, false, CacheDtype::Auto, (2, 1), 2, false, false),
+        (8, 128, true, false, CacheDtype::Auto, (1, 0), 3, false, false),
+        (4, 4, true, false, CacheDtype::Auto, (1, 0), 3, false, true),
     ];
-    for (n, (heads, dim, nhd, mla, dtype, (tp, rank), blocks_first, per_layer, misaligned)) in
+    for (n, (heads, dim, nhd, mla, dtype, (tp, rank), arrangement, per_layer, misaligned)) in
         cases.into_iter().enumerate()
     {
         let parallelism = Parallelism {
@@ -57,8 +61,21 @@ fn the_checksum_kernel_equals_the_cpu_checksum_on_the_same_blocks() {
             ..Parallelism::default()
         };
         let mut layout = PoolLayout::new(&kv(heads, dim, nhd, mla, dtype), &parallelism, 8, rank).expect("layout");
-        if blocks_first {
-            layout = layout.arranged(KvArrangement::BlocksFirst);
+        match arrangement {
+            1 => layout = layout.arranged(KvArrangement::BlocksFirst),
+            2 => layout = layout.arranged(KvArrangement::Interleaved),
+            3 => {
+                // vLLM 0.33's blocks outermost: a block's 4 layers back to back.
+                let chunk = 2 * layout.block_len() as u64;
+                layout = layout
+                    .with_region_specs(&[pdpair_agent::layout::RegionSpec {
+                        layers: 4,
+                        arrangement: Some(KvArrangement::Interleaved),
+                        strides: Some((Some(chunk), Some(4 * chunk))),
+                    }])
+                    .expect("blocks outermost");
+            }
+            _ => {}
         }
         if per_layer {
             layout = layout
@@ -298,6 +315,51 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
     assert!(region > 1 << 20);
     let e = SyntheticEngine::register_as(&socket, reg).expect_err("an overclaiming handle");
     assert!(e.contains("gpu.regions[0].ipc_handle") && e.contains("bytes"), "{e}");
+}
+
+/// vLLM 0.33's layout (each head's token's K and V side by side) in GPU memory behind one agent:
+/// blocks outermost into layers outermost (a block of all layers, or a layer's run of blocks, per
+/// copy), and into K and V arrays (a copy per head's token); checksums on the GPU (FailClosed),
+/// every byte read back.
+#[test]
+#[ignore = "needs an NVIDIA GPU: make gpu-check"]
+fn gpu_pools_with_k_and_v_side_by_side_move_gpu_to_gpu_checked_byte_for_byte() {
+    use pdpair_agent::{engine_api::RegionRequest, synthetic::gpu::GpuEngine};
+    use pdpair_api::{ChecksumPolicy, Role};
+
+    let g = gpu();
+    let w = common::World::new("gpu-side-by-side");
+    let (_agent, socket) = common::ProcessAgent::start(&w, "a");
+    let geometry = kv(8, 128, false, false, CacheDtype::Auto);
+    // A block's K and V: 16 tokens x 8 heads x 128 x 2 bytes, twice.
+    let chunk = 2 * 16 * 8 * 128 * 2;
+    let side_by_side = |layer_stride, block_stride| {
+        vec![RegionRequest {
+            layers: 4,
+            kv_arrangement: Some(KvArrangement::Interleaved),
+            layer_stride: Some(layer_stride),
+            block_stride: Some(block_stride),
+        }]
+    };
+    let spec = |role, name: &str, regions| {
+        let mut s = common::spec(role, name, geometry.clone(), b"k", ChecksumPolicy::FailClosed);
+        s.num_blocks = 64;
+        s.lease_ms = 10_000;
+        s.regions = regions;
+        s
+    };
+    let mut p = GpuEngine::register(&socket, &spec(Role::Prefill, "p0", side_by_side(chunk, 4 * chunk)), &g)
+        .expect("GPU prefill registers");
+    let mut d = GpuEngine::register(&socket, &spec(Role::Decode, "d0", side_by_side(64 * chunk, chunk)), &g)
+        .expect("GPU decode registers");
+    let mut a = GpuEngine::register(&socket, &spec(Role::Decode, "d1", Vec::new()), &g).expect("GPU arrays register");
+    for e in [&p, &d, &a] {
+        e.wait_events_for(std::time::Duration::from_secs(30)).expect("timeout");
+    }
+    let p_blocks: Vec<u32> = (0..32).collect();
+    let d_blocks: Vec<u32> = (0..16).chain(40..56).rev().collect();
+    gpu_to_gpu(&mut p, &mut d, "r", 21, &p_blocks, &d_blocks, 32 * 16 - 5);
+    gpu_to_gpu(&mut p, &mut a, "s", 22, &p_blocks[..8], &d_blocks[..8], 8 * 16);
 }
 
 /// Sends `shared` as `ShareGpuMemory` (descriptor, claimed bytes) and then `reg`; the agent's
