@@ -188,6 +188,21 @@ fn pair_event_budget(now: Instant) -> crate::webhook::EventBudget {
     crate::webhook::EventBudget::of(PAIR_EVENTS_BURST, 1.0 / PAIR_EVENT_EVERY.as_secs_f64(), now)
 }
 
+/// How many of `changes` condition changes of the pair `uid` make Events now: what its budget
+/// ([`pair_event_budget`], kept with what is remembered of the pair) allows; the rest are counted
+/// in `pdpair_operator_condition_events_dropped_total`.
+fn events_allowed(remembered: &Remembered, metrics: &Metrics, uid: &str, changes: usize, now: Instant) -> usize {
+    let mut told = 0;
+    remembered.note(uid, |m| {
+        let budget = m.events.get_or_insert_with(|| pair_event_budget(now));
+        told = (0..changes).take_while(|_| budget.take(now)).count();
+    });
+    for _ in told..changes {
+        metrics.condition_event_dropped();
+    }
+    told
+}
+
 /// A plan applied: its [`fingerprint`], and the resourceVersion each Deployment had once
 /// applied (by name).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -588,15 +603,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         }
     });
     let reference = pair.object_ref(&());
-    let now = Instant::now();
-    let mut told = 0;
-    ctx.remembered.note(&uid, |m| {
-        let budget = m.events.get_or_insert_with(|| pair_event_budget(now));
-        told = transitions.iter().take_while(|_| budget.take(now)).count();
-    });
-    for _ in told..transitions.len() {
-        ctx.metrics.condition_event_dropped();
-    }
+    let told = events_allowed(&ctx.remembered, &ctx.metrics, &uid, transitions.len(), Instant::now());
     for t in transitions.into_iter().take(told) {
         let kind = if t.warning { Kind::Warning } else { Kind::Normal };
         let from = t.from.as_deref().unwrap_or("unset");
@@ -979,6 +986,27 @@ mod tests {
             .filter(|i| budget.take(start + Duration::from_millis(100 * i)))
             .count();
         assert_eq!(told, 4);
+    }
+
+    #[test]
+    fn each_pair_spends_its_own_event_budget_and_what_it_drops_is_counted() {
+        let (remembered, metrics) = (Remembered::default(), Metrics::new());
+        let dropped = |m: &Metrics| {
+            m.render()
+                .lines()
+                .find(|l| l.starts_with("pdpair_operator_condition_events_dropped_total "))
+                .and_then(|l| l.split(' ').nth(1)?.parse::<u64>().ok())
+        };
+        let start = Instant::now();
+        // A flapping pair: 10 changes at once, then 10 more; its budget runs out at 16.
+        assert_eq!(events_allowed(&remembered, &metrics, "u1", 10, start), 10);
+        assert_eq!(events_allowed(&remembered, &metrics, "u1", 10, start), 6);
+        assert_eq!(dropped(&metrics), Some(4));
+        // Another pair has its own, full.
+        assert_eq!(events_allowed(&remembered, &metrics, "u2", 3, start), 3);
+        // The first one's refills one each PAIR_EVENT_EVERY.
+        assert_eq!(events_allowed(&remembered, &metrics, "u1", 5, start + PAIR_EVENT_EVERY), 1);
+        assert_eq!(dropped(&metrics), Some(8));
     }
 
     #[test]
