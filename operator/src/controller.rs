@@ -1005,7 +1005,10 @@ mod tests {
         // Another pair has its own, full.
         assert_eq!(events_allowed(&remembered, &metrics, "u2", 3, start), 3);
         // The first one's refills one each PAIR_EVENT_EVERY.
-        assert_eq!(events_allowed(&remembered, &metrics, "u1", 5, start + PAIR_EVENT_EVERY), 1);
+        assert_eq!(
+            events_allowed(&remembered, &metrics, "u1", 5, start + PAIR_EVENT_EVERY),
+            1
+        );
         assert_eq!(dropped(&metrics), Some(8));
     }
 

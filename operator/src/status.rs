@@ -429,10 +429,15 @@ pub const RECENT_SECONDS: i64 = 15 * 60;
 /// success on that engine (a success in the same second does not clear it: the agent reports
 /// seconds).
 fn current(at: &Time, last_success: Option<&Time>, now: &Time) -> bool {
-    let at = at.0.as_second();
-    // (News from the future, past clocks' skew, is not news: it counted until then.)
-    let age = now.0.as_second().saturating_sub(at);
-    (-SKEW_SECONDS..RECENT_SECONDS).contains(&age) && last_success.is_none_or(|s| s.0.as_second() <= at)
+    within(at, now, RECENT_SECONDS - 1) && last_success.is_none_or(|s| s.0.as_second() <= at.0.as_second())
+}
+
+/// Whether an agent's time `t` is at most `max_age` seconds behind `now` and at most
+/// [`SKEW_SECONDS`] ahead of it (news from the future, past clocks' skew, is not news: it would
+/// count until then).
+fn within(t: &Time, now: &Time, max_age: i64) -> bool {
+    let age = now.0.as_second().saturating_sub(t.0.as_second());
+    (-SKEW_SECONDS..=max_age).contains(&age)
 }
 
 /// How far ahead of the operator's clock an agent's may be: a time further ahead is not taken
@@ -478,10 +483,7 @@ fn missing_engines(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Opti
         e.status
             .as_ref()
             .and_then(|s| s.last_heartbeat.as_ref())
-            .is_some_and(|t| {
-                let age = now.0.as_second().saturating_sub(t.0.as_second());
-                !(-SKEW_SECONDS..=STALE_SECONDS).contains(&age)
-            })
+            .is_some_and(|t| !within(t, now, STALE_SECONDS))
     };
     let missing: Vec<String> = [Role::Prefill, Role::Decode]
         .into_iter()
