@@ -56,8 +56,8 @@ pub struct Options {
     pub decode_prefix_hit: u64,
     /// Every engine's pool is one region per layer.
     pub region_per_layer: bool,
-    /// (prefill, decode): engines of that role register one `Interleaved` region, blocks
-    /// outermost (vLLM 0.33).
+    /// (prefill, decode): engines of that role register one `Interleaved` region (vLLM 0.33),
+    /// layers outermost unless `blocks_outermost`.
     pub side_by_side: (bool, bool),
     /// Side-by-side pools have blocks outermost (else layers).
     pub blocks_outermost: bool,

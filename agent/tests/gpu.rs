@@ -318,9 +318,9 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
 }
 
 /// vLLM 0.33's layout (each head's token's K and V side by side) in GPU memory behind one agent:
-/// blocks outermost into layers outermost (a block of all layers, or a layer's run of blocks, per
-/// copy), and into K and V arrays (a copy per head's token); checksums on the GPU (FailClosed),
-/// every byte read back.
+/// blocks outermost into blocks outermost (block by block: a block's layers one copy), into
+/// layers outermost (a block of a layer per copy), and into K and V arrays (a copy per head's
+/// token); checksums on the GPU (FailClosed), every byte read back.
 #[test]
 #[ignore = "needs an NVIDIA GPU: make gpu-check"]
 fn gpu_pools_with_k_and_v_side_by_side_move_gpu_to_gpu_checked_byte_for_byte() {
@@ -353,13 +353,16 @@ fn gpu_pools_with_k_and_v_side_by_side_move_gpu_to_gpu_checked_byte_for_byte() {
     let mut d = GpuEngine::register(&socket, &spec(Role::Decode, "d0", side_by_side(64 * chunk, chunk)), &g)
         .expect("GPU decode registers");
     let mut a = GpuEngine::register(&socket, &spec(Role::Decode, "d1", Vec::new()), &g).expect("GPU arrays register");
-    for e in [&p, &d, &a] {
+    let mut b = GpuEngine::register(&socket, &spec(Role::Decode, "d2", side_by_side(chunk, 5 * chunk)), &g)
+        .expect("GPU blocks outermost registers");
+    for e in [&p, &d, &a, &b] {
         e.wait_events_for(std::time::Duration::from_secs(30)).expect("timeout");
     }
     let p_blocks: Vec<u32> = (0..32).collect();
     let d_blocks: Vec<u32> = (0..16).chain(40..56).rev().collect();
     gpu_to_gpu(&mut p, &mut d, "r", 21, &p_blocks, &d_blocks, 32 * 16 - 5);
     gpu_to_gpu(&mut p, &mut a, "s", 22, &p_blocks[..8], &d_blocks[..8], 8 * 16);
+    gpu_to_gpu(&mut p, &mut b, "t", 23, &p_blocks, &d_blocks, 32 * 16);
 }
 
 /// Sends `shared` as `ShareGpuMemory` (descriptor, claimed bytes) and then `reg`; the agent's

@@ -199,15 +199,17 @@ fn kv_side_by_side_moves_to_and_from_every_arrangement() {
             layers_outer.clone(),
         );
         // Blocks outermost on both sides: a block's layers back to back, one op (block by block).
-        transfer_with(
-            &format!("interleaved-blocks-{mode:?}"),
-            Transport::Tcp,
-            mode,
-            false,
-            EngineMemory::Agent,
-            blocks_outer.clone(),
-            interleaved(CHUNK, 4 * CHUNK),
-        );
+        for transport in [Transport::Tcp, Transport::Shm] {
+            transfer_with(
+                &format!("sbs-blocks-{transport:?}-{mode:?}"),
+                transport,
+                mode,
+                false,
+                EngineMemory::Agent,
+                blocks_outer.clone(),
+                interleaved(CHUNK, 4 * CHUNK),
+            );
+        }
         // Side by side into K and V arrays and back: a head's token at a time.
         transfer_with(
             &format!("interleaved-to-arrays-{mode:?}"),

@@ -435,9 +435,10 @@ def direct_to_direct(p, p_kv, d, d_kv, request: str, seed: int) -> None:
 @pytest.mark.parametrize("agents,p_shape,d_shape,token_layout", [
     (agents, p, d, layout) for agents in ("one", "two") for p, d, layout in (("flash", "flash", "HND"), ("flash", "flashinfer", "NHD"))
 ] + [
-    # vLLM 0.33's K and V side by side, as one region: into the same through one agent (CUDA
-    # IPC), into K and V arrays through two (their KV streams).
-    ("one", "v033-blocks", "v033-layers", "HND"), ("two", "v033-layers", "flash", "NHD"),
+    # vLLM 0.33's K and V side by side, as one region: blocks outermost into the same through one
+    # agent (CUDA IPC, a block's layers one copy), layers outermost into K and V arrays through
+    # two (their KV streams).
+    ("one", "v033-blocks", "v033-blocks", "HND"), ("two", "v033-layers", "flash", "NHD"),
 ])
 def test_vllm_shaped_gpu_kv_moves_between_engines_without_host_staging(world, agents, p_shape, d_shape, token_layout):
     # One agent: both engines on its node, the agent copies GPU to GPU (CudaIpc). Two agents over
