@@ -24,7 +24,8 @@ def py_engine(world, agent, role, geometry, *, mode="Push", checksum="FailClosed
         pdpair="default/pair", role=role, engine=engine or f"py-{role}-{rank}", kv=geometry,
         num_blocks=num_blocks, pairing_key=key or world.key, tensor=tp, tensor_rank=rank, mode=mode,
         checksum=checksum, handshake_timeout_ms=handshake_timeout_ms, lease_ms=lease_ms, kv_arrangement=arrangement,
-        regions=[{"layers": n, "kv_arrangement": a} if a else {"layers": n} for n, a in regions] if regions else None,
+        regions=[r if isinstance(r, dict) else {"layers": r[0], "kv_arrangement": r[1]} if r[1] else {"layers": r[0]}
+                 for r in regions] if regions else None,
     )
     return AgentClient.register(agent.socket, reg)
 
@@ -317,6 +318,41 @@ def test_pools_in_several_regions_move_byte_exact_between_python_and_rust(world,
     r, at = dd.layout.block_offset(3, True, 9)
     dd.pools[r][at] ^= 0xFF
     assert r == 3 and synthetic.verify(dd.pools, dd.layout, 72, [8, 9], 0, 30) == 1
+
+
+@pytest.mark.parametrize("mode", ["Push", "Pull"])
+def test_k_and_v_side_by_side_move_byte_exact_between_python_and_rust(world, mode):
+    # vLLM 0.33's layout (each head's token's K and V side by side, one region of all layers at
+    # the strides the engine names) as Python lays it out and as the agent's Rust engine does:
+    # Python's blocks outermost into Rust's per-layer arrays, Rust's layers outermost (with gaps)
+    # into Python's blocks outermost.
+    g = kv(block=16, layers=4)
+    manifest = world.manifest(mode, "FailClosed", g, g)
+    pa, da = world.agent("p"), world.agent("d")
+    chunk = 2 * PoolLayout.new(g, 1, 16, 0).block_len
+    blocks_outer = [{"layers": 4, "kv_arrangement": "Interleaved", "layer_stride": chunk, "block_stride": 4 * chunk + 64}]
+    p = py_engine(world, pa, "prefill", g, mode=mode, regions=blocks_outer)
+    assert p.layout.region_lens == [3 * chunk + 15 * (4 * chunk + 64) + chunk] == [len(m) for m in p.pools]
+    synthetic.fill(p.pools, p.layout, 91, [2, 3, 5], 0, 45)
+    p.kv_ready("ri", [2, 3, 5], 45)
+    d, _ = rust_engine(world, da, manifest, "decode", request="ri", blocks=[1, 0, 4], num_tokens=45, seed=91,
+                       prefill=[p.address], regions=[(1, None), (1, "BlocksFirst"), (2, None)])
+    got = rust_result(d)
+    assert got["type"] == "RequestDone" and got["checksum"] == "Verified" and got["bad_tokens"] == 0, got
+    layers_outer = f"Interleaved:{16 * (chunk + 32)}:{chunk + 32}"
+    rp, addr = rust_engine(world, pa, manifest, "prefill", request="ri2", blocks=[6, 7], num_tokens=30, seed=92,
+                           regions=[(4, layers_outer)])
+    dd = py_engine(world, da, "decode", g, mode=mode, regions=blocks_outer)
+    synthetic.clear(dd.pools, dd.layout, [8, 9])
+    dd.expect_kv("ri2", [addr], [8, 9], 30)
+    event = dd.wait("ri2")
+    assert event.type == "RequestDone" and event.raw["checksum"] == "Verified", event.raw
+    assert synthetic.verify(dd.pools, dd.layout, 92, [8, 9], 0, 30) == 0
+    assert rust_result(rp)["type"] == "RequestDone"
+    # A V byte of the last layer, where Python's layout puts it, is seen.
+    r, at = dd.layout.block_offset(3, True, 9)
+    dd.pools[r][at + dd.layout.token_offset(1, 2, 3)] ^= 0xFF
+    assert synthetic.verify(dd.pools, dd.layout, 92, [8, 9], 0, 30) == 1
 
 
 @pytest.mark.parametrize("mode", ["Push", "Pull"])
