@@ -302,12 +302,12 @@ fn pull_reads_smaller_prefill_blocks_into_larger_decode_blocks_verified() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-#[test]
-fn all_ranks_of_both_pools_move_every_head_verified() {
-    // Every tensor-parallel rank as its own engine, a pool's ranks on its one agent: prefill TP 2
-    // -> decode TP 4 (two decode ranks per prefill rank) and, swapped, TP 4 -> 2 (each decode
-    // rank gathers from two prefill ranks), in push and pull.
-    let dir = tmp("all-ranks");
+/// Every tensor-parallel rank of both pools, each its own engine, a pool's ranks on its one
+/// agent, over shm: prefill TP 2 -> decode TP 4 (two decode ranks per prefill rank) and, swapped,
+/// TP 4 -> 2 (each decode rank gathers from two prefill ranks), in push and pull; `requests` of
+/// 128 tokens each, with `extra` arguments. Every request verified, every byte right, and all 8
+/// heads of every token moved.
+fn every_rank_both_ways(dir: &std::path::Path, requests: u64, extra: &[&str]) {
     let text = std::fs::read_to_string(examples("compatible-push.yaml")).expect("example");
     let swapped = text
         .replace("parallelism: { tensor: 2 }", "parallelism: { tensor: X }")
@@ -317,22 +317,37 @@ fn all_ranks_of_both_pools_move_every_head_verified() {
         for mode in ["Push", "Pull"] {
             let path = dir.join(format!("{name}-{mode}.yaml"));
             std::fs::write(&path, manifest.replace("mode: Push", &format!("mode: {mode}"))).expect("write");
-            let v = run(&[
+            let path = path.to_string_lossy();
+            let requests_arg = requests.to_string();
+            let mut args = vec![
                 "--pair",
-                &path.to_string_lossy(),
+                &path,
                 "--requests",
-                "2",
+                &requests_arg,
                 "--prompt-tokens",
                 "128",
                 "--transport",
                 "shm",
                 "--all-ranks",
-            ]);
-            assert_all_verified(&v, 2, &format!("{name} {mode}"));
+            ];
+            args.extend_from_slice(extra);
+            let v = run(&args);
+            assert_all_verified(&v, requests, &format!("{name} {mode}"));
+            assert_eq!(v["byte_errors"], 0, "{v}");
             // All 8 heads of every token: 128 tokens x 32 layers x 8 heads x 128 x 2 bytes x K,V.
-            assert_eq!(count(&v, "bytes"), 2 * 128 * 32 * 8 * 128 * 2 * 2, "{name} {mode}");
+            assert_eq!(
+                count(&v, "bytes"),
+                requests * 128 * 32 * 8 * 128 * 2 * 2,
+                "{name} {mode}"
+            );
         }
     }
+}
+
+#[test]
+fn all_ranks_of_both_pools_move_every_head_verified() {
+    let dir = tmp("all-ranks");
+    every_rank_both_ways(&dir, 2, &[]);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -344,35 +359,7 @@ fn decode_pools_with_k_and_v_side_by_side_take_head_ranges_and_larger_blocks_ver
     // 16-token prefill blocks into 32-token decode blocks, HND and NHD, layers outermost. Every
     // byte checked.
     let dir = tmp("side-by-side");
-    let text = std::fs::read_to_string(examples("compatible-push.yaml")).expect("example");
-    let swapped = text
-        .replace("parallelism: { tensor: 2 }", "parallelism: { tensor: X }")
-        .replace("parallelism: { tensor: 4 }", "parallelism: { tensor: 2 }")
-        .replace("parallelism: { tensor: X }", "parallelism: { tensor: 4 }");
-    for (name, manifest) in [("2-to-4", text.clone()), ("4-to-2", swapped)] {
-        for mode in ["Push", "Pull"] {
-            let path = dir.join(format!("{name}-{mode}.yaml"));
-            std::fs::write(&path, manifest.replace("mode: Push", &format!("mode: {mode}"))).expect("write");
-            let v = run(&[
-                "--pair",
-                &path.to_string_lossy(),
-                "--requests",
-                "1",
-                "--prompt-tokens",
-                "128",
-                "--transport",
-                "shm",
-                "--all-ranks",
-                "--side-by-side",
-                "decode",
-                "--blocks-outermost",
-            ]);
-            assert_all_verified(&v, 1, &format!("{name} {mode}"));
-            assert_eq!(v["byte_errors"], 0, "{v}");
-            // All 8 heads of every token: 128 tokens x 32 layers x 8 heads x 128 x 2 bytes x K,V.
-            assert_eq!(count(&v, "bytes"), 128 * 32 * 8 * 128 * 2 * 2, "{name} {mode}");
-        }
-    }
+    every_rank_both_ways(&dir, 1, &["--side-by-side", "decode", "--blocks-outermost"]);
     for layout in ["HND", "NHD"] {
         let pair = pull_manifest(&dir, &format!("larger-{layout}"), 16, 32, layout);
         let v = run(&[
