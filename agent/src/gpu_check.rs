@@ -4,8 +4,9 @@
 //!
 //! Rows: the device-to-device copy ceiling; the checksum kernel beside a plain read of the same
 //! bytes, its sums compared with the CPU checksum of every block; a push through a CUDA IPC
-//! handle from a second process (the prefill side) into this one's pool, coalesced and block by
-//! block for a 4096-token prompt of 16-token blocks, verified by checksum on the receiving GPU.
+//! handle from a second process (the prefill side) into this one's pool, coalesced, block by
+//! block, and block by block to scattered blocks in one launch of the batch copy kernel, for a
+//! 4096-token prompt of 16-token blocks, the last verified by checksum on the receiving GPU.
 //! Then requests through the agent (`pdpair-agent run` as a child process, GPU pools of two
 //! synthetic GPU engines registered by IPC handle): 1 GiB of blocks with checksums off and with
 //! FailClosed (both sides' GPU checksums), a 4096-token prompt, and the same prompt with both
@@ -15,7 +16,7 @@
 //! Last, the same between two agents (`--transport tcp` both, the engines on one GPU but behind
 //! different agents): GPU KV staged through each agent's host buffers over the KV stream
 //! (`Tcp/StagedStream` expected).
-#![allow(unsafe_code)] // one `prepare` of a launch over memory the check holds
+#![allow(unsafe_code)] // a checksum launch's `prepare` and a batch copy, over memory the check holds
 
 use std::{
     io::{BufRead, Write},
@@ -28,7 +29,10 @@ use serde::Serialize;
 use crate::{
     checksum::gpu::{Blocks, GpuChecksum},
     layout::PoolLayout,
-    memory::cuda::{CudaError, DeviceMemory, Gpu, IpcHandle},
+    memory::{
+        batch_copy::{self, BatchCopy},
+        cuda::{CudaError, DeviceMemory, Gpu, IpcHandle},
+    },
 };
 
 /// Arguments of `pdpair-agent gpu-check`.
@@ -314,6 +318,9 @@ struct ChildReport {
     coalesced_ms: f64,
     per_block_ms: f64,
     copies: usize,
+    /// The same copies to scattered blocks, by the batch copy kernel.
+    batch_ms: f64,
+    batch_pieces: usize,
     bytes: usize,
     sums: Vec<u64>,
     refused_overclaim: String,
@@ -354,12 +361,19 @@ fn ipc_rows(gpu: &Gpu, gpu_ordinal: usize, k: &GpuChecksum, repeat: u32) -> Vec<
         let status = child.wait().map_err(|e| CudaError::Invalid(e.to_string()))?;
         let report: ChildReport = serde_json::from_str(line.trim())
             .map_err(|e| CudaError::Invalid(format!("the prefill process ({status}) said {line:?}: {e}")))?;
-        let blocks: Vec<u32> = (0..layout.num_blocks).collect();
+        // The last copies (the batch's) left prefill's block j in decode's block scattered(j).
+        let blocks: Vec<u32> = (0..layout.num_blocks)
+            .map(|b| scattered(b, layout.num_blocks))
+            .collect();
         let which = Blocks::whole(&layout, &blocks);
         let received = k.sums(&layout, &[&pool], &which)?;
         let verified = received == report.sums;
         let check = if verified {
-            format!("{} blocks verified on the receiving GPU", received.len())
+            format!(
+                "{} scattered blocks verified on the receiving GPU; batch overhead {:.1}% of the coalesced copy",
+                received.len(),
+                (report.batch_ms / report.coalesced_ms - 1.0) * 100.0
+            )
         } else {
             "FAILED: decode's checksums differ from prefill's".into()
         };
@@ -369,8 +383,18 @@ fn ipc_rows(gpu: &Gpu, gpu_ordinal: usize, k: &GpuChecksum, repeat: u32) -> Vec<
                 what: format!("IPC push, 4096-token prompt ({} MiB), coalesced", report.bytes >> 20),
                 gbps: Some(gbps(report.bytes, report.coalesced_ms)),
                 ms: Some(report.coalesced_ms),
-                check: check.clone(),
+                check: "timed (the batch row's bytes are the ones verified)".into(),
                 path: "CudaIpc (two processes, one GPU)".into(),
+            },
+            Row {
+                what: format!(
+                    "IPC push, same prompt to scattered blocks, {} copies as {} pieces of one launch",
+                    report.copies, report.batch_pieces
+                ),
+                gbps: Some(gbps(report.bytes, report.batch_ms)),
+                ms: Some(report.batch_ms),
+                check,
+                path: "CudaIpc, batch copy kernel (two processes, one GPU)".into(),
             },
             Row {
                 what: format!("IPC push, same prompt, {} copies of one block", report.copies),
@@ -396,6 +420,12 @@ fn ipc_rows(gpu: &Gpu, gpu_ordinal: usize, k: &GpuChecksum, repeat: u32) -> Vec<
         Ok(rows) => rows.into_iter().map(Ok).collect(),
         Err(e) => vec![Err(e)],
     }
+}
+
+/// Where prefill's block `b` of `n` lands in decode's pool in the batch row: scattered, as a
+/// real engine's free list hands blocks out (a bijection for the 256-block prompt: 97 is odd).
+fn scattered(b: u32, n: u32) -> u32 {
+    ((u64::from(b) * 97 + 13) % u64::from(n.max(1))) as u32
 }
 
 /// A pool holding one 4096-token prompt of 16-token blocks (256 blocks, 512 MiB).
@@ -452,6 +482,26 @@ fn ipc_child(gpu: &Gpu, repeat: u32) -> Result<(), CudaError> {
             Ok(())
         })
     })?;
+    // The same copies, each block to a scattered place (so none merge), by one launch; decode's
+    // pool zeroed first, so what its checksums see is this launch's.
+    remote.write(0, &vec![0u8; len])?;
+    let batch = BatchCopy::new(gpu)?;
+    let mut table = Vec::new();
+    for l in 0..layout.layers {
+        for v in [false, true] {
+            for b in 0..layout.num_blocks {
+                let (_, from) = layout.block_offset(l, v, b);
+                let (_, to) = layout.block_offset(l, v, scattered(b, layout.num_blocks));
+                table.push((remote.ptr() + to as u64, source.ptr() + from as u64, block_len as u64));
+            }
+        }
+    }
+    let split = batch_copy::split(&table, true);
+    let batch_ms = best(repeat, || {
+        // SAFETY: every range lies in `remote` or `source` (block offsets of the layout both
+        // pools were checked to hold), both held past the timing's synchronize.
+        gpu.time_ms(|| unsafe { batch.queue(&split) }.map(|_| ()))
+    })?;
     let k = GpuChecksum::new(gpu)?;
     let blocks: Vec<u32> = (0..layout.num_blocks).collect();
     let which = Blocks::whole(&layout, &blocks);
@@ -461,6 +511,8 @@ fn ipc_child(gpu: &Gpu, repeat: u32) -> Result<(), CudaError> {
         coalesced_ms,
         per_block_ms,
         copies,
+        batch_ms,
+        batch_pieces: split.pieces(),
         bytes: len,
         sums,
         refused_overclaim,
@@ -575,19 +627,23 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, Cu
     let mut rows = Vec::new();
     // torch's expandable_segments maps 20 MiB allocations; so do the VMM rows' engines.
     let vmm = Sharing::Vmm { chunk: 20 << 20 };
-    let scenarios: &[(&str, ChecksumPolicy, u32, Sharing)] = if staged {
+    // The last field: decode's blocks scattered (none adjacent, as a real engine's free list hands
+    // them out): no copies merge, and the batch copy kernel moves them.
+    let scenarios: &[(&str, ChecksumPolicy, u32, Sharing, bool)] = if staged {
         &[
             (
                 "1 GiB of blocks, checksums off",
                 ChecksumPolicy::Disabled,
                 512u32,
                 Sharing::Ipc,
+                false,
             ),
             (
                 "4096-token prompt of 16-token blocks, FailClosed",
                 ChecksumPolicy::FailClosed,
                 256,
                 Sharing::Ipc,
+                false,
             ),
         ]
     } else {
@@ -597,28 +653,39 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, Cu
                 ChecksumPolicy::Disabled,
                 512u32,
                 Sharing::Ipc,
+                false,
             ),
             (
                 "1 GiB of blocks, FailClosed (GPU checksums both sides)",
                 ChecksumPolicy::FailClosed,
                 512,
                 Sharing::Ipc,
+                false,
             ),
             (
                 "4096-token prompt of 16-token blocks, FailClosed",
                 ChecksumPolicy::FailClosed,
                 256,
                 Sharing::Ipc,
+                false,
             ),
             (
                 "4096-token prompt, both pools shared as VMM descriptors, FailClosed",
                 ChecksumPolicy::FailClosed,
                 256,
                 vmm,
+                false,
+            ),
+            (
+                "4096-token prompt to scattered decode blocks, FailClosed",
+                ChecksumPolicy::FailClosed,
+                256,
+                Sharing::Ipc,
+                true,
             ),
         ]
     };
-    for &(label, checksum, blocks, sharing) in scenarios {
+    for &(label, checksum, blocks, sharing, scatter) in scenarios {
         let tag = rows.len();
         let mut p = GpuEngine::register_sharing(
             &socket,
@@ -638,6 +705,11 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, Cu
             e.wait_events_for(std::time::Duration::from_secs(60)).map_err(invalid)?;
         }
         let all: Vec<u32> = (0..blocks).collect();
+        let to: Vec<u32> = if scatter {
+            all.iter().map(|b| scattered(*b, blocks)).collect()
+        } else {
+            all.clone()
+        };
         let tokens = u64::from(blocks) * 16;
         d.clear().map_err(invalid)?;
         p.fill(7 + tag as u64, &all, 0, tokens).map_err(invalid)?;
@@ -650,7 +722,7 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, Cu
             d.send(&crate::engine_api::EngineRequest::ExpectKv {
                 request: id.clone(),
                 prefill: p.address.clone(),
-                blocks: all.clone(),
+                blocks: to.clone(),
                 num_tokens: tokens,
                 first_token: 0,
                 prompt: Some(crate::synthetic::prompt(7 + tag as u64, tokens)),
@@ -680,7 +752,7 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, Cu
                 other => return Err(invalid(format!("{label}: {other:?}"))),
             }
         }
-        let bad = d.verify(7 + tag as u64, &all, 0, tokens).map_err(invalid)?;
+        let bad = d.verify(7 + tag as u64, &to, 0, tokens).map_err(invalid)?;
         times.sort_by(f64::total_cmp);
         let best = times.first().copied().unwrap_or(f64::NAN);
         let p50 = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);

@@ -150,6 +150,49 @@ fn copies_move_the_bytes_and_ranges_outside_memory_are_refused() {
     assert!(e.to_string().contains("lie outside"), "{e}");
 }
 
+/// The batch copy kernel (`memory::batch_copy`) moves scattered copies as `split` cut them (one
+/// launch for the short ones, the copy engine for a long one), at 16-byte, 8-byte and byte
+/// alignment, and touches nothing else.
+#[test]
+#[ignore = "needs an NVIDIA GPU: make gpu-check"]
+fn the_batch_copy_kernel_moves_scattered_copies_byte_for_byte() {
+    use pdpair_agent::memory::batch_copy::{BatchCopy, ENGINE_MIN, MIN_PIECES, split};
+    let g = gpu();
+    let k = BatchCopy::new(&g).expect("the kernel compiles and loads");
+    let size = 64usize << 20;
+    let src = DeviceMemory::alloc(&g, size).expect("alloc");
+    let dst = DeviceMemory::alloc(&g, size).expect("alloc");
+    let data = pattern(size, 41);
+    src.write(0, &data).expect("upload");
+    dst.write(0, &vec![0u8; size]).expect("zero");
+    let (s0, d0) = (src.ptr(), dst.ptr());
+    // 16 KiB blocks in the first 16 MiB, each to a scattered place (b * 97 + 13 mod 1024); then
+    // 256-byte pieces, odd ones, and one copy long enough for the copy engine.
+    let mut copies: Vec<(u64, u64, u64)> = (0..1024u64)
+        .map(|b| (d0 + ((b * 97 + 13) % 1024) * 16384, s0 + b * 16384, 16384))
+        .collect();
+    copies.extend((0..4096u64).map(|i| (d0 + (16 << 20) + i * 512, s0 + (17 << 20) + i * 256, 256)));
+    copies.extend((0..64u64).map(|i| (d0 + (20 << 20) + i * 1024 + 3, s0 + i * 999 + 1, 8 * i + 5)));
+    copies.extend((0..64u64).map(|i| (d0 + (21 << 20) + i * 1024 + 8, s0 + i * 1000 + 8, 8 * i + 8)));
+    copies.push((d0 + (32 << 20), s0 + (24 << 20), ENGINE_MIN));
+    let s = split(&copies, true);
+    assert!(s.pieces() >= MIN_PIECES && s.engine.len() == 1, "{} pieces", s.pieces());
+    // SAFETY: every range lies in `src` or `dst`, held until the synchronize below.
+    #[allow(unsafe_code)]
+    let bytes = unsafe { k.queue(&s) }.expect("queued");
+    g.synchronize().expect("the launch ran");
+    assert_eq!(bytes, copies.iter().map(|c| c.2).sum::<u64>());
+    let mut want = vec![0u8; size];
+    for &(d, from, n) in &copies {
+        let (d, from, n) = ((d - d0) as usize, (from - s0) as usize, n as usize);
+        want[d..d + n].copy_from_slice(&data[from..from + n]);
+    }
+    let mut back = vec![0u8; size];
+    dst.read(0, &mut back).expect("download");
+    let wrong = back.iter().zip(&want).filter(|(a, b)| a != b).count();
+    assert_eq!(wrong, 0, "{wrong} bytes differ");
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: make gpu-check"]
 fn gpu_check_pushes_through_an_ipc_handle_from_another_process_verified() {

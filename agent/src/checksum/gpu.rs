@@ -9,15 +9,12 @@
 //! and adds into its KV block's sum (wrapping: the sum is modulo 2^64 however it is grouped).
 #![allow(unsafe_code)]
 
-use cudarc::{
-    driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg},
-    nvrtc::{CompileOptions, compile_ptx_with_opts},
-};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use pdpair_api::KvLayout;
 
 use crate::{
     layout::PoolLayout,
-    memory::cuda::{CudaError, DeviceMemory, Gpu, driver},
+    memory::cuda::{CudaError, DeviceMemory, Gpu, compile, driver},
 };
 
 /// The kernels' CUDA source.
@@ -169,36 +166,7 @@ impl<'a> Blocks<'a> {
 impl GpuChecksum {
     /// Compiles and loads the kernels on `gpu`.
     pub fn new(gpu: &Gpu) -> Result<GpuChecksum, CudaError> {
-        // SAFETY: only tries to dlopen libnvrtc.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(CudaError::NoNvrtc);
-        }
-        gpu.bind()?;
-        // For this GPU's architecture (NVRTC's default is an older one the driver must JIT up
-        // from); NVRTC's default where it does not know this one.
-        let own = gpu
-            .context()
-            .compute_capability()
-            .ok()
-            .map(|(major, minor)| vec![format!("--gpu-architecture=compute_{major}{minor}")]);
-        let compile = |options: Vec<String>| {
-            compile_ptx_with_opts(
-                SOURCE,
-                CompileOptions {
-                    name: Some("pdpair_checksum.cu".into()),
-                    options,
-                    ..Default::default()
-                },
-            )
-        };
-        let ptx = own
-            .and_then(|o| compile(o).ok())
-            .map_or_else(|| compile(Vec::new()), Ok)
-            .map_err(|e| CudaError::Compile {
-                kernel: "checksum",
-                log: e.to_string(),
-            })?;
-        let module = gpu.context().load_module(ptx).map_err(driver("cuModuleLoadData"))?;
+        let module = compile(gpu, SOURCE, "checksum")?;
         Ok(GpuChecksum {
             gpu: gpu.clone(),
             checksum: module

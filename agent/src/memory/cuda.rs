@@ -127,6 +127,41 @@ pub fn normalize_uuid(text: &str) -> Result<String, String> {
     Ok(canonical_uuid(&bytes))
 }
 
+/// Compiles `source` with NVRTC for `gpu`'s architecture (NVRTC's default where it does not know
+/// that one: the driver then JITs up from an older one) and loads it on `gpu`. `kernel` names it
+/// in errors.
+pub fn compile(gpu: &Gpu, source: &str, kernel: &'static str) -> Result<Arc<cudarc::driver::CudaModule>, CudaError> {
+    use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+    // SAFETY: only tries to dlopen libnvrtc.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoNvrtc);
+    }
+    gpu.bind()?;
+    let own = gpu
+        .context()
+        .compute_capability()
+        .ok()
+        .map(|(major, minor)| vec![format!("--gpu-architecture=compute_{major}{minor}")]);
+    let compile = |options: Vec<String>| {
+        compile_ptx_with_opts(
+            source,
+            CompileOptions {
+                name: Some(format!("pdpair_{kernel}.cu")),
+                options,
+                ..Default::default()
+            },
+        )
+    };
+    let ptx = own
+        .and_then(|o| compile(o).ok())
+        .map_or_else(|| compile(Vec::new()), Ok)
+        .map_err(|e| CudaError::Compile {
+            kernel,
+            log: e.to_string(),
+        })?;
+    gpu.context().load_module(ptx).map_err(driver("cuModuleLoadData"))
+}
+
 /// One GPU: its primary context and a stream of the agent's own for copies and kernels.
 #[derive(Debug, Clone)]
 pub struct Gpu {

@@ -1,7 +1,8 @@
 //! GPU to GPU on one node: both engines' GPU pools are behind this agent, which opened their
 //! regions through CUDA IPC handles ([`crate::memory::gpu_pool`]), so a put or get is a copy
 //! between two device addresses of this process, queued on the copying GPU's agent stream
-//! (contiguous blocks coalesced into one copy) and complete when a fence after it passed. No
+//! (contiguous blocks coalesced into one copy; the short ones of many moved by one kernel launch,
+//! [`crate::memory::batch_copy`]) and complete when a fence after it passed. No
 //! host memory and no network on the way.
 //!
 //! Every region is registered here with a random 16-byte token, which the engine's handshake
@@ -39,7 +40,10 @@ use std::{
 
 use crate::{
     lock,
-    memory::cuda::{DeviceMemory, Fence, Gpu, IpcEvent, IpcHandle},
+    memory::{
+        batch_copy::{self, BatchCopy},
+        cuda::{DeviceMemory, Fence, Gpu, IpcEvent, IpcHandle},
+    },
     transport::{
         Admission, Backend, Observed, OpError, PutOp,
         stream::{self, Access, DeviceCopy, Stream},
@@ -112,6 +116,9 @@ struct Inner {
     staged: HashMap<u64, u64>,
     /// Every GPU opened, by canonical UUID.
     gpus: HashMap<String, Gpu>,
+    /// The batch copy kernel on each GPU opened, by UUID (`None`: it did not load there, and
+    /// copies go one by one).
+    kernels: HashMap<String, Option<Arc<BatchCopy>>>,
     /// The stream's way into each GPU with a region registered, by UUID (one per GPU, so the
     /// stream settles each GPU once).
     copiers: HashMap<String, Arc<GpuCopy>>,
@@ -208,6 +215,16 @@ impl CudaIpc {
         }
         let g = crate::memory::cuda::open_by_uuid(&canonical).map_err(|e| e.to_string())?;
         inner.gpus.insert(canonical, g.clone());
+        drop(inner);
+        // Compiled once per GPU, when its first pool registers (not on a request's path).
+        let kernel = match BatchCopy::new(&g) {
+            Ok(k) => Some(Arc::new(k)),
+            Err(e) => {
+                tracing::warn!(error = %e, gpu = %g.uuid(), "no batch copy kernel: a request's copies go one by one");
+                None
+            }
+        };
+        lock(&self.inner).kernels.insert(g.uuid(), kernel);
         Ok(g)
     }
 
@@ -421,20 +438,15 @@ impl CudaIpc {
                 })?;
             }
         }
-        let mut bytes = 0u64;
         let merged = coalesce(copies);
-        let mut queued = Ok(());
-        for (dst, src, len) in &merged {
-            // SAFETY: both ranges were checked inside regions registered here, whose opened
-            // allocations `mine` and `theirs` hold until the copies' fence passed (here, or
-            // parked below).
-            queued =
-                unsafe { gpu.copy_any_async(*dst, *src, *len as usize) }.map_err(|e| OpError::Failed(e.to_string()));
-            if queued.is_err() {
-                break;
-            }
-            bytes += len;
-        }
+        let kernel = lock(&self.inner).kernels.get(&gpu.uuid()).cloned().flatten();
+        // SAFETY: every range was checked inside regions registered here, whose opened
+        // allocations `mine` and `theirs` hold until the copies' fence passed (here, or parked
+        // below).
+        let queued = unsafe { batch_copy::queue(&gpu, kernel.as_deref(), &merged) }
+            .map(|(bytes, _)| bytes)
+            .map_err(|e| OpError::Failed(e.to_string()));
+        let bytes = *queued.as_ref().unwrap_or(&0);
         let fence = match gpu.fence() {
             Ok(f) => f,
             Err(e) => {
@@ -443,7 +455,7 @@ impl CudaIpc {
                 return Err(OpError::Failed(e.to_string()));
             }
         };
-        let outcome = queued.and_then(|()| {
+        let outcome = queued.and_then(|_| {
             poll_until(deadline, || fence.passed()).map_err(|e| match e {
                 Waited::Late => OpError::Timeout(format!(
                     "GPU copies to peer {peer} ({bytes} bytes) not done by the deadline"
