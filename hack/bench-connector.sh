@@ -8,11 +8,8 @@ cd "$(dirname "$0")/.."
 # shellcheck source=hack/lib.sh
 source hack/lib.sh
 venv="$(hack/python-wheel.sh)"
-cargo build -q --release -p pdpair-agent
-bin="$PWD/target/release/pdpair-agent"
+bench_setup
 requests="${1:-12}"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
 for checksum in Disabled FailClosed; do
   bench_manifest "$tmp/8b-$checksum.yaml" "$checksum" float16 NHD
   for tokens in 512 4096; do

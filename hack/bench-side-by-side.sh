@@ -10,11 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=hack/lib.sh
 source hack/lib.sh
-hack/deps.sh
-cargo build --release -q -p pdpair-agent
-bin=target/release/pdpair-agent
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"; pkill -f "ucx_perftest -p" 2>/dev/null || true' EXIT
+bench_setup
 bench_manifest "$tmp/8b.yaml" Disabled
 summary='import json,sys; r=json.load(sys.stdin); print({"gb_per_s": r["throughput_gb_per_s"], **{k: r["latency_ms"][k] for k in ("p50","p99")}, "succeeded": r["succeeded"]})'
 for round in $(seq "${1:-3}"); do
@@ -23,10 +19,5 @@ for round in $(seq "${1:-3}"); do
     # shellcheck disable=SC2086 # the flag and its value, word by word
     $bin loopback --pair "$tmp/8b.yaml" --requests 8 --prompt-tokens 4096 --transport shm --no-verify-bytes $sbs -o json | python3 -c "$summary"
   done
-  port=$((13350 + round))
-  UCX_TLS=posix,sysv,self ucx_perftest -p $port >/dev/null 2>&1 &
-  sleep 1
-  echo "round $round: \$ UCX_TLS=posix,sysv,self ucx_perftest -p $port 127.0.0.1 -t ucp_put_bw -s 8388608 -n 300"
-  UCX_TLS=posix,sysv,self ucx_perftest -p $port 127.0.0.1 -t ucp_put_bw -s 8388608 -n 300 2>&1 | grep -E 'Final|^ +[0-9]' | tail -1
-  wait || true
+  perftest_put posix,sysv,self 8388608 300 $((13350 + round)) "round $round: "
 done

@@ -11,12 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=hack/lib.sh
 source hack/lib.sh
-hack/deps.sh >/dev/null
-cargo build --release -q -p pdpair-agent
-bin=target/release/pdpair-agent
+bench_setup
 nixl=$(hack/nixl-venv.sh)
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"; pkill -f "ucx_perftest -p 1334" 2>/dev/null || true' EXIT
 bench_manifest "$tmp/8b.yaml"
 summary='import json,sys; r=json.load(sys.stdin); print({k: r[k] for k in ("throughput_gb_per_s","p50_ms","p99_ms","paths") if k in r})'
 for round in $(seq "${1:-3}"); do
@@ -31,10 +27,5 @@ for round in $(seq "${1:-3}"); do
   fi
   echo "round $round: \$ UCX_MODULES=^ib UCX_TLS=tcp python3 hack/nixl-bench.py 512 8 16"
   env UCX_MODULES=^ib UCX_TLS=tcp "$nixl/bin/python" hack/nixl-bench.py 512 8 16 2>/dev/null | grep '^nixl'
-  port=$((13340 + round))
-  UCX_TLS=tcp,self ucx_perftest -p $port >/dev/null 2>&1 &
-  sleep 1
-  echo "round $round: \$ UCX_TLS=tcp,self ucx_perftest -p $port 127.0.0.1 -t ucp_put_bw -s 8388608 -n 200"
-  UCX_TLS=tcp,self ucx_perftest -p $port 127.0.0.1 -t ucp_put_bw -s 8388608 -n 200 2>&1 | grep -E 'Final|^ +[0-9]' | tail -1
-  wait || true
+  perftest_put tcp,self 8388608 200 $((13340 + round)) "round $round: "
 done

@@ -6,24 +6,17 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=hack/lib.sh
 source hack/lib.sh
-cargo build --release -q -p pdpair-agent
-bin=target/release/pdpair-agent
+bench_setup
 L=$(hack/ucx-wheel.sh)
-tmp=$(mktemp -d)
 bench_manifest "$tmp/8b.yaml"
 with() { if [ "$1" = 1.22 ]; then shift; LD_LIBRARY_PATH=$L UCX_MODULE_DIR=$L/ucx "$@"; else shift; "$@"; fi; }
-pt() { if [ "$1" = 1.22 ]; then echo "$L/../bin/ucx_perftest"; else echo ucx_perftest; fi; }
+pt() { if [ "$1" = 1.22 ]; then echo "env LD_LIBRARY_PATH=$L UCX_MODULE_DIR=$L/ucx $L/../bin/ucx_perftest"; else echo ucx_perftest; fi; }
 for round in 1 2 3; do
   for v in 1.13 1.22; do
     for t in shm tcp; do
       n=6; [ $t = tcp ] && n=4
       echo "round $round UCX $v $t: $(with $v $bin loopback --pair $tmp/8b.yaml --requests $n --prompt-tokens 4096 --transport $t --no-verify-bytes -o json | python3 -c 'import json,sys; r=json.load(sys.stdin); print({k:v for k,v in r.items() if k in ("throughput_gb_per_s","p50_ms","p99_ms","ucx_version","path")})')"
     done
-    p=$(pt $v); port=$((13400+round*2+${v#1.}))
-    with $v env UCX_TLS=posix,sysv,self $p -p $port >/dev/null 2>&1 &
-    sleep 1
-    echo "round $round UCX $v perftest shm 256MiB: $(with $v env UCX_TLS=posix,sysv,self $p -p $port 127.0.0.1 -t ucp_put_bw -s 268435456 -n 20 2>&1 | grep -E 'Final|^ +[0-9]' | tail -1)"
-    wait
+    PERFTEST=$(pt $v) perftest_put posix,sysv,self 268435456 20 $((13400 + round * 2 + ${v#1.})) "round $round UCX $v perftest shm 256MiB: "
   done
 done
-rm -rf "$tmp"

@@ -6,11 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=hack/lib.sh
 source hack/lib.sh
-hack/deps.sh
-cargo build --release -q -p pdpair-agent
-bin=target/release/pdpair-agent
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"; pkill -f "ucx_perftest -p" 2>/dev/null || true' EXIT
+bench_setup
 
 big() { bench_manifest "$tmp/8b.yaml" "$1"; }
 
@@ -29,15 +25,7 @@ big Disabled
 run $bin loopback --pair "$tmp/8b.yaml" --requests 6 --prompt-tokens 4096 --transport shm --no-verify-bytes --scatter-blocks -o json
 
 # ucx_perftest's put bandwidth at the same sizes (8 MiB and 32 KiB), same machine, same run.
-perf() {
-  local tls=$1 size=$2 iters=$3 port=$4
-  UCX_TLS=$tls ucx_perftest -p "$port" >/dev/null 2>&1 &
-  sleep 1
-  echo "\$ UCX_TLS=$tls ucx_perftest -p $port 127.0.0.1 -t ucp_put_bw -s $size -n $iters"
-  UCX_TLS=$tls ucx_perftest -p "$port" 127.0.0.1 -t ucp_put_bw -s "$size" -n "$iters" 2>&1 | grep -E 'Final|^ +[0-9]' | tail -1
-  wait || true
-  echo
-}
+perf() { perftest_put "$@"; echo; }
 perf posix,sysv,self 268435456 20 13336
 # NIXL's UCX backend moving the same bytes (512 MiB in 8 MiB descriptors, 16 times) between two
 # processes, beside the shm push and ucx_perftest above.

@@ -32,3 +32,27 @@ spec:
     kv: *kv
 Y
 }
+
+# The benchmarks' set-up: the machine's dependencies, a release agent in $bin (absolute), a
+# temporary directory in $tmp, removed on exit with any ucx_perftest server left running.
+bench_setup() {
+  hack/deps.sh >/dev/null
+  cargo build --release -q -p pdpair-agent
+  bin="$PWD/target/release/pdpair-agent"
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"; pkill -f "ucx_perftest -p" 2>/dev/null || true' EXIT
+}
+
+# ucx_perftest's put bandwidth on loopback, the command printed after $5 (a label) and its final
+# line: transports $1, message size $2, iterations $3, port $4. $PERFTEST runs another build
+# (with its environment before it: "env LD_LIBRARY_PATH=... path/ucx_perftest").
+perftest_put() {
+  local tls=$1 size=$2 iters=$3 port=$4 label=${5:-} perftest=${PERFTEST:-ucx_perftest}
+  # shellcheck disable=SC2086 # $perftest is a command line
+  UCX_TLS=$tls $perftest -p "$port" >/dev/null 2>&1 &
+  sleep 1
+  echo "$label\$ UCX_TLS=$tls ucx_perftest -p $port 127.0.0.1 -t ucp_put_bw -s $size -n $iters"
+  # shellcheck disable=SC2086
+  UCX_TLS=$tls $perftest -p "$port" 127.0.0.1 -t ucp_put_bw -s "$size" -n "$iters" 2>&1 | grep -E 'Final|^ +[0-9]' | tail -1
+  wait || true
+}

@@ -204,6 +204,30 @@ impl PoolLayout {
         }
     }
 
+    /// The same layout in one `Interleaved` region with blocks outermost and nothing between
+    /// them: a block's layers back to back (vLLM 0.33's `BL..` layouts).
+    pub fn blocks_outermost(self) -> PoolLayout {
+        let Strides { block, .. } = self.dense_strides();
+        let layers = self.layers;
+        PoolLayout {
+            regions: vec![Region {
+                first_layer: 0,
+                layers,
+                arrangement: KvArrangement::Interleaved,
+                strides: Some(Strides {
+                    layer: block,
+                    block: block.saturating_mul(u64::from(layers)),
+                }),
+            }],
+            ..self
+        }
+    }
+
+    /// The engine API's `(layer_stride, block_stride)` of region `r`, where it is `Interleaved`.
+    pub fn region_strides(&self, r: usize) -> Option<(u64, u64)> {
+        self.regions.get(r)?.strides.map(|s| (s.layer, s.block))
+    }
+
     /// An `Interleaved` region's strides where nothing lies between blocks, layers outermost
     /// (saturating: a geometry that overflows is refused by [`PoolLayout::pool_len_checked`]).
     fn dense_strides(&self) -> Strides {
@@ -817,6 +841,12 @@ mod tests {
         let dense = small(false).arranged(Interleaved);
         assert_eq!(dense.pool_len(), small(false).pool_len());
         assert_eq!(dense.block_offset(2, true, 3), (0, 2 * 5 * 128 + 3 * 128 + 8));
+        // Blocks outermost, dense: a block's 3 layers back to back, the pool no larger.
+        let outer = small(false).blocks_outermost();
+        assert_eq!(outer.region_strides(0), Some((chunk, 3 * chunk)));
+        assert_eq!(outer.pool_len(), small(false).pool_len());
+        assert_eq!(outer.block_offset(2, true, 3), (0, 3 * 3 * 128 + 2 * 128 + 8));
+        assert_eq!(small(false).region_strides(0), None, "KvFirst has none");
         // Strides that overlap blocks, or overflow, or on another arrangement: refused by name.
         let refused = |s: RegionSpec| small(false).with_region_specs(&[s]).expect_err("refused").0;
         let e = refused(spec(Some(2 * chunk), Some(chunk)));

@@ -378,19 +378,22 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
             // vLLM 0.33's [layers, blocks, ...] (its default) or [blocks, layers, ...], each block
             // a (head, token)'s K and V side by side.
             let side_by_side = || {
-                let chunk = crate::layout::PoolLayout::new(&pool.kv, &pool.parallelism, num_blocks, tensor_rank)
-                    .map_or(0, |l| 2 * l.block_len() as u64);
-                let layers = u32::try_from(pool.kv.layers).unwrap_or(0);
-                let (layer_stride, block_stride) = if opts.blocks_outermost {
-                    (chunk, chunk * u64::from(layers))
-                } else {
-                    (chunk * u64::from(num_blocks), chunk)
-                };
+                use crate::layout::{KvArrangement, PoolLayout};
+                let strides = PoolLayout::new(&pool.kv, &pool.parallelism, num_blocks, tensor_rank)
+                    .ok()
+                    .and_then(|l| {
+                        let l = if opts.blocks_outermost {
+                            l.blocks_outermost()
+                        } else {
+                            l.arranged(KvArrangement::Interleaved)
+                        };
+                        l.region_strides(0)
+                    });
                 crate::engine_api::RegionRequest {
-                    layers,
-                    kv_arrangement: Some(crate::layout::KvArrangement::Interleaved),
-                    layer_stride: Some(layer_stride),
-                    block_stride: Some(block_stride),
+                    layers: u32::try_from(pool.kv.layers).unwrap_or(0),
+                    kv_arrangement: Some(KvArrangement::Interleaved),
+                    layer_stride: strides.map(|s| s.0),
+                    block_stride: strides.map(|s| s.1),
                 }
             };
             EngineSpec {

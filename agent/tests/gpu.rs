@@ -64,17 +64,8 @@ fn the_checksum_kernel_equals_the_cpu_checksum_on_the_same_blocks() {
         match arrangement {
             1 => layout = layout.arranged(KvArrangement::BlocksFirst),
             2 => layout = layout.arranged(KvArrangement::Interleaved),
-            3 => {
-                // vLLM 0.33's blocks outermost: a block's 4 layers back to back.
-                let chunk = 2 * layout.block_len() as u64;
-                layout = layout
-                    .with_region_specs(&[pdpair_agent::layout::RegionSpec {
-                        layers: 4,
-                        arrangement: Some(KvArrangement::Interleaved),
-                        strides: Some((Some(chunk), Some(4 * chunk))),
-                    }])
-                    .expect("blocks outermost");
-            }
+            // vLLM 0.33's blocks outermost: a block's 4 layers back to back.
+            3 => layout = layout.blocks_outermost(),
             _ => {}
         }
         if per_layer {

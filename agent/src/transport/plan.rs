@@ -177,8 +177,8 @@ impl Plan {
     pub fn ops(&self) -> Ops<'_> {
         Ops {
             plan: self,
-            array: 0,
-            item: 0,
+            outer: 0,
+            inner: 0,
             piece: 0,
             pending: None,
         }
@@ -209,70 +209,49 @@ impl Plan {
 #[derive(Debug)]
 pub struct Ops<'a> {
     plan: &'a Plan,
-    array: usize,
-    item: usize,
+    /// Where the walk is: the array and the item (block), the outer of them first (items when
+    /// the plan goes block by block), and the piece.
+    outer: usize,
+    inner: usize,
     piece: usize,
     /// The op being grown, and its array.
     pending: Option<(usize, PutOp)>,
 }
 
 impl Ops<'_> {
-    /// The next op as planned, unmerged, with its array.
+    /// The next op as planned, unmerged, with its array: every piece of every (array, item),
+    /// arrays outermost, or items outermost where the plan goes block by block.
     fn raw(&mut self) -> Option<(usize, PutOp)> {
         let plan = self.plan;
-        if plan.items.is_empty() {
-            return None;
-        }
-        if plan.block_major {
-            return self.raw_by_block();
-        }
+        let (arrays, items) = (plan.arrays.len(), plan.items.len());
+        let (outer_n, inner_n) = if plan.block_major {
+            (items, arrays)
+        } else {
+            (arrays, items)
+        };
         loop {
-            let place = plan.arrays.get(self.array)?;
-            let n = plan.sets.get(place.set).map_or(0, |s| s.pieces.len());
-            if n == 0 {
-                // An array with nothing to move (or naming no set).
-                self.array += 1;
-                continue;
-            }
-            let at = (self.array, plan.op(self.array, self.item, self.piece));
-            self.piece += 1;
-            if self.piece == n {
-                self.piece = 0;
-                self.item += 1;
-                if self.item == plan.items.len() {
-                    self.item = 0;
-                    self.array += 1;
-                }
-            }
-            return Some(at);
-        }
-    }
-}
-
-impl Ops<'_> {
-    /// [`Ops::raw`] block by block: each item's arrays in turn.
-    fn raw_by_block(&mut self) -> Option<(usize, PutOp)> {
-        let plan = self.plan;
-        loop {
-            if self.item >= plan.items.len() {
+            if self.outer >= outer_n || inner_n == 0 {
                 return None;
             }
-            let Some(place) = plan.arrays.get(self.array) else {
-                self.array = 0;
-                self.item += 1;
+            if self.inner >= inner_n {
+                self.inner = 0;
+                self.outer += 1;
                 continue;
+            }
+            let (array, item) = if plan.block_major {
+                (self.inner, self.outer)
+            } else {
+                (self.outer, self.inner)
             };
-            let n = plan.sets.get(place.set).map_or(0, |s| s.pieces.len());
-            if n == 0 {
-                self.array += 1;
+            // An array with nothing to move (or naming no set) has no pieces.
+            let n = plan.sets.get(plan.arrays[array].set).map_or(0, |s| s.pieces.len());
+            if self.piece >= n {
+                self.piece = 0;
+                self.inner += 1;
                 continue;
             }
-            let at = (self.array, plan.op(self.array, self.item, self.piece));
+            let at = (array, plan.op(array, item, self.piece));
             self.piece += 1;
-            if self.piece == n {
-                self.piece = 0;
-                self.array += 1;
-            }
             return Some(at);
         }
     }
@@ -496,6 +475,59 @@ mod tests {
             bytes(&by_array),
             "the same bytes move"
         );
+    }
+
+    #[test]
+    fn arrays_with_nothing_to_move_are_skipped_in_either_order() {
+        // Arrays 1 (an empty set) and 2 (naming no set) move nothing; 0 and 3 two pieces a
+        // block. Nothing is adjacent, so every piece is an op.
+        let mut arrays: Vec<Place> = (0..4u64)
+            .map(|a| place(0x10000 * (a + 1), 0x90000 * (a + 1), 0x1000))
+            .collect();
+        arrays[1].set = 1;
+        arrays[2].set = 7;
+        let two = vec![
+            Piece {
+                local: 0,
+                remote: 0,
+                len: 16,
+            },
+            Piece {
+                local: 64,
+                remote: 32,
+                len: 16,
+            },
+        ];
+        for block_major in [false, true] {
+            let plan = Plan {
+                arrays: arrays.clone(),
+                items: items(&[(0, 2), (3, 1), (5, 0)]),
+                sets: vec![
+                    Pieces {
+                        part_len: 0,
+                        pieces: two.clone(),
+                    },
+                    Pieces {
+                        part_len: 0,
+                        pieces: Vec::new(),
+                    },
+                ],
+                block_major,
+            };
+            // The walk written out: arrays outermost, or items.
+            let mut want = Vec::new();
+            let (outer, inner) = if block_major { (3, 4) } else { (4, 3) };
+            for o in 0..outer {
+                for i in 0..inner {
+                    let (array, item) = if block_major { (i, o) } else { (o, i) };
+                    if array == 0 || array == 3 {
+                        want.extend((0..2).map(|p| plan.op(array, item, p)));
+                    }
+                }
+            }
+            assert_eq!(want.len(), 12);
+            assert_eq!(plan.ops().collect::<Vec<_>>(), want, "block major: {block_major}");
+        }
     }
 
     #[test]

@@ -128,17 +128,8 @@ proptest! {
             _ if mla => {}
             1 => layout = layout.arranged(KvArrangement::BlocksFirst),
             2 => layout = layout.arranged(KvArrangement::Interleaved),
-            3 => {
-                // vLLM 0.33's blocks-outermost [blocks, layers, heads, tokens, K|V].
-                let chunk = 2 * layout.block_len() as u64;
-                layout = layout
-                    .with_region_specs(&[crate::layout::RegionSpec {
-                        layers: 3,
-                        arrangement: Some(KvArrangement::Interleaved),
-                        strides: Some((Some(chunk), Some(3 * chunk))),
-                    }])
-                    .expect("blocks outermost");
-            }
+            // vLLM 0.33's blocks-outermost [blocks, layers, heads, tokens, K|V].
+            3 => layout = layout.blocks_outermost(),
             _ => {}
         }
         if per_layer && !matches!(arrangement, 2 | 3) {
