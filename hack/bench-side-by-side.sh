@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=hack/lib.sh
 source hack/lib.sh
+hack/deps.sh
 bench_setup
 bench_manifest "$tmp/8b.yaml" Disabled
 summary='import json,sys; r=json.load(sys.stdin); print({"gb_per_s": r["throughput_gb_per_s"], **{k: r["latency_ms"][k] for k in ("p50","p99")}, "succeeded": r["succeeded"]})'

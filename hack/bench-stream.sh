@@ -11,6 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=hack/lib.sh
 source hack/lib.sh
+hack/deps.sh >/dev/null
 bench_setup
 nixl=$(hack/nixl-venv.sh)
 bench_manifest "$tmp/8b.yaml"

@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=hack/lib.sh
 source hack/lib.sh
+hack/deps.sh
 bench_setup
 
 big() { bench_manifest "$tmp/8b.yaml" "$1"; }

@@ -33,26 +33,28 @@ spec:
 Y
 }
 
-# The benchmarks' set-up: the machine's dependencies, a release agent in $bin (absolute), a
-# temporary directory in $tmp, removed on exit with any ucx_perftest server left running.
+# The benchmarks' set-up: a release agent in $bin (absolute) and a temporary directory in $tmp,
+# removed on exit with the ucx_perftest server perftest_put left, if one is still running.
 bench_setup() {
-  hack/deps.sh >/dev/null
   cargo build --release -q -p pdpair-agent
   bin="$PWD/target/release/pdpair-agent"
   tmp=$(mktemp -d)
-  trap 'rm -rf "$tmp"; pkill -f "ucx_perftest -p" 2>/dev/null || true' EXIT
+  trap 'rm -rf "$tmp"; if [[ -n ${perftest_server:-} ]]; then kill "$perftest_server" 2>/dev/null || true; fi' EXIT
 }
 
+# The ucx_perftest command perftest_put runs (another build: with its environment before it,
+# e.g. perftest=(env "LD_LIBRARY_PATH=$L" "$L/../bin/ucx_perftest")).
+perftest=(ucx_perftest)
+
 # ucx_perftest's put bandwidth on loopback, the command printed after $5 (a label) and its final
-# line: transports $1, message size $2, iterations $3, port $4. $PERFTEST runs another build
-# (with its environment before it: "env LD_LIBRARY_PATH=... path/ucx_perftest").
+# line: transports $1, message size $2, iterations $3, port $4.
 perftest_put() {
-  local tls=$1 size=$2 iters=$3 port=$4 label=${5:-} perftest=${PERFTEST:-ucx_perftest}
-  # shellcheck disable=SC2086 # $perftest is a command line
-  UCX_TLS=$tls $perftest -p "$port" >/dev/null 2>&1 &
+  local tls=$1 size=$2 iters=$3 port=$4 label=${5:-}
+  UCX_TLS=$tls "${perftest[@]}" -p "$port" >/dev/null 2>&1 &
+  perftest_server=$!
   sleep 1
   echo "$label\$ UCX_TLS=$tls ucx_perftest -p $port 127.0.0.1 -t ucp_put_bw -s $size -n $iters"
-  # shellcheck disable=SC2086
-  UCX_TLS=$tls $perftest -p "$port" 127.0.0.1 -t ucp_put_bw -s "$size" -n "$iters" 2>&1 | grep -E 'Final|^ +[0-9]' | tail -1
-  wait || true
+  UCX_TLS=$tls "${perftest[@]}" -p "$port" 127.0.0.1 -t ucp_put_bw -s "$size" -n "$iters" 2>&1 | grep -E 'Final|^ +[0-9]' | tail -1
+  wait "$perftest_server" || true
+  perftest_server=
 }

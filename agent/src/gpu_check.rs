@@ -315,6 +315,9 @@ fn checksum_rows(gpu: &Gpu, k: &GpuChecksum, bytes: usize, repeat: u32) -> Vec<R
 /// What the prefill-side child reports.
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 struct ChildReport {
+    /// Whether the coalesced and the per-block copies landed whole (checked by the child).
+    coalesced_check: String,
+    per_block_check: String,
     coalesced_ms: f64,
     per_block_ms: f64,
     copies: usize,
@@ -383,7 +386,7 @@ fn ipc_rows(gpu: &Gpu, gpu_ordinal: usize, k: &GpuChecksum, repeat: u32) -> Vec<
                 what: format!("IPC push, 4096-token prompt ({} MiB), coalesced", report.bytes >> 20),
                 gbps: Some(gbps(report.bytes, report.coalesced_ms)),
                 ms: Some(report.coalesced_ms),
-                check: "timed (the batch row's bytes are the ones verified)".into(),
+                check: format!("{} in prefill's process", report.coalesced_check),
                 path: "CudaIpc (two processes, one GPU)".into(),
             },
             Row {
@@ -400,7 +403,16 @@ fn ipc_rows(gpu: &Gpu, gpu_ordinal: usize, k: &GpuChecksum, repeat: u32) -> Vec<
                 what: format!("IPC push, same prompt, {} copies of one block", report.copies),
                 gbps: Some(gbps(report.bytes, report.per_block_ms)),
                 ms: Some(report.per_block_ms),
-                check: format!("per-block overhead {:.1}% of the coalesced copy", overhead * 100.0),
+                // A failed check leads its row (the report's verdict reads the row's start).
+                check: if report.per_block_check.starts_with("FAILED") {
+                    format!("{} in prefill's process", report.per_block_check)
+                } else {
+                    format!(
+                        "per-block overhead {:.1}% of the coalesced copy; {} in prefill's process",
+                        overhead * 100.0,
+                        report.per_block_check
+                    )
+                },
                 path: "CudaIpc (two processes, one GPU)".into(),
             },
             Row {
@@ -423,7 +435,8 @@ fn ipc_rows(gpu: &Gpu, gpu_ordinal: usize, k: &GpuChecksum, repeat: u32) -> Vec<
 }
 
 /// Where prefill's block `b` of `n` lands in decode's pool in the batch row: scattered, as a
-/// real engine's free list hands blocks out (a bijection for the 256-block prompt: 97 is odd).
+/// real engine's free list hands blocks out (a bijection wherever `n` is not a multiple of the
+/// prime 97, as the prompt's 256 blocks are not).
 fn scattered(b: u32, n: u32) -> u32 {
     ((u64::from(b) * 97 + 13) % u64::from(n.max(1))) as u32
 }
@@ -464,7 +477,23 @@ fn ipc_child(gpu: &Gpu, repeat: u32) -> Result<(), CudaError> {
     let remote = DeviceMemory::open_ipc(gpu, &handle, len)?;
     let source = DeviceMemory::alloc(gpu, len)?;
     source.write(0, &pattern(len, 23))?;
+    let k = GpuChecksum::new(gpu)?;
+    let blocks: Vec<u32> = (0..layout.num_blocks).collect();
+    let which = Blocks::whole(&layout, &blocks);
+    let sums = k.sums(&layout, &[&source], &which)?;
+    // What the copies left in decode's pool, checked on this GPU (this process opened it).
+    let landed = |what: &str| -> Result<String, CudaError> {
+        gpu.synchronize()?;
+        Ok(if k.sums(&layout, &[&remote], &which)? == sums {
+            format!("{what}: verified")
+        } else {
+            format!("FAILED: {what}: decode's checksums differ from prefill's")
+        })
+    };
+    remote.write(0, &vec![0u8; len])?;
     let coalesced_ms = best(repeat, || gpu.time_ms(|| gpu.copy(&remote, 0, &source, 0, len)))?;
+    let coalesced_check = landed("coalesced")?;
+    remote.write(0, &vec![0u8; len])?;
     let block_len = layout.block_len();
     let mut copies = 0usize;
     let per_block_ms = best(repeat, || {
@@ -482,6 +511,7 @@ fn ipc_child(gpu: &Gpu, repeat: u32) -> Result<(), CudaError> {
             Ok(())
         })
     })?;
+    let per_block_check = landed("block by block")?;
     // The same copies, each block to a scattered place (so none merge), by one launch; decode's
     // pool zeroed first, so what its checksums see is this launch's.
     remote.write(0, &vec![0u8; len])?;
@@ -502,12 +532,10 @@ fn ipc_child(gpu: &Gpu, repeat: u32) -> Result<(), CudaError> {
         // pools were checked to hold), both held past the timing's synchronize.
         gpu.time_ms(|| unsafe { batch.queue(&split) }.map(|_| ()))
     })?;
-    let k = GpuChecksum::new(gpu)?;
-    let blocks: Vec<u32> = (0..layout.num_blocks).collect();
-    let which = Blocks::whole(&layout, &blocks);
-    let sums = k.sums(&layout, &[&source], &which)?;
     gpu.synchronize()?;
     let report = ChildReport {
+        coalesced_check,
+        per_block_check,
         coalesced_ms,
         per_block_ms,
         copies,

@@ -147,7 +147,7 @@ fn copies_move_the_bytes_and_ranges_outside_memory_are_refused() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: make gpu-check"]
 fn the_batch_copy_kernel_moves_scattered_copies_byte_for_byte() {
-    use pdpair_agent::memory::batch_copy::{BatchCopy, ENGINE_MIN, MIN_PIECES, split};
+    use pdpair_agent::memory::batch_copy::{BatchCopy, MIN_PIECES, SHORT, split};
     let g = gpu();
     let k = BatchCopy::new(&g).expect("the kernel compiles and loads");
     let size = 64usize << 20;
@@ -165,7 +165,7 @@ fn the_batch_copy_kernel_moves_scattered_copies_byte_for_byte() {
     copies.extend((0..4096u64).map(|i| (d0 + (16 << 20) + i * 512, s0 + (17 << 20) + i * 256, 256)));
     copies.extend((0..64u64).map(|i| (d0 + (20 << 20) + i * 1024 + 3, s0 + i * 999 + 1, 8 * i + 5)));
     copies.extend((0..64u64).map(|i| (d0 + (21 << 20) + i * 1024 + 8, s0 + i * 1000 + 8, 8 * i + 8)));
-    copies.push((d0 + (32 << 20), s0 + (24 << 20), ENGINE_MIN));
+    copies.push((d0 + (32 << 20), s0 + (24 << 20), 4 * SHORT + 16));
     let s = split(&copies, true);
     assert!(s.pieces() >= MIN_PIECES && s.engine.len() == 1, "{} pieces", s.pieces());
     // SAFETY: every range lies in `src` or `dst`, held until the synchronize below.

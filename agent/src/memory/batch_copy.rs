@@ -4,13 +4,18 @@
 //! blocks lie in order (a real engine's free list hands them out scattered), and one per head's
 //! token where one side keeps K and V side by side and the other in arrays. Queued one by one,
 //! each costs the driver microseconds, far more than its bytes take. So copies shorter than
-//! [`ENGINE_MIN`] are cut into pieces of at most [`PIECE`] bytes and moved by one launch of
-//! `copy_pieces` reading a table of them; longer copies still go to `cuMemcpyAsync`. Where there
-//! are fewer than [`MIN_PIECES`] pieces, copies are queued one by one as before (a launch and its
-//! table cost about what a few copies do).
+//! [`SHORT`] are cut into pieces of at most [`PIECE`] bytes and moved by one launch of
+//! `copy_pieces` reading a table of them; longer copies (coalesced runs of blocks) still go to
+//! `cuMemcpyAsync`, one call each. Where there are fewer than [`MIN_PIECES`] pieces, copies are
+//! queued one by one as before (a launch and its table cost about what a few copies do).
 //!
-//! What reaches the table was checked by the caller to lie in memory it holds until the stream
-//! has passed the launch; the kernel reads only the table's ranges.
+//! The launch runs on the GPU whose stream queues it, so every range must be memory of that GPU
+//! (the caller decides: `transport::cuda_ipc` launches only where every region an op touches is
+//! on it; between two GPUs `cuMemcpyAsync` finds the way). What reaches the table was checked by
+//! the caller to lie in memory it holds until the stream has passed the launch; the kernel
+//! touches only the table's ranges. The table goes up from pageable host memory, which CUDA
+//! starts only once the stream has passed what was queued on it before (the agent's own copies,
+//! which never wait for an engine).
 #![allow(unsafe_code)]
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
@@ -45,8 +50,9 @@ extern "C" __global__ void copy_pieces(const u64* __restrict__ table, u64 pieces
 }
 "#;
 
-/// Copies at least this long go to the copy engine (`cuMemcpyAsync`), one call each.
-pub const ENGINE_MIN: u64 = 8 << 20;
+/// Copies at least this long go to `cuMemcpyAsync`, one call each (a 16-token block of a layer's
+/// K of an 8B-class model is 64 KiB; a coalesced run of blocks is megabytes).
+pub const SHORT: u64 = 256 << 10;
 /// The longest piece of the table (a longer copy is cut at multiples of it from its start, which
 /// keeps its pieces as aligned as it is): short enough that a launch's pieces spread over the
 /// GPU's multiprocessors.
@@ -77,11 +83,12 @@ impl Split {
 
 /// Splits `copies` between the copy engine and the kernel's table (all to the engine when
 /// `kernel` is false, or the table would have fewer than [`MIN_PIECES`] pieces). Empty copies
-/// are dropped.
+/// are dropped. Each copy's ranges must not wrap the address space (the callers checked them
+/// inside memory first).
 pub fn split(copies: &[(u64, u64, u64)], kernel: bool) -> Split {
     let short: u64 = copies
         .iter()
-        .filter(|c| c.2 > 0 && c.2 < ENGINE_MIN)
+        .filter(|c| c.2 > 0 && c.2 < SHORT)
         .map(|c| c.2.div_ceil(PIECE))
         .sum();
     let mut out = Split::default();
@@ -91,7 +98,7 @@ pub fn split(copies: &[(u64, u64, u64)], kernel: bool) -> Split {
     }
     out.table.reserve(3 * short as usize);
     for &(dst, src, len) in copies {
-        if len >= ENGINE_MIN {
+        if len >= SHORT {
             out.engine.push((dst, src, len));
             continue;
         }
@@ -225,10 +232,10 @@ mod tests {
         copies.extend((0..9u64).map(|i| ((1 << 30) + i * 512, (2 << 30) + i * 256, 256)));
         copies.push(((3 << 30) + 3, (4 << 30) + 5, 100));
         copies.push(((3 << 30) + 1000, (4 << 30) + 1000, 0));
-        copies.push((5 << 30, 6 << 30, ENGINE_MIN));
-        copies.push((7 << 30, 8 << 30, ENGINE_MIN - 16));
+        copies.push((5 << 30, 6 << 30, SHORT));
+        copies.push((7 << 30, 8 << 30, SHORT - 16));
         let s = split(&copies, true);
-        assert_eq!(s.engine, vec![(5 << 30, 6 << 30, ENGINE_MIN)]);
+        assert_eq!(s.engine, vec![(5 << 30, 6 << 30, SHORT)]);
         // Whole pieces of at most PIECE bytes, cut at multiples of PIECE from their copy's start.
         for (d, src, n) in pieces(&s) {
             assert!(n > 0 && n <= PIECE, "{n}");
@@ -240,7 +247,7 @@ mod tests {
             assert_eq!(src - c.1, d - c.0, "source and destination advance together");
             assert!(d - c.0 + n <= c.2, "inside its copy");
         }
-        assert_eq!(s.pieces(), 12 + 9 + 1 + (ENGINE_MIN - 16).div_ceil(PIECE) as usize);
+        assert_eq!(s.pieces(), 12 + 9 + 1 + (SHORT - 16).div_ceil(PIECE) as usize);
         let mut all = pieces(&s);
         all.extend(&s.engine);
         assert!(tiles(all, &copies));
@@ -265,10 +272,14 @@ mod tests {
         assert_eq!(split(&many, true).pieces(), MIN_PIECES);
         let s = split(&many, false);
         assert_eq!((s.pieces(), s.engine), (0, many));
-        // One short copy of MIN_PIECES pieces takes the kernel.
+        // Two copies just short of SHORT are MIN_PIECES pieces: the kernel's; at SHORT, the engine's.
+        let near = SHORT - 16;
+        assert_eq!(SHORT.div_ceil(PIECE) * 2, MIN_PIECES as u64);
         assert_eq!(
-            split(&[(0, 1 << 30, MIN_PIECES as u64 * PIECE)], true).pieces(),
+            split(&[(0, 1 << 30, near), (1 << 20, 1 << 31, near)], true).pieces(),
             MIN_PIECES
         );
+        let at = [(0, 1 << 30, SHORT), (1 << 20, 1 << 31, SHORT)];
+        assert_eq!(split(&at, true).engine, at.to_vec());
     }
 }

@@ -405,9 +405,17 @@ impl CudaIpc {
         let mut copies = Vec::with_capacity(ops.len());
         // The regions the copies read (ours for a put, the peer's for a get), by index.
         let mut read = vec![false; if from_local { mine.len() } else { theirs.len() }];
+        // The GPUs the copies touch, by ordinal in this process (the batch kernel runs only
+        // where that is the copying GPU alone).
+        let mut gpus: Vec<usize> = Vec::new();
         for op in ops {
             let l = find(&mine, op.local, op.len, "local")?;
             let r = find(&theirs, op.remote, op.len, "remote")?;
+            for g in [mine[l].gpu.ordinal(), theirs[r].gpu.ordinal()] {
+                if !gpus.contains(&g) {
+                    gpus.push(g);
+                }
+            }
             if from_local {
                 copies.push((op.remote, op.local, op.len));
                 read[l] = true;
@@ -439,7 +447,14 @@ impl CudaIpc {
             }
         }
         let merged = coalesce(copies);
-        let kernel = lock(&self.inner).kernels.get(&gpu.uuid()).cloned().flatten();
+        // A kernel on this GPU cannot reach another GPU's memory without peer access (never
+        // enabled here): copies that touch two GPUs go one by one, as `cuMemcpyAsync` finds the
+        // way between them.
+        let kernel = if gpus == [gpu.ordinal()] {
+            lock(&self.inner).kernels.get(&gpu.uuid()).cloned().flatten()
+        } else {
+            None
+        };
         // SAFETY: every range was checked inside regions registered here, whose opened
         // allocations `mine` and `theirs` hold until the copies' fence passed (here, or parked
         // below).
