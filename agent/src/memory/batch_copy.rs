@@ -26,25 +26,29 @@ use crate::memory::cuda::{CudaError, Gpu, compile, driver};
 pub const SOURCE: &str = r#"
 typedef unsigned long long u64;
 
-// table: per piece its destination, source and length in bytes. A CUDA block moves a piece at a
-// time: in 16-byte words where both addresses and the length are multiples of 16, in 8-byte
-// words where they are of 8, else byte by byte.
+// table: per piece its destination, source and length in bytes. A warp moves a piece at a time
+// (a piece may be a few hundred bytes: a CUDA block per piece would leave most threads idle): in
+// 16-byte words where both addresses and the length are multiples of 16, in 8-byte words where
+// they are of 8, else byte by byte.
 extern "C" __global__ void copy_pieces(const u64* __restrict__ table, u64 pieces) {
-    for (u64 p = blockIdx.x; p < pieces; p += gridDim.x) {
+    const u64 per_block = blockDim.x / 32;
+    const u64 warps = (u64)gridDim.x * per_block;
+    const u64 lane = threadIdx.x & 31u;
+    for (u64 p = (u64)blockIdx.x * per_block + threadIdx.x / 32; p < pieces; p += warps) {
         const u64 dst = table[3 * p], src = table[3 * p + 1], len = table[3 * p + 2];
         const u64 all = dst | src | len;
         if ((all & 15) == 0) {
             ulonglong2* d = (ulonglong2*)dst;
             const ulonglong2* s = (const ulonglong2*)src;
-            for (u64 i = threadIdx.x; i < len / 16; i += blockDim.x) d[i] = s[i];
+            for (u64 i = lane; i < len / 16; i += 32) d[i] = s[i];
         } else if ((all & 7) == 0) {
             u64* d = (u64*)dst;
             const u64* s = (const u64*)src;
-            for (u64 i = threadIdx.x; i < len / 8; i += blockDim.x) d[i] = s[i];
+            for (u64 i = lane; i < len / 8; i += 32) d[i] = s[i];
         } else {
             unsigned char* d = (unsigned char*)dst;
             const unsigned char* s = (const unsigned char*)src;
-            for (u64 i = threadIdx.x; i < len; i += blockDim.x) d[i] = s[i];
+            for (u64 i = lane; i < len; i += 32) d[i] = s[i];
         }
     }
 }
@@ -59,9 +63,9 @@ pub const SHORT: u64 = 256 << 10;
 pub const PIECE: u64 = 64 << 10;
 /// Fewer pieces than this go one copy each.
 pub const MIN_PIECES: usize = 8;
-/// Threads per CUDA block.
+/// Threads per CUDA block (whole warps: a warp takes a piece).
 const THREADS: u32 = 256;
-/// CUDA blocks per launch at most (each then takes pieces a grid apart).
+/// CUDA blocks per launch at most (each warp then takes pieces all the grid's warps apart).
 const MAX_GRID: u64 = 16384;
 
 /// `(dst, src, len)` copies, split: `engine` one `cuMemcpyAsync` each, `table` the kernel's
@@ -155,7 +159,7 @@ impl BatchCopy {
             let table = stream.clone_htod(&split.table).map_err(driver("cuMemcpyHtoDAsync"))?;
             let pieces = split.pieces() as u64;
             let cfg = LaunchConfig {
-                grid_dim: (pieces.min(MAX_GRID) as u32, 1, 1),
+                grid_dim: (pieces.div_ceil(u64::from(THREADS / 32)).min(MAX_GRID) as u32, 1, 1),
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
