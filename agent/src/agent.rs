@@ -938,9 +938,10 @@ impl Agent {
                     num_tokens,
                     first_token,
                     prompt,
+                    event,
                 }) => {
                     let want = Want::of(blocks, num_tokens, first_token, prompt);
-                    engine.kv_ready(request, want);
+                    engine.kv_ready(request, want, event);
                 }
                 Ok(EngineRequest::ExpectKvFromPool {
                     request,
@@ -2067,15 +2068,8 @@ impl Engine {
     /// The checksums of `blocks` (block, its first token) over `count` local heads from
     /// `first`: on the host over the pool's memory, or on the GPU in place. `None` when one
     /// cannot be computed.
-    /// `engine_deadline` (prefill): a GPU pool's engine event is waited for first, until then.
-    fn sums_of(
-        &self,
-        blocks: &[(u32, u64)],
-        num_tokens: u64,
-        first: u32,
-        count: u32,
-        engine_deadline: Option<Instant>,
-    ) -> Option<Vec<u64>> {
+    /// On prefill a GPU pool's engine writes were waited for first (`Prefill::written`).
+    fn sums_of(&self, blocks: &[(u32, u64)], num_tokens: u64, first: u32, count: u32) -> Option<Vec<u64>> {
         let Some(device) = &self.device else {
             let memory = self.memory();
             // Bytes read per block: `count` heads of every layer's K and V (or latent) arrays.
@@ -2103,7 +2097,6 @@ impl Engine {
                     first,
                     count,
                 },
-                engine_deadline,
             )
         };
         if contiguous {

@@ -680,6 +680,7 @@ pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Resu
             num_tokens,
             first_token,
             prompt,
+            event: None,
         }
     } else {
         engine.clear(&blocks);

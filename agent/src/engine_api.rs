@@ -147,6 +147,11 @@ pub enum EngineRequest {
         /// engine must give none either.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         prompt: Option<PromptDigest>,
+        /// A GPU pool registered with `gpu.events`: which of them the engine recorded after this
+        /// request's writes (its index); the agent waits for that one before it reads the
+        /// request's blocks. Required with `gpu.events`, refused without.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event: Option<u32>,
     },
 }
 
@@ -570,13 +575,23 @@ pub struct GpuPool {
     pub regions: Vec<GpuRegion>,
     /// An interprocess CUDA event (`cuIpcGetEventHandle` of an event made with
     /// `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`, hex of its 64 bytes) the engine
-    /// records on the stream that wrote the KV before each `KvReady` (prefill) and that the
-    /// agent records after a request's KV landed (decode, before `RequestDone`): copies start
-    /// only after the engine's writes, and the engine's reads wait for the agent's copies.
-    /// Absent: the engine synchronizes its stream before each `KvReady`.
+    /// records on the stream that wrote the KV before each `KvReady` (prefill): copies and
+    /// checksums start only after the event's latest record has passed. Absent (and no
+    /// `events`): the engine synchronizes its stream before each `KvReady`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub event: Option<String>,
+    /// Prefill: at most [`MAX_ENGINE_EVENTS`] such events, of which the engine records the next
+    /// after each request's writes and names it in that `KvReady` (`event`): the agent waits for
+    /// that one, not for `event`, whose latest record may follow later requests' work (a prefill
+    /// engine records again after every forward pass: waiting for its latest record held a
+    /// request back by the passes after its own). An agent from before them ignores them and
+    /// waits for `event`, so an engine records both.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<String>,
 }
+
+/// The most events a GPU pool registers (`gpu.events`).
+pub const MAX_ENGINE_EVENTS: usize = 64;
 
 /// Where one region of a GPU pool is.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -633,6 +648,21 @@ impl GpuPool {
         }
         if let Some(event) = &self.event {
             crate::memory::cuda::IpcHandle::from_hex(event).map_err(|e| format!("gpu.event: {e}"))?;
+        }
+        if !self.events.is_empty() && self.event.is_none() {
+            return Err(
+                "gpu.events without gpu.event: an agent from before gpu.events waits only for gpu.event, and would read the pool without waiting for the engine's writes"
+                    .into(),
+            );
+        }
+        if self.events.len() > MAX_ENGINE_EVENTS {
+            return Err(format!(
+                "gpu.events has {} entries; at most {MAX_ENGINE_EVENTS}",
+                self.events.len()
+            ));
+        }
+        for (i, event) in self.events.iter().enumerate() {
+            crate::memory::cuda::IpcHandle::from_hex(event).map_err(|e| format!("gpu.events[{i}]: {e}"))?;
         }
         Ok(())
     }
@@ -927,7 +957,7 @@ mod tests {
     #[test]
     fn the_largest_frames_an_engine_needs_fit_their_bounds() {
         // A registration at every bound: 128 regions, each a GPU allocation with its IPC
-        // handle, names as long as Kubernetes allows, a staging note at its bound.
+        // handle, 64 events, names as long as Kubernetes allows, a staging note at its bound.
         let name = "n".repeat(253);
         let mut r = reg();
         r.pdpair = format!("{}/{name}", "s".repeat(63));
@@ -951,6 +981,7 @@ mod tests {
                 })
                 .collect(),
             event: Some("cd".repeat(64)),
+            events: vec!["ef".repeat(64); MAX_ENGINE_EVENTS],
         });
         r.address = Some(
             "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535"
@@ -958,7 +989,7 @@ mod tests {
                 .expect("address"),
         );
         let frame = serde_json::to_vec(&EngineRequest::RegisterPool(Box::new(r))).expect("json");
-        assert!(frame.len() < 48 << 10, "{} bytes", frame.len());
+        assert!(frame.len() < 56 << 10, "{} bytes", frame.len());
         assert!(frame.len() < MAX_REGISTRATION_FRAME);
         // A request naming every block of a pool (the largest ids), 1024 prefill addresses,
         // spaced as Python's json.dumps spaces them.
@@ -1052,6 +1083,7 @@ mod tests {
             device_uuid: "GPU-0".into(),
             regions: Vec::new(),
             event: None,
+            events: Vec::new(),
         });
         assert!(
             r.check_staging()

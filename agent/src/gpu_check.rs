@@ -765,6 +765,7 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, Cu
                 num_tokens: tokens,
                 first_token: 0,
                 prompt: Some(crate::synthetic::prompt(7 + tag as u64, tokens)),
+                event: p.event(),
             })
             .map_err(invalid)?;
             let done = wait_done(&mut d, &id)?;

@@ -558,6 +558,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                 num_tokens: tokens,
                 first_token: 0,
                 prompt: Some(crate::synthetic::prompt(seed, tokens)),
+                event: None,
             });
         }
         let d_blocks: Vec<u32> = if opts.scatter_blocks {

@@ -176,6 +176,7 @@ pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError>
                     num_tokens: args.tokens,
                     first_token: 0,
                     prompt: Some(crate::synthetic::prompt(seed(&request), args.tokens)),
+                    event: None,
                 })
                 .map_err(|e| UsageError(e.to_string()))?;
             loop {

@@ -3326,6 +3326,7 @@ fn kv_moves_only_to_a_decode_whose_prompt_is_the_one_prefill_computed() {
                 num_tokens: 100,
                 first_token: 0,
                 prompt: right.clone(),
+                event: None,
             };
             p.fill(1, &[3, 4], 0, 100);
             evil.clear(&[5, 6]);

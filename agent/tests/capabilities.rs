@@ -48,6 +48,7 @@ fn gpu_pool() -> GpuPool {
             offset: 4096,
         }],
         event: Some("cd".repeat(64)),
+        events: Vec::new(),
     }
 }
 
@@ -168,6 +169,18 @@ fn gpu_pools_are_refused_naming_the_field_or_the_reason_and_the_agent_keeps_serv
         ),
         ("gpu.regions[0].offset", with(&|_, g| g.regions[0].offset = u64::MAX)),
         ("gpu.event", with(&|_, g| g.event = Some("00".into()))),
+        (
+            "gpu.events[1]",
+            with(&|_, g| g.events = vec!["ef".repeat(64), "0".into()]),
+        ),
+        (
+            "gpu.events has 65 entries; at most 64",
+            with(&|_, g| g.events = vec!["ef".repeat(64); 65]),
+        ),
+        (
+            "gpu.events without gpu.event",
+            with(&|_, g| (g.event, g.events) = (None, vec!["ef".repeat(64)])),
+        ),
         ("gpu and memory_fd are both set", with(&|r, _| r.memory_fd = true)),
     ];
     for (expected, reg) in cases {
@@ -571,6 +584,7 @@ fn frames_are_bounded_by_what_a_registration_and_a_pools_requests_need() {
         num_tokens: u64::from(num_blocks) * 64,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("json");
     every.resize(max, b' ');
@@ -673,11 +687,31 @@ fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_reg
             num_tokens: 10,
             first_token: 0,
             prompt: None,
+            event: None,
         },
     );
     assert!(
         matches!(&answer, AgentEvent::RequestFailed { request, message, .. }
             if *request == long && message.contains("request ids are at most 512 bytes; this one has 513")),
+        "{answer:?}"
+    );
+    // An event of `gpu.events` named for a pool that registered none (a host pool) is refused,
+    // naming it: the agent would otherwise read blocks without waiting for the writes it names.
+    let answer = ask(
+        &mut s,
+        &EngineRequest::KvReady {
+            request: "named".into(),
+            blocks: vec![1],
+            num_tokens: 10,
+            first_token: 0,
+            prompt: None,
+            event: Some(0),
+        },
+    );
+    assert!(
+        matches!(&answer, AgentEvent::RequestFailed { request, reasons, message }
+            if request == "named" && reasons == &["InvalidRequest".to_owned()]
+                && message.contains("KvReady.event 0: this pool registered no gpu.events")),
         "{answer:?}"
     );
     // The connection still serves.

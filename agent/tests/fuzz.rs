@@ -229,15 +229,17 @@ fn gpu_pool() -> impl Strategy<Value = GpuPool> {
             ),
             0..5,
         ),
-        prop::option::of(handle),
+        prop::option::of(handle.clone()),
+        prop::collection::vec(handle, 0..3),
     )
-        .prop_map(|(device_uuid, regions, event)| GpuPool {
+        .prop_map(|(device_uuid, regions, event, events)| GpuPool {
             device_uuid,
             regions: regions
                 .into_iter()
                 .map(|(ipc_handle, offset)| GpuRegion { ipc_handle, offset })
                 .collect(),
             event,
+            events,
         })
 }
 

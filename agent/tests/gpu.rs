@@ -244,6 +244,7 @@ fn gpu_to_gpu(
         num_tokens: tokens,
         first_token: 0,
         prompt: None,
+        event: p.event(),
     })
     .expect("KvReady");
     let done = loop {
@@ -262,6 +263,104 @@ fn gpu_to_gpu(
         0,
         "{request}: every byte arrived"
     );
+}
+
+/// A prefill engine records one of its `gpu.events` after each request's writes and names it in
+/// the `KvReady`: the agent waits for that one, not for work the engine queued after it (its next
+/// forward pass, here a second of copies), so decode's `RequestDone` comes while that work still
+/// runs. Registered without them (only `gpu.event`, whose latest record follows the later work),
+/// the same request waits for all of it.
+#[test]
+#[ignore = "needs an NVIDIA GPU: make gpu-check"]
+fn a_request_waits_for_the_event_its_kv_ready_names_not_for_later_work() {
+    use pdpair_agent::{
+        engine_api::{AgentEvent, EngineRequest},
+        synthetic::gpu::{EVENTS, GpuEngine, Sharing},
+    };
+    use pdpair_api::{ChecksumPolicy, Role};
+
+    let g = gpu();
+    let w = common::World::new("gpu-events");
+    let (_agent, socket) = common::ProcessAgent::start(&w, "a");
+    let geometry = kv(8, 128, false, false, CacheDtype::Auto);
+    let spec = |role, name: &str| {
+        let mut s = common::spec(role, name, geometry.clone(), b"k", ChecksumPolicy::FailClosed);
+        s.num_blocks = 16;
+        s.lease_ms = 20_000;
+        s
+    };
+    for (events, tag) in [(EVENTS, "named"), (0, "one")] {
+        let mut p = GpuEngine::register_with(
+            &socket,
+            &spec(Role::Prefill, &format!("p-{tag}")),
+            &g,
+            Sharing::Ipc,
+            events,
+        )
+        .expect("GPU prefill registers");
+        let mut d =
+            GpuEngine::register(&socket, &spec(Role::Decode, &format!("d-{tag}")), &g).expect("GPU decode registers");
+        for e in [&p, &d] {
+            e.wait_events_for(std::time::Duration::from_secs(30)).expect("timeout");
+        }
+        let blocks: Vec<u32> = (0..8).collect();
+        d.clear().expect("clear");
+        p.fill(5, &blocks, 0, 8 * 16).expect("fill");
+        let named = p.event();
+        assert_eq!(named.is_some(), events > 0);
+        d.send(&EngineRequest::ExpectKv {
+            request: tag.into(),
+            prefill: p.address.clone(),
+            blocks: blocks.clone(),
+            num_tokens: 8 * 16,
+            first_token: 0,
+            prompt: None,
+        })
+        .expect("ExpectKv");
+        // Decode's registration reaches prefill first, so the push starts at the KvReady.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        // The next forward pass: 500 copies of 2 GiB (about 1 TiB read and written: hundreds of
+        // milliseconds or more on one GPU), queued and its events recorded before the KvReady of
+        // the request that came before it.
+        p.busy(2 << 30, 500).expect("busy");
+        p.send(&EngineRequest::KvReady {
+            request: tag.into(),
+            blocks: blocks.clone(),
+            num_tokens: 8 * 16,
+            first_token: 0,
+            prompt: None,
+            event: named,
+        })
+        .expect("KvReady");
+        let done = loop {
+            if let e @ (AgentEvent::RequestDone { .. } | AgentEvent::RequestFailed { .. }) =
+                d.next_event().expect("decode event")
+            {
+                break e;
+            }
+        };
+        let later_work_done = p.idle().expect("query");
+        assert!(
+            matches!(&done, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
+            "{tag}: {done:?}"
+        );
+        if events > 0 {
+            assert!(
+                !later_work_done,
+                "{tag}: the request waited for the work after its event"
+            );
+        } else {
+            assert!(
+                later_work_done,
+                "{tag}: without events it waits for the engine's latest record"
+            );
+        }
+        assert_eq!(
+            d.verify(5, &blocks, 0, 8 * 16).expect("read back"),
+            0,
+            "{tag}: every byte"
+        );
+    }
 }
 
 /// Both engines' pools in GPU memory behind one agent (its own process: a process cannot open
@@ -320,6 +419,7 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
         num_tokens: 20,
         first_token: 0,
         prompt: None,
+        event: p.event(),
     })
     .expect("KvReady");
     let done = loop {
@@ -345,6 +445,7 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
             offset: 0,
         }],
         event: None,
+        events: Vec::new(),
     });
     assert!(region > 1 << 20);
     let e = SyntheticEngine::register_as(&socket, reg).expect_err("an overclaiming handle");
@@ -481,6 +582,7 @@ fn gpu_pools_shared_as_vmm_descriptors_move_byte_for_byte_and_false_claims_are_r
             offset: 0,
         }],
         event: None,
+        events: Vec::new(),
     });
     // A memfd is no GPU allocation.
     #[allow(unsafe_code)]

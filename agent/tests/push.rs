@@ -288,6 +288,7 @@ fn push_16_64_is_rejected_at_the_handshake_and_decode_keeps_serving() {
         num_tokens: 10,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("KvReady");
     let event = bad.next_event().expect("lease event");
@@ -682,6 +683,7 @@ fn kv_ready_and_registration_arriving_together_always_match() {
             num_tokens: 16,
             first_token: 0,
             prompt: None,
+            event: None,
         };
         let expect = EngineRequest::ExpectKv {
             request: id.clone(),
@@ -843,6 +845,7 @@ fn ready(p: &mut SyntheticEngine, request: &str, seed: u64) {
         num_tokens: 40,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("KvReady");
 }
@@ -942,6 +945,7 @@ fn two_decode_ranks_take_their_heads_from_one_prefill_rank_and_prefill_hears_onc
             num_tokens: 40,
             first_token: 0,
             prompt: None,
+            event: None,
         })
         .expect("KvReady");
         let mut bytes = 0;
@@ -1014,6 +1018,7 @@ fn given_every_prefill_rank_the_agent_asks_the_ones_holding_its_heads() {
             num_tokens: 40,
             first_token: 0,
             prompt: None,
+            event: None,
         })
         .expect("KvReady");
     };

@@ -68,8 +68,7 @@ def run(world, name, agents, transport, path, checksum, repeat):
         for i in range(repeat + 1):  # the first handshakes: not counted
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            ps.save(blocks)
-            p.kv_ready(f"r{i}", blocks, TOKENS)
+            p.kv_ready(f"r{i}", blocks, TOKENS, event=ps.save(blocks))
             d.expect_kv(f"r{i}", [p.address], blocks, TOKENS)
             event = d.wait(f"r{i}", timeout=120)
             assert event.type == "RequestDone", event.raw

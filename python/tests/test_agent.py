@@ -188,6 +188,19 @@ def test_lease_expiry_fails_the_request_on_prefill(world):
     assert event.type == "RequestFailed" and "LeaseExpired" in event.reasons, event.raw
 
 
+def test_a_kv_ready_naming_an_event_of_a_pool_that_registered_none_is_refused_naming_it(world):
+    # The client puts the event a GPU pool recorded after the writes in KvReady; the agent
+    # takes one only from a pool that registered such events (gpu.events), so from a host pool
+    # it is refused, naming the field and value (and the request's blocks stay the engine's).
+    g = kv()
+    pa = world.agent("p")
+    p = py_engine(world, pa, "prefill", g)
+    p.kv_ready("named", [0], 10, event=3)
+    event = p.wait("named", timeout=10)
+    assert event.type == "RequestFailed" and event.reasons == ["InvalidRequest"], event.raw
+    assert "KvReady.event 3: this pool registered no gpu.events" in event.raw["message"], event.raw
+
+
 def test_a_killed_prefill_agent_fails_decodes_request_with_peer_lost(world):
     g = kv()
     pa, da = world.agent("p"), world.agent("d")

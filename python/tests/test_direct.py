@@ -420,8 +420,8 @@ def direct_to_direct(p, p_kv, d, d_kv, request: str, seed: int) -> None:
     every byte read back from decode's GPU; both engines then closed."""
     blocks, d_blocks, tokens = [3, 4, 5, 9, 10], [200, 2, 201, 202, 40], 75
     fill_gpu(p, p_kv, seed, blocks, tokens)
-    p_kv.save(blocks)  # the event after the writes (or a synchronize without one)
-    p.kv_ready(request, blocks, tokens)
+    # The event after the writes, named in the KvReady (or a synchronize without events).
+    p.kv_ready(request, blocks, tokens, event=p_kv.save(blocks))
     d.expect_kv(request, [p.address], d_blocks, tokens)
     event = d.wait(request, timeout=60)
     assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw
@@ -479,9 +479,11 @@ def test_a_gpu_pool_the_agent_cannot_open_falls_back_to_staging_on_a_new_connect
         direct.register(agent.socket, reg(world, "prefill", g, 4), tensors, want=True)
 
 
-def test_an_engine_event_the_agent_cannot_open_is_dropped_before_the_direct_path_is(world, monkeypatch):
+@pytest.mark.parametrize("field", ["event", "events"])
+def test_an_engine_event_the_agent_cannot_open_is_dropped_before_the_direct_path_is(world, monkeypatch, field):
     # The GPU half stands in (no GPU here): a plan whose event the agent refuses ("gpu.event:",
-    # as an agent refuses an interprocess event it cannot open from another PID namespace). The
+    # or "gpu.events[1]:" for the ones a KvReady names, as an agent refuses an interprocess event
+    # it cannot open from another PID namespace). The
     # connector registers its memory again without the event (synchronizing its stream before
     # KvReady instead) before it gives up the direct path; here the agent then refuses GPU pools
     # for want of a driver, so the engine stages, saying so.
@@ -496,8 +498,10 @@ def test_an_engine_event_the_agent_cannot_open_is_dropped_before_the_direct_path
         def gpu_pool(self):
             pool = {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555",
                     "regions": [{"ipc_handle": "11" * 64, "offset": 0}] * 2}
-            if self.event:
+            if self.event and field == "event":
                 pool["event"] = "00"  # not a handle: refused as "gpu.event: ..."
+            if self.event and field == "events":
+                pool["events"] = ["22" * 64, "00"]  # refused as "gpu.events[1]: ..."
             return pool, []
 
     def plan(tensors, layout, caps, across_nodes=True, event=True):
@@ -544,15 +548,16 @@ def test_a_direct_gpu_pool_and_a_staged_host_pool_meet_over_the_agents_streams(w
     if direct_side == "prefill":
         p, p_kv = gpu_engine(world, pa, "prefill", g, 256, "flash")
         fill_gpu(p, p_kv, 9, blocks, tokens)
-        p_kv.save(blocks)
+        named = p_kv.save(blocks)
         d, _, why = direct.register(da.socket, reg(world, "decode", g, 256), [], want=False)
         assert why and d.pool is not None
     else:
         p, _, why = direct.register(pa.socket, reg(world, "prefill", g, 256), [], want=False)
         assert why and p.pool is not None
         synthetic.fill(p.pool, p.layout, 9, blocks, 0, tokens)
+        named = None
         d, d_kv = gpu_engine(world, da, "decode", g, 256, "flashinfer")
-    p.kv_ready("m1", blocks, tokens)
+    p.kv_ready("m1", blocks, tokens, event=named)
     d.expect_kv("m1", [p.address], d_blocks, tokens)
     event = d.wait("m1", timeout=60)
     assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw

@@ -468,6 +468,31 @@ class _Saves(Stager):
         pass
 
 
+def test_the_event_a_stager_recorded_after_a_sends_writes_is_named_in_its_kv_ready():
+    # A GPU pool in place names, in each KvReady, the event it recorded after that request's
+    # writes (the agent waits for that one); a staged pool names none.
+    class Named(Stager):
+        in_place = True
+
+        def __init__(self):
+            self.n = 0
+
+        def save(self, blocks):
+            self.n += 1
+            return self.n + 4
+
+    class Told(_Client):
+        def kv_ready(self, request, *args, **kw):
+            self.calls.append(("kv_ready", request, kw.get("event")))
+
+    from pdpair_vllm.transfer import Send
+    for stager, events in [(Named(), [5, 6]), (_Saves(), [None, None])]:
+        client = Told()
+        w = WorkerState(client, stager)
+        w.save(Plan(sends=[Send("a", [1], 16), Send("b", [2], 16)]))
+        assert client.calls == [("kv_ready", "a", events[0]), ("kv_ready", "b", events[1])], client.calls
+
+
 def _recv(r, blocks):
     return Recv(request=r, agent_request=f"a-{r}", prefill_ranks=["10.0.0.1:7000"], logical_blocks=blocks,
                 first_token=0, num_tokens=16)

@@ -28,6 +28,7 @@ fn push_one(p: &mut SyntheticEngine, d: &mut SyntheticEngine, request: &str, see
         num_tokens: 100,
         first_token: 0,
         prompt: Some(pdpair_agent::synthetic::prompt(seed, 100)),
+        event: None,
     })
     .expect("send");
     d.send(&EngineRequest::ExpectKv {
@@ -273,6 +274,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         num_tokens: 10,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("send");
     // (Prefill's earlier events, r1's, are still queued: skip to this request's last.)

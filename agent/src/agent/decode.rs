@@ -1192,7 +1192,7 @@ impl Engine {
         // A block whose checksum cannot be computed leaves the request Unverified.
         let live = self.live_blocks(&p.blocks, p.first_token, p.num_tokens);
         let ours = self
-            .sums_of(&live, p.num_tokens, 0, self.layout.local_heads, None)
+            .sums_of(&live, p.num_tokens, 0, self.layout.local_heads)
             .map(|sums| BlockSums {
                 block_size: self.layout.block_size,
                 first_token: p.first_token,

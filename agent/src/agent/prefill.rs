@@ -36,6 +36,8 @@ pub(super) struct Ready {
     /// The engine's prompt digest: a registration must bring the same.
     prompt: Option<PromptDigest>,
     since: Instant,
+    /// Which of a GPU pool's `gpu.events` follows the engine's writes (checked at the KvReady).
+    event: Option<u32>,
 }
 
 /// A ready request on prefill, and the decode ranks it serves: with more decode than prefill
@@ -1183,7 +1185,7 @@ impl Engine {
         crate::agent::check_blocks(blocks, link.peer.memory.num_blocks).map_err(|e| format!("decode's {e}"))
     }
 
-    pub(super) fn kv_ready(self: &Arc<Self>, request: String, want: Want) {
+    pub(super) fn kv_ready(self: &Arc<Self>, request: String, want: Want, event: Option<u32>) {
         let Want {
             blocks,
             num_tokens,
@@ -1193,12 +1195,17 @@ impl Engine {
         if !self.accept_request(Role::Prefill, "KvReady", &request, &blocks, (first_token, num_tokens)) {
             return;
         }
+        let events = self.device.as_ref().map_or(0, |d| d.events());
+        if let Err(why) = check_event(event, events) {
+            return self.refuse(request, vec![Reason::InvalidRequest], why);
+        }
         let ready = Ready {
             blocks,
             num_tokens,
             first_token,
             prompt,
             since: Instant::now(),
+            event,
         };
         let consumers: Vec<(Arc<Link>, Begun)> = {
             let mut matching = lock(&self.matching);
@@ -1294,16 +1301,9 @@ impl Engine {
     /// Pull: tell decode where the request's KV is (with our checksums) and hold the blocks until
     /// it has read them or the lease ends.
     fn lend(&self, link: &Link, reg: Registration, ready: Ready) {
-        let live = self.live_blocks(&ready.blocks, ready.first_token, ready.num_tokens);
-        let sums = self.head_sums(link, ready.first_token, ready.num_tokens, live.iter().copied());
-        // A GPU pool's blocks are lent once the engine's writes are done (a decode agent
-        // reading them over the stream cannot wait for the engine's event itself).
-        if self.device.is_some()
-            && let Err(e) = self
-                .shared
-                .cuda
-                .wait_engine(&self.regions(), Instant::now() + self.lease())
-        {
+        // A GPU pool's blocks are checksummed and lent once the engine's writes are done (a
+        // decode agent reading them over the stream cannot wait for the engine's event itself).
+        if let Err(e) = self.written(&ready) {
             // Decode hears it now, not at its deadline.
             link.send(&Message::Failed {
                 request: reg.request.clone(),
@@ -1312,6 +1312,8 @@ impl Engine {
             });
             return self.consumer_failed(link, reg.request, Err((vec![Reason::TransferTimeout], e)));
         }
+        let live = self.live_blocks(&ready.blocks, ready.first_token, ready.num_tokens);
+        let sums = self.head_sums(link, ready.first_token, ready.num_tokens, live.iter().copied());
         self.started(&reg.request);
         // The link may read these blocks now (the stream refuses others), until it releases
         // them or the request ends for the engine; unless it ended while the checksums (or the
@@ -1344,6 +1346,16 @@ impl Engine {
         }
     }
 
+    /// Waits, until a lease from now, for the engine's writes of a ready request in a GPU pool
+    /// (the event its KvReady named, or the pool's one event); host pools are written before
+    /// the KvReady.
+    fn written(&self, ready: &Ready) -> Result<(), String> {
+        match &self.device {
+            Some(device) => device.wait_written(ready.event, Instant::now() + self.lease()),
+            None => Ok(()),
+        }
+    }
+
     /// The checksums (unless Disabled) of our blocks `(block, first token)`, over just the heads
     /// `link`'s decode rank takes: checksums add over heads, so a decode rank gathering from
     /// several prefill ranks compares their sum with its whole blocks.
@@ -1360,13 +1372,7 @@ impl Engine {
         // A block whose checksum cannot be computed sends none at all: decode counts the
         // request Unverified (never a sum of 0 that would match decode's 0).
         let blocks: Vec<(u32, u64)> = blocks.collect();
-        let sums = self.sums_of(
-            &blocks,
-            num_tokens,
-            link.heads.p_first,
-            link.heads.count,
-            Some(Instant::now() + self.lease()),
-        )?;
+        let sums = self.sums_of(&blocks, num_tokens, link.heads.p_first, link.heads.count)?;
         Some(BlockSums {
             block_size: self.layout.block_size,
             first_token,
@@ -1392,6 +1398,11 @@ impl Engine {
         let Some(ucx_peer) = link.ucx_peer else {
             return refuse(Reason::TransportFailed, "no UCX endpoint".into());
         };
+        // A GPU pool's blocks are read (checksummed, written out) once the engine's writes
+        // are done.
+        if let Err(e) = self.written(&ready) {
+            return refuse(Reason::TransferTimeout, e);
+        }
         let plan = match self.put_plan(&link.peer.memory, &pairs, link.heads) {
             Ok(plan) => plan,
             Err(message) => return refuse(Reason::MemoryLayoutMismatch, message),
@@ -1617,6 +1628,23 @@ fn pair_blocks(block_size: u32, ready: &Ready, reg: &Registration) -> Result<Pai
     Ok(out)
 }
 
+/// Checks a KvReady's `event` against the `events` its GPU pool registered (`gpu.events`):
+/// required where there are any, one of them, refused where there are none.
+pub(super) fn check_event(event: Option<u32>, events: usize) -> Result<(), String> {
+    match event {
+        Some(e) if (e as usize) < events => Ok(()),
+        Some(e) if events == 0 => Err(format!("KvReady.event {e}: this pool registered no gpu.events")),
+        Some(e) => Err(format!(
+            "KvReady.event {e}: the pool registered {events} gpu.events (0..={})",
+            events - 1
+        )),
+        None if events > 0 => Err(format!(
+            "KvReady.event is missing: this pool registered {events} gpu.events, and the agent reads its blocks only after the one recorded after their writes"
+        )),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1662,7 +1690,29 @@ mod tests {
             first_token: first,
             prompt: None,
             since: Instant::now(),
+            event: None,
         }
+    }
+
+    #[test]
+    fn a_kv_ready_names_one_of_the_pools_events_where_it_registered_them_and_none_elsewhere() {
+        assert_eq!(check_event(None, 0), Ok(()));
+        assert_eq!(check_event(Some(3), 4), Ok(()));
+        assert_eq!(check_event(Some(0), 1), Ok(()));
+        let e = check_event(Some(4), 4).expect_err("past the last");
+        assert!(
+            e.contains("KvReady.event 4") && e.contains("4 gpu.events (0..=3)"),
+            "{e}"
+        );
+        let e = check_event(Some(u32::MAX), 64).expect_err("far past");
+        assert!(e.contains(&format!("KvReady.event {}", u32::MAX)), "{e}");
+        let e = check_event(Some(0), 0).expect_err("no events");
+        assert!(e.contains("KvReady.event 0: this pool registered no gpu.events"), "{e}");
+        let e = check_event(None, 2).expect_err("required");
+        assert!(
+            e.contains("KvReady.event is missing") && e.contains("2 gpu.events"),
+            "{e}"
+        );
     }
 
     fn reg(first: u64, blocks: Vec<u32>) -> Registration {

@@ -43,6 +43,9 @@ pub struct DevicePool {
     _memory: Vec<Arc<DeviceMemory>>,
     /// The checksum kernels, once they compiled and loaded (a failure is retried next time).
     checksum: Mutex<Option<GpuChecksum>>,
+    /// The engine's events a `KvReady` names (`gpu.events`); empty: its one `gpu.event`, if
+    /// any, is its regions' (waited for by the backend before it reads them).
+    ring: Vec<Arc<IpcEvent>>,
 }
 
 impl DevicePool {
@@ -86,14 +89,20 @@ impl DevicePool {
             })
             .collect::<Result<Vec<_>, String>>()?;
         let which = which.of_region;
+        let open_event = |hex: &str, field: String| -> Result<Arc<IpcEvent>, String> {
+            let h = IpcHandle::from_hex(hex).map_err(|e| format!("{field}: {e}"))?;
+            Ok(Arc::new(IpcEvent::open(&gpu, &h).map_err(|e| format!("{field}: {e}"))?))
+        };
+        let ring = req
+            .events
+            .iter()
+            .enumerate()
+            .map(|(i, hex)| open_event(hex, format!("gpu.events[{i}]")))
+            .collect::<Result<Vec<_>, String>>()?;
+        // With events a request names, `event` is for agents from before them (not opened).
         let event = match &req.event {
-            Some(hex) => {
-                let h = IpcHandle::from_hex(hex).map_err(|e| format!("gpu.event: {e}"))?;
-                Some(Arc::new(
-                    IpcEvent::open(&gpu, &h).map_err(|e| format!("gpu.event: {e}"))?,
-                ))
-            }
-            None => None,
+            Some(hex) if ring.is_empty() => Some(open_event(hex, "gpu.event".into())?),
+            _ => None,
         };
         let mut pool = DevicePool {
             gpu: gpu.clone(),
@@ -101,6 +110,7 @@ impl DevicePool {
             backend: backend.clone(),
             _memory: memory.clone(),
             checksum: Mutex::new(None),
+            ring,
         };
         for (i, (r, len)) in req.regions.iter().zip(&lens).enumerate() {
             let mem = &memory[which[i]];
@@ -119,25 +129,31 @@ impl DevicePool {
         Ok(pool)
     }
 
-    /// The checksums of `which` blocks, computed on the GPU over the pool in place; `None` when
-    /// they cannot be (the kernel did not compile, a launch failed, the engine's event did not
-    /// fire by `engine_deadline`: logged), which a request counts as unverified, never as a
-    /// match. With `engine_deadline` (prefill) the engine's event is waited for first: the
-    /// engine's writes may still be running when its `KvReady` arrives.
-    #[allow(unsafe_code)]
-    pub fn sums(
-        &self,
-        layout: &PoolLayout,
-        which: &Blocks<'_>,
-        engine_deadline: Option<std::time::Instant>,
-    ) -> Option<Vec<u64>> {
-        if let Some(deadline) = engine_deadline {
-            let ids: Vec<u64> = self.regions.iter().map(|r| r.id).collect();
-            if let Err(e) = self.backend.wait_engine(&ids, deadline) {
-                tracing::warn!(error = %e, "no GPU checksum");
-                return None;
+    /// How many events a `KvReady` may name (`gpu.events`; 0: none).
+    pub fn events(&self) -> usize {
+        self.ring.len()
+    }
+
+    /// Waits (polling from the host, until `deadline`) for the engine's writes a `KvReady` that
+    /// named `event` announced: that event of `gpu.events`, or without one the pool's
+    /// `gpu.event` (where it registered one). The caller checked `event` against
+    /// [`DevicePool::events`].
+    pub fn wait_written(&self, event: Option<u32>, deadline: std::time::Instant) -> Result<(), String> {
+        match event.and_then(|e| self.ring.get(e as usize)) {
+            Some(e) => crate::transport::cuda_ipc::wait_event(e, deadline),
+            None => {
+                let ids: Vec<u64> = self.regions.iter().map(|r| r.id).collect();
+                self.backend.wait_engine(&ids, deadline)
             }
         }
+    }
+
+    /// The checksums of `which` blocks, computed on the GPU over the pool in place; `None` when
+    /// they cannot be (the kernel did not compile, a launch failed: logged), which a request
+    /// counts as unverified, never as a match. On prefill the caller waited for the engine's
+    /// writes first ([`DevicePool::wait_written`]).
+    #[allow(unsafe_code)]
+    pub fn sums(&self, layout: &PoolLayout, which: &Blocks<'_>) -> Option<Vec<u64>> {
         let mut cached = self.checksum.lock().unwrap_or_else(|e| e.into_inner());
         if cached.is_none() {
             match GpuChecksum::new(&self.gpu) {
@@ -271,6 +287,7 @@ mod tests {
                 })
                 .collect(),
             event: None,
+            events: Vec::new(),
         }
     }
 

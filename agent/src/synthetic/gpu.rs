@@ -3,7 +3,8 @@
 //! caching-allocator block), shared with the agent by CUDA IPC handle, or ([`Sharing::Vmm`]) every
 //! region in one range of VMM allocations, as torch's `expandable_segments` maps its memory,
 //! shared as file descriptors (`ShareGpuMemory`); and an interprocess event recorded after each
-//! fill. Its bytes are the host synthetic engine's ([`super::fill_into`]),
+//! fill, with the next of [`EVENTS`] more (`gpu.events`, the one a `KvReady` names: [`GpuEngine::event`]),
+//! or without them ([`GpuEngine::register_with`]). Its bytes are the host synthetic engine's ([`super::fill_into`]),
 //! written and read through host copies, so decode checks every byte independently of the
 //! checksums. Needs a GPU, and an agent in another process (a process cannot open its own IPC
 //! handles).
@@ -20,6 +21,9 @@ use crate::{
 
 /// Bytes before the first region inside its allocation (a tensor at an offset in a block).
 pub const FIRST_OFFSET: usize = 4096;
+
+/// The events a `KvReady` may name (`gpu.events`), where the engine registers them.
+pub const EVENTS: usize = 4;
 
 /// How the engine shares its pool's GPU memory with the agent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +51,11 @@ pub struct GpuEngine {
     of: Vec<usize>,
     offsets: Vec<usize>,
     event: IpcEvent,
+    /// `gpu.events`, and the one the last fill recorded.
+    ring: Vec<IpcEvent>,
+    last: Option<u32>,
+    /// What [`GpuEngine::busy`] copies within.
+    scratch: Option<DeviceMemory>,
     /// What the last fill is still copying from (page-locked: the copies run after the fill
     /// returns, as a forward pass's writes would).
     staging: Vec<PinnedBuffer>,
@@ -68,6 +77,18 @@ impl GpuEngine {
         spec: &EngineSpec,
         gpu: &Gpu,
         sharing: Sharing,
+    ) -> Result<GpuEngine, String> {
+        GpuEngine::register_with(socket, spec, gpu, sharing, EVENTS)
+    }
+
+    /// [`GpuEngine::register_sharing`] with `events` events a `KvReady` names (0: only the
+    /// one `gpu.event`, as engines from before them).
+    pub fn register_with(
+        socket: &Path,
+        spec: &EngineSpec,
+        gpu: &Gpu,
+        sharing: Sharing,
+        events: usize,
     ) -> Result<GpuEngine, String> {
         use std::os::fd::AsFd;
         let mut reg = SyntheticEngine::registration(spec, None, false);
@@ -99,6 +120,12 @@ impl GpuEngine {
             }
         };
         let (event, event_handle) = IpcEvent::create(gpu).map_err(|e| e.to_string())?;
+        let (ring, ring_handles): (Vec<IpcEvent>, Vec<String>) = (0..events)
+            .map(|_| IpcEvent::create(gpu).map(|(e, h)| (e, h.to_hex())))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .unzip();
         let regions = of
             .iter()
             .zip(&offsets)
@@ -118,6 +145,7 @@ impl GpuEngine {
             device_uuid: gpu.uuid(),
             regions,
             event: Some(event_handle.to_hex()),
+            events: ring_handles,
         });
         let mut stream = UnixStream::connect(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
         for batch in descriptors.chunks(wire::MAX_FDS) {
@@ -147,6 +175,9 @@ impl GpuEngine {
                     of,
                     offsets,
                     event,
+                    ring,
+                    last: None,
+                    scratch: None,
                     staging: Vec::new(),
                     address,
                 })
@@ -218,7 +249,47 @@ impl GpuEngine {
             }
             .map_err(|e| e.to_string())?;
         }
-        self.event.record(&self.gpu).map_err(|e| e.to_string())
+        self.record()
+    }
+
+    /// Records the engine's event, and the next of `gpu.events`, after what is queued.
+    fn record(&mut self) -> Result<(), String> {
+        self.event.record(&self.gpu).map_err(|e| e.to_string())?;
+        if !self.ring.is_empty() {
+            let next = self.last.map_or(0, |l| (l as usize + 1) % self.ring.len());
+            self.ring[next].record(&self.gpu).map_err(|e| e.to_string())?;
+            self.last = Some(next as u32);
+        }
+        Ok(())
+    }
+
+    /// Prefill: queues `copies` device copies of `bytes` within scratch memory of its own (the
+    /// next forward pass: work after the last fill's, on the same stream, touching none of the
+    /// pool) and records its events after them, without waiting.
+    pub fn busy(&mut self, bytes: usize, copies: u32) -> Result<(), String> {
+        if self.scratch.as_ref().is_none_or(|s| s.len() < 2 * bytes) {
+            self.scratch = Some(DeviceMemory::alloc(&self.gpu, 2 * bytes).map_err(|e| e.to_string())?);
+        }
+        if let Some(scratch) = &self.scratch {
+            for i in 0..copies {
+                let (from, to) = if i % 2 == 0 { (0, bytes) } else { (bytes, 0) };
+                self.gpu
+                    .copy(scratch, to, scratch, from, bytes)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        self.record()
+    }
+
+    /// Whether the engine's work queued so far is done (its one event's latest record passed).
+    pub fn idle(&self) -> Result<bool, String> {
+        self.event.passed().map_err(|e| e.to_string())
+    }
+
+    /// Prefill: the event of `gpu.events` the last fill recorded, for its `KvReady` (`None`
+    /// without them).
+    pub fn event(&self) -> Option<u32> {
+        self.last
     }
 
     /// Decode: zeroes the whole pool.

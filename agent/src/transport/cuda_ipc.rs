@@ -13,8 +13,9 @@
 //! are the named peer engine's, not the caller's own or another pair's, the sessions check
 //! first: `Shared::check_local_peer`.)
 //!
-//! An engine's event is polled from the host (`cuEventQuery`) until it has passed, and only then
-//! are the copies queued: the agent's streams never wait on an engine's event, so an engine whose
+//! An engine's event (its pool's one `gpu.event`; where it registered `gpu.events`, the prefill
+//! session waits for the one a `KvReady` names before any op, and its regions carry none) is
+//! polled from the host (`cuEventQuery`) until it has passed, and only then are the copies queued: the agent's streams never wait on an engine's event, so an engine whose
 //! event never fires holds up only its own requests, until their deadline. Copies still queued
 //! when an op fails (a deadline) keep the regions they touch, and so their memory, open until
 //! their fence passes.
@@ -300,7 +301,8 @@ impl CudaIpc {
     }
 
     /// Registers `len` bytes at `base` (inside `memory`, opened on `gpu`); returns its id and
-    /// its token. `event` is the engine's, waited for before copies read the region.
+    /// its token. `event` is the engine's, waited for before copies read the region (`None`
+    /// where the engine names an event per request: the session waits for that one).
     pub fn register(
         &self,
         gpu: &Gpu,
@@ -501,13 +503,18 @@ impl CudaIpc {
                 .collect()
         };
         for event in events {
-            wait_passed(&event, deadline).map_err(|e| match e {
-                Waited::Late => "the engine's event had not fired by the deadline".to_owned(),
-                Waited::Failed(e) => e,
-            })?;
+            wait_event(&event, deadline)?;
         }
         Ok(())
     }
+}
+
+/// Waits (polling from the host) until `event` passed, or fails at `deadline`, saying so.
+pub fn wait_event(event: &IpcEvent, deadline: Instant) -> Result<(), String> {
+    wait_passed(event, deadline).map_err(|e| match e {
+        Waited::Late => "the engine's event had not fired by the deadline".to_owned(),
+        Waited::Failed(e) => e,
+    })
 }
 
 enum Waited {

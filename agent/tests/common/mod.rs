@@ -196,6 +196,7 @@ pub fn request(p: &mut SyntheticEngine, d: &mut SyntheticEngine, r: Req<'_>) -> 
         num_tokens: r.tokens,
         first_token: r.p_first,
         prompt: Some(pdpair_agent::synthetic::prompt(r.seed, r.tokens)),
+        event: None,
     })
     .expect("KvReady");
     d.send(&EngineRequest::ExpectKv {
@@ -293,6 +294,7 @@ pub fn kv_ready_of(
         num_tokens,
         first_token: 0,
         prompt,
+        event: None,
     })
     .expect("KvReady");
 }

@@ -360,13 +360,16 @@ class AgentClient:
                 raise AgentError(f"sending {message.get('type')}: {e}") from None
 
     def kv_ready(self, request: str, blocks: List[int], num_tokens: int, first_token: int = 0,
-                 prompt: Optional[str] = None) -> None:
+                 prompt: Optional[str] = None, event: Optional[int] = None) -> None:
         """Prefill: the request's KV is in ``blocks`` of the pool. ``prompt``: its prompt digest
-        (hex), which decode's must equal."""
+        (hex), which decode's must equal. ``event``: which of the GPU pool's ``gpu.events`` the
+        engine recorded after the writes."""
         message = {"type": "KvReady", "request": request, "blocks": blocks, "num_tokens": num_tokens,
                    "first_token": first_token}
         if prompt is not None:
             message["prompt"] = prompt
+        if event is not None:
+            message["event"] = event
         self.send(message)
 
     def expect_kv(self, request: str, prefill_ranks: List[str], blocks: List[int], num_tokens: int, first_token: int = 0,

@@ -450,11 +450,19 @@ def share(t: torch.Tensor, length: int, handles: Optional[dict] = None) -> dict:
 # ---- the pool --------------------------------------------------------------------------------------
 
 
+#: Interprocess events a prefill pool records in turn, one after each request's writes, named in
+#: its ``KvReady`` (``gpu.events``): the agent waits for that one, not for the latest record of one
+#: event, which follows every later forward pass too.
+EVENTS = 16
+
+
 class DirectKv(Stager):
-    """The engine's own KV tensors are the agent's pool: nothing to copy. Prefill records its
-    interprocess event on the stream that wrote the KV before each ``KvReady`` (the agent's
-    copies wait for it), or, without one (``event=False``: an agent that cannot open it),
-    synchronizes that stream; decode's blocks have landed when the agent says ``RequestDone``."""
+    """The engine's own KV tensors are the agent's pool: nothing to copy. Prefill records one of
+    its interprocess events on the stream that wrote the KV before each ``KvReady``, naming it
+    there (the agent's copies wait for it), and its one ``event`` too (what an agent from before
+    the named ones waits for); or, without events (``event=False``: an agent that cannot open
+    them), synchronizes that stream. Decode's blocks have landed when the agent says
+    ``RequestDone``."""
 
     in_place = True
 
@@ -471,6 +479,10 @@ class DirectKv(Stager):
         self.vmm = not all(self.by_ipc)
         #: The interprocess event the agent waits for (``None``: the stream is synchronized).
         self.event = torch.cuda.Event(enable_timing=False, interprocess=True) if event else None
+        #: The events a ``KvReady`` names (``gpu.events``), and the one recorded last.
+        self.events = [torch.cuda.Event(enable_timing=False, interprocess=True) for _ in range(EVENTS)] \
+            if event else []
+        self.last: Optional[int] = None
         if self.event is not None:
             self.event.record(torch.cuda.current_stream(device))
         self.regions = regions(self.tensors, layout)
@@ -490,6 +502,8 @@ class DirectKv(Stager):
         pool = {"device_uuid": self.uuid}
         if self.event is not None:
             pool["event"] = bytes(self.event.ipc_handle()).hex()
+        if self.events:
+            pool["events"] = [bytes(e.ipc_handle()).hex() for e in self.events]
         handles: dict = {}
         with torch.cuda.device(self.device):
             gpu_regions: List[Optional[dict]] = [share(t, length, handles) if ipc else None
@@ -503,11 +517,17 @@ class DirectKv(Stager):
         pool["regions"] = gpu_regions
         return pool, shared
 
-    def save(self, blocks: List[int]) -> None:
-        if self.event is not None:
-            self.event.record(torch.cuda.current_stream(self.device))
-        else:
-            torch.cuda.current_stream(self.device).synchronize()
+    def save(self, blocks: List[int]) -> Optional[int]:
+        stream = torch.cuda.current_stream(self.device)
+        if self.event is None:
+            stream.synchronize()
+            return None
+        self.event.record(stream)
+        if not self.events:
+            return None
+        self.last = 0 if self.last is None else (self.last + 1) % len(self.events)
+        self.events[self.last].record(stream)
+        return self.last
 
     def before_receive(self) -> None:
         # The agent writes into the blocks of new receives on its own stream: kernels this
@@ -591,7 +611,7 @@ def _register(socket_path: str, reg: dict, pick: Callable, chosen: dict, options
         try:
             client = agent_client.AgentClient.register(socket_path, pick)
         except agent_client.AgentError as e:
-            if "direct" not in chosen or not str(e).startswith("gpu.event:"):
+            if "direct" not in chosen or not str(e).startswith(("gpu.event:", "gpu.events[")):
                 raise
             # The agent took the KV memory but cannot open the engine's interprocess event (from
             # another PID namespace, say): direct without it, the engine synchronizing its stream

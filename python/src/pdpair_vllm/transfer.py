@@ -422,7 +422,9 @@ class Stager:
     #: than a pool the engine copies through.
     in_place = False
 
-    def save(self, blocks: List[int]) -> None:  # KV cache -> pool
+    def save(self, blocks: List[int]) -> Optional[int]:  # KV cache -> pool
+        """Copies ``blocks`` of the KV cache into the pool (or, in place, marks them written);
+        returns the pool's event recorded after the writes, for the ``KvReady`` to name, if any."""
         raise NotImplementedError
 
     def before_receive(self) -> None:
@@ -734,10 +736,10 @@ class WorkerState:
                 continue
             t = time.perf_counter()
             blocks = self._kernel(send.blocks)
-            self.stager.save(blocks)
+            event = self.stager.save(blocks)
             _keep(self.staging_ms, send.request, {})["save"] = (time.perf_counter() - t) * 1e3
             self._open[send.request] = ("send", send.request, None)
-            self._call(self.client.kv_ready, send.request, blocks, send.num_tokens, prompt=send.prompt)
+            self._call(self.client.kv_ready, send.request, blocks, send.num_tokens, prompt=send.prompt, event=event)
 
     @_locked
     def poll(self) -> Results:
