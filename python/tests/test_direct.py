@@ -501,7 +501,9 @@ def test_an_engine_event_the_agent_cannot_open_is_dropped_before_the_direct_path
             if self.event and field == "event":
                 pool["event"] = "00"  # not a handle: refused as "gpu.event: ..."
             if self.event and field == "events":
-                pool["events"] = ["22" * 64, "00"]  # refused as "gpu.events[1]: ..."
+                # Sent with a good "event", as the connector sends them: refused as "gpu.events[1]: ...".
+                pool["event"] = "33" * 64
+                pool["events"] = ["22" * 64, "00"]
             return pool, []
 
     def plan(tensors, layout, caps, across_nodes=True, event=True):
