@@ -917,8 +917,9 @@ impl Agent {
                     num_tokens,
                     first_token,
                     prompt,
+                    event,
                 }) => {
-                    let want = Want::of(blocks, num_tokens, first_token, prompt);
+                    let want = Want::of(blocks, num_tokens, first_token, prompt, event);
                     engine.expect_kv(request, vec![prefill], want);
                 }
                 Ok(EngineRequest::ExpectKvFrom {
@@ -928,8 +929,9 @@ impl Agent {
                     num_tokens,
                     first_token,
                     prompt,
+                    event,
                 }) => {
-                    let want = Want::of(blocks, num_tokens, first_token, prompt);
+                    let want = Want::of(blocks, num_tokens, first_token, prompt, event);
                     engine.expect_kv(request, prefills, want);
                 }
                 Ok(EngineRequest::KvReady {
@@ -940,8 +942,8 @@ impl Agent {
                     prompt,
                     event,
                 }) => {
-                    let want = Want::of(blocks, num_tokens, first_token, prompt);
-                    engine.kv_ready(request, want, event);
+                    let want = Want::of(blocks, num_tokens, first_token, prompt, event);
+                    engine.kv_ready(request, want);
                 }
                 Ok(EngineRequest::ExpectKvFromPool {
                     request,
@@ -950,8 +952,9 @@ impl Agent {
                     num_tokens,
                     first_token,
                     prompt,
+                    event,
                 }) => {
-                    let want = Want::of(blocks, num_tokens, first_token, prompt);
+                    let want = Want::of(blocks, num_tokens, first_token, prompt, event);
                     engine.expect_kv_from_pool(request, prefill_ranks, want);
                 }
                 Ok(EngineRequest::Release {
@@ -1079,16 +1082,43 @@ pub(super) struct Want {
     pub first_token: u64,
     /// The engine's prompt digest, when it gives one.
     pub prompt: Option<PromptDigest>,
+    /// Which of a GPU pool's `gpu.events` the engine named ([`check_event`]).
+    pub event: Option<u32>,
 }
 
 impl Want {
-    fn of(blocks: Vec<u32>, num_tokens: u64, first_token: u64, prompt: Option<PromptDigest>) -> Want {
+    fn of(
+        blocks: Vec<u32>,
+        num_tokens: u64,
+        first_token: u64,
+        prompt: Option<PromptDigest>,
+        event: Option<u32>,
+    ) -> Want {
         Want {
             blocks,
             num_tokens,
             first_token,
             prompt,
+            event,
         }
+    }
+}
+
+/// Checks the `event` a `what` (`KvReady`, `ExpectKv`...) names against the `events` its GPU pool
+/// registered (`gpu.events`): one of them where it names one (refused where there are none), and
+/// one where `required` (a prefill's `KvReady`: the agent reads its blocks only after the writes).
+pub(super) fn check_event(what: &str, event: Option<u32>, events: usize, required: bool) -> Result<(), String> {
+    match event {
+        Some(e) if (e as usize) < events => Ok(()),
+        Some(e) if events == 0 => Err(format!("{what}.event {e}: this pool registered no gpu.events")),
+        Some(e) => Err(format!(
+            "{what}.event {e}: the pool registered {events} gpu.events (0..={})",
+            events - 1
+        )),
+        None if required && events > 0 => Err(format!(
+            "{what}.event is missing: this pool registered {events} gpu.events, and the agent reads its blocks only after the one recorded after their writes"
+        )),
+        None => Ok(()),
     }
 }
 
@@ -2165,6 +2195,12 @@ impl Engine {
     }
 
     /// Whether a request from the engine fits its role and pool; fails it otherwise.
+    /// [`check_event`] against this engine's pool: required on a prefill's `KvReady`.
+    fn check_event(&self, what: &str, event: Option<u32>) -> Result<(), String> {
+        let events = self.device.as_ref().map_or(0, |d| d.events());
+        check_event(what, event, events, self.reg.role == Role::Prefill)
+    }
+
     fn accept_request(&self, role: Role, what: &str, request: &str, blocks: &[u32], tokens: (u64, u64)) -> bool {
         if !self.role_is(role, what, request) {
             return false;

@@ -692,6 +692,7 @@ pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Resu
                 num_tokens,
                 first_token,
                 prompt,
+                event: None,
             },
             many => EngineRequest::ExpectKvFromPool {
                 request,
@@ -700,6 +701,7 @@ pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Resu
                 num_tokens,
                 first_token,
                 prompt,
+                event: None,
             },
         }
     };

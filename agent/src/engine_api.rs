@@ -52,6 +52,12 @@ pub enum EngineRequest {
         /// engine must give none either.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         prompt: Option<PromptDigest>,
+        /// A GPU pool registered with `gpu.events`: which of them the engine recorded after
+        /// its work queued before this request (kernels that may still touch blocks it now gives
+        /// to the request); the agent lets nothing write them before it passed. Absent: the
+        /// engine waited for that work itself.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event: Option<u32>,
     },
     /// Decode: like `ExpectKv`, from several prefill engines at once: the tensor-parallel ranks
     /// of a prefill pool with more ranks than decode's, each holding part of this decode rank's
@@ -71,6 +77,9 @@ pub enum EngineRequest {
         /// engine must give none either.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         prompt: Option<PromptDigest>,
+        /// As `ExpectKv`'s.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event: Option<u32>,
     },
     /// Decode: this engine needs nothing of `request` from the prefill engine at `prefill`
     /// (a full local prefix hit, or an abort before it asked): prefill frees the request's
@@ -123,6 +132,12 @@ pub enum EngineRequest {
         /// engine must give none either.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         prompt: Option<PromptDigest>,
+        /// A GPU pool registered with `gpu.events`: which of them the engine recorded after
+        /// its work queued before this request (kernels that may still touch blocks it now gives
+        /// to the request); the agent lets nothing write them before it passed. Absent: the
+        /// engine waited for that work itself.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event: Option<u32>,
     },
     /// Either role: the engine gives up `request` (decode aborted it, or prefill gave up).
     /// Answered by exactly one `Cancelled`, once nothing writes into the request's blocks any
@@ -580,12 +595,14 @@ pub struct GpuPool {
     /// `events`): the engine synchronizes its stream before each `KvReady`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub event: Option<String>,
-    /// Prefill: at most [`MAX_ENGINE_EVENTS`] such events, of which the engine records the next
-    /// after each request's writes and names it in that `KvReady` (`event`): the agent waits for
+    /// At most [`MAX_ENGINE_EVENTS`] such events (only with `event`). A prefill engine records
+    /// the next after each request's writes and names it in that `KvReady`: the agent waits for
     /// that one, not for `event`, whose latest record may follow later requests' work (a prefill
     /// engine records again after every forward pass: waiting for its latest record held a
     /// request back by the passes after its own). An agent from before them ignores them and
-    /// waits for `event`, so an engine records both.
+    /// waits for `event`, so an engine records both. A decode engine records the next before
+    /// new receives and names it in their `ExpectKv`: nothing writes their blocks before it
+    /// passed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub events: Vec<String>,
 }
@@ -1179,6 +1196,7 @@ mod tests {
             num_tokens: 16000,
             first_token: 0,
             prompt: Some(PromptDigest([7; 32])),
+            event: None,
         })
         .expect("json");
         assert!(decode_request(&every, max, free).is_ok());

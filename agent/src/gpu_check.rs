@@ -754,6 +754,7 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, Cu
                 num_tokens: tokens,
                 first_token: 0,
                 prompt: Some(crate::synthetic::prompt(7 + tag as u64, tokens)),
+                event: None,
             })
             .map_err(invalid)?;
             // Let decode's registration reach prefill, so the time is the transfer's.

@@ -594,6 +594,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                     num_tokens: tokens,
                     first_token: hit,
                     prompt: Some(crate::synthetic::prompt(seed, tokens)),
+                    event: None,
                 }
             } else {
                 EngineRequest::ExpectKvFrom {
@@ -603,6 +604,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                     num_tokens: tokens,
                     first_token: hit,
                     prompt: Some(crate::synthetic::prompt(seed, tokens)),
+                    event: None,
                 }
             };
             engine

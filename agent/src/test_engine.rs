@@ -203,6 +203,7 @@ pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError>
                     num_tokens: args.tokens,
                     first_token: 0,
                     prompt: Some(crate::synthetic::prompt(seed(&request), args.tokens)),
+                    event: None,
                 })
                 .map_err(|e| UsageError(e.to_string()))?;
             let event = engine.next_event().map_err(|e| UsageError(e.to_string()))?;

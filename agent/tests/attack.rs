@@ -1375,6 +1375,7 @@ fn one_engines_bad_key_does_not_block_another_engine_on_the_same_agent() {
             num_tokens: 100,
             first_token: 0,
             prompt: None,
+            event: None,
         })
         .expect("ExpectKv");
     let event = wrong.next_event().expect("event");
@@ -1408,6 +1409,7 @@ fn an_engine_that_stops_reading_its_events_loses_its_connection_not_an_event() {
             num_tokens: 16,
             first_token: 0,
             prompt: None,
+            event: None,
         };
         if d.send(&bad).is_err() {
             break;
@@ -1456,6 +1458,7 @@ fn duplicate_expect_kv(transport: Transport) {
         num_tokens: 100,
         first_token: 0,
         prompt: None,
+        event: None,
     };
     d.send(&expect(vec![5, 6])).expect("ExpectKv");
     // Linked and registered with prefill by then (the stream's window for its blocks open).
@@ -1694,6 +1697,7 @@ fn a_decode_engine_dials_a_bounded_number_of_prefill_agents_at_once() {
         num_tokens: 16,
         first_token: 0,
         prompt: None,
+        event: None,
     };
     // All of them in one request: refused at once.
     d.send(&expect("all", mute.iter().map(at).collect())).expect("send");
@@ -2090,6 +2094,7 @@ fn a_decode_engine_cannot_make_its_agent_dial_where_no_prefill_engine_listens() 
             num_tokens: 100,
             first_token: 0,
             prompt: None,
+            event: None,
         },
         EngineRequest::ExpectKvFrom {
             request: "from".into(),
@@ -2098,6 +2103,7 @@ fn a_decode_engine_cannot_make_its_agent_dial_where_no_prefill_engine_listens() 
             num_tokens: 100,
             first_token: 0,
             prompt: None,
+            event: None,
         },
         EngineRequest::ExpectKvFromPool {
             request: "pool".into(),
@@ -2106,6 +2112,7 @@ fn a_decode_engine_cannot_make_its_agent_dial_where_no_prefill_engine_listens() 
             num_tokens: 100,
             first_token: 0,
             prompt: None,
+            event: None,
         },
         EngineRequest::Release {
             request: "release".into(),
@@ -2541,6 +2548,7 @@ fn a_push_that_fails_at_one_prefill_is_told_only_once_the_others_stopped_writing
         num_tokens: 100,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("ExpectKvFrom");
     let event = d.next_event().expect("event");
@@ -2662,6 +2670,7 @@ fn pull_with_a_second_rank_saying(answer: impl FnOnce(String) -> Message + Send 
         num_tokens: tokens,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("ExpectKvFrom");
     let event = d.next_event().expect("event");
@@ -2712,6 +2721,7 @@ fn a_cancel_while_an_expect_kv_from_pool_still_links_is_answered_once_and_after_
         num_tokens: 100,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("ExpectKvFromPool");
     d.send(&EngineRequest::Cancel { request: "r".into() }).expect("Cancel");
@@ -3319,6 +3329,7 @@ fn kv_moves_only_to_a_decode_whose_prompt_is_the_one_prefill_computed() {
                 num_tokens: 100,
                 first_token: 0,
                 prompt,
+                event: None,
             };
             let ready = EngineRequest::KvReady {
                 request: id.clone(),
@@ -3905,6 +3916,7 @@ fn a_prefill_named_in_other_spellings_gets_one_link() {
         num_tokens: 100,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("send");
     for (i, spelling) in spellings[2..].iter().enumerate() {
@@ -3955,6 +3967,7 @@ fn a_requests_block_ids_count_once_for_each_prefill_it_names() {
         num_tokens: blocks as u64,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("send");
     let event = d.next_event().expect("an answer");
@@ -4000,6 +4013,7 @@ fn a_request_naming_many_prefills_counts_what_each_costs_besides_its_blocks() {
             num_tokens: 1,
             first_token: 0,
             prompt: None,
+            event: None,
         })
         .expect("send");
     }
@@ -4538,6 +4552,7 @@ fn a_release_of_a_request_still_linking_its_ranks_is_refused_and_the_first_stand
         num_tokens: 100,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("ExpectKvFromPool");
     d.send(&EngineRequest::Release {

@@ -714,6 +714,30 @@ fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_reg
                 && message.contains("KvReady.event 0: this pool registered no gpu.events")),
         "{answer:?}"
     );
+    // So is one named in a decode's ExpectKv.
+    let mut decode = host_registration();
+    (decode.role, decode.engine) = (Role::Decode, "d-named".into());
+    let mut ds = connect(&socket);
+    let answer = ask(&mut ds, &EngineRequest::RegisterPool(Box::new(decode)));
+    assert!(matches!(answer, AgentEvent::Registered { .. }), "{answer:?}");
+    let answer = ask(
+        &mut ds,
+        &EngineRequest::ExpectKv {
+            request: "named".into(),
+            prefill: "127.0.0.1:9".into(),
+            blocks: vec![1],
+            num_tokens: 10,
+            first_token: 0,
+            prompt: None,
+            event: Some(2),
+        },
+    );
+    assert!(
+        matches!(&answer, AgentEvent::RequestFailed { request, reasons, message }
+            if request == "named" && reasons == &["InvalidRequest".to_owned()]
+                && message.contains("ExpectKv.event 2: this pool registered no gpu.events")),
+        "{answer:?}"
+    );
     // The connection still serves.
     let again = ask(&mut s, &EngineRequest::Capabilities);
     assert!(matches!(again, AgentEvent::Capabilities { .. }), "{again:?}");

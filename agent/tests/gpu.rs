@@ -236,6 +236,7 @@ fn gpu_to_gpu(
         num_tokens: tokens,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("ExpectKv");
     p.send(&EngineRequest::KvReady {
@@ -315,6 +316,7 @@ fn a_request_waits_for_the_event_its_kv_ready_names_not_for_later_work() {
             num_tokens: 8 * 16,
             first_token: 0,
             prompt: None,
+            event: None,
         })
         .expect("ExpectKv");
         // Decode's registration reaches prefill first, so the push starts at the KvReady.
@@ -361,6 +363,78 @@ fn a_request_waits_for_the_event_its_kv_ready_names_not_for_later_work() {
             "{tag}: every byte"
         );
     }
+}
+
+/// A decode engine gives a request blocks its earlier work may still write (a finished
+/// request's kernels), records one of its `gpu.events` after that work and names it in the
+/// `ExpectKv`: nothing writes the blocks before it passed, so the request's KV is what lands,
+/// not the stale writes after it. Every byte is read back.
+#[test]
+#[ignore = "needs an NVIDIA GPU: make gpu-check"]
+fn a_receive_waits_for_the_event_its_expect_kv_names_before_its_blocks_are_written() {
+    use pdpair_agent::{
+        engine_api::{AgentEvent, EngineRequest},
+        synthetic::gpu::GpuEngine,
+    };
+    use pdpair_api::{ChecksumPolicy, Role};
+
+    let g = gpu();
+    let w = common::World::new("gpu-decode-events");
+    let (_agent, socket) = common::ProcessAgent::start(&w, "a");
+    let geometry = kv(8, 128, false, false, CacheDtype::Auto);
+    let spec = |role, name: &str| {
+        let mut s = common::spec(role, name, geometry.clone(), b"k", ChecksumPolicy::FailClosed);
+        s.num_blocks = 16;
+        s.lease_ms = 20_000;
+        s
+    };
+    let mut p = GpuEngine::register(&socket, &spec(Role::Prefill, "p"), &g).expect("GPU prefill registers");
+    let mut d = GpuEngine::register(&socket, &spec(Role::Decode, "d"), &g).expect("GPU decode registers");
+    for e in [&p, &d] {
+        e.wait_events_for(std::time::Duration::from_secs(30)).expect("timeout");
+    }
+    let blocks: Vec<u32> = (0..8).collect();
+    d.clear().expect("clear");
+    p.fill(6, &blocks, 0, 8 * 16).expect("fill");
+    // Half a TiB of copies, then 0xee over decode's whole pool, queued before the receive.
+    d.stale_writes(2 << 30, 250).expect("stale writes");
+    let named = d.event();
+    assert!(named.is_some());
+    d.send(&EngineRequest::ExpectKv {
+        request: "stale".into(),
+        prefill: p.address.clone(),
+        blocks: blocks.clone(),
+        num_tokens: 8 * 16,
+        first_token: 0,
+        prompt: None,
+        event: named,
+    })
+    .expect("ExpectKv");
+    p.send(&EngineRequest::KvReady {
+        request: "stale".into(),
+        blocks: blocks.clone(),
+        num_tokens: 8 * 16,
+        first_token: 0,
+        prompt: None,
+        event: p.event(),
+    })
+    .expect("KvReady");
+    let done = loop {
+        if let e @ (AgentEvent::RequestDone { .. } | AgentEvent::RequestFailed { .. }) =
+            d.next_event().expect("decode event")
+        {
+            break e;
+        }
+    };
+    assert!(
+        matches!(&done, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
+        "{done:?}"
+    );
+    assert_eq!(
+        d.verify(6, &blocks, 0, 8 * 16).expect("read back"),
+        0,
+        "the request's KV, not the stale writes queued before it"
+    );
 }
 
 /// Both engines' pools in GPU memory behind one agent (its own process: a process cannot open
@@ -411,6 +485,7 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
         num_tokens: 20,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("ExpectKv");
     p.send(&EngineRequest::KvReady {

@@ -258,6 +258,7 @@ fn push_16_64_is_rejected_at_the_handshake_and_decode_keeps_serving() {
             num_tokens: 10,
             first_token: 0,
             prompt: None,
+            event: None,
         })
         .expect("ExpectKv");
         let event = d.next_event().expect("event");
@@ -327,6 +328,7 @@ fn a_foreign_prefill_is_unauthenticated_and_learns_nothing() {
         num_tokens: 10,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("send");
     assert_eq!(
@@ -341,6 +343,7 @@ fn a_foreign_prefill_is_unauthenticated_and_learns_nothing() {
         num_tokens: 10,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("send");
     let event = d.next_event().expect("event");
@@ -412,6 +415,7 @@ fn a_request_for_an_unknown_prefill_fails_within_its_deadline() {
         num_tokens: 10,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("send");
     let event = d.next_event().expect("event");
@@ -692,6 +696,7 @@ fn kv_ready_and_registration_arriving_together_always_match() {
             num_tokens: 16,
             first_token: 0,
             prompt: None,
+            event: None,
         };
         if i % 2 == 0 {
             p.send(&ready).expect("send");
@@ -824,6 +829,7 @@ fn decode_rank_gathers(mode: TransferMode) {
         num_tokens: 40,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("ExpectKv");
     let event = d.next_event().expect("event");
@@ -859,6 +865,7 @@ fn expect_from(d: &mut SyntheticEngine, request: &str, prefills: &[String]) {
         num_tokens: 40,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("ExpectKvFrom");
 }
@@ -901,6 +908,7 @@ fn a_stuck_prefill_is_lost_after_missed_heartbeats_not_at_the_deadline() {
         num_tokens: 100,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("ExpectKv");
     let event = d.next_event().expect("event");
@@ -958,6 +966,7 @@ fn two_decode_ranks_take_their_heads_from_one_prefill_rank_and_prefill_hears_onc
                 num_tokens: 40,
                 first_token: 0,
                 prompt: None,
+                event: None,
             })
             .expect("ExpectKv");
         }
@@ -1031,6 +1040,7 @@ fn given_every_prefill_rank_the_agent_asks_the_ones_holding_its_heads() {
             num_tokens: 40,
             first_token: 0,
             prompt: None,
+            event: None,
         })
         .expect("ExpectKvFromPool");
         let event = d.next_event().expect("event");

@@ -188,7 +188,7 @@ def test_lease_expiry_fails_the_request_on_prefill(world):
     assert event.type == "RequestFailed" and "LeaseExpired" in event.reasons, event.raw
 
 
-def test_a_kv_ready_naming_an_event_of_a_pool_that_registered_none_is_refused_naming_it(world):
+def test_a_kv_ready_or_expect_kv_naming_an_event_of_a_pool_that_registered_none_is_refused_naming_it(world):
     # The client puts the event a GPU pool recorded after the writes in KvReady; the agent
     # takes one only from a pool that registered such events (gpu.events), so from a host pool
     # it is refused, naming the field and value (and the request's blocks stay the engine's).
@@ -199,6 +199,13 @@ def test_a_kv_ready_naming_an_event_of_a_pool_that_registered_none_is_refused_na
     event = p.wait("named", timeout=10)
     assert event.type == "RequestFailed" and event.reasons == ["InvalidRequest"], event.raw
     assert "KvReady.event 3: this pool registered no gpu.events" in event.raw["message"], event.raw
+    # And so is decode's, in an ExpectKv (to one prefill or to a pool of ranks).
+    d = py_engine(world, world.agent("d"), "decode", g)
+    for ranks in ([p.address], [p.address, "127.0.0.1:9"]):
+        d.expect_kv(f"named-{len(ranks)}", ranks, [0], 10, event=1)
+        event = d.wait(f"named-{len(ranks)}", timeout=10)
+        assert event.type == "RequestFailed" and event.reasons == ["InvalidRequest"], event.raw
+        assert "event 1: this pool registered no gpu.events" in event.raw["message"], event.raw
 
 
 def test_a_killed_prefill_agent_fails_decodes_request_with_peer_lost(world):

@@ -321,12 +321,31 @@ def test_driver_calls_run_in_a_context_of_the_kv_caches_device_or_are_refused():
 
 
 def test_decode_waits_for_every_kernel_on_its_device_before_new_receives(monkeypatch):
+    # Without events (an agent that cannot open them): the engine's thread synchronizes the
+    # device. With them: the next one is recorded on the current stream and named, in turn, and
+    # nothing waits here (the agent lets nothing write the blocks before it passed). The CUDA
+    # half stands in (no GPU here): its events and stream are recorded, not run.
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream", device))
     kv_ = direct.DirectKv.__new__(direct.DirectKv)
     kv_.device = torch.device("cuda", 3)
-    kv_.before_receive()
+    kv_.events, kv_.last = [], None
+    assert kv_.before_receive() is None
     assert synced == [torch.device("cuda", 3)]
+
+    class Event:
+        def __init__(self):
+            self.on = []
+
+        def record(self, stream):
+            self.on.append(stream)
+
+    kv_.events = [Event() for _ in range(3)]
+    assert [kv_.before_receive() for _ in range(4)] == [0, 1, 2, 0]
+    assert synced == [torch.device("cuda", 3)], "nothing more synchronized"
+    assert [len(e.on) for e in kv_.events] == [2, 1, 1]
+    assert kv_.events[0].on[0] == ("stream", torch.device("cuda", 3))
 
 
 def test_gpu_memory_shared_as_descriptors_reaches_the_agent_before_the_registration(world):

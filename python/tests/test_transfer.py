@@ -222,12 +222,13 @@ def test_the_stager_is_told_before_the_agent_is_asked_for_new_receives():
     class Recording(Stager):
         def before_receive(self):
             calls.append("before_receive")
+            return 7  # the pool's event recorded after the engine's work so far
 
     class Client:
         closed = None
 
         def expect_kv(self, request, *args, **kw):
-            calls.append(f"expect_kv {request}")
+            calls.append(f"expect_kv {request} event {kw.get('event')}")
 
     w = WorkerState(Client(), Recording())
     w.start(Plan())
@@ -235,7 +236,7 @@ def test_the_stager_is_told_before_the_agent_is_asked_for_new_receives():
     recv = lambda r: Recv(request=r, agent_request=f"a-{r}", prefill_ranks=["10.0.0.1:7000"], logical_blocks=[1],
                           first_token=0, num_tokens=16)
     w.start(Plan(recvs=[recv("r1"), recv("r2")]))
-    assert calls == ["before_receive", "expect_kv a-r1", "expect_kv a-r2"]
+    assert calls == ["before_receive", "expect_kv a-r1 event 7", "expect_kv a-r2 event 7"]
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,7 @@ fn push_one(p: &mut SyntheticEngine, d: &mut SyntheticEngine, request: &str, see
         num_tokens: 100,
         first_token: 0,
         prompt: Some(pdpair_agent::synthetic::prompt(seed, 100)),
+        event: None,
     })
     .expect("send");
     d.next_event().expect("event")
@@ -221,6 +222,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         num_tokens: 10,
         first_token: 0,
         prompt: None,
+        event: None,
     })
     .expect("send");
     let event = d.next_event().expect("event");

@@ -395,6 +395,7 @@ fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
                     num_tokens: 64,
                     first_token: 0,
                     prompt: None,
+                    event: None,
                 });
             }
             frames

@@ -294,6 +294,9 @@ impl Engine {
         ) {
             return;
         }
+        if let Err(why) = self.check_event("ExpectKv", want.event) {
+            return self.refuse(request, vec![Reason::InvalidRequest], why);
+        }
         if lock(&self.linking).contains_key(&request) {
             return self.refuse_taken(request, LINKING);
         }
@@ -368,6 +371,7 @@ impl Engine {
             }
         }
         let deadline = Instant::now() + self.handshake_timeout() + self.lease();
+        let event = want.event;
         let (taken, full) = {
             // Checked again with the insert, under one lock: another thread (an
             // `ExpectKvFromPool` done linking) may have asked for the name since.
@@ -415,6 +419,19 @@ impl Engine {
         if let Some(why) = full {
             return self.refuse(request, vec![Reason::Busy], why);
         }
+        // Nothing writes a GPU pool's blocks (prefill's push, our pull: both only after the
+        // registration below) before the engine's work queued before this request (kernels that
+        // may still touch blocks it now gives to it) is done: the event its ExpectKv named.
+        if let (Some(device), Some(_)) = (&self.device, event)
+            && let Err(e) = device.wait_written(event, deadline)
+        {
+            return self.fail_pending(
+                &request,
+                vec![Reason::TransferTimeout],
+                format!("the engine's event {} before this request: {e}", event.unwrap_or(0)),
+                None,
+            );
+        }
         for prefill in prefills {
             let mut peers = lock(&self.peers);
             match peers.get_mut(&prefill) {
@@ -448,6 +465,9 @@ impl Engine {
             (want.first_token, want.num_tokens),
         ) {
             return;
+        }
+        if let Err(why) = self.check_event("ExpectKvFromPool", want.event) {
+            return self.refuse(request, vec![Reason::InvalidRequest], why);
         }
         if prefill_ranks.is_empty() || prefill_ranks.len() > 1024 {
             return self.refuse(

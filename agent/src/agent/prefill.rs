@@ -1185,18 +1185,18 @@ impl Engine {
         crate::agent::check_blocks(blocks, link.peer.memory.num_blocks).map_err(|e| format!("decode's {e}"))
     }
 
-    pub(super) fn kv_ready(self: &Arc<Self>, request: String, want: Want, event: Option<u32>) {
+    pub(super) fn kv_ready(self: &Arc<Self>, request: String, want: Want) {
         let Want {
             blocks,
             num_tokens,
             first_token,
             prompt,
+            event,
         } = want;
         if !self.accept_request(Role::Prefill, "KvReady", &request, &blocks, (first_token, num_tokens)) {
             return;
         }
-        let events = self.device.as_ref().map_or(0, |d| d.events());
-        if let Err(why) = check_event(event, events) {
+        if let Err(why) = self.check_event("KvReady", event) {
             return self.refuse(request, vec![Reason::InvalidRequest], why);
         }
         let ready = Ready {
@@ -1628,23 +1628,6 @@ fn pair_blocks(block_size: u32, ready: &Ready, reg: &Registration) -> Result<Pai
     Ok(out)
 }
 
-/// Checks a KvReady's `event` against the `events` its GPU pool registered (`gpu.events`):
-/// required where there are any, one of them, refused where there are none.
-pub(super) fn check_event(event: Option<u32>, events: usize) -> Result<(), String> {
-    match event {
-        Some(e) if (e as usize) < events => Ok(()),
-        Some(e) if events == 0 => Err(format!("KvReady.event {e}: this pool registered no gpu.events")),
-        Some(e) => Err(format!(
-            "KvReady.event {e}: the pool registered {events} gpu.events (0..={})",
-            events - 1
-        )),
-        None if events > 0 => Err(format!(
-            "KvReady.event is missing: this pool registered {events} gpu.events, and the agent reads its blocks only after the one recorded after their writes"
-        )),
-        None => Ok(()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1696,23 +1679,30 @@ mod tests {
 
     #[test]
     fn a_kv_ready_names_one_of_the_pools_events_where_it_registered_them_and_none_elsewhere() {
-        assert_eq!(check_event(None, 0), Ok(()));
-        assert_eq!(check_event(Some(3), 4), Ok(()));
-        assert_eq!(check_event(Some(0), 1), Ok(()));
-        let e = check_event(Some(4), 4).expect_err("past the last");
+        let check = |event, events| crate::agent::check_event("KvReady", event, events, true);
+        assert_eq!(check(None, 0), Ok(()));
+        assert_eq!(check(Some(3), 4), Ok(()));
+        assert_eq!(check(Some(0), 1), Ok(()));
+        let e = check(Some(4), 4).expect_err("past the last");
         assert!(
             e.contains("KvReady.event 4") && e.contains("4 gpu.events (0..=3)"),
             "{e}"
         );
-        let e = check_event(Some(u32::MAX), 64).expect_err("far past");
+        let e = check(Some(u32::MAX), 64).expect_err("far past");
         assert!(e.contains(&format!("KvReady.event {}", u32::MAX)), "{e}");
-        let e = check_event(Some(0), 0).expect_err("no events");
+        let e = check(Some(0), 0).expect_err("no events");
         assert!(e.contains("KvReady.event 0: this pool registered no gpu.events"), "{e}");
-        let e = check_event(None, 2).expect_err("required");
+        let e = check(None, 2).expect_err("required");
         assert!(
             e.contains("KvReady.event is missing") && e.contains("2 gpu.events"),
             "{e}"
         );
+        // Decode's ExpectKv may name none (the engine waited itself), never one past the last.
+        let decode = |event, events| crate::agent::check_event("ExpectKv", event, events, false);
+        assert_eq!(decode(None, 2), Ok(()));
+        assert_eq!(decode(Some(1), 2), Ok(()));
+        assert!(decode(Some(2), 2).is_err_and(|e| e.contains("ExpectKv.event 2")));
+        assert!(decode(Some(0), 0).is_err_and(|e| e.contains("ExpectKv.event 0: this pool registered no gpu.events")));
     }
 
     fn reg(first: u64, blocks: Vec<u32>) -> Registration {

@@ -54,8 +54,9 @@ pub struct GpuEngine {
     /// `gpu.events`, and the one the last fill recorded.
     ring: Vec<IpcEvent>,
     last: Option<u32>,
-    /// What [`GpuEngine::busy`] copies within.
+    /// What [`GpuEngine::busy`] copies within, and what [`GpuEngine::stale_writes`] writes.
     scratch: Option<DeviceMemory>,
+    marker: Option<DeviceMemory>,
     /// What the last fill is still copying from (page-locked: the copies run after the fill
     /// returns, as a forward pass's writes would).
     staging: Vec<PinnedBuffer>,
@@ -178,6 +179,7 @@ impl GpuEngine {
                     ring,
                     last: None,
                     scratch: None,
+                    marker: None,
                     staging: Vec::new(),
                     address,
                 })
@@ -267,6 +269,34 @@ impl GpuEngine {
     /// next forward pass: work after the last fill's, on the same stream, touching none of the
     /// pool) and records its events after them, without waiting.
     pub fn busy(&mut self, bytes: usize, copies: u32) -> Result<(), String> {
+        self.queue_busy(bytes, copies)?;
+        self.record()
+    }
+
+    /// Decode: work queued before a receive that still writes the pool, as a finished request's
+    /// kernels may still run when the engine gives its blocks to a new one: [`GpuEngine::busy`]'s
+    /// copies, then `0xee` over every region; the engine's events recorded after it, without
+    /// waiting ([`GpuEngine::event`] names the one for the `ExpectKv`).
+    pub fn stale_writes(&mut self, bytes: usize, copies: u32) -> Result<(), String> {
+        let lens = self.layout.region_lens();
+        let most = lens.iter().copied().max().unwrap_or(0);
+        if self.marker.as_ref().is_none_or(|m| m.len() < most) {
+            let marker = DeviceMemory::alloc(&self.gpu, most).map_err(|e| e.to_string())?;
+            marker.write(0, &vec![0xee; most]).map_err(|e| e.to_string())?;
+            self.marker = Some(marker);
+        }
+        self.queue_busy(bytes, copies)?;
+        if let Some(marker) = &self.marker {
+            for (r, len) in lens.iter().enumerate() {
+                self.gpu
+                    .copy(&self.memory[self.of[r]], self.offsets[r], marker, 0, *len)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        self.record()
+    }
+
+    fn queue_busy(&mut self, bytes: usize, copies: u32) -> Result<(), String> {
         if self.scratch.as_ref().is_none_or(|s| s.len() < 2 * bytes) {
             self.scratch = Some(DeviceMemory::alloc(&self.gpu, 2 * bytes).map_err(|e| e.to_string())?);
         }
@@ -278,7 +308,7 @@ impl GpuEngine {
                     .map_err(|e| e.to_string())?;
             }
         }
-        self.record()
+        Ok(())
     }
 
     /// Whether the engine's work queued so far is done (its one event's latest record passed).
@@ -286,8 +316,8 @@ impl GpuEngine {
         self.event.passed().map_err(|e| e.to_string())
     }
 
-    /// Prefill: the event of `gpu.events` the last fill recorded, for its `KvReady` (`None`
-    /// without them).
+    /// The event of `gpu.events` recorded last (by a fill, for its `KvReady`; by
+    /// [`GpuEngine::stale_writes`], for an `ExpectKv`); `None` without them.
     pub fn event(&self) -> Option<u32> {
         self.last
     }

@@ -206,6 +206,7 @@ pub fn request(p: &mut SyntheticEngine, d: &mut SyntheticEngine, r: Req<'_>) -> 
         num_tokens: r.tokens,
         first_token: r.d_first,
         prompt: Some(pdpair_agent::synthetic::prompt(r.seed, r.tokens)),
+        event: None,
     })
     .expect("ExpectKv");
     let event = d.next_event().expect("D event");
@@ -320,6 +321,7 @@ pub fn expect_kv_of(
         num_tokens,
         first_token: 0,
         prompt,
+        event: None,
     })
     .expect("ExpectKv");
 }

@@ -373,10 +373,12 @@ class AgentClient:
         self.send(message)
 
     def expect_kv(self, request: str, prefill_ranks: List[str], blocks: List[int], num_tokens: int, first_token: int = 0,
-                  prompt: Optional[str] = None) -> None:
+                  prompt: Optional[str] = None, event: Optional[int] = None) -> None:
         """Decode: KV for ``request`` comes from the prefill pool whose ranks' addresses are
         ``prefill_ranks`` (the agent picks which ranks hold this rank's heads). ``prompt``: its
-        prompt digest (hex), which prefill's must equal."""
+        prompt digest (hex), which prefill's must equal. ``event``: which of the GPU pool's
+        ``gpu.events`` the engine recorded after its work so far (nothing writes the blocks
+        before it passed)."""
         if len(prefill_ranks) == 1:
             message = {"type": "ExpectKv", "prefill": prefill_ranks[0]}
         else:
@@ -384,6 +386,8 @@ class AgentClient:
         message.update({"request": request, "blocks": blocks, "num_tokens": num_tokens, "first_token": first_token})
         if prompt is not None:
             message["prompt"] = prompt
+        if event is not None:
+            message["event"] = event
         self.send(message)
 
     def release(self, request: str, prefill: Union[str, List[str]], prompt: Optional[str] = None) -> None:

@@ -529,11 +529,19 @@ class DirectKv(Stager):
         self.events[self.last].record(stream)
         return self.last
 
-    def before_receive(self) -> None:
+    def before_receive(self) -> Optional[int]:
         # The agent writes into the blocks of new receives on its own stream: kernels this
-        # engine queued before, on any stream (reading blocks a finished request left, now
-        # given to the receive), must be done first.
-        torch.cuda.synchronize(self.device)
+        # engine queued before (reading or writing blocks a finished request left, now given to
+        # the receive) must be done first. With events, the next one recorded on the current
+        # stream, which vLLM's forward passes run on, and named in the ExpectKv: the agent lets
+        # nothing write the blocks before it passed, and this thread does not wait. Without
+        # them, every stream of the device synchronized.
+        if not self.events:
+            torch.cuda.synchronize(self.device)
+            return None
+        self.last = 0 if self.last is None else (self.last + 1) % len(self.events)
+        self.events[self.last].record(torch.cuda.current_stream(self.device))
+        return self.last
 
     def load(self, blocks: List[int]) -> None:
         return  # the agent wrote them in place

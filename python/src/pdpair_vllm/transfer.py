@@ -427,8 +427,10 @@ class Stager:
         returns the pool's event recorded after the writes, for the ``KvReady`` to name, if any."""
         raise NotImplementedError
 
-    def before_receive(self) -> None:
-        """Before the agent is asked for new receives' blocks (it may write them at once)."""
+    def before_receive(self) -> Optional[int]:
+        """Before the agent is asked for new receives' blocks (it may write them at once);
+        returns the pool's event recorded after the engine's work so far, for the ``ExpectKv``
+        to name (the agent writes nothing before it passed), if any."""
 
     def load(self, blocks: List[int]) -> None:  # pool -> KV cache
         raise NotImplementedError
@@ -649,8 +651,7 @@ class WorkerState:
     @_locked
     def start(self, plan: Plan) -> None:
         """Before the forward pass: ask for the KV of new receives, release, renew, cancel."""
-        if plan.recvs:
-            self.stager.before_receive()
+        event = self.stager.before_receive() if plan.recvs else None
         for recv in plan.recvs:
             if recv.fail is not None:
                 self._fail_locally(recv)
@@ -670,7 +671,7 @@ class WorkerState:
             self._asked[recv.agent_request] = time.monotonic()
             self._by_request[recv.request] = recv.agent_request
             self._call(self.client.expect_kv, recv.agent_request, recv.prefill_ranks, self._kernel(recv.logical_blocks),
-                       recv.num_tokens, recv.first_token, prompt=recv.prompt)
+                       recv.num_tokens, recv.first_token, prompt=recv.prompt, event=event)
         if not self._gone():
             # Every rank releases every prefill rank, in one message (a second release of the
             # name while the first is expected is refused); a prefill rank serving several
