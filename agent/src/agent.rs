@@ -638,6 +638,7 @@ impl Agent {
             },
             gpu_pools_refused: refused,
             gpu_between_agents: self.shared.transport.stream().is_some(),
+            gpu_events: true,
         }
     }
 

@@ -826,6 +826,12 @@ pub enum AgentEvent {
         /// (`gpu.regions[].ipc_handle`, `cudaMalloc` memory) and `vmm_fd` (`ShareGpuMemory`).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         gpu_sharing: Vec<String>,
+        /// Whether a GPU pool's `gpu.events` are taken, and the `event` a `KvReady` or an
+        /// `ExpectKv` names waited for. An agent from before them answers without this field and
+        /// ignores both: an engine must then not rely on them (a decode engine synchronizes
+        /// before new receives; a prefill's `gpu.event` is still waited for).
+        #[serde(default)]
+        gpu_events: bool,
     },
     /// The pool is registered; peers reach this engine at `address`.
     Registered {

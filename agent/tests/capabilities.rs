@@ -67,6 +67,7 @@ fn capabilities_say_what_ucx_and_the_driver_allow_and_registration_follows_on_th
         gpu_pools_refused,
         gpu_between_agents,
         gpu_sharing,
+        gpu_events,
     } = ask(&mut s, &EngineRequest::Capabilities)
     else {
         panic!("not Capabilities");
@@ -74,6 +75,7 @@ fn capabilities_say_what_ucx_and_the_driver_allow_and_registration_follows_on_th
     println!("UCX {ucx_version}: {ucx_memory_types:?}; GPUs {gpus:?}; refused: {gpu_pools_refused:?}");
     assert_eq!(api_version, pdpair_agent::engine_api::API_VERSION);
     assert_eq!(agent, "a");
+    assert!(gpu_events, "this agent waits for the event a KvReady or ExpectKv names");
     assert_eq!(ucx_version, ucx::version());
     // What this UCX reports, from its own context.
     let types = ucx::Context::new(Transport::Auto, None)

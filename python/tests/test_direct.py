@@ -320,6 +320,19 @@ def test_driver_calls_run_in_a_context_of_the_kv_caches_device_or_are_refused():
         direct._ensure_context(_Driver(0x7000, 0), 1)
 
 
+def test_events_are_registered_only_with_an_agent_that_says_it_waits_for_them(world):
+    # An agent from before gpu.events ignores them and the event an ExpectKv names: decode
+    # skipping its synchronize for them would let the agent write blocks kernels still touch.
+    g = kv(block=16, layers=2)
+    c = AgentClient.register(world.agent("a").socket, reg(world, "decode", g, 4))
+    caps = c.capabilities
+    c.close()
+    assert caps.get("gpu_events") is True and direct.takes_events(caps)
+    older = {k: v for k, v in caps.items() if k != "gpu_events"}
+    assert not direct.takes_events(older)
+    assert not direct.takes_events(dict(caps, gpu_events="yes"))
+
+
 def test_decode_waits_for_every_kernel_on_its_device_before_new_receives(monkeypatch):
     # Without events (an agent that cannot open them): the engine's thread synchronizes the
     # device. With them: the next one is recorded on the current stream and named, in turn, and

@@ -467,7 +467,7 @@ class DirectKv(Stager):
     in_place = True
 
     def __init__(self, tensors: Sequence[torch.Tensor], layout: PoolLayout, device: torch.device, uuid: str,
-                 by_ipc: Optional[Sequence[bool]] = None, event: bool = True):
+                 by_ipc: Optional[Sequence[bool]] = None, event: bool = True, events: bool = True):
         self.tensors = list(tensors)
         self.layout = layout
         self.device = device
@@ -481,7 +481,7 @@ class DirectKv(Stager):
         self.event = torch.cuda.Event(enable_timing=False, interprocess=True) if event else None
         #: The events a ``KvReady`` names (``gpu.events``), and the one recorded last.
         self.events = [torch.cuda.Event(enable_timing=False, interprocess=True) for _ in range(EVENTS)] \
-            if event else []
+            if event and events else []
         self.last: Optional[int] = None
         if self.event is not None:
             self.event.record(torch.cuda.current_stream(device))
@@ -547,6 +547,13 @@ class DirectKv(Stager):
         return  # the agent wrote them in place
 
 
+def takes_events(capabilities: Mapping) -> bool:
+    """Whether the agent takes ``gpu.events`` and waits for the one a ``KvReady`` or an
+    ``ExpectKv`` names (its ``Capabilities`` say ``gpu_events``); one from before them ignores
+    them, and decode must then synchronize before new receives."""
+    return capabilities.get("gpu_events") is True
+
+
 def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapping,
          across_nodes: bool = True, event: bool = True) -> DirectKv:
     """The direct pool for these tensors, or :class:`DirectRefused` saying why not
@@ -567,7 +574,10 @@ def plan(tensors: Sequence[torch.Tensor], layout: PoolLayout, capabilities: Mapp
             "the KV cache's memory cannot be shared by CUDA IPC handle (torch's expandable_segments, or another "
             "allocator than cudaMalloc), and the agent takes no VMM descriptors (its gpu_sharing lacks vmm_fd)"
         )
-    return DirectKv(tensors, layout, first.device, uuid, by_ipc=by_ipc, event=event)
+    # Events a KvReady or ExpectKv names only where the agent says it waits for them (one from
+    # before them ignores them: decode then synchronizes before new receives).
+    return DirectKv(tensors, layout, first.device, uuid, by_ipc=by_ipc, event=event,
+                    events=event and takes_events(capabilities))
 
 
 def _short(text: str) -> str:
