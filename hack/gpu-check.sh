@@ -77,12 +77,12 @@ reap() {
     fi
   done
 }
-# Each phase's limit keeps the whole script under about 520 s however it goes (the limits add up
-# to 30+20+10+30 = 90 before, 100+110+30+110+60 = 410 for the phases, 20 for UCX 1.22; ldconfig,
+# Each phase's limit keeps the whole script under about 540 s however it goes (the limits add up
+# to 30+20+10+30 = 90 before, 120+110+30+110+60 = 430 for the phases, 20 for UCX 1.22; ldconfig,
 # unshare and the reaping take seconds), which leaves a device session room to look at the
 # reports; a phase that hangs loses its own rows only.
 echo "== GPU tests"
-PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 100 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |
+PDPAIR_AGENT_BIN=$bundle/pdpair-agent timeout 120 "$bundle/gpu-tests" --ignored --test-threads=1 2>&1 |
   tee "$out/gpu-tests.txt" || rc=1
 reap
 echo "== gpu-check"
