@@ -648,6 +648,12 @@ fn an_agent_holds_a_bounded_number_of_engines_and_takes_another_once_one_goes() 
     drop((held, newcomer));
 }
 
+/// Whether `answer` fails `request` as `InvalidRequest`, its message containing `expected`.
+fn invalid(answer: &AgentEvent, request: &str, expected: &str) -> bool {
+    matches!(answer, AgentEvent::RequestFailed { request: r, reasons, message }
+        if r == request && reasons == &["InvalidRequest".to_owned()] && message.contains(expected))
+}
+
 #[test]
 fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_registered() {
     use std::io::Read;
@@ -673,11 +679,7 @@ fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_reg
     ] {
         let request = frame["request"].as_str().expect("named").to_owned();
         let answer = ask_raw(&mut s, &frame);
-        assert!(
-            matches!(&answer, AgentEvent::RequestFailed { request: r, reasons, message }
-                if *r == request && reasons == &["InvalidRequest".to_owned()] && message.contains(expected)),
-            "{expected}: {answer:?}"
-        );
+        assert!(invalid(&answer, &request, expected), "{expected}: {answer:?}");
     }
     // A request id past the bound is refused (ids are kept while their requests live).
     let long = "r".repeat(pdpair_agent::engine_api::MAX_REQUEST_ID + 1);
@@ -711,9 +713,7 @@ fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_reg
         },
     );
     assert!(
-        matches!(&answer, AgentEvent::RequestFailed { request, reasons, message }
-            if request == "named" && reasons == &["InvalidRequest".to_owned()]
-                && message.contains("KvReady.event 0: this pool registered no gpu.events")),
+        invalid(&answer, "named", "KvReady.event 0: this pool registered no gpu.events"),
         "{answer:?}"
     );
     // So is one named in a decode's ExpectKv.
@@ -735,9 +735,7 @@ fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_reg
         },
     );
     assert!(
-        matches!(&answer, AgentEvent::RequestFailed { request, reasons, message }
-            if request == "named" && reasons == &["InvalidRequest".to_owned()]
-                && message.contains("ExpectKv.event 2: this pool registered no gpu.events")),
+        invalid(&answer, "named", "ExpectKv.event 2: this pool registered no gpu.events"),
         "{answer:?}"
     );
     // The connection still serves.

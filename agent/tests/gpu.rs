@@ -226,41 +226,85 @@ fn gpu_to_gpu(
     d_blocks: &[u32],
     tokens: u64,
 ) {
-    use pdpair_agent::engine_api::{AgentEvent, EngineRequest};
     d.clear().expect("clear");
     p.fill(seed, p_blocks, 0, tokens).expect("fill");
-    d.send(&EngineRequest::ExpectKv {
+    expect_kv(d, p, request, d_blocks, tokens, None);
+    let event = p.event();
+    kv_ready(p, request, p_blocks, tokens, event);
+    let done = request_end(d);
+    landed(d, request, &done, seed, d_blocks, tokens);
+}
+
+/// Decode `d` expects `request` from `p` into `blocks` (`event`: the one of its `gpu.events` it
+/// names).
+fn expect_kv(
+    d: &mut pdpair_agent::synthetic::gpu::GpuEngine,
+    p: &pdpair_agent::synthetic::gpu::GpuEngine,
+    request: &str,
+    blocks: &[u32],
+    tokens: u64,
+    event: Option<u32>,
+) {
+    d.send(&pdpair_agent::engine_api::EngineRequest::ExpectKv {
         request: request.into(),
         prefill: p.address.clone(),
-        blocks: d_blocks.to_vec(),
+        blocks: blocks.to_vec(),
         num_tokens: tokens,
         first_token: 0,
         prompt: None,
-        event: None,
+        event,
     })
     .expect("ExpectKv");
-    p.send(&EngineRequest::KvReady {
+}
+
+/// Prefill `p` says `request`'s KV is ready in `blocks` (`event`: the one of its `gpu.events`
+/// recorded after the writes).
+fn kv_ready(
+    p: &mut pdpair_agent::synthetic::gpu::GpuEngine,
+    request: &str,
+    blocks: &[u32],
+    tokens: u64,
+    event: Option<u32>,
+) {
+    p.send(&pdpair_agent::engine_api::EngineRequest::KvReady {
         request: request.into(),
-        blocks: p_blocks.to_vec(),
+        blocks: blocks.to_vec(),
         num_tokens: tokens,
         first_token: 0,
         prompt: None,
-        event: p.event(),
+        event,
     })
     .expect("KvReady");
-    let done = loop {
+}
+
+/// Decode's next `RequestDone` or `RequestFailed`.
+fn request_end(d: &mut pdpair_agent::synthetic::gpu::GpuEngine) -> pdpair_agent::engine_api::AgentEvent {
+    use pdpair_agent::engine_api::AgentEvent;
+    loop {
         if let e @ (AgentEvent::RequestDone { .. } | AgentEvent::RequestFailed { .. }) =
             d.next_event().expect("decode event")
         {
-            break e;
+            return e;
         }
-    };
+    }
+}
+
+/// `done` is `request`'s `RequestDone` with its checksums Verified, and every byte of the
+/// pattern `seed` is in `d`'s `blocks` (read back from the GPU).
+fn landed(
+    d: &pdpair_agent::synthetic::gpu::GpuEngine,
+    request: &str,
+    done: &pdpair_agent::engine_api::AgentEvent,
+    seed: u64,
+    blocks: &[u32],
+    tokens: u64,
+) {
     assert!(
-        matches!(&done, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
+        matches!(done, pdpair_agent::engine_api::AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
         "{request}: {done:?}"
     );
     assert_eq!(
-        d.verify(seed, d_blocks, 0, tokens).expect("read back"),
+        d.verify(seed, blocks, 0, tokens).expect("read back"),
         0,
         "{request}: every byte arrived"
     );
@@ -274,10 +318,7 @@ fn gpu_to_gpu(
 #[test]
 #[ignore = "needs an NVIDIA GPU: make gpu-check"]
 fn a_request_waits_for_the_event_its_kv_ready_names_not_for_later_work() {
-    use pdpair_agent::{
-        engine_api::{AgentEvent, EngineRequest},
-        synthetic::gpu::{EVENTS, GpuEngine, Sharing},
-    };
+    use pdpair_agent::synthetic::gpu::{EVENTS, GpuEngine, Sharing};
     use pdpair_api::{ChecksumPolicy, Role};
 
     let g = gpu();
@@ -309,43 +350,17 @@ fn a_request_waits_for_the_event_its_kv_ready_names_not_for_later_work() {
         p.fill(5, &blocks, 0, 8 * 16).expect("fill");
         let named = p.event();
         assert_eq!(named.is_some(), events > 0);
-        d.send(&EngineRequest::ExpectKv {
-            request: tag.into(),
-            prefill: p.address.clone(),
-            blocks: blocks.clone(),
-            num_tokens: 8 * 16,
-            first_token: 0,
-            prompt: None,
-            event: None,
-        })
-        .expect("ExpectKv");
+        expect_kv(&mut d, &p, tag, &blocks, 8 * 16, None);
         // Decode's registration reaches prefill first, so the push starts at the KvReady.
         std::thread::sleep(std::time::Duration::from_millis(200));
         // The next forward pass: 500 copies of 2 GiB (about 1 TiB read and written: hundreds of
         // milliseconds or more on one GPU), queued and its events recorded before the KvReady of
         // the request that came before it.
         p.busy(2 << 30, 500).expect("busy");
-        p.send(&EngineRequest::KvReady {
-            request: tag.into(),
-            blocks: blocks.clone(),
-            num_tokens: 8 * 16,
-            first_token: 0,
-            prompt: None,
-            event: named,
-        })
-        .expect("KvReady");
-        let done = loop {
-            if let e @ (AgentEvent::RequestDone { .. } | AgentEvent::RequestFailed { .. }) =
-                d.next_event().expect("decode event")
-            {
-                break e;
-            }
-        };
+        kv_ready(&mut p, tag, &blocks, 8 * 16, named);
+        let done = request_end(&mut d);
+        // Asked before the read-back, which waits for the GPU (the engines share its stream).
         let later_work_done = p.idle().expect("query");
-        assert!(
-            matches!(&done, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
-            "{tag}: {done:?}"
-        );
         if events > 0 {
             assert!(
                 !later_work_done,
@@ -357,11 +372,7 @@ fn a_request_waits_for_the_event_its_kv_ready_names_not_for_later_work() {
                 "{tag}: without events it waits for the engine's latest record"
             );
         }
-        assert_eq!(
-            d.verify(5, &blocks, 0, 8 * 16).expect("read back"),
-            0,
-            "{tag}: every byte"
-        );
+        landed(&d, tag, &done, 5, &blocks, 8 * 16);
     }
 }
 
@@ -372,10 +383,7 @@ fn a_request_waits_for_the_event_its_kv_ready_names_not_for_later_work() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: make gpu-check"]
 fn a_receive_waits_for_the_event_its_expect_kv_names_before_its_blocks_are_written() {
-    use pdpair_agent::{
-        engine_api::{AgentEvent, EngineRequest},
-        synthetic::gpu::GpuEngine,
-    };
+    use pdpair_agent::synthetic::gpu::GpuEngine;
     use pdpair_api::{ChecksumPolicy, Role};
 
     let g = gpu();
@@ -400,41 +408,12 @@ fn a_receive_waits_for_the_event_its_expect_kv_names_before_its_blocks_are_writt
     d.stale_writes(2 << 30, 250).expect("stale writes");
     let named = d.event();
     assert!(named.is_some());
-    d.send(&EngineRequest::ExpectKv {
-        request: "stale".into(),
-        prefill: p.address.clone(),
-        blocks: blocks.clone(),
-        num_tokens: 8 * 16,
-        first_token: 0,
-        prompt: None,
-        event: named,
-    })
-    .expect("ExpectKv");
-    p.send(&EngineRequest::KvReady {
-        request: "stale".into(),
-        blocks: blocks.clone(),
-        num_tokens: 8 * 16,
-        first_token: 0,
-        prompt: None,
-        event: p.event(),
-    })
-    .expect("KvReady");
-    let done = loop {
-        if let e @ (AgentEvent::RequestDone { .. } | AgentEvent::RequestFailed { .. }) =
-            d.next_event().expect("decode event")
-        {
-            break e;
-        }
-    };
-    assert!(
-        matches!(&done, AgentEvent::RequestDone { checksum: Some(c), .. } if c == "Verified"),
-        "{done:?}"
-    );
-    assert_eq!(
-        d.verify(6, &blocks, 0, 8 * 16).expect("read back"),
-        0,
-        "the request's KV, not the stale writes queued before it"
-    );
+    expect_kv(&mut d, &p, "stale", &blocks, 8 * 16, named);
+    let event = p.event();
+    kv_ready(&mut p, "stale", &blocks, 8 * 16, event);
+    // The request's KV, not the stale writes queued before it.
+    let done = request_end(&mut d);
+    landed(&d, "stale", &done, 6, &blocks, 8 * 16);
 }
 
 /// Both engines' pools in GPU memory behind one agent (its own process: a process cannot open

@@ -30,6 +30,18 @@ def py_engine(world, agent, role, geometry, *, mode="Push", checksum="FailClosed
     return AgentClient.register(agent.socket, reg)
 
 
+def decode_takes(dd: AgentClient, rp, addr: str, request: str, blocks, num_tokens: int, seed: int) -> None:
+    """The Python decode ``dd`` takes ``request`` from the Rust prefill ``rp`` (at ``addr``) into
+    ``blocks``, cleared first: checksums Verified, every byte of the pattern ``seed`` checked with
+    Python's layout, and the Rust engine saw it done."""
+    synthetic.clear(dd.pools, dd.layout, blocks)
+    dd.expect_kv(request, [addr], blocks, num_tokens)
+    event = dd.wait(request)
+    assert event.type == "RequestDone" and event.raw["checksum"] == "Verified", event.raw
+    assert synthetic.verify(dd.pools, dd.layout, seed, blocks, 0, num_tokens) == 0
+    assert rust_result(rp)["type"] == "RequestDone"
+
+
 @pytest.mark.parametrize("mode", ["Push", "Pull"])
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_python_prefill_to_rust_decode_and_back_byte_exact(world, mode, transport):
@@ -49,12 +61,7 @@ def test_python_prefill_to_rust_decode_and_back_byte_exact(world, mode, transpor
     # Rust prefill -> Python decode (Python checks every byte with its layout and pattern).
     rp, addr = rust_engine(world, pa, manifest, "prefill", request="r2", blocks=[0, 2, 7], num_tokens=37, seed=12)
     dd = py_engine(world, da, "decode", g, mode=mode)
-    synthetic.clear(dd.pool, dd.layout, [6, 4, 1])
-    dd.expect_kv("r2", [addr], [6, 4, 1], 37)
-    event = dd.wait("r2")
-    assert event.type == "RequestDone" and event.raw["checksum"] == "Verified", event.raw
-    assert synthetic.verify(dd.pool, dd.layout, 12, [6, 4, 1], 0, 37) == 0
-    assert rust_result(rp)["type"] == "RequestDone"
+    decode_takes(dd, rp, addr, "r2", [6, 4, 1], 37, 12)
     # The pattern check itself sees a wrong byte.
     dd.pool[dd.layout.block_offset(1, True, 4)[1] + 3] ^= 0xFF
     assert synthetic.verify(dd.pool, dd.layout, 12, [6, 4, 1], 0, 37) == 1
@@ -79,11 +86,7 @@ def test_k_and_v_interleaved_per_block_flashinfer_style_moves_byte_exact_both_wa
     rp, addr = rust_engine(world, pa, manifest, "prefill", request="fi2", blocks=[5, 6], num_tokens=30, seed=62,
                            arrangement="BlocksFirst")
     dd = py_engine(world, da, "decode", g, mode=mode)
-    dd.expect_kv("fi2", [addr], [7, 8], 30)
-    event = dd.wait("fi2")
-    assert event.type == "RequestDone" and event.raw["checksum"] == "Verified", event.raw
-    assert synthetic.verify(dd.pool, dd.layout, 62, [7, 8], 0, 30) == 0
-    assert rust_result(rp)["type"] == "RequestDone"
+    decode_takes(dd, rp, addr, "fi2", [7, 8], 30, 62)
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2)])
@@ -328,12 +331,7 @@ def test_pools_in_several_regions_move_byte_exact_between_python_and_rust(world,
     rp, addr = rust_engine(world, pa, manifest, "prefill", request="rg2", blocks=[6, 7], num_tokens=30, seed=72,
                            regions=[(2, None), (2, "BlocksFirst")])
     dd = py_engine(world, da, "decode", g, mode=mode, regions=[(1, None)] * 4)
-    synthetic.clear(dd.pools, dd.layout, [8, 9])
-    dd.expect_kv("rg2", [addr], [8, 9], 30)
-    event = dd.wait("rg2")
-    assert event.type == "RequestDone" and event.raw["checksum"] == "Verified", event.raw
-    assert synthetic.verify(dd.pools, dd.layout, 72, [8, 9], 0, 30) == 0
-    assert rust_result(rp)["type"] == "RequestDone"
+    decode_takes(dd, rp, addr, "rg2", [8, 9], 30, 72)
     # The last region's bytes are checked too: a wrong byte there is seen.
     r, at = dd.layout.block_offset(3, True, 9)
     dd.pools[r][at] ^= 0xFF
@@ -363,12 +361,7 @@ def test_k_and_v_side_by_side_move_byte_exact_between_python_and_rust(world, mod
     rp, addr = rust_engine(world, pa, manifest, "prefill", request="ri2", blocks=[6, 7], num_tokens=30, seed=92,
                            regions=[(4, layers_outer)])
     dd = py_engine(world, da, "decode", g, mode=mode, regions=blocks_outer)
-    synthetic.clear(dd.pools, dd.layout, [8, 9])
-    dd.expect_kv("ri2", [addr], [8, 9], 30)
-    event = dd.wait("ri2")
-    assert event.type == "RequestDone" and event.raw["checksum"] == "Verified", event.raw
-    assert synthetic.verify(dd.pools, dd.layout, 92, [8, 9], 0, 30) == 0
-    assert rust_result(rp)["type"] == "RequestDone"
+    decode_takes(dd, rp, addr, "ri2", [8, 9], 30, 92)
     # A V byte of the last layer, where Python's layout puts it, is seen.
     r, at = dd.layout.block_offset(3, True, 9)
     dd.pools[r][at + dd.layout.token_offset(1, 2, 3)] ^= 0xFF
@@ -391,11 +384,7 @@ def test_mla_latent_arrays_move_byte_exact_between_python_and_rust(world, mode):
     assert got["type"] == "RequestDone" and got["checksum"] == "Verified" and got["bad_tokens"] == 0, got
     rp, addr = rust_engine(world, pa, manifest, "prefill", request="mla2", blocks=[0], num_tokens=9, seed=82)
     dd = py_engine(world, da, "decode", g, mode=mode, regions=[(1, None)] * 3)
-    dd.expect_kv("mla2", [addr], [5], 9)
-    event = dd.wait("mla2")
-    assert event.type == "RequestDone" and event.raw["checksum"] == "Verified", event.raw
-    assert synthetic.verify(dd.pools, dd.layout, 82, [5], 0, 9) == 0
-    assert rust_result(rp)["type"] == "RequestDone"
+    decode_takes(dd, rp, addr, "mla2", [5], 9, 82)
 
 
 def test_the_client_asks_capabilities_before_registering(world):

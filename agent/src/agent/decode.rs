@@ -422,13 +422,13 @@ impl Engine {
         // Nothing writes a GPU pool's blocks (prefill's push, our pull: both only after the
         // registration below) before the engine's work queued before this request (kernels that
         // may still touch blocks it now gives to it) is done: the event its ExpectKv named.
-        if let (Some(device), Some(_)) = (&self.device, event)
-            && let Err(e) = device.wait_written(event, deadline)
+        if let (Some(device), Some(named)) = (&self.device, event)
+            && let Err(e) = device.wait_written(Some(named), deadline)
         {
             return self.fail_pending(
                 &request,
                 vec![Reason::TransferTimeout],
-                format!("the engine's event {} before this request: {e}", event.unwrap_or(0)),
+                format!("the engine's event {named} before this request: {e}"),
                 None,
             );
         }

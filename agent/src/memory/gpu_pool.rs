@@ -43,8 +43,8 @@ pub struct DevicePool {
     _memory: Vec<Arc<DeviceMemory>>,
     /// The checksum kernels, once they compiled and loaded (a failure is retried next time).
     checksum: Mutex<Option<GpuChecksum>>,
-    /// The engine's events a `KvReady` names (`gpu.events`); empty: its one `gpu.event`, if
-    /// any, is its regions' (waited for by the backend before it reads them).
+    /// The engine's events a `KvReady` or an `ExpectKv` names (`gpu.events`); empty: its one
+    /// `gpu.event`, if any, is its regions' (waited for by the backend before it reads them).
     ring: Vec<Arc<IpcEvent>>,
 }
 
@@ -129,14 +129,14 @@ impl DevicePool {
         Ok(pool)
     }
 
-    /// How many events a `KvReady` may name (`gpu.events`; 0: none).
+    /// How many events a `KvReady` or an `ExpectKv` may name (`gpu.events`; 0: none).
     pub fn events(&self) -> usize {
         self.ring.len()
     }
 
-    /// Waits (polling from the host, until `deadline`) for the engine's writes a `KvReady` that
-    /// named `event` announced: that event of `gpu.events`, or without one the pool's
-    /// `gpu.event` (where it registered one). The caller checked `event` against
+    /// Waits (polling from the host, until `deadline`) for the engine's work a `KvReady` or an
+    /// `ExpectKv` that named `event` follows: that event of `gpu.events`, or without one the
+    /// pool's `gpu.event` (where it registered one). The caller checked `event` against
     /// [`DevicePool::events`].
     pub fn wait_written(&self, event: Option<u32>, deadline: std::time::Instant) -> Result<(), String> {
         match event.and_then(|e| self.ring.get(e as usize)) {

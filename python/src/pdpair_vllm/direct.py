@@ -523,8 +523,10 @@ class DirectKv(Stager):
             stream.synchronize()
             return None
         self.event.record(stream)
-        if not self.events:
-            return None
+        return self._record_next(stream) if self.events else None
+
+    def _record_next(self, stream) -> int:
+        """Records the next of ``events`` (in turn) on ``stream``; its index, for the agent."""
         self.last = 0 if self.last is None else (self.last + 1) % len(self.events)
         self.events[self.last].record(stream)
         return self.last
@@ -539,9 +541,7 @@ class DirectKv(Stager):
         if not self.events:
             torch.cuda.synchronize(self.device)
             return None
-        self.last = 0 if self.last is None else (self.last + 1) % len(self.events)
-        self.events[self.last].record(torch.cuda.current_stream(self.device))
-        return self.last
+        return self._record_next(torch.cuda.current_stream(self.device))
 
     def load(self, blocks: List[int]) -> None:
         return  # the agent wrote them in place
