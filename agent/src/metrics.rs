@@ -6,7 +6,7 @@ use std::time::Duration;
 use pdpair_api::{Role, checksum::Outcome};
 
 use crate::reason::Reason;
-use prometheus::{Encoder, Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
 
 /// The agent's metrics.
 #[derive(Debug)]
@@ -21,6 +21,7 @@ pub struct Metrics {
     leases: IntCounterVec,
     foreign: IntCounterVec,
     frames_refused: IntCounterVec,
+    software_rma: IntCounter,
     transfer_seconds: Histogram,
     reject_seconds: Histogram,
     /// Engines registered now.
@@ -72,6 +73,11 @@ impl Metrics {
                 "Engine connections closed because a large frame got no room in time (frame_budget), or its body did not come in time",
                 &[],
             ),
+            software_rma: IntCounter::new(
+                "ucx_software_rma_dropped_total",
+                "UCX software puts, gets, atomics and their completions peers sent this agent, dropped (they name any address in the agent; pdpair agents never send them)",
+            )
+            .expect("valid metric"),
             foreign: counter(
                 "foreign_answers_total",
                 "Answers (Complete, Ready, Failed, Released) ignored because the link does not own the request",
@@ -111,6 +117,7 @@ impl Metrics {
             Box::new(m.leases.clone()),
             Box::new(m.foreign.clone()),
             Box::new(m.frames_refused.clone()),
+            Box::new(m.software_rma.clone()),
             Box::new(m.transfer_seconds.clone()),
             Box::new(m.reject_seconds.clone()),
             Box::new(m.registrations.clone()),
@@ -192,6 +199,10 @@ impl Metrics {
 
     /// The text exposition format.
     pub fn render(&self) -> String {
+        // Counted by UCX's callback, which has no Metrics; process-wide, as UCX's handlers are.
+        let dropped = crate::transport::ucx::software_rma::dropped_so_far();
+        self.software_rma
+            .inc_by(dropped.saturating_sub(self.software_rma.get()));
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8_lossy(&buf).into_owned()

@@ -890,6 +890,83 @@ fn a_copy_of_the_agents_own_address_with_a_byte_changed_is_refused() {
 }
 
 #[test]
+#[allow(unsafe_code)]
+fn an_insiders_ucx_software_put_or_get_reaches_nothing_in_the_agent() {
+    use pdpair_agent::transport::ucx::{self, software_rma};
+    let _serial = serial();
+    // An insider of the pair learns prefill's UCX worker address from an honest handshake, then
+    // connects a worker of its own and sends a put and a get with a key naming no memory domain.
+    // UCX cannot carry those over a transport's RMA, so it sends them as active messages, and
+    // the target's UCX carried them out at the address they name (UCX 1.13 and 1.22: the canary
+    // below was written, the secret read). The agent runs in this process: the canary and the
+    // secret stand for what is in its memory and no one registered (its keys, other pairs'
+    // pools, its stack).
+    let w = World::new("attack-rma-sw");
+    let mut p = prefill(&w);
+    let honest_side = UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
+    let mut honest = insider(Role::Decode);
+    let l = PoolLayout::new(&honest.kv, &honest.parallelism, 16, 0).expect("layout");
+    let mut buffer = vec![0u8; l.pool_len()];
+    let (_, rkey) = honest_side
+        .map(buffer.as_mut_ptr() as u64, buffer.len() as u64, Box::new(()))
+        .expect("a pool of its own");
+    honest.worker_address = honest_side.worker_address.clone();
+    honest.memory = MemoryDesc::of(&l, vec![(buffer.as_ptr() as u64, rkey)]);
+    let mut s = TcpStream::connect(addr(&p)).expect("connect");
+    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+    let prefills = protocol::handshake_decode(&mut s, &mut session, &honest).expect("an honest handshake passes");
+
+    let canary = vec![0u8; 64];
+    let secret = [0x5au8; 64];
+    // Where the get would put the secret: never freed, as UCX may write it while the get is
+    // outstanding (it stays outstanding: nothing answers it).
+    let into: &'static mut [u8] = Box::leak(vec![0u8; 64].into_boxed_slice());
+    let before = software_rma::dropped_so_far();
+    let context = ucx::Context::new(Transport::Shm, Some(&w.pools())).expect("a context of its own");
+    let worker = ucx::Worker::new(&context).expect("a worker of its own");
+    let ep = worker
+        .connect(&prefills.worker_address)
+        .expect("connects to prefill's worker");
+    // UCX's packed key: a map of no memory domains, then host memory.
+    let nothing = ep.unpack_rkey(&[0u8; 9]).expect("UCX takes a key of no domains");
+    let data = [0xabu8; 16];
+    // SAFETY: `data` outlives the wait below and the put is forgotten after it; the remote
+    // range is the point of the attack.
+    let put = unsafe { ep.put(&data, canary.as_ptr() as u64 + 8, &nothing, None) }.expect("UCX posts the put");
+    // SAFETY: `into` is leaked, so valid whenever UCX writes it.
+    let get = unsafe { ep.get(into.as_mut_ptr(), into.len(), secret.as_ptr() as u64, &nothing, None) }
+        .expect("UCX posts the get");
+    let flush = ep.flush_nb().expect("UCX posts the flush");
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until && software_rma::dropped_so_far() < before + 2 {
+        worker.progress();
+    }
+    // Its UCX waits for answers that never come: leave its objects to the process.
+    std::mem::forget((put, get, flush, nothing, ep, worker, context));
+    assert_eq!(canary, vec![0u8; 64], "the insider's software put landed in the agent");
+    assert_eq!(
+        &into[..],
+        &[0u8; 64][..],
+        "the insider's software get read the agent's memory"
+    );
+    assert!(
+        software_rma::dropped_so_far() >= before + 2,
+        "the agent dropped {} software RMA messages, not the put and the get",
+        software_rma::dropped_so_far() - before
+    );
+    let text = w.metrics.lock().expect("metrics")[0].render();
+    assert!(
+        text.lines().any(|l| l
+            .strip_prefix("pdpair_agent_ucx_software_rma_dropped_total ")
+            .and_then(|n| n.parse::<u64>().ok())
+            .is_some_and(|n| n >= before + 2)),
+        "{text}"
+    );
+    drop(s);
+    still_serves(&w, &mut p, "d");
+}
+
+#[test]
 fn an_agent_whose_probe_cannot_run_does_not_start() {
     let w = World::new("attack-noprobe");
     let mut cfg = w.config("a", Transport::Tcp);

@@ -355,6 +355,11 @@ impl Context {
 
     /// A context on the transports `tls` (`UCX_TLS`'s syntax).
     fn open(tls: String, pool_dir: Option<&std::path::Path>) -> Result<Context, UcxError> {
+        software_rma::turn_off().map_err(|text| UcxError {
+            op: "ucp_init",
+            status: sys::ucs_status_t_UCS_ERR_UNSUPPORTED,
+            text,
+        })?;
         let config = Config::read(tls, pool_dir)?;
         // SAFETY: zeroed params are valid; only the fields named in field_mask are read.
         let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
@@ -887,6 +892,8 @@ impl Drop for Request {
         unsafe { sys::ucp_request_free(self.0) }
     }
 }
+
+pub mod software_rma;
 
 #[cfg(test)]
 mod tests;
