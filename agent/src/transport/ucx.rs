@@ -142,7 +142,7 @@ pub fn network_available() -> bool {
     let Some(tls) = without_self(&Transport::Auto.tls()) else {
         return false;
     };
-    Context::open(tls, None).is_ok()
+    Context::open(tls, None, false).is_ok()
 }
 
 impl Transport {
@@ -243,13 +243,18 @@ impl MemoryType {
     }
 }
 
-struct ContextInner(sys::ucp_context_h);
+struct ContextInner {
+    handle: sys::ucp_context_h,
+    /// Whether it may use shared memory, where peers' software puts and gets of the host memory
+    /// it registers are carried out ([`software_rma`]).
+    shared_memory: bool,
+}
 
 impl Drop for ContextInner {
     fn drop(&mut self) {
         // SAFETY: the context was created by ucp_init_version and every dependent handle (which
         // holds an Rc of this) has been dropped.
-        unsafe { sys::ucp_cleanup(self.0) }
+        unsafe { sys::ucp_cleanup(self.handle) }
     }
 }
 
@@ -350,11 +355,11 @@ impl Context {
                 ),
             });
         }
-        Context::open(transport.tls(), pool_dir)
+        Context::open(transport.tls(), pool_dir, transport.may_use_shm())
     }
 
-    /// A context on the transports `tls` (`UCX_TLS`'s syntax).
-    fn open(tls: String, pool_dir: Option<&std::path::Path>) -> Result<Context, UcxError> {
+    /// A context on the transports `tls` (`UCX_TLS`'s syntax), `shared_memory` among them.
+    fn open(tls: String, pool_dir: Option<&std::path::Path>, shared_memory: bool) -> Result<Context, UcxError> {
         software_rma::turn_off().map_err(|text| UcxError {
             op: "ucp_init",
             status: sys::ucs_status_t_UCS_ERR_UNSUPPORTED,
@@ -371,7 +376,13 @@ impl Context {
             unsafe { sys::ucp_init_version(sys::UCP_API_MAJOR, sys::UCP_API_MINOR, &params, config.0, &mut context) };
         drop(config);
         check("ucp_init", status)?;
-        Ok(Context(Rc::new(ContextInner(context))))
+        if shared_memory {
+            software_rma::shared_memory_context();
+        }
+        Ok(Context(Rc::new(ContextInner {
+            handle: context,
+            shared_memory,
+        })))
     }
 
     /// The memory types this context can register and move (`ucp_context_query`): host memory
@@ -383,7 +394,7 @@ impl Context {
         attr.field_mask = u64::from(sys::ucp_context_attr_field_UCP_ATTR_FIELD_MEMORY_TYPES);
         // SAFETY: a live context; attr is an out-pointer.
         if check("ucp_context_query", unsafe {
-            sys::ucp_context_query(self.0.0, &mut attr)
+            sys::ucp_context_query(self.0.handle, &mut attr)
         })
         .is_err()
         {
@@ -440,13 +451,19 @@ impl Context {
         params.memory_type = memory.ucs();
         let mut memh: sys::ucp_mem_h = ptr::null_mut();
         // SAFETY: the caller guarantees the range; memh is an out-pointer.
-        check("ucp_mem_map", unsafe { sys::ucp_mem_map(self.0.0, &params, &mut memh) })?;
-        Ok(MemRegion {
-            context: self.clone(),
-            memh,
-            addr: addr as u64,
-            len,
-        })
+        check("ucp_mem_map", unsafe {
+            sys::ucp_mem_map(self.0.handle, &params, &mut memh)
+        })?;
+        Ok(MemRegion::admitted(
+            MemRegion {
+                context: self.clone(),
+                memh,
+                addr: addr as u64,
+                len,
+                admitted: false,
+            },
+            memory == MemoryType::Host,
+        ))
     }
 }
 
@@ -469,7 +486,7 @@ impl Context {
         let mut memh: sys::ucp_mem_h = ptr::null_mut();
         // SAFETY: UCX allocates; memh is an out-pointer.
         check("ucp_mem_map(ALLOCATE)", unsafe {
-            sys::ucp_mem_map(self.0.0, &params, &mut memh)
+            sys::ucp_mem_map(self.0.handle, &params, &mut memh)
         })?;
         // SAFETY: zeroed attrs are valid; only masked fields are written.
         let mut attr: sys::ucp_mem_attr_t = unsafe { std::mem::zeroed() };
@@ -481,12 +498,13 @@ impl Context {
             memh,
             addr: 0,
             len: 0,
+            admitted: false,
         };
         // SAFETY: memh is valid (owned by `region`, which unmaps it on every path).
         check("ucp_mem_query", unsafe { sys::ucp_mem_query(memh, &mut attr) })?;
         region.addr = attr.address as u64;
         region.len = attr.length;
-        Ok(region)
+        Ok(MemRegion::admitted(region, true))
     }
 }
 
@@ -496,6 +514,8 @@ pub struct MemRegion {
     memh: sys::ucp_mem_h,
     addr: u64,
     len: usize,
+    /// Whether peers' software puts and gets may reach it ([`software_rma::admit`]).
+    admitted: bool,
 }
 
 impl std::fmt::Debug for MemRegion {
@@ -508,6 +528,16 @@ impl std::fmt::Debug for MemRegion {
 }
 
 impl MemRegion {
+    /// `region`, admitted to peers' software puts and gets where it is `host` memory of a
+    /// shared-memory context.
+    fn admitted(mut region: MemRegion, host: bool) -> MemRegion {
+        if host && region.context.0.shared_memory {
+            software_rma::admit(region.addr, region.len as u64);
+            region.admitted = true;
+        }
+        region
+    }
+
     /// The region's address, as peers address it.
     pub fn addr(&self) -> u64 {
         self.addr
@@ -529,7 +559,7 @@ impl MemRegion {
         let mut size = 0usize;
         // SAFETY: context and memh are valid; buf and size are out-pointers.
         check("ucp_rkey_pack", unsafe {
-            sys::ucp_rkey_pack(self.context.0.0, self.memh, &mut buf, &mut size)
+            sys::ucp_rkey_pack(self.context.0.handle, self.memh, &mut buf, &mut size)
         })?;
         // SAFETY: UCX returned `size` readable bytes at `buf`, released right after copying.
         let bytes = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) }.to_vec();
@@ -541,8 +571,11 @@ impl MemRegion {
 
 impl Drop for MemRegion {
     fn drop(&mut self) {
+        if self.admitted {
+            software_rma::withdraw(self.addr, self.len as u64);
+        }
         // SAFETY: memh was mapped in this context, which is still alive (we hold an Rc).
-        let _ = unsafe { sys::ucp_mem_unmap(self.context.0.0, self.memh) };
+        let _ = unsafe { sys::ucp_mem_unmap(self.context.0.handle, self.memh) };
     }
 }
 
@@ -578,7 +611,7 @@ impl Worker {
         let mut handle: sys::ucp_worker_h = ptr::null_mut();
         // SAFETY: context is valid; handle is an out-pointer.
         check("ucp_worker_create", unsafe {
-            sys::ucp_worker_create(context.0.0, &params, &mut handle)
+            sys::ucp_worker_create(context.0.handle, &params, &mut handle)
         })?;
         Ok(Worker(Rc::new(WorkerInner {
             handle,

@@ -1,4 +1,4 @@
-//! UCX's software RMA, turned off before any worker exists.
+//! UCX's software RMA, held to registered shared memory.
 //!
 //! Where a put or get cannot go over a transport's own RMA (a remote key naming no memory
 //! domain the endpoint reaches, a peer without RDMA lanes, a modified UCX), UCX sends it as an
@@ -7,34 +7,32 @@
 //! nothing the target registered. Any peer that can reach the agent's worker (an insider of a
 //! pair: the handshake gives it the address) wrote and read anywhere in the agent's process:
 //! other pairs' pools, its keys (measured with UCX 1.13 and 1.22 over shared memory: a put with
-//! an empty key landed in memory never registered). Their completions (`GET_REP`, `CMPL`,
-//! `ATOMIC_REP`) take the sender's word for which request or endpoint they complete.
+//! an empty key landed in memory never registered, and a get read it).
 //!
-//! No pdpair agent sends them: its RMA goes over lanes that reach the peer's registered memory
-//! (shared memory, RDMA), or over the agent's own KV stream. So before its first context the
-//! agent points every one of those handlers at [`dropped`], which counts the message and takes
-//! nothing from it. UCX registers its handlers when a worker opens its interfaces, from the
-//! `ucp_am_handler_UCP_AM_ID_*` structures it exports; their layout is checked before anything
-//! is written (the same in UCX 1.13 and 1.22, `src/ucp/core/ucp_context.h`), and a UCX whose
-//! structures are missing or laid out otherwise is refused, naming them.
+//! The agent needs them in one case: over shared memory (`--transport shm`), an engine's own
+//! memfd registered as its pool is no segment UCX allocated, so a peer agent's puts and gets of
+//! it go this way. Nowhere else (RDMA registers any memory; the tcp stream is the agent's own;
+//! two engines behind one agent meet over `self`). So before its first context the agent puts
+//! a check in front of UCX's handlers: a software put or get is carried out only where its
+//! whole range lies inside host memory a shared-memory context registered ([`admit`]), and their
+//! completions (`GET_REP`, `CMPL`) only once a shared-memory context exists; everything else,
+//! and every software atomic, is dropped and counted ([`dropped_so_far`]). UCX registers its
+//! handlers when a worker opens its interfaces, from the `ucp_am_handler_UCP_AM_ID_*`
+//! structures it exports; their layout and the messages' headers (the same in UCX 1.13 and
+//! 1.22: `src/ucp/core/ucp_context.h`, `src/ucp/rma/rma.h`) are checked before anything is
+//! written, and a UCX whose structures are missing or laid out otherwise is refused, naming
+//! them.
 #![allow(unsafe_code)]
 
 use std::{
     ffi::{CString, c_uint, c_void},
     sync::{
-        OnceLock,
-        atomic::{AtomicU64, Ordering},
+        OnceLock, RwLock,
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
 };
 
 use ucx_sys as sys;
-
-/// The active messages of UCX's software RMA and atomics (`UCP_AM_ID_*`).
-const HANDLERS: [&str; 6] = ["PUT", "GET_REQ", "GET_REP", "CMPL", "ATOMIC_REQ", "ATOMIC_REP"];
-
-/// How many entries of UCX's table of handlers (`ucp_am_handlers`, `UCP_AM_ID_LAST` of them:
-/// under 40 in 1.13 and 1.22) are searched for each structure.
-const TABLE: usize = 64;
 
 /// `uct_am_callback_t`.
 type Callback = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_uint) -> sys::ucs_status_t;
@@ -49,28 +47,157 @@ struct Handler {
     proxy_cb: Option<Callback>,
 }
 
+/// What the agent lets through of each message.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Rule {
+    /// `ucp_put_hdr_t` (address, endpoint id, memory type: 20 bytes), then the bytes to write.
+    Put,
+    /// `ucp_get_req_hdr_t` (address, length, request and endpoint ids, memory type: 36 bytes).
+    Get,
+    /// An answer to this agent's own software put or get: only where a shared-memory context
+    /// exists (elsewhere the agent sends none).
+    Answer,
+    /// Never (software atomics: the agent's contexts have no atomics).
+    Never,
+}
+
+/// The messages, by their `UCP_AM_ID_*` names.
+const HANDLERS: [(&str, Rule); 6] = [
+    ("PUT", Rule::Put),
+    ("GET_REQ", Rule::Get),
+    ("GET_REP", Rule::Answer),
+    ("CMPL", Rule::Answer),
+    ("ATOMIC_REQ", Rule::Never),
+    ("ATOMIC_REP", Rule::Never),
+];
+
+/// How many entries of UCX's table of handlers (`ucp_am_handlers`, `UCP_AM_ID_LAST` of them:
+/// under 40 in 1.13 and 1.22) are searched for each structure.
+const TABLE: usize = 64;
+
+/// `sizeof(ucp_put_hdr_t)`: two `uint64_t` and a `ucs_memory_type_t` (an `int`), packed.
+const PUT_HEADER: usize = 20;
+/// `sizeof(ucp_get_req_hdr_t)`: address, length, `ucp_request_hdr_t` (two `uint64_t`), memory type.
+const GET_HEADER: usize = 36;
+/// `UCS_MEMORY_TYPE_HOST`.
+const HOST: u32 = 0;
+
+/// UCX's own handlers, `cb` and `proxy_cb` of each of [`HANDLERS`], called once a message passes.
+static ORIGINAL: OnceLock<[(Option<Callback>, Option<Callback>); 6]> = OnceLock::new();
 static DROPPED: AtomicU64 = AtomicU64::new(0);
+/// Host memory shared-memory contexts registered: (address, length), one entry per region.
+static ADMITTED: RwLock<Vec<(u64, u64)>> = RwLock::new(Vec::new());
+/// Whether a shared-memory context was made in this process.
+static SHARED_MEMORY: AtomicBool = AtomicBool::new(false);
 
 /// Software RMA messages peers sent this process, dropped.
 pub fn dropped_so_far() -> u64 {
     DROPPED.load(Ordering::Relaxed)
 }
 
-/// Takes the place of UCX's software put, get, atomic and completion handlers: the message is
-/// consumed (UCX frees it) and nothing else happens.
-unsafe extern "C" fn dropped(_: *mut c_void, _: *mut c_void, length: usize, _: c_uint) -> sys::ucs_status_t {
-    if DROPPED.fetch_add(1, Ordering::Relaxed) == 0 {
-        tracing::warn!(
-            length,
-            "a UCX peer sent a software put, get or atomic (which names any address in this process); dropped: \
-             pdpair agents never send them (pdpair_agent_ucx_software_rma_dropped_total counts them)"
-        );
-    }
-    sys::ucs_status_t_UCS_OK
+/// A shared-memory context was made: answers to software puts and gets go through.
+pub(super) fn shared_memory_context() {
+    SHARED_MEMORY.store(true, Ordering::Release);
 }
 
-/// Points UCX's software RMA handlers at [`dropped`], once per process, before any worker opens
-/// (every context is made after it). An error names what this UCX lacks.
+/// Software puts and gets may reach `len` bytes at `addr` (host memory a shared-memory context
+/// registered) until [`withdraw`].
+pub(super) fn admit(addr: u64, len: u64) {
+    ADMITTED.write().unwrap_or_else(|e| e.into_inner()).push((addr, len));
+}
+
+/// Ends one [`admit`] of the same range (before UCX unregisters it), once no software put or
+/// get is being carried out.
+pub(super) fn withdraw(addr: u64, len: u64) {
+    let mut admitted = ADMITTED.write().unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = admitted.iter().position(|r| *r == (addr, len)) {
+        admitted.swap_remove(i);
+    }
+}
+
+/// Whether `len` bytes at `addr` lie inside one of the `admitted` ranges (an empty range:
+/// inside none).
+fn inside(admitted: &[(u64, u64)], addr: u64, len: u64) -> bool {
+    let Some(end) = addr.checked_add(len).filter(|_| len > 0) else {
+        return false;
+    };
+    admitted
+        .iter()
+        .any(|&(base, n)| addr >= base && base.checked_add(n).is_some_and(|limit| end <= limit))
+}
+
+fn u64_at(data: &[u8], at: usize) -> Option<u64> {
+    data.get(at..at + 8)
+        .map(|b| u64::from_ne_bytes(b.try_into().expect("8 bytes")))
+}
+
+fn u32_at(data: &[u8], at: usize) -> Option<u32> {
+    data.get(at..at + 4)
+        .map(|b| u32::from_ne_bytes(b.try_into().expect("4 bytes")))
+}
+
+/// Whether a message passes its rule: a put's or a get's whole range in `admitted` host memory.
+fn passes(rule: Rule, data: &[u8], admitted: &[(u64, u64)]) -> bool {
+    match rule {
+        Rule::Put => {
+            data.len() >= PUT_HEADER
+                && u32_at(data, 16) == Some(HOST)
+                && u64_at(data, 0).is_some_and(|addr| inside(admitted, addr, (data.len() - PUT_HEADER) as u64))
+        }
+        Rule::Get => {
+            data.len() >= GET_HEADER
+                && u32_at(data, 32) == Some(HOST)
+                && matches!((u64_at(data, 0), u64_at(data, 8)), (Some(addr), Some(len)) if inside(admitted, addr, len))
+        }
+        Rule::Answer => SHARED_MEMORY.load(Ordering::Acquire),
+        Rule::Never => false,
+    }
+}
+
+/// Checks a message of `HANDLERS[I]` and hands it to UCX's handler (`PROXY`: its counting
+/// proxy, which UCX installs with another argument, and only where the handler has one) or
+/// drops it: UCX frees it either way.
+unsafe extern "C" fn checked<const I: usize, const PROXY: bool>(
+    arg: *mut c_void,
+    data: *mut c_void,
+    length: usize,
+    flags: c_uint,
+) -> sys::ucs_status_t {
+    // SAFETY: UCX hands a handler `length` readable bytes at `data`.
+    let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) };
+    let original = ORIGINAL.get().and_then(|o| if PROXY { o[I].1 } else { o[I].0 });
+    // Held until UCX's handler is done: a region is withdrawn (and then unmapped) only after.
+    let admitted = ADMITTED.read().unwrap_or_else(|e| e.into_inner());
+    match original {
+        // SAFETY: UCX's own handler, called as UCX would have called it.
+        Some(handler) if passes(HANDLERS[I].1, bytes, &admitted) => unsafe { handler(arg, data, length, flags) },
+        _ => {
+            if DROPPED.fetch_add(1, Ordering::Relaxed) == 0 {
+                tracing::warn!(
+                    message = HANDLERS[I].0,
+                    length,
+                    "a UCX peer sent a software put, get or atomic outside the shared memory this agent registered \
+                     (UCX carries those out at any address in the process); dropped \
+                     (pdpair_agent_ucx_software_rma_dropped_total counts them)"
+                );
+            }
+            sys::ucs_status_t_UCS_OK
+        }
+    }
+}
+
+/// [`checked`] of each of [`HANDLERS`]: (`cb`, `proxy_cb`).
+const CHECKED: [(Callback, Callback); 6] = [
+    (checked::<0, false>, checked::<0, true>),
+    (checked::<1, false>, checked::<1, true>),
+    (checked::<2, false>, checked::<2, true>),
+    (checked::<3, false>, checked::<3, true>),
+    (checked::<4, false>, checked::<4, true>),
+    (checked::<5, false>, checked::<5, true>),
+];
+
+/// Puts [`checked`] in front of UCX's software RMA handlers, once per process, before any
+/// worker opens (every context is made after it). An error names what this UCX lacks.
 pub fn turn_off() -> Result<(), String> {
     static DONE: OnceLock<Result<(), String>> = OnceLock::new();
     DONE.get_or_init(|| {
@@ -93,7 +220,7 @@ fn symbol(name: &str) -> Option<*mut c_void> {
 unsafe fn replace_handlers() -> Result<(), String> {
     let refuse = |what: String| {
         Err(format!(
-            "UCX {} cannot have its software RMA turned off ({what}); with it any peer reaching this agent's UCX \
+            "UCX {} cannot have its software RMA checked ({what}); without it any peer reaching this agent's UCX \
              worker writes and reads anywhere in the agent: use UCX 1.13 to 1.22",
             super::version()
         ))
@@ -110,7 +237,7 @@ unsafe fn replace_handlers() -> Result<(), String> {
         sys::ucp_feature_UCP_FEATURE_RMA | sys::ucp_feature_UCP_FEATURE_AMO32 | sys::ucp_feature_UCP_FEATURE_AMO64,
     );
     let mut found = Vec::with_capacity(HANDLERS.len());
-    for id in HANDLERS {
+    for (id, _) in HANDLERS {
         let name = format!("ucp_am_handler_UCP_AM_ID_{id}");
         let Some(at) = symbol(&name) else {
             return refuse(format!("it exports no {name}"));
@@ -128,12 +255,101 @@ unsafe fn replace_handlers() -> Result<(), String> {
         }
         found.push(handler);
     }
-    for handler in found {
-        // SAFETY: checked above; no worker exists yet, so nothing reads them now.
+    // SAFETY: checked above; read before any is replaced.
+    let original: Vec<_> = found.iter().map(|h| unsafe { ((**h).cb, (**h).proxy_cb) }).collect();
+    let _ = ORIGINAL.set(original.clone().try_into().expect("one per handler"));
+    for ((handler, (cb, proxy)), (_, had_proxy)) in found.into_iter().zip(CHECKED).zip(original) {
+        // SAFETY: checked above; no worker exists yet, so nothing reads them now. A handler
+        // without a proxy keeps none: UCX then calls `cb`, with the worker as its argument.
         unsafe {
-            (*handler).cb = Some(dropped);
-            (*handler).proxy_cb = Some(dropped);
+            (*handler).cb = Some(cb);
+            if had_proxy.is_some() {
+                (*handler).proxy_cb = Some(proxy);
+            }
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A put of `n` bytes at `addr` as UCX sends it: `ucp_put_hdr_t`, then the bytes.
+    fn put(addr: u64, n: usize, memory: u32) -> Vec<u8> {
+        let mut m = addr.to_ne_bytes().to_vec();
+        m.extend_from_slice(&7u64.to_ne_bytes());
+        m.extend_from_slice(&memory.to_ne_bytes());
+        m.resize(PUT_HEADER + n, 0xab);
+        m
+    }
+
+    /// A get of `n` bytes at `addr`: `ucp_get_req_hdr_t`.
+    fn get(addr: u64, n: u64, memory: u32) -> Vec<u8> {
+        let mut m = addr.to_ne_bytes().to_vec();
+        m.extend_from_slice(&n.to_ne_bytes());
+        m.extend_from_slice(&[9; 16]);
+        m.extend_from_slice(&memory.to_ne_bytes());
+        m
+    }
+
+    #[test]
+    fn a_software_put_or_get_passes_only_whole_inside_admitted_host_memory() {
+        let admitted = [(0x1000, 0x1000), (0x8000, 0x100)];
+        for (what, ok, m) in [
+            ("a put filling a region", true, put(0x1000, 0x1000, HOST)),
+            ("a put ending at a region's end", true, put(0x1f00, 0x100, HOST)),
+            ("a put in the second region", true, put(0x8080, 0x80, HOST)),
+            ("a put one byte past a region", false, put(0x1f00, 0x101, HOST)),
+            ("a put one byte before a region", false, put(0xfff, 2, HOST)),
+            ("a put spanning two regions", false, put(0x1800, 0x7000, HOST)),
+            ("a put between regions", false, put(0x4000, 8, HOST)),
+            ("a put of GPU memory", false, put(0x1000, 8, 1)),
+            ("a put that wraps", false, put(u64::MAX - 4, 8, HOST)),
+            ("an empty put", false, put(0x1000, 0, HOST)),
+            (
+                "a put shorter than its header",
+                false,
+                put(0x1000, 0, HOST)[..PUT_HEADER - 1].to_vec(),
+            ),
+            ("a get inside a region", true, get(0x1010, 0x20, HOST)),
+            ("a get filling a region", true, get(0x8000, 0x100, HOST)),
+            ("a get one byte past", false, get(0x8000, 0x101, HOST)),
+            ("a get that wraps", false, get(0x8000, u64::MAX, HOST)),
+            ("a get of none", false, get(0x8000, 0, HOST)),
+            ("a get of GPU memory", false, get(0x1000, 8, 2)),
+            (
+                "a get shorter than its header",
+                false,
+                get(0x1000, 8, HOST)[..GET_HEADER - 1].to_vec(),
+            ),
+        ] {
+            let rule = if what.contains("put") { Rule::Put } else { Rule::Get };
+            assert_eq!(passes(rule, &m, &admitted), ok, "{what}");
+        }
+        assert!(!passes(Rule::Put, &put(0x1000, 8, HOST), &[]), "nothing admitted");
+        assert!(!passes(Rule::Never, &put(0x1000, 8, HOST), &admitted), "atomics");
+    }
+
+    #[test]
+    fn an_admitted_range_is_withdrawn_once_per_admission() {
+        // Ranges no other test registers (tests share the process).
+        let at = u64::MAX - (1 << 40);
+        admit(at, 64);
+        admit(at, 64);
+        let now = || {
+            ADMITTED
+                .read()
+                .expect("lock")
+                .iter()
+                .filter(|r| **r == (at, 64))
+                .count()
+        };
+        assert_eq!(now(), 2);
+        withdraw(at, 64);
+        assert_eq!(now(), 1, "one admission stays");
+        withdraw(at, 64);
+        withdraw(at, 64);
+        assert_eq!(now(), 0);
+    }
 }
