@@ -319,14 +319,17 @@ impl Rules {
             );
             self.push(Reason::InvalidParallelism, role, "parallelism.tensor", msg);
         }
+        // An invalid shape (any InvalidShape) is not looked at further: ChecksumUnsupported
+        // below would only add noise to it.
+        let mut shape_ok = true;
         if kv.layers > MAX_LAYERS {
+            shape_ok = false;
             let msg = format!(
                 "{role} kv.layers is {}; at most {MAX_LAYERS} (the node agent refuses more)",
                 kv.layers
             );
             self.push(Reason::InvalidShape, role, "kv.layers", msg);
         }
-        let mut shape_ok = true;
         for (name, value) in [
             ("layers", kv.layers),
             ("kvHeads", kv.kv_heads),

@@ -93,6 +93,25 @@ fn now() -> MicroTime {
     MicroTime(Timestamp::now())
 }
 
+/// Whether a lease renewed at `renewed` for `secs` has run out at `now`. A renewal further
+/// ahead of `now` than the lease and clocks' skew ([`crate::status::SKEW_SECONDS`]) is not
+/// taken (whoever wrote it, a replica's clock or a Lease editor, would keep the lease from
+/// every replica until then: in year 9999 adding the duration panicked every replica).
+fn expired(renewed: Option<&MicroTime>, secs: Option<i32>, now: Timestamp) -> bool {
+    let (Some(renewed), Some(secs)) = (renewed, secs) else {
+        return true;
+    };
+    let lease = SignedDuration::from_secs(i64::from(secs));
+    let ahead = lease.checked_add(SignedDuration::from_secs(crate::status::SKEW_SECONDS));
+    match (
+        renewed.0.checked_add(lease),
+        ahead.and_then(|a| now.checked_add(a).ok()),
+    ) {
+        (Ok(until), Some(latest)) => until < now || renewed.0 > latest,
+        _ => true,
+    }
+}
+
 async fn try_acquire(api: &Api<Lease>, cfg: &LeaseConfig) -> Result<Round, kube::Error> {
     // Rounded up: others wait at least as long as this replica counts itself the holder.
     let duration_secs = i32::try_from(cfg.duration.as_secs() + u64::from(cfg.duration.subsec_nanos() > 0))
@@ -121,16 +140,13 @@ async fn try_acquire(api: &Api<Lease>, cfg: &LeaseConfig) -> Result<Round, kube:
     };
     let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
     let holder = spec.holder_identity.clone().unwrap_or_default();
-    let expired = match (&spec.renew_time, spec.lease_duration_seconds) {
-        (Some(renewed), Some(secs)) => renewed.0 + SignedDuration::from_secs(i64::from(secs)) < Timestamp::now(),
-        _ => true,
-    };
+    let expired = expired(spec.renew_time.as_ref(), spec.lease_duration_seconds, Timestamp::now());
     if holder != cfg.identity && !holder.is_empty() && !expired {
         return Ok(Round::Follower(holder));
     }
     if holder != cfg.identity {
         spec.acquire_time = Some(now());
-        spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+        spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0).saturating_add(1));
         spec.holder_identity = Some(cfg.identity.clone());
     }
     spec.renew_time = Some(now());
@@ -238,6 +254,28 @@ mod tests {
             }
         });
         (url, bodies)
+    }
+
+    #[test]
+    fn a_lease_runs_out_after_its_duration_and_a_renewal_from_far_ahead_is_not_taken() {
+        let now: Timestamp = "2026-12-07T00:00:00Z".parse().expect("time");
+        let at = |s: i64| Some(MicroTime(now + SignedDuration::from_secs(s)));
+        assert!(!expired(at(-10).as_ref(), Some(15), now), "renewed 10 s ago for 15 s");
+        assert!(expired(at(-16).as_ref(), Some(15), now), "renewed 16 s ago for 15 s");
+        assert!(!expired(at(60).as_ref(), Some(15), now), "a minute ahead: clocks' skew");
+        assert!(expired(at(3600).as_ref(), Some(15), now), "an hour ahead");
+        assert!(
+            expired(Some(&MicroTime(Timestamp::MAX)), Some(15), now),
+            "the last instant (overflowed)"
+        );
+        assert!(
+            expired(Some(&MicroTime(Timestamp::MIN)), Some(i32::MIN), now),
+            "the first instant"
+        );
+        assert!(
+            expired(None, Some(15), now) && expired(at(0).as_ref(), None, now),
+            "half a lease"
+        );
     }
 
     #[tokio::test]

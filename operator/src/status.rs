@@ -479,10 +479,13 @@ fn missing_engines(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Opti
     if pair.spec.transfer.connector != Connector::Pdpair {
         return None;
     }
+    // Heard of when its agent last wrote its status, or, where it never did (an agent gone, or
+    // refused `pdendpoints/status`, between writing the spec and the status), when it was made.
     let stale = |e: &&&PDEndpoint| {
         e.status
             .as_ref()
             .and_then(|s| s.last_heartbeat.as_ref())
+            .or(e.metadata.creation_timestamp.as_ref())
             .is_some_and(|t| !within(t, now, STALE_SECONDS))
     };
     let missing: Vec<String> = [Role::Prefill, Role::Decode]
@@ -578,7 +581,8 @@ fn path_condition_of_transfers(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond
         .filter_map(|e| Some((e.metadata.name.as_deref().unwrap_or("?"), e.status.as_ref()?)))
         .flat_map(|(who, s)| s.paths.iter().map(move |p| (who, p)))
         .collect();
-    let Some(worst) = paths.iter().map(|(_, p)| p.kind).max_by_key(|k| k.rank()) else {
+    // Among classes of one rank, the later in PathKind's order: the same for any endpoint names.
+    let Some(worst) = paths.iter().map(|(_, p)| p.kind).max_by_key(|k| (k.rank(), *k)) else {
         let msg = "no node agent has reported the path of a completed transfer yet".to_owned();
         return Cond::new(ct::TRANSFER_PATH, "Unknown", reasons::NO_TRANSFERS, msg);
     };

@@ -857,3 +857,64 @@ fn malformed_reviews_get_errors_over_tls_and_the_webhook_keeps_serving() {
         "{metrics}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_time_the_operator_could_not_read_is_refused_by_the_api_server() {
+    // The API server's `date-time` takes more than 9 digits of a second (Go's parser cuts them);
+    // the operator's (jiff) does not, and one such time in a PDEndpoint failed its whole list of
+    // them: after its next restart the operator reconciled no pair again. Node agents'
+    // credentials write PDEndpoints; whoever may patch `pdpairs/status` writes conditions.
+    operator();
+    let ns = namespace("times");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("vllm-push-64-64.yaml", &ns, |_| {})),
+    );
+    let client = client().await;
+    let pairs: Api<PDPair> = Api::namespaced(client.clone(), &ns);
+    let pair = pairs.get("vllm-push-64-64").await.expect("stored");
+    create_endpoint(&client, endpoint(&ns, "decode-0", Role::Decode, &pair)).await;
+    let endpoints: Api<PDEndpoint> = Api::namespaced(client.clone(), &ns);
+    let bad = "2025-01-01T00:00:00.1234567890Z";
+    for (field, status) in [
+        ("lastHeartbeat", serde_json::json!({"lastHeartbeat": bad})),
+        ("lastSuccess", serde_json::json!({"lastSuccess": bad})),
+        (
+            "lastFailure.time",
+            serde_json::json!({"lastFailure": {"time": bad, "reasons": ["TransportFailed"], "message": "m"}}),
+        ),
+        (
+            "lastRejection.time",
+            serde_json::json!({"lastRejection": {"time": bad, "peer": "p", "reasons": ["Unauthenticated"], "message": "m"}}),
+        ),
+    ] {
+        let e = endpoints
+            .patch_status(
+                "decode-0",
+                &PatchParams::default(),
+                &Patch::Merge(&serde_json::json!({ "status": status })),
+            )
+            .await
+            .expect_err(field);
+        assert!(
+            e.to_string().contains(field.split('.').next().unwrap_or(field)),
+            "{field}: {e}"
+        );
+    }
+    let condition = serde_json::json!({"status": {"conditions": [{
+        "type": "Ready", "status": "True", "reason": "R", "message": "", "lastTransitionTime": bad
+    }]}});
+    let e = pairs
+        .patch_status("vllm-push-64-64", &PatchParams::default(), &Patch::Merge(&condition))
+        .await
+        .expect_err("a condition's lastTransitionTime");
+    assert!(e.to_string().contains("lastTransitionTime"), "{e}");
+    // Nine digits and an offset are times both read; the list still reads whole.
+    let good = serde_json::json!({"status": {"lastHeartbeat": "2025-01-01T05:30:00.123456789+05:30"}});
+    endpoints
+        .patch_status("decode-0", &PatchParams::default(), &Patch::Merge(&good))
+        .await
+        .expect("a time the operator reads is stored");
+    let list = endpoints.list(&ListParams::default()).await.expect("the list reads");
+    assert_eq!(list.items.len(), 1);
+}

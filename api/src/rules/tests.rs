@@ -293,6 +293,19 @@ fn checksum_unsupported() {
     let verdict = check(&spec);
     assert_eq!(verdict.reasons(), vec![Reason::ChecksumUnsupported]);
     assert_eq!(verdict.violations.len(), 2, "{verdict}");
+    // Not looked at on an invalid shape: too few layers, or more than the agent takes.
+    for layers in [0, MAX_LAYERS + 1] {
+        let mut bad = spec.clone();
+        bad.prefill.kv.layers = layers;
+        let verdict = check(&bad);
+        assert!(
+            !verdict
+                .violations
+                .iter()
+                .any(|v| v.reason == Reason::ChecksumUnsupported && v.field.starts_with("spec.prefill")),
+            "layers {layers}: {verdict}"
+        );
+    }
     assert!(verdict.violations[0].message.contains("headDim 2") && verdict.violations[0].message.contains("= 4 bytes"));
     // MLA's one latent vector per token: headDim 4 of fp16 is 8 bytes, fine; headDim 6 is 12
     // (as K and V it would have been 24, and passed).

@@ -688,6 +688,25 @@ fn transfer_path_is_unknown_until_an_agent_reports_one_then_names_the_worst() {
         c.message
     );
     assert!(!c.message.contains("stage KV"), "{}", c.message);
+    // Paths alike in rank name the same reason whichever endpoint reports which.
+    let reported = |kinds: [PathKind; 2]| {
+        let mut a = endpoint("a", Role::Prefill, &pair);
+        let mut b = endpoint("b", Role::Decode, &pair);
+        for (e, kind) in [(&mut a, kinds[0]), (&mut b, kinds[1])] {
+            e.status = Some(PDEndpointStatus {
+                paths: vec![path("10.0.0.9:7000", kind, &["x"])],
+                ..PDEndpointStatus::default()
+            });
+        }
+        let (s, _) = compute(&pair, &all_ready(vec![&a, &b]), &t(2));
+        cond(&s, ct::TRANSFER_PATH).reason.clone()
+    };
+    for (x, y) in [
+        (PathKind::Rdma, PathKind::SharedMemory),
+        (PathKind::Local, PathKind::CudaIpc),
+    ] {
+        assert_eq!(reported([x, y]), reported([y, x]), "{x:?} and {y:?}");
+    }
     // An engine that says it stages through host memory is counted and named; one with a GPU
     // pool, or a host pool without a word, is not.
     let mut staged = endpoint("d1", Role::Decode, &pair);
@@ -815,6 +834,15 @@ fn with_pdpairs_connector_ready_needs_a_live_engine_of_each_role() {
         "{}",
         r.message
     );
+    // Endpoints whose agents never wrote their status count from when they were made.
+    let (mut p, mut d) = (p.clone(), d.clone());
+    (p.status, d.status) = (None, None);
+    p.metadata.creation_timestamp = Some(t(0));
+    d.metadata.creation_timestamp = Some(t(0));
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(10));
+    assert_eq!(cond(&s, ct::READY).status, "True", "{:?}", cond(&s, ct::READY));
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &late);
+    assert_eq!(cond(&s, ct::READY).reason, reasons::NOT_REGISTERED);
     // Without pdpair's connector, Ready does not wait for engines to register.
     pair.spec.transfer.connector = pdpair_api::Connector::None;
     let (s, _) = compute(&pair, &all_ready(vec![]), &t(0));
