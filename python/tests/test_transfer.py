@@ -115,6 +115,33 @@ def test_a_queued_request_is_renewed_until_it_is_allocated():
     assert not plan.renews and len(plan.recvs) == 1
 
 
+def test_a_request_is_renewed_from_its_arrival_and_leaves_the_queue_with_its_allocation_or_end():
+    # vLLM 0.33 skips matching while every run slot is taken: renewals start at arrival.
+    s = SchedulerState(16, renew_interval_s=0.05)
+    prompt = Prompt(list(range(50)))
+    s.arrived("r", params(), 50, prompt)
+    s.arrived("r", params(), 50, Prompt(list(range(1, 51))))  # twice: the first stands
+    s.arrived("local", None, 50, prompt)
+    s.arrived("unbound", params(), 50, Prompt(list(range(50)), unbound="embeddings"))
+    time.sleep(0.06)
+    assert [(r.agent_request, r.prompt) for r in s.plan().renews] == [("p-1", prompt.digest(50))]
+    # Matched later: still one entry, renewed as before.
+    assert s.matched_tokens("r", params(), 50, 0, prompt) == (50, True)
+    time.sleep(0.06)
+    assert len(s.plan().renews) == 1
+    # D took none of it (a prefix hit, a short tail): P released, no more renewals.
+    s.after_alloc("r", params(), [1, 2, 3, 4], 50, 0, prompt)
+    time.sleep(0.06)
+    plan = s.plan()
+    assert not plan.renews and [r.agent_request for r in plan.releases] == ["p-1"]
+    # Aborted before it was ever matched: released, not renewed.
+    s.arrived("a", params(), 50, prompt)
+    s.finished("a", params(), False, [], 0, "d")
+    time.sleep(0.06)
+    plan = s.plan()
+    assert not plan.renews and [r.agent_request for r in plan.releases] == ["p-1"]
+
+
 def test_prefill_holds_its_blocks_and_names_every_rank_in_order():
     s = SchedulerState(16, tensor=2)
     # Rank 1 registered, rank 0 not yet (it started before its agent answered): params naming

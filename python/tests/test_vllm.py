@@ -521,6 +521,51 @@ def test_an_engine_whose_agent_is_not_up_yet_starts_and_registers_once_it_answer
         d.close()
 
 
+def test_an_engine_whose_agent_accepts_and_closes_starts_and_registers_once_it_serves(world, caplog):
+    # An agent shutting down in a rollout accepts the engine's connection and closes it (one
+    # not serving yet leaves it unanswered): the engine raised in register_kv_caches and
+    # crash-looped, loading its model again each time, as with no agent at all.
+    import socket
+    import threading
+    import types
+
+    path = world.dir / "d.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen()
+    listener.settimeout(0.05)
+    stop = threading.Event()
+
+    def closing():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            conn.close()
+
+    server = threading.Thread(target=closing, daemon=True)
+    server.start()
+
+    def serve():
+        stop.set()
+        server.join()
+        listener.close()
+        path.unlink()
+        world.agent("d")
+
+    p = Engine(world, world.agent("p"), "prefill", seed=P_SEED)
+    with caplog.at_level("WARNING", logger="pdpair_vllm"):
+        d = Engine(world, types.SimpleNamespace(socket=str(path)), "decode", seed=D_SEED, start_agent=serve)
+    try:
+        assert "cannot reach its agent (asking the agent at" in caplog.text, caplog.text
+        prompt = list(range(9100, 9150))
+        assert decode_receives(p, d, "req", prompt, prefill(p, "req", prompt)) == [P_SEED] * 50
+    finally:
+        p.close()
+        d.close()
+
+
 def test_engines_register_again_with_restarted_agents_and_their_kv_moves_again(world):
     # A DaemonSet rollout restarts every agent under running engines: each rank registers again
     # once its transfers ended, with no step (idle engines take none); a prefill rank's agent
@@ -687,6 +732,38 @@ def test_a_request_decode_queues_for_blocks_is_renewed_and_still_arrives(world):
     finally:
         for e in (p, q, d):
             e.close()
+
+
+def test_a_request_waiting_behind_full_run_slots_is_renewed_from_its_arrival(world):
+    # D's two run slots are taken by requests decoding on, so vLLM never asks the connector
+    # about "req" (it skips matching while every slot is taken) for longer than P's 0.5 s lease:
+    # D renews it from its arrival, P keeps its blocks, and once a slot frees its KV arrives.
+    pa, da = world.agent("p"), world.agent("d")
+    p = Engine(world, pa, "prefill", seed=P_SEED, lease_ms=500)
+    d = Engine(world, da, "decode", seed=D_SEED, lease_ms=500, max_num_seqs=2, num_blocks=256)
+    try:
+        prompt = list(range(4000, 4040))
+        params = prefill(p, "req", prompt)
+        for busy in ("busy-0", "busy-1"):
+            d.add(busy, list(range(6000, 6016)), max_tokens=100_000)
+        for _ in range(3):
+            d.step()
+        assert d.status("busy-0") == d.status("busy-1") == "RUNNING"
+        d.add("req", prompt, params)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            p.step()
+            d.step()
+            time.sleep(0.01)
+        assert d.status("req") == "WAITING", "no run slot for it yet"
+        assert p.status("req") is not None and p.outcome("req") is None, "P still holds it after 4 leases"
+        d.abort("busy-0")
+        d.abort("busy-1")
+        seeds = decode_receives_queued(p, d, "req", len(prompt))
+        assert seeds == [P_SEED] * 40, seeds
+    finally:
+        p.close()
+        d.close()
 
 
 def decode_receives_queued(p: Engine, d: Engine, request: str, tokens: int):

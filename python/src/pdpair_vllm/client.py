@@ -32,9 +32,11 @@ class AgentError(Exception):
 
 
 class AgentUnreachable(AgentError):
-    """No agent listens at the socket yet (no socket, or a connection refused: the node's agent
-    is starting, or restarting in a rollout). Other failures to connect (no permission on the
-    socket) are :class:`AgentError`: a misconfiguration, which waiting does not mend."""
+    """No agent serves at the socket yet: no socket, a connection refused, or one the agent
+    accepted and then closed or left unanswered before the registration's answer (the node's
+    agent is starting, or shutting down in a rollout). Other failures (no permission on the
+    socket, a refusal, a frame that is not the agent's) are :class:`AgentError`: a
+    misconfiguration, which waiting does not mend."""
 
 
 class Unreachable:
@@ -275,7 +277,9 @@ class AgentClient:
                 capabilities, stray = wire.recv_with_fds(sock)
                 for fd in stray:
                     os.close(fd)
-            except (OSError, wire.FrameError) as e:
+            except (OSError, wire.Closed) as e:  # closed, reset or timed out: not serving (yet, or still)
+                raise AgentUnreachable(f"asking the agent at {socket_path} for its capabilities: {e}") from None
+            except wire.FrameError as e:
                 raise AgentError(f"asking the agent at {socket_path} for its capabilities: {e}") from None
             if capabilities.get("type") != "Capabilities":
                 raise AgentError(f"the agent answered Capabilities with {capabilities.get('type')}: "
@@ -307,7 +311,9 @@ class AgentClient:
                 except OSError:
                     pass  # the agent refused what was shared and closed: its answer says why
                 answer, fds = wire.recv_with_fds(sock)
-            except (OSError, wire.FrameError) as e:
+            except (OSError, wire.Closed) as e:
+                raise AgentUnreachable(f"registering with the agent at {socket_path}: {e}") from None
+            except wire.FrameError as e:
                 raise AgentError(f"registering with the agent at {socket_path}: {e}") from None
         except BaseException:
             sock.close()

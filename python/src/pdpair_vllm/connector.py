@@ -251,6 +251,13 @@ class PdpairConnector(KVConnectorBase_V1):
 
     # ==== scheduler side =========================================================================
 
+    def on_new_request(self, request: "Request") -> None:
+        # vLLM 0.33 calls it as a request arrives (older ones do not: their requests are renewed
+        # from their first get_num_new_matched_tokens).
+        if self._sched is not None:
+            self._sched.arrived(request.request_id, request.kv_transfer_params, request.num_prompt_tokens,
+                                _prompt_if_remote(request))
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         assert self._sched is not None
         return self._sched.matched_tokens(request.request_id, request.kv_transfer_params,

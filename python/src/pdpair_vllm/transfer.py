@@ -263,6 +263,21 @@ class SchedulerState:
 
     # --- D --------------------------------------------------------------------------------------
 
+    def arrived(self, request: str, params: Optional[dict], num_prompt_tokens: int,
+                prompt: Optional[Prompt] = None) -> None:
+        """vLLM took a new request (``on_new_request``). One that asks for remote prefill is
+        renewed at P from now on: vLLM asks :meth:`matched_tokens` only once the request may be
+        scheduled, and while every run slot is taken (or the token budget spent) it may wait
+        longer than P's lease, which would then end it (decode computes the prompt itself). It
+        leaves the queue with :meth:`after_alloc` (which releases P where D took nothing) or
+        :meth:`finished`."""
+        remote = _remote(params)
+        if remote is None or request in self.queued or (prompt is not None and prompt.unbound):
+            return
+        agent_request, ranks, tokens = remote
+        digest = prompt.digest(min(tokens, num_prompt_tokens)) if prompt is not None else None
+        self.queued[request] = (agent_request, ranks, time.monotonic(), digest)
+
     def matched_tokens(self, request: str, params: Optional[dict], num_prompt_tokens: int,
                        num_computed_tokens: int, prompt: Optional[Prompt] = None) -> Tuple[int, bool]:
         """Tokens D will receive beyond what it holds, and whether asynchronously. None for a

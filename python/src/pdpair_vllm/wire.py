@@ -19,6 +19,10 @@ class FrameError(Exception):
     """A frame could not be read or written: the connection is unusable."""
 
 
+class Closed(FrameError):
+    """The agent closed the connection (between frames, or in one)."""
+
+
 def encode(message: dict) -> bytes:
     """One frame's bytes."""
     body = json.dumps(message, separators=(",", ":")).encode()
@@ -54,7 +58,7 @@ def _read_exact(sock: socket.socket, n: int, start: bytes = b"") -> bytes:
     while len(buf) < n:
         chunk = sock.recv(min(n - len(buf), 1 << 20))
         if not chunk:
-            raise FrameError("the agent closed the connection")
+            raise Closed("the agent closed the connection")
         buf += chunk
     return bytes(buf)
 
@@ -82,7 +86,7 @@ def recv_with_fds(sock: socket.socket) -> Tuple[dict, List[int]]:
         raise FrameError("too many file descriptors attached")
     try:
         if not data:
-            raise FrameError("the agent closed the connection")
+            raise Closed("the agent closed the connection")
         head = _read_exact(sock, 4, data)
         (length,) = struct.unpack(">I", head)
         if length > MAX_FRAME:
