@@ -162,6 +162,10 @@ struct Memory {
     /// The plan it last applied: a changed plan is dry-run first, and an unchanged one is not
     /// applied again to a Deployment no one changed since.
     applied: Option<Applied>,
+    /// The plan whose dry run the API server last refused, when, and what status says of it:
+    /// the same plan is not sent again before [`APPLY_RETRY`] (every PDEndpoint write reconciles
+    /// the pair, and each sent a GET and a dry run of the Deployment).
+    refused: Option<(u64, Instant, String)>,
     /// When to ask for the pairing Secret again: a [`RESYNC`] after it was found or made (made
     /// again, if it went, then; not at every reconcile), [`SECRET_RETRY`] after it was refused.
     secret: Option<Instant>,
@@ -408,7 +412,18 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         ));
     }
     let checked = checked || apply_refused.is_some();
-    if !checked {
+    // Refused lately, unchanged since: told again, not sent again.
+    let refused_lately = ctx
+        .remembered
+        .recall(&uid, |m| m.refused.clone())
+        .filter(|(plan, at, _)| *plan == fingerprint && at.elapsed() < APPLY_RETRY);
+    let mut dry_run_refused = None;
+    // When to send it again: the rest of APPLY_RETRY since it was.
+    let mut retry_in = APPLY_RETRY;
+    if !checked && let Some((_, at, why)) = refused_lately {
+        apply_refused = Some(why);
+        retry_in = APPLY_RETRY.saturating_sub(at.elapsed());
+    } else if !checked {
         for (_, dname, d) in &planned {
             let Some(d) = d else { continue };
             // A Deployment of that name someone else made is not taken over (a force-apply
@@ -423,6 +438,8 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             if let Some(existing) = existing
                 && !controlled_by(&existing.metadata, &uid)
             {
+                // Not remembered: once theirs goes (its watch event reconciles the pair), ours is
+                // made then, not at the next retry.
                 apply_refused = Some(not_ours(dname));
                 break;
             }
@@ -430,7 +447,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             match deployments.patch(dname, &params, &Patch::Apply(d)).await {
                 Ok(_) => {}
                 Err(kube::Error::Api(s)) if refused(&s) => {
-                    apply_refused = Some(format!(
+                    dry_run_refused = Some(format!(
                         "neither pool's Deployment was applied (the pools run what they ran before): Deployment {dname}: {}",
                         s.message
                     ));
@@ -444,6 +461,9 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
                 }
             }
         }
+    }
+    if dry_run_refused.is_some() {
+        apply_refused.clone_from(&dry_run_refused);
     }
     // The plan's check above runs when the plan changed; a Deployment the watch sees as no
     // longer this PDPair's since (its controller reference removed, or another's made under the
@@ -594,6 +614,11 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             plan: fingerprint,
             versions,
         });
+        if let Some(why) = dry_run_refused {
+            m.refused = Some((fingerprint, Instant::now(), why));
+        } else if apply_refused.is_none() {
+            m.refused = None;
+        }
         // Held back: the last written stays the baseline until the write.
         if counters_due.is_none() {
             m.written = Some(new_status);
@@ -623,7 +648,7 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
         });
     // A refused apply is tried again in [`APPLY_RETRY`] (a quota raised, a policy changed, an
     // RBAC rule restored during an upgrade), not at the resync.
-    let apply_retry = (apply_refused.is_some() && verdict.allowed()).then_some(APPLY_RETRY);
+    let apply_retry = (apply_refused.is_some() && verdict.allowed()).then_some(retry_in.max(Duration::from_secs(1)));
     let counters_due = counters_due.map(|d| d.max(Duration::from_millis(100)));
     Ok(
         match secret_retry.into_iter().chain(apply_retry).chain(counters_due).min() {
@@ -1120,6 +1145,94 @@ mod tests {
         deployment_writer.apply_watcher_event(&Event::Init);
         deployment_writer.apply_watcher_event(&Event::InitDone);
         assert!(reconcile(pair, ctx).await.is_err(), "the API server was called");
+    }
+
+    #[tokio::test]
+    async fn a_refused_plan_is_sent_again_only_after_apply_retry_not_at_every_reconcile() {
+        // A quota refuses the pools while the pair's engines write their PDEndpoints: each write
+        // reconciled the pair, and each reconcile sent a GET and a dry run again.
+        let pair = Arc::new(pair("llama", "u1"));
+        let stored = serde_json::to_vec(pair.as_ref()).expect("json");
+        let (url, seen) = crate::test_api::serve(move |r| {
+            Some(match r.method.as_str() {
+                "PATCH" if r.target.contains("dryRun") => {
+                    crate::test_api::status(403, "Forbidden", "exceeded quota: pods")
+                }
+                "PATCH" if r.target.contains("/status") => (200, stored.clone()),
+                "POST" => (201, r.body.clone()),
+                _ => crate::test_api::status(404, "NotFound", "not found"),
+            })
+        });
+        let client = kube::Client::try_from(kube::Config::new(url.parse().expect("url"))).expect("client");
+        // Listed: a store whose writer went counts as listed (empty); the pair is in its own.
+        let (pods, _) = reflector::store::<Pod>();
+        let (endpoints, _) = reflector::store::<PDEndpoint>();
+        let (deployments, _) = reflector::store::<Deployment>();
+        let (pairs, mut pair_writer) = reflector::store::<PDPair>();
+        pair_writer.apply_watcher_event(&Event::Apply(pair.as_ref().clone()));
+        let (_leading, leader) = watch::channel(true);
+        let ctx = Arc::new(Context {
+            client: client.clone(),
+            pods,
+            endpoints,
+            deployments,
+            leader,
+            metrics: Arc::new(Metrics::new()),
+            events: Publisher::new(client, "test".into()),
+            pairs,
+            remembered: Remembered::default(),
+            wiring: plan::Wiring::default(),
+        });
+        let dry_runs = || {
+            seen.lock()
+                .expect("lock")
+                .iter()
+                .filter(|r| r.target.contains("dryRun"))
+                .count()
+        };
+        let told = || {
+            let seen = seen.lock().expect("lock");
+            let last = seen
+                .iter()
+                .rev()
+                .find(|r| r.target.contains("/status"))
+                .expect("a status patch");
+            let status: serde_json::Value = serde_json::from_slice(&last.body).expect("json");
+            status["status"]["conditions"]
+                .as_array()
+                .and_then(|c| c.iter().find(|c| c["type"] == "PoolsApplied").cloned())
+                .expect("PoolsApplied")
+        };
+        for round in 0..3 {
+            let action = reconcile(pair.clone(), ctx.clone()).await.expect("reconciled");
+            assert_eq!(dry_runs(), 1, "round {round}: the refused plan was dry-run once");
+            let c = told();
+            assert_eq!(
+                (&c["status"], &c["reason"]),
+                (&"False".into(), &"ApplyFailed".into()),
+                "{c}"
+            );
+            assert!(
+                c["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("exceeded quota: pods")),
+                "{c}"
+            );
+            // Tried again when APPLY_RETRY since the refusal is up, not a whole one after each.
+            let requeue = format!("{action:?}");
+            assert!(
+                requeue.contains("requeue_after: Some(") && !requeue.contains("requeue_after: Some(30s)") || round == 0,
+                "{requeue}"
+            );
+        }
+        // Once APPLY_RETRY has passed, it is sent again.
+        ctx.remembered.note("u1", |m| {
+            if let Some((_, at, _)) = m.refused.as_mut() {
+                *at -= APPLY_RETRY;
+            }
+        });
+        reconcile(pair, ctx).await.expect("reconciled");
+        assert_eq!(dry_runs(), 2);
     }
 
     #[test]

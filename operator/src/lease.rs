@@ -183,77 +183,23 @@ pub async fn release(api: &Api<Lease>, cfg: &LeaseConfig) {
 
 #[cfg(test)]
 mod tests {
-    use std::io::{BufRead, BufReader, Read, Write};
-
     use super::*;
 
     /// An API server on loopback that answers the first `answered` requests (a lease GET: not
     /// found; a create: the lease sent, taken) and then takes requests without ever answering,
-    /// as a half-open connection does. Also the bodies it was sent.
-    fn api_answering(answered: usize) -> (String, std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>) {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let url = format!("http://{}", listener.local_addr().expect("addr"));
-        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let sent = bodies.clone();
-        std::thread::spawn(move || {
-            let mut seen = 0;
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else { return };
-                let mut writer = stream.try_clone().expect("clone");
-                let mut reader = BufReader::new(stream);
-                loop {
-                    let mut head = Vec::new();
-                    let mut length = 0usize;
-                    loop {
-                        let mut line = String::new();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            break;
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            length = v.trim().parse().unwrap_or(0);
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                        head.push(line);
-                    }
-                    if head.is_empty() {
-                        break;
-                    }
-                    let mut body = vec![0u8; length];
-                    if reader.read_exact(&mut body).is_err() {
-                        break;
-                    }
-                    seen += 1;
-                    sent.lock().expect("lock").push(body.clone());
-                    if seen > answered {
-                        std::thread::sleep(Duration::from_secs(600));
-                        return;
-                    }
-                    let (status, reply) = if head[0].starts_with("GET") {
-                        (
-                            "404 Not Found",
-                            br#"{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"NotFound","code":404}"#
-                                .to_vec(),
-                        )
-                    } else {
-                        ("201 Created", body)
-                    };
-                    let header = format!(
-                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-                        reply.len()
-                    );
-                    if writer
-                        .write_all(header.as_bytes())
-                        .and_then(|()| writer.write_all(&reply))
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
+    /// as a half-open connection does. Also the requests it was sent.
+    fn api_answering(answered: usize) -> (String, crate::test_api::Seen) {
+        let count = std::sync::atomic::AtomicUsize::new(0);
+        crate::test_api::serve(move |r| {
+            if count.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= answered {
+                return None;
             }
-        });
-        (url, bodies)
+            Some(if r.method == "GET" {
+                crate::test_api::status(404, "NotFound", "not found")
+            } else {
+                (201, r.body.clone())
+            })
+        })
     }
 
     #[test]
@@ -303,7 +249,7 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
         // The lease it took says 2 s, not 1: others wait at least as long as it counts itself
         // the holder.
-        let created: Lease = serde_json::from_slice(&bodies.lock().expect("lock")[1]).expect("the lease created");
+        let created: Lease = serde_json::from_slice(&bodies.lock().expect("lock")[1].body).expect("the lease created");
         assert_eq!(created.spec.and_then(|s| s.lease_duration_seconds), Some(2));
     }
 }

@@ -16,6 +16,8 @@ pub mod plan;
 pub mod run;
 pub mod server;
 pub mod status;
+#[cfg(test)]
+mod test_api;
 pub mod tls;
 pub mod validate;
 pub mod webhook;

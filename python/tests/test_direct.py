@@ -511,6 +511,53 @@ def test_a_gpu_pool_the_agent_cannot_open_falls_back_to_staging_on_a_new_connect
         direct.register(agent.socket, reg(world, "prefill", g, 4), tensors, want=True)
 
 
+def test_an_agent_that_closes_during_a_direct_registration_is_tried_again_not_staged(world, monkeypatch, tmp_path):
+    # An agent shutting down answers Capabilities, then closes the connection instead of
+    # answering the GPU pool's registration: not a refusal of the GPU pool, so the engine does
+    # not give up the direct path for good (staging through a host pool as large as its KV
+    # cache); it is unreachable for now, and registers (direct) once the agent serves.
+    import socket
+    import threading
+
+    from pdpair_vllm import wire
+    from pdpair_vllm.client import AgentUnreachable
+
+    class Plan:
+        regions = [{"layers": 1, "kv_arrangement": "KvFirst"}] * 2
+
+        def gpu_pool(self):
+            return {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555",
+                    "regions": [{"ipc_handle": "11" * 64, "offset": 0}] * 2}, []
+
+    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps, across_nodes=True, event=True: Plan())
+    path = str(tmp_path / "closing.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    connections = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            connections.append(conn)
+            with conn:
+                wire.recv_with_fds(conn)  # Capabilities
+                wire.send(conn, {"type": "Capabilities", "api_version": 5, "gpu_sharing": ["ipc_handle"]})
+                wire.recv_with_fds(conn)  # the registration: closed unanswered
+
+    threading.Thread(target=serve, daemon=True).start()
+    g = kv(block=16, layers=2)
+    try:
+        with pytest.raises(AgentUnreachable, match="registering with the agent"):
+            direct.register(path, reg(world, "prefill", g, 4), vllm_tensors(g, 4, "flash"))
+        assert len(connections) == 1, "no second, staged registration"
+    finally:
+        listener.close()
+
+
 @pytest.mark.parametrize("field", ["event", "events"])
 def test_an_engine_event_the_agent_cannot_open_is_dropped_before_the_direct_path_is(world, monkeypatch, field):
     # The GPU half stands in (no GPU here): a plan whose event the agent refuses ("gpu.event:",

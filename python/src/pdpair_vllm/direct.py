@@ -638,6 +638,8 @@ def _register(socket_path: str, reg: dict, pick: Callable, chosen: dict, options
             options["event"] = False
             chosen.clear()
             client = agent_client.AgentClient.register(socket_path, pick)
+    except agent_client.AgentUnreachable:
+        raise  # not serving (yet, or any more): tried again as it is, direct where it may be
     except agent_client.AgentError as e:
         if "direct" not in chosen or want is True:
             raise
