@@ -8,6 +8,34 @@ use pdpair_api::{Role, checksum::Outcome};
 use crate::reason::Reason;
 use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
 
+/// `ucx_software_rma_dropped_total`, read at each scrape from the count UCX's callbacks keep
+/// (process-wide, as UCX's handlers are; they have no `Metrics`).
+#[derive(Debug)]
+struct SoftwareRma;
+
+impl SoftwareRma {
+    fn counter() -> IntCounter {
+        IntCounter::new(
+            "ucx_software_rma_dropped_total",
+            "UCX software puts, gets, atomics and rendezvous messages peers sent this agent outside the shared memory it registered, dropped (UCX carries them out at any address the sender names; pdpair agents never send them)",
+        )
+        .expect("valid metric")
+    }
+}
+
+impl prometheus::core::Collector for SoftwareRma {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        static DESC: std::sync::OnceLock<prometheus::core::Desc> = std::sync::OnceLock::new();
+        vec![DESC.get_or_init(|| prometheus::core::Collector::desc(&Self::counter())[0].clone())]
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        let c = Self::counter();
+        c.inc_by(crate::transport::ucx::software_rma::dropped_so_far());
+        prometheus::core::Collector::collect(&c)
+    }
+}
+
 /// The agent's metrics.
 #[derive(Debug)]
 pub struct Metrics {
@@ -21,7 +49,6 @@ pub struct Metrics {
     leases: IntCounterVec,
     foreign: IntCounterVec,
     frames_refused: IntCounterVec,
-    software_rma: IntCounter,
     transfer_seconds: Histogram,
     reject_seconds: Histogram,
     /// Engines registered now.
@@ -73,11 +100,6 @@ impl Metrics {
                 "Engine connections closed because a large frame got no room in time (frame_budget), or its body did not come in time",
                 &[],
             ),
-            software_rma: IntCounter::new(
-                "ucx_software_rma_dropped_total",
-                "UCX software puts, gets, atomics and their completions peers sent this agent, dropped (they name any address in the agent; pdpair agents never send them)",
-            )
-            .expect("valid metric"),
             foreign: counter(
                 "foreign_answers_total",
                 "Answers (Complete, Ready, Failed, Released) ignored because the link does not own the request",
@@ -117,7 +139,7 @@ impl Metrics {
             Box::new(m.leases.clone()),
             Box::new(m.foreign.clone()),
             Box::new(m.frames_refused.clone()),
-            Box::new(m.software_rma.clone()),
+            Box::new(SoftwareRma),
             Box::new(m.transfer_seconds.clone()),
             Box::new(m.reject_seconds.clone()),
             Box::new(m.registrations.clone()),
@@ -199,10 +221,6 @@ impl Metrics {
 
     /// The text exposition format.
     pub fn render(&self) -> String {
-        // Counted by UCX's callback, which has no Metrics; process-wide, as UCX's handlers are.
-        let dropped = crate::transport::ucx::software_rma::dropped_so_far();
-        self.software_rma
-            .inc_by(dropped.saturating_sub(self.software_rma.get()));
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8_lossy(&buf).into_owned()

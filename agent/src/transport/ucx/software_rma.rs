@@ -15,17 +15,21 @@
 //! two engines behind one agent meet over `self`). So before its first context the agent puts
 //! a check in front of UCX's handlers: a software put or get is carried out only where its
 //! whole range lies inside host memory a shared-memory context registered ([`admit`]), and their
-//! completions (`GET_REP`, `CMPL`) only once a shared-memory context exists; everything else,
-//! and every software atomic, is dropped and counted ([`dropped_so_far`]). UCX registers its
-//! handlers when a worker opens its interfaces, from the `ucp_am_handler_UCP_AM_ID_*`
-//! structures it exports; their layout and the messages' headers (the same in UCX 1.13 and
-//! 1.22: `src/ucp/core/ucp_context.h`, `src/ucp/rma/rma.h`) are checked before anything is
-//! written, and a UCX whose structures are missing or laid out otherwise is refused, naming
-//! them.
+//! completions (`GET_REP`, `CMPL`) only once a shared-memory context exists; every other
+//! handler UCX registers for an RMA context but `WIREUP` (the software atomics, UCX 1.22's
+//! rendezvous) is replaced by one that drops. Whatever is dropped is counted
+//! ([`dropped_so_far`]). UCX registers its handlers when a worker opens its interfaces, from
+//! its table `ucp_am_handlers` of the `ucp_am_handler_UCP_AM_ID_*` structures it exports; the
+//! table's size, their layout and the messages' headers (the same in UCX 1.13 and 1.22:
+//! `src/ucp/core/ucp_context.h`, `src/ucp/rma/rma.h`) are checked before anything is written,
+//! and a UCX whose table or structures are missing or laid out otherwise is refused, naming
+//! them. A software get's answer is sent after its handler returned (docs/security.md says
+//! what that leaves open).
 #![allow(unsafe_code)]
 
 use std::{
     ffi::{CString, c_uint, c_void},
+    ptr,
     sync::{
         OnceLock, RwLock,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -54,26 +58,33 @@ enum Rule {
     Put,
     /// `ucp_get_req_hdr_t` (address, length, request and endpoint ids, memory type: 36 bytes).
     Get,
-    /// An answer to this agent's own software put or get: only where a shared-memory context
-    /// exists (elsewhere the agent sends none).
+    /// An answer (`GET_REP`, `CMPL`), where a shared-memory context exists (the agent's own
+    /// software puts and gets wait for them; elsewhere it sends none). UCX takes the sender's
+    /// word for which request or endpoint it answers: a peer running a modified UCX can
+    /// misuse that (docs/security.md).
     Answer,
-    /// Never (software atomics: the agent's contexts have no atomics).
-    Never,
 }
 
-/// The messages, by their `UCP_AM_ID_*` names.
-const HANDLERS: [(&str, Rule); 6] = [
+/// The messages checked, by their `UCP_AM_ID_*` names. Every other one UCX would register for
+/// the agent's contexts but `WIREUP` (which connects workers) is dropped: the software atomics,
+/// and in UCX 1.22 the rendezvous messages (`RNDV_RTS`, `RNDV_RTR`, ...), which it registers
+/// for RMA too and which write and read at an address the sender names as well (UCX 1.22's
+/// RMA rendezvous, `rma_rndv.c`; the agent's own puts and gets never take it: it is for GPU
+/// memory, which the agent does not register with UCX).
+const HANDLERS: [(&str, Rule); 4] = [
     ("PUT", Rule::Put),
     ("GET_REQ", Rule::Get),
     ("GET_REP", Rule::Answer),
     ("CMPL", Rule::Answer),
-    ("ATOMIC_REQ", Rule::Never),
-    ("ATOMIC_REP", Rule::Never),
 ];
 
-/// How many entries of UCX's table of handlers (`ucp_am_handlers`, `UCP_AM_ID_LAST` of them:
-/// under 40 in 1.13 and 1.22) are searched for each structure.
-const TABLE: usize = 64;
+/// The features a handler UCX registers for the agent's contexts has one of: RMA (theirs), and
+/// the atomics (not theirs: dropped all the same).
+const REACHABLE: u32 =
+    sys::ucp_feature_UCP_FEATURE_RMA | sys::ucp_feature_UCP_FEATURE_AMO32 | sys::ucp_feature_UCP_FEATURE_AMO64;
+
+/// The most entries `ucp_am_handlers` is taken to have (`UCP_AM_ID_LAST`: 29 in UCX 1.22).
+const MAX_TABLE: usize = 256;
 
 /// `sizeof(ucp_put_hdr_t)`: two `uint64_t` and a `ucs_memory_type_t` (an `int`), packed.
 const PUT_HEADER: usize = 20;
@@ -83,7 +94,7 @@ const GET_HEADER: usize = 36;
 const HOST: u32 = 0;
 
 /// UCX's own handlers, `cb` and `proxy_cb` of each of [`HANDLERS`], called once a message passes.
-static ORIGINAL: OnceLock<[(Option<Callback>, Option<Callback>); 6]> = OnceLock::new();
+static ORIGINAL: OnceLock<[(Option<Callback>, Option<Callback>); 4]> = OnceLock::new();
 static DROPPED: AtomicU64 = AtomicU64::new(0);
 /// Host memory shared-memory contexts registered: (address, length), one entry per region.
 static ADMITTED: RwLock<Vec<(u64, u64)>> = RwLock::new(Vec::new());
@@ -150,7 +161,6 @@ fn passes(rule: Rule, data: &[u8], admitted: &[(u64, u64)]) -> bool {
                 && matches!((u64_at(data, 0), u64_at(data, 8)), (Some(addr), Some(len)) if inside(admitted, addr, len))
         }
         Rule::Answer => SHARED_MEMORY.load(Ordering::Acquire),
-        Rule::Never => false,
     }
 }
 
@@ -187,14 +197,46 @@ unsafe extern "C" fn checked<const I: usize, const PROXY: bool>(
 }
 
 /// [`checked`] of each of [`HANDLERS`]: (`cb`, `proxy_cb`).
-const CHECKED: [(Callback, Callback); 6] = [
+const CHECKED: [(Callback, Callback); 4] = [
     (checked::<0, false>, checked::<0, true>),
     (checked::<1, false>, checked::<1, true>),
     (checked::<2, false>, checked::<2, true>),
     (checked::<3, false>, checked::<3, true>),
-    (checked::<4, false>, checked::<4, true>),
-    (checked::<5, false>, checked::<5, true>),
 ];
+
+/// Takes the place of every other handler UCX would register for the agent's contexts but
+/// `WIREUP`: the message is consumed (UCX frees it), counted, and nothing else happens.
+unsafe extern "C" fn never(_: *mut c_void, _: *mut c_void, length: usize, _: c_uint) -> sys::ucs_status_t {
+    if DROPPED.fetch_add(1, Ordering::Relaxed) == 0 {
+        tracing::warn!(
+            length,
+            "a UCX peer sent a message this agent never sends (a software atomic, a rendezvous: UCX carries those out \
+             at any address in the process); dropped (pdpair_agent_ucx_software_rma_dropped_total counts them)"
+        );
+    }
+    sys::ucs_status_t_UCS_OK
+}
+
+/// `RTLD_DL_SYMENT` (glibc's `dlfcn.h`): `dladdr1` gives the symbol's ELF entry.
+const RTLD_DL_SYMENT: libc::c_int = 1;
+
+/// The entries of UCX's table of handlers: its symbol's size, over a pointer's.
+fn table() -> Result<&'static [*mut Handler], String> {
+    let at = symbol("ucp_am_handlers").ok_or("it exports no ucp_am_handlers")?;
+    // SAFETY: zeroed Dl_info is valid; dladdr1 fills it and points `entry` at the symbol's ELF
+    // entry, which lives as long as the library (never unloaded: the agent links it).
+    let (mut info, mut entry): (libc::Dl_info, *mut libc::Elf64_Sym) = (unsafe { std::mem::zeroed() }, ptr::null_mut());
+    let found =
+        unsafe { libc::dladdr1(at, &mut info, (&raw mut entry).cast(), RTLD_DL_SYMENT) } != 0 && !entry.is_null();
+    // SAFETY: dladdr1 set `entry` to a valid symbol entry (checked non-null).
+    let size = if found { unsafe { (*entry).st_size } } else { 0 } as usize;
+    let n = size / std::mem::size_of::<*mut Handler>();
+    if n == 0 || n > MAX_TABLE || !size.is_multiple_of(std::mem::size_of::<*mut Handler>()) {
+        return Err(format!("its ucp_am_handlers is {size} bytes, not a table of handlers"));
+    }
+    // SAFETY: `n` pointers at the table's address, within its symbol's size.
+    Ok(unsafe { std::slice::from_raw_parts(at.cast::<*mut Handler>(), n) })
+}
 
 /// Puts [`checked`] in front of UCX's software RMA handlers, once per process, before any
 /// worker opens (every context is made after it). An error names what this UCX lacks.
@@ -225,27 +267,31 @@ unsafe fn replace_handlers() -> Result<(), String> {
             super::version()
         ))
     };
-    let Some(table) = symbol("ucp_am_handlers") else {
-        return refuse("it exports no ucp_am_handlers".into());
+    let table = match table() {
+        Ok(t) => t,
+        Err(what) => return refuse(what),
     };
-    // SAFETY: `ucp_am_handlers` is an array of UCP_AM_ID_LAST pointers in libucp's data, followed
-    // by more of its data: reading TABLE words of it reads mapped memory.
-    let table: Vec<*mut Handler> = (0..TABLE)
-        .map(|i| unsafe { table.cast::<*mut Handler>().add(i).read() })
-        .collect();
-    let known = u64::from(
-        sys::ucp_feature_UCP_FEATURE_RMA | sys::ucp_feature_UCP_FEATURE_AMO32 | sys::ucp_feature_UCP_FEATURE_AMO64,
-    );
+    let known = u64::from(REACHABLE);
+    let in_table = |name: &str| -> Result<*mut Handler, String> {
+        let handler = symbol(name)
+            .ok_or_else(|| format!("it exports no {name}"))?
+            .cast::<Handler>();
+        if !table.contains(&handler) {
+            return Err(format!("{name} is not in its ucp_am_handlers"));
+        }
+        Ok(handler)
+    };
+    let wireup = match in_table("ucp_am_handler_UCP_AM_ID_WIREUP") {
+        Ok(h) => h,
+        Err(what) => return refuse(what),
+    };
     let mut found = Vec::with_capacity(HANDLERS.len());
     for (id, _) in HANDLERS {
         let name = format!("ucp_am_handler_UCP_AM_ID_{id}");
-        let Some(at) = symbol(&name) else {
-            return refuse(format!("it exports no {name}"));
+        let handler = match in_table(&name) {
+            Ok(h) => h,
+            Err(what) => return refuse(what),
         };
-        let handler = at.cast::<Handler>();
-        if !table.contains(&handler) {
-            return refuse(format!("{name} is not in its ucp_am_handlers"));
-        }
         // SAFETY: the structure libucp defines under that name; read in place.
         let (features, cb) = unsafe { ((*handler).features, (*handler).cb) };
         if features == 0 || features & !known != 0 || cb.is_none() {
@@ -258,13 +304,28 @@ unsafe fn replace_handlers() -> Result<(), String> {
     // SAFETY: checked above; read before any is replaced.
     let original: Vec<_> = found.iter().map(|h| unsafe { ((**h).cb, (**h).proxy_cb) }).collect();
     let _ = ORIGINAL.set(original.clone().try_into().expect("one per handler"));
-    for ((handler, (cb, proxy)), (_, had_proxy)) in found.into_iter().zip(CHECKED).zip(original) {
+    for ((handler, (cb, proxy)), (_, had_proxy)) in found.iter().zip(CHECKED).zip(original) {
         // SAFETY: checked above; no worker exists yet, so nothing reads them now. A handler
         // without a proxy keeps none: UCX then calls `cb`, with the worker as its argument.
         unsafe {
-            (*handler).cb = Some(cb);
+            (**handler).cb = Some(cb);
             if had_proxy.is_some() {
-                (*handler).proxy_cb = Some(proxy);
+                (**handler).proxy_cb = Some(proxy);
+            }
+        }
+    }
+    // Every other handler the agent's contexts would register, but WIREUP: dropped.
+    for &handler in table {
+        if handler.is_null() || handler == wireup || found.contains(&handler) {
+            continue;
+        }
+        // SAFETY: an entry of UCX's table: a handler structure, laid out as those checked above.
+        unsafe {
+            if (*handler).features & known != 0 {
+                (*handler).cb = Some(never);
+                if (*handler).proxy_cb.is_some() {
+                    (*handler).proxy_cb = Some(never);
+                }
             }
         }
     }
@@ -328,7 +389,52 @@ mod tests {
             assert_eq!(passes(rule, &m, &admitted), ok, "{what}");
         }
         assert!(!passes(Rule::Put, &put(0x1000, 8, HOST), &[]), "nothing admitted");
-        assert!(!passes(Rule::Never, &put(0x1000, 8, HOST), &admitted), "atomics");
+    }
+
+    #[test]
+    fn every_handler_ucx_registers_for_the_agents_contexts_is_checked_or_dropped_but_wireup() {
+        turn_off().expect("this UCX's handlers are laid out as expected");
+        let table = table().expect("the table");
+        let wireup = symbol("ucp_am_handler_UCP_AM_ID_WIREUP")
+            .expect("wireup")
+            .cast::<Handler>();
+        let ours: Vec<Callback> = CHECKED
+            .iter()
+            .flat_map(|(a, b)| [*a, *b])
+            .chain([never as Callback])
+            .collect();
+        let (mut checked, mut dropped) = (0, 0);
+        for &h in table.iter().filter(|h| !h.is_null() && **h != wireup) {
+            // SAFETY: entries of UCX's table.
+            let (features, cb, proxy) = unsafe { ((*h).features, (*h).cb, (*h).proxy_cb) };
+            if features & u64::from(REACHABLE) == 0 {
+                continue;
+            }
+            let cb = cb.expect("a handler");
+            assert!(
+                ours.iter().any(|o| std::ptr::fn_addr_eq(*o, cb)),
+                "a handler of features {features:#x} left as UCX has it"
+            );
+            if let Some(p) = proxy {
+                assert!(
+                    ours.iter().any(|o| std::ptr::fn_addr_eq(*o, p)),
+                    "a proxy of features {features:#x} left"
+                );
+            }
+            if std::ptr::fn_addr_eq(cb, never as Callback) {
+                dropped += 1;
+            } else {
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, HANDLERS.len());
+        // The atomics' two; in UCX 1.22 the five rendezvous messages too.
+        let expected = if super::super::version().starts_with("1.13") {
+            2
+        } else {
+            7
+        };
+        assert_eq!(dropped, expected, "UCX {}", super::super::version());
     }
 
     #[test]
