@@ -2238,25 +2238,36 @@ impl Engine {
 
     // ---- timers and shutdown ----------------------------------------------------------------
 
+    /// The engine's timers, each on a thread of its own: deadlines (decode) and leases
+    /// (prefill), whose answers may wait on the engine's socket (an engine may pause its reading
+    /// up to the write timeout); and heartbeats on decode's links, which must not: while they
+    /// waited there, every idle prefill link went silent past its misses and was dropped, and
+    /// its requests failed `PeerLost`.
     fn spawn_timer(self: &Arc<Self>) -> io::Result<()> {
-        let e = Arc::downgrade(self);
-        spawn("timer", move || {
-            loop {
-                thread::sleep(Duration::from_millis(20));
-                let Some(e) = e.upgrade() else { return };
-                if e.closed.load(Ordering::SeqCst) {
-                    return;
+        let every = |name: &'static str, tick: fn(&Engine)| {
+            let e = Arc::downgrade(self);
+            spawn(name, move || {
+                loop {
+                    thread::sleep(Duration::from_millis(20));
+                    let Some(e) = e.upgrade() else { return };
+                    if e.closed.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    tick(&e);
                 }
-                e.expire();
-            }
-        })
+            })
+        };
+        every("timer", Engine::expire)?;
+        if self.reg.role == Role::Decode {
+            every("heartbeat", Engine::ping_links)?;
+        }
+        Ok(())
     }
 
-    /// Deadlines (decode) and leases (prefill); heartbeats on decode's links.
+    /// Deadlines (decode) and leases (prefill).
     fn expire(&self) {
         self.expire_pending();
         self.expire_ready();
-        self.ping_links();
     }
 
     fn shutdown(&self) {

@@ -2494,7 +2494,7 @@ fn a_decode_engines_links_take_no_thread_for_their_heartbeats() {
     let _serial = serial();
     // A decode engine may keep 1024 prefill links. Each took a thread more than it needs, a
     // heartbeat that slept between pings: 1024 tasks more against a pod's pids limit. The
-    // heartbeats now come from the engine's timer.
+    // heartbeats now come from one thread per engine.
     let w = World::new("attack-link-threads");
     let ps = w.agent("p", Transport::Tcp, false);
     let (agent, ds) = ProcessAgent::start(&w, "d");

@@ -920,6 +920,83 @@ fn a_stuck_prefill_is_lost_after_missed_heartbeats_not_at_the_deadline() {
 }
 
 #[test]
+fn an_engine_pausing_its_reading_while_a_deadline_passes_keeps_its_prefill_links() {
+    // A decode engine may pause reading its events (up to the 10 s write timeout): a deadline
+    // passing meanwhile has its answer wait on the engine's socket, and the engine's links
+    // must live on (their heartbeats run on a thread of their own, which never waits there;
+    // they ran on the engine's timer, which a review found could: here the answer waits on the
+    // link's reader instead, and the link lived either way).
+    let mut w = World::new("heartbeat-paused");
+    w.heartbeat = Duration::from_millis(200); // a link is lost after 1 s without a Pong
+    let (ps, ds) = (w.agent("p", Transport::Tcp, false), w.agent("d", Transport::Tcp, false));
+    // Prefill holds what decode registers for 10 s: decode's own deadline (5 s) comes first,
+    // on decode's timer.
+    let mut p_spec = spec(Role::Prefill, "p0", kv(64, None), b"k", ChecksumPolicy::FailClosed);
+    p_spec.lease_ms = 10_000;
+    let mut p = SyntheticEngine::register(&ps, &w.dir, &p_spec).expect("P");
+    let mut d = SyntheticEngine::register(
+        &ds,
+        &w.dir,
+        &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
+    )
+    .expect("D");
+    let expect = |d: &mut SyntheticEngine, id: &str, blocks: Vec<u32>| {
+        d.send(&EngineRequest::ExpectKv {
+            request: id.into(),
+            prefill: p.address.clone(),
+            blocks,
+            num_tokens: 100,
+            first_token: 0,
+            prompt: None,
+            event: None,
+        })
+        .expect("ExpectKv");
+    };
+    // Deadlines are 5 s (handshake 2 s + lease 3 s): "short" passes its deadline at 5 s, while
+    // the engine reads nothing; "long" (at 9 s) is served once it reads again.
+    let start = Instant::now();
+    expect(&mut d, "short", vec![1, 2]);
+    std::thread::sleep(Duration::from_secs(4));
+    expect(&mut d, "long", vec![3, 4]);
+    // The engine stops reading, and its agent's answers fill the socket (requests that do not
+    // decode, each refused on its own): its writer waits.
+    let mut flood = d.events().expect("socket");
+    flood.set_write_timeout(Some(Duration::from_secs(8))).expect("timeout");
+    let flooding = std::thread::spawn(move || {
+        for i in 0..20_000 {
+            let frame = serde_json::json!({"type": "ExpectKv", "request": format!("x{i}"), "blocks": "none"});
+            if pdpair_agent::wire::write_frame(&mut flood, &frame).is_err() {
+                return;
+            }
+        }
+    });
+    // Paused 2 s past "short"'s deadline: twice what loses a link that hears no Pong.
+    std::thread::sleep((start + Duration::from_secs(7)).saturating_duration_since(Instant::now()));
+    p.fill(7, &[5, 6], 0, 100);
+    p.send(&EngineRequest::KvReady {
+        request: "long".into(),
+        blocks: vec![5, 6],
+        num_tokens: 100,
+        first_token: 0,
+        prompt: None,
+        event: None,
+    })
+    .expect("KvReady");
+    d.wait_events_for(Duration::from_secs(10)).expect("timeout");
+    let long = loop {
+        let e = d.next_event().expect("events until long's answer");
+        if let AgentEvent::RequestDone { request, .. } | AgentEvent::RequestFailed { request, .. } = &e
+            && request == "long"
+        {
+            break e;
+        }
+    };
+    assert!(done(&long), "{long:?}");
+    assert_eq!(d.verify(7, &[3, 4], 0, 100), 0, "long's KV landed");
+    let _ = flooding.join();
+}
+
+#[test]
 fn two_decode_ranks_take_their_heads_from_one_prefill_rank_and_prefill_hears_once() {
     for mode in [TransferMode::Push, TransferMode::Pull] {
         // 8 KV heads; prefill TP 2 rank 0 holds heads 0..4; decode TP 4 ranks 0 and 1 hold 0..2

@@ -928,8 +928,8 @@ impl Engine {
         self.shared.cfg.heartbeat.min(MAX_HEARTBEAT) * HEARTBEAT_MISSES
     }
 
-    /// Pings each prefill link every heartbeat while its reader runs (from the engine's timer:
-    /// no thread of its own per link). Prefill answers each; a link whose reader hears nothing
+    /// Pings each prefill link every heartbeat while its reader runs (from the engine's
+    /// heartbeat thread: no thread of its own per link). Prefill answers each; a link whose reader hears nothing
     /// for [`HEARTBEAT_MISSES`] of them is lost.
     pub(super) fn ping_links(&self) {
         let every = u64::try_from(self.shared.cfg.heartbeat.min(MAX_HEARTBEAT).as_micros()).unwrap_or(u64::MAX);
