@@ -221,15 +221,22 @@ impl Engine {
     /// Fails `request` (when still pending) once no other prefill writes into its blocks;
     /// `ended` (the prefill whose failure this is) writes nothing more.
     fn fail_pending(&self, request: &str, reasons: Vec<Reason>, message: String, ended: Option<&str>) {
-        let down = self.wind_down(
-            &mut lock(&self.pending),
-            request,
-            Ending::Failed(reasons, message),
-            ended,
-        );
+        self.fail_if_pending(request, reasons, message, ended);
+    }
+
+    /// [`Engine::fail_pending`]; whether it was pending.
+    fn fail_if_pending(&self, request: &str, reasons: Vec<Reason>, message: String, ended: Option<&str>) -> bool {
+        let down = {
+            let mut pending = lock(&self.pending);
+            if !pending.contains_key(request) {
+                return false;
+            }
+            self.wind_down(&mut pending, request, Ending::Failed(reasons, message), ended)
+        };
         if let Some(down) = down {
             self.tell_writers(down);
         }
+        true
     }
 
     /// Tells `link`'s prefill that cancelled `request` is not wanted (its `ReleaseDone`, or the
@@ -1038,24 +1045,34 @@ impl Engine {
                     reason,
                     message,
                 }) if self.owned_by(&link, &request, Answer::Other) => {
-                    self.fail_pending(
+                    let pending = self.fail_if_pending(
                         &request,
                         vec![reason],
                         crate::reason::peer_text(&message),
                         Some(&link.addr),
                     );
+                    if !pending {
+                        // Cancelled since the reader found it pending (see `complete`).
+                        self.cancel_answered(&link.addr, &request);
+                    }
                 }
                 Ok(Message::ReleaseDone { request }) if self.owned_by(&link, &request, Answer::Release) => {
                     // A release of several prefill ranks is done when each has confirmed.
-                    let all = {
+                    let (all, gone) = {
                         let mut pending = lock(&self.pending);
-                        pending
-                            .get_mut(&request)
-                            .is_some_and(|p| p.arrived(&link.addr, None, 0))
-                            && pending.remove(&request).is_some()
+                        match pending.get_mut(&request) {
+                            Some(p) => (
+                                p.arrived(&link.addr, None, 0) && pending.remove(&request).is_some(),
+                                false,
+                            ),
+                            None => (false, true),
+                        }
                     };
                     if all {
                         self.event(AgentEvent::Released { request });
+                    } else if gone {
+                        // Cancelled since the reader found it pending (see `complete`).
+                        self.cancel_answered(&link.addr, &request);
                     }
                 }
                 Ok(
@@ -1187,7 +1204,14 @@ impl Engine {
     fn complete(&self, from: &str, request: String, sums: Option<BlockSums>, bytes: u64, transfer_us: Option<u64>) {
         let p = {
             let mut pending = lock(&self.pending);
-            let Some(p) = pending.get_mut(&request) else { return };
+            let Some(p) = pending.get_mut(&request) else {
+                // Cancelled (or past its deadline) since the link's reader found it pending:
+                // this ends the writes the cancel waits for (a review found it dropped, and the
+                // cancel answered only at its deadline, with the link closed).
+                drop(pending);
+                self.cancel_answered(from, &request);
+                return;
+            };
             if !p.arrived(from, sums, bytes) {
                 return; // more prefill ranks to come
             }
