@@ -525,8 +525,16 @@ impl Engine {
                     // Pending before it stops linking: a cancel meanwhile finds it one way or
                     // the other, never neither.
                     e.ask(request.clone(), sources, want, false);
-                    let cancelled = lock(&e.linking).remove(&request).unwrap_or(false);
-                    if cancelled {
+                    // Cancelled while linking: cancelled now, unless `ask` answered it already
+                    // (refused it: the engine's room, a rejection remembered meanwhile), which
+                    // would make the cancel's `Cancelled` a second answer (from a review).
+                    // Looked at before the name is let go, in the locks' order.
+                    let cancel = {
+                        let mut linking = lock(&e.linking);
+                        linking.remove(&request).unwrap_or(false)
+                            && (lock(&e.pending).contains_key(&request) || lock(&e.cancelled).contains_key(&request))
+                    };
+                    if cancel {
                         e.cancel_decode(request);
                     }
                 }
