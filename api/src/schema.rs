@@ -35,11 +35,12 @@ pub fn conditions(_: &mut SchemaGenerator) -> Schema {
 }
 
 /// RFC 3339 times as the operator reads them (k8s-openapi's `Time`, parsed by jiff): at most 9
-/// digits of a second, offsets within a day. The API server's `date-time` alone also stores
+/// digits of a second, offsets within a day, years to 9998 (jiff's last instant is on
+/// 9999-12-30). The API server's `date-time` alone also stores
 /// more digits and other offsets, and one such time in a PDEndpoint failed the operator's whole
 /// list of them: after its next restart it reconciled no pair again. Every time field of both
 /// CRDs carries it.
-pub const TIME_PATTERN: &str = r"^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])$";
+pub const TIME_PATTERN: &str = r"^([0-8][0-9]{3}|9[0-8][0-9]{2}|99[0-8][0-9]|999[0-8])-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])$";
 
 /// An optional RFC 3339 timestamp ([`TIME_PATTERN`]).
 pub fn time(_: &mut SchemaGenerator) -> Schema {
@@ -119,7 +120,11 @@ mod tests {
     #[test]
     fn times_the_api_servers_date_time_takes_but_the_operator_cannot_read_are_what_the_pattern_is_for() {
         // Both are valid `date-time` to the API server (Go's parser cuts a fraction to 9 digits).
-        for text in ["2025-01-01T00:00:00.1234567890Z", "2025-01-01T00:00:00.123456789123Z"] {
+        for text in [
+            "2025-01-01T00:00:00.1234567890Z",
+            "2025-01-01T00:00:00.123456789123Z",
+            "9999-12-31T00:00:00Z",
+        ] {
             assert!(!parses(text), "{text}");
         }
         for text in [
