@@ -781,22 +781,12 @@ fn an_insider_decode_reads_only_what_prefill_lent_its_link_through_the_stream() 
 fn own_address_variants(transport: Transport) -> (Vec<usize>, Vec<String>) {
     let w = World::new(&format!("attack-self-{}", transport.as_arg()));
     let mut p = prefill_on(&w, transport);
-    let mallory = UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
-    let mut honest = insider(Role::Decode);
-    let l = PoolLayout::new(&honest.kv, &honest.parallelism, 16, 0).expect("layout");
-    let mut buffer = vec![0u8; l.pool_len()];
-    let (_, rkey) = mallory
-        .map(buffer.as_mut_ptr() as u64, buffer.len() as u64, Box::new(()))
-        .expect("a pool of its own");
-    honest.worker_address = match transport {
-        Transport::Shm => mallory.worker_address.clone(),
+    let (_mallory, _buffer, mut honest) = honest_decode(&w);
+    if transport != Transport::Shm {
         // What a prefill's stream would dial (nothing listens there; push never dials it).
-        _ => b"pdpair-tcp:127.0.0.1:9".to_vec(),
-    };
-    honest.memory = MemoryDesc::of(&l, vec![(buffer.as_ptr() as u64, rkey)]);
-    let mut s = TcpStream::connect(addr(&p)).expect("connect");
-    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
-    let prefills = protocol::handshake_decode(&mut s, &mut session, &honest).expect("an honest handshake passes");
+        honest.worker_address = b"pdpair-tcp:127.0.0.1:9".to_vec();
+    }
+    let (s, prefills) = honest_handshake(&p, &honest);
     let own = prefills.worker_address.clone();
     let region = prefills.memory.regions[0].clone();
     let mut claim = honest.clone();
@@ -889,6 +879,30 @@ fn a_copy_of_the_agents_own_address_with_a_byte_changed_is_refused() {
     );
 }
 
+/// What an insider decode honestly says of itself: a UCX worker (shared memory) and a pool of
+/// its own registered there, kept while the returned handle and buffer live.
+fn honest_decode(w: &World) -> (UcxHandle, Vec<u8>, PeerInfo) {
+    let ucx = UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
+    let mut honest = insider(Role::Decode);
+    let l = PoolLayout::new(&honest.kv, &honest.parallelism, 16, 0).expect("layout");
+    let mut buffer = vec![0u8; l.pool_len()];
+    let (_, rkey) = ucx
+        .map(buffer.as_mut_ptr() as u64, buffer.len() as u64, Box::new(()))
+        .expect("a pool of its own");
+    honest.worker_address = ucx.worker_address.clone();
+    honest.memory = MemoryDesc::of(&l, vec![(buffer.as_ptr() as u64, rkey)]);
+    (ucx, buffer, honest)
+}
+
+/// An insider's handshake with prefill `p` as `honest`: its connection, and what prefill said
+/// of itself.
+fn honest_handshake(p: &SyntheticEngine, honest: &PeerInfo) -> (TcpStream, PeerInfo) {
+    let mut s = TcpStream::connect(addr(p)).expect("connect");
+    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
+    let prefills = protocol::handshake_decode(&mut s, &mut session, honest).expect("an honest handshake passes");
+    (s, prefills)
+}
+
 #[test]
 #[allow(unsafe_code)]
 fn an_insiders_ucx_software_put_or_get_reaches_nothing_in_the_agent() {
@@ -903,18 +917,8 @@ fn an_insiders_ucx_software_put_or_get_reaches_nothing_in_the_agent() {
     // pools, its stack).
     let w = World::new("attack-rma-sw");
     let mut p = prefill(&w);
-    let honest_side = UcxHandle::start(Transport::Shm, &w.pools()).expect("UCX");
-    let mut honest = insider(Role::Decode);
-    let l = PoolLayout::new(&honest.kv, &honest.parallelism, 16, 0).expect("layout");
-    let mut buffer = vec![0u8; l.pool_len()];
-    let (_, rkey) = honest_side
-        .map(buffer.as_mut_ptr() as u64, buffer.len() as u64, Box::new(()))
-        .expect("a pool of its own");
-    honest.worker_address = honest_side.worker_address.clone();
-    honest.memory = MemoryDesc::of(&l, vec![(buffer.as_ptr() as u64, rkey)]);
-    let mut s = TcpStream::connect(addr(&p)).expect("connect");
-    let mut session = protocol::authenticate_decode(&mut s, PAIR, KEY).expect("an insider authenticates");
-    let prefills = protocol::handshake_decode(&mut s, &mut session, &honest).expect("an honest handshake passes");
+    let (_honest_side, _buffer, honest) = honest_decode(&w);
+    let (s, prefills) = honest_handshake(&p, &honest);
 
     let canary = vec![0u8; 64];
     let secret = [0x5au8; 64];

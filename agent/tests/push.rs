@@ -15,7 +15,7 @@ use pdpair_api::{ChecksumPolicy, Role, TransferMode};
 
 mod common;
 
-use common::{ProcessAgent, Req, World, done, kv, reasons, request, spec};
+use common::{ProcessAgent, Req, World, done, expect_kv, kv, kv_ready, reasons, request, spec};
 
 /// Prefill engine "p0" at the agent `ps` and decode engine "d0" at `ds`, of `block`-token
 /// blocks, checksums `checksum`.
@@ -940,24 +940,12 @@ fn an_engine_pausing_its_reading_while_a_deadline_passes_keeps_its_prefill_links
         &spec(Role::Decode, "d0", kv(64, None), b"k", ChecksumPolicy::FailClosed),
     )
     .expect("D");
-    let expect = |d: &mut SyntheticEngine, id: &str, blocks: Vec<u32>| {
-        d.send(&EngineRequest::ExpectKv {
-            request: id.into(),
-            prefill: p.address.clone(),
-            blocks,
-            num_tokens: 100,
-            first_token: 0,
-            prompt: None,
-            event: None,
-        })
-        .expect("ExpectKv");
-    };
     // Deadlines are 5 s (handshake 2 s + lease 3 s): "short" passes its deadline at 5 s, while
     // the engine reads nothing; "long" (at 9 s) is served once it reads again.
     let start = Instant::now();
-    expect(&mut d, "short", vec![1, 2]);
+    expect_kv(&mut d, "short", p.address.clone(), &[1, 2], 100);
     std::thread::sleep(Duration::from_secs(4));
-    expect(&mut d, "long", vec![3, 4]);
+    expect_kv(&mut d, "long", p.address.clone(), &[3, 4], 100);
     // The engine stops reading, and its agent's answers fill the socket (requests that do not
     // decode, each refused on its own): its writer waits.
     let mut flood = d.events().expect("socket");
@@ -973,15 +961,7 @@ fn an_engine_pausing_its_reading_while_a_deadline_passes_keeps_its_prefill_links
     // Paused 2 s past "short"'s deadline: twice what loses a link that hears no Pong.
     std::thread::sleep((start + Duration::from_secs(7)).saturating_duration_since(Instant::now()));
     p.fill(7, &[5, 6], 0, 100);
-    p.send(&EngineRequest::KvReady {
-        request: "long".into(),
-        blocks: vec![5, 6],
-        num_tokens: 100,
-        first_token: 0,
-        prompt: None,
-        event: None,
-    })
-    .expect("KvReady");
+    kv_ready(&mut p, "long", &[5, 6], 100);
     d.wait_events_for(Duration::from_secs(10)).expect("timeout");
     let long = loop {
         let e = d.next_event().expect("events until long's answer");

@@ -1105,6 +1105,30 @@ mod tests {
         pair
     }
 
+    /// A leader's context on `client` and these stores (its leadership's sender gone: it stays
+    /// the leader).
+    fn leading(
+        client: kube::Client,
+        pods: Store<Pod>,
+        endpoints: Store<PDEndpoint>,
+        deployments: Store<Deployment>,
+        pairs: Store<PDPair>,
+    ) -> Arc<Context> {
+        let (_, leader) = watch::channel(true);
+        Arc::new(Context {
+            client: client.clone(),
+            pods,
+            endpoints,
+            deployments,
+            leader,
+            metrics: Arc::new(Metrics::new()),
+            events: Publisher::new(client, "test".into()),
+            pairs,
+            remembered: Remembered::default(),
+            wiring: plan::Wiring::default(),
+        })
+    }
+
     #[tokio::test]
     async fn a_leader_reconciles_nothing_until_its_caches_have_had_their_first_list() {
         // A new leader's first reconciles came before the pod and PDEndpoint watches had
@@ -1116,19 +1140,7 @@ mod tests {
         let (endpoints, mut endpoint_writer) = reflector::store::<PDEndpoint>();
         let (deployments, mut deployment_writer) = reflector::store::<Deployment>();
         let (pairs, _pair_writer) = reflector::store::<PDPair>();
-        let (_leading, leader) = watch::channel(true);
-        let ctx = Arc::new(Context {
-            client: client.clone(),
-            pods,
-            endpoints,
-            deployments,
-            leader,
-            metrics: Arc::new(Metrics::new()),
-            events: Publisher::new(client, "test".into()),
-            pairs,
-            remembered: Remembered::default(),
-            wiring: plan::Wiring::default(),
-        });
+        let ctx = leading(client, pods, endpoints, deployments, pairs);
         let pair = Arc::new(pair("llama", "u1"));
         let action = reconcile(pair.clone(), ctx.clone()).await.expect("no call made");
         assert_eq!(action, Action::requeue(CACHES_RETRY));
@@ -1170,19 +1182,7 @@ mod tests {
         let (deployments, _) = reflector::store::<Deployment>();
         let (pairs, mut pair_writer) = reflector::store::<PDPair>();
         pair_writer.apply_watcher_event(&Event::Apply(pair.as_ref().clone()));
-        let (_leading, leader) = watch::channel(true);
-        let ctx = Arc::new(Context {
-            client: client.clone(),
-            pods,
-            endpoints,
-            deployments,
-            leader,
-            metrics: Arc::new(Metrics::new()),
-            events: Publisher::new(client, "test".into()),
-            pairs,
-            remembered: Remembered::default(),
-            wiring: plan::Wiring::default(),
-        });
+        let ctx = leading(client, pods, endpoints, deployments, pairs);
         let dry_runs = || {
             seen.lock()
                 .expect("lock")

@@ -485,18 +485,22 @@ def test_vllm_shaped_gpu_kv_moves_between_engines_without_host_staging(world, ag
     direct_to_direct(p, p_kv, d, d_kv, "g1", 7)
 
 
+class StandInPlan:
+    """A direct plan's GPU half, standing in (no GPU here): two regions of one layer, and a GPU
+    pool of two IPC handles no agent here can open."""
+
+    regions = [{"layers": 1, "kv_arrangement": "KvFirst"}] * 2
+
+    def gpu_pool(self):
+        return {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555",
+                "regions": [{"ipc_handle": "11" * 64, "offset": 0}] * 2}, []
+
+
 def test_a_gpu_pool_the_agent_cannot_open_falls_back_to_staging_on_a_new_connection(world, monkeypatch):
     # The GPU half stands in (no GPU here): a plan whose GPU pool this agent refuses, as an agent
     # refuses a CUDA IPC handle it cannot open (another PID namespace). The registration then
     # stages through a host pool, saying why, unless direct was required.
-    class Unopenable:
-        regions = [{"layers": 1, "kv_arrangement": "KvFirst"}] * 2
-
-        def gpu_pool(self):
-            return {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555",
-                    "regions": [{"ipc_handle": "11" * 64, "offset": 0}] * 2}, []
-
-    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps, across_nodes=True, event=True: Unopenable())
+    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps, across_nodes=True, event=True: StandInPlan())
     g = kv(block=16, layers=2)
     agent = world.agent("a")
     tensors = vllm_tensors(g, 4, "flash")
@@ -522,14 +526,7 @@ def test_an_agent_that_closes_during_a_direct_registration_is_tried_again_not_st
     from pdpair_vllm import wire
     from pdpair_vllm.client import AgentUnreachable
 
-    class Plan:
-        regions = [{"layers": 1, "kv_arrangement": "KvFirst"}] * 2
-
-        def gpu_pool(self):
-            return {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555",
-                    "regions": [{"ipc_handle": "11" * 64, "offset": 0}] * 2}, []
-
-    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps, across_nodes=True, event=True: Plan())
+    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps, across_nodes=True, event=True: StandInPlan())
     path = str(tmp_path / "closing.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -568,15 +565,12 @@ def test_an_engine_event_the_agent_cannot_open_is_dropped_before_the_direct_path
     # for want of a driver, so the engine stages, saying so.
     asked = []
 
-    class NoEvent:
-        regions = [{"layers": 1, "kv_arrangement": "KvFirst"}] * 2
-
+    class NoEvent(StandInPlan):
         def __init__(self, event):
             self.event = event
 
         def gpu_pool(self):
-            pool = {"device_uuid": "GPU-0a1b2c3d-0000-1111-2222-333344445555",
-                    "regions": [{"ipc_handle": "11" * 64, "offset": 0}] * 2}
+            pool, _ = super().gpu_pool()
             if self.event and field == "event":
                 pool["event"] = "00"  # not a handle: refused as "gpu.event: ..."
             if self.event and field == "events":

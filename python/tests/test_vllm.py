@@ -506,14 +506,21 @@ def test_an_engine_whose_agent_is_not_up_yet_starts_and_registers_once_it_answer
     # An agent restarting in a rollout, or not ready yet on a new node, when an engine reaches
     # register_kv_caches (its model loaded): the engine raised there and crash-looped, loading
     # its model again each time. It starts, and registers once the agent answers.
+    decode_starts_before_its_agent_serves(world, caplog, lambda: world.agent("d"), "cannot reach its agent")
+
+
+def decode_starts_before_its_agent_serves(world, caplog, serve, logged: str):
+    """A decode engine whose rank finds no agent serving at ``world.dir / "d.sock"`` (``serve``
+    then starts one there) starts, saying ``logged``, and receives a request's KV once its
+    agent serves."""
     import types
 
     p = Engine(world, world.agent("p"), "prefill", seed=P_SEED)
     later = types.SimpleNamespace(socket=str(world.dir / "d.sock"))
     with caplog.at_level("WARNING", logger="pdpair_vllm"):
-        d = Engine(world, later, "decode", seed=D_SEED, start_agent=lambda: world.agent("d"))
+        d = Engine(world, later, "decode", seed=D_SEED, start_agent=serve)
     try:
-        assert "cannot reach its agent" in caplog.text, caplog.text
+        assert logged in caplog.text, caplog.text
         prompt = list(range(9000, 9050))
         assert decode_receives(p, d, "req", prompt, prefill(p, "req", prompt)) == [P_SEED] * 50
     finally:
@@ -527,7 +534,6 @@ def test_an_engine_whose_agent_accepts_and_closes_starts_and_registers_once_it_s
     # crash-looped, loading its model again each time, as with no agent at all.
     import socket
     import threading
-    import types
 
     path = world.dir / "d.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -554,16 +560,7 @@ def test_an_engine_whose_agent_accepts_and_closes_starts_and_registers_once_it_s
         path.unlink()
         world.agent("d")
 
-    p = Engine(world, world.agent("p"), "prefill", seed=P_SEED)
-    with caplog.at_level("WARNING", logger="pdpair_vllm"):
-        d = Engine(world, types.SimpleNamespace(socket=str(path)), "decode", seed=D_SEED, start_agent=serve)
-    try:
-        assert "cannot reach its agent (asking the agent at" in caplog.text, caplog.text
-        prompt = list(range(9100, 9150))
-        assert decode_receives(p, d, "req", prompt, prefill(p, "req", prompt)) == [P_SEED] * 50
-    finally:
-        p.close()
-        d.close()
+    decode_starts_before_its_agent_serves(world, caplog, serve, "cannot reach its agent (asking the agent at")
 
 
 def test_engines_register_again_with_restarted_agents_and_their_kv_moves_again(world):

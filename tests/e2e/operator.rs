@@ -664,10 +664,11 @@ fn both_deployments(ns: &str) {
     });
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
+/// The pair of examples/vllm-push-64-64.yaml applied in a namespace of its own for `test` (the
+/// operator running), and it as stored: (namespace, client, its namespace's PDPairs, the pair).
+async fn push_64_64_in(test: &str) -> (String, kube::Client, Api<PDPair>, PDPair) {
     operator();
-    let ns = namespace("observed");
+    let ns = namespace(test);
     kubectl_ok(
         &["apply", "-f", "-"],
         Some(&manifest("vllm-push-64-64.yaml", &ns, |_| {})),
@@ -675,6 +676,12 @@ async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
     let client = client().await;
     let pairs: Api<PDPair> = Api::namespaced(client.clone(), &ns);
     let pair = pairs.get("vllm-push-64-64").await.expect("stored");
+    (ns, client, pairs, pair)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
+    let (ns, client, _, pair) = push_64_64_in("observed").await;
     eventually(WAIT, "GeometryCompatible=True", || {
         let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
         (condition(&p, "GeometryCompatible")?.0 == "True").then_some(())
@@ -864,15 +871,7 @@ async fn a_time_the_operator_could_not_read_is_refused_by_the_api_server() {
     // the operator's (jiff) does not, and one such time in a PDEndpoint failed its whole list of
     // them: after its next restart the operator reconciled no pair again. Node agents'
     // credentials write PDEndpoints; whoever may patch `pdpairs/status` writes conditions.
-    operator();
-    let ns = namespace("times");
-    kubectl_ok(
-        &["apply", "-f", "-"],
-        Some(&manifest("vllm-push-64-64.yaml", &ns, |_| {})),
-    );
-    let client = client().await;
-    let pairs: Api<PDPair> = Api::namespaced(client.clone(), &ns);
-    let pair = pairs.get("vllm-push-64-64").await.expect("stored");
+    let (ns, client, pairs, pair) = push_64_64_in("times").await;
     create_endpoint(&client, endpoint(&ns, "decode-0", Role::Decode, &pair)).await;
     let endpoints: Api<PDEndpoint> = Api::namespaced(client.clone(), &ns);
     let bad = "2025-01-01T00:00:00.1234567890Z";
