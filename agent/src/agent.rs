@@ -1855,8 +1855,22 @@ impl Engine {
     /// as [`Engine::fail`] does, but a request of that name already accepted keeps its windows
     /// (the first keeps its promise).
     fn refuse(&self, request: String, reasons: Vec<Reason>, message: String) {
+        self.fail_quietly(request, reasons, message);
+    }
+
+    /// Fails a request whose windows were closed while its name was still held: touches none
+    /// (a new request of the name may have opened its own since; [`Engine::answer`]).
+    fn fail_quietly(&self, request: String, reasons: Vec<Reason>, message: String) {
         let event = self.failure(request, reasons, message);
-        send(&self.writer, &event);
+        self.answer(&event);
+    }
+
+    /// Tells the engine how a request ended whose windows were closed while its name was still
+    /// held (before it left `pending` or `ready`, so a new request of the name was refused
+    /// until then): touches no windows, where [`Engine::event`] would close the ones a new
+    /// request of the name opened since.
+    fn answer(&self, event: &AgentEvent) {
+        send(&self.writer, event);
     }
 
     /// Counts a failure and makes its event.

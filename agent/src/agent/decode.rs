@@ -211,11 +211,10 @@ impl Engine {
     /// were closed while its name was still held ([`Engine::close_windows`]), so this touches
     /// none (a new request of the name may have opened its own since).
     fn end_quietly(&self, request: String, ending: Ending) {
-        let event = match ending {
-            Ending::Cancelled => AgentEvent::Cancelled { request },
-            Ending::Failed(reasons, message) => self.failure(request, reasons, message),
-        };
-        send(&self.writer, &event);
+        match ending {
+            Ending::Cancelled => self.answer(&AgentEvent::Cancelled { request }),
+            Ending::Failed(reasons, message) => self.fail_quietly(request, reasons, message),
+        }
     }
 
     /// Fails `request` (when still pending) once no other prefill writes into its blocks;
@@ -1069,15 +1068,20 @@ impl Engine {
                     let (all, gone) = {
                         let mut pending = lock(&self.pending);
                         match pending.get_mut(&request) {
-                            Some(p) => (
-                                p.arrived(&link.addr, None, 0) && pending.remove(&request).is_some(),
-                                false,
-                            ),
+                            Some(p) => {
+                                let all = p.arrived(&link.addr, None, 0);
+                                if all {
+                                    // Closed while the name is held (see `complete`).
+                                    self.close_windows(&request);
+                                    pending.remove(&request);
+                                }
+                                (all, false)
+                            }
                             None => (false, true),
                         }
                     };
                     if all {
-                        self.event(AgentEvent::Released { request });
+                        self.answer(&AgentEvent::Released { request });
                     } else if gone {
                         // Cancelled since the reader found it pending (see `complete`).
                         self.cancel_answered(&link.addr, &request);
@@ -1223,6 +1227,10 @@ impl Engine {
             if !p.arrived(from, sums, bytes) {
                 return; // more prefill ranks to come
             }
+            // Its windows close while the name is still held (a new request of the name is
+            // refused until then), so none it opens is closed by this one's answer, which
+            // comes after the checksums are computed.
+            self.close_windows(&request);
             let Some(p) = pending.remove(&request) else { return };
             p
         };
@@ -1234,7 +1242,7 @@ impl Engine {
         self.shared.metrics.transfer_done(Role::Decode, bytes);
         self.transferred(bytes);
         if self.settings.checksum == ChecksumPolicy::Disabled {
-            return self.event(AgentEvent::RequestDone {
+            return self.answer(&AgentEvent::RequestDone {
                 request,
                 bytes,
                 checksum: None,
@@ -1269,19 +1277,19 @@ impl Engine {
                 if outcome != Outcome::Verified {
                     tracing::warn!(%request, ?outcome, "KV checksum not verified (FailOpen: accepted)");
                 }
-                self.event(AgentEvent::RequestDone {
+                self.answer(&AgentEvent::RequestDone {
                     request,
                     bytes,
                     checksum: Some(name),
                     transfer_us,
                 });
             }
-            (Outcome::Mismatched, _) => self.fail(
+            (Outcome::Mismatched, _) => self.fail_quietly(
                 request,
                 vec![Reason::ChecksumMismatch],
                 "received KV does not match prefill's checksums".into(),
             ),
-            _ => self.fail(
+            _ => self.fail_quietly(
                 request,
                 vec![Reason::ChecksumUnverified],
                 "received KV could not be verified (FailClosed)".into(),

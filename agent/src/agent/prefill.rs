@@ -884,7 +884,7 @@ impl Engine {
                 }
             }
             if serving.concluded(serving.expected.unwrap_or(1)) {
-                matching.ready.remove(&request)
+                self.take_ready(&mut matching, &request)
             } else {
                 None
             }
@@ -906,7 +906,7 @@ impl Engine {
                     serving.cancelled = true;
                     None
                 }
-                Some(_) => matching.ready.remove(&request).map(|mut s| {
+                Some(_) => self.take_ready(&mut matching, &request).map(|mut s| {
                     s.cancelled = true;
                     s
                 }),
@@ -991,7 +991,7 @@ impl Engine {
                         serving.finished += 1;
                     }
                     if serving.concluded(expected) {
-                        matching.ready.remove(&request)
+                        self.take_ready(&mut matching, &request)
                     } else {
                         None
                     }
@@ -1067,19 +1067,28 @@ impl Engine {
         false
     }
 
-    /// Tells the engine how a request every expected decode rank is done with ended.
+    /// Takes concluded `request` out of `ready` (`matching` held), its windows closed first: a
+    /// new request of the name is refused while it is there, so none it opens is closed by this
+    /// one's answer ([`Engine::conclude`], after the lock is gone).
+    fn take_ready(&self, matching: &mut Matching, request: &str) -> Option<Serving> {
+        self.close_windows(request);
+        matching.ready.remove(request)
+    }
+
+    /// Tells the engine how a request every expected decode rank is done with ended; its
+    /// windows were closed ([`Engine::take_ready`], or it never was ready).
     fn conclude(&self, request: String, serving: Serving) {
         if serving.cancelled {
             lock(&self.matching).gone.insert(request.clone());
-            return self.event(AgentEvent::Cancelled { request });
+            return self.answer(&AgentEvent::Cancelled { request });
         }
         if serving.failure.is_none() && serving.released_by.len() == serving.finished as usize {
             lock(&self.matching).gone.insert(request.clone());
-            return self.event(AgentEvent::Released { request });
+            return self.answer(&AgentEvent::Released { request });
         }
         match serving.failure {
-            Some((reasons, message)) => self.fail(request, reasons, message),
-            None => self.event(AgentEvent::RequestDone {
+            Some((reasons, message)) => self.fail_quietly(request, reasons, message),
+            None => self.answer(&AgentEvent::RequestDone {
                 request,
                 bytes: serving.bytes,
                 checksum: None,
@@ -1532,9 +1541,14 @@ impl Engine {
         let expired: Vec<(String, Serving)> = {
             lock(&self.matching)
                 .ready
-                .extract_if(|_, s| {
-                    (s.in_flight == 0 && s.renewed.unwrap_or(s.ready.since).elapsed() >= lease)
-                        || (pull && s.in_flight > 0 && s.lent_since.is_some_and(|at| at.elapsed() >= lease))
+                .extract_if(|request, s| {
+                    let expired = (s.in_flight == 0 && s.renewed.unwrap_or(s.ready.since).elapsed() >= lease)
+                        || (pull && s.in_flight > 0 && s.lent_since.is_some_and(|at| at.elapsed() >= lease));
+                    if expired {
+                        // As [`Engine::take_ready`]: its windows close while its name is held.
+                        self.close_windows(request);
+                    }
+                    expired
                 })
                 .collect()
         };
@@ -1561,7 +1575,7 @@ impl Engine {
                     serving.expected.unwrap_or(1)
                 )
             };
-            self.fail(request, vec![Reason::LeaseExpired], message);
+            self.fail_quietly(request, vec![Reason::LeaseExpired], message);
         }
         {
             let mut matching = lock(&self.matching);
