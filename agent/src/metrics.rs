@@ -124,7 +124,7 @@ impl Metrics {
             .expect("valid metric"),
             orphaned_bytes: IntGauge::new(
                 "orphaned_bytes",
-                "Bytes of released engine pools kept mapped until UCX completes the orphaned requests that name them",
+                "Bytes of released engine pools kept mapped (as zero pages) until UCX completes the orphaned requests that name them, or, over shared memory, for answers to peers' software gets (for the agent's life)",
             )
             .expect("valid metric"),
             registry,

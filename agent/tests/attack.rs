@@ -971,6 +971,98 @@ fn an_insiders_ucx_software_put_or_get_reaches_nothing_in_the_agent() {
 }
 
 #[test]
+fn a_software_get_answered_after_its_pool_was_released_reads_zeros_and_the_agent_lives() {
+    // Over shared memory, a software get of an engine's own pool (an insider's, with a key of no
+    // memory domains, or an honest peer's) is let through, and UCX sends its answer after the
+    // handler returned, piece by piece as the peer drains it. A peer that stops draining holds
+    // the answer for as long as it likes; its engine closing meanwhile released the pool, and
+    // the answer then read unmapped memory: the agent (every engine on the node) died of SIGSEGV.
+    late_software_get(pdpair_agent::synthetic::EngineMemory::Engine);
+}
+
+#[test]
+fn a_software_get_of_a_pool_the_agent_allocated_is_dropped() {
+    // A pool the agent allocates through UCX is UCX's own segment, which peers reach over the
+    // shared-memory transport: a software get of it is dropped, never answered (answered, it
+    // would be read after UCX freed the segment with the pool).
+    late_software_get(pdpair_agent::synthetic::EngineMemory::Agent);
+}
+
+/// An insider's software get of a prefill engine's whole pool of `memory`, its answer held
+/// (the insider stops draining) while the engine closes, then drained. The agent runs in a
+/// process of its own here.
+#[allow(unsafe_code)]
+fn late_software_get(memory: pdpair_agent::synthetic::EngineMemory) {
+    use pdpair_agent::{synthetic::EngineMemory, transport::ucx};
+    let _serial = serial();
+    let w = World::new(&format!("attack-rma-sw-late-{memory:?}"));
+    let (mut agent, ps) = ProcessAgent::start_over(&w, "p", "shm", &[]);
+    let mut p_spec = spec(Role::Prefill, "p0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    p_spec.memory = memory;
+    p_spec.num_blocks = 1024; // 16 MiB: far more than UCX's shared-memory queue holds
+    let mut p = SyntheticEngine::register(&ps, &w.dir, &p_spec).expect("P");
+    p.region_mut(0).fill(0xa5);
+    let (_honest_side, _buffer, honest) = honest_decode(&w);
+    let (s, prefills) = honest_handshake(&p, &honest);
+    let pool = &prefills.memory.regions[0];
+    let len = usize::try_from(pool.len).expect("a length");
+    assert!(len >= 16 << 20, "{len}");
+
+    // Never freed: UCX writes it while the get is outstanding.
+    let into: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
+    let context = ucx::Context::new(Transport::Shm, Some(&w.pools())).expect("a context of its own");
+    let worker = ucx::Worker::new(&context).expect("a worker of its own");
+    let ep = worker
+        .connect(&prefills.worker_address)
+        .expect("connects to prefill's worker");
+    let nothing = ep.unpack_rkey(&[0u8; 9]).expect("UCX takes a key of no domains");
+    // SAFETY: `into` is leaked, so valid whenever UCX writes it.
+    let get = unsafe { ep.get(into.as_mut_ptr(), len, pool.base, &nothing, None) }
+        .expect("UCX posts the get")
+        .expect("a get of 16 MiB is not done at once");
+    // The first pieces of the answer: the pool's bytes (none, where the get is dropped).
+    let until = Instant::now() + Duration::from_secs(if memory == EngineMemory::Engine { 10 } else { 1 });
+    while into[0] != 0xa5 && Instant::now() < until {
+        worker.progress();
+    }
+    assert_eq!(
+        into[0] == 0xa5,
+        memory == EngineMemory::Engine,
+        "only an engine's own pool is answered"
+    );
+    // Now the peer stops draining, and the engine closes: its pool is released.
+    drop(s);
+    drop(p);
+    std::thread::sleep(Duration::from_millis(500));
+    let until = Instant::now() + Duration::from_secs(if memory == EngineMemory::Engine { 20 } else { 2 });
+    let answered = loop {
+        worker.progress();
+        if let Some(r) = get.poll() {
+            break r.map_err(|e| e.to_string());
+        }
+        if Instant::now() > until {
+            break Err("no answer".to_owned());
+        }
+    };
+    let exited = agent.0.try_wait().expect("the agent's status");
+    assert!(exited.is_none(), "the prefill agent died: {exited:?}");
+    if memory == EngineMemory::Engine {
+        answered.expect("the software get is answered");
+        assert!(
+            into[len - (1 << 20)..].iter().all(|b| *b == 0),
+            "the answer's last MiB, sent after the pool was released, is zeros, not the engine's bytes"
+        );
+    } else {
+        assert!(answered.is_err() && into.iter().all(|b| *b == 0), "{answered:?}");
+    }
+    // Its UCX may still wait for an answer: leave its objects to the process.
+    std::mem::forget((get, nothing, ep, worker, context));
+    // The agent serves a new engine.
+    let mut p = w.engine(&ps, Role::Prefill, "p1", KEY);
+    still_serves(&w, &mut p, "d");
+}
+
+#[test]
 fn an_agent_whose_probe_cannot_run_does_not_start() {
     let w = World::new("attack-noprobe");
     let mut cfg = w.config("a", Transport::Tcp);

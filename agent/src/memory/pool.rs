@@ -282,7 +282,7 @@ pub fn sealed_memfd(len: usize) -> Result<File, String> {
 /// Bytes per page, as the kernel counts a memory file's (4 KiB, or 16 or 64 KiB on some arm64
 /// kernels).
 #[allow(unsafe_code)]
-fn page_size() -> usize {
+pub fn page_size() -> usize {
     // SAFETY: sysconf takes a name and returns a value or -1.
     let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)

@@ -504,7 +504,10 @@ impl Context {
         check("ucp_mem_query", unsafe { sys::ucp_mem_query(memh, &mut attr) })?;
         region.addr = attr.address as u64;
         region.len = attr.length;
-        Ok(MemRegion::admitted(region, true))
+        // Not admitted to software puts and gets: a peer on the host reaches UCX's own segments
+        // over its shared-memory transport, and one whose software get is answered from a
+        // segment would have it read after UCX freed it with the region.
+        Ok(region)
     }
 }
 
@@ -569,11 +572,19 @@ impl MemRegion {
     }
 }
 
+impl MemRegion {
+    /// Ends its admission to peers' software puts and gets now (the first call; [`Drop`] makes
+    /// it otherwise). True when a peer's software get was let through to it since: UCX may
+    /// still be reading that get's answer from it at any later time (see
+    /// [`software_rma::withdraw`]), so its addresses must stay mapped.
+    pub fn withdraw(&mut self) -> bool {
+        std::mem::take(&mut self.admitted) && software_rma::withdraw(self.addr, self.len as u64)
+    }
+}
+
 impl Drop for MemRegion {
     fn drop(&mut self) {
-        if self.admitted {
-            software_rma::withdraw(self.addr, self.len as u64);
-        }
+        self.withdraw();
         // SAFETY: memh was mapped in this context, which is still alive (we hold an Rc).
         let _ = unsafe { sys::ucp_mem_unmap(self.context.0.handle, self.memh) };
     }

@@ -419,7 +419,8 @@ struct Orphan {
 pub struct Orphans {
     /// Requests of force-closed endpoints UCX has not completed.
     pub requests: u64,
-    /// Bytes of unregistered regions kept mapped for them.
+    /// Bytes of unregistered regions kept mapped for them, and (over shared memory) for the
+    /// answers to peers' software gets UCX may still be sending (for the agent's life).
     pub retired_bytes: u64,
 }
 
@@ -579,6 +580,8 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
     let mut inflight: Vec<InFlight> = Vec::new();
     let mut orphans: Vec<Orphan> = Vec::new();
     let mut retired: HashMap<u64, Held> = HashMap::new();
+    // Mappings kept for answers to peers' software gets (bytes, the mapping); see `Unmap`.
+    let mut answered: Vec<(u64, Option<Keep>)> = Vec::new();
     let mut next_id = 1u64;
     let mut idle_since = Instant::now();
     let mut quiet = 0u32;
@@ -716,14 +719,29 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
                     let why = OpError::Failed(format!("region {region} was unregistered (its engine closed)"));
                     drop_peer(&mut peers, &mut inflight, &mut orphans, peer, &why);
                 }
-                if let Some(held) = registered.remove(&region)
-                    && orphans.iter().any(|o| o.regions.contains(&region))
-                {
-                    // The engine is gone: its memory need not be kept, only the addresses UCX
-                    // may still read. Zero pages replace it, so a peer that never resumes holds
-                    // no pool's memory, and a late WRITE sends zeros, not the engine's KV.
-                    overlay_zeros(held.region.addr(), held.region.len());
-                    retired.insert(region, held);
+                if let Some(mut held) = registered.remove(&region) {
+                    let (addr, len) = (held.region.addr(), held.region.len());
+                    // Over shared memory, a peer's software get let through to it is answered
+                    // by UCX after its handler returned, reading the region as the peer drains
+                    // it, with no sign once done: its addresses stay mapped for this thread's
+                    // life (unmapped, such an answer killed the agent with SIGSEGV; measured).
+                    let answering = held.region.withdraw();
+                    if answering || orphans.iter().any(|o| o.regions.contains(&region)) {
+                        // The engine is gone: its memory need not be kept, only the addresses
+                        // UCX may still read. Zero pages replace it, so a peer that never
+                        // resumes holds no pool's memory, and a late WRITE or answer sends
+                        // zeros, not the engine's KV.
+                        overlay_zeros(addr, len);
+                        if answering {
+                            // Unregistered (UCX allocated none of it: its own segments are
+                            // never admitted), the mapping kept.
+                            let Held { region: r, _keep } = held;
+                            drop(r);
+                            answered.push((len as u64, _keep));
+                        } else {
+                            retired.insert(region, held);
+                        }
+                    }
                 }
                 let _ = reply.send(Ok(()));
             }
@@ -855,7 +873,8 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
                 reap(&mut orphans, &mut retired);
                 let _ = reply.send(Ok(Orphans {
                     requests: orphans.iter().map(|o| o.requests.len() as u64).sum(),
-                    retired_bytes: retired.values().map(|h| h.region.len() as u64).sum(),
+                    retired_bytes: retired.values().map(|h| h.region.len() as u64).sum::<u64>()
+                        + answered.iter().map(|(len, _)| len).sum::<u64>(),
                 }));
             }
             Command::Describe { peer, reply } => {
@@ -915,6 +934,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
         let _ = reply.send(Err(why));
     }
     drop(scratch);
+    drop(answered);
     drop(retired);
     drop(registered);
     drop(context);
@@ -1039,9 +1059,16 @@ fn segment_in(pool_dir: &std::path::Path, at: u64) -> Result<(), String> {
 /// mapping stays.
 #[allow(unsafe_code)]
 fn overlay_zeros(addr: u64, len: usize) {
+    // Pools are mappings, whole pages; anything else (a test's heap buffer) is left as it is,
+    // never rounded onto its neighbours.
+    let page = crate::memory::pool::page_size() as u64;
+    if !addr.is_multiple_of(page) || !(len as u64).is_multiple_of(page) {
+        tracing::debug!(addr, len, "a retired region that is not whole pages keeps its memory");
+        return;
+    }
     // SAFETY: only this thread reads through these addresses from now on (UCX, for requests the
     // peer never completed); they stay mapped, with zeros. The range is a registered region's,
-    // page-aligned (mappings are).
+    // whole pages (checked above).
     let done = unsafe {
         libc::mmap(
             addr as *mut libc::c_void,

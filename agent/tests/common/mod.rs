@@ -235,6 +235,11 @@ impl ProcessAgent {
 
     /// [`ProcessAgent::start`], with more arguments to `pdpair-agent run`.
     pub fn start_with(w: &World, name: &str, extra: &[&str]) -> (ProcessAgent, PathBuf) {
+        ProcessAgent::start_over(w, name, "tcp", extra)
+    }
+
+    /// [`ProcessAgent::start_with`], over `transport` (`--transport`).
+    pub fn start_over(w: &World, name: &str, transport: &str, extra: &[&str]) -> (ProcessAgent, PathBuf) {
         let socket = w.dir.join(format!("{name}.sock"));
         // The GPU check runs these tests on another machine, with the agent carried beside them.
         let carried = std::env::var_os("PDPAIR_AGENT_BIN");
@@ -242,7 +247,7 @@ impl ProcessAgent {
             .clone()
             .map(PathBuf::from)
             .unwrap_or_else(|| env!("CARGO_BIN_EXE_pdpair-agent").into());
-        let mut cmd = pdpair_agent::loopback::run_command(&bin, name, "tcp", &socket, &w.pools());
+        let mut cmd = pdpair_agent::loopback::run_command(&bin, name, transport, &socket, &w.pools());
         if carried.is_some() {
             // Under the GPU check its warnings and errors go to the report, which is all that
             // comes back from that machine.

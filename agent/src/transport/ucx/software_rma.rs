@@ -96,10 +96,30 @@ const HOST: u32 = 0;
 /// UCX's own handlers, `cb` and `proxy_cb` of each of [`HANDLERS`], called once a message passes.
 static ORIGINAL: OnceLock<[(Option<Callback>, Option<Callback>); 4]> = OnceLock::new();
 static DROPPED: AtomicU64 = AtomicU64::new(0);
-/// Host memory shared-memory contexts registered: (address, length), one entry per region.
-static ADMITTED: RwLock<Vec<(u64, u64)>> = RwLock::new(Vec::new());
+/// Host memory shared-memory contexts registered, one entry per region.
+static ADMITTED: RwLock<Vec<Admitted>> = RwLock::new(Vec::new());
 /// Whether a shared-memory context was made in this process.
 static SHARED_MEMORY: AtomicBool = AtomicBool::new(false);
+
+/// A range [`admit`]ted, and whether a software get was let through to it: UCX sends a get's
+/// answer after its handler returned, reading the memory as the peer drains it (a peer that
+/// stops draining leaves it pending for as long as it likes), and gives no sign once it is sent.
+#[derive(Debug)]
+struct Admitted {
+    addr: u64,
+    len: u64,
+    read: AtomicBool,
+}
+
+impl Admitted {
+    fn new(addr: u64, len: u64) -> Admitted {
+        Admitted {
+            addr,
+            len,
+            read: AtomicBool::new(false),
+        }
+    }
+}
 
 /// Software RMA messages peers sent this process, dropped.
 pub fn dropped_so_far() -> u64 {
@@ -114,27 +134,40 @@ pub(super) fn shared_memory_context() {
 /// Software puts and gets may reach `len` bytes at `addr` (host memory a shared-memory context
 /// registered) until [`withdraw`].
 pub(super) fn admit(addr: u64, len: u64) {
-    ADMITTED.write().unwrap_or_else(|e| e.into_inner()).push((addr, len));
+    ADMITTED
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(Admitted::new(addr, len));
 }
 
 /// Ends one [`admit`] of the same range (before UCX unregisters it), once no software put or
-/// get is being carried out.
-pub(super) fn withdraw(addr: u64, len: u64) {
+/// get is being carried out. True when it was the range's last admission and a peer's
+/// software get was let through to it meanwhile: UCX may still be reading that get's answer
+/// from it, at any later time, so its addresses must stay mapped (with zeros:
+/// `ucx_thread`'s `Unmap`).
+pub(super) fn withdraw(addr: u64, len: u64) -> bool {
     let mut admitted = ADMITTED.write().unwrap_or_else(|e| e.into_inner());
-    if let Some(i) = admitted.iter().position(|r| *r == (addr, len)) {
-        admitted.swap_remove(i);
+    let Some(i) = admitted.iter().position(|r| (r.addr, r.len) == (addr, len)) else {
+        return false;
+    };
+    let read = admitted.swap_remove(i).read.into_inner();
+    match admitted.iter().find(|r| (r.addr, r.len) == (addr, len)) {
+        // Another admission of the range keeps it mapped: the last one answers for both.
+        Some(other) => {
+            other.read.fetch_or(read, Ordering::Relaxed);
+            false
+        }
+        None => read,
     }
 }
 
-/// Whether `len` bytes at `addr` lie inside one of the `admitted` ranges (an empty range:
-/// inside none).
-fn inside(admitted: &[(u64, u64)], addr: u64, len: u64) -> bool {
-    let Some(end) = addr.checked_add(len).filter(|_| len > 0) else {
-        return false;
-    };
+/// The one of the `admitted` ranges that `len` bytes at `addr` lie inside (an empty range:
+/// none).
+fn inside(admitted: &[Admitted], addr: u64, len: u64) -> Option<&Admitted> {
+    let end = addr.checked_add(len).filter(|_| len > 0)?;
     admitted
         .iter()
-        .any(|&(base, n)| addr >= base && base.checked_add(n).is_some_and(|limit| end <= limit))
+        .find(|r| addr >= r.addr && r.addr.checked_add(r.len).is_some_and(|limit| end <= limit))
 }
 
 fn u64_at(data: &[u8], at: usize) -> Option<u64> {
@@ -147,18 +180,24 @@ fn u32_at(data: &[u8], at: usize) -> Option<u32> {
         .map(|b| u32::from_ne_bytes(b.try_into().expect("4 bytes")))
 }
 
-/// Whether a message passes its rule: a put's or a get's whole range in `admitted` host memory.
-fn passes(rule: Rule, data: &[u8], admitted: &[(u64, u64)]) -> bool {
+/// Whether a message passes its rule: a put's or a get's whole range in `admitted` host memory
+/// (a get's range marked read: see [`Admitted`]).
+fn passes(rule: Rule, data: &[u8], admitted: &[Admitted]) -> bool {
     match rule {
         Rule::Put => {
             data.len() >= PUT_HEADER
                 && u32_at(data, 16) == Some(HOST)
-                && u64_at(data, 0).is_some_and(|addr| inside(admitted, addr, (data.len() - PUT_HEADER) as u64))
+                && u64_at(data, 0)
+                    .is_some_and(|addr| inside(admitted, addr, (data.len() - PUT_HEADER) as u64).is_some())
         }
         Rule::Get => {
-            data.len() >= GET_HEADER
-                && u32_at(data, 32) == Some(HOST)
-                && matches!((u64_at(data, 0), u64_at(data, 8)), (Some(addr), Some(len)) if inside(admitted, addr, len))
+            let range = match (u64_at(data, 0), u64_at(data, 8)) {
+                (Some(addr), Some(len)) if data.len() >= GET_HEADER && u32_at(data, 32) == Some(HOST) => {
+                    inside(admitted, addr, len)
+                }
+                _ => None,
+            };
+            range.inspect(|r| r.read.store(true, Ordering::Relaxed)).is_some()
         }
         Rule::Answer => SHARED_MEMORY.load(Ordering::Acquire),
     }
@@ -356,7 +395,7 @@ mod tests {
 
     #[test]
     fn a_software_put_or_get_passes_only_whole_inside_admitted_host_memory() {
-        let admitted = [(0x1000, 0x1000), (0x8000, 0x100)];
+        let admitted = [Admitted::new(0x1000, 0x1000), Admitted::new(0x8000, 0x100)];
         for (what, ok, m) in [
             ("a put filling a region", true, put(0x1000, 0x1000, HOST)),
             ("a put ending at a region's end", true, put(0x1f00, 0x100, HOST)),
@@ -389,6 +428,30 @@ mod tests {
             assert_eq!(passes(rule, &m, &admitted), ok, "{what}");
         }
         assert!(!passes(Rule::Put, &put(0x1000, 8, HOST), &[]), "nothing admitted");
+    }
+
+    #[test]
+    fn a_range_a_get_was_let_through_to_is_said_to_be_read_at_its_last_withdrawal() {
+        let admitted = [Admitted::new(0x1000, 0x1000), Admitted::new(0x8000, 0x100)];
+        assert!(passes(Rule::Put, &put(0x1000, 8, HOST), &admitted));
+        assert!(!passes(Rule::Get, &get(0x8000, 0x101, HOST), &admitted));
+        let read = |a: &[Admitted]| a.iter().map(|r| r.read.load(Ordering::Relaxed)).collect::<Vec<_>>();
+        assert_eq!(read(&admitted), [false, false], "puts and refused gets read nothing");
+        assert!(passes(Rule::Get, &get(0x8010, 0x10, HOST), &admitted));
+        assert_eq!(read(&admitted), [false, true]);
+
+        // Ranges no other test registers (tests share the process).
+        let at = u64::MAX - (1 << 41);
+        admit(at, 64);
+        assert!(!withdraw(at, 64), "nothing read");
+        admit(at, 64);
+        admit(at, 64);
+        let admitted = ADMITTED.read().expect("lock");
+        assert!(passes(Rule::Get, &get(at + 8, 8, HOST), &admitted));
+        drop(admitted);
+        assert!(!withdraw(at, 64), "another admission keeps the range mapped");
+        assert!(withdraw(at, 64), "the last one says it was read");
+        assert!(!withdraw(at, 64), "nothing left");
     }
 
     #[test]
@@ -448,7 +511,7 @@ mod tests {
                 .read()
                 .expect("lock")
                 .iter()
-                .filter(|r| **r == (at, 64))
+                .filter(|r| (r.addr, r.len) == (at, 64))
                 .count()
         };
         assert_eq!(now(), 2);
