@@ -150,6 +150,19 @@ impl PoolLayout {
                 "tensor_rank {rank} is outside parallelism.tensor {tp}"
             )));
         }
+        if parallelism.pipeline != 1 {
+            return Err(LayoutError(format!(
+                "parallelism.pipeline is {}; the node agent moves a tensor rank's whole pool of every layer, and a pipeline stage holds only its own layers: use 1",
+                parallelism.pipeline
+            )));
+        }
+        // Ranks split the heads evenly, or replicate each on as many ranks: otherwise some heads
+        // are no rank's (8 heads over 3 ranks: 6 and 7), and their KV would never move.
+        if !kv.mla && tp.max(heads) % tp.min(heads) != 0 {
+            return Err(LayoutError(format!(
+                "parallelism.tensor is {tp} and kv.kvHeads is {heads}: tensor ranks must split the KV heads evenly or replicate them evenly"
+            )));
+        }
         let (local_heads, head_offset) = if kv.mla {
             (heads, 0)
         } else if tp <= heads {
@@ -637,16 +650,16 @@ mod tests {
 
     use super::*;
 
-    #[test]
-    fn tensor_ranks_hold_contiguous_head_ranges() {
-        let mut kv = pdpair_api::KvGeometry {
+    /// A geometry of `heads` KV heads (one layer of blocks of 4 tokens, HND).
+    fn of_heads(heads: i32) -> pdpair_api::KvGeometry {
+        pdpair_api::KvGeometry {
             engine: "vllm".into(),
             engine_version: None,
             model: "m".into(),
             dtype: pdpair_api::ModelDtype::Bfloat16,
             cache_dtype: pdpair_api::CacheDtype::Auto,
             layers: 1,
-            kv_heads: 8,
+            kv_heads: heads,
             head_dim: 4,
             attention_backend: "FLASH_ATTN".into(),
             layout: KvLayout::Hnd,
@@ -655,12 +668,59 @@ mod tests {
             mla: false,
             hybrid: false,
             host_buffer: false,
-        };
-        let par = |t| pdpair_api::Parallelism {
-            tensor: t,
+        }
+    }
+
+    fn par(tensor: i32) -> pdpair_api::Parallelism {
+        pdpair_api::Parallelism {
+            tensor,
             pipeline: 1,
             data: 1,
-        };
+        }
+    }
+
+    #[test]
+    fn every_head_is_as_many_ranks_exactly_where_the_rules_admit_the_split() {
+        for heads in 1..=16 {
+            let kv = of_heads(heads);
+            for tp in 1..=32 {
+                let layouts: Result<Vec<PoolLayout>, _> =
+                    (0..tp as u32).map(|r| PoolLayout::new(&kv, &par(tp), 1, r)).collect();
+                let pool = pdpair_api::rules::Pool {
+                    parallelism: &par(tp),
+                    kv: &kv,
+                };
+                let admitted = pdpair_api::check_pools(
+                    pdpair_api::TransferMode::Pull,
+                    pdpair_api::ChecksumPolicy::Disabled,
+                    pool,
+                    pool,
+                )
+                .allowed();
+                assert_eq!(layouts.is_ok(), admitted, "{heads} heads over {tp} ranks");
+                let Ok(layouts) = layouts else { continue };
+                let mut held = vec![0; heads as usize];
+                for l in layouts {
+                    for h in l.head_offset..l.head_offset + l.local_heads {
+                        held[h as usize] += 1;
+                    }
+                }
+                let each = (tp / heads).max(1);
+                assert!(
+                    held.iter().all(|n| *n == each),
+                    "{heads} heads over {tp} ranks: ranks per head {held:?}"
+                );
+            }
+        }
+        let mut pp = par(1);
+        pp.pipeline = 2;
+        let e = PoolLayout::new(&of_heads(8), &pp, 1, 0).expect_err("pipeline stages are refused");
+        assert!(e.0.contains("parallelism.pipeline is 2"), "{e}");
+    }
+
+    #[test]
+    fn tensor_ranks_hold_contiguous_head_ranges() {
+        let mut kv = of_heads(8);
         let at = |kv: &pdpair_api::KvGeometry, tp, rank| {
             let l = PoolLayout::new(kv, &par(tp), 1, rank).expect("valid");
             (l.head_offset, l.local_heads)
@@ -675,8 +735,8 @@ mod tests {
         assert_eq!(at(&kv, 4, 3), (0, 8), "MLA is not sharded by head");
         kv.mla = false;
         // The most ranks, the last one: its head offset computed without overflow.
-        kv.kv_heads = 1000;
-        assert_eq!(at(&kv, 1024, 1023), (999, 1));
+        kv.kv_heads = 512;
+        assert_eq!(at(&kv, 1024, 1023), (511, 1));
         // Beyond the bounds, or none: refused naming the field and the value (a peer claiming
         // 2^31 ranks would otherwise have the agent walk them all).
         for (tp, layers) in [(0, 1), (-1, 1), (1025, 1), (i32::MAX, 1), (1, 1025)] {

@@ -238,7 +238,13 @@ pub fn check(spec: &PDPairSpec) -> Verdict {
         parallelism: &spec.decode.parallelism,
         kv: &spec.decode.kv,
     };
-    out.pools(spec.transfer.mode, spec.transfer.checksum, prefill, decode);
+    out.pools(
+        spec.transfer.mode,
+        spec.transfer.checksum,
+        spec.transfer.connector,
+        prefill,
+        decode,
+    );
     Verdict { violations: out.0 }
 }
 
@@ -246,7 +252,8 @@ pub fn check(spec: &PDPairSpec) -> Verdict {
 /// checksum policy. The node agent calls this at the handshake with the peers' real geometry.
 pub fn check_pools(mode: TransferMode, checksum: ChecksumPolicy, prefill: Pool<'_>, decode: Pool<'_>) -> Verdict {
     let mut out = Rules::default();
-    out.pools(mode, checksum, prefill, decode);
+    // The engines behind an agent speak its engine API (pdpair's connector or another client).
+    out.pools(mode, checksum, crate::Connector::None, prefill, decode);
     Verdict { violations: out.0 }
 }
 
@@ -262,10 +269,17 @@ impl Rules {
         });
     }
 
-    fn pools(&mut self, mode: TransferMode, checksum: ChecksumPolicy, prefill: Pool<'_>, decode: Pool<'_>) {
+    fn pools(
+        &mut self,
+        mode: TransferMode,
+        checksum: ChecksumPolicy,
+        connector: crate::Connector,
+        prefill: Pool<'_>,
+        decode: Pool<'_>,
+    ) {
         let before = self.0.len();
-        self.pool(mode, checksum, Role::Prefill, prefill);
-        self.pool(mode, checksum, Role::Decode, decode);
+        self.pool(mode, checksum, connector, Role::Prefill, prefill);
+        self.pool(mode, checksum, connector, Role::Decode, decode);
         if self.0[before..].iter().any(|v| v.reason.is_structural()) {
             return;
         }
@@ -278,7 +292,14 @@ impl Rules {
     }
 
     /// Rules about one pool alone (bounds: [`MAX_TENSOR`], [`MAX_LAYERS`]).
-    fn pool(&mut self, mode: TransferMode, checksum: ChecksumPolicy, role: Role, pool: Pool<'_>) {
+    fn pool(
+        &mut self,
+        mode: TransferMode,
+        checksum: ChecksumPolicy,
+        connector: crate::Connector,
+        role: Role,
+        pool: Pool<'_>,
+    ) {
         let kv = pool.kv;
         let at_least_one = |name: &str, value: i32| format!("{role} {name} is {value}; it must be at least 1");
         if kv.block_size < 1 {
@@ -316,6 +337,16 @@ impl Rules {
             let msg = format!(
                 "{role} parallelism.tensor is {}; at most {MAX_TENSOR} (the node agent refuses more)",
                 p.tensor
+            );
+            self.push(Reason::InvalidParallelism, role, "parallelism.tensor", msg);
+        }
+        // Tensor ranks split the KV heads evenly, or (more ranks than heads) replicate each head
+        // on as many ranks (vLLM's QKVParallelLinear asserts either at startup; the node agent
+        // lays ranks' heads out so). MLA KV is not split by head.
+        let (tp, heads) = (p.tensor, kv.kv_heads);
+        if !kv.mla && (1..=MAX_TENSOR).contains(&tp) && heads >= 1 && tp.max(heads) % tp.min(heads) != 0 {
+            let msg = format!(
+                "{role} parallelism.tensor is {tp} and kv.kvHeads is {heads}: tensor ranks must split the KV heads evenly (heads a multiple of ranks) or replicate them evenly (ranks a multiple of heads)"
             );
             self.push(Reason::InvalidParallelism, role, "parallelism.tensor", msg);
         }
@@ -372,6 +403,13 @@ impl Rules {
                 (TransferMode::Pull, _) if kv.hybrid => {
                     let msg = format!(
                         "{role} parallelism.pipeline is {} with kv.hybrid true, but pull cannot use the hybrid KV cache manager with pipeline parallelism",
+                        p.pipeline
+                    );
+                    self.push(Reason::PipelineUnsupported, role, "parallelism.pipeline", msg);
+                }
+                _ if connector == crate::Connector::Pdpair => {
+                    let msg = format!(
+                        "{role} parallelism.pipeline is {}, but pdpair's connector (transfer.connector Pdpair) runs no pipeline-parallel engine: each stage holds only its layers' KV, and the node agent moves a tensor rank's whole pool; use 1",
                         p.pipeline
                     );
                     self.push(Reason::PipelineUnsupported, role, "parallelism.pipeline", msg);

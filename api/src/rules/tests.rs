@@ -227,6 +227,41 @@ fn invalid_parallelism() {
 }
 
 #[test]
+fn tensor_ranks_that_split_kv_heads_unevenly_are_invalid_parallelism() {
+    // 8 KV heads: 1, 2, 4, 8 ranks split them; 16 and 32 replicate each head on 2 and 4 ranks.
+    for tp in [1, 2, 4, 8, 16, 32] {
+        let mut spec = pull();
+        (spec.prefill.parallelism.tensor, spec.decode.parallelism.tensor) = (tp, tp);
+        admits(&spec);
+    }
+    // 3 ranks cannot split 8 heads (vLLM refuses it at startup; the agent would leave heads
+    // 6 and 7 to no rank), and 12 ranks cannot replicate them evenly.
+    for tp in [3, 6, 12] {
+        let mut spec = pull();
+        spec.prefill.parallelism.tensor = tp;
+        rejects(
+            &spec,
+            Reason::InvalidParallelism,
+            "spec.prefill.parallelism.tensor",
+            &[&tp.to_string(), "kv.kvHeads is 8", "evenly"],
+        );
+        assert_eq!(
+            reasons(&spec),
+            vec![Reason::InvalidParallelism],
+            "structural: nothing more"
+        );
+    }
+    // MLA KV is not split by head.
+    let mut spec = pull();
+    for side in [&mut spec.prefill, &mut spec.decode] {
+        side.kv.mla = true;
+        side.kv.kv_heads = 3;
+        side.parallelism.tensor = 2;
+    }
+    admits(&spec);
+}
+
+#[test]
 fn invalid_shape() {
     for (name, set) in [
         ("layers", (|k: &mut KvGeometry| k.layers = 0) as fn(&mut KvGeometry)),
@@ -374,6 +409,19 @@ fn pipeline_unsupported() {
         "spec.decode.parallelism.pipeline",
         &["4", "hybrid"],
     );
+    // pdpair's connector runs no pipeline-parallel engine, on either side, in either mode.
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let mut spec = pair(mode, pool(kv(16, None)), pool(kv(16, None)));
+        spec.transfer.connector = crate::Connector::Pdpair;
+        spec.prefill.parallelism.pipeline = 2;
+        rejects(
+            &spec,
+            Reason::PipelineUnsupported,
+            "spec.prefill.parallelism.pipeline",
+            &["2", "transfer.connector Pdpair"],
+        );
+        assert_eq!(reasons(&spec), vec![Reason::PipelineUnsupported], "{mode:?}");
+    }
 }
 
 // --- pair rules --------------------------------------------------------------------------------
@@ -455,6 +503,9 @@ fn identity_engine_version_only_when_both_set() {
 #[test]
 fn tensor_parallel_not_divisible() {
     let mut spec = push();
+    // 12 heads: 2, 3 and 4 ranks each split them evenly.
+    spec.prefill.kv.kv_heads = 12;
+    spec.decode.kv.kv_heads = 12;
     spec.prefill.parallelism.tensor = 2;
     spec.decode.parallelism.tensor = 4;
     admits(&spec);
