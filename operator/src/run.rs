@@ -81,8 +81,8 @@ pub struct RunOptions {
     /// This replica's identity in the Lease and in Events.
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
-    /// How long the leader Lease lasts without renewal.
-    #[arg(long, default_value = "15s")]
+    /// How long the leader Lease lasts without renewal: 2s to 5m.
+    #[arg(long, default_value = "15s", value_parser = lease_duration)]
     pub lease_duration: pdpair_api::Duration,
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
@@ -404,8 +404,34 @@ fn listen(addr: ListenAddr) -> std::io::Result<TcpListener> {
     TcpListener::from_std(listener)
 }
 
+/// `--lease-duration`, 2 s to 5 min: shorter, one slow answer of the API server makes the
+/// leader give up the Lease (it is renewed every third of it, and lost when a renewal fails for
+/// that long); longer, a leader that died without releasing it holds it (nothing reconciled)
+/// that long.
+fn lease_duration(text: &str) -> Result<pdpair_api::Duration, String> {
+    let d: pdpair_api::Duration = text.parse().map_err(|e| format!("{e}"))?;
+    if !(Duration::from_secs(2)..=Duration::from_secs(300)).contains(&d.get()) {
+        return Err(format!(
+            "{text} is outside 2s to 5m: shorter, one slow API server answer makes the leader give up; longer, a dead leader holds the Lease that long"
+        ));
+    }
+    Ok(d)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_lease_duration_outside_2s_to_5m_is_refused_naming_it() {
+        for ok in ["2s", "15s", "1m30s", "5m"] {
+            assert_eq!(super::lease_duration(ok).expect(ok).as_str(), ok);
+        }
+        for bad in ["0s", "1999ms", "5m1ms", "1h"] {
+            let e = super::lease_duration(bad).expect_err(bad);
+            assert!(e.contains(bad) && e.contains("outside 2s to 5m"), "{e}");
+        }
+        assert!(super::lease_duration("soon").is_err());
+    }
+
     #[test]
     fn namespaces_are_each_watched_once_and_must_be_namespace_names() {
         assert_eq!(super::scopes(&[]).expect("all"), vec![None]);

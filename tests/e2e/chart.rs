@@ -107,6 +107,14 @@ fn default_values_render_a_least_privilege_hardened_install() {
     // The operator: two replicas, probes on the admin port, hardened.
     let op = get(&objs, "Deployment", "operator");
     assert_eq!(op["spec"]["replicas"], 2);
+    // On different nodes where the scheduler can (the webhook fails closed).
+    let spread = &op["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        [0]["podAffinityTerm"];
+    assert_eq!(spread["topologyKey"], "kubernetes.io/hostname", "{op:?}");
+    assert_eq!(
+        spread["labelSelector"]["matchLabels"],
+        op["spec"]["selector"]["matchLabels"]
+    );
     let c = &op["spec"]["template"]["spec"]["containers"][0];
     assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
     assert_eq!(c["livenessProbe"]["httpGet"]["port"], "admin");
@@ -263,6 +271,8 @@ fn non_default_values_change_what_they_should() {
         "webhook.url=https://127.0.0.1:9443",
         "agent.enabled=false",
         "operator.replicas=3",
+        "operator.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].key=pool",
+        "operator.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].operator=Exists",
         "metrics.serviceMonitor.enabled=true",
         "metrics.dashboard.enabled=true",
         "operator.podDisruptionBudget.enabled=false",
@@ -285,7 +295,16 @@ fn non_default_values_change_what_they_should() {
     assert!(find(&objs, "DaemonSet", "agent").is_none());
     assert!(find(&objs, "ClusterRole", "agent").is_none());
     assert!(find(&objs, "PodDisruptionBudget", "operator").is_none());
-    assert_eq!(get(&objs, "Deployment", "operator")["spec"]["replicas"], 3);
+    let op = get(&objs, "Deployment", "operator");
+    assert_eq!(op["spec"]["replicas"], 3);
+    // An affinity of the user's replaces the spread.
+    let affinity = &op["spec"]["template"]["spec"]["affinity"];
+    assert!(affinity["podAntiAffinity"].is_null(), "{affinity:?}");
+    assert_eq!(
+        affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"]
+            [0]["key"],
+        "pool"
+    );
     assert!(find(&objs, "ServiceMonitor", "rel-pdpair").is_some());
     assert!(find(&objs, "PodMonitor", "").is_none(), "no agents, no agent monitor");
     let dash = get(&objs, "ConfigMap", "dashboard");
@@ -616,6 +635,16 @@ fn bad_values_fail_with_the_path_and_the_value() {
         ("agent.sideChannelPorts=1000-2000", "/agent/sideChannelPorts"),
         ("agent.sideChannelPorts=40000-65536", "/agent/sideChannelPorts"),
         ("operator.leaseDuration=soon", "/operator/leaseDuration"),
+        ("operator.leaseDuration=10000000000s", "/operator/leaseDuration"),
+        ("operator.leaseDuration=1s1s1s1s1s", "/operator/leaseDuration"),
+        (
+            "operator.podDisruptionBudget.minAvailable=2",
+            "operator.podDisruptionBudget.minAvailable is 2 with operator.replicas 2",
+        ),
+        (
+            "operator.podDisruptionBudget.minAvailable=100%",
+            "operator.podDisruptionBudget.minAvailable is 100%",
+        ),
         ("agent.socketDir=/", "/agent/socketDir"),
         ("agent.priorityClassName=Node_Critical", "/agent/priorityClassName"),
         ("agent.socketDir=/var/run/../run", "/agent/socketDir"),
