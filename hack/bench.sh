@@ -37,7 +37,7 @@ perf tcp,self 8388608 100 13338
 perf posix,sysv,self 32768 20000 13339
 
 # Rejections: push 16/64 and FLASHINFER 128/64 beside a compatible prefill.
-run $bin loopback --pair examples/vllm-push-64-64.yaml --also-prefill examples/vllm-push-16-64.yaml \
+run $bin loopback --transport tcp --pair examples/vllm-push-64-64.yaml --also-prefill examples/vllm-push-16-64.yaml \
   --also-prefill examples/vllm-push-flashinfer-128-64.yaml --requests 300 --prompt-tokens 64 -o json
 
 # The checksum on one core beside a plain read of the same bytes.

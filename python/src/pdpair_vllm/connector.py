@@ -2,9 +2,9 @@
 
 A thin adapter: the decisions are in :mod:`pdpair_vllm.transfer` (engine-agnostic), the agent
 protocol in :mod:`pdpair_vllm.client`. Load it with ``--kv-transfer-config
-'{"kv_connector":"PdpairConnector","kv_connector_module_path":"pdpair_vllm","kv_role":"kv_both"}'``
-with ``PDPAIR_ROLE`` set (the operator renders both, docs/vllm.md), or ``kv_role`` ``kv_producer``
-(prefill) or ``kv_consumer`` (decode). Where the agent accepts GPU pools, the KV tensors
+'{"kv_connector":"PdpairConnector","kv_connector_module_path":"pdpair_vllm","kv_role":"kv_producer"}'``
+on prefill, ``kv_consumer`` on decode (the operator renders it, docs/vllm.md); with ``kv_both``
+set ``PDPAIR_ROLE`` or ``kv_connector_extra_config.role`` to ``prefill`` or ``decode``. Where the agent accepts GPU pools, the KV tensors
 themselves are its pool (:mod:`pdpair_vllm.direct`: nothing is copied by the engine); otherwise
 the KV moves through the agent's host pool: P's worker copies its blocks into the pool after the
 prefill, D's worker copies them from its pool into the KV cache when the agent reports them
