@@ -580,8 +580,8 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
     let mut inflight: Vec<InFlight> = Vec::new();
     let mut orphans: Vec<Orphan> = Vec::new();
     let mut retired: HashMap<u64, Held> = HashMap::new();
-    // Mappings kept for answers to peers' software gets (bytes, the mapping); see `Unmap`.
-    let mut answered: Vec<(u64, Option<Keep>)> = Vec::new();
+    // Regions kept, as zeros, for answers to peers' software gets; see `Unmap`.
+    let mut answered: Vec<Held> = Vec::new();
     let mut next_id = 1u64;
     let mut idle_since = Instant::now();
     let mut quiet = 0u32;
@@ -726,6 +726,13 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
                     // it, with no sign once done: its addresses stay mapped for this thread's
                     // life (unmapped, such an answer killed the agent with SIGSEGV; measured).
                     let answering = held.region.withdraw();
+                    // Memory UCX allocated is its segment file in the pool directory, which
+                    // UCX frees with the registration: kept, the file's pages go with a
+                    // truncation (a peer that attached it reads zeros through its guard).
+                    let segment = answering
+                        .then(|| crate::memory::pool::mapping_path(addr))
+                        .flatten()
+                        .filter(|p| p.parent() == Some(pool_dir));
                     if answering || orphans.iter().any(|o| o.regions.contains(&region)) {
                         // The engine is gone: its memory need not be kept, only the addresses
                         // UCX may still read. Zero pages replace it, so a peer that never
@@ -733,11 +740,10 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
                         // zeros, not the engine's KV.
                         overlay_zeros(addr, len);
                         if answering {
-                            // Unregistered (UCX allocated none of it: its own segments are
-                            // never admitted), the mapping kept.
-                            let Held { region: r, _keep } = held;
-                            drop(r);
-                            answered.push((len as u64, _keep));
+                            if let Some(path) = segment {
+                                truncate_segment(&path);
+                            }
+                            answered.push(held);
                         } else {
                             retired.insert(region, held);
                         }
@@ -874,7 +880,7 @@ fn run(context: Context, worker: Worker, rx: Receiver<Command>, pool_dir: &std::
                 let _ = reply.send(Ok(Orphans {
                     requests: orphans.iter().map(|o| o.requests.len() as u64).sum(),
                     retired_bytes: retired.values().map(|h| h.region.len() as u64).sum::<u64>()
-                        + answered.iter().map(|(len, _)| len).sum::<u64>(),
+                        + answered.iter().map(|h| h.region.len() as u64).sum::<u64>(),
                 }));
             }
             Command::Describe { peer, reply } => {
@@ -1081,6 +1087,20 @@ fn overlay_zeros(addr: u64, len: usize) {
     };
     if done == libc::MAP_FAILED {
         tracing::warn!(error = %std::io::Error::last_os_error(), "cannot release a retired region's memory");
+    }
+}
+
+/// Frees the pages of UCX's segment file at `path` (in the pool directory, the agent's own: not
+/// followed through a link), which UCX keeps while its registration lives.
+fn truncate_segment(path: &std::path::Path) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let done = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .and_then(|f| f.set_len(0));
+    if let Err(e) = done {
+        tracing::warn!(path = %path.display(), error = %e, "cannot release a retired segment's memory");
     }
 }
 

@@ -9,10 +9,12 @@
 //! other pairs' pools, its keys (measured with UCX 1.13 and 1.22 over shared memory: a put with
 //! an empty key landed in memory never registered, and a get read it).
 //!
-//! The agent needs them in one case: over shared memory (`--transport shm`), an engine's own
-//! memfd registered as its pool is no segment UCX allocated, so a peer agent's puts and gets of
-//! it go this way. Nowhere else (RDMA registers any memory; the tcp stream is the agent's own;
-//! two engines behind one agent meet over `self`). So before its first context the agent puts
+//! The agent needs them over shared memory (`--transport shm`) only: an engine's own memfd
+//! registered as its pool is no segment UCX allocated, so a peer agent's puts and gets of it go
+//! this way, and UCX 1.22's shared-memory transports have no get, so a peer's get of UCX's own
+//! segment does too. Nowhere else (RDMA registers any memory; the tcp stream is the agent's own;
+//! two engines behind one agent meet over `self`). A get's answer may be read from a region
+//! after it was released: `ucx_thread` keeps such a region's addresses, as zeros. So before its first context the agent puts
 //! a check in front of UCX's handlers: a software put or get is carried out only where its
 //! whole range lies inside host memory a shared-memory context registered ([`admit`]), and their
 //! completions (`GET_REP`, `CMPL`) only once a shared-memory context exists; every other
