@@ -44,7 +44,7 @@ use prefill::Matching;
 pub use publish::{Publisher, endpoint_name};
 
 use crate::{
-    engine_api::{AgentEvent, EngineRequest, PoolRegistration, PromptDigest, Settings},
+    engine_api::{AgentEvent, EngineRequest, PoolRegistration, PromptDigest, ReleaseToken, Settings},
     layout::PoolLayout,
     lock,
     memory::pool::{self, Pool},
@@ -942,8 +942,10 @@ impl Agent {
                     first_token,
                     prompt,
                     event,
+                    release_token,
                 }) => {
-                    let want = Want::of(blocks, num_tokens, first_token, prompt, event);
+                    let mut want = Want::of(blocks, num_tokens, first_token, prompt, event);
+                    want.release_token = release_token;
                     engine.kv_ready(request, want);
                 }
                 Ok(EngineRequest::ExpectKvFromPool {
@@ -963,9 +965,10 @@ impl Agent {
                     prefill,
                     mut prefills,
                     prompt,
+                    release_token,
                 }) => {
                     prefills.push(prefill);
-                    engine.release(request, prefills, prompt);
+                    engine.release(request, prefills, prompt, release_token);
                 }
                 Ok(EngineRequest::Renew {
                     request,
@@ -1085,6 +1088,8 @@ pub(super) struct Want {
     pub prompt: Option<PromptDigest>,
     /// Which of a GPU pool's `gpu.events` the engine named ([`check_event`]).
     pub event: Option<u32>,
+    /// Prefill: the request's release token; decode: the one a `Release` names.
+    pub release_token: Option<ReleaseToken>,
 }
 
 impl Want {
@@ -1101,6 +1106,7 @@ impl Want {
             first_token,
             prompt,
             event,
+            release_token: None,
         }
     }
 }
@@ -1144,6 +1150,8 @@ struct Pending {
     deadline: Instant,
     /// A `Release` (decode needs nothing), answered by `ReleaseDone`, not a registration.
     release: bool,
+    /// The release token that `Release` names.
+    release_token: Option<ReleaseToken>,
 }
 
 /// The link a decode request's registration (or release, or a cancel's `Release`) went on, by
@@ -2586,6 +2594,7 @@ mod tests {
             prompt: None,
             deadline: Instant::now(),
             release: false,
+            release_token: None,
         };
         assert!(p.waits_on("a") && p.waits_on("b") && !p.waits_on("c"));
         // Pull: decode records its read of a's blocks before a hears `Released` (and may close

@@ -675,6 +675,7 @@ pub fn synthetic_engine(args: &SyntheticEngineArgs, out: &mut dyn Write) -> Resu
     let message = if role == pdpair_api::Role::Prefill {
         engine.fill(args.seed, &blocks, first_token, num_tokens);
         EngineRequest::KvReady {
+            release_token: None,
             request,
             blocks,
             num_tokens,

@@ -96,9 +96,13 @@ pub enum EngineRequest {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         prefills: Vec<String>,
         /// The request's prompt digest ([`PromptDigest`]): prefill counts the release only for
-        /// the request whose prompt it is (absent: only for one that has none).
+        /// the request whose prompt it is (absent: only for one that has none), or whose
+        /// `release_token` it names.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         prompt: Option<PromptDigest>,
+        /// The request's [`ReleaseToken`], from its params, when prefill made one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        release_token: Option<ReleaseToken>,
     },
     /// Decode: this engine queues `request` (it has no blocks for it yet): the prefill engine
     /// at `prefill` holds the request's blocks one more lease from now (at most
@@ -167,6 +171,11 @@ pub enum EngineRequest {
         /// request's blocks. Required with `gpu.events`, refused without.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         event: Option<u32>,
+        /// A secret the engine made for this request and hands only to its decode (in the
+        /// request's params): a decode `Release` naming it counts for the request whatever
+        /// prompt it names ([`ReleaseToken`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        release_token: Option<ReleaseToken>,
     },
 }
 
@@ -197,13 +206,63 @@ impl Serialize for PromptDigest {
 
 impl<'de> Deserialize<'de> for PromptDigest {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<PromptDigest, D::Error> {
-        let bytes = crate::wire::hex_bytes::deserialize(d)?;
-        let len = bytes.len();
-        bytes
-            .try_into()
-            .map(PromptDigest)
-            .map_err(|_| serde::de::Error::custom(format!("a prompt digest is {} bytes, not {len}", PromptDigest::LEN)))
+        hex_32(d, "a prompt digest").map(PromptDigest)
     }
+}
+
+/// 32 bytes, hex, of `what`.
+fn hex_32<'de, D: serde::Deserializer<'de>>(d: D, what: &str) -> Result<[u8; 32], D::Error> {
+    let bytes = crate::wire::hex_bytes::deserialize(d)?;
+    let len = bytes.len();
+    bytes
+        .try_into()
+        .map_err(|_| serde::de::Error::custom(format!("{what} is 32 bytes, not {len}")))
+}
+
+/// A secret of 32 random bytes a prefill engine makes for a request it offers
+/// (`KvReady.release_token`) and hands only to the request's decode, in the request's params
+/// (hex on the wire). A decode `Release` naming it counts for the request whatever prompt it
+/// names: vLLM's frontend that rejects a request before its engine takes it hands the connector
+/// a stand-in of another prompt to end, and prefill then held the request's blocks to its lease.
+/// Another decode of the pair, which never saw the params, cannot end the request with it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ReleaseToken(pub [u8; 32]);
+
+impl ReleaseToken {
+    /// Whether `other` is this token, compared in constant time.
+    pub fn matches(&self, other: &ReleaseToken) -> bool {
+        self.0.iter().zip(other.0).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+}
+
+impl std::fmt::Debug for ReleaseToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A secret: never in logs.
+        f.write_str("ReleaseToken(..)")
+    }
+}
+
+impl Serialize for ReleaseToken {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        crate::wire::hex_bytes::serialize(&self.0, s)
+    }
+}
+
+impl<'de> Deserialize<'de> for ReleaseToken {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<ReleaseToken, D::Error> {
+        hex_32(d, "a release token").map(ReleaseToken)
+    }
+}
+
+/// Whether a decode `Release` of `prompt` and `token` counts for a ready request of prompt
+/// `ready` and token `ready_token`: its prompt, or its token.
+pub fn release_counts(
+    prompt: Option<&PromptDigest>,
+    token: Option<&ReleaseToken>,
+    ready: Option<&PromptDigest>,
+    ready_token: Option<&ReleaseToken>,
+) -> bool {
+    check_prompt(prompt, ready).is_ok() || matches!((token, ready_token), (Some(t), Some(r)) if t.matches(r))
 }
 
 /// Whether decode's and prefill's prompt digests let KV move between them: equal, or neither

@@ -761,6 +761,7 @@ fn agent_rows_inner(gpu: &Gpu, repeat: u32, staged: bool) -> Result<Vec<Row>, Cu
             std::thread::sleep(std::time::Duration::from_millis(50));
             let t = std::time::Instant::now();
             p.send(&crate::engine_api::EngineRequest::KvReady {
+                release_token: None,
                 request: id.clone(),
                 blocks: all.clone(),
                 num_tokens: tokens,

@@ -553,6 +553,7 @@ fn scenario(opts: &Options, pair: &PDPair, transfer: &pdpair_api::TransferSpec, 
                 engine.fill(seed, &p_blocks, 0, tokens);
             }
             let _ = engine.send(&EngineRequest::KvReady {
+                release_token: None,
                 request: id.clone(),
                 blocks: p_blocks,
                 num_tokens: tokens,

@@ -131,9 +131,12 @@ pub enum Message {
         /// Request id.
         request: String,
         /// D's engine's prompt digest: a release counts only for the request whose prompt it
-        /// is (or neither gives one).
+        /// is (or neither gives one), or whose release token it names.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         prompt: Option<crate::engine_api::PromptDigest>,
+        /// The request's release token, from D's engine (`engine_api::ReleaseToken`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<crate::engine_api::ReleaseToken>,
     },
     /// D -> P: hold this ready request's blocks one more lease (decode's engine queues it).
     Renew {

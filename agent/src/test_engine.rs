@@ -171,6 +171,7 @@ pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError>
             engine.fill(seed(&request), &blocks, 0, args.tokens);
             engine
                 .send(&EngineRequest::KvReady {
+                    release_token: None,
                     request: request.clone(),
                     blocks: blocks.clone(),
                     num_tokens: args.tokens,

@@ -1009,8 +1009,8 @@ fn late_software_get(memory: pdpair_agent::synthetic::EngineMemory) {
     let len = usize::try_from(pool.len).expect("a length");
     assert!(len >= 16 << 20, "{len}");
 
-    // Never freed: UCX writes it while the get is outstanding.
-    let into: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
+    // Never freed: UCX writes it while the get is outstanding (read through the pointer only).
+    let into: *mut u8 = Box::leak(vec![0u8; len].into_boxed_slice()).as_mut_ptr();
     let context = ucx::Context::new(Transport::Shm, Some(&w.pools())).expect("a context of its own");
     let worker = ucx::Worker::new(&context).expect("a worker of its own");
     let ep = worker
@@ -1018,12 +1018,13 @@ fn late_software_get(memory: pdpair_agent::synthetic::EngineMemory) {
         .expect("connects to prefill's worker");
     let nothing = ep.unpack_rkey(&[0u8; 9]).expect("UCX takes a key of no domains");
     // SAFETY: `into` is leaked, so valid whenever UCX writes it.
-    let get = unsafe { ep.get(into.as_mut_ptr(), len, pool.base, &nothing, None) }
+    let get = unsafe { ep.get(into, len, pool.base, &nothing, None) }
         .expect("UCX posts the get")
         .expect("a get of 16 MiB is not done at once");
     // The first pieces of the answer: the pool's bytes.
     let until = Instant::now() + Duration::from_secs(10);
-    while into[0] != 0xa5 {
+    // SAFETY: `into` is valid for `len` bytes forever; UCX writes it behind the compiler's back.
+    while unsafe { std::ptr::read_volatile(into) } != 0xa5 {
         assert!(Instant::now() < until, "no answer to the software get came");
         worker.progress();
     }
@@ -1044,6 +1045,8 @@ fn late_software_get(memory: pdpair_agent::synthetic::EngineMemory) {
     let exited = agent.0.try_wait().expect("the agent's status");
     assert!(exited.is_none(), "the prefill agent died: {exited:?}");
     answered.expect("the software get is answered");
+    // SAFETY: as above; UCX completed the get, so nothing writes it any more.
+    let into = unsafe { std::slice::from_raw_parts(into, len) };
     assert!(
         into[len - (1 << 20)..].iter().all(|b| *b == 0),
         "the answer's last MiB, sent after the pool was released, is zeros, not the engine's bytes"

@@ -581,6 +581,7 @@ fn frames_are_bounded_by_what_a_registration_and_a_pools_requests_need() {
     assert!(max < 1 << 20, "a small pool's bound is small: {max}");
     // The largest request it needs is served (every block, padded to the bound with spaces)...
     let mut every = serde_json::to_vec(&EngineRequest::KvReady {
+        release_token: None,
         request: "all".into(),
         blocks: (0..num_blocks).collect(),
         num_tokens: u64::from(num_blocks) * 64,
@@ -686,6 +687,7 @@ fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_reg
     let answer = ask(
         &mut s,
         &EngineRequest::KvReady {
+            release_token: None,
             request: long.clone(),
             blocks: vec![1],
             num_tokens: 10,
@@ -704,6 +706,7 @@ fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_reg
     let answer = ask(
         &mut s,
         &EngineRequest::KvReady {
+            release_token: None,
             request: "named".into(),
             blocks: vec![1],
             num_tokens: 10,

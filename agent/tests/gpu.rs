@@ -267,6 +267,7 @@ fn kv_ready(
     event: Option<u32>,
 ) {
     p.send(&pdpair_agent::engine_api::EngineRequest::KvReady {
+        release_token: None,
         request: request.into(),
         blocks: blocks.to_vec(),
         num_tokens: tokens,
@@ -468,6 +469,7 @@ fn gpu_pools_behind_one_agent_move_gpu_to_gpu_checked_byte_for_byte() {
     })
     .expect("ExpectKv");
     p.send(&EngineRequest::KvReady {
+        release_token: None,
         request: "h".into(),
         blocks: vec![33, 34],
         num_tokens: 20,

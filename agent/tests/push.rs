@@ -284,6 +284,7 @@ fn push_16_64_is_rejected_at_the_handshake_and_decode_keeps_serving() {
     // The incompatible prefill's own engine hears nothing for requests that never reached it;
     // its KvReady times out on its lease, and it says so.
     bad.send(&EngineRequest::KvReady {
+        release_token: None,
         request: "orphan".into(),
         blocks: vec![0],
         num_tokens: 10,
@@ -682,6 +683,7 @@ fn kv_ready_and_registration_arriving_together_always_match() {
         let id = format!("r{i}");
         // Alternate the order the two sides speak in.
         let ready = EngineRequest::KvReady {
+            release_token: None,
             request: id.clone(),
             blocks: vec![0],
             num_tokens: 16,
@@ -846,6 +848,7 @@ fn decode_rank_gathers(mode: TransferMode) {
 fn ready(p: &mut SyntheticEngine, request: &str, seed: u64) {
     p.fill(seed, &[0, 1, 2], 0, 40);
     p.send(&EngineRequest::KvReady {
+        release_token: None,
         request: request.into(),
         blocks: vec![0, 1, 2],
         num_tokens: 40,
@@ -1005,6 +1008,7 @@ fn two_decode_ranks_take_their_heads_from_one_prefill_rank_and_prefill_hears_onc
             .collect();
         p.fill(5, &[0, 1, 2], 0, 40);
         p.send(&EngineRequest::KvReady {
+            release_token: None,
             request: "r".into(),
             blocks: vec![0, 1, 2],
             num_tokens: 40,
@@ -1079,6 +1083,7 @@ fn given_every_prefill_rank_the_agent_asks_the_ones_holding_its_heads() {
     let ready = |p: &mut SyntheticEngine, id: &str| {
         p.fill(11, &[1, 2, 3], 0, 40);
         p.send(&EngineRequest::KvReady {
+            release_token: None,
             request: id.into(),
             blocks: vec![1, 2, 3],
             num_tokens: 40,

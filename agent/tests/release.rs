@@ -58,6 +58,7 @@ fn linked(w: &World, d: &mut SyntheticEngine, p: &SyntheticEngine) {
 
 fn release(d: &mut SyntheticEngine, p: &SyntheticEngine, request: &str) {
     d.send(&EngineRequest::Release {
+        release_token: None,
         request: request.into(),
         prefill: p.address.clone(),
         prefills: Vec::new(),
@@ -120,6 +121,7 @@ fn one_release_frees_every_rank_of_a_prefill_pool() {
     kv_ready(&mut q, "r", &[3, 4], 100);
     let started = Instant::now();
     d.send(&EngineRequest::Release {
+        release_token: None,
         request: "r".into(),
         prefill: p.address.clone(),
         prefills: vec![q.address.clone()],
@@ -263,4 +265,59 @@ fn next_failure(p: &mut SyntheticEngine) -> Option<AgentEvent> {
     };
     events.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
     got
+}
+
+#[test]
+fn a_release_naming_the_requests_token_counts_whatever_its_prompt() {
+    // vLLM's frontend that rejects a request before its engine takes it hands the connector a
+    // stand-in of prompt [0] to end, with the request's params: its Release names another
+    // prompt, and prefill held the request's blocks to the lease. The release token prefill's
+    // engine put in the params (and in its KvReady) makes it count, before the KvReady too;
+    // another token does not (another decode of the pair never saw the params).
+    use pdpair_agent::{engine_api::ReleaseToken, synthetic::prompt};
+    let w = World::new("release-token");
+    let (mut p, mut d) = short_lease_pair(&w);
+    linked(&w, &mut d, &p);
+    let token = ReleaseToken([7; 32]);
+    let ready = |p: &mut SyntheticEngine, id: &str| {
+        p.send(&EngineRequest::KvReady {
+            request: id.into(),
+            blocks: vec![3, 4],
+            num_tokens: 100,
+            first_token: 0,
+            prompt: Some(prompt(1, 100)),
+            event: None,
+            release_token: Some(token.clone()),
+        })
+        .expect("KvReady")
+    };
+    let prefill = p.address.clone();
+    let release_with = |d: &mut SyntheticEngine, id: &str, t: &ReleaseToken| {
+        d.send(&EngineRequest::Release {
+            request: id.into(),
+            prefill: prefill.clone(),
+            prefills: Vec::new(),
+            prompt: Some(prompt(9, 1)),
+            release_token: Some(t.clone()),
+        })
+        .expect("Release");
+        let event = d.next_event().expect("D");
+        assert!(released(&event, id), "{event:?}");
+    };
+    ready(&mut p, "after");
+    release_with(&mut d, "after", &token);
+    let event = p.next_event().expect("P");
+    assert!(released(&event, "after"), "a release of the request's token: {event:?}");
+    release_with(&mut d, "before", &token);
+    ready(&mut p, "before");
+    let event = p.next_event().expect("P");
+    assert!(released(&event, "before"), "kept until the KvReady: {event:?}");
+    // Another token counts for nothing: the lease ends the request.
+    ready(&mut p, "other");
+    release_with(&mut d, "other", &ReleaseToken([8; 32]));
+    let event = p.next_event().expect("P");
+    assert!(
+        matches!(&event, AgentEvent::RequestFailed { request, reasons, .. } if request == "other" && reasons == &vec!["LeaseExpired".to_owned()]),
+        "{event:?}"
+    );
 }

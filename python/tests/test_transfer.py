@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from pdpair_vllm.transfer import (PARAM_RANKS, PARAM_REQUEST, PARAM_TOKENS, Plan, Prompt, Recv, Results,
-                                  SchedulerState, Stager, WorkerState, check_params, kernel_ids)
+from pdpair_vllm.transfer import (PARAM_RANKS, PARAM_RELEASE, PARAM_REQUEST, PARAM_TOKENS, Plan, Prompt, Recv,
+                                  Results, SchedulerState, Stager, WorkerState, check_params, kernel_ids)
 
 
 def params(**over):
@@ -272,7 +272,8 @@ def test_the_stager_is_told_before_the_agent_is_asked_for_new_receives():
      (PARAM_RANKS, ["\udfff"]), (PARAM_RANKS, ["a" * 257]), (PARAM_RANKS, ["p.example:7000"]),
      (PARAM_RANKS, ["10.0.0.1"]), (PARAM_RANKS, ["10.0.0.1:0"]), (PARAM_RANKS, ["10.0.0.1:65536"]),
      (PARAM_RANKS, ["::1:7000"]), (PARAM_RANKS, ["[::1]:7000x"]), (PARAM_RANKS, ["[::1]:7000", "10.0.0.1:+1"]),
-     (PARAM_TOKENS, (1 << 40) + 1)],
+     (PARAM_TOKENS, (1 << 40) + 1), (PARAM_RELEASE, "ab" * 31), (PARAM_RELEASE, "AB" * 32),
+     (PARAM_RELEASE, "zz" * 32), (PARAM_RELEASE, 7)],
 )
 def test_params_the_agent_could_not_take_are_refused_before_reaching_it(field, value):
     # A lone surrogate is escaped by json.dumps but cannot be decoded by the agent (it closed the
@@ -824,3 +825,16 @@ def test_an_engine_name_too_long_for_the_agent_is_cut_with_a_hash_of_the_whole()
     assert a != b, "names that differ past the cut stay apart"
     assert engine_name("pod", long_id, 1) != a
     assert len(engine_name("p" * 100, "é" * 200, 7).encode()) <= MAX_ENGINE_NAME
+
+
+def test_decodes_releases_name_the_release_token_of_the_requests_params():
+    # Every Release D sends for a request of P's params names the params' token: P's agent counts
+    # a release whose prompt is not the request's (vLLM's stand-in of a rejected request) by it.
+    token = "ab" * 32
+    s = SchedulerState(16)
+    s.after_alloc("full-hit", params(**{PARAM_RELEASE: token}), [1, 2, 3, 4], 50, 0)
+    s.finished("aborted", params(**{PARAM_RELEASE: token}), False, [], 0, "d0")
+    s.after_alloc("old-p", params(), [1, 2, 3, 4], 50, 0)
+    plan = s.plan()
+    assert [(r.agent_request, r.release_token) for r in plan.releases] == [("p-1", token), ("p-1", token),
+                                                                           ("p-1", None)]

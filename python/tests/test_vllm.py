@@ -402,6 +402,22 @@ def test_an_abort_in_the_step_its_kv_landed_frees_decodes_blocks_and_decode_goes
     assert seeds == [P_SEED] * len(prompt)
 
 
+def test_a_request_decodes_frontend_rejected_releases_prefill_at_once(pair):
+    # vLLM's frontend that rejects a request before its engine takes it (a prompt longer than
+    # decode's max_model_len, say) submits a stand-in of prompt [0] with the request's params,
+    # aborted at once (AsyncLLM.notify_kv_transfer_request_rejected, EngineCore.add_request).
+    # Its Release names the stand-in's prompt, which P's agent does not count: P held the
+    # request's blocks to its lease (30 s). The release token in P's params makes it count.
+    p, d = pair()
+    prompt = list(range(900, 940))
+    params = prefill(p, "req", prompt)
+    assert len(params["pdpair_release_token"]) == 64, params
+    d.add("req", [0], dict(params))
+    d.abort("req")
+    both(p, d, lambda: p.status("req") is None, timeout=10, what="P freed the blocks")
+    assert p.outcome("req") == "Released", p.outcome("req")
+
+
 def test_a_copy_of_a_requests_params_aborted_while_queued_does_not_end_its_transfer(pair):
     # A client (or a proxy retrying) sends D a second request with the same kv_transfer_params
     # and aborts it before D allocates it: its Release of P's id went to the agent, whose

@@ -23,6 +23,7 @@ fn secret_key(ns: &str, pair: &str) -> Vec<u8> {
 fn push_one(p: &mut SyntheticEngine, d: &mut SyntheticEngine, request: &str, seed: u64) -> AgentEvent {
     p.fill(seed, &[0, 1], 0, 100);
     p.send(&EngineRequest::KvReady {
+        release_token: None,
         request: request.into(),
         blocks: vec![0, 1],
         num_tokens: 100,
@@ -271,6 +272,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     // decode asked for expires on prefill (a failure in its counters, no lastFailure)...
     p.fill(3, &[0], 0, 10);
     p.send(&EngineRequest::KvReady {
+        release_token: None,
         request: "nobody-asks".into(),
         blocks: vec![0],
         num_tokens: 10,

@@ -30,7 +30,13 @@ impl Engine {
     /// Decode needs nothing of `request` from `prefill` (a full local prefix hit, or an abort
     /// before it asked): prefill frees the request's blocks at once, and neither side counts a
     /// failure. The engine hears `Released` once prefill confirmed it.
-    pub(super) fn release(self: &Arc<Self>, request: String, prefills: Vec<String>, prompt: Option<PromptDigest>) {
+    pub(super) fn release(
+        self: &Arc<Self>,
+        request: String,
+        prefills: Vec<String>,
+        prompt: Option<PromptDigest>,
+        release_token: Option<crate::engine_api::ReleaseToken>,
+    ) {
         if self.role_is(Role::Decode, "Release", &request) {
             // One of the name still linking its ranks stands, as for an `ExpectKv`.
             if lock(&self.linking).contains_key(&request) {
@@ -38,6 +44,7 @@ impl Engine {
             }
             let want = Want {
                 prompt,
+                release_token,
                 ..Want::default()
             };
             self.ask(request, prefills, want, true);
@@ -249,6 +256,7 @@ impl Engine {
         if !link.send(&Message::Release {
             request: request.to_owned(),
             prompt,
+            token: None,
         }) {
             self.cancel_answered(&link.addr, request);
         }
@@ -414,6 +422,7 @@ impl Engine {
                         prompt: want.prompt,
                         deadline,
                         release,
+                        release_token: want.release_token,
                     },
                 );
             }
@@ -740,6 +749,7 @@ impl Engine {
                     Message::Release {
                         request: request.to_owned(),
                         prompt: p.prompt.clone(),
+                        token: p.release_token.clone(),
                     }
                 } else {
                     self.open_window(link, request, &p.blocks);

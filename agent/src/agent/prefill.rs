@@ -14,7 +14,7 @@ use pdpair_api::{ChecksumPolicy, Role, checksum::BlockSums};
 
 use super::*;
 use crate::{
-    engine_api::{PromptDigest, check_prompt},
+    engine_api::{PromptDigest, ReleaseToken, check_prompt, release_counts},
     protocol::{self, Message, Reason, Registration, Session},
     transport::{
         OpError,
@@ -38,6 +38,8 @@ pub(super) struct Ready {
     since: Instant,
     /// Which of a GPU pool's `gpu.events` follows the engine's writes (checked at the KvReady).
     event: Option<u32>,
+    /// The engine's release token: a decode `Release` naming it counts whatever its prompt.
+    release_token: Option<ReleaseToken>,
 }
 
 /// A ready request on prefill, and the decode ranks it serves: with more decode than prefill
@@ -280,7 +282,7 @@ type Counts = Arc<(std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsiz
 /// prompt: at the KvReady only those of the request's prompt count, and set how many ranks are
 /// expected (a release of another prompt neither takes a place of the request's own decode
 /// ranks nor says how many there are).
-type EarlyRelease = (u64, Held, Option<PromptDigest>, u32);
+type EarlyRelease = (u64, Held, (Option<PromptDigest>, Option<ReleaseToken>), u32);
 
 /// A D registration waiting for P's KV: the link it came on, the registration, when, and its
 /// place in the link's bound.
@@ -735,7 +737,9 @@ impl Engine {
                     let used = match m {
                         Message::Register(reg) => self.registration(&link, reg),
                         Message::Released { request, bytes } => self.released(&link, request, bytes),
-                        Message::Release { request, prompt } => self.decode_released(&link, request, prompt),
+                        Message::Release { request, prompt, token } => {
+                            self.decode_released(&link, request, prompt, token)
+                        }
                         Message::Renew { request, prompt } => self.renewed(&request, prompt),
                         _ => false,
                     };
@@ -937,23 +941,32 @@ impl Engine {
     /// Whether the release was of something this engine holds for the link: a ready request of
     /// its prompt, or a registration the link has waiting (not a release kept for a request not
     /// ready, which anyone may send of any id).
-    fn decode_released(&self, link: &Link, request: String, prompt: Option<PromptDigest>) -> bool {
+    fn decode_released(
+        &self,
+        link: &Link,
+        request: String,
+        prompt: Option<PromptDigest>,
+        token: Option<ReleaseToken>,
+    ) -> bool {
         let real = {
             let matching = lock(&self.matching);
-            matching
-                .ready
+            matching.ready.get(&request).is_some_and(|s| {
+                release_counts(
+                    prompt.as_ref(),
+                    token.as_ref(),
+                    s.ready.prompt.as_ref(),
+                    s.ready.release_token.as_ref(),
+                )
+            }) || matching
+                .registered
                 .get(&request)
-                .is_some_and(|s| check_prompt(prompt.as_ref(), s.ready.prompt.as_ref()).is_ok())
-                || matching
-                    .registered
-                    .get(&request)
-                    .is_some_and(|w| w.iter().any(|(l, ..)| l.id == link.id))
+                .is_some_and(|w| w.iter().any(|(l, ..)| l.id == link.id))
         };
-        self.release_for(link, request, prompt);
+        self.release_for(link, request, prompt, token);
         real
     }
 
-    fn release_for(&self, link: &Link, request: String, prompt: Option<PromptDigest>) {
+    fn release_for(&self, link: &Link, request: String, prompt: Option<PromptDigest>, token: Option<ReleaseToken>) {
         let expected = self.decode_ranks(link);
         let concluded = {
             let mut matching = lock(&self.matching);
@@ -972,7 +985,16 @@ impl Engine {
             match (matching.ready.get_mut(&request), served_here) {
                 // Pushing to this link right now: the transfer's end answers.
                 (Some(_), Some(_)) if !pull => return,
-                (Some(serving), _) if check_prompt(prompt.as_ref(), serving.ready.prompt.as_ref()).is_err() => None,
+                (Some(serving), _)
+                    if !release_counts(
+                        prompt.as_ref(),
+                        token.as_ref(),
+                        serving.ready.prompt.as_ref(),
+                        serving.ready.release_token.as_ref(),
+                    ) =>
+                {
+                    None
+                }
                 (Some(serving), lent) => {
                     // Pull, lent to this link: decode will not read them.
                     if let Some(i) = lent {
@@ -999,7 +1021,7 @@ impl Engine {
                 (None, _) if gone => None,
                 (None, _) => {
                     let (of_prompt, again) = matching.released_early.get(&request).map_or((0, false), |(e, _)| {
-                        let mine = |(_, _, p, _): &&EarlyRelease| *p == prompt;
+                        let mine = |(_, _, (p, _), _): &&EarlyRelease| *p == prompt;
                         (
                             e.iter().filter(mine).count(),
                             e.iter().filter(mine).any(|(id, ..)| *id == link.id),
@@ -1014,7 +1036,7 @@ impl Engine {
                             .entry(request.clone())
                             .or_insert((Vec::new(), Instant::now()));
                         match Held::take(link, &engine_waiting, 0) {
-                            Ok(held) => early.0.push((link.id, held, prompt, expected)),
+                            Ok(held) => early.0.push((link.id, held, (prompt, token), expected)),
                             Err((reason, why)) => {
                                 if early.0.is_empty() {
                                     matching.released_early.remove(&request);
@@ -1201,6 +1223,7 @@ impl Engine {
             first_token,
             prompt,
             event,
+            release_token,
         } = want;
         if !self.accept_request(Role::Prefill, "KvReady", &request, &blocks, (first_token, num_tokens)) {
             return;
@@ -1215,6 +1238,7 @@ impl Engine {
             prompt,
             since: Instant::now(),
             event,
+            release_token,
         };
         let consumers: Vec<(Arc<Link>, Begun)> = {
             let mut matching = lock(&self.matching);
@@ -1233,11 +1257,19 @@ impl Engine {
             }
             let mut serving = Serving::new(ready);
             if let Some((early, _)) = matching.released_early.remove(&request) {
-                // Only releases of this request's prompt count (the others let their link's
-                // registration go, nothing more), and only they say how many ranks to expect.
+                // Only releases of this request's prompt or token count (the others let their
+                // link's registration go, nothing more), and only they say how many ranks to
+                // expect.
                 let ours: Vec<EarlyRelease> = early
                     .into_iter()
-                    .filter(|(_, _, prompt, _)| check_prompt(prompt.as_ref(), serving.ready.prompt.as_ref()).is_ok())
+                    .filter(|(_, _, (prompt, token), _)| {
+                        release_counts(
+                            prompt.as_ref(),
+                            token.as_ref(),
+                            serving.ready.prompt.as_ref(),
+                            serving.ready.release_token.as_ref(),
+                        )
+                    })
                     .collect();
                 if let Some((_, _, _, expected)) = ours.first() {
                     serving.expected = Some(*expected);
@@ -1682,6 +1714,7 @@ mod tests {
 
     fn ready(first: u64, blocks: Vec<u32>) -> Ready {
         Ready {
+            release_token: None,
             blocks,
             num_tokens: 40,
             first_token: first,
@@ -1752,7 +1785,7 @@ mod tests {
             .entry(request.into())
             .or_insert((Vec::new(), at))
             .0
-            .push((link.id, held, None, 1));
+            .push((link.id, held, (None, None), 1));
     }
 
     fn mute() -> Arc<Link> {

@@ -191,6 +191,7 @@ pub fn request(p: &mut SyntheticEngine, d: &mut SyntheticEngine, r: Req<'_>) -> 
     p.fill(r.seed, &p_blocks, r.p_first, r.tokens);
     d.clear(&d_blocks);
     p.send(&EngineRequest::KvReady {
+        release_token: None,
         request: r.id.into(),
         blocks: p_blocks,
         num_tokens: r.tokens,
@@ -295,6 +296,7 @@ pub fn kv_ready_of(
     prompt: Option<pdpair_agent::engine_api::PromptDigest>,
 ) {
     p.send(&EngineRequest::KvReady {
+        release_token: None,
         request: request.into(),
         blocks: blocks.to_vec(),
         num_tokens,

@@ -366,16 +366,20 @@ class AgentClient:
                 raise AgentError(f"sending {message.get('type')}: {e}") from None
 
     def kv_ready(self, request: str, blocks: List[int], num_tokens: int, first_token: int = 0,
-                 prompt: Optional[str] = None, event: Optional[int] = None) -> None:
+                 prompt: Optional[str] = None, event: Optional[int] = None,
+                 release_token: Optional[str] = None) -> None:
         """Prefill: the request's KV is in ``blocks`` of the pool. ``prompt``: its prompt digest
         (hex), which decode's must equal. ``event``: which of the GPU pool's ``gpu.events`` the
-        engine recorded after the writes."""
+        engine recorded after the writes. ``release_token``: the secret (64 hex digits) handed
+        to the request's decode only, whose ``Release`` naming it counts whatever its prompt."""
         message = {"type": "KvReady", "request": request, "blocks": blocks, "num_tokens": num_tokens,
                    "first_token": first_token}
         if prompt is not None:
             message["prompt"] = prompt
         if event is not None:
             message["event"] = event
+        if release_token is not None:
+            message["release_token"] = release_token
         self.send(message)
 
     def expect_kv(self, request: str, prefill_ranks: List[str], blocks: List[int], num_tokens: int, first_token: int = 0,
@@ -396,17 +400,20 @@ class AgentClient:
             message["event"] = event
         self.send(message)
 
-    def release(self, request: str, prefill: Union[str, List[str]], prompt: Optional[str] = None) -> None:
+    def release(self, request: str, prefill: Union[str, List[str]], prompt: Optional[str] = None,
+                release_token: Optional[str] = None) -> None:
         """Decode: nothing of ``request`` is needed from the prefill at ``prefill`` (an address,
         or every rank's of a prefill pool: released at once, one answer). ``prompt``: the
         request's prompt digest (prefill counts the release only for the request of that
-        prompt)."""
+        prompt, or of ``release_token``, from the request's params)."""
         ranks = [prefill] if isinstance(prefill, str) else list(prefill)
         message = {"type": "Release", "request": request, "prefill": ranks[0]}
         if ranks[1:]:
             message["prefills"] = ranks[1:]
         if prompt is not None:
             message["prompt"] = prompt
+        if release_token is not None:
+            message["release_token"] = release_token
         self.send(message)
 
     def renew(self, request: str, prefill: str, prompt: Optional[str] = None) -> None:

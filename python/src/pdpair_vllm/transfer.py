@@ -31,6 +31,7 @@ import hashlib
 import ipaddress
 import json
 import logging
+import secrets
 import sys
 import threading
 import time
@@ -46,6 +47,10 @@ log = logging.getLogger("pdpair_vllm")
 PARAM_REQUEST = "pdpair_request"
 PARAM_RANKS = "pdpair_prefill_ranks"
 PARAM_TOKENS = "pdpair_num_tokens"
+#: A secret P makes per request and hands only to the request's D (these params): a ``Release``
+#: naming it counts for the request whatever prompt it names (vLLM's frontend that rejects a
+#: request hands the connector a stand-in of prompt ``[0]`` to end, with the params).
+PARAM_RELEASE = "pdpair_release_token"
 
 
 def kernel_ids(logical: Iterable[int], per_logical: int) -> List[int]:
@@ -104,6 +109,8 @@ class Send:
     #: params: a rank whose agent is at another address now (it reconnected to a restarted
     #: agent) does not offer the KV there, where no decode would ask for it.
     addresses: Optional[Dict[int, str]] = None
+    #: The request's release token (``PARAM_RELEASE``), handed to D in its params.
+    release_token: Optional[str] = None
 
 
 @dataclass
@@ -130,8 +137,10 @@ class Release:
 
     agent_request: str
     prefill_ranks: List[str]
-    #: D's prompt digest: P counts the release only for the request of that prompt.
+    #: D's prompt digest: P counts the release only for the request of that prompt, or of
+    #: ``release_token`` (from the request's params).
     prompt: Optional[str] = None
+    release_token: Optional[str] = None
 
 
 @dataclass
@@ -207,7 +216,22 @@ def check_params(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]
                          f"addresses (ip:port or [ipv6]:port)")
     if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= MAX_TOKENS:
         raise ValueError(f"kv_transfer_params.{PARAM_TOKENS} is {_short(tokens)}, not a token count")
+    token = params.get(PARAM_RELEASE)
+    if token is not None and not _release_token(token):
+        raise ValueError(f"kv_transfer_params.{PARAM_RELEASE} is {_short(token)}, not a release token "
+                         f"(64 lowercase hex digits)")
     return request, list(dict.fromkeys(ranks)), tokens
+
+
+def _release_token(value: object) -> bool:
+    """32 bytes in lowercase hex, as the agent takes a release token."""
+    return (isinstance(value, str) and len(value) == 64
+            and all(c in "0123456789abcdef" for c in value))
+
+
+def release_token(params: Optional[dict]) -> Optional[str]:
+    """The release token of params :func:`check_params` took, if P gave one."""
+    return params.get(PARAM_RELEASE) if params else None
 
 
 def _short(value: object) -> str:
@@ -321,7 +345,7 @@ class SchedulerState:
         else:
             digest = prompt.digest(total) if prompt is not None and not prompt.unbound else None
         if num_external_tokens <= 0:
-            self._plan.releases.append(Release(agent_request, ranks, digest))
+            self._plan.releases.append(Release(agent_request, ranks, digest, release_token(params)))
             return
         local = total - num_external_tokens
         if local < 0 or local % self.block_size:
@@ -330,7 +354,7 @@ class SchedulerState:
             why = f"a local prefix of {local} tokens is not whole blocks of {self.block_size}"
             log.warning("pdpair: request %s: %s; P released, and its blocks from there on are load errors "
                         "(recomputed or failed by kv_load_failure_policy)", request, why)
-            self._plan.releases.append(Release(agent_request, ranks, digest))
+            self._plan.releases.append(Release(agent_request, ranks, digest, release_token(params)))
             held = max(local, 0) // self.block_size
             self._plan.recvs.append(Recv(request, agent_request, ranks, list(block_ids[held:]), max(local, 0),
                                          total, digest, fail=why))
@@ -365,7 +389,9 @@ class SchedulerState:
                 digest = None
                 if prompt is not None and not prompt.unbound:
                     digest = prompt.digest(min(remote[2], len(prompt.tokens)))
-                self._plan.releases.append(Release(remote[0], remote[1], digest))
+                # vLLM's frontend that rejected the request hands a stand-in of prompt [0]: its
+                # digest is not the request's, and the release token from the params counts.
+                self._plan.releases.append(Release(remote[0], remote[1], digest, release_token(params)))
             return False, None
         if request in self.receiving and load_failed:
             # One rank's load failed (kv_load_failure_policy fail) and vLLM ended the request.
@@ -408,14 +434,16 @@ class SchedulerState:
             return False, None
         logical = list(block_ids[: -(-tokens // self.block_size)])
         digest = prompt.digest(tokens) if prompt is not None else None
+        token = secrets.token_hex(32)
         self._plan.sends.append(Send(request, logical, tokens, digest,
-                                     dict(self.prefill_ranks)))
+                                     dict(self.prefill_ranks), token))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             PARAM_REQUEST: request,
             PARAM_RANKS: [self.prefill_ranks[r] for r in sorted(self.prefill_ranks)],
             PARAM_TOKENS: tokens,
+            PARAM_RELEASE: token,
             "pdpair_engine": engine,
         }
 
@@ -704,7 +732,8 @@ class WorkerState:
                 if not self._in_flight(rel.agent_request, "release"):
                     self._open[rel.agent_request] = ("release", "(a release)", None)
                     self._asked[rel.agent_request] = time.monotonic()
-                    self._call(self.client.release, rel.agent_request, list(rel.prefill_ranks), prompt=rel.prompt)
+                    self._call(self.client.release, rel.agent_request, list(rel.prefill_ranks), prompt=rel.prompt,
+                               release_token=rel.release_token)
             for ren in plan.renews if self.rank == 0 else ():
                 if self._in_flight(ren.agent_request, "renewal"):
                     continue
@@ -755,7 +784,8 @@ class WorkerState:
             event = self.stager.save(blocks)
             _keep(self.staging_ms, send.request, {})["save"] = (time.perf_counter() - t) * 1e3
             self._open[send.request] = ("send", send.request, None)
-            self._call(self.client.kv_ready, send.request, blocks, send.num_tokens, prompt=send.prompt, event=event)
+            self._call(self.client.kv_ready, send.request, blocks, send.num_tokens, prompt=send.prompt, event=event,
+                       release_token=send.release_token)
 
     @_locked
     def poll(self) -> Results:
