@@ -709,13 +709,28 @@ fn rejected(reasons: Vec<Reason>, message: String) -> HandshakeError {
 }
 
 /// An unexpected frame before authentication: a peer's `Reject` keeps only its reasons, parsed
-/// into the closed set (its text is the unauthenticated peer's choice, so it is dropped).
+/// into the closed set (its text is the unauthenticated peer's choice, so it is dropped), and
+/// only those a peer gives before authenticating (`Unauthenticated`, `VersionMismatch`): any
+/// peer that answers the connection can send it, and a rule's reason from it (a forged
+/// `KernelBlockSizeMismatch`) was remembered and published as the pair's diagnosis.
 fn unexpected_preauth(what: &str, got: &Message) -> HandshakeError {
     match got {
-        Message::Reject { reasons, .. } => rejected(
-            reason::from_peer(reasons.iter().copied()),
-            format!("the peer refused before authentication (while we waited for {what})"),
-        ),
+        Message::Reject { reasons, .. } => {
+            let reasons = reason::from_peer(reasons.iter().copied());
+            if reasons.is_empty()
+                || reasons
+                    .iter()
+                    .any(|r| !matches!(r, Reason::Unauthenticated | Reason::VersionMismatch))
+            {
+                return HandshakeError::Protocol(format!(
+                    "the peer refused before authentication (while we waited for {what}) with reasons only an authenticated peer gives"
+                ));
+            }
+            rejected(
+                reasons,
+                format!("the peer refused before authentication (while we waited for {what})"),
+            )
+        }
         other => HandshakeError::Protocol(format!("expected {what}, got {}", kind(other))),
     }
 }

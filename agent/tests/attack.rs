@@ -1749,13 +1749,53 @@ fn a_preauth_reject_with_many_reasons_and_hostile_text_reaches_no_label_or_statu
     });
     expect_kv(&mut d, "r", address, &[1], 10);
     let event = d.next_event().expect("event");
-    assert_eq!(reasons(&event), vec!["Unknown".to_owned()], "{event:?}");
+    assert_eq!(reasons(&event), vec!["ProtocolError".to_owned()], "{event:?}");
     let AgentEvent::RequestFailed { message, .. } = &event else {
         unreachable!()
     };
     assert!(!message.contains("evil"), "{message}");
     let text = w.metrics.lock().expect("metrics")[0].render();
     assert!(!text.contains("Evil"), "{text}");
+}
+
+#[test]
+fn a_strangers_preauth_reject_naming_a_rule_is_neither_believed_nor_remembered() {
+    // Any peer that answers decode's connection (a process squatting a released prefill address,
+    // or one on the path) sent a plain Reject naming a rule (KernelBlockSizeMismatch), which only
+    // an authenticated prefill can know: the engine heard that reason, the decode agent counted
+    // it, remembered it for 30 s (every request to that address failed without a dial) and
+    // published it as the pair's diagnosis. Before authentication only Unauthenticated and
+    // VersionMismatch are taken from a peer.
+    let _serial = serial();
+    let w = World::new("attack-preauth-rule");
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut d = w.engine(&ds, Role::Decode, "d0", KEY);
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("addr").to_string();
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = answered.clone();
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { return };
+            let _: Message = wire::read_frame(&mut s).expect("hello");
+            let reject =
+                serde_json::json!({"type": "Reject", "reasons": ["KernelBlockSizeMismatch"], "message": "forged"});
+            let _ = wire::write_frame(&mut s, &reject);
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    for id in ["r1", "r2"] {
+        expect_kv(&mut d, id, address.clone(), &[1], 10);
+        let event = d.next_event().expect("event");
+        assert_eq!(reasons(&event), vec!["ProtocolError".to_owned()], "{event:?}");
+    }
+    assert_eq!(
+        answered.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "not remembered: the second request dialled again"
+    );
+    let text = w.metrics.lock().expect("metrics")[0].render();
+    assert!(!text.contains("KernelBlockSizeMismatch"), "{text}");
 }
 
 #[test]
