@@ -232,23 +232,21 @@ pub fn read_sealed_by<T: DeserializeOwned, G>(
         .verify_slice(t)
         .map_err(|_| FrameError::BadTag(opener.seq))?;
     opener.seq += 1;
-    // Decoding holds every value at once: counted first, keeping none, and charged where they
-    // cost more than the frame's length; at most four times the bound on a frame's length in all
-    // (a frame of 8M zeros took 16 times its length; the largest a peer sends, every distinct
-    // block id of a pool in 16 MiB, about 2M values, fits).
+    // Decoding holds every value at once: counted first (object keys too), keeping none, and
+    // charged besides the frame (strings copied out of it, and [`VALUE_COST`] per value); at
+    // most four times the bound on a frame's length in all (a frame of 8M zeros took 16 times
+    // its length; the largest a peer sends, a registration of the most block ids an engine's
+    // frame holds, 786432, fits).
     let values = json_values(body).map_err(|e| FrameError::Malformed(e.to_string()))?;
-    let cost = values.saturating_mul(VALUE_COST);
+    let cost = values.saturating_mul(VALUE_COST).saturating_add(frame.len());
     let bound = MAX_DECODE_COST.min(4 * max);
     if cost > bound {
         return Err(FrameError::Malformed(format!(
             "the frame holds {values} JSON values; at most {}",
-            bound / VALUE_COST
+            bound.saturating_sub(frame.len()) / VALUE_COST
         )));
     }
-    let more = match cost.checked_sub(frame.len()).filter(|&n| n > 0) {
-        Some(n) => Some(admit(n).map_err(|e| FrameError::Io(io::Error::new(io::ErrorKind::OutOfMemory, e)))?),
-        None => None,
-    };
+    let more = Some(admit(cost).map_err(|e| FrameError::Io(io::Error::new(io::ErrorKind::OutOfMemory, e)))?);
     serde_json::from_slice(body)
         .map(|m| (m, (admitted, more)))
         .map_err(|e| FrameError::Malformed(e.to_string()))
@@ -758,12 +756,14 @@ mod tests {
 /// Bytes decoding one frame may hold, at most ([`read_sealed_by`]): four times the largest frame.
 pub const MAX_DECODE_COST: usize = 4 * MAX_FRAME;
 
-/// Bytes decoding holds per JSON value of a frame, about (serde's buffer for an internally
-/// tagged enum, or a tree): a frame is charged this per value where that is more than its length.
-pub const VALUE_COST: usize = 32;
+/// Bytes decoding holds per JSON value of a frame (an object's keys count as values), at most:
+/// serde's buffer for an internally tagged enum holds each as 32 bytes (a map entry, key and
+/// value, 64), in vectors grown by doubling (up to twice that). Counted at 32 with keys left
+/// out, an insider's frame of 2^20 empty keys held 4 times what it was charged (from a review).
+pub const VALUE_COST: usize = 64;
 
-/// How many JSON values (numbers, strings, arrays, objects, each element counted) `bytes` hold,
-/// in one pass that keeps none of them.
+/// How many JSON values (numbers, strings, arrays, objects, each element and each object key
+/// counted) `bytes` hold, in one pass that keeps none of them.
 pub fn json_values(bytes: &[u8]) -> Result<usize, serde_json::Error> {
     use serde::de::Deserializer as _;
     let values = std::cell::Cell::new(0);
@@ -827,6 +827,7 @@ impl<'de> serde::de::Visitor<'de> for Count<'_> {
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         self.one();
         while map.next_key::<serde::de::IgnoredAny>()?.is_some() {
+            self.one(); // the key's place in serde's buffer
             map.next_value_seed(self)?;
         }
         Ok(())
