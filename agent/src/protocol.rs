@@ -1142,15 +1142,27 @@ pub fn handshake_decode(
     session: &mut Session,
     local: &PeerInfo,
 ) -> Result<PeerInfo, HandshakeError> {
+    handshake_decode_by(stream, session, local, |_| Ok(())).map(|(peer, _)| peer)
+}
+
+/// [`handshake_decode`], with `admit` asked for room for P's handshake frame before its body is
+/// read ([`Session::recv_handshake_by`]; its charges come back with P's handshake).
+#[allow(clippy::type_complexity)]
+pub fn handshake_decode_by<G>(
+    stream: &mut (impl Read + Write),
+    session: &mut Session,
+    local: &PeerInfo,
+    admit: impl FnMut(usize) -> Result<G, String>,
+) -> Result<(PeerInfo, (G, Option<G>)), HandshakeError> {
     session.send(stream, &Message::Handshake(Box::new(local.clone())))?;
-    let peer = match session.recv_handshake(stream)? {
-        Message::Handshake(peer) => *peer,
-        other => return Err(unexpected("Handshake", &other)),
+    let (peer, charged) = match session.recv_handshake_by(stream, admit)? {
+        (Message::Handshake(peer), charged) => (*peer, charged),
+        (other, _) => return Err(unexpected("Handshake", &other)),
     };
     if let Some((reasons, message)) = refuse(local, &peer) {
         return Err(reject_sealed(stream, session, reasons, message));
     }
-    Ok(peer)
+    Ok((peer, charged))
 }
 
 /// P's side of the handshake (sealed): check D's before answering with ours.

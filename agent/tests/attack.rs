@@ -4651,6 +4651,53 @@ fn handshake_frames_an_insider_holds_back_on_many_connections_are_bounded_and_th
     assert_eq!(gone, want, "the oldest connections went, the budget's worth stayed");
 }
 
+#[test]
+fn prefill_handshake_frames_an_insider_holds_back_on_many_dials_are_bounded_and_the_oldest_goes() {
+    // Decode read prefill's handshake frame (up to 4 MiB, and what decoding it holds)
+    // uncounted: an insider's prefills at many addresses, each holding back the last byte of its
+    // handshake, held 4 MiB of the decode agent's memory per dial until the handshake deadline.
+    // Now it is charged to the pair's budget for frames being read, as prefill charges decode's,
+    // and over it the dial longest without a frame read whole is closed.
+    use pdpair_agent::{outboxes::INBOX_BUDGET, protocol::MAX_HANDSHAKE_FRAME};
+    let _serial = serial();
+    let w = World::new("attack-p-frames");
+    let ds = w.agent("d", Transport::Shm, false);
+    let mut dspec = spec(Role::Decode, "d0", kv(64, None), KEY, ChecksumPolicy::FailClosed);
+    (dspec.handshake_timeout_ms, dspec.num_blocks) = (60_000, 64);
+    let mut d = SyntheticEngine::register(&ds, &w.dir, &dspec).expect("D");
+    let held = INBOX_BUDGET / MAX_HANDSHAKE_FRAME;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut held_back: Vec<TcpStream> = Vec::new();
+    for i in 0..2 * held {
+        // A host of its own each (the dial gate lets an engine 2 dials in flight per host).
+        let listener = TcpListener::bind(format!("127.0.1.{}:0", 10 + i)).expect("bind");
+        let address = listener.local_addr().expect("addr").to_string();
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("accept");
+            let (_, mut session) = protocol::authenticate_prefill(&mut s, |_| Some(KEY.to_vec())).expect("auth");
+            let _ = session.recv_handshake(&mut s).expect("decode's handshake");
+            s.write_all(&(MAX_HANDSHAKE_FRAME as u32).to_be_bytes())
+                .expect("length");
+            s.write_all(&vec![b' '; MAX_HANDSHAKE_FRAME - 1])
+                .expect("all but the last byte");
+            let _ = tx.send((i, s));
+        });
+        expect_kv(&mut d, &format!("r{i}"), address, &[i as u32], 10);
+        let (at, s) = rx.recv_timeout(Duration::from_secs(20)).expect("a dial");
+        assert_eq!(at, i);
+        held_back.push(s);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let gone: Vec<bool> = held_back
+        .iter()
+        .map(|s| closed_within(s, Duration::from_millis(300)))
+        .collect();
+    let mut want = vec![true; held];
+    want.extend(vec![false; held]);
+    assert_eq!(gone, want, "the oldest dials went, the budget's worth stayed");
+}
+
 /// Descriptors the process `pid` holds.
 fn descriptors(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))

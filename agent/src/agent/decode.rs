@@ -899,7 +899,14 @@ impl Engine {
                         })?,
                 );
             }
-            let peer = protocol::handshake_decode(&mut timed, &mut session, &self.local)?;
+            // P's handshake frame, up to 4 MiB and what decoding it holds, is charged to the
+            // pair's budget for frames being read, as prefill charges ours: an insider's prefill
+            // answering each of many dials with one held up to 16 MiB of this agent's memory
+            // each, counted nowhere (from a review).
+            let shut = stream.try_clone().map_err(wire::FrameError::from)?;
+            let inbox = self.inboxes.queue(shut, addr.to_owned());
+            let admit = super::inbox_admit(&self.inboxes, &inbox);
+            let (peer, _charged) = protocol::handshake_decode_by(&mut timed, &mut session, &self.local, admit)?;
             (peer, session)
         };
         // Heartbeats: we ping every `heartbeat` and prefill answers, so a read that waits
