@@ -235,6 +235,12 @@ pub const MAX_REMEMBERED: usize = 4096;
 /// made its agent keep 1024 copies.
 pub const MAX_LIVE_BLOCKS: usize = 16 << 20;
 
+/// Blocks one request may name, at most: a pull `Ready` or a push `Complete` of that many
+/// blocks with their checksums (some 28 bytes of text and two JSON values a block, 184 bytes a
+/// block to read and decode) fits what one link may hold ([`wire::MAX_DECODE_COST`]): a larger
+/// one closed the link, failing every request on it. 5M tokens of 16-token blocks.
+pub const MAX_REQUEST_BLOCKS: usize = 327_680;
+
 /// What a decode request costs its agent for each prefill it names besides its block ids, in
 /// block ids (4 bytes each): the prefill's address, its link's window and registration, the
 /// request's entry on that link (about 150-260 bytes). Counted as 64 block ids: a request of 1
@@ -2371,6 +2377,12 @@ pub fn check_blocks(blocks: &[u32], num_blocks: u32) -> Result<(), String> {
     if blocks.is_empty() {
         return Err("blocks is empty".into());
     }
+    if blocks.len() > MAX_REQUEST_BLOCKS {
+        return Err(format!(
+            "blocks names {} blocks; a request has at most {MAX_REQUEST_BLOCKS} (the side channel's frames of its block ids and checksums must fit what a link may hold)",
+            blocks.len()
+        ));
+    }
     if blocks.len() > num_blocks as usize {
         return Err(format!(
             "blocks names {} blocks; the pool has {num_blocks}",
@@ -2518,6 +2530,14 @@ mod tests {
         assert_eq!(
             check_blocks(&[0, 0], 5).expect_err("refused"),
             "block 0 is named twice in blocks"
+        );
+        // At most MAX_REQUEST_BLOCKS, whatever the pool (protocol::tests: their frames fit a link).
+        let most: Vec<u32> = (0..MAX_REQUEST_BLOCKS as u32 + 1).collect();
+        assert_eq!(check_blocks(&most[..MAX_REQUEST_BLOCKS], u32::MAX), Ok(()));
+        assert!(
+            check_blocks(&most, u32::MAX)
+                .expect_err("refused")
+                .contains(&format!("at most {MAX_REQUEST_BLOCKS}")),
         );
         assert_eq!(check_tokens(MAX_TOKENS, MAX_TOKENS), Ok(()));
         // The blocks hold the tokens (from first_token, block by block), or the tokens past

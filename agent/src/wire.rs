@@ -233,17 +233,18 @@ pub fn read_sealed_by<T: DeserializeOwned, G>(
         .map_err(|_| FrameError::BadTag(opener.seq))?;
     opener.seq += 1;
     // Decoding holds every value at once: counted first (object keys too), keeping none, and
-    // charged besides the frame (strings copied out of it, and [`VALUE_COST`] per value); at
-    // most four times the bound on a frame's length in all (a frame of 8M zeros took 16 times
-    // its length; the largest a peer sends, a registration of the most block ids an engine's
-    // frame holds, 786432, fits).
+    // charged besides the frame (strings copied out of it, and [`VALUE_COST`] per value); the
+    // frame and that at most four times the bound on a frame's length in all (a frame of 8M
+    // zeros took 16 times its length; the largest a peer sends, a pull `Ready` with checksums of
+    // `agent::MAX_REQUEST_BLOCKS` blocks, fits).
     let values = json_values(body).map_err(|e| FrameError::Malformed(e.to_string()))?;
     let cost = values.saturating_mul(VALUE_COST).saturating_add(frame.len());
     let bound = MAX_DECODE_COST.min(4 * max);
-    if cost > bound {
+    if cost.saturating_add(frame.len()) > bound {
         return Err(FrameError::Malformed(format!(
-            "the frame holds {values} JSON values; at most {}",
-            bound.saturating_sub(frame.len()) / VALUE_COST
+            "the frame holds {values} JSON values in {} bytes; at most {} bytes and values at {VALUE_COST} each",
+            frame.len(),
+            bound
         )));
     }
     let more = Some(admit(cost).map_err(|e| FrameError::Io(io::Error::new(io::ErrorKind::OutOfMemory, e)))?);

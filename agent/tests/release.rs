@@ -321,3 +321,43 @@ fn a_release_naming_the_requests_token_counts_whatever_its_prompt() {
         "{event:?}"
     );
 }
+
+#[test]
+fn a_release_wound_down_by_another_ranks_failure_still_names_its_token() {
+    // A release naming two prefill ranks, one of which cannot be reached: its failure winds the
+    // release down, and the `Release` queued for the other rank (still dialling) goes out as the
+    // wind-down's. It went without the release's token, so a release of another prompt (vLLM's
+    // stand-in of a rejected request) counted for nothing there and prefill held the blocks to
+    // the lease (from a review).
+    use pdpair_agent::{engine_api::ReleaseToken, synthetic::prompt};
+    let w = World::new("release-token-wound");
+    let (mut p, mut d) = short_lease_pair(&w);
+    let token = ReleaseToken([7; 32]);
+    p.send(&EngineRequest::KvReady {
+        request: "r".into(),
+        blocks: vec![3, 4],
+        num_tokens: 100,
+        first_token: 0,
+        prompt: Some(prompt(1, 100)),
+        event: None,
+        release_token: Some(token.clone()),
+    })
+    .expect("KvReady");
+    // A port nothing listens on: its dial fails at once, while the real prefill's is still going.
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let unreachable = nobody.local_addr().expect("addr").to_string();
+    drop(nobody);
+    d.send(&EngineRequest::Release {
+        request: "r".into(),
+        prefill: unreachable,
+        prefills: vec![p.address.clone()],
+        prompt: Some(prompt(9, 1)),
+        release_token: Some(token),
+    })
+    .expect("Release");
+    let event = p.next_event().expect("P");
+    assert!(
+        released(&event, "r"),
+        "the wound-down release counted by its token: {event:?}"
+    );
+}

@@ -645,6 +645,11 @@ fn bad_values_fail_with_the_path_and_the_value() {
             "operator.podDisruptionBudget.minAvailable=100%",
             "operator.podDisruptionBudget.minAvailable is 100%",
         ),
+        (
+            // Rounded up: 2 of 2 replicas.
+            "operator.podDisruptionBudget.minAvailable=51%",
+            "operator.podDisruptionBudget.minAvailable is 51%",
+        ),
         ("agent.socketDir=/", "/agent/socketDir"),
         ("agent.priorityClassName=Node_Critical", "/agent/priorityClassName"),
         ("agent.socketDir=/var/run/../run", "/agent/socketDir"),

@@ -154,6 +154,7 @@ impl Engine {
                     reading: p.reading.iter().filter(|a| writers.contains(a)).cloned().collect(),
                     links: p.links.clone(),
                     prompt: p.prompt.clone(),
+                    release_token: p.release_token.clone(),
                     deadline: Instant::now() + self.handshake_timeout() + self.lease(),
                     ending,
                 },
@@ -165,6 +166,7 @@ impl Engine {
             writers,
             reading: p.reading,
             prompt: p.prompt,
+            release_token: p.release_token,
             now,
         })
     }
@@ -178,6 +180,7 @@ impl Engine {
             writers,
             reading,
             prompt,
+            release_token,
             now,
         } = down;
         if let Some(ending) = now {
@@ -210,7 +213,7 @@ impl Engine {
             self.cancel_answered(addr, &request);
         }
         for link in notify {
-            self.release_cancelled(&link, &request, prompt.clone());
+            self.release_cancelled(&link, &request, prompt.clone(), release_token.clone());
         }
     }
 
@@ -247,7 +250,13 @@ impl Engine {
 
     /// Tells `link`'s prefill that cancelled `request` is not wanted (its `ReleaseDone`, or the
     /// end of a push running, answers); a link that is gone writes nothing more.
-    fn release_cancelled(&self, link: &Link, request: &str, prompt: Option<PromptDigest>) {
+    fn release_cancelled(
+        &self,
+        link: &Link,
+        request: &str,
+        prompt: Option<PromptDigest>,
+        release_token: Option<crate::engine_api::ReleaseToken>,
+    ) {
         // A registration that went out was on the link whose loss ends its writes; one that
         // never did (queued while dialling) has only this link.
         if let Some(c) = lock(&self.cancelled).get_mut(request) {
@@ -256,7 +265,7 @@ impl Engine {
         if !link.send(&Message::Release {
             request: request.to_owned(),
             prompt,
-            token: None,
+            token: release_token,
         }) {
             self.cancel_answered(&link.addr, request);
         }
@@ -712,9 +721,9 @@ impl Engine {
         let cancelled = lock(&self.cancelled)
             .get(request)
             .filter(|c| c.waiting.contains(&link.addr))
-            .map(|c| c.prompt.clone());
-        if let Some(prompt) = cancelled {
-            return self.release_cancelled(link, request, prompt);
+            .map(|c| (c.prompt.clone(), c.release_token.clone()));
+        if let Some((prompt, release_token)) = cancelled {
+            return self.release_cancelled(link, request, prompt, release_token);
         }
         // A request for KV must name every prefill rank holding part of this rank's heads (the
         // link's handshake told the prefill pool's parallelism): one naming fewer (a prefill
@@ -1591,8 +1600,9 @@ struct WindDown {
     writers: Vec<String>,
     /// Pull: the prefills whose blocks our own read copies (its end answers for them).
     reading: Vec<String>,
-    /// Its prompt digest, for the `Release`s.
+    /// Its prompt digest and release token (a release's), for the `Release`s.
     prompt: Option<PromptDigest>,
+    release_token: Option<crate::engine_api::ReleaseToken>,
     /// No prefill may write: how it ends, now.
     now: Option<Ending>,
 }
@@ -1635,8 +1645,10 @@ pub(super) struct Cancelling {
     pub(super) reading: Vec<String>,
     /// The link the request went on, by address: only its loss answers for that prefill.
     pub(super) links: super::SentOn,
-    /// The request's prompt digest, carried by the `Release`s that tell them to stop.
+    /// The request's prompt digest (and a release's token), carried by the `Release`s that tell
+    /// them to stop.
     pub(super) prompt: Option<PromptDigest>,
+    pub(super) release_token: Option<crate::engine_api::ReleaseToken>,
     /// What the engine hears when none is left (a `Cancel` meanwhile makes it `Cancelled`).
     pub(super) ending: Ending,
     /// By when they must have answered the cancel's `Release`: a full handshake and lease from

@@ -284,6 +284,26 @@ type Counts = Arc<(std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsiz
 /// ranks nor says how many there are).
 type EarlyRelease = (u64, Held, (Option<PromptDigest>, Option<ReleaseToken>), u32);
 
+/// The early releases of a request that count once it is `ready`: only those of its prompt or
+/// token (the others let their link's registration go, nothing more), and only they say how many
+/// ranks to expect; once per link (releases of two prompts from one link, one counting by its
+/// prompt and one by the token, took two decode ranks' places).
+fn early_counted(early: Vec<EarlyRelease>, ready: &Ready) -> Vec<EarlyRelease> {
+    let mut links = std::collections::HashSet::new();
+    early
+        .into_iter()
+        .filter(|(_, _, (prompt, token), _)| {
+            release_counts(
+                prompt.as_ref(),
+                token.as_ref(),
+                ready.prompt.as_ref(),
+                ready.release_token.as_ref(),
+            )
+        })
+        .filter(|(id, ..)| links.insert(*id))
+        .collect()
+}
+
 /// A D registration waiting for P's KV: the link it came on, the registration, when, and its
 /// place in the link's bound.
 type Waiting = (Arc<Link>, Registration, Instant, Held);
@@ -1257,20 +1277,7 @@ impl Engine {
             }
             let mut serving = Serving::new(ready);
             if let Some((early, _)) = matching.released_early.remove(&request) {
-                // Only releases of this request's prompt or token count (the others let their
-                // link's registration go, nothing more), and only they say how many ranks to
-                // expect.
-                let ours: Vec<EarlyRelease> = early
-                    .into_iter()
-                    .filter(|(_, _, (prompt, token), _)| {
-                        release_counts(
-                            prompt.as_ref(),
-                            token.as_ref(),
-                            serving.ready.prompt.as_ref(),
-                            serving.ready.release_token.as_ref(),
-                        )
-                    })
-                    .collect();
+                let ours = early_counted(early, &serving.ready);
                 if let Some((_, _, _, expected)) = ours.first() {
                     serving.expected = Some(*expected);
                 }
@@ -1790,6 +1797,37 @@ mod tests {
 
     fn mute() -> Arc<Link> {
         Arc::new(crate::agent::tests::link_to_a_mute_peer().0)
+    }
+
+    #[test]
+    fn early_releases_count_by_prompt_or_token_once_per_link() {
+        use crate::{engine_api::ReleaseToken, synthetic::prompt};
+        let ready = Ready {
+            blocks: vec![1],
+            num_tokens: 16,
+            first_token: 0,
+            prompt: Some(prompt(1, 16)),
+            since: Instant::now(),
+            event: None,
+            release_token: Some(ReleaseToken([7; 32])),
+        };
+        let m = Matching::default();
+        let (a, b) = (mute(), mute());
+        let early = |link: &Arc<Link>, seed: u64, token: u8| -> EarlyRelease {
+            let held = Held::take(link, &m.waiting, 0).expect("a place");
+            (
+                link.id,
+                held,
+                (Some(prompt(seed, 16)), Some(ReleaseToken([token; 32]))),
+                2,
+            )
+        };
+        let counted = |e: Vec<EarlyRelease>| early_counted(e, &ready).iter().map(|(id, ..)| *id).collect::<Vec<_>>();
+        // Its prompt, its token, or both: counted; neither: not.
+        assert_eq!(counted(vec![early(&a, 1, 9), early(&b, 2, 7)]), vec![a.id, b.id]);
+        assert_eq!(counted(vec![early(&a, 2, 9)]), Vec::<u64>::new());
+        // Two of one link (one by its prompt, one by the token) take one place.
+        assert_eq!(counted(vec![early(&a, 1, 9), early(&a, 2, 7)]), vec![a.id]);
     }
 
     #[test]

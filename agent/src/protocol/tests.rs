@@ -677,7 +677,9 @@ fn the_largest_handshake_fits_its_bound_and_a_frame_of_many_values_is_refused() 
     .expect("seal");
     match wire::read_sealed::<Message>(&mut many.as_slice(), &mut wire::Opener::new(key), MAX_HANDSHAKE_FRAME) {
         // The object, its 3 keys, "Ping", 1, the array and its zeros.
-        Err(wire::FrameError::Malformed(e)) => assert!(e.contains(&format!("holds {} JSON values", values + 7)), "{e}"),
+        Err(wire::FrameError::Malformed(e)) => {
+            assert!(e.contains(&format!("holds {} JSON values in", values + 7)), "{e}")
+        }
         other => panic!("{other:?}"),
     }
     // Keys count: a Ping of many empty keys (serde keeps every one, key and value, in its
@@ -706,8 +708,56 @@ fn the_largest_handshake_fits_its_bound_and_a_frame_of_many_values_is_refused() 
     );
     match wire::read_sealed::<Message>(&mut frame.as_slice(), &mut wire::Opener::new(key), MAX_HANDSHAKE_FRAME) {
         Err(wire::FrameError::Malformed(e)) => {
-            assert!(e.contains(&format!("holds {} JSON values", 2 * keys + 5)), "{e}")
+            assert!(e.contains(&format!("holds {} JSON values in", 2 * keys + 5)), "{e}")
         }
         other => panic!("a frame of {keys} keys: {other:?}"),
+    }
+}
+
+#[test]
+fn the_largest_ready_and_complete_a_peer_sends_fit_what_one_link_may_hold() {
+    // A request of the most blocks an engine may name, with checksums of the most digits: its
+    // pull `Ready` and push `Complete`, read and decoded with every charge counted, fit what one
+    // link may hold (a larger one closed the link, failing every request on it).
+    let n = crate::agent::MAX_REQUEST_BLOCKS;
+    let sums = Some(BlockSums {
+        block_size: 16,
+        first_token: u64::MAX,
+        sums: vec![u64::MAX; n],
+    });
+    for m in [
+        Message::Ready {
+            request: "r".repeat(512),
+            blocks: (u32::MAX - n as u32..u32::MAX).collect(),
+            first_token: u64::MAX,
+            num_tokens: u64::MAX,
+            sums: sums.clone(),
+        },
+        Message::Complete {
+            request: "r".repeat(512),
+            sums: sums.clone(),
+            bytes: u64::MAX,
+        },
+    ] {
+        let key = [9; 32];
+        let mut frame = Vec::new();
+        wire::write_sealed(&mut frame, &mut wire::Sealer::new(key), &m).expect("seal");
+        let mut charged = 0usize;
+        let got = wire::read_sealed_by::<Message, ()>(
+            &mut frame.as_slice(),
+            &mut wire::Opener::new(key),
+            wire::MAX_FRAME,
+            |n| {
+                charged += n;
+                Ok(())
+            },
+        );
+        assert!(got.is_ok(), "{}: {got:?}", kind(&m));
+        assert!(
+            charged <= wire::MAX_DECODE_COST,
+            "{} charged {charged} bytes, more than a link may hold ({})",
+            kind(&m),
+            wire::MAX_DECODE_COST
+        );
     }
 }

@@ -260,7 +260,8 @@ impl UcxHandle {
     }
 
     /// See [`Command::Unmap`]; returns once the region is gone (memory UCX allocated is freed
-    /// and its file removed).
+    /// and its file removed; where a peer's software get was let through to it, its addresses
+    /// stay, as zeros, and UCX's file, emptied, until the agent stops).
     pub fn unmap(&self, region: u64) {
         let _ = self.call(|reply| Command::Unmap { region, reply });
     }
@@ -1065,16 +1066,21 @@ fn segment_in(pool_dir: &std::path::Path, at: u64) -> Result<(), String> {
 /// mapping stays.
 #[allow(unsafe_code)]
 fn overlay_zeros(addr: u64, len: usize) {
-    // Pools are mappings, whole pages; anything else (a test's heap buffer) is left as it is,
-    // never rounded onto its neighbours.
-    let page = crate::memory::pool::page_size() as u64;
-    if !addr.is_multiple_of(page) || !(len as u64).is_multiple_of(page) {
-        tracing::debug!(addr, len, "a retired region that is not whole pages keeps its memory");
+    // Pools are mappings from a page on, of whole pages (a pool's length need not be: its
+    // mapping's last page is rounded up); anything else (a test's heap buffer) is left as it is.
+    let page = crate::memory::pool::page_size();
+    if !addr.is_multiple_of(page as u64) {
+        tracing::debug!(
+            addr,
+            len,
+            "a retired region that does not start a page keeps its memory"
+        );
         return;
     }
+    let len = len.div_ceil(page) * page;
     // SAFETY: only this thread reads through these addresses from now on (UCX, for requests the
-    // peer never completed); they stay mapped, with zeros. The range is a registered region's,
-    // whole pages (checked above).
+    // peer never completed); they stay mapped, with zeros. The range is a registered region's
+    // mapping, from a page on, to the end of its last page (checked above).
     let done = unsafe {
         libc::mmap(
             addr as *mut libc::c_void,
