@@ -159,6 +159,9 @@ struct Shared {
     /// GPU memory descriptors held for registrations not made yet (`ShareGpuMemory`), on all
     /// engine connections: at most [`MAX_PENDING_GPU_FDS`].
     pending_gpu_fds: std::sync::atomic::AtomicUsize,
+    /// Those descriptors by the Pod whose engines sent them (attested engines): at most
+    /// [`MAX_PENDING_GPU_FDS_PER_POD`] each.
+    pending_gpu_fds_by_pod: Mutex<HashMap<String, usize>>,
     /// Engine connections that have not registered yet: at most [`MAX_UNREGISTERED`].
     unregistered: std::sync::atomic::AtomicUsize,
     /// Room for registered engines' large frames being read and decoded, over all of them.
@@ -209,6 +212,11 @@ pub const MAX_UNREGISTERED_PER_POD: usize = 8;
 /// connections together (two engines' worth of [`crate::memory::cuda::MAX_VMM_CHUNKS`]): engines
 /// that share descriptors and never register cannot run the agent out of descriptors.
 pub const MAX_PENDING_GPU_FDS: usize = 2 * crate::memory::cuda::MAX_VMM_CHUNKS;
+
+/// Of those, what the engines of one Pod may hold (attested engines): one pool's worth. One
+/// Pod's connections sharing descriptors and never registering held the agent's whole budget,
+/// and every other Pod's GPU pool shared through VMM was refused (from a review).
+pub const MAX_PENDING_GPU_FDS_PER_POD: usize = crate::memory::cuda::MAX_VMM_CHUNKS;
 
 /// Engines registered at one agent, at most (each holds two threads or more, its pool's
 /// mappings and, for prefill, a listener: without a bound a local process registering small
@@ -277,15 +285,26 @@ pub const AGENT_OWN_MEMORY: u64 = 256 << 20;
 /// and `RegisterPool` frames); after that, no limit.
 pub const REGISTER_WITHIN: Duration = Duration::from_secs(30);
 
-/// Descriptors counted in [`Shared::pending_gpu_fds`] until dropped.
+/// Descriptors counted in [`Shared::pending_gpu_fds`] (and, for an attested engine, in its
+/// Pod's share) until dropped.
 struct PendingFds<'a> {
     count: &'a std::sync::atomic::AtomicUsize,
     held: usize,
+    pod: Option<(&'a Mutex<HashMap<String, usize>>, String)>,
 }
 
 impl PendingFds<'_> {
-    /// Counts `n` more, if the agent-wide budget allows.
+    /// Counts `n` more, if the Pod's share and the agent-wide budget allow.
     fn take(&mut self, n: usize) -> Result<(), String> {
+        let mut by_pod = self.pod.as_ref().map(|(m, pod)| (lock(m), pod));
+        if let Some((held, pod)) = by_pod.as_mut() {
+            let mine = held.get(*pod).copied().unwrap_or(0);
+            if mine + n > MAX_PENDING_GPU_FDS_PER_POD {
+                return Err(format!(
+                    "ShareGpuMemory: this engine's Pod holds {mine} GPU memory descriptors of registrations in progress; at most {MAX_PENDING_GPU_FDS_PER_POD}"
+                ));
+            }
+        }
         let now = self.count.fetch_add(n, Ordering::SeqCst) + n;
         if now > MAX_PENDING_GPU_FDS {
             self.count.fetch_sub(n, Ordering::SeqCst);
@@ -293,6 +312,9 @@ impl PendingFds<'_> {
                 "ShareGpuMemory: the agent holds {} GPU memory descriptors of registrations in progress; at most {MAX_PENDING_GPU_FDS}",
                 now - n
             ));
+        }
+        if let Some((held, pod)) = by_pod.as_mut() {
+            *held.entry((*pod).clone()).or_default() += n;
         }
         self.held += n;
         Ok(())
@@ -302,6 +324,15 @@ impl PendingFds<'_> {
 impl Drop for PendingFds<'_> {
     fn drop(&mut self) {
         self.count.fetch_sub(self.held, Ordering::SeqCst);
+        if let Some((m, pod)) = &self.pod {
+            let mut held = lock(m);
+            if let Some(n) = held.get_mut(pod) {
+                *n = n.saturating_sub(self.held);
+                if *n == 0 {
+                    held.remove(pod);
+                }
+            }
+        }
     }
 }
 
@@ -552,6 +583,7 @@ impl Agent {
                 ),
                 listening: AtomicBool::new(false),
                 pending_gpu_fds: std::sync::atomic::AtomicUsize::new(0),
+                pending_gpu_fds_by_pod: Mutex::new(HashMap::new()),
                 unregistered: std::sync::atomic::AtomicUsize::new(0),
                 engine_frames: crate::frame_budget::FrameBudget::new(
                     crate::frame_budget::ENGINE_FRAMES,
@@ -800,10 +832,21 @@ impl Agent {
         let mut pending = PendingFds {
             count: &self.shared.pending_gpu_fds,
             held: 0,
+            pod: match &peer {
+                Some(Ok(id)) => Some((&self.shared.pending_gpu_fds_by_pod, id.uid.clone())),
+                _ => None,
+            },
         };
         while let Ok((EngineRequest::ShareGpuMemory { sizes }, fds)) = &mut first {
-            if let Err(message) =
-                crate::engine_api::check_share(sizes, fds.len(), shared.len()).and_then(|()| pending.take(fds.len()))
+            // A process whose Pod could not be told (it exited as it connected, say) can never
+            // register: it holds no descriptors meanwhile.
+            let unattested = match &peer {
+                Some(Err(why)) => Err(format!("ShareGpuMemory refused: {why}")),
+                _ => Ok(()),
+            };
+            if let Err(message) = unattested
+                .and_then(|()| crate::engine_api::check_share(sizes, fds.len(), shared.len()))
+                .and_then(|()| pending.take(fds.len()))
             {
                 send(&writer, &AgentEvent::RegistrationFailed { message });
                 return;
@@ -2567,8 +2610,16 @@ mod tests {
     #[test]
     fn gpu_memory_descriptors_held_for_registrations_are_bounded_across_connections() {
         let count = std::sync::atomic::AtomicUsize::new(0);
-        let mut a = PendingFds { count: &count, held: 0 };
-        let mut b = PendingFds { count: &count, held: 0 };
+        let mut a = PendingFds {
+            count: &count,
+            held: 0,
+            pod: None,
+        };
+        let mut b = PendingFds {
+            count: &count,
+            held: 0,
+            pod: None,
+        };
         a.take(MAX_PENDING_GPU_FDS - 10).expect("within");
         let e = b.take(11).expect_err("past the budget");
         assert!(
@@ -2580,10 +2631,47 @@ mod tests {
         // A connection that goes (registered, refused or dropped) gives its share back.
         drop(a);
         assert_eq!(count.load(Ordering::SeqCst), 10);
-        let mut c = PendingFds { count: &count, held: 0 };
+        let mut c = PendingFds {
+            count: &count,
+            held: 0,
+            pod: None,
+        };
         c.take(MAX_PENDING_GPU_FDS - 10).expect("room again");
         drop((b, c));
         assert_eq!(count.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn one_pods_engines_hold_at_most_its_share_of_gpu_memory_descriptors() {
+        // One Pod's connections sharing descriptors and never registering held the agent's whole
+        // budget: every other Pod's GPU pool shared through VMM was refused (from a review).
+        let count = std::sync::atomic::AtomicUsize::new(0);
+        let by_pod = Mutex::new(HashMap::new());
+        let of = |pod: &str| PendingFds {
+            count: &count,
+            held: 0,
+            pod: Some((&by_pod, pod.to_owned())),
+        };
+        let (mut a1, mut a2, mut b) = (of("a"), of("a"), of("b"));
+        a1.take(MAX_PENDING_GPU_FDS_PER_POD - 1)
+            .expect("within the Pod's share");
+        let e = a2.take(2).expect_err("past the Pod's share");
+        assert!(
+            e.contains(&format!(
+                "this engine's Pod holds {} GPU memory descriptors",
+                MAX_PENDING_GPU_FDS_PER_POD - 1
+            )),
+            "{e}"
+        );
+        a2.take(1).expect("to the Pod's share");
+        b.take(MAX_PENDING_GPU_FDS - MAX_PENDING_GPU_FDS_PER_POD)
+            .expect("another Pod takes the rest");
+        // A connection that goes gives its Pod's share back.
+        drop(a1);
+        a2.take(MAX_PENDING_GPU_FDS_PER_POD - 1).expect("room again");
+        drop((a2, b));
+        assert_eq!(count.load(Ordering::SeqCst), 0);
+        assert!(lock(&by_pod).is_empty());
     }
     use pdpair_api::{Backend, PathKind, TransferPath};
 
