@@ -220,11 +220,16 @@ impl Attestor {
             .runtime
             .block_on(async { tokio::time::timeout(LOOKUP, pods.get_opt(name)).await })
             .map_err(|_| format!("looking up Pod {namespace}/{name} took over {LOOKUP:?}"))?
-            .map_err(|e| format!("looking up Pod {namespace}/{name}: {e}"))?;
+            .map_err(|e| {
+                // The API server's answer (a 403 naming the agent's account and what it may
+                // read, say) goes to the agent's log, not to the engine.
+                tracing::warn!(pod = %format!("{namespace}/{name}"), error = %e, "engine attestation: looking up the Pod failed");
+                format!("looking up Pod {namespace}/{name} failed (the node agent's log says why)")
+            })?;
+        // A Pod that does not exist reads as one of another UID: an engine learns nothing of
+        // other namespaces' Pods (whether one exists, its UID) from a refusal.
         let Some(pod) = found else {
-            return Err(format!(
-                "Pod {namespace}/{name} (the registration's pod) does not exist"
-            ));
+            return Err(not_its_pod(namespace, name, &identity));
         };
         check_pod(&pod, &identity, (namespace, name), reg.role, pair, &self.node).map(|()| identity)
     }
@@ -253,6 +258,15 @@ pub(crate) fn pdpair_name(pdpair: &str) -> Result<(&str, &str), String> {
     Ok((namespace, name))
 }
 
+/// The refusal of a registration naming Pod `namespace/name`, which is not the engine process's
+/// (whether it exists or not, and its UID, are not said).
+fn not_its_pod(namespace: &str, name: &str, identity: &PodIdentity) -> String {
+    format!(
+        "Pod {namespace}/{name} (the registration's pod) is not the engine process's Pod: it runs in the Pod of UID {}",
+        identity.uid
+    )
+}
+
 /// The checks on the Pod found, pure (for tests): the one the registration names (`at`:
 /// namespace and name), in the engine process's Pod, on this node, labelled for its pair and
 /// role.
@@ -274,10 +288,7 @@ pub fn check_pod(
     }
     let uid = pod.metadata.uid.as_deref().unwrap_or_default();
     if uid != identity.uid {
-        return Err(format!(
-            "the engine process runs in Pod UID {}, not in Pod {name} (UID {uid})",
-            identity.uid
-        ));
+        return Err(not_its_pod(namespace, name, identity));
     }
     // A Pod being deleted takes no new engines (its labels, read now, may be gone any moment).
     if pod.metadata.deletion_timestamp.is_some() {
@@ -427,7 +438,9 @@ mod tests {
             Ok(())
         );
         let e = check_pod(&pod("other", "n", "x", "decode"), &me, AT, decode, "x", "n").expect_err("uid");
-        assert!(e.contains("UID"), "{e}");
+        // The Pod named is not said to exist, nor its UID: as for one that does not exist.
+        assert_eq!(e, not_its_pod(AT.0, AT.1, &me), "{e}");
+        assert!(!e.contains("other"), "{e}");
         let e = check_pod(&pod(UID, "m", "x", "decode"), &me, AT, decode, "x", "n").expect_err("node");
         assert!(e.contains("node"), "{e}");
         let e = check_pod(&pod(UID, "n", "y", "decode"), &me, AT, decode, "x", "n").expect_err("pair");
