@@ -2138,7 +2138,7 @@ fn a_prefill_that_never_answers_a_cancel_loses_its_link_and_the_engine_hears_can
 fn a_release_queued_behind_a_backlog_reaches_prefill_after_the_decode_engine_leaves() {
     let _serial = serial();
     // A decode engine cancels a request and leaves at once while its link to prefill holds a
-    // backlog (here the registration of a request of 786368 blocks, to a prefill that reads
+    // backlog (here the registration of a request of 327680 blocks, to a prefill that reads
     // nothing meanwhile). The Release its cancel queued must still reach prefill once prefill
     // reads again: lost, prefill holds the request's blocks until their lease. (The engine's
     // leaving ends the link's reader; that reader used to close the link, dropping what was
@@ -2152,8 +2152,8 @@ fn a_release_queued_behind_a_backlog_reaches_prefill_after_the_decode_engine_lea
     let ds = w.agent("d", Transport::Shm, false);
     let mut d = SyntheticEngine::register(&ds, &w.dir, &dspec).expect("decode registers");
     // Prefill's receive buffer fixed (no autotuning): decode's writer blocks once both sockets'
-    // buffers are full (decode's send buffer is 4 MiB at most here, tcp_wmem; the registration
-    // is about 5.6 MB), and what is queued behind it waits in the link's outbox.
+    // buffers are full (decode's send buffer is fixed at 64 KiB, `LINK_SEND_BUFFER`; the
+    // registration is about 2.6 MB), and what is queued behind it waits in the link's outbox.
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let size: libc::c_int = 256 << 10;
     // SAFETY: a valid socket and a c_int option of its size.
@@ -2191,8 +2191,9 @@ fn a_release_queued_behind_a_backlog_reaches_prefill_after_the_decode_engine_lea
     );
     expect_kv(&mut d, "r", evil.clone(), &[0], 1);
     linked.recv_timeout(Duration::from_secs(10)).expect("linked");
-    // As many blocks as a frame may name (the highest ids: the longest numbers), about 5.6 MB.
-    let n = (pdpair_agent::frame_budget::MAX_VALUES - 64) as u32;
+    // As many blocks as a request may name (the highest ids: the longest numbers), about 2.6 MB:
+    // far more than the link's send buffer and prefill's receive buffer hold.
+    let n = pdpair_agent::agent::MAX_REQUEST_BLOCKS as u32;
     let big: Vec<u32> = (BLOCKS - n..BLOCKS).collect();
     expect_kv(&mut d, "big", evil, &big, u64::from(n));
     d.send(&EngineRequest::Cancel { request: "r".into() }).expect("Cancel");
