@@ -213,10 +213,12 @@ pub const MAX_UNREGISTERED_PER_POD: usize = 8;
 /// that share descriptors and never register cannot run the agent out of descriptors.
 pub const MAX_PENDING_GPU_FDS: usize = 2 * crate::memory::cuda::MAX_VMM_CHUNKS;
 
-/// Of those, what the engines of one Pod may hold (attested engines): one pool's worth. One
-/// Pod's connections sharing descriptors and never registering held the agent's whole budget,
-/// and every other Pod's GPU pool shared through VMM was refused (from a review).
-pub const MAX_PENDING_GPU_FDS_PER_POD: usize = crate::memory::cuda::MAX_VMM_CHUNKS;
+/// Of those, what the engines of one Pod may hold (attested engines): three quarters, so the
+/// ranks of one Pod registering at once (torch's expandable segments export 3000 to 4000 a rank
+/// of an 80 GB GPU) fit while another Pod's rank still does. One Pod's connections sharing
+/// descriptors and never registering held the agent's whole budget, and every other Pod's GPU
+/// pool shared through VMM was refused (from a review).
+pub const MAX_PENDING_GPU_FDS_PER_POD: usize = MAX_PENDING_GPU_FDS / 4 * 3;
 
 /// Engines registered at one agent, at most (each holds two threads or more, its pool's
 /// mappings and, for prefill, a listener: without a bound a local process registering small

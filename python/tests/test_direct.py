@@ -515,6 +515,28 @@ def test_a_gpu_pool_the_agent_cannot_open_falls_back_to_staging_on_a_new_connect
         direct.register(agent.socket, reg(world, "prefill", g, 4), tensors, want=True)
 
 
+def test_cuda_refusing_the_direct_plan_stages_instead_of_failing_the_engines_start(world, monkeypatch):
+    # torch raises RuntimeError where CUDA refuses an interprocess event or its handle (a
+    # platform without CUDA IPC), before any memory is shared: it went up through the
+    # registration and failed the engine's start instead of staging (from a review).
+    class EventsRefused(StandInPlan):
+        def gpu_pool(self):
+            raise RuntimeError("CUDA error: operation not supported")
+
+    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps, across_nodes=True, event=True: EventsRefused())
+    g = kv(block=16, layers=2)
+    agent = world.agent("a")
+    tensors = vllm_tensors(g, 4, "flash")
+    client, pool, why = direct.register(agent.socket, reg(world, "prefill", g, 4), tensors)
+    try:
+        assert pool is None and "CUDA refused it: CUDA error: operation not supported" in why, why
+        assert client.pool is not None and "gpu" not in client.registration
+    finally:
+        client.close()
+    with pytest.raises(AgentError, match="direct is true, but CUDA refused it"):
+        direct.register(agent.socket, reg(world, "prefill", g, 4), tensors, want=True)
+
+
 def test_an_agent_that_closes_during_a_direct_registration_is_tried_again_not_staged(world, monkeypatch, tmp_path):
     # An agent shutting down answers Capabilities, then closes the connection instead of
     # answering the GPU pool's registration: not a refusal of the GPU pool, so the engine does

@@ -606,8 +606,14 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
         try:
             host = PoolLayout.new(reg["kv"], reg["parallelism"].get("tensor", 1), reg["num_blocks"],
                                   reg.get("tensor_rank", 0))
-            d = plan(tensors, host, caps, across_nodes=want is not True, event=options["event"])
-            gpu, shared = d.gpu_pool()
+            try:
+                d = plan(tensors, host, caps, across_nodes=want is not True, event=options["event"])
+                gpu, shared = d.gpu_pool()
+            except (RuntimeError, OSError) as e:
+                # CUDA itself refusing what the plan asks (torch's interprocess events or their
+                # handles on a platform without CUDA IPC, a driver call): as a plan refused, not
+                # the engine's start failed.
+                raise DirectRefused(f"CUDA refused it: {e}") from None
             gpu_reg = dict(reg, regions=d.regions, gpu=gpu)
         except DirectRefused as e:
             if want is True:
