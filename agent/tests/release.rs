@@ -279,18 +279,7 @@ fn a_release_naming_the_requests_token_counts_whatever_its_prompt() {
     let (mut p, mut d) = short_lease_pair(&w);
     linked(&w, &mut d, &p);
     let token = ReleaseToken([7; 32]);
-    let ready = |p: &mut SyntheticEngine, id: &str| {
-        p.send(&EngineRequest::KvReady {
-            request: id.into(),
-            blocks: vec![3, 4],
-            num_tokens: 100,
-            first_token: 0,
-            prompt: Some(prompt(1, 100)),
-            event: None,
-            release_token: Some(token.clone()),
-        })
-        .expect("KvReady")
-    };
+    let ready = |p: &mut SyntheticEngine, id: &str| ready_with_token(p, id, &token);
     let prefill = p.address.clone();
     let release_with = |d: &mut SyntheticEngine, id: &str, t: &ReleaseToken| {
         d.send(&EngineRequest::Release {
@@ -333,16 +322,7 @@ fn a_release_wound_down_by_another_ranks_failure_still_names_its_token() {
     let w = World::new("release-token-wound");
     let (mut p, mut d) = short_lease_pair(&w);
     let token = ReleaseToken([7; 32]);
-    p.send(&EngineRequest::KvReady {
-        request: "r".into(),
-        blocks: vec![3, 4],
-        num_tokens: 100,
-        first_token: 0,
-        prompt: Some(prompt(1, 100)),
-        event: None,
-        release_token: Some(token.clone()),
-    })
-    .expect("KvReady");
+    ready_with_token(&mut p, "r", &token);
     // A port nothing listens on: its dial fails at once, while the real prefill's is still going.
     let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let unreachable = nobody.local_addr().expect("addr").to_string();
@@ -360,4 +340,18 @@ fn a_release_wound_down_by_another_ranks_failure_still_names_its_token() {
         released(&event, "r"),
         "the wound-down release counted by its token: {event:?}"
     );
+}
+
+/// `request`'s KV ready in blocks 3 and 4 of `p` (100 tokens of prompt 1), with release `token`.
+fn ready_with_token(p: &mut SyntheticEngine, request: &str, token: &pdpair_agent::engine_api::ReleaseToken) {
+    p.send(&EngineRequest::KvReady {
+        request: request.into(),
+        blocks: vec![3, 4],
+        num_tokens: 100,
+        first_token: 0,
+        prompt: Some(pdpair_agent::synthetic::prompt(1, 100)),
+        event: None,
+        release_token: Some(token.clone()),
+    })
+    .expect("KvReady");
 }
