@@ -42,6 +42,14 @@ pub(super) struct Ready {
     release_token: Option<ReleaseToken>,
 }
 
+impl Ready {
+    /// Whether a decode `Release` of `prompt` and `token` counts for this request
+    /// ([`release_counts`]).
+    fn released_by(&self, prompt: Option<&PromptDigest>, token: Option<&ReleaseToken>) -> bool {
+        release_counts(prompt, token, self.prompt.as_ref(), self.release_token.as_ref())
+    }
+}
+
 /// A ready request on prefill, and the decode ranks it serves: with more decode than prefill
 /// tensor-parallel ranks several decode ranks take their heads from the same prefill rank, each
 /// registering on its own; the engine hears once, when all have been served.
@@ -292,14 +300,7 @@ fn early_counted(early: Vec<EarlyRelease>, ready: &Ready) -> Vec<EarlyRelease> {
     let mut links = std::collections::HashSet::new();
     early
         .into_iter()
-        .filter(|(_, _, (prompt, token), _)| {
-            release_counts(
-                prompt.as_ref(),
-                token.as_ref(),
-                ready.prompt.as_ref(),
-                ready.release_token.as_ref(),
-            )
-        })
+        .filter(|(_, _, (prompt, token), _)| ready.released_by(prompt.as_ref(), token.as_ref()))
         .filter(|(id, ..)| links.insert(*id))
         .collect()
 }
@@ -970,17 +971,14 @@ impl Engine {
     ) -> bool {
         let real = {
             let matching = lock(&self.matching);
-            matching.ready.get(&request).is_some_and(|s| {
-                release_counts(
-                    prompt.as_ref(),
-                    token.as_ref(),
-                    s.ready.prompt.as_ref(),
-                    s.ready.release_token.as_ref(),
-                )
-            }) || matching
-                .registered
+            matching
+                .ready
                 .get(&request)
-                .is_some_and(|w| w.iter().any(|(l, ..)| l.id == link.id))
+                .is_some_and(|s| s.ready.released_by(prompt.as_ref(), token.as_ref()))
+                || matching
+                    .registered
+                    .get(&request)
+                    .is_some_and(|w| w.iter().any(|(l, ..)| l.id == link.id))
         };
         self.release_for(link, request, prompt, token);
         real
@@ -1005,16 +1003,7 @@ impl Engine {
             match (matching.ready.get_mut(&request), served_here) {
                 // Pushing to this link right now: the transfer's end answers.
                 (Some(_), Some(_)) if !pull => return,
-                (Some(serving), _)
-                    if !release_counts(
-                        prompt.as_ref(),
-                        token.as_ref(),
-                        serving.ready.prompt.as_ref(),
-                        serving.ready.release_token.as_ref(),
-                    ) =>
-                {
-                    None
-                }
+                (Some(serving), _) if !serving.ready.released_by(prompt.as_ref(), token.as_ref()) => None,
                 (Some(serving), lent) => {
                     // Pull, lent to this link: decode will not read them.
                     if let Some(i) = lent {
