@@ -283,9 +283,47 @@ pub fn live_room(requests: usize, blocks: usize, more: usize) -> Result<(), Stri
 /// it would leave less than this under the agent's memory limit.
 pub const AGENT_OWN_MEMORY: u64 = 256 << 20;
 
+/// How long a connection whose Pod cannot be told may take to send its first frame, which is
+/// answered with why it cannot register.
+pub const UNATTESTED_WITHIN: Duration = Duration::from_secs(2);
+
 /// How long an engine connection may take to register (its `Capabilities`, `ShareGpuMemory`
 /// and `RegisterPool` frames); after that, no limit.
 pub const REGISTER_WITHIN: Duration = Duration::from_secs(30);
+
+/// Why a registration was refused, said to the engine as `RegistrationFailed`.
+#[derive(Debug)]
+struct Refusal {
+    message: String,
+    /// One of the agent's bounds on what it holds at once, which frees as other engines go
+    /// or finish registering: the same registration may pass later.
+    busy: bool,
+}
+
+impl Refusal {
+    fn busy(message: String) -> Self {
+        Self { message, busy: true }
+    }
+
+    fn event(self) -> AgentEvent {
+        AgentEvent::RegistrationFailed {
+            message: self.message,
+            busy: self.busy,
+        }
+    }
+}
+
+impl From<String> for Refusal {
+    fn from(message: String) -> Self {
+        Self { message, busy: false }
+    }
+}
+
+impl From<&str> for Refusal {
+    fn from(message: &str) -> Self {
+        message.to_owned().into()
+    }
+}
 
 /// Descriptors counted in [`Shared::pending_gpu_fds`] (and, for an attested engine, in its
 /// Pod's share) until dropped.
@@ -360,18 +398,18 @@ impl Shared {
         pod: Option<&str>,
         pdpair: &str,
         engine: &str,
-    ) -> Result<(), String> {
+    ) -> Result<(), Refusal> {
         if locals.len() >= MAX_ENGINES {
-            return Err(format!(
+            return Err(Refusal::busy(format!(
                 "this agent holds {MAX_ENGINES} registered engines, as many as it takes; one must go before another registers"
-            ));
+            )));
         }
         if let Some(pod) = pod
             && locals.iter().filter(|(_, l)| l.pod.as_deref() == Some(pod)).count() >= MAX_ENGINES_PER_POD
         {
-            return Err(format!(
+            return Err(Refusal::busy(format!(
                 "this engine's Pod has {MAX_ENGINES_PER_POD} engines registered at this agent, as many as one Pod may; one must go before another registers"
-            ));
+            )));
         }
         // Per pair: another tenant's engine cannot take a name to keep this pair's out.
         match locals.iter().find(|(_, l)| l.engine == engine && l.pdpair == pdpair) {
@@ -379,7 +417,8 @@ impl Shared {
             Some(_) => Err(format!(
                 "engine \"{}\" of this PDPair is already registered at this agent; engine names must be unique on the node",
                 crate::reason::peer_text(engine),
-            )),
+            )
+            .into()),
             None => Ok(()),
         }
     }
@@ -796,6 +835,21 @@ impl Agent {
         // An engine that stops reading its events must not stall transfer threads forever.
         let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
         let writer = Arc::new(Mutex::new(stream));
+        // A connection whose Pod cannot be told (a process in no Pod, or one that exited as it
+        // connected) can never register: its first frame, whatever it is, is answered with why,
+        // and it has UNATTESTED_WITHIN to send it, not REGISTER_WITHIN (it held its place among
+        // the connections registering, under "(no pod)", for 30 s: one Pod's processes exiting
+        // as they connected held 8 places beside the Pod's own 8), and it shares nothing.
+        if let Some(Err(why)) = &peer {
+            let _ = wire::read_frame_fds_by::<serde_json::Value>(
+                &reader,
+                crate::engine_api::MAX_REGISTRATION_FRAME,
+                Some(Instant::now() + UNATTESTED_WITHIN),
+            );
+            let message = format!("engine attestation refused the registration: {why}");
+            send(&writer, &Refusal::from(message).event());
+            return;
+        }
         // Registration is bounded in time, all frames together (a connection that shares memory
         // and stalls holds descriptors); once registered, an engine may be silent as long as it
         // likes.
@@ -840,17 +894,12 @@ impl Agent {
             },
         };
         while let Ok((EngineRequest::ShareGpuMemory { sizes }, fds)) = &mut first {
-            // A process whose Pod could not be told (it exited as it connected, say) can never
-            // register: it holds no descriptors meanwhile.
-            let unattested = match &peer {
-                Some(Err(why)) => Err(format!("ShareGpuMemory refused: {why}")),
-                _ => Ok(()),
-            };
-            if let Err(message) = unattested
-                .and_then(|()| crate::engine_api::check_share(sizes, fds.len(), shared.len()))
-                .and_then(|()| pending.take(fds.len()))
+            // The budget frees as other registrations finish: busy, not a refusal of this one.
+            if let Err(refusal) = crate::engine_api::check_share(sizes, fds.len(), shared.len())
+                .map_err(Refusal::from)
+                .and_then(|()| pending.take(fds.len()).map_err(Refusal::busy))
             {
-                send(&writer, &AgentEvent::RegistrationFailed { message });
+                send(&writer, &refusal.event());
                 return;
             }
             shared.extend(std::mem::take(fds).into_iter().zip(sizes.iter().copied()));
@@ -863,13 +912,14 @@ impl Agent {
                     &writer,
                     &AgentEvent::RegistrationFailed {
                         message: "the first message must be RegisterPool (after at most one Capabilities and any ShareGpuMemory)".into(),
+                        busy: false,
                     },
                 );
                 return;
             }
             Err(Unregistered::Refused(message)) => {
                 tracing::debug!(%message, "engine API: registration refused");
-                send(&writer, &AgentEvent::RegistrationFailed { message });
+                send(&writer, &Refusal::from(message).event());
                 return;
             }
             Err(Unregistered::Gone(e)) => {
@@ -882,8 +932,8 @@ impl Agent {
         drop(pending);
         let engine = match registered {
             Ok(engine) => engine,
-            Err(message) => {
-                send(&writer, &AgentEvent::RegistrationFailed { message });
+            Err(refusal) => {
+                send(&writer, &refusal.event());
                 return;
             }
         };
@@ -1605,12 +1655,12 @@ impl Engine {
         gpu_memory: Vec<(std::os::fd::OwnedFd, u64)>,
         writer: Arc<Mutex<UnixStream>>,
         peer: Option<Result<crate::attest::PodIdentity, String>>,
-    ) -> Result<Arc<Engine>, String> {
+    ) -> Result<Arc<Engine>, Refusal> {
         if let Some(path) = &reg.memory_path {
-            return Err(format!(
+            return Err(Refusal::from(format!(
                 "memory_path {:?} is not accepted: pass the pool as a sealed memfd (memory_fd: true, SCM_RIGHTS), or let the agent allocate it",
                 crate::reason::peer_text(path)
-            ));
+            )));
         }
         // Descriptors the registration does not announce are closed, unused.
         let fds = if reg.memory_fd { fds } else { Vec::new() };
@@ -1625,23 +1675,23 @@ impl Engine {
             return Err("num_blocks must be at least 1".into());
         }
         if reg.gpu.is_none() && !gpu_memory.is_empty() {
-            return Err(format!(
+            return Err(Refusal::from(format!(
                 "{} GPU allocations were shared (ShareGpuMemory), but the registration is not a GPU pool (no gpu)",
                 gpu_memory.len()
-            ));
+            )));
         }
         if let Some(gpu) = &reg.gpu {
             gpu.check(layout.regions.len(), reg.memory_fd, gpu_memory.len())?;
             if let Some(why) = shared.gpu_pools_refused() {
-                return Err(format!("gpu: GPU pools are not accepted: {why}"));
+                return Err(Refusal::from(format!("gpu: GPU pools are not accepted: {why}")));
             }
         }
         if reg.memory_fd && fds.len() != layout.regions.len() {
-            return Err(format!(
+            return Err(Refusal::from(format!(
                 "memory_fd is true but the RegisterPool frame carried {} descriptors; the pool has {} regions (one memfd per region, in order)",
                 fds.len(),
                 layout.regions.len()
-            ));
+            )));
         }
         let mut pod_uid = None;
         if let Some(attestor) = &shared.cfg.attestor {
@@ -1679,21 +1729,21 @@ impl Engine {
             if let Some((limit, used)) = pool::memory_limit() {
                 let room = limit.saturating_sub(used).saturating_sub(AGENT_OWN_MEMORY);
                 if need as u64 > room {
-                    return Err(format!(
+                    return Err(Refusal::from(format!(
                         "the pool needs {need} bytes, which the agent allocates and its memory cgroup is charged for: its memory limit leaves {room} (limit {limit}, in use {used}, {AGENT_OWN_MEMORY} kept for the agent itself); raise the agent's memory limit (the chart's agent.resources.limits.memory) or register fewer blocks"
-                    ));
+                    )));
                 }
             }
             let free = pool::available(&shared.cfg.pool_dir).unwrap_or(0);
             if need as u64 > free {
-                return Err(format!(
+                return Err(Refusal::from(format!(
                     "the pool needs {need} bytes ({} layers x {} arrays x {} blocks x {} bytes); the pool directory {} has {free} free",
                     layout.layers,
                     layout.halves(),
                     layout.num_blocks,
                     layout.block_len(),
                     shared.cfg.pool_dir.display()
-                ));
+                )));
             }
         }
         // An address another engine held when the agent stopped stays that engine's a while.
@@ -1836,7 +1886,7 @@ impl Engine {
         }
         if let Err(why) = started {
             engine.shutdown();
-            return Err(why);
+            return Err(Refusal::from(why));
         }
         if let Some(at) = engine.side_channel() {
             engine.shared.claims.hold(at, &engine.reg.pdpair, &engine.reg.engine);

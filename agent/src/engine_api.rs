@@ -921,6 +921,14 @@ pub enum AgentEvent {
     RegistrationFailed {
         /// Why.
         message: String,
+        /// The refusal is one of the agent's bounds on what it holds at once (engines
+        /// registered, GPU memory descriptors of registrations in progress), which frees as
+        /// other engines go or finish registering: the same registration may succeed later,
+        /// and an engine should try it again then rather than take the refusal as final (the
+        /// vLLM connector's direct path staged through host memory for good). Absent (false)
+        /// for a refusal of what the registration says, which trying again does not mend.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        busy: bool,
     },
     /// Prefill: the request's WRITEs were posted.
     TransferStarted {

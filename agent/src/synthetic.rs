@@ -204,7 +204,7 @@ impl SyntheticEngine {
                     address,
                 })
             }
-            AgentEvent::RegistrationFailed { message } => Err(message),
+            AgentEvent::RegistrationFailed { message, .. } => Err(message),
             other => Err(format!("unexpected answer to RegisterPool: {other:?}")),
         }
     }

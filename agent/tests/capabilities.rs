@@ -118,7 +118,7 @@ fn capabilities_say_what_ucx_and_the_driver_allow_and_registration_follows_on_th
     ));
     let second = ask(&mut t, &EngineRequest::Capabilities);
     assert!(
-        matches!(&second, AgentEvent::RegistrationFailed { message } if message.contains("must be RegisterPool")),
+        matches!(&second, AgentEvent::RegistrationFailed { message, .. } if message.contains("must be RegisterPool")),
         "{second:?}"
     );
     // An agent on UCX (shared memory here; RDMA between nodes) moves no GPU KV to other agents.
@@ -189,7 +189,7 @@ fn gpu_pools_are_refused_naming_the_field_or_the_reason_and_the_agent_keeps_serv
         let mut s = connect(&socket);
         let answer = ask(&mut s, &EngineRequest::RegisterPool(Box::new(reg)));
         assert!(
-            matches!(&answer, AgentEvent::RegistrationFailed { message } if message.contains(expected)),
+            matches!(&answer, AgentEvent::RegistrationFailed { message, .. } if message.contains(expected)),
             "{expected}: {answer:?}"
         );
         if expected == "GPU pools are not accepted" && !cuda::driver_present() {
@@ -256,7 +256,7 @@ fn gpu_memory_shared_as_descriptors_is_checked_against_the_registration_and_refu
     };
     let refused = |answer: AgentEvent, expected: &str| {
         assert!(
-            matches!(&answer, AgentEvent::RegistrationFailed { message } if message.contains(expected)),
+            matches!(&answer, AgentEvent::RegistrationFailed { message, .. } if message.contains(expected)),
             "{expected}: {answer:?}"
         );
     };
@@ -351,7 +351,7 @@ fn a_connection_that_shares_gpu_memory_and_never_registers_is_closed() {
     s.set_read_timeout(Some(limit)).expect("timeout");
     let answer = wire::read_frame::<AgentEvent>(&mut s).expect("answered, not timed out");
     assert!(
-        matches!(&answer, AgentEvent::RegistrationFailed { message } if message.contains("no registration within")),
+        matches!(&answer, AgentEvent::RegistrationFailed { message, .. } if message.contains("no registration within")),
         "{answer:?}"
     );
     let mut buf = [0u8; 16];
@@ -470,7 +470,7 @@ fn a_registration_that_does_not_decode_is_refused_naming_the_field_and_the_agent
         let mut s = connect(&socket);
         let answer = ask_raw(&mut s, &frame);
         assert!(
-            matches!(&answer, AgentEvent::RegistrationFailed { message } if message.contains(expected)),
+            matches!(&answer, AgentEvent::RegistrationFailed { message, .. } if message.contains(expected)),
             "{expected}: {answer:?}"
         );
         let mut buf = [0u8; 1];
@@ -482,7 +482,7 @@ fn a_registration_that_does_not_decode_is_refused_naming_the_field_and_the_agent
         .expect("send");
     let answer = wire::read_frame::<AgentEvent>(&mut s).expect("an answer");
     assert!(
-        matches!(&answer, AgentEvent::RegistrationFailed { message } if message.starts_with("malformed frame:")),
+        matches!(&answer, AgentEvent::RegistrationFailed { message, .. } if message.starts_with("malformed frame:")),
         "{answer:?}"
     );
     // What the engine sent comes back cut and escaped.
@@ -491,7 +491,7 @@ fn a_registration_that_does_not_decode_is_refused_naming_the_field_and_the_agent
         &mut s,
         &registration_json(|f| f["role"] = format!("\u{1b}[31m{}", "x".repeat(5000)).into()),
     );
-    let AgentEvent::RegistrationFailed { message } = answer else {
+    let AgentEvent::RegistrationFailed { message, .. } = answer else {
         panic!("{answer:?}");
     };
     assert!(
@@ -523,7 +523,7 @@ fn an_engine_name_is_registered_once_per_agent_until_its_engine_goes() {
     for reg in [host_registration(), decode] {
         let answer = ask(&mut connect(&socket), &EngineRequest::RegisterPool(Box::new(reg)));
         assert!(
-            matches!(&answer, AgentEvent::RegistrationFailed { message }
+            matches!(&answer, AgentEvent::RegistrationFailed { message, .. }
                 if message.contains("engine \"p0\" of this PDPair is already registered at this agent")),
             "{answer:?}"
         );
@@ -567,7 +567,7 @@ fn frames_are_bounded_by_what_a_registration_and_a_pools_requests_need() {
     s.write_all(&(n as u32).to_be_bytes()).expect("length");
     let answer = wire::read_frame::<AgentEvent>(&mut s).expect("an answer");
     assert!(
-        matches!(&answer, AgentEvent::RegistrationFailed { message }
+        matches!(&answer, AgentEvent::RegistrationFailed { message, .. }
             if message.contains(&format!("a frame of {n} bytes before registration; at most {MAX_REGISTRATION_FRAME}"))),
         "{answer:?}"
     );
@@ -628,9 +628,10 @@ fn an_agent_holds_a_bounded_number_of_engines_and_takes_another_once_one_goes() 
             s
         })
         .collect();
+    // Said to be busy: the engine tries again later rather than take it as final.
     let (_, answer) = register(MAX_ENGINES);
     assert!(
-        matches!(&answer, AgentEvent::RegistrationFailed { message }
+        matches!(&answer, AgentEvent::RegistrationFailed { message, busy: true }
             if message.contains(&format!("this agent holds {MAX_ENGINES} registered engines"))),
         "{answer:?}"
     );
@@ -645,7 +646,19 @@ fn an_agent_holds_a_bounded_number_of_engines_and_takes_another_once_one_goes() 
         }
     };
     let (_, answer) = register(MAX_ENGINES + 1);
-    assert!(matches!(answer, AgentEvent::RegistrationFailed { .. }), "{answer:?}");
+    assert!(
+        matches!(answer, AgentEvent::RegistrationFailed { busy: true, .. }),
+        "{answer:?}"
+    );
+    // A refusal of what the registration says is not busy: trying again does not mend it.
+    let mut s = connect(&socket);
+    let mut reg = host_registration();
+    (reg.role, reg.engine, reg.num_blocks) = (Role::Decode, "zero".into(), 0);
+    let answer = ask(&mut s, &EngineRequest::RegisterPool(Box::new(reg)));
+    assert!(
+        matches!(&answer, AgentEvent::RegistrationFailed { message, busy: false } if message.contains("num_blocks must be at least 1")),
+        "{answer:?}"
+    );
     drop((held, newcomer));
 }
 

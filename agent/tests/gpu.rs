@@ -575,7 +575,7 @@ fn register_sharing_raw(
     wire::write_frame_fds(&s, &EngineRequest::ShareGpuMemory { sizes }, &fds).expect("share");
     wire::write_frame(&mut s, &EngineRequest::RegisterPool(Box::new(reg))).expect("register");
     match wire::read_frame::<AgentEvent>(&mut s).expect("an answer") {
-        AgentEvent::RegistrationFailed { message } => Some(message),
+        AgentEvent::RegistrationFailed { message, .. } => Some(message),
         AgentEvent::Registered { .. } => None,
         other => panic!("unexpected answer: {other:?}"),
     }

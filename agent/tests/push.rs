@@ -477,7 +477,7 @@ fn register_raw(
     }
     .expect("send");
     match pdpair_agent::wire::read_frame::<AgentEvent>(&mut &stream).expect("answer") {
-        AgentEvent::RegistrationFailed { message } => message,
+        AgentEvent::RegistrationFailed { message, .. } => message,
         other => panic!("{other:?}"),
     }
 }
@@ -591,7 +591,7 @@ fn an_engine_pool_is_taken_only_as_a_sealed_memfd_never_a_path() {
     pdpair_agent::wire::write_frame(&mut &stream, &EngineRequest::RegisterPool(Box::new(reg))).expect("send");
     let answer = pdpair_agent::wire::read_frame::<AgentEvent>(&mut &stream).expect("answer");
     assert!(
-        matches!(&answer, AgentEvent::RegistrationFailed { message } if message.contains("carried 0 descriptors; the pool has 1 regions")),
+        matches!(&answer, AgentEvent::RegistrationFailed { message, .. } if message.contains("carried 0 descriptors; the pool has 1 regions")),
         "{answer:?}"
     );
 }

@@ -275,7 +275,7 @@ fn register_with(socket: &std::path::Path, spec: &EngineSpec, fds: &[std::fs::Fi
 
 fn refusal(event: AgentEvent) -> String {
     match event {
-        AgentEvent::RegistrationFailed { message } => message,
+        AgentEvent::RegistrationFailed { message, .. } => message,
         other => panic!("not refused: {other:?}"),
     }
 }

@@ -577,6 +577,70 @@ def test_an_agent_that_closes_during_a_direct_registration_is_tried_again_not_st
         listener.close()
 
 
+def test_an_agent_holding_all_the_gpu_memory_it_takes_at_once_is_tried_again_not_staged(world, monkeypatch):
+    # Other engines' registrations in progress hold every GPU memory descriptor the agent takes at
+    # once (16384; torch's expandable segments export thousands per rank). The agent says it is
+    # busy and the engine registers again later, direct where it may, rather than take it as the
+    # agent refusing its GPU pool and stage through host memory for good (as it did).
+    import os
+    import socket
+    import time
+
+    from pdpair_vllm import wire
+    from pdpair_vllm.client import AgentBusy, AgentUnreachable
+
+    class SharingPlan(StandInPlan):
+        def gpu_pool(self):
+            gpu, _ = super().gpu_pool()
+            return gpu, [(os.memfd_create("vmm"), 2 << 20)]
+
+    monkeypatch.setattr(direct, "plan", lambda tensors, layout, caps, across_nodes=True, event=True: SharingPlan())
+    g = kv(block=16, layers=2)
+    agent = world.agent("a")
+    tensors = vllm_tensors(g, 4, "flash")
+
+    def register_until(busy: bool):
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client, pool, why = direct.register(agent.socket, reg(world, "prefill", g, 4), tensors)
+            except AgentBusy as e:
+                if busy:
+                    return e
+                assert time.monotonic() < deadline, f"still busy: {e}"
+            else:
+                client.close()
+                assert "registrations in progress" not in why, f"a busy agent taken as refusing the GPU pool: {why}"
+                if not busy:
+                    return why
+                assert time.monotonic() < deadline, f"never busy: {why}"
+            time.sleep(0.1)
+
+    holders = []
+    try:
+        for _ in range(2):  # 8192 each, as many as one registration shares
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(agent.socket)
+            holders.append(s)
+            for _ in range(8192 // wire.MAX_FDS):
+                fds = [os.memfd_create("held") for _ in range(wire.MAX_FDS)]
+                try:
+                    wire.send(s, {"type": "ShareGpuMemory", "sizes": [2 << 20] * len(fds)}, fds)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+        # Counted as the agent reads them: busy once it holds them all.
+        e = register_until(busy=True)
+        assert isinstance(e, AgentUnreachable) and "GPU memory descriptors of registrations in progress" in str(e)
+    finally:
+        for s in holders:
+            s.close()
+    # They went: the engine's GPU pool reaches the agent again (which, with no CUDA driver here,
+    # refuses the stand-in's handles, so it stages saying that).
+    why = register_until(busy=False)
+    assert why.startswith("the agent refused the GPU pool: ") and "ipc_handle" in why, why
+
+
 @pytest.mark.parametrize("field", ["event", "events"])
 def test_an_engine_event_the_agent_cannot_open_is_dropped_before_the_direct_path_is(world, monkeypatch, field):
     # The GPU half stands in (no GPU here): a plan whose event the agent refuses ("gpu.event:",

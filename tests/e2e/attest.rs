@@ -329,6 +329,13 @@ fn an_engine_registers_only_as_the_pod_its_process_runs_in() {
         engine(None, &socket, &register(Role::Decode, "decode-pod")),
         "not in a Pod's cgroup",
     );
+    // It can never register: its first frame, whatever it is, is answered with why, and its
+    // place among the connections registering goes with it (it was answered Capabilities and
+    // held the place for its 30 s).
+    refused(
+        engine(None, &socket, &EngineRequest::Capabilities),
+        "not in a Pod's cgroup",
+    );
     // A registration that names no Pod.
     let mut anonymous = SyntheticEngine::registration(&spec(Role::Decode), None, false);
     anonymous.pod = None;

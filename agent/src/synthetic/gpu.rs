@@ -184,7 +184,7 @@ impl GpuEngine {
                     address,
                 })
             }
-            AgentEvent::RegistrationFailed { message } => Err(message),
+            AgentEvent::RegistrationFailed { message, .. } => Err(message),
             other => Err(format!("unexpected answer to RegisterPool: {other:?}")),
         }
     }

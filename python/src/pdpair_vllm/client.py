@@ -36,7 +36,16 @@ class AgentUnreachable(AgentError):
     accepted and then closed or left unanswered before the registration's answer (the node's
     agent is starting, or shutting down in a rollout). Other failures (no permission on the
     socket, a refusal, a frame that is not the agent's) are :class:`AgentError`: a
-    misconfiguration, which waiting does not mend."""
+    misconfiguration, which waiting does not mend; except a refusal the agent says is busy
+    (:class:`AgentBusy`)."""
+
+
+class AgentBusy(AgentUnreachable):
+    """The agent refused the registration at one of its bounds on what it holds at once
+    (``RegistrationFailed`` with ``busy``: engines registered, GPU memory descriptors of other
+    registrations in progress), which frees as other engines go or finish registering: the
+    same registration is tried again later, as when no agent serves, not taken as a refusal
+    of what it says (the direct path would stage through host memory for good)."""
 
 
 class Unreachable:
@@ -322,7 +331,7 @@ class AgentClient:
         gpu = bool(reg.get("gpu"))
         try:
             if answer["type"] == "RegistrationFailed":
-                raise AgentError(str(answer.get("message")))
+                raise (AgentBusy if answer.get("busy") is True else AgentError)(str(answer.get("message")))
             lens = layout.region_lens
             if answer["type"] != "Registered" or len(fds) != (0 if gpu else len(lens)):
                 raise AgentError(

@@ -340,9 +340,13 @@ class PdpairConnector(KVConnectorBase_V1):
             # The node's agent is starting, or restarting in a rollout: the engine (its model
             # loaded by now) starts without it rather than crash-looping, and registers once the
             # agent answers, as after losing it. Until then its KV moves nowhere (decode computes
-            # its requests' KV; prefill offers none).
-            log.warning("pdpair: rank %d cannot reach its agent (%s); the engine starts without it and registers once "
-                        "it answers", rank, e)
+            # its requests' KV; prefill offers none). So too where the agent is at one of its
+            # bounds on what it holds at once (busy), which frees as other engines go or finish
+            # registering.
+            busy = isinstance(e, agent_client.AgentBusy)
+            log.warning("pdpair: rank %d %s (%s); the engine starts without it and registers once it %s", rank,
+                        "cannot register with its agent yet" if busy else "cannot reach its agent", e,
+                        "takes the registration" if busy else "answers")
             client, stager = agent_client.Unreachable(str(e)), Stager()
             self.kv_path = ("unregistered", str(e))
         # A restarted agent listens at a new address, which a prefill rank's scheduler learns
