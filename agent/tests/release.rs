@@ -323,14 +323,21 @@ fn a_release_wound_down_by_another_ranks_failure_still_names_its_token() {
     let (mut p, mut d) = short_lease_pair(&w);
     let token = ReleaseToken([7; 32]);
     ready_with_token(&mut p, "r", &token);
-    // A port nothing listens on: its dial fails at once, while the real prefill's is still going.
-    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let unreachable = nobody.local_addr().expect("addr").to_string();
-    drop(nobody);
+    // Ports nothing listens on: their dials fail at once, while the real prefill's is still
+    // going. Named first, and many: the first failed before the agent had queued the request
+    // for the real prefill, which then never heard the release (the wind-down found no slot of
+    // it; 1 run of 3 in CI with one such port).
+    let mut unreachable: Vec<String> = (0..24)
+        .map(|_| {
+            let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            nobody.local_addr().expect("addr").to_string()
+        })
+        .collect();
+    unreachable.push(p.address.clone());
     d.send(&EngineRequest::Release {
         request: "r".into(),
-        prefill: unreachable,
-        prefills: vec![p.address.clone()],
+        prefill: unreachable.remove(0),
+        prefills: unreachable,
         prompt: Some(prompt(9, 1)),
         release_token: Some(token),
     })

@@ -456,25 +456,40 @@ impl Engine {
                 None,
             );
         }
-        for prefill in prefills {
+        // The request is queued on every rank's slot before any dial starts: a dial that fails
+        // at once (nothing listens there) winds the request down, and the ranks it finds no
+        // slot of yet are answered as never asked, so their slot, made after, sent nothing (a
+        // `Release` naming two ranks, one unreachable, never reached the other, which held the
+        // blocks to its lease).
+        // (Under one hold of the lock: so too a dial already under way that fails meanwhile.)
+        let (mut links, mut dials, mut refused) = (Vec::new(), Vec::new(), None);
+        {
             let mut peers = lock(&self.peers);
-            match peers.get_mut(&prefill) {
-                Some(Slot::Connected(link)) => {
-                    let link = link.clone();
-                    drop(peers);
-                    self.send_registration(&link, &request);
-                }
-                Some(Slot::Connecting(queue)) => queue.push(request.clone()),
-                None => {
-                    if let Err(why) = self.room_for_link(&mut peers) {
-                        drop(peers);
-                        return self.fail_pending(&request, vec![Reason::Busy], why, None);
+            for prefill in prefills {
+                match peers.get_mut(&prefill) {
+                    Some(Slot::Connected(link)) => links.push(link.clone()),
+                    Some(Slot::Connecting(queue)) => queue.push(request.clone()),
+                    None => {
+                        if let Err(why) = self.room_for_link(&mut peers) {
+                            refused = Some(why);
+                            break;
+                        }
+                        peers.insert(prefill.clone(), Slot::Connecting(vec![request.clone()]));
+                        dials.push(prefill);
                     }
-                    peers.insert(prefill.clone(), Slot::Connecting(vec![request.clone()]));
-                    drop(peers);
-                    self.spawn_connect(prefill);
                 }
             }
+        }
+        for link in links {
+            self.send_registration(&link, &request);
+        }
+        // A failure below winds down through these dials too (what they queued goes out as a
+        // `Release`).
+        for prefill in dials {
+            self.spawn_connect(prefill);
+        }
+        if let Some(why) = refused {
+            self.fail_pending(&request, vec![Reason::Busy], why, None);
         }
     }
 
