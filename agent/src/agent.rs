@@ -1154,16 +1154,34 @@ fn peer_name(engine: &str, agent: &str) -> String {
     format!("{}@{}", short(engine), short(agent))
 }
 
-/// Adds or refreshes a peer's path: a peer keeps its place (and its `since`) while its path stays
-/// the same; a new peer goes last, and the oldest goes once there are [`pdpair_api::MAX_PATHS`].
-fn record_path(paths: &mut Vec<pdpair_api::TransferPath>, path: pdpair_api::TransferPath) {
+/// Adds or refreshes a peer's path, used `now` (unix seconds): a peer keeps its `since` while its
+/// path stays the same, and its `last_used` is refreshed once [`pdpair_api::PATH_USED_EVERY_SECONDS`]
+/// passed (each refresh is a status write); a new peer goes last, and the peer used least
+/// recently goes once there are [`pdpair_api::MAX_PATHS`] (the first listed went, however busy).
+fn record_path(paths: &mut Vec<pdpair_api::TransferPath>, mut path: pdpair_api::TransferPath, now: i64) {
+    let at = |secs: i64| {
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::from_second(secs).unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
+        )
+    };
+    let used = |p: &pdpair_api::TransferPath| p.last_used.as_ref().unwrap_or(&p.since).0.as_second();
     match paths.iter_mut().find(|p| p.peer == path.peer) {
-        Some(known) if known.kind == path.kind && known.lanes == path.lanes => {}
-        Some(known) => *known = path,
-        None => {
-            if paths.len() >= pdpair_api::MAX_PATHS {
-                paths.remove(0);
+        Some(known) if known.kind == path.kind && known.lanes == path.lanes => {
+            if now.saturating_sub(used(known)) >= pdpair_api::PATH_USED_EVERY_SECONDS {
+                known.last_used = Some(at(now));
             }
+        }
+        Some(known) => {
+            path.last_used = Some(at(now));
+            *known = path;
+        }
+        None => {
+            if paths.len() >= pdpair_api::MAX_PATHS
+                && let Some(least) = (0..paths.len()).min_by_key(|&i| used(&paths[i]))
+            {
+                paths.remove(least);
+            }
+            path.last_used = Some(at(now));
             paths.push(path);
         }
     }
@@ -2005,7 +2023,7 @@ impl Engine {
     fn moved(&self, link: &Link) {
         if let Some(path) = self.path_of(link) {
             self.shared.metrics.transfer_path(&path);
-            record_path(&mut lock(&self.stats).paths, path);
+            record_path(&mut lock(&self.stats).paths, path, unix_now());
         }
     }
 
@@ -2040,6 +2058,7 @@ impl Engine {
                 k8s_openapi::jiff::Timestamp::from_second(unix_now())
                     .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
             ),
+            last_used: None,
         };
         tracing::info!(engine = %self.reg.engine, path = %path.describe(), "transfer path");
         Some(link.path.get_or_init(|| path).clone())
@@ -2738,7 +2757,15 @@ mod tests {
             since: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                 k8s_openapi::jiff::Timestamp::from_second(since).expect("time"),
             ),
+            last_used: None,
         }
+    }
+
+    fn used(mut p: TransferPath, at: i64) -> TransferPath {
+        p.last_used = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::from_second(at).expect("time"),
+        ));
+        p
     }
 
     #[test]
@@ -2779,23 +2806,41 @@ mod tests {
     }
 
     #[test]
-    fn a_peer_keeps_its_path_until_it_changes_and_the_oldest_peers_go_first() {
+    fn a_peer_keeps_its_path_until_it_changes_and_the_peers_used_least_recently_go_first() {
         let mut paths = Vec::new();
-        record_path(&mut paths, path("a", PathKind::Rdma, 1));
-        record_path(&mut paths, path("a", PathKind::Rdma, 2));
+        record_path(&mut paths, path("a", PathKind::Rdma, 1), 1);
+        record_path(&mut paths, path("a", PathKind::Rdma, 2), 2);
         assert_eq!(
             paths,
-            [path("a", PathKind::Rdma, 1)],
-            "the same path keeps its first time"
+            [used(path("a", PathKind::Rdma, 1), 1)],
+            "the same path keeps its first time, and its use is refreshed at most once a minute"
         );
-        record_path(&mut paths, path("a", PathKind::Tcp, 3));
-        assert_eq!(paths, [path("a", PathKind::Tcp, 3)], "a changed path replaces it");
-        for i in 0..pdpair_api::MAX_PATHS {
-            record_path(&mut paths, path(&format!("p{i}"), PathKind::SharedMemory, 4));
+        record_path(&mut paths, path("a", PathKind::Rdma, 2), 61);
+        assert_eq!(
+            paths,
+            [used(path("a", PathKind::Rdma, 1), 61)],
+            "a minute on: refreshed"
+        );
+        record_path(&mut paths, path("a", PathKind::Tcp, 62), 62);
+        assert_eq!(
+            paths,
+            [used(path("a", PathKind::Tcp, 62), 62)],
+            "a changed path replaces it"
+        );
+        for i in 0..pdpair_api::MAX_PATHS - 1 {
+            record_path(
+                &mut paths,
+                path(&format!("p{i}"), PathKind::SharedMemory, 100),
+                100 + i as i64,
+            );
         }
+        // The first listed (a), used again: p0 is now the one used least recently.
+        record_path(&mut paths, path("a", PathKind::Tcp, 62), 200);
+        record_path(&mut paths, path("new", PathKind::SharedMemory, 201), 201);
         assert_eq!(paths.len(), pdpair_api::MAX_PATHS);
-        assert_eq!(paths[0].peer, "p0", "the oldest peer (a) went");
-        assert_eq!(paths.last().map(|p| p.peer.as_str()), Some("p15"));
+        assert!(paths.iter().any(|p| p.peer == "a"), "a, used lately, stays");
+        assert!(!paths.iter().any(|p| p.peer == "p0"), "p0, used least recently, went");
+        assert_eq!(paths.last().map(|p| p.peer.as_str()), Some("new"));
     }
 
     /// A frame of about 1 MiB.

@@ -303,6 +303,7 @@ mod tests {
             emulated: false,
             ucx_version: long.clone(),
             since: time.clone(),
+            last_used: None,
         };
         let status = PDEndpointStatus {
             last_rejection: Some(Rejection {

@@ -20,6 +20,6 @@ pub use duration::{DURATION_PATTERN, Duration, DurationError};
 pub use endpoint::*;
 pub use listen::ListenAddr;
 pub use names::{check_dns1123_label, check_dns1123_subdomain};
-pub use path::{Backend, PathKind, TransferPath};
+pub use path::{Backend, PATH_USED_EVERY_SECONDS, PathKind, TransferPath};
 pub use rules::{Reason, Verdict, Violation, check, check_pools};
 pub use types::*;

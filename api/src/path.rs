@@ -111,7 +111,17 @@ pub struct TransferPath {
     /// When the first transfer over this path completed.
     #[schemars(schema_with = "schema::time_required")]
     pub since: Time,
+    /// When a transfer over this path last completed, to the minute (the agent refreshes it at
+    /// most once a minute). The operator folds only paths used in the last 15 minutes: a peer
+    /// that is gone, or whose path changed, no longer speaks for the pair. Absent from agents
+    /// before it (their paths count as long as they are listed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "schema::time")]
+    pub last_used: Option<Time>,
 }
+
+/// How often, at most, an agent refreshes a path's `lastUsed` (each refresh is a status write).
+pub const PATH_USED_EVERY_SECONDS: i64 = 60;
 
 /// The most lanes a path lists.
 pub const MAX_PATH_LANES: usize = 32;

@@ -583,7 +583,11 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     if let Some(written) = ctx.remembered.recall(&uid, |m| m.written.clone()) {
         baseline.status = Some(written);
     }
-    let (new_status, transitions) = status::compute(&baseline, &observed, &status_now());
+    let now = status_now();
+    let (new_status, transitions) = status::compute(&baseline, &observed, &now);
+    // Conditions that change with time alone (an endpoint going stale, news leaving its window)
+    // are looked at again then, not at the resync.
+    let time_due = status::changes_in(&observed.endpoints, &now).map(|d| d.max(Duration::from_secs(1)));
     // Every PDEndpoint write reconciles its pair, and a busy engine's counters change with each:
     // a change of counters alone is written at most every COUNTERS_EVERY (the rest at once), or
     // forty busy engines made forty status patches a second, each sent to every watcher.
@@ -651,7 +655,13 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     let apply_retry = (apply_refused.is_some() && verdict.allowed()).then_some(retry_in.max(Duration::from_secs(1)));
     let counters_due = counters_due.map(|d| d.max(Duration::from_millis(100)));
     Ok(
-        match secret_retry.into_iter().chain(apply_retry).chain(counters_due).min() {
+        match secret_retry
+            .into_iter()
+            .chain(apply_retry)
+            .chain(counters_due)
+            .chain(time_due)
+            .min()
+        {
             Some(wait) => Action::requeue(wait),
             None if verdict.allowed() => Action::requeue(RESYNC),
             None => Action::await_change(),

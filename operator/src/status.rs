@@ -164,7 +164,13 @@ fn tidy(message: &str) -> String {
 pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairStatus, Vec<Transition>) {
     let old = pair.status.as_ref();
     let generation = pair.metadata.generation;
-    let geometry = geometry_condition(pair, &observed.endpoints, &observed.earlier_pods);
+    // What the pair's engines say is taken from live endpoints only: one whose agent has not
+    // written it for STALE_SECONDS speaks for an engine (or agent) that is gone, as one left by
+    // an engine restarted under a new name in the same Pod, or by an evicted Pod, is (their old
+    // geometry, rejections and paths held the pair's conditions, and their counters its totals).
+    // Whether each role still has a live one is `missing_engines`' to say.
+    let live: Vec<&PDEndpoint> = observed.endpoints.iter().copied().filter(|e| !stale(e, now)).collect();
+    let geometry = geometry_condition(pair, &live, &observed.earlier_pods);
     let prefill = pool_condition(
         ct::PREFILL_READY,
         Role::Prefill,
@@ -179,9 +185,9 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
     );
     let transfer = match missing_engines(pair, &observed.endpoints, now) {
         Some(msg) => Cond::new(ct::TRANSFER_READY, "Unknown", reasons::NO_ENDPOINTS, msg),
-        None => transfer_condition(&observed.endpoints, now),
+        None => transfer_condition(&live, now),
     };
-    let path = path_condition(pair, &observed.endpoints);
+    let path = path_condition(pair, &live, now);
     let applied = match &observed.apply_refused {
         Some(why) => Cond::new(ct::POOLS_APPLIED, "False", reasons::APPLY_FAILED, why.clone()),
         None => Cond::new(
@@ -231,10 +237,10 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
         });
     }
     let mut totals = TransferStatus {
-        endpoints: observed.endpoints.len() as i32,
+        endpoints: live.len() as i32,
         ..TransferStatus::default()
     };
-    for e in &observed.endpoints {
+    for e in &live {
         if let Some(s) = &e.status {
             totals.counters.add(&s.counters);
         }
@@ -472,6 +478,57 @@ fn current_news<'a, T>(
 /// the agent, or its engine, is gone.
 pub const STALE_SECONDS: i64 = 120;
 
+/// Whether `e`'s agent has not written it for over [`STALE_SECONDS`]: heard of when its agent
+/// last wrote its status, or, where it never did (an agent gone, or refused
+/// `pdendpoints/status`, between writing the spec and the status), when it was made.
+fn stale(e: &PDEndpoint, now: &Time) -> bool {
+    e.status
+        .as_ref()
+        .and_then(|s| s.last_heartbeat.as_ref())
+        .or(e.metadata.creation_timestamp.as_ref())
+        .is_some_and(|t| !within(t, now, STALE_SECONDS))
+}
+
+/// How long until what [`compute`] folds from `endpoints` changes with time alone, no endpoint
+/// written meanwhile: the soonest a live endpoint goes stale, or a path or a rejection or failure
+/// leaves its window. `None` when nothing will. (When every agent of a role died, no write came
+/// to reconcile the pair, and its conditions waited for the 5-minute resync.)
+pub fn changes_in(endpoints: &[&PDEndpoint], now: &Time) -> Option<std::time::Duration> {
+    let now_s = now.0.as_second();
+    let due = |t: &Time, window: i64| {
+        let at = t.0.as_second().saturating_add(window).saturating_add(1);
+        (within(t, now, window) && at > now_s).then_some(at - now_s)
+    };
+    endpoints
+        .iter()
+        .flat_map(|e| {
+            let heard = e
+                .status
+                .as_ref()
+                .and_then(|s| s.last_heartbeat.as_ref())
+                .or(e.metadata.creation_timestamp.as_ref())
+                .and_then(|t| due(t, STALE_SECONDS));
+            let s = e.status.as_ref();
+            let paths = s.into_iter().flat_map(|s| {
+                s.paths
+                    .iter()
+                    .filter_map(|p| due(p.last_used.as_ref()?, RECENT_SECONDS))
+            });
+            let news = s.into_iter().flat_map(|s| {
+                [
+                    s.last_rejection.as_ref().map(|r| &r.time),
+                    s.last_failure.as_ref().map(|f| &f.time),
+                ]
+                .into_iter()
+                .flatten()
+                .filter_map(|t| due(t, RECENT_SECONDS - 1))
+            });
+            heard.into_iter().chain(paths).chain(news)
+        })
+        .min()
+        .map(|secs| std::time::Duration::from_secs(secs.unsigned_abs()))
+}
+
 /// With pdpair's connector: which role has no live engine registered (its PDEndpoints missing,
 /// or stale), said as a `TransferReady` message; `None` when both have one, or the connector is
 /// not pdpair's (engines the operator does not wire may not register at all).
@@ -479,20 +536,11 @@ fn missing_engines(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Opti
     if pair.spec.transfer.connector != Connector::Pdpair {
         return None;
     }
-    // Heard of when its agent last wrote its status, or, where it never did (an agent gone, or
-    // refused `pdendpoints/status`, between writing the spec and the status), when it was made.
-    let stale = |e: &&&PDEndpoint| {
-        e.status
-            .as_ref()
-            .and_then(|s| s.last_heartbeat.as_ref())
-            .or(e.metadata.creation_timestamp.as_ref())
-            .is_some_and(|t| !within(t, now, STALE_SECONDS))
-    };
     let missing: Vec<String> = [Role::Prefill, Role::Decode]
         .into_iter()
         .filter_map(|role| {
             let of_role: Vec<&&PDEndpoint> = endpoints.iter().filter(|e| e.spec.role == role).collect();
-            let silent = of_role.iter().filter(|e| stale(e)).count();
+            let silent = of_role.iter().filter(|e| stale(e, now)).count();
             (silent == of_role.len()).then(|| match silent {
                 0 => format!("no {role} engine has registered with a node agent"),
                 n => format!("the {n} {role} engine(s) registered have not been heard of for over {STALE_SECONDS} s (their agent or engine is gone)"),
@@ -549,8 +597,8 @@ const PATHS_NAMED: usize = 3;
 /// endpoint's path to a peer is not in it (RDMA that fell back to TCP, say); else True, its
 /// reason the worst class seen. The message also counts the engines that stage their KV through
 /// host memory by their own account (`spec.staging`): a copy on each side the path leaves out.
-fn path_condition(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond {
-    let mut c = path_condition_of_transfers(pair, endpoints);
+fn path_condition(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Cond {
+    let mut c = path_condition_of_transfers(pair, endpoints, now);
     let mut staging: Vec<&str> = endpoints
         .iter()
         .filter(|e| e.spec.pool_memory == pdpair_api::PoolMemory::Host && e.spec.staging.is_some())
@@ -575,15 +623,22 @@ fn path_condition(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond {
     c
 }
 
-fn path_condition_of_transfers(pair: &PDPair, endpoints: &[&PDEndpoint]) -> Cond {
+fn path_condition_of_transfers(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Cond {
+    // Paths used in the last RECENT_SECONDS (an agent before `lastUsed`: every path it lists): a
+    // peer rescheduled away, or a path that changed, no longer speaks for the pair (a TCP path
+    // to a decode that had landed on a node without RDMA held requirePath False after it went).
     let paths: Vec<(&str, &pdpair_api::TransferPath)> = endpoints
         .iter()
         .filter_map(|e| Some((e.metadata.name.as_deref().unwrap_or("?"), e.status.as_ref()?)))
         .flat_map(|(who, s)| s.paths.iter().map(move |p| (who, p)))
+        .filter(|(_, p)| p.last_used.as_ref().is_none_or(|t| within(t, now, RECENT_SECONDS)))
         .collect();
     // Among classes of one rank, the later in PathKind's order: the same for any endpoint names.
     let Some(worst) = paths.iter().map(|(_, p)| p.kind).max_by_key(|k| (k.rank(), *k)) else {
-        let msg = "no node agent has reported the path of a completed transfer yet".to_owned();
+        let msg = format!(
+            "no node agent has reported the path of a transfer completed in the last {} min",
+            RECENT_SECONDS / 60
+        );
         return Cond::new(ct::TRANSFER_PATH, "Unknown", reasons::NO_TRANSFERS, msg);
     };
     let allowed = &pair.spec.transfer.require_path;

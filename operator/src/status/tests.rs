@@ -645,6 +645,90 @@ fn path(peer: &str, kind: pdpair_api::PathKind, lanes: &[&str]) -> pdpair_api::T
         emulated: kind == pdpair_api::PathKind::Tcp,
         ucx_version: "1.13.1".into(),
         since: t(1),
+        last_used: None,
+    }
+}
+
+#[test]
+fn endpoints_gone_stale_and_paths_not_used_lately_no_longer_speak_for_the_pair() {
+    // An engine restarted under a new name in the same Pod, or an evicted Pod, leaves its
+    // PDEndpoint until the Pod goes; its agent no longer writes it. Its old geometry, rejection
+    // and path held GeometryCompatible, TransferReady and TransferPath False, and its counters
+    // stayed in the totals. And a live engine's path to a peer rescheduled away held
+    // requirePath False.
+    use pdpair_api::PathKind;
+    let mut pair = pair();
+    pair.spec.transfer.require_path = vec![PathKind::Rdma];
+    let heard = |at: i64| PDEndpointStatus {
+        last_heartbeat: Some(t(at)),
+        counters: TransferCounters {
+            transfers_completed: 1,
+            bytes: 100,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut p = endpoint("p-1", Role::Prefill, &pair);
+    let mut d = endpoint("d-1", Role::Decode, &pair);
+    let mut old = endpoint("d-old", Role::Decode, &pair);
+    p.status = Some(heard(1000));
+    d.status = Some(heard(1000));
+    old.spec.kv.kernel_block_size = Some(16);
+    let mut s = heard(1000 - STALE_SECONDS - 10);
+    s.last_rejection = Some(Rejection {
+        time: t(1000 - STALE_SECONDS - 20),
+        peer: "p-1@node-a".into(),
+        reasons: vec!["KernelBlockSizeMismatch".into()],
+        message: "push needs identical kernel block sizes".into(),
+    });
+    s.paths = vec![path("p-1@node-a", PathKind::Tcp, &["tcp/eth0"])];
+    old.status = Some(s);
+    let rdma = |peer: &str, used: i64| pdpair_api::TransferPath {
+        last_used: Some(t(used)),
+        ..path(peer, PathKind::Rdma, &["rc_mlx5/mlx5_0:1"])
+    };
+    let tcp_to_gone = pdpair_api::TransferPath {
+        last_used: Some(t(1000 - RECENT_SECONDS - 1)),
+        ..path("d-gone@node-c", PathKind::Tcp, &["tcp/eth0"])
+    };
+    if let Some(s) = p.status.as_mut() {
+        s.paths = vec![rdma("d-1@node-b", 990), tcp_to_gone.clone()];
+    }
+    let now = t(1000);
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d, &old]), &now);
+    for type_ in [
+        ct::GEOMETRY_COMPATIBLE,
+        ct::TRANSFER_READY,
+        ct::TRANSFER_PATH,
+        ct::READY,
+    ] {
+        assert_eq!(cond(&s, type_).status, "True", "{:?}", cond(&s, type_));
+    }
+    let c = cond(&s, ct::TRANSFER_PATH);
+    assert!(c.message.starts_with("1 transfer path(s): p-1: Rdma"), "{}", c.message);
+    let totals = s.transfer.expect("totals");
+    assert_eq!(
+        (totals.endpoints, totals.counters.bytes),
+        (2, 200),
+        "the stale one is not counted"
+    );
+    // Still live, each speaks as before: the old geometry and the TCP path turn them False.
+    let mut revived = old.clone();
+    if let Some(s) = revived.status.as_mut() {
+        s.last_heartbeat = Some(t(995));
+    }
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d, &revived]), &now);
+    for type_ in [ct::GEOMETRY_COMPATIBLE, ct::TRANSFER_PATH] {
+        assert_eq!(cond(&s, type_).status, "False", "{:?}", cond(&s, type_));
+    }
+    // A path used within RECENT_SECONDS counts, and one an agent lists without lastUsed (from
+    // before it) too.
+    for recent in [Some(t(1000 - RECENT_SECONDS + 5)), None] {
+        if let Some(s) = p.status.as_mut() {
+            s.paths[1].last_used = recent.clone();
+        }
+        let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &now);
+        assert_eq!(cond(&s, ct::TRANSFER_PATH).status, "False", "{recent:?}");
     }
 }
 
@@ -919,5 +1003,47 @@ fn times_from_the_future_and_hostile_text_are_not_taken_as_written() {
             .iter()
             .map(|c| c.message.chars().count())
             .collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_window() {
+    use std::time::Duration;
+    let pair = pair();
+    let mut p = endpoint("p-1", Role::Prefill, &pair);
+    let mut d = endpoint("d-1", Role::Decode, &pair);
+    let now = t(1010);
+    assert_eq!(changes_in(&[&p, &d], &now), None, "no times: nothing changes");
+    p.status = Some(PDEndpointStatus {
+        last_heartbeat: Some(t(1000)),
+        paths: vec![pdpair_api::TransferPath {
+            last_used: Some(t(500)),
+            ..path("d-1@node-b", pdpair_api::PathKind::Rdma, &["rc"])
+        }],
+        last_rejection: Some(Rejection {
+            time: t(995),
+            peer: "d-1@node-b".into(),
+            reasons: vec!["KernelBlockSizeMismatch".into()],
+            message: String::new(),
+        }),
+        ..Default::default()
+    });
+    // Silent since 800: stale already, nothing of it to wait for.
+    d.status = Some(PDEndpointStatus {
+        last_heartbeat: Some(t(800)),
+        ..Default::default()
+    });
+    assert_eq!(
+        changes_in(&[&p, &d], &now),
+        Some(Duration::from_secs(1000 + STALE_SECONDS as u64 + 1 - 1010)),
+        "p goes stale first"
+    );
+    // Later: the path has left its window; the rejection leaves its own before p goes stale.
+    if let Some(s) = p.status.as_mut() {
+        s.last_heartbeat = Some(t(1780));
+    }
+    assert_eq!(
+        changes_in(&[&p], &t(1790)),
+        Some(Duration::from_secs(995 + RECENT_SECONDS as u64 - 1790)),
     );
 }
