@@ -203,32 +203,42 @@ pub fn clamp_text(text: &str, max: usize) -> String {
 pub struct TransferCounters {
     /// Handshakes with peers that were accepted.
     #[serde(default)]
+    #[schemars(range(min = 0))]
     pub handshakes_accepted: i64,
     /// Handshakes with peers that were rejected (authentication or geometry).
     #[serde(default)]
+    #[schemars(range(min = 0))]
     pub handshakes_rejected: i64,
     /// KV transfers that completed.
     #[serde(default)]
+    #[schemars(range(min = 0))]
     pub transfers_completed: i64,
     /// KV transfers that failed.
     #[serde(default)]
+    #[schemars(range(min = 0))]
     pub transfers_failed: i64,
     /// KV bytes moved.
     #[serde(default)]
+    #[schemars(range(min = 0))]
     pub bytes: i64,
     /// Loads whose checksums matched.
     #[serde(default)]
+    #[schemars(range(min = 0))]
     pub checksums_verified: i64,
     /// Loads whose checksums did not match.
     #[serde(default)]
+    #[schemars(range(min = 0))]
     pub checksums_mismatched: i64,
     /// Loads that could not be verified (block sizes that do not line up).
     #[serde(default)]
+    #[schemars(range(min = 0))]
     pub checksums_unverified: i64,
 }
 
 impl TransferCounters {
-    /// Adds another endpoint's counters (saturating: a counter never wraps negative).
+    /// Adds another endpoint's counters (saturating: a counter never wraps negative; a negative
+    /// one, which the CRD refuses and an agent never writes, adds nothing rather than lower the
+    /// totals).
     pub fn add(&mut self, other: &TransferCounters) {
         let pairs = [
             (&mut self.handshakes_accepted, other.handshakes_accepted),
@@ -241,7 +251,7 @@ impl TransferCounters {
             (&mut self.checksums_unverified, other.checksums_unverified),
         ];
         for (total, value) in pairs {
-            *total = total.saturating_add(value);
+            *total = total.saturating_add(value.max(0));
         }
     }
 }
@@ -289,6 +299,27 @@ mod tests {
         assert_eq!(clamp_text("0123456789abc", 10), "0123456...");
         assert_eq!(clamp_text(&"é".repeat(20), 10).chars().count(), 10);
         assert_eq!(clamp_text("abcdef", 2), "..");
+    }
+
+    #[test]
+    fn counters_add_up_and_a_negative_one_lowers_nothing() {
+        let mut total = TransferCounters {
+            bytes: 10,
+            ..TransferCounters::default()
+        };
+        total.add(&TransferCounters {
+            bytes: -1_000,
+            transfers_completed: 2,
+            ..TransferCounters::default()
+        });
+        assert_eq!(total.bytes, 10, "a negative count lowers nothing");
+        total.add(&TransferCounters {
+            bytes: i64::MAX,
+            ..TransferCounters::default()
+        });
+        assert_eq!((total.bytes, total.transfers_completed), (i64::MAX, 2));
+        let schema = serde_json::to_value(schemars::schema_for!(TransferCounters)).expect("schema");
+        assert_eq!(schema["properties"]["bytes"]["minimum"], 0, "{schema}");
     }
 
     #[test]

@@ -60,7 +60,7 @@ use crate::{Duration, schema};
         name = "Path",
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"TransferPath\")].reason",
-        description = "The worst path KV took (Rdma, SharedMemory, Local, Tcp), or PathNotAllowed"
+        description = "The worst path KV took (Rdma, SharedMemory, Local, CudaIpc, Tcp, Other), or PathNotAllowed"
     ),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
@@ -98,7 +98,7 @@ pub struct TransferSpec {
     /// `None` (the default): the templates configure their engines themselves.
     #[serde(default, skip_serializing_if = "Connector::is_none")]
     pub connector: Connector,
-    /// The paths KV may take (Rdma, SharedMemory, Local, Tcp, Other). Empty (the default):
+    /// The paths KV may take (Rdma, SharedMemory, Local, CudaIpc, Tcp, Other). Empty (the default):
     /// any. When set, a transfer that ran over another path (RDMA silently falling back to
     /// TCP, say) turns the `TransferPath` condition False with a Warning Event; transfers are
     /// not stopped.
@@ -472,7 +472,8 @@ pub struct PDPairStatus {
     /// The metadata.generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// GeometryCompatible, PrefillReady, DecodeReady, TransferReady and Ready.
+    /// GeometryCompatible, PoolsApplied, PrefillReady, DecodeReady, TransferReady, TransferPath
+    /// and Ready.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "schema::conditions")]
     pub conditions: Vec<Condition>,
