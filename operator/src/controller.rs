@@ -172,6 +172,10 @@ struct Memory {
     /// The refusal last told in a `SecretRefused` Event: the same one again is not (a full
     /// quota refuses a create of a Secret that exists, 403 rather than 409, at every try).
     secret_refused: Option<String>,
+    /// The error last told in an `ApplyFailed` Event for a reconcile the API server refused as
+    /// invalid: the same one again is not (every PDEndpoint write reconciles the pair, and each
+    /// published one).
+    invalid_told: Option<String>,
     /// Pods of an earlier geometry seen lately (by name), and when last: their PDEndpoints
     /// outlive them a moment (the garbage collector removes them after the pod), and compared
     /// with the new geometry then, the end of every rollout read as a mismatch.
@@ -292,15 +296,23 @@ async fn reconcile(pair: Arc<PDPair>, ctx: Arc<Context>) -> Result<Action, Error
             if let Ok(mut f) = ctx.remembered.failures.lock() {
                 f.remove(&ObjectRef::from(pair.as_ref()));
             }
+            if let Some(uid) = &pair.metadata.uid {
+                ctx.remembered.note(uid, |m| m.invalid_told = None);
+            }
         }
         Err(e) if e.category() == "invalid" => {
-            // Retrying cannot help: wait for the user to change the object, and tell them.
+            // Retrying cannot help: wait for the user to change the object, and tell them, once
+            // for the same error.
             ctx.metrics.reconcile_error(e.category());
             tracing::warn!(error = %e, name = %pair.name_any(), "PDPair cannot be applied; waiting for a change");
             let note = format!("{e}");
-            ctx.events
-                .publish(&pair.object_ref(&()), Kind::Warning, "ApplyFailed", "Reconcile", &note)
-                .await;
+            let uid = pair.metadata.uid.clone().unwrap_or_default();
+            if ctx.remembered.recall(&uid, |m| m.invalid_told.clone()).as_deref() != Some(note.as_str()) {
+                ctx.events
+                    .publish(&pair.object_ref(&()), Kind::Warning, "ApplyFailed", "Reconcile", &note)
+                    .await;
+                ctx.remembered.note(&uid, |m| m.invalid_told = Some(note));
+            }
             return Ok(Action::await_change());
         }
         Err(_) => {}
@@ -1243,6 +1255,43 @@ mod tests {
         });
         reconcile(pair, ctx).await.expect("reconciled");
         assert_eq!(dry_runs(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_reconcile_refused_as_invalid_is_told_in_one_event_not_one_each_time() {
+        // A status the API server refuses (422) fails every reconcile the same way, and every
+        // PDEndpoint write reconciles the pair: each published an ApplyFailed Event.
+        let pair = Arc::new(pair("llama", "u1"));
+        let (url, seen) = crate::test_api::serve(move |r| {
+            Some(match r.method.as_str() {
+                "PATCH" if r.target.contains("/status") => {
+                    crate::test_api::status(422, "Invalid", "status.conditions: Invalid value")
+                }
+                "PATCH" => (200, r.body.clone()),
+                "POST" => (201, r.body.clone()),
+                _ => crate::test_api::status(404, "NotFound", "not found"),
+            })
+        });
+        let client = kube::Client::try_from(kube::Config::new(url.parse().expect("url"))).expect("client");
+        let (pods, _) = reflector::store::<Pod>();
+        let (endpoints, _) = reflector::store::<PDEndpoint>();
+        let (deployments, _) = reflector::store::<Deployment>();
+        let (pairs, mut pair_writer) = reflector::store::<PDPair>();
+        pair_writer.apply_watcher_event(&Event::Apply(pair.as_ref().clone()));
+        let ctx = leading(client, pods, endpoints, deployments, pairs);
+        let told = || {
+            seen.lock()
+                .expect("lock")
+                .iter()
+                .filter(|r| r.method == "POST" && String::from_utf8_lossy(&r.body).contains("ApplyFailed"))
+                .count()
+        };
+        for _ in 0..3 {
+            let action = reconcile(pair.clone(), ctx.clone()).await.expect("reconciled");
+            assert_eq!(action, Action::await_change());
+        }
+        // Events are sent as they are published.
+        assert_eq!(told(), 1, "ApplyFailed Events for the same error");
     }
 
     #[test]
