@@ -1,9 +1,11 @@
 //! Leader election with a coordination.k8s.io Lease: every replica serves the webhook; only the
-//! holder reconciles. Losing a held lease is fatal (the caller exits), so two replicas never
-//! reconcile at once for longer than one renew period: a round that gets no answer within a
-//! renew period fails (a renewal stuck on a half-open connection kept the old holder leading
-//! until the client's read timeout, minutes after another replica took over), and the holder
-//! counts its lease from when its last successful renewal was sent.
+//! holder reconciles. Losing a held lease is fatal (the caller exits). The holder counts its
+//! lease from when its last successful renewal was sent and gives it up one renew period before
+//! it runs out (its renew deadline, as client-go's), so it has stopped before another replica
+//! can take the lease: a round that gets no answer within a renew period, or by the deadline,
+//! fails (a renewal stuck on a half-open connection kept the old holder leading until the
+//! client's read timeout, minutes after another replica took over; and checked only as each
+//! round ended, a holder whose renewals failed led up to a renew period past its lease).
 
 use std::time::Duration;
 
@@ -52,13 +54,19 @@ enum Round {
 /// Runs forever, publishing leadership on `state`; returns only when a held lease is lost.
 pub async fn run(api: Api<Lease>, cfg: LeaseConfig, state: watch::Sender<bool>) -> LeaseError {
     let mut last_renewal: Option<std::time::Instant> = None;
+    let renew_deadline = cfg.duration.saturating_sub(cfg.renew_every);
     loop {
         let sent = std::time::Instant::now();
-        let round = match tokio::time::timeout(cfg.renew_every, try_acquire(&api, &cfg)).await {
-            Ok(round) => round.map_err(|e| e.to_string()),
-            Err(_) => Err(format!("no answer within {:?}", cfg.renew_every)),
-        };
         let was_leader = *state.borrow();
+        // The holder's round ends by its renew deadline, answered or not.
+        let limit = match last_renewal {
+            Some(t) if was_leader => cfg.renew_every.min(renew_deadline.saturating_sub(t.elapsed())),
+            _ => cfg.renew_every,
+        };
+        let round = match tokio::time::timeout(limit, try_acquire(&api, &cfg)).await {
+            Ok(round) => round.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("no answer within {limit:?}")),
+        };
         match round {
             Ok(Round::Leader) => {
                 last_renewal = Some(sent);
@@ -77,15 +85,23 @@ pub async fn run(api: Api<Lease>, cfg: LeaseConfig, state: watch::Sender<bool>) 
             }
             Err(e) => {
                 tracing::warn!(error = %e, lease = %cfg.name, "lease round failed");
-                if was_leader && last_renewal.is_none_or(|t| t.elapsed() >= cfg.duration) {
+                if was_leader && last_renewal.is_none_or(|t| t.elapsed() >= renew_deadline) {
                     return LeaseError::Lost {
                         name: cfg.name,
-                        why: format!("renewals failed for a whole lease duration: {e}"),
+                        why: format!(
+                            "renewals failed until the renew deadline ({renew_deadline:?} of the {:?} lease): {e}",
+                            cfg.duration
+                        ),
                     };
                 }
             }
         }
-        tokio::time::sleep(cfg.renew_every).await;
+        // Not past the deadline: the next round starts by it.
+        let pause = match last_renewal {
+            Some(t) if *state.borrow() => cfg.renew_every.min(renew_deadline.saturating_sub(t.elapsed())),
+            _ => cfg.renew_every,
+        };
+        tokio::time::sleep(pause).await;
     }
 }
 
@@ -225,7 +241,10 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_renewal_that_gets_no_answer_ends_leadership_within_the_lease() {
+    async fn a_renewal_that_gets_no_answer_ends_leadership_before_the_lease_runs_out() {
+        // By its renew deadline (the lease less a renew period), before another replica may
+        // take the lease: checked only as each round ended, it led on up to a renew period
+        // past the lease (from a review).
         let (url, bodies) = api_answering(2);
         let url: hyper::Uri = url.parse().expect("url");
         let client = kube::Client::try_from(kube::Config::new(url)).expect("client");
@@ -233,23 +252,25 @@ mod tests {
         let cfg = LeaseConfig {
             name: "pdpair-test".into(),
             identity: "me".into(),
-            duration: Duration::from_millis(1500),
-            renew_every: Duration::from_millis(500),
+            duration: Duration::from_millis(3500),
+            renew_every: Duration::from_millis(1000),
         };
-        let (tx, rx) = watch::channel(false);
-        let started = std::time::Instant::now();
+        let (tx, mut rx) = watch::channel(false);
+        let led = tokio::spawn(async move {
+            rx.changed().await.expect("it led");
+            std::time::Instant::now()
+        });
         let lost = tokio::time::timeout(Duration::from_secs(20), run(api, cfg, tx))
             .await
             .expect("leadership ended while the renewal hung");
-        assert!(*rx.borrow(), "it led first");
-        assert!(
-            lost.to_string().contains("renewals failed for a whole lease duration"),
-            "{lost}"
-        );
-        assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
-        // The lease it took says 2 s, not 1: others wait at least as long as it counts itself
+        let led = led.await.expect("it led first");
+        assert!(lost.to_string().contains("renew deadline"), "{lost}");
+        // Its lease was taken as it began leading (the create's answer): it stops 2.5 s on,
+        // a renew period before others may take it at 3.5 s (4 s: next).
+        assert!(led.elapsed() < Duration::from_millis(3500), "{:?}", led.elapsed());
+        // The lease it took says 4 s, not 3: others wait at least as long as it counts itself
         // the holder.
         let created: Lease = serde_json::from_slice(&bodies.lock().expect("lock")[1].body).expect("the lease created");
-        assert_eq!(created.spec.and_then(|s| s.lease_duration_seconds), Some(2));
+        assert_eq!(created.spec.and_then(|s| s.lease_duration_seconds), Some(4));
     }
 }
