@@ -577,6 +577,29 @@ def test_an_agent_that_closes_during_a_direct_registration_is_tried_again_not_st
         listener.close()
 
 
+def test_an_agent_whose_backlog_is_full_is_unreachable_for_now_not_refusing(world, tmp_path):
+    # A Unix socket whose backlog is full refuses a connect with EAGAIN (an agent swamped or
+    # stuck): that raised AgentError, which fails the engine's start, where an agent not
+    # serving yet lets it start and register once it answers.
+    import socket
+
+    from pdpair_vllm.client import AgentUnreachable
+
+    path = str(tmp_path / "full.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(0)  # never accepted
+    held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        held.connect(path)  # fills the backlog
+        g = kv(block=16, layers=2)
+        with pytest.raises(AgentUnreachable, match="connecting to the agent"):
+            AgentClient.register(path, reg(world, "prefill", g, 4))
+    finally:
+        held.close()
+        listener.close()
+
+
 def test_an_agent_holding_all_the_gpu_memory_it_takes_at_once_is_tried_again_not_staged(world, monkeypatch):
     # Other engines' registrations in progress hold every GPU memory descriptor the agent takes at
     # once (16384; torch's expandable segments export thousands per rank). The agent says it is

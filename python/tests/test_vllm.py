@@ -315,6 +315,29 @@ def test_a_full_hit_on_decode_releases_prefill_without_a_failure(pair):
     assert not any(o.finished_recving for o in d.transfer_events), "nothing was received"
 
 
+def test_a_decode_prompt_past_prefills_partial_last_block_is_computed_not_half_received(pair, caplog):
+    # A client handing D prompt X+Y with the params of P's prompt X, X not whole blocks: the
+    # digests agree (D's covers X's length), but vLLM counts every block it received as computed,
+    # so the rest of X's last block (Y's first tokens) would keep whatever that block held before
+    # and be cached under X+Y for every later request (from a review). D computes it itself, and
+    # P is released.
+    p, d = pair()
+    x = list(range(9600, 9690))  # 90 tokens: 5 blocks of 16 and 10
+    params = prefill(p, "x", x)
+    y = x + list(range(9700, 9720))
+    req = d.add("xy", y, dict(params), max_tokens=3)
+    both(p, d, lambda: len(req.output_token_ids) >= 1 and p.status("x") is None, what="D computed X+Y, P freed")
+    assert d.kv_seeds("xy", 0, len(y), [P_SEED, D_SEED]) == [D_SEED] * len(y), "none received"
+    assert p.outcome("x") == "Released", p.outcome("x")
+    assert "not whole blocks" in caplog.text
+    # Whole blocks of P's are received, the rest computed: X of 80 tokens.
+    x = list(range(9800, 9880))
+    params = prefill(p, "x80", x)
+    d.add("x80y", x + list(range(9900, 9910)), params, max_tokens=2)
+    both(p, d, lambda: received(d, "x80y"), what="X's 80 tokens received on decode")
+    assert d.kv_seeds("x80y", 0, 80, [P_SEED, D_SEED]) == [P_SEED] * 80
+
+
 def test_a_full_hit_releases_every_prefill_rank_for_every_decode_rank_it_serves(world):
     # Decode with more tensor-parallel ranks than prefill: each prefill rank serves two decode
     # ranks and waits for both; only decode's rank 0 released, so prefill held its blocks to
@@ -835,6 +858,23 @@ def test_a_decode_engine_hands_out_no_address_when_a_client_asks_it_for_remote_d
     d.run_until(lambda: "x" in d.outputs and d.status("x") is None, what="x done and its blocks free")
     assert d.outputs["x"].kv_transfer_params is None
     assert "0 of this engine's 1 prefill ranks are registered" in caplog.text
+
+
+def test_kv_transfer_params_that_are_not_an_object_are_ignored_not_fatal(pair, caplog):
+    # A client may put anything in kv_transfer_params (vLLM passes vllm_xargs' strings, numbers
+    # and lists through): their first use raised inside the scheduler's step and ended the engine.
+    p, d = pair()
+    for i, params in enumerate(["x", 1, [1], True]):
+        for e in (p, d):
+            e.add(f"odd{i}", list(range(9300 + 40 * i, 9340 + 40 * i)), params)
+            e.run_until(lambda: f"odd{i}" in e.outputs and e.status(f"odd{i}") is None,
+                        what=f"odd{i} computed locally and its blocks free")
+            assert e.outputs[f"odd{i}"].kv_transfer_params is None
+    assert caplog.text.count("not an object") >= 8, caplog.text
+    # Both engines go on: KV still moves.
+    prompt = list(range(9500, 9550))
+    seeds = decode_receives(p, d, "next", prompt, prefill(p, "next", prompt))
+    assert seeds == [P_SEED] * len(prompt)
 
 
 def test_a_clients_ranks_cannot_make_decodes_frame_too_long_for_its_agent(pair):

@@ -275,8 +275,9 @@ class AgentClient:
         try:
             try:
                 sock.connect(socket_path)
-            except (ConnectionRefusedError, FileNotFoundError) as e:
-                # Nobody listens there (yet): the agent is starting, or restarting.
+            except (ConnectionRefusedError, FileNotFoundError, BlockingIOError) as e:
+                # Nobody listens there (yet): the agent is starting, or restarting. Or its
+                # backlog is full (EAGAIN: an agent swamped or stuck), which waiting may mend.
                 raise AgentUnreachable(f"connecting to the agent at {socket_path}: {e}") from None
             except OSError as e:  # no permission on the socket, a path that is not one, ...
                 raise AgentError(f"connecting to the agent at {socket_path}: {e}") from None

@@ -57,7 +57,7 @@ from .client import AgentClient
 from . import direct
 from .layout import ELEMENT_BYTES
 from .staging import TorchStager, token_layout
-from .transfer import Plan, Prompt, Results, SchedulerState, Stager, WorkerState
+from .transfer import Plan, Prompt, Results, SchedulerState, Stager, WorkerState, _short
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -206,7 +206,24 @@ def _prompt(request: "Request") -> Prompt:
 def _prompt_if_remote(request: "Request") -> Optional[Prompt]:
     """:func:`_prompt` for a request whose KV may move (it has ``kv_transfer_params``); ``None``
     for the others, which the scheduler asks about every step they wait."""
-    return _prompt(request) if request.kv_transfer_params else None
+    return _prompt(request) if _params(request) else None
+
+
+def _params(request: "Request") -> Optional[dict]:
+    """The request's ``kv_transfer_params`` where they are an object, else ``None``. They come
+    from a client, which may put anything there (vLLM passes ``vllm_xargs``' strings, numbers
+    and lists through): one that is not an object is logged and ignored, the request computed
+    without remote KV, where its first use raised inside the scheduler's step and ended the
+    engine."""
+    params = request.kv_transfer_params
+    if params is None or isinstance(params, dict):
+        return params
+    log.warning("pdpair: ignoring kv_transfer_params of request %s (computed locally): %s, not an object",
+                _short(request.request_id), _short(params))
+    # vLLM's own scheduler reads them right after on_new_request (`.get`, which a string or a
+    # list does not have: the engine died there too): gone for it as well.
+    request.kv_transfer_params = None
+    return None
 
 
 def _layer_index(name: str) -> Tuple[int, str]:
@@ -255,18 +272,18 @@ class PdpairConnector(KVConnectorBase_V1):
         # vLLM 0.33 calls it as a request arrives (older ones do not: their requests are renewed
         # from their first get_num_new_matched_tokens).
         if self._sched is not None:
-            self._sched.arrived(request.request_id, request.kv_transfer_params, request.num_prompt_tokens,
+            self._sched.arrived(request.request_id, _params(request), request.num_prompt_tokens,
                                 _prompt_if_remote(request))
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         assert self._sched is not None
-        return self._sched.matched_tokens(request.request_id, request.kv_transfer_params,
+        return self._sched.matched_tokens(request.request_id, _params(request),
                                           request.num_prompt_tokens, num_computed_tokens, _prompt_if_remote(request))
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         assert self._sched is not None
         ids = blocks.get_block_ids()[0] if blocks is not None else []
-        self._sched.after_alloc(request.request_id, request.kv_transfer_params, list(ids),
+        self._sched.after_alloc(request.request_id, _params(request), list(ids),
                                 request.num_prompt_tokens, num_external_tokens, _prompt_if_remote(request))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -297,7 +314,7 @@ class PdpairConnector(KVConnectorBase_V1):
         # that differs fails the transfer (TokenCountMismatch) and decode computes it all.
         in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0)
         computed = max(0, min(request.num_computed_tokens - in_flight, request.num_prompt_tokens))
-        return self._sched.finished(request.request_id, request.kv_transfer_params, status in COMPLETED,
+        return self._sched.finished(request.request_id, _params(request), status in COMPLETED,
                                     list(ids or []), computed, self._engine_id,
                                     load_failed=status == "FINISHED_ERROR", prompt=_prompt_if_remote(request))
 

@@ -204,6 +204,8 @@ def check_params(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]
     they ask for no remote prefill. They come from a client through the proxy: untrusted, so a
     malformed field raises ``ValueError`` naming it and its value (cut short). Ranks named twice
     count once."""
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params is {_short(params)}, not an object")
     if not params or not params.get("do_remote_prefill"):
         return None
     request, ranks, tokens = params.get(PARAM_REQUEST), params.get(PARAM_RANKS), params.get(PARAM_TOKENS)
@@ -315,6 +317,14 @@ class SchedulerState:
         agent_request, ranks, tokens = remote
         count = min(tokens, num_prompt_tokens) - num_computed_tokens
         if count < self.min_transfer_tokens:
+            return 0, False
+        if tokens < num_prompt_tokens and tokens % self.block_size:
+            # vLLM counts every block it received as computed, whole: past P's tokens, the rest
+            # of their last block would keep whatever it held before, and be cached under this
+            # prompt (a client handing D a longer prompt with P's params). Computed here; P is
+            # released after allocation.
+            log.warning("pdpair: request %s: P computed %d of its %d prompt tokens, not whole blocks of %d; "
+                        "computed locally", request, tokens, num_prompt_tokens, self.block_size)
             return 0, False
         if num_computed_tokens % self.block_size:
             # KV is received into whole blocks after D's own: with a partial one held here,
