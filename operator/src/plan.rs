@@ -222,7 +222,11 @@ fn engine_template(
 pub const LOAD_FAILURE_POLICY: &str = "recompute";
 
 /// vLLM's flag that loads pdpair's connector, for a pool of `role`, with `policy` as its
-/// `kv_load_failure_policy`.
+/// `kv_load_failure_policy`. Its `engine_id` is the Pod's name (the kubelet expands
+/// `$(PDPAIR_POD_NAME)`, which the engine env sets from the downward API): vLLM makes a new
+/// random one at each start otherwise, so an engine restarted in its Pod registered under a new
+/// name and published a new PDEndpoint beside the old one's, one more for each restart of a
+/// crash-looping container until the Pod went.
 pub fn kv_transfer_config(role: Role, policy: &str) -> String {
     let kv_role = match role {
         Role::Prefill => "kv_producer",
@@ -233,6 +237,7 @@ pub fn kv_transfer_config(role: Role, policy: &str) -> String {
         "kv_connector_module_path": "pdpair_vllm",
         "kv_role": kv_role,
         "kv_load_failure_policy": policy,
+        "engine_id": "$(PDPAIR_POD_NAME)",
     });
     format!("--kv-transfer-config={config}")
 }

@@ -279,7 +279,21 @@ fn the_pdpair_connector_is_rendered_into_each_pools_vllm_args_replacing_the_temp
         assert_eq!(
             config,
             serde_json::json!({"kv_connector": "PdpairConnector", "kv_connector_module_path": "pdpair_vllm",
-                               "kv_role": kv_role, "kv_load_failure_policy": "recompute"})
+                               "kv_role": kv_role, "kv_load_failure_policy": "recompute",
+                               "engine_id": "$(PDPAIR_POD_NAME)"})
+        );
+        // The kubelet expands it from the container's env, which sets it from the Pod's name.
+        let pod_name = c
+            .env
+            .as_ref()
+            .and_then(|env| env.iter().find(|e| e.name == "PDPAIR_POD_NAME"));
+        assert_eq!(
+            pod_name
+                .and_then(|e| e.value_from.as_ref())
+                .and_then(|v| v.field_ref.as_ref())
+                .map(|f| f.field_path.as_str()),
+            Some("metadata.name"),
+            "{pod_name:?}"
         );
         assert!(
             args.contains(&"--block-size=16".to_string()),
