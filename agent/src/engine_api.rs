@@ -113,6 +113,13 @@ pub enum EngineRequest {
         request: String,
         /// The prefill engine's side-channel address.
         prefill: String,
+        /// More prefill ranks to renew it at, so a request's every rank goes in one frame (a
+        /// frame per rank had a client's params naming 1024 ranks cost decode's engine 1024
+        /// frames per queued request and renewal, sent inside its step). With `prefill`, at
+        /// most [`MAX_RENEW_PREFILLS`] distinct ones are taken. An agent from before it
+        /// ignores it; an engine sends it only where `Capabilities` says `renew_prefills`.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        prefills: Vec<String>,
         /// The request's prompt digest ([`PromptDigest`]): prefill renews only the request
         /// whose prompt it is (absent: only one that has none).
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -299,6 +306,10 @@ impl EngineRequest {
         }
     }
 }
+
+/// The most prefill ranks one `Renew` renews a request at (its `prefill` and `prefills`,
+/// distinct), as many as a request's `ExpectKvFromPool` may name.
+pub const MAX_RENEW_PREFILLS: usize = 1024;
 
 /// A request id longer than [`MAX_REQUEST_ID`] is refused, saying so.
 pub fn check_request_id(request: &str) -> Result<(), String> {
@@ -891,6 +902,10 @@ pub enum AgentEvent {
         /// before new receives; a prefill's `gpu.event` is still waited for).
         #[serde(default)]
         gpu_events: bool,
+        /// Whether a `Renew` takes `prefills` (every rank of a request in one frame). An agent
+        /// from before it answers without this field: an engine then sends a `Renew` per rank.
+        #[serde(default)]
+        renew_prefills: bool,
     },
     /// The pool is registered; peers reach this engine at `address`.
     Registered {

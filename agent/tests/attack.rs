@@ -2355,6 +2355,7 @@ fn a_decode_engine_cannot_make_its_agent_dial_where_no_prefill_engine_listens() 
     d.send(&EngineRequest::Renew {
         request: "renew".into(),
         prefill: at.clone(),
+        prefills: vec![at.clone()],
         prompt: None,
     })
     .expect("Renew");

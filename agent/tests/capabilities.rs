@@ -68,6 +68,7 @@ fn capabilities_say_what_ucx_and_the_driver_allow_and_registration_follows_on_th
         gpu_between_agents,
         gpu_sharing,
         gpu_events,
+        renew_prefills,
     } = ask(&mut s, &EngineRequest::Capabilities)
     else {
         panic!("not Capabilities");
@@ -76,6 +77,7 @@ fn capabilities_say_what_ucx_and_the_driver_allow_and_registration_follows_on_th
     assert_eq!(api_version, pdpair_agent::engine_api::API_VERSION);
     assert_eq!(agent, "a");
     assert!(gpu_events, "this agent waits for the event a KvReady or ExpectKv names");
+    assert!(renew_prefills, "this agent takes a Renew's every rank in one frame");
     assert_eq!(ucx_version, ucx::version());
     // What this UCX reports, from its own context.
     let types = ucx::Context::new(Transport::Auto, None)

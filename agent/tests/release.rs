@@ -45,6 +45,7 @@ fn linked(w: &World, d: &mut SyntheticEngine, p: &SyntheticEngine) {
     d.send(&EngineRequest::Renew {
         request: "no-such-request".into(),
         prefill: p.address.clone(),
+        prefills: Vec::new(),
         prompt: None,
     })
     .expect("Renew");
@@ -171,10 +172,15 @@ fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
     let w = World::new("renew");
     let (mut p, mut d) = short_lease_pair(&w);
     let prefill = p.address.clone();
+    // Every rank in one frame: the prefill first where nothing listens, the real one after it.
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let unreachable = nobody.local_addr().expect("addr").to_string();
+    drop(nobody);
     let renew = |d: &mut SyntheticEngine, id: &str| {
         d.send(&EngineRequest::Renew {
             request: id.into(),
-            prefill: prefill.clone(),
+            prefill: unreachable.clone(),
+            prefills: vec![unreachable.clone(), prefill.clone()],
             prompt: None,
         })
         .expect("Renew")
@@ -231,6 +237,7 @@ fn a_renewal_of_another_prompt_holds_nothing() {
             d.send(&EngineRequest::Renew {
                 request: id.into(),
                 prefill: p.address.clone(),
+                prefills: Vec::new(),
                 prompt: Some(prompt(seed, 100)),
             })
             .expect("Renew");
@@ -324,15 +331,24 @@ fn a_release_wound_down_by_another_ranks_failure_still_names_its_token() {
     let token = ReleaseToken([7; 32]);
     ready_with_token(&mut p, "r", &token);
     // Ports nothing listens on: their dials fail at once, while the real prefill's is still
-    // going. Named first, and many: the first failed before the agent had queued the request
-    // for the real prefill, which then never heard the release (the wind-down found no slot of
-    // it; 1 run of 3 in CI with one such port).
-    let mut unreachable: Vec<String> = (0..24)
-        .map(|_| {
-            let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-            nobody.local_addr().expect("addr").to_string()
-        })
+    // going. Many, and taken first (the agent takes a request's prefills in sorted order, and
+    // "127.0.0.10:..." sorts before the real "127.0.0.1:..."): the first failed before the
+    // agent had queued the request for the real prefill, which then never heard the release
+    // (the wind-down found no slot of it; 1 run of 3 in CI with one such port, which sorted
+    // before or after the real one by chance).
+    let listeners: Vec<std::net::TcpListener> = (0..24)
+        .map(|_| std::net::TcpListener::bind("127.0.0.10:0").expect("bind"))
         .collect();
+    let mut unreachable: Vec<String> = listeners
+        .iter()
+        .map(|l| l.local_addr().expect("addr").to_string())
+        .collect();
+    drop(listeners);
+    assert!(
+        p.address.starts_with("127.0.0.1:") && unreachable.iter().all(|u| u < &p.address),
+        "{unreachable:?} {}",
+        p.address
+    );
     unreachable.push(p.address.clone());
     d.send(&EngineRequest::Release {
         request: "r".into(),

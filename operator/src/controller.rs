@@ -101,6 +101,23 @@ impl Error {
         }
     }
 
+    /// What an `ApplyFailed` Event of this error is remembered by: the request that failed and
+    /// the API server's code and reason, not its message (which may name values that change
+    /// with every reconcile, so the same refusal would be told each time).
+    fn told_as(&self) -> String {
+        let what = match self {
+            Error::ApplyDeployment { name, .. } => format!("apply {name}"),
+            Error::PruneDeployment { name, .. } => format!("prune {name}"),
+            Error::EnsureSecret { name, .. } => format!("secret {name}"),
+            Error::PatchStatus { name, .. } => format!("status {name}"),
+            other => return other.to_string(),
+        };
+        match self.api_source() {
+            Some(kube::Error::Api(s)) => format!("{what}: {} {}", s.code, s.reason),
+            _ => self.to_string(),
+        }
+    }
+
     /// Whether the API server refused the request for what it holds ([`refused`]).
     fn refused(&self) -> bool {
         matches!(self.api_source(), Some(kube::Error::Api(s)) if refused(s))
@@ -173,8 +190,8 @@ struct Memory {
     /// quota refuses a create of a Secret that exists, 403 rather than 409, at every try).
     secret_refused: Option<String>,
     /// The error last told in an `ApplyFailed` Event for a reconcile the API server refused as
-    /// invalid: the same one again is not (every PDEndpoint write reconciles the pair, and each
-    /// published one).
+    /// invalid (`Error::told_as`): the same one again is not (every PDEndpoint write reconciles
+    /// the pair, and each published one).
     invalid_told: Option<String>,
     /// Pods of an earlier geometry seen lately (by name), and when last: their PDEndpoints
     /// outlive them a moment (the garbage collector removes them after the pod), and compared
@@ -305,13 +322,13 @@ async fn reconcile(pair: Arc<PDPair>, ctx: Arc<Context>) -> Result<Action, Error
             // for the same error.
             ctx.metrics.reconcile_error(e.category());
             tracing::warn!(error = %e, name = %pair.name_any(), "PDPair cannot be applied; waiting for a change");
-            let note = format!("{e}");
+            let (note, told_as) = (format!("{e}"), e.told_as());
             let uid = pair.metadata.uid.clone().unwrap_or_default();
-            if ctx.remembered.recall(&uid, |m| m.invalid_told.clone()).as_deref() != Some(note.as_str()) {
+            if ctx.remembered.recall(&uid, |m| m.invalid_told.clone()).as_deref() != Some(told_as.as_str()) {
                 ctx.events
                     .publish(&pair.object_ref(&()), Kind::Warning, "ApplyFailed", "Reconcile", &note)
                     .await;
-                ctx.remembered.note(&uid, |m| m.invalid_told = Some(note));
+                ctx.remembered.note(&uid, |m| m.invalid_told = Some(told_as));
             }
             return Ok(Action::await_change());
         }
@@ -1262,10 +1279,13 @@ mod tests {
         // A status the API server refuses (422) fails every reconcile the same way, and every
         // PDEndpoint write reconciles the pair: each published an ApplyFailed Event.
         let pair = Arc::new(pair("llama", "u1"));
+        let calls = std::sync::atomic::AtomicUsize::new(0);
         let (url, seen) = crate::test_api::serve(move |r| {
             Some(match r.method.as_str() {
                 "PATCH" if r.target.contains("/status") => {
-                    crate::test_api::status(422, "Invalid", "status.conditions: Invalid value")
+                    // Naming a value that changes with each reconcile, as the API server's may.
+                    let n = calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    crate::test_api::status(422, "Invalid", &format!("status.transfer.bytes: Invalid value: {n}"))
                 }
                 "PATCH" => (200, r.body.clone()),
                 "POST" => (201, r.body.clone()),

@@ -55,18 +55,21 @@ enum Round {
 pub async fn run(api: Api<Lease>, cfg: LeaseConfig, state: watch::Sender<bool>) -> LeaseError {
     let mut last_renewal: Option<std::time::Instant> = None;
     let renew_deadline = cfg.duration.saturating_sub(cfg.renew_every);
+    // What the holder has left before its renew deadline.
+    let left = |last: Option<std::time::Instant>| last.map(|t| renew_deadline.saturating_sub(t.elapsed()));
     loop {
         let sent = std::time::Instant::now();
         let was_leader = *state.borrow();
         // The holder's round ends by its renew deadline, answered or not.
-        let limit = match last_renewal {
-            Some(t) if was_leader => cfg.renew_every.min(renew_deadline.saturating_sub(t.elapsed())),
+        let limit = match left(last_renewal) {
+            Some(left) if was_leader => cfg.renew_every.min(left),
             _ => cfg.renew_every,
         };
         let round = match tokio::time::timeout(limit, try_acquire(&api, &cfg)).await {
             Ok(round) => round.map_err(|e| e.to_string()),
             Err(_) => Err(format!("no answer within {limit:?}")),
         };
+        let mut failed = false;
         match round {
             Ok(Round::Leader) => {
                 last_renewal = Some(sent);
@@ -85,6 +88,7 @@ pub async fn run(api: Api<Lease>, cfg: LeaseConfig, state: watch::Sender<bool>) 
             }
             Err(e) => {
                 tracing::warn!(error = %e, lease = %cfg.name, "lease round failed");
+                failed = true;
                 if was_leader && last_renewal.is_none_or(|t| t.elapsed() >= renew_deadline) {
                     return LeaseError::Lost {
                         name: cfg.name,
@@ -96,10 +100,12 @@ pub async fn run(api: Api<Lease>, cfg: LeaseConfig, state: watch::Sender<bool>) 
                 }
             }
         }
-        // Not past the deadline: the next round starts by it.
-        let pause = match last_renewal {
-            Some(t) if *state.borrow() => cfg.renew_every.min(renew_deadline.saturating_sub(t.elapsed())),
-            _ => cfg.renew_every,
+        // Rounds a renew period apart, from when each was sent. A holder whose renewal failed
+        // tries again sooner, a third of what it has left (200 ms at least), so it gets several
+        // tries before its deadline (one slow or failed round used to cost it the lease).
+        let pause = match left(last_renewal) {
+            Some(left) if failed && was_leader => (left / 3).max(Duration::from_millis(200)).min(left),
+            _ => cfg.renew_every.saturating_sub(sent.elapsed()),
         };
         tokio::time::sleep(pause).await;
     }
@@ -238,6 +244,51 @@ mod tests {
             expired(None, Some(15), now) && expired(at(0).as_ref(), None, now),
             "half a lease"
         );
+    }
+
+    #[tokio::test]
+    async fn a_failed_renewal_is_tried_again_before_the_deadline_and_leadership_goes_on() {
+        // One renewal answered 500 (an API server restarting): the holder tries again within
+        // its renew deadline and goes on leading (with the deadline alone, the next round came
+        // at the deadline and the holder gave up at once, from a review).
+        let count = std::sync::atomic::AtomicUsize::new(0);
+        let (url, _) = crate::test_api::serve(move |r| {
+            let n = count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Some(match (n, r.method.as_str()) {
+                (0, _) => crate::test_api::status(404, "NotFound", "not found"),
+                (1, _) => (201, r.body.clone()),
+                (2, _) => crate::test_api::status(500, "InternalError", "etcd is restarting"),
+                (_, "GET") => {
+                    let lease = Lease {
+                        metadata: ObjectMeta {
+                            name: Some("pdpair-test".into()),
+                            resource_version: Some("1".into()),
+                            ..ObjectMeta::default()
+                        },
+                        spec: Some(LeaseSpec {
+                            holder_identity: Some("me".into()),
+                            lease_duration_seconds: Some(4),
+                            renew_time: Some(now()),
+                            ..LeaseSpec::default()
+                        }),
+                    };
+                    (200, serde_json::to_vec(&lease).expect("json"))
+                }
+                _ => (200, r.body.clone()),
+            })
+        });
+        let client = kube::Client::try_from(kube::Config::new(url.parse().expect("url"))).expect("client");
+        let api: Api<Lease> = Api::namespaced(client, "default");
+        let cfg = LeaseConfig {
+            name: "pdpair-test".into(),
+            identity: "me".into(),
+            duration: Duration::from_millis(3000),
+            renew_every: Duration::from_millis(1000),
+        };
+        let (tx, rx) = watch::channel(false);
+        let ran = tokio::time::timeout(Duration::from_secs(5), run(api, cfg, tx)).await;
+        assert!(ran.is_err(), "leadership ended: {:?}", ran.map(|e| e.to_string()));
+        assert!(*rx.borrow(), "it leads on");
     }
 
     #[tokio::test]

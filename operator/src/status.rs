@@ -499,8 +499,10 @@ pub fn changes_in(endpoints: &[&PDEndpoint], now: &Time) -> Option<std::time::Du
         let at = t.0.as_second().saturating_add(window).saturating_add(1);
         (within(t, now, window) && at > now_s).then_some(at - now_s)
     };
+    // Stale endpoints are folded no more: nothing of theirs to wait for.
     endpoints
         .iter()
+        .filter(|e| !stale(e, now))
         .flat_map(|e| {
             let heard = e
                 .status

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pdpair_vllm import synthetic
-from pdpair_vllm.client import AgentClient, AgentError, registration
+from pdpair_vllm.client import AgentBusy, AgentClient, AgentError, registration
 from pdpair_vllm.layout import LayoutError, PoolLayout
 
 from conftest import kv, rust_engine, rust_result
@@ -152,6 +152,38 @@ def test_release_frees_prefill_without_a_failure(world):
     d.expect_kv("full-hit", [p.address], [1], 10)
     late = d.wait("full-hit", timeout=5)
     assert late.type == "RequestFailed" and "InvalidRequest" in late.reasons, late.raw
+
+
+def test_a_renewal_names_every_rank_in_one_frame_and_holds_the_request_past_its_lease(world):
+    # A frame per rank had a client's params naming 1024 ranks cost decode's engine 1024 frames
+    # per queued request and renewal, sent inside its step. An agent that says renew_prefills
+    # takes them all in one; one that does not gets a frame per rank, as before.
+    import socket as socket_
+
+    g = kv()
+    pa, da = world.agent("p"), world.agent("d")
+    p, d = py_engine(world, pa, "prefill", g, lease_ms=1500), py_engine(world, da, "decode", g)
+    assert d.capabilities.get("renew_prefills") is True
+    p.kv_ready("queued", [0], 10)
+    nobody = socket_.socket()
+    nobody.bind(("127.0.0.1", 0))
+    unreachable = "127.0.0.1:%d" % nobody.getsockname()[1]
+    nobody.close()
+    sent = []
+    send = d.send
+    d.send = lambda message, *a, **kw: (sent.append(message), send(message, *a, **kw))[1]
+    started = time.monotonic()
+    while time.monotonic() - started < 3.5:  # past two leases: held only by the renewals
+        d.renew("queued", [unreachable, p.address])
+        time.sleep(0.3)
+    assert all(m["prefill"] == unreachable and m["prefills"] == [p.address] for m in sent), sent[:2]
+    d.expect_kv("queued", [p.address], [1], 10)
+    assert d.wait("queued").type == "RequestDone"
+    # An agent that does not say it: one frame per rank.
+    sent.clear()
+    d.capabilities = {}
+    d.renew("other", [unreachable, p.address])
+    assert [(m["prefill"], "prefills" in m) for m in sent] == [(unreachable, False), (p.address, False)]
 
 
 def test_fail_closed_reports_a_corrupted_byte_as_a_failed_request(world):
@@ -592,8 +624,9 @@ def test_a_pool_past_the_agents_memory_limit_is_refused_naming_it_and_the_agent_
     # a memory cgroup of 512 MiB.
     agent = world.agent("a", "tcp", cgroup=memory_cgroup(512 << 20))
     g = kv(heads=8, head_dim=128)  # 128 KiB a block (2 layers, K and V)
-    with pytest.raises(AgentError, match=r"its memory limit leaves \d+ \(limit 536870912, in use \d+, 268435456 kept"):
+    with pytest.raises(AgentError, match=r"its memory limit leaves \d+ \(limit 536870912, in use \d+, 268435456 kept") as past:
         py_engine(world, agent, "prefill", g, num_blocks=8192)  # 1 GiB
+    assert not isinstance(past.value, AgentBusy), "past the limit itself: never, not busy"
     assert agent.proc.poll() is None, "the agent lives"
     # What fits is registered, and its memory is there to use.
     small = py_engine(world, agent, "prefill", g, num_blocks=512)  # 64 MiB
@@ -601,7 +634,9 @@ def test_a_pool_past_the_agents_memory_limit_is_refused_naming_it_and_the_agent_
     assert synthetic.verify(small.pool, small.layout, 3, [0, 511], 0, 32) == 0
     # The room shrinks with what the agent holds: 3 more of 64 MiB leave under 256 MiB.
     more = [py_engine(world, agent, "prefill", g, num_blocks=512, engine=f"more-{i}") for i in range(2)]
-    with pytest.raises(AgentError, match="its memory limit leaves"):
+    # Busy: it fits once what the agent holds goes (another Pod's pools, in a rollout), so the
+    # engine registers later rather than fail its start.
+    with pytest.raises(AgentBusy, match="its memory limit leaves"):
         py_engine(world, agent, "prefill", g, num_blocks=768, engine="over")
     assert agent.proc.poll() is None
     for e in [small, *more]:

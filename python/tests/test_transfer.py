@@ -328,7 +328,7 @@ class _Client:
     def cancel(self, request):
         self.calls.append(("cancel", request))
 
-    def renew(self, request, prefill, **kw):
+    def renew(self, request, prefills, **kw):
         self.calls.append(("renew", request))
 
     def take_finished(self):

@@ -467,7 +467,11 @@ impl Engine {
             let mut peers = lock(&self.peers);
             for prefill in prefills {
                 match peers.get_mut(&prefill) {
-                    Some(Slot::Connected(link)) => links.push(link.clone()),
+                    // Used now: a later rank's room for a new link must not close it.
+                    Some(Slot::Connected(link)) => {
+                        link.used.store(crate::outboxes::now(), Ordering::SeqCst);
+                        links.push(link.clone());
+                    }
                     Some(Slot::Connecting(queue)) => queue.push(request.clone()),
                     None => {
                         if let Err(why) = self.room_for_link(&mut peers) {

@@ -406,15 +406,24 @@ pub fn mapped(addr: u64, len: u64) -> bool {
 }
 
 /// Bytes free for an unprivileged writer on the file system holding `dir` (`statvfs`).
-#[allow(unsafe_code)]
 pub fn available(dir: &Path) -> Option<u64> {
+    statvfs(dir).map(|st| st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+/// The size of the file system `dir` is on, free or not.
+pub fn capacity(dir: &Path) -> Option<u64> {
+    statvfs(dir).map(|st| st.f_blocks.saturating_mul(st.f_frsize))
+}
+
+#[allow(unsafe_code)]
+fn statvfs(dir: &Path) -> Option<libc::statvfs> {
     use std::os::unix::ffi::OsStrExt;
     let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
     // SAFETY: zeroed statvfs is valid; statvfs writes into it and reads the C string.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
     let rc = unsafe { libc::statvfs(path.as_ptr(), &mut st) };
-    (rc == 0).then(|| (st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+    (rc == 0).then_some(st)
 }
 
 /// This process's memory cgroup's limit and what it is charged for now, or `None` where it has

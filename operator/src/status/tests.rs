@@ -1028,9 +1028,14 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
         }),
         ..Default::default()
     });
-    // Silent since 800: stale already, nothing of it to wait for.
+    // Silent since 800: stale already, nothing of it to wait for, its news either.
     d.status = Some(PDEndpointStatus {
         last_heartbeat: Some(t(800)),
+        last_failure: Some(Failure {
+            time: t(130), // would leave its window in 20 s
+            reasons: vec!["PeerLost".into()],
+            message: String::new(),
+        }),
         ..Default::default()
     });
     assert_eq!(

@@ -426,13 +426,20 @@ class AgentClient:
             message["release_token"] = release_token
         self.send(message)
 
-    def renew(self, request: str, prefill: str, prompt: Optional[str] = None) -> None:
-        """Decode: ``request`` is queued here; the prefill keeps its blocks one more lease (only
-        the request of ``prompt``, its prompt digest)."""
-        message = {"type": "Renew", "request": request, "prefill": prefill}
-        if prompt is not None:
-            message["prompt"] = prompt
-        self.send(message)
+    def renew(self, request: str, prefills: List[str], prompt: Optional[str] = None) -> None:
+        """Decode: ``request`` is queued here; its ``prefills`` keep its blocks one more lease
+        (only the request of ``prompt``, its prompt digest). One frame for them all where the
+        agent takes ``prefills`` (``Capabilities.renew_prefills``), else one per rank."""
+        if not prefills:
+            return
+        batches = [prefills] if self.capabilities.get("renew_prefills") is True else [[p] for p in prefills]
+        for batch in batches:
+            message = {"type": "Renew", "request": request, "prefill": batch[0]}
+            if len(batch) > 1:
+                message["prefills"] = batch[1:]
+            if prompt is not None:
+                message["prompt"] = prompt
+            self.send(message)
 
     def cancel(self, request: str) -> None:
         """Either side: give up ``request``; answered by exactly one final event, after which

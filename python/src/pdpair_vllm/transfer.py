@@ -747,8 +747,7 @@ class WorkerState:
             for ren in plan.renews if self.rank == 0 else ():
                 if self._in_flight(ren.agent_request, "renewal"):
                     continue
-                for prefill in ren.prefill_ranks:
-                    self._call(self.client.renew, ren.agent_request, prefill, prompt=ren.prompt)
+                self._call(self.client.renew, ren.agent_request, list(ren.prefill_ranks), prompt=ren.prompt)
         for request in plan.cancels:
             agent_request = self._by_request.get(request)
             if agent_request is None or agent_request not in self._open:
