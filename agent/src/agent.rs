@@ -1077,16 +1077,7 @@ impl Agent {
                     prefill,
                     prefills,
                     prompt,
-                }) => {
-                    let mut seen = std::collections::HashSet::new();
-                    for prefill in std::iter::once(prefill)
-                        .chain(prefills)
-                        .filter(|p| seen.insert(p.clone()))
-                        .take(crate::engine_api::MAX_RENEW_PREFILLS)
-                    {
-                        engine.renew(request.clone(), prefill, prompt.clone());
-                    }
-                }
+                }) => engine.renew(request, std::iter::once(prefill).chain(prefills).collect(), prompt),
                 Ok(EngineRequest::Cancel { request }) => match engine.reg.role {
                     Role::Decode => engine.cancel_decode(request),
                     Role::Prefill => engine.cancel_prefill(request),
@@ -1761,21 +1752,14 @@ impl Engine {
                     let message = format!(
                         "the pool needs {need} bytes, which the agent allocates and its memory cgroup is charged for: its memory limit leaves {room} (limit {limit}, in use {used}, {AGENT_OWN_MEMORY} kept for the agent itself); raise the agent's memory limit (the chart's agent.resources.limits.memory) or register fewer blocks"
                     );
-                    // Busy where it fits once what the agent holds goes (another Pod's pools,
-                    // during a rollout); never, past the limit itself.
-                    let fits = need as u64 <= limit.saturating_sub(AGENT_OWN_MEMORY);
-                    return Err(if fits {
-                        Refusal::busy(message)
-                    } else {
-                        Refusal::from(message)
-                    });
+                    // Not busy: what else holds the agent's memory (its links' buffers, UCX,
+                    // socket memory) need not go, and a refusal said busy is tried again for good.
+                    return Err(Refusal::from(message));
                 }
             }
             let free = pool::available(&shared.cfg.pool_dir).unwrap_or(0);
             if need as u64 > free {
-                let fits = pool::capacity(&shared.cfg.pool_dir).is_some_and(|size| need as u64 <= size);
-                let refuse = if fits { Refusal::busy } else { Refusal::from };
-                return Err(refuse(format!(
+                return Err(Refusal::from(format!(
                     "the pool needs {need} bytes ({} layers x {} arrays x {} blocks x {} bytes); the pool directory {} has {free} free",
                     layout.layers,
                     layout.halves(),

@@ -60,9 +60,13 @@ pub async fn run(api: Api<Lease>, cfg: LeaseConfig, state: watch::Sender<bool>) 
     loop {
         let sent = std::time::Instant::now();
         let was_leader = *state.borrow();
-        // The holder's round ends by its renew deadline, answered or not.
+        // The holder's round ends by its renew deadline, answered or not, and leaves half of
+        // what it has left for another try (one that hung took it all: 200 ms at least).
         let limit = match left(last_renewal) {
-            Some(left) if was_leader => cfg.renew_every.min(left),
+            Some(left) if was_leader => cfg
+                .renew_every
+                .min((left / 2).max(Duration::from_millis(200)))
+                .min(left),
             _ => cfg.renew_every,
         };
         let round = match tokio::time::timeout(limit, try_acquire(&api, &cfg)).await {
@@ -251,6 +255,8 @@ mod tests {
         // One renewal answered 500 (an API server restarting): the holder tries again within
         // its renew deadline and goes on leading (with the deadline alone, the next round came
         // at the deadline and the holder gave up at once, from a review).
+        // And one that gets no answer (a half-open connection) leaves time for another: with
+        // the round's whole time to the deadline, it cost the lease.
         let count = std::sync::atomic::AtomicUsize::new(0);
         let (url, _) = crate::test_api::serve(move |r| {
             let n = count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -258,6 +264,7 @@ mod tests {
                 (0, _) => crate::test_api::status(404, "NotFound", "not found"),
                 (1, _) => (201, r.body.clone()),
                 (2, _) => crate::test_api::status(500, "InternalError", "etcd is restarting"),
+                (3, _) => return None,
                 (_, "GET") => {
                     let lease = Lease {
                         metadata: ObjectMeta {
@@ -267,7 +274,7 @@ mod tests {
                         },
                         spec: Some(LeaseSpec {
                             holder_identity: Some("me".into()),
-                            lease_duration_seconds: Some(4),
+                            lease_duration_seconds: Some(6),
                             renew_time: Some(now()),
                             ..LeaseSpec::default()
                         }),
@@ -282,11 +289,11 @@ mod tests {
         let cfg = LeaseConfig {
             name: "pdpair-test".into(),
             identity: "me".into(),
-            duration: Duration::from_millis(3000),
-            renew_every: Duration::from_millis(1000),
+            duration: Duration::from_millis(6000),
+            renew_every: Duration::from_millis(2000),
         };
         let (tx, rx) = watch::channel(false);
-        let ran = tokio::time::timeout(Duration::from_secs(5), run(api, cfg, tx)).await;
+        let ran = tokio::time::timeout(Duration::from_secs(8), run(api, cfg, tx)).await;
         assert!(ran.is_err(), "leadership ended: {:?}", ran.map(|e| e.to_string()));
         assert!(*rx.borrow(), "it leads on");
     }

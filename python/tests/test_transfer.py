@@ -100,6 +100,18 @@ def test_a_decode_holding_a_partial_block_of_its_own_asks_for_nothing_and_releas
     assert not plan.recvs and [r.agent_request for r in plan.releases] == ["p-1"]
 
 
+def test_a_partial_last_block_past_prefills_tokens_is_computed_where_vllm_counts_whole_blocks():
+    # An older vLLM takes every block a request received as computed, whole: a decode prompt
+    # longer than the tokens P computed, those not whole blocks, would keep stale KV in the rest
+    # of the last block (cached under its prompt). There it is computed locally; whole blocks of
+    # P's tokens are received; vLLM 0.33 (counting the tokens said) receives the 90.
+    params = {"do_remote_prefill": True, PARAM_REQUEST: "p-1", PARAM_RANKS: ["10.0.0.1:7000"], PARAM_TOKENS: 90}
+    assert SchedulerState(16, whole_blocks=True).matched_tokens("r", dict(params), 110, 0) == (0, False)
+    assert SchedulerState(16, whole_blocks=True).matched_tokens("r", dict(params, **{PARAM_TOKENS: 80}), 110, 0) == (80, True)
+    assert SchedulerState(16, whole_blocks=True).matched_tokens("r", dict(params), 90, 0) == (90, True), "the whole prompt"
+    assert SchedulerState(16, whole_blocks=False).matched_tokens("r", dict(params), 110, 0) == (90, True)
+
+
 def test_a_queued_request_is_renewed_until_it_is_allocated():
     s = SchedulerState(16, renew_interval_s=0.05)
     p = params()

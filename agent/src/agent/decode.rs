@@ -51,17 +51,31 @@ impl Engine {
         }
     }
 
-    /// Decode's engine queues `request` (no blocks for it yet): ask `prefill` to hold its blocks
+    /// Decode's engine queues `request` (no blocks for it yet): ask `prefills` to hold its blocks
     /// one more lease. Best effort, no answer: sent when the link is up (it is dialled when not,
-    /// for the next renewal), so an engine renews more often than the lease.
-    pub(super) fn renew(self: &Arc<Self>, request: String, prefill: String, prompt: Option<PromptDigest>) {
+    /// for the next renewal), so an engine renews more often than the lease. Each prefill once,
+    /// however many ways it is spelled, and at most [`crate::engine_api::MAX_RENEW_PREFILLS`].
+    pub(super) fn renew(self: &Arc<Self>, request: String, prefills: Vec<String>, prompt: Option<PromptDigest>) {
         if !self.role_is(Role::Decode, "Renew", &request) {
             return;
         }
-        // Where no prefill listens, nothing is sent nor dialled.
-        let Ok(prefill) = self.dialable().check(&prefill).map(one_spelling) else {
-            return;
-        };
+        // Where no prefill listens, nothing is sent nor dialled; one prefill named in several
+        // spellings is one (a frame naming it 1024 ways sent it 1024 renewals).
+        let mut seen = std::collections::HashSet::new();
+        let prefills: Vec<String> = prefills
+            .iter()
+            .filter_map(|p| self.dialable().check(p).map(one_spelling).ok())
+            .filter(|p| seen.insert(p.clone()))
+            .take(crate::engine_api::MAX_RENEW_PREFILLS)
+            .collect();
+        for prefill in prefills {
+            self.renew_at(&request, prefill, prompt.clone());
+        }
+    }
+
+    /// [`Engine::renew`] at one prefill (checked, in its one spelling).
+    fn renew_at(self: &Arc<Self>, request: &str, prefill: String, prompt: Option<PromptDigest>) {
+        let request = request.to_owned();
         let mut peers = lock(&self.peers);
         match peers.get(&prefill) {
             Some(Slot::Connected(link)) => {

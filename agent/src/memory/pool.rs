@@ -410,11 +410,6 @@ pub fn available(dir: &Path) -> Option<u64> {
     statvfs(dir).map(|st| st.f_bavail.saturating_mul(st.f_frsize))
 }
 
-/// The size of the file system `dir` is on, free or not.
-pub fn capacity(dir: &Path) -> Option<u64> {
-    statvfs(dir).map(|st| st.f_blocks.saturating_mul(st.f_frsize))
-}
-
 #[allow(unsafe_code)]
 fn statvfs(dir: &Path) -> Option<libc::statvfs> {
     use std::os::unix::ffi::OsStrExt;

@@ -82,6 +82,25 @@ def vllm_holds_aborted_receives() -> bool:
         return False
     return "WAITING_FOR_REMOTE_KVS" in source
 
+
+def vllm_counts_received_blocks_whole() -> bool:
+    """Whether this vLLM takes every block a request received as computed, whole (older ones:
+    ``len(block_ids) * self.block_size`` in ``Scheduler._update_waiting_for_remote_kv``), rather
+    than the tokens the connector said would come (0.33: ``num_computed_tokens``, set at
+    allocation). Where that cannot be read, ``True``: a decode prompt longer than the tokens P
+    computed, those not whole blocks, is then computed locally (the safe guess: the other, on a
+    vLLM that counts whole blocks, leaves stale KV in the last block's rest, cached)."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        source = inspect.getsource(Scheduler._update_waiting_for_remote_kv)
+    except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
+        log.warning("pdpair: cannot tell how vLLM counts received KV (%s); partial last blocks are computed "
+                    "locally", e)
+        return True
+    return "* self.block_size" in source
+
+
 COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 log = logging.getLogger("pdpair_vllm")
 
@@ -264,6 +283,7 @@ class PdpairConnector(KVConnectorBase_V1):
             self._sched = SchedulerState(self._block_size, float(self._extra.get("renew_interval_s", 1.0)),
                                          int(self._extra.get("min_transfer_tokens", 1)),
                                          vllm_holds=vllm_holds_aborted_receives(),
+                                         whole_blocks=vllm_counts_received_blocks_whole(),
                                          tensor=int(vllm_config.parallel_config.tensor_parallel_size))
 
     # ==== scheduler side =========================================================================

@@ -258,17 +258,20 @@ class SchedulerState:
     """The scheduler side, one per engine."""
 
     def __init__(self, block_size: int, renew_interval_s: float = 1.0, min_transfer_tokens: int = 1,
-                 vllm_holds: bool = True, tensor: int = 1):
+                 vllm_holds: bool = True, tensor: int = 1, whole_blocks: bool = True):
         """``tensor``: the engine's tensor-parallel ranks, each of which must have told its agent
         address before a prefill offers KV. ``block_size``: vLLM's (logical) block size. The kernel block size is the workers'
         to know (they read it from the KV tensors; the scheduler has no way to): plans name
         logical blocks. ``vllm_holds``: whether vLLM holds the blocks of a request aborted while
-        it waits for remote KV until its workers report it received (the module's docstring)."""
+        it waits for remote KV until its workers report it received (the module's docstring).
+        ``whole_blocks``: whether vLLM takes every block a request received as computed, whole
+        (older ones), rather than the tokens the connector said would come (0.33)."""
         if block_size < 1:
             raise ValueError(f"block_size {block_size} is not a block size")
         self.block_size = block_size
         self.tensor = max(1, tensor)
         self.vllm_holds = vllm_holds
+        self.whole_blocks = whole_blocks
         self.renew_interval_s = renew_interval_s
         #: D: a missing tail shorter than this is recomputed locally and P released (vLLM never
         #: lets a prefix hit cover the whole prompt, so a full hit is "all but a few tokens").
@@ -318,11 +321,12 @@ class SchedulerState:
         count = min(tokens, num_prompt_tokens) - num_computed_tokens
         if count < self.min_transfer_tokens:
             return 0, False
-        if tokens < num_prompt_tokens and tokens % self.block_size:
-            # vLLM counts every block it received as computed, whole: past P's tokens, the rest
-            # of their last block would keep whatever it held before, and be cached under this
-            # prompt (a client handing D a longer prompt with P's params). Computed here; P is
-            # released after allocation.
+        if self.whole_blocks and tokens < num_prompt_tokens and tokens % self.block_size:
+            # A vLLM that counts every block it received as computed, whole: past P's tokens,
+            # the rest of their last block would keep whatever it held before, and be cached
+            # under this prompt (a client handing D a longer prompt with P's params). Computed
+            # here; P is released after allocation. (vLLM 0.33 counts the tokens said: D
+            # receives P's and computes the rest.)
             log.warning("pdpair: request %s: P computed %d of its %d prompt tokens, not whole blocks of %d; "
                         "computed locally", request, tokens, num_prompt_tokens, self.block_size)
             return 0, False
