@@ -1168,6 +1168,18 @@ mod tests {
         })
     }
 
+    /// A leader's context on the API stand-in at `url`, its caches listed: a store whose writer
+    /// went counts as listed (empty); `pair` is in its own.
+    fn leading_at(url: &str, pair: &PDPair) -> Arc<Context> {
+        let client = kube::Client::try_from(kube::Config::new(url.parse().expect("url"))).expect("client");
+        let (pods, _) = reflector::store::<Pod>();
+        let (endpoints, _) = reflector::store::<PDEndpoint>();
+        let (deployments, _) = reflector::store::<Deployment>();
+        let (pairs, mut pair_writer) = reflector::store::<PDPair>();
+        pair_writer.apply_watcher_event(&Event::Apply(pair.clone()));
+        leading(client, pods, endpoints, deployments, pairs)
+    }
+
     #[tokio::test]
     async fn a_leader_reconciles_nothing_until_its_caches_have_had_their_first_list() {
         // A new leader's first reconciles came before the pod and PDEndpoint watches had
@@ -1214,14 +1226,7 @@ mod tests {
                 _ => crate::test_api::status(404, "NotFound", "not found"),
             })
         });
-        let client = kube::Client::try_from(kube::Config::new(url.parse().expect("url"))).expect("client");
-        // Listed: a store whose writer went counts as listed (empty); the pair is in its own.
-        let (pods, _) = reflector::store::<Pod>();
-        let (endpoints, _) = reflector::store::<PDEndpoint>();
-        let (deployments, _) = reflector::store::<Deployment>();
-        let (pairs, mut pair_writer) = reflector::store::<PDPair>();
-        pair_writer.apply_watcher_event(&Event::Apply(pair.as_ref().clone()));
-        let ctx = leading(client, pods, endpoints, deployments, pairs);
+        let ctx = leading_at(&url, &pair);
         let dry_runs = || {
             seen.lock()
                 .expect("lock")
@@ -1292,13 +1297,7 @@ mod tests {
                 _ => crate::test_api::status(404, "NotFound", "not found"),
             })
         });
-        let client = kube::Client::try_from(kube::Config::new(url.parse().expect("url"))).expect("client");
-        let (pods, _) = reflector::store::<Pod>();
-        let (endpoints, _) = reflector::store::<PDEndpoint>();
-        let (deployments, _) = reflector::store::<Deployment>();
-        let (pairs, mut pair_writer) = reflector::store::<PDPair>();
-        pair_writer.apply_watcher_event(&Event::Apply(pair.as_ref().clone()));
-        let ctx = leading(client, pods, endpoints, deployments, pairs);
+        let ctx = leading_at(&url, &pair);
         let told = || {
             seen.lock()
                 .expect("lock")

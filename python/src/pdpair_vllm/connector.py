@@ -64,6 +64,14 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _scheduler_source(method: str) -> str:
+    """The source of vLLM's ``Scheduler.<method>``, which says what this vLLM does where no
+    release note does (raises where it cannot be read)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return inspect.getsource(getattr(Scheduler, method))
+
+
 def vllm_holds_aborted_receives() -> bool:
     """Whether this vLLM's scheduler holds the blocks of a request aborted while it waits for
     remote KV until its workers report it received (vLLM PR 32255, early 2026; 0.33 does),
@@ -73,9 +81,7 @@ def vllm_holds_aborted_receives() -> bool:
     (loudly); the other guess, on an older vLLM, would free the blocks while the agent still
     writes into them."""
     try:
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        source = inspect.getsource(Scheduler.finish_requests)
+        source = _scheduler_source("finish_requests")
     except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
         log.warning("pdpair: cannot tell whether vLLM holds an aborted request's blocks (%s); the connector "
                     "holds them", e)
@@ -91,9 +97,7 @@ def vllm_counts_received_blocks_whole() -> bool:
     computed, those not whole blocks, is then computed locally (the safe guess: the other, on a
     vLLM that counts whole blocks, leaves stale KV in the last block's rest, cached)."""
     try:
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        source = inspect.getsource(Scheduler._update_waiting_for_remote_kv)
+        source = _scheduler_source("_update_waiting_for_remote_kv")
     except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
         log.warning("pdpair: cannot tell how vLLM counts received KV (%s); partial last blocks are computed "
                     "locally", e)
