@@ -1137,8 +1137,8 @@ fn send(writer: &Mutex<UnixStream>, event: &AgentEvent) {
 pub struct EngineStats {
     /// Handshakes, transfers, bytes, checksum outcomes.
     pub counters: pdpair_api::TransferCounters,
-    /// The last handshake rejection: (unix seconds, peer, reasons, message).
-    pub last_rejection: Option<(i64, String, Vec<Reason>, String)>,
+    /// The last handshake rejection.
+    pub last_rejection: Option<SeenRejection>,
     /// When a transfer last completed (unix seconds).
     pub last_success: Option<i64>,
     /// The last failure that was not routine ([`Reason::is_routine`]): (unix seconds, reasons,
@@ -1147,6 +1147,39 @@ pub struct EngineStats {
     /// The path to each peer this engine's agent moved bytes with (the most recent
     /// [`pdpair_api::MAX_PATHS`] peers).
     pub paths: Vec<pdpair_api::TransferPath>,
+}
+
+impl EngineStats {
+    /// A transfer of `bytes` with `peers` completed at `now` (unix seconds): a rejection by one
+    /// of them no longer stands.
+    fn transferred<'a>(&mut self, now: i64, bytes: u64, peers: impl IntoIterator<Item = &'a str>) {
+        self.last_success = Some(now);
+        if let Some(r) = self.last_rejection.as_mut()
+            && r.resolved.is_none()
+            && peers.into_iter().any(|p| p == r.peer)
+        {
+            r.resolved = Some(now);
+        }
+        let counters = &mut self.counters;
+        counters.transfers_completed += 1;
+        counters.bytes = counters.bytes.saturating_add(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+}
+
+/// A handshake rejection as this engine's agent saw it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SeenRejection {
+    /// When (unix seconds).
+    pub at: i64,
+    /// The peer's address: the prefill's side channel (decode), the decode agent's connection
+    /// (prefill: a rejected connection is closed, so no later transfer is with it).
+    pub peer: String,
+    /// Why.
+    pub reasons: Vec<Reason>,
+    /// The message.
+    pub message: String,
+    /// When a transfer with the same peer completed after it (unix seconds), where one did.
+    pub resolved: Option<i64>,
 }
 
 /// A peer as `engine@agent` for status. The names come from its authenticated handshake but are
@@ -2032,12 +2065,10 @@ impl Engine {
         }
     }
 
-    fn transferred(&self, bytes: u64) {
-        let mut stats = lock(&self.stats);
-        stats.last_success = Some(unix_now());
-        let counters = &mut stats.counters;
-        counters.transfers_completed += 1;
-        counters.bytes = counters.bytes.saturating_add(i64::try_from(bytes).unwrap_or(i64::MAX));
+    /// A transfer of `bytes` with `peers` completed (decode: the prefill ranks' addresses, as a
+    /// rejection names them; a rejection by one of them no longer stands).
+    fn transferred<'a>(&self, bytes: u64, peers: impl IntoIterator<Item = &'a str>) {
+        lock(&self.stats).transferred(unix_now(), bytes, peers);
     }
 
     /// The path `link`'s transfers take (from UCX's lanes for its endpoint), once known.
@@ -2073,7 +2104,13 @@ impl Engine {
         let now = unix_now();
         let mut stats = lock(&self.stats);
         stats.counters.handshakes_rejected += 1;
-        stats.last_rejection = Some((now, peer.to_owned(), reasons, message));
+        stats.last_rejection = Some(SeenRejection {
+            at: now,
+            peer: peer.to_owned(),
+            reasons,
+            message,
+            resolved: None,
+        });
     }
 
     /// A snapshot of what this engine's agent observed.
@@ -2798,6 +2835,35 @@ mod tests {
         assert!(!p.arrived("a", None, 99));
         assert_eq!(p.parts["a"].1, 8, "the first record stays");
         assert!(p.arrived("b", None, 8));
+    }
+
+    #[test]
+    fn a_rejection_is_resolved_by_a_transfer_with_that_peer_only() {
+        let mut stats = EngineStats {
+            last_rejection: Some(SeenRejection {
+                at: 100,
+                peer: "10.0.0.2:7000".into(),
+                reasons: vec![Reason::Unauthenticated],
+                message: "the peer proved no pairing secret".into(),
+                resolved: None,
+            }),
+            ..Default::default()
+        };
+        stats.transferred(101, 10, ["10.0.0.1:7000"]);
+        assert_eq!(stats.last_success, Some(101));
+        assert_eq!(
+            stats.last_rejection.as_ref().and_then(|r| r.resolved),
+            None,
+            "another peer"
+        );
+        stats.transferred(102, 10, ["10.0.0.1:7000", "10.0.0.2:7000"]);
+        stats.transferred(103, 10, ["10.0.0.2:7000"]);
+        assert_eq!(
+            stats.last_rejection.as_ref().and_then(|r| r.resolved),
+            Some(102),
+            "the first one"
+        );
+        assert_eq!((stats.counters.transfers_completed, stats.counters.bytes), (3, 30));
     }
 
     #[test]

@@ -272,6 +272,12 @@ pub struct Rejection {
     /// The message.
     #[schemars(length(max = MAX_TEXT))]
     pub message: String,
+    /// When a transfer with this same peer completed after the rejection, where one did: it no
+    /// longer stands. (Set by decode's agents, which know a prefill peer by its address; agents
+    /// before it leave it out.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "schema::time")]
+    pub resolved: Option<Time>,
 }
 
 /// A failed transfer as the agent saw it.
@@ -342,6 +348,7 @@ mod tests {
                 peer: long.clone(),
                 reasons: vec![long.clone(); 100],
                 message: long.clone(),
+                resolved: None,
             }),
             last_failure: Some(Failure {
                 time,

@@ -450,23 +450,49 @@ fn within(t: &Time, now: &Time, max_age: i64) -> bool {
 /// (one in the future kept a rejection, or an endpoint's heartbeat, current until then).
 pub const SKEW_SECONDS: i64 = 300;
 
-/// The endpoints (by name) whose `news` (a rejection, a failure) at `time` still counts
-/// ([`current`]), with that news.
+/// The endpoints (by name) whose `news` (a rejection, a failure) still `counts`, with that news.
 fn current_news<'a, T>(
     endpoints: &[&'a PDEndpoint],
-    now: &Time,
     news: impl Fn(&'a pdpair_api::PDEndpointStatus) -> Option<&'a T>,
-    time: impl Fn(&T) -> &Time,
+    counts: impl Fn(&T, &pdpair_api::PDEndpointStatus) -> bool,
 ) -> Vec<(String, &'a T)> {
     endpoints
         .iter()
         .filter_map(|e| {
             let s = e.status.as_ref()?;
             let n = news(s)?;
-            current(time(n), s.last_success.as_ref(), now)
-                .then(|| (e.metadata.name.clone().unwrap_or_else(|| "?".into()), n))
+            counts(n, s).then(|| (e.metadata.name.clone().unwrap_or_else(|| "?".into()), n))
         })
         .collect()
+}
+
+/// Whether a rejection still stands: it is news ([`current`] but for the engine's later
+/// transfers), no transfer with that same peer completed since (`resolved`), and either its
+/// peer is still the address of a live endpoint among `endpoints` (an engine rejecting one
+/// peer and transferring with another flipped `TransferReady` with each, with an Event each
+/// time) or, the peer gone or not an engine of the pair, no transfer of the engine completed
+/// since.
+fn rejection_stands(
+    r: &pdpair_api::Rejection,
+    last_success: Option<&Time>,
+    endpoints: &[&PDEndpoint],
+    now: &Time,
+) -> bool {
+    let at = r.time.0.as_second();
+    if !current(&r.time, None, now) || r.resolved.as_ref().is_some_and(|t| t.0.as_second() >= at) {
+        return false;
+    }
+    // As decode's agent spells a prefill (an IPv4 address mapped into IPv6 written as IPv4).
+    let spelled = |a: &str| {
+        a.parse::<std::net::SocketAddr>()
+            .ok()
+            .map(|s| std::net::SocketAddr::new(s.ip().to_canonical(), s.port()))
+    };
+    let peer_here = endpoints.iter().any(|e| {
+        let a = e.spec.address.as_str();
+        !a.is_empty() && (a == r.peer || spelled(a).is_some_and(|a| Some(a) == spelled(&r.peer)))
+    });
+    peer_here || current(&r.time, last_success, now)
 }
 
 /// `TransferReady` from each engine's recent outcomes (not its lifetime counters): False while an
@@ -562,10 +588,14 @@ fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
         let msg = "no engine has registered with a node agent yet".to_owned();
         return Cond::new(ct::TRANSFER_READY, "Unknown", reasons::NO_ENDPOINTS, msg);
     }
-    let rejected = current_news(endpoints, now, |s| s.last_rejection.as_ref(), |r| &r.time);
+    let rejected = current_news(
+        endpoints,
+        |s| s.last_rejection.as_ref(),
+        |r, s| rejection_stands(r, s.last_success.as_ref(), endpoints, now),
+    );
     if let Some((who, r)) = rejected.first() {
         let msg = format!(
-            "{} endpoint(s) rejected a handshake since their last transfer; {who}: peer {} [{}] {}",
+            "{} endpoint(s) rejected a handshake that still stands (its peer still registered with none transferred since, or no transfer at all since); {who}: peer {} [{}] {}",
             rejected.len(),
             r.peer,
             r.reasons.join(", "),
@@ -573,7 +603,11 @@ fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
         );
         return Cond::new(ct::TRANSFER_READY, "False", reasons::HANDSHAKE_REJECTED, msg);
     }
-    let failed = current_news(endpoints, now, |s| s.last_failure.as_ref(), |f| &f.time);
+    let failed = current_news(
+        endpoints,
+        |s| s.last_failure.as_ref(),
+        |f, s| current(&f.time, s.last_success.as_ref(), now),
+    );
     if let Some((who, f)) = failed.first() {
         let msg = format!(
             "{} endpoint(s) failed a KV transfer since their last one that completed; {who}: [{}] {}",
@@ -584,7 +618,7 @@ fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
         return Cond::new(ct::TRANSFER_READY, "False", reasons::TRANSFER_FAILED, msg);
     }
     let msg = format!(
-        "{} registered engine(s): no rejected handshake or failed transfer since their last completed transfer (or in the last {} min)",
+        "{} registered engine(s): no handshake rejection standing and no failed transfer since their last completed transfer (news older than {} min does not count)",
         endpoints.len(),
         RECENT_SECONDS / 60
     );

@@ -248,6 +248,33 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         condition(&pair_json, "TransferReady").map(|c| c.1).as_deref(),
         Some("HandshakeRejected")
     );
+    // While the 16-token engine is still registered, decode's transfers with the other prefill
+    // leave the rejection standing (each one cleared it, and TransferReady flipped with every
+    // rejection and transfer after it). A later second than the rejection's:
+    std::thread::sleep(Duration::from_millis(1100));
+    let completed = |p: &serde_json::Value| p["status"]["transfer"]["transfersCompleted"].as_i64();
+    let before = completed(&pair_json).unwrap_or(0);
+    let event = push_one(&mut p, &mut d, "r-beside", 5);
+    assert!(matches!(event, AgentEvent::RequestDone { .. }), "{event:?}");
+    let pair_json = eventually(WAIT, "both sides' transfer in the pair's totals", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (completed(&p)? >= before + 2).then_some(p)
+    });
+    let endpoint = get_json("pdendpoint", &ns, &endpoint_name("decode-pod", "d0")).expect("decode's endpoint");
+    assert!(
+        endpoint["status"]["lastSuccess"].as_str() > endpoint["status"]["lastRejection"]["time"].as_str(),
+        "{endpoint}"
+    );
+    // Both rejections stand: decode's of the 16-token engine, still registered, and that
+    // engine's own of decode (it never transferred).
+    let message = condition_of(&pair_json, "TransferReady").expect("TransferReady")["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        message.starts_with("2 endpoint(s) rejected a handshake that still stands"),
+        "{message}"
+    );
     // Deleting a Pod garbage-collects its endpoint.
     kubectl_ok(
         &[

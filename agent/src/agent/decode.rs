@@ -59,16 +59,7 @@ impl Engine {
         if !self.role_is(Role::Decode, "Renew", &request) {
             return;
         }
-        // Where no prefill listens, nothing is sent nor dialled; one prefill named in several
-        // spellings is one (a frame naming it 1024 ways sent it 1024 renewals).
-        let mut seen = std::collections::HashSet::new();
-        let prefills: Vec<String> = prefills
-            .iter()
-            .filter_map(|p| self.dialable().check(p).map(one_spelling).ok())
-            .filter(|p| seen.insert(p.clone()))
-            .take(crate::engine_api::MAX_RENEW_PREFILLS)
-            .collect();
-        for prefill in prefills {
+        for prefill in renewed(&prefills, |p| self.dialable().check(p)) {
             self.renew_at(&request, prefill, prompt.clone());
         }
     }
@@ -1299,7 +1290,7 @@ impl Engine {
         // add up to decode's whole-block checksums.
         let sums = combine(p.parts.values().map(|(s, _)| s.as_ref()));
         self.shared.metrics.transfer_done(Role::Decode, bytes);
-        self.transferred(bytes);
+        self.transferred(bytes, p.parts.keys().map(String::as_str));
         if self.settings.checksum == ChecksumPolicy::Disabled {
             return self.answer(&AgentEvent::RequestDone {
                 request,
@@ -1716,6 +1707,20 @@ fn dialling(peers: &HashMap<String, Slot>) -> usize {
     peers.values().filter(|s| matches!(s, Slot::Connecting(_))).count()
 }
 
+/// The prefills a `Renew` naming `prefills` renews, each once in its [`one_spelling`], at most
+/// [`crate::engine_api::MAX_RENEW_PREFILLS`]: where no prefill listens (`dialable` refuses it)
+/// nothing is sent nor dialled, and one prefill named in several spellings is one (a frame
+/// naming it 1024 ways sent it 1024 renewals).
+fn renewed(prefills: &[String], dialable: impl Fn(&str) -> Result<std::net::SocketAddr, String>) -> Vec<String> {
+    let mut seen = std::collections::HashSet::new();
+    prefills
+        .iter()
+        .filter_map(|p| dialable(p).map(one_spelling).ok())
+        .filter(|p| seen.insert(p.clone()))
+        .take(crate::engine_api::MAX_RENEW_PREFILLS)
+        .collect()
+}
+
 /// One spelling for each prefill address (an IPv4 address mapped into IPv6 is written as IPv4,
 /// a port without leading zeros), the key of its link, its remembered rejection and its places
 /// at the dial gate: an engine naming one prefill as `10.0.0.7:40000`, `[::ffff:10.0.0.7]:40000`
@@ -1723,4 +1728,39 @@ fn dialling(peers: &HashMap<String, Slot>) -> usize {
 /// not keep the others from dialling again.
 fn one_spelling(addr: std::net::SocketAddr) -> String {
     std::net::SocketAddr::new(addr.ip().to_canonical(), addr.port()).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_renewal_goes_to_each_prefill_once_in_its_one_spelling_and_nowhere_refused() {
+        let dialable = |p: &str| {
+            let sock: std::net::SocketAddr = p.parse().map_err(|_| format!("{p:?}"))?;
+            if sock.port() == 22 {
+                return Err("a service".into());
+            }
+            Ok(sock)
+        };
+        let named: Vec<String> = [
+            "10.0.0.7:40000",
+            "[::ffff:10.0.0.7]:40000",
+            "10.0.0.7:040000",
+            "10.0.0.8:22",
+            "not an address",
+            "10.0.0.8:40000",
+            "10.0.0.7:40000",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(renewed(&named, dialable), ["10.0.0.7:40000", "10.0.0.8:40000"]);
+        // At most MAX_RENEW_PREFILLS distinct prefills, the first named.
+        let many: Vec<String> = (0..crate::engine_api::MAX_RENEW_PREFILLS + 5)
+            .map(|i| format!("10.1.{}.{}:40000", i / 256, i % 256))
+            .collect();
+        let out = renewed(&many, dialable);
+        assert_eq!(out.len(), crate::engine_api::MAX_RENEW_PREFILLS);
+        assert_eq!(out[..], many[..crate::engine_api::MAX_RENEW_PREFILLS]);
+    }
 }

@@ -811,7 +811,7 @@ impl Engine {
             // This decode rank read them: nothing more of them is read through this link.
             link.close_window(&request);
             self.shared.metrics.transfer_done(Role::Prefill, bytes);
-            self.transferred(bytes);
+            self.transferred(bytes, [link.addr.as_str()]);
             self.finish(request, Ok((bytes, 0)));
         }
         lent
@@ -1484,7 +1484,7 @@ impl Engine {
                 self.shared.metrics.transfer_latency(took);
                 self.shared.metrics.transfer_done(Role::Prefill, bytes);
                 self.moved(link);
-                self.transferred(bytes);
+                self.transferred(bytes, [link.addr.as_str()]);
                 if link.send(&Message::Complete {
                     request: request.clone(),
                     sums,

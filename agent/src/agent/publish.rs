@@ -234,15 +234,13 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
     }
     let status = PDEndpointStatus {
         counters: stats.counters.clone(),
-        last_rejection: stats
-            .last_rejection
-            .as_ref()
-            .map(|(at, peer, reasons, message)| Rejection {
-                time: unix_time(*at),
-                peer: peer.clone(),
-                reasons: crate::reason::names(reasons),
-                message: message.clone(),
-            }),
+        last_rejection: stats.last_rejection.as_ref().map(|r| Rejection {
+            time: unix_time(r.at),
+            peer: r.peer.clone(),
+            reasons: crate::reason::names(&r.reasons),
+            message: r.message.clone(),
+            resolved: r.resolved.map(unix_time),
+        }),
         last_success: stats.last_success.map(unix_time),
         last_failure: stats.last_failure.as_ref().map(|(at, reasons, message)| Failure {
             time: unix_time(*at),

@@ -238,6 +238,72 @@ fn observed_pair_rejected_by_the_rules_names_the_rule() {
 }
 
 #[test]
+fn a_rejection_of_a_peer_still_registered_stands_through_transfers_with_other_peers() {
+    let pair = pair();
+    let p1 = endpoint("p-1", Role::Prefill, &pair);
+    let mut p2 = endpoint("p-2", Role::Prefill, &pair);
+    p2.spec.address = "10.0.0.2:7000".into();
+    let mut d = endpoint("d-1", Role::Decode, &pair);
+    d.spec.address = String::new();
+    // Decode rejected p-2 (its prefill address) and keeps transferring with p-1.
+    let standing = |resolved: Option<Time>, last_success: i64| PDEndpointStatus {
+        last_rejection: Some(Rejection {
+            time: t(10),
+            peer: "10.0.0.2:7000".into(),
+            reasons: vec!["KernelBlockSizeMismatch".into()],
+            message: "push needs identical kernel block sizes".into(),
+            resolved,
+        }),
+        last_success: Some(t(last_success)),
+        ..Default::default()
+    };
+    let ready_at = |now: i64, endpoints: Vec<&PDEndpoint>| {
+        let (s, _) = compute(
+            &pair,
+            &Observed {
+                endpoints,
+                ..Observed::default()
+            },
+            &t(now),
+        );
+        let c = cond(&s, ct::TRANSFER_READY).clone();
+        (c.status, c.reason)
+    };
+    let rejected = ("False".to_owned(), reasons::HANDSHAKE_REJECTED.to_owned());
+    let healthy = ("True".to_owned(), reasons::HEALTHY.to_owned());
+    // p-2 is still there: transfers with p-1, one after another, do not clear it (each
+    // cleared it, and the next rejection set it again: TransferReady flipped with each).
+    for last_success in [11, 40, 300] {
+        d.status = Some(standing(None, last_success));
+        assert_eq!(
+            ready_at(last_success + 1, vec![&p1, &p2, &d]),
+            rejected,
+            "{last_success}"
+        );
+    }
+    // A transfer with p-2 itself does, as decode's agent says...
+    d.status = Some(standing(Some(t(12)), 40));
+    assert_eq!(ready_at(41, vec![&p1, &p2, &d]), healthy);
+    // ...but not one before the rejection.
+    d.status = Some(standing(Some(t(9)), 40));
+    assert_eq!(ready_at(41, vec![&p1, &p2, &d]), rejected);
+    // Once p-2 is gone (or stale), any later transfer of decode's clears it...
+    d.status = Some(standing(None, 40));
+    assert_eq!(ready_at(41, vec![&p1, &d]), healthy);
+    p2.status = Some(PDEndpointStatus {
+        last_heartbeat: Some(t(41 - STALE_SECONDS - 1)),
+        ..Default::default()
+    });
+    assert_eq!(ready_at(41, vec![&p1, &p2, &d]), healthy, "p-2 stale");
+    // ...and none before it: it stands until it is old news.
+    d.status = Some(standing(None, 10));
+    assert_eq!(ready_at(41, vec![&p1, &d]), rejected);
+    assert_eq!(ready_at(10 + RECENT_SECONDS, vec![&p1, &d]), healthy);
+    p2.status = None;
+    assert_eq!(ready_at(10 + RECENT_SECONDS, vec![&p1, &p2, &d]), healthy, "old news");
+}
+
+#[test]
 fn agent_rejections_and_failures_turn_transfer_ready_false_and_totals_add_up() {
     let mut pair = pair();
     let (s0, _) = compute(&pair, &Observed::default(), &t(0));
@@ -284,6 +350,7 @@ fn agent_rejections_and_failures_turn_transfer_ready_false_and_totals_add_up() {
             peer: "10.0.0.9:7000".into(),
             reasons: vec!["KernelBlockSizeMismatch".into()],
             message: "push needs identical kernel block sizes".into(),
+            resolved: None,
         });
     }
     let (s2, transitions) = compute(
@@ -680,6 +747,7 @@ fn endpoints_gone_stale_and_paths_not_used_lately_no_longer_speak_for_the_pair()
         peer: "p-1@node-a".into(),
         reasons: vec!["KernelBlockSizeMismatch".into()],
         message: "push needs identical kernel block sizes".into(),
+        resolved: None,
     });
     s.paths = vec![path("p-1@node-a", PathKind::Tcp, &["tcp/eth0"])];
     old.status = Some(s);
@@ -962,6 +1030,7 @@ fn times_from_the_future_and_hostile_text_are_not_taken_as_written() {
         peer: "10.0.0.9:7000".into(),
         reasons: vec!["Unauthenticated".into()],
         message: message.into(),
+        resolved: None,
     };
     if let Some(s) = d.status.as_mut() {
         s.last_rejection = Some(rejected(RECENT_SECONDS * 100, "later"));
@@ -1025,6 +1094,7 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
             peer: "d-1@node-b".into(),
             reasons: vec!["KernelBlockSizeMismatch".into()],
             message: String::new(),
+            resolved: None,
         }),
         ..Default::default()
     });
