@@ -145,6 +145,10 @@ struct Shared {
     /// described, to tell a peer that is one of them from one that only claims this agent's
     /// memory.
     locals: Mutex<Vec<(u64, LocalEngine)>>,
+    /// The pools of engines that went in the last [`RELEASED_WITHIN`], as (when, all bytes,
+    /// bytes in the pool directory): their memory may still be charged (an engine's process
+    /// still exiting maps it).
+    released: Mutex<Vec<(Instant, u64, u64)>>,
     metrics: Arc<Metrics>,
     /// Unauthenticated side-channel connections (the pre-auth budget).
     unauthenticated: Arc<crate::unproven::Budget>,
@@ -279,6 +283,10 @@ pub fn live_room(requests: usize, blocks: usize, more: usize) -> Result<(), Stri
     Ok(())
 }
 
+/// How long an engine's pools that went still count as the agent's for a busy refusal: its
+/// memory is uncharged once every mapping of it went (the engine's process still exiting).
+pub const RELEASED_WITHIN: Duration = Duration::from_secs(10);
+
 /// Memory the agent keeps for itself when it allocates an engine's pool: a pool is refused when
 /// it would leave less than this under the agent's memory limit.
 pub const AGENT_OWN_MEMORY: u64 = 256 << 20;
@@ -385,9 +393,30 @@ struct LocalEngine {
     role: Role,
     engine: String,
     memory: MemoryDesc,
+    /// Bytes of the pools the agent allocated for it (its memory cgroup is charged for them),
+    /// and of those, the bytes that are files in the pool directory: both go with the engine.
+    allocated: u64,
+    in_pool_dir: u64,
 }
 
 impl Shared {
+    /// Bytes of the pools the agent holds for its registered engines, and of those released in
+    /// the last [`RELEASED_WITHIN`], as ([`LocalEngine::allocated`], [`LocalEngine::in_pool_dir`])
+    /// summed.
+    fn pools_held(&self) -> (u64, u64) {
+        let held = lock(&self.locals)
+            .iter()
+            .map(|(_, l)| (l.allocated, l.in_pool_dir))
+            .collect::<Vec<_>>();
+        let mut released = lock(&self.released);
+        released.retain(|(at, ..)| at.elapsed() < RELEASED_WITHIN);
+        held.into_iter()
+            .chain(released.iter().map(|&(_, all, dir)| (all, dir)))
+            .fold((0u64, 0u64), |(all, dir), (a, d)| {
+                (all.saturating_add(a), dir.saturating_add(d))
+            })
+    }
+
     /// Engine names are unique on the node (its agent): two engines of one name would share a
     /// PDEndpoint, and a peer naming one could not tell them apart.
     /// And an agent holds at most [`MAX_ENGINES`] (each holds threads, mappings, a listener),
@@ -610,6 +639,7 @@ impl Agent {
                 transport: Arc::new(crate::transport::host::Host::new(ucx.clone(), stream)),
                 cuda: Arc::new(cuda),
                 locals: Mutex::new(Vec::new()),
+                released: Mutex::new(Vec::new()),
                 ucx,
                 metrics,
                 unauthenticated: crate::unproven::Budget::new(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_SOURCE),
@@ -1779,27 +1809,47 @@ impl Engine {
             // The agent allocates (and faults in) the whole pool, and its memory cgroup is
             // charged for it: never more than its limit leaves (it would be killed, and every
             // engine on the node with it), nor than its file system holds.
+            // Busy only where the pools it holds for other engines, which go with them, would
+            // leave room: a rollout's new Pod on a node whose agent holds the old Pod's pools
+            // registers once they go (its engine refused for good crash-looped meanwhile). What
+            // else holds the agent's memory (its links' buffers, UCX, socket memory) need not
+            // go, and a refusal said busy is tried again for good: not busy where only that
+            // would make room.
+            let (held, held_in_dir) = shared.pools_held();
+            let until_they_go = |held: u64| {
+                format!(
+                    "; the agent holds {held} bytes of pools for other engines (or released them in the last {} s), which go with them: this one fits once enough of them go (busy)",
+                    RELEASED_WITHIN.as_secs()
+                )
+            };
             if let Some((limit, used)) = pool::memory_limit() {
                 let room = limit.saturating_sub(used).saturating_sub(AGENT_OWN_MEMORY);
                 if need as u64 > room {
-                    let message = format!(
+                    let busy = held > 0 && need as u64 <= room.saturating_add(held);
+                    let mut message = format!(
                         "the pool needs {need} bytes, which the agent allocates and its memory cgroup is charged for: its memory limit leaves {room} (limit {limit}, in use {used}, {AGENT_OWN_MEMORY} kept for the agent itself); raise the agent's memory limit (the chart's agent.resources.limits.memory) or register fewer blocks"
                     );
-                    // Not busy: what else holds the agent's memory (its links' buffers, UCX,
-                    // socket memory) need not go, and a refusal said busy is tried again for good.
-                    return Err(Refusal::from(message));
+                    if busy {
+                        message.push_str(&until_they_go(held));
+                    }
+                    return Err(Refusal { message, busy });
                 }
             }
             let free = pool::available(&shared.cfg.pool_dir).unwrap_or(0);
             if need as u64 > free {
-                return Err(Refusal::from(format!(
+                let busy = held_in_dir > 0 && need as u64 <= free.saturating_add(held_in_dir);
+                let mut message = format!(
                     "the pool needs {need} bytes ({} layers x {} arrays x {} blocks x {} bytes); the pool directory {} has {free} free",
                     layout.layers,
                     layout.halves(),
                     layout.num_blocks,
                     layout.block_len(),
                     shared.cfg.pool_dir.display()
-                )));
+                );
+                if busy {
+                    message.push_str(&until_they_go(held_in_dir));
+                }
+                return Err(Refusal { message, busy });
             }
         }
         // An address another engine held when the agent stopped stays that engine's a while.
@@ -1919,6 +1969,16 @@ impl Engine {
                 engine.shutdown();
                 return Err(taken);
             }
+            let lens = engine.layout.region_lens();
+            let held = |counts: &dyn Fn(&Pool) -> bool| -> u64 {
+                engine
+                    .pools
+                    .iter()
+                    .zip(&lens)
+                    .filter(|(p, _)| counts(p))
+                    .map(|(_, len)| *len as u64)
+                    .fold(0u64, u64::saturating_add)
+            };
             locals.push((
                 engine.local_id,
                 LocalEngine {
@@ -1927,6 +1987,8 @@ impl Engine {
                     role: engine.reg.role,
                     engine: engine.reg.engine.clone(),
                     memory: engine.local.memory.clone(),
+                    allocated: held(&|p| p.origin != pool::Origin::EngineMemfd),
+                    in_pool_dir: held(&|p| p.path.is_some()),
                 },
             ));
         }
@@ -2480,7 +2542,21 @@ impl Engine {
         if let Some(d) = &self.device {
             d.release();
         }
-        lock(&self.shared.locals).retain(|(id, _)| *id != self.local_id);
+        let gone: Vec<LocalEngine> = {
+            let mut locals = lock(&self.shared.locals);
+            let (gone, kept) = std::mem::take(&mut *locals)
+                .into_iter()
+                .partition(|(id, _)| *id == self.local_id);
+            *locals = kept;
+            gone.into_iter().map(|(_, l)| l).collect()
+        };
+        for l in gone.iter().filter(|l| l.allocated > 0) {
+            let mut released = lock(&self.shared.released);
+            released.retain(|(at, ..)| at.elapsed() < RELEASED_WITHIN);
+            if released.len() < MAX_ENGINES {
+                released.push((Instant::now(), l.allocated, l.in_pool_dir));
+            }
+        }
         if let Some(at) = self.side_channel() {
             self.shared.claims.release(at, &self.reg.pdpair, &self.reg.engine);
         }

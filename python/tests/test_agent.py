@@ -4,6 +4,7 @@ Python engines, and between a Python engine and the agent's own Rust synthetic e
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
@@ -617,6 +618,45 @@ def test_a_restarted_agent_listens_again_where_a_prefill_engine_was(world):
         register(a, role="decode", address="127.0.0.1:40000")
 
 
+def test_a_pool_past_the_pool_directorys_room_is_busy_while_the_agents_own_pools_fill_it(world):
+    # Under shm the agent's pools are UCX's segment files in its pool directory (the chart's
+    # emptyDir): one past its room is refused, naming it; busy while the pools the agent holds
+    # for other engines, which go with them, would leave room. A real small file system: a
+    # tmpfs of 160 MiB (needs root, as the memory cgroup test does).
+    pools = world.dir / "pools"
+    pools.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m,mode=0700", "tmpfs", str(pools)], check=True)
+    try:
+        agent = world.agent("a", "shm")
+        g = kv(heads=8, head_dim=128)  # 128 KiB a block (2 layers, K and V)
+        held = [py_engine(world, agent, "prefill", g, num_blocks=512, engine=f"held-{i}") for i in range(2)]
+        pool_files = [f for f in pools.iterdir() if f.stat().st_size >= 64 << 20]
+        assert len(pool_files) == 2, f"each pool is a file of the pool directory: {list(pools.iterdir())}"
+        with pytest.raises(AgentBusy, match=r"the pool directory .* has \d+ free; the agent holds 134217728 bytes of pools"):
+            py_engine(world, agent, "prefill", g, num_blocks=512, engine="third")
+        # Not busy where they would not leave room: 256 MiB on 160.
+        with pytest.raises(AgentError, match=r"the pool directory .* has \d+ free") as past_all:
+            py_engine(world, agent, "prefill", g, num_blocks=2048, engine="past-all")
+        assert not isinstance(past_all.value, AgentBusy), "the pools held would not make room"
+        # One goes: the third fits.
+        held[0].close()
+        for pool in held[0].pools:
+            pool.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                third = py_engine(world, agent, "prefill", g, num_blocks=512, engine="third")
+                break
+            except AgentBusy:
+                assert time.monotonic() < deadline, "the pool that went left no room"
+                time.sleep(0.1)
+        third.close()
+        held[1].close()
+    finally:
+        world.stop()
+        subprocess.run(["umount", "-l", str(pools)], check=False)
+
+
 def test_a_pool_past_the_agents_memory_limit_is_refused_naming_it_and_the_agent_lives_on(world, memory_cgroup):
     # The agent allocates a host pool and faults it in, so its memory cgroup is charged for it:
     # one past its limit got the agent killed (and every engine on the node lost it). Now it is
@@ -632,11 +672,36 @@ def test_a_pool_past_the_agents_memory_limit_is_refused_naming_it_and_the_agent_
     small = py_engine(world, agent, "prefill", g, num_blocks=512)  # 64 MiB
     synthetic.fill(small.pool, small.layout, 3, [0, 511], 0, 32)
     assert synthetic.verify(small.pool, small.layout, 3, [0, 511], 0, 32) == 0
-    # The room shrinks with what the agent holds: 3 more of 64 MiB leave under 256 MiB.
+    # The room shrinks with what the agent holds: 3 more of 64 MiB leave under 256 MiB. Its
+    # pools for the engines it holds would leave room once they go (a rollout's new Pod beside
+    # the old one): busy, tried again, not refused for good (the engine crash-looped).
     more = [py_engine(world, agent, "prefill", g, num_blocks=512, engine=f"more-{i}") for i in range(2)]
-    with pytest.raises(AgentError, match="its memory limit leaves") as more_than_left:
+    with pytest.raises(AgentBusy, match=r"its memory limit leaves .*the agent holds 201326592 bytes of pools for other engines"):
         py_engine(world, agent, "prefill", g, num_blocks=768, engine="over")
-    assert not isinstance(more_than_left.value, AgentBusy)
     assert agent.proc.poll() is None
+    # Their engines gone but their memory still mapped (an engine's process still ending): still
+    # busy, not refused for good.
     for e in [small, *more]:
         e.close()
+    time.sleep(1)
+    with pytest.raises(AgentBusy, match="or released them in the last 10 s"):
+        py_engine(world, agent, "prefill", g, num_blocks=768, engine="over")
+    # Once it is unmapped too, it fits.
+    for e in [small, *more]:
+        for pool in e.pools:
+            pool.close()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            over = py_engine(world, agent, "prefill", g, num_blocks=768, engine="over")
+            break
+        except AgentBusy:
+            assert time.monotonic() < deadline, "the pools that went left no room"
+            time.sleep(0.1)
+    # Not busy where the pools it holds would not make room: the engine's own 96 MiB and 1 GiB
+    # more leave past the limit with it gone.
+    with pytest.raises(AgentError, match="its memory limit leaves") as past_all:
+        py_engine(world, agent, "prefill", g, num_blocks=8192, engine="past-all")
+    assert not isinstance(past_all.value, AgentBusy), "the pools held would not make room"
+    assert agent.proc.poll() is None
+    over.close()
