@@ -105,6 +105,13 @@ pub struct TransferSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 8))]
     pub require_path: Vec<crate::PathKind>,
+    /// Whether every engine must hand its agent its KV cache in GPU memory, moved in place
+    /// (PDEndpoint `poolMemory: Gpu`, the vLLM connector's direct path). When set, an engine that
+    /// stages its KV through a host pool (its PDEndpoint's `spec.staging` says why) turns the
+    /// `TransferPath` condition False with a Warning Event (reason `StagingNotAllowed`), before
+    /// any transfer; engines are not stopped. Default false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub require_direct: bool,
 }
 
 /// Which KV connector the engines load.
@@ -141,6 +148,7 @@ impl Default for TransferSpec {
             lease_duration: default_lease_duration(),
             connector: Connector::None,
             require_path: Vec::new(),
+            require_direct: false,
         }
     }
 }

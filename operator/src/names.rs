@@ -107,6 +107,9 @@ pub mod reasons {
     pub const NO_TRANSFERS: &str = "NoTransfers";
     /// A transfer took a path `spec.transfer.requirePath` does not allow (also Ready's reason).
     pub const PATH_NOT_ALLOWED: &str = "PathNotAllowed";
+    /// An engine stages its KV through host memory while `spec.transfer.requireDirect` is set
+    /// (also Ready's reason).
+    pub const STAGING_NOT_ALLOWED: &str = "StagingNotAllowed";
     /// The pools' Deployments are as the spec plans them.
     pub const APPLIED: &str = "Applied";
     /// The API server refused a pool's Deployment (also Ready's reason): neither was applied.

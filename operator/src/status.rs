@@ -633,28 +633,56 @@ const PATHS_NAMED: usize = 3;
 /// endpoint's path to a peer is not in it (RDMA that fell back to TCP, say); else True, its
 /// reason the worst class seen. The message also counts the engines that stage their KV through
 /// host memory by their own account (`spec.staging`): a copy on each side the path leaves out.
+/// With `spec.transfer.requireDirect`, any engine whose pool is host memory (staging, or a KV
+/// cache on the CPU) turns it False (`StagingNotAllowed`), transfers or none.
 fn path_condition(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Cond {
     let mut c = path_condition_of_transfers(pair, endpoints, now);
-    let mut staging: Vec<&str> = endpoints
-        .iter()
-        .filter(|e| e.spec.pool_memory == pdpair_api::PoolMemory::Host && e.spec.staging.is_some())
-        .map(|e| e.metadata.name.as_deref().unwrap_or("?"))
-        .collect();
-    if !staging.is_empty() {
-        staging.sort_unstable();
-        let named: Vec<&str> = staging.iter().take(PATHS_NAMED).copied().collect();
-        let more = staging.len().saturating_sub(PATHS_NAMED);
+    let named = |mut names: Vec<&str>| {
+        names.sort_unstable();
+        let more = names.len().saturating_sub(PATHS_NAMED);
         let more = if more > 0 {
             format!(" and {more} more")
         } else {
             String::new()
         };
+        format!("{}{more}", names[..names.len().min(PATHS_NAMED)].join(", "))
+    };
+    let host = |e: &&&PDEndpoint| e.spec.pool_memory == pdpair_api::PoolMemory::Host;
+    fn name<'a>(e: &&'a PDEndpoint) -> &'a str {
+        e.metadata.name.as_deref().unwrap_or("?")
+    }
+    let staging: Vec<&str> = endpoints
+        .iter()
+        .filter(host)
+        .filter(|e| e.spec.staging.is_some())
+        .map(name)
+        .collect();
+    if !staging.is_empty() {
         c.message.push_str(&format!(
-            "; {} of {} engine(s) stage KV through host memory ({}{more}: their PDEndpoints' spec.staging say why)",
+            "; {} of {} engine(s) stage KV through host memory ({}: their PDEndpoints' spec.staging say why)",
             staging.len(),
             endpoints.len(),
-            named.join(", ")
+            named(staging)
         ));
+    }
+    let hosts: Vec<&str> = endpoints.iter().filter(host).map(name).collect();
+    if pair.spec.transfer.require_direct && !hosts.is_empty() {
+        let why = format!(
+            "spec.transfer.requireDirect is set, but {} of {} engine(s) hand their agent a host pool, not their KV cache in GPU memory ({})",
+            hosts.len(),
+            endpoints.len(),
+            named(hosts)
+        );
+        c = if c.status == "False" {
+            Cond::new(ct::TRANSFER_PATH, "False", &c.reason, format!("{}; {why}", c.message))
+        } else {
+            Cond::new(
+                ct::TRANSFER_PATH,
+                "False",
+                reasons::STAGING_NOT_ALLOWED,
+                format!("{why}; {}", c.message),
+            )
+        };
     }
     c
 }
@@ -724,7 +752,7 @@ fn ready_condition(
         (decode.status != "True", reasons::DECODE_NOT_READY, decode),
         (!registered, reasons::NOT_REGISTERED, transfer),
         (transfer.status == "False", reasons::TRANSFER_NOT_READY, transfer),
-        (path.status == "False", reasons::PATH_NOT_ALLOWED, path),
+        (path.status == "False", path.reason.as_str(), path),
     ];
     match blockers.iter().find(|(blocked, _, _)| *blocked) {
         Some((_, reason, cause)) => Cond::new(

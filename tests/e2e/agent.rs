@@ -189,24 +189,43 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
             )),
         "{message}"
     );
+    let patch_pair = |patch: &str| {
+        kubectl_ok(
+            &[
+                "patch",
+                "pdpair",
+                "vllm-push-64-64",
+                "-n",
+                &ns,
+                "--type=merge",
+                "-p",
+                patch,
+            ],
+            None,
+        );
+    };
+    let path_is = |status: &str, reason: &str| {
+        eventually(WAIT, &format!("TransferPath={status} {reason}"), || {
+            let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+            (condition(&p, "TransferPath")? == (status.to_owned(), reason.to_owned())).then_some(())
+        });
+    };
     // Allowing Tcp turns it True, its reason the path.
-    kubectl_ok(
-        &[
-            "patch",
-            "pdpair",
-            "vllm-push-64-64",
-            "-n",
-            &ns,
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"transfer":{"requirePath":["Rdma","Tcp"]}}}"#,
-        ],
-        None,
+    patch_pair(r#"{"spec":{"transfer":{"requirePath":["Rdma","Tcp"]}}}"#);
+    path_is("True", "Tcp");
+    // Requiring every engine's KV in GPU memory: these engines' pools are host memory (decode
+    // says why it stages), so False, with a Warning naming them; and True again without it.
+    patch_pair(r#"{"spec":{"transfer":{"requireDirect":true}}}"#);
+    path_is("False", "StagingNotAllowed");
+    let warning = event_with_reason(WAIT, &ns, "vllm-push-64-64", "StagingNotAllowed", Some("Warning"));
+    let message = warning["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("requireDirect is set, but 2 of 2 engine(s) hand their agent a host pool")
+            && message.contains(&endpoint_name("decode-pod", "d0")),
+        "{message}"
     );
-    eventually(WAIT, "TransferPath=True Tcp", || {
-        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
-        (condition(&p, "TransferPath")? == ("True".to_owned(), "Tcp".to_owned())).then_some(())
-    });
+    patch_pair(r#"{"spec":{"transfer":{"requireDirect":false}}}"#);
+    path_is("True", "Tcp");
     // An engine that runs 16-token blocks: its endpoint shows the mismatch in the pair's status...
     let p16 = register(&p_sock, spec(Role::Prefill, "p16", "prefill16-pod", 16));
     let reason = eventually(WAIT, "GeometryCompatible=False", || {

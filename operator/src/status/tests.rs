@@ -922,6 +922,78 @@ fn a_path_outside_require_path_turns_transfer_path_and_ready_false_with_a_warnin
 }
 
 #[test]
+fn an_engine_staging_through_host_memory_under_require_direct_turns_transfer_path_and_ready_false() {
+    use pdpair_api::{PathKind, PoolMemory};
+    let mut pair = pair();
+    let mut p = endpoint("p0", Role::Prefill, &pair);
+    let mut d = endpoint("d0", Role::Decode, &pair);
+    p.spec.pool_memory = PoolMemory::Gpu;
+    d.spec.staging = Some("the agent accepts no GPU pools".into());
+    // Not required: no transfer yet, Unknown; the staging engine is counted in the message.
+    let (s0, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(2));
+    let c = cond(&s0, ct::TRANSFER_PATH);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("Unknown", reasons::NO_TRANSFERS)
+    );
+    assert!(
+        c.message.contains("1 of 2 engine(s) stage KV through host memory (d0"),
+        "{}",
+        c.message
+    );
+    assert_eq!(cond(&s0, ct::READY).status, "True");
+    pair.status = Some(s0);
+    // Required: False before any transfer, naming the engine, with a Warning; Ready says why.
+    pair.spec.transfer.require_direct = true;
+    let (s1, transitions) = compute(&pair, &all_ready(vec![&p, &d]), &t(3));
+    let c = cond(&s1, ct::TRANSFER_PATH);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", reasons::STAGING_NOT_ALLOWED)
+    );
+    assert!(
+        c.message.starts_with(
+            "spec.transfer.requireDirect is set, but 1 of 2 engine(s) hand their agent a host pool, not their KV cache in GPU memory (d0)"
+        ),
+        "{}",
+        c.message
+    );
+    let r = cond(&s1, ct::READY);
+    assert_eq!(
+        (r.status.as_str(), r.reason.as_str()),
+        ("False", reasons::STAGING_NOT_ALLOWED)
+    );
+    assert!(
+        transitions.iter().any(|t| t.type_ == ct::TRANSFER_PATH && t.warning),
+        "{transitions:?}"
+    );
+    // A host pool without a word of why (an engine whose cache is on the CPU) counts too.
+    d.spec.staging = None;
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(3));
+    assert_eq!(cond(&s, ct::TRANSFER_PATH).reason, reasons::STAGING_NOT_ALLOWED);
+    // A path outside requirePath as well: its reason stays, and the message says both.
+    pair.spec.transfer.require_path = vec![PathKind::Rdma];
+    p.status = Some(PDEndpointStatus {
+        paths: vec![path("10.0.0.3:7000", PathKind::Tcp, &["tcp/eth0"])],
+        ..PDEndpointStatus::default()
+    });
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(3));
+    let c = cond(&s, ct::TRANSFER_PATH);
+    assert_eq!(c.reason, reasons::PATH_NOT_ALLOWED);
+    assert!(
+        c.message.contains("not in spec.transfer.requirePath") && c.message.contains("requireDirect is set"),
+        "{}",
+        c.message
+    );
+    // Every engine in GPU memory: True.
+    pair.spec.transfer.require_path.clear();
+    d.spec.pool_memory = PoolMemory::Gpu;
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &d]), &t(4));
+    assert_eq!(cond(&s, ct::TRANSFER_PATH).status, "True");
+    assert_eq!(cond(&s, ct::READY).status, "True");
+}
+
+#[test]
 fn many_paths_are_counted_not_all_named() {
     use pdpair_api::PathKind;
     let pair = pair();
