@@ -145,10 +145,9 @@ struct Shared {
     /// described, to tell a peer that is one of them from one that only claims this agent's
     /// memory.
     locals: Mutex<Vec<(u64, LocalEngine)>>,
-    /// The pools of engines that went in the last [`RELEASED_WITHIN`], as (when, all bytes,
-    /// bytes in the pool directory): their memory may still be charged (an engine's process
-    /// still exiting maps it).
-    released: Mutex<Vec<(Instant, u64, u64)>>,
+    /// Pools the agent allocated that no registered engine holds but that still count for a
+    /// busy refusal ([`Shared::pools_held`]). Locked after `locals`, where both are.
+    elsewhere: Mutex<Elsewhere>,
     metrics: Arc<Metrics>,
     /// Unauthenticated side-channel connections (the pre-auth budget).
     unauthenticated: Arc<crate::unproven::Budget>,
@@ -393,28 +392,87 @@ struct LocalEngine {
     role: Role,
     engine: String,
     memory: MemoryDesc,
-    /// Bytes of the pools the agent allocated for it (its memory cgroup is charged for them),
-    /// and of those, the bytes that are files in the pool directory: both go with the engine.
-    allocated: u64,
+    /// The pools the agent allocated for it (its memory cgroup is charged for them).
+    held: Held,
+}
+
+/// Pools the agent allocated for one engine: they go with it.
+#[derive(Clone, Debug)]
+struct Held {
+    /// The engine's Pod's uid, where engines are attested.
+    pod: Option<String>,
+    pdpair: String,
+    role: Role,
+    /// All their bytes, and of those the bytes that are files in the pool directory.
+    all: u64,
     in_pool_dir: u64,
 }
 
+impl Held {
+    /// Whether these pools count for a registration of `pdpair` and `role` from `pod`: pools of
+    /// another Pod's engine of the same PDPair and role (a rollout's old Pod beside the new one),
+    /// not of the registering Pod's own (they do not go for it), nor of other pairs' or roles'
+    /// engines, which need not ever go.
+    fn counts_for(&self, pod: Option<&str>, pdpair: &str, role: Role) -> bool {
+        self.pdpair == pdpair && self.role == role && (pod.is_none() || self.pod.as_deref() != pod)
+    }
+}
+
+/// Pools that count for a busy refusal besides registered engines' ([`Shared::pools_held`]).
+#[derive(Debug, Default)]
+struct Elsewhere {
+    /// Those of registrations between their allocation and being recorded in `locals`, by
+    /// registration id: a registration at once (a Pod's tensor-parallel ranks) saw their
+    /// memory in use and not as held, and was refused for good.
+    registering: Vec<(u64, Held)>,
+    /// Those of engines that went in the last [`RELEASED_WITHIN`] (at most [`MAX_ENGINES`]):
+    /// their memory may still be charged, an engine's process still ending maps it.
+    released: Vec<(Instant, Held)>,
+}
+
+/// Counts a registration's pools as held until it is recorded in `locals` (or fails).
+struct Registering {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl Registering {
+    fn new(shared: &Arc<Shared>, id: u64, held: Held) -> Self {
+        lock(&shared.elsewhere).registering.push((id, held));
+        Registering {
+            shared: shared.clone(),
+            id,
+        }
+    }
+}
+
+impl Drop for Registering {
+    fn drop(&mut self) {
+        lock(&self.shared.elsewhere)
+            .registering
+            .retain(|(id, _)| *id != self.id);
+    }
+}
+
 impl Shared {
-    /// Bytes of the pools the agent holds for its registered engines, and of those released in
-    /// the last [`RELEASED_WITHIN`], as ([`LocalEngine::allocated`], [`LocalEngine::in_pool_dir`])
-    /// summed.
-    fn pools_held(&self) -> (u64, u64) {
-        let held = lock(&self.locals)
-            .iter()
-            .map(|(_, l)| (l.allocated, l.in_pool_dir))
-            .collect::<Vec<_>>();
-        let mut released = lock(&self.released);
-        released.retain(|(at, ..)| at.elapsed() < RELEASED_WITHIN);
-        held.into_iter()
-            .chain(released.iter().map(|&(_, all, dir)| (all, dir)))
-            .fold((0u64, 0u64), |(all, dir), (a, d)| {
-                (all.saturating_add(a), dir.saturating_add(d))
-            })
+    /// The pools that count for a registration of `pdpair` and `role` from `pod`
+    /// ([`Held::counts_for`]): `(all, in the pool directory)` bytes of those the agent holds
+    /// (for registered engines, and registrations being recorded), then of those it released in
+    /// the last [`RELEASED_WITHIN`].
+    fn pools_held(&self, pod: Option<&str>, pdpair: &str, role: Role) -> ((u64, u64), (u64, u64)) {
+        let sum = |held: &mut dyn Iterator<Item = &Held>| {
+            held.filter(|h| h.counts_for(pod, pdpair, role))
+                .fold((0u64, 0u64), |(all, dir), h| {
+                    (all.saturating_add(h.all), dir.saturating_add(h.in_pool_dir))
+                })
+        };
+        let locals = lock(&self.locals);
+        let mut elsewhere = lock(&self.elsewhere);
+        elsewhere.released.retain(|(at, _)| at.elapsed() < RELEASED_WITHIN);
+        let (a, d) = sum(&mut locals.iter().map(|(_, l)| &l.held));
+        let (ra, rd) = sum(&mut elsewhere.registering.iter().map(|(_, h)| h));
+        let released = sum(&mut elsewhere.released.iter().map(|(_, h)| h));
+        ((a.saturating_add(ra), d.saturating_add(rd)), released)
     }
 
     /// Engine names are unique on the node (its agent): two engines of one name would share a
@@ -639,7 +697,7 @@ impl Agent {
                 transport: Arc::new(crate::transport::host::Host::new(ucx.clone(), stream)),
                 cuda: Arc::new(cuda),
                 locals: Mutex::new(Vec::new()),
-                released: Mutex::new(Vec::new()),
+                elsewhere: Mutex::new(Elsewhere::default()),
                 ucx,
                 metrics,
                 unauthenticated: crate::unproven::Budget::new(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_SOURCE),
@@ -1815,29 +1873,32 @@ impl Engine {
             // else holds the agent's memory (its links' buffers, UCX, socket memory) need not
             // go, and a refusal said busy is tried again for good: not busy where only that
             // would make room.
-            let (held, held_in_dir) = shared.pools_held();
-            let until_they_go = |held: u64| {
+            let ((held, held_in_dir), (released, released_in_dir)) =
+                shared.pools_held(pod_uid.as_deref(), &reg.pdpair, reg.role);
+            let until_they_go = |held: u64, released: u64| {
                 format!(
-                    "; the agent holds {held} bytes of pools for other engines (or released them in the last {} s), which go with them: this one fits once enough of them go (busy)",
+                    "; the agent holds {held} bytes of pools for other Pods' engines of this PDPair and role, and released {released} in the last {} s (their memory perhaps still mapped), which go with them: this one fits once enough of them go (busy)",
                     RELEASED_WITHIN.as_secs()
                 )
             };
             if let Some((limit, used)) = pool::memory_limit() {
                 let room = limit.saturating_sub(used).saturating_sub(AGENT_OWN_MEMORY);
                 if need as u64 > room {
-                    let busy = held > 0 && need as u64 <= room.saturating_add(held);
+                    let gone = held.saturating_add(released);
+                    let busy = gone > 0 && need as u64 <= room.saturating_add(gone);
                     let mut message = format!(
                         "the pool needs {need} bytes, which the agent allocates and its memory cgroup is charged for: its memory limit leaves {room} (limit {limit}, in use {used}, {AGENT_OWN_MEMORY} kept for the agent itself); raise the agent's memory limit (the chart's agent.resources.limits.memory) or register fewer blocks"
                     );
                     if busy {
-                        message.push_str(&until_they_go(held));
+                        message.push_str(&until_they_go(held, released));
                     }
                     return Err(Refusal { message, busy });
                 }
             }
             let free = pool::available(&shared.cfg.pool_dir).unwrap_or(0);
             if need as u64 > free {
-                let busy = held_in_dir > 0 && need as u64 <= free.saturating_add(held_in_dir);
+                let gone = held_in_dir.saturating_add(released_in_dir);
+                let busy = gone > 0 && need as u64 <= free.saturating_add(gone);
                 let mut message = format!(
                     "the pool needs {need} bytes ({} layers x {} arrays x {} blocks x {} bytes); the pool directory {} has {free} free",
                     layout.layers,
@@ -1847,7 +1908,7 @@ impl Engine {
                     shared.cfg.pool_dir.display()
                 );
                 if busy {
-                    message.push_str(&until_they_go(held_in_dir));
+                    message.push_str(&until_they_go(held_in_dir, released_in_dir));
                 }
                 return Err(Refusal { message, busy });
             }
@@ -1890,6 +1951,25 @@ impl Engine {
             ),
             None => (Engine::pools(&shared, &layout, fds)?, None),
         };
+        // What the agent allocated counts as held from here until the engine is recorded.
+        let local_id = next_link_id();
+        let lens = layout.region_lens();
+        let bytes_of = |counts: &dyn Fn(&Pool) -> bool| -> u64 {
+            pools
+                .iter()
+                .zip(&lens)
+                .filter(|(p, _)| counts(p))
+                .map(|(_, len)| *len as u64)
+                .fold(0u64, u64::saturating_add)
+        };
+        let held = Held {
+            pod: pod_uid.clone(),
+            pdpair: reg.pdpair.clone(),
+            role: reg.role,
+            all: bytes_of(&|p| p.origin != pool::Origin::EngineMemfd),
+            in_pool_dir: bytes_of(&|p| p.path.is_some()),
+        };
+        let registering = (held.all > 0).then(|| Registering::new(&shared, local_id, held.clone()));
         drop(allocating);
         let (worker_address, memory) = match &device {
             Some(d) => (
@@ -1924,7 +2004,6 @@ impl Engine {
         };
         let outboxes = shared.outboxes.of(&reg.pdpair);
         let inboxes = shared.inboxes.of(&reg.pdpair);
-        let local_id = next_link_id();
         let engine = Arc::new(Engine {
             shared,
             reg,
@@ -1969,16 +2048,6 @@ impl Engine {
                 engine.shutdown();
                 return Err(taken);
             }
-            let lens = engine.layout.region_lens();
-            let held = |counts: &dyn Fn(&Pool) -> bool| -> u64 {
-                engine
-                    .pools
-                    .iter()
-                    .zip(&lens)
-                    .filter(|(p, _)| counts(p))
-                    .map(|(_, len)| *len as u64)
-                    .fold(0u64, u64::saturating_add)
-            };
             locals.push((
                 engine.local_id,
                 LocalEngine {
@@ -1987,10 +2056,10 @@ impl Engine {
                     role: engine.reg.role,
                     engine: engine.reg.engine.clone(),
                     memory: engine.local.memory.clone(),
-                    allocated: held(&|p| p.origin != pool::Origin::EngineMemfd),
-                    in_pool_dir: held(&|p| p.path.is_some()),
+                    held,
                 },
             ));
+            drop(registering);
         }
         // Its deadlines and leases, and (prefill) its side channel: without a thread for
         // either it does not register.
@@ -2542,19 +2611,20 @@ impl Engine {
         if let Some(d) = &self.device {
             d.release();
         }
-        let gone: Vec<LocalEngine> = {
+        {
+            // Its pools still count a while (their memory perhaps still mapped); moved under
+            // `locals`, so a check meanwhile counts them once.
             let mut locals = lock(&self.shared.locals);
             let (gone, kept) = std::mem::take(&mut *locals)
                 .into_iter()
-                .partition(|(id, _)| *id == self.local_id);
+                .partition::<Vec<_>, _>(|(id, _)| *id == self.local_id);
             *locals = kept;
-            gone.into_iter().map(|(_, l)| l).collect()
-        };
-        for l in gone.iter().filter(|l| l.allocated > 0) {
-            let mut released = lock(&self.shared.released);
-            released.retain(|(at, ..)| at.elapsed() < RELEASED_WITHIN);
-            if released.len() < MAX_ENGINES {
-                released.push((Instant::now(), l.allocated, l.in_pool_dir));
+            let mut elsewhere = lock(&self.shared.elsewhere);
+            elsewhere.released.retain(|(at, _)| at.elapsed() < RELEASED_WITHIN);
+            for (_, l) in gone.into_iter().filter(|(_, l)| l.held.all > 0) {
+                if elsewhere.released.len() < MAX_ENGINES {
+                    elsewhere.released.push((Instant::now(), l.held));
+                }
             }
         }
         if let Some(at) = self.side_channel() {

@@ -272,9 +272,10 @@ pub struct Rejection {
     /// The message.
     #[schemars(length(max = MAX_TEXT))]
     pub message: String,
-    /// When a transfer with this same peer completed after the rejection, where one did: it no
-    /// longer stands. (Set by decode's agents, which know a prefill peer by its address; agents
-    /// before it leave it out.)
+    /// When a transfer with this same peer (its address) completed after the rejection, where
+    /// one did: it no longer stands. Agents before it leave it out. (A decode agent names a
+    /// prefill by its side-channel address, which later transfers share; a prefill agent names
+    /// the decode's connection, which a rejection closes.)
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "schema::time")]
     pub resolved: Option<Time>,

@@ -108,8 +108,8 @@ pub struct TransferSpec {
     /// Whether every engine must hand its agent its KV cache in GPU memory, moved in place
     /// (PDEndpoint `poolMemory: Gpu`, the vLLM connector's direct path). When set, an engine that
     /// stages its KV through a host pool (its PDEndpoint's `spec.staging` says why) turns the
-    /// `TransferPath` condition False with a Warning Event (reason `StagingNotAllowed`), before
-    /// any transfer; engines are not stopped. Default false.
+    /// `TransferPath` condition False (reason `StagingNotAllowed`; a Warning Event as it turns
+    /// False), before any transfer; engines are not stopped. Default false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub require_direct: bool,
 }

@@ -632,7 +632,7 @@ def test_a_pool_past_the_pool_directorys_room_is_busy_while_the_agents_own_pools
         held = [py_engine(world, agent, "prefill", g, num_blocks=512, engine=f"held-{i}") for i in range(2)]
         pool_files = [f for f in pools.iterdir() if f.stat().st_size >= 64 << 20]
         assert len(pool_files) == 2, f"each pool is a file of the pool directory: {list(pools.iterdir())}"
-        with pytest.raises(AgentBusy, match=r"the pool directory .* has \d+ free; the agent holds 134217728 bytes of pools"):
+        with pytest.raises(AgentBusy, match=r"the pool directory .* has \d+ free; the agent holds 134217728 bytes of pools for other Pods' engines of this PDPair and role"):
             py_engine(world, agent, "prefill", g, num_blocks=512, engine="third")
         # Not busy where they would not leave room: 256 MiB on 160.
         with pytest.raises(AgentError, match=r"the pool directory .* has \d+ free") as past_all:
@@ -672,20 +672,33 @@ def test_a_pool_past_the_agents_memory_limit_is_refused_naming_it_and_the_agent_
     small = py_engine(world, agent, "prefill", g, num_blocks=512)  # 64 MiB
     synthetic.fill(small.pool, small.layout, 3, [0, 511], 0, 32)
     assert synthetic.verify(small.pool, small.layout, 3, [0, 511], 0, 32) == 0
-    # The room shrinks with what the agent holds: 3 more of 64 MiB leave under 256 MiB. Its
-    # pools for the engines it holds would leave room once they go (a rollout's new Pod beside
-    # the old one): busy, tried again, not refused for good (the engine crash-looped).
-    more = [py_engine(world, agent, "prefill", g, num_blocks=512, engine=f"more-{i}") for i in range(2)]
-    with pytest.raises(AgentBusy, match=r"its memory limit leaves .*the agent holds 201326592 bytes of pools for other engines"):
+    # The room shrinks with what the agent holds: 3 more of 64 MiB leave under 256 MiB. The
+    # pools it holds for other engines of the same pair and role, which go with them (a
+    # rollout's old Pod beside the new one), would leave room: busy, tried again, not refused
+    # for good (the engine crash-looped). A decode engine's pool does not count for a prefill.
+    more = [py_engine(world, agent, role, g, num_blocks=512, engine=f"more-{i}")
+            for i, role in enumerate(["prefill", "decode"])]
+    held = "the agent holds 134217728 bytes of pools for other Pods' engines of this PDPair and role"
+    with pytest.raises(AgentBusy, match=f"its memory limit leaves .*{held}, and released 0 in the last 10 s"):
         py_engine(world, agent, "prefill", g, num_blocks=768, engine="over")
+    # 205 MiB: room for it with the decode's pool gone too, not with the prefills' alone.
+    with pytest.raises(AgentError, match="its memory limit leaves") as other_role:
+        py_engine(world, agent, "prefill", g, num_blocks=1640, engine="other-role")
+    assert not isinstance(other_role.value, AgentBusy), "a decode engine's pool does not go for a prefill"
     assert agent.proc.poll() is None
     # Their engines gone but their memory still mapped (an engine's process still ending): still
-    # busy, not refused for good.
+    # busy a while, not refused for good.
     for e in [small, *more]:
         e.close()
-    time.sleep(1)
-    with pytest.raises(AgentBusy, match="or released them in the last 10 s"):
-        py_engine(world, agent, "prefill", g, num_blocks=768, engine="over")
+    deadline = time.monotonic() + 5
+    while True:
+        with pytest.raises(AgentBusy) as gone:
+            py_engine(world, agent, "prefill", g, num_blocks=768, engine="over")
+        if "holds 0 bytes of pools" in str(gone.value):
+            assert "and released 134217728 in the last 10 s" in str(gone.value), gone.value
+            break
+        assert time.monotonic() < deadline, f"the closed engines are still held: {gone.value}"
+        time.sleep(0.05)
     # Once it is unmapped too, it fits.
     for e in [small, *more]:
         for pool in e.pools:

@@ -244,12 +244,14 @@ fn a_rejection_of_a_peer_still_registered_stands_through_transfers_with_other_pe
     let mut p2 = endpoint("p-2", Role::Prefill, &pair);
     p2.spec.address = "10.0.0.2:7000".into();
     let mut d = endpoint("d-1", Role::Decode, &pair);
-    d.spec.address = String::new();
-    // Decode rejected p-2 (its prefill address) and keeps transferring with p-1.
+    // A decode engine's address is its agent's host, no port.
+    d.spec.address = "10.0.0.5".into();
+    // Decode rejected p-2 (its prefill address, here as an IPv4-mapped IPv6 address: the same
+    // prefill) and keeps transferring with p-1.
     let standing = |resolved: Option<Time>, last_success: i64| PDEndpointStatus {
         last_rejection: Some(Rejection {
             time: t(10),
-            peer: "10.0.0.2:7000".into(),
+            peer: "[::ffff:10.0.0.2]:7000".into(),
             reasons: vec!["KernelBlockSizeMismatch".into()],
             message: "push needs identical kernel block sizes".into(),
             resolved,
