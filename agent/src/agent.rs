@@ -1229,9 +1229,8 @@ pub struct EngineStats {
     pub last_rejection: Option<SeenRejection>,
     /// When a transfer last completed (unix seconds).
     pub last_success: Option<i64>,
-    /// The last failure that was not routine ([`Reason::is_routine`]): (unix seconds, reasons,
-    /// message).
-    pub last_failure: Option<(i64, Vec<Reason>, String)>,
+    /// The last failure that was not routine ([`Reason::is_routine`]).
+    pub last_failure: Option<SeenFailure>,
     /// The path to each peer this engine's agent moved bytes with (the most recent
     /// [`pdpair_api::MAX_PATHS`] peers).
     pub paths: Vec<pdpair_api::TransferPath>,
@@ -1242,16 +1241,38 @@ impl EngineStats {
     /// of them no longer stands.
     fn transferred<'a>(&mut self, now: i64, bytes: u64, peers: impl IntoIterator<Item = &'a str>) {
         self.last_success = Some(now);
+        let peers: Vec<&str> = peers.into_iter().collect();
         if let Some(r) = self.last_rejection.as_mut()
             && r.resolved.is_none()
-            && peers.into_iter().any(|p| p == r.peer)
+            && peers.contains(&r.peer.as_str())
         {
             r.resolved = Some(now);
+        }
+        if let Some(f) = self.last_failure.as_mut()
+            && f.resolved.is_none()
+            && f.peer.as_deref().is_some_and(|p| peers.contains(&p))
+        {
+            f.resolved = Some(now);
         }
         let counters = &mut self.counters;
         counters.transfers_completed += 1;
         counters.bytes = counters.bytes.saturating_add(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
+}
+
+/// A failed transfer as this engine's agent saw it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SeenFailure {
+    /// When (unix seconds).
+    pub at: i64,
+    /// Why.
+    pub reasons: Vec<Reason>,
+    /// The message.
+    pub message: String,
+    /// The peer's address (decode: the prefill's), where it failed with one.
+    pub peer: Option<String>,
+    /// When a transfer with that peer completed after it (unix seconds), where one did.
+    pub resolved: Option<i64>,
 }
 
 /// A handshake rejection as this engine's agent saw it.
@@ -2157,7 +2178,12 @@ impl Engine {
     /// Fails a request whose windows were closed while its name was still held: touches none
     /// (a new request of the name may have opened its own since; [`Engine::answer`]).
     fn fail_quietly(&self, request: String, reasons: Vec<Reason>, message: String) {
-        let event = self.failure(request, reasons, message);
+        self.fail_quietly_with(request, reasons, message, None);
+    }
+
+    /// [`Engine::fail_quietly`], a failure with `peer` (its address) where it is known.
+    fn fail_quietly_with(&self, request: String, reasons: Vec<Reason>, message: String, peer: Option<String>) {
+        let event = self.failure_with(request, reasons, message, peer);
         self.answer(&event);
     }
 
@@ -2171,6 +2197,11 @@ impl Engine {
 
     /// Counts a failure and makes its event.
     fn failure(&self, request: String, reasons: Vec<Reason>, message: String) -> AgentEvent {
+        self.failure_with(request, reasons, message, None)
+    }
+
+    /// [`Engine::failure`] with the peer it failed with (its address), where known.
+    fn failure_with(&self, request: String, reasons: Vec<Reason>, message: String, peer: Option<String>) -> AgentEvent {
         for r in &reasons {
             self.shared.metrics.request_failed(self.reg.role, *r);
         }
@@ -2178,7 +2209,13 @@ impl Engine {
             let mut stats = lock(&self.stats);
             stats.counters.transfers_failed += 1;
             if !reasons.iter().all(|r| r.is_routine()) {
-                stats.last_failure = Some((unix_now(), reasons.clone(), message.clone()));
+                stats.last_failure = Some(SeenFailure {
+                    at: unix_now(),
+                    reasons: reasons.clone(),
+                    message: message.clone(),
+                    peer,
+                    resolved: None,
+                });
             }
         }
         AgentEvent::RequestFailed {
@@ -2984,7 +3021,14 @@ mod tests {
     }
 
     #[test]
-    fn a_rejection_is_resolved_by_a_transfer_with_that_peer_only() {
+    fn a_rejection_or_failure_is_resolved_by_a_transfer_with_that_peer_only() {
+        let failure = |peer: Option<&str>| SeenFailure {
+            at: 100,
+            reasons: vec![Reason::PeerLost],
+            message: "the prefill agent went away".into(),
+            peer: peer.map(str::to_owned),
+            resolved: None,
+        };
         let mut stats = EngineStats {
             last_rejection: Some(SeenRejection {
                 at: 100,
@@ -2993,23 +3037,27 @@ mod tests {
                 message: "the peer proved no pairing secret".into(),
                 resolved: None,
             }),
+            last_failure: Some(failure(Some("10.0.0.3:7000"))),
             ..Default::default()
+        };
+        let resolved = |s: &EngineStats| {
+            (
+                s.last_rejection.as_ref().and_then(|r| r.resolved),
+                s.last_failure.as_ref().and_then(|f| f.resolved),
+            )
         };
         stats.transferred(101, 10, ["10.0.0.1:7000"]);
         assert_eq!(stats.last_success, Some(101));
-        assert_eq!(
-            stats.last_rejection.as_ref().and_then(|r| r.resolved),
-            None,
-            "another peer"
-        );
+        assert_eq!(resolved(&stats), (None, None), "another peer");
         stats.transferred(102, 10, ["10.0.0.1:7000", "10.0.0.2:7000"]);
-        stats.transferred(103, 10, ["10.0.0.2:7000"]);
-        assert_eq!(
-            stats.last_rejection.as_ref().and_then(|r| r.resolved),
-            Some(102),
-            "the first one"
-        );
-        assert_eq!((stats.counters.transfers_completed, stats.counters.bytes), (3, 30));
+        stats.transferred(103, 10, ["10.0.0.2:7000", "10.0.0.3:7000"]);
+        stats.transferred(104, 10, ["10.0.0.3:7000"]);
+        assert_eq!(resolved(&stats), (Some(102), Some(103)), "the first one with each");
+        assert_eq!((stats.counters.transfers_completed, stats.counters.bytes), (4, 40));
+        // A failure with no peer named is resolved by nothing.
+        stats.last_failure = Some(failure(None));
+        stats.transferred(105, 10, ["10.0.0.3:7000"]);
+        assert_eq!(resolved(&stats).1, None);
     }
 
     #[test]

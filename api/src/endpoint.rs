@@ -172,6 +172,7 @@ impl PDEndpointStatus {
         self.last_failure = self.last_failure.map(|f| Failure {
             reasons: reasons(f.reasons),
             message: clamp_text(&f.message, MAX_TEXT),
+            peer: f.peer.map(|p| clamp_text(&p, MAX_PEER)),
             ..f
         });
         self.paths.truncate(MAX_PATHS);
@@ -294,6 +295,15 @@ pub struct Failure {
     /// The message.
     #[schemars(length(max = MAX_TEXT))]
     pub message: String,
+    /// The peer it failed with (its address), where one did: a decode agent names the prefill.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_PEER))]
+    pub peer: Option<String>,
+    /// When a transfer with that same peer completed after the failure, where one did: it no
+    /// longer stands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "schema::time")]
+    pub resolved: Option<Time>,
 }
 
 #[cfg(test)]
@@ -352,6 +362,8 @@ mod tests {
                 resolved: None,
             }),
             last_failure: Some(Failure {
+                peer: Some(long.clone()),
+                resolved: None,
                 time,
                 reasons: vec![long.clone(); 100],
                 message: long.clone(),
@@ -377,6 +389,8 @@ mod tests {
                 time: Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
                 reasons: vec!["PeerLost".into()],
                 message: "gone".into(),
+                peer: Some("10.0.0.2:7000".into()),
+                resolved: None,
             }),
             ..PDEndpointStatus::default()
         };

@@ -466,20 +466,19 @@ fn current_news<'a, T>(
         .collect()
 }
 
-/// Whether a rejection still stands: it is news ([`current`] but for the engine's later
-/// transfers), no transfer with that same peer completed since (`resolved`), and either its
-/// peer is still the address of a live endpoint among `endpoints` (an engine rejecting one
-/// peer and transferring with another flipped `TransferReady` with each, with an Event each
-/// time) or, the peer gone or not an engine of the pair, no transfer of the engine completed
-/// since.
-fn rejection_stands(
-    r: &pdpair_api::Rejection,
+/// Whether news (a rejection, a failure) at `at`, with `peer` where the agent names one, still
+/// stands: it is news ([`current`] but for the engine's later transfers), no transfer with
+/// that same peer completed since (`resolved`), and either the peer is still the address of a
+/// live endpoint among `endpoints` (an engine failing with, or rejecting, one peer and
+/// transferring with another flipped `TransferReady` with each, an Event each time) or, the
+/// peer gone, unnamed or not an engine of the pair, no transfer of the engine completed since.
+fn news_stands(
+    (at, peer, resolved): (&Time, Option<&str>, Option<&Time>),
     last_success: Option<&Time>,
     endpoints: &[&PDEndpoint],
     now: &Time,
 ) -> bool {
-    let at = r.time.0.as_second();
-    if !current(&r.time, None, now) || r.resolved.as_ref().is_some_and(|t| t.0.as_second() >= at) {
+    if !current(at, None, now) || resolved.is_some_and(|t| t.0.as_second() >= at.0.as_second()) {
         return false;
     }
     // As decode's agent spells a prefill (an IPv4 address mapped into IPv6 written as IPv4).
@@ -488,11 +487,13 @@ fn rejection_stands(
             .ok()
             .map(|s| std::net::SocketAddr::new(s.ip().to_canonical(), s.port()))
     };
-    let peer_here = endpoints.iter().any(|e| {
-        let a = e.spec.address.as_str();
-        !a.is_empty() && (a == r.peer || spelled(a).is_some_and(|a| Some(a) == spelled(&r.peer)))
+    let peer_here = peer.is_some_and(|peer| {
+        endpoints.iter().any(|e| {
+            let a = e.spec.address.as_str();
+            !a.is_empty() && (a == peer || spelled(a).is_some_and(|a| Some(a) == spelled(peer)))
+        })
     });
-    peer_here || current(&r.time, last_success, now)
+    peer_here || current(at, last_success, now)
 }
 
 /// `TransferReady` from each engine's recent outcomes (not its lifetime counters): False while an
@@ -591,7 +592,10 @@ fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
     let rejected = current_news(
         endpoints,
         |s| s.last_rejection.as_ref(),
-        |r, s| rejection_stands(r, s.last_success.as_ref(), endpoints, now),
+        |r, s| {
+            let news = (&r.time, Some(r.peer.as_str()), r.resolved.as_ref());
+            news_stands(news, s.last_success.as_ref(), endpoints, now)
+        },
     );
     if let Some((who, r)) = rejected.first() {
         let msg = format!(
@@ -606,11 +610,14 @@ fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
     let failed = current_news(
         endpoints,
         |s| s.last_failure.as_ref(),
-        |f, s| current(&f.time, s.last_success.as_ref(), now),
+        |f, s| {
+            let news = (&f.time, f.peer.as_deref(), f.resolved.as_ref());
+            news_stands(news, s.last_success.as_ref(), endpoints, now)
+        },
     );
     if let Some((who, f)) = failed.first() {
         let msg = format!(
-            "{} endpoint(s) failed a KV transfer since their last one that completed; {who}: [{}] {}",
+            "{} endpoint(s) failed a KV transfer that still stands (with a peer still registered and none transferred with since, or no transfer at all since); {who}: [{}] {}",
             failed.len(),
             f.reasons.join(", "),
             f.message

@@ -228,7 +228,7 @@ impl Engine {
     fn end_quietly(&self, request: String, ending: Ending) {
         match ending {
             Ending::Cancelled => self.answer(&AgentEvent::Cancelled { request }),
-            Ending::Failed(reasons, message) => self.fail_quietly(request, reasons, message),
+            Ending::Failed(reasons, message, peer) => self.fail_quietly_with(request, reasons, message, peer),
         }
     }
 
@@ -245,7 +245,8 @@ impl Engine {
             if !pending.contains_key(request) {
                 return false;
             }
-            self.wind_down(&mut pending, request, Ending::Failed(reasons, message), ended)
+            let ending = Ending::Failed(reasons, message, ended.map(str::to_owned));
+            self.wind_down(&mut pending, request, ending, ended)
         };
         if let Some(down) = down {
             self.tell_writers(down);
@@ -1240,7 +1241,7 @@ impl Engine {
                 .collect();
             ids.into_iter()
                 .filter_map(|id| {
-                    let ending = Ending::Failed(reasons.clone(), message.clone());
+                    let ending = Ending::Failed(reasons.clone(), message.clone(), Some(addr.to_owned()));
                     self.wind_down(&mut pending, &id, ending, Some(addr))
                 })
                 .collect()
@@ -1334,15 +1335,19 @@ impl Engine {
                     transfer_us,
                 });
             }
-            (Outcome::Mismatched, _) => self.fail_quietly(
+            // With one prefill rank, the failure is that prefill's (with several, whose part
+            // did not match is not told).
+            (Outcome::Mismatched, _) => self.fail_quietly_with(
                 request,
                 vec![Reason::ChecksumMismatch],
                 "received KV does not match prefill's checksums".into(),
+                (p.prefills.len() == 1).then(|| p.prefills[0].clone()),
             ),
-            _ => self.fail_quietly(
+            _ => self.fail_quietly_with(
                 request,
                 vec![Reason::ChecksumUnverified],
                 "received KV could not be verified (FailClosed)".into(),
+                (p.prefills.len() == 1).then(|| p.prefills[0].clone()),
             ),
         }
     }
@@ -1596,7 +1601,7 @@ impl Engine {
                     self.wind_down(
                         &mut pending,
                         &request,
-                        Ending::Failed(vec![Reason::DeadlineExceeded], why),
+                        Ending::Failed(vec![Reason::DeadlineExceeded], why, None),
                         None,
                     )
                 })
@@ -1613,8 +1618,8 @@ impl Engine {
 pub(super) enum Ending {
     /// Its engine cancelled it.
     Cancelled,
-    /// It failed: reasons and message.
-    Failed(Vec<Reason>, String),
+    /// It failed: reasons, message, and the prefill it failed with (its address) where one.
+    Failed(Vec<Reason>, String, Option<String>),
 }
 
 /// A request [`Engine::wind_down`] took out of `pending`, and who to tell.

@@ -242,10 +242,12 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
             resolved: r.resolved.map(unix_time),
         }),
         last_success: stats.last_success.map(unix_time),
-        last_failure: stats.last_failure.as_ref().map(|(at, reasons, message)| Failure {
-            time: unix_time(*at),
-            reasons: crate::reason::names(reasons),
-            message: message.clone(),
+        last_failure: stats.last_failure.as_ref().map(|f| Failure {
+            time: unix_time(f.at),
+            reasons: crate::reason::names(&f.reasons),
+            message: f.message.clone(),
+            peer: f.peer.clone(),
+            resolved: f.resolved.map(unix_time),
         }),
         paths: stats.paths.clone(),
         last_heartbeat: Some(Time(Timestamp::now())),

@@ -238,7 +238,7 @@ fn observed_pair_rejected_by_the_rules_names_the_rule() {
 }
 
 #[test]
-fn a_rejection_of_a_peer_still_registered_stands_through_transfers_with_other_peers() {
+fn news_of_a_peer_still_registered_stands_through_transfers_with_other_peers() {
     let pair = pair();
     let p1 = endpoint("p-1", Role::Prefill, &pair);
     let mut p2 = endpoint("p-2", Role::Prefill, &pair);
@@ -246,63 +246,88 @@ fn a_rejection_of_a_peer_still_registered_stands_through_transfers_with_other_pe
     let mut d = endpoint("d-1", Role::Decode, &pair);
     // A decode engine's address is its agent's host, no port.
     d.spec.address = "10.0.0.5".into();
-    // Decode rejected p-2 (its prefill address, here as an IPv4-mapped IPv6 address: the same
-    // prefill) and keeps transferring with p-1.
-    let standing = |resolved: Option<Time>, last_success: i64| PDEndpointStatus {
-        last_rejection: Some(Rejection {
-            time: t(10),
-            peer: "[::ffff:10.0.0.2]:7000".into(),
-            reasons: vec!["KernelBlockSizeMismatch".into()],
-            message: "push needs identical kernel block sizes".into(),
-            resolved,
-        }),
-        last_success: Some(t(last_success)),
-        ..Default::default()
-    };
-    let ready_at = |now: i64, endpoints: Vec<&PDEndpoint>| {
-        let (s, _) = compute(
-            &pair,
-            &Observed {
-                endpoints,
-                ..Observed::default()
-            },
-            &t(now),
-        );
-        let c = cond(&s, ct::TRANSFER_READY).clone();
-        (c.status, c.reason)
-    };
-    let rejected = ("False".to_owned(), reasons::HANDSHAKE_REJECTED.to_owned());
-    let healthy = ("True".to_owned(), reasons::HEALTHY.to_owned());
-    // p-2 is still there: transfers with p-1, one after another, do not clear it (each
-    // cleared it, and the next rejection set it again: TransferReady flipped with each).
-    for last_success in [11, 40, 300] {
-        d.status = Some(standing(None, last_success));
+    // Decode rejected p-2, or failed a transfer with it (its prefill address, here as an
+    // IPv4-mapped IPv6 address: the same prefill), and keeps transferring with p-1.
+    for rejected in [true, false] {
+        let (news_reason, other) = if rejected {
+            (reasons::HANDSHAKE_REJECTED, "a rejection")
+        } else {
+            (reasons::TRANSFER_FAILED, "a failure")
+        };
+        let standing = |resolved: Option<Time>, last_success: i64| {
+            let peer = "[::ffff:10.0.0.2]:7000".to_owned();
+            let mut s = PDEndpointStatus {
+                last_success: Some(t(last_success)),
+                ..Default::default()
+            };
+            if rejected {
+                s.last_rejection = Some(Rejection {
+                    time: t(10),
+                    peer,
+                    reasons: vec!["KernelBlockSizeMismatch".into()],
+                    message: "push needs identical kernel block sizes".into(),
+                    resolved,
+                });
+            } else {
+                s.last_failure = Some(Failure {
+                    time: t(10),
+                    reasons: vec!["ChecksumMismatch".into()],
+                    message: "received KV does not match prefill's checksums".into(),
+                    peer: Some(peer),
+                    resolved,
+                });
+            }
+            s
+        };
+        let ready_at = |now: i64, endpoints: Vec<&PDEndpoint>| {
+            let (s, _) = compute(
+                &pair,
+                &Observed {
+                    endpoints,
+                    ..Observed::default()
+                },
+                &t(now),
+            );
+            let c = cond(&s, ct::TRANSFER_READY).clone();
+            (c.status, c.reason)
+        };
+        let stands = ("False".to_owned(), news_reason.to_owned());
+        let healthy = ("True".to_owned(), reasons::HEALTHY.to_owned());
+        // p-2 is still there: transfers with p-1, one after another, do not clear it (each
+        // cleared it, and the next such news set it again: TransferReady flipped with each).
+        for last_success in [11, 40, 300] {
+            d.status = Some(standing(None, last_success));
+            assert_eq!(
+                ready_at(last_success + 1, vec![&p1, &p2, &d]),
+                stands,
+                "{other}, {last_success}"
+            );
+        }
+        // A transfer with p-2 itself does, as decode's agent says...
+        d.status = Some(standing(Some(t(12)), 40));
+        assert_eq!(ready_at(41, vec![&p1, &p2, &d]), healthy, "{other}");
+        // ...but not one before it.
+        d.status = Some(standing(Some(t(9)), 40));
+        assert_eq!(ready_at(41, vec![&p1, &p2, &d]), stands, "{other}");
+        // Once p-2 is gone (or stale), any later transfer of decode's clears it...
+        d.status = Some(standing(None, 40));
+        assert_eq!(ready_at(41, vec![&p1, &d]), healthy, "{other}");
+        p2.status = Some(PDEndpointStatus {
+            last_heartbeat: Some(t(41 - STALE_SECONDS - 1)),
+            ..Default::default()
+        });
+        assert_eq!(ready_at(41, vec![&p1, &p2, &d]), healthy, "{other}: p-2 stale");
+        // ...and none before it: it stands until it is old news.
+        d.status = Some(standing(None, 10));
+        assert_eq!(ready_at(41, vec![&p1, &d]), stands, "{other}");
+        assert_eq!(ready_at(10 + RECENT_SECONDS, vec![&p1, &d]), healthy, "{other}");
+        p2.status = None;
         assert_eq!(
-            ready_at(last_success + 1, vec![&p1, &p2, &d]),
-            rejected,
-            "{last_success}"
+            ready_at(10 + RECENT_SECONDS, vec![&p1, &p2, &d]),
+            healthy,
+            "{other}: old news"
         );
     }
-    // A transfer with p-2 itself does, as decode's agent says...
-    d.status = Some(standing(Some(t(12)), 40));
-    assert_eq!(ready_at(41, vec![&p1, &p2, &d]), healthy);
-    // ...but not one before the rejection.
-    d.status = Some(standing(Some(t(9)), 40));
-    assert_eq!(ready_at(41, vec![&p1, &p2, &d]), rejected);
-    // Once p-2 is gone (or stale), any later transfer of decode's clears it...
-    d.status = Some(standing(None, 40));
-    assert_eq!(ready_at(41, vec![&p1, &d]), healthy);
-    p2.status = Some(PDEndpointStatus {
-        last_heartbeat: Some(t(41 - STALE_SECONDS - 1)),
-        ..Default::default()
-    });
-    assert_eq!(ready_at(41, vec![&p1, &p2, &d]), healthy, "p-2 stale");
-    // ...and none before it: it stands until it is old news.
-    d.status = Some(standing(None, 10));
-    assert_eq!(ready_at(41, vec![&p1, &d]), rejected);
-    assert_eq!(ready_at(10 + RECENT_SECONDS, vec![&p1, &d]), healthy);
-    p2.status = None;
-    assert_eq!(ready_at(10 + RECENT_SECONDS, vec![&p1, &p2, &d]), healthy, "old news");
 }
 
 #[test]
@@ -412,6 +437,8 @@ fn agent_rejections_and_failures_turn_transfer_ready_false_and_totals_add_up() {
             time: t(7),
             reasons: vec!["PeerLost".into()],
             message: "the prefill agent went away".into(),
+            peer: None,
+            resolved: None,
         });
     }
     let (s3, _) = compute(
@@ -440,6 +467,8 @@ fn agent_rejections_and_failures_turn_transfer_ready_false_and_totals_add_up() {
             time: t(7),
             reasons: vec!["PeerLost".into()],
             message: String::new(),
+            peer: None,
+            resolved: None,
         });
         s.last_success = Some(t(9));
     }
@@ -1179,6 +1208,8 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
             time: t(130), // would leave its window in 20 s
             reasons: vec!["PeerLost".into()],
             message: String::new(),
+            peer: None,
+            resolved: None,
         }),
         ..Default::default()
     });
