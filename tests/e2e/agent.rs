@@ -360,5 +360,35 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         endpoint["status"]["lastSuccess"].as_str() >= endpoint["status"]["lastRejection"]["time"].as_str(),
         "{endpoint}"
     );
+    // A request that fails with a prefill (its engine gone, its Pod and PDEndpoint still there)
+    // names that prefill in decode's lastFailure, and the pair's TransferReady turns False.
+    let address = p.address.clone();
+    drop(p);
+    d.send(&EngineRequest::ExpectKv {
+        request: "r4".into(),
+        prefill: address.clone(),
+        blocks: vec![2, 3],
+        num_tokens: 100,
+        first_token: 0,
+        prompt: Some(pdpair_agent::synthetic::prompt(6, 100)),
+        event: None,
+    })
+    .expect("send");
+    let event = d.next_event().expect("event");
+    assert!(matches!(event, AgentEvent::RequestFailed { .. }), "{event:?}");
+    let endpoint = eventually(WAIT, "the failure in decode's PDEndpoint", || {
+        let e = get_json("pdendpoint", &ns, &endpoint_name("decode-pod", "d0"))?;
+        e["status"]["lastFailure"].is_object().then_some(e)
+    });
+    assert_eq!(
+        endpoint["status"]["lastFailure"]["peer"],
+        address.as_str(),
+        "{endpoint}"
+    );
+    assert!(endpoint["status"]["lastFailure"]["resolved"].is_null(), "{endpoint}");
+    eventually(WAIT, "TransferReady=False TransferFailed", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (condition(&p, "TransferReady")? == ("False".to_owned(), "TransferFailed".to_owned())).then_some(())
+    });
     let _ = std::fs::remove_dir_all(&work);
 }
