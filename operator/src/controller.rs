@@ -39,7 +39,7 @@ use crate::{
     metrics::Metrics,
     names::{self, LABEL_NAME, LABEL_ROLE, MANAGER},
     plan,
-    status::{self, Observed, PodCounts},
+    status::{self, Observed, PodCounts, ReadyPod},
 };
 
 /// A failed reconcile step. Messages name the object and the action.
@@ -607,6 +607,13 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             ],
         ),
         apply_refused: apply_refused.clone(),
+        ready_pods: [
+            (Role::Prefill, &prefill_pods, &prefill_geometry),
+            (Role::Decode, &decode_pods, &decode_geometry),
+        ]
+        .into_iter()
+        .flat_map(|(role, pods, geometry)| ReadyPod::of(role, pods.iter().map(AsRef::as_ref), geometry.as_deref()))
+        .collect(),
     };
     let mut baseline = pair.clone();
     if let Some(written) = ctx.remembered.recall(&uid, |m| m.written.clone()) {
@@ -616,7 +623,8 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     let (new_status, transitions) = status::compute(&baseline, &observed, &now);
     // Conditions that change with time alone (an endpoint going stale, news leaving its window)
     // are looked at again then, not at the resync.
-    let time_due = status::changes_in(&observed.endpoints, &now).map(|d| d.max(Duration::from_secs(1)));
+    let time_due =
+        status::changes_in(&observed.endpoints, &observed.ready_pods, &now).map(|d| d.max(Duration::from_secs(1)));
     // Every PDEndpoint write reconciles its pair, and a busy engine's counters change with each:
     // a change of counters alone is written at most every COUNTERS_EVERY (the rest at once), or
     // forty busy engines made forty status patches a second, each sent to every watcher.

@@ -35,29 +35,79 @@ impl PodCounts {
     pub fn of<'a>(pods: impl IntoIterator<Item = &'a Pod>, geometry: Option<&str>) -> PodCounts {
         let mut counts = PodCounts::default();
         for pod in pods {
-            let ended = pod
-                .status
-                .as_ref()
-                .and_then(|s| s.phase.as_deref())
-                .is_some_and(|p| p == "Failed" || p == "Succeeded");
-            if pod.metadata.deletion_timestamp.is_some() || ended {
-                continue;
-            }
-            if of_earlier_geometry(pod, geometry) {
-                counts.earlier += 1;
-                continue;
-            }
-            counts.replicas += 1;
-            let ready = pod
-                .status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-            if ready {
-                counts.ready += 1;
+            match counted(pod, geometry) {
+                Counted::Gone => {}
+                Counted::Earlier => counts.earlier += 1,
+                Counted::Current { ready } => {
+                    counts.replicas += 1;
+                    if ready.is_some() {
+                        counts.ready += 1;
+                    }
+                }
             }
         }
         counts
+    }
+}
+
+/// How [`PodCounts::of`] counts a pod.
+enum Counted {
+    /// Terminating, or ended (phase Failed or Succeeded).
+    Gone,
+    /// Of an earlier geometry.
+    Earlier,
+    /// Counted: `ready` with when it turned Ready (or, not said, when the pod was made), where
+    /// it is.
+    Current { ready: Option<Option<Time>> },
+}
+
+fn counted(pod: &Pod, geometry: Option<&str>) -> Counted {
+    let ended = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .is_some_and(|p| p == "Failed" || p == "Succeeded");
+    if pod.metadata.deletion_timestamp.is_some() || ended {
+        return Counted::Gone;
+    }
+    if of_earlier_geometry(pod, geometry) {
+        return Counted::Earlier;
+    }
+    let ready = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready" && c.status == "True"))
+        .map(|c| {
+            c.last_transition_time
+                .clone()
+                .or_else(|| pod.metadata.creation_timestamp.clone())
+        });
+    Counted::Current { ready }
+}
+
+/// A Ready pod of a pool, of the geometry the pool runs ([`PodCounts::of`]'s Ready ones).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReadyPod {
+    pub role: Role,
+    pub name: String,
+    /// When it turned Ready (or was made, where that is not said).
+    pub since: Option<Time>,
+}
+
+impl ReadyPod {
+    /// `role`'s Ready pods among `pods`, as [`PodCounts::of`] counts them.
+    pub fn of<'a>(role: Role, pods: impl IntoIterator<Item = &'a Pod>, geometry: Option<&str>) -> Vec<ReadyPod> {
+        pods.into_iter()
+            .filter_map(|pod| match counted(pod, geometry) {
+                Counted::Current { ready: Some(since) } => Some(ReadyPod {
+                    role,
+                    name: pod.metadata.name.clone().unwrap_or_default(),
+                    since,
+                }),
+                _ => None,
+            })
+            .collect()
     }
 }
 
@@ -101,6 +151,8 @@ pub struct Observed<'a> {
     /// The API server refused a pool's Deployment as planned: what was (not) applied, and its
     /// message.
     pub apply_refused: Option<String>,
+    /// Both pools' Ready pods ([`ReadyPod::of`]).
+    pub ready_pods: Vec<ReadyPod>,
 }
 
 /// A condition whose status changed, for an Event.
@@ -185,7 +237,10 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
     );
     let transfer = match missing_engines(pair, &observed.endpoints, now) {
         Some(msg) => Cond::new(ct::TRANSFER_READY, "Unknown", reasons::NO_ENDPOINTS, msg),
-        None => transfer_condition(&live, now),
+        None => match unregistered_pods(pair, &observed.ready_pods, &live, now) {
+            Some(msg) => Cond::new(ct::TRANSFER_READY, "False", reasons::NOT_REGISTERED, msg),
+            None => transfer_condition(&live, now),
+        },
     };
     let path = path_condition(pair, &live, now);
     let applied = match &observed.apply_refused {
@@ -198,8 +253,10 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
         ),
     };
     // With pdpair's connector every engine registers with its node agent: pods Ready without
-    // any (a template that does not start vLLM with it, an agent gone) are not a ready pair.
-    let registered = pair.spec.transfer.connector != Connector::Pdpair || transfer.reason != reasons::NO_ENDPOINTS;
+    // any (a template that does not start vLLM with it, an agent gone or refusing it) are not a
+    // ready pair.
+    let registered = pair.spec.transfer.connector != Connector::Pdpair
+        || (transfer.reason != reasons::NO_ENDPOINTS && transfer.reason != reasons::NOT_REGISTERED);
     let ready = ready_condition(&geometry, &applied, &prefill, &decode, (&transfer, registered), &path);
     let mut conditions = Vec::new();
     let mut transitions = Vec::new();
@@ -516,16 +573,25 @@ fn stale(e: &PDEndpoint, now: &Time) -> bool {
         .is_some_and(|t| !within(t, now, STALE_SECONDS))
 }
 
-/// How long until what [`compute`] folds from `endpoints` changes with time alone, no endpoint
-/// written meanwhile: the soonest a live endpoint goes stale, or a path or a rejection or failure
-/// leaves its window. `None` when nothing will. (When every agent of a role died, no write came
-/// to reconcile the pair, and its conditions waited for the 5-minute resync.)
-pub fn changes_in(endpoints: &[&PDEndpoint], now: &Time) -> Option<std::time::Duration> {
+/// How long until what [`compute`] folds from `endpoints` and `ready_pods` changes with time
+/// alone, nothing written meanwhile: the soonest a live endpoint goes stale, a path or a
+/// rejection or failure leaves its window, or a Ready pod without a live engine has been so
+/// for [`UNREGISTERED_SECONDS`]. `None` when nothing will. (When every agent of a role died, no
+/// write came to reconcile the pair, and its conditions waited for the 5-minute resync.)
+pub fn changes_in(endpoints: &[&PDEndpoint], ready_pods: &[ReadyPod], now: &Time) -> Option<std::time::Duration> {
     let now_s = now.0.as_second();
     let due = |t: &Time, window: i64| {
         let at = t.0.as_second().saturating_add(window).saturating_add(1);
         (within(t, now, window) && at > now_s).then_some(at - now_s)
     };
+    let unregistered = ready_pods
+        .iter()
+        .filter(|p| {
+            !endpoints
+                .iter()
+                .any(|e| !stale(e, now) && e.spec.role == p.role && e.spec.pod == p.name)
+        })
+        .filter_map(|p| due(p.since.as_ref()?, UNREGISTERED_SECONDS));
     // Stale endpoints are folded no more: nothing of theirs to wait for.
     endpoints
         .iter()
@@ -554,8 +620,48 @@ pub fn changes_in(endpoints: &[&PDEndpoint], now: &Time) -> Option<std::time::Du
             });
             heard.into_iter().chain(paths).chain(news)
         })
+        .chain(unregistered)
         .min()
         .map(|secs| std::time::Duration::from_secs(secs.unsigned_abs()))
+}
+
+/// How long a Ready pod may run with no engine registered with its node agent before, with
+/// pdpair's connector, it turns `TransferReady` False: its PDEndpoint is made as its engine
+/// registers, before vLLM answers its health check, but a status written a moment after the
+/// Pod's is not news.
+pub const UNREGISTERED_SECONDS: i64 = 60;
+
+/// With pdpair's connector: the Ready pods with no live engine registered for over
+/// [`UNREGISTERED_SECONDS`], said as a `TransferReady` message (their engines run, but no KV
+/// moves to or from them: the connector is not in the image, the agent refused or could not
+/// fit it, or none serves on the node); `None` when there are none.
+fn unregistered_pods(pair: &PDPair, ready: &[ReadyPod], live: &[&PDEndpoint], now: &Time) -> Option<String> {
+    if pair.spec.transfer.connector != Connector::Pdpair {
+        return None;
+    }
+    let mut silent: Vec<String> = ready
+        .iter()
+        .filter(|p| {
+            p.since
+                .as_ref()
+                .is_none_or(|t| now.0.as_second().saturating_sub(t.0.as_second()) > UNREGISTERED_SECONDS)
+        })
+        .filter(|p| !live.iter().any(|e| e.spec.role == p.role && e.spec.pod == p.name))
+        .map(|p| format!("{} pod {}", p.role, p.name))
+        .collect();
+    if silent.is_empty() {
+        return None;
+    }
+    silent.sort_unstable();
+    let more = silent.len().saturating_sub(PATHS_NAMED);
+    let mut named = silent[..silent.len().min(PATHS_NAMED)].join(", ");
+    if more > 0 {
+        named.push_str(&format!(" and {more} more"));
+    }
+    Some(format!(
+        "{} Ready pod(s) have had no engine registered with their node agent for over {UNREGISTERED_SECONDS} s: {named} (no KV moves to or from them; the engine's log says why: the connector not loaded, the agent refused it or has no room for its pool yet, or no agent serves on the node)",
+        silent.len()
+    ))
 }
 
 /// With pdpair's connector: which role has no live engine registered (its PDEndpoints missing,

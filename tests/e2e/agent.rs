@@ -390,5 +390,35 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
         (condition(&p, "TransferReady")? == ("False".to_owned(), "TransferFailed".to_owned())).then_some(())
     });
+    // With pdpair's connector, a Pod Ready for over a minute whose engine never registered (a
+    // decode Pod with no engine here; Ready for two minutes by the status a kubelet would write)
+    // turns TransferReady False naming it: its KV would never move.
+    engine_pod(&ns, "decode2-pod", "vllm-push-64-64", "decode", Some("node-d"));
+    let since = k8s_openapi::jiff::Timestamp::from_second(k8s_openapi::jiff::Timestamp::now().as_second() - 120)
+        .expect("a time");
+    let ready = format!(
+        r#"{{"status":{{"phase":"Running","conditions":[{{"type":"Ready","status":"True","lastTransitionTime":"{since}"}}]}}}}"#
+    );
+    kubectl_ok(
+        &[
+            "patch",
+            "pod",
+            "decode2-pod",
+            "-n",
+            &ns,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &ready,
+        ],
+        None,
+    );
+    patch_pair(r#"{"spec":{"transfer":{"connector":"Pdpair"}}}"#);
+    let message = eventually(WAIT, "TransferReady=False EnginesNotRegistered", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        let c = condition_of(&p, "TransferReady")?;
+        (c["status"] == "False" && c["reason"] == "EnginesNotRegistered").then(|| c["message"].to_string())
+    });
+    assert!(message.contains("decode pod decode2-pod"), "{message}");
     let _ = std::fs::remove_dir_all(&work);
 }

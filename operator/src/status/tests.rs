@@ -85,6 +85,7 @@ fn pods_becoming_ready_flip_pool_and_ready_conditions_once() {
         endpoints: vec![],
         earlier_pods: Default::default(),
         apply_refused: None,
+        ready_pods: Vec::new(),
     };
     let (s1, transitions) = compute(&pair, &observed, &t(10));
     let flipped: Vec<&str> = transitions.iter().map(|t| t.type_.as_str()).collect();
@@ -534,6 +535,7 @@ fn declared_incompatibility_blocks_ready() {
         endpoints: vec![],
         earlier_pods: Default::default(),
         apply_refused: None,
+        ready_pods: Vec::new(),
     };
     let (s, transitions) = compute(&pair, &observed, &t(0));
     assert_eq!(cond(&s, ct::GEOMETRY_COMPATIBLE).reason, "KernelBlockSizeMismatch");
@@ -731,6 +733,7 @@ fn all_ready(endpoints: Vec<&PDEndpoint>) -> Observed<'_> {
         endpoints,
         earlier_pods: Default::default(),
         apply_refused: None,
+        ready_pods: Vec::new(),
     }
 }
 
@@ -1042,6 +1045,100 @@ fn many_paths_are_counted_not_all_named() {
 }
 
 #[test]
+fn with_pdpairs_connector_a_ready_pod_without_an_engine_registered_turns_transfer_ready_false() {
+    // One decode pod's engine never registered (its agent refused it, or has no room for its
+    // pool yet): its KV never moves, though both roles have engines. Past a minute Ready
+    // without one, TransferReady is False naming it, with a Warning, and Ready with it.
+    let mut pair = pair();
+    pair.spec.transfer.connector = pdpair_api::Connector::Pdpair;
+    let heard = PDEndpointStatus {
+        last_heartbeat: Some(t(100)),
+        ..PDEndpointStatus::default()
+    };
+    let mut p = endpoint("p-1", Role::Prefill, &pair);
+    p.spec.pod = "prefill-a".into();
+    p.status = Some(heard.clone());
+    let mut d = endpoint("d-1", Role::Decode, &pair);
+    d.spec.pod = "decode-a".into();
+    d.status = Some(heard);
+    let pod = |role: Role, name: &str, since: i64| ReadyPod {
+        role,
+        name: name.into(),
+        since: Some(t(since)),
+    };
+    let mut observed = all_ready(vec![&p, &d]);
+    observed.ready_pods = vec![
+        pod(Role::Prefill, "prefill-a", 0),
+        pod(Role::Decode, "decode-a", 0),
+        pod(Role::Decode, "decode-b", 50),
+    ];
+    // A minute's grace: its engine registers as vLLM starts, and its PDEndpoint may come a
+    // moment after the Pod turned Ready.
+    let (s0, _) = compute(&pair, &observed, &t(110));
+    assert_eq!(
+        cond(&s0, ct::TRANSFER_READY).status,
+        "True",
+        "{:?}",
+        cond(&s0, ct::TRANSFER_READY)
+    );
+    assert_eq!(cond(&s0, ct::READY).status, "True");
+    assert_eq!(
+        changes_in(&observed.endpoints, &observed.ready_pods, &t(110)),
+        Some(std::time::Duration::from_secs(1)),
+        "looked at again as its grace ends"
+    );
+    pair.status = Some(s0);
+    let (s1, transitions) = compute(&pair, &observed, &t(111));
+    let c = cond(&s1, ct::TRANSFER_READY);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", reasons::NOT_REGISTERED)
+    );
+    assert!(
+        c.message.starts_with(
+            "1 Ready pod(s) have had no engine registered with their node agent for over 60 s: decode pod decode-b"
+        ),
+        "{}",
+        c.message
+    );
+    assert!(
+        transitions.iter().any(|t| t.type_ == ct::TRANSFER_READY && t.warning),
+        "{transitions:?}"
+    );
+    let r = cond(&s1, ct::READY);
+    assert_eq!(
+        (r.status.as_str(), r.reason.as_str()),
+        ("False", reasons::NOT_REGISTERED)
+    );
+    // Its engine registers: True again. An engine of the other role in a Pod of that name does
+    // not count for it.
+    let mut b = endpoint("d-2", Role::Decode, &pair);
+    b.spec.pod = "decode-b".into();
+    b.status = d.status.clone();
+    let mut wrong_role = b.clone();
+    wrong_role.spec.role = Role::Prefill;
+    observed.endpoints = vec![&p, &d, &wrong_role];
+    let (s, _) = compute(&pair, &observed, &t(111));
+    assert_eq!(cond(&s, ct::TRANSFER_READY).reason, reasons::NOT_REGISTERED);
+    observed.endpoints = vec![&p, &d, &b];
+    let (s, _) = compute(&pair, &observed, &t(111));
+    assert_eq!(cond(&s, ct::TRANSFER_READY).status, "True");
+    // Its engine's endpoint gone stale (the agent or engine went): not registered any more.
+    observed.endpoints = vec![&p, &d, &b];
+    let (s, _) = compute(&pair, &observed, &t(100 + STALE_SECONDS + 1));
+    assert_eq!(
+        cond(&s, ct::TRANSFER_READY).reason,
+        reasons::NO_ENDPOINTS,
+        "every engine stale"
+    );
+    // Without pdpair's connector engines need not register.
+    pair.spec.transfer.connector = pdpair_api::Connector::None;
+    observed.endpoints = vec![&p, &d];
+    let (s, _) = compute(&pair, &observed, &t(111));
+    assert_eq!(cond(&s, ct::TRANSFER_READY).status, "True");
+}
+
+#[test]
 fn with_pdpairs_connector_ready_needs_a_live_engine_of_each_role() {
     // Pods Ready and no engine registered (a template whose command drops the operator's
     // --kv-transfer-config, an agent gone) is not a ready pair when the operator wired the
@@ -1185,7 +1282,7 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
     let mut p = endpoint("p-1", Role::Prefill, &pair);
     let mut d = endpoint("d-1", Role::Decode, &pair);
     let now = t(1010);
-    assert_eq!(changes_in(&[&p, &d], &now), None, "no times: nothing changes");
+    assert_eq!(changes_in(&[&p, &d], &[], &now), None, "no times: nothing changes");
     p.status = Some(PDEndpointStatus {
         last_heartbeat: Some(t(1000)),
         paths: vec![pdpair_api::TransferPath {
@@ -1214,7 +1311,7 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
         ..Default::default()
     });
     assert_eq!(
-        changes_in(&[&p, &d], &now),
+        changes_in(&[&p, &d], &[], &now),
         Some(Duration::from_secs(1000 + STALE_SECONDS as u64 + 1 - 1010)),
         "p goes stale first"
     );
@@ -1223,7 +1320,7 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
         s.last_heartbeat = Some(t(1780));
     }
     assert_eq!(
-        changes_in(&[&p], &t(1790)),
+        changes_in(&[&p], &[], &t(1790)),
         Some(Duration::from_secs(995 + RECENT_SECONDS as u64 - 1790)),
     );
 }
