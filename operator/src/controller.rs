@@ -607,13 +607,18 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
             ],
         ),
         apply_refused: apply_refused.clone(),
-        ready_pods: [
-            (Role::Prefill, &prefill_pods, &prefill_geometry),
-            (Role::Decode, &decode_pods, &decode_geometry),
-        ]
-        .into_iter()
-        .flat_map(|(role, pods, geometry)| ReadyPod::of(role, pods.iter().map(AsRef::as_ref), geometry.as_deref()))
-        .collect(),
+        // Only where every engine registers (nothing of them is folded otherwise).
+        ready_pods: if pair.spec.transfer.connector == pdpair_api::Connector::Pdpair {
+            [
+                (Role::Prefill, &prefill_pods, &prefill_geometry),
+                (Role::Decode, &decode_pods, &decode_geometry),
+            ]
+            .into_iter()
+            .flat_map(|(role, pods, geometry)| ReadyPod::of(role, pods.iter().map(AsRef::as_ref), geometry.as_deref()))
+            .collect()
+        } else {
+            Vec::new()
+        },
     };
     let mut baseline = pair.clone();
     if let Some(written) = ctx.remembered.recall(&uid, |m| m.written.clone()) {

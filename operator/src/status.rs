@@ -237,10 +237,20 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
     );
     let transfer = match missing_engines(pair, &observed.endpoints, now) {
         Some(msg) => Cond::new(ct::TRANSFER_READY, "Unknown", reasons::NO_ENDPOINTS, msg),
-        None => match unregistered_pods(pair, &observed.ready_pods, &live, now) {
-            Some(msg) => Cond::new(ct::TRANSFER_READY, "False", reasons::NOT_REGISTERED, msg),
-            None => transfer_condition(&live, now),
-        },
+        None => {
+            let news = transfer_condition(&live, now);
+            match unregistered_pods(pair, &observed.ready_pods, &live, now) {
+                // What else is news, said after it.
+                Some(msg) if news.status == "False" => Cond::new(
+                    ct::TRANSFER_READY,
+                    "False",
+                    reasons::NOT_REGISTERED,
+                    format!("{msg}; and {}", news.message),
+                ),
+                Some(msg) => Cond::new(ct::TRANSFER_READY, "False", reasons::NOT_REGISTERED, msg),
+                None => news,
+            }
+        }
     };
     let path = path_condition(pair, &live, now);
     let applied = match &observed.apply_refused {
@@ -659,7 +669,7 @@ fn unregistered_pods(pair: &PDPair, ready: &[ReadyPod], live: &[&PDEndpoint], no
         named.push_str(&format!(" and {more} more"));
     }
     Some(format!(
-        "{} Ready pod(s) have had no engine registered with their node agent for over {UNREGISTERED_SECONDS} s: {named} (no KV moves to or from them; the engine's log says why: the connector not loaded, the agent refused it or has no room for its pool yet, or no agent serves on the node)",
+        "{} pod(s) Ready for over {UNREGISTERED_SECONDS} s have no live PDEndpoint, so no engine of theirs registered with their node agent, or their agent cannot publish it: {named} (no KV moves to or from them; the engine's log says why: the connector not loaded, the agent refused it or has no room for its pool yet, or no agent serves on the node; else the agent's: the API server unreachable or refusing it)",
         silent.len()
     ))
 }

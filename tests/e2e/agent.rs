@@ -347,8 +347,15 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     // ...and a transfer that completes after decode's rejection turns the pair's TransferReady
     // True again (the rejected engine is gone), though the lifetime counters still hold the
     // rejection and the expiry.
+    // A PDEndpoint deleted while its engine lives is made again by its agent (with its status).
+    let decode_endpoint = endpoint_name("decode-pod", "d0");
+    kubectl_ok(&["delete", "pdendpoint", &decode_endpoint, "-n", &ns], None);
     let event = push_one(&mut p, &mut d, "r3", 4);
     assert!(matches!(event, AgentEvent::RequestDone { .. }), "{event:?}");
+    eventually(WAIT, "decode's PDEndpoint made again", || {
+        let e = get_json("pdendpoint", &ns, &decode_endpoint)?;
+        e["status"]["lastSuccess"].is_string().then_some(())
+    });
     let pair_json = eventually(WAIT, "TransferReady=True after a later transfer", || {
         let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
         (condition(&p, "TransferReady")?.0 == "True").then_some(p)
@@ -360,36 +367,6 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         endpoint["status"]["lastSuccess"].as_str() >= endpoint["status"]["lastRejection"]["time"].as_str(),
         "{endpoint}"
     );
-    // A request that fails with a prefill (its engine gone, its Pod and PDEndpoint still there)
-    // names that prefill in decode's lastFailure, and the pair's TransferReady turns False.
-    let address = p.address.clone();
-    drop(p);
-    d.send(&EngineRequest::ExpectKv {
-        request: "r4".into(),
-        prefill: address.clone(),
-        blocks: vec![2, 3],
-        num_tokens: 100,
-        first_token: 0,
-        prompt: Some(pdpair_agent::synthetic::prompt(6, 100)),
-        event: None,
-    })
-    .expect("send");
-    let event = d.next_event().expect("event");
-    assert!(matches!(event, AgentEvent::RequestFailed { .. }), "{event:?}");
-    let endpoint = eventually(WAIT, "the failure in decode's PDEndpoint", || {
-        let e = get_json("pdendpoint", &ns, &endpoint_name("decode-pod", "d0"))?;
-        e["status"]["lastFailure"].is_object().then_some(e)
-    });
-    assert_eq!(
-        endpoint["status"]["lastFailure"]["peer"],
-        address.as_str(),
-        "{endpoint}"
-    );
-    assert!(endpoint["status"]["lastFailure"]["resolved"].is_null(), "{endpoint}");
-    eventually(WAIT, "TransferReady=False TransferFailed", || {
-        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
-        (condition(&p, "TransferReady")? == ("False".to_owned(), "TransferFailed".to_owned())).then_some(())
-    });
     // With pdpair's connector, a Pod Ready for over a minute whose engine never registered (a
     // decode Pod with no engine here; Ready for two minutes by the status a kubelet would write)
     // turns TransferReady False naming it: its KV would never move.
@@ -420,5 +397,53 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         (c["status"] == "False" && c["reason"] == "EnginesNotRegistered").then(|| c["message"].to_string())
     });
     assert!(message.contains("decode pod decode2-pod"), "{message}");
+    // Gone, it counts no more.
+    kubectl_ok(
+        &[
+            "delete",
+            "pod",
+            "decode2-pod",
+            "-n",
+            &ns,
+            "--wait=false",
+            "--grace-period=0",
+            "--force",
+        ],
+        None,
+    );
+    eventually(WAIT, "TransferReady=True without decode2-pod", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (condition(&p, "TransferReady")?.0 == "True").then_some(())
+    });
+    // A request that fails with a prefill (its engine gone, its Pod and PDEndpoint still there)
+    // names that prefill in decode's lastFailure, and the pair's TransferReady turns False.
+    let address = p.address.clone();
+    drop(p);
+    d.send(&EngineRequest::ExpectKv {
+        request: "r4".into(),
+        prefill: address.clone(),
+        blocks: vec![2, 3],
+        num_tokens: 100,
+        first_token: 0,
+        prompt: Some(pdpair_agent::synthetic::prompt(6, 100)),
+        event: None,
+    })
+    .expect("send");
+    let event = d.next_event().expect("event");
+    assert!(matches!(event, AgentEvent::RequestFailed { .. }), "{event:?}");
+    let endpoint = eventually(WAIT, "the failure in decode's PDEndpoint", || {
+        let e = get_json("pdendpoint", &ns, &endpoint_name("decode-pod", "d0"))?;
+        e["status"]["lastFailure"].is_object().then_some(e)
+    });
+    assert_eq!(
+        endpoint["status"]["lastFailure"]["peer"],
+        address.as_str(),
+        "{endpoint}"
+    );
+    assert!(endpoint["status"]["lastFailure"]["resolved"].is_null(), "{endpoint}");
+    eventually(WAIT, "TransferReady=False TransferFailed", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (condition(&p, "TransferReady")? == ("False".to_owned(), "TransferFailed".to_owned())).then_some(())
+    });
     let _ = std::fs::remove_dir_all(&work);
 }

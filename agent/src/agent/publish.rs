@@ -254,8 +254,18 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
     }
     .bounded();
     let body = serde_json::json!({ "apiVersion": "pdpair.dev/v1alpha1", "kind": "PDEndpoint", "status": status });
-    api.patch_status(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&body))
-        .await?;
+    if let Err(e) = api
+        .patch_status(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&body))
+        .await
+    {
+        if matches!(&e, kube::Error::Api(s) if s.code == 404) {
+            // Deleted meanwhile (by hand, say) while its engine lives: made again at the next
+            // round (its status was patched into nothing for good, and the operator took the
+            // engine for gone).
+            entry.created = false;
+        }
+        return Err(e);
+    }
     entry.last = Some(stats);
     entry.at = Instant::now();
     Ok(())

@@ -621,6 +621,61 @@ fn pod_counts_skip_terminating_and_count_ready() {
 }
 
 #[test]
+fn ready_pods_are_those_counted_ready_with_when_they_turned_ready() {
+    let pair = pair();
+    let now = crate::plan::geometry_hash(&pair, Role::Decode);
+    let pod = |name: &str, ready: bool, since: Option<i64>| Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            creation_timestamp: Some(t(5)),
+            annotations: Some([(ANNOTATION_GEOMETRY.to_owned(), now.clone())].into()),
+            ..ObjectMeta::default()
+        },
+        status: Some(PodStatus {
+            conditions: Some(vec![PodCondition {
+                type_: "Ready".into(),
+                status: if ready { "True" } else { "False" }.into(),
+                last_transition_time: since.map(t),
+                ..PodCondition::default()
+            }]),
+            ..PodStatus::default()
+        }),
+        spec: None,
+    };
+    let mut terminating = pod("terminating", true, Some(1));
+    terminating.metadata.deletion_timestamp = Some(t(9));
+    let mut ended = pod("evicted", true, Some(1));
+    ended.status.as_mut().expect("status").phase = Some("Failed".into());
+    let mut earlier = pod("earlier", true, Some(1));
+    earlier.metadata.annotations = Some([(ANNOTATION_GEOMETRY.to_owned(), "0123456789abcdef".to_owned())].into());
+    let pods = [
+        pod("a", true, Some(30)),
+        pod("b", true, None),
+        pod("not-ready", false, Some(1)),
+        terminating,
+        ended,
+        earlier,
+    ];
+    let ready = |name: &str, since: i64| ReadyPod {
+        role: Role::Decode,
+        name: name.into(),
+        since: Some(t(since)),
+    };
+    // Without a transition time, since the Pod was made.
+    assert_eq!(
+        ReadyPod::of(Role::Decode, &pods, Some(&now)),
+        [ready("a", 30), ready("b", 5)]
+    );
+    assert_eq!(
+        PodCounts::of(&pods, Some(&now)).ready,
+        2,
+        "the same pods PodCounts counts Ready"
+    );
+    // A pool the user brings (no template) counts every pod of any geometry.
+    assert_eq!(ReadyPod::of(Role::Decode, &pods, None).len(), 3);
+}
+
+#[test]
 fn pods_of_an_earlier_geometry_are_not_counted_ready_while_their_pool_rolls() {
     // A geometry changed on a running pair rolls each pool's Deployment on its own: a Ready pod
     // of the old geometry (kept while the new one loads the model) counted, and a pool read
@@ -1096,7 +1151,7 @@ fn with_pdpairs_connector_a_ready_pod_without_an_engine_registered_turns_transfe
     );
     assert!(
         c.message.starts_with(
-            "1 Ready pod(s) have had no engine registered with their node agent for over 60 s: decode pod decode-b"
+            "1 pod(s) Ready for over 60 s have no live PDEndpoint, so no engine of theirs registered with their node agent, or their agent cannot publish it: decode pod decode-b"
         ),
         "{}",
         c.message
@@ -1123,13 +1178,39 @@ fn with_pdpairs_connector_a_ready_pod_without_an_engine_registered_turns_transfe
     observed.endpoints = vec![&p, &d, &b];
     let (s, _) = compute(&pair, &observed, &t(111));
     assert_eq!(cond(&s, ct::TRANSFER_READY).status, "True");
-    // Its engine's endpoint gone stale (the agent or engine went): not registered any more.
-    observed.endpoints = vec![&p, &d, &b];
+    // Its engine's endpoint gone stale (the agent or engine went), the others' live: not
+    // registered any more.
+    let fresh = PDEndpointStatus {
+        last_heartbeat: Some(t(300)),
+        ..PDEndpointStatus::default()
+    };
+    let (mut p_live, mut d_live) = (p.clone(), d.clone());
+    p_live.status = Some(fresh.clone());
+    d_live.status = Some(fresh.clone());
+    let mut d_news = d_live.clone();
+    d_news.status = Some(PDEndpointStatus {
+        last_rejection: Some(Rejection {
+            time: t(200),
+            peer: "10.0.0.9:7000".into(),
+            reasons: vec!["KernelBlockSizeMismatch".into()],
+            message: "push needs identical kernel block sizes".into(),
+            resolved: None,
+        }),
+        ..fresh
+    });
+    observed.endpoints = vec![&p_live, &d_live, &b];
     let (s, _) = compute(&pair, &observed, &t(100 + STALE_SECONDS + 1));
-    assert_eq!(
-        cond(&s, ct::TRANSFER_READY).reason,
-        reasons::NO_ENDPOINTS,
-        "every engine stale"
+    let c = cond(&s, ct::TRANSFER_READY);
+    assert_eq!(c.reason, reasons::NOT_REGISTERED, "{}", c.message);
+    // Other news is said after it.
+    observed.endpoints = vec![&p_live, &d_news, &b];
+    let (s, _) = compute(&pair, &observed, &t(100 + STALE_SECONDS + 1));
+    let c = cond(&s, ct::TRANSFER_READY);
+    assert_eq!(c.reason, reasons::NOT_REGISTERED);
+    assert!(
+        c.message.contains("; and 1 endpoint(s) rejected a handshake"),
+        "{}",
+        c.message
     );
     // Without pdpair's connector engines need not register.
     pair.spec.transfer.connector = pdpair_api::Connector::None;
