@@ -542,25 +542,39 @@ fn current_news<'a, T>(
 fn news_stands(
     (at, peer, resolved): (&Time, Option<&str>, Option<&Time>),
     last_success: Option<&Time>,
-    endpoints: &[&PDEndpoint],
+    addresses: &LiveAddresses,
     now: &Time,
 ) -> bool {
     if !current(at, None, now) || resolved.is_some_and(|t| t.0.as_second() >= at.0.as_second()) {
         return false;
     }
-    // As decode's agent spells a prefill (an IPv4 address mapped into IPv6 written as IPv4).
-    let spelled = |a: &str| {
+    peer.is_some_and(|peer| addresses.holds(peer)) || current(at, last_success, now)
+}
+
+/// The side-channel addresses of live endpoints, each as decode's agent spells a prefill (an
+/// IPv4 address mapped into IPv6 written as IPv4), gathered once per fold.
+struct LiveAddresses(std::collections::HashSet<std::net::SocketAddr>);
+
+impl LiveAddresses {
+    fn spelled(a: &str) -> Option<std::net::SocketAddr> {
         a.parse::<std::net::SocketAddr>()
             .ok()
             .map(|s| std::net::SocketAddr::new(s.ip().to_canonical(), s.port()))
-    };
-    let peer_here = peer.is_some_and(|peer| {
-        endpoints.iter().any(|e| {
-            let a = e.spec.address.as_str();
-            !a.is_empty() && (a == peer || spelled(a).is_some_and(|a| Some(a) == spelled(peer)))
-        })
-    });
-    peer_here || current(at, last_success, now)
+    }
+
+    fn of(endpoints: &[&PDEndpoint]) -> Self {
+        LiveAddresses(
+            endpoints
+                .iter()
+                .filter_map(|e| Self::spelled(&e.spec.address))
+                .collect(),
+        )
+    }
+
+    /// Whether `peer` is one of them (an address that is not an IP and port never is).
+    fn holds(&self, peer: &str) -> bool {
+        Self::spelled(peer).is_some_and(|p| self.0.contains(&p))
+    }
 }
 
 /// `TransferReady` from each engine's recent outcomes (not its lifetime counters): False while an
@@ -705,12 +719,13 @@ fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
         let msg = "no engine has registered with a node agent yet".to_owned();
         return Cond::new(ct::TRANSFER_READY, "Unknown", reasons::NO_ENDPOINTS, msg);
     }
+    let addresses = LiveAddresses::of(endpoints);
     let rejected = current_news(
         endpoints,
         |s| s.last_rejection.as_ref(),
         |r, s| {
             let news = (&r.time, Some(r.peer.as_str()), r.resolved.as_ref());
-            news_stands(news, s.last_success.as_ref(), endpoints, now)
+            news_stands(news, s.last_success.as_ref(), &addresses, now)
         },
     );
     if let Some((who, r)) = rejected.first() {
@@ -728,7 +743,7 @@ fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
         |s| s.last_failure.as_ref(),
         |f, s| {
             let news = (&f.time, f.peer.as_deref(), f.resolved.as_ref());
-            news_stands(news, s.last_success.as_ref(), endpoints, now)
+            news_stands(news, s.last_success.as_ref(), &addresses, now)
         },
     );
     if let Some((who, f)) = failed.first() {
