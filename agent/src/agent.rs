@@ -3021,6 +3021,28 @@ mod tests {
     }
 
     #[test]
+    fn pools_count_for_a_busy_refusal_only_where_they_go_for_the_registration() {
+        let held = |pod: Option<&str>, pdpair: &str, role: Role| Held {
+            pod: pod.map(str::to_owned),
+            pdpair: pdpair.into(),
+            role,
+            all: 1 << 20,
+            in_pool_dir: 0,
+        };
+        let old = held(Some("old-pod"), "ns/pair", Role::Prefill);
+        // A rollout's old Pod of the same pair and role: counted for the new Pod.
+        assert!(old.counts_for(Some("new-pod"), "ns/pair", Role::Prefill));
+        // Its own Pod's (another rank of it): they do not go for it.
+        assert!(!old.counts_for(Some("old-pod"), "ns/pair", Role::Prefill));
+        // Another role's, or another pair's: they need not ever go.
+        assert!(!old.counts_for(Some("new-pod"), "ns/pair", Role::Decode));
+        assert!(!old.counts_for(Some("new-pod"), "ns/other", Role::Prefill));
+        // Engines not attested (no Pod known): the same pair and role count.
+        assert!(held(None, "ns/pair", Role::Prefill).counts_for(None, "ns/pair", Role::Prefill));
+        assert!(old.counts_for(None, "ns/pair", Role::Prefill));
+    }
+
+    #[test]
     fn a_rejection_or_failure_is_resolved_by_a_transfer_with_that_peer_only() {
         let failure = |peer: Option<&str>| SeenFailure {
             at: 100,
