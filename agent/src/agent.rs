@@ -1242,17 +1242,17 @@ impl EngineStats {
     fn transferred<'a>(&mut self, now: i64, bytes: u64, peers: impl IntoIterator<Item = &'a str>) {
         self.last_success = Some(now);
         let peers: Vec<&str> = peers.into_iter().collect();
-        if let Some(r) = self.last_rejection.as_mut()
-            && r.resolved.is_none()
-            && peers.contains(&r.peer.as_str())
-        {
-            r.resolved = Some(now);
+        // News of one of them, not resolved yet, is resolved now.
+        let resolve = |resolved: &mut Option<i64>, peer: Option<&str>| {
+            if resolved.is_none() && peer.is_some_and(|p| peers.contains(&p)) {
+                *resolved = Some(now);
+            }
+        };
+        if let Some(r) = self.last_rejection.as_mut() {
+            resolve(&mut r.resolved, Some(&r.peer));
         }
-        if let Some(f) = self.last_failure.as_mut()
-            && f.resolved.is_none()
-            && f.peer.as_deref().is_some_and(|p| peers.contains(&p))
-        {
-            f.resolved = Some(now);
+        if let Some(f) = self.last_failure.as_mut() {
+            resolve(&mut f.resolved, f.peer.as_deref());
         }
         let counters = &mut self.counters;
         counters.transfers_completed += 1;

@@ -96,6 +96,11 @@ pub struct ReadyPod {
 }
 
 impl ReadyPod {
+    /// Whether an engine of it (its role, in it) has one of the `live` endpoints.
+    fn registered_in(&self, live: &[&PDEndpoint]) -> bool {
+        live.iter().any(|e| e.spec.role == self.role && e.spec.pod == self.name)
+    }
+
     /// `role`'s Ready pods among `pods`, as [`PodCounts::of`] counts them.
     pub fn of<'a>(role: Role, pods: impl IntoIterator<Item = &'a Pod>, geometry: Option<&str>) -> Vec<ReadyPod> {
         pods.into_iter()
@@ -608,18 +613,13 @@ pub fn changes_in(endpoints: &[&PDEndpoint], ready_pods: &[ReadyPod], now: &Time
         let at = t.0.as_second().saturating_add(window).saturating_add(1);
         (within(t, now, window) && at > now_s).then_some(at - now_s)
     };
+    // Stale endpoints are folded no more: nothing of theirs to wait for.
+    let live: Vec<&PDEndpoint> = endpoints.iter().copied().filter(|e| !stale(e, now)).collect();
     let unregistered = ready_pods
         .iter()
-        .filter(|p| {
-            !endpoints
-                .iter()
-                .any(|e| !stale(e, now) && e.spec.role == p.role && e.spec.pod == p.name)
-        })
+        .filter(|p| !p.registered_in(&live))
         .filter_map(|p| due(p.since.as_ref()?, UNREGISTERED_SECONDS));
-    // Stale endpoints are folded no more: nothing of theirs to wait for.
-    endpoints
-        .iter()
-        .filter(|e| !stale(e, now))
+    live.iter()
         .flat_map(|e| {
             let heard = e
                 .status
@@ -663,29 +663,37 @@ fn unregistered_pods(pair: &PDPair, ready: &[ReadyPod], live: &[&PDEndpoint], no
     if pair.spec.transfer.connector != Connector::Pdpair {
         return None;
     }
-    let mut silent: Vec<String> = ready
+    let silent: Vec<String> = ready
         .iter()
         .filter(|p| {
             p.since
                 .as_ref()
                 .is_none_or(|t| now.0.as_second().saturating_sub(t.0.as_second()) > UNREGISTERED_SECONDS)
         })
-        .filter(|p| !live.iter().any(|e| e.spec.role == p.role && e.spec.pod == p.name))
+        .filter(|p| !p.registered_in(live))
         .map(|p| format!("{} pod {}", p.role, p.name))
         .collect();
     if silent.is_empty() {
         return None;
     }
-    silent.sort_unstable();
-    let more = silent.len().saturating_sub(PATHS_NAMED);
-    let mut named = silent[..silent.len().min(PATHS_NAMED)].join(", ");
+    let count = silent.len();
+    let named = name_a_few(silent);
+    Some(format!(
+        "{} pod(s) Ready for over {UNREGISTERED_SECONDS} s have no live PDEndpoint, so no engine of theirs registered with their node agent, or their agent cannot publish it: {named} (no KV moves to or from them; the engine's log says why: the connector not loaded, the agent refused it or has no room for its pool yet, or no agent serves on the node; else the agent's: the API server unreachable or refusing it)",
+        count
+    ))
+}
+
+/// `names` sorted, the first [`PATHS_NAMED`] of them, and how many more there are.
+fn name_a_few<S: AsRef<str> + Ord>(mut names: Vec<S>) -> String {
+    names.sort_unstable();
+    let shown: Vec<&str> = names.iter().take(PATHS_NAMED).map(AsRef::as_ref).collect();
+    let mut named = shown.join(", ");
+    let more = names.len().saturating_sub(PATHS_NAMED);
     if more > 0 {
         named.push_str(&format!(" and {more} more"));
     }
-    Some(format!(
-        "{} pod(s) Ready for over {UNREGISTERED_SECONDS} s have no live PDEndpoint, so no engine of theirs registered with their node agent, or their agent cannot publish it: {named} (no KV moves to or from them; the engine's log says why: the connector not loaded, the agent refused it or has no room for its pool yet, or no agent serves on the node; else the agent's: the API server unreachable or refusing it)",
-        silent.len()
-    ))
+    named
 }
 
 /// With pdpair's connector: which role has no live engine registered (its PDEndpoints missing,
@@ -775,16 +783,6 @@ const PATHS_NAMED: usize = 3;
 /// cache on the CPU) turns it False (`StagingNotAllowed`), transfers or none.
 fn path_condition(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Cond {
     let mut c = path_condition_of_transfers(pair, endpoints, now);
-    let named = |mut names: Vec<&str>| {
-        names.sort_unstable();
-        let more = names.len().saturating_sub(PATHS_NAMED);
-        let more = if more > 0 {
-            format!(" and {more} more")
-        } else {
-            String::new()
-        };
-        format!("{}{more}", names[..names.len().min(PATHS_NAMED)].join(", "))
-    };
     let host = |e: &&&PDEndpoint| e.spec.pool_memory == pdpair_api::PoolMemory::Host;
     fn name<'a>(e: &&'a PDEndpoint) -> &'a str {
         e.metadata.name.as_deref().unwrap_or("?")
@@ -800,7 +798,7 @@ fn path_condition(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Cond 
             "; {} of {} engine(s) stage KV through host memory ({}: their PDEndpoints' spec.staging say why)",
             staging.len(),
             endpoints.len(),
-            named(staging)
+            name_a_few(staging)
         ));
     }
     let hosts: Vec<&str> = endpoints.iter().filter(host).map(name).collect();
@@ -809,7 +807,7 @@ fn path_condition(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Cond 
             "spec.transfer.requireDirect is set, but {} of {} engine(s) hand their agent a host pool, not their KV cache in GPU memory ({})",
             hosts.len(),
             endpoints.len(),
-            named(hosts)
+            name_a_few(hosts)
         );
         c = if c.status == "False" {
             Cond::new(ct::TRANSFER_PATH, "False", &c.reason, format!("{}; {why}", c.message))

@@ -618,6 +618,18 @@ def test_a_restarted_agent_listens_again_where_a_prefill_engine_was(world):
         register(a, role="decode", address="127.0.0.1:40000")
 
 
+def registered_once_it_fits(world, agent, geometry, num_blocks: int, engine: str, why: str) -> AgentClient:
+    """A prefill engine of ``num_blocks`` registered at ``agent``, tried again while the agent is
+    busy, for 10 s at most (failing with ``why``)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return py_engine(world, agent, "prefill", geometry, num_blocks=num_blocks, engine=engine)
+        except AgentBusy:
+            assert time.monotonic() < deadline, why
+            time.sleep(0.1)
+
+
 def test_a_pool_past_the_pool_directorys_room_is_busy_while_the_agents_own_pools_fill_it(world):
     # Under shm the agent's pools are UCX's segment files in its pool directory (the chart's
     # emptyDir): one past its room is refused, naming it; busy while the pools the agent holds
@@ -642,14 +654,7 @@ def test_a_pool_past_the_pool_directorys_room_is_busy_while_the_agents_own_pools
         held[0].close()
         for pool in held[0].pools:
             pool.close()
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                third = py_engine(world, agent, "prefill", g, num_blocks=512, engine="third")
-                break
-            except AgentBusy:
-                assert time.monotonic() < deadline, "the pool that went left no room"
-                time.sleep(0.1)
+        third = registered_once_it_fits(world, agent, g, 512, "third", "the pool that went left no room")
         third.close()
         held[1].close()
     finally:
@@ -703,14 +708,7 @@ def test_a_pool_past_the_agents_memory_limit_is_refused_naming_it_and_the_agent_
     for e in [small, *more]:
         for pool in e.pools:
             pool.close()
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            over = py_engine(world, agent, "prefill", g, num_blocks=768, engine="over")
-            break
-        except AgentBusy:
-            assert time.monotonic() < deadline, "the pools that went left no room"
-            time.sleep(0.1)
+    over = registered_once_it_fits(world, agent, g, 768, "over", "the pools that went left no room")
     # Not busy where the pools it holds would not make room: the engine's own 96 MiB and 1 GiB
     # more leave past the limit with it gone.
     with pytest.raises(AgentError, match="its memory limit leaves") as past_all:

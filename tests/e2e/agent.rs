@@ -189,6 +189,22 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
             )),
         "{message}"
     );
+    // (No kubelet runs here to end a Pod's containers.)
+    let force_delete_pod = |pod: &str| {
+        kubectl_ok(
+            &[
+                "delete",
+                "pod",
+                pod,
+                "-n",
+                &ns,
+                "--wait=false",
+                "--grace-period=0",
+                "--force",
+            ],
+            None,
+        );
+    };
     let patch_pair = |patch: &str| {
         kubectl_ok(
             &[
@@ -295,19 +311,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         "{message}"
     );
     // Deleting a Pod garbage-collects its endpoint.
-    kubectl_ok(
-        &[
-            "delete",
-            "pod",
-            "prefill16-pod",
-            "-n",
-            &ns,
-            "--wait=false",
-            "--grace-period=0",
-            "--force",
-        ],
-        None,
-    );
+    force_delete_pod("prefill16-pod");
     eventually(WAIT, "the endpoint of the deleted Pod to go", || {
         get_json("pdendpoint", &ns, &endpoint_name("prefill16-pod", "p16"))
             .is_none()
@@ -398,19 +402,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     });
     assert!(message.contains("decode pod decode2-pod"), "{message}");
     // Gone, it counts no more.
-    kubectl_ok(
-        &[
-            "delete",
-            "pod",
-            "decode2-pod",
-            "-n",
-            &ns,
-            "--wait=false",
-            "--grace-period=0",
-            "--force",
-        ],
-        None,
-    );
+    force_delete_pod("decode2-pod");
     eventually(WAIT, "TransferReady=True without decode2-pod", || {
         let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
         (condition(&p, "TransferReady")?.0 == "True").then_some(())

@@ -1323,6 +1323,9 @@ impl Engine {
             }
         }
         let name = format!("{outcome:?}");
+        // With one prefill rank, a failure is that prefill's (with several, whose part did not
+        // match is not told).
+        let peer = (p.prefills.len() == 1).then(|| p.prefills[0].clone());
         match (outcome, self.settings.checksum) {
             (Outcome::Verified, _) | (_, ChecksumPolicy::FailOpen) => {
                 if outcome != Outcome::Verified {
@@ -1335,19 +1338,17 @@ impl Engine {
                     transfer_us,
                 });
             }
-            // With one prefill rank, the failure is that prefill's (with several, whose part
-            // did not match is not told).
             (Outcome::Mismatched, _) => self.fail_quietly_with(
                 request,
                 vec![Reason::ChecksumMismatch],
                 "received KV does not match prefill's checksums".into(),
-                (p.prefills.len() == 1).then(|| p.prefills[0].clone()),
+                peer,
             ),
             _ => self.fail_quietly_with(
                 request,
                 vec![Reason::ChecksumUnverified],
                 "received KV could not be verified (FailClosed)".into(),
-                (p.prefills.len() == 1).then(|| p.prefills[0].clone()),
+                peer,
             ),
         }
     }

@@ -64,12 +64,18 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def _scheduler_source(method: str) -> str:
-    """The source of vLLM's ``Scheduler.<method>``, which says what this vLLM does where no
-    release note does (raises where it cannot be read)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
+def _scheduler_says(method: str, text: str, unknown: bool, what: str, then: str) -> bool:
+    """Whether the source of vLLM's ``Scheduler.<method>``, which says what this vLLM does where
+    no release note does, holds ``text``; where it cannot be read, ``unknown``, logging that
+    ``what`` cannot be told and ``then`` what the connector does."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
 
-    return inspect.getsource(getattr(Scheduler, method))
+        source = inspect.getsource(getattr(Scheduler, method))
+    except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
+        log.warning("pdpair: cannot tell %s (%s); %s", what, e, then)
+        return unknown
+    return text in source
 
 
 def vllm_holds_aborted_receives() -> bool:
@@ -80,13 +86,8 @@ def vllm_holds_aborted_receives() -> bool:
     takes too, but for an abort in the very step the KV landed, where it stops the engine
     (loudly); the other guess, on an older vLLM, would free the blocks while the agent still
     writes into them."""
-    try:
-        source = _scheduler_source("finish_requests")
-    except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
-        log.warning("pdpair: cannot tell whether vLLM holds an aborted request's blocks (%s); the connector "
-                    "holds them", e)
-        return False
-    return "WAITING_FOR_REMOTE_KVS" in source
+    return _scheduler_says("finish_requests", "WAITING_FOR_REMOTE_KVS", False,
+                           "whether vLLM holds an aborted request's blocks", "the connector holds them")
 
 
 def vllm_counts_received_blocks_whole() -> bool:
@@ -96,13 +97,8 @@ def vllm_counts_received_blocks_whole() -> bool:
     allocation). Where that cannot be read, ``True``: a decode prompt longer than the tokens P
     computed, those not whole blocks, is then computed locally (the safe guess: the other, on a
     vLLM that counts whole blocks, leaves stale KV in the last block's rest, cached)."""
-    try:
-        source = _scheduler_source("_update_waiting_for_remote_kv")
-    except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
-        log.warning("pdpair: cannot tell how vLLM counts received KV (%s); partial last blocks are computed "
-                    "locally", e)
-        return True
-    return "* self.block_size" in source
+    return _scheduler_says("_update_waiting_for_remote_kv", "* self.block_size", True,
+                           "how vLLM counts received KV", "partial last blocks are computed locally")
 
 
 COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
