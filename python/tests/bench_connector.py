@@ -19,17 +19,32 @@ import time
 import torch
 
 from conftest import World, AGENT_BIN  # noqa: F401  (the same agents as the tests)
+from pdpair_vllm import staging
 from vllm_harness import Engine
 
 SHAPE = (32, 8, 128)
 BYTES_PER_TOKEN = 2 * SHAPE[0] * SHAPE[1] * SHAPE[2] * 2
 
 
-def run(world, checksum: str, tokens: int, requests: int):
-    pa, da = world.agent(f"p-{checksum}-{tokens}", "shm"), world.agent(f"d-{checksum}-{tokens}", "shm")
+def run(world, checksum: str, tokens: int, requests: int, layout: str = "NHD", host_pools=(None, None)):
+    """``layout``: the engines' KV tensors (the harness's: an older vLLM's ``NHD``, or vLLM 0.33's
+    own, ``LBNHC``...); ``host_pools``: each side's staged pool arrangement, ``None`` as the
+    connector picks it, or forced (``KvFirst``: vLLM 0.33's tensors staged into K and V arrays, as
+    before the connector kept them side by side)."""
+    name = f"{checksum}-{tokens}-{layout}-{host_pools[0]}-{host_pools[1]}"
+    pa, da = world.agent(f"p-{name}", "shm"), world.agent(f"d-{name}", "shm")
     blocks = tokens // 16 + 8
-    p = Engine(world, pa, "prefill", seed=1, checksum=checksum, shape=SHAPE, num_blocks=blocks, compute=False)
-    d = Engine(world, da, "decode", seed=2, checksum=checksum, shape=SHAPE, num_blocks=blocks, compute=False)
+    engines = []
+    for role, seed, agent, arrangement in (("prefill", 1, pa, host_pools[0]), ("decode", 2, da, host_pools[1])):
+        picks = staging.staged_arrangement
+        if arrangement is not None:
+            staging.staged_arrangement = lambda tensors, kv, a=arrangement: None if a == "KvFirst" else a
+        try:
+            engines.append(Engine(world, agent, role, seed=seed, checksum=checksum, shape=SHAPE, num_blocks=blocks,
+                                  compute=False, layout=layout))
+        finally:
+            staging.staged_arrangement = picks
+    p, d = engines
     ms, save, load = [], [], []
     try:
         for i in range(requests):
@@ -78,6 +93,8 @@ def main():
     world = World(directory)
     rows = []
     try:
+        if len(sys.argv) > 2 and sys.argv[2] == "host-pools":
+            return host_pools(world, requests, int(sys.argv[3]) if len(sys.argv) > 3 else 3)
         for tokens in (512, 4096):
             raw = copy_ms(tokens * BYTES_PER_TOKEN)
             for checksum in ("Disabled", "FailClosed"):
@@ -93,6 +110,21 @@ def main():
     finally:
         world.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def host_pools(world, requests: int, rounds: int):
+    """vLLM 0.33's KV tensors (``LBNHC``) staged both sides, 4096 tokens, checksums Disabled: host
+    pools side by side as the tensors (the connector's pick), in K and V arrays (forced: as
+    before), and one of each (a connector of each kind, as a staged engine meets a direct one),
+    interleaved in each of ``rounds`` rounds."""
+    cases = [("both side by side", (None, None)), ("both K and V arrays", ("KvFirst", "KvFirst")),
+             ("prefill side by side, decode arrays", (None, "KvFirst"))]
+    for r in range(rounds):
+        for what, pools in cases:
+            ms, save, load = run(world, "Disabled", 4096, requests, "LBNHC", pools)
+            print(json.dumps({"round": r + 1, "host pools": what, "p50_ms": round(statistics.median(ms), 1),
+                              "min_ms": round(min(ms), 1), "p_staging_p50_ms": round(statistics.median(save), 1),
+                              "d_staging_p50_ms": round(statistics.median(load), 1)}), flush=True)
 
 
 if __name__ == "__main__":

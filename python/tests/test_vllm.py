@@ -226,6 +226,46 @@ def test_vllms_own_kv_cache_is_one_region_for_the_direct_path_where_its_blocks_a
         assert torch.equal(memory[at:at + half], logical.contiguous().view(torch.uint8)), (layer, head, token, v)
 
 
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC", "LHBNC", "NHD", "MLA"])
+def test_a_staged_vllm_033_kv_cache_has_a_host_pool_laid_out_block_for_block_as_the_direct_path(pair, layout):
+    """Staged, vLLM 0.33's KV tensors get an ``Interleaved`` host pool: every head's token's K and
+    V at the offset in its block where the direct path's region has it, so a staged engine and a
+    direct one (or two staged ones) move whole blocks, not a head's token at a time (2.3-3.1
+    against 10-14 GB/s over shm: docs/benchmarks.md), and each block's staging copy is one run
+    of bytes. An older vLLM's K and V arrays and an MLA cache stay ``KvFirst`` and ``Latent``."""
+    import dataclasses
+
+    from pdpair_vllm import direct
+
+    p, d = pair(layout=layout)
+    host = p.layout
+    if layout in ("NHD", "MLA"):
+        assert host.arrangement == ("KvFirst" if layout == "NHD" else "Latent")
+        return
+    assert (host.arrangement, host.region_lens) == ("Interleaved", [host.layers * host.num_blocks * 2 * host.block_len])
+    assert d.layout.arrangement == "Interleaved"
+    prompt = list(range(400, 450))
+    prefill(p, "req", prompt)
+    # Staged into P's pool as its KV is offered: each token read back from the pool below.
+    p.run_until(lambda: "req" in p.worker._worker.staging_ms, what="P staged the request's KV")
+    logical = p.blocks("req")
+    blocks = sorted({p._kernel_at(logical, t)[0] for t in range(len(prompt))})
+    pool = p.worker._worker.stager.pool.reshape(-1)
+    for (r, at), layer, head, token, v in host.tokens(blocks, 0, len(prompt)):
+        block, j = p._kernel_at(logical, token)
+        cell = p.kv[0][layer].view(torch.uint8)[block, head - host.head_offset, j]
+        assert torch.equal(pool[at:at + host.half_token], cell[int(v) * host.half_token:(int(v) + 1) * host.half_token])
+    if layout == "LHBNC":
+        return  # a block's heads lie apart: the direct path stages it (the test above)
+    (region,) = direct.regions(p.kv[0], dataclasses.replace(host, regions=(), strides=()))
+    direct_ = dataclasses.replace(host, strides=((region["layer_stride"], region["block_stride"]),))
+    for layer in (0, host.layers - 1):
+        for (v, head, j) in [(v, h, j) for v in (0, 1) for h in range(host.local_heads) for j in range(host.block_size)]:
+            in_block = [lay.block_offset(layer, bool(v), 5)[1] - lay.block_offset(layer, False, 5)[1]
+                        + lay.token_offset(head, j, layer) for lay in (host, direct_)]
+            assert in_block[0] == in_block[1], (layer, v, head, j, in_block)
+
+
 def test_a_kv_tensor_whose_heads_are_not_the_ranks_kv_heads_is_refused_naming_both(pair):
     # A backend packing K and V as two head slots ([blocks, 2, tokens, heads * dim]) passed the
     # cell-size check where heads * dim is 2 * head size, and staging filed one head's K and V

@@ -29,6 +29,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from . import client as agent_client
+from . import staging
 from .layout import MAX_REGIONS, PoolLayout
 from .transfer import Stager
 
@@ -594,11 +595,14 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
     (``None`` when staged) and why not direct (``None`` when direct)."""
     chosen: dict = {}
     options = {"event": True}
+    # A host pool laid out as vLLM 0.33's KV cache where it is one (TorchStager).
+    arranged = staging.staged_arrangement(tensors, reg["kv"])
+    host_reg = dict(reg, kv_arrangement=arranged) if arranged else reg
 
     def staged(why: str) -> dict:
         # The agent publishes why in the PDEndpoint (spec.staging); it keeps 300 characters.
         chosen["why"] = why
-        return dict(reg, staging=_short(why))
+        return dict(host_reg, staging=_short(why))
 
     def pick(caps: dict):
         if want is False:
@@ -623,7 +627,7 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
         return (gpu_reg, shared) if shared else gpu_reg
 
     try:
-        return _register(socket_path, reg, pick, chosen, options, want)
+        return _register(socket_path, host_reg, pick, chosen, options, want)
     finally:
         restore_fds()  # the shared descriptors are closed by now
 

@@ -6,7 +6,7 @@ the GPU check measures it beside the direct path."""
 from __future__ import annotations
 
 import logging
-from typing import List
+from typing import List, Mapping, Optional, Sequence
 
 import torch
 
@@ -22,24 +22,35 @@ class TorchStager(Stager):
     vLLM's ``[2, num_blocks, ...]`` (K and V first), ``[num_blocks, 2, ...]`` (blocks first, as
     FlashInfer has it) or MLA's ``[num_blocks, block, dim]``; inside a block, any dense order (NHD
     or HND) is copied byte for byte. The pool is one region, K and V arrays first (``KvFirst``),
-    or latent arrays (``Latent``)."""
+    latent arrays (``Latent``), or, for vLLM 0.33's tensors (:func:`staged_arrangement`), each
+    layer's blocks with each head's token's K and V side by side as in the tensors
+    (``Interleaved``, dense, layers outermost): a block's copy is then one run of bytes, and the
+    pool is laid out as a direct engine's KV cache, so a staged and a direct vLLM 0.33 engine
+    move whole blocks, not a head's token at a time."""
 
     def __init__(self, tensors: List[torch.Tensor], pool, layout):
         self.layout = layout
         self._pool_buf = pool
-        if len(layout.region_lens) != 1 or layout.arrangement not in ("KvFirst", "Latent"):
+        if len(layout.region_lens) != 1 or layout.arrangement not in ("KvFirst", "Latent", "Interleaved"):
             raise ValueError(
-                f"pdpair: host staging registers one KvFirst or Latent region, not {layout.regions}"
+                f"pdpair: host staging registers one KvFirst, Latent or Interleaved region, not {layout.regions}"
             )
         flat = torch.frombuffer(pool, dtype=torch.uint8, count=layout.pool_len)
         # Touch every page now, as the engine's own KV cache was at startup: otherwise the first
         # staging copies and the peers' first writes into a block pay its page faults.
         flat.zero_()
-        self.pool = flat.view(layout.layers, len(layout.arrays), layout.num_blocks, layout.block_len)
-        self.rows = [block_rows(t, layout.num_blocks, layout.block_len) for t in tensors]
-        if any(r.shape[0] != len(layout.arrays) for r in self.rows):
-            raise ValueError(f"pdpair: the KV tensors hold {self.rows[0].shape[0]} arrays a layer, the pool "
-                             f"{len(layout.arrays)}")
+        if layout.arrangement == "Interleaved":
+            if layout.strides and layout.strides[0] is not None and layout.strides[0] != (
+                    2 * layout.array_len, 2 * layout.block_len):
+                raise ValueError(f"pdpair: host staging's Interleaved pool is dense, not at strides {layout.strides[0]}")
+            self.rows = [_side_by_side_blocks(t, layout) for t in tensors]
+            self.pool = flat.view(layout.layers, layout.num_blocks, 2 * layout.block_len)
+        else:
+            self.pool = flat.view(layout.layers, len(layout.arrays), layout.num_blocks, layout.block_len)
+            self.rows = [block_rows(t, layout.num_blocks, layout.block_len) for t in tensors]
+            if any(r.shape[0] != len(layout.arrays) for r in self.rows):
+                raise ValueError(f"pdpair: the KV tensors hold {self.rows[0].shape[0]} arrays a layer, the pool "
+                                 f"{len(layout.arrays)}")
         self.pinned = False
         #: The GPU the pool is pinned for (unpinned under it, from whichever thread).
         self.device = next((t.device for t in tensors if t.is_cuda), None)
@@ -55,18 +66,25 @@ class TorchStager(Stager):
         for first, count in runs(blocks):
             end = first + count
             for layer, rows in enumerate(self.rows):
-                self._pool_rows(layer, first, end, rows).copy_(rows[:, first:end])
+                self._pool_rows(layer, first, end, rows).copy_(self._tensor_rows(rows, first, end))
 
     def load(self, blocks: List[int]) -> None:
         for first, count in runs(blocks):
             end = first + count
             for layer, rows in enumerate(self.rows):
-                rows[:, first:end].copy_(self._pool_rows(layer, first, end, rows))
+                self._tensor_rows(rows, first, end).copy_(self._pool_rows(layer, first, end, rows))
+
+    def _tensor_rows(self, rows: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """Blocks first..end of one layer's tensor, as :attr:`rows` views it."""
+        return rows[first:end] if self.layout.arrangement == "Interleaved" else rows[:, first:end]
 
     def _pool_rows(self, layer: int, first: int, end: int, rows: torch.Tensor) -> torch.Tensor:
         """Blocks first..end of one layer of the pool, shaped as ``rows`` (a block's bytes split
         into (tokens, heads, bytes) or (heads, tokens, bytes) where vLLM's tensor interleaves K
-        and V, so the copy gathers them)."""
+        and V into K and V arrays, so the copy gathers them; as they lie in the tensor where the
+        pool is ``Interleaved`` too)."""
+        if self.layout.arrangement == "Interleaved":
+            return self.pool[layer, first:end].view(end - first, *rows.shape[1:])
         return self.pool[layer, :, first:end].view(rows.shape[0], end - first, *rows.shape[2:])
 
     def close(self) -> None:
@@ -110,6 +128,16 @@ def token_layout(t: torch.Tensor) -> str:
     else:
         tokens, heads = t.dim() - 3, t.dim() - 2
     return "HND" if t.stride(heads) > t.stride(tokens) else "NHD"
+
+
+def staged_arrangement(tensors: Sequence[torch.Tensor], kv: Mapping) -> Optional[str]:
+    """How host staging arranges the pool of ``tensors`` (geometry ``kv``): ``Interleaved`` for
+    vLLM 0.33's ``[num_blocks, heads, tokens, K|V]``, as they lie; ``None`` (the registration's
+    default: ``KvFirst``, or ``Latent`` for MLA) for an MLA cache, and for an older vLLM's
+    shapes, whose blocks already are K and V arrays."""
+    if not tensors or tensors[0].dim() != 4 or kv.get("mla"):
+        return None
+    return "Interleaved"
 
 
 def block_rows(t: torch.Tensor, num_blocks: int, block_len: int) -> torch.Tensor:
@@ -175,3 +203,19 @@ def _interleaved_rows(t: torch.Tensor, num_blocks: int, block_len: int) -> torch
     view = torch.as_strided(b, (arrays, num_blocks, heads, tokens, half), (half, s_block, s_head, s_token, 1),
                             b.storage_offset())
     return view if token_layout(t) == "HND" else view.transpose(2, 3)
+
+
+def _side_by_side_blocks(t: torch.Tensor, layout) -> torch.Tensor:
+    """A byte view of vLLM 0.33's ``[num_blocks, heads, tokens, K|V]`` (no copy) as an
+    ``Interleaved`` pool holds a layer's blocks: ``[num_blocks, heads, tokens, K|V bytes]`` (HND)
+    or ``[num_blocks, tokens, heads, K|V bytes]`` (NHD), each head's token's K then its V."""
+    shape = tuple(t.shape)
+    want = (layout.num_blocks, layout.local_heads, layout.block_size)
+    if t.dim() != 4 or shape[:3] != want or t.stride(3) != 1:
+        raise ValueError(f"pdpair: KV tensor {shape} / strides {t.stride()} is not [{want[0]}, {want[1]}, {want[2]}, "
+                         "K|V] holding a head's K|V contiguously")
+    b = t.view(torch.uint8)
+    if b.shape[3] != 2 * layout.half_token:
+        raise ValueError(f"pdpair: a KV tensor of shape {shape} holds {b.shape[3]} bytes a head and token; the agent's "
+                         f"layout {2 * layout.half_token} (K then V)")
+    return b if layout.layout == "HND" else b.transpose(1, 2)
