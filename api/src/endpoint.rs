@@ -83,6 +83,11 @@ pub struct PDEndpointSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = MAX_TEXT))]
     pub staging: Option<String>,
+    /// The engine's tensor-parallel rank (0 to `parallelism.tensor` - 1): each rank of an engine
+    /// registers on its own, so the operator can tell an engine with some ranks unregistered.
+    /// Absent from agents before 2026-12-07.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_rank: Option<i32>,
 }
 
 /// Where an engine's KV pool is.

@@ -1123,6 +1123,7 @@ mod tests {
                     kv: pair.spec.decode.kv.clone(),
                     pool_memory: Default::default(),
                     staging: None,
+                    tensor_rank: None,
                 },
             );
             e.metadata.owner_references = owner.map(|uid| {

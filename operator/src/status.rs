@@ -244,7 +244,12 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
         Some(msg) => Cond::new(ct::TRANSFER_READY, "Unknown", reasons::NO_ENDPOINTS, msg),
         None => {
             let news = transfer_condition(&live, now);
-            match unregistered_pods(pair, &observed.ready_pods, &live, now) {
+            let unregistered = [
+                unregistered_pods(pair, &observed.ready_pods, &live, now),
+                partly_registered(&live, now),
+            ];
+            let unregistered: Vec<String> = unregistered.into_iter().flatten().collect();
+            match (!unregistered.is_empty()).then(|| unregistered.join("; ")) {
                 // What else is news, said after it.
                 Some(msg) if news.status == "False" => Cond::new(
                     ct::TRANSFER_READY,
@@ -645,6 +650,11 @@ pub fn changes_in(endpoints: &[&PDEndpoint], ready_pods: &[ReadyPod], now: &Time
             heard.into_iter().chain(paths).chain(news)
         })
         .chain(unregistered)
+        .chain(
+            uneven_ranks(&live)
+                .into_iter()
+                .filter_map(|u| due(u.newest?, UNREGISTERED_SECONDS)),
+        )
         .min()
         .map(|secs| std::time::Duration::from_secs(secs.unsigned_abs()))
 }
@@ -682,6 +692,93 @@ fn unregistered_pods(pair: &PDPair, ready: &[ReadyPod], live: &[&PDEndpoint], no
         "{} pod(s) Ready for over {UNREGISTERED_SECONDS} s have no live PDEndpoint, so no engine of theirs registered with their node agent, or their agent cannot publish it: {named} (no KV moves to or from them; the engine's log says why: the connector not loaded, the agent refused it or has no room for its pool yet, or no agent serves on the node; else the agent's: the API server unreachable or refusing it)",
         count
     ))
+}
+
+/// The live endpoints of one role and tensor parallelism whose ranks are not registered evenly
+/// ([`uneven_ranks`]).
+struct UnevenRanks<'a> {
+    role: Role,
+    tensor: usize,
+    /// Live endpoints per rank.
+    counts: Vec<usize>,
+    /// When the newest of them was made.
+    newest: Option<&'a Time>,
+    /// Pods holding fewer than `tensor` of the ranks.
+    short_pods: Vec<String>,
+}
+
+/// Each rank of an engine registers with its agent on its own, so where every engine of a role
+/// has all its tensor-parallel ranks registered, each rank has as many live endpoints as every
+/// other (whether an engine's ranks share a Pod or not). Per role and tensor parallelism, where
+/// they do not. Endpoints from agents that do not name their rank (before `tensorRank`) leave
+/// their group uncounted, as do ranks outside the parallelism.
+fn uneven_ranks<'a>(live: &[&'a PDEndpoint]) -> Vec<UnevenRanks<'a>> {
+    let mut groups: std::collections::BTreeMap<(bool, i32), Vec<&'a PDEndpoint>> = Default::default();
+    for e in live {
+        groups
+            .entry((e.spec.role == Role::Decode, e.spec.parallelism.tensor))
+            .or_default()
+            .push(e);
+    }
+    groups
+        .into_iter()
+        .filter_map(|((_, tensor), endpoints)| {
+            let tensor = usize::try_from(tensor).ok().filter(|n| (1..=1024).contains(n))?;
+            let mut counts = vec![0; tensor];
+            let mut ranks_of: std::collections::BTreeMap<&str, BTreeSet<usize>> = Default::default();
+            for e in &endpoints {
+                let rank = usize::try_from(e.spec.tensor_rank?).ok().filter(|r| *r < tensor)?;
+                counts[rank] += 1;
+                ranks_of.entry(e.spec.pod.as_str()).or_default().insert(rank);
+            }
+            let (min, max) = (counts.iter().min()?, counts.iter().max()?);
+            (min != max).then(|| UnevenRanks {
+                role: endpoints[0].spec.role,
+                tensor,
+                newest: endpoints
+                    .iter()
+                    .filter_map(|e| e.metadata.creation_timestamp.as_ref())
+                    .max_by_key(|t| t.0),
+                short_pods: ranks_of
+                    .into_iter()
+                    .filter(|(_, ranks)| ranks.len() < tensor)
+                    .map(|(pod, _)| pod.to_owned())
+                    .collect(),
+                counts,
+            })
+        })
+        .collect()
+}
+
+/// Engines running with some of their tensor-parallel ranks registered and others not, once
+/// the registrations settled (the newest endpoint of the group made over
+/// [`UNREGISTERED_SECONDS`] ago), said as a `TransferReady` message: KV moves for a request only
+/// with every rank of an engine, so such an engine's requests move none.
+fn partly_registered(live: &[&PDEndpoint], now: &Time) -> Option<String> {
+    let said: Vec<String> = uneven_ranks(live)
+        .into_iter()
+        .filter(|u| u.newest.is_none_or(|t| !within(t, now, UNREGISTERED_SECONDS)))
+        .map(|u| {
+            let most = u.counts.iter().copied().max().unwrap_or_default();
+            let short: Vec<String> = (0..u.tensor)
+                .filter(|r| u.counts[*r] < most)
+                .map(|r| format!("rank {r} by {}", u.counts[r]))
+                .collect();
+            let pods = if u.short_pods.is_empty() {
+                String::new()
+            } else {
+                format!("; pods with fewer than {} ranks registered: {}", u.tensor, name_a_few(u.short_pods))
+            };
+            format!(
+                "{} engines of tensor parallelism {} registered their ranks unevenly: {} live endpoint(s) of each rank but {} (a rank that did not register says why in its engine's log; KV moves to or from none of that engine's ranks){pods}",
+                u.role,
+                u.tensor,
+                most,
+                name_a_few(short),
+            )
+        })
+        .collect();
+    (!said.is_empty()).then(|| said.join("; "))
 }
 
 /// `names` sorted, the first [`PATHS_NAMED`] of them, and how many more there are.

@@ -126,6 +126,8 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     );
     assert_eq!(endpoint["spec"]["node"], "node-d");
     assert_eq!(endpoint["spec"]["role"], "decode");
+    // Its tensor-parallel rank, so the operator can tell an engine with some ranks unregistered.
+    assert_eq!(endpoint["spec"]["tensorRank"], 0, "{endpoint}");
     // Where its KV pool is, and why it stages, in its words made printable.
     assert_eq!(endpoint["spec"]["poolMemory"], "Host");
     let staging = endpoint["spec"]["staging"].as_str().expect("staging");

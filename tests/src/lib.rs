@@ -673,6 +673,7 @@ pub fn endpoint(ns: &str, name: &str, role: pdpair_api::Role, pair: &pdpair_api:
             kv: pool.kv.clone(),
             pool_memory: Default::default(),
             staging: None,
+            tensor_rank: None,
         },
     );
     e.metadata.namespace = Some(ns.to_owned());

@@ -37,6 +37,7 @@ fn endpoint(name: &str, role: Role, pair: &PDPair) -> PDEndpoint {
             kv: pool.kv.clone(),
             pool_memory: Default::default(),
             staging: None,
+            tensor_rank: None,
         },
     );
     e.metadata.namespace = Some("default".into());
@@ -1404,4 +1405,95 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
         changes_in(&[&p], &[], &t(1790)),
         Some(Duration::from_secs(995 + RECENT_SECONDS as u64 - 1790)),
     );
+}
+
+#[test]
+fn an_engine_with_some_tensor_parallel_ranks_unregistered_turns_transfer_ready_false_once_settled() {
+    // Decode runs tensor parallelism 2: pod decode-a's two ranks registered, decode-b's rank 1
+    // did not (its agent refused it, or has no room for its pool): that engine's requests move
+    // no KV, though the pod has an endpoint. With every rank naming itself, rank 1 has one
+    // endpoint where rank 0 has two.
+    let mut pair = pair();
+    pair.spec.decode.parallelism.tensor = 2;
+    let heard = PDEndpointStatus {
+        last_heartbeat: Some(t(100)),
+        ..PDEndpointStatus::default()
+    };
+    let made = |name: &str, role: Role, pod: &str, rank: Option<i32>, at: i64| {
+        let mut e = endpoint(name, role, &pair);
+        e.spec.pod = pod.into();
+        e.spec.tensor_rank = rank;
+        e.status = Some(heard.clone());
+        e.metadata.creation_timestamp = Some(t(at));
+        e
+    };
+    let p = made("p-0", Role::Prefill, "prefill-a", Some(0), 0);
+    let p1 = made("p-1", Role::Prefill, "prefill-a", Some(1), 0);
+    let a0 = made("d-a0", Role::Decode, "decode-a", Some(0), 0);
+    let a1 = made("d-a1", Role::Decode, "decode-a", Some(1), 0);
+    let b0 = made("d-b0", Role::Decode, "decode-b", Some(0), 50);
+    let observed = all_ready(vec![&p, &p1, &a0, &a1, &b0]);
+    // A minute's grace from the newest registration: ranks of one engine register moments apart.
+    let (s0, _) = compute(&pair, &observed, &t(110));
+    assert_eq!(
+        cond(&s0, ct::TRANSFER_READY).status,
+        "True",
+        "{:?}",
+        cond(&s0, ct::TRANSFER_READY)
+    );
+    assert_eq!(
+        changes_in(&observed.endpoints, &[], &t(105)),
+        Some(std::time::Duration::from_secs(6)),
+        "looked at again as the grace ends"
+    );
+    let (s1, _) = compute(&pair, &observed, &t(111));
+    let c = cond(&s1, ct::TRANSFER_READY);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", reasons::NOT_REGISTERED),
+        "{}",
+        c.message
+    );
+    assert_eq!(
+        c.message,
+        "decode engines of tensor parallelism 2 registered their ranks unevenly: 2 live endpoint(s) of each rank but rank 1 by 1 (a rank that did not register says why in its engine's log; KV moves to or from none of that engine's ranks); pods with fewer than 2 ranks registered: decode-b"
+    );
+    assert_eq!(cond(&s1, ct::READY).status, "False");
+    // Its rank 1 registers: True. So too where the engine's ranks are in two pods (one engine
+    // across nodes): each rank counts once per engine.
+    let b1 = made("d-b1", Role::Decode, "decode-b", Some(1), 60);
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &p1, &a0, &a1, &b0, &b1]), &t(200));
+    assert_eq!(cond(&s, ct::TRANSFER_READY).status, "True");
+    let c1 = made("d-c1", Role::Decode, "decode-c", Some(1), 60);
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &p1, &a0, &a1, &b0, &c1]), &t(200));
+    assert_eq!(
+        cond(&s, ct::TRANSFER_READY).status,
+        "True",
+        "{}",
+        cond(&s, ct::TRANSFER_READY).message
+    );
+    // A group with an endpoint of an agent that names no rank is not counted (an agent upgrade
+    // under way), nor is a rank outside the parallelism; a stale endpoint is not live.
+    let unnamed = made("d-b1", Role::Decode, "decode-b", None, 60);
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &p1, &a0, &a1, &b0, &unnamed]), &t(200));
+    assert_eq!(cond(&s, ct::TRANSFER_READY).status, "True");
+    let outside = made("d-b1", Role::Decode, "decode-b", Some(2), 60);
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &p1, &a0, &a1, &b0, &outside]), &t(200));
+    assert_eq!(cond(&s, ct::TRANSFER_READY).status, "True");
+    let mut gone = b1.clone();
+    gone.status = Some(PDEndpointStatus {
+        last_heartbeat: Some(t(200 - super::STALE_SECONDS - 1)),
+        ..PDEndpointStatus::default()
+    });
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &p1, &a0, &a1, &b0, &gone]), &t(200));
+    assert_eq!(
+        cond(&s, ct::TRANSFER_READY).reason,
+        reasons::NOT_REGISTERED,
+        "the stale rank 1 counts no more"
+    );
+    // Groups of another role or tensor parallelism count on their own (a rollout to a new one).
+    let mut other = made("d-x0", Role::Decode, "decode-x", Some(0), 60);
+    other.spec.parallelism.tensor = 1;
+    let (s, _) = compute(&pair, &all_ready(vec![&p, &p1, &a0, &a1, &b0, &b1, &other]), &t(200));
+    assert_eq!(cond(&s, ct::TRANSFER_READY).status, "True");
 }
