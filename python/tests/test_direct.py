@@ -13,6 +13,7 @@ import torch
 from pdpair_vllm import direct, synthetic
 from pdpair_vllm.client import AgentClient, AgentError, registration
 from pdpair_vllm.layout import PoolLayout
+from pdpair_vllm.staging import TorchStager
 
 from conftest import kv
 
@@ -483,6 +484,70 @@ def test_vllm_shaped_gpu_kv_moves_between_engines_without_host_staging(world, ag
     p, p_kv = gpu_engine(world, pa, "prefill", g, 256, p_shape)
     d, d_kv = gpu_engine(world, da, "decode", g, 256, d_shape)
     direct_to_direct(p, p_kv, d, d_kv, "g1", 7)
+
+
+def staged_v033_engine(world, agent, role: str, g: dict, num_blocks: int, outer: str, device: str):
+    """A vLLM 0.33 engine whose connector stages (``direct: false``): its KV tensors, one
+    allocation on ``device`` with layers or blocks outermost, copied to and from a host pool laid
+    out as they lie (``Interleaved``)."""
+    tensors = vllm033_tensors(g, num_blocks, outer, device=device, dtype=torch.bfloat16)
+    client, pool, why = direct.register(agent.socket, reg(world, role, g, num_blocks), tensors, want=False)
+    assert pool is None and "turned off" in why, why
+    assert client.layout.arrangement == "Interleaved", client.layout.regions
+    stager = TorchStager(tensors, client.pool, client.layout)
+    assert device == "cuda" or not stager.pinned, "nothing to page-lock for on a CPU"
+    return client, stager
+
+
+def round_trip(client, stager, blocks) -> None:
+    """The blocks from the host pool into the KV tensors, the pool's copy wiped, and back: what
+    the pool holds after is what the tensors held."""
+    stager.load(blocks)
+    stager.pool.zero_()
+    stager.save(blocks)
+
+
+@pytest.mark.parametrize("device,agents,direct_side,outer,token_layout", [
+    pytest.param("cuda", "one", "prefill", "layers", "HND", marks=pytest.mark.gpu),
+    pytest.param("cuda", "two", "decode", "blocks", "NHD", marks=pytest.mark.gpu),
+    ("cpu", "one", None, "layers", "HND"),
+    ("cpu", "two", None, "blocks", "NHD"),
+])
+def test_a_staged_vllm_033_engine_moves_kv_byte_exact_with_a_direct_one_or_a_staged_one(
+        world, device, agents, direct_side, outer, token_layout):
+    # vLLM 0.33's KV tensors staged through a host pool laid out as they lie: on a GPU beside a
+    # direct engine of vLLM 0.33 (one agent: CUDA IPC and the agent's stream; two: their KV
+    # streams), here beside another staged one. Each staged side's tensors go through its
+    # staging copies both ways; every byte checked.
+    g = kv(block=16, heads=8, layers=4, head_dim=128, layout=token_layout, dtype="bfloat16")
+    pa = world.agent("p", "tcp")
+    da = pa if agents == "one" else world.agent("d", "tcp")
+    blocks, d_blocks, tokens = [3, 4, 5, 9, 10], [200, 2, 201, 202, 40], 75
+    if direct_side == "prefill":
+        p, p_kv = gpu_engine(world, pa, "prefill", g, 256, f"v033-{outer}")
+        fill_gpu(p, p_kv, 9, blocks, tokens)
+        named = p_kv.save(blocks)
+    else:
+        p, p_kv = staged_v033_engine(world, pa, "prefill", g, 256, outer, device)
+        synthetic.fill(p.pool, p.layout, 9, blocks, 0, tokens)
+        round_trip(p, p_kv, blocks)
+        named = None
+    if direct_side == "decode":
+        d, d_kv = gpu_engine(world, da, "decode", g, 256, f"v033-{outer}")
+    else:
+        d, d_kv = staged_v033_engine(world, da, "decode", g, 256, outer, device)
+    p.kv_ready("s1", blocks, tokens, event=named)
+    d.expect_kv("s1", [p.address], d_blocks, tokens)
+    event = d.wait("s1", timeout=60)
+    assert event.type == "RequestDone" and event.raw.get("checksum") == "Verified", event.raw
+    if direct_side == "decode":
+        assert bad_tokens_on_gpu(d, d_kv, 9, d_blocks, tokens) == 0
+    else:
+        round_trip(d, d_kv, d_blocks)
+        assert synthetic.verify(d.pool, d.layout, 9, d_blocks, 0, tokens) == 0
+    assert p.wait("s1").type == "RequestDone"
+    p.close()
+    d.close()
 
 
 class StandInPlan:
