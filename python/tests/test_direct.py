@@ -415,6 +415,51 @@ def test_without_a_gpu_the_registration_stages_saying_why_and_a_gpu_pool_is_refu
                                                regions=[{"layers": 1, "kv_arrangement": "KvFirst"}] * 2))
 
 
+def test_vllm_033_tensors_stage_side_by_side_and_into_k_and_v_arrays_for_an_agent_without_that(world, monkeypatch, caplog):
+    # vLLM 0.33's tensors stage into an Interleaved host pool; an MLA cache's (one head, its
+    # latent vector: 4-D too in vLLM 0.33) and an older vLLM's into Latent and KvFirst ones.
+    from pdpair_vllm import staging
+
+    g = kv(block=16, heads=8, layers=2, head_dim=128, layout="HND", dtype="bfloat16")
+    tensors = vllm033_tensors(g, 4, "layers", dtype=torch.bfloat16)
+    assert staging.staged_arrangement(tensors, g) == "Interleaved"
+    assert staging.staged_arrangement([torch.zeros(4, 1, 16, 576)], dict(g, mla=True)) is None
+    assert staging.staged_arrangement(vllm_tensors(g, 4, "flash"), g) is None
+    # An agent from before Interleaved pools refuses one, naming the field: the connector stages
+    # into K and V arrays instead of failing the engine's start.
+    agent = world.agent("a")
+    real = AgentClient.register
+
+    def before_interleaved(socket_path, registration):
+        def refuse(caps):
+            r = registration(caps) if callable(registration) else registration
+            body = r[0] if isinstance(r, tuple) else r
+            said = [body.get("kv_arrangement")] + [x.get("kv_arrangement") for x in body.get("regions") or []]
+            if "Interleaved" in said:
+                raise AgentError("kv_arrangement: unknown variant `Interleaved`, expected one of `KvFirst`, "
+                                 "`BlocksFirst`, `Latent`")
+            return r
+        return real(socket_path, refuse)
+
+    client, pool, why = direct.register(agent.socket, reg(world, "decode", g, 4), tensors)
+    assert (pool, client.layout.arrangement) == (None, "Interleaved") and "in cpu memory" in why
+    client.close()
+    monkeypatch.setattr(AgentClient, "register", staticmethod(before_interleaved))
+    client, pool, why = direct.register(agent.socket, reg(world, "decode", g, 4), tensors)
+    try:
+        assert (pool, client.layout.arrangement) == (None, "KvFirst") and "in cpu memory" in why
+        assert "takes no Interleaved host pool" in caplog.text
+        stager = TorchStager(tensors, client.pool, client.layout)
+        stager.save([1, 2])
+    finally:
+        client.close()
+    # Any other refusal still fails the start.
+    monkeypatch.setattr(AgentClient, "register", staticmethod(
+        lambda path, registration: (_ for _ in ()).throw(AgentError("pairing_key: too short"))))
+    with pytest.raises(AgentError, match="pairing_key"):
+        direct.register(agent.socket, reg(world, "decode", g, 4), tensors)
+
+
 # ---- on a GPU (hack/gpu-check.sh) ------------------------------------------------------------------
 
 

@@ -175,15 +175,16 @@ def test_a_request_moves_prefill_to_decode_through_vllm_byte_exact(pair, mode, l
 @pytest.mark.parametrize("p_layout,d_layout", [("LBNHC", "NHD"), ("HND", "LBHNC"), ("BLNHC", "NHD"),
                                                ("LHBNC", "HND")])
 def test_vllms_own_kv_cache_and_an_older_vllms_shape_agree_on_every_byte(world, mode, p_layout, d_layout):
-    """The staging view of vLLM 0.33's [blocks, heads, tokens, K|V] puts a block in the agent's
-    pool exactly as an older vLLM's K and V arrays do: each side's KV is written and read at its
-    own tensors' logical places, so a view that put a head's bytes elsewhere, or V in K's place,
-    would arrive elsewhere."""
+    """vLLM 0.33's [blocks, heads, tokens, K|V] staged side by side (``Interleaved``) and an older
+    vLLM's K and V arrays (``KvFirst``), the agents moving each head's token between the two:
+    each side's KV is written and read at its own tensors' logical places, so a view that put a
+    head's bytes elsewhere, or V in K's place, would arrive elsewhere."""
     pa, da = world.agent("p", "tcp"), world.agent("d", "tcp")
     p = Engine(world, pa, "prefill", seed=P_SEED, mode=mode, layout=p_layout)
     d = Engine(world, da, "decode", seed=D_SEED, mode=mode, layout=d_layout)
     try:
         assert p.layout.layout == d.layout.layout
+        assert {p.layout.arrangement, d.layout.arrangement} == {"Interleaved", "KvFirst"}
         prompt = list(range(300, 350))
         params = prefill(p, "req", prompt)
         assert decode_receives(p, d, "req", prompt, params) == [P_SEED] * 50
@@ -257,13 +258,20 @@ def test_a_staged_vllm_033_kv_cache_has_a_host_pool_laid_out_block_for_block_as_
         assert torch.equal(pool[at:at + host.half_token], cell[int(v) * host.half_token:(int(v) + 1) * host.half_token])
     if layout == "LHBNC":
         return  # a block's heads lie apart: the direct path stages it (the test above)
-    (region,) = direct.regions(p.kv[0], dataclasses.replace(host, regions=(), strides=()))
+    # Each block of each layer: the same bytes in the pool as in the KV cache's allocation, where
+    # the direct path's region places that block (one run of 2 x block_len bytes in both).
+    tensors = p.kv[0]
+    (region,) = direct.regions(tensors, dataclasses.replace(host, regions=(), strides=()))
     direct_ = dataclasses.replace(host, strides=((region["layer_stride"], region["block_stride"]),))
-    for layer in (0, host.layers - 1):
-        for (v, head, j) in [(v, h, j) for v in (0, 1) for h in range(host.local_heads) for j in range(host.block_size)]:
-            in_block = [lay.block_offset(layer, bool(v), 5)[1] - lay.block_offset(layer, False, 5)[1]
-                        + lay.token_offset(head, j, layer) for lay in (host, direct_)]
-            assert in_block[0] == in_block[1], (layer, v, head, j, in_block)
+    storage = tensors[0].untyped_storage()
+    assert tensors[0].data_ptr() == storage.data_ptr(), "layer 0's block 0 starts the allocation"
+    memory = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    for layer in range(host.layers):
+        for b in blocks:
+            ((_, at, n),) = host.block_extents(layer, b)
+            ((_, there, m),) = direct_.block_extents(layer, b)
+            assert n == m == 2 * host.block_len
+            assert torch.equal(pool[at:at + n], memory[there:there + m]), (layer, b)
 
 
 def test_a_kv_tensor_whose_heads_are_not_the_ranks_kv_heads_is_refused_naming_both(pair):

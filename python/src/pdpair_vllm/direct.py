@@ -597,12 +597,12 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
     options = {"event": True}
     # A host pool laid out as vLLM 0.33's KV cache where it is one (TorchStager).
     arranged = staging.staged_arrangement(tensors, reg["kv"])
-    host_reg = dict(reg, kv_arrangement=arranged) if arranged else reg
+    host = {"reg": dict(reg, kv_arrangement=arranged) if arranged else reg}
 
     def staged(why: str) -> dict:
         # The agent publishes why in the PDEndpoint (spec.staging); it keeps 300 characters.
         chosen["why"] = why
-        return dict(host_reg, staging=_short(why))
+        return dict(host["reg"], staging=_short(why))
 
     def pick(caps: dict):
         if want is False:
@@ -627,7 +627,20 @@ def register(socket_path: str, reg: dict, tensors: Sequence[torch.Tensor], want:
         return (gpu_reg, shared) if shared else gpu_reg
 
     try:
-        return _register(socket_path, host_reg, pick, chosen, options, want)
+        try:
+            return _register(socket_path, host["reg"], pick, chosen, options, want)
+        except agent_client.AgentUnreachable:
+            raise
+        except agent_client.AgentError as e:
+            # An agent from before Interleaved pools (2026-12-06) refuses one, naming the field:
+            # stage into K and V arrays instead, as the connector did then (slower against a
+            # direct vLLM 0.33 engine; docs/install.md says to upgrade agents with connectors).
+            if host["reg"] is reg or "kv_arrangement" not in str(e) or "Interleaved" not in str(e):
+                raise
+            log.warning("pdpair: the agent takes no Interleaved host pool (%s): staging into K and V arrays", e)
+            host["reg"] = reg
+            chosen.clear()
+            return _register(socket_path, reg, pick, chosen, options, want)
     finally:
         restore_fds()  # the shared descriptors are closed by now
 

@@ -1,5 +1,6 @@
 """Host staging: vLLM's per-layer KV tensors copied to and from the agent's host pool (one
-``KvFirst`` or ``Latent`` region mirroring the KV cache block for block), for engines whose KV
+``Interleaved``, ``KvFirst`` or ``Latent`` region mirroring the KV cache block for block: vLLM
+0.33's own tensors, an older vLLM's, an MLA cache's), for engines whose KV
 cache the agent does not take as a GPU pool (:mod:`pdpair_vllm.direct`). Torch only: no vLLM, so
 the GPU check measures it beside the direct path."""
 
