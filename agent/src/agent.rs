@@ -1234,6 +1234,8 @@ pub struct EngineStats {
     /// The path to each peer this engine's agent moved bytes with (the most recent
     /// [`pdpair_api::MAX_PATHS`] peers).
     pub paths: Vec<pdpair_api::TransferPath>,
+    /// When the engine registered (unix seconds).
+    pub registered: i64,
 }
 
 impl EngineStats {
@@ -2037,7 +2039,10 @@ impl Engine {
             address,
             writer,
             closed: AtomicBool::new(false),
-            stats: Mutex::new(EngineStats::default()),
+            stats: Mutex::new(EngineStats {
+                registered: unix_now(),
+                ..EngineStats::default()
+            }),
             pending: Mutex::new(HashMap::new()),
             cancelled: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),

@@ -129,6 +129,12 @@ pub struct PDEndpointStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "schema::time")]
     pub last_heartbeat: Option<Time>,
+    /// When the engine registered with its agent (its current registration: an engine that
+    /// registers again under the same name, after a restart, keeps its PDEndpoint). Absent from
+    /// agents before 2026-12-07.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "schema::time")]
+    pub registered: Option<Time>,
 }
 
 /// The most peers whose paths an endpoint's status lists.

@@ -628,8 +628,8 @@ async fn reconcile_leader(pair: &PDPair, ctx: &Context) -> Result<Action, Error>
     let (new_status, transitions) = status::compute(&baseline, &observed, &now);
     // Conditions that change with time alone (an endpoint going stale, news leaving its window)
     // are looked at again then, not at the resync.
-    let time_due =
-        status::changes_in(&observed.endpoints, &observed.ready_pods, &now).map(|d| d.max(Duration::from_secs(1)));
+    let time_due = status::changes_in(pair, &observed.endpoints, &observed.ready_pods, &now)
+        .map(|d| d.max(Duration::from_secs(1)));
     // Every PDEndpoint write reconciles its pair, and a busy engine's counters change with each:
     // a change of counters alone is written at most every COUNTERS_EVERY (the rest at once), or
     // forty busy engines made forty status patches a second, each sent to every watcher.

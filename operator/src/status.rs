@@ -246,7 +246,7 @@ pub fn compute(pair: &PDPair, observed: &Observed<'_>, now: &Time) -> (PDPairSta
             let news = transfer_condition(&live, now);
             let unregistered = [
                 unregistered_pods(pair, &observed.ready_pods, &live, now),
-                partly_registered(&live, now),
+                partly_registered(pair, &observed.endpoints, now),
             ];
             let unregistered: Vec<String> = unregistered.into_iter().flatten().collect();
             match (!unregistered.is_empty()).then(|| unregistered.join("; ")) {
@@ -612,7 +612,12 @@ fn stale(e: &PDEndpoint, now: &Time) -> bool {
 /// rejection or failure leaves its window, or a Ready pod without a live engine has been so
 /// for [`UNREGISTERED_SECONDS`]. `None` when nothing will. (When every agent of a role died, no
 /// write came to reconcile the pair, and its conditions waited for the 5-minute resync.)
-pub fn changes_in(endpoints: &[&PDEndpoint], ready_pods: &[ReadyPod], now: &Time) -> Option<std::time::Duration> {
+pub fn changes_in(
+    pair: &PDPair,
+    endpoints: &[&PDEndpoint],
+    ready_pods: &[ReadyPod],
+    now: &Time,
+) -> Option<std::time::Duration> {
     let now_s = now.0.as_second();
     let due = |t: &Time, window: i64| {
         let at = t.0.as_second().saturating_add(window).saturating_add(1);
@@ -651,9 +656,12 @@ pub fn changes_in(endpoints: &[&PDEndpoint], ready_pods: &[ReadyPod], now: &Time
         })
         .chain(unregistered)
         .chain(
-            uneven_ranks(&live)
+            partly_registered_pods(pair, endpoints, now)
                 .into_iter()
-                .filter_map(|u| due(u.newest?, UNREGISTERED_SECONDS)),
+                .filter_map(|p| {
+                    let at = p.changed.saturating_add(UNREGISTERED_SECONDS).saturating_add(1);
+                    (at > now_s).then_some(at - now_s)
+                }),
         )
         .min()
         .map(|secs| std::time::Duration::from_secs(secs.unsigned_abs()))
@@ -694,91 +702,162 @@ fn unregistered_pods(pair: &PDPair, ready: &[ReadyPod], live: &[&PDEndpoint], no
     ))
 }
 
-/// The live endpoints of one role and tensor parallelism whose ranks are not registered evenly
-/// ([`uneven_ranks`]).
-struct UnevenRanks<'a> {
+/// A Pod holding some of an engine's tensor-parallel ranks registered and not others
+/// ([`partly_registered_pods`]).
+struct PartlyRegistered {
     role: Role,
     tensor: usize,
-    /// Live endpoints per rank.
-    counts: Vec<usize>,
-    /// When the newest of them was made.
-    newest: Option<&'a Time>,
-    /// Pods holding fewer than `tensor` of the ranks.
-    short_pods: Vec<String>,
+    pod: String,
+    /// The ranks with fewer live endpoints in the Pod than its others.
+    short: Vec<usize>,
+    /// When what counted for it last changed (unix seconds): an engine of it registered, or an
+    /// endpoint went stale.
+    changed: i64,
 }
 
-/// Each rank of an engine registers with its agent on its own, so where every engine of a role
-/// has all its tensor-parallel ranks registered, each rank has as many live endpoints as every
-/// other (whether an engine's ranks share a Pod or not). Per role and tensor parallelism, where
-/// they do not. Endpoints from agents that do not name their rank (before `tensorRank`) leave
-/// their group uncounted, as do ranks outside the parallelism.
-fn uneven_ranks<'a>(live: &[&'a PDEndpoint]) -> Vec<UnevenRanks<'a>> {
-    let mut groups: std::collections::BTreeMap<(bool, i32), Vec<&'a PDEndpoint>> = Default::default();
-    for e in live {
-        groups
-            .entry((e.spec.role == Role::Decode, e.spec.parallelism.tensor))
-            .or_default()
-            .push(e);
+/// When `e` last changed what it says about its engine's registration (unix seconds): live, its
+/// engine's registration (`status.registered`, or without it the endpoint's creation: an engine
+/// registering again under its old name keeps its endpoint); stale, when it went stale.
+fn registration_changed(e: &PDEndpoint, now: &Time) -> Option<i64> {
+    if stale(e, now) {
+        let heard = e
+            .status
+            .as_ref()
+            .and_then(|s| s.last_heartbeat.as_ref())
+            .or(e.metadata.creation_timestamp.as_ref())?;
+        return Some(heard.0.as_second().saturating_add(STALE_SECONDS));
     }
-    groups
-        .into_iter()
-        .filter_map(|((_, tensor), endpoints)| {
-            let tensor = usize::try_from(tensor).ok().filter(|n| (1..=1024).contains(n))?;
-            let mut counts = vec![0; tensor];
-            let mut ranks_of: std::collections::BTreeMap<&str, BTreeSet<usize>> = Default::default();
-            for e in &endpoints {
-                let rank = usize::try_from(e.spec.tensor_rank?).ok().filter(|r| *r < tensor)?;
-                counts[rank] += 1;
-                ranks_of.entry(e.spec.pod.as_str()).or_default().insert(rank);
-            }
-            let (min, max) = (counts.iter().min()?, counts.iter().max()?);
-            (min != max).then(|| UnevenRanks {
-                role: endpoints[0].spec.role,
-                tensor,
-                newest: endpoints
-                    .iter()
-                    .filter_map(|e| e.metadata.creation_timestamp.as_ref())
-                    .max_by_key(|t| t.0),
-                short_pods: ranks_of
-                    .into_iter()
-                    .filter(|(_, ranks)| ranks.len() < tensor)
-                    .map(|(pod, _)| pod.to_owned())
-                    .collect(),
-                counts,
-            })
-        })
-        .collect()
+    // A time further ahead than clocks' skew is not taken (it would hold the grace open).
+    let registered = e
+        .status
+        .as_ref()
+        .and_then(|s| s.registered.as_ref())
+        .filter(|t| within(t, now, i64::MAX));
+    Some(registered.or(e.metadata.creation_timestamp.as_ref())?.0.as_second())
 }
 
-/// Engines running with some of their tensor-parallel ranks registered and others not, once
-/// the registrations settled (the newest endpoint of the group made over
-/// [`UNREGISTERED_SECONDS`] ago), said as a `TransferReady` message: KV moves for a request only
-/// with every rank of an engine, so such an engine's requests move none.
-fn partly_registered(live: &[&PDEndpoint], now: &Time) -> Option<String> {
-    let said: Vec<String> = uneven_ranks(live)
+/// Each rank of an engine registers with its agent on its own, naming its rank
+/// (`spec.tensorRank`). Per role and tensor parallelism, the Pods whose live endpoints do not
+/// count each rank alike (a rank missing, or one of two engines of the Pod short of one): where
+/// the operator runs the pool each Pod is whole engines, so such a Pod has an engine partly
+/// registered. A pool you bring may spread an engine's ranks over several Pods, each then
+/// holding some: there its Pods count only where the pool's ranks, over all its Pods, are not
+/// alike either, and what changed last in the pool counts for each. A Pod with an endpoint that
+/// names no rank (an agent before `tensorRank`) or one outside the parallelism is left out.
+fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Vec<PartlyRegistered> {
+    #[derive(Default)]
+    struct Held {
+        counts: Vec<usize>,
+        left_out: bool,
+        changed: i64,
+    }
+    let mut groups: std::collections::BTreeMap<(bool, usize), std::collections::BTreeMap<&str, Held>> =
+        Default::default();
+    for e in endpoints {
+        let Some(tensor) = usize::try_from(e.spec.parallelism.tensor)
+            .ok()
+            .filter(|n| (1..=1024).contains(n))
+        else {
+            continue;
+        };
+        let Some(changed) = registration_changed(e, now) else {
+            continue;
+        };
+        let held = groups
+            .entry((e.spec.role == Role::Decode, tensor))
+            .or_default()
+            .entry(e.spec.pod.as_str())
+            .or_insert_with(|| Held {
+                counts: vec![0; tensor],
+                left_out: false,
+                changed: i64::MIN,
+            });
+        held.changed = held.changed.max(changed);
+        if stale(e, now) {
+            continue;
+        }
+        match e
+            .spec
+            .tensor_rank
+            .and_then(|r| usize::try_from(r).ok())
+            .filter(|r| *r < tensor)
+        {
+            Some(rank) => held.counts[rank] += 1,
+            None => held.left_out = true,
+        }
+    }
+    let uneven = |counts: &[usize]| counts.iter().min() != counts.iter().max();
+    let mut out = Vec::new();
+    for ((decode, tensor), pods) in groups {
+        let role = if decode { Role::Decode } else { Role::Prefill };
+        let pool = if decode { &pair.spec.decode } else { &pair.spec.prefill };
+        let counted: Vec<(&str, &Held)> = pods
+            .iter()
+            .filter(|(_, h)| !h.left_out && h.counts.iter().any(|c| *c > 0))
+            .map(|(p, h)| (*p, h))
+            .collect();
+        let whole_engines = pool.template.is_some();
+        let mut total = vec![0; tensor];
+        for (_, h) in &counted {
+            for (t, c) in total.iter_mut().zip(&h.counts) {
+                *t += c;
+            }
+        }
+        if !whole_engines && !uneven(&total) {
+            continue;
+        }
+        let pool_changed = pods.values().map(|h| h.changed).max().unwrap_or(i64::MIN);
+        for (pod, h) in counted.into_iter().filter(|(_, h)| uneven(&h.counts)) {
+            let most = h.counts.iter().copied().max().unwrap_or_default();
+            out.push(PartlyRegistered {
+                role,
+                tensor,
+                pod: pod.to_owned(),
+                short: (0..tensor).filter(|r| h.counts[*r] < most).collect(),
+                changed: if whole_engines {
+                    h.changed
+                } else {
+                    h.changed.max(pool_changed)
+                },
+            });
+        }
+    }
+    out
+}
+
+/// Pods with an engine running with some of its tensor-parallel ranks registered and others
+/// not, for over [`UNREGISTERED_SECONDS`] since what counted for them last changed, said as a
+/// `TransferReady` message: KV moves for a request only with every rank of an engine, so such
+/// an engine's requests move none.
+fn partly_registered(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Option<String> {
+    let settled: Vec<String> = partly_registered_pods(pair, endpoints, now)
         .into_iter()
-        .filter(|u| u.newest.is_none_or(|t| !within(t, now, UNREGISTERED_SECONDS)))
-        .map(|u| {
-            let most = u.counts.iter().copied().max().unwrap_or_default();
-            let short: Vec<String> = (0..u.tensor)
-                .filter(|r| u.counts[*r] < most)
-                .map(|r| format!("rank {r} by {}", u.counts[r]))
-                .collect();
-            let pods = if u.short_pods.is_empty() {
-                String::new()
+        .filter(|p| now.0.as_second().saturating_sub(p.changed) > UNREGISTERED_SECONDS)
+        .map(|p| {
+            let shown: Vec<String> = p.short.iter().take(PATHS_NAMED).map(usize::to_string).collect();
+            let more = p.short.len().saturating_sub(PATHS_NAMED);
+            let more = if more > 0 {
+                format!(" and {more} more")
             } else {
-                format!("; pods with fewer than {} ranks registered: {}", u.tensor, name_a_few(u.short_pods))
+                String::new()
             };
             format!(
-                "{} engines of tensor parallelism {} registered their ranks unevenly: {} live endpoint(s) of each rank but {} (a rank that did not register says why in its engine's log; KV moves to or from none of that engine's ranks){pods}",
-                u.role,
-                u.tensor,
-                most,
-                name_a_few(short),
+                "{} pod {} (rank {}{more} of {} short)",
+                p.role,
+                p.pod,
+                shown.join(", "),
+                p.tensor
             )
         })
         .collect();
-    (!said.is_empty()).then(|| said.join("; "))
+    if settled.is_empty() {
+        return None;
+    }
+    let count = settled.len();
+    Some(format!(
+        "{count} pod(s) have had an engine with some of its tensor-parallel ranks registered and others not for over {UNREGISTERED_SECONDS} s: {} (KV moves to or from none of that engine's ranks; the log of the rank short says why it did not register, or its agent's why it cannot publish it)",
+        name_a_few(settled)
+    ))
 }
 
 /// `names` sorted, the first [`PATHS_NAMED`] of them, and how many more there are.

@@ -163,6 +163,8 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
         let e = get_json("pdendpoint", &ns, &endpoint_name("prefill-pod", "p0"))?;
         e["status"]["paths"].get(0).is_some().then_some(e)
     });
+    // When its engine registered (an engine registering again in its Pod keeps the endpoint).
+    assert!(endpoint["status"]["registered"].is_string(), "{endpoint}");
     let path = &endpoint["status"]["paths"][0];
     assert_eq!(path["kind"], "Tcp", "{endpoint}");
     assert_eq!(path["lanes"], serde_json::json!(["tcp-stream/127.0.0.1"]), "{endpoint}");

@@ -252,6 +252,7 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
         }),
         paths: stats.paths.clone(),
         last_heartbeat: Some(Time(Timestamp::now())),
+        registered: Some(unix_time(stats.registered)),
     }
     .bounded();
     let body = serde_json::json!({ "apiVersion": "pdpair.dev/v1alpha1", "kind": "PDEndpoint", "status": status });

@@ -1139,7 +1139,7 @@ fn with_pdpairs_connector_a_ready_pod_without_an_engine_registered_turns_transfe
     );
     assert_eq!(cond(&s0, ct::READY).status, "True");
     assert_eq!(
-        changes_in(&observed.endpoints, &observed.ready_pods, &t(110)),
+        changes_in(&pair, &observed.endpoints, &observed.ready_pods, &t(110)),
         Some(std::time::Duration::from_secs(1)),
         "looked at again as its grace ends"
     );
@@ -1364,7 +1364,11 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
     let mut p = endpoint("p-1", Role::Prefill, &pair);
     let mut d = endpoint("d-1", Role::Decode, &pair);
     let now = t(1010);
-    assert_eq!(changes_in(&[&p, &d], &[], &now), None, "no times: nothing changes");
+    assert_eq!(
+        changes_in(&pair, &[&p, &d], &[], &now),
+        None,
+        "no times: nothing changes"
+    );
     p.status = Some(PDEndpointStatus {
         last_heartbeat: Some(t(1000)),
         paths: vec![pdpair_api::TransferPath {
@@ -1393,7 +1397,7 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
         ..Default::default()
     });
     assert_eq!(
-        changes_in(&[&p, &d], &[], &now),
+        changes_in(&pair, &[&p, &d], &[], &now),
         Some(Duration::from_secs(1000 + STALE_SECONDS as u64 + 1 - 1010)),
         "p goes stale first"
     );
@@ -1402,98 +1406,114 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
         s.last_heartbeat = Some(t(1780));
     }
     assert_eq!(
-        changes_in(&[&p], &[], &t(1790)),
+        changes_in(&pair, &[&p], &[], &t(1790)),
         Some(Duration::from_secs(995 + RECENT_SECONDS as u64 - 1790)),
     );
 }
 
 #[test]
-fn an_engine_with_some_tensor_parallel_ranks_unregistered_turns_transfer_ready_false_once_settled() {
-    // Decode runs tensor parallelism 2: pod decode-a's two ranks registered, decode-b's rank 1
-    // did not (its agent refused it, or has no room for its pool): that engine's requests move
-    // no KV, though the pod has an endpoint. With every rank naming itself, rank 1 has one
-    // endpoint where rank 0 has two.
+fn a_pod_with_some_of_an_engines_tensor_parallel_ranks_registered_turns_transfer_ready_false_once_settled() {
+    // Decode runs tensor parallelism 2 from the pair's template: each Pod is whole engines. Pod
+    // decode-a has both ranks registered; decode-b only rank 0 (rank 1's agent refused it, or
+    // has no room for its pool): that engine's requests move no KV, though the Pod has an
+    // endpoint.
     let mut pair = pair();
     pair.spec.decode.parallelism.tensor = 2;
-    let heard = PDEndpointStatus {
-        last_heartbeat: Some(t(100)),
-        ..PDEndpointStatus::default()
-    };
-    let made = |name: &str, role: Role, pod: &str, rank: Option<i32>, at: i64| {
+    assert!(pair.spec.decode.template.is_some());
+    let made = |name: &str, role: Role, pod: &str, rank: Option<i32>, registered: i64, heard: i64| {
         let mut e = endpoint(name, role, &pair);
         e.spec.pod = pod.into();
         e.spec.tensor_rank = rank;
-        e.status = Some(heard.clone());
-        e.metadata.creation_timestamp = Some(t(at));
+        e.metadata.creation_timestamp = Some(t(0));
+        e.status = Some(PDEndpointStatus {
+            last_heartbeat: Some(t(heard)),
+            registered: Some(t(registered)),
+            ..PDEndpointStatus::default()
+        });
         e
     };
-    let p = made("p-0", Role::Prefill, "prefill-a", Some(0), 0);
-    let p1 = made("p-1", Role::Prefill, "prefill-a", Some(1), 0);
-    let a0 = made("d-a0", Role::Decode, "decode-a", Some(0), 0);
-    let a1 = made("d-a1", Role::Decode, "decode-a", Some(1), 0);
-    let b0 = made("d-b0", Role::Decode, "decode-b", Some(0), 50);
-    let observed = all_ready(vec![&p, &p1, &a0, &a1, &b0]);
-    // A minute's grace from the newest registration: ranks of one engine register moments apart.
-    let (s0, _) = compute(&pair, &observed, &t(110));
+    let p0 = made("p-0", Role::Prefill, "prefill-a", Some(0), 0, 100);
+    let p1 = made("p-1", Role::Prefill, "prefill-a", Some(1), 0, 100);
+    let a0 = made("d-a0", Role::Decode, "decode-a", Some(0), 0, 100);
+    let a1 = made("d-a1", Role::Decode, "decode-a", Some(1), 0, 100);
+    // Registered at 50 (its endpoint made long before: an engine restarted in its Pod keeps it).
+    let b0 = made("d-b0", Role::Decode, "decode-b", Some(0), 50, 100);
+    let transfer_in = |pair: &PDPair, endpoints: Vec<&PDEndpoint>, at: i64| {
+        let (s, _) = compute(pair, &all_ready(endpoints), &t(at));
+        let c = cond(&s, ct::TRANSFER_READY).clone();
+        (c.status, c.reason, c.message, cond(&s, ct::READY).status.clone())
+    };
+    let transfer = |endpoints: Vec<&PDEndpoint>, at: i64| transfer_in(&pair, endpoints, at);
+    // A minute's grace from its registration: an engine's ranks register moments apart.
+    let (status, _, message, _) = transfer(vec![&p0, &p1, &a0, &a1, &b0], 110);
+    assert_eq!(status, "True", "{message}");
     assert_eq!(
-        cond(&s0, ct::TRANSFER_READY).status,
-        "True",
-        "{:?}",
-        cond(&s0, ct::TRANSFER_READY)
-    );
-    assert_eq!(
-        changes_in(&observed.endpoints, &[], &t(105)),
+        changes_in(&pair, &[&p0, &p1, &a0, &a1, &b0], &[], &t(105)),
         Some(std::time::Duration::from_secs(6)),
         "looked at again as the grace ends"
     );
-    let (s1, _) = compute(&pair, &observed, &t(111));
-    let c = cond(&s1, ct::TRANSFER_READY);
+    let (status, reason, message, ready) = transfer(vec![&p0, &p1, &a0, &a1, &b0], 111);
     assert_eq!(
-        (c.status.as_str(), c.reason.as_str()),
-        ("False", reasons::NOT_REGISTERED),
-        "{}",
-        c.message
+        (status.as_str(), reason.as_str(), ready.as_str()),
+        ("False", reasons::NOT_REGISTERED, "False")
     );
     assert_eq!(
-        c.message,
-        "decode engines of tensor parallelism 2 registered their ranks unevenly: 2 live endpoint(s) of each rank but rank 1 by 1 (a rank that did not register says why in its engine's log; KV moves to or from none of that engine's ranks); pods with fewer than 2 ranks registered: decode-b"
+        message,
+        "1 pod(s) have had an engine with some of its tensor-parallel ranks registered and others not for over 60 s: decode pod decode-b (rank 1 of 2 short) (KV moves to or from none of that engine's ranks; the log of the rank short says why it did not register, or its agent's why it cannot publish it)"
     );
-    assert_eq!(cond(&s1, ct::READY).status, "False");
-    // Its rank 1 registers: True. So too where the engine's ranks are in two pods (one engine
-    // across nodes): each rank counts once per engine.
-    let b1 = made("d-b1", Role::Decode, "decode-b", Some(1), 60);
-    let (s, _) = compute(&pair, &all_ready(vec![&p, &p1, &a0, &a1, &b0, &b1]), &t(200));
-    assert_eq!(cond(&s, ct::TRANSFER_READY).status, "True");
-    let c1 = made("d-c1", Role::Decode, "decode-c", Some(1), 60);
-    let (s, _) = compute(&pair, &all_ready(vec![&p, &p1, &a0, &a1, &b0, &c1]), &t(200));
+    // Its rank 1 registers: True.
+    let b1 = made("d-b1", Role::Decode, "decode-b", Some(1), 60, 100);
+    assert_eq!(transfer(vec![&p0, &p1, &a0, &a1, &b0, &b1], 200).0, "True");
+    // Two engines in one Pod, one short of rank 1; a rank outside the parallelism does not count
+    // as one.
+    let b0_again = made("d-b0x", Role::Decode, "decode-b", Some(0), 60, 100);
+    let (status, _, message, _) = transfer(vec![&p0, &p1, &a0, &a1, &b0, &b1, &b0_again], 200);
+    assert!(
+        status == "False" && message.contains("decode pod decode-b (rank 1 of 2 short)"),
+        "{message}"
+    );
+    let outside = made("d-b1", Role::Decode, "decode-b", Some(2), 60, 100);
     assert_eq!(
-        cond(&s, ct::TRANSFER_READY).status,
+        transfer(vec![&p0, &p1, &a0, &a1, &b0, &outside], 200).0,
         "True",
-        "{}",
-        cond(&s, ct::TRANSFER_READY).message
+        "decode-b left out"
     );
-    // A group with an endpoint of an agent that names no rank is not counted (an agent upgrade
-    // under way), nor is a rank outside the parallelism; a stale endpoint is not live.
-    let unnamed = made("d-b1", Role::Decode, "decode-b", None, 60);
-    let (s, _) = compute(&pair, &all_ready(vec![&p, &p1, &a0, &a1, &b0, &unnamed]), &t(200));
-    assert_eq!(cond(&s, ct::TRANSFER_READY).status, "True");
-    let outside = made("d-b1", Role::Decode, "decode-b", Some(2), 60);
-    let (s, _) = compute(&pair, &all_ready(vec![&p, &p1, &a0, &a1, &b0, &outside]), &t(200));
-    assert_eq!(cond(&s, ct::TRANSFER_READY).status, "True");
-    let mut gone = b1.clone();
-    gone.status = Some(PDEndpointStatus {
-        last_heartbeat: Some(t(200 - super::STALE_SECONDS - 1)),
-        ..PDEndpointStatus::default()
-    });
-    let (s, _) = compute(&pair, &all_ready(vec![&p, &p1, &a0, &a1, &b0, &gone]), &t(200));
-    assert_eq!(
-        cond(&s, ct::TRANSFER_READY).reason,
-        reasons::NOT_REGISTERED,
-        "the stale rank 1 counts no more"
+    // An engine's endpoints going stale one after another (its Pod's engine ended: each rank's
+    // last heartbeat came at its own moment): no news until a minute after the last went.
+    let c0 = made("d-c0", Role::Decode, "decode-c", Some(0), 0, 100);
+    let c1 = made("d-c1", Role::Decode, "decode-c", Some(1), 0, 130);
+    let stale_at = 100 + super::STALE_SECONDS;
+    let (status, _, message, _) = transfer(vec![&p0, &p1, &a0, &a1, &c0, &c1], stale_at + 20);
+    assert_eq!(status, "True", "{message}");
+    // A Pod whose endpoint names no rank (an agent before tensorRank) is left out, not others.
+    let unnamed = made("d-b1", Role::Decode, "decode-b", None, 60, 100);
+    assert_eq!(transfer(vec![&p0, &p1, &a0, &a1, &b0, &unnamed], 200).0, "True");
+    let d0 = made("d-d0", Role::Decode, "decode-d", Some(0), 60, 100);
+    let (status, _, message, _) = transfer(vec![&p0, &p1, &a0, &a1, &b0, &unnamed, &d0], 200);
+    assert!(
+        status == "False" && message.contains("decode pod decode-d"),
+        "{message}"
     );
-    // Groups of another role or tensor parallelism count on their own (a rollout to a new one).
-    let mut other = made("d-x0", Role::Decode, "decode-x", Some(0), 60);
-    other.spec.parallelism.tensor = 1;
-    let (s, _) = compute(&pair, &all_ready(vec![&p, &p1, &a0, &a1, &b0, &b1, &other]), &t(200));
-    assert_eq!(cond(&s, ct::TRANSFER_READY).status, "True");
+    assert!(!message.contains("decode-b"), "{message}");
+    // A registration time ahead of the clock does not hold the grace open.
+    let ahead = made("d-d0", Role::Decode, "decode-d", Some(0), 10_000, 100);
+    assert_eq!(transfer(vec![&p0, &p1, &a0, &a1, &ahead], 200).0, "False");
+
+    // A pool you bring may spread an engine's ranks over Pods: each holding some is no news
+    // while the pool's ranks count alike.
+    let mut brought = pair.clone();
+    brought.spec.decode.template = None;
+    let transfer = |endpoints: Vec<&PDEndpoint>, at: i64| transfer_in(&brought, endpoints, at);
+    let x0 = made("d-x0", Role::Decode, "decode-x", Some(0), 0, 100);
+    let y1 = made("d-y1", Role::Decode, "decode-y", Some(1), 0, 100);
+    assert_eq!(transfer(vec![&p0, &p1, &x0, &y1], 200).0, "True");
+    let (status, _, message, _) = transfer(vec![&p0, &p1, &x0, &y1, &b0], 200);
+    assert!(
+        status == "False" && message.contains("decode pod decode-b (rank 1 of 2 short)"),
+        "{message}"
+    );
+    // ... counted from what changed last in the pool.
+    let x1 = made("d-x1", Role::Decode, "decode-x2", Some(1), 180, 200);
+    let (status, _, message, _) = transfer(vec![&p0, &p1, &x0, &y1, &b0, &x1, &a0], 200);
+    assert_eq!(status, "True", "{message}");
 }
