@@ -764,3 +764,40 @@ fn a_request_that_does_not_decode_is_refused_on_its_own_and_the_engine_stays_reg
     let mut buf = [0u8; 1];
     assert_eq!(s.read(&mut buf).expect("closed"), 0, "closed");
 }
+
+#[test]
+fn an_agent_finding_no_rdma_device_logs_no_ucx_error_for_asking() {
+    // `--transport auto` asks UCX whether it has a network device by starting a context without
+    // `self`; without one UCX's error for that stood first in every such agent's log. The agent
+    // says what it does instead, and UCX's answer is not logged as an error.
+    let w = World::new("auto-log");
+    let socket = w.dir.join("auto.sock");
+    let log = w.dir.join("auto.log");
+    let file = std::fs::File::create(&log).expect("log file");
+    let mut child = pdpair_agent::loopback::run_command(
+        std::path::Path::new(env!("CARGO_BIN_EXE_pdpair-agent")),
+        "auto",
+        "auto",
+        &socket,
+        &w.pools(),
+    )
+    .arg("--no-publish")
+    .env("RUST_LOG", "info")
+    .stdout(file.try_clone().expect("log file"))
+    .stderr(file)
+    .spawn()
+    .expect("agent process");
+    let start = std::time::Instant::now();
+    while UnixStream::connect(&socket).is_err() {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(10),
+            "the agent never served"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = std::fs::read_to_string(&log).expect("log");
+    assert!(text.contains("KV moves over this agent's tcp stream"), "{text}");
+    assert!(!text.contains("no usable transports"), "{text}");
+}

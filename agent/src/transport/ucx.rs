@@ -142,7 +142,71 @@ pub fn network_available() -> bool {
     let Some(tls) = without_self(&Transport::Auto.tls()) else {
         return false;
     };
-    Context::open(tls, None, false).is_ok()
+    // Without one, UCX logs `UCX ERROR no usable transports/devices` as the context fails to
+    // start: the answer asked for here, not an error (it stood first in every agent's log on a
+    // node without RDMA). Left out of UCX's log for this call, on this thread.
+    without_no_devices_logged(|| Context::open(tls, None, false).is_ok())
+}
+
+thread_local! {
+    /// Whether UCX's "no usable transports" error is left out of its log on this thread.
+    static NO_DEVICES_QUIET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `ucs_log_func_t` of UCX 1.13 to 1.22 (`ucs/debug/log_def.h`): file, line, function, level,
+/// component, the message's format, and its `va_list` (pointer-sized as an argument, unread).
+type LogHandler = unsafe extern "C" fn(
+    *const libc::c_char,
+    libc::c_uint,
+    *const libc::c_char,
+    libc::c_int,
+    *const libc::c_void,
+    *const libc::c_char,
+    *mut libc::c_void,
+) -> libc::c_int;
+
+unsafe extern "C" {
+    /// libucs: puts a handler in front of UCX's log handlers (the newest is asked first).
+    fn ucs_log_push_handler(handler: LogHandler);
+}
+
+/// `UCS_LOG_FUNC_RC_STOP` and `UCS_LOG_FUNC_RC_CONTINUE`.
+const LOG_STOP: libc::c_int = 0;
+const LOG_CONTINUE: libc::c_int = 1;
+
+/// Drops UCX's "no usable transports" message where [`NO_DEVICES_QUIET`] is set on the
+/// logging thread; every other message goes on to UCX's own handlers.
+unsafe extern "C" fn drop_no_devices(
+    _file: *const libc::c_char,
+    _line: libc::c_uint,
+    _function: *const libc::c_char,
+    _level: libc::c_int,
+    _component: *const libc::c_void,
+    format: *const libc::c_char,
+    _args: *mut libc::c_void,
+) -> libc::c_int {
+    if !NO_DEVICES_QUIET.with(std::cell::Cell::get) || format.is_null() {
+        return LOG_CONTINUE;
+    }
+    // SAFETY: UCX passes its message's NUL-terminated format string.
+    let format = unsafe { CStr::from_ptr(format) }.to_bytes();
+    if format.starts_with(b"no usable transports") {
+        LOG_STOP
+    } else {
+        LOG_CONTINUE
+    }
+}
+
+/// Runs `f` with UCX's "no usable transports" error left out of its log on this thread (the
+/// handler is put in place once, for the process, and passes everything else on).
+fn without_no_devices_logged<T>(f: impl FnOnce() -> T) -> T {
+    static PUSHED: std::sync::Once = std::sync::Once::new();
+    // SAFETY: a handler of UCX's type, which lives for the process.
+    PUSHED.call_once(|| unsafe { ucs_log_push_handler(drop_no_devices) });
+    NO_DEVICES_QUIET.with(|q| q.set(true));
+    let out = f();
+    NO_DEVICES_QUIET.with(|q| q.set(false));
+    out
 }
 
 impl Transport {
