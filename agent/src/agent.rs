@@ -649,6 +649,8 @@ impl Agent {
             dials::check_side_channel_ports(range)?;
         }
         cfg.pool_dir = prepare_pool_dir(&cfg.pool_dir)?;
+        // Before any UCX thread may log (UCX adds a log handler without a lock).
+        crate::transport::ucx::filter_log();
         let mut ucx = UcxHandle::start(cfg.transport, &cfg.pool_dir)?;
         match &cfg.ucx_probe {
             Some(exe) => {

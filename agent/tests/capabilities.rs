@@ -798,6 +798,9 @@ fn an_agent_finding_no_rdma_device_logs_no_ucx_error_for_asking() {
     let _ = child.kill();
     let _ = child.wait();
     let text = std::fs::read_to_string(&log).expect("log");
-    assert!(text.contains("KV moves over this agent's tcp stream"), "{text}");
     assert!(!text.contains("no usable transports"), "{text}");
+    // Where UCX does find an RDMA device, the agent does not take the stream.
+    if !pdpair_agent::transport::ucx::network_available() {
+        assert!(text.contains("KV moves over this agent's tcp stream"), "{text}");
+    }
 }

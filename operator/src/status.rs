@@ -720,10 +720,13 @@ struct PartlyRegistered {
 /// registering again under its old name keeps its endpoint); stale, when it went stale.
 fn registration_changed(e: &PDEndpoint, now: &Time) -> Option<i64> {
     if stale(e, now) {
+        // A heartbeat further ahead than clocks' skew is not taken (it would hold the grace
+        // open until then): the endpoint's creation, which the API server wrote, instead.
         let heard = e
             .status
             .as_ref()
             .and_then(|s| s.last_heartbeat.as_ref())
+            .filter(|t| within(t, now, i64::MAX))
             .or(e.metadata.creation_timestamp.as_ref())?;
         return Some(heard.0.as_second().saturating_add(STALE_SECONDS));
     }
@@ -738,14 +741,13 @@ fn registration_changed(e: &PDEndpoint, now: &Time) -> Option<i64> {
 
 /// Each rank of an engine registers with its agent on its own, naming its rank
 /// (`spec.tensorRank`). Per role and tensor parallelism, the Pods whose live endpoints do not
-/// count each rank alike (a rank missing, or one of two engines of the Pod short of one): where
-/// the operator runs the pool each Pod is whole engines, so such a Pod has an engine partly
-/// registered. A pool you bring may spread an engine's ranks over several Pods, each then
-/// holding some: there its Pods count only where the pool's ranks, over all its Pods, are not
-/// alike either, and what changed last in the pool counts for each. A Pod with an endpoint that
-/// names no rank (an agent before `tensorRank`) or one outside the parallelism is left out.
+/// count each rank alike (a rank missing, or one of two engines of the Pod short of one), where
+/// each Pod is whole engines: always where the operator runs the pool; in a pool you bring,
+/// which may spread an engine's ranks over several Pods, only where a Pod of it holds every
+/// rank (otherwise a Pod holding some is not news). Each Pod is judged from its own endpoints
+/// and its own last change. A Pod with an endpoint that names no rank (an agent before
+/// `tensorRank`) or one outside the parallelism is left out.
 fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Vec<PartlyRegistered> {
-    #[derive(Default)]
     struct Held {
         counts: Vec<usize>,
         left_out: bool,
@@ -770,7 +772,7 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
             .or_insert_with(|| Held {
                 counts: vec![0; tensor],
                 left_out: false,
-                changed: i64::MIN,
+                changed,
             });
         held.changed = held.changed.max(changed);
         if stale(e, now) {
@@ -786,7 +788,6 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
             None => held.left_out = true,
         }
     }
-    let uneven = |counts: &[usize]| counts.iter().min() != counts.iter().max();
     let mut out = Vec::new();
     for ((decode, tensor), pods) in groups {
         let role = if decode { Role::Decode } else { Role::Prefill };
@@ -796,30 +797,22 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
             .filter(|(_, h)| !h.left_out && h.counts.iter().any(|c| *c > 0))
             .map(|(p, h)| (*p, h))
             .collect();
-        let whole_engines = pool.template.is_some();
-        let mut total = vec![0; tensor];
-        for (_, h) in &counted {
-            for (t, c) in total.iter_mut().zip(&h.counts) {
-                *t += c;
-            }
-        }
-        if !whole_engines && !uneven(&total) {
+        let whole_engines = pool.template.is_some() || counted.iter().any(|(_, h)| h.counts.iter().all(|c| *c > 0));
+        if !whole_engines {
             continue;
         }
-        let pool_changed = pods.values().map(|h| h.changed).max().unwrap_or(i64::MIN);
-        for (pod, h) in counted.into_iter().filter(|(_, h)| uneven(&h.counts)) {
+        for (pod, h) in counted {
             let most = h.counts.iter().copied().max().unwrap_or_default();
-            out.push(PartlyRegistered {
-                role,
-                tensor,
-                pod: pod.to_owned(),
-                short: (0..tensor).filter(|r| h.counts[*r] < most).collect(),
-                changed: if whole_engines {
-                    h.changed
-                } else {
-                    h.changed.max(pool_changed)
-                },
-            });
+            let short: Vec<usize> = (0..tensor).filter(|r| h.counts[*r] < most).collect();
+            if !short.is_empty() {
+                out.push(PartlyRegistered {
+                    role,
+                    tensor,
+                    pod: pod.to_owned(),
+                    short,
+                    changed: h.changed,
+                });
+            }
         }
     }
     out

@@ -197,16 +197,27 @@ unsafe extern "C" fn drop_no_devices(
     }
 }
 
-/// Runs `f` with UCX's "no usable transports" error left out of its log on this thread (the
-/// handler is put in place once, for the process, and passes everything else on).
-fn without_no_devices_logged<T>(f: impl FnOnce() -> T) -> T {
+/// Puts the agent's filter in front of UCX's log handlers, once for the process: it passes
+/// everything on but the one message [`without_no_devices_logged`] asks it to drop. UCX adds a
+/// handler without a lock, so the agent does this before its first UCX context.
+pub fn filter_log() {
     static PUSHED: std::sync::Once = std::sync::Once::new();
     // SAFETY: a handler of UCX's type, which lives for the process.
     PUSHED.call_once(|| unsafe { ucs_log_push_handler(drop_no_devices) });
+}
+
+/// Runs `f` with UCX's "no usable transports" error left out of its log on this thread.
+fn without_no_devices_logged<T>(f: impl FnOnce() -> T) -> T {
+    struct Quiet;
+    impl Drop for Quiet {
+        fn drop(&mut self) {
+            NO_DEVICES_QUIET.with(|q| q.set(false));
+        }
+    }
+    filter_log();
     NO_DEVICES_QUIET.with(|q| q.set(true));
-    let out = f();
-    NO_DEVICES_QUIET.with(|q| q.set(false));
-    out
+    let _quiet = Quiet;
+    f()
 }
 
 impl Transport {

@@ -1498,22 +1498,72 @@ fn a_pod_with_some_of_an_engines_tensor_parallel_ranks_registered_turns_transfer
     // A registration time ahead of the clock does not hold the grace open.
     let ahead = made("d-d0", Role::Decode, "decode-d", Some(0), 10_000, 100);
     assert_eq!(transfer(vec![&p0, &p1, &a0, &a1, &ahead], 200).0, "False");
+    // Each Pod is judged on its own endpoints and its own last change: in a pool run from the
+    // pair's template each Pod is whole engines, so ranks spread over two Pods are two engines
+    // short, and a registration in another Pod holds no grace open for a settled one.
+    let x0 = made("d-x0", Role::Decode, "decode-x", Some(0), 0, 100);
+    let y1 = made("d-y1", Role::Decode, "decode-y", Some(1), 0, 100);
+    let (status, _, message, _) = transfer(vec![&p0, &p1, &x0, &y1], 200);
+    assert!(
+        status == "False"
+            && message.starts_with(
+                "2 pod(s) have had an engine with some of its tensor-parallel ranks registered and others not for over 60 s: decode pod decode-x (rank 1 of 2 short), decode pod decode-y (rank 0 of 2 short) ("
+            ),
+        "{message}"
+    );
+    let fresh = made("d-e0", Role::Decode, "decode-e", Some(0), 190, 200);
+    let (status, _, message, _) = transfer(vec![&p0, &p1, &a0, &a1, &b0, &fresh], 200);
+    assert!(
+        status == "False"
+            && message.starts_with("1 pod(s) have had")
+            && message.contains("decode pod decode-b (rank 1"),
+        "{message}"
+    );
+    // A rank whose endpoint went stale counts no more, a minute after it went.
+    let b1_gone = made(
+        "d-b1",
+        Role::Decode,
+        "decode-b",
+        Some(1),
+        60,
+        100 - super::STALE_SECONDS - 70,
+    );
+    assert_eq!(transfer(vec![&p0, &p1, &a0, &a1, &b0, &b1_gone], 200).0, "False");
+    let b1_going = made(
+        "d-b1",
+        Role::Decode,
+        "decode-b",
+        Some(1),
+        60,
+        170 - super::STALE_SECONDS,
+    );
+    assert_eq!(transfer(vec![&p0, &p1, &a0, &a1, &b0, &b1_going], 200).0, "True");
+    // A heartbeat further ahead than clocks' skew makes an endpoint stale, and holds no grace
+    // open until then.
+    let b1_ahead = made("d-b1", Role::Decode, "decode-b", Some(1), 60, 10_000);
+    assert_eq!(transfer(vec![&p0, &p1, &a0, &a1, &b0, &b1_ahead], 200).0, "False");
+    // The pair is looked at again a minute after an endpoint went stale.
+    let c1_later = made("d-c1", Role::Decode, "decode-c", Some(1), 0, 200);
+    assert_eq!(
+        changes_in(&pair, &[&c0, &c1_later], &[], &t(stale_at + 5)),
+        Some(std::time::Duration::from_secs(56)),
+        "rank 0 went stale at {stale_at}"
+    );
+    // Endpoints of another tensor parallelism (a rollout to a new one) count on their own.
+    let mut other = made("d-z0", Role::Decode, "decode-z", Some(0), 0, 100);
+    other.spec.parallelism.tensor = 1;
+    assert_eq!(transfer(vec![&p0, &p1, &a0, &a1, &b0, &b1, &other], 200).0, "True");
 
-    // A pool you bring may spread an engine's ranks over Pods: each holding some is no news
-    // while the pool's ranks count alike.
+    // A pool you bring may spread an engine's ranks over Pods, each holding some: no news, unless
+    // a Pod of the pool holds every rank (its Pods are whole engines, then).
     let mut brought = pair.clone();
     brought.spec.decode.template = None;
     let transfer = |endpoints: Vec<&PDEndpoint>, at: i64| transfer_in(&brought, endpoints, at);
-    let x0 = made("d-x0", Role::Decode, "decode-x", Some(0), 0, 100);
-    let y1 = made("d-y1", Role::Decode, "decode-y", Some(1), 0, 100);
     assert_eq!(transfer(vec![&p0, &p1, &x0, &y1], 200).0, "True");
-    let (status, _, message, _) = transfer(vec![&p0, &p1, &x0, &y1, &b0], 200);
+    assert_eq!(transfer(vec![&p0, &p1, &x0, &b0], 200).0, "True");
+    let (status, _, message, _) = transfer(vec![&p0, &p1, &a0, &a1, &b0], 200);
     assert!(
-        status == "False" && message.contains("decode pod decode-b (rank 1 of 2 short)"),
+        status == "False" && message.contains("1 pod(s) have had") && message.contains("decode pod decode-b (rank 1"),
         "{message}"
     );
-    // ... counted from what changed last in the pool.
-    let x1 = made("d-x1", Role::Decode, "decode-x2", Some(1), 180, 200);
-    let (status, _, message, _) = transfer(vec![&p0, &p1, &x0, &y1, &b0, &x1, &a0], 200);
-    assert_eq!(status, "True", "{message}");
 }
