@@ -509,29 +509,45 @@ class _Saves(Stager):
         pass
 
 
-def test_the_event_a_stager_recorded_after_a_sends_writes_is_named_in_its_kv_ready():
-    # A GPU pool in place names, in each KvReady, the event it recorded after that request's
-    # writes (the agent waits for that one); a staged pool names none.
+def test_the_event_a_stager_recorded_after_a_steps_writes_is_named_in_each_of_its_kv_readys():
+    # A GPU pool in place names, in each KvReady of a step, one event recorded after all that
+    # step's writes (the agent waits for it); a staged pool names none. One per step, not per
+    # request: the events are a ring of 16 and a query answers for an event's latest record, so
+    # with 16 or more requests finishing each step every event was recorded again each step,
+    # ahead of the GPU, and the agent's wait for the one named never ended.
     class Named(Stager):
         in_place = True
 
         def __init__(self):
-            self.n = 0
+            self.n, self.recorded = 0, []
 
         def save(self, blocks):
             self.n += 1
             return self.n + 4
+
+        def save_all(self, requests):
+            self.recorded.append(len(requests))
+            return super().save_all(requests)
 
     class Told(_Client):
         def kv_ready(self, request, *args, **kw):
             self.calls.append(("kv_ready", request, kw.get("event")))
 
     from pdpair_vllm.transfer import Send
-    for stager, events in [(Named(), [5, 6]), (_Saves(), [None, None])]:
+    for stager, events in [(Named(), [6, 6]), (_Saves(), [None, None])]:
         client = Told()
         w = WorkerState(client, stager)
         w.save(Plan(sends=[Send("a", [1], 16), Send("b", [2], 16)]))
         assert client.calls == [("kv_ready", "a", events[0]), ("kv_ready", "b", events[1])], client.calls
+    # Steps of 20 finished requests each: one record a step.
+    stager, client = Named(), Told()
+    w = WorkerState(client, stager)
+    for step in range(3):
+        w.save(Plan(sends=[Send(f"s{step}-{i}", [i], 16) for i in range(20)]))
+    assert stager.recorded == [20, 20, 20]
+    assert {e for _, _, e in client.calls[:20]} == {24} and {e for _, _, e in client.calls[20:40]} == {44}
+    w.save(Plan(sends=[]))
+    assert stager.recorded == [20, 20, 20], "nothing recorded for a step without sends"
 
 
 def _recv(r, blocks):

@@ -518,6 +518,9 @@ class DirectKv(Stager):
         pool["regions"] = gpu_regions
         return pool, shared
 
+    def save_all(self, requests: List[List[int]]) -> Optional[int]:
+        return self.save([])  # in place: one record after the step's writes
+
     def save(self, blocks: List[int]) -> Optional[int]:
         stream = torch.cuda.current_stream(self.device)
         if self.event is None:

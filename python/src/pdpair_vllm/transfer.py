@@ -484,6 +484,18 @@ class Stager:
         returns the pool's event recorded after the writes, for the ``KvReady`` to name, if any."""
         raise NotImplementedError
 
+    def save_all(self, requests: List[List[int]]) -> Optional[int]:
+        """:meth:`save` of each request's blocks finishing in one step; returns one event recorded
+        after all their writes, for each of the step's ``KvReady`` to name. One per step, not
+        one per request: a GPU pool's events are a ring of 16, and ``cuEventQuery`` answers for
+        an event's latest record only, so recording one per request re-recorded every event each
+        step once 16 requests finished in a step, always ahead of the GPU under vLLM's async
+        scheduling, and the agent's wait for the one it was named never ended (to the lease)."""
+        event = None
+        for blocks in requests:
+            event = self.save(blocks)
+        return event
+
     def before_receive(self) -> Optional[int]:
         """Before the agent is asked for new receives' blocks (it may write them at once);
         returns the pool's event recorded after the engine's work so far, for the ``ExpectKv``
@@ -646,8 +658,8 @@ class WorkerState:
         #: How each request ended with the agent (vLLM id -> final event type), for logs and tests:
         #: the last :data:`KEPT` requests.
         self.outcomes: Dict[str, str] = {}
-        #: Milliseconds of staging copies per request (vLLM id -> "save"/"load" -> ms), the last
-        #: :data:`KEPT` requests.
+        #: Milliseconds of staging copies per request (vLLM id -> "save"/"load" -> ms; a save is
+        #: of all the requests finishing in its step), the last :data:`KEPT` requests.
         self.staging_ms: Dict[str, Dict[str, float]] = {}
         #: Why the agent connection is gone (a send failed, or the agent closed it), and when
         #: this worker noticed; ``None`` while it is up.
@@ -769,6 +781,7 @@ class WorkerState:
     @_locked
     def save(self, plan: Plan) -> None:
         """After the forward pass: stage finished prefills into the pool and announce them."""
+        offered = []
         for send in plan.sends:
             if send.request in self._open:
                 # A receive here claims this id (a client named it): the send cannot be told
@@ -792,10 +805,14 @@ class WorkerState:
                     self._stale.add(str(told))
                 self._results.finished_sending.add(send.request)
                 continue
-            t = time.perf_counter()
-            blocks = self._kernel(send.blocks)
-            event = self.stager.save(blocks)
-            _keep(self.staging_ms, send.request, {})["save"] = (time.perf_counter() - t) * 1e3
+            offered.append((send, self._kernel(send.blocks)))
+        if not offered:
+            return
+        t = time.perf_counter()
+        event = self.stager.save_all([blocks for _, blocks in offered])
+        took = (time.perf_counter() - t) * 1e3
+        for send, blocks in offered:
+            _keep(self.staging_ms, send.request, {})["save"] = took
             self._open[send.request] = ("send", send.request, None)
             self._call(self.client.kv_ready, send.request, blocks, send.num_tokens, prompt=send.prompt, event=event,
                        release_token=send.release_token)
