@@ -362,6 +362,37 @@ def test_decode_waits_for_every_kernel_on_its_device_before_new_receives(monkeyp
     assert kv_.events[0].on[0] == ("stream", torch.device("cuda", 3))
 
 
+def test_prefill_in_place_records_one_event_for_a_steps_requests(monkeypatch):
+    # The events are a ring of 16 and a query answers for an event's latest record: one record
+    # per request went round the ring each step once 16 requests finished in one. One record
+    # after the step's writes (and its one older event) names all of them; without events, one
+    # synchronize. The CUDA half stands in (no GPU here).
+    synced = []
+
+    class Stream:
+        def synchronize(self):
+            synced.append("stream")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+
+    class Event:
+        def __init__(self):
+            self.on = 0
+
+        def record(self, stream):
+            self.on += 1
+
+    kv_ = direct.DirectKv.__new__(direct.DirectKv)
+    kv_.device = torch.device("cuda", 0)
+    kv_.event, kv_.events, kv_.last = Event(), [Event() for _ in range(16)], None
+    assert kv_.save_all([[i] for i in range(20)]) == 0
+    assert kv_.save_all([[i] for i in range(20)]) == 1
+    assert [e.on for e in kv_.events[:3]] == [1, 1, 0] and kv_.event.on == 2
+    kv_.event, kv_.events = None, []
+    assert kv_.save_all([[i] for i in range(20)]) is None
+    assert synced == ["stream"]
+
+
 def test_gpu_memory_shared_as_descriptors_reaches_the_agent_before_the_registration(world):
     # The client's half of ShareGpuMemory against a real agent (no GPU here): descriptors go in
     # frames of at most 128 before the registration, the agent checks them all before it refuses

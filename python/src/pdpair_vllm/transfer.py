@@ -658,8 +658,8 @@ class WorkerState:
         #: How each request ended with the agent (vLLM id -> final event type), for logs and tests:
         #: the last :data:`KEPT` requests.
         self.outcomes: Dict[str, str] = {}
-        #: Milliseconds of staging copies per request (vLLM id -> "save"/"load" -> ms; a save is
-        #: of all the requests finishing in its step), the last :data:`KEPT` requests.
+        #: Milliseconds of staging copies per request (vLLM id -> "save"/"load" -> ms; in place, a
+        #: save is the step's, for all its requests), the last :data:`KEPT` requests.
         self.staging_ms: Dict[str, Dict[str, float]] = {}
         #: Why the agent connection is gone (a send failed, or the agent closed it), and when
         #: this worker noticed; ``None`` while it is up.
@@ -808,14 +808,26 @@ class WorkerState:
             offered.append((send, self._kernel(send.blocks)))
         if not offered:
             return
-        t = time.perf_counter()
-        event = self.stager.save_all([blocks for _, blocks in offered])
-        took = (time.perf_counter() - t) * 1e3
+        if self.stager.in_place:
+            # One event after the step's writes, named by each of its requests.
+            t = time.perf_counter()
+            event = self.stager.save_all([blocks for _, blocks in offered])
+            took = (time.perf_counter() - t) * 1e3
+            for send, blocks in offered:
+                self._announce(send, blocks, event, took)
+            return
+        # Staged: each request announced as soon as its own copy is in the pool.
         for send, blocks in offered:
-            _keep(self.staging_ms, send.request, {})["save"] = took
-            self._open[send.request] = ("send", send.request, None)
-            self._call(self.client.kv_ready, send.request, blocks, send.num_tokens, prompt=send.prompt, event=event,
-                       release_token=send.release_token)
+            t = time.perf_counter()
+            event = self.stager.save(blocks)
+            self._announce(send, blocks, event, (time.perf_counter() - t) * 1e3)
+
+    def _announce(self, send, blocks: List[int], event: Optional[int], staging_ms: float) -> None:
+        """Offers a finished prefill's KV to the agent (its blocks in the pool)."""
+        _keep(self.staging_ms, send.request, {})["save"] = staging_ms
+        self._open[send.request] = ("send", send.request, None)
+        self._call(self.client.kv_ready, send.request, blocks, send.num_tokens, prompt=send.prompt, event=event,
+                   release_token=send.release_token)
 
     @_locked
     def poll(self) -> Results:
