@@ -717,26 +717,23 @@ struct PartlyRegistered {
 
 /// When `e` last changed what it says about its engine's registration (unix seconds): live, its
 /// engine's registration (`status.registered`, or without it the endpoint's creation: an engine
-/// registering again under its old name keeps its endpoint); stale, when it went stale.
-fn registration_changed(e: &PDEndpoint, now: &Time) -> Option<i64> {
-    if stale(e, now) {
-        // A heartbeat further ahead than clocks' skew is not taken (it would hold the grace
-        // open until then): the endpoint's creation, which the API server wrote, instead.
-        let heard = e
-            .status
-            .as_ref()
-            .and_then(|s| s.last_heartbeat.as_ref())
-            .filter(|t| within(t, now, i64::MAX))
-            .or(e.metadata.creation_timestamp.as_ref())?;
-        return Some(heard.0.as_second().saturating_add(STALE_SECONDS));
-    }
-    // A time further ahead than clocks' skew is not taken (it would hold the grace open).
-    let registered = e
-        .status
-        .as_ref()
-        .and_then(|s| s.registered.as_ref())
-        .filter(|t| within(t, now, i64::MAX));
-    Some(registered.or(e.metadata.creation_timestamp.as_ref())?.0.as_second())
+/// registering again under its old name keeps its endpoint); `stale`, when it went stale (its
+/// last heartbeat, or without one its creation, and [`STALE_SECONDS`]).
+fn registration_changed(e: &PDEndpoint, stale: bool, now: &Time) -> Option<i64> {
+    let status = e.status.as_ref();
+    let agents = if stale {
+        status.and_then(|s| s.last_heartbeat.as_ref())
+    } else {
+        status.and_then(|s| s.registered.as_ref())
+    };
+    // An agent's time further ahead than clocks' skew is not taken (it would hold the grace
+    // open until then): the endpoint's creation, which the API server wrote, instead.
+    let at = agents
+        .filter(|t| within(t, now, i64::MAX))
+        .or(e.metadata.creation_timestamp.as_ref())?
+        .0
+        .as_second();
+    Some(if stale { at.saturating_add(STALE_SECONDS) } else { at })
 }
 
 /// Each rank of an engine registers with its agent on its own, naming its rank
@@ -762,7 +759,8 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
         else {
             continue;
         };
-        let Some(changed) = registration_changed(e, now) else {
+        let is_stale = stale(e, now);
+        let Some(changed) = registration_changed(e, is_stale, now) else {
             continue;
         };
         let held = groups
@@ -775,7 +773,7 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
                 changed,
             });
         held.changed = held.changed.max(changed);
-        if stale(e, now) {
+        if is_stale {
             continue;
         }
         match e
@@ -827,18 +825,12 @@ fn partly_registered(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Op
         .into_iter()
         .filter(|p| now.0.as_second().saturating_sub(p.changed) > UNREGISTERED_SECONDS)
         .map(|p| {
-            let shown: Vec<String> = p.short.iter().take(PATHS_NAMED).map(usize::to_string).collect();
-            let more = p.short.len().saturating_sub(PATHS_NAMED);
-            let more = if more > 0 {
-                format!(" and {more} more")
-            } else {
-                String::new()
-            };
+            let short: Vec<String> = p.short.iter().map(usize::to_string).collect();
             format!(
-                "{} pod {} (rank {}{more} of {} short)",
+                "{} pod {} (rank {} of {} short)",
                 p.role,
                 p.pod,
-                shown.join(", "),
+                first_few(&short),
                 p.tensor
             )
         })
@@ -856,9 +848,14 @@ fn partly_registered(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Op
 /// `names` sorted, the first [`PATHS_NAMED`] of them, and how many more there are.
 fn name_a_few<S: AsRef<str> + Ord>(mut names: Vec<S>) -> String {
     names.sort_unstable();
-    let shown: Vec<&str> = names.iter().take(PATHS_NAMED).map(AsRef::as_ref).collect();
+    first_few(&names)
+}
+
+/// The first [`PATHS_NAMED`] of `items`, in their order, and how many more there are.
+fn first_few<S: AsRef<str>>(items: &[S]) -> String {
+    let shown: Vec<&str> = items.iter().take(PATHS_NAMED).map(AsRef::as_ref).collect();
     let mut named = shown.join(", ");
-    let more = names.len().saturating_sub(PATHS_NAMED);
+    let more = items.len().saturating_sub(PATHS_NAMED);
     if more > 0 {
         named.push_str(&format!(" and {more} more"));
     }
