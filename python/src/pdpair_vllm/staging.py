@@ -40,7 +40,9 @@ class TorchStager(Stager):
         # Touch every page now, as the engine's own KV cache was at startup: otherwise the first
         # staging copies and the peers' first writes into a block pay its page faults.
         flat.zero_()
-        if layout.arrangement == "Interleaved":
+        #: Whether the pool keeps each block as the tensors do (``Interleaved``).
+        self.side_by_side = layout.arrangement == "Interleaved"
+        if self.side_by_side:
             if layout.strides and layout.strides[0] is not None and layout.strides[0] != (
                     2 * layout.array_len, 2 * layout.block_len):
                 raise ValueError(f"pdpair: host staging's Interleaved pool is dense, not at strides {layout.strides[0]}")
@@ -77,14 +79,14 @@ class TorchStager(Stager):
 
     def _tensor_rows(self, rows: torch.Tensor, first: int, end: int) -> torch.Tensor:
         """Blocks first..end of one layer's tensor, as :attr:`rows` views it."""
-        return rows[first:end] if self.layout.arrangement == "Interleaved" else rows[:, first:end]
+        return rows[first:end] if self.side_by_side else rows[:, first:end]
 
     def _pool_rows(self, layer: int, first: int, end: int, rows: torch.Tensor) -> torch.Tensor:
         """Blocks first..end of one layer of the pool, shaped as ``rows`` (a block's bytes split
         into (tokens, heads, bytes) or (heads, tokens, bytes) where vLLM's tensor interleaves K
         and V into K and V arrays, so the copy gathers them; as they lie in the tensor where the
         pool is ``Interleaved`` too)."""
-        if self.layout.arrangement == "Interleaved":
+        if self.side_by_side:
             return self.pool[layer, first:end].view(end - first, *rows.shape[1:])
         return self.pool[layer, :, first:end].view(rows.shape[0], end - first, *rows.shape[2:])
 
