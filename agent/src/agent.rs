@@ -1047,6 +1047,8 @@ impl Agent {
             region_lens: engine.layout.region_lens().into_iter().map(|l| l as u64).collect(),
             handshake_timeout_ms: engine.settings.handshake_timeout_ms,
             lease_ms: engine.settings.lease_ms,
+            hold_ms: u64::try_from(engine.lease().saturating_mul(prefill::MAX_HOLD_LEASES + 1).as_millis())
+                .unwrap_or(u64::MAX),
         };
         // The engine maps what the agent allocated through these descriptors (never a path).
         let fds: Vec<_> = engine

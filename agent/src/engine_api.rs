@@ -931,6 +931,13 @@ pub enum AgentEvent {
         /// See `handshake_timeout_ms`.
         #[serde(default)]
         lease_ms: u64,
+        /// The longest a prefill engine's request's blocks are held after its `KvReady`,
+        /// renewals included, in milliseconds (the lease, `MAX_HOLD_LEASES` + 1 times: a `Renew`
+        /// is taken up to `MAX_HOLD_LEASES` leases after the `KvReady`, and holds one lease
+        /// more). A decode engine that queues a request longer than that has nothing left to
+        /// renew. 0 from agents before it.
+        #[serde(default)]
+        hold_ms: u64,
     },
     /// The registration was refused; the agent closes the connection.
     RegistrationFailed {

@@ -425,6 +425,9 @@ def test_the_client_asks_capabilities_before_registering(world):
     c = py_engine(world, a, "prefill", kv(), lease_ms=1234)
     # Registered says the settings the engine runs under: how long the agent's transfers run.
     assert c.transfer_bound_s == (5000 + 1234) / 1000
+    # And how long an offered request's blocks are held, renewals included: the lease, eleven
+    # times (renewals taken for ten leases after the KvReady, each holding one more).
+    assert c.hold_s == 11 * 1234 / 1000
     caps = c.capabilities
     assert caps["type"] == "Capabilities" and caps["agent"] == "p"
     assert "host" in caps["ucx_memory_types"] and caps["ucx_version"]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pdpair_vllm.transfer import (PARAM_RANKS, PARAM_RELEASE, PARAM_REQUEST, PARAM_TOKENS, Plan, Prompt, Recv,
+from pdpair_vllm.transfer import (PARAM_HOLD, PARAM_RANKS, PARAM_RELEASE, PARAM_REQUEST, PARAM_TOKENS, Plan, Prompt, Recv,
                                   Results, SchedulerState, Stager, WorkerState, check_params, kernel_ids)
 
 
@@ -171,6 +171,44 @@ def test_prefill_holds_its_blocks_and_names_every_rank_in_order():
     assert s.finished("x", {"do_remote_decode": True}, False, [1], 10, "eng") == (False, None)
 
 
+def test_prefill_hands_decode_the_longest_its_ranks_hold_an_offered_request():
+    s = SchedulerState(16, tensor=2)
+    s.learn_ranks({0: "10.0.0.1:7000", 1: "10.0.0.2:7000"})
+    s.learn_hold([330.0, 300.0])
+    out = s.finished("r", {"do_remote_decode": True}, True, [4, 5, 6, 9], 50, "eng")[1]
+    assert out[PARAM_HOLD] == 330.0 and check_params(out) is not None
+    # A rank's agent that did not say (before Registered.hold_ms): none is handed on, and
+    # decode renews for as long as it queues the request, as before.
+    s.learn_hold([330.0, None])
+    assert PARAM_HOLD not in s.finished("q", {"do_remote_decode": True}, True, [4], 10, "eng")[1]
+
+
+def test_decode_renews_a_queued_request_no_longer_than_prefill_holds_it():
+    # P takes renewals of an offered request up to its hold (MAX_HOLD_LEASES leases after its
+    # KvReady, and holds one more); past it a renewal holds nothing, and a request queued for
+    # long sent one a second to P's agent for as long as it waited.
+    s = SchedulerState(16, renew_interval_s=0.01)
+    prompt = Prompt(list(range(50)))
+    s.arrived("held", params(**{PARAM_REQUEST: "held", PARAM_HOLD: 0.15}), 50, prompt)
+    s.arrived("unsaid", params(**{PARAM_REQUEST: "unsaid"}), 50, prompt)
+    # Queued when first matched (a vLLM that does not call on_new_request): the same.
+    assert s.matched_tokens("matched", params(**{PARAM_REQUEST: "matched", PARAM_HOLD: 0.15}), 50, 0,
+                            prompt) == (50, True)
+    started = time.monotonic()
+    early, late = [], []
+    while time.monotonic() - started < 0.4:
+        time.sleep(0.02)
+        (early if time.monotonic() - started < 0.12 else late).extend(
+            r.agent_request for r in s.plan().renews)
+        if 0.12 <= time.monotonic() - started < 0.2:
+            late.clear()  # about the hold's end: either way
+    assert {"held", "matched", "unsaid"} <= set(early), early
+    assert late and set(late) == {"unsaid"}, late
+    # Still queued: allocated, it is asked for as any other.
+    s.after_alloc("held", params(**{PARAM_REQUEST: "held", PARAM_HOLD: 0.15}), [1, 2, 3, 4], 50, 50, prompt)
+    assert [r.agent_request for r in s.plan().recvs] == ["held"]
+
+
 def test_kernel_ids():
     assert kernel_ids([0, 3], 2) == [0, 1, 6, 7]
 
@@ -285,7 +323,8 @@ def test_the_stager_is_told_before_the_agent_is_asked_for_new_receives():
      (PARAM_RANKS, ["10.0.0.1"]), (PARAM_RANKS, ["10.0.0.1:0"]), (PARAM_RANKS, ["10.0.0.1:65536"]),
      (PARAM_RANKS, ["::1:7000"]), (PARAM_RANKS, ["[::1]:7000x"]), (PARAM_RANKS, ["[::1]:7000", "10.0.0.1:+1"]),
      (PARAM_TOKENS, (1 << 40) + 1), (PARAM_RELEASE, "ab" * 31), (PARAM_RELEASE, "AB" * 32),
-     (PARAM_RELEASE, "zz" * 32), (PARAM_RELEASE, 7)],
+     (PARAM_RELEASE, "zz" * 32), (PARAM_RELEASE, 7), (PARAM_HOLD, 0), (PARAM_HOLD, -1.5), (PARAM_HOLD, True),
+     (PARAM_HOLD, "300"), (PARAM_HOLD, float("nan")), (PARAM_HOLD, float("inf")), (PARAM_HOLD, 1e10)],
 )
 def test_params_the_agent_could_not_take_are_refused_before_reaching_it(field, value):
     # A lone surrogate is escaped by json.dumps but cannot be decoded by the agent (it closed the

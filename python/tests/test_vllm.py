@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="the vLLM venv (hack/vllm-venv.sh) runs these
 import pdpair_vllm  # noqa: E402
 from pdpair_vllm.client import AgentError  # noqa: E402
 from pdpair_vllm.connector import PdpairConnector  # noqa: E402
-from pdpair_vllm.transfer import PARAM_TOKENS  # noqa: E402
+from pdpair_vllm.transfer import PARAM_HOLD, PARAM_TOKENS  # noqa: E402
 from vllm_harness import SAMPLED, Engine  # noqa: E402
 
 P_SEED, D_SEED = 1, 2
@@ -126,6 +126,9 @@ def test_a_prefill_that_ran_past_its_first_token_offers_its_prompts_kv_and_decod
     p.run_until(lambda: "req" in p.outputs, what="prefill finished")
     params = p.outputs["req"].kv_transfer_params
     assert params[PARAM_TOKENS] == 50, params
+    # How long P holds the blocks, renewals included (its agent's Registered, through the
+    # workers' handshake metadata): the harness's lease of 30 s, eleven times.
+    assert params[PARAM_HOLD] == 330.0, params
     seeds = decode_receives(p, d, "req", prompt, params)
     assert seeds == [P_SEED] * 50, seeds
     both(p, d, lambda: p.status("req") is None, what="P freed the blocks")
@@ -466,6 +469,33 @@ def test_an_abort_in_the_step_its_kv_landed_frees_decodes_blocks_and_decode_goes
     prompt = list(range(1200, 1300))
     seeds = decode_receives(p, d, "next", prompt, prefill(p, "next", prompt))
     assert seeds == [P_SEED] * len(prompt)
+
+
+def test_a_vllm_whose_scheduler_source_cannot_be_read_is_answered_as_measured_for_its_release(monkeypatch):
+    # An image of .pyc files only: the connector cannot read what vLLM's scheduler does. On
+    # 0.33, where the answers were read, guessing "vLLM does not hold an aborted request's
+    # blocks" brings back the crash of the test above (an abort in the step its KV landed).
+    import pdpair_vllm.connector as c
+
+    questions = ("holds_aborted_receives", "counts_received_blocks_whole")
+
+    def answers():
+        return (c.vllm_holds_aborted_receives(), c.vllm_counts_received_blocks_whole())
+
+    release = c._vllm_release()
+    assert release == (0, 33), release
+    read = answers()
+    # The table says what this vLLM's own source says.
+    assert read == tuple(c.MEASURED_SCHEDULERS[release][q] for q in questions) == (True, False)
+
+    def unreadable(obj):
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(c.inspect, "getsource", unreadable)
+    assert answers() == read, "a measured release is answered as its source said"
+    for other in [(0, 31), (0, 34), None]:
+        monkeypatch.setattr(c, "_vllm_release", lambda other=other: other)
+        assert answers() == (False, True), f"release {other}: the safe guesses"
 
 
 def test_a_request_decodes_frontend_rejected_releases_prefill_at_once(pair):

@@ -1072,10 +1072,6 @@ impl Engine {
         }
     }
 
-    /// A decode agent renews its hold on a ready request (its engine queues it): the lease starts
-    /// again, up to [`MAX_HOLD_LEASES`] leases after the KvReady in all, so no peer can pin a
-    /// pool's blocks forever. A renewal of another prompt (a decode given the request id with
-    /// its own prompt, queued) holds nothing.
     /// How many decode ranks take KV from this prefill rank, as `link`'s peer sees it (once per
     /// link).
     fn decode_ranks(&self, link: &Link) -> u32 {
@@ -1084,7 +1080,10 @@ impl Engine {
             .get_or_init(|| protocol::decode_ranks_served(&self.local, &link.peer))
     }
 
-    /// Whether it renewed a request.
+    /// A decode agent renews its hold on a ready request (its engine queues it): the lease starts
+    /// again, up to [`MAX_HOLD_LEASES`] leases after the KvReady in all, so no peer can pin a
+    /// pool's blocks forever. A renewal of another prompt (a decode given the request id with
+    /// its own prompt, queued) holds nothing. Whether it renewed the request.
     fn renewed(&self, request: &str, prompt: Option<PromptDigest>) -> bool {
         let lease = self.lease();
         if let Some(s) = lock(&self.matching).ready.get_mut(request)

@@ -57,6 +57,7 @@ class Unreachable:
     capabilities: dict = {}
     transfer_bound_s: Optional[float] = None
     handshake_timeout_s: Optional[float] = None
+    hold_s: Optional[float] = None
 
     def __init__(self, why: str):
         self.closed: Optional[str] = why
@@ -248,6 +249,9 @@ class AgentClient:
         #: The agent's handshake timeout (from ``Registered``), in seconds; ``None`` when it did
         #: not say.
         self.handshake_timeout_s: Optional[float] = None
+        #: The longest a prefill request's blocks are held after its ``KvReady``, renewals
+        #: included (``Registered.hold_ms``), in seconds; ``None`` when the agent did not say.
+        self.hold_s: Optional[float] = None
         #: When the agent was last heard from (any frame; registering counts), ``time.monotonic()``.
         self.heard_at = time.monotonic()
         self._lock = threading.Condition()
@@ -364,6 +368,9 @@ class AgentClient:
         if all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= 1 << 40 for b in bounds):
             client.transfer_bound_s = sum(bounds) / 1000
             client.handshake_timeout_s = bounds[0] / 1000
+        hold = answer.get("hold_ms")
+        if isinstance(hold, int) and not isinstance(hold, bool) and 0 < hold <= 1 << 40:
+            client.hold_s = hold / 1000
         return client
 
     # --- requests -------------------------------------------------------------------------------

@@ -64,16 +64,45 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def _scheduler_says(method: str, text: str, unknown: bool, what: str, then: str) -> bool:
+#: What ``Scheduler`` sources said on vLLM releases the connector was tested with (release ->
+#: the answer of each question below), for an image whose sources cannot be read (``.pyc``
+#: only): a release here is answered as measured; any other gets the question's safe guess.
+MEASURED_SCHEDULERS: Dict[Tuple[int, int], Dict[str, bool]] = {
+    (0, 33): {"holds_aborted_receives": True, "counts_received_blocks_whole": False},
+}
+
+
+def _vllm_release() -> Optional[Tuple[int, int]]:
+    """The installed vLLM's major and minor release (``0.33.0+cu129`` -> ``(0, 33)``), or
+    ``None`` where it cannot be told."""
+    try:
+        from importlib.metadata import version
+
+        text = version("vllm")
+    except Exception:  # noqa: BLE001 - any failure means "cannot tell"
+        return None
+    m = re.match(r"(\d+)\.(\d+)(?:\D|$)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _scheduler_says(method: str, text: str, question: str, unknown: bool, what: str, then: str) -> bool:
     """Whether the source of vLLM's ``Scheduler.<method>``, which says what this vLLM does where
-    no release note does, holds ``text``; where it cannot be read, ``unknown``, logging that
-    ``what`` cannot be told and ``then`` what the connector does."""
+    no release note does, holds ``text``. Where it cannot be read, the answer measured on this
+    vLLM release (:data:`MEASURED_SCHEDULERS`, under ``question``), else ``unknown``, logging
+    that ``what`` cannot be told and ``then`` what the connector does."""
     try:
         from vllm.v1.core.sched.scheduler import Scheduler
 
         source = inspect.getsource(getattr(Scheduler, method))
     except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
-        log.warning("pdpair: cannot tell %s (%s); %s", what, e, then)
+        release = _vllm_release()
+        measured = MEASURED_SCHEDULERS.get(release, {}).get(question) if release else None
+        if measured is not None:
+            log.info("pdpair: vLLM's scheduler source cannot be read (%s); %s taken from its release %d.%d",
+                     e, what, *release)
+            return measured
+        log.warning("pdpair: cannot tell %s (%s, vLLM release %s not measured); %s", what, e,
+                    "unknown" if release is None else "%d.%d" % release, then)
         return unknown
     return text in source
 
@@ -82,11 +111,11 @@ def vllm_holds_aborted_receives() -> bool:
     """Whether this vLLM's scheduler holds the blocks of a request aborted while it waits for
     remote KV until its workers report it received (vLLM PR 32255, early 2026; 0.33 does),
     read from ``Scheduler.finish_requests`` (no release note says which version). Where that
-    cannot be read, ``False``: the connector then holds the blocks itself, which a newer vLLM
-    takes too, but for an abort in the very step the KV landed, where it stops the engine
-    (loudly); the other guess, on an older vLLM, would free the blocks while the agent still
-    writes into them."""
-    return _scheduler_says("finish_requests", "WAITING_FOR_REMOTE_KVS", False,
+    cannot be read, the answer measured on this release, else ``False``: the connector then
+    holds the blocks itself, which a newer vLLM takes too, but for an abort in the very step
+    the KV landed, where it stops the engine (loudly); the other guess, on an older vLLM,
+    would free the blocks while the agent still writes into them."""
+    return _scheduler_says("finish_requests", "WAITING_FOR_REMOTE_KVS", "holds_aborted_receives", False,
                            "whether vLLM holds an aborted request's blocks", "the connector holds them")
 
 
@@ -94,11 +123,12 @@ def vllm_counts_received_blocks_whole() -> bool:
     """Whether this vLLM takes every block a request received as computed, whole (older ones:
     ``len(block_ids) * self.block_size`` in ``Scheduler._update_waiting_for_remote_kv``), rather
     than the tokens the connector said would come (0.33: ``num_computed_tokens``, set at
-    allocation). Where that cannot be read, ``True``: a decode prompt longer than the tokens P
-    computed, those not whole blocks, is then computed locally (the safe guess: the other, on a
-    vLLM that counts whole blocks, leaves stale KV in the last block's rest, cached)."""
-    return _scheduler_says("_update_waiting_for_remote_kv", "* self.block_size", True,
-                           "how vLLM counts received KV", "partial last blocks are computed locally")
+    allocation). Where that cannot be read, the answer measured on this release, else ``True``:
+    a decode prompt longer than the tokens P computed, those not whole blocks, is then computed
+    locally (the safe guess: the other, on a vLLM that counts whole blocks, leaves stale KV in
+    the last block's rest, cached)."""
+    return _scheduler_says("_update_waiting_for_remote_kv", "* self.block_size", "counts_received_blocks_whole",
+                           True, "how vLLM counts received KV", "partial last blocks are computed locally")
 
 
 COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
@@ -114,10 +144,13 @@ class PdpairMetadata(KVConnectorMetadata):
 
 class PdpairHandshakeMetadata(KVConnectorHandshakeMetadata):
     """Worker -> scheduler, once after the KV caches are registered (vLLM's engine core collects
-    it from every worker): this rank's agent address (empty on decode)."""
+    it from every worker): this rank's agent address (empty on decode), and how long its agent
+    holds an offered request's blocks (``Registered.hold_ms``, seconds; ``None`` where it did
+    not say)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, hold_s: Optional[float] = None):
         self.address = address
+        self.hold_s = hold_s
 
 
 class PdpairWorkerMetadata(KVConnectorWorkerMetadata):
@@ -321,8 +354,9 @@ class PdpairConnector(KVConnectorBase_V1):
 
     def set_xfer_handshake_metadata(self, metadata) -> None:
         assert self._sched is not None
-        self._sched.learn_ranks({int(rank): m.address for rank, m in metadata.items()
-                                 if isinstance(m, PdpairHandshakeMetadata) and m.address})
+        ours = {int(rank): m for rank, m in metadata.items() if isinstance(m, PdpairHandshakeMetadata)}
+        self._sched.learn_ranks({rank: m.address for rank, m in ours.items() if m.address})
+        self._sched.learn_hold(getattr(m, "hold_s", None) for m in ours.values() if m.address)
 
     def request_finished(self, request: "Request", block_ids) -> Tuple[bool, Optional[dict]]:
         assert self._sched is not None
@@ -577,7 +611,7 @@ class PdpairConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self):
         if self._client is None:
             return None
-        return PdpairHandshakeMetadata(self._client.address)
+        return PdpairHandshakeMetadata(self._client.address, self._client.hold_s)
 
     def build_connector_worker_meta(self):
         address = self._worker.take_new_address() if self._worker is not None else None

@@ -51,6 +51,13 @@ PARAM_TOKENS = "pdpair_num_tokens"
 #: naming it counts for the request whatever prompt it names (vLLM's frontend that rejects a
 #: request hands the connector a stand-in of prompt ``[0]`` to end, with the params).
 PARAM_RELEASE = "pdpair_release_token"
+#: The longest P holds the request's blocks after offering them, renewals included, in seconds
+#: (its agent's ``Registered.hold_ms``): D renews a request it queues no longer than that after
+#: it arrived (P offered it before), past which a renewal holds nothing. Absent where P's agent
+#: did not say: D renews for as long as it queues the request.
+PARAM_HOLD = "pdpair_hold_s"
+#: The longest hold a client's params may name (about 31 years).
+MAX_HOLD_S = 1e9
 
 
 def kernel_ids(logical: Iterable[int], per_logical: int) -> List[int]:
@@ -222,6 +229,11 @@ def check_params(params: Optional[dict]) -> Optional[Tuple[str, List[str], int]]
     if token is not None and not _release_token(token):
         raise ValueError(f"kv_transfer_params.{PARAM_RELEASE} is {_short(token)}, not a release token "
                          f"(64 lowercase hex digits)")
+    hold = params.get(PARAM_HOLD)
+    if hold is not None and not (isinstance(hold, (int, float)) and not isinstance(hold, bool)
+                                 and 0 < hold <= MAX_HOLD_S):
+        raise ValueError(f"kv_transfer_params.{PARAM_HOLD} is {_short(hold)}, not a hold in seconds "
+                         f"(above 0, at most {MAX_HOLD_S:g})")
     return request, list(dict.fromkeys(ranks)), tokens
 
 
@@ -234,6 +246,14 @@ def _release_token(value: object) -> bool:
 def release_token(params: Optional[dict]) -> Optional[str]:
     """The release token of params :func:`check_params` took, if P gave one."""
     return params.get(PARAM_RELEASE) if params else None
+
+
+def _renew_until(params: Optional[dict], now: float) -> Optional[float]:
+    """When D stops renewing a request of params :func:`check_params` took that arrived at
+    ``now`` (``time.monotonic()``): P's hold after it (:data:`PARAM_HOLD`), or never where P
+    did not say."""
+    hold = params.get(PARAM_HOLD) if params else None
+    return None if hold is None else now + float(hold)
 
 
 def _short(value: object) -> str:
@@ -282,13 +302,24 @@ class SchedulerState:
         #: D: requests whose KV is on its way (vLLM id -> agent request id).
         self.receiving: Dict[str, str] = {}
         #: D: requests waiting for blocks (vLLM id -> (agent request, ranks, last renew, prompt
-        #: digest)).
-        self.queued: Dict[str, Tuple[str, List[str], float, Optional[str]]] = {}
+        #: digest, when renewals stop: ``None``, never)).
+        self.queued: Dict[str, Tuple[str, List[str], float, Optional[str], Optional[float]]] = {}
+        #: P: the longest its agents hold a request's blocks after it is offered, renewals
+        #: included (seconds; the ranks' longest), handed to D in the params; ``None`` where
+        #: the agents did not say.
+        self.hold_s: Optional[float] = None
 
     def learn_ranks(self, ranks: Dict[int, str]) -> None:
         """P: worker ranks' agent addresses (at startup, and again when a rank reconnected to a
         restarted agent, which listens at a new address)."""
         self.prefill_ranks.update(ranks)
+
+    def learn_hold(self, holds: Iterable[Optional[float]]) -> None:
+        """P: how long the worker ranks' agents hold an offered request's blocks
+        (``Registered.hold_ms``), at startup: the longest is handed to D, so D renews for as
+        long as any rank would take it; none where a rank's agent did not say."""
+        holds = list(holds)
+        self.hold_s = max(holds) if holds and all(h is not None and h > 0 for h in holds) else None
 
     # --- D --------------------------------------------------------------------------------------
 
@@ -305,7 +336,8 @@ class SchedulerState:
             return
         agent_request, ranks, tokens = remote
         digest = prompt.digest(min(tokens, num_prompt_tokens)) if prompt is not None else None
-        self.queued[request] = (agent_request, ranks, time.monotonic(), digest)
+        now = time.monotonic()
+        self.queued[request] = (agent_request, ranks, now, digest, _renew_until(params, now))
 
     def matched_tokens(self, request: str, params: Optional[dict], num_prompt_tokens: int,
                        num_computed_tokens: int, prompt: Optional[Prompt] = None) -> Tuple[int, bool]:
@@ -338,7 +370,8 @@ class SchedulerState:
             return 0, False
         if request not in self.queued:
             digest = prompt.digest(min(tokens, num_prompt_tokens)) if prompt is not None else None
-            self.queued[request] = (agent_request, ranks, time.monotonic(), digest)
+            now = time.monotonic()
+            self.queued[request] = (agent_request, ranks, now, digest, _renew_until(params, now))
         return count, True
 
     def after_alloc(self, request: str, params: Optional[dict], block_ids: Sequence[int],
@@ -458,16 +491,18 @@ class SchedulerState:
             PARAM_RANKS: [self.prefill_ranks[r] for r in sorted(self.prefill_ranks)],
             PARAM_TOKENS: tokens,
             PARAM_RELEASE: token,
+            **({PARAM_HOLD: self.hold_s} if self.hold_s is not None else {}),
             "pdpair_engine": engine,
         }
 
     def plan(self) -> Plan:
         """This step's work (and the renewals due), handed to the workers once."""
         now = time.monotonic()
-        for request, (agent_request, ranks, last, digest) in list(self.queued.items()):
-            if now - last >= self.renew_interval_s:
+        for request, (agent_request, ranks, last, digest, until) in list(self.queued.items()):
+            # Past P's hold a renewal holds nothing (P refuses it): none is sent.
+            if now - last >= self.renew_interval_s and (until is None or now < until):
                 self._plan.renews.append(Release(agent_request, ranks, digest))
-                self.queued[request] = (agent_request, ranks, now, digest)
+                self.queued[request] = (agent_request, ranks, now, digest, until)
         plan, self._plan = self._plan, Plan()
         return plan
 
