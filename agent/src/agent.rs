@@ -1235,6 +1235,12 @@ pub struct EngineStats {
     pub last_success: Option<i64>,
     /// The last failure that was not routine ([`Reason::is_routine`]).
     pub last_failure: Option<SeenFailure>,
+    /// Earlier rejections by other peers than the last's, none resolved: each peer's latest,
+    /// the most recent [`pdpair_api::MAX_EARLIER`], oldest first.
+    pub earlier_rejections: Vec<SeenRejection>,
+    /// Earlier failures with other peers than the last's (or with none named), none resolved:
+    /// each peer's latest, the most recent [`pdpair_api::MAX_EARLIER`], oldest first.
+    pub earlier_failures: Vec<SeenFailure>,
     /// The path to each peer this engine's agent moved bytes with (the most recent
     /// [`pdpair_api::MAX_PATHS`] peers).
     pub paths: Vec<pdpair_api::TransferPath>,
@@ -1260,10 +1266,61 @@ impl EngineStats {
         if let Some(f) = self.last_failure.as_mut() {
             resolve(&mut f.resolved, f.peer.as_deref());
         }
+        // Earlier news resolved is no news: gone (one naming no peer stands only until any
+        // transfer of the engine completes, as the operator reads it).
+        self.earlier_rejections.retain(|r| !peers.contains(&r.peer.as_str()));
+        self.earlier_failures
+            .retain(|f| f.peer.as_deref().is_some_and(|p| !peers.contains(&p)));
         let counters = &mut self.counters;
         counters.transfers_completed += 1;
         counters.bytes = counters.bytes.saturating_add(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
+}
+
+/// News of a peer (a rejection, a failure) an engine keeps: the last, and earlier news of other
+/// peers not resolved.
+trait News {
+    /// The peer it names, where one.
+    fn peer(&self) -> Option<&str>;
+    /// Whether a transfer with that peer completed since.
+    fn resolved(&self) -> bool;
+}
+
+impl News for SeenFailure {
+    fn peer(&self) -> Option<&str> {
+        self.peer.as_deref()
+    }
+    fn resolved(&self) -> bool {
+        self.resolved.is_some()
+    }
+}
+
+impl News for SeenRejection {
+    fn peer(&self) -> Option<&str> {
+        Some(&self.peer)
+    }
+    fn resolved(&self) -> bool {
+        self.resolved.is_some()
+    }
+}
+
+/// `news` is the last now: the last before it, where it named another peer and stands, joins
+/// `earlier`, which keeps each peer's latest (news of `news`'s peer is superseded), the most
+/// recent [`pdpair_api::MAX_EARLIER`]. With the last alone a failure with one peer was hidden by
+/// a later one with another, which a transfer then resolved: `TransferReady` turned True while
+/// the first peer still failed every transfer.
+fn keep_news<T: News>(last: &mut Option<T>, earlier: &mut Vec<T>, news: T) {
+    if let Some(old) = last.take()
+        && !old.resolved()
+        && old.peer() != news.peer()
+    {
+        earlier.retain(|e| e.peer() != old.peer());
+        earlier.push(old);
+    }
+    earlier.retain(|e| e.peer() != news.peer());
+    let over = earlier.len().saturating_sub(pdpair_api::MAX_EARLIER);
+    earlier.drain(..over);
+    *last = Some(news);
 }
 
 /// A failed transfer as this engine's agent saw it.
@@ -2218,13 +2275,15 @@ impl Engine {
             let mut stats = lock(&self.stats);
             stats.counters.transfers_failed += 1;
             if !reasons.iter().all(|r| r.is_routine()) {
-                stats.last_failure = Some(SeenFailure {
+                let news = SeenFailure {
                     at: unix_now(),
                     reasons: reasons.clone(),
                     message: message.clone(),
                     peer,
                     resolved: None,
-                });
+                };
+                let stats = &mut *stats;
+                keep_news(&mut stats.last_failure, &mut stats.earlier_failures, news);
             }
         }
         AgentEvent::RequestFailed {
@@ -2281,13 +2340,15 @@ impl Engine {
         let now = unix_now();
         let mut stats = lock(&self.stats);
         stats.counters.handshakes_rejected += 1;
-        stats.last_rejection = Some(SeenRejection {
+        let news = SeenRejection {
             at: now,
             peer: peer.to_owned(),
             reasons,
             message,
             resolved: None,
-        });
+        };
+        let stats = &mut *stats;
+        keep_news(&mut stats.last_rejection, &mut stats.earlier_rejections, news);
     }
 
     /// A snapshot of what this engine's agent observed.
@@ -3089,6 +3150,84 @@ mod tests {
         stats.last_failure = Some(failure(None));
         stats.transferred(105, 10, ["10.0.0.3:7000"]);
         assert_eq!(resolved(&stats).1, None);
+    }
+
+    #[test]
+    fn a_failure_or_rejection_with_one_peer_is_not_hidden_by_a_later_one_with_another() {
+        let failure = |at: i64, peer: Option<&str>| SeenFailure {
+            at,
+            reasons: vec![Reason::TransportFailed],
+            message: format!("at {at}"),
+            peer: peer.map(str::to_owned),
+            resolved: None,
+        };
+        let mut stats = EngineStats::default();
+        let fail = |s: &mut EngineStats, f: SeenFailure| keep_news(&mut s.last_failure, &mut s.earlier_failures, f);
+        let standing = |s: &EngineStats| -> Vec<(i64, Option<String>)> {
+            s.earlier_failures
+                .iter()
+                .chain(s.last_failure.iter())
+                .filter(|f| f.resolved.is_none())
+                .map(|f| (f.at, f.peer.clone()))
+                .collect()
+        };
+        let a = Some("10.0.0.1:7000");
+        let b = Some("10.0.0.2:7000");
+        fail(&mut stats, failure(1, a));
+        fail(&mut stats, failure(2, b));
+        // B's transfer resolves B's; A's still stands (with the last alone, it was gone).
+        stats.transferred(3, 10, b);
+        assert_eq!(standing(&stats), [(1, a.map(str::to_owned))]);
+        assert_eq!(stats.last_failure.as_ref().map(|f| f.resolved), Some(Some(3)));
+        // A failure of A again supersedes its earlier one; the last (B's, resolved) goes.
+        fail(&mut stats, failure(4, a));
+        assert!(stats.earlier_failures.is_empty(), "{:?}", stats.earlier_failures);
+        assert_eq!(standing(&stats), [(4, a.map(str::to_owned))]);
+        // One naming no peer stands until any transfer; each peer once, the most recent kept.
+        fail(&mut stats, failure(5, None));
+        for i in 0..20 {
+            fail(&mut stats, failure(6 + i, Some(&format!("10.0.1.{i}:7000"))));
+        }
+        assert_eq!(stats.earlier_failures.len(), pdpair_api::MAX_EARLIER);
+        assert_eq!(stats.earlier_failures.first().map(|f| f.at), Some(25 - 8));
+        assert_eq!(stats.last_failure.as_ref().map(|f| f.at), Some(25));
+        fail(&mut stats, failure(30, None));
+        fail(&mut stats, failure(31, a));
+        assert_eq!(
+            stats.earlier_failures.last().map(|f| (f.at, f.peer.clone())),
+            Some((30, None))
+        );
+        stats.transferred(32, 10, ["10.0.1.19:7000"]);
+        assert!(
+            stats
+                .earlier_failures
+                .iter()
+                .all(|f| f.peer.is_some() && f.peer.as_deref() != Some("10.0.1.19:7000")),
+            "resolved, and none naming no peer after a transfer: {:?}",
+            stats.earlier_failures
+        );
+        assert_eq!(stats.earlier_failures.len(), pdpair_api::MAX_EARLIER - 2);
+        // Rejections alike.
+        let rejection = |at: i64, peer: &str| SeenRejection {
+            at,
+            peer: peer.to_owned(),
+            reasons: vec![Reason::Unauthenticated],
+            message: String::new(),
+            resolved: None,
+        };
+        keep_news(
+            &mut stats.last_rejection,
+            &mut stats.earlier_rejections,
+            rejection(40, "p:1"),
+        );
+        keep_news(
+            &mut stats.last_rejection,
+            &mut stats.earlier_rejections,
+            rejection(41, "p:2"),
+        );
+        stats.transferred(42, 10, ["p:2"]);
+        let ats: Vec<_> = stats.earlier_rejections.iter().map(|r| (r.at, r.resolved)).collect();
+        assert_eq!(ats, [(40, None)]);
     }
 
     #[test]

@@ -120,6 +120,19 @@ pub struct PDEndpointStatus {
     /// deadline the engine let pass, a malformed request) are counted but not kept here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<Failure>,
+    /// Earlier rejections by other peers than `lastRejection`'s, none resolved: each peer's
+    /// latest, the most recent [`MAX_EARLIER`], oldest first. A rejection by one peer is not
+    /// hidden by a later one by another. Absent from agents before 2026-12-07.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_EARLIER))]
+    pub earlier_rejections: Vec<Rejection>,
+    /// Earlier failures with other peers than `lastFailure`'s (or with none named), none
+    /// resolved: each peer's latest, the most recent [`MAX_EARLIER`], oldest first. A failure
+    /// with one peer is not hidden by a later one with another. Absent from agents before
+    /// 2026-12-07.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_EARLIER))]
+    pub earlier_failures: Vec<Failure>,
     /// The path transfers with each peer took (the most recent peers, at most
     /// [`MAX_PATHS`]), in the order they were first used.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -139,6 +152,8 @@ pub struct PDEndpointStatus {
 
 /// The most peers whose paths an endpoint's status lists.
 pub const MAX_PATHS: usize = 16;
+/// The most earlier rejections, and earlier failures, an endpoint's status lists.
+pub const MAX_EARLIER: usize = 8;
 
 /// The most characters of a message or other free text in a PDEndpoint (the CRD's `maxLength`:
 /// the API server refuses more). PDEndpoints are written by node agents, whose credentials may
@@ -165,6 +180,16 @@ impl PDEndpointSpec {
 }
 
 impl PDEndpointStatus {
+    /// The rejections that may still stand: the last, then the earlier ones, newest first.
+    pub fn rejections(&self) -> impl Iterator<Item = &Rejection> {
+        self.last_rejection.iter().chain(self.earlier_rejections.iter().rev())
+    }
+
+    /// The failures that may still stand: the last, then the earlier ones, newest first.
+    pub fn failures(&self) -> impl Iterator<Item = &Failure> {
+        self.last_failure.iter().chain(self.earlier_failures.iter().rev())
+    }
+
     /// The status cut to what the CRD takes: an agent's status that the API server refused
     /// would leave the endpoint's last one standing.
     pub fn bounded(mut self) -> Self {
@@ -174,18 +199,28 @@ impl PDEndpointStatus {
                 .map(|r| clamp_text(&r, MAX_REASON))
                 .collect()
         };
-        self.last_rejection = self.last_rejection.map(|r| Rejection {
+        let rejection = |r: Rejection| Rejection {
             peer: clamp_text(&r.peer, MAX_PEER),
             reasons: reasons(r.reasons),
             message: clamp_text(&r.message, MAX_TEXT),
             ..r
-        });
-        self.last_failure = self.last_failure.map(|f| Failure {
+        };
+        let failure = |f: Failure| Failure {
             reasons: reasons(f.reasons),
             message: clamp_text(&f.message, MAX_TEXT),
             peer: f.peer.map(|p| clamp_text(&p, MAX_PEER)),
             ..f
-        });
+        };
+        self.last_rejection = self.last_rejection.map(rejection);
+        self.last_failure = self.last_failure.map(failure);
+        // The most recent: the list is oldest first.
+        let recent = |len: usize| len.saturating_sub(MAX_EARLIER);
+        let earlier = std::mem::take(&mut self.earlier_rejections);
+        let skip = recent(earlier.len());
+        self.earlier_rejections = earlier.into_iter().skip(skip).map(rejection).collect();
+        let earlier = std::mem::take(&mut self.earlier_failures);
+        let skip = recent(earlier.len());
+        self.earlier_failures = earlier.into_iter().skip(skip).map(failure).collect();
         self.paths.truncate(MAX_PATHS);
         for p in &mut self.paths {
             p.peer = clamp_text(&p.peer, MAX_PEER);
@@ -375,14 +410,54 @@ mod tests {
             last_failure: Some(Failure {
                 peer: Some(long.clone()),
                 resolved: None,
-                time,
+                time: time.clone(),
                 reasons: vec![long.clone(); 100],
                 message: long.clone(),
             }),
             paths: vec![path; 40],
+            earlier_rejections: (0..20)
+                .map(|i| Rejection {
+                    time: time.clone(),
+                    peer: format!("{i}{long}"),
+                    reasons: vec![long.clone(); 100],
+                    message: long.clone(),
+                    resolved: None,
+                })
+                .collect(),
+            earlier_failures: (0..20)
+                .map(|i| Failure {
+                    peer: Some(format!("{i}{long}")),
+                    resolved: None,
+                    time: time.clone(),
+                    reasons: vec![long.clone(); 100],
+                    message: long.clone(),
+                })
+                .collect(),
             ..PDEndpointStatus::default()
         }
         .bounded();
+        // The most recent earlier news (the lists are oldest first), each cut.
+        let peers: Vec<_> = status
+            .earlier_rejections
+            .iter()
+            .map(|r| r.peer[..2].to_owned())
+            .collect();
+        assert_eq!(peers, (12..20).map(|i| i.to_string()).collect::<Vec<_>>());
+        assert!(
+            status
+                .earlier_rejections
+                .iter()
+                .all(|r| r.peer.len() == MAX_PEER && r.message.len() == MAX_TEXT && r.reasons.len() == MAX_REASONS)
+        );
+        let peers: Vec<_> = status
+            .earlier_failures
+            .iter()
+            .map(|f| f.peer.as_deref().map(|p| p[..2].to_owned()))
+            .collect();
+        assert_eq!(peers, (12..20).map(|i| Some(i.to_string())).collect::<Vec<_>>());
+        assert!(status.earlier_failures.iter().all(|f| f.message.len() == MAX_TEXT
+            && f.reasons.len() == MAX_REASONS
+            && f.peer.as_ref().is_some_and(|p| p.len() == MAX_PEER)));
         let r = status.last_rejection.expect("rejection");
         assert!(r.peer.len() == MAX_PEER && r.message.len() == MAX_TEXT);
         assert!(r.reasons.len() == MAX_REASONS && r.reasons.iter().all(|x| x.len() == MAX_REASON));

@@ -527,18 +527,19 @@ fn within(t: &Time, now: &Time, max_age: i64) -> bool {
 /// (one in the future kept a rejection, or an endpoint's heartbeat, current until then).
 pub const SKEW_SECONDS: i64 = 300;
 
-/// The endpoints (by name) whose `news` (a rejection, a failure) still `counts`, with that news.
-fn current_news<'a, T>(
+/// The endpoints (by name) some of whose `news` (rejections, failures: the last, then earlier
+/// ones of other peers) still `counts`, each with the newest such.
+fn current_news<'a, T: 'a, I: Iterator<Item = &'a T>>(
     endpoints: &[&'a PDEndpoint],
-    news: impl Fn(&'a pdpair_api::PDEndpointStatus) -> Option<&'a T>,
+    news: impl Fn(&'a pdpair_api::PDEndpointStatus) -> I,
     counts: impl Fn(&T, &pdpair_api::PDEndpointStatus) -> bool,
 ) -> Vec<(String, &'a T)> {
     endpoints
         .iter()
         .filter_map(|e| {
             let s = e.status.as_ref()?;
-            let n = news(s)?;
-            counts(n, s).then(|| (e.metadata.name.clone().unwrap_or_else(|| "?".into()), n))
+            let n = news(s).find(|n| counts(n, s))?;
+            Some((e.metadata.name.clone().unwrap_or_else(|| "?".into()), n))
         })
         .collect()
 }
@@ -644,13 +645,10 @@ pub fn changes_in(
                     .filter_map(|p| due(p.last_used.as_ref()?, RECENT_SECONDS))
             });
             let news = s.into_iter().flat_map(|s| {
-                [
-                    s.last_rejection.as_ref().map(|r| &r.time),
-                    s.last_failure.as_ref().map(|f| &f.time),
-                ]
-                .into_iter()
-                .flatten()
-                .filter_map(|t| due(t, RECENT_SECONDS - 1))
+                s.rejections()
+                    .map(|r| &r.time)
+                    .chain(s.failures().map(|f| &f.time))
+                    .filter_map(|t| due(t, RECENT_SECONDS - 1))
             });
             heard.into_iter().chain(paths).chain(news)
         })
@@ -894,14 +892,10 @@ fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
         return Cond::new(ct::TRANSFER_READY, "Unknown", reasons::NO_ENDPOINTS, msg);
     }
     let addresses = LiveAddresses::of(endpoints);
-    let rejected = current_news(
-        endpoints,
-        |s| s.last_rejection.as_ref(),
-        |r, s| {
-            let news = (&r.time, Some(r.peer.as_str()), r.resolved.as_ref());
-            news_stands(news, s.last_success.as_ref(), &addresses, now)
-        },
-    );
+    let rejected = current_news(endpoints, pdpair_api::PDEndpointStatus::rejections, |r, s| {
+        let news = (&r.time, Some(r.peer.as_str()), r.resolved.as_ref());
+        news_stands(news, s.last_success.as_ref(), &addresses, now)
+    });
     if let Some((who, r)) = rejected.first() {
         let msg = format!(
             "{} endpoint(s) rejected a handshake that still stands (its peer still registered with none transferred since, or no transfer at all since); {who}: peer {} [{}] {}",
@@ -912,14 +906,10 @@ fn transfer_condition(endpoints: &[&PDEndpoint], now: &Time) -> Cond {
         );
         return Cond::new(ct::TRANSFER_READY, "False", reasons::HANDSHAKE_REJECTED, msg);
     }
-    let failed = current_news(
-        endpoints,
-        |s| s.last_failure.as_ref(),
-        |f, s| {
-            let news = (&f.time, f.peer.as_deref(), f.resolved.as_ref());
-            news_stands(news, s.last_success.as_ref(), &addresses, now)
-        },
-    );
+    let failed = current_news(endpoints, pdpair_api::PDEndpointStatus::failures, |f, s| {
+        let news = (&f.time, f.peer.as_deref(), f.resolved.as_ref());
+        news_stands(news, s.last_success.as_ref(), &addresses, now)
+    });
     if let Some((who, f)) = failed.first() {
         let msg = format!(
             "{} endpoint(s) failed a KV transfer that still stands (with a peer still registered and none transferred with since, or no transfer at all since); {who}: [{}] {}",

@@ -19,7 +19,7 @@ use kube::{
 };
 use pdpair_api::{Failure, PDEndpoint, PDEndpointSpec, PDEndpointStatus, Rejection};
 
-use super::{Engine, EngineStats};
+use super::{Engine, EngineStats, SeenFailure, SeenRejection};
 
 const MANAGER: &str = "pdpair-agent";
 const HEARTBEAT: Duration = Duration::from_secs(30);
@@ -233,23 +233,27 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
     if entry.last.as_ref() == Some(&stats) && entry.at.elapsed() < HEARTBEAT {
         return Ok(());
     }
+    let rejection = |r: &SeenRejection| Rejection {
+        time: unix_time(r.at),
+        peer: r.peer.clone(),
+        reasons: crate::reason::names(&r.reasons),
+        message: r.message.clone(),
+        resolved: r.resolved.map(unix_time),
+    };
+    let failure = |f: &SeenFailure| Failure {
+        time: unix_time(f.at),
+        reasons: crate::reason::names(&f.reasons),
+        message: f.message.clone(),
+        peer: f.peer.clone(),
+        resolved: f.resolved.map(unix_time),
+    };
     let status = PDEndpointStatus {
         counters: stats.counters.clone(),
-        last_rejection: stats.last_rejection.as_ref().map(|r| Rejection {
-            time: unix_time(r.at),
-            peer: r.peer.clone(),
-            reasons: crate::reason::names(&r.reasons),
-            message: r.message.clone(),
-            resolved: r.resolved.map(unix_time),
-        }),
+        last_rejection: stats.last_rejection.as_ref().map(rejection),
         last_success: stats.last_success.map(unix_time),
-        last_failure: stats.last_failure.as_ref().map(|f| Failure {
-            time: unix_time(f.at),
-            reasons: crate::reason::names(&f.reasons),
-            message: f.message.clone(),
-            peer: f.peer.clone(),
-            resolved: f.resolved.map(unix_time),
-        }),
+        last_failure: stats.last_failure.as_ref().map(failure),
+        earlier_rejections: stats.earlier_rejections.iter().map(rejection).collect(),
+        earlier_failures: stats.earlier_failures.iter().map(failure).collect(),
         paths: stats.paths.clone(),
         last_heartbeat: Some(Time(Timestamp::now())),
         registered: Some(unix_time(stats.registered)),

@@ -333,6 +333,80 @@ fn news_of_a_peer_still_registered_stands_through_transfers_with_other_peers() {
 }
 
 #[test]
+fn earlier_news_of_a_peer_still_registered_stands_once_a_later_one_of_another_is_resolved() {
+    // Decode failed with p-2 (still failing), then with p-1, then transferred with p-1: with
+    // the last news alone TransferReady turned True while p-2 still failed each transfer.
+    let pair = pair();
+    let p1 = endpoint("p-1", Role::Prefill, &pair);
+    let mut p2 = endpoint("p-2", Role::Prefill, &pair);
+    p2.spec.address = "10.0.0.2:7000".into();
+    let mut d = endpoint("d-1", Role::Decode, &pair);
+    d.spec.address = "10.0.0.5".into();
+    let failure = |at: i64, peer: &str, reason: &str, resolved: Option<i64>| Failure {
+        time: t(at),
+        reasons: vec![reason.into()],
+        message: format!("with {peer}"),
+        peer: Some(peer.into()),
+        resolved: resolved.map(t),
+    };
+    let rejection = |at: i64, peer: &str, resolved: Option<i64>| Rejection {
+        time: t(at),
+        peer: peer.into(),
+        reasons: vec!["KernelBlockSizeMismatch".into()],
+        message: format!("by {peer}"),
+        resolved: resolved.map(t),
+    };
+    let ready_at = |now: i64, endpoints: Vec<&PDEndpoint>| {
+        let (s, _) = compute(
+            &pair,
+            &Observed {
+                endpoints,
+                ..Observed::default()
+            },
+            &t(now),
+        );
+        let c = cond(&s, ct::TRANSFER_READY).clone();
+        (c.status, c.reason, c.message)
+    };
+    d.status = Some(PDEndpointStatus {
+        last_success: Some(t(12)),
+        last_failure: Some(failure(11, "10.0.0.1:7000", "PeerLost", Some(12))),
+        earlier_failures: vec![failure(10, "10.0.0.2:7000", "ChecksumMismatch", None)],
+        ..Default::default()
+    });
+    let (status, reason, message) = ready_at(13, vec![&p1, &p2, &d]);
+    assert_eq!((status.as_str(), reason.as_str()), ("False", reasons::TRANSFER_FAILED));
+    assert!(
+        message.contains("ChecksumMismatch") && message.contains("with 10.0.0.2:7000"),
+        "{message}"
+    );
+    // Once p-2 is gone, decode's later transfer clears it, as for the last news.
+    assert_eq!(ready_at(13, vec![&p1, &d]).1, reasons::HEALTHY);
+    // Rejections alike: p-2's earlier one stands, p-1's last one resolved.
+    d.status = Some(PDEndpointStatus {
+        last_success: Some(t(12)),
+        last_rejection: Some(rejection(11, "10.0.0.1:7000", Some(12))),
+        earlier_rejections: vec![rejection(10, "10.0.0.2:7000", None)],
+        ..Default::default()
+    });
+    let (status, reason, message) = ready_at(13, vec![&p1, &p2, &d]);
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", reasons::HANDSHAKE_REJECTED)
+    );
+    assert!(message.contains("by 10.0.0.2:7000"), "{message}");
+    // The newest standing news is named: the last where it stands.
+    d.status = Some(PDEndpointStatus {
+        last_failure: Some(failure(11, "10.0.0.1:7000", "PeerLost", None)),
+        earlier_failures: vec![failure(10, "10.0.0.2:7000", "ChecksumMismatch", None)],
+        ..Default::default()
+    });
+    assert!(ready_at(13, vec![&p1, &p2, &d]).2.contains("with 10.0.0.1:7000"));
+    // Old news is no news, earlier or last.
+    assert_eq!(ready_at(11 + RECENT_SECONDS, vec![&p1, &p2, &d]).1, reasons::HEALTHY);
+}
+
+#[test]
 fn agent_rejections_and_failures_turn_transfer_ready_false_and_totals_add_up() {
     let mut pair = pair();
     let (s0, _) = compute(&pair, &Observed::default(), &t(0));
