@@ -751,11 +751,14 @@ async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
     assert_eq!(p["status"]["transfer"]["endpoints"], 1, "{p}");
     // And an agent's rejected handshake turns TransferReady False, with totals in status.
     // (A recent one, after the endpoint's last completed transfer: older news does not count.)
+    // An earlier one of another peer than the last's, which a transfer resolved, stands too.
     let now = k8s_openapi::jiff::Timestamp::now();
     let status = serde_json::json!({"status": {
-        "handshakesRejected": 1, "transfersCompleted": 3, "bytes": 4096,
+        "handshakesRejected": 2, "transfersCompleted": 3, "bytes": 4096,
         "lastSuccess": (now - k8s_openapi::jiff::SignedDuration::from_secs(60)).to_string(),
-        "lastRejection": {"time": now.to_string(), "peer": "127.0.0.1:7001", "reasons": ["Unauthenticated"], "message": "bad proof"}
+        "lastRejection": {"time": now.to_string(), "peer": "127.0.0.1:7002", "reasons": ["Unauthenticated"],
+            "message": "bad proof", "resolved": now.to_string()},
+        "earlierRejections": [{"time": now.to_string(), "peer": "127.0.0.1:7001", "reasons": ["Unauthenticated"], "message": "bad proof"}]
     }});
     endpoints
         .patch_status("decode-0", &PatchParams::default(), &Patch::Merge(&status))
@@ -885,6 +888,14 @@ async fn a_time_the_operator_could_not_read_is_refused_by_the_api_server() {
         (
             "lastRejection.time",
             serde_json::json!({"lastRejection": {"time": bad, "peer": "p", "reasons": ["Unauthenticated"], "message": "m"}}),
+        ),
+        (
+            "earlierFailures.time",
+            serde_json::json!({"earlierFailures": [{"time": bad, "reasons": ["TransportFailed"], "message": "m"}]}),
+        ),
+        (
+            "earlierRejections.time",
+            serde_json::json!({"earlierRejections": [{"time": bad, "peer": "p", "reasons": ["Unauthenticated"], "message": "m"}]}),
         ),
     ] {
         let e = endpoints
