@@ -59,11 +59,14 @@ pub enum Reason {
     /// `transfer.handshakeTimeout` or `transfer.leaseDuration` outside what the node agent
     /// takes (1 ms to 1 h): its engines could never register.
     InvalidTransfer,
+    /// A pool's `rollout` that no Deployment takes: a negative count, or `maxSurge` and
+    /// `maxUnavailable` both 0.
+    InvalidRollout,
 }
 
 impl Reason {
     /// Every reason, in rule-table order.
-    pub const ALL: [Reason; 18] = [
+    pub const ALL: [Reason; 19] = [
         Reason::InvalidReplicas,
         Reason::InvalidBlockSize,
         Reason::InvalidParallelism,
@@ -82,6 +85,7 @@ impl Reason {
         Reason::HeterogeneousBlockSizeWithPrefillTpGreater,
         Reason::ConnectorUnsupported,
         Reason::InvalidTransfer,
+        Reason::InvalidRollout,
     ];
 
     /// The PascalCase name.
@@ -105,6 +109,7 @@ impl Reason {
             Reason::HeterogeneousBlockSizeWithPrefillTpGreater => "HeterogeneousBlockSizeWithPrefillTpGreater",
             Reason::ConnectorUnsupported => "ConnectorUnsupported",
             Reason::InvalidTransfer => "InvalidTransfer",
+            Reason::InvalidRollout => "InvalidRollout",
         }
     }
 
@@ -221,6 +226,20 @@ pub fn check(spec: &PDPairSpec) -> Verdict {
         if pool.replicas < 0 {
             let msg = format!("{role} replicas is {}; it must be 0 or more", pool.replicas);
             out.push(Reason::InvalidReplicas, role, "replicas", msg);
+        }
+        if let Some(r) = &pool.rollout {
+            for (field, value) in [("maxSurge", r.max_surge), ("maxUnavailable", r.max_unavailable)] {
+                if let Some(v) = value.filter(|v| *v < 0) {
+                    let msg = format!("{role} rollout.{field} is {v}; it must be 0 or more");
+                    out.push(Reason::InvalidRollout, role, &format!("rollout.{field}"), msg);
+                }
+            }
+            if r.max_surge == Some(0) && r.max_unavailable == Some(0) {
+                let msg = format!(
+                    "{role} rollout.maxSurge and rollout.maxUnavailable are both 0: no pod could be replaced (set maxUnavailable 1 to replace one at a time with no pod above replicas)"
+                );
+                out.push(Reason::InvalidRollout, role, "rollout.maxUnavailable", msg);
+            }
         }
         if spec.transfer.connector == crate::Connector::Pdpair && pool.kv.engine != "vllm" {
             let msg = format!(

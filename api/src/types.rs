@@ -193,6 +193,12 @@ pub struct PoolSpec {
     pub template: Option<PodTemplateSpec>,
     /// The KV cache geometry the engine runs with.
     pub kv: KvGeometry,
+    /// How the pool's Deployment replaces its pods when the template changes (with a
+    /// template only). Absent: Kubernetes' defaults (a quarter of the replicas, at least one
+    /// pod, made above `replicas` first), which on nodes with no GPU to spare leave the new pod
+    /// Pending and the rollout stalled: there set `maxSurge: 0` and `maxUnavailable: 1`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<Rollout>,
     /// Why the stored `template` is not a pod template (`template` is then `None`): the CRD
     /// keeps templates whole and unchecked, so one stored past the webhook (a namespace opted
     /// out, the webhook down with `failurePolicy: Ignore`) may not parse. Read as the object's
@@ -234,6 +240,29 @@ struct StoredPoolSpec {
     template: Option<serde_json::Value>,
     /// The KV cache geometry the engine runs with.
     kv: KvGeometry,
+    /// How the pool's Deployment replaces its pods when the template changes (with a
+    /// template only). Absent: Kubernetes' defaults (a quarter of the replicas, at least one
+    /// pod, made above `replicas` first), which on nodes with no GPU to spare leave the new pod
+    /// Pending and the rollout stalled: there set `maxSurge: 0` and `maxUnavailable: 1`.
+    #[serde(default)]
+    rollout: Option<Rollout>,
+}
+
+/// How a pool's Deployment replaces its pods (its `RollingUpdate` strategy), in pods.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Rollout {
+    /// Pods made above `replicas` while the old ones are replaced (the Deployment's
+    /// `maxSurge`); absent: Kubernetes' default, a quarter of the replicas rounded up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub max_surge: Option<i32>,
+    /// Pods that may be unavailable while they are replaced (the Deployment's
+    /// `maxUnavailable`); absent: Kubernetes' default, a quarter of the replicas rounded down.
+    /// Not 0 where `maxSurge` is 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub max_unavailable: Option<i32>,
 }
 
 impl From<StoredPoolSpec> for PoolSpec {
@@ -250,6 +279,7 @@ impl From<StoredPoolSpec> for PoolSpec {
             parallelism: s.parallelism,
             template,
             kv: s.kv,
+            rollout: s.rollout,
             template_error,
         }
     }

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::{
     api::{
-        apps::v1::{Deployment, DeploymentSpec},
+        apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment},
         core::v1::{
             Container, EnvVar, EnvVarSource, HostPathVolumeSource, ObjectFieldSelector, PodTemplateSpec, Secret,
             SecretVolumeSource, Volume, VolumeMount,
@@ -100,10 +100,24 @@ pub fn deployment(pair: &PDPair, role: Role, wiring: &Wiring) -> Option<Deployme
                 ..LabelSelector::default()
             },
             template: engine_template(pair, (name, uid), role, template, labels, wiring),
+            strategy: pool.rollout.as_ref().map(strategy),
             ..DeploymentSpec::default()
         }),
         status: None,
     })
+}
+
+/// A pool's `rollout` as its Deployment's `RollingUpdate` strategy (what it leaves out,
+/// Kubernetes defaults).
+fn strategy(rollout: &pdpair_api::Rollout) -> DeploymentStrategy {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    DeploymentStrategy {
+        type_: Some("RollingUpdate".to_owned()),
+        rolling_update: Some(RollingUpdateDeployment {
+            max_surge: rollout.max_surge.map(IntOrString::Int),
+            max_unavailable: rollout.max_unavailable.map(IntOrString::Int),
+        }),
+    }
 }
 
 /// The user's template with what the engine needs to reach its node agent added.

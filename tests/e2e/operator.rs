@@ -277,6 +277,44 @@ async fn pods_of_an_earlier_geometry_do_not_keep_a_rolling_pool_ready() {
 }
 
 #[test]
+fn a_pools_rollout_is_its_deployments_strategy_and_both_counts_zero_are_refused() {
+    operator();
+    let ns = namespace("rollout");
+    let with = |rollout: Option<(i32, i32)>| {
+        manifest("compatible-push.yaml", &ns, |v| {
+            if let Some((surge, unavailable)) = rollout {
+                v["spec"]["decode"]["rollout"]["maxSurge"] = surge.into();
+                v["spec"]["decode"]["rollout"]["maxUnavailable"] = unavailable.into();
+            }
+        })
+    };
+    // Both 0: no pod could be replaced; refused at admission, naming the field.
+    let out = kubectl(&["apply", "-f", "-"], Some(&with(Some((0, 0)))));
+    assert_ne!(out.code, 0);
+    assert!(
+        out.stderr.contains("InvalidRollout") && out.stderr.contains("spec.decode.rollout.maxUnavailable"),
+        "{}",
+        out.stderr
+    );
+    // One pod at a time, none above replicas (nodes with no GPU to spare).
+    kubectl_ok(&["apply", "-f", "-"], Some(&with(Some((0, 1)))));
+    let rolling = |role: &str| {
+        get_json("deployment", &ns, &format!("llama-8b-{role}")).map(|d| d["spec"]["strategy"]["rollingUpdate"].clone())
+    };
+    let decode = eventually(WAIT, "decode's strategy", || {
+        rolling("decode").filter(|r| r["maxSurge"] == 0)
+    });
+    assert_eq!(decode["maxUnavailable"], 1, "{decode}");
+    let prefill = eventually(WAIT, "prefill's Deployment", || rolling("prefill"));
+    assert_eq!(prefill["maxSurge"], "25%", "Kubernetes' default: {prefill}");
+    // Left out again: the operator gives the field up, and Kubernetes' default is back.
+    kubectl_ok(&["apply", "-f", "-"], Some(&with(None)));
+    eventually(WAIT, "decode's default strategy", || {
+        rolling("decode").filter(|r| r["maxSurge"] == "25%" && r["maxUnavailable"] == "25%")
+    });
+}
+
+#[test]
 fn update_to_incompatible_geometry_is_rejected_and_the_stored_object_is_unchanged() {
     operator();
     let ns = namespace("update");

@@ -3,7 +3,7 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::{CacheDtype, ModelDtype, PoolSpec, TransferSpec};
+use crate::{CacheDtype, ModelDtype, PoolSpec, Rollout, TransferSpec};
 
 fn kv(block: i32, kernel: Option<i32>) -> KvGeometry {
     KvGeometry {
@@ -31,6 +31,7 @@ fn pool(kv: KvGeometry) -> PoolSpec {
         parallelism: Parallelism::default(),
         template: None,
         kv,
+        rollout: None,
         template_error: None,
     }
 }
@@ -179,6 +180,34 @@ fn invalid_replicas() {
     admits(&spec);
     spec.decode.replicas = -1;
     rejects(&spec, Reason::InvalidReplicas, "spec.decode.replicas", &["-1"]);
+}
+
+#[test]
+fn invalid_rollout() {
+    let mut spec = push();
+    // One pod at a time, none above replicas: what nodes with no GPU to spare need.
+    spec.decode.rollout = Some(Rollout {
+        max_surge: Some(0),
+        max_unavailable: Some(1),
+    });
+    admits(&spec);
+    spec.decode.rollout = Some(Rollout {
+        max_surge: Some(0),
+        max_unavailable: Some(0),
+    });
+    rejects(
+        &spec,
+        Reason::InvalidRollout,
+        "spec.decode.rollout.maxUnavailable",
+        &["both 0"],
+    );
+    spec.decode.rollout = Some(Rollout {
+        max_surge: Some(-2),
+        max_unavailable: None,
+    });
+    rejects(&spec, Reason::InvalidRollout, "spec.decode.rollout.maxSurge", &["-2"]);
+    spec.decode.rollout = Some(Rollout::default());
+    admits(&spec);
 }
 
 #[test]
@@ -798,6 +827,7 @@ fn any_spec() -> impl Strategy<Value = PDPairSpec> {
                 parallelism: pp,
                 template: None,
                 kv: pk,
+                rollout: None,
                 template_error: None,
             },
             decode: PoolSpec {
@@ -805,6 +835,7 @@ fn any_spec() -> impl Strategy<Value = PDPairSpec> {
                 parallelism: dp,
                 template: None,
                 kv: dk,
+                rollout: None,
                 template_error: None,
             },
         })

@@ -188,6 +188,39 @@ fn planning_twice_is_identical_and_wiring_is_not_duplicated() {
 }
 
 #[test]
+fn a_pools_rollout_is_its_deployments_rolling_update_and_absent_kubernetes_defaults() {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    let mut pair = pair();
+    let strategy = |pair: &PDPair, role| {
+        deployment(pair, role, &Wiring::default())
+            .and_then(|d| d.spec)
+            .and_then(|s| s.strategy)
+    };
+    assert_eq!(strategy(&pair, Role::Decode), None, "Kubernetes' defaults");
+    pair.spec.decode.rollout = Some(pdpair_api::Rollout {
+        max_surge: Some(0),
+        max_unavailable: Some(1),
+    });
+    let s = strategy(&pair, Role::Decode).expect("a strategy");
+    assert_eq!(s.type_.as_deref(), Some("RollingUpdate"));
+    let r = s.rolling_update.expect("rolling update");
+    assert_eq!(
+        (r.max_surge, r.max_unavailable),
+        (Some(IntOrString::Int(0)), Some(IntOrString::Int(1)))
+    );
+    assert_eq!(strategy(&pair, Role::Prefill), None, "each pool its own");
+    // One left out stays Kubernetes' default.
+    pair.spec.decode.rollout = Some(pdpair_api::Rollout {
+        max_surge: None,
+        max_unavailable: Some(2),
+    });
+    let r = strategy(&pair, Role::Decode)
+        .and_then(|s| s.rolling_update)
+        .expect("rolling update");
+    assert_eq!((r.max_surge, r.max_unavailable), (None, Some(IntOrString::Int(2))));
+}
+
+#[test]
 fn bring_your_own_pool_has_no_deployment() {
     let mut pair = pair();
     pair.spec.prefill.template = None;
