@@ -174,12 +174,16 @@ def test_prefill_holds_its_blocks_and_names_every_rank_in_order():
 def test_prefill_hands_decode_the_longest_its_ranks_hold_an_offered_request():
     s = SchedulerState(16, tensor=2)
     s.learn_ranks({0: "10.0.0.1:7000", 1: "10.0.0.2:7000"})
-    s.learn_hold([330.0, 300.0])
+    s.learn_holds({0: 300.0, 1: 330.0})
     out = s.finished("r", {"do_remote_decode": True}, True, [4, 5, 6, 9], 50, "eng")[1]
     assert out[PARAM_HOLD] == 330.0 and check_params(out) is not None
     # A rank's agent that did not say (before Registered.hold_ms): none is handed on, and
     # decode renews for as long as it queues the request, as before.
-    s.learn_hold([330.0, None])
+    # A rank that registered with a restarted agent, the PDPair's lease raised meanwhile: D is
+    # handed its new hold.
+    s.learn_holds({0: 660.0})
+    assert s.finished("n", {"do_remote_decode": True}, True, [4], 10, "eng")[1][PARAM_HOLD] == 660.0
+    s.learn_holds({1: None})
     assert PARAM_HOLD not in s.finished("q", {"do_remote_decode": True}, True, [4], 10, "eng")[1]
 
 
@@ -189,23 +193,23 @@ def test_decode_renews_a_queued_request_no_longer_than_prefill_holds_it():
     # long sent one a second to P's agent for as long as it waited.
     s = SchedulerState(16, renew_interval_s=0.01)
     prompt = Prompt(list(range(50)))
-    s.arrived("held", params(**{PARAM_REQUEST: "held", PARAM_HOLD: 0.15}), 50, prompt)
+    s.arrived("held", params(**{PARAM_REQUEST: "held", PARAM_HOLD: 0.6}), 50, prompt)
     s.arrived("unsaid", params(**{PARAM_REQUEST: "unsaid"}), 50, prompt)
     # Queued when first matched (a vLLM that does not call on_new_request): the same.
-    assert s.matched_tokens("matched", params(**{PARAM_REQUEST: "matched", PARAM_HOLD: 0.15}), 50, 0,
+    assert s.matched_tokens("matched", params(**{PARAM_REQUEST: "matched", PARAM_HOLD: 0.6}), 50, 0,
                             prompt) == (50, True)
     started = time.monotonic()
     early, late = [], []
-    while time.monotonic() - started < 0.4:
+    while time.monotonic() - started < 1.2:
         time.sleep(0.02)
-        (early if time.monotonic() - started < 0.12 else late).extend(
+        (early if time.monotonic() - started < 0.4 else late).extend(
             r.agent_request for r in s.plan().renews)
-        if 0.12 <= time.monotonic() - started < 0.2:
+        if 0.4 <= time.monotonic() - started < 0.8:
             late.clear()  # about the hold's end: either way
     assert {"held", "matched", "unsaid"} <= set(early), early
     assert late and set(late) == {"unsaid"}, late
     # Still queued: allocated, it is asked for as any other.
-    s.after_alloc("held", params(**{PARAM_REQUEST: "held", PARAM_HOLD: 0.15}), [1, 2, 3, 4], 50, 50, prompt)
+    s.after_alloc("held", params(**{PARAM_REQUEST: "held", PARAM_HOLD: 0.6}), [1, 2, 3, 4], 50, 50, prompt)
     assert [r.agent_request for r in s.plan().recvs] == ["held"]
 
 
@@ -357,6 +361,7 @@ class _Client:
         self.closed = None
         self.refuse = False
         self.address = "10.0.0.1:7000"
+        self.hold_s = None
 
     def release(self, request, prefill, **kw):
         self.calls.append(("release", request))
@@ -676,7 +681,7 @@ def test_a_lost_agent_is_registered_with_again_once_its_transfers_ended_backing_
     monkeypatch.setattr(transfer, "RECONNECT_FIRST_S", 0.05)
     monkeypatch.setattr(transfer, "LOST_GRACE_S", 0.0)
     old, new = _Client(), _Client()
-    new.address = "10.0.0.1:7001"
+    new.address, new.hold_s = "10.0.0.1:7001", 330.0
     first, new_stager = _Held(), _Held()
     tries = []
 
@@ -702,7 +707,7 @@ def test_a_lost_agent_is_registered_with_again_once_its_transfers_ended_backing_
     assert tries[1] - tries[0] >= 0.09 and tries[2] - tries[1] >= 0.18, "waits twice as long after each failure"
     assert w.client is new and w.stager is new_stager and w.lost is None
     assert ("close", None) in old.calls
-    assert w.take_new_address() == "10.0.0.1:7001" and w.take_new_address() is None, "told once"
+    assert w.take_news() == ("10.0.0.1:7001", 330.0) and w.take_news() is None, "told once"
     assert "cannot register with its agent again yet (try 1" in caplog.text
     assert "registered with its agent again (now at 10.0.0.1:7001)" in caplog.text
     w.start(Plan(recvs=[_recv("r2", [2])]))

@@ -484,6 +484,10 @@ def test_a_vllm_whose_scheduler_source_cannot_be_read_is_answered_as_measured_fo
 
     release = c._vllm_release()
     assert release == (0, 33), release
+    # Releases only: a development or pre-release build may hold later scheduler changes.
+    assert [c._release_of(v) for v in ("0.33.0", "0.33.1+cu129", "0.33.2.post1", "0.34.0+cpu")] == [
+        (0, 33), (0, 33), (0, 33), (0, 34)]
+    assert [c._release_of(v) for v in ("0.33.1.dev5+g1234abc", "0.34.0rc1", "0.33", "x")] == [None] * 4
     read = answers()
     # The table says what this vLLM's own source says.
     assert read == tuple(c.MEASURED_SCHEDULERS[release][q] for q in questions) == (True, False)
@@ -720,6 +724,7 @@ def test_engines_register_again_with_restarted_agents_and_their_kv_moves_again(w
         assert d.outcome("bridge") == "RequestFailed", d.outcome("bridge")
         params = prefill(p, "after", list(range(5000, 5040)))
         assert params["pdpair_prefill_ranks"] == after, "D is told the new address"
+        assert params[PARAM_HOLD] == 330.0, "and each rank's hold, as its agent says again"
         taken.close()
         assert decode_receives(p, d, "after", list(range(5000, 5040)), params) == [P_SEED] * 40
         assert d.outcome("after") == "RequestDone"

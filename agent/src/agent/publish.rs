@@ -233,32 +233,7 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
     if entry.last.as_ref() == Some(&stats) && entry.at.elapsed() < HEARTBEAT {
         return Ok(());
     }
-    let rejection = |r: &SeenRejection| Rejection {
-        time: unix_time(r.at),
-        peer: r.peer.clone(),
-        reasons: crate::reason::names(&r.reasons),
-        message: r.message.clone(),
-        resolved: r.resolved.map(unix_time),
-    };
-    let failure = |f: &SeenFailure| Failure {
-        time: unix_time(f.at),
-        reasons: crate::reason::names(&f.reasons),
-        message: f.message.clone(),
-        peer: f.peer.clone(),
-        resolved: f.resolved.map(unix_time),
-    };
-    let status = PDEndpointStatus {
-        counters: stats.counters.clone(),
-        last_rejection: stats.last_rejection.as_ref().map(rejection),
-        last_success: stats.last_success.map(unix_time),
-        last_failure: stats.last_failure.as_ref().map(failure),
-        earlier_rejections: stats.earlier_rejections.iter().map(rejection).collect(),
-        earlier_failures: stats.earlier_failures.iter().map(failure).collect(),
-        paths: stats.paths.clone(),
-        last_heartbeat: Some(Time(Timestamp::now())),
-        registered: Some(unix_time(stats.registered)),
-    }
-    .bounded();
+    let status = status_of(&stats);
     let body = serde_json::json!({ "apiVersion": "pdpair.dev/v1alpha1", "kind": "PDEndpoint", "status": status });
     if let Err(e) = api
         .patch_status(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&body))
@@ -282,9 +257,85 @@ fn unix_time(at: i64) -> Time {
     Time(Timestamp::from_second(at).unwrap_or(Timestamp::UNIX_EPOCH))
 }
 
+/// The PDEndpoint status of what an engine's agent observed (cut to what the CRD takes).
+fn status_of(stats: &EngineStats) -> PDEndpointStatus {
+    let rejection = |r: &SeenRejection| Rejection {
+        time: unix_time(r.at),
+        peer: r.peer.clone(),
+        reasons: crate::reason::names(&r.reasons),
+        message: r.message.clone(),
+        resolved: r.resolved.map(unix_time),
+    };
+    let failure = |f: &SeenFailure| Failure {
+        time: unix_time(f.at),
+        reasons: crate::reason::names(&f.reasons),
+        message: f.message.clone(),
+        peer: f.peer.clone(),
+        resolved: f.resolved.map(unix_time),
+    };
+    PDEndpointStatus {
+        counters: stats.counters.clone(),
+        last_rejection: stats.last_rejection.as_ref().map(rejection),
+        last_success: stats.last_success.map(unix_time),
+        last_failure: stats.last_failure.as_ref().map(failure),
+        earlier_rejections: stats.earlier_rejections.iter().map(rejection).collect(),
+        earlier_failures: stats.earlier_failures.iter().map(failure).collect(),
+        paths: stats.paths.clone(),
+        last_heartbeat: Some(Time(Timestamp::now())),
+        registered: Some(unix_time(stats.registered)),
+    }
+    .bounded()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_engines_earlier_news_is_published_beside_its_last() {
+        use crate::reason::Reason;
+        let failure = |at: i64, peer: &str| SeenFailure {
+            at,
+            reasons: vec![Reason::ChecksumMismatch],
+            message: format!("with {peer}"),
+            peer: Some(peer.to_owned()),
+            resolved: None,
+        };
+        let rejection = |at: i64, peer: &str| SeenRejection {
+            at,
+            peer: peer.to_owned(),
+            reasons: vec![Reason::Unauthenticated],
+            message: format!("by {peer}"),
+            resolved: Some(at + 1),
+        };
+        let stats = EngineStats {
+            last_failure: Some(failure(20, "10.0.0.1:7000")),
+            earlier_failures: vec![failure(10, "10.0.0.2:7000"), failure(11, "10.0.0.3:7000")],
+            last_rejection: Some(rejection(21, "10.0.0.4:7000")),
+            earlier_rejections: vec![rejection(12, "10.0.0.5:7000")],
+            ..EngineStats::default()
+        };
+        let status = status_of(&stats);
+        let failures: Vec<_> = status
+            .failures()
+            .map(|f| (f.time.0.as_second(), f.peer.clone(), f.reasons.clone()))
+            .collect();
+        let named = |peer: &str| Some(peer.to_owned());
+        assert_eq!(
+            failures,
+            [
+                (20, named("10.0.0.1:7000"), vec!["ChecksumMismatch".to_owned()]),
+                (11, named("10.0.0.3:7000"), vec!["ChecksumMismatch".to_owned()]),
+                (10, named("10.0.0.2:7000"), vec!["ChecksumMismatch".to_owned()]),
+            ],
+            "the last, then the earlier ones newest first"
+        );
+        let rejections: Vec<_> = status
+            .rejections()
+            .map(|r| (r.peer.as_str(), r.resolved.as_ref().map(|t| t.0.as_second())))
+            .collect();
+        assert_eq!(rejections, [("10.0.0.4:7000", Some(22)), ("10.0.0.5:7000", Some(13))]);
+    }
 
     #[test]
     fn endpoint_names_are_dns_subdomains_and_one_to_one() {

@@ -1482,6 +1482,19 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
     assert_eq!(
         changes_in(&pair, &[&p], &[], &t(1790)),
         Some(Duration::from_secs(995 + RECENT_SECONDS as u64 - 1790)),
+    ); // An earlier failure of another peer, which leaves its window first.
+    if let Some(s) = p.status.as_mut() {
+        s.earlier_failures = vec![Failure {
+            time: t(992),
+            reasons: vec!["PeerLost".into()],
+            message: String::new(),
+            peer: Some("10.0.0.9:7000".into()),
+            resolved: None,
+        }];
+    }
+    assert_eq!(
+        changes_in(&pair, &[&p], &[], &t(1790)),
+        Some(Duration::from_secs(992 + RECENT_SECONDS as u64 - 1790)),
     );
 }
 

@@ -73,15 +73,22 @@ MEASURED_SCHEDULERS: Dict[Tuple[int, int], Dict[str, bool]] = {
 
 
 def _vllm_release() -> Optional[Tuple[int, int]]:
-    """The installed vLLM's major and minor release (``0.33.0+cu129`` -> ``(0, 33)``), or
-    ``None`` where it cannot be told."""
+    """The installed vLLM's major and minor release where it is one (``0.33.0`` or
+    ``0.33.1+cu129`` -> ``(0, 33)``); ``None`` where it cannot be told or is a development or
+    pre-release build (``0.33.1.dev5+g1234abc``, ``0.34.0rc1``), which may hold later
+    scheduler changes than the release measured."""
     try:
         from importlib.metadata import version
 
         text = version("vllm")
     except Exception:  # noqa: BLE001 - any failure means "cannot tell"
         return None
-    m = re.match(r"(\d+)\.(\d+)(?:\D|$)", text)
+    return _release_of(text)
+
+
+def _release_of(text: str) -> Optional[Tuple[int, int]]:
+    """:func:`_vllm_release` of version ``text``."""
+    m = re.fullmatch(r"(\d+)\.(\d+)\.\d+(?:\.post\d+)?(?:\+cu\d+|\+cpu)?", text)
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
@@ -154,14 +161,17 @@ class PdpairHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 
 class PdpairWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler after a step: ranks whose agent address changed (a rank registered
-    with a restarted agent, which listens at a new address), which D must be told from now on."""
+    """Worker -> scheduler after a step: ranks whose agent address or hold changed (a rank
+    registered with a restarted agent, which listens at a new address and holds an offered
+    request's blocks as the PDPair's lease now says), which D must be told from now on."""
 
-    def __init__(self, addresses: Dict[int, str]):
+    def __init__(self, addresses: Dict[int, str], holds: Optional[Dict[int, Optional[float]]] = None):
         self.addresses = dict(addresses)
+        self.holds = dict(holds or {})
 
     def aggregate(self, other: "PdpairWorkerMetadata") -> "PdpairWorkerMetadata":
-        return PdpairWorkerMetadata({**self.addresses, **getattr(other, "addresses", {})})
+        return PdpairWorkerMetadata({**self.addresses, **getattr(other, "addresses", {})},
+                                    {**self.holds, **getattr(other, "holds", {})})
 
 
 def _extra(vllm_config) -> dict:
@@ -351,12 +361,13 @@ class PdpairConnector(KVConnectorBase_V1):
             log.warning("pdpair: prefill ranks %s are at new agent addresses %s from now on",
                         sorted(meta.addresses), [meta.addresses[r] for r in sorted(meta.addresses)])
             self._sched.learn_ranks(meta.addresses)
+            self._sched.learn_holds(getattr(meta, "holds", {}))
 
     def set_xfer_handshake_metadata(self, metadata) -> None:
         assert self._sched is not None
         ours = {int(rank): m for rank, m in metadata.items() if isinstance(m, PdpairHandshakeMetadata)}
         self._sched.learn_ranks({rank: m.address for rank, m in ours.items() if m.address})
-        self._sched.learn_hold(getattr(m, "hold_s", None) for m in ours.values() if m.address)
+        self._sched.learn_holds({rank: getattr(m, "hold_s", None) for rank, m in ours.items() if m.address})
 
     def request_finished(self, request: "Request", block_ids) -> Tuple[bool, Optional[dict]]:
         assert self._sched is not None
@@ -614,10 +625,11 @@ class PdpairConnector(KVConnectorBase_V1):
         return PdpairHandshakeMetadata(self._client.address, self._client.hold_s)
 
     def build_connector_worker_meta(self):
-        address = self._worker.take_new_address() if self._worker is not None else None
-        if not address:
+        news = self._worker.take_news() if self._worker is not None else None
+        if not news or not news[0]:
             return None
-        return PdpairWorkerMetadata({self._worker.rank: address})
+        address, hold = news
+        return PdpairWorkerMetadata({self._worker.rank: address}, {self._worker.rank: hold})
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -53,8 +53,9 @@ PARAM_TOKENS = "pdpair_num_tokens"
 PARAM_RELEASE = "pdpair_release_token"
 #: The longest P holds the request's blocks after offering them, renewals included, in seconds
 #: (its agent's ``Registered.hold_ms``): D renews a request it queues no longer than that after
-#: it arrived (P offered it before), past which a renewal holds nothing. Absent where P's agent
-#: did not say: D renews for as long as it queues the request.
+#: it arrived, past which a renewal holds nothing (P takes renewals for a lease less after its
+#: ``KvReady``, which P's worker sends a step after the params went out: a lease of margin).
+#: Absent where P's agent did not say: D renews for as long as it queues the request.
 PARAM_HOLD = "pdpair_hold_s"
 #: The longest hold a client's params may name (about 31 years).
 MAX_HOLD_S = 1e9
@@ -308,18 +309,22 @@ class SchedulerState:
         #: included (seconds; the ranks' longest), handed to D in the params; ``None`` where
         #: the agents did not say.
         self.hold_s: Optional[float] = None
+        #: P: each rank's hold (seconds; ``None`` where its agent did not say).
+        self._holds: Dict[int, Optional[float]] = {}
 
     def learn_ranks(self, ranks: Dict[int, str]) -> None:
         """P: worker ranks' agent addresses (at startup, and again when a rank reconnected to a
         restarted agent, which listens at a new address)."""
         self.prefill_ranks.update(ranks)
 
-    def learn_hold(self, holds: Iterable[Optional[float]]) -> None:
-        """P: how long the worker ranks' agents hold an offered request's blocks
-        (``Registered.hold_ms``), at startup: the longest is handed to D, so D renews for as
-        long as any rank would take it; none where a rank's agent did not say."""
-        holds = list(holds)
-        self.hold_s = max(holds) if holds and all(h is not None and h > 0 for h in holds) else None
+    def learn_holds(self, holds: Dict[int, Optional[float]]) -> None:
+        """P: how long worker ranks' agents hold an offered request's blocks
+        (``Registered.hold_ms``, seconds; at startup, and again when a rank reconnected): the
+        longest of the ranks' is handed to D, so D renews for as long as any rank would take it;
+        none where a rank's agent did not say."""
+        self._holds.update(holds)
+        known = [self._holds.get(rank) for rank in self.prefill_ranks]
+        self.hold_s = max(known) if known and all(h is not None and h > 0 for h in known) else None
 
     # --- D --------------------------------------------------------------------------------------
 
@@ -677,9 +682,11 @@ class WorkerState:
         self._stale: Set[str] = set()
         #: Times this rank registered with its agent again after losing it.
         self.reconnections = 0
-        #: P: this rank's new agent address after it reconnected (a restarted agent listens at
-        #: another one), until the scheduler is told (:meth:`take_new_address`).
-        self._new_address: Optional[str] = None
+        #: P: this rank's agent address and hold (``Registered.hold_ms``, seconds) after it
+        #: reconnected where either changed (a restarted agent listens at another address, and
+        #: takes the PDPair's lease as it is now), until the scheduler is told
+        #: (:meth:`take_news`).
+        self._news: Optional[Tuple[str, Optional[float]]] = None
         # agent request id -> ("send" | "recv" | "cancel" | "release", vLLM id, Recv or None)
         self._open: Dict[str, Tuple[str, str, Optional[Recv]]] = {}
         #: When each receive or release now open was sent (agent request id -> monotonic time;
@@ -985,18 +992,19 @@ class WorkerState:
             self.lost, self._lost_at = None, 0.0
             self.reconnections += 1
             old.close()
-            if client.address != old.address:
-                self._new_address = client.address
+            if client.address != old.address or client.hold_s != old.hold_s:
+                self._news = (client.address, client.hold_s)
             log.warning("pdpair: rank %d registered with its agent again%s; its KV moves again", self.rank,
                         f" (now at {client.address})" if client.address else "")
             if client.closed is not None:  # ended before it was watched
                 self._begin_reconnect()
 
     @_locked
-    def take_new_address(self) -> Optional[str]:
-        """P: this rank's agent address, once after it changed (the scheduler hands it to D)."""
-        address, self._new_address = self._new_address, None
-        return address
+    def take_news(self) -> Optional[Tuple[str, Optional[float]]]:
+        """P: this rank's agent address and hold, once after either changed (the scheduler hands
+        them to D)."""
+        news, self._news = self._news, None
+        return news
 
     def close(self) -> None:
         """The engine shuts down: the connection is closed and no reconnection is taken."""
