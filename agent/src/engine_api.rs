@@ -372,6 +372,13 @@ pub struct PoolRegistration {
     /// The engine's tensor-parallel rank (each rank registers as its own engine).
     #[serde(default)]
     pub tensor_rank: u32,
+    /// The engine instance this rank is one of: every tensor-parallel rank of one engine names
+    /// the same, and no other engine of its Pod does (the vLLM connector: `<pod>-<engine_id>`,
+    /// each data-parallel rank its own). Published in the PDEndpoint (`spec.instance`), so the
+    /// operator tells which engine of a Pod is short of a rank. At most [`MAX_ENGINE_NAME`]
+    /// bytes. Absent: the Pod's ranks are counted together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
     /// Where each layer's K and V blocks are in a one-region pool (absent: `KvFirst`, a K array
     /// then a V array, or `Latent` for an MLA cache; `BlocksFirst`: each block's K then its V, as
     /// FlashInfer lays out its cache). With `regions`, each region says its own.
@@ -797,10 +804,13 @@ impl PoolRegistration {
     /// (the API server refuses more).
     pub fn check_names(&self) -> Result<(), String> {
         for (field, value, max) in [
-            ("engine", &self.engine, MAX_ENGINE_NAME),
-            ("pdpair", &self.pdpair, MAX_PDPAIR_NAME),
+            ("engine", Some(&self.engine), MAX_ENGINE_NAME),
+            ("pdpair", Some(&self.pdpair), MAX_PDPAIR_NAME),
+            ("instance", self.instance.as_ref(), MAX_ENGINE_NAME),
         ] {
-            if value.is_empty() || value.len() > max {
+            if let Some(value) = value
+                && (value.is_empty() || value.len() > max)
+            {
                 return Err(format!("{field} is {} bytes; 1..={max} are accepted", value.len()));
             }
         }
@@ -1177,6 +1187,17 @@ mod tests {
             r.check_names(),
             Err("kv.engineVersion is 254 characters; at most 253".into())
         );
+        r.kv.engine_version = None;
+        // The engine instance, where given (the PDEndpoint takes 253 characters).
+        r.instance = Some("i".repeat(MAX_ENGINE_NAME));
+        assert_eq!(r.check_names(), Ok(()));
+        r.instance = Some("i".repeat(MAX_ENGINE_NAME + 1));
+        assert_eq!(
+            r.check_names(),
+            Err("instance is 254 bytes; 1..=253 are accepted".into())
+        );
+        r.instance = Some(String::new());
+        assert_eq!(r.check_names(), Err("instance is 0 bytes; 1..=253 are accepted".into()));
     }
 
     #[test]

@@ -228,6 +228,7 @@ impl SyntheticEngine {
             memory_path: None,
             num_blocks: spec.num_blocks,
             tensor_rank: spec.tensor_rank,
+            instance: None,
             kv_arrangement: spec.arrangement,
             regions: spec.regions.clone(),
             gpu: None,

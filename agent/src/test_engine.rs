@@ -140,6 +140,7 @@ pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError>
         memory_path: None,
         num_blocks: args.num_blocks,
         tensor_rank: 0,
+        instance: None,
         kv_arrangement: None,
         regions: Vec::new(),
         gpu: None,

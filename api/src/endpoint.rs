@@ -88,6 +88,13 @@ pub struct PDEndpointSpec {
     /// Absent from agents before 2026-12-07.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensor_rank: Option<i32>,
+    /// The engine instance the rank is one of, as the engine names it: every tensor-parallel
+    /// rank of one engine names the same, and no other engine of its Pod does (vLLM's
+    /// data-parallel ranks are engines of their own). Absent from engines and agents before
+    /// 2026-12-07: the Pod's ranks are then counted together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_INSTANCE))]
+    pub instance: Option<String>,
 }
 
 /// Where an engine's KV pool is.
@@ -160,6 +167,8 @@ pub const MAX_EARLIER: usize = 8;
 /// be a compromised node's, and the operator folds their text into PDPair status: unbounded, two
 /// endpoints of 700 KB each pushed a PDPair's status past what etcd stores.
 pub const MAX_TEXT: usize = 4096;
+/// The most characters of an engine instance's name in a PDEndpoint (an engine name's bound).
+pub const MAX_INSTANCE: usize = 253;
 /// The most characters of an engine's side-channel address in a PDEndpoint.
 pub const MAX_ADDRESS: usize = 256;
 /// The most characters of a peer's name in a PDEndpoint (`engine@agent`).
@@ -175,6 +184,7 @@ impl PDEndpointSpec {
     pub fn bounded(mut self) -> Self {
         self.address = clamp_text(&self.address, MAX_ADDRESS);
         self.staging = self.staging.map(|s| clamp_text(&s, MAX_TEXT));
+        self.instance = self.instance.map(|s| clamp_text(&s, MAX_INSTANCE));
         self
     }
 }

@@ -1124,6 +1124,7 @@ mod tests {
                     pool_memory: Default::default(),
                     staging: None,
                     tensor_rank: None,
+                    instance: None,
                 },
             );
             e.metadata.owner_references = owner.map(|uid| {

@@ -741,10 +741,16 @@ fn registration_changed(e: &PDEndpoint, stale: bool, now: &Time) -> Option<i64> 
 /// which may spread an engine's ranks over several Pods, only where a Pod of it holds every
 /// rank (otherwise a Pod holding some is not news). Each Pod is judged from its own endpoints
 /// and its own last change. A Pod with an endpoint that names no rank (an agent before
-/// `tensorRank`) or one outside the parallelism is left out.
+/// `tensorRank`) or one outside the parallelism is left out. Where each live endpoint of a Pod
+/// names its engine (`spec.instance`), each engine is counted on its own: two engines each
+/// short of another rank count the ranks alike, but each is short of one.
 fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Vec<PartlyRegistered> {
-    struct Held {
+    struct Held<'a> {
         counts: Vec<usize>,
+        /// Each named engine's ranks.
+        engines: std::collections::BTreeMap<&'a str, Vec<usize>>,
+        /// A live endpoint names no engine (an engine or agent before `instance`).
+        unnamed: bool,
         left_out: bool,
         changed: i64,
     }
@@ -767,6 +773,8 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
             .entry(e.spec.pod.as_str())
             .or_insert_with(|| Held {
                 counts: vec![0; tensor],
+                engines: Default::default(),
+                unnamed: false,
                 left_out: false,
                 changed,
             });
@@ -780,7 +788,13 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
             .and_then(|r| usize::try_from(r).ok())
             .filter(|r| *r < tensor)
         {
-            Some(rank) => held.counts[rank] += 1,
+            Some(rank) => {
+                held.counts[rank] += 1;
+                match e.spec.instance.as_deref() {
+                    Some(engine) => held.engines.entry(engine).or_insert_with(|| vec![0; tensor])[rank] += 1,
+                    None => held.unnamed = true,
+                }
+            }
             None => held.left_out = true,
         }
     }
@@ -798,8 +812,14 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
             continue;
         }
         for (pod, h) in counted {
-            let most = h.counts.iter().copied().max().unwrap_or_default();
-            let short: Vec<usize> = (0..tensor).filter(|r| h.counts[*r] < most).collect();
+            let short: Vec<usize> = if h.unnamed || h.engines.is_empty() {
+                let most = h.counts.iter().copied().max().unwrap_or_default();
+                (0..tensor).filter(|r| h.counts[*r] < most).collect()
+            } else {
+                (0..tensor)
+                    .filter(|r| h.engines.values().any(|ranks| ranks[*r] == 0))
+                    .collect()
+            };
             if !short.is_empty() {
                 out.push(PartlyRegistered {
                     role,

@@ -888,7 +888,7 @@ def test_a_receive_from_several_prefill_ranks_and_its_cancel_wait_their_linking_
 
 
 def test_an_engine_name_too_long_for_the_agent_is_cut_with_a_hash_of_the_whole():
-    from pdpair_vllm.connector import MAX_ENGINE_NAME, engine_name
+    from pdpair_vllm.connector import MAX_ENGINE_NAME, engine_name, instance_name
 
     assert engine_name("pod-abc", "9f1c", 3) == "pod-abc-9f1c-r3"
     long_id = "e" * 300
@@ -897,6 +897,11 @@ def test_an_engine_name_too_long_for_the_agent_is_cut_with_a_hash_of_the_whole()
     assert a != b, "names that differ past the cut stay apart"
     assert engine_name("pod", long_id, 1) != a
     assert len(engine_name("p" * 100, "é" * 200, 7).encode()) <= MAX_ENGINE_NAME
+    # The engine instance every rank names: each data-parallel rank (vLLM's engine_id_dp<n>)
+    # its own, cut alike.
+    assert instance_name("pod-abc", "9f1c_dp0") == "pod-abc-9f1c_dp0" != instance_name("pod-abc", "9f1c_dp1")
+    i = instance_name("pod", long_id)
+    assert len(i.encode()) <= MAX_ENGINE_NAME and i != instance_name("pod", long_id + "x")
 
 
 def test_decodes_releases_name_the_release_token_of_the_requests_params():

@@ -392,6 +392,13 @@ def test_a_full_hit_releases_every_prefill_rank_for_every_decode_rank_it_serves(
     p = Engine(world, pa, "prefill", seed=P_SEED, tp=2, layout="HND")
     d = Engine(world, da, "decode", seed=D_SEED, tp=4, layout="HND", min_transfer_tokens=16)
     try:
+        # Each engine's ranks register under their own names and name their one engine (the
+        # operator counts a Pod's engines' ranks each on its own).
+        for e, tp in [(p, 2), (d, 4)]:
+            regs = [w.registration for w in e.workers]
+            assert len({r["engine"] for r in regs}) == tp and [r["tensor_rank"] for r in regs] == list(range(tp))
+            assert len({r["instance"] for r in regs}) == 1, [r["instance"] for r in regs]
+        assert p.workers[0].registration["instance"] != d.workers[0].registration["instance"]
         prompt = list(range(800, 849))  # 49 tokens: D will hold 48 of them
         d.add("local", prompt, max_tokens=1)
         d.run_until(lambda: "local" in d.outputs, what="the local request")

@@ -674,6 +674,7 @@ pub fn endpoint(ns: &str, name: &str, role: pdpair_api::Role, pair: &pdpair_api:
             pool_memory: Default::default(),
             staging: None,
             tensor_rank: None,
+            instance: None,
         },
     );
     e.metadata.namespace = Some(ns.to_owned());

@@ -220,6 +220,7 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
                 // The engine's words, shown to whoever reads the PDEndpoint: printable and short.
                 staging: engine.reg.staging.as_deref().map(crate::reason::peer_text),
                 tensor_rank: i32::try_from(engine.reg.tensor_rank).ok(),
+                instance: engine.reg.instance.clone(),
             }
             .bounded(),
             status: None,

@@ -38,6 +38,7 @@ fn endpoint(name: &str, role: Role, pair: &PDPair) -> PDEndpoint {
             pool_memory: Default::default(),
             staging: None,
             tensor_rank: None,
+            instance: None,
         },
     );
     e.metadata.namespace = Some("default".into());
@@ -1496,6 +1497,55 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
         changes_in(&pair, &[&p], &[], &t(1790)),
         Some(Duration::from_secs(992 + RECENT_SECONDS as u64 - 1790)),
     );
+}
+
+#[test]
+fn a_pods_engines_named_by_their_ranks_are_each_judged_whole() {
+    // vLLM's data-parallel ranks are engines of their own in one Pod: dp0 registered rank 0
+    // only, dp1 rank 1 only. Counted together, each rank registered once and the Pod looked
+    // whole; named by their engines, each is short of one.
+    let mut pair = pair();
+    pair.spec.decode.parallelism.tensor = 2;
+    let made = |name: &str, rank: i32, instance: Option<&str>| {
+        let mut e = endpoint(name, Role::Decode, &pair);
+        e.spec.pod = "decode-a".into();
+        e.spec.tensor_rank = Some(rank);
+        e.spec.instance = instance.map(str::to_owned);
+        e.metadata.creation_timestamp = Some(t(0));
+        e.status = Some(PDEndpointStatus {
+            last_heartbeat: Some(t(100)),
+            registered: Some(t(0)),
+            ..PDEndpointStatus::default()
+        });
+        e
+    };
+    let p = endpoint("p-0", Role::Prefill, &pair);
+    let transfer = |endpoints: Vec<&PDEndpoint>| {
+        let (s, _) = compute(&pair, &all_ready(endpoints), &t(110));
+        let c = cond(&s, ct::TRANSFER_READY).clone();
+        (c.status, c.message)
+    };
+    let dp0_r0 = made("d-0-0", 0, Some("decode-a-e_dp0"));
+    let dp1_r1 = made("d-1-1", 1, Some("decode-a-e_dp1"));
+    let (status, message) = transfer(vec![&p, &dp0_r0, &dp1_r1]);
+    assert!(
+        status == "False" && message.contains("decode pod decode-a (rank 0, 1 of 2 short)"),
+        "{message}"
+    );
+    // Each whole: True.
+    let dp0_r1 = made("d-0-1", 1, Some("decode-a-e_dp0"));
+    let dp1_r0 = made("d-1-0", 0, Some("decode-a-e_dp1"));
+    assert_eq!(transfer(vec![&p, &dp0_r0, &dp0_r1, &dp1_r0, &dp1_r1]).0, "True");
+    // One short of rank 1 named as such.
+    let (status, message) = transfer(vec![&p, &dp0_r0, &dp1_r0, &dp1_r1]);
+    assert!(
+        status == "False" && message.contains("decode pod decode-a (rank 1 of 2 short)"),
+        "{message}"
+    );
+    // An endpoint naming no engine (an engine before instance): the Pod's ranks counted together,
+    // as before (each rank once here: not news).
+    let unnamed = made("d-x-1", 1, None);
+    assert_eq!(transfer(vec![&p, &dp0_r0, &unnamed]).0, "True");
 }
 
 #[test]

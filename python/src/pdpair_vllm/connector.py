@@ -188,11 +188,23 @@ def engine_name(host: str, engine_id: str, rank: int) -> str:
     """The name this rank registers under: ``<host>-<engine_id>-r<rank>``; where that is longer
     than the agent takes (a long ``engine_id``, a long bare pod name), its start and a hash of
     the whole, so names stay apart and fit."""
-    name = f"{host}-{engine_id}-r{rank}"
+    return _within(f"{host}-{engine_id}-r{rank}", f"-r{rank}")
+
+
+def instance_name(host: str, engine_id: str) -> str:
+    """The engine instance every rank of this engine names (``RegisterPool.instance``):
+    ``<host>-<engine_id>`` (vLLM suffixes each data-parallel rank's ``engine_id`` with
+    ``_dp<rank>``: an engine of its own), cut as :func:`engine_name` cuts."""
+    return _within(f"{host}-{engine_id}", "")
+
+
+def _within(name: str, suffix: str) -> str:
+    """``name`` where it fits the agent's bound, else its start, a hash of the whole and
+    ``suffix``."""
     if len(name.encode()) <= MAX_ENGINE_NAME:
         return name
     digest = hashlib.sha256(name.encode()).hexdigest()[:16]
-    tail = f"-{digest}-r{rank}"
+    tail = f"-{digest}{suffix}"
     head = name.encode()[:MAX_ENGINE_NAME - len(tail)].decode(errors="ignore")
     return head + tail
 
@@ -409,7 +421,8 @@ class PdpairConnector(KVConnectorBase_V1):
         data = int(getattr(self._vllm_config.parallel_config, "data_parallel_size", 1) or 1)
         reg = agent_client.registration(
             pdpair=self._pdpair(), role=role, engine=engine_name(self._host(), self._engine_id, rank), kv=kv,
-            num_blocks=num_blocks, pairing_key=self._pairing_key(), tensor=tp, tensor_rank=rank, data=data,
+            num_blocks=num_blocks, pairing_key=self._pairing_key(), tensor=tp, tensor_rank=rank,
+            instance=instance_name(self._host(), self._engine_id), data=data,
             pod=os.environ.get("PDPAIR_POD_NAME"), **dict(self._extra.get("settings") or {}),
         )
         #: What this rank registered: the agent publishes its parallelism and geometry in the
