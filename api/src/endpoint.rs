@@ -39,6 +39,12 @@ use crate::{KvGeometry, Parallelism, Role, schema};
         json_path = ".spec.role",
         description = "prefill or decode"
     ),
+    printcolumn(
+        name = "Rank",
+        type_ = "integer",
+        json_path = ".spec.tensorRank",
+        description = "The engine's tensor-parallel rank"
+    ),
     printcolumn(name = "Node", type_ = "string", json_path = ".spec.node", description = "The node"),
     printcolumn(
         name = "Memory",
