@@ -372,11 +372,11 @@ pub struct PoolRegistration {
     /// The engine's tensor-parallel rank (each rank registers as its own engine).
     #[serde(default)]
     pub tensor_rank: u32,
-    /// The engine instance this rank is one of: every tensor-parallel rank of one engine names
-    /// the same, and no other engine of its Pod does (the vLLM connector: `<pod>-<engine_id>`,
+    /// The engine instance this rank is one of: every tensor-parallel rank of one engine in its
+    /// Pod names the same, and no other engine of the Pod does (the vLLM connector: `<pod>-<engine_id>`,
     /// each data-parallel rank its own). Published in the PDEndpoint (`spec.instance`), so the
     /// operator tells which engine of a Pod is short of a rank. At most [`MAX_ENGINE_NAME`]
-    /// bytes. Absent: the Pod's ranks are counted together.
+    /// bytes, no control characters. Absent: the Pod's ranks are counted together.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance: Option<String>,
     /// Where each layer's K and V blocks are in a one-region pool (absent: `KvFirst`, a K array
@@ -814,6 +814,10 @@ impl PoolRegistration {
                 return Err(format!("{field} is {} bytes; 1..={max} are accepted", value.len()));
             }
         }
+        // Published as it is (spec.instance): no control characters for a terminal to act on.
+        if let Some(c) = self.instance.iter().flat_map(|i| i.chars()).find(|c| c.is_control()) {
+            return Err(format!("instance holds the control character {:?}", c));
+        }
         let kv = &self.kv;
         for (field, value, max) in [
             ("kv.engine", Some(&kv.engine), pdpair_api::MAX_KV_NAME),
@@ -1198,6 +1202,11 @@ mod tests {
         );
         r.instance = Some(String::new());
         assert_eq!(r.check_names(), Err("instance is 0 bytes; 1..=253 are accepted".into()));
+        r.instance = Some("pod-e_dp0\u{1b}[31m".into());
+        assert_eq!(
+            r.check_names(),
+            Err("instance holds the control character '\\u{1b}'".into())
+        );
     }
 
     #[test]

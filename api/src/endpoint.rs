@@ -95,7 +95,7 @@ pub struct PDEndpointSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensor_rank: Option<i32>,
     /// The engine instance the rank is one of, as the engine names it: every tensor-parallel
-    /// rank of one engine names the same, and no other engine of its Pod does (vLLM's
+    /// rank of one engine in its Pod names the same, and no other engine of the Pod does (vLLM's
     /// data-parallel ranks are engines of their own). Absent from engines and agents before
     /// 2026-12-07: the Pod's ranks are then counted together.
     #[serde(default, skip_serializing_if = "Option::is_none")]

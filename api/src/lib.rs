@@ -21,5 +21,5 @@ pub use endpoint::*;
 pub use listen::ListenAddr;
 pub use names::{check_dns1123_label, check_dns1123_subdomain};
 pub use path::{Backend, PATH_USED_EVERY_SECONDS, PathKind, TransferPath};
-pub use rules::{Reason, Verdict, Violation, check, check_pools};
+pub use rules::{Reason, Verdict, Violation, check, check_admission, check_pools};
 pub use types::*;

@@ -227,20 +227,6 @@ pub fn check(spec: &PDPairSpec) -> Verdict {
             let msg = format!("{role} replicas is {}; it must be 0 or more", pool.replicas);
             out.push(Reason::InvalidReplicas, role, "replicas", msg);
         }
-        if let Some(r) = &pool.rollout {
-            for (field, value) in [("maxSurge", r.max_surge), ("maxUnavailable", r.max_unavailable)] {
-                if let Some(v) = value.filter(|v| *v < 0) {
-                    let msg = format!("{role} rollout.{field} is {v}; it must be 0 or more");
-                    out.push(Reason::InvalidRollout, role, &format!("rollout.{field}"), msg);
-                }
-            }
-            if r.max_surge == Some(0) && r.max_unavailable == Some(0) {
-                let msg = format!(
-                    "{role} rollout.maxSurge and rollout.maxUnavailable are both 0: no pod could be replaced (set maxUnavailable 1 to replace one at a time with no pod above replicas)"
-                );
-                out.push(Reason::InvalidRollout, role, "rollout.maxUnavailable", msg);
-            }
-        }
         if spec.transfer.connector == crate::Connector::Pdpair && pool.kv.engine != "vllm" {
             let msg = format!(
                 "transfer.connector Pdpair is vLLM's connector; {role} kv.engine is {:?}, not \"vllm\"",
@@ -265,6 +251,32 @@ pub fn check(spec: &PDPairSpec) -> Verdict {
         decode,
     );
     Verdict { violations: out.0 }
+}
+
+/// Checks what admission checks beyond [`check`]: the pools' `rollout`, which says nothing
+/// about the KV (a stored one the API server refuses in the pool's Deployment turns `PoolsApplied`
+/// False with both pools left running, where [`check`] failing plans no Deployment at all).
+pub fn check_admission(spec: &PDPairSpec) -> Verdict {
+    let mut verdict = check(spec);
+    let mut out = Rules::default();
+    for (role, pool) in [(Role::Prefill, &spec.prefill), (Role::Decode, &spec.decode)] {
+        if let Some(r) = &pool.rollout {
+            for (field, value) in [("maxSurge", r.max_surge), ("maxUnavailable", r.max_unavailable)] {
+                if let Some(v) = value.filter(|v| *v < 0) {
+                    let msg = format!("{role} rollout.{field} is {v}; it must be 0 or more");
+                    out.push(Reason::InvalidRollout, role, &format!("rollout.{field}"), msg);
+                }
+            }
+            if r.max_surge == Some(0) && r.max_unavailable == Some(0) {
+                let msg = format!(
+                    "{role} rollout.maxSurge and rollout.maxUnavailable are both 0: no pod could be replaced (set maxUnavailable 1 to replace one at a time with no pod above replicas)"
+                );
+                out.push(Reason::InvalidRollout, role, "rollout.maxUnavailable", msg);
+            }
+        }
+    }
+    verdict.violations.extend(out.0);
+    verdict
 }
 
 /// Checks whether a prefill engine and a decode engine can exchange KV with this mode and

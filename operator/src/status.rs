@@ -742,8 +742,8 @@ fn registration_changed(e: &PDEndpoint, stale: bool, now: &Time) -> Option<i64> 
 /// rank (otherwise a Pod holding some is not news). Each Pod is judged from its own endpoints
 /// and its own last change. A Pod with an endpoint that names no rank (an agent before
 /// `tensorRank`) or one outside the parallelism is left out. Where each live endpoint of a Pod
-/// names its engine (`spec.instance`), each engine is counted on its own: two engines each
-/// short of another rank count the ranks alike, but each is short of one.
+/// names its engine (`spec.instance`), each engine is judged on its own ranks as well: two
+/// engines each short of another rank count the ranks alike, but each is short of one.
 fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Vec<PartlyRegistered> {
     struct Held<'a> {
         counts: Vec<usize>,
@@ -812,14 +812,13 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
             continue;
         }
         for (pod, h) in counted {
-            let short: Vec<usize> = if h.unnamed || h.engines.is_empty() {
-                let most = h.counts.iter().copied().max().unwrap_or_default();
-                (0..tensor).filter(|r| h.counts[*r] < most).collect()
-            } else {
-                (0..tensor)
-                    .filter(|r| h.engines.values().any(|ranks| ranks[*r] == 0))
-                    .collect()
-            };
+            // Where every endpoint names its engine, each engine is judged too (an engine's own
+            // word: two that name the same one count together, as unnamed ones do).
+            let named = !h.unnamed && !h.engines.is_empty();
+            let short_in = |ranks: &[usize], r: usize| ranks[r] < ranks.iter().copied().max().unwrap_or_default();
+            let short: Vec<usize> = (0..tensor)
+                .filter(|r| short_in(&h.counts, *r) || (named && h.engines.values().any(|ranks| short_in(ranks, *r))))
+                .collect();
             if !short.is_empty() {
                 out.push(PartlyRegistered {
                     role,

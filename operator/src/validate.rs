@@ -136,7 +136,7 @@ impl Report {
         if let Some(why) = crate::webhook::name_too_long(&pair.metadata) {
             return Err(why);
         }
-        let verdict = pdpair_api::check(&pair.spec);
+        let verdict = pdpair_api::check_admission(&pair.spec);
         self.checked.push(Checked {
             file: file.to_owned(),
             name,

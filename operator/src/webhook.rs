@@ -140,7 +140,7 @@ pub fn review(req: &AdmissionRequest<DynamicObject>) -> Outcome {
             format!("not a valid PDPair: {field} is not a pod template: {why}"),
         );
     }
-    let verdict = pdpair_api::check(&pair.spec);
+    let verdict = pdpair_api::check_admission(&pair.spec);
     let Some(first) = verdict.violations.first() else {
         return allow(req);
     };

@@ -177,12 +177,12 @@ def test_prefill_hands_decode_the_longest_its_ranks_hold_an_offered_request():
     s.learn_holds({0: 300.0, 1: 330.0})
     out = s.finished("r", {"do_remote_decode": True}, True, [4, 5, 6, 9], 50, "eng")[1]
     assert out[PARAM_HOLD] == 330.0 and check_params(out) is not None
-    # A rank's agent that did not say (before Registered.hold_ms): none is handed on, and
-    # decode renews for as long as it queues the request, as before.
     # A rank that registered with a restarted agent, the PDPair's lease raised meanwhile: D is
     # handed its new hold.
     s.learn_holds({0: 660.0})
     assert s.finished("n", {"do_remote_decode": True}, True, [4], 10, "eng")[1][PARAM_HOLD] == 660.0
+    # A rank's agent that did not say (before Registered.hold_ms): none is handed on, and
+    # decode renews for as long as it queues the request, as before.
     s.learn_holds({1: None})
     assert PARAM_HOLD not in s.finished("q", {"do_remote_decode": True}, True, [4], 10, "eng")[1]
 

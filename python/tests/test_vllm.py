@@ -492,8 +492,8 @@ def test_a_vllm_whose_scheduler_source_cannot_be_read_is_answered_as_measured_fo
     release = c._vllm_release()
     assert release == (0, 33), release
     # Releases only: a development or pre-release build may hold later scheduler changes.
-    assert [c._release_of(v) for v in ("0.33.0", "0.33.1+cu129", "0.33.2.post1", "0.34.0+cpu")] == [
-        (0, 33), (0, 33), (0, 33), (0, 34)]
+    assert [c._release_of(v) for v in ("0.33.0", "0.33.1+cu129", "0.33.2.post1", "0.34.0+cpu", "0.33.0+rocm634")] == [
+        (0, 33), (0, 33), (0, 33), (0, 34), (0, 33)]
     assert [c._release_of(v) for v in ("0.33.1.dev5+g1234abc", "0.34.0rc1", "0.33", "x")] == [None] * 4
     read = answers()
     # The table says what this vLLM's own source says.

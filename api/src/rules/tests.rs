@@ -184,30 +184,51 @@ fn invalid_replicas() {
 
 #[test]
 fn invalid_rollout() {
+    // Refused at admission only: the KV rules (which plan the pools) say nothing of it, so a
+    // stored one (the webhook skipped) leaves both pools running where the API server refuses
+    // the Deployment, rather than planning none.
+    let admission = |spec: &PDPairSpec| check_admission(spec).violations;
     let mut spec = push();
     // One pod at a time, none above replicas: what nodes with no GPU to spare need.
     spec.decode.rollout = Some(Rollout {
         max_surge: Some(0),
         max_unavailable: Some(1),
     });
-    admits(&spec);
+    assert_eq!(admission(&spec), []);
     spec.decode.rollout = Some(Rollout {
         max_surge: Some(0),
         max_unavailable: Some(0),
     });
-    rejects(
-        &spec,
-        Reason::InvalidRollout,
-        "spec.decode.rollout.maxUnavailable",
-        &["both 0"],
+    let v = admission(&spec);
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert_eq!(
+        (v[0].reason, v[0].field.as_str()),
+        (Reason::InvalidRollout, "spec.decode.rollout.maxUnavailable")
     );
+    assert!(v[0].message.contains("both 0"), "{}", v[0].message);
+    admits(&spec);
     spec.decode.rollout = Some(Rollout {
         max_surge: Some(-2),
         max_unavailable: None,
     });
-    rejects(&spec, Reason::InvalidRollout, "spec.decode.rollout.maxSurge", &["-2"]);
-    spec.decode.rollout = Some(Rollout::default());
+    let v = admission(&spec);
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert_eq!(
+        (v[0].reason, v[0].field.as_str()),
+        (Reason::InvalidRollout, "spec.decode.rollout.maxSurge")
+    );
+    assert!(v[0].message.contains("-2"), "{}", v[0].message);
     admits(&spec);
+    spec.decode.rollout = Some(Rollout::default());
+    assert_eq!(admission(&spec), []);
+    // After the KV rules' own violations.
+    spec.decode.replicas = -1;
+    spec.decode.rollout = Some(Rollout {
+        max_surge: Some(0),
+        max_unavailable: Some(0),
+    });
+    let reasons: Vec<Reason> = admission(&spec).iter().map(|v| v.reason).collect();
+    assert_eq!(reasons, [Reason::InvalidReplicas, Reason::InvalidRollout]);
 }
 
 #[test]

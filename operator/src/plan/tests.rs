@@ -217,7 +217,18 @@ fn a_pools_rollout_is_its_deployments_rolling_update_and_absent_kubernetes_defau
     let r = strategy(&pair, Role::Decode)
         .and_then(|s| s.rolling_update)
         .expect("rolling update");
-    assert_eq!((r.max_surge, r.max_unavailable), (None, Some(IntOrString::Int(2))));
+    assert_eq!((r.max_surge, r.max_unavailable), (None, Some(IntOrString::Int(2)))); // One admission refuses, stored all the same (the webhook skipped: failurePolicy Ignore, a
+    // namespace it does not watch): the pools are still planned, and the API server's refusal
+    // of the Deployment says why (PoolsApplied False), the engines left running; the KV rules
+    // failing would plan no Deployment and prune both.
+    pair.spec.decode.rollout = Some(pdpair_api::Rollout {
+        max_surge: Some(0),
+        max_unavailable: Some(0),
+    });
+    assert!(!pdpair_api::check_admission(&pair.spec).allowed());
+    for role in [Role::Prefill, Role::Decode] {
+        assert!(planned_deployment(&pair, role, &Wiring::default()).is_some(), "{role}");
+    }
 }
 
 #[test]

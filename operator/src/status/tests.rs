@@ -1545,7 +1545,14 @@ fn a_pods_engines_named_by_their_ranks_are_each_judged_whole() {
     // An endpoint naming no engine (an engine before instance): the Pod's ranks counted together,
     // as before (each rank once here: not news).
     let unnamed = made("d-x-1", 1, None);
-    assert_eq!(transfer(vec![&p, &dp0_r0, &unnamed]).0, "True");
+    assert_eq!(transfer(vec![&p, &dp0_r0, &unnamed]).0, "True"); // Two engines naming the same one (an engine's own word) count together: still short where
+    // the Pod's ranks are counted unevenly.
+    let same_r0 = made("d-s-0", 0, Some("decode-a-e_dp0"));
+    let (status, message) = transfer(vec![&p, &dp0_r0, &dp0_r1, &same_r0]);
+    assert!(
+        status == "False" && message.contains("decode pod decode-a (rank 1 of 2 short)"),
+        "{message}"
+    );
 }
 
 #[test]

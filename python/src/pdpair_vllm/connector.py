@@ -73,10 +73,10 @@ MEASURED_SCHEDULERS: Dict[Tuple[int, int], Dict[str, bool]] = {
 
 
 def _vllm_release() -> Optional[Tuple[int, int]]:
-    """The installed vLLM's major and minor release where it is one (``0.33.0`` or
-    ``0.33.1+cu129`` -> ``(0, 33)``); ``None`` where it cannot be told or is a development or
-    pre-release build (``0.33.1.dev5+g1234abc``, ``0.34.0rc1``), which may hold later
-    scheduler changes than the release measured."""
+    """The installed vLLM's major and minor release where it is one (``0.33.0``,
+    ``0.33.1+cu129`` or ``+rocm634`` -> ``(0, 33)``); ``None`` where it cannot be told or is a
+    development or pre-release build (``0.33.1.dev5+g1234abc``, ``0.34.0rc1``), which may hold
+    later scheduler changes than the release measured."""
     try:
         from importlib.metadata import version
 
@@ -88,7 +88,7 @@ def _vllm_release() -> Optional[Tuple[int, int]]:
 
 def _release_of(text: str) -> Optional[Tuple[int, int]]:
     """:func:`_vllm_release` of version ``text``."""
-    m = re.fullmatch(r"(\d+)\.(\d+)\.\d+(?:\.post\d+)?(?:\+cu\d+|\+cpu)?", text)
+    m = re.fullmatch(r"(\d+)\.(\d+)\.\d+(?:\.post\d+)?(?:\+[A-Za-z0-9.]+)?", text)
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
@@ -370,7 +370,7 @@ class PdpairConnector(KVConnectorBase_V1):
         self._sched.received(connector_output.finished_recving or ())
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, PdpairWorkerMetadata) and meta.addresses:
-            log.warning("pdpair: prefill ranks %s are at new agent addresses %s from now on",
+            log.warning("pdpair: prefill ranks %s registered with their restarted agents, at %s from now on",
                         sorted(meta.addresses), [meta.addresses[r] for r in sorted(meta.addresses)])
             self._sched.learn_ranks(meta.addresses)
             self._sched.learn_holds(getattr(meta, "holds", {}))
