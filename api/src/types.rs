@@ -181,6 +181,7 @@ pub enum ChecksumPolicy {
 pub struct PoolSpec {
     /// Number of engine instances in the pool.
     #[serde(default = "one")]
+    #[schemars(range(min = 0))]
     pub replicas: i32,
     /// How each engine instance is parallelised.
     #[serde(default)]
@@ -228,6 +229,7 @@ impl PDPairSpec {
 struct StoredPoolSpec {
     /// Number of engine instances in the pool.
     #[serde(default = "one")]
+    #[schemars(range(min = 0))]
     replicas: i32,
     /// How each engine instance is parallelised.
     #[serde(default)]

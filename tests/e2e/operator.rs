@@ -296,6 +296,20 @@ fn a_pools_rollout_is_its_deployments_strategy_and_both_counts_zero_are_refused(
         "{}",
         out.stderr
     );
+    // Negative replicas: the CRD's schema refuses them before the webhook (none is stored past
+    // it, where the KV rules failing would plan no Deployment and prune both pools).
+    let out = kubectl(
+        &["apply", "-f", "-"],
+        Some(&manifest("compatible-push.yaml", &ns, |v| {
+            v["spec"]["decode"]["replicas"] = (-1).into();
+        })),
+    );
+    assert_ne!(out.code, 0);
+    assert!(
+        out.stderr.contains("spec.decode.replicas") && out.stderr.contains("greater than or equal to 0"),
+        "{}",
+        out.stderr
+    );
     // One pod at a time, none above replicas (nodes with no GPU to spare).
     kubectl_ok(&["apply", "-f", "-"], Some(&with(Some((0, 1)))));
     let rolling = |role: &str| {
