@@ -196,8 +196,9 @@ pub struct PoolSpec {
     pub kv: KvGeometry,
     /// How the pool's Deployment replaces its pods when the template changes (with a
     /// template only). Absent: Kubernetes' defaults (a quarter of the replicas, at least one
-    /// pod, made above `replicas` first), which on nodes with no GPU to spare leave the new pod
-    /// Pending and the rollout stalled: there set `maxSurge: 0` and `maxUnavailable: 1`.
+    /// pod, made above `replicas`; a quarter rounded down unavailable), which with fewer than 4
+    /// replicas make a new pod before any old one goes: on nodes with no GPU to spare it stays
+    /// Pending and the rollout stalls. There set `maxSurge: 0` and `maxUnavailable: 1`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<Rollout>,
     /// Why the stored `template` is not a pod template (`template` is then `None`): the CRD
@@ -244,8 +245,9 @@ struct StoredPoolSpec {
     kv: KvGeometry,
     /// How the pool's Deployment replaces its pods when the template changes (with a
     /// template only). Absent: Kubernetes' defaults (a quarter of the replicas, at least one
-    /// pod, made above `replicas` first), which on nodes with no GPU to spare leave the new pod
-    /// Pending and the rollout stalled: there set `maxSurge: 0` and `maxUnavailable: 1`.
+    /// pod, made above `replicas`; a quarter rounded down unavailable), which with fewer than 4
+    /// replicas make a new pod before any old one goes: on nodes with no GPU to spare it stays
+    /// Pending and the rollout stalls. There set `maxSurge: 0` and `maxUnavailable: 1`.
     #[serde(default)]
     rollout: Option<Rollout>,
 }
