@@ -708,6 +708,9 @@ struct PartlyRegistered {
     pod: String,
     /// The ranks with fewer live endpoints in the Pod than its others.
     short: Vec<usize>,
+    /// The engines short of a rank, where each endpoint of the Pod names its engine
+    /// (`spec.instance`).
+    engines: Vec<String>,
     /// When what counted for it last changed (unix seconds): an engine of it registered, or an
     /// endpoint went stale.
     changed: i64,
@@ -820,11 +823,18 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
                 .filter(|r| short_in(&h.counts, *r) || (named && h.engines.values().any(|ranks| short_in(ranks, *r))))
                 .collect();
             if !short.is_empty() {
+                let engines = h
+                    .engines
+                    .iter()
+                    .filter(|(_, ranks)| named && (0..tensor).any(|r| short_in(ranks, r)))
+                    .map(|(engine, _)| (*engine).to_owned())
+                    .collect();
                 out.push(PartlyRegistered {
                     role,
                     tensor,
                     pod: pod.to_owned(),
                     short,
+                    engines,
                     changed: h.changed,
                 });
             }
@@ -843,8 +853,12 @@ fn partly_registered(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Op
         .filter(|p| now.0.as_second().saturating_sub(p.changed) > UNREGISTERED_SECONDS)
         .map(|p| {
             let short: Vec<String> = p.short.iter().map(usize::to_string).collect();
+            let engines = match p.engines.is_empty() {
+                true => String::new(),
+                false => format!(": engine {}", first_few(&p.engines)),
+            };
             format!(
-                "{} pod {} (rank {} of {} short)",
+                "{} pod {} (rank {} of {} short{engines})",
                 p.role,
                 p.pod,
                 first_few(&short),

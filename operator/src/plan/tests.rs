@@ -217,7 +217,8 @@ fn a_pools_rollout_is_its_deployments_rolling_update_and_absent_kubernetes_defau
     let r = strategy(&pair, Role::Decode)
         .and_then(|s| s.rolling_update)
         .expect("rolling update");
-    assert_eq!((r.max_surge, r.max_unavailable), (None, Some(IntOrString::Int(2)))); // One admission refuses, stored all the same (the webhook skipped: failurePolicy Ignore, a
+    assert_eq!((r.max_surge, r.max_unavailable), (None, Some(IntOrString::Int(2))));
+    // One admission refuses, stored all the same (the webhook skipped: failurePolicy Ignore, a
     // namespace it does not watch): the pools are still planned, and the API server's refusal
     // of the Deployment says why (PoolsApplied False), the engines left running; the KV rules
     // failing would plan no Deployment and prune both.

@@ -1483,7 +1483,8 @@ fn the_pair_is_looked_at_again_when_an_endpoint_goes_stale_or_news_leaves_its_wi
     assert_eq!(
         changes_in(&pair, &[&p], &[], &t(1790)),
         Some(Duration::from_secs(995 + RECENT_SECONDS as u64 - 1790)),
-    ); // An earlier failure of another peer, which leaves its window first.
+    );
+    // An earlier failure of another peer, which leaves its window first.
     if let Some(s) = p.status.as_mut() {
         s.earlier_failures = vec![Failure {
             time: t(992),
@@ -1529,7 +1530,8 @@ fn a_pods_engines_named_by_their_ranks_are_each_judged_whole() {
     let dp1_r1 = made("d-1-1", 1, Some("decode-a-e_dp1"));
     let (status, message) = transfer(vec![&p, &dp0_r0, &dp1_r1]);
     assert!(
-        status == "False" && message.contains("decode pod decode-a (rank 0, 1 of 2 short)"),
+        status == "False"
+            && message.contains("decode pod decode-a (rank 0, 1 of 2 short: engine decode-a-e_dp0, decode-a-e_dp1)"),
         "{message}"
     );
     // Each whole: True.
@@ -1539,18 +1541,19 @@ fn a_pods_engines_named_by_their_ranks_are_each_judged_whole() {
     // One short of rank 1 named as such.
     let (status, message) = transfer(vec![&p, &dp0_r0, &dp1_r0, &dp1_r1]);
     assert!(
-        status == "False" && message.contains("decode pod decode-a (rank 1 of 2 short)"),
+        status == "False" && message.contains("decode pod decode-a (rank 1 of 2 short: engine decode-a-e_dp0)"),
         "{message}"
     );
     // An endpoint naming no engine (an engine before instance): the Pod's ranks counted together,
     // as before (each rank once here: not news).
     let unnamed = made("d-x-1", 1, None);
-    assert_eq!(transfer(vec![&p, &dp0_r0, &unnamed]).0, "True"); // Two engines naming the same one (an engine's own word) count together: still short where
+    assert_eq!(transfer(vec![&p, &dp0_r0, &unnamed]).0, "True");
+    // Two engines naming the same one (an engine's own word) count together: still short where
     // the Pod's ranks are counted unevenly.
     let same_r0 = made("d-s-0", 0, Some("decode-a-e_dp0"));
     let (status, message) = transfer(vec![&p, &dp0_r0, &dp0_r1, &same_r0]);
     assert!(
-        status == "False" && message.contains("decode pod decode-a (rank 1 of 2 short)"),
+        status == "False" && message.contains("decode pod decode-a (rank 1 of 2 short: engine decode-a-e_dp0)"),
         "{message}"
     );
 }
