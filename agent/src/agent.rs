@@ -1318,8 +1318,7 @@ fn keep_news<T: News>(last: &mut Option<T>, earlier: &mut Vec<T>, news: T) {
         earlier.push(old);
     }
     earlier.retain(|e| e.peer() != news.peer());
-    let over = earlier.len().saturating_sub(pdpair_api::MAX_EARLIER);
-    earlier.drain(..over);
+    *earlier = pdpair_api::most_recent(std::mem::take(earlier));
     *last = Some(news);
 }
 

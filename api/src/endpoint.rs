@@ -229,14 +229,10 @@ impl PDEndpointStatus {
         };
         self.last_rejection = self.last_rejection.map(rejection);
         self.last_failure = self.last_failure.map(failure);
-        // The most recent: the list is oldest first.
-        let recent = |len: usize| len.saturating_sub(MAX_EARLIER);
         let earlier = std::mem::take(&mut self.earlier_rejections);
-        let skip = recent(earlier.len());
-        self.earlier_rejections = earlier.into_iter().skip(skip).map(rejection).collect();
+        self.earlier_rejections = most_recent(earlier).into_iter().map(rejection).collect();
         let earlier = std::mem::take(&mut self.earlier_failures);
-        let skip = recent(earlier.len());
-        self.earlier_failures = earlier.into_iter().skip(skip).map(failure).collect();
+        self.earlier_failures = most_recent(earlier).into_iter().map(failure).collect();
         self.paths.truncate(MAX_PATHS);
         for p in &mut self.paths {
             p.peer = clamp_text(&p.peer, MAX_PEER);
@@ -248,6 +244,14 @@ impl PDEndpointStatus {
         }
         self
     }
+}
+
+/// The most recent [`MAX_EARLIER`] of `news`, oldest first (as `earlierRejections` and
+/// `earlierFailures` list them).
+pub fn most_recent<T>(mut news: Vec<T>) -> Vec<T> {
+    let over = news.len().saturating_sub(MAX_EARLIER);
+    news.drain(..over);
+    news
 }
 
 /// `text` cut to at most `max` characters (the last three `...` where it was cut).

@@ -815,26 +815,28 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
             continue;
         }
         for (pod, h) in counted {
+            let short_in = |ranks: &[usize], r: usize| ranks[r] < ranks.iter().copied().max().unwrap_or_default();
             // Where every endpoint names its engine, each engine is judged too (an engine's own
             // word: two that name the same one count together, as unnamed ones do).
-            let named = !h.unnamed && !h.engines.is_empty();
-            let short_in = |ranks: &[usize], r: usize| ranks[r] < ranks.iter().copied().max().unwrap_or_default();
-            let short: Vec<usize> = (0..tensor)
-                .filter(|r| short_in(&h.counts, *r) || (named && h.engines.values().any(|ranks| short_in(ranks, *r))))
-                .collect();
-            if !short.is_empty() {
-                let engines = h
+            let short_engines: Vec<(&str, &Vec<usize>)> = match h.unnamed {
+                true => Vec::new(),
+                false => h
                     .engines
                     .iter()
-                    .filter(|(_, ranks)| named && (0..tensor).any(|r| short_in(ranks, r)))
-                    .map(|(engine, _)| (*engine).to_owned())
-                    .collect();
+                    .filter(|(_, ranks)| (0..tensor).any(|r| short_in(ranks, r)))
+                    .map(|(engine, ranks)| (*engine, ranks))
+                    .collect(),
+            };
+            let short: Vec<usize> = (0..tensor)
+                .filter(|r| short_in(&h.counts, *r) || short_engines.iter().any(|(_, ranks)| short_in(ranks, *r)))
+                .collect();
+            if !short.is_empty() {
                 out.push(PartlyRegistered {
                     role,
                     tensor,
                     pod: pod.to_owned(),
                     short,
-                    engines,
+                    engines: short_engines.iter().map(|(engine, _)| (*engine).to_owned()).collect(),
                     changed: h.changed,
                 });
             }

@@ -240,15 +240,21 @@ fn observed_pair_rejected_by_the_rules_names_the_rule() {
     assert!(c.message.starts_with("declared geometry: "), "{}", c.message);
 }
 
+/// Prefill engines p-1 (at 10.0.0.1:7000) and p-2 (at 10.0.0.2:7000), and decode d-1.
+fn two_prefills_and_a_decode(pair: &PDPair) -> (PDEndpoint, PDEndpoint, PDEndpoint) {
+    let p1 = endpoint("p-1", Role::Prefill, pair);
+    let mut p2 = endpoint("p-2", Role::Prefill, pair);
+    p2.spec.address = "10.0.0.2:7000".into();
+    let mut d = endpoint("d-1", Role::Decode, pair);
+    // A decode engine's address is its agent's host, no port.
+    d.spec.address = "10.0.0.5".into();
+    (p1, p2, d)
+}
+
 #[test]
 fn news_of_a_peer_still_registered_stands_through_transfers_with_other_peers() {
     let pair = pair();
-    let p1 = endpoint("p-1", Role::Prefill, &pair);
-    let mut p2 = endpoint("p-2", Role::Prefill, &pair);
-    p2.spec.address = "10.0.0.2:7000".into();
-    let mut d = endpoint("d-1", Role::Decode, &pair);
-    // A decode engine's address is its agent's host, no port.
-    d.spec.address = "10.0.0.5".into();
+    let (p1, mut p2, mut d) = two_prefills_and_a_decode(&pair);
     // Decode rejected p-2, or failed a transfer with it (its prefill address, here as an
     // IPv4-mapped IPv6 address: the same prefill), and keeps transferring with p-1.
     for rejected in [true, false] {
@@ -338,11 +344,7 @@ fn earlier_news_of_a_peer_still_registered_stands_once_a_later_one_of_another_is
     // Decode failed with p-2 (still failing), then with p-1, then transferred with p-1: with
     // the last news alone TransferReady turned True while p-2 still failed each transfer.
     let pair = pair();
-    let p1 = endpoint("p-1", Role::Prefill, &pair);
-    let mut p2 = endpoint("p-2", Role::Prefill, &pair);
-    p2.spec.address = "10.0.0.2:7000".into();
-    let mut d = endpoint("d-1", Role::Decode, &pair);
-    d.spec.address = "10.0.0.5".into();
+    let (p1, p2, mut d) = two_prefills_and_a_decode(&pair);
     let failure = |at: i64, peer: &str, reason: &str, resolved: Option<i64>| Failure {
         time: t(at),
         reasons: vec![reason.into()],

@@ -156,6 +156,11 @@ def registration(
     return message
 
 
+def _millis(value: object) -> bool:
+    """Whether an agent's ``value`` is milliseconds (an integer, 0 to 2^40)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 40
+
+
 def pairing_key_from_env(env=os.environ) -> bytes:
     """The pair's secret from the file at ``PDPAIR_PAIRING_KEY_FILE`` (the operator mounts it),
     once it is the key of the PDPair ``PDPAIR_UID`` names (:func:`read_pairing_key`)."""
@@ -367,11 +372,11 @@ class AgentClient:
         sock.settimeout(None)
         client = AgentClient(sock, reg, layout, str(answer.get("address", "")), pools, capabilities)
         bounds = [answer.get("handshake_timeout_ms"), answer.get("lease_ms")]
-        if all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= 1 << 40 for b in bounds):
+        if all(_millis(b) for b in bounds):
             client.transfer_bound_s = sum(bounds) / 1000
             client.handshake_timeout_s = bounds[0] / 1000
         hold = answer.get("hold_ms")
-        if isinstance(hold, int) and not isinstance(hold, bool) and 0 < hold <= 1 << 40:
+        if _millis(hold) and hold > 0:
             client.hold_s = hold / 1000
         return client
 

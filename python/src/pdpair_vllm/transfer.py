@@ -339,6 +339,12 @@ class SchedulerState:
         remote = _remote(params)
         if remote is None or request in self.queued or (prompt is not None and prompt.unbound):
             return
+        self._queue(request, remote, params, num_prompt_tokens, prompt)
+
+    def _queue(self, request: str, remote: Tuple[str, List[str], int], params: dict, num_prompt_tokens: int,
+               prompt: Optional[Prompt]) -> None:
+        """D: ``request`` (``remote``: :func:`check_params` of its ``params``) waits for blocks,
+        renewed at P from now on, until P's hold after now."""
         agent_request, ranks, tokens = remote
         digest = prompt.digest(min(tokens, num_prompt_tokens)) if prompt is not None else None
         now = time.monotonic()
@@ -354,7 +360,7 @@ class SchedulerState:
         if prompt is not None and prompt.unbound:
             log.warning("pdpair: request %s is computed locally, not received: %s", request, prompt.unbound)
             return 0, False
-        agent_request, ranks, tokens = remote
+        tokens = remote[2]
         count = min(tokens, num_prompt_tokens) - num_computed_tokens
         if count < self.min_transfer_tokens:
             return 0, False
@@ -374,9 +380,7 @@ class SchedulerState:
                         request, num_computed_tokens, self.block_size)
             return 0, False
         if request not in self.queued:
-            digest = prompt.digest(min(tokens, num_prompt_tokens)) if prompt is not None else None
-            now = time.monotonic()
-            self.queued[request] = (agent_request, ranks, now, digest, _renew_until(params, now))
+            self._queue(request, remote, params, num_prompt_tokens, prompt)
         return count, True
 
     def after_alloc(self, request: str, params: Optional[dict], block_ids: Sequence[int],
