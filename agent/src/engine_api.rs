@@ -379,6 +379,12 @@ pub struct PoolRegistration {
     /// bytes, no control characters. Absent: the Pod's ranks are counted together.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance: Option<String>,
+    /// How many engines the engine's Pod runs (vLLM: its data-parallel ranks in the Pod,
+    /// `data_parallel_size_local`): 1 to [`pdpair_api::MAX_POD_ENGINES`], and no more than
+    /// `parallelism.data`. Published in the PDEndpoint (`spec.podEngines`), so the operator
+    /// tells a Pod missing a whole engine (with `instance`). Absent: not counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_engines: Option<u32>,
     /// Where each layer's K and V blocks are in a one-region pool (absent: `KvFirst`, a K array
     /// then a V array, or `Latent` for an MLA cache; `BlocksFirst`: each block's K then its V, as
     /// FlashInfer lays out its cache). With `regions`, each region says its own.
@@ -799,7 +805,8 @@ impl PoolRegistration {
         }
     }
 
-    /// Checks `engine` and `pdpair`: not empty, and no longer than their bounds; and the
+    /// Checks `engine`, `pdpair` and `instance`: not empty, and no longer than their bounds
+    /// (`instance` without control characters); `pod_engines` within its bounds; and the
     /// geometry's names no longer than the PDEndpoint the agent publishes for the engine takes
     /// (the API server refuses more).
     pub fn check_names(&self) -> Result<(), String> {
@@ -817,6 +824,16 @@ impl PoolRegistration {
         // Published as it is (spec.instance): no control characters for a terminal to act on.
         if let Some(c) = self.instance.iter().flat_map(|i| i.chars()).find(|c| c.is_control()) {
             return Err(format!("instance holds the control character {:?}", c));
+        }
+        if let Some(n) = self.pod_engines {
+            // The engines of a Pod are some of the engine's data-parallel ranks.
+            let max = pdpair_api::MAX_POD_ENGINES.min(self.parallelism.data.max(1));
+            if !i32::try_from(n).is_ok_and(|n| (1..=max).contains(&n)) {
+                return Err(format!(
+                    "pod_engines is {n}; 1..={max} are accepted (parallelism.data is {})",
+                    self.parallelism.data
+                ));
+            }
         }
         let kv = &self.kv;
         for (field, value, max) in [
@@ -1206,6 +1223,31 @@ mod tests {
         assert_eq!(
             r.check_names(),
             Err("instance holds the control character '\\u{1b}'".into())
+        );
+        r.instance = None;
+        // The engines its Pod runs: some of its data-parallel ranks, published as an int32.
+        r.parallelism.data = 4;
+        for (n, ok) in [(1, true), (4, true), (0, false), (5, false), (u32::MAX, false)] {
+            r.pod_engines = Some(n);
+            let want = match ok {
+                true => Ok(()),
+                false => Err(format!(
+                    "pod_engines is {n}; 1..=4 are accepted (parallelism.data is 4)"
+                )),
+            };
+            assert_eq!(r.check_names(), want, "{n}");
+        }
+        r.parallelism.data = 1;
+        r.pod_engines = Some(2);
+        assert_eq!(
+            r.check_names(),
+            Err("pod_engines is 2; 1..=1 are accepted (parallelism.data is 1)".into())
+        );
+        r.parallelism.data = 5000;
+        r.pod_engines = Some(1025);
+        assert_eq!(
+            r.check_names(),
+            Err("pod_engines is 1025; 1..=1024 are accepted (parallelism.data is 5000)".into())
         );
     }
 

@@ -229,6 +229,7 @@ impl SyntheticEngine {
             num_blocks: spec.num_blocks,
             tensor_rank: spec.tensor_rank,
             instance: None,
+            pod_engines: None,
             kv_arrangement: spec.arrangement,
             regions: spec.regions.clone(),
             gpu: None,

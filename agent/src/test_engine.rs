@@ -141,6 +141,7 @@ pub fn run(args: &TestEngineArgs, out: &mut dyn Write) -> Result<(), UsageError>
         num_blocks: args.num_blocks,
         tensor_rank: 0,
         instance: None,
+        pod_engines: None,
         kv_arrangement: None,
         regions: Vec::new(),
         gpu: None,

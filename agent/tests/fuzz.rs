@@ -185,6 +185,7 @@ fn registration() -> impl Strategy<Value = PoolRegistration> {
                     num_blocks: blocks,
                     tensor_rank: rank,
                     instance: None,
+                    pod_engines: None,
                     kv_arrangement: arrangement(u32::from(layout / 2)),
                     // Every few registrations name regions: splits of the layers (or not), with
                     // arrangements right or wrong for the geometry.

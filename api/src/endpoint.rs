@@ -101,6 +101,13 @@ pub struct PDEndpointSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = MAX_INSTANCE))]
     pub instance: Option<String>,
+    /// How many engines the engine's Pod runs, as the engine says (vLLM: the data-parallel
+    /// ranks it starts in the Pod, `data_parallel_size_local`), so the operator tells a Pod
+    /// missing a whole engine. Absent from engines and agents before 2026-12-08: a Pod's
+    /// engines are then not counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = MAX_POD_ENGINES))]
+    pub pod_engines: Option<i32>,
 }
 
 /// Where an engine's KV pool is.
@@ -175,6 +182,8 @@ pub const MAX_EARLIER: usize = 8;
 pub const MAX_TEXT: usize = 4096;
 /// The most characters of an engine instance's name in a PDEndpoint (an engine name's bound).
 pub const MAX_INSTANCE: usize = 253;
+/// The most engines a PDEndpoint says its Pod runs (`spec.podEngines`).
+pub const MAX_POD_ENGINES: i32 = 1024;
 /// The most characters of an engine's side-channel address in a PDEndpoint.
 pub const MAX_ADDRESS: usize = 256;
 /// The most characters of a peer's name in a PDEndpoint (`engine@agent`).

@@ -1125,6 +1125,7 @@ mod tests {
                     staging: None,
                     tensor_rank: None,
                     instance: None,
+                    pod_engines: None,
                 },
             );
             e.metadata.owner_references = owner.map(|uid| {

@@ -700,8 +700,8 @@ fn unregistered_pods(pair: &PDPair, ready: &[ReadyPod], live: &[&PDEndpoint], no
     ))
 }
 
-/// A Pod holding some of an engine's tensor-parallel ranks registered and not others
-/// ([`partly_registered_pods`]).
+/// A Pod holding some of an engine's tensor-parallel ranks registered and not others, or fewer
+/// engines registered than it runs ([`partly_registered_pods`]).
 struct PartlyRegistered {
     role: Role,
     tensor: usize,
@@ -711,6 +711,9 @@ struct PartlyRegistered {
     /// The engines short of a rank, where each endpoint of the Pod names its engine
     /// (`spec.instance`).
     engines: Vec<String>,
+    /// Engines registered in the Pod and how many it runs, where fewer registered than its
+    /// endpoints say it runs (`spec.podEngines`: each endpoint says it and names its engine).
+    engines_short: Option<(usize, usize)>,
     /// When what counted for it last changed (unix seconds): an engine of it registered, or an
     /// endpoint went stale.
     changed: i64,
@@ -746,7 +749,9 @@ fn registration_changed(e: &PDEndpoint, stale: bool, now: &Time) -> Option<i64> 
 /// and its own last change. A Pod with an endpoint that names no rank (an agent before
 /// `tensorRank`) or one outside the parallelism is left out. Where each live endpoint of a Pod
 /// names its engine (`spec.instance`), each engine is judged on its own ranks as well: two
-/// engines each short of another rank count the ranks alike, but each is short of one.
+/// engines each short of another rank count the ranks alike, but each is short of one. Where
+/// each also says how many engines the Pod runs (`spec.podEngines`: vLLM's data-parallel ranks
+/// in it), a Pod with fewer engines named is short of a whole engine.
 fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Vec<PartlyRegistered> {
     struct Held<'a> {
         counts: Vec<usize>,
@@ -754,6 +759,10 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
         engines: std::collections::BTreeMap<&'a str, Vec<usize>>,
         /// A live endpoint names no engine (an engine or agent before `instance`).
         unnamed: bool,
+        /// The most engines a live endpoint says the Pod runs.
+        pod_engines: usize,
+        /// A live endpoint does not say how many engines the Pod runs.
+        unsaid: bool,
         left_out: bool,
         changed: i64,
     }
@@ -778,6 +787,8 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
                 counts: vec![0; tensor],
                 engines: Default::default(),
                 unnamed: false,
+                pod_engines: 0,
+                unsaid: false,
                 left_out: false,
                 changed,
             });
@@ -796,6 +807,15 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
                 match e.spec.instance.as_deref() {
                     Some(engine) => held.engines.entry(engine).or_insert_with(|| vec![0; tensor])[rank] += 1,
                     None => held.unnamed = true,
+                }
+                match e
+                    .spec
+                    .pod_engines
+                    .and_then(|n| usize::try_from(n).ok())
+                    .filter(|n| (1..=pdpair_api::MAX_POD_ENGINES as usize).contains(n))
+                {
+                    Some(n) => held.pod_engines = held.pod_engines.max(n),
+                    None => held.unsaid = true,
                 }
             }
             None => held.left_out = true,
@@ -830,13 +850,18 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
             let short: Vec<usize> = (0..tensor)
                 .filter(|r| short_in(&h.counts, *r) || short_engines.iter().any(|(_, ranks)| short_in(ranks, *r)))
                 .collect();
-            if !short.is_empty() {
+            // Where every endpoint names its engine and says how many the Pod runs, a Pod
+            // missing a whole engine (a data-parallel rank that never registered) is short too.
+            let engines_short = (!h.unnamed && !h.unsaid && h.engines.len() < h.pod_engines)
+                .then_some((h.engines.len(), h.pod_engines));
+            if !short.is_empty() || engines_short.is_some() {
                 out.push(PartlyRegistered {
                     role,
                     tensor,
                     pod: pod.to_owned(),
                     short,
                     engines: short_engines.iter().map(|(engine, _)| (*engine).to_owned()).collect(),
+                    engines_short,
                     changed: h.changed,
                 });
             }
@@ -846,26 +871,27 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
 }
 
 /// Pods with an engine running with some of its tensor-parallel ranks registered and others
-/// not, for over [`UNREGISTERED_SECONDS`] since what counted for them last changed, said as a
-/// `TransferReady` message: KV moves for a request only with every rank of an engine, so such
-/// an engine's requests move none.
+/// not, or with fewer engines registered than they run, for over [`UNREGISTERED_SECONDS`] since
+/// what counted for them last changed, said as a `TransferReady` message: KV moves for a
+/// request only with every rank of an engine, so such an engine's requests move none.
 fn partly_registered(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Option<String> {
     let settled: Vec<String> = partly_registered_pods(pair, endpoints, now)
         .into_iter()
         .filter(|p| now.0.as_second().saturating_sub(p.changed) > UNREGISTERED_SECONDS)
         .map(|p| {
-            let short: Vec<String> = p.short.iter().map(usize::to_string).collect();
-            let engines = match p.engines.is_empty() {
-                true => String::new(),
-                false => format!(": engine {}", first_few(&p.engines)),
-            };
-            format!(
-                "{} pod {} (rank {} of {} short{engines})",
-                p.role,
-                p.pod,
-                first_few(&short),
-                p.tensor
-            )
+            let mut said = Vec::new();
+            if !p.short.is_empty() {
+                let short: Vec<String> = p.short.iter().map(usize::to_string).collect();
+                let engines = match p.engines.is_empty() {
+                    true => String::new(),
+                    false => format!(": engine {}", first_few(&p.engines)),
+                };
+                said.push(format!("rank {} of {} short{engines}", first_few(&short), p.tensor));
+            }
+            if let Some((registered, runs)) = p.engines_short {
+                said.push(format!("{registered} of {runs} engines registered"));
+            }
+            format!("{} pod {} ({})", p.role, p.pod, said.join("; "))
         })
         .collect();
     if settled.is_empty() {
@@ -873,7 +899,7 @@ fn partly_registered(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) -> Op
     }
     let count = settled.len();
     Some(format!(
-        "{count} pod(s) have had an engine with some of its tensor-parallel ranks registered and others not for over {UNREGISTERED_SECONDS} s: {} (KV moves to or from none of that engine's ranks; the log of the rank short says why it did not register, or its agent's why it cannot publish it)",
+        "{count} pod(s) have had an engine partly registered (some of its tensor-parallel ranks registered and others not, or fewer of the pod's engines registered than it runs) for over {UNREGISTERED_SECONDS} s: {} (KV moves to or from none of an engine short's ranks; the log of the rank or engine short says why it did not register, or its agent's why it cannot publish it)",
         name_a_few(settled)
     ))
 }

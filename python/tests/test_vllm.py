@@ -318,8 +318,35 @@ def test_the_registered_geometry_is_what_the_pool_declares_where_vllm_cannot_tel
         assert kv["engineVersion"] == vllm.__version__, kv
         assert (kv["blockSize"], kv["kernelBlockSize"], kv["layout"]) == (16, 16, "NHD"), kv
         assert reg["parallelism"] == {"tensor": 1, "pipeline": 1, "data": 1}, reg["parallelism"]
+        assert reg["pod_engines"] == 1, reg
     finally:
         e.close()
+
+
+def test_each_rank_says_how_many_engines_its_pod_runs(world):
+    # vLLM's data-parallel ranks are engines of their own: a Pod running two of four says 2
+    # (data_parallel_size_local), so the operator tells a Pod one of them never registered from
+    # a whole one. The agent takes it (and publishes it: e2e agent).
+    from vllm.config import ParallelConfig
+
+    from pdpair_vllm.connector import pod_engines
+
+    agent = world.agent("d", "tcp")
+    dp = {"data_parallel_size": 4, "data_parallel_size_local": 2, "data_parallel_rank": 1}
+    e = Engine(world, agent, "decode", seed=D_SEED, tp=2, parallel=dp)
+    try:
+        for w in e.workers:
+            reg = w.registration
+            assert (reg["pod_engines"], reg["parallelism"]["data"]) == (2, 4), reg
+    finally:
+        e.close()
+    # External load balancing starts one engine a Pod; Ray places them over the cluster and a
+    # headless node starts none here (0): not said.
+    assert pod_engines(ParallelConfig(data_parallel_size=4, data_parallel_external_lb=True, data_parallel_rank=3)) == 1
+    assert pod_engines(ParallelConfig(data_parallel_size=4, data_parallel_size_local=0)) is None
+    ray = ParallelConfig(data_parallel_size=4, data_parallel_size_local=2)
+    ray.data_parallel_backend = "ray"
+    assert pod_engines(ray) is None
 
 
 @pytest.mark.parametrize("mode,p_block,d_block", [("Push", 16, 16), ("Pull", 16, 32)])

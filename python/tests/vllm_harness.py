@@ -71,7 +71,8 @@ class Engine:
                  handshake_ms: int = 5000, policy: str = "fail", min_transfer_tokens: int = 1, tp: int = 1,
                  shape=(LAYERS, HEADS, HEAD_DIM), compute: bool = True, connector: Optional[dict] = None,
                  kernel_block_size: Optional[int] = None, start_agent=None,
-                 async_scheduling: Optional[bool] = None, max_num_seqs: int = 16):
+                 async_scheduling: Optional[bool] = None, max_num_seqs: int = 16,
+                 parallel: Optional[dict] = None):
         """``shape`` is (layers, KV heads, head dim); ``compute`` false skips writing KV for the
         scheduled tokens (benchmarks: the transfer moves the same bytes either way); ``connector``
         adds to the connector's ``kv_connector_extra_config``; ``kernel_block_size``: the KV
@@ -82,7 +83,8 @@ class Engine:
         register with it; ``async_scheduling``: vLLM's ``AsyncScheduler`` and its engine core's
         queue of two batches in flight (``EngineCore.step_with_batch_queue``), vLLM 0.33's default
         on GPUs (``None``: ``PDPAIR_HARNESS_ASYNC`` set to 1, else the synchronous scheduler);
-        ``max_num_seqs``: vLLM's run slots."""
+        ``max_num_seqs``: vLLM's run slots; ``parallel`` adds to vLLM's ``ParallelConfig`` (its
+        data parallelism, say)."""
         if async_scheduling is None:
             async_scheduling = os.environ.get("PDPAIR_HARNESS_ASYNC") == "1"
         self.async_scheduling = async_scheduling
@@ -132,7 +134,7 @@ class Engine:
             cfg = VllmConfig(
                 model_config=mc,
                 cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-                parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                parallel_config=ParallelConfig(tensor_parallel_size=tp, **(parallel or {})),
                 scheduler_config=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs, max_model_len=8192,
                                                  is_encoder_decoder=False, async_scheduling=async_scheduling),
                 device_config=DeviceConfig("cpu"),

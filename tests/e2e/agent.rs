@@ -114,6 +114,7 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     let mut d_reg = SyntheticEngine::registration(&d_spec, Some(d_pod), false);
     d_reg.staging = Some("the KV cache is in cpu memory, not on a GPU\u{1b}[31m".into());
     d_reg.instance = Some("decode-pod-engine-a".into());
+    d_reg.pod_engines = Some(1);
     let mut d = SyntheticEngine::register_as(&d_sock, d_reg).expect("registers");
     let mut p = register(&p_sock, spec(Role::Prefill, "p0", "prefill-pod", 64));
     // Both endpoints appear, owned by their Pods, and the pair counts them.
@@ -131,6 +132,8 @@ fn agents_publish_endpoints_and_their_observations_reach_the_pair() {
     assert_eq!(endpoint["spec"]["tensorRank"], 0, "{endpoint}");
     // And which engine of its Pod it is a rank of.
     assert_eq!(endpoint["spec"]["instance"], "decode-pod-engine-a", "{endpoint}");
+    // And how many engines its Pod runs, so the operator can tell a Pod missing one.
+    assert_eq!(endpoint["spec"]["podEngines"], 1, "{endpoint}");
     // Where its KV pool is, and why it stages, in its words made printable.
     assert_eq!(endpoint["spec"]["poolMemory"], "Host");
     let staging = endpoint["spec"]["staging"].as_str().expect("staging");

@@ -675,6 +675,7 @@ pub fn endpoint(ns: &str, name: &str, role: pdpair_api::Role, pair: &pdpair_api:
             staging: None,
             tensor_rank: None,
             instance: None,
+            pod_engines: None,
         },
     );
     e.metadata.namespace = Some(ns.to_owned());

@@ -221,6 +221,7 @@ async fn sync(client: &Client, node: &str, entry: &mut Entry) -> Result<(), kube
                 staging: engine.reg.staging.as_deref().map(crate::reason::peer_text),
                 tensor_rank: i32::try_from(engine.reg.tensor_rank).ok(),
                 instance: engine.reg.instance.clone(),
+                pod_engines: engine.reg.pod_engines.and_then(|n| i32::try_from(n).ok()),
             }
             .bounded(),
             status: None,

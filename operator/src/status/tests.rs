@@ -39,6 +39,7 @@ fn endpoint(name: &str, role: Role, pair: &PDPair) -> PDEndpoint {
             staging: None,
             tensor_rank: None,
             instance: None,
+            pod_engines: None,
         },
     );
     e.metadata.namespace = Some("default".into());
@@ -1561,6 +1562,79 @@ fn a_pods_engines_named_by_their_ranks_are_each_judged_whole() {
 }
 
 #[test]
+fn a_pod_missing_a_whole_engine_of_those_its_engines_say_it_runs_is_short_once_settled() {
+    // vLLM's data-parallel ranks are engines of their own in one Pod, each whole: dp1 never
+    // registered (its agent refused it, say). Each rank of dp0 whole, nothing was short.
+    let mut pair = pair();
+    pair.spec.decode.parallelism.tensor = 2;
+    let made = |name: &str, rank: i32, instance: Option<&str>, pod_engines: Option<i32>, registered: i64| {
+        let mut e = endpoint(name, Role::Decode, &pair);
+        e.spec.pod = "decode-a".into();
+        e.spec.tensor_rank = Some(rank);
+        e.spec.instance = instance.map(str::to_owned);
+        e.spec.pod_engines = pod_engines;
+        e.metadata.creation_timestamp = Some(t(0));
+        e.status = Some(PDEndpointStatus {
+            last_heartbeat: Some(t(100)),
+            registered: Some(t(registered)),
+            ..PDEndpointStatus::default()
+        });
+        e
+    };
+    let p = endpoint("p-0", Role::Prefill, &pair);
+    let transfer = |endpoints: Vec<&PDEndpoint>, at: i64| {
+        let (s, _) = compute(&pair, &all_ready(endpoints), &t(at));
+        let c = cond(&s, ct::TRANSFER_READY).clone();
+        (c.status, c.reason, c.message)
+    };
+    let dp0 = Some("decode-a-e_dp0");
+    let dp0_r0 = made("d-0-0", 0, dp0, Some(2), 0);
+    let dp0_r1 = made("d-0-1", 1, dp0, Some(2), 50);
+    // A minute's grace from the last registration, then news naming the count.
+    assert_eq!(transfer(vec![&p, &dp0_r0, &dp0_r1], 105).0, "True");
+    assert_eq!(
+        changes_in(&pair, &[&p, &dp0_r0, &dp0_r1], &[], &t(105)),
+        Some(std::time::Duration::from_secs(6)),
+        "looked at again as the grace ends"
+    );
+    let (status, reason, message) = transfer(vec![&p, &dp0_r0, &dp0_r1], 111);
+    assert_eq!((status.as_str(), reason.as_str()), ("False", reasons::NOT_REGISTERED));
+    assert!(
+        message.contains("decode pod decode-a (1 of 2 engines registered)"),
+        "{message}"
+    );
+    // dp1 registers whole: True.
+    let dp1 = Some("decode-a-e_dp1");
+    let dp1_r0 = made("d-1-0", 0, dp1, Some(2), 0);
+    let dp1_r1 = made("d-1-1", 1, dp1, Some(2), 0);
+    assert_eq!(transfer(vec![&p, &dp0_r0, &dp0_r1, &dp1_r0, &dp1_r1], 200).0, "True");
+    // dp1 with rank 1 only: both said.
+    let (status, _, message) = transfer(vec![&p, &dp0_r0, &dp0_r1, &dp1_r1], 200);
+    assert!(
+        status == "False" && message.contains("decode pod decode-a (rank 0 of 2 short: engine decode-a-e_dp1)"),
+        "{message}"
+    );
+    let (_, _, message) = transfer(vec![&p, &dp0_r1, &dp0_r0], 200);
+    assert!(message.contains("(1 of 2 engines registered)"), "{message}");
+    let two_short = made("d-0-0", 0, dp0, Some(3), 0);
+    let (_, _, message) = transfer(vec![&p, &two_short, &dp0_r1, &dp1_r0, &dp1_r1], 200);
+    assert!(
+        message.contains("decode pod decode-a (2 of 3 engines registered)"),
+        "{message}"
+    );
+    // Not counted where an endpoint of the Pod does not say the count (an engine or agent
+    // before podEngines), names no engine, or says one outside 1..=1024.
+    for (instance, engines) in [(dp0, None), (None, Some(2)), (dp0, Some(0)), (dp0, Some(1025))] {
+        let r1 = made("d-0-1", 1, instance, engines, 0);
+        assert_eq!(
+            transfer(vec![&p, &dp0_r0, &r1], 200).0,
+            "True",
+            "{instance:?} {engines:?}"
+        );
+    }
+}
+
+#[test]
 fn a_pod_with_some_of_an_engines_tensor_parallel_ranks_registered_turns_transfer_ready_false_once_settled() {
     // Decode runs tensor parallelism 2 from the pair's template: each Pod is whole engines. Pod
     // decode-a has both ranks registered; decode-b only rank 0 (rank 1's agent refused it, or
@@ -1608,7 +1682,7 @@ fn a_pod_with_some_of_an_engines_tensor_parallel_ranks_registered_turns_transfer
     );
     assert_eq!(
         message,
-        "1 pod(s) have had an engine with some of its tensor-parallel ranks registered and others not for over 60 s: decode pod decode-b (rank 1 of 2 short) (KV moves to or from none of that engine's ranks; the log of the rank short says why it did not register, or its agent's why it cannot publish it)"
+        "1 pod(s) have had an engine partly registered (some of its tensor-parallel ranks registered and others not, or fewer of the pod's engines registered than it runs) for over 60 s: decode pod decode-b (rank 1 of 2 short) (KV moves to or from none of an engine short's ranks; the log of the rank or engine short says why it did not register, or its agent's why it cannot publish it)"
     );
     // Its rank 1 registers: True.
     let b1 = made("d-b1", Role::Decode, "decode-b", Some(1), 60, 100);
@@ -1656,7 +1730,7 @@ fn a_pod_with_some_of_an_engines_tensor_parallel_ranks_registered_turns_transfer
     assert!(
         status == "False"
             && message.starts_with(
-                "2 pod(s) have had an engine with some of its tensor-parallel ranks registered and others not for over 60 s: decode pod decode-x (rank 1 of 2 short), decode pod decode-y (rank 0 of 2 short) ("
+                "2 pod(s) have had an engine partly registered (some of its tensor-parallel ranks registered and others not, or fewer of the pod's engines registered than it runs) for over 60 s: decode pod decode-x (rank 1 of 2 short), decode pod decode-y (rank 0 of 2 short) ("
             ),
         "{message}"
     );

@@ -107,6 +107,7 @@ def registration(
     tensor: int = 1,
     tensor_rank: int = 0,
     instance: Optional[str] = None,
+    pod_engines: Optional[int] = None,
     data: int = 1,
     pod: Optional[str] = None,
     mode: Optional[str] = None,
@@ -124,7 +125,8 @@ def registration(
     (``[{"layers": n, "kv_arrangement": ...}, ...]``, in layer order); without it the pool is one
     region arranged ``kv_arrangement`` (``None``: ``KvFirst``, or ``Latent`` for MLA). ``gpu`` makes it a GPU pool
     (``{"device_uuid", "regions": [{"ipc_handle", "offset"}], "event"}``, docs/engine-api.md);
-    ``staging`` says why a host pool is registered instead (published in the PDEndpoint)."""
+    ``staging`` says why a host pool is registered instead (published in the PDEndpoint);
+    ``instance`` names the engine the rank is one of, ``pod_engines`` how many its Pod runs."""
     if role not in ("prefill", "decode"):
         raise ValueError(f"role is {role!r}, not prefill or decode")
     message = {
@@ -146,6 +148,7 @@ def registration(
         "gpu": gpu,
         "staging": staging,
         "instance": instance,
+        "pod_engines": pod_engines,
         "pod": pod,
         "mode": mode,
         "checksum": checksum,

@@ -198,6 +198,19 @@ def instance_name(host: str, engine_id: str) -> str:
     return _within(f"{host}-{engine_id}", "")
 
 
+def pod_engines(parallel_config) -> Optional[int]:
+    """How many engines this engine's Pod runs (``RegisterPool.pod_engines``): the data-parallel
+    ranks vLLM starts in it (``data_parallel_size_local``; external load balancing pins it to
+    1), each an engine of its own; ``None`` where vLLM does not say which run here (its Ray
+    backend places them over the cluster; 0 or unset)."""
+    if getattr(parallel_config, "data_parallel_backend", "mp") != "mp":
+        return None
+    local = getattr(parallel_config, "data_parallel_size_local", None)
+    if not isinstance(local, int) or isinstance(local, bool) or local < 1:
+        return None
+    return local
+
+
 def _within(name: str, suffix: str) -> str:
     """``name`` where it fits the agent's bound, else its start, a hash of the whole and
     ``suffix``."""
@@ -423,6 +436,7 @@ class PdpairConnector(KVConnectorBase_V1):
             pdpair=self._pdpair(), role=role, engine=engine_name(self._host(), self._engine_id, rank), kv=kv,
             num_blocks=num_blocks, pairing_key=self._pairing_key(), tensor=tp, tensor_rank=rank,
             instance=instance_name(self._host(), self._engine_id), data=data,
+            pod_engines=pod_engines(self._vllm_config.parallel_config),
             pod=os.environ.get("PDPAIR_POD_NAME"), **dict(self._extra.get("settings") or {}),
         )
         #: What this rank registered: the agent publishes its parallelism and geometry in the
