@@ -204,7 +204,7 @@ pub struct Pool<'a> {
 pub const TRANSFER_DURATIONS: std::ops::RangeInclusive<std::time::Duration> =
     std::time::Duration::from_millis(1)..=std::time::Duration::from_secs(3600);
 
-/// Checks a whole PDPair spec: its transfer durations, the pools' replicas, then [`check_pools`].
+/// Checks a whole PDPair spec: its transfer durations, the pools' connector, then [`check_pools`].
 pub fn check(spec: &PDPairSpec) -> Verdict {
     let mut out = Rules::default();
     for (field, d) in [
@@ -223,10 +223,6 @@ pub fn check(spec: &PDPairSpec) -> Verdict {
         }
     }
     for (role, pool) in [(Role::Prefill, &spec.prefill), (Role::Decode, &spec.decode)] {
-        if pool.replicas < 0 {
-            let msg = format!("{role} replicas is {}; it must be 0 or more", pool.replicas);
-            out.push(Reason::InvalidReplicas, role, "replicas", msg);
-        }
         if spec.transfer.connector == crate::Connector::Pdpair && pool.kv.engine != "vllm" {
             let msg = format!(
                 "transfer.connector Pdpair is vLLM's connector; {role} kv.engine is {:?}, not \"vllm\"",
@@ -253,13 +249,18 @@ pub fn check(spec: &PDPairSpec) -> Verdict {
     Verdict { violations: out.0 }
 }
 
-/// Checks what admission checks beyond [`check`]: the pools' `rollout`, which says nothing
-/// about the KV (a stored one the API server refuses in the pool's Deployment turns `PoolsApplied`
-/// False with both pools left running, where [`check`] failing plans no Deployment at all).
+/// Checks what admission checks beyond [`check`]: the pools' `replicas` and `rollout`, which say
+/// nothing about the KV (a stored one the API server refuses in the pool's Deployment turns
+/// `PoolsApplied` False with both pools left running, where [`check`] failing plans no
+/// Deployment at all).
 pub fn check_admission(spec: &PDPairSpec) -> Verdict {
     let mut verdict = check(spec);
     let mut out = Rules::default();
     for (role, pool) in [(Role::Prefill, &spec.prefill), (Role::Decode, &spec.decode)] {
+        if pool.replicas < 0 {
+            let msg = format!("{role} replicas is {}; it must be 0 or more", pool.replicas);
+            out.push(Reason::InvalidReplicas, role, "replicas", msg);
+        }
         if let Some(r) = &pool.rollout {
             for (field, value) in [("maxSurge", r.max_surge), ("maxUnavailable", r.max_unavailable)] {
                 if let Some(v) = value.filter(|v| *v < 0) {

@@ -230,6 +230,16 @@ fn a_pools_rollout_is_its_deployments_rolling_update_and_absent_kubernetes_defau
     for role in [Role::Prefill, Role::Decode] {
         assert!(planned_deployment(&pair, role, &Wiring::default()).is_some(), "{role}");
     }
+    // So too negative replicas (stored before the CRD's schema bounded them), given to the API
+    // server as they are.
+    pair.spec.decode.rollout = None;
+    pair.spec.decode.replicas = -1;
+    assert!(!pdpair_api::check_admission(&pair.spec).allowed());
+    for role in [Role::Prefill, Role::Decode] {
+        assert!(planned_deployment(&pair, role, &Wiring::default()).is_some(), "{role}");
+    }
+    let replicas = deployment(&pair, Role::Decode, &Wiring::default()).and_then(|d| d.spec?.replicas);
+    assert_eq!(replicas, Some(-1));
 }
 
 #[test]
