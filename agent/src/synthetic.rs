@@ -126,6 +126,9 @@ pub struct SyntheticEngine {
     pools: Vec<File>,
     /// Side-channel address the agent gave it.
     pub address: String,
+    /// The longest the agent says it holds an offered request, renewals included, in ms
+    /// (`Registered.hold_ms`).
+    pub hold_ms: u64,
 }
 
 impl SyntheticEngine {
@@ -171,6 +174,7 @@ impl SyntheticEngine {
                 address,
                 memory_len,
                 region_lens,
+                hold_ms,
                 ..
             } => {
                 let pools = if own.is_empty() {
@@ -202,6 +206,7 @@ impl SyntheticEngine {
                     maps,
                     pools,
                     address,
+                    hold_ms,
                 })
             }
             AgentEvent::RegistrationFailed { message, .. } => Err(message),
