@@ -379,9 +379,9 @@ pub struct PoolRegistration {
     /// bytes, no control characters. Absent: the Pod's ranks are counted together.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance: Option<String>,
-    /// How many engines the engine's Pod runs (vLLM: its data-parallel ranks in the Pod,
-    /// `data_parallel_size_local`): 1 to [`pdpair_api::MAX_POD_ENGINES`], and no more than
-    /// `parallelism.data`. Published in the PDEndpoint (`spec.podEngines`), so the operator
+    /// How many engines the engine's Pod runs (vLLM: the ranks of an MoE model's data-parallel
+    /// group in the Pod, `data_parallel_size_local`): 1 to [`pdpair_api::MAX_POD_ENGINES`], and
+    /// no more than `parallelism.data`. Published in the PDEndpoint (`spec.podEngines`), so the operator
     /// tells a Pod missing a whole engine (with `instance`). Absent: not counted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_engines: Option<u32>,

@@ -101,10 +101,12 @@ pub struct PDEndpointSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = MAX_INSTANCE))]
     pub instance: Option<String>,
-    /// How many engines the engine's Pod runs, as the engine says (vLLM: the data-parallel
-    /// ranks it starts in the Pod, `data_parallel_size_local`), so the operator tells a Pod
-    /// missing a whole engine. Absent from engines and agents before 2026-12-08: a Pod's
-    /// engines are then not counted.
+    /// How many engines the engine's Pod runs, as the engine says (vLLM: the ranks of an MoE
+    /// model's data-parallel group it starts in the Pod, `data_parallel_size_local`), at most
+    /// `parallelism.data`, so the operator tells a Pod missing a whole engine. Absent where the
+    /// engine does not say (a dense model's data-parallel ranks are engines of data parallelism
+    /// 1 each), and from engines and agents before 2026-12-08: a Pod's engines are then not
+    /// counted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = MAX_POD_ENGINES))]
     pub pod_engines: Option<i32>,

@@ -449,7 +449,9 @@ pub fn canonical(kv: &KvGeometry) -> KvGeometry {
 /// Field-by-field differences between declared and observed geometry, as `field declared X,
 /// observed Y`; only differences in meaning (see [`canonical`]). `engineVersion` counts only
 /// where both say one: a pool that declares none runs whichever version its image has (the
-/// vLLM connector always reports its own).
+/// vLLM connector always reports its own). An observed `parallelism.data` of 1 is not held to
+/// the pool's: vLLM runs a dense model's data-parallel ranks as engines of their own, each of
+/// data parallelism 1 (`reconfigure_for_independent_dp_rank`), and its connector sees no more.
 pub fn differences(
     declared_par: &Parallelism,
     declared_kv: &KvGeometry,
@@ -457,6 +459,11 @@ pub fn differences(
     observed_kv: &KvGeometry,
 ) -> Vec<String> {
     let mut out = Vec::new();
+    let mut observed_par = observed_par.clone();
+    if observed_par.data == 1 {
+        observed_par.data = declared_par.data;
+    }
+    let observed_par = &observed_par;
     let (mut declared_kv, mut observed_kv) = (declared_kv.clone(), observed_kv.clone());
     if declared_kv.engine_version.is_none() || observed_kv.engine_version.is_none() {
         (declared_kv.engine_version, observed_kv.engine_version) = (None, None);
@@ -811,8 +818,8 @@ fn partly_registered_pods(pair: &PDPair, endpoints: &[&PDEndpoint], now: &Time) 
                 match e
                     .spec
                     .pod_engines
+                    .filter(|n| (1..=pdpair_api::MAX_POD_ENGINES.min(e.spec.parallelism.data)).contains(n))
                     .and_then(|n| usize::try_from(n).ok())
-                    .filter(|n| (1..=pdpair_api::MAX_POD_ENGINES as usize).contains(n))
                 {
                     Some(n) => held.pod_engines = held.pod_engines.max(n),
                     None => held.unsaid = true,

@@ -318,15 +318,15 @@ def test_the_registered_geometry_is_what_the_pool_declares_where_vllm_cannot_tel
         assert kv["engineVersion"] == vllm.__version__, kv
         assert (kv["blockSize"], kv["kernelBlockSize"], kv["layout"]) == (16, 16, "NHD"), kv
         assert reg["parallelism"] == {"tensor": 1, "pipeline": 1, "data": 1}, reg["parallelism"]
-        assert reg["pod_engines"] == 1, reg
+        assert "pod_engines" not in reg, reg  # one engine, no data parallelism to count
     finally:
         e.close()
 
 
 def test_each_rank_says_how_many_engines_its_pod_runs(world):
-    # vLLM's data-parallel ranks are engines of their own: a Pod running two of four says 2
-    # (data_parallel_size_local), so the operator tells a Pod one of them never registered from
-    # a whole one. The agent takes it (and publishes it: e2e agent).
+    # vLLM's data-parallel ranks of one group (an MoE model's) are engines of their own: a Pod
+    # running two of four says 2 (data_parallel_size_local), so the operator tells a Pod one of
+    # them never registered from a whole one. The agent takes it (and publishes it: e2e agent).
     from vllm.config import ParallelConfig
 
     from pdpair_vllm.connector import pod_engines
@@ -335,18 +335,30 @@ def test_each_rank_says_how_many_engines_its_pod_runs(world):
     dp = {"data_parallel_size": 4, "data_parallel_size_local": 2, "data_parallel_rank": 1}
     e = Engine(world, agent, "decode", seed=D_SEED, tp=2, parallel=dp)
     try:
+        assert e.config.parallel_config.distributed_executor_backend == "mp"
         for w in e.workers:
             reg = w.registration
             assert (reg["pod_engines"], reg["parallelism"]["data"]) == (2, 4), reg
     finally:
         e.close()
-    # External load balancing starts one engine a Pod; Ray places them over the cluster and a
-    # headless node starts none here (0): not said.
-    assert pod_engines(ParallelConfig(data_parallel_size=4, data_parallel_external_lb=True, data_parallel_rank=3)) == 1
-    assert pod_engines(ParallelConfig(data_parallel_size=4, data_parallel_size_local=0)) is None
-    ray = ParallelConfig(data_parallel_size=4, data_parallel_size_local=2)
-    ray.data_parallel_backend = "ray"
-    assert pod_engines(ray) is None
+    # A dense model's ranks: vLLM's engine core makes each an engine of data parallelism 1
+    # before the connector is made (what it then sees): not said, as with none at all.
+    dense = ParallelConfig(**dp)
+    dense.reconfigure_for_independent_dp_rank()
+    assert pod_engines(dense) is None
+    assert pod_engines(ParallelConfig()) is None
+    # External load balancing starts one engine a Pod.
+    external = ParallelConfig(data_parallel_size=4, data_parallel_external_lb=True, data_parallel_rank=3)
+    assert pod_engines(external) == 1
+    # Not said where Ray places ranks or workers over the cluster, an external launcher runs
+    # them, or an engine spans nodes.
+    for field, value in [("data_parallel_backend", "ray"), ("distributed_executor_backend", "ray"),
+                         ("distributed_executor_backend", "external_launcher"), ("nnodes", 4)]:
+        config = ParallelConfig(**dp)
+        config.distributed_executor_backend = "mp"
+        assert pod_engines(config) == 2
+        setattr(config, field, value)
+        assert pod_engines(config) is None, (field, value)
 
 
 @pytest.mark.parametrize("mode,p_block,d_block", [("Push", 16, 16), ("Pull", 16, 32)])

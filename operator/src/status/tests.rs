@@ -815,6 +815,25 @@ fn differences_name_every_field() {
             "kv.model declared \"meta-llama/Llama-3.1-8B-Instruct\", observed \"other\"",
         ]
     );
+    // Data parallelism: an engine saying 1 may be one of a dense model's data-parallel ranks,
+    // which vLLM runs as engines of data parallelism 1; another count is a difference.
+    let mut declared = pair.spec.decode.parallelism.clone();
+    declared.data = 4;
+    let kv = &pair.spec.decode.kv;
+    par = declared.clone();
+    par.data = 1;
+    assert_eq!(differences(&declared, kv, &par, kv), Vec::<String>::new());
+    par.data = 2;
+    assert_eq!(
+        differences(&declared, kv, &par, kv),
+        ["parallelism.data declared 4, observed 2"]
+    );
+    declared.data = 1;
+    par.data = 4;
+    assert_eq!(
+        differences(&declared, kv, &par, kv),
+        ["parallelism.data declared 1, observed 4"]
+    );
 }
 
 #[test]
@@ -1563,23 +1582,29 @@ fn a_pods_engines_named_by_their_ranks_are_each_judged_whole() {
 
 #[test]
 fn a_pod_missing_a_whole_engine_of_those_its_engines_say_it_runs_is_short_once_settled() {
-    // vLLM's data-parallel ranks are engines of their own in one Pod, each whole: dp1 never
-    // registered (its agent refused it, say). Each rank of dp0 whole, nothing was short.
+    // vLLM's data-parallel ranks (of an MoE model: one data-parallel group) are engines of
+    // their own in one Pod, each whole: dp1 never registered (its agent refused it, say). Each
+    // rank of dp0 whole, nothing was short.
     let mut pair = pair();
     pair.spec.decode.parallelism.tensor = 2;
+    pair.spec.decode.parallelism.data = 3;
+    let made_heard =
+        |name: &str, rank: i32, instance: Option<&str>, pod_engines: Option<i32>, registered: i64, heard: i64| {
+            let mut e = endpoint(name, Role::Decode, &pair);
+            e.spec.pod = "decode-a".into();
+            e.spec.tensor_rank = Some(rank);
+            e.spec.instance = instance.map(str::to_owned);
+            e.spec.pod_engines = pod_engines;
+            e.metadata.creation_timestamp = Some(t(0));
+            e.status = Some(PDEndpointStatus {
+                last_heartbeat: Some(t(heard)),
+                registered: Some(t(registered)),
+                ..PDEndpointStatus::default()
+            });
+            e
+        };
     let made = |name: &str, rank: i32, instance: Option<&str>, pod_engines: Option<i32>, registered: i64| {
-        let mut e = endpoint(name, Role::Decode, &pair);
-        e.spec.pod = "decode-a".into();
-        e.spec.tensor_rank = Some(rank);
-        e.spec.instance = instance.map(str::to_owned);
-        e.spec.pod_engines = pod_engines;
-        e.metadata.creation_timestamp = Some(t(0));
-        e.status = Some(PDEndpointStatus {
-            last_heartbeat: Some(t(100)),
-            registered: Some(t(registered)),
-            ..PDEndpointStatus::default()
-        });
-        e
+        made_heard(name, rank, instance, pod_engines, registered, 100)
     };
     let p = endpoint("p-0", Role::Prefill, &pair);
     let transfer = |endpoints: Vec<&PDEndpoint>, at: i64| {
@@ -1622,9 +1647,30 @@ fn a_pod_missing_a_whole_engine_of_those_its_engines_say_it_runs_is_short_once_s
         message.contains("decode pod decode-a (2 of 3 engines registered)"),
         "{message}"
     );
+    // Endpoints saying different counts: the most counts.
+    let says_one = made("d-0-1", 1, dp0, Some(1), 0);
+    let (_, _, message) = transfer(vec![&p, &dp0_r0, &says_one], 200);
+    assert!(message.contains("(1 of 2 engines registered)"), "{message}");
+    // An engine whose endpoints went stale (ended: its agent heard no more of it) counts no
+    // more, a minute after the last went.
+    let gone = 200 - super::STALE_SECONDS - 70;
+    let dp1_r0_gone = made_heard("d-1-0", 0, dp1, Some(2), 0, gone);
+    let dp1_r1_gone = made_heard("d-1-1", 1, dp1, Some(2), 0, gone);
+    let (status, _, message) = transfer(vec![&p, &dp0_r0, &dp0_r1, &dp1_r0_gone, &dp1_r1_gone], 200);
+    assert!(
+        status == "False" && message.contains("decode pod decode-a (1 of 2 engines registered)"),
+        "{message}"
+    );
     // Not counted where an endpoint of the Pod does not say the count (an engine or agent
-    // before podEngines), names no engine, or says one outside 1..=1024.
-    for (instance, engines) in [(dp0, None), (None, Some(2)), (dp0, Some(0)), (dp0, Some(1025))] {
+    // before podEngines), names no engine, or says one outside 1..=1024 or over the engine's
+    // data parallelism (3 here).
+    for (instance, engines) in [
+        (dp0, None),
+        (None, Some(2)),
+        (dp0, Some(0)),
+        (dp0, Some(1025)),
+        (dp0, Some(4)),
+    ] {
         let r1 = made("d-0-1", 1, instance, engines, 0);
         assert_eq!(
             transfer(vec![&p, &dp0_r0, &r1], 200).0,

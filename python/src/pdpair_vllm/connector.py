@@ -199,16 +199,29 @@ def instance_name(host: str, engine_id: str) -> str:
 
 
 def pod_engines(parallel_config) -> Optional[int]:
-    """How many engines this engine's Pod runs (``RegisterPool.pod_engines``): the data-parallel
-    ranks vLLM starts in it (``data_parallel_size_local``; external load balancing pins it to
-    1), each an engine of its own; ``None`` where vLLM does not say which run here (its Ray
-    backend places them over the cluster; 0 or unset)."""
-    if getattr(parallel_config, "data_parallel_backend", "mp") != "mp":
+    """How many engines this engine's Pod runs (``RegisterPool.pod_engines``), where vLLM says:
+    the data-parallel ranks of one group it starts in the Pod (``data_parallel_size_local``;
+    external load balancing pins it to 1), each an engine of its own, whole in the Pod.
+    ``None`` where it does not: a dense model's ranks (vLLM runs them as independent engines of
+    data parallelism 1 each, ``reconfigure_for_independent_dp_rank``, before the connector is
+    made: it sees none), ranks or workers Ray places over the cluster (its data-parallel backend
+    or executor), an external launcher's, or engines spread over several nodes."""
+    def whole(name: str) -> Optional[int]:
+        value = getattr(parallel_config, name, None)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+    data, local = whole("data_parallel_size"), whole("data_parallel_size_local")
+    if data is None or data < 2 or local is None or local > data:
         return None
-    local = getattr(parallel_config, "data_parallel_size_local", None)
-    if not isinstance(local, int) or isinstance(local, bool) or local < 1:
+    if getattr(parallel_config, "data_parallel_backend", None) != "mp":
         return None
-    return local
+    if getattr(parallel_config, "distributed_executor_backend", None) not in ("mp", "uni"):
+        return None
+    try:
+        spread = parallel_config.nnodes_within_dp
+    except Exception:  # an older vLLM's config: not said
+        return None
+    return local if spread == 1 else None
 
 
 def _within(name: str, suffix: str) -> str:
