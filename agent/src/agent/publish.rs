@@ -123,10 +123,12 @@ async fn run(
     }
 }
 
-/// The endpoint's name: `<pod>-<engine>-<hash>`, a DNS subdomain. The readable part alone is
-/// not one-to-one (pod `a` with engine `b-c` and pod `a-b` with engine `c`, or `X` and `x`, read
-/// the same), and an engine whose name matched another's endpoint would overwrite it (its
-/// address, pair and owner): the hash of both exact names keeps them apart.
+/// The endpoint's name: `<pod>-<engine>-<hash>`, a DNS subdomain, the Pod's name said once where
+/// the engine's starts with it (the vLLM connector's `<pod>-<engine_id>-r<rank>`: `make demo`'s
+/// read `<pod>-<pod>-...`). The readable part alone is not one-to-one (pod `a` with engine `b-c`
+/// and pod `a-b` with engine `c`, `X` and `x`, or engine `e` and `<pod>-e` of one Pod, read the
+/// same), and an engine whose name matched another's endpoint would overwrite it (its address,
+/// pair and owner): the hash of both exact names keeps them apart.
 pub fn endpoint_name(pod: &str, engine: &str) -> String {
     use sha2::Digest;
     let digest = sha2::Sha256::new()
@@ -136,7 +138,11 @@ pub fn endpoint_name(pod: &str, engine: &str) -> String {
         .finalize();
     // 64 bits: finding another pair of names with the same hash takes about 2^64 tries.
     let hash: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
-    let raw = format!("{pod}-{engine}").to_lowercase();
+    let raw = match engine.strip_prefix(pod).and_then(|rest| rest.strip_prefix('-')) {
+        Some(rest) if !pod.is_empty() && !rest.is_empty() => engine.to_owned(),
+        _ => format!("{pod}-{engine}"),
+    }
+    .to_lowercase();
     let cleaned: String = raw
         .chars()
         .map(|c| {
@@ -344,12 +350,17 @@ mod tests {
         let name = endpoint_name("llama-decode-7f9c-abcde", "decode-0");
         assert!(name.starts_with("llama-decode-7f9c-abcde-decode-0-"), "{name}");
         assert!(endpoint_name("Pod_A", "rank:1").starts_with("pod-a-rank-1-"));
+        // The Pod's name once where the engine's starts with it (the vLLM connector's names).
+        let vllm = endpoint_name("decode-7f9c-abcde", "decode-7f9c-abcde-3a1f_dp0-r1");
+        assert!(vllm.starts_with("decode-7f9c-abcde-3a1f-dp0-r1-"), "{vllm}");
+        assert!(endpoint_name("p", "p-").starts_with("p-p-"));
         // Names that read the same stay apart.
         for (a, b) in [
             (("a", "b-c"), ("a-b", "c")),
             (("pod", "X"), ("pod", "x")),
             (("pod", "e_1"), ("pod", "e-1")),
             (("p", &"e".repeat(300)), ("p", &"e".repeat(301))),
+            (("pod", "e"), ("pod", "pod-e")),
         ] {
             assert_ne!(endpoint_name(a.0, a.1), endpoint_name(b.0, b.1), "{a:?} and {b:?}");
         }
