@@ -504,7 +504,12 @@ fn pool_condition(type_: &'static str, role: Role, desired: i32, pods: PodCounts
             pods.earlier
         ));
     }
-    if pods.ready >= desired {
+    if desired < 0 {
+        // Stored past the webhook (from before the CRD's schema bounded it): no Deployment of
+        // it is applied (PoolsApplied says why), and no count of pods is ready for it.
+        message.push_str(&format!("; replicas {desired} is refused: it must be 0 or more"));
+        Cond::new(type_, "False", reasons::PODS_NOT_READY, message)
+    } else if pods.ready >= desired {
         Cond::new(type_, "True", reasons::PODS_READY, message)
     } else {
         Cond::new(type_, "False", reasons::PODS_NOT_READY, message)

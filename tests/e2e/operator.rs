@@ -296,8 +296,9 @@ fn a_pools_rollout_is_its_deployments_strategy_and_both_counts_zero_are_refused(
         "{}",
         out.stderr
     );
-    // Negative replicas: the CRD's schema refuses them before the webhook (none is stored past
-    // it, where the KV rules failing would plan no Deployment and prune both pools).
+    // Negative replicas: the CRD's schema refuses them before the webhook (which refuses them
+    // too, InvalidReplicas, as admission's alone: one stored from before the schema bounded
+    // them leaves both pools running, the Deployment's refusal in PoolsApplied).
     let out = kubectl(
         &["apply", "-f", "-"],
         Some(&manifest("compatible-push.yaml", &ns, |v| {

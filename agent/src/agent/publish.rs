@@ -124,8 +124,8 @@ async fn run(
 }
 
 /// The endpoint's name: `<pod>-<engine>-<hash>`, a DNS subdomain, the Pod's name said once where
-/// the engine's starts with it (the vLLM connector's `<pod>-<engine_id>-r<rank>`: `make demo`'s
-/// read `<pod>-<pod>-...`). The readable part alone is not one-to-one (pod `a` with engine `b-c`
+/// the engine's is it or starts with it (the test engine's is its Pod's, as `make demo` runs it:
+/// `<pod>-<pod>-...`; the vLLM connector's `<pod>-<engine_id>-r<rank>`). The readable part alone is not one-to-one (pod `a` with engine `b-c`
 /// and pod `a-b` with engine `c`, `X` and `x`, or engine `e` and `<pod>-e` of one Pod, read the
 /// same), and an engine whose name matched another's endpoint would overwrite it (its address,
 /// pair and owner): the hash of both exact names keeps them apart.
@@ -138,8 +138,10 @@ pub fn endpoint_name(pod: &str, engine: &str) -> String {
         .finalize();
     // 64 bits: finding another pair of names with the same hash takes about 2^64 tries.
     let hash: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
-    let raw = match engine.strip_prefix(pod).and_then(|rest| rest.strip_prefix('-')) {
-        Some(rest) if !pod.is_empty() && !rest.is_empty() => engine.to_owned(),
+    let raw = match engine.strip_prefix(pod) {
+        Some(rest) if !pod.is_empty() && (rest.is_empty() || rest.len() > 1 && rest.starts_with('-')) => {
+            engine.to_owned()
+        }
         _ => format!("{pod}-{engine}"),
     }
     .to_lowercase();
@@ -354,6 +356,8 @@ mod tests {
         let vllm = endpoint_name("decode-7f9c-abcde", "decode-7f9c-abcde-3a1f_dp0-r1");
         assert!(vllm.starts_with("decode-7f9c-abcde-3a1f-dp0-r1-"), "{vllm}");
         assert!(endpoint_name("p", "p-").starts_with("p-p-"));
+        let demo = endpoint_name("prefill-7f9c-abcde", "prefill-7f9c-abcde");
+        assert_eq!(demo.len(), "prefill-7f9c-abcde-".len() + 16, "{demo}");
         // Names that read the same stay apart.
         for (a, b) in [
             (("a", "b-c"), ("a-b", "c")),
@@ -361,6 +365,7 @@ mod tests {
             (("pod", "e_1"), ("pod", "e-1")),
             (("p", &"e".repeat(300)), ("p", &"e".repeat(301))),
             (("pod", "e"), ("pod", "pod-e")),
+            (("pod", "pod"), ("pod", "pod-pod")),
         ] {
             assert_ne!(endpoint_name(a.0, a.1), endpoint_name(b.0, b.1), "{a:?} and {b:?}");
         }

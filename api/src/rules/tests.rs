@@ -235,7 +235,7 @@ fn invalid_rollout() {
     admits(&spec);
     spec.decode.rollout = Some(Rollout::default());
     assert_eq!(admission(&spec), []);
-    // After the KV rules' own violations.
+    // Both admission's, after the KV rules' violations.
     spec.decode.replicas = -1;
     spec.decode.rollout = Some(Rollout {
         max_surge: Some(0),
@@ -243,6 +243,17 @@ fn invalid_rollout() {
     });
     let reasons: Vec<Reason> = admission(&spec).iter().map(|v| v.reason).collect();
     assert_eq!(reasons, [Reason::InvalidReplicas, Reason::InvalidRollout]);
+    spec.decode.kv.block_size = 0;
+    let reasons: Vec<Reason> = admission(&spec).iter().map(|v| v.reason).collect();
+    assert_eq!(
+        reasons,
+        [
+            Reason::InvalidBlockSize,
+            Reason::InvalidReplicas,
+            Reason::InvalidRollout
+        ],
+        "the KV rules' first: GeometryCompatible's reason, as the webhook's"
+    );
 }
 
 #[test]

@@ -78,6 +78,25 @@ fn fresh_pair_starts_false_and_unknown_quietly() {
 }
 
 #[test]
+fn a_pool_of_negative_replicas_stored_past_the_webhook_is_not_ready() {
+    // From before the CRD's schema bounded replicas: geometry compatible (replicas are
+    // admission's), but no count of pods is ready for it ("0/-1 ready" read True).
+    let mut pair = pair();
+    pair.spec.decode.replicas = -1;
+    let (s, _) = compute(&pair, &Observed::default(), &t(0));
+    assert_eq!(cond(&s, ct::GEOMETRY_COMPATIBLE).status, "True");
+    let decode = cond(&s, ct::DECODE_READY);
+    assert_eq!(
+        (decode.status.as_str(), decode.message.as_str()),
+        (
+            "False",
+            "0/-1 decode pods ready (0 exist); replicas -1 is refused: it must be 0 or more"
+        )
+    );
+    assert_eq!(cond(&s, ct::READY).status, "False");
+}
+
+#[test]
 fn pods_becoming_ready_flip_pool_and_ready_conditions_once() {
     let mut pair = pair();
     let (s0, _) = compute(&pair, &Observed::default(), &t(0));
