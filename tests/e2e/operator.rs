@@ -835,6 +835,75 @@ async fn endpoint_with_another_geometry_turns_compatible_false_and_back() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_missing_a_whole_engine_turns_transfer_ready_false_naming_the_count() {
+    // Decode runs an MoE model's two data-parallel ranks in one Pod, each an engine of its own
+    // (spec.instance), each saying the Pod runs 2 (spec.podEngines): dp1 never registered.
+    operator();
+    let ns = namespace("engines");
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&manifest("vllm-push-64-64.yaml", &ns, |v| {
+            v["spec"]["decode"]["parallelism"]["data"] = 2.into();
+        })),
+    );
+    let client = client().await;
+    let pair = Api::<PDPair>::namespaced(client.clone(), &ns)
+        .get("vllm-push-64-64")
+        .await
+        .expect("stored");
+    let endpoints: Api<PDEndpoint> = Api::namespaced(client.clone(), &ns);
+    // What a node agent publishes: registered two minutes ago (past the minute's grace), heard now.
+    let publish = |mut e: PDEndpoint| {
+        let (client, endpoints) = (client.clone(), endpoints.clone());
+        async move {
+            let name = e.metadata.name.clone().expect("a name");
+            e.spec.tensor_rank = Some(0);
+            create_endpoint(&client, e).await;
+            let now = k8s_openapi::jiff::Timestamp::now();
+            let status = serde_json::json!({"status": {
+                "registered": (now - k8s_openapi::jiff::SignedDuration::from_secs(120)).to_string(),
+                "lastHeartbeat": now.to_string(),
+            }});
+            endpoints
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+                .await
+                .expect("patch status");
+        }
+    };
+    publish(endpoint(&ns, "prefill-0", Role::Prefill, &pair)).await;
+    let engine = |name: &str, instance: &str| {
+        let mut e = endpoint(&ns, name, Role::Decode, &pair);
+        e.spec.pod = "decode-a".into();
+        e.spec.instance = Some(instance.into());
+        e.spec.pod_engines = Some(2);
+        e
+    };
+    publish(engine("decode-dp0", "decode-a-e_dp0")).await;
+    let message = eventually(WAIT, "TransferReady=False naming the Pod short", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        let c = p["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "TransferReady")?
+            .clone();
+        (c["status"] == "False").then_some(c)
+    });
+    assert_eq!(message["reason"], "EnginesNotRegistered", "{message}");
+    assert!(
+        message["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("decode pod decode-a (1 of 2 engines registered)")),
+        "{message}"
+    );
+    // dp1 registers: the Pod is whole.
+    publish(engine("decode-dp1", "decode-a-e_dp1")).await;
+    eventually(WAIT, "TransferReady=True", || {
+        let p = get_json("pdpair", &ns, "vllm-push-64-64")?;
+        (condition(&p, "TransferReady")?.0 == "True").then_some(())
+    });
+}
+
 /// An AdmissionReview of creating `example` as `name` in `ns`, as the API server sends it.
 fn review_of(example: &str, ns: &str, name: &str) -> String {
     let object: serde_json::Value = serde_yaml::from_str(&manifest(example, ns, |v| {
