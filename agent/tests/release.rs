@@ -196,11 +196,17 @@ fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
         renew(&mut d, "pinned");
         std::thread::sleep(Duration::from_millis(200));
     }
+    // "pinned" renewed between the steps too: a step outrunning its lease (500 ms) on a loaded
+    // machine freed it early, failing the bound below.
+    renew(&mut d, "pinned");
     expect_kv(&mut d, "queued", p.address.clone(), &[9, 10], 100);
+    renew(&mut d, "pinned");
     let event = d.next_event().expect("D");
+    renew(&mut d, "pinned");
     assert!(common::done(&event), "held past its lease by renewals: {event:?}");
     assert_eq!(d.verify(6, &[9, 10], 0, 100), 0);
-    // "pinned" is renewed on and on (each 100 ms from here): it is freed at MAX_HOLD_LEASES
+    // "pinned" is renewed on and on (each 20 ms from here, and looked for as often, so the time
+    // it is seen freed is close to when it was): it is freed at MAX_HOLD_LEASES
     // leases (5 s) all the same, its last renewal (taken before then) holding it a lease more:
     // within the hold the agent says (decode's connector stops renewing there), not before its
     // last lease (an agent freeing it at 10 leases, its last renewal unheld, fails here: decode
@@ -209,7 +215,7 @@ fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
     assert_eq!(hold, Duration::from_millis(500) * 11, "the lease, 11 times");
     let event = loop {
         renew(&mut d, "pinned");
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(20));
         if started.elapsed() > hold + Duration::from_millis(2500) {
             panic!("a renewed request was held past the hold its agent says");
         }
@@ -219,7 +225,7 @@ fn renewals_hold_a_ready_request_past_its_lease_but_not_forever() {
     };
     assert_eq!(reasons(&event), vec!["LeaseExpired".to_owned()], "{event:?}");
     assert!(
-        started.elapsed() >= hold - Duration::from_millis(350),
+        started.elapsed() >= hold - Duration::from_millis(400),
         "{:?}",
         started.elapsed()
     );

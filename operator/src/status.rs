@@ -506,7 +506,8 @@ fn pool_condition(type_: &'static str, role: Role, desired: i32, pods: PodCounts
     }
     if desired < 0 {
         // Stored past the webhook (from before the CRD's schema bounded it): no Deployment of
-        // it is applied (PoolsApplied says why), and no count of pods is ready for it.
+        // it is applied (PoolsApplied says why, where the operator runs the pool), and no count
+        // of pods is ready for it.
         message.push_str(&format!("; replicas {desired} is refused: it must be 0 or more"));
         Cond::new(type_, "False", reasons::PODS_NOT_READY, message)
     } else if pods.ready >= desired {
