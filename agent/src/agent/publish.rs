@@ -125,10 +125,11 @@ async fn run(
 
 /// The endpoint's name: `<pod>-<engine>-<hash>`, a DNS subdomain, the Pod's name said once where
 /// the engine's is it or starts with it (the test engine's is its Pod's, as `make demo` runs it:
-/// `<pod>-<pod>-...`; the vLLM connector's `<pod>-<engine_id>-r<rank>`). The readable part alone is not one-to-one (pod `a` with engine `b-c`
-/// and pod `a-b` with engine `c`, `X` and `x`, or engine `e` and `<pod>-e` of one Pod, read the
-/// same), and an engine whose name matched another's endpoint would overwrite it (its address,
-/// pair and owner): the hash of both exact names keeps them apart.
+/// `<pod>-<pod>-...`; the vLLM connector's `<pod>-<engine_id>-r<rank>`). The readable part
+/// alone is not one-to-one (pod `a` with engine `b-c` and pod `a-b` with engine `c`, `X` and
+/// `x`, or engine `e` and `<pod>-e` of one Pod, read the same), and an engine whose name matched
+/// another's endpoint would overwrite it (its address, pair and owner): the hash of both exact
+/// names keeps them apart.
 pub fn endpoint_name(pod: &str, engine: &str) -> String {
     use sha2::Digest;
     let digest = sha2::Sha256::new()
